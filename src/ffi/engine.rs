@@ -1,0 +1,110 @@
+//! Engine handle and options.
+
+use std::ffi::c_char;
+
+use super::{ffi_fn, out_arg, str_arg, versioned_struct, Handle};
+use crate::engine::{Engine, EngineOptions, TransportKind};
+use crate::error::{Error, Result, Status};
+
+/// An engine: listener, peers, registrations and worker threads. Thread-safe.
+pub struct kvstage_engine {
+    _private: [u8; 0],
+}
+
+pub(crate) unsafe fn borrow<'a>(ptr: *const kvstage_engine, arg: &str) -> Result<&'a Engine> {
+    unsafe { Handle::<Engine>::borrow(ptr as *const Handle<Engine>, arg) }
+}
+
+/// Which byte mover an engine uses.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvstage_transport {
+    /// RDMA when a usable device exists on both sides, else TCP.
+    KVSTAGE_TRANSPORT_AUTO = 0,
+    KVSTAGE_TRANSPORT_TCP = 1,
+    KVSTAGE_TRANSPORT_RDMA = 2,
+}
+
+/// Deadline value meaning "wait forever" (must be asked for explicitly).
+pub const KVSTAGE_DEADLINE_INFINITE: u64 = u64::MAX;
+
+/// Engine options. Fill with `kvstage_engine_options_init`, then change fields.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct kvstage_engine_options {
+    pub struct_size: usize,
+    /// A `kvstage_transport` value (plain int so that a bad value is an error, not UB).
+    pub transport: i32,
+    /// "HOST:PORT" to listen on (port 0 picks a free port); NULL = "127.0.0.1:0".
+    pub listen_address: *const c_char,
+    /// Threads for gather/scatter (1..=256).
+    pub worker_threads: u32,
+    /// Deadline of an operation without its own, in milliseconds (> 0, or KVSTAGE_DEADLINE_INFINITE).
+    pub default_deadline_ms: u64,
+}
+
+impl Default for kvstage_engine_options {
+    fn default() -> Self {
+        let d = EngineOptions::default();
+        kvstage_engine_options {
+            struct_size: std::mem::size_of::<Self>(),
+            transport: match d.transport {
+                TransportKind::Auto => kvstage_transport::KVSTAGE_TRANSPORT_AUTO,
+                TransportKind::Tcp => kvstage_transport::KVSTAGE_TRANSPORT_TCP,
+                TransportKind::Rdma => kvstage_transport::KVSTAGE_TRANSPORT_RDMA,
+            } as i32,
+            listen_address: std::ptr::null(),
+            worker_threads: d.worker_threads,
+            default_deadline_ms: d.default_deadline_ms(),
+        }
+    }
+}
+
+/// Size of the first published version of `kvstage_engine_options`.
+const ENGINE_OPTIONS_V1: usize = std::mem::size_of::<kvstage_engine_options>();
+
+unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOptions> {
+    let raw: kvstage_engine_options = unsafe { versioned_struct(ptr, "options", ENGINE_OPTIONS_V1) }?;
+    let transport = match raw.transport {
+        0 => TransportKind::Auto,
+        1 => TransportKind::Tcp,
+        2 => TransportKind::Rdma,
+        other => return Err(Error::invalid_arg("options->transport", format!("{other} is not a kvstage_transport value"))),
+    };
+    let mut opts = EngineOptions { transport, worker_threads: raw.worker_threads, ..EngineOptions::default() };
+    if !raw.listen_address.is_null() {
+        opts.listen_address = unsafe { str_arg(raw.listen_address, "options->listen_address") }?.to_owned();
+    }
+    opts.set_default_deadline_ms(raw.default_deadline_ms);
+    Ok(opts)
+}
+
+/// Fills `options` with defaults (sets `struct_size`).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_options_init(options: *mut kvstage_engine_options) -> Status {
+    ffi_fn!(status {
+        *out_arg(options, "options")? = kvstage_engine_options::default();
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Creates an engine; `options` may be NULL for defaults. Writes `*out` only on success.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_new(
+    options: *const kvstage_engine_options,
+    out: *mut *mut kvstage_engine,
+) -> Status {
+    ffi_fn!(status {
+        let out = out_arg(out, "out")?;
+        let opts = if options.is_null() { EngineOptions::default() } else { unsafe { engine_options(options) }? };
+        let engine = Engine::new(opts)?;
+        *out = Handle::into_raw("kvstage_engine", engine) as *mut kvstage_engine;
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Stops and frees an engine. NULL is a no-op.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_free(engine: *mut kvstage_engine) {
+    ffi_fn!(value = (), { unsafe { Handle::<Engine>::free(engine as *mut Handle<Engine>) } })
+}

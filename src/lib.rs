@@ -1,0 +1,19 @@
+//! kvstage: staged KV-cache transfer for prefill/decode disaggregated LLM serving.
+//!
+//! Rooms (see the design notes): `error` → `geometry` → `copy` → `ring`/`protocol`/`transport` →
+//! `session` → `engine`, and `ffi`, the only `extern "C"` code.
+
+pub mod dynlib;
+pub mod engine;
+pub mod error;
+pub mod ffi;
+
+pub use error::{Error, ErrorClass, Result, Status};
+
+/// `MAJOR << 16 | MINOR << 8 | PATCH`, from Cargo.toml.
+pub fn version_number() -> u32 {
+    let part = |s: &str| s.parse::<u32>().unwrap_or(0);
+    (part(env!("CARGO_PKG_VERSION_MAJOR")) << 16)
+        | (part(env!("CARGO_PKG_VERSION_MINOR")) << 8)
+        | part(env!("CARGO_PKG_VERSION_PATCH"))
+}
