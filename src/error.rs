@@ -308,30 +308,31 @@ pub struct FieldMismatch {
     pub remote: String,
 }
 
-/// A list of field mismatches, shown as one cause per field (each the source of the previous).
+/// A list of causes shown one per level (each the source of the previous): the field-by-field
+/// diff of a geometry mismatch, or a cause chain re-created from its messages.
 #[derive(Debug)]
-pub struct MismatchChain {
-    head: FieldMismatch,
-    rest: Option<Box<MismatchChain>>,
+pub struct CauseChain {
+    head: String,
+    rest: Option<Box<CauseChain>>,
 }
 
-impl MismatchChain {
-    pub fn from_list(mut list: Vec<FieldMismatch>) -> Option<MismatchChain> {
-        let mut chain: Option<MismatchChain> = None;
-        while let Some(head) = list.pop() {
-            chain = Some(MismatchChain { head, rest: chain.map(Box::new) });
+impl CauseChain {
+    pub fn from_list<T: fmt::Display>(list: Vec<T>) -> Option<CauseChain> {
+        let mut chain: Option<CauseChain> = None;
+        for item in list.into_iter().rev() {
+            chain = Some(CauseChain { head: item.to_string(), rest: chain.map(Box::new) });
         }
         chain
     }
 }
 
-impl fmt::Display for MismatchChain {
+impl fmt::Display for CauseChain {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.head.fmt(f)
+        f.write_str(&self.head)
     }
 }
 
-impl StdError for MismatchChain {
+impl StdError for CauseChain {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         self.rest.as_deref().map(|r| r as &(dyn StdError + 'static))
     }
@@ -369,7 +370,7 @@ mod tests {
             FieldMismatch { field: "head_dim".into(), local: "128".into(), remote: "64".into() },
             FieldMismatch { field: "dtype_bytes".into(), local: "2".into(), remote: "4".into() },
         ];
-        let chain = MismatchChain::from_list(list).unwrap();
+        let chain = CauseChain::from_list(list).unwrap();
         let e = Error::new(Status::KVSTAGE_E_GEOMETRY_MISMATCH, "geometry mismatch (2 fields)")
             .with_source(chain);
         assert_eq!(

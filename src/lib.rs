@@ -7,6 +7,7 @@ pub mod dynlib;
 pub mod engine;
 pub mod error;
 pub mod ffi;
+pub mod ring;
 
 pub use error::{Error, ErrorClass, Result, Status};
 
