@@ -9,7 +9,13 @@ impl Library {
     fn open(name: &CStr) -> Option<Library> {
         // SAFETY: dlopen with a valid C string; RTLD_LOCAL keeps its symbols private.
         let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        (!handle.is_null()).then_some(Library(handle))
+        // Not `then_some(Library(handle))`: that builds (and drops) a Library even for NULL, and
+        // Drop would call dlclose(NULL), which crashes glibc.
+        if handle.is_null() {
+            None
+        } else {
+            Some(Library(handle))
+        }
     }
 
     fn symbol(&self, name: &CStr) -> Option<*mut c_void> {
