@@ -1,0 +1,96 @@
+/* Tiny check helpers shared by the ctests (C99 and C++11 compatible; header only). */
+#ifndef KVSTAGE_CHECK_H
+#define KVSTAGE_CHECK_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvstage.h"
+
+/* Number of failed checks so far in this process. */
+static inline int *kv_failures(void) {
+    static int failures = 0;
+    return &failures;
+}
+
+#define KV_FAIL_AT(file, line, ...)                                  \
+    do {                                                             \
+        fprintf(stderr, "%s:%d: FAILED: ", (file), (line));          \
+        fprintf(stderr, __VA_ARGS__);                                \
+        fputc('\n', stderr);                                         \
+        ++*kv_failures();                                            \
+    } while (0)
+
+/* CHECK(cond): records a failure and goes on. */
+#define CHECK(cond)                                                  \
+    do {                                                             \
+        if (!(cond)) KV_FAIL_AT(__FILE__, __LINE__, "%s", #cond);    \
+    } while (0)
+
+/* REQUIRE(cond): a failure ends the test at once. */
+#define REQUIRE(cond)                                                \
+    do {                                                             \
+        if (!(cond)) {                                               \
+            KV_FAIL_AT(__FILE__, __LINE__, "%s", #cond);             \
+            exit(1);                                                 \
+        }                                                            \
+    } while (0)
+
+#define CHECK_INT(actual, expected)                                                        \
+    do {                                                                                   \
+        long long kv_a_ = (long long)(actual), kv_e_ = (long long)(expected);              \
+        if (kv_a_ != kv_e_)                                                                \
+            KV_FAIL_AT(__FILE__, __LINE__, "%s == %lld, expected %s == %lld", #actual,     \
+                       kv_a_, #expected, kv_e_);                                           \
+    } while (0)
+
+#define CHECK_STR(actual, expected)                                                        \
+    do {                                                                                   \
+        const char *kv_a_ = (actual), *kv_e_ = (expected);                                 \
+        if (kv_a_ == NULL || strcmp(kv_a_, kv_e_) != 0)                                    \
+            KV_FAIL_AT(__FILE__, __LINE__, "%s == \"%s\", expected \"%s\"", #actual,       \
+                       kv_a_ ? kv_a_ : "(null)", kv_e_);                                   \
+    } while (0)
+
+#define CHECK_CONTAINS(haystack, needle)                                                   \
+    do {                                                                                   \
+        const char *kv_h_ = (haystack), *kv_n_ = (needle);                                 \
+        if (kv_h_ == NULL || strstr(kv_h_, kv_n_) == NULL)                                 \
+            KV_FAIL_AT(__FILE__, __LINE__, "%s == \"%s\" does not contain \"%s\"",         \
+                       #haystack, kv_h_ ? kv_h_ : "(null)", kv_n_);                        \
+    } while (0)
+
+/* Prints this thread's last error (for the log of a failing test). Everything is read from the
+ * struct before any other kvstage call: every call (kvstage_status_name included) replaces it. */
+static inline void kv_print_last_error(const char *what) {
+    const kvstage_error *e = kvstage_error_last();
+    int code = (int)e->code;
+    size_t i;
+    fprintf(stderr, "%s: code %d class %d session \"%s\": %s\n", what, code, (int)e->klass,
+            e->session, e->message);
+    for (i = 0; i < e->cause_count; i++) fprintf(stderr, "  cause %u: %s\n", (unsigned)i, e->causes[i]);
+    fprintf(stderr, "  (%s)\n", kvstage_status_name(code));
+}
+
+/* CHECK_OK(call): the call returns KVSTAGE_OK (prints the last error otherwise). */
+#define CHECK_OK(call)                                                                     \
+    do {                                                                                   \
+        int kv_s_ = (int)(call);                                                           \
+        if (kv_s_ != KVSTAGE_OK) {                                                         \
+            KV_FAIL_AT(__FILE__, __LINE__, "%s returned %d", #call, kv_s_);                \
+            kv_print_last_error(#call);                                                    \
+        }                                                                                  \
+    } while (0)
+
+/* The end of main(): 0 when every check passed. */
+static inline int kv_finish(const char *test) {
+    if (*kv_failures() != 0) {
+        fprintf(stderr, "%s: %d check(s) failed\n", test, *kv_failures());
+        return 1;
+    }
+    printf("%s: all checks passed\n", test);
+    return 0;
+}
+
+#endif /* KVSTAGE_CHECK_H */
