@@ -16,6 +16,9 @@
 // Deadline value meaning "wait forever" (must be asked for explicitly).
 #define KVSTAGE_DEADLINE_INFINITE UINT64_MAX
 
+// Default chunk size in tokens of the chunk grid.
+#define KVSTAGE_DEFAULT_CHUNK_TOKENS 8192
+
 // Status codes returned by every `kvstage_*` function that can fail.
 //
 // `0` is success, positive values are informational, negative values are errors grouped by family
@@ -90,6 +93,21 @@ typedef enum kvstage_transport {
     KVSTAGE_TRANSPORT_RDMA = 2,
 } kvstage_transport;
 
+// Attention flavour of a KV pool (`kvstage_kv_layout.model_kind`).
+typedef enum kvstage_model_kind {
+    // MHA / GQA: per layer a K and a V buffer of `[pool_tokens, local_heads, head_dim]`.
+    KVSTAGE_MODEL_MHA = 0,
+    // MLA: per layer one latent buffer of `[pool_tokens, head_dim]`, replicated on every TP rank
+    // (`local_heads` = `global_heads` = 1).
+    KVSTAGE_MODEL_MLA = 1,
+} kvstage_model_kind;
+
+// Where a pool's buffers live (`kvstage_kv_layout.memory_kind`).
+typedef enum kvstage_memory_kind {
+    KVSTAGE_MEMORY_HOST = 0,
+    KVSTAGE_MEMORY_CUDA = 1,
+} kvstage_memory_kind;
+
 // An engine: listener, peers, registrations and worker threads. Thread-safe.
 typedef struct kvstage_engine kvstage_engine;
 
@@ -135,6 +153,85 @@ typedef struct kvstage_engine_options {
     uint64_t default_deadline_ms;
 } kvstage_engine_options;
 
+// One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
+//
+// Buffers are token-major: slot `t` of a buffer starts `t · local_heads · head_dim · dtype_bytes`
+// bytes after its base; page `p` is slots `[p · page_size, (p + 1) · page_size)`.
+typedef struct kvstage_kv_layout {
+    size_t struct_size;
+    // A `kvstage_model_kind` value (plain int so that a bad value is an error, not UB).
+    int32_t model_kind;
+    // Token slots per page (1..=2^20).
+    uint32_t page_size;
+    // KV heads on this rank: max(1, global_heads / tp_size); 1 for MLA.
+    uint32_t local_heads;
+    // KV heads of the model; 1 for MLA.
+    uint32_t global_heads;
+    // Elements per head; the latent width (e.g. 576) for MLA.
+    uint32_t head_dim;
+    // Bytes per element: 1, 2 or 4.
+    uint32_t dtype_bytes;
+    uint32_t tp_rank;
+    uint32_t tp_size;
+    uint32_t pp_rank;
+    uint32_t pp_size;
+    // Model layer ids held by this rank, strictly increasing; NULL means 0 .. num_layers-1.
+    const uint32_t *layer_ids;
+    // Number of layers held (entries of `layer_ids`, `k_bases`, `v_bases`).
+    size_t num_layers;
+    // Per layer, the base address of the K buffer (the latent buffer for MLA).
+    const uint64_t *k_bases;
+    // Per layer, the base address of the V buffer; ignored (may be NULL) for MLA.
+    const uint64_t *v_bases;
+    // Pages each buffer holds.
+    uint64_t capacity_pages;
+    // A `kvstage_memory_kind` value.
+    int32_t memory_kind;
+} kvstage_kv_layout;
+
+// Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
+typedef struct kvstage_head_slice_t {
+    uint32_t src_head_start;
+    uint32_t num_heads;
+    uint32_t dst_head_start;
+} kvstage_head_slice_t;
+
+// Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
+// call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` starts at
+// `writers[w].offset + (kv · writers[w].layers + l) · slab_bytes`.
+typedef struct kvstage_staging_layout_t {
+    size_t struct_size;
+    // Bytes of the whole allocation.
+    uint64_t total_bytes;
+    // Bytes of one token's head slice (`num_heads · head_dim · dtype_bytes`).
+    uint64_t row_bytes;
+    // Bytes of one (buffer, layer) slab (`tokens · row_bytes`).
+    uint64_t slab_bytes;
+    uint32_t tokens;
+    // Heads per row (the same for every writer).
+    uint32_t num_heads;
+    // 2 (K, V) for MHA, 1 for MLA.
+    uint32_t buffers_per_layer;
+    // Writers whose arrival completes the chunk (entries `kvstage_staging_layout` fills).
+    uint32_t num_writers;
+} kvstage_staging_layout_t;
+
+// One writer's region of a staging allocation.
+typedef struct kvstage_staging_writer_t {
+    // Byte offset of the region within the allocation.
+    uint64_t offset;
+    uint64_t bytes;
+    // Layers carried.
+    uint32_t layers;
+    // The prefill rank writing the region.
+    uint32_t src_tp_rank;
+    uint32_t src_pp_rank;
+    // First source head (gather) and first destination head (scatter), `num_heads` each.
+    uint32_t src_head_start;
+    uint32_t num_heads;
+    uint32_t dst_head_start;
+} kvstage_staging_writer_t;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -172,6 +269,35 @@ enum kvstage_status kvstage_engine_new(const struct kvstage_engine_options *opti
 
 // Stops and frees an engine. NULL is a no-op.
 void kvstage_engine_free(struct kvstage_engine *engine);
+
+// Fills `layout` with defaults (sets `struct_size`; MHA, page_size 1, one head, bf16, TP 1,
+// PP 1, host memory; head_dim, layers, bases and capacity must be set).
+enum kvstage_status kvstage_kv_layout_init(struct kvstage_kv_layout *layout);
+
+// Checks a layout (shape, layer ids, bases: NULL, overlapping, overflowing). `KVSTAGE_OK` or an
+// error naming the field.
+enum kvstage_status kvstage_kv_layout_validate(const struct kvstage_kv_layout *layout);
+
+// The head slice prefill rank `src_rank` (of `src_tp`) sends to decode rank `dst_rank` (of
+// `dst_tp`) for a model with `total_kv_heads` KV heads (MHA/GQA). `KVSTAGE_E_INVALID_ARG` naming
+// the argument for zero sizes, ranks not below their size, head counts that do not divide a TP
+// size, TP sizes that are not multiples of one another, or ranks that do not exchange data.
+enum kvstage_status kvstage_head_slice(uint32_t src_tp, uint32_t dst_tp, uint32_t src_rank, uint32_t dst_rank, uint32_t total_kv_heads, struct kvstage_head_slice_t *out);
+
+// Writers per chunk on an MHA decode rank: `tp_writers × pp_writers` (an MLA decode rank has
+// `pp_writers`; `kvstage_staging_layout` reports both exactly).
+enum kvstage_status kvstage_writers_per_chunk(uint32_t src_tp, uint32_t dst_tp, uint32_t src_pp, uint32_t dst_pp, uint32_t *out);
+
+// Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.
+enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_size, uint32_t *out);
+
+// Computes the staging layout of decode rank `dst` for a chunk of `tokens` tokens written by the
+// prefill side `src` (any of its ranks). Only the shape fields of both layouts are read (bases may
+// be NULL). Fills `*out` and `writers[0 .. out->num_writers)`; no memory is allocated.
+// `writers` may be NULL with `writers_len` 0 to ask for the count only. When `writers_len` is
+// too small, `out` (with `num_writers`) is still filled and `KVSTAGE_E_INVALID_ARG` names
+// `writers_len`.
+enum kvstage_status kvstage_staging_layout(const struct kvstage_kv_layout *src, const struct kvstage_kv_layout *dst, uint32_t tokens, struct kvstage_staging_layout_t *out, struct kvstage_staging_writer_t *writers, size_t writers_len);
 
 #ifdef __cplusplus
 }  // extern "C"

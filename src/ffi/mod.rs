@@ -16,6 +16,7 @@ use crate::error::{Error, Result, Status};
 
 pub mod core;
 pub mod engine;
+pub mod geometry;
 pub mod last_error;
 
 pub use last_error::kvstage_error;

@@ -1,0 +1,95 @@
+//! Copy engines: execute a [`CopyPlan`] between a registered pool and a staging region.
+//!
+//! Every engine consumes the same plan (see [`crate::geometry::plan`]); the host engine uses
+//! memcpy on CPU threads, a CUDA engine will launch a kernel over the same slabs × segments.
+
+use crate::error::{Error, Result, Status};
+use crate::geometry::{CopyPlan, KvLayout};
+
+mod host;
+
+pub use host::HostCopyEngine;
+
+/// Gather (pool → staging) and scatter (staging → pool) of one plan.
+pub trait CopyEngine: Send + Sync {
+    /// Copies the plan's pool rows into the writer region at `staging`.
+    ///
+    /// # Safety
+    /// Every buffer in `pool.bases` must be valid for reads of `pool.buffer_bytes()` bytes, and
+    /// `staging` (the start of the writer region, not of the allocation) valid for writes of
+    /// `plan.staging_bytes` bytes, neither overlapping the other, for the duration of the call.
+    unsafe fn gather(&self, plan: &CopyPlan, pool: &KvLayout, staging: *mut u8) -> Result<()>;
+
+    /// Copies the writer region at `staging` into the plan's pool rows.
+    ///
+    /// # Safety
+    /// As for [`gather`](Self::gather) with reads and writes exchanged.
+    unsafe fn scatter(&self, plan: &CopyPlan, pool: &KvLayout, staging: *const u8) -> Result<()>;
+}
+
+/// Checks a plan against the pool it will run on before any byte moves: buffer indices, the token
+/// slot size, every segment within the pool capacity, every slab within the staging region, and
+/// segments that tile the chunk. O(slabs + segments).
+pub fn check_plan(plan: &CopyPlan, pool: &KvLayout) -> Result<()> {
+    pool.validate()?;
+    let shape = &pool.shape;
+    if plan.pool_token_bytes != shape.token_bytes() {
+        return Err(Error::new(
+            Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+            format!("plan token slot {} bytes != pool token slot {} bytes", plan.pool_token_bytes, shape.token_bytes()),
+        ));
+    }
+    if plan.row_bytes == 0 || plan.pool_head_offset.checked_add(plan.row_bytes).map_or(true, |e| e > plan.pool_token_bytes) {
+        return Err(Error::internal(format!(
+            "plan rows of {} bytes at head offset {} do not fit a {}-byte token slot",
+            plan.row_bytes, plan.pool_head_offset, plan.pool_token_bytes
+        )));
+    }
+    if plan.segments.is_empty() && plan.tokens != 0 {
+        return Err(Error::internal("plan has tokens but no segments"));
+    }
+    let capacity = pool.capacity_tokens();
+    let mut next = 0u64;
+    for (i, seg) in plan.segments.iter().enumerate() {
+        if seg.staging_token != next || seg.tokens == 0 || seg.tokens > u32::MAX as u64 {
+            return Err(Error::internal(format!("plan segment {i} does not tile the chunk (staging token {}, expected {next})", seg.staging_token)));
+        }
+        next += seg.tokens;
+        if seg.pool_token.checked_add(seg.tokens).map_or(true, |e| e > capacity) {
+            return Err(Error::invalid_arg(
+                "pages",
+                format!(
+                    "pool tokens {}..{} (pages {}..) lie outside the pool's {} pages",
+                    seg.pool_token,
+                    seg.pool_token.saturating_add(seg.tokens),
+                    seg.pool_token / shape.page_size as u64,
+                    pool.capacity_pages
+                ),
+            ));
+        }
+    }
+    if next != plan.tokens {
+        return Err(Error::internal(format!("plan segments cover {next} tokens, plan says {}", plan.tokens)));
+    }
+    let slab_bytes = plan.tokens.checked_mul(plan.row_bytes).ok_or_else(|| Error::internal("plan slab size overflows"))?;
+    for (i, slab) in plan.slabs.iter().enumerate() {
+        if slab.buffer as usize >= pool.bases.len() {
+            return Err(Error::new(
+                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+                format!("plan slab {i} names buffer {}, the pool has {}", slab.buffer, pool.bases.len()),
+            ));
+        }
+        if slab.staging_offset.checked_add(slab_bytes).map_or(true, |e| e > plan.staging_bytes) {
+            return Err(Error::new(
+                Status::KVSTAGE_E_STAGING_TOO_SMALL,
+                format!(
+                    "plan slab {i} at {}..{} exceeds the {}-byte staging region",
+                    slab.staging_offset,
+                    slab.staging_offset.saturating_add(slab_bytes),
+                    plan.staging_bytes
+                ),
+            ));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,335 @@
+//! KV layout descriptor, head mapping, writers, chunk grid and staging layout for C.
+
+use super::{ffi_fn, out_arg, slice_arg, versioned_struct, write_versioned};
+use crate::error::{Error, Result, Status};
+use crate::geometry::{self, KvLayout, MemoryKind, ModelKind, PoolShape};
+
+/// Attention flavour of a KV pool (`kvstage_kv_layout.model_kind`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvstage_model_kind {
+    /// MHA / GQA: per layer a K and a V buffer of `[pool_tokens, local_heads, head_dim]`.
+    KVSTAGE_MODEL_MHA = 0,
+    /// MLA: per layer one latent buffer of `[pool_tokens, head_dim]`, replicated on every TP rank
+    /// (`local_heads` = `global_heads` = 1).
+    KVSTAGE_MODEL_MLA = 1,
+}
+
+/// Where a pool's buffers live (`kvstage_kv_layout.memory_kind`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvstage_memory_kind {
+    KVSTAGE_MEMORY_HOST = 0,
+    KVSTAGE_MEMORY_CUDA = 1,
+}
+
+/// Default chunk size in tokens of the chunk grid.
+pub const KVSTAGE_DEFAULT_CHUNK_TOKENS: u32 = 8192;
+
+/// One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
+///
+/// Buffers are token-major: slot `t` of a buffer starts `t · local_heads · head_dim · dtype_bytes`
+/// bytes after its base; page `p` is slots `[p · page_size, (p + 1) · page_size)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvstage_kv_layout {
+    pub struct_size: usize,
+    /// A `kvstage_model_kind` value (plain int so that a bad value is an error, not UB).
+    pub model_kind: i32,
+    /// Token slots per page (1..=2^20).
+    pub page_size: u32,
+    /// KV heads on this rank: max(1, global_heads / tp_size); 1 for MLA.
+    pub local_heads: u32,
+    /// KV heads of the model; 1 for MLA.
+    pub global_heads: u32,
+    /// Elements per head; the latent width (e.g. 576) for MLA.
+    pub head_dim: u32,
+    /// Bytes per element: 1, 2 or 4.
+    pub dtype_bytes: u32,
+    pub tp_rank: u32,
+    pub tp_size: u32,
+    pub pp_rank: u32,
+    pub pp_size: u32,
+    /// Model layer ids held by this rank, strictly increasing; NULL means 0 .. num_layers-1.
+    pub layer_ids: *const u32,
+    /// Number of layers held (entries of `layer_ids`, `k_bases`, `v_bases`).
+    pub num_layers: usize,
+    /// Per layer, the base address of the K buffer (the latent buffer for MLA).
+    pub k_bases: *const u64,
+    /// Per layer, the base address of the V buffer; ignored (may be NULL) for MLA.
+    pub v_bases: *const u64,
+    /// Pages each buffer holds.
+    pub capacity_pages: u64,
+    /// A `kvstage_memory_kind` value.
+    pub memory_kind: i32,
+}
+
+impl Default for kvstage_kv_layout {
+    fn default() -> Self {
+        kvstage_kv_layout {
+            struct_size: std::mem::size_of::<Self>(),
+            model_kind: kvstage_model_kind::KVSTAGE_MODEL_MHA as i32,
+            page_size: 1,
+            local_heads: 1,
+            global_heads: 1,
+            head_dim: 0,
+            dtype_bytes: 2,
+            tp_rank: 0,
+            tp_size: 1,
+            pp_rank: 0,
+            pp_size: 1,
+            layer_ids: std::ptr::null(),
+            num_layers: 0,
+            k_bases: std::ptr::null(),
+            v_bases: std::ptr::null(),
+            capacity_pages: 0,
+            memory_kind: kvstage_memory_kind::KVSTAGE_MEMORY_HOST as i32,
+        }
+    }
+}
+
+/// Size of the first published version of `kvstage_kv_layout`.
+const KV_LAYOUT_V1: usize = std::mem::size_of::<kvstage_kv_layout>();
+
+/// Reads the shape part of a C layout (bases, capacity and memory kind are not read) and validates
+/// it; errors name `arg`.
+pub unsafe fn pool_shape_from_c(ptr: *const kvstage_kv_layout, arg: &str) -> Result<PoolShape> {
+    let raw: kvstage_kv_layout = unsafe { versioned_struct(ptr, arg, KV_LAYOUT_V1) }?;
+    unsafe { shape_of(&raw, arg) }
+}
+
+unsafe fn shape_of(raw: &kvstage_kv_layout, arg: &str) -> Result<PoolShape> {
+    let kind = match raw.model_kind {
+        0 => ModelKind::Mha,
+        1 => ModelKind::Mla,
+        other => {
+            return Err(Error::invalid_arg(&format!("{arg}->model_kind"), format!("{other} is not a kvstage_model_kind value")))
+        }
+    };
+    if raw.num_layers == 0 || raw.num_layers > u32::MAX as usize {
+        return Err(Error::invalid_arg(
+            &format!("{arg}->num_layers"),
+            format!("{} is outside 1..={}", raw.num_layers, u32::MAX),
+        ));
+    }
+    let layer_ids = if raw.layer_ids.is_null() {
+        (0..raw.num_layers as u32).collect()
+    } else {
+        unsafe { slice_arg(raw.layer_ids, raw.num_layers, &format!("{arg}->layer_ids")) }?.to_vec()
+    };
+    let shape = PoolShape {
+        kind,
+        page_size: raw.page_size,
+        local_heads: raw.local_heads,
+        global_heads: raw.global_heads,
+        head_dim: raw.head_dim,
+        dtype_bytes: raw.dtype_bytes,
+        tp_rank: raw.tp_rank,
+        tp_size: raw.tp_size,
+        pp_rank: raw.pp_rank,
+        pp_size: raw.pp_size,
+        layer_ids,
+    };
+    shape.validate().map_err(|e| e.context(format!("`{arg}` is not a valid KV layout")))?;
+    Ok(shape)
+}
+
+/// Reads and validates a whole C layout (shape, bases, capacity, memory kind); errors name `arg`.
+/// The engine's pool registration uses this.
+pub unsafe fn kv_layout_from_c(ptr: *const kvstage_kv_layout, arg: &str) -> Result<KvLayout> {
+    let raw: kvstage_kv_layout = unsafe { versioned_struct(ptr, arg, KV_LAYOUT_V1) }?;
+    let shape = unsafe { shape_of(&raw, arg) }?;
+    let memory = match raw.memory_kind {
+        0 => MemoryKind::Host,
+        1 => MemoryKind::Cuda,
+        other => {
+            return Err(Error::invalid_arg(&format!("{arg}->memory_kind"), format!("{other} is not a kvstage_memory_kind value")))
+        }
+    };
+    let n = raw.num_layers;
+    let k = unsafe { slice_arg(raw.k_bases, n, &format!("{arg}->k_bases")) }?;
+    let mut bases: Vec<usize> = k.iter().map(|&b| b as usize).collect();
+    if shape.kind == ModelKind::Mha {
+        let v = unsafe { slice_arg(raw.v_bases, n, &format!("{arg}->v_bases")) }?;
+        bases.extend(v.iter().map(|&b| b as usize));
+    }
+    let layout = KvLayout { shape, capacity_pages: raw.capacity_pages, memory, bases };
+    layout.validate().map_err(|e| e.context(format!("`{arg}` is not a valid KV layout")))?;
+    Ok(layout)
+}
+
+/// Fills `layout` with defaults (sets `struct_size`; MHA, page_size 1, one head, bf16, TP 1,
+/// PP 1, host memory; head_dim, layers, bases and capacity must be set).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_kv_layout_init(layout: *mut kvstage_kv_layout) -> Status {
+    ffi_fn!(status {
+        *out_arg(layout, "layout")? = kvstage_kv_layout::default();
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Checks a layout (shape, layer ids, bases: NULL, overlapping, overflowing). `KVSTAGE_OK` or an
+/// error naming the field.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_kv_layout_validate(layout: *const kvstage_kv_layout) -> Status {
+    ffi_fn!(status {
+        unsafe { kv_layout_from_c(layout, "layout") }?;
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvstage_head_slice_t {
+    pub src_head_start: u32,
+    pub num_heads: u32,
+    pub dst_head_start: u32,
+}
+
+/// The head slice prefill rank `src_rank` (of `src_tp`) sends to decode rank `dst_rank` (of
+/// `dst_tp`) for a model with `total_kv_heads` KV heads (MHA/GQA). `KVSTAGE_E_INVALID_ARG` naming
+/// the argument for zero sizes, ranks not below their size, head counts that do not divide a TP
+/// size, TP sizes that are not multiples of one another, or ranks that do not exchange data.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_head_slice(
+    src_tp: u32,
+    dst_tp: u32,
+    src_rank: u32,
+    dst_rank: u32,
+    total_kv_heads: u32,
+    out: *mut kvstage_head_slice_t,
+) -> Status {
+    ffi_fn!(status {
+        let out = out_arg(out, "out")?;
+        let hs = geometry::head_slice(src_tp, dst_tp, src_rank, dst_rank, total_kv_heads)?;
+        *out = kvstage_head_slice_t { src_head_start: hs.src_head_start, num_heads: hs.num_heads, dst_head_start: hs.dst_head_start };
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Writers per chunk on an MHA decode rank: `tp_writers × pp_writers` (an MLA decode rank has
+/// `pp_writers`; `kvstage_staging_layout` reports both exactly).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_writers_per_chunk(src_tp: u32, dst_tp: u32, src_pp: u32, dst_pp: u32, out: *mut u32) -> Status {
+    ffi_fn!(status {
+        let out = out_arg(out, "out")?;
+        *out = geometry::writers_per_chunk(src_tp, dst_tp, src_pp, dst_pp)?;
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_grid_tokens(chunk_tokens: u32, page_size: u32, out: *mut u32) -> Status {
+    ffi_fn!(status {
+        let out = out_arg(out, "out")?;
+        if page_size == 0 {
+            return Err(Error::invalid_arg("page_size", "is 0"));
+        }
+        *out = geometry::grid_tokens(chunk_tokens, page_size);
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
+/// call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` starts at
+/// `writers[w].offset + (kv · writers[w].layers + l) · slab_bytes`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvstage_staging_layout_t {
+    pub struct_size: usize,
+    /// Bytes of the whole allocation.
+    pub total_bytes: u64,
+    /// Bytes of one token's head slice (`num_heads · head_dim · dtype_bytes`).
+    pub row_bytes: u64,
+    /// Bytes of one (buffer, layer) slab (`tokens · row_bytes`).
+    pub slab_bytes: u64,
+    pub tokens: u32,
+    /// Heads per row (the same for every writer).
+    pub num_heads: u32,
+    /// 2 (K, V) for MHA, 1 for MLA.
+    pub buffers_per_layer: u32,
+    /// Writers whose arrival completes the chunk (entries `kvstage_staging_layout` fills).
+    pub num_writers: u32,
+}
+
+/// One writer's region of a staging allocation.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvstage_staging_writer_t {
+    /// Byte offset of the region within the allocation.
+    pub offset: u64,
+    pub bytes: u64,
+    /// Layers carried.
+    pub layers: u32,
+    /// The prefill rank writing the region.
+    pub src_tp_rank: u32,
+    pub src_pp_rank: u32,
+    /// First source head (gather) and first destination head (scatter), `num_heads` each.
+    pub src_head_start: u32,
+    pub num_heads: u32,
+    pub dst_head_start: u32,
+}
+
+/// Computes the staging layout of decode rank `dst` for a chunk of `tokens` tokens written by the
+/// prefill side `src` (any of its ranks). Only the shape fields of both layouts are read (bases may
+/// be NULL). Fills `*out` and `writers[0 .. out->num_writers)`; no memory is allocated.
+/// `writers` may be NULL with `writers_len` 0 to ask for the count only. When `writers_len` is
+/// too small, `out` (with `num_writers`) is still filled and `KVSTAGE_E_INVALID_ARG` names
+/// `writers_len`.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_staging_layout(
+    src: *const kvstage_kv_layout,
+    dst: *const kvstage_kv_layout,
+    tokens: u32,
+    out: *mut kvstage_staging_layout_t,
+    writers: *mut kvstage_staging_writer_t,
+    writers_len: usize,
+) -> Status {
+    ffi_fn!(status {
+        let out = out_arg(out, "out")?;
+        let src = unsafe { pool_shape_from_c(src, "src") }?;
+        let dst = unsafe { pool_shape_from_c(dst, "dst") }?;
+        let st = geometry::staging_layout(&src, &dst, tokens)?;
+        let filled = kvstage_staging_layout_t {
+            struct_size: std::mem::size_of::<kvstage_staging_layout_t>(),
+            total_bytes: st.total_bytes,
+            row_bytes: st.row_bytes,
+            slab_bytes: st.slab_bytes,
+            tokens: st.tokens,
+            num_heads: st.num_heads,
+            buffers_per_layer: st.buffers_per_layer,
+            num_writers: st.writer_count(),
+        };
+        write_versioned(out, filled, "out")?;
+        let needed = st.writers.len();
+        if writers.is_null() && writers_len == 0 {
+            return Ok(Status::KVSTAGE_OK);
+        }
+        if writers.is_null() {
+            return Err(Error::invalid_arg("writers", format!("is NULL with writers_len {writers_len}")));
+        }
+        if writers_len < needed {
+            return Err(Error::invalid_arg(
+                "writers_len",
+                format!("{writers_len} entries are too few: the layout has {needed} writers (out->num_writers)"),
+            ));
+        }
+        // SAFETY: the caller provides `writers_len` >= `needed` writable entries.
+        let dst_entries = unsafe { std::slice::from_raw_parts_mut(writers, needed) };
+        for (slot, w) in dst_entries.iter_mut().zip(&st.writers) {
+            *slot = kvstage_staging_writer_t {
+                offset: w.offset,
+                bytes: w.bytes,
+                layers: w.layers,
+                src_tp_rank: w.src_tp_rank,
+                src_pp_rank: w.src_pp_rank,
+                src_head_start: w.heads.src_head_start,
+                num_heads: w.heads.num_heads,
+                dst_head_start: w.heads.dst_head_start,
+            };
+        }
+        Ok(Status::KVSTAGE_OK)
+    })
+}

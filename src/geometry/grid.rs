@@ -1,0 +1,184 @@
+//! The chunk grid: how a request's pages are cut into staging chunks.
+//!
+//! Chunks hold `grid_tokens(chunk_tokens, page_size)` tokens each and start at the decode-side
+//! cached prefix: chunk `i` covers tokens `[prefix + i·G, prefix + (i+1)·G)` of the request. Page
+//! `j` of the request's page list holds tokens `[j·ps, (j+1)·ps)`.
+
+use std::ops::Range;
+
+use crate::error::{Error, Result};
+
+/// Default chunk size in tokens.
+pub const DEFAULT_CHUNK_TOKENS: u32 = 8192;
+
+/// Tokens per chunk: `max(1, chunk_tokens / page_size) · page_size` (8192/64 → 8192, 16/64 → 64,
+/// 8200/64 → 8192). `page_size` 0 (rejected by every shape validation) counts as 1.
+pub fn grid_tokens(chunk_tokens: u32, page_size: u32) -> u32 {
+    let page_size = page_size.max(1);
+    // chunk_tokens / page_size · page_size ≤ chunk_tokens, and page_size alone fits: no overflow.
+    (chunk_tokens / page_size).max(1) * page_size
+}
+
+fn check_page_size(page_size: u32) -> Result<()> {
+    if page_size == 0 {
+        return Err(Error::invalid_arg("page_size", "is 0"));
+    }
+    Ok(())
+}
+
+/// One piece of a send: pages `pages` (indices into the request's page list) all belonging to
+/// chunk `chunk_index`, starting `chunk_page_offset` pages into that chunk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GridPiece {
+    pub chunk_index: u32,
+    pub pages: Range<usize>,
+    pub chunk_page_offset: u32,
+}
+
+impl GridPiece {
+    pub fn page_count(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Tokens in the piece.
+    pub fn tokens(&self, page_size: u32) -> u64 {
+        self.pages.len() as u64 * page_size as u64
+    }
+}
+
+/// Splits the send of request pages `[start_page, end_page)` on the chunk grid whose base is the
+/// decode-side cached prefix (`decode_prefix_tokens`, which must be page aligned), so that every
+/// piece names exactly one chunk. An empty range is one empty (metadata-only) piece of the chunk
+/// that would hold `start_page`.
+///
+/// Errors (`KVSTAGE_E_INVALID_ARG`): `page_size` 0, a prefix that is not a multiple of
+/// `page_size`, `start_page > end_page`, a range that starts inside the decode-side prefix, and a
+/// chunk index beyond `u32`.
+pub fn split_grid(
+    start_page: usize,
+    end_page: usize,
+    page_size: u32,
+    decode_prefix_tokens: u64,
+    chunk_tokens: u32,
+) -> Result<Vec<GridPiece>> {
+    check_page_size(page_size)?;
+    let grid = grid_tokens(chunk_tokens, page_size);
+    if decode_prefix_tokens % page_size as u64 != 0 {
+        return Err(Error::invalid_arg(
+            "decode_prefix_tokens",
+            format!("{decode_prefix_tokens} is not a multiple of page_size {page_size} (the decode-side prefix must be page aligned)"),
+        ));
+    }
+    if start_page > end_page {
+        return Err(Error::invalid_arg("start_page", format!("{start_page} is after end_page {end_page}")));
+    }
+    let prefix_pages = decode_prefix_tokens / page_size as u64;
+    if (start_page as u64) < prefix_pages {
+        return Err(Error::invalid_arg(
+            "start_page",
+            format!(
+                "{start_page} lies inside the decode-side cached prefix ({prefix_pages} pages = {decode_prefix_tokens} tokens)"
+            ),
+        ));
+    }
+    let per_chunk = (grid / page_size) as u64;
+    let chunk_of = |page: usize| -> Result<(u32, u32)> {
+        let rel = page as u64 - prefix_pages;
+        let idx = u32::try_from(rel / per_chunk)
+            .map_err(|_| Error::invalid_arg("end_page", format!("page {page} lies in chunk {} beyond u32", rel / per_chunk)))?;
+        Ok((idx, (rel % per_chunk) as u32))
+    };
+    if start_page == end_page {
+        let (chunk_index, chunk_page_offset) = chunk_of(start_page)?;
+        return Ok(vec![GridPiece { chunk_index, pages: start_page..start_page, chunk_page_offset }]);
+    }
+    chunk_of(end_page - 1)?;
+    let mut out = Vec::new();
+    let mut page = start_page;
+    while page < end_page {
+        let (chunk_index, chunk_page_offset) = chunk_of(page)?;
+        let room = (per_chunk - chunk_page_offset as u64) as usize;
+        let end = end_page.min(page.saturating_add(room));
+        out.push(GridPiece { chunk_index, pages: page..end, chunk_page_offset });
+        page = end;
+    }
+    Ok(out)
+}
+
+/// Chunks of a request of `total_tokens` tokens of which the decode side caches the first
+/// `decode_prefix_tokens`: `ceil((total − prefix) / G)`, at least 1 (an empty transfer still sends
+/// one metadata-only chunk). Bounds every chunk index the receiver accepts.
+pub fn chunk_count(total_tokens: u64, decode_prefix_tokens: u64, page_size: u32, chunk_tokens: u32) -> Result<u32> {
+    check_page_size(page_size)?;
+    let grid = grid_tokens(chunk_tokens, page_size) as u64;
+    if decode_prefix_tokens > total_tokens {
+        return Err(Error::invalid_arg(
+            "decode_prefix_tokens",
+            format!("{decode_prefix_tokens} exceeds the request's {total_tokens} tokens"),
+        ));
+    }
+    let n = (total_tokens - decode_prefix_tokens).div_ceil(grid).max(1);
+    u32::try_from(n).map_err(|_| Error::invalid_arg("total_tokens", format!("{total_tokens} tokens make {n} chunks, beyond u32")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Status;
+
+    fn piece(chunk_index: u32, pages: Range<usize>, off: u32) -> GridPiece {
+        GridPiece { chunk_index, pages, chunk_page_offset: off }
+    }
+
+    #[test]
+    fn grid_tokens_examples() {
+        assert_eq!(grid_tokens(8192, 64), 8192);
+        assert_eq!(grid_tokens(16, 64), 64);
+        assert_eq!(grid_tokens(8200, 64), 8192);
+        assert_eq!(grid_tokens(0, 16), 16);
+        assert_eq!(grid_tokens(u32::MAX, 1), u32::MAX);
+        assert_eq!(grid_tokens(u32::MAX, u32::MAX), u32::MAX);
+        assert_eq!(grid_tokens(8192, 0), 8192);
+        assert_eq!(chunk_count(10, 0, 0, 8).unwrap_err().message(), "invalid argument `page_size`: is 0");
+    }
+
+    #[test]
+    fn split_on_a_prefix_based_grid() {
+        // ps 16, grid 64 tokens = 4 pages, decode prefix 2 pages: chunks start at pages 2, 6, 10, ...
+        assert_eq!(
+            split_grid(2, 13, 16, 32, 64).unwrap(),
+            vec![piece(0, 2..6, 0), piece(1, 6..10, 0), piece(2, 10..13, 0)]
+        );
+        // A later send that starts mid-chunk.
+        assert_eq!(split_grid(7, 11, 16, 32, 64).unwrap(), vec![piece(1, 7..10, 1), piece(2, 10..11, 0)]);
+        // Empty range: one metadata-only piece.
+        assert_eq!(split_grid(10, 10, 16, 32, 64).unwrap(), vec![piece(2, 10..10, 0)]);
+        // No prefix, grid smaller than a page rounds up to a page.
+        assert_eq!(split_grid(0, 3, 64, 0, 16).unwrap(), vec![piece(0, 0..1, 0), piece(1, 1..2, 0), piece(2, 2..3, 0)]);
+    }
+
+    #[test]
+    fn split_errors() {
+        let e = split_grid(2, 4, 16, 33, 64).unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
+        assert!(e.message().contains("`decode_prefix_tokens`: 33 is not a multiple of page_size 16"));
+        let e = split_grid(5, 4, 16, 0, 64).unwrap_err();
+        assert!(e.message().contains("`start_page`: 5 is after end_page 4"));
+        let e = split_grid(1, 4, 16, 32, 64).unwrap_err();
+        assert!(e.message().contains("`start_page`: 1 lies inside the decode-side cached prefix (2 pages = 32 tokens)"));
+        let e = split_grid(0, 4, 0, 0, 64).unwrap_err();
+        assert!(e.message().contains("`page_size`"));
+        let e = split_grid(0, usize::MAX, 1, 0, 1).unwrap_err();
+        assert!(e.message().contains("beyond u32"), "{}", e.message());
+    }
+
+    #[test]
+    fn chunk_counts() {
+        assert_eq!(chunk_count(20000, 0, 16, 8192).unwrap(), 3);
+        assert_eq!(chunk_count(16384, 0, 16, 8192).unwrap(), 2);
+        assert_eq!(chunk_count(100, 100, 16, 8192).unwrap(), 1);
+        assert_eq!(chunk_count(8192 + 64, 64, 64, 8192).unwrap(), 1);
+        assert!(chunk_count(10, 20, 1, 8).unwrap_err().message().contains("exceeds"));
+        assert!(chunk_count(u64::MAX, 0, 1, 1).unwrap_err().message().contains("beyond u32"));
+    }
+}

@@ -1,0 +1,275 @@
+//! Head mapping and rank pairing between a prefill (source) and a decode (destination) side.
+
+use std::ops::Range;
+
+use super::limits::{MAX_HEADS, MAX_PARALLEL};
+use crate::error::{Error, Result};
+
+/// Which heads one prefill rank sends to one decode rank, in local head units of each side:
+/// source heads `[src_head_start, src_head_start + num_heads)` land in destination heads
+/// `[dst_head_start, dst_head_start + num_heads)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct HeadSlice {
+    pub src_head_start: u32,
+    pub num_heads: u32,
+    pub dst_head_start: u32,
+}
+
+impl HeadSlice {
+    /// The slice of an MLA pair: the whole latent vector.
+    pub const MLA: HeadSlice = HeadSlice { src_head_start: 0, num_heads: 1, dst_head_start: 0 };
+}
+
+fn check_size(name: &str, size: u32) -> Result<()> {
+    if size == 0 || size > MAX_PARALLEL {
+        return Err(Error::invalid_arg(name, format!("{size} is outside 1..={MAX_PARALLEL}")));
+    }
+    Ok(())
+}
+
+fn check_rank(name: &str, rank: u32, size_name: &str, size: u32) -> Result<()> {
+    if rank >= size {
+        return Err(Error::invalid_arg(name, format!("{rank} is not below {size_name} {size}")));
+    }
+    Ok(())
+}
+
+/// The larger of two parallel sizes must be a multiple of the smaller.
+fn check_ratio(src_name: &str, src: u32, dst_name: &str, dst: u32) -> Result<u32> {
+    check_size(src_name, src)?;
+    check_size(dst_name, dst)?;
+    let (big, small) = if src >= dst { (src, dst) } else { (dst, src) };
+    if big % small != 0 {
+        return Err(Error::invalid_arg(
+            if src >= dst { src_name } else { dst_name },
+            format!("{src_name} {src} and {dst_name} {dst} are not multiples of one another"),
+        ));
+    }
+    Ok(big / small)
+}
+
+fn check_heads(total_heads: u32, tp_name: &str, tp: u32) -> Result<()> {
+    if total_heads == 0 || total_heads > MAX_HEADS {
+        return Err(Error::invalid_arg("total_kv_heads", format!("{total_heads} is outside 1..={MAX_HEADS}")));
+    }
+    if total_heads % tp != 0 && tp % total_heads != 0 {
+        return Err(Error::invalid_arg(
+            "total_kv_heads",
+            format!("{total_heads} and {tp_name} {tp} do not divide each other"),
+        ));
+    }
+    Ok(())
+}
+
+/// The head slice prefill rank `src_rank` (of `src_tp`) sends to decode rank `dst_rank` (of
+/// `dst_tp`) for a model with `total_heads` KV heads (GEOMETRY.md, "Head mapping").
+///
+/// Errors (`KVSTAGE_E_INVALID_ARG`, naming the argument): zero or huge sizes, ranks not below their
+/// size, head counts that do not divide a TP size (either way), TP sizes that are not multiples of
+/// one another, and a rank pair that does not exchange data (`src_rank` is not a writer of
+/// `dst_rank`).
+pub fn head_slice(src_tp: u32, dst_tp: u32, src_rank: u32, dst_rank: u32, total_heads: u32) -> Result<HeadSlice> {
+    let ratio = check_ratio("src_tp", src_tp, "dst_tp", dst_tp)?;
+    check_rank("src_rank", src_rank, "src_tp", src_tp)?;
+    check_rank("dst_rank", dst_rank, "dst_tp", dst_tp)?;
+    check_heads(total_heads, "src_tp", src_tp)?;
+    check_heads(total_heads, "dst_tp", dst_tp)?;
+    let src_hpr = (total_heads / src_tp).max(1);
+    let dst_hpr = (total_heads / dst_tp).max(1);
+    if src_tp > dst_tp {
+        if src_rank / ratio != dst_rank {
+            return Err(Error::invalid_arg(
+                "src_rank",
+                format!(
+                    "prefill rank {src_rank} does not write to decode rank {dst_rank} (its writers are prefill ranks {}..{})",
+                    dst_rank * ratio,
+                    (dst_rank + 1) * ratio
+                ),
+            ));
+        }
+        let rep = (src_tp / total_heads).max(1);
+        Ok(HeadSlice { src_head_start: 0, num_heads: src_hpr, dst_head_start: ((src_rank / rep) * src_hpr) % dst_hpr })
+    } else {
+        if dst_rank / ratio != src_rank {
+            return Err(Error::invalid_arg(
+                "dst_rank",
+                format!(
+                    "decode rank {dst_rank} reads prefill rank {}, not prefill rank {src_rank}",
+                    dst_rank / ratio
+                ),
+            ));
+        }
+        let rep = (dst_tp / total_heads).max(1);
+        Ok(HeadSlice { src_head_start: ((dst_rank / rep) * dst_hpr) % src_hpr, num_heads: dst_hpr, dst_head_start: 0 })
+    }
+}
+
+/// TP writers per decode rank for MHA: `src_tp / dst_tp` when prefill is larger, else 1.
+pub fn tp_writers(src_tp: u32, dst_tp: u32) -> Result<u32> {
+    let ratio = check_ratio("src_tp", src_tp, "dst_tp", dst_tp)?;
+    Ok(if src_tp > dst_tp { ratio } else { 1 })
+}
+
+/// PP writers per decode rank: `src_pp / dst_pp` when prefill has more stages, else 1.
+pub fn pp_writers(src_pp: u32, dst_pp: u32) -> Result<u32> {
+    let ratio = check_ratio("src_pp", src_pp, "dst_pp", dst_pp)?;
+    Ok(if src_pp > dst_pp { ratio } else { 1 })
+}
+
+/// Writers expected per chunk on an MHA decode rank: `tp_writers × pp_writers`. (An MLA decode rank
+/// has `pp_writers` writers: one TP writer, see [`mla_source_rank`].)
+pub fn writers_per_chunk(src_tp: u32, dst_tp: u32, src_pp: u32, dst_pp: u32) -> Result<u32> {
+    Ok(tp_writers(src_tp, dst_tp)? * pp_writers(src_pp, dst_pp)?)
+}
+
+/// Prefill TP ranks that write to MHA decode rank `dst_rank`: `[d·r, (d+1)·r)` when prefill is
+/// larger (ratio `r`), else the single rank `d / r`.
+pub fn prefill_ranks_for_decode(dst_rank: u32, src_tp: u32, dst_tp: u32) -> Result<Range<u32>> {
+    let ratio = check_ratio("src_tp", src_tp, "dst_tp", dst_tp)?;
+    check_rank("dst_rank", dst_rank, "dst_tp", dst_tp)?;
+    Ok(if src_tp > dst_tp { dst_rank * ratio..(dst_rank + 1) * ratio } else { dst_rank / ratio..dst_rank / ratio + 1 })
+}
+
+/// Decode TP ranks MHA prefill rank `src_rank` writes to (the inverse of
+/// [`prefill_ranks_for_decode`]).
+pub fn decode_ranks_for_prefill(src_rank: u32, src_tp: u32, dst_tp: u32) -> Result<Range<u32>> {
+    let ratio = check_ratio("src_tp", src_tp, "dst_tp", dst_tp)?;
+    check_rank("src_rank", src_rank, "src_tp", src_tp)?;
+    Ok(if src_tp >= dst_tp { src_rank / ratio..src_rank / ratio + 1 } else { src_rank * ratio..(src_rank + 1) * ratio })
+}
+
+/// Prefill PP ranks that write to decode PP rank `dst_pp_rank` (same rule as TP: stages are split
+/// into contiguous layer blocks on both sides).
+pub fn prefill_pp_ranks_for_decode(dst_pp_rank: u32, src_pp: u32, dst_pp: u32) -> Result<Range<u32>> {
+    let ratio = check_ratio("src_pp", src_pp, "dst_pp", dst_pp)?;
+    check_rank("dst_pp_rank", dst_pp_rank, "dst_pp", dst_pp)?;
+    Ok(if src_pp > dst_pp {
+        dst_pp_rank * ratio..(dst_pp_rank + 1) * ratio
+    } else {
+        dst_pp_rank / ratio..dst_pp_rank / ratio + 1
+    })
+}
+
+/// Decode PP ranks prefill PP rank `src_pp_rank` writes to.
+pub fn decode_pp_ranks_for_prefill(src_pp_rank: u32, src_pp: u32, dst_pp: u32) -> Result<Range<u32>> {
+    let ratio = check_ratio("src_pp", src_pp, "dst_pp", dst_pp)?;
+    check_rank("src_pp_rank", src_pp_rank, "src_pp", src_pp)?;
+    Ok(if src_pp >= dst_pp {
+        src_pp_rank / ratio..src_pp_rank / ratio + 1
+    } else {
+        src_pp_rank * ratio..(src_pp_rank + 1) * ratio
+    })
+}
+
+/// The one prefill TP rank that writes to MLA decode rank `dst_rank` (the latent is replicated on
+/// every TP rank, so one copy suffices): `dst_rank mod src_tp`. Other prefill ranks send nothing.
+pub fn mla_source_rank(dst_rank: u32, src_tp: u32, dst_tp: u32) -> Result<u32> {
+    check_ratio("src_tp", src_tp, "dst_tp", dst_tp)?;
+    check_rank("dst_rank", dst_rank, "dst_tp", dst_tp)?;
+    Ok(dst_rank % src_tp)
+}
+
+/// Writer index of an MHA prefill rank within a decode rank's staging allocation:
+/// `(src_pp_rank mod pp_writers) · tp_writers + (src_tp_rank mod tp_writers)`. With one PP writer
+/// this is GEOMETRY.md's `prefill tp rank mod W`.
+pub fn writer_index(src_tp_rank: u32, src_pp_rank: u32, src_tp: u32, dst_tp: u32, src_pp: u32, dst_pp: u32) -> Result<u32> {
+    let tw = tp_writers(src_tp, dst_tp)?;
+    let pw = pp_writers(src_pp, dst_pp)?;
+    check_rank("src_tp_rank", src_tp_rank, "src_tp", src_tp)?;
+    check_rank("src_pp_rank", src_pp_rank, "src_pp", src_pp)?;
+    Ok((src_pp_rank % pw) * tw + src_tp_rank % tw)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Status;
+
+    fn hs(src_tp: u32, dst_tp: u32, rs: u32, rd: u32, h: u32) -> HeadSlice {
+        head_slice(src_tp, dst_tp, rs, rd, h).unwrap()
+    }
+
+    #[test]
+    fn geometry_md_examples() {
+        // P4→D2, H=8: n=2; dst_start for prefill ranks 0..3 = [0, 2, 0, 2].
+        let starts: Vec<u32> = (0..4).map(|rs| hs(4, 2, rs, rs / 2, 8).dst_head_start).collect();
+        assert_eq!(starts, [0, 2, 0, 2]);
+        assert!((0..4).all(|rs| hs(4, 2, rs, rs / 2, 8).num_heads == 2 && hs(4, 2, rs, rs / 2, 8).src_head_start == 0));
+        // P2→D4, H=8: n=2; src_start for decode ranks 0..3 = [0, 2, 0, 2].
+        let starts: Vec<u32> = (0..4).map(|rd| hs(2, 4, rd / 2, rd, 8).src_head_start).collect();
+        assert_eq!(starts, [0, 2, 0, 2]);
+        assert!((0..4).all(|rd| hs(2, 4, rd / 2, rd, 8).num_heads == 2));
+        // P1→D4, H=2 (replication): n=1; src_start for decode ranks 0..3 = [0, 0, 1, 1].
+        let starts: Vec<u32> = (0..4).map(|rd| hs(1, 4, 0, rd, 2).src_head_start).collect();
+        assert_eq!(starts, [0, 0, 1, 1]);
+        assert!((0..4).all(|rd| hs(1, 4, 0, rd, 2).num_heads == 1));
+        // Equal TP: (0, H/tp, 0).
+        for tp in [1, 2, 4, 8] {
+            for r in 0..tp {
+                assert_eq!(hs(tp, tp, r, r, 8), HeadSlice { src_head_start: 0, num_heads: 8 / tp, dst_head_start: 0 });
+            }
+        }
+    }
+
+    #[test]
+    fn replication_divides_rather_than_takes_modulo() {
+        // P8→D2 with H=4: prefill ranks 0..3 feed decode rank 0 (heads 0,1), two ranks per head.
+        let starts: Vec<u32> = (0..4).map(|rs| hs(8, 2, rs, 0, 4).dst_head_start).collect();
+        assert_eq!(starts, [0, 0, 1, 1]);
+        // P2→D8 with H=4: decode ranks 0..3 read prefill 0 (heads 0,1), two decode ranks per head.
+        let starts: Vec<u32> = (0..4).map(|rd| hs(2, 8, 0, rd, 4).src_head_start).collect();
+        assert_eq!(starts, [0, 0, 1, 1]);
+    }
+
+    #[test]
+    fn pairing_and_writers() {
+        assert_eq!(writers_per_chunk(4, 2, 1, 1).unwrap(), 2);
+        assert_eq!(writers_per_chunk(2, 4, 1, 1).unwrap(), 1);
+        assert_eq!(writers_per_chunk(8, 2, 4, 2).unwrap(), 8);
+        assert_eq!(writers_per_chunk(8, 2, 1, 2).unwrap(), 4);
+        assert_eq!(prefill_ranks_for_decode(1, 4, 2).unwrap(), 2..4);
+        assert_eq!(prefill_ranks_for_decode(3, 2, 4).unwrap(), 1..2);
+        assert_eq!(prefill_ranks_for_decode(3, 4, 4).unwrap(), 3..4);
+        assert_eq!(decode_ranks_for_prefill(3, 4, 2).unwrap(), 1..2);
+        assert_eq!(decode_ranks_for_prefill(1, 2, 4).unwrap(), 2..4);
+        assert_eq!(prefill_pp_ranks_for_decode(1, 4, 2).unwrap(), 2..4);
+        assert_eq!(prefill_pp_ranks_for_decode(1, 1, 2).unwrap(), 0..1);
+        assert_eq!(decode_pp_ranks_for_prefill(0, 1, 2).unwrap(), 0..2);
+        assert_eq!(decode_pp_ranks_for_prefill(3, 4, 2).unwrap(), 1..2);
+        assert_eq!(writer_index(3, 0, 4, 2, 1, 1).unwrap(), 1);
+        assert_eq!(writer_index(2, 0, 4, 2, 1, 1).unwrap(), 0);
+        assert_eq!(writer_index(5, 3, 8, 2, 4, 2).unwrap(), 4 + 1);
+        assert_eq!(writer_index(1, 0, 2, 4, 1, 1).unwrap(), 0);
+        assert_eq!(mla_source_rank(5, 4, 8).unwrap(), 1);
+        assert_eq!(mla_source_rank(1, 8, 2).unwrap(), 1);
+    }
+
+    fn bad(r: Result<impl std::fmt::Debug>, name: &str, text: &str) {
+        let e = r.expect_err("should fail");
+        assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
+        assert!(e.message().contains(&format!("`{name}`")), "{} does not name {name}", e.message());
+        assert!(e.message().contains(text), "{} lacks {text}", e.message());
+    }
+
+    #[test]
+    fn every_head_slice_error_names_its_argument() {
+        bad(head_slice(0, 2, 0, 0, 8), "src_tp", "0 is outside");
+        bad(head_slice(2, 0, 0, 0, 8), "dst_tp", "0 is outside");
+        bad(head_slice(1 << 17, 1, 0, 0, 8), "src_tp", "is outside");
+        bad(head_slice(6, 4, 0, 0, 8), "src_tp", "src_tp 6 and dst_tp 4 are not multiples");
+        bad(head_slice(4, 6, 0, 0, 8), "dst_tp", "are not multiples");
+        bad(head_slice(4, 2, 4, 0, 8), "src_rank", "4 is not below src_tp 4");
+        bad(head_slice(4, 2, 0, 2, 8), "dst_rank", "2 is not below dst_tp 2");
+        bad(head_slice(4, 2, 0, 0, 0), "total_kv_heads", "0 is outside");
+        bad(head_slice(4, 2, 0, 0, 6), "total_kv_heads", "6 and src_tp 4 do not divide");
+        bad(head_slice(1, 4, 0, 0, 6), "total_kv_heads", "6 and dst_tp 4 do not divide");
+        bad(head_slice(4, 2, 2, 0, 8), "src_rank", "prefill rank 2 does not write to decode rank 0 (its writers are prefill ranks 0..2)");
+        bad(head_slice(2, 4, 0, 2, 8), "dst_rank", "decode rank 2 reads prefill rank 1, not prefill rank 0");
+        bad(writer_index(4, 0, 4, 2, 1, 1), "src_tp_rank", "4 is not below src_tp 4");
+        bad(writer_index(0, 1, 4, 2, 1, 1), "src_pp_rank", "1 is not below src_pp 1");
+        bad(writers_per_chunk(4, 2, 3, 2), "src_pp", "src_pp 3 and dst_pp 2");
+        bad(prefill_ranks_for_decode(2, 4, 2), "dst_rank", "2 is not below dst_tp 2");
+        bad(decode_ranks_for_prefill(4, 4, 2), "src_rank", "4 is not below src_tp 4");
+        bad(mla_source_rank(2, 4, 2), "dst_rank", "2 is not below");
+    }
+}

@@ -1,0 +1,291 @@
+//! The copy planner: one plan per (pool, writer region, chunk), consumed by every copy engine
+//! (host memcpy now, a CUDA kernel later).
+//!
+//! A plan holds offsets only, never pointers, so it can be shipped to a device. It is factored as
+//! `slabs × segments`:
+//! - a [`Slab`] is one (buffer, layer) pair: the pool buffer index and the byte offset of its
+//!   slab within the writer region;
+//! - a [`Segment`] is a run of consecutive pool token slots (adjacent pages merged) that map to
+//!   consecutive staging rows.
+//!
+//! Every (slab, segment) pair is one [`CopyRun`]: `rows` copies of `row_bytes`, strided by the
+//! pool's token slot on the pool side and packed on the staging side. When the head slice is the
+//! whole token slot (all local heads, or MLA) the rows are contiguous on both sides and the run is a
+//! single copy of `tokens · row_bytes` bytes. The factored form keeps the plan small (a 70B chunk of
+//! 8192 random single-token pages is 8192 segments + 160 slabs, not 1.3 M descriptors).
+
+use super::{mismatch_error, PoolShape, StagingLayout};
+use crate::error::{Error, FieldMismatch, Result};
+
+/// Consecutive pool token slots `[pool_token, pool_token + tokens)` ↔ staging rows
+/// `[staging_token, staging_token + tokens)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    pub pool_token: u64,
+    pub staging_token: u64,
+    pub tokens: u64,
+}
+
+/// One (buffer, layer) of the plan: pool buffer index (into [`super::KvLayout::bases`]) and the
+/// byte offset of its slab within the writer region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slab {
+    pub buffer: u32,
+    pub staging_offset: u64,
+}
+
+/// `rows` copies of `row_bytes` bytes: row `i` at `pool_offset + i·pool_stride` in pool buffer
+/// `buffer` and at `staging_offset + i·staging_stride` in the staging region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyRun {
+    pub buffer: u32,
+    pub pool_offset: u64,
+    pub staging_offset: u64,
+    pub row_bytes: u64,
+    pub rows: u32,
+    pub pool_stride: u64,
+    pub staging_stride: u64,
+}
+
+/// The copy between a pool and one writer region for one chunk. Staging offsets are relative to
+/// the start of the writer region, which lies `region_offset` bytes into the allocation and is
+/// `staging_bytes` long.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyPlan {
+    /// Bytes of one token slot of one pool buffer (the pool-side row stride).
+    pub pool_token_bytes: u64,
+    /// Byte offset of the first copied head within a token slot.
+    pub pool_head_offset: u64,
+    /// Bytes copied per token per slab (`n · D · b`), also the staging row stride.
+    pub row_bytes: u64,
+    /// Tokens of the chunk (Σ segment tokens).
+    pub tokens: u64,
+    pub slabs: Vec<Slab>,
+    /// In staging order, tiling `[0, tokens)`.
+    pub segments: Vec<Segment>,
+    pub writer: u32,
+    pub region_offset: u64,
+    pub staging_bytes: u64,
+}
+
+impl CopyPlan {
+    /// Rows are contiguous on both sides (whole token slots): each run is one copy.
+    pub fn contiguous(&self) -> bool {
+        self.row_bytes == self.pool_token_bytes
+    }
+
+    /// Bytes moved by the plan.
+    pub fn bytes(&self) -> u64 {
+        self.slabs.len() as u64 * self.tokens * self.row_bytes
+    }
+
+    /// Number of [`CopyRun`]s (`slabs × segments`).
+    pub fn run_count(&self) -> usize {
+        self.slabs.len() * self.segments.len()
+    }
+
+    /// The plan as copy runs, slab-major; contiguous runs have `rows == 1`.
+    pub fn runs(&self) -> impl Iterator<Item = CopyRun> + '_ {
+        let contiguous = self.contiguous();
+        self.slabs.iter().flat_map(move |slab| {
+            self.segments.iter().map(move |seg| CopyRun {
+                buffer: slab.buffer,
+                pool_offset: seg.pool_token * self.pool_token_bytes + self.pool_head_offset,
+                staging_offset: slab.staging_offset + seg.staging_token * self.row_bytes,
+                row_bytes: if contiguous { seg.tokens * self.row_bytes } else { self.row_bytes },
+                rows: if contiguous { 1 } else { seg.tokens as u32 },
+                pool_stride: self.pool_token_bytes,
+                staging_stride: self.row_bytes,
+            })
+        })
+    }
+}
+
+/// Merges a page list into runs of consecutive pool tokens (pages `p, p+1, …` become one segment).
+fn segments(pages: &[u32], page_size: u32) -> Vec<Segment> {
+    let ps = page_size as u64;
+    let mut out: Vec<Segment> = Vec::new();
+    let mut staging = 0u64;
+    let mut prev: Option<u32> = None;
+    for &p in pages {
+        match (prev, out.last_mut()) {
+            (Some(q), Some(seg)) if q.checked_add(1) == Some(p) => seg.tokens += ps,
+            _ => out.push(Segment { pool_token: p as u64 * ps, staging_token: staging, tokens: ps }),
+        }
+        staging += ps;
+        prev = Some(p);
+    }
+    out
+}
+
+/// Plans the copy between `pool` (a [`PoolShape`] or a [`super::KvLayout`]) and region `writer` of `staging` for one chunk: heads
+/// `[head_start, head_start + num_heads)` of every token of `pages` (in chunk order), every layer
+/// the writer carries (mapped to the pool's buffer indices), K slabs then V slabs.
+///
+/// Errors: `writer` out of range, heads outside the pool or disagreeing with the layout, a page
+/// count that does not match the chunk (`KVSTAGE_E_INVALID_ARG`); a pool whose agreed fields differ
+/// from the layout or that lacks one of the writer's layers (`KVSTAGE_E_GEOMETRY_MISMATCH`). Page
+/// indices are checked against the pool capacity by the engine that executes the plan.
+pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
+    pool: &P,
+    head_start: u32,
+    num_heads: u32,
+    pages: &[u32],
+    staging: &StagingLayout,
+    writer: u32,
+) -> Result<CopyPlan> {
+    let pool = pool.as_ref();
+    pool.validate()?;
+    let region = staging.writers.get(writer as usize).ok_or_else(|| {
+        Error::invalid_arg("writer", format!("{writer} is not below the layout's {} writers", staging.writers.len()))
+    })?;
+    let list = super::agreed_field_mismatches(pool, &staging.dst);
+    if !list.is_empty() {
+        return Err(mismatch_error("pool and staging layout", list));
+    }
+    if num_heads != staging.num_heads {
+        return Err(Error::invalid_arg("num_heads", format!("{num_heads} != the layout's {} heads per row", staging.num_heads)));
+    }
+    if head_start as u64 + num_heads as u64 > pool.local_heads as u64 {
+        return Err(Error::invalid_arg(
+            "head_start",
+            format!("heads {head_start}..{} exceed the pool's {} local heads", head_start as u64 + num_heads as u64, pool.local_heads),
+        ));
+    }
+    let tokens = pages.len() as u64 * pool.page_size as u64;
+    if tokens != staging.tokens as u64 {
+        return Err(Error::invalid_arg(
+            "pages",
+            format!("{} pages × page_size {} = {tokens} tokens != the chunk's {} tokens", pages.len(), pool.page_size, staging.tokens),
+        ));
+    }
+    let pool_layers = pool.layer_count();
+    let mut layer_idx = Vec::with_capacity(region.layer_ids.len());
+    for &id in &region.layer_ids {
+        let idx = pool.layer_index(id).ok_or_else(|| {
+            mismatch_error(
+                "pool lacks a layer the writer carries",
+                vec![FieldMismatch {
+                    field: format!("layer {id} of writer {writer}"),
+                    local: "absent from this pool's layer_ids".into(),
+                    remote: format!("carried in {:?}", region.layer_ids),
+                }],
+            )
+        })?;
+        layer_idx.push(idx);
+    }
+    let mut slabs = Vec::with_capacity(layer_idx.len() * staging.buffers_per_layer as usize);
+    for kv in 0..staging.buffers_per_layer {
+        for (l, &idx) in layer_idx.iter().enumerate() {
+            slabs.push(Slab {
+                buffer: kv * pool_layers + idx,
+                staging_offset: (kv as u64 * region.layers as u64 + l as u64) * staging.slab_bytes,
+            });
+        }
+    }
+    Ok(CopyPlan {
+        pool_token_bytes: pool.token_bytes(),
+        pool_head_offset: head_start as u64 * pool.head_bytes(),
+        row_bytes: staging.row_bytes,
+        tokens,
+        slabs,
+        segments: segments(pages, pool.page_size),
+        writer,
+        region_offset: region.offset,
+        staging_bytes: region.bytes,
+    })
+}
+
+/// The sender's plan: pool → region `writer`, using the region's source heads.
+pub fn plan_gather<P: AsRef<PoolShape> + ?Sized>(pool: &P, pages: &[u32], staging: &StagingLayout, writer: u32) -> Result<CopyPlan> {
+    let heads = staging.writers.get(writer as usize).map(|w| w.heads).unwrap_or_default();
+    plan_chunk(pool, heads.src_head_start, staging.num_heads, pages, staging, writer)
+}
+
+/// The receiver's plan: region `writer` → pool, using the region's destination heads.
+pub fn plan_scatter<P: AsRef<PoolShape> + ?Sized>(pool: &P, pages: &[u32], staging: &StagingLayout, writer: u32) -> Result<CopyPlan> {
+    let heads = staging.writers.get(writer as usize).map(|w| w.heads).unwrap_or_default();
+    plan_chunk(pool, heads.dst_head_start, staging.num_heads, pages, staging, writer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Status;
+    use crate::geometry::{staging_layout, ModelKind};
+
+    fn shapes() -> (PoolShape, PoolShape) {
+        let base = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 3);
+        (base.clone().with_tp(3, 4), base.with_tp(1, 2))
+    }
+
+    #[test]
+    fn adjacent_pages_merge_and_full_heads_are_single_copies() {
+        let (src, dst) = shapes();
+        let st = staging_layout(&src, &dst, 5 * 16).unwrap();
+        let w = st.writer_for(&src).unwrap().unwrap();
+        let pages = [7, 8, 9, 2, 3];
+        let g = plan_gather(&src, &pages, &st, w).unwrap();
+        assert!(g.contiguous());
+        assert_eq!(g.segments, vec![
+            Segment { pool_token: 7 * 16, staging_token: 0, tokens: 48 },
+            Segment { pool_token: 2 * 16, staging_token: 48, tokens: 32 },
+        ]);
+        assert_eq!(g.slabs.len(), 6);
+        assert_eq!(g.run_count(), 12);
+        let runs: Vec<CopyRun> = g.runs().collect();
+        assert_eq!(runs[1], CopyRun {
+            buffer: 0,
+            pool_offset: 32 * 512,
+            staging_offset: 48 * 512,
+            row_bytes: 32 * 512,
+            rows: 1,
+            pool_stride: 512,
+            staging_stride: 512,
+        });
+        assert_eq!(runs[11].buffer, 5);
+        assert_eq!(runs[11].staging_offset, 5 * 80 * 512 + 48 * 512);
+        assert_eq!(g.bytes(), 6 * 80 * 512);
+        assert_eq!((g.region_offset, g.staging_bytes), (st.writers[1].offset, st.writers[1].bytes));
+        // The receiver's slice is half of its token slot: strided rows.
+        let s = plan_scatter(&dst, &pages, &st, w).unwrap();
+        assert!(!s.contiguous());
+        let r: Vec<CopyRun> = s.runs().collect();
+        assert_eq!(r[0], CopyRun {
+            buffer: 0,
+            pool_offset: 7 * 16 * 1024 + 2 * 256,
+            staging_offset: 0,
+            row_bytes: 512,
+            rows: 48,
+            pool_stride: 1024,
+            staging_stride: 512,
+        });
+    }
+
+    #[test]
+    fn plan_errors() {
+        let (src, dst) = shapes();
+        let st = staging_layout(&src, &dst, 32).unwrap();
+        let e = plan_chunk(&src, 0, 2, &[1, 2], &st, 2).unwrap_err();
+        assert!(e.message().contains("`writer`: 2 is not below the layout's 2 writers"));
+        let e = plan_chunk(&src, 0, 2, &[1, 2, 3], &st, 0).unwrap_err();
+        assert!(e.message().contains("`pages`: 3 pages × page_size 16 = 48 tokens != the chunk's 32 tokens"));
+        let e = plan_chunk(&src, 1, 2, &[1, 2], &st, 0).unwrap_err();
+        assert!(e.message().contains("`head_start`: heads 1..3 exceed the pool's 2 local heads"), "{}", e.message());
+        let e = plan_chunk(&dst, 0, 1, &[1, 2], &st, 0).unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
+        assert!(e.message().contains("`num_heads`: 1 != the layout's 2 heads per row"), "{}", e.message());
+        let mut other = src.clone();
+        other.dtype_bytes = 4;
+        let e = plan_chunk(&other, 0, 2, &[1, 2], &st, 0).unwrap_err();
+        assert_eq!(e.causes(), vec!["dtype_bytes: local 4 != remote 2"]);
+        let fewer = src.clone().with_pp(0, 1, vec![0, 2]);
+        let e = plan_chunk(&fewer, 0, 2, &[1, 2], &st, 0).unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+        assert!(e.causes()[0].starts_with("layer 1 of writer 0: local absent"), "{:?}", e.causes());
+        let mut bad = src.clone();
+        bad.page_size = 0;
+        assert_eq!(plan_chunk(&bad, 0, 2, &[1, 2], &st, 0).unwrap_err().code(), Status::KVSTAGE_E_GEOMETRY_INVALID);
+        assert!(plan_gather(&src, &[1, 2], &st, 9).unwrap_err().message().contains("`writer`: 9"));
+    }
+}
