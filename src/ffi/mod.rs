@@ -153,7 +153,11 @@ pub unsafe fn str_arg<'a>(ptr: *const c_char, arg: &str) -> Result<&'a str> {
 }
 
 /// Checks an output pointer.
-pub fn out_arg<'a, T>(ptr: *mut T, arg: &str) -> Result<&'a mut T> {
+///
+/// # Safety
+/// `ptr` is NULL or points to writable storage for a `T` that outlives `'a` (the C caller's
+/// contract). A safe signature here would let safe code turn any pointer into `&mut T`.
+pub unsafe fn out_arg<'a, T>(ptr: *mut T, arg: &str) -> Result<&'a mut T> {
     // SAFETY: non-NULL output pointers point to writable storage by contract.
     unsafe { ptr.as_mut() }.ok_or_else(|| Error::invalid_arg(arg, "is NULL"))
 }
