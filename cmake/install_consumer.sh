@@ -44,6 +44,12 @@ step "find_package consumer (CMake)"
   -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_C_COMPILER="$cc" -DCMAKE_BUILD_TYPE=Release \
   -DKVSTAGE_EXPECTED_VERSION="$version"
 "$cmake" --build "$work/consumer-build"
+needed() { readelf -d "$1" | sed -n 's/.*(NEEDED).*\[\(.*\)\].*/\1/p'; }
+needed "$work/consumer-build/kvstage_consumer" | grep -qx "libkvstage.so.$major" \
+  || fail "kvstage_consumer does not record NEEDED libkvstage.so.$major"
+if needed "$work/consumer-build/kvstage_consumer_static" | grep -q libkvstage; then
+  fail "kvstage_consumer_static needs a shared libkvstage"
+fi
 "$work/consumer-build/kvstage_consumer"
 "$work/consumer-build/kvstage_consumer_static"
 
