@@ -13,11 +13,20 @@
 #define KVSTAGE_VERSION ((KVSTAGE_VERSION_MAJOR << 16) | (KVSTAGE_VERSION_MINOR << 8) | KVSTAGE_VERSION_PATCH)
 
 
+#define DEFAULT_CHUNK_TOKENS 8192
+
+#define DEFAULT_SEND_STAGING_BYTES (1 << 30)
+
 // Deadline value meaning "wait forever" (must be asked for explicitly).
 #define KVSTAGE_DEADLINE_INFINITE UINT64_MAX
 
 // Default chunk size in tokens of the chunk grid.
 #define KVSTAGE_DEFAULT_CHUNK_TOKENS 8192
+
+#define PROTOCOL_VERSION 1
+
+// Largest control body accepted; anything larger is a protocol error, not an allocation.
+#define MAX_BODY (1 << 20)
 
 // Status codes returned by every `kvstage_*` function that can fail.
 //
@@ -111,6 +120,13 @@ typedef enum kvstage_memory_kind {
 // An engine: listener, peers, registrations and worker threads. Thread-safe.
 typedef struct kvstage_engine kvstage_engine;
 
+// An asynchronous operation started by `kvstage_transfer_async`.
+typedef struct kvstage_op kvstage_op;
+
+// A sender session: one (prefill rank → decode rank) peering. Thread-safe; transfers on one
+// session may run concurrently.
+typedef struct kvstage_session kvstage_session;
+
 // Details of the last failed kvstage call on this thread.
 //
 // Owned by the library and valid until the next kvstage call on the same thread.
@@ -151,6 +167,10 @@ typedef struct kvstage_engine_options {
     uint32_t worker_threads;
     // Deadline of an operation without its own, in milliseconds (> 0, or KVSTAGE_DEADLINE_INFINITE).
     uint64_t default_deadline_ms;
+    // Receiver chunk grid in tokens when a room does not name one (rounded down to whole pages).
+    uint32_t chunk_tokens;
+    // Largest send staging buffer in bytes; a chunk whose share is larger falls back.
+    uint64_t send_staging_bytes;
 } kvstage_engine_options;
 
 // One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
@@ -188,6 +208,17 @@ typedef struct kvstage_kv_layout {
     // A `kvstage_memory_kind` value.
     int32_t memory_kind;
 } kvstage_kv_layout;
+
+// Counters of an engine (a snapshot).
+typedef struct kvstage_engine_stats {
+    size_t struct_size;
+    // Size of the registered staging ring in bytes (0 = none).
+    uint64_t ring_capacity;
+    // Allocations currently live in the ring (0 when idle: nothing leaked).
+    uint64_t ring_live_allocations;
+    uint64_t watermark_round;
+    uint64_t watermark_offset;
+} kvstage_engine_stats;
 
 // Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
 typedef struct kvstage_head_slice_t {
@@ -232,6 +263,27 @@ typedef struct kvstage_staging_writer_t {
     uint32_t dst_head_start;
 } kvstage_staging_writer_t;
 
+// One chunk to transfer. Fill with `kvstage_transfer_desc_init`.
+typedef struct kvstage_transfer_desc {
+    size_t struct_size;
+    // The request's room id on the decode side (opened there with `kvstage_room_open`).
+    uint64_t room;
+    // Index of the chunk within the room (chunk grid of the decode side).
+    uint32_t chunk_index;
+    // Prefill pool pages holding the chunk's tokens, in token order.
+    const uint32_t *src_pages;
+    size_t num_pages;
+    // Deadline in milliseconds: 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none.
+    uint64_t deadline_ms;
+} kvstage_transfer_desc;
+
+// A chunk that reached the decode KV pool (status `KVSTAGE_OK`) or failed.
+typedef struct kvstage_chunk_event {
+    uint64_t room;
+    uint32_t chunk_index;
+    enum kvstage_status status;
+} kvstage_chunk_event;
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -270,6 +322,20 @@ enum kvstage_status kvstage_engine_new(const struct kvstage_engine_options *opti
 // Stops and frees an engine. NULL is a no-op.
 void kvstage_engine_free(struct kvstage_engine *engine);
 
+// Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated).
+// `KVSTAGE_E_INVALID_ARG` when `capacity` is too small (the message says how much is needed).
+enum kvstage_status kvstage_engine_listen_address(const struct kvstage_engine *engine, char *buf, size_t capacity);
+
+// Registers this rank's KV pool (copied; the memory it points to must outlive the engine).
+enum kvstage_status kvstage_engine_register_pool(const struct kvstage_engine *engine, const struct kvstage_kv_layout *layout);
+
+// Registers the decode-side staging ring: `bytes` at `memory`, or engine-owned memory when
+// `memory` is NULL. Senders learn its size in the handshake.
+enum kvstage_status kvstage_engine_register_staging(const struct kvstage_engine *engine, void *memory, size_t bytes);
+
+// Fills `out` (set `out->struct_size` first) with the engine's counters.
+enum kvstage_status kvstage_engine_stats_get(const struct kvstage_engine *engine, struct kvstage_engine_stats *out);
+
 // Fills `layout` with defaults (sets `struct_size`; MHA, page_size 1, one head, bf16, TP 1,
 // PP 1, host memory; head_dim, layers, bases and capacity must be set).
 enum kvstage_status kvstage_kv_layout_init(struct kvstage_kv_layout *layout);
@@ -298,6 +364,67 @@ enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_siz
 // too small, `out` (with `num_writers`) is still filled and `KVSTAGE_E_INVALID_ARG` names
 // `writers_len`.
 enum kvstage_status kvstage_staging_layout(const struct kvstage_kv_layout *src, const struct kvstage_kv_layout *dst, uint32_t tokens, struct kvstage_staging_layout_t *out, struct kvstage_staging_writer_t *writers, size_t writers_len);
+
+// Connects to the decode engine at `peer_address` ("127.0.0.1:5000") and runs the handshake
+// (versions, geometry fingerprints, pairing). A geometry disagreement fails with
+// `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field listed in the error's causes.
+// `timeout_ms` 0 = engine default. Writes `*out` only on success.
+enum kvstage_status kvstage_session_connect(const struct kvstage_engine *engine, const char *peer_address, const char *session_id, uint64_t timeout_ms_, struct kvstage_session **out);
+
+// Closes a session. Operations still running keep it alive until they end. NULL is a no-op.
+void kvstage_session_free(struct kvstage_session *session);
+
+// Fills `desc` with defaults (sets `struct_size`).
+enum kvstage_status kvstage_transfer_desc_init(struct kvstage_transfer_desc *desc);
+
+// The staged path for one chunk, blocking until the receiver acknowledged the data, the
+// deadline, or a failure. Returns `KVSTAGE_OK`, or `KVSTAGE_FALLBACK` (positive) when staging is
+// impossible (the peer has no ring, the chunk is larger than the ring or the send staging limit):
+// nothing was allocated and the caller may use `kvstage_transfer_slices`. Errors leave nothing
+// allocated on either side.
+enum kvstage_status kvstage_transfer(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc);
+
+// The slice path for the same chunk: one write per token, layer and K/V into the room's decode
+// pages. Same decode bytes as `kvstage_transfer`; the fallback and the benchmark baseline.
+enum kvstage_status kvstage_transfer_slices(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc);
+
+// Starts the staged path for one chunk in the background and returns `KVSTAGE_PENDING` with an
+// operation in `*out` (poll, wait, cancel, then free it). Argument errors return at once.
+enum kvstage_status kvstage_transfer_async(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc, struct kvstage_op **out);
+
+// `KVSTAGE_PENDING` while running; then the operation's result (repeatable; errors set the last
+// error each time).
+enum kvstage_status kvstage_op_poll(const struct kvstage_op *op);
+
+// Waits up to `timeout_ms` (KVSTAGE_DEADLINE_INFINITE = until it ends); `KVSTAGE_PENDING` when it
+// is still running then. The operation's own deadline still bounds it.
+enum kvstage_status kvstage_op_wait(const struct kvstage_op *op, uint64_t timeout_ms_);
+
+// Asks the operation to stop; it ends with `KVSTAGE_E_CANCELED` unless it already finished.
+// Ring space it held on the receiver is released.
+enum kvstage_status kvstage_op_cancel(const struct kvstage_op *op);
+
+// Frees an operation handle (a running operation continues to its end). NULL is a no-op.
+void kvstage_op_free(struct kvstage_op *op);
+
+// Decode side: opens room `room` whose new tokens land in `dst_pages` (the pages after the
+// decode-side cached prefix, in token order), cut into chunks of `chunk_tokens` tokens (0 =
+// engine default; rounded down to whole pages). `*num_chunks_out` (may be NULL) receives the
+// number of chunks the senders must deliver.
+enum kvstage_status kvstage_room_open(const struct kvstage_engine *engine, uint64_t room, const uint32_t *dst_pages, size_t num_pages, uint32_t chunk_tokens, uint32_t *num_chunks_out);
+
+// Decode side: waits until every chunk of the room is in the KV pool (`KVSTAGE_OK`), the room
+// failed (its error: peer gone, canceled, ...) or `timeout_ms` passed (`KVSTAGE_E_TIMEOUT`;
+// 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none).
+enum kvstage_status kvstage_room_wait(const struct kvstage_engine *engine, uint64_t room, uint64_t timeout_ms_);
+
+// Decode side: forgets the room and frees every ring allocation it still holds (on completion,
+// abort or failure). Idempotent; late data for it is discarded.
+enum kvstage_status kvstage_room_release(const struct kvstage_engine *engine, uint64_t room);
+
+// Decode side: moves up to `capacity` chunk events into `events` and their number into
+// `*count` (0 when none). Non-blocking.
+enum kvstage_status kvstage_engine_poll_events(const struct kvstage_engine *engine, struct kvstage_chunk_event *events, size_t capacity, size_t *count);
 
 #ifdef __cplusplus
 }  // extern "C"

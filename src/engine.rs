@@ -1,9 +1,18 @@
 //! The top-level object: options, registrations, worker threads, stats.
 
-use std::net::SocketAddr;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::error::{Error, Result};
+use parking_lot::Mutex;
+
+use crate::copy::{CopyEngine, HostCopyEngine};
+use crate::error::{Error, Result, Status};
+use crate::geometry::KvLayout;
+use crate::session::receiver::{Receiver, RingMemory, ScatterJob};
+use crate::session::sender::{SendResources, SenderSession};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransportKind {
@@ -19,9 +28,15 @@ pub struct EngineOptions {
     pub worker_threads: u32,
     /// `None` = infinite (only when asked for explicitly).
     pub default_deadline: Option<Duration>,
+    /// Receiver chunk grid when a room does not name one.
+    pub chunk_tokens: u32,
+    /// Largest send staging buffer (one writer's share of a chunk); larger chunks fall back.
+    pub send_staging_bytes: u64,
 }
 
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
+pub const DEFAULT_CHUNK_TOKENS: u32 = 8192;
+pub const DEFAULT_SEND_STAGING_BYTES: u64 = 1 << 30;
 
 impl Default for EngineOptions {
     fn default() -> Self {
@@ -30,6 +45,8 @@ impl Default for EngineOptions {
             listen_address: "127.0.0.1:0".to_owned(),
             worker_threads: 2,
             default_deadline: Some(DEFAULT_DEADLINE),
+            chunk_tokens: DEFAULT_CHUNK_TOKENS,
+            send_staging_bytes: DEFAULT_SEND_STAGING_BYTES,
         }
     }
 }
@@ -57,6 +74,12 @@ impl EngineOptions {
                 "0 would fail every operation at once (use KVSTAGE_DEADLINE_INFINITE for no deadline)",
             ));
         }
+        if self.chunk_tokens == 0 {
+            return Err(Error::invalid_arg("options->chunk_tokens", "0 (a chunk needs at least one page of tokens)"));
+        }
+        if self.send_staging_bytes == 0 {
+            return Err(Error::invalid_arg("options->send_staging_bytes", "0 (every staged transfer would fall back)"));
+        }
         self.listen_address.parse::<SocketAddr>().map_err(|e| {
             Error::invalid_arg(
                 "options->listen_address",
@@ -81,20 +104,151 @@ impl Capabilities {
 
 pub struct Engine {
     options: EngineOptions,
-    listen: SocketAddr,
+    local_addr: SocketAddr,
+    pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
+    send: Arc<SendResources>,
+    receiver: Arc<Receiver>,
+    listener: TcpListener,
+    accept_thread: Option<JoinHandle<()>>,
+    scatter_thread: Option<JoinHandle<()>>,
+    conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>,
 }
 
 impl Engine {
     pub fn new(options: EngineOptions) -> Result<Engine> {
         let listen = options.validate()?;
-        Ok(Engine { options, listen })
+        match options.transport {
+            TransportKind::Tcp | TransportKind::Auto => {}
+            TransportKind::Rdma => {
+                return Err(Error::new(
+                    Status::KVSTAGE_E_UNSUPPORTED,
+                    "transport rdma is not available in this build yet (use tcp or auto)",
+                ))
+            }
+        }
+        let listener = TcpListener::bind(listen)
+            .map_err(|e| Error::from(e).context(format!("cannot listen on {listen}")))?;
+        let local_addr = listener.local_addr()?;
+        let copy: Arc<dyn CopyEngine> = Arc::new(HostCopyEngine::new(options.worker_threads));
+        let pool = Arc::new(Mutex::new(None));
+        let send = Arc::new(SendResources {
+            pool: pool.clone(),
+            copy: copy.clone(),
+            staging: Mutex::new(Vec::new()),
+            staging_limit: options.send_staging_bytes,
+            default_timeout: options.default_deadline,
+        });
+        let receiver = Arc::new(Receiver::new(pool.clone(), copy, options.chunk_tokens));
+        let (tx, rx) = crossbeam_channel::unbounded::<ScatterJob>();
+        receiver.set_scatter_queue(tx);
+        let scatter_receiver = receiver.clone();
+        let scatter_thread = spawn("kvstage-scatter", move || {
+            for job in rx {
+                scatter_receiver.run_scatter(job);
+            }
+        })?;
+        let conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>> = Arc::new(Mutex::new(Vec::new()));
+        let accept_listener = listener.try_clone()?;
+        let (accept_receiver, accept_conns) = (receiver.clone(), conns.clone());
+        let accept_thread = spawn("kvstage-accept", move || {
+            for stream in accept_listener.incoming() {
+                let Ok(stream) = stream else { break };
+                let Ok(closer) = stream.try_clone() else { continue };
+                let r = accept_receiver.clone();
+                if let Ok(h) = spawn("kvstage-recv", move || r.serve(stream)) {
+                    let mut conns = accept_conns.lock();
+                    conns.retain(|(_, h)| !h.is_finished());
+                    conns.push((closer, h));
+                }
+            }
+        })?;
+        Ok(Engine {
+            options,
+            local_addr,
+            pool,
+            send,
+            receiver,
+            listener,
+            accept_thread: Some(accept_thread),
+            scatter_thread: Some(scatter_thread),
+            conns,
+        })
     }
 
     pub fn options(&self) -> &EngineOptions {
         &self.options
     }
 
-    pub fn configured_listen_address(&self) -> SocketAddr {
-        self.listen
+    /// The address the engine listens on (the chosen port when 0 was asked for).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    pub fn register_pool(&self, layout: KvLayout) -> Result<()> {
+        layout.validate()?;
+        let mut pool = self.pool.lock();
+        if pool.is_some() {
+            return Err(Error::invalid_arg("layout", "a KV pool is already registered on this engine"));
+        }
+        *pool = Some(Arc::new(layout));
+        Ok(())
+    }
+
+    pub fn register_staging(&self, ptr: Option<*mut u8>, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Err(Error::invalid_arg("bytes", "0 (a staging ring needs space)"));
+        }
+        self.receiver.register_ring(RingMemory::new(ptr, bytes)?)
+    }
+
+    pub fn receiver(&self) -> &Receiver {
+        &self.receiver
+    }
+
+    pub fn connect(&self, addr: &str, session: &str, timeout: Option<Duration>) -> Result<Arc<SenderSession>> {
+        let addr: SocketAddr = addr
+            .parse()
+            .map_err(|e| Error::invalid_arg("peer_address", format!("\"{addr}\" is not HOST:PORT ({e})")))?;
+        if session.is_empty() {
+            return Err(Error::invalid_arg("session_id", "is empty"));
+        }
+        let timeout = timeout.or(self.options.default_deadline).unwrap_or(DEFAULT_DEADLINE);
+        SenderSession::connect(self.send.clone(), addr, session, timeout)
+    }
+
+    /// Resolves an operation's timeout: `None` = engine default, `Some(None)` = infinite.
+    pub fn timeout(&self, requested: Option<Option<Duration>>) -> Option<Duration> {
+        requested.unwrap_or(self.options.default_deadline)
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(f)
+        .map_err(|e| Error::internal(format!("cannot start thread {name}")).with_source(e))
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // SHUT_RD on a listening socket wakes a blocked accept() on Linux.
+        // SAFETY: the fd is ours and open.
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RD) };
+        if let Some(h) = self.accept_thread.take() {
+            let _ = h.join();
+        }
+        self.receiver.shutdown();
+        // Join every connection so no thread writes into caller memory after the engine is freed.
+        let conns = std::mem::take(&mut *self.conns.lock());
+        for (stream, _) in &conns {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        for (_, h) in conns {
+            let _ = h.join();
+        }
+        self.receiver.close_scatter_queue();
+        if let Some(h) = self.scatter_thread.take() {
+            let _ = h.join();
+        }
     }
 }

@@ -13,7 +13,14 @@ pub mod ffi;
 // No C items (their C view lives in `ffi`); keep cbindgen out:
 /// cbindgen:ignore
 pub mod geometry;
+pub mod protocol;
 pub mod ring;
+/// cbindgen:ignore
+pub mod session;
+/// cbindgen:ignore
+pub mod testkit;
+/// cbindgen:ignore
+pub mod transport;
 
 pub use error::{Error, ErrorClass, Result, Status};
 

@@ -41,6 +41,10 @@ pub struct kvstage_engine_options {
     pub worker_threads: u32,
     /// Deadline of an operation without its own, in milliseconds (> 0, or KVSTAGE_DEADLINE_INFINITE).
     pub default_deadline_ms: u64,
+    /// Receiver chunk grid in tokens when a room does not name one (rounded down to whole pages).
+    pub chunk_tokens: u32,
+    /// Largest send staging buffer in bytes; a chunk whose share is larger falls back.
+    pub send_staging_bytes: u64,
 }
 
 impl Default for kvstage_engine_options {
@@ -56,6 +60,8 @@ impl Default for kvstage_engine_options {
             listen_address: std::ptr::null(),
             worker_threads: d.worker_threads,
             default_deadline_ms: d.default_deadline_ms(),
+            chunk_tokens: d.chunk_tokens,
+            send_staging_bytes: d.send_staging_bytes,
         }
     }
 }
@@ -71,7 +77,13 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
         2 => TransportKind::Rdma,
         other => return Err(Error::invalid_arg("options->transport", format!("{other} is not a kvstage_transport value"))),
     };
-    let mut opts = EngineOptions { transport, worker_threads: raw.worker_threads, ..EngineOptions::default() };
+    let mut opts = EngineOptions {
+        transport,
+        worker_threads: raw.worker_threads,
+        chunk_tokens: raw.chunk_tokens,
+        send_staging_bytes: raw.send_staging_bytes,
+        ..EngineOptions::default()
+    };
     if !raw.listen_address.is_null() {
         opts.listen_address = unsafe { str_arg(raw.listen_address, "options->listen_address") }?.to_owned();
     }
@@ -107,4 +119,90 @@ pub unsafe extern "C" fn kvstage_engine_new(
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_free(engine: *mut kvstage_engine) {
     ffi_fn!(value = (), { unsafe { Handle::<Engine>::free(engine as *mut Handle<Engine>) } })
+}
+
+/// Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated).
+/// `KVSTAGE_E_INVALID_ARG` when `capacity` is too small (the message says how much is needed).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_listen_address(
+    engine: *const kvstage_engine,
+    buf: *mut c_char,
+    capacity: usize,
+) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow(engine, "engine") }?;
+        out_arg(buf, "buf")?;
+        let text = engine.local_addr().to_string();
+        if text.len() + 1 > capacity {
+            return Err(Error::invalid_arg("capacity", format!("{capacity} < {} bytes needed", text.len() + 1)));
+        }
+        // SAFETY: `capacity` writable bytes at `buf` by contract, and the text fits.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf as *mut u8, text.len());
+            *buf.add(text.len()) = 0;
+        }
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Registers this rank's KV pool (copied; the memory it points to must outlive the engine).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_register_pool(
+    engine: *const kvstage_engine,
+    layout: *const super::geometry::kvstage_kv_layout,
+) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow(engine, "engine") }?;
+        let layout = unsafe { super::geometry::kv_layout_from_c(layout, "layout") }?;
+        engine.register_pool(layout)?;
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Registers the decode-side staging ring: `bytes` at `memory`, or engine-owned memory when
+/// `memory` is NULL. Senders learn its size in the handshake.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_register_staging(
+    engine: *const kvstage_engine,
+    memory: *mut std::ffi::c_void,
+    bytes: usize,
+) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow(engine, "engine") }?;
+        let ptr = (!memory.is_null()).then_some(memory as *mut u8);
+        engine.register_staging(ptr, bytes)?;
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Counters of an engine (a snapshot).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct kvstage_engine_stats {
+    pub struct_size: usize,
+    /// Size of the registered staging ring in bytes (0 = none).
+    pub ring_capacity: u64,
+    /// Allocations currently live in the ring (0 when idle: nothing leaked).
+    pub ring_live_allocations: u64,
+    pub watermark_round: u64,
+    pub watermark_offset: u64,
+}
+
+/// Fills `out` (set `out->struct_size` first) with the engine's counters.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine, out: *mut kvstage_engine_stats) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow(engine, "engine") }?;
+        let out = out_arg(out, "out")?;
+        let (capacity, live, wm) = engine.receiver().ring_stats();
+        let stats = kvstage_engine_stats {
+            struct_size: std::mem::size_of::<kvstage_engine_stats>(),
+            ring_capacity: capacity,
+            ring_live_allocations: live,
+            watermark_round: wm.round,
+            watermark_offset: wm.offset,
+        };
+        super::write_versioned(out, stats, "out")?;
+        Ok(Status::KVSTAGE_OK)
+    })
 }

@@ -18,6 +18,7 @@ pub mod core;
 pub mod engine;
 pub mod geometry;
 pub mod last_error;
+pub mod transfer;
 
 pub use last_error::kvstage_error;
 

@@ -1,0 +1,296 @@
+//! Sessions, transfers, operations and rooms.
+
+use std::ffi::c_char;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::engine::{borrow as borrow_engine, kvstage_engine, KVSTAGE_DEADLINE_INFINITE};
+use super::{ffi_fn, out_arg, slice_arg, str_arg, versioned_struct, Handle};
+use crate::error::{Error, Result, Status};
+use crate::session::op::Op;
+use crate::session::sender::{SenderSession, TransferDesc};
+
+/// A sender session: one (prefill rank → decode rank) peering. Thread-safe; transfers on one
+/// session may run concurrently.
+pub struct kvstage_session {
+    _private: [u8; 0],
+}
+
+/// An asynchronous operation started by `kvstage_transfer_async`.
+pub struct kvstage_op {
+    _private: [u8; 0],
+}
+
+unsafe fn session<'a>(ptr: *const kvstage_session) -> Result<&'a Arc<SenderSession>> {
+    unsafe { Handle::<Arc<SenderSession>>::borrow(ptr as *const Handle<Arc<SenderSession>>, "session") }
+}
+
+unsafe fn op<'a>(ptr: *const kvstage_op) -> Result<&'a Arc<Op>> {
+    unsafe { Handle::<Arc<Op>>::borrow(ptr as *const Handle<Arc<Op>>, "op") }
+}
+
+/// Milliseconds → timeout: 0 = the engine default, `KVSTAGE_DEADLINE_INFINITE` = none.
+fn timeout_ms(ms: u64) -> Option<Option<Duration>> {
+    match ms {
+        0 => None,
+        KVSTAGE_DEADLINE_INFINITE => Some(None),
+        ms => Some(Some(Duration::from_millis(ms))),
+    }
+}
+
+/// Connects to the decode engine at `peer_address` ("127.0.0.1:5000") and runs the handshake
+/// (versions, geometry fingerprints, pairing). A geometry disagreement fails with
+/// `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field listed in the error's causes.
+/// `timeout_ms` 0 = engine default. Writes `*out` only on success.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_session_connect(
+    engine: *const kvstage_engine,
+    peer_address: *const c_char,
+    session_id: *const c_char,
+    timeout_ms_: u64,
+    out: *mut *mut kvstage_session,
+) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        let addr = unsafe { str_arg(peer_address, "peer_address") }?;
+        let id = unsafe { str_arg(session_id, "session_id") }?;
+        let out = out_arg(out, "out")?;
+        let timeout = engine.timeout(timeout_ms(timeout_ms_));
+        let session = engine.connect(addr, id, timeout)?;
+        *out = Handle::into_raw("kvstage_session", session) as *mut kvstage_session;
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Closes a session. Operations still running keep it alive until they end. NULL is a no-op.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_session_free(session: *mut kvstage_session) {
+    ffi_fn!(value = (), { unsafe { Handle::<Arc<SenderSession>>::free(session as *mut Handle<Arc<SenderSession>>) } })
+}
+
+/// One chunk to transfer. Fill with `kvstage_transfer_desc_init`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct kvstage_transfer_desc {
+    pub struct_size: usize,
+    /// The request's room id on the decode side (opened there with `kvstage_room_open`).
+    pub room: u64,
+    /// Index of the chunk within the room (chunk grid of the decode side).
+    pub chunk_index: u32,
+    /// Prefill pool pages holding the chunk's tokens, in token order.
+    pub src_pages: *const u32,
+    pub num_pages: usize,
+    /// Deadline in milliseconds: 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none.
+    pub deadline_ms: u64,
+}
+
+impl Default for kvstage_transfer_desc {
+    fn default() -> Self {
+        kvstage_transfer_desc {
+            struct_size: std::mem::size_of::<Self>(),
+            room: 0,
+            chunk_index: 0,
+            src_pages: std::ptr::null(),
+            num_pages: 0,
+            deadline_ms: 0,
+        }
+    }
+}
+
+/// Fills `desc` with defaults (sets `struct_size`).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_transfer_desc_init(desc: *mut kvstage_transfer_desc) -> Status {
+    ffi_fn!(status {
+        *out_arg(desc, "desc")? = kvstage_transfer_desc::default();
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+unsafe fn transfer_desc(engine_default: Option<Duration>, ptr: *const kvstage_transfer_desc) -> Result<TransferDesc> {
+    let raw: kvstage_transfer_desc = unsafe { versioned_struct(ptr, "desc", std::mem::size_of::<kvstage_transfer_desc>()) }?;
+    let pages = unsafe { slice_arg(raw.src_pages, raw.num_pages, "desc->src_pages") }?;
+    if pages.is_empty() {
+        return Err(Error::invalid_arg("desc->num_pages", "0 (a chunk holds at least one page)"));
+    }
+    Ok(TransferDesc {
+        room: raw.room,
+        chunk: raw.chunk_index,
+        pages: pages.to_vec(),
+        timeout: timeout_ms(raw.deadline_ms).unwrap_or(engine_default),
+    })
+}
+
+enum Path {
+    Staged,
+    Slices,
+}
+
+fn run(session: &SenderSession, desc: &TransferDesc, op: &Op, path: &Path) -> Result<Status> {
+    match path {
+        Path::Staged => session.transfer(desc, op),
+        Path::Slices => session.transfer_slices(desc, op),
+    }
+}
+
+unsafe fn run_sync(session_ptr: *const kvstage_session, desc_ptr: *const kvstage_transfer_desc, path: Path) -> Result<Status> {
+    let session = unsafe { session(session_ptr) }?;
+    let desc = unsafe { transfer_desc(session.default_timeout(), desc_ptr) }?;
+    let op = Op::new(session.waker());
+    run(session, &desc, &op, &path)
+}
+
+/// The staged path for one chunk, blocking until the receiver acknowledged the data, the
+/// deadline, or a failure. Returns `KVSTAGE_OK`, or `KVSTAGE_FALLBACK` (positive) when staging is
+/// impossible (the peer has no ring, the chunk is larger than the ring or the send staging limit):
+/// nothing was allocated and the caller may use `kvstage_transfer_slices`. Errors leave nothing
+/// allocated on either side.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_transfer(session: *const kvstage_session, desc: *const kvstage_transfer_desc) -> Status {
+    ffi_fn!(status { unsafe { run_sync(session, desc, Path::Staged) } })
+}
+
+/// The slice path for the same chunk: one write per token, layer and K/V into the room's decode
+/// pages. Same decode bytes as `kvstage_transfer`; the fallback and the benchmark baseline.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_transfer_slices(session: *const kvstage_session, desc: *const kvstage_transfer_desc) -> Status {
+    ffi_fn!(status { unsafe { run_sync(session, desc, Path::Slices) } })
+}
+
+/// Starts the staged path for one chunk in the background and returns `KVSTAGE_PENDING` with an
+/// operation in `*out` (poll, wait, cancel, then free it). Argument errors return at once.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_transfer_async(
+    session: *const kvstage_session,
+    desc: *const kvstage_transfer_desc,
+    out: *mut *mut kvstage_op,
+) -> Status {
+    ffi_fn!(status {
+        let session = unsafe { self::session(session) }?.clone();
+        let desc = unsafe { transfer_desc(session.default_timeout(), desc) }?;
+        let out = out_arg(out, "out")?;
+        let op = Op::new(session.waker());
+        let worker_op = op.clone();
+        std::thread::Builder::new()
+            .name("kvstage-transfer".to_owned())
+            .spawn(move || {
+                let result = run(&session, &desc, &worker_op, &Path::Staged);
+                worker_op.finish(result);
+            })
+            .map_err(|e| Error::internal("cannot start a transfer thread").with_source(e))?;
+        *out = Handle::into_raw("kvstage_op", op) as *mut kvstage_op;
+        Ok(Status::KVSTAGE_PENDING)
+    })
+}
+
+/// `KVSTAGE_PENDING` while running; then the operation's result (repeatable; errors set the last
+/// error each time).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_op_poll(op: *const kvstage_op) -> Status {
+    ffi_fn!(status { unsafe { self::op(op) }?.poll() })
+}
+
+/// Waits up to `timeout_ms` (KVSTAGE_DEADLINE_INFINITE = until it ends); `KVSTAGE_PENDING` when it
+/// is still running then. The operation's own deadline still bounds it.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_op_wait(op: *const kvstage_op, timeout_ms_: u64) -> Status {
+    ffi_fn!(status {
+        let op = unsafe { self::op(op) }?;
+        let timeout = if timeout_ms_ == KVSTAGE_DEADLINE_INFINITE { None } else { Some(Duration::from_millis(timeout_ms_)) };
+        op.wait(timeout)
+    })
+}
+
+/// Asks the operation to stop; it ends with `KVSTAGE_E_CANCELED` unless it already finished.
+/// Ring space it held on the receiver is released.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_op_cancel(op: *const kvstage_op) -> Status {
+    ffi_fn!(status {
+        unsafe { self::op(op) }?.cancel();
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Frees an operation handle (a running operation continues to its end). NULL is a no-op.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_op_free(op: *mut kvstage_op) {
+    ffi_fn!(value = (), { unsafe { Handle::<Arc<Op>>::free(op as *mut Handle<Arc<Op>>) } })
+}
+
+/// Decode side: opens room `room` whose new tokens land in `dst_pages` (the pages after the
+/// decode-side cached prefix, in token order), cut into chunks of `chunk_tokens` tokens (0 =
+/// engine default; rounded down to whole pages). `*num_chunks_out` (may be NULL) receives the
+/// number of chunks the senders must deliver.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_room_open(
+    engine: *const kvstage_engine,
+    room: u64,
+    dst_pages: *const u32,
+    num_pages: usize,
+    chunk_tokens: u32,
+    num_chunks_out: *mut u32,
+) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        let pages = unsafe { slice_arg(dst_pages, num_pages, "dst_pages") }?;
+        let n = engine.receiver().open_room(room, pages, chunk_tokens)?;
+        if let Some(out) = unsafe { num_chunks_out.as_mut() } {
+            *out = n;
+        }
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Decode side: waits until every chunk of the room is in the KV pool (`KVSTAGE_OK`), the room
+/// failed (its error: peer gone, canceled, ...) or `timeout_ms` passed (`KVSTAGE_E_TIMEOUT`;
+/// 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_room_wait(engine: *const kvstage_engine, room: u64, timeout_ms_: u64) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        engine.receiver().wait_room(room, engine.timeout(timeout_ms(timeout_ms_)))
+    })
+}
+
+/// Decode side: forgets the room and frees every ring allocation it still holds (on completion,
+/// abort or failure). Idempotent; late data for it is discarded.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_room_release(engine: *const kvstage_engine, room: u64) -> Status {
+    ffi_fn!(status {
+        unsafe { borrow_engine(engine, "engine") }?.receiver().release_room(room);
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// A chunk that reached the decode KV pool (status `KVSTAGE_OK`) or failed.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct kvstage_chunk_event {
+    pub room: u64,
+    pub chunk_index: u32,
+    pub status: Status,
+}
+
+/// Decode side: moves up to `capacity` chunk events into `events` and their number into
+/// `*count` (0 when none). Non-blocking.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_poll_events(
+    engine: *const kvstage_engine,
+    events: *mut kvstage_chunk_event,
+    capacity: usize,
+    count: *mut usize,
+) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        let count = out_arg(count, "count")?;
+        if capacity > 0 && events.is_null() {
+            return Err(Error::invalid_arg("events", format!("is NULL with capacity {capacity}")));
+        }
+        let taken = engine.receiver().take_events(capacity);
+        for (i, e) in taken.iter().enumerate() {
+            // SAFETY: `capacity` writable elements by contract; `taken.len() <= capacity`.
+            unsafe { *events.add(i) = kvstage_chunk_event { room: e.room, chunk_index: e.chunk, status: e.status } };
+        }
+        *count = taken.len();
+        Ok(Status::KVSTAGE_OK)
+    })
+}

@@ -1,0 +1,450 @@
+//! Wire messages of the control plane and their framed, versioned, bounds-checked codec.
+//!
+//! A frame is `u32 body_len | u8 type | body` (little endian). `Data` and `Slice` frames are followed
+//! by `len` payload bytes that are not part of `body_len`, so the receiver can validate the target
+//! range first and then read the payload straight into it (no intermediate copy).
+
+use std::io::{Read, Write};
+
+use crate::error::{Error, Result, Status};
+use crate::geometry::{ModelKind, PoolShape};
+use crate::ring::Watermark;
+
+pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Largest control body accepted; anything larger is a protocol error, not an allocation.
+pub const MAX_BODY: u32 = 1 << 20;
+/// Largest number of layers a shape on the wire may carry.
+const MAX_LAYERS: u32 = 4096;
+
+/// One rank's view of the handshake.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Hello {
+    pub protocol_version: u16,
+    pub library_version: u32,
+    pub session: String,
+    pub fingerprint: Vec<u8>,
+    pub shape: PoolShape,
+    /// Receiver only: staging ring size (0 = no ring) and its current watermark.
+    pub ring_bytes: u64,
+    pub watermark: Watermark,
+    /// Receiver only: status of the handshake (0 = accepted) and why not.
+    pub status: i32,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Message {
+    Hello(Hello),
+    AllocReq { req: u64, room: u64, chunk: u32, writer: u32, tokens: u32, bytes: u64 },
+    /// `status` 0 = granted; otherwise a `Status` code with `reason`.
+    AllocRsp { req: u64, status: i32, round: u64, offset: u64, len: u64, reason: String },
+    /// Header of a bulk write: `len` payload bytes follow, to land at `offset` within the allocation.
+    Data { room: u64, chunk: u32, writer: u32, offset: u64, len: u64 },
+    /// Completion of one writer's data for a chunk; sent after its `Data` frames in the same stream.
+    ChunkReady { req: u64, room: u64, chunk: u32, writer: u32 },
+    /// Receiver's acknowledgement that a writer's data arrived (status 0) or was rejected.
+    Arrived { req: u64, status: i32, reason: String },
+    Watermark(Watermark),
+    /// Abandon a chunk (or the whole room when `chunk == u32::MAX`).
+    Abort { room: u64, chunk: u32, reason: String },
+    /// Slice path: header of one per-token head-slice write; `len` payload bytes follow.
+    Slice { room: u64, chunk: u32, buffer: u32, token: u32, byte_offset: u32, len: u32 },
+    /// Slice path completion, acknowledged with `Arrived`.
+    SliceDone { req: u64, room: u64, chunk: u32 },
+}
+
+const T_HELLO: u8 = 1;
+const T_ALLOC_REQ: u8 = 2;
+const T_ALLOC_RSP: u8 = 3;
+const T_DATA: u8 = 4;
+const T_CHUNK_READY: u8 = 5;
+const T_ARRIVED: u8 = 6;
+const T_WATERMARK: u8 = 7;
+const T_ABORT: u8 = 8;
+const T_SLICE: u8 = 9;
+const T_SLICE_DONE: u8 = 10;
+
+fn malformed(what: impl Into<String>) -> Error {
+    Error::new(Status::KVSTAGE_E_PROTOCOL, format!("malformed frame: {}", what.into()))
+}
+
+#[derive(Default)]
+struct Enc(Vec<u8>);
+
+impl Enc {
+    fn u8(&mut self, v: u8) -> &mut Self {
+        self.0.push(v);
+        self
+    }
+    fn u16(&mut self, v: u16) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn u32(&mut self, v: u32) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn i32(&mut self, v: i32) -> &mut Self {
+        self.u32(v as u32)
+    }
+    fn u64(&mut self, v: u64) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn bytes(&mut self, v: &[u8]) -> &mut Self {
+        self.u32(v.len() as u32);
+        self.0.extend_from_slice(v);
+        self
+    }
+    fn str(&mut self, v: &str) -> &mut Self {
+        self.bytes(v.as_bytes())
+    }
+}
+
+struct Dec<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Dec<'a> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| {
+            malformed(format!("{what} needs {n} bytes at {} but the body has {}", self.pos, self.buf.len()))
+        })?;
+        let s = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+    fn u8(&mut self, what: &str) -> Result<u8> {
+        Ok(self.take(1, what)?[0])
+    }
+    fn u16(&mut self, what: &str) -> Result<u16> {
+        Ok(u16::from_le_bytes(self.take(2, what)?.try_into().expect("2 bytes")))
+    }
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+    }
+    fn i32(&mut self, what: &str) -> Result<i32> {
+        Ok(self.u32(what)? as i32)
+    }
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+    }
+    fn bytes(&mut self, what: &str) -> Result<Vec<u8>> {
+        let n = self.u32(what)? as usize;
+        Ok(self.take(n, what)?.to_vec())
+    }
+    fn str(&mut self, what: &str) -> Result<String> {
+        String::from_utf8(self.bytes(what)?).map_err(|_| malformed(format!("{what} is not UTF-8")))
+    }
+    fn finish(&self, kind: &str) -> Result<()> {
+        if self.pos != self.buf.len() {
+            return Err(malformed(format!("{} trailing bytes after {kind}", self.buf.len() - self.pos)));
+        }
+        Ok(())
+    }
+}
+
+fn encode_shape(e: &mut Enc, s: &PoolShape) {
+    e.u8(match s.kind {
+        ModelKind::Mha => 0,
+        ModelKind::Mla => 1,
+    })
+    .u32(s.page_size)
+    .u32(s.local_heads)
+    .u32(s.global_heads)
+    .u32(s.head_dim)
+    .u32(s.dtype_bytes)
+    .u32(s.tp_rank)
+    .u32(s.tp_size)
+    .u32(s.pp_rank)
+    .u32(s.pp_size)
+    .u32(s.layer_ids.len() as u32);
+    for &l in &s.layer_ids {
+        e.u32(l);
+    }
+}
+
+fn decode_shape(d: &mut Dec) -> Result<PoolShape> {
+    let kind = match d.u8("shape.kind")? {
+        0 => ModelKind::Mha,
+        1 => ModelKind::Mla,
+        k => return Err(malformed(format!("unknown model kind {k}"))),
+    };
+    let mut s = PoolShape {
+        kind,
+        page_size: d.u32("shape.page_size")?,
+        local_heads: d.u32("shape.local_heads")?,
+        global_heads: d.u32("shape.global_heads")?,
+        head_dim: d.u32("shape.head_dim")?,
+        dtype_bytes: d.u32("shape.dtype_bytes")?,
+        tp_rank: d.u32("shape.tp_rank")?,
+        tp_size: d.u32("shape.tp_size")?,
+        pp_rank: d.u32("shape.pp_rank")?,
+        pp_size: d.u32("shape.pp_size")?,
+        layer_ids: Vec::new(),
+    };
+    let n = d.u32("shape.num_layers")?;
+    if n > MAX_LAYERS {
+        return Err(malformed(format!("{n} layers exceeds the limit of {MAX_LAYERS}")));
+    }
+    for _ in 0..n {
+        s.layer_ids.push(d.u32("shape.layer_id")?);
+    }
+    Ok(s)
+}
+
+impl Message {
+    /// Encodes the frame header and body (payloads of `Data`/`Slice` are written by the caller).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut e = Enc::default();
+        e.u32(0); // body length, patched below
+        match self {
+            Message::Hello(h) => {
+                e.u8(T_HELLO);
+                e.0.extend_from_slice(&MAGIC);
+                e.u16(h.protocol_version).u32(h.library_version).str(&h.session).bytes(&h.fingerprint);
+                encode_shape(&mut e, &h.shape);
+                e.u64(h.ring_bytes).u64(h.watermark.round).u64(h.watermark.offset).i32(h.status).str(&h.reason);
+            }
+            Message::AllocReq { req, room, chunk, writer, tokens, bytes } => {
+                e.u8(T_ALLOC_REQ).u64(*req).u64(*room).u32(*chunk).u32(*writer).u32(*tokens).u64(*bytes);
+            }
+            Message::AllocRsp { req, status, round, offset, len, reason } => {
+                e.u8(T_ALLOC_RSP).u64(*req).i32(*status).u64(*round).u64(*offset).u64(*len).str(reason);
+            }
+            Message::Data { room, chunk, writer, offset, len } => {
+                e.u8(T_DATA).u64(*room).u32(*chunk).u32(*writer).u64(*offset).u64(*len);
+            }
+            Message::ChunkReady { req, room, chunk, writer } => {
+                e.u8(T_CHUNK_READY).u64(*req).u64(*room).u32(*chunk).u32(*writer);
+            }
+            Message::Arrived { req, status, reason } => {
+                e.u8(T_ARRIVED).u64(*req).i32(*status).str(reason);
+            }
+            Message::Watermark(w) => {
+                e.u8(T_WATERMARK).u64(w.round).u64(w.offset);
+            }
+            Message::Abort { room, chunk, reason } => {
+                e.u8(T_ABORT).u64(*room).u32(*chunk).str(reason);
+            }
+            Message::Slice { room, chunk, buffer, token, byte_offset, len } => {
+                e.u8(T_SLICE).u64(*room).u32(*chunk).u32(*buffer).u32(*token).u32(*byte_offset).u32(*len);
+            }
+            Message::SliceDone { req, room, chunk } => {
+                e.u8(T_SLICE_DONE).u64(*req).u64(*room).u32(*chunk);
+            }
+        }
+        let body = (e.0.len() - 5) as u32;
+        e.0[..4].copy_from_slice(&body.to_le_bytes());
+        e.0
+    }
+
+    /// Decodes a frame's type byte and body (everything after the length prefix).
+    pub fn decode(kind: u8, body: &[u8]) -> Result<Message> {
+        let mut d = Dec { buf: body, pos: 0 };
+        let msg = match kind {
+            T_HELLO => {
+                let magic = d.take(8, "magic")?;
+                if magic != MAGIC {
+                    return Err(malformed(format!("bad magic {magic:02x?} (not a kvstage peer?)")));
+                }
+                let protocol_version = d.u16("protocol_version")?;
+                if protocol_version != PROTOCOL_VERSION {
+                    return Err(Error::new(
+                        Status::KVSTAGE_E_PROTOCOL,
+                        format!("protocol version {protocol_version} != supported {PROTOCOL_VERSION}"),
+                    ));
+                }
+                Message::Hello(Hello {
+                    protocol_version,
+                    library_version: d.u32("library_version")?,
+                    session: d.str("session")?,
+                    fingerprint: d.bytes("fingerprint")?,
+                    shape: decode_shape(&mut d)?,
+                    ring_bytes: d.u64("ring_bytes")?,
+                    watermark: Watermark { round: d.u64("watermark.round")?, offset: d.u64("watermark.offset")? },
+                    status: d.i32("status")?,
+                    reason: d.str("reason")?,
+                })
+            }
+            T_ALLOC_REQ => Message::AllocReq {
+                req: d.u64("req")?,
+                room: d.u64("room")?,
+                chunk: d.u32("chunk")?,
+                writer: d.u32("writer")?,
+                tokens: d.u32("tokens")?,
+                bytes: d.u64("bytes")?,
+            },
+            T_ALLOC_RSP => Message::AllocRsp {
+                req: d.u64("req")?,
+                status: d.i32("status")?,
+                round: d.u64("round")?,
+                offset: d.u64("offset")?,
+                len: d.u64("len")?,
+                reason: d.str("reason")?,
+            },
+            T_DATA => Message::Data {
+                room: d.u64("room")?,
+                chunk: d.u32("chunk")?,
+                writer: d.u32("writer")?,
+                offset: d.u64("offset")?,
+                len: d.u64("len")?,
+            },
+            T_CHUNK_READY => Message::ChunkReady {
+                req: d.u64("req")?,
+                room: d.u64("room")?,
+                chunk: d.u32("chunk")?,
+                writer: d.u32("writer")?,
+            },
+            T_ARRIVED => Message::Arrived { req: d.u64("req")?, status: d.i32("status")?, reason: d.str("reason")? },
+            T_WATERMARK => Message::Watermark(Watermark { round: d.u64("round")?, offset: d.u64("offset")? }),
+            T_ABORT => Message::Abort { room: d.u64("room")?, chunk: d.u32("chunk")?, reason: d.str("reason")? },
+            T_SLICE => Message::Slice {
+                room: d.u64("room")?,
+                chunk: d.u32("chunk")?,
+                buffer: d.u32("buffer")?,
+                token: d.u32("token")?,
+                byte_offset: d.u32("byte_offset")?,
+                len: d.u32("len")?,
+            },
+            T_SLICE_DONE => Message::SliceDone { req: d.u64("req")?, room: d.u64("room")?, chunk: d.u32("chunk")? },
+            other => return Err(malformed(format!("unknown frame type {other}"))),
+        };
+        d.finish("frame")?;
+        Ok(msg)
+    }
+
+    /// Payload bytes that follow this frame on the wire.
+    pub fn payload_len(&self) -> u64 {
+        match self {
+            Message::Data { len, .. } => *len,
+            Message::Slice { len, .. } => *len as u64,
+            _ => 0,
+        }
+    }
+}
+
+/// Reads one frame (not its payload). `Ok(None)` on a clean EOF between frames.
+pub fn read_frame(r: &mut impl Read) -> Result<Option<Message>> {
+    let mut head = [0u8; 5];
+    let mut got = 0;
+    while got < head.len() {
+        match r.read(&mut head[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a frame header")),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::from(e).context("reading a frame header failed")),
+        }
+    }
+    let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
+    if len > MAX_BODY {
+        return Err(malformed(format!("body length {len} exceeds the limit of {MAX_BODY}")));
+    }
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body).map_err(|e| Error::from(e).context("reading a frame body failed"))?;
+    Message::decode(head[4], &body).map(Some)
+}
+
+/// Writes one frame (header and body) in one call.
+pub fn write_frame(w: &mut impl Write, msg: &Message) -> Result<()> {
+    w.write_all(&msg.encode()).map_err(|e| Error::from(e).context("writing a frame failed"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn shape() -> PoolShape {
+        PoolShape {
+            kind: ModelKind::Mha,
+            page_size: 16,
+            local_heads: 2,
+            global_heads: 8,
+            head_dim: 128,
+            dtype_bytes: 2,
+            tp_rank: 1,
+            tp_size: 4,
+            pp_rank: 0,
+            pp_size: 1,
+            layer_ids: vec![0, 1, 2],
+        }
+    }
+
+    fn samples() -> Vec<Message> {
+        vec![
+            Message::Hello(Hello {
+                protocol_version: PROTOCOL_VERSION,
+                library_version: 0x100,
+                session: "s-1".into(),
+                fingerprint: vec![1, 2, 3],
+                shape: shape(),
+                ring_bytes: 1 << 30,
+                watermark: Watermark { round: 3, offset: 99 },
+                status: 0,
+                reason: String::new(),
+            }),
+            Message::AllocReq { req: 7, room: 9, chunk: 2, writer: 1, tokens: 64, bytes: 4096 },
+            Message::AllocRsp { req: 7, status: -13, round: 1, offset: 2, len: 3, reason: "too big".into() },
+            Message::Data { room: 1, chunk: 2, writer: 3, offset: 4, len: 5 },
+            Message::ChunkReady { req: 1, room: 2, chunk: 3, writer: 4 },
+            Message::Arrived { req: 1, status: 0, reason: String::new() },
+            Message::Watermark(Watermark { round: 5, offset: 6 }),
+            Message::Abort { room: 1, chunk: u32::MAX, reason: "canceled".into() },
+            Message::Slice { room: 1, chunk: 0, buffer: 3, token: 17, byte_offset: 256, len: 512 },
+            Message::SliceDone { req: 4, room: 1, chunk: 0 },
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        for msg in samples() {
+            let bytes = msg.encode();
+            let back = read_frame(&mut &bytes[..]).unwrap().unwrap();
+            assert_eq!(back, msg);
+        }
+    }
+
+    #[test]
+    fn rejects_bad_magic_version_length_and_trailing_bytes() {
+        let hello = samples().remove(0).encode();
+        let mut bad_magic = hello.clone();
+        bad_magic[5] ^= 0xff;
+        assert!(read_frame(&mut &bad_magic[..]).unwrap_err().message().contains("bad magic"));
+        let mut bad_version = hello.clone();
+        bad_version[13] = 99;
+        assert!(read_frame(&mut &bad_version[..]).unwrap_err().message().contains("protocol version 99"));
+        let mut huge = hello.clone();
+        huge[..4].copy_from_slice(&(MAX_BODY + 1).to_le_bytes());
+        assert!(read_frame(&mut &huge[..]).unwrap_err().message().contains("exceeds the limit"));
+        let mut trailing = Message::Watermark(Watermark::default()).encode();
+        trailing.push(0);
+        trailing[..4].copy_from_slice(&17u32.to_le_bytes());
+        assert!(read_frame(&mut &trailing[..]).unwrap_err().message().contains("trailing"));
+        let truncated = &hello[..hello.len() - 1];
+        assert_eq!(read_frame(&mut &truncated[..]).unwrap_err().code(), Status::KVSTAGE_E_PEER_GONE);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        /// Arbitrary bytes never panic the decoder: every input is a message or a protocol error.
+        #[test]
+        fn decoder_survives_garbage(kind in 0u8..12, body in proptest::collection::vec(any::<u8>(), 0..200)) {
+            if let Err(e) = Message::decode(kind, &body) {
+                prop_assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
+            }
+        }
+
+        /// Mutating one byte of a valid frame gives the same message, another message or an error.
+        #[test]
+        fn decoder_survives_mutations(which in 0usize..10, pos in any::<usize>(), val in any::<u8>()) {
+            let mut bytes = samples()[which].encode();
+            let p = 4 + pos % (bytes.len() - 4);
+            bytes[p] = val;
+            let _ = Message::decode(bytes[4], &bytes[5..]);
+        }
+    }
+}

@@ -1,0 +1,80 @@
+//! Asynchronous operations: a result slot, a cancel flag and a way to wake whoever waits for them.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use super::Deadline;
+use crate::error::{Error, Result, Status};
+
+/// What wakes an operation blocked inside its session (so a cancel is seen at once).
+pub trait Waker: Send + Sync {
+    fn wake(&self);
+}
+
+pub struct Op {
+    result: Mutex<Option<Result<Status>>>,
+    done: Condvar,
+    canceled: AtomicBool,
+    waker: Arc<dyn Waker>,
+}
+
+impl Op {
+    pub fn new(waker: Arc<dyn Waker>) -> Arc<Op> {
+        Arc::new(Op { result: Mutex::new(None), done: Condvar::new(), canceled: AtomicBool::new(false), waker })
+    }
+
+    pub fn is_canceled(&self) -> bool {
+        self.canceled.load(Ordering::SeqCst)
+    }
+
+    pub fn cancel(&self) {
+        self.canceled.store(true, Ordering::SeqCst);
+        self.waker.wake();
+    }
+
+    pub fn finish(&self, result: Result<Status>) {
+        *self.result.lock() = Some(result);
+        self.done.notify_all();
+    }
+
+    /// `PENDING` while running, otherwise the terminal result (repeatable).
+    pub fn poll(&self) -> Result<Status> {
+        match &*self.result.lock() {
+            None => Ok(Status::KVSTAGE_PENDING),
+            Some(r) => clone_result(r),
+        }
+    }
+
+    /// Waits up to `timeout` (`None` = forever); `PENDING` when it is still running then.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<Status> {
+        let deadline = Deadline::after(timeout);
+        let mut slot = self.result.lock();
+        while slot.is_none() {
+            if !deadline.wait(&self.done, &mut slot) {
+                return Ok(Status::KVSTAGE_PENDING);
+            }
+        }
+        clone_result(slot.as_ref().expect("checked above"))
+    }
+}
+
+/// Results are read repeatably by poll/wait; errors are re-created with the same code and chain.
+fn clone_result(r: &Result<Status>) -> Result<Status> {
+    match r {
+        Ok(s) => Ok(*s),
+        Err(e) => {
+            let mut copy = Error::new(e.code(), e.message()).with_class(e.class());
+            if let Some(s) = e.session() {
+                copy = copy.with_session(s);
+            }
+            let causes = e.causes();
+            if let Some(chain) = crate::error::CauseChain::from_list(causes) {
+                copy = copy.with_source(chain);
+            }
+            Err(copy)
+        }
+    }
+}

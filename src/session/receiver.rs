@@ -1,0 +1,773 @@
+//! Decode side: rooms, the staging ring, arrivals, scatter and watermark broadcast.
+//!
+//! Every remote-supplied room, chunk, writer, offset and length is checked against what this side
+//! granted before a single byte is read into memory: a peer can write only inside its allocation
+//! (staged path) or inside the token slots of its own room's pages (slice path).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::Read;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::Sender;
+use parking_lot::{Condvar, Mutex};
+
+use super::{writer_of, Deadline};
+use crate::copy::CopyEngine;
+use crate::error::{Error, Result, Status};
+use crate::geometry::{self, Fingerprint, HeadSlice, KvLayout, PoolShape, StagingLayout};
+use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
+use crate::ring::{Grant, Ring, Watermark};
+use crate::transport::tcp::TcpTransport;
+use crate::transport::Transport;
+
+/// Registered staging memory of the receiver (caller-provided or owned).
+pub struct RingMemory {
+    ptr: *mut u8,
+    len: usize,
+    _owned: Option<Vec<u8>>,
+}
+
+// SAFETY: the memory is only written at offsets the ring granted to one writer at a time and only
+// read by the scatter of a chunk whose writers have all arrived.
+unsafe impl Send for RingMemory {}
+unsafe impl Sync for RingMemory {}
+
+impl RingMemory {
+    /// `ptr == None` allocates `len` bytes owned by the engine.
+    pub fn new(ptr: Option<*mut u8>, len: usize) -> Result<RingMemory> {
+        match ptr {
+            Some(p) => Ok(RingMemory { ptr: p, len, _owned: None }),
+            None => {
+                let mut v = Vec::new();
+                v.try_reserve_exact(len).map_err(|_| {
+                    Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot allocate a staging ring of {len} bytes"))
+                })?;
+                v.resize(len, 0);
+                let ptr = v.as_mut_ptr();
+                Ok(RingMemory { ptr, len, _owned: Some(v) })
+            }
+        }
+    }
+}
+
+/// One completed or failed chunk, as reported to the decode caller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkEvent {
+    pub room: u64,
+    pub chunk: u32,
+    pub status: Status,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ChunkPhase {
+    Waiting,
+    Scattering,
+    Done,
+}
+
+struct Writer {
+    peer: u64,
+    shape: PoolShape,
+    received: u64,
+    arrived: bool,
+}
+
+struct Chunk {
+    phase: ChunkPhase,
+    grant: Option<Grant>,
+    layout: Option<StagingLayout>,
+    writers: Vec<Option<Writer>>,
+    /// Slice-path completions (no allocation).
+    slice_done: Vec<bool>,
+}
+
+struct Room {
+    pages: Vec<u32>,
+    grid_pages: usize,
+    chunks: Vec<Chunk>,
+    failure: Option<(Status, String)>,
+    released: bool,
+}
+
+impl Room {
+    fn chunk_pages(&self, chunk: u32) -> &[u32] {
+        let start = chunk as usize * self.grid_pages;
+        &self.pages[start..(start + self.grid_pages).min(self.pages.len())]
+    }
+
+    fn complete(&self) -> bool {
+        self.chunks.iter().all(|c| c.phase == ChunkPhase::Done)
+    }
+}
+
+struct State {
+    ring: Option<Ring>,
+    rooms: HashMap<u64, Room>,
+    events: VecDeque<ChunkEvent>,
+    peers: HashMap<u64, Arc<TcpTransport>>,
+    next_peer: u64,
+    /// Recently released rooms: late frames for them are drained, not treated as attacks.
+    released: VecDeque<u64>,
+}
+
+/// How many released room ids are remembered for draining late frames.
+const RELEASED_MEMORY: usize = 4096;
+
+pub struct ScatterJob {
+    room: u64,
+    chunk: u32,
+}
+
+/// The receiver half of an engine.
+pub struct Receiver {
+    state: Mutex<State>,
+    changed: Condvar,
+    memory: Mutex<Option<Arc<RingMemory>>>,
+    pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
+    copy: Arc<dyn CopyEngine>,
+    scatter_tx: Mutex<Option<Sender<ScatterJob>>>,
+    default_chunk_tokens: u32,
+}
+
+fn reject(code: Status, reason: impl Into<String>) -> Error {
+    Error::new(code, reason)
+}
+
+impl Receiver {
+    pub fn new(pool: Arc<Mutex<Option<Arc<KvLayout>>>>, copy: Arc<dyn CopyEngine>, default_chunk_tokens: u32) -> Receiver {
+        Receiver {
+            state: Mutex::new(State {
+                ring: None,
+                rooms: HashMap::new(),
+                events: VecDeque::new(),
+                peers: HashMap::new(),
+                next_peer: 1,
+                released: VecDeque::new(),
+            }),
+            changed: Condvar::new(),
+            memory: Mutex::new(None),
+            pool,
+            copy,
+            scatter_tx: Mutex::new(None),
+            default_chunk_tokens,
+        }
+    }
+
+    pub fn set_scatter_queue(&self, tx: Sender<ScatterJob>) {
+        *self.scatter_tx.lock() = Some(tx);
+    }
+
+    pub fn close_scatter_queue(&self) {
+        self.scatter_tx.lock().take();
+    }
+
+    pub fn register_ring(&self, memory: RingMemory) -> Result<()> {
+        let mut st = self.state.lock();
+        if st.ring.as_ref().is_some_and(|r| r.live_count() > 0) {
+            return Err(Error::invalid_arg("staging", "the staging ring has live allocations; release rooms first"));
+        }
+        st.ring = Some(Ring::new(memory.len as u64));
+        *self.memory.lock() = Some(Arc::new(memory));
+        Ok(())
+    }
+
+    fn pool(&self) -> Result<Arc<KvLayout>> {
+        self.pool.lock().clone().ok_or_else(|| {
+            Error::new(Status::KVSTAGE_E_INVALID_ARG, "no KV pool registered on this engine (kvstage_engine_register_pool)")
+        })
+    }
+
+    /// Opens a room: the decode pages that receive the request's new tokens (after the decode
+    /// side's cached prefix), split into chunks of `chunk_tokens` on the page grid.
+    pub fn open_room(&self, room: u64, pages: &[u32], chunk_tokens: u32) -> Result<u32> {
+        let pool = self.pool()?;
+        pool.check_pages(pages)?;
+        if pages.is_empty() {
+            return Err(Error::invalid_arg("num_pages", "0 (a room needs at least one page)"));
+        }
+        let chunk_tokens = if chunk_tokens == 0 { self.default_chunk_tokens } else { chunk_tokens };
+        let grid_pages = (geometry::grid_tokens(chunk_tokens, pool.shape.page_size) / pool.shape.page_size) as usize;
+        let num_chunks = pages.len().div_ceil(grid_pages);
+        let mut st = self.state.lock();
+        if st.rooms.get(&room).is_some_and(|r| !r.released) {
+            return Err(Error::invalid_arg("room", format!("{room} is already open")));
+        }
+        let chunks = (0..num_chunks)
+            .map(|_| Chunk { phase: ChunkPhase::Waiting, grant: None, layout: None, writers: Vec::new(), slice_done: Vec::new() })
+            .collect();
+        st.rooms.insert(room, Room { pages: pages.to_vec(), grid_pages, chunks, failure: None, released: false });
+        Ok(num_chunks as u32)
+    }
+
+    /// Waits until every chunk of `room` is scattered (OK), the room failed (its error) or the deadline.
+    pub fn wait_room(&self, room: u64, timeout: Option<Duration>) -> Result<Status> {
+        let deadline = Deadline::after(timeout);
+        let mut st = self.state.lock();
+        loop {
+            let r = st.rooms.get(&room).ok_or_else(|| Error::invalid_arg("room", format!("{room} is not open")))?;
+            if let Some((code, msg)) = &r.failure {
+                return Err(Error::new(*code, format!("room {room} failed: {msg}")));
+            }
+            if r.complete() {
+                return Ok(Status::KVSTAGE_OK);
+            }
+            if !deadline.wait(&self.changed, &mut st) {
+                let done = r_done(st.rooms.get(&room));
+                return Err(deadline.timeout_error(&format!("waiting for room {room} ({done})")));
+            }
+        }
+    }
+
+    /// Frees every allocation the room still holds and forgets it. Idempotent.
+    pub fn release_room(&self, room: u64) {
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let Some(r) = st.rooms.get_mut(&room) else { return };
+        r.released = true;
+        let (freed, scattering) = take_grants(r);
+        if !scattering {
+            st.rooms.remove(&room); // otherwise the running scatter removes it when done
+        }
+        if !st.released.contains(&room) {
+            if st.released.len() == RELEASED_MEMORY {
+                st.released.pop_front();
+            }
+            st.released.push_back(room);
+        }
+        self.free_grants(st, &freed);
+        self.changed.notify_all();
+    }
+
+    /// Marks a room failed (it stays visible until released), frees its ring space and reports
+    /// every unfinished chunk as failed.
+    fn fail_room(&self, st: &mut State, room: u64, code: Status, why: String) {
+        let Some(r) = st.rooms.get_mut(&room) else { return };
+        if r.failure.is_some() || r.released || r.complete() {
+            return;
+        }
+        r.failure = Some((code, why));
+        let (freed, _) = take_grants(r);
+        for (i, c) in r.chunks.iter().enumerate() {
+            if c.phase == ChunkPhase::Waiting {
+                st.events.push_back(ChunkEvent { room, chunk: i as u32, status: code });
+            }
+        }
+        self.free_grants(st, &freed);
+        self.changed.notify_all();
+    }
+
+    fn free_grants(&self, st: &mut State, ids: &[u64]) {
+        let Some(ring) = st.ring.as_mut() else { return };
+        let mut moved = None;
+        for &id in ids {
+            if let Some(w) = ring.free(id) {
+                moved = Some(w);
+            }
+        }
+        if let Some(w) = moved {
+            broadcast(st, &Message::Watermark(w));
+        }
+    }
+
+    pub fn take_events(&self, max: usize) -> Vec<ChunkEvent> {
+        let mut st = self.state.lock();
+        let n = max.min(st.events.len());
+        st.events.drain(..n).collect()
+    }
+
+    pub fn ring_stats(&self) -> (u64, u64, Watermark) {
+        let st = self.state.lock();
+        st.ring.as_ref().map_or((0, 0, Watermark::default()), |r| (r.capacity(), r.live_count() as u64, r.watermark()))
+    }
+
+    /// Runs one accepted connection until it closes: handshake, then frames.
+    pub fn serve(self: &Arc<Self>, stream: TcpStream) {
+        let _ = self.serve_inner(stream);
+    }
+
+    fn serve_inner(self: &Arc<Self>, stream: TcpStream) -> Result<()> {
+        crate::transport::tcp::tune(&stream)?;
+        stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let mut reader = stream.try_clone()?;
+        let link = Arc::new(TcpTransport::new(stream)?);
+        let Some(Message::Hello(hello)) = protocol::read_frame(&mut reader)? else {
+            return Err(reject(Status::KVSTAGE_E_PROTOCOL, "first frame is not a hello"));
+        };
+        let (peer_id, src) = match self.accept(&hello, &link) {
+            Ok(v) => v,
+            Err(e) => return Err(e),
+        };
+        reader.set_read_timeout(None)?;
+        let result = self.read_loop(peer_id, &src, &mut reader, &link, &hello.session);
+        let reason = match &result {
+            Ok(()) => "peer closed the connection".to_owned(),
+            Err(e) => e.chain(),
+        };
+        self.peer_gone(peer_id, &reason);
+        link.shutdown();
+        result
+    }
+
+    /// Validates the hello and answers with ours; registers the peer for watermark broadcasts.
+    fn accept(&self, hello: &Hello, link: &Arc<TcpTransport>) -> Result<(u64, PoolShape)> {
+        let pool = self.pool();
+        let mut st = self.state.lock();
+        let (ring_bytes, watermark) = st.ring.as_ref().map_or((0, Watermark::default()), |r| (r.capacity(), r.watermark()));
+        let (status, reason, shape) = match &pool {
+            Err(e) => (e.code(), e.message().to_owned(), None),
+            Ok(pool) => match verify_peer(&pool.shape, hello) {
+                Ok(()) => (Status::KVSTAGE_OK, String::new(), Some(pool.shape.clone())),
+                Err(e) => (e.code(), e.chain(), Some(pool.shape.clone())),
+            },
+        };
+        let our_shape = shape.clone().unwrap_or_else(|| hello.shape.clone());
+        let answer = Hello {
+            protocol_version: PROTOCOL_VERSION,
+            library_version: crate::version_number(),
+            session: hello.session.clone(),
+            fingerprint: Fingerprint::of(&our_shape).encode(),
+            shape: our_shape,
+            ring_bytes,
+            watermark,
+            status: status.code(),
+            reason: reason.clone(),
+        };
+        // The peer is registered before the answer so no watermark change can fall in between.
+        let peer_id = st.next_peer;
+        if status == Status::KVSTAGE_OK {
+            st.next_peer += 1;
+            st.peers.insert(peer_id, link.clone());
+        }
+        link.send(&Message::Hello(answer))?;
+        drop(st);
+        if status != Status::KVSTAGE_OK {
+            return Err(reject(status, reason));
+        }
+        Ok((peer_id, hello.shape.clone()))
+    }
+
+    fn read_loop(
+        &self,
+        peer: u64,
+        src: &PoolShape,
+        reader: &mut TcpStream,
+        link: &Arc<TcpTransport>,
+        session: &str,
+    ) -> Result<()> {
+        let dst = self.pool()?;
+        let layout = geometry::staging_layout(src, &dst.shape, dst.shape.page_size)?;
+        let writer = writer_of(src, &dst.shape)?;
+        let writers = layout.writer_count();
+        let slice = layout.writers[writer as usize].heads;
+        while let Some(msg) = protocol::read_frame(reader)? {
+            match msg {
+                Message::AllocReq { req, room, chunk, writer: w, tokens, bytes } => {
+                    let rsp = match self.allocate(room, chunk, w, writer, writers, tokens, bytes, src, &dst.shape, peer) {
+                        Ok(g) => Message::AllocRsp { req, status: 0, round: g.round, offset: g.offset, len: g.len, reason: String::new() },
+                        Err(e) => Message::AllocRsp { req, status: e.code().code(), round: 0, offset: 0, len: 0, reason: e.chain() },
+                    };
+                    link.send(&rsp)?;
+                }
+                Message::Data { room, chunk, writer: w, offset, len } => {
+                    match self.data_target(room, chunk, w, writer, offset, len) {
+                        Ok(target) => {
+                            // SAFETY: `data_target` checked that [target, target+len) lies inside this
+                            // writer's region of a live grant that the watermark allows to be written.
+                            let buf = unsafe { std::slice::from_raw_parts_mut(target, len as usize) };
+                            reader.read_exact(buf).map_err(|e| Error::from(e).context("receiving chunk data failed"))?;
+                            self.note_received(room, chunk, w, len);
+                        }
+                        Err(e) => drain_or_fail(reader, e, len)?,
+                    }
+                }
+                Message::ChunkReady { req, room, chunk, writer: w } => {
+                    let status = match self.arrive(room, chunk, w, writer) {
+                        Ok(()) => Message::Arrived { req, status: 0, reason: String::new() },
+                        Err(e) => Message::Arrived { req, status: e.code().code(), reason: e.chain() },
+                    };
+                    link.send(&status)?;
+                }
+                Message::Slice { room, chunk, buffer, token, byte_offset, len } => {
+                    match self.slice_target(&dst, room, chunk, buffer, token, byte_offset, len, &slice) {
+                        Ok(target) => {
+                            // SAFETY: `slice_target` checked that the range is inside one token slot
+                            // of a page this room owns, within the head range this writer feeds.
+                            let buf = unsafe { std::slice::from_raw_parts_mut(target, len as usize) };
+                            reader.read_exact(buf).map_err(|e| Error::from(e).context("receiving slice data failed"))?;
+                        }
+                        Err(e) => drain_or_fail(reader, e, len as u64)?,
+                    }
+                }
+                Message::SliceDone { req, room, chunk } => {
+                    let status = match self.slice_done(room, chunk, writer, writers) {
+                        Ok(()) => Message::Arrived { req, status: 0, reason: String::new() },
+                        Err(e) => Message::Arrived { req, status: e.code().code(), reason: e.chain() },
+                    };
+                    link.send(&status)?;
+                }
+                Message::Abort { room, chunk, reason } => {
+                    let mut st = self.state.lock();
+                    let why = format!("sender aborted chunk {chunk} (session {session}): {reason}");
+                    self.fail_room(&mut st, room, Status::KVSTAGE_E_CANCELED, why);
+                }
+                other => {
+                    return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("unexpected frame from sender: {other:?}")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn allocate(
+        &self,
+        room: u64,
+        chunk: u32,
+        claimed_writer: u32,
+        writer: u32,
+        writers: u32,
+        tokens: u32,
+        bytes: u64,
+        src: &PoolShape,
+        dst: &PoolShape,
+        peer: u64,
+    ) -> Result<Grant> {
+        if claimed_writer != writer {
+            return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("writer {claimed_writer} claimed, session is writer {writer}")));
+        }
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let r = live_room(st, room)?;
+        let num_chunks = r.chunks.len();
+        if chunk as usize >= num_chunks {
+            return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("chunk {chunk} is past room {room}'s {num_chunks} chunks")));
+        }
+        let expected_tokens = r.chunk_pages(chunk).len() as u32 * dst.page_size;
+        if tokens != expected_tokens {
+            return Err(reject(
+                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+                format!("chunk {chunk} of room {room}: sender has {tokens} tokens, receiver expects {expected_tokens}"),
+            ));
+        }
+        let layout = geometry::staging_layout(src, dst, tokens)?;
+        if bytes != layout.total_bytes {
+            return Err(reject(
+                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+                format!("allocation size {bytes} != expected {} for chunk {chunk}", layout.total_bytes),
+            ));
+        }
+        let c = &mut r.chunks[chunk as usize];
+        if c.phase != ChunkPhase::Waiting {
+            return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("chunk {chunk} of room {room} is already complete")));
+        }
+        if c.writers.iter().flatten().any(|w| w.peer == peer) || c.writers.get(writer as usize).is_some_and(|w| w.is_some()) {
+            return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("writer {writer} requested chunk {chunk} twice")));
+        }
+        let existing = c.grant;
+        let grant = match existing {
+            Some(g) => g,
+            None => {
+                let ring = st.ring.as_mut().ok_or_else(|| reject(Status::KVSTAGE_E_STAGING_TOO_SMALL, "no staging ring registered"))?;
+                ring.assign(bytes).map_err(|e| reject(Status::KVSTAGE_E_OVERSIZED, e.to_string()))?
+            }
+        };
+        let c = &mut st.rooms.get_mut(&room).expect("checked above").chunks[chunk as usize];
+        if existing.is_none() {
+            c.grant = Some(grant);
+            c.layout = Some(layout);
+        }
+        if c.writers.is_empty() {
+            c.writers = (0..writers).map(|_| None).collect();
+        }
+        c.writers[writer as usize] = Some(Writer { peer, shape: src.clone(), received: 0, arrived: false });
+        Ok(grant)
+    }
+
+    fn data_target(&self, room: u64, chunk: u32, claimed: u32, writer: u32, offset: u64, len: u64) -> Result<*mut u8> {
+        if claimed != writer {
+            return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("data for writer {claimed} from writer {writer}")));
+        }
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let wm = st.ring.as_ref().map(|r| r.watermark()).unwrap_or_default();
+        let r = live_room(st, room)?;
+        let c = r
+            .chunks
+            .get_mut(chunk as usize)
+            .ok_or_else(|| reject(Status::KVSTAGE_E_PROTOCOL, format!("data for chunk {chunk} past the room")))?;
+        let (Some(g), Some(layout)) = (c.grant, c.layout.as_ref()) else {
+            return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("data for chunk {chunk} without an allocation")));
+        };
+        let region = &layout.writers[writer as usize];
+        let w = c.writers[writer as usize]
+            .as_mut()
+            .ok_or_else(|| reject(Status::KVSTAGE_E_PROTOCOL, "data before the allocation request"))?;
+        // Writes must be inside this writer's region, contiguous with what already arrived.
+        let start = region.offset + w.received;
+        if offset != start || len > region.bytes - w.received || w.arrived {
+            return Err(reject(
+                Status::KVSTAGE_E_PROTOCOL,
+                format!(
+                    "write [{offset}, {}) outside writer {writer}'s remaining region [{start}, {}) of chunk {chunk}",
+                    offset.saturating_add(len),
+                    region.offset + region.bytes
+                ),
+            ));
+        }
+        if !wm.permits(g.round, g.offset + region.offset + region.bytes) {
+            return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("write to round {} before the watermark {wm:?} allowed it", g.round)));
+        }
+        let mem = self.memory.lock().clone().ok_or_else(|| Error::internal("grant without ring memory"))?;
+        debug_assert!(g.offset + offset + len <= mem.len as u64);
+        // SAFETY: inside the ring (grant ⊂ ring, region ⊂ grant).
+        Ok(unsafe { mem.ptr.add((g.offset + offset) as usize) })
+    }
+
+    fn note_received(&self, room: u64, chunk: u32, writer: u32, len: u64) {
+        let mut st = self.state.lock();
+        if let Some(w) = st
+            .rooms
+            .get_mut(&room)
+            .and_then(|r| r.chunks.get_mut(chunk as usize))
+            .and_then(|c| c.writers.get_mut(writer as usize))
+            .and_then(|w| w.as_mut())
+        {
+            w.received += len;
+        }
+    }
+
+    fn arrive(&self, room: u64, chunk: u32, claimed: u32, writer: u32) -> Result<()> {
+        if claimed != writer {
+            return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("ready for writer {claimed} from writer {writer}")));
+        }
+        let mut st = self.state.lock();
+        let r = live_room(&mut st, room)?;
+        let c = r.chunks.get_mut(chunk as usize).ok_or_else(|| reject(Status::KVSTAGE_E_PROTOCOL, "ready past the room"))?;
+        let expected = c.layout.as_ref().map(|l| l.writers[writer as usize].bytes);
+        let w = c.writers.get_mut(writer as usize).and_then(|w| w.as_mut()).ok_or_else(|| {
+            reject(Status::KVSTAGE_E_PROTOCOL, format!("ready for chunk {chunk} without an allocation"))
+        })?;
+        if Some(w.received) != expected || w.arrived {
+            return Err(reject(
+                Status::KVSTAGE_E_PROTOCOL,
+                format!("ready for chunk {chunk} after {} of {} bytes", w.received, expected.unwrap_or(0)),
+            ));
+        }
+        w.arrived = true;
+        if c.writers.iter().all(|w| w.as_ref().is_some_and(|w| w.arrived)) {
+            c.phase = ChunkPhase::Scattering;
+            let tx = self.scatter_tx.lock().clone();
+            match tx {
+                Some(tx) if tx.send(ScatterJob { room, chunk }).is_ok() => {}
+                _ => return Err(Error::internal("scatter queue closed")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Executes a scatter job (on the engine's scatter thread), then frees the grant.
+    pub fn run_scatter(&self, job: ScatterJob) {
+        let work = {
+            let mut st = self.state.lock();
+            let Some(r) = st.rooms.get_mut(&job.room) else { return };
+            let pages = r.chunk_pages(job.chunk).to_vec();
+            let c = &r.chunks[job.chunk as usize];
+            let shapes: Vec<PoolShape> = c.writers.iter().flatten().map(|w| w.shape.clone()).collect();
+            (pages, c.grant, c.layout.clone(), shapes)
+        };
+        let (pages, grant, layout, shapes) = work;
+        let result = match (grant, layout) {
+            (Some(g), Some(layout)) => self.scatter(&pages, g, &layout, &shapes),
+            _ => Err(Error::internal("scatter job without a grant")),
+        };
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let mut freed = Vec::new();
+        let status = match &result {
+            Ok(()) => Status::KVSTAGE_OK,
+            Err(e) => e.code(),
+        };
+        if let Some(r) = st.rooms.get_mut(&job.room) {
+            let c = &mut r.chunks[job.chunk as usize];
+            c.phase = ChunkPhase::Done;
+            freed.extend(c.grant.take().map(|g| g.id));
+            if let Err(e) = &result {
+                r.failure.get_or_insert((e.code(), e.chain()));
+            }
+            if r.released {
+                st.rooms.remove(&job.room);
+            } else {
+                st.events.push_back(ChunkEvent { room: job.room, chunk: job.chunk, status });
+            }
+        }
+        self.free_grants(st, &freed);
+        self.changed.notify_all();
+    }
+
+    fn scatter(&self, pages: &[u32], grant: Grant, layout: &StagingLayout, shapes: &[PoolShape]) -> Result<()> {
+        let pool = self.pool()?;
+        let mem = self.memory.lock().clone().ok_or_else(|| Error::internal("scatter without ring memory"))?;
+        for src in shapes {
+            let w = layout.writer_for(src)?.ok_or_else(|| Error::internal("arrived writer is not in the layout"))?;
+            let plan = geometry::plan_scatter(&pool.shape, pages, layout, w)?;
+            // SAFETY: the writer's region lies inside the grant, which lies inside the ring; all its
+            // writers arrived, so nothing writes it while the scatter reads.
+            unsafe {
+                let region = mem.ptr.add((grant.offset + layout.writers[w as usize].offset) as usize);
+                self.copy.scatter(&plan, &pool, region)?;
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn slice_target(
+        &self,
+        pool: &KvLayout,
+        room: u64,
+        chunk: u32,
+        buffer: u32,
+        token: u32,
+        byte_offset: u32,
+        len: u32,
+        slice: &HeadSlice,
+    ) -> Result<*mut u8> {
+        let mut st = self.state.lock();
+        let r = live_room(&mut st, room)?;
+        if chunk as usize >= r.chunks.len() {
+            return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("slice for chunk {chunk} past the room")));
+        }
+        let pages = r.chunk_pages(chunk);
+        let ps = pool.shape.page_size;
+        let page = pages
+            .get((token / ps) as usize)
+            .ok_or_else(|| reject(Status::KVSTAGE_E_PROTOCOL, format!("slice token {token} past chunk {chunk}")))?;
+        let base = *pool
+            .bases
+            .get(buffer as usize)
+            .ok_or_else(|| reject(Status::KVSTAGE_E_PROTOCOL, format!("slice buffer {buffer} does not exist")))?;
+        let token_bytes = pool.shape.token_bytes();
+        let row = slice.num_heads as u64 * token_bytes / pool.shape.local_heads as u64;
+        let head_off = slice.dst_head_start as u64 * token_bytes / pool.shape.local_heads as u64;
+        if byte_offset as u64 != head_off || len as u64 != row {
+            return Err(reject(
+                Status::KVSTAGE_E_PROTOCOL,
+                format!("slice [{byte_offset}, +{len}) is not this writer's head range [{head_off}, +{row})"),
+            ));
+        }
+        let slot = *page as u64 * ps as u64 + (token % ps) as u64;
+        Ok((base as u64 + slot * token_bytes + byte_offset as u64) as *mut u8)
+    }
+
+    fn slice_done(&self, room: u64, chunk: u32, writer: u32, writers: u32) -> Result<()> {
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let r = live_room(st, room)?;
+        let c = r.chunks.get_mut(chunk as usize).ok_or_else(|| reject(Status::KVSTAGE_E_PROTOCOL, "slice done past the room"))?;
+        if c.slice_done.is_empty() {
+            c.slice_done = vec![false; writers as usize];
+        }
+        c.slice_done[writer as usize] = true;
+        if c.slice_done.iter().all(|&d| d) && c.phase == ChunkPhase::Waiting {
+            c.phase = ChunkPhase::Done;
+            st.events.push_back(ChunkEvent { room, chunk, status: Status::KVSTAGE_OK });
+            self.changed.notify_all();
+        }
+        Ok(())
+    }
+
+    /// A sender vanished: every chunk it was writing can never complete, so its rooms fail and
+    /// give back their ring space at once.
+    fn peer_gone(&self, peer: u64, reason: &str) {
+        let mut st = self.state.lock();
+        st.peers.remove(&peer);
+        let writing = |c: &Chunk| {
+            c.phase == ChunkPhase::Waiting && c.writers.iter().flatten().any(|w| w.peer == peer && !w.arrived)
+        };
+        let affected: Vec<u64> =
+            st.rooms.iter().filter(|(_, r)| r.chunks.iter().any(writing)).map(|(id, _)| *id).collect();
+        for room in affected {
+            let why = format!("a sender disconnected mid-chunk: {reason}");
+            self.fail_room(&mut st, room, Status::KVSTAGE_E_PEER_GONE, why);
+        }
+    }
+
+    pub fn shutdown(&self) {
+        let st = self.state.lock();
+        for p in st.peers.values() {
+            p.shutdown();
+        }
+    }
+}
+
+/// A frame whose target is invalid closes the session (`PROTOCOL`); one for a room that was
+/// released or failed meanwhile is drained so the stream stays in sync.
+fn drain_or_fail(reader: &mut TcpStream, e: Error, len: u64) -> Result<()> {
+    if e.code() == Status::KVSTAGE_E_PROTOCOL {
+        return Err(e);
+    }
+    let copied = std::io::copy(&mut reader.by_ref().take(len), &mut std::io::sink())?;
+    if copied != len {
+        return Err(reject(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload"));
+    }
+    Ok(())
+}
+
+/// Takes the grants of every chunk not being scattered (a running scatter frees its own).
+fn take_grants(r: &mut Room) -> (Vec<u64>, bool) {
+    let mut freed = Vec::new();
+    let mut scattering = false;
+    for c in &mut r.chunks {
+        if c.phase == ChunkPhase::Scattering {
+            scattering = true;
+        } else {
+            freed.extend(c.grant.take().map(|g| g.id));
+        }
+    }
+    (freed, scattering)
+}
+
+fn r_done(room: Option<&Room>) -> String {
+    room.map_or("room gone".to_owned(), |r| {
+        format!("{} of {} chunks done", r.chunks.iter().filter(|c| c.phase == ChunkPhase::Done).count(), r.chunks.len())
+    })
+}
+
+/// The room a frame names, if it can still take data. A released or failed room gives that room's
+/// error (not `PROTOCOL`: late frames are drained and the sender learns why from the reply); an
+/// unknown room is a protocol error.
+fn live_room(st: &mut State, room: u64) -> Result<&mut Room> {
+    let live = match st.rooms.get(&room) {
+        Some(r) => !r.released && r.failure.is_none(),
+        None if st.released.contains(&room) => false,
+        None => return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("unknown room {room}"))),
+    };
+    if !live {
+        return Err(closed_room(st, room));
+    }
+    Ok(st.rooms.get_mut(&room).expect("checked above"))
+}
+
+/// Error for a reply about a room that can no longer take data.
+fn closed_room(st: &State, room: u64) -> Error {
+    match st.rooms.get(&room).and_then(|r| r.failure.clone()) {
+        Some((code, why)) => reject(code, format!("room {room} failed: {why}")),
+        None => reject(Status::KVSTAGE_E_CANCELED, format!("room {room} was released by the receiver")),
+    }
+}
+
+fn broadcast(st: &State, msg: &Message) {
+    for p in st.peers.values() {
+        // A dead peer's reader notices on its own; the broadcast must not fail the others.
+        let _ = p.send(msg);
+    }
+}
+
+/// Checks a sender's hello against our shape: versions, fingerprint diff, pairing.
+pub fn verify_peer(ours: &PoolShape, hello: &Hello) -> Result<()> {
+    let theirs = Fingerprint::decode(&hello.fingerprint)?;
+    Fingerprint::of(ours).check(&theirs)?;
+    writer_of(&hello.shape, ours).map(|_| ())
+}

@@ -1,0 +1,376 @@
+//! Prefill side: one session per (prefill rank, decode rank) peering.
+//!
+//! A staged transfer of one chunk: plan → allocate in the receiver's ring → wait for the watermark
+//! → gather into the staging buffer → one bulk write + ready → wait for the arrival ack. Anything
+//! that fails after the grant sends an abort first, so the receiver frees the space.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use super::op::{Op, Waker};
+use super::{writer_of, Deadline};
+use crate::copy::CopyEngine;
+use crate::error::{Error, Result, Status};
+use crate::geometry::{self, Fingerprint, KvLayout};
+use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
+use crate::ring::Watermark;
+use crate::transport::tcp::{self, TcpTransport};
+use crate::transport::Transport;
+
+/// Engine-wide resources every sender session uses.
+pub struct SendResources {
+    pub pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
+    pub copy: Arc<dyn CopyEngine>,
+    /// Reused gather buffer (grows up to `staging_limit`, never shrinks: no per-chunk allocation).
+    pub staging: Mutex<Vec<u8>>,
+    pub staging_limit: u64,
+    /// Deadline of operations that do not name one (`None` = infinite, asked for explicitly).
+    pub default_timeout: Option<Duration>,
+}
+
+/// One chunk to send: the prefill pages holding its tokens, in chunk order.
+#[derive(Clone, Debug)]
+pub struct TransferDesc {
+    pub room: u64,
+    pub chunk: u32,
+    pub pages: Vec<u32>,
+    pub timeout: Option<Duration>,
+}
+
+struct State {
+    watermark: Watermark,
+    replies: HashMap<u64, Message>,
+    dead: Option<(Status, String)>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Waker for Shared {
+    fn wake(&self) {
+        let _guard = self.state.lock();
+        self.cv.notify_all();
+    }
+}
+
+pub struct SenderSession {
+    id: String,
+    link: Arc<TcpTransport>,
+    remote: Hello,
+    resources: Arc<SendResources>,
+    pool: Arc<KvLayout>,
+    shared: Arc<Shared>,
+    next_req: AtomicU64,
+    reader: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl SenderSession {
+    /// Connects to a decode engine and runs the handshake.
+    pub fn connect(resources: Arc<SendResources>, addr: SocketAddr, id: &str, timeout: Duration) -> Result<Arc<SenderSession>> {
+        Self::connect_inner(resources, addr, id, timeout).map_err(|e| e.with_session(id))
+    }
+
+    fn connect_inner(resources: Arc<SendResources>, addr: SocketAddr, id: &str, timeout: Duration) -> Result<Arc<SenderSession>> {
+        let pool = resources.pool.lock().clone().ok_or_else(|| {
+            Error::invalid_arg("engine", "no KV pool registered (kvstage_engine_register_pool) before connecting")
+        })?;
+        let stream = tcp::connect(addr, timeout)?;
+        stream.set_read_timeout(Some(timeout))?;
+        let mut reader = stream.try_clone()?;
+        let link = Arc::new(TcpTransport::new(stream)?);
+        let ours = Hello {
+            protocol_version: PROTOCOL_VERSION,
+            library_version: crate::version_number(),
+            session: id.to_owned(),
+            fingerprint: Fingerprint::of(&pool.shape).encode(),
+            shape: pool.shape.clone(),
+            ring_bytes: 0,
+            watermark: Watermark::default(),
+            status: 0,
+            reason: String::new(),
+        };
+        link.send(&Message::Hello(ours))?;
+        let remote = match protocol::read_frame(&mut reader) {
+            Ok(Some(Message::Hello(h))) => h,
+            Ok(Some(other)) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("expected a hello, got {other:?}"))),
+            Ok(None) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, format!("{addr} closed the connection during the handshake"))),
+            Err(e) => return Err(e.context(format!("handshake with {addr} failed"))),
+        };
+        // Our own diff gives every field; the peer's status covers what only it can check.
+        let theirs = Fingerprint::decode(&remote.fingerprint)?;
+        Fingerprint::of(&pool.shape).check(&theirs)?;
+        writer_of(&pool.shape, &remote.shape)?;
+        if remote.status != 0 {
+            let code = Status::from_code(remote.status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
+            return Err(Error::new(code, format!("{addr} refused the session: {}", remote.reason)));
+        }
+        reader.set_read_timeout(None)?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State { watermark: remote.watermark, replies: HashMap::new(), dead: None }),
+            cv: Condvar::new(),
+        });
+        let reader_shared = shared.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("kvstage-send-{id}"))
+            .spawn(move || read_replies(reader, &reader_shared))
+            .map_err(|e| Error::internal("cannot start the session reader thread").with_source(e))?;
+        Ok(Arc::new(SenderSession {
+            id: id.to_owned(),
+            link,
+            remote,
+            resources,
+            pool,
+            shared,
+            next_req: AtomicU64::new(1),
+            reader: Mutex::new(Some(handle)),
+        }))
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn waker(&self) -> Arc<dyn Waker> {
+        self.shared.clone()
+    }
+
+    pub fn default_timeout(&self) -> Option<Duration> {
+        self.resources.default_timeout
+    }
+
+    pub fn remote_ring_bytes(&self) -> u64 {
+        self.remote.ring_bytes
+    }
+
+    /// The staged path for one chunk. `Ok(FALLBACK)` means nothing was allocated anywhere.
+    pub fn transfer(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+        self.transfer_inner(desc, op)
+            .map_err(|e| e.context(format!("staged transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id))
+    }
+
+    fn transfer_inner(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+        let deadline = Deadline::after(desc.timeout);
+        let src = &self.pool.shape;
+        let dst = &self.remote.shape;
+        self.pool.check_pages(&desc.pages)?;
+        let tokens = desc.pages.len() as u32 * src.page_size;
+        let layout = geometry::staging_layout(src, dst, tokens)?;
+        let writer = writer_of(src, dst)?;
+        let region = &layout.writers[writer as usize];
+        // Fallback is decided here, before anything is allocated on either side.
+        if self.remote.ring_bytes == 0 || layout.total_bytes > self.remote.ring_bytes || region.bytes > self.resources.staging_limit {
+            return Ok(Status::KVSTAGE_FALLBACK);
+        }
+        let plan = geometry::plan_gather(src, &desc.pages, &layout, writer)?;
+
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        self.link.send(&Message::AllocReq {
+            req,
+            room: desc.room,
+            chunk: desc.chunk,
+            writer,
+            tokens,
+            bytes: layout.total_bytes,
+        })?;
+        let (round, offset) = match self.wait_reply(req, &deadline, op, "waiting for the allocation")? {
+            Message::AllocRsp { status: 0, round, offset, len, .. } if len == layout.total_bytes => (round, offset),
+            Message::AllocRsp { status: 0, len, .. } => {
+                self.abort(desc, "granted size differs");
+                return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("granted {len} bytes, asked {}", layout.total_bytes)));
+            }
+            Message::AllocRsp { status, reason, .. } => {
+                let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
+                return Err(Error::new(code, format!("allocation refused by the receiver: {reason}")));
+            }
+            other => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
+        };
+        // From here on the receiver holds ring space for us: every failure aborts first.
+        let written = self.write_granted(desc, op, &deadline, &plan, region.offset, region.bytes, round, offset + region.offset + region.bytes, writer);
+        let req = match written {
+            Ok(req) => req,
+            Err(e) => {
+                self.abort(desc, e.message());
+                return Err(e);
+            }
+        };
+        match self.wait_reply(req, &deadline, op, "waiting for the arrival acknowledgement") {
+            Ok(Message::Arrived { status: 0, .. }) => Ok(Status::KVSTAGE_OK),
+            Ok(Message::Arrived { status, reason, .. }) => {
+                let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
+                Err(Error::new(code, format!("the receiver rejected the chunk: {reason}")))
+            }
+            Ok(other) => Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
+            Err(e) => {
+                self.abort(desc, e.message());
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write_granted(
+        &self,
+        desc: &TransferDesc,
+        op: &Op,
+        deadline: &Deadline,
+        plan: &geometry::CopyPlan,
+        region_offset: u64,
+        region_bytes: u64,
+        round: u64,
+        end: u64,
+        writer: u32,
+    ) -> Result<u64> {
+        self.wait_writable(round, end, deadline, op)?;
+        let mut staging = self.resources.staging.lock();
+        if (staging.len() as u64) < region_bytes {
+            let grow = region_bytes as usize - staging.len();
+            staging.try_reserve_exact(grow).map_err(|_| {
+                Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot grow the send staging buffer to {region_bytes} bytes"))
+            })?;
+            staging.resize(region_bytes as usize, 0);
+        }
+        // SAFETY: the pool was validated at registration and its pages checked; the staging buffer
+        // holds at least the region's bytes.
+        unsafe { self.resources.copy.gather(plan, &self.pool, staging.as_mut_ptr()) }?;
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let header = Message::Data { room: desc.room, chunk: desc.chunk, writer, offset: region_offset, len: region_bytes };
+        let ready = Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer };
+        self.link.write_chunk(&header, &staging[..region_bytes as usize], &ready)?;
+        Ok(req)
+    }
+
+    /// The slice path for the same chunk: one write per token per layer per K/V, into the decode
+    /// pages of the room (the fallback and the benchmark baseline).
+    pub fn transfer_slices(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+        self.slices_inner(desc, op)
+            .map_err(|e| e.context(format!("slice transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id))
+    }
+
+    fn slices_inner(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+        let deadline = Deadline::after(desc.timeout);
+        let src = &self.pool.shape;
+        let dst = &self.remote.shape;
+        self.pool.check_pages(&desc.pages)?;
+        let writer = writer_of(src, dst)?;
+        let hs = geometry::staging_layout(src, dst, src.page_size)?.writers[writer as usize].heads;
+        // Destination pages 0..n make every decode offset chunk-relative: the receiver resolves
+        // (buffer, token within chunk, byte within the token slot) against its own room pages.
+        let chunk_pages: Vec<u32> = (0..desc.pages.len() as u32).collect();
+        let ops = geometry::slice_plan(src, dst, &hs, &desc.pages, &chunk_pages)?;
+        let dst_token_bytes = dst.token_bytes();
+        let mut frames = ops.iter().map(|o| {
+            let base = self.pool.bases[o.src_buffer as usize] as *const u8;
+            // SAFETY: slice_plan produced offsets inside the registered (checked) pages.
+            let payload = unsafe { std::slice::from_raw_parts(base.add(o.src_offset as usize), o.len as usize) };
+            let header = Message::Slice {
+                room: desc.room,
+                chunk: desc.chunk,
+                buffer: o.dst_buffer,
+                token: (o.dst_offset / dst_token_bytes) as u32,
+                byte_offset: (o.dst_offset % dst_token_bytes) as u32,
+                len: o.len as u32,
+            };
+            (header, payload)
+        });
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        self.link.write_slices(&mut frames, &Message::SliceDone { req, room: desc.room, chunk: desc.chunk })?;
+        match self.wait_reply(req, &deadline, op, "waiting for the slice acknowledgement")? {
+            Message::Arrived { status: 0, .. } => Ok(Status::KVSTAGE_OK),
+            Message::Arrived { status, reason, .. } => {
+                let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
+                Err(Error::new(code, format!("the receiver rejected the slices: {reason}")))
+            }
+            other => Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    fn abort(&self, desc: &TransferDesc, reason: &str) {
+        // Best effort: if the link is gone the receiver frees the space when it notices.
+        let _ = self.link.send(&Message::Abort { room: desc.room, chunk: desc.chunk, reason: reason.to_owned() });
+    }
+
+    fn check_alive(&self, st: &State, deadline: &Deadline, op: &Op, what: &str) -> Result<()> {
+        if let Some((code, why)) = &st.dead {
+            return Err(Error::new(*code, format!("peer {} is gone ({why}) while {what}", self.link.describe())));
+        }
+        if op.is_canceled() {
+            return Err(Error::new(Status::KVSTAGE_E_CANCELED, format!("canceled while {what}")));
+        }
+        if deadline.expired() {
+            return Err(deadline.timeout_error(what));
+        }
+        Ok(())
+    }
+
+    fn wait_reply(&self, req: u64, deadline: &Deadline, op: &Op, what: &str) -> Result<Message> {
+        let mut st = self.shared.state.lock();
+        loop {
+            if let Some(msg) = st.replies.remove(&req) {
+                return Ok(msg);
+            }
+            self.check_alive(&st, deadline, op, what)?;
+            deadline.wait(&self.shared.cv, &mut st);
+        }
+    }
+
+    /// Back-pressure: blocks (without spinning) until the receiver's watermark allows the write.
+    fn wait_writable(&self, round: u64, end: u64, deadline: &Deadline, op: &Op) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        loop {
+            if st.watermark.permits(round, end) {
+                return Ok(());
+            }
+            self.check_alive(&st, deadline, op, &format!("waiting for the receiver's watermark (round {round})"))?;
+            deadline.wait(&self.shared.cv, &mut st);
+        }
+    }
+}
+
+impl Drop for SenderSession {
+    fn drop(&mut self) {
+        self.link.shutdown();
+        if let Some(h) = self.reader.lock().take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The session's reader: routes replies to waiting operations and tracks the watermark. On any
+/// error or EOF the session is dead and every waiter fails at once with `PEER_GONE`.
+fn read_replies(mut stream: TcpStream, shared: &Shared) {
+    let why = loop {
+        match protocol::read_frame(&mut stream) {
+            Ok(Some(Message::Watermark(w))) => {
+                let mut st = shared.state.lock();
+                st.watermark = w;
+                shared.cv.notify_all();
+            }
+            Ok(Some(msg @ (Message::AllocRsp { .. } | Message::Arrived { .. }))) => {
+                let req = match &msg {
+                    Message::AllocRsp { req, .. } | Message::Arrived { req, .. } => *req,
+                    _ => unreachable!("matched above"),
+                };
+                let mut st = shared.state.lock();
+                st.replies.insert(req, msg);
+                shared.cv.notify_all();
+            }
+            Ok(Some(other)) => break (Status::KVSTAGE_E_PROTOCOL, format!("unexpected frame from receiver: {other:?}")),
+            Ok(None) => break (Status::KVSTAGE_E_PEER_GONE, "connection closed".to_owned()),
+            Err(e) => {
+                let code = if e.code() == Status::KVSTAGE_E_PROTOCOL { e.code() } else { Status::KVSTAGE_E_PEER_GONE };
+                break (code, e.chain());
+            }
+        }
+    };
+    let mut st = shared.state.lock();
+    st.dead = Some(why);
+    shared.cv.notify_all();
+}
