@@ -27,8 +27,9 @@ struct Args {
     role_decode: bool,
 }
 
-const USAGE: &str = "usage: kvstage-demo [--model llama3-8b|qwen3-32b|llama3-70b|deepseek-v3] [--prefill-tp N] \
-[--decode-tp N] [--page-size N] [--tokens N] [--chunk-tokens N] [--no-slice]";
+const USAGE: &str = "usage: kvstage-demo [--model llama3-8b|qwen3-32b|llama3-70b|deepseek-v3] [--layers N] \
+[--kv-heads N] [--head-dim N] [--dtype-bytes N] [--prefill-tp N] [--decode-tp N] [--page-size N] [--tokens N] \
+[--chunk-tokens N] [--no-slice]";
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
@@ -50,6 +51,10 @@ fn parse_args() -> Result<Args, String> {
                 let v = value("--model")?;
                 a.model = model(&v).ok_or(format!("unknown model '{v}'\n{USAGE}"))?;
             }
+            "--layers" => a.model.layers = num(value(&flag)?, &flag)?,
+            "--kv-heads" => a.model.kv_heads = num(value(&flag)?, &flag)?,
+            "--head-dim" => a.model.head_dim = num(value(&flag)?, &flag)?,
+            "--dtype-bytes" => a.model.dtype_bytes = num(value(&flag)?, &flag)?,
             "--prefill-tp" => a.prefill_tp = num(value(&flag)?, &flag)?,
             "--decode-tp" => a.decode_tp = num(value(&flag)?, &flag)?,
             "--page-size" => a.page_size = num(value(&flag)?, &flag)?,

@@ -383,11 +383,14 @@ impl Receiver {
                     }
                 }
                 Message::ChunkReady { req, room, chunk, writer: w } => {
-                    let status = match self.arrive(room, chunk, w, writer) {
-                        Ok(()) => Message::Arrived { req, status: 0, reason: String::new() },
-                        Err(e) => Message::Arrived { req, status: e.code().code(), reason: e.chain() },
+                    let (status, last) = match self.arrive(room, chunk, w, writer) {
+                        Ok(last) => (Message::Arrived { req, status: 0, reason: String::new() }, last),
+                        Err(e) => (Message::Arrived { req, status: e.code().code(), reason: e.chain() }, false),
                     };
                     link.send(&status)?;
+                    if last {
+                        self.dispatch_scatter(room, chunk)?;
+                    }
                 }
                 Message::Slice { room, chunk, buffer, token, byte_offset, len } => {
                     match self.slice_target(&dst, room, chunk, buffer, token, byte_offset, len, &slice) {
@@ -401,11 +404,14 @@ impl Receiver {
                     }
                 }
                 Message::SliceDone { req, room, chunk } => {
-                    let status = match self.slice_done(room, chunk, writer, writers) {
-                        Ok(()) => Message::Arrived { req, status: 0, reason: String::new() },
-                        Err(e) => Message::Arrived { req, status: e.code().code(), reason: e.chain() },
+                    let (status, last) = match self.slice_done(room, chunk, writer, writers) {
+                        Ok(last) => (Message::Arrived { req, status: 0, reason: String::new() }, last),
+                        Err(e) => (Message::Arrived { req, status: e.code().code(), reason: e.chain() }, false),
                     };
                     link.send(&status)?;
+                    if last {
+                        self.finish_slices(room, chunk);
+                    }
                 }
                 Message::Abort { room, chunk, reason } => {
                     let mut st = self.state.lock();
@@ -538,7 +544,8 @@ impl Receiver {
         }
     }
 
-    fn arrive(&self, room: u64, chunk: u32, claimed: u32, writer: u32) -> Result<()> {
+    /// Marks a writer's data complete; `true` when it was the chunk's last writer.
+    fn arrive(&self, room: u64, chunk: u32, claimed: u32, writer: u32) -> Result<bool> {
         if claimed != writer {
             return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("ready for writer {claimed} from writer {writer}")));
         }
@@ -558,13 +565,19 @@ impl Receiver {
         w.arrived = true;
         if c.writers.iter().all(|w| w.as_ref().is_some_and(|w| w.arrived)) {
             c.phase = ChunkPhase::Scattering;
-            let tx = self.scatter_tx.lock().clone();
-            match tx {
-                Some(tx) if tx.send(ScatterJob { room, chunk }).is_ok() => {}
-                _ => return Err(Error::internal("scatter queue closed")),
-            }
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
+    }
+
+    /// Queues the scatter of a chunk whose writers all arrived (after their acks went out, so a
+    /// caller who sees the room complete never races the senders' acknowledgements).
+    fn dispatch_scatter(&self, room: u64, chunk: u32) -> Result<()> {
+        let tx = self.scatter_tx.lock().clone();
+        match tx {
+            Some(tx) if tx.send(ScatterJob { room, chunk }).is_ok() => Ok(()),
+            _ => Err(Error::internal("scatter queue closed")),
+        }
     }
 
     /// Executes a scatter job (on the engine's scatter thread), then frees the grant.
@@ -661,7 +674,8 @@ impl Receiver {
         Ok((base as u64 + slot * token_bytes + byte_offset as u64) as *mut u8)
     }
 
-    fn slice_done(&self, room: u64, chunk: u32, writer: u32, writers: u32) -> Result<()> {
+    /// Marks a writer's slices complete; `true` when it was the chunk's last writer.
+    fn slice_done(&self, room: u64, chunk: u32, writer: u32, writers: u32) -> Result<bool> {
         let mut st = self.state.lock();
         let st = &mut *st;
         let r = live_room(st, room)?;
@@ -670,12 +684,16 @@ impl Receiver {
             c.slice_done = vec![false; writers as usize];
         }
         c.slice_done[writer as usize] = true;
-        if c.slice_done.iter().all(|&d| d) && c.phase == ChunkPhase::Waiting {
+        Ok(c.slice_done.iter().all(|&d| d) && c.phase == ChunkPhase::Waiting)
+    }
+
+    fn finish_slices(&self, room: u64, chunk: u32) {
+        let mut st = self.state.lock();
+        if let Some(c) = st.rooms.get_mut(&room).and_then(|r| r.chunks.get_mut(chunk as usize)) {
             c.phase = ChunkPhase::Done;
             st.events.push_back(ChunkEvent { room, chunk, status: Status::KVSTAGE_OK });
-            self.changed.notify_all();
         }
-        Ok(())
+        self.changed.notify_all();
     }
 
     /// A sender vanished: every chunk it was writing can never complete, so its rooms fail and
