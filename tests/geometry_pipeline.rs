@@ -1,0 +1,449 @@
+//! End-to-end reshard on host memory: fill every prefill pool with a position-unique pattern,
+//! gather on every prefill rank, assemble each decode rank's staging allocation from all writers,
+//! scatter on every decode rank, and compare every byte of every decode pool with a reference
+//! written here, per element, from first principles (which global heads a rank holds), sharing no
+//! code with the engine. The staging allocation itself is also compared byte for byte with the
+//! layout GEOMETRY.md specifies, and the slice path is checked against the same reference.
+
+use std::collections::BTreeSet;
+
+use kvstage::copy::{CopyEngine, HostCopyEngine};
+use kvstage::geometry::{
+    head_slice, plan_gather, plan_scatter, slice_plan, staging_layout, HeadSlice, KvLayout, MemoryKind, ModelKind,
+    PoolShape,
+};
+use proptest::prelude::*;
+
+// ---------------------------------------------------------------- reference (naive, independent)
+
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// The byte every correct transfer must deliver for (layer, buffer, global head, sequence token,
+/// element, byte within the element).
+fn pattern(layer: u32, kv: u32, head: u32, token: u64, elem: u32, byte: u32) -> u8 {
+    let key = ((layer as u64) << 56) ^ ((kv as u64) << 52) ^ ((head as u64) << 44) ^ (token << 20) ^ ((elem as u64) << 4) ^ byte as u64;
+    (mix(key) >> 17) as u8
+}
+
+/// Filler for bytes nobody may touch (rank-specific so a wrong source shows up as a mismatch).
+fn noise(tag: u64, pos: usize) -> u8 {
+    (mix(tag.wrapping_mul(0x1_0000_0001) ^ pos as u64) >> 9) as u8
+}
+
+/// Global KV heads held by TP rank `rank` of `tp` for a model with `h` heads: a rank holds
+/// max(1, h/tp) consecutive heads starting at floor(rank·h/tp) (with tp > h, consecutive ranks
+/// share a head).
+fn global_heads_of(kind: ModelKind, rank: u32, tp: u32, h: u32) -> Vec<u32> {
+    match kind {
+        ModelKind::Mla => vec![0],
+        ModelKind::Mha => {
+            let per = if h >= tp { h / tp } else { 1 };
+            let first = (rank as u64 * h as u64 / tp as u64) as u32;
+            (first..first + per).collect()
+        }
+    }
+}
+
+struct Cfg {
+    kind: ModelKind,
+    heads: u32,
+    head_dim: u32,
+    dtype: u32,
+    page_size: u32,
+    src_tp: u32,
+    dst_tp: u32,
+    src_pp: u32,
+    dst_pp: u32,
+    layers: Vec<u32>,
+    capacity: u32,
+    src_pages: Vec<u32>,
+    dst_pages: Vec<u32>,
+    threads: u32,
+}
+
+impl std::fmt::Debug for Cfg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:?} H={} D={} b={} ps={} P{}x{}->D{}x{} layers={:?} cap={} src={:?} dst={:?} threads={}",
+            self.kind,
+            self.heads,
+            self.head_dim,
+            self.dtype,
+            self.page_size,
+            self.src_tp,
+            self.src_pp,
+            self.dst_tp,
+            self.dst_pp,
+            self.layers,
+            self.capacity,
+            self.src_pages,
+            self.dst_pages,
+            self.threads
+        )
+    }
+}
+
+/// Layers held by PP rank `rank` of `pp`: contiguous equal blocks of the model's layer list.
+fn stage_layers(all: &[u32], rank: u32, pp: u32) -> Vec<u32> {
+    let per = all.len() / pp as usize;
+    all[rank as usize * per..(rank as usize + 1) * per].to_vec()
+}
+
+fn local_heads(c: &Cfg, tp: u32) -> u32 {
+    match c.kind {
+        ModelKind::Mla => 1,
+        ModelKind::Mha => (c.heads / tp).max(1),
+    }
+}
+
+fn shape(c: &Cfg, tp_rank: u32, tp: u32, pp_rank: u32, pp: u32) -> PoolShape {
+    PoolShape {
+        kind: c.kind,
+        page_size: c.page_size,
+        local_heads: local_heads(c, tp),
+        global_heads: c.heads,
+        head_dim: c.head_dim,
+        dtype_bytes: c.dtype,
+        tp_rank,
+        tp_size: tp,
+        pp_rank,
+        pp_size: pp,
+        layer_ids: stage_layers(&c.layers, pp_rank, pp),
+    }
+}
+
+fn buffers_per_layer(c: &Cfg) -> u32 {
+    if c.kind == ModelKind::Mla {
+        1
+    } else {
+        2
+    }
+}
+
+/// A rank's pool: one Vec holding every buffer back to back.
+struct Pool {
+    mem: Vec<u8>,
+    layout: KvLayout,
+    buffer_bytes: usize,
+    slot_bytes: usize,
+}
+
+fn new_pool(c: &Cfg, shape: PoolShape, fill: impl Fn(usize) -> u8) -> Pool {
+    let slot_bytes = (shape.local_heads * c.head_dim * c.dtype) as usize;
+    let buffer_bytes = c.capacity as usize * c.page_size as usize * slot_bytes;
+    let nbuf = buffers_per_layer(c) as usize * shape.layer_ids.len();
+    let mut mem: Vec<u8> = (0..buffer_bytes * nbuf).map(fill).collect();
+    let base = mem.as_mut_ptr() as usize;
+    let layout = KvLayout {
+        shape,
+        capacity_pages: c.capacity as u64,
+        memory: MemoryKind::Host,
+        bases: (0..nbuf).map(|i| base + i * buffer_bytes).collect(),
+    };
+    Pool { mem, layout, buffer_bytes, slot_bytes }
+}
+
+/// Expected content of a pool of rank (tp_rank, pp_rank) after the transfer, byte by byte:
+/// slots of `pages[i]` hold sequence tokens i·ps.. with this rank's global heads; every other
+/// byte keeps `filler`.
+fn expected_pool(c: &Cfg, tp_rank: u32, tp: u32, pp_rank: u32, pp: u32, pages: &[u32], filler: &dyn Fn(usize) -> u8) -> Vec<u8> {
+    let layers = stage_layers(&c.layers, pp_rank, pp);
+    let heads = global_heads_of(c.kind, tp_rank, tp, c.heads);
+    let slot = heads.len() * (c.head_dim * c.dtype) as usize;
+    let buffer = c.capacity as usize * c.page_size as usize * slot;
+    let nbuf = buffers_per_layer(c) as usize * layers.len();
+    let mut out: Vec<u8> = (0..buffer * nbuf).map(filler).collect();
+    for kv in 0..buffers_per_layer(c) {
+        for (li, &layer) in layers.iter().enumerate() {
+            let b = kv as usize * layers.len() + li;
+            for (i, &page) in pages.iter().enumerate() {
+                for t in 0..c.page_size {
+                    let token = i as u64 * c.page_size as u64 + t as u64;
+                    let slot_idx = page as usize * c.page_size as usize + t as usize;
+                    for (hl, &g) in heads.iter().enumerate() {
+                        for e in 0..c.head_dim {
+                            for y in 0..c.dtype {
+                                let at = b * buffer + slot_idx * slot + (hl * c.head_dim as usize + e as usize) * c.dtype as usize + y as usize;
+                                out[at] = pattern(layer, kv, g, token, e, y);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The staging allocation of decode rank (d, q) as GEOMETRY.md specifies it, from scratch.
+fn expected_staging(c: &Cfg, d: u32, q: u32) -> Vec<u8> {
+    let tokens = c.dst_pages.len() as u64 * c.page_size as u64;
+    // TP writers, in writer order, and the global heads each carries.
+    let tp_srcs: Vec<u32> = match c.kind {
+        ModelKind::Mla => vec![d % c.src_tp],
+        ModelKind::Mha if c.src_tp > c.dst_tp => {
+            let r = c.src_tp / c.dst_tp;
+            (d * r..(d + 1) * r).collect()
+        }
+        ModelKind::Mha => vec![d / (c.dst_tp / c.src_tp)],
+    };
+    let carried = |rs: u32| -> Vec<u32> {
+        if c.kind == ModelKind::Mha && c.src_tp > c.dst_tp {
+            global_heads_of(c.kind, rs, c.src_tp, c.heads) // the prefill rank's heads, all of them
+        } else {
+            global_heads_of(c.kind, d, c.dst_tp, c.heads) // the decode rank's heads, all of them
+        }
+    };
+    // PP writers and their layers.
+    let dst_layers = stage_layers(&c.layers, q, c.dst_pp);
+    let pp_blocks: Vec<Vec<u32>> = if c.src_pp > c.dst_pp {
+        let r = (c.src_pp / c.dst_pp) as usize;
+        let per = dst_layers.len() / r;
+        (0..r).map(|j| dst_layers[j * per..(j + 1) * per].to_vec()).collect()
+    } else {
+        vec![dst_layers.clone()]
+    };
+    let mut out = Vec::new();
+    for block in &pp_blocks {
+        for &rs in &tp_srcs {
+            let heads = carried(rs);
+            for kv in 0..buffers_per_layer(c) {
+                for &layer in block {
+                    for tok in 0..tokens {
+                        for &g in &heads {
+                            for e in 0..c.head_dim {
+                                for y in 0..c.dtype {
+                                    out.push(pattern(layer, kv, g, tok, e, y));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------- the pipeline under test
+
+fn run(c: &Cfg) -> Result<(), TestCaseError> {
+    let engine = HostCopyEngine::new(c.threads).with_min_parallel_bytes(0);
+    // Prefill pools: pattern in the request's pages, noise everywhere else.
+    let mut prefill = Vec::new();
+    for j in 0..c.src_pp {
+        for r in 0..c.src_tp {
+            let s = shape(c, r, c.src_tp, j, c.src_pp);
+            let tag = 1000 + (j * c.src_tp + r) as u64;
+            let want = expected_pool(c, r, c.src_tp, j, c.src_pp, &c.src_pages, &|p| noise(tag, p));
+            let mut pool = new_pool(c, s, |_| 0);
+            pool.mem.copy_from_slice(&want);
+            prefill.push(pool);
+        }
+    }
+    let any_src = prefill[0].layout.shape.clone();
+    let tokens = c.dst_pages.len() as u32 * c.page_size;
+    for q in 0..c.dst_pp {
+        for d in 0..c.dst_tp {
+            let dst_shape = shape(c, d, c.dst_tp, q, c.dst_pp);
+            let tag = 5000 + (q * c.dst_tp + d) as u64;
+            let st = staging_layout(&any_src, &dst_shape, tokens).map_err(|e| TestCaseError::fail(e.chain()))?;
+            // Gather on every prefill rank that writes here; "write" into the allocation.
+            let mut alloc = vec![0xA5u8; st.total_bytes as usize];
+            let mut arrived = BTreeSet::new();
+            let mut slice_pool = new_pool(c, dst_shape.clone(), |p| noise(tag, p));
+            for src in &prefill {
+                let Some(w) = st.writer_for(&src.layout.shape).map_err(|e| TestCaseError::fail(e.chain()))? else {
+                    continue;
+                };
+                prop_assert!(arrived.insert(w), "writer {} arrived twice", w);
+                let plan = plan_gather(&src.layout, &c.src_pages, &st, w).map_err(|e| TestCaseError::fail(e.chain()))?;
+                let mut buf = vec![0u8; plan.staging_bytes as usize];
+                unsafe { engine.gather(&plan, &src.layout, buf.as_mut_ptr()) }.map_err(|e| TestCaseError::fail(e.chain()))?;
+                let at = plan.region_offset as usize;
+                alloc[at..at + buf.len()].copy_from_slice(&buf);
+
+                // The slice path for the same pair, applied op by op.
+                let s = &src.layout.shape;
+                let hs = match c.kind {
+                    ModelKind::Mla => HeadSlice::MLA,
+                    ModelKind::Mha => head_slice(s.tp_size, c.dst_tp, s.tp_rank, d, c.heads).map_err(|e| TestCaseError::fail(e.chain()))?,
+                };
+                let ops = slice_plan(s, &dst_shape, &hs, &c.src_pages, &c.dst_pages).map_err(|e| TestCaseError::fail(e.chain()))?;
+                let common = s.layer_ids.iter().filter(|l| dst_shape.layer_ids.contains(l)).count();
+                prop_assert_eq!(ops.len(), buffers_per_layer(c) as usize * common * tokens as usize);
+                for op in &ops {
+                    let from = op.src_buffer as usize * src.buffer_bytes + op.src_offset as usize;
+                    let to = op.dst_buffer as usize * slice_pool.buffer_bytes + op.dst_offset as usize;
+                    let len = op.len as usize;
+                    prop_assert!(op.src_offset as usize + len <= src.buffer_bytes && op.dst_offset as usize + len <= slice_pool.buffer_bytes);
+                    prop_assert!(len <= src.slot_bytes && len <= slice_pool.slot_bytes);
+                    slice_pool.mem[to..to + len].copy_from_slice(&src.mem[from..from + len]);
+                }
+            }
+            prop_assert_eq!(arrived.len(), st.writers.len(), "writers that arrived");
+            let want_staging = expected_staging(c, d, q);
+            prop_assert_eq!(alloc.len(), want_staging.len(), "allocation size");
+            if let Some(i) = alloc.iter().zip(&want_staging).position(|(a, b)| a != b) {
+                prop_assert!(false, "decode rank ({}, {}): staging byte {} differs ({} != {})", d, q, i, alloc[i], want_staging[i]);
+            }
+
+            // Scatter every writer region into the decode pool.
+            let pool = new_pool(c, dst_shape.clone(), |p| noise(tag, p));
+            for w in 0..st.writers.len() as u32 {
+                let plan = plan_scatter(&pool.layout, &c.dst_pages, &st, w).map_err(|e| TestCaseError::fail(e.chain()))?;
+                let region = unsafe { alloc.as_ptr().add(plan.region_offset as usize) };
+                unsafe { engine.scatter(&plan, &pool.layout, region) }.map_err(|e| TestCaseError::fail(e.chain()))?;
+            }
+            let want = expected_pool(c, d, c.dst_tp, q, c.dst_pp, &c.dst_pages, &|p| noise(tag, p));
+            for (what, got) in [("staged", &pool.mem), ("slice path", &slice_pool.mem)] {
+                if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+                    let (buf, off) = (i / pool.buffer_bytes, i % pool.buffer_bytes);
+                    prop_assert!(
+                        false,
+                        "{}: decode rank ({}, {}) buffer {} byte {} (slot {}, byte {} of the slot) = {} != {}",
+                        what, d, q, buf, off, off / pool.slot_bytes, off % pool.slot_bytes, got[i], want[i]
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- strategies
+
+/// Page lists of `n` distinct pages below `cap`: consecutive runs, fully random, or a sorted
+/// random subset (partial runs).
+fn pages(n: u32, cap: u32) -> impl Strategy<Value = Vec<u32>> {
+    let all: Vec<u32> = (0..cap).collect();
+    (0u8..3, Just(all).prop_shuffle(), 0..=cap - n).prop_map(move |(mode, shuffled, start)| match mode {
+        0 => (start..start + n).collect(),
+        1 => shuffled[..n as usize].to_vec(),
+        _ => {
+            let mut v = shuffled[..n as usize].to_vec();
+            v.sort_unstable();
+            v
+        }
+    })
+}
+
+fn cfg() -> impl Strategy<Value = Cfg> {
+    let tp = prop::sample::select(vec![1u32, 2, 4, 8, 16]);
+    let kind = prop_oneof![4 => Just(ModelKind::Mha), 1 => Just(ModelKind::Mla)];
+    (
+        kind,
+        prop::sample::select(vec![1u32, 2, 4, 8, 32]),
+        (tp.clone(), tp),
+        prop::sample::select(vec![(1u32, 1u32), (1, 1), (2, 1), (1, 2), (2, 2)]),
+        prop::sample::select(vec![1u32, 4, 16, 64]),
+        prop::sample::select(vec![1u32, 2, 4]),
+        prop::sample::select(vec![1u32, 2, 3, 8]),
+        prop::sample::subsequence((0u32..8).collect::<Vec<_>>(), 1..=4),
+        1u32..=3,
+    )
+        .prop_flat_map(|(kind, heads, (src_tp, dst_tp), (src_pp, dst_pp), page_size, dtype, head_dim, layers, threads)| {
+            // Fewer pages for big pages and big heads keep each case small.
+            let max_pages: u32 = if page_size == 64 { 3 } else { 5 };
+            (1..=max_pages, 0u32..4).prop_flat_map(move |(n, extra)| {
+                let cap = n + extra;
+                let layers = layers.clone();
+                (pages(n, cap), pages(n, cap + 1)).prop_map(move |(src_pages, dst_pages)| {
+                    let (heads, head_dim) = match kind {
+                        ModelKind::Mha => (heads, head_dim),
+                        ModelKind::Mla => (1, head_dim * 3), // latent width
+                    };
+                    // PP stages need a layer count both sides can split evenly.
+                    let mut layers = layers.clone();
+                    if src_pp.max(dst_pp) == 2 && layers.len() % 2 == 1 {
+                        let extra = (0..8).find(|l| !layers.contains(l)).expect("fewer than 8 layers");
+                        layers.push(extra);
+                        layers.sort_unstable();
+                    }
+                    Cfg {
+                        kind,
+                        heads,
+                        head_dim,
+                        dtype,
+                        page_size,
+                        src_tp,
+                        dst_tp,
+                        src_pp,
+                        dst_pp,
+                        layers,
+                        capacity: cap + 1,
+                        src_pages,
+                        dst_pages,
+                        threads,
+                    }
+                })
+            })
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn reshard_is_bit_exact(c in cfg()) {
+        run(&c)?;
+    }
+}
+
+// ---------------------------------------------------------------- fixed cases worth keeping
+
+fn fixed(kind: ModelKind, heads: u32, src_tp: u32, dst_tp: u32, page_size: u32, src_pages: Vec<u32>, dst_pages: Vec<u32>) -> Cfg {
+    Cfg {
+        kind,
+        heads,
+        head_dim: if kind == ModelKind::Mla { 9 } else { 4 },
+        dtype: 2,
+        page_size,
+        src_tp,
+        dst_tp,
+        src_pp: 1,
+        dst_pp: 1,
+        layers: vec![0, 1, 3],
+        capacity: 8,
+        src_pages,
+        dst_pages,
+        threads: 2,
+    }
+}
+
+#[test]
+fn gqa_replication_on_both_sides_and_mla() {
+    let cases = [
+        fixed(ModelKind::Mha, 8, 4, 2, 4, vec![1, 2, 3], vec![6, 0, 7]),   // P4→D2
+        fixed(ModelKind::Mha, 8, 2, 4, 4, vec![5, 6, 7], vec![0, 1, 2]),   // P2→D4
+        fixed(ModelKind::Mha, 2, 1, 4, 1, vec![3, 1, 2], vec![2, 3, 4]),   // decode-side replication
+        fixed(ModelKind::Mha, 2, 8, 2, 16, vec![0, 4], vec![7, 3]),        // prefill-side replication
+        fixed(ModelKind::Mha, 4, 16, 8, 1, vec![0, 1], vec![1, 0]),        // replication on both sides
+        fixed(ModelKind::Mha, 8, 4, 4, 64, vec![2, 3], vec![3, 2]),        // equal TP
+        fixed(ModelKind::Mla, 1, 2, 8, 4, vec![0, 5, 6], vec![7, 4, 5]),   // MLA, decode larger
+        fixed(ModelKind::Mla, 1, 8, 2, 16, vec![3], vec![1]),              // MLA, prefill larger
+    ];
+    for c in &cases {
+        run(c).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    }
+}
+
+#[test]
+fn pipeline_stages_on_both_sides() {
+    for (src_pp, dst_pp) in [(2, 1), (1, 2), (2, 2)] {
+        let mut c = fixed(ModelKind::Mha, 8, 4, 2, 4, vec![1, 2], vec![5, 3]);
+        c.src_pp = src_pp;
+        c.dst_pp = dst_pp;
+        c.layers = vec![0, 2, 3, 6];
+        run(&c).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+        c.kind = ModelKind::Mla;
+        c.heads = 1;
+        run(&c).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    }
+}

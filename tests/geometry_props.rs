@@ -1,0 +1,204 @@
+//! Properties of the pure geometry functions against naive references written here.
+
+use kvstage::geometry::{
+    decode_ranks_for_prefill, grid_tokens, head_slice, plan_gather, prefill_ranks_for_decode, split_grid, staging_layout,
+    writer_index, writers_per_chunk, Fingerprint, GridPiece, ModelKind, PoolShape,
+};
+use kvstage::Status;
+use proptest::prelude::*;
+
+const SIZES: [u32; 5] = [1, 2, 4, 8, 16];
+const HEADS: [u32; 5] = [1, 2, 4, 8, 32];
+
+/// Global heads of TP rank `r` of `tp`: floor(r·h/tp) + [0, max(1, h/tp)).
+fn heads_of(r: u32, tp: u32, h: u32) -> Vec<u32> {
+    let first = r * h / tp;
+    (first..first + (h / tp).max(1)).collect()
+}
+
+/// Every TP pair, every head count, every rank pair: the slice copies identical global heads,
+/// the writers of a decode rank cover all of its heads, and unpaired ranks are refused.
+#[test]
+fn head_mapping_moves_the_right_heads_for_every_tp_pair() {
+    for &h in &HEADS {
+        for &src_tp in &SIZES {
+            for &dst_tp in &SIZES {
+                let writers = writers_per_chunk(src_tp, dst_tp, 1, 1).unwrap();
+                for d in 0..dst_tp {
+                    let dst_heads = heads_of(d, dst_tp, h);
+                    let feeders = prefill_ranks_for_decode(d, src_tp, dst_tp).unwrap();
+                    assert_eq!(feeders.len() as u32, writers);
+                    let mut covered = vec![false; dst_heads.len()];
+                    let mut seen_writers = Vec::new();
+                    for rs in 0..src_tp {
+                        let paired = feeders.contains(&rs);
+                        assert_eq!(decode_ranks_for_prefill(rs, src_tp, dst_tp).unwrap().contains(&d), paired);
+                        let hs = match head_slice(src_tp, dst_tp, rs, d, h) {
+                            Ok(hs) => hs,
+                            Err(e) => {
+                                assert!(!paired, "H={h} P{src_tp}->D{dst_tp} {rs}->{d}: {}", e.message());
+                                assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
+                                continue;
+                            }
+                        };
+                        assert!(paired, "H={h} P{src_tp}->D{dst_tp}: unpaired {rs}->{d} accepted");
+                        let src_heads = heads_of(rs, src_tp, h);
+                        let n = hs.num_heads as usize;
+                        assert!(hs.src_head_start as usize + n <= src_heads.len());
+                        assert!(hs.dst_head_start as usize + n <= dst_heads.len());
+                        for k in 0..n {
+                            assert_eq!(
+                                src_heads[hs.src_head_start as usize + k],
+                                dst_heads[hs.dst_head_start as usize + k],
+                                "H={h} P{src_tp}->D{dst_tp} {rs}->{d} head {k}"
+                            );
+                            covered[hs.dst_head_start as usize + k] = true;
+                        }
+                        seen_writers.push(writer_index(rs, 0, src_tp, dst_tp, 1, 1).unwrap());
+                    }
+                    assert!(covered.iter().all(|&c| c), "H={h} P{src_tp}->D{dst_tp} decode {d}: heads left uncovered");
+                    seen_writers.sort_unstable();
+                    assert_eq!(seen_writers, (0..writers).collect::<Vec<_>>());
+                }
+            }
+        }
+    }
+}
+
+/// Naive grid split: walk page by page, chunk = (page − prefix pages) / pages per chunk.
+fn naive_split(start: usize, end: usize, ps: u32, prefix: u64, chunk_tokens: u32) -> Vec<GridPiece> {
+    let per = ((chunk_tokens / ps).max(1)) as usize;
+    let prefix_pages = (prefix / ps as u64) as usize;
+    let mut out: Vec<GridPiece> = Vec::new();
+    for p in start..end {
+        let c = ((p - prefix_pages) / per) as u32;
+        match out.last_mut() {
+            Some(last) if last.chunk_index == c => last.pages.end = p + 1,
+            _ => out.push(GridPiece { chunk_index: c, pages: p..p + 1, chunk_page_offset: ((p - prefix_pages) % per) as u32 }),
+        }
+    }
+    if out.is_empty() {
+        let c = ((start - prefix_pages) / per) as u32;
+        out.push(GridPiece { chunk_index: c, pages: start..start, chunk_page_offset: ((start - prefix_pages) % per) as u32 });
+    }
+    out
+}
+
+fn shape_strategy() -> impl Strategy<Value = PoolShape> {
+    (
+        prop_oneof![Just(ModelKind::Mha), Just(ModelKind::Mla)],
+        prop::sample::select(HEADS.to_vec()),
+        prop::sample::select(SIZES.to_vec()),
+        1u32..1000,
+        prop::sample::select(vec![1u32, 2, 4]),
+        prop::sample::select(vec![1u32, 4, 16, 64]),
+        prop::sample::subsequence((0u32..100).collect::<Vec<_>>(), 1..20),
+        (0u32..16, 1u32..4),
+    )
+        .prop_map(|(kind, h, tp, d, b, ps, layers, (rank, pp))| {
+            let h = if kind == ModelKind::Mla { 1 } else { h };
+            let s = PoolShape::new(kind, h, d, b, ps, 1).with_tp(rank % tp, tp);
+            s.with_pp(rank % pp, pp, layers)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn grid_split_matches_a_page_walk(
+        ps in prop::sample::select(vec![1u32, 4, 16, 64]),
+        chunk_tokens in prop::sample::select(vec![1u32, 16, 64, 100, 8192, 8200]),
+        prefix_pages in 0usize..40,
+        start_off in 0usize..300,
+        len in 0usize..300,
+    ) {
+        let start = prefix_pages + start_off;
+        let pieces = split_grid(start, start + len, ps, prefix_pages as u64 * ps as u64, chunk_tokens).unwrap();
+        prop_assert_eq!(&pieces, &naive_split(start, start + len, ps, prefix_pages as u64 * ps as u64, chunk_tokens));
+        let g = grid_tokens(chunk_tokens, ps);
+        prop_assert_eq!(g % ps, 0);
+        prop_assert!(g >= ps && (g <= chunk_tokens || g == ps));
+        for p in &pieces {
+            prop_assert!(p.chunk_page_offset as usize + p.pages.len() <= (g / ps) as usize);
+        }
+    }
+
+    #[test]
+    fn fingerprint_round_trips(s in shape_strategy()) {
+        s.validate().unwrap();
+        let fp = Fingerprint::of(&s);
+        let bytes = fp.encode();
+        prop_assert_eq!(Fingerprint::decode(&bytes).unwrap(), fp.clone());
+        prop_assert!(fp.diff(&fp).is_empty());
+        // Every truncation is a protocol error, never a panic.
+        for cut in 0..bytes.len() {
+            prop_assert_eq!(Fingerprint::decode(&bytes[..cut]).unwrap_err().code(), Status::KVSTAGE_E_PROTOCOL);
+        }
+    }
+
+    #[test]
+    fn fingerprint_decode_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..80), flip in any::<(usize, u8)>(), s in shape_strategy()) {
+        if let Err(e) = Fingerprint::decode(&bytes) {
+            prop_assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
+        }
+        let mut enc = Fingerprint::of(&s).encode();
+        let i = flip.0 % enc.len();
+        enc[i] ^= flip.1 | 1;
+        match Fingerprint::decode(&enc) {
+            Ok(fp) => prop_assert!(fp.shape.validate().is_ok()),
+            Err(e) => prop_assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL),
+        }
+    }
+
+    #[test]
+    fn fingerprint_diff_names_exactly_the_changed_fields(s in shape_strategy(), which in 0usize..4) {
+        let mut t = s.clone();
+        let field = match which {
+            0 => { t.head_dim += 1; "head_dim" }
+            1 => { t.dtype_bytes = if t.dtype_bytes == 4 { 2 } else { 4 }; "dtype_bytes" }
+            2 => { t.page_size *= 2; "page_size" }
+            _ => { t.kind = if t.kind == ModelKind::Mha { ModelKind::Mla } else { ModelKind::Mha }; "model_kind" }
+        };
+        let list = Fingerprint::of(&s).diff(&Fingerprint::of(&t));
+        prop_assert_eq!(list.len(), 1);
+        prop_assert_eq!(&list[0].field, field);
+    }
+
+    /// Staging sizes against the closed form, and the plan's coalescing against a naive run count.
+    #[test]
+    fn staging_sizes_and_plan_runs(
+        h in prop::sample::select(HEADS.to_vec()),
+        src_tp in prop::sample::select(SIZES.to_vec()),
+        dst_tp in prop::sample::select(SIZES.to_vec()),
+        d in 1u32..300,
+        b in prop::sample::select(vec![1u32, 2, 4]),
+        ps in prop::sample::select(vec![1u32, 4, 16, 64]),
+        layers in 1u32..100,
+        pages in prop::collection::vec(0u32..64, 0..40),
+    ) {
+        let base = PoolShape::new(ModelKind::Mha, h, d, b, ps, layers);
+        let dst = base.clone().with_tp(dst_tp - 1, dst_tp);
+        let src_rank = prefill_ranks_for_decode(dst_tp - 1, src_tp, dst_tp).unwrap().start;
+        let src = base.with_tp(src_rank, src_tp);
+        let tokens = pages.len() as u32 * ps;
+        let st = staging_layout(&src, &dst, tokens).unwrap();
+        let w = if src_tp > dst_tp { src_tp / dst_tp } else { 1 };
+        let n = if src_tp > dst_tp { (h / src_tp).max(1) } else { (h / dst_tp).max(1) };
+        let writer_bytes = tokens as u64 * n as u64 * d as u64 * b as u64 * layers as u64 * 2;
+        prop_assert_eq!(st.writers.len() as u32, w);
+        prop_assert_eq!(st.total_bytes, writer_bytes * w as u64);
+        for (i, r) in st.writers.iter().enumerate() {
+            prop_assert_eq!(r.offset, i as u64 * writer_bytes);
+            prop_assert_eq!(st.slab_offset(i as u32, 1, layers - 1), r.offset + writer_bytes - tokens as u64 * n as u64 * d as u64 * b as u64);
+        }
+        let writer = st.writer_for(&src).unwrap().unwrap();
+        let plan = plan_gather(&src, &pages, &st, writer).unwrap();
+        let runs = pages.windows(2).filter(|p| p[1] != p[0].wrapping_add(1)).count() + usize::from(!pages.is_empty());
+        prop_assert_eq!(plan.run_count(), runs * 2 * layers as usize);
+        prop_assert_eq!(plan.contiguous(), n == src.local_heads);
+        prop_assert_eq!(plan.bytes(), writer_bytes);
+        let all_rows: u64 = plan.runs().map(|r| r.rows as u64 * r.row_bytes).sum();
+        prop_assert_eq!(all_rows, writer_bytes);
+    }
+}
