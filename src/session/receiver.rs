@@ -701,13 +701,17 @@ impl Receiver {
     fn peer_gone(&self, peer: u64, reason: &str) {
         let mut st = self.state.lock();
         st.peers.remove(&peer);
-        let writing = |c: &Chunk| {
-            c.phase == ChunkPhase::Waiting && c.writers.iter().flatten().any(|w| w.peer == peer && !w.arrived)
-        };
-        let affected: Vec<u64> =
-            st.rooms.iter().filter(|(_, r)| r.chunks.iter().any(writing)).map(|(id, _)| *id).collect();
+        // A room it took part in but has not delivered every chunk of can never complete.
+        let wrote = |c: &Chunk| c.writers.iter().flatten().any(|w| w.peer == peer);
+        let delivered = |c: &Chunk| c.phase != ChunkPhase::Waiting || c.writers.iter().flatten().any(|w| w.peer == peer && w.arrived);
+        let affected: Vec<u64> = st
+            .rooms
+            .iter()
+            .filter(|(_, r)| r.chunks.iter().any(wrote) && !r.chunks.iter().all(delivered))
+            .map(|(id, _)| *id)
+            .collect();
         for room in affected {
-            let why = format!("a sender disconnected mid-chunk: {reason}");
+            let why = format!("a sender disconnected before delivering every chunk: {reason}");
             self.fail_room(&mut st, room, Status::KVSTAGE_E_PEER_GONE, why);
         }
     }

@@ -1,0 +1,313 @@
+/* Failure paths of the staged transfer between two real processes on 127.0.0.1: connection
+ * refused, geometry mismatch with a field-by-field diff, fallback when the ring is too small,
+ * deadline expiry, cancel, and a peer killed mid-chunk on either side (the survivor reports
+ * PEER_GONE within a second and the ring returns to empty). */
+#define _POSIX_C_SOURCE 200809L
+
+#include <signal.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvstage_check.h"
+
+/* Small MHA model: 2 layers, 2 KV heads of 8 bf16 elements, 4-token pages. */
+enum { LAYERS = 2, HEADS = 2, PAGE = 4, CAPACITY = 16, CHUNK_TOKENS = 16, ROOM = 7, ROOMS = 3 };
+
+typedef struct pool {
+    uint8_t *memory;
+    uint64_t k[LAYERS], v[LAYERS];
+    kvstage_kv_layout layout;
+} pool;
+
+static void pool_init(pool *p, uint32_t tp_rank, uint32_t tp_size, uint32_t head_dim, uint32_t dtype) {
+    uint32_t local = HEADS / tp_size ? HEADS / tp_size : 1;
+    size_t buffer = (size_t)CAPACITY * PAGE * local * head_dim * dtype;
+    p->memory = (uint8_t *)calloc(2 * LAYERS, buffer);
+    REQUIRE(p->memory != NULL);
+    for (int l = 0; l < LAYERS; ++l) {
+        p->k[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l) * buffer);
+        p->v[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l + 1) * buffer);
+    }
+    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
+    p->layout.model_kind = KVSTAGE_MODEL_MHA;
+    p->layout.page_size = PAGE;
+    p->layout.local_heads = local;
+    p->layout.global_heads = HEADS;
+    p->layout.head_dim = head_dim;
+    p->layout.dtype_bytes = dtype;
+    p->layout.tp_rank = tp_rank;
+    p->layout.tp_size = tp_size;
+    p->layout.pp_rank = 0;
+    p->layout.pp_size = 1;
+    p->layout.num_layers = LAYERS;
+    p->layout.k_bases = p->k;
+    p->layout.v_bases = p->v;
+    p->layout.capacity_pages = CAPACITY;
+}
+
+static const uint32_t PAGES[8] = {3, 4, 5, 6, 9, 1, 2, 0}; /* two chunks of 4 pages */
+
+static kvstage_engine *engine_with_pool(pool *p) {
+    kvstage_engine *e = NULL;
+    REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_register_pool(e, &p->layout) == KVSTAGE_OK);
+    return e;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static uint64_t live_allocations(kvstage_engine *e) {
+    kvstage_engine_stats stats;
+    stats.struct_size = sizeof stats;
+    REQUIRE(kvstage_engine_stats_get(e, &stats) == KVSTAGE_OK);
+    return stats.ring_live_allocations;
+}
+
+static int causes_mention(const kvstage_error *err, const char *needle) {
+    for (size_t i = 0; i < err->cause_count; ++i)
+        if (strstr(err->causes[i], needle)) return 1;
+    return strstr(err->message, needle) != NULL;
+}
+
+/* A decode process (decode TP 1) with a ring of `ring_bytes` (0 = none) and rooms ROOM.. open. It
+ * writes its address to `addr_fd`, then lives until `done_fd` closes (or it is killed). */
+static pid_t spawn_decode(uint32_t head_dim, uint32_t dtype, size_t ring_bytes, int *addr_fd, int *done_fd) {
+    int addr_pipe[2], done_pipe[2];
+    REQUIRE(pipe(addr_pipe) == 0 && pipe(done_pipe) == 0);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        close(addr_pipe[0]);
+        close(done_pipe[1]);
+        pool p;
+        pool_init(&p, 0, 1, head_dim, dtype);
+        kvstage_engine *e = engine_with_pool(&p);
+        if (ring_bytes) REQUIRE(kvstage_engine_register_staging(e, NULL, ring_bytes) == KVSTAGE_OK);
+        for (uint64_t room = ROOM; room < ROOM + ROOMS; ++room) {
+            uint32_t chunks = 0;
+            REQUIRE(kvstage_room_open(e, room, PAGES, 8, CHUNK_TOKENS, &chunks) == KVSTAGE_OK);
+            REQUIRE(chunks == 2);
+        }
+        char addr[64];
+        REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr) == KVSTAGE_OK);
+        REQUIRE(write(addr_pipe[1], addr, sizeof addr) == (ssize_t)sizeof addr);
+        char c;
+        while (read(done_pipe[0], &c, 1) > 0) {
+        }
+        kvstage_engine_free(e);
+        _exit(0);
+    }
+    close(addr_pipe[1]);
+    close(done_pipe[0]);
+    *addr_fd = addr_pipe[0];
+    *done_fd = done_pipe[1];
+    return pid;
+}
+
+static void read_addr(int fd, char *addr) {
+    REQUIRE(read(fd, addr, 64) == 64);
+    close(fd);
+}
+
+static void finish(pid_t pid, int done_fd) {
+    int status = 0;
+    close(done_fd);
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+static void test_connection_refused(void) {
+    /* A port that was just in use and is now closed. */
+    kvstage_engine *e = NULL;
+    REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
+    char addr[64];
+    REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr) == KVSTAGE_OK);
+    kvstage_engine_free(e);
+    pool p;
+    pool_init(&p, 0, 2, 8, 2);
+    e = engine_with_pool(&p);
+    kvstage_session *s = NULL;
+    CHECK_INT(kvstage_session_connect(e, addr, "refused-1", 2000, &s), KVSTAGE_E_TRANSPORT);
+    CHECK(s == NULL);
+    const kvstage_error *err = kvstage_error_last();
+    CHECK_STR(err->session, "refused-1");
+    CHECK_CONTAINS(err->message, addr);
+    CHECK(causes_mention(err, "refused"));
+    kvstage_engine_free(e);
+    free(p.memory);
+}
+
+static void test_geometry_mismatch(void) {
+    int addr_fd, done_fd;
+    pid_t pid = spawn_decode(16, 4, 1 << 16, &addr_fd, &done_fd);
+    char addr[64];
+    read_addr(addr_fd, addr);
+    pool p;
+    pool_init(&p, 0, 2, 8, 2);
+    kvstage_engine *e = engine_with_pool(&p);
+    kvstage_session *s = NULL;
+    CHECK_INT(kvstage_session_connect(e, addr, "mismatch-1", 2000, &s), KVSTAGE_E_GEOMETRY_MISMATCH);
+    const kvstage_error *err = kvstage_error_last();
+    CHECK_INT(err->klass, KVSTAGE_CLASS_GEOMETRY);
+    CHECK_STR(err->session, "mismatch-1");
+    CHECK(err->cause_count >= 2);
+    CHECK(causes_mention(err, "head_dim"));
+    CHECK(causes_mention(err, "dtype_bytes"));
+    CHECK(causes_mention(err, "8") && causes_mention(err, "16"));
+    kvstage_engine_free(e);
+    free(p.memory);
+    finish(pid, done_fd);
+}
+
+static kvstage_transfer_desc chunk_desc(uint64_t room, uint32_t chunk, uint64_t deadline_ms) {
+    kvstage_transfer_desc d;
+    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    d.room = room;
+    d.chunk_index = chunk;
+    d.src_pages = PAGES + 4 * chunk;
+    d.num_pages = 4;
+    d.deadline_ms = deadline_ms;
+    return d;
+}
+
+static void test_fallback_when_the_ring_is_too_small(void) {
+    int addr_fd, done_fd;
+    pid_t pid = spawn_decode(8, 2, 512, &addr_fd, &done_fd); /* one chunk needs 2048 bytes */
+    char addr[64];
+    read_addr(addr_fd, addr);
+    pool p;
+    pool_init(&p, 0, 2, 8, 2);
+    kvstage_engine *e = engine_with_pool(&p);
+    kvstage_session *s = NULL;
+    REQUIRE(kvstage_session_connect(e, addr, "fallback-1", 2000, &s) == KVSTAGE_OK);
+    kvstage_transfer_desc d = chunk_desc(ROOM, 0, 0);
+    CHECK_INT(kvstage_transfer(s, &d), KVSTAGE_FALLBACK);
+    /* The slice path still delivers the chunk. */
+    CHECK_INT(kvstage_transfer_slices(s, &d), KVSTAGE_OK);
+    kvstage_session_free(s);
+    kvstage_engine_free(e);
+    free(p.memory);
+    finish(pid, done_fd);
+}
+
+/* Writer 0 of 2 sends chunk 0 of `room` (which then waits for writer 1, holding the whole ring), so
+ * chunk 1's grant waits for the watermark: the transfer blocks in back-pressure. A transfer that
+ * fails after its grant aborts, which fails its room on the receiver and frees the ring. */
+static kvstage_op *blocked_transfer(kvstage_session *s, uint64_t room, uint64_t deadline_ms) {
+    kvstage_transfer_desc d0 = chunk_desc(room, 0, 5000);
+    REQUIRE(kvstage_transfer(s, &d0) == KVSTAGE_OK);
+    kvstage_transfer_desc d1 = chunk_desc(room, 1, deadline_ms);
+    kvstage_op *op = NULL;
+    REQUIRE(kvstage_transfer_async(s, &d1, &op) == KVSTAGE_PENDING);
+    CHECK_INT(kvstage_op_wait(op, 200), KVSTAGE_PENDING);
+    return op;
+}
+
+static void test_deadline_cancel_and_decode_killed(void) {
+    int addr_fd, done_fd;
+    pid_t pid = spawn_decode(8, 2, 2048, &addr_fd, &done_fd);
+    char addr[64];
+    read_addr(addr_fd, addr);
+    pool p;
+    pool_init(&p, 0, 2, 8, 2);
+    kvstage_engine *e = engine_with_pool(&p);
+    kvstage_session *s = NULL;
+    REQUIRE(kvstage_session_connect(e, addr, "blocked-1", 2000, &s) == KVSTAGE_OK);
+
+    /* Deadline: the blocked transfer ends with TIMEOUT, naming what it waited for. */
+    kvstage_op *op = blocked_transfer(s, ROOM, 400);
+    CHECK_INT(kvstage_op_wait(op, 5000), KVSTAGE_E_TIMEOUT);
+    CHECK_CONTAINS(kvstage_error_last()->message, "room 7 chunk 1");
+    CHECK(causes_mention(kvstage_error_last(), "watermark"));
+    CHECK_STR(kvstage_error_last()->session, "blocked-1");
+    kvstage_op_free(op);
+
+    /* Cancel: a blocked transfer in the next room ends with CANCELED at once. */
+    op = blocked_transfer(s, ROOM + 1, 10000);
+    REQUIRE(kvstage_op_cancel(op) == KVSTAGE_OK);
+    CHECK_INT(kvstage_op_wait(op, 2000), KVSTAGE_E_CANCELED);
+    CHECK_INT(kvstage_op_poll(op), KVSTAGE_E_CANCELED);
+    kvstage_op_free(op);
+
+    /* The decode process dies while a third transfer waits: PEER_GONE well before its deadline. */
+    kvstage_session_free(s);
+    REQUIRE(kvstage_session_connect(e, addr, "blocked-2", 2000, &s) == KVSTAGE_OK);
+    op = blocked_transfer(s, ROOM + 2, 30000);
+    double t0 = now_s();
+    kill(pid, SIGKILL);
+    CHECK_INT(kvstage_op_wait(op, 5000), KVSTAGE_E_PEER_GONE);
+    CHECK(now_s() - t0 < 1.0);
+    CHECK_STR(kvstage_error_last()->session, "blocked-2");
+    kvstage_op_free(op);
+    kvstage_session_free(s);
+    kvstage_engine_free(e);
+    free(p.memory);
+    close(done_fd);
+    waitpid(pid, NULL, 0);
+}
+
+/* A prefill process sends its half of chunk 0 and dies: the decode room fails with PEER_GONE within
+ * a second and the ring is empty again. */
+static void test_prefill_killed_mid_chunk(void) {
+    pool p;
+    pool_init(&p, 0, 1, 8, 2);
+    int addr_pipe[2], sent_pipe[2];
+    REQUIRE(pipe(addr_pipe) == 0 && pipe(sent_pipe) == 0);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        char addr[64];
+        REQUIRE(read(addr_pipe[0], addr, sizeof addr) == (ssize_t)sizeof addr);
+        pool src;
+        pool_init(&src, 0, 2, 8, 2);
+        kvstage_engine *e = engine_with_pool(&src);
+        kvstage_session *s = NULL;
+        REQUIRE(kvstage_session_connect(e, addr, "dying-prefill", 2000, &s) == KVSTAGE_OK);
+        kvstage_transfer_desc d = chunk_desc(ROOM, 0, 5000);
+        REQUIRE(kvstage_transfer(s, &d) == KVSTAGE_OK);
+        REQUIRE(write(sent_pipe[1], "x", 1) == 1);
+        for (;;) pause(); /* killed by the parent */
+    }
+    kvstage_engine *e = engine_with_pool(&p);
+    REQUIRE(kvstage_engine_register_staging(e, NULL, 4096) == KVSTAGE_OK);
+    REQUIRE(kvstage_room_open(e, ROOM, PAGES, 8, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
+    char addr[64] = {0};
+    REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr) == KVSTAGE_OK);
+    REQUIRE(write(addr_pipe[1], addr, sizeof addr) == (ssize_t)sizeof addr);
+    char c;
+    REQUIRE(read(sent_pipe[0], &c, 1) == 1);
+    CHECK_INT(live_allocations(e), 1);
+    double t0 = now_s();
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    CHECK_INT(kvstage_room_wait(e, ROOM, 5000), KVSTAGE_E_PEER_GONE);
+    CHECK(now_s() - t0 < 1.0);
+    CHECK_CONTAINS(kvstage_error_last()->message, "room 7");
+    CHECK_INT(live_allocations(e), 0);
+    kvstage_chunk_event events[4];
+    size_t n = 0;
+    REQUIRE(kvstage_engine_poll_events(e, events, 4, &n) == KVSTAGE_OK);
+    CHECK_INT(n, 2);
+    if (n > 0) CHECK_INT(events[0].status, KVSTAGE_E_PEER_GONE);
+    CHECK_INT(kvstage_room_release(e, ROOM), KVSTAGE_OK);
+    CHECK_INT(kvstage_room_release(e, ROOM), KVSTAGE_OK); /* idempotent */
+    kvstage_engine_free(e);
+    free(p.memory);
+}
+
+int main(void) {
+    signal(SIGPIPE, SIG_IGN);
+    test_connection_refused();
+    test_geometry_mismatch();
+    test_fallback_when_the_ring_is_too_small();
+    test_deadline_cancel_and_decode_killed();
+    test_prefill_killed_mid_chunk();
+    return *kv_failures() ? 1 : 0;
+}
