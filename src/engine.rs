@@ -111,8 +111,11 @@ pub struct Engine {
     listener: TcpListener,
     accept_thread: Option<JoinHandle<()>>,
     scatter_thread: Option<JoinHandle<()>>,
-    conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>>,
+    conns: Arc<Mutex<Vec<Connection>>>,
 }
+
+/// An accepted connection: a handle to shut its socket down and its reader thread.
+type Connection = (TcpStream, JoinHandle<()>);
 
 impl Engine {
     pub fn new(options: EngineOptions) -> Result<Engine> {
@@ -147,7 +150,7 @@ impl Engine {
                 scatter_receiver.run_scatter(job);
             }
         })?;
-        let conns: Arc<Mutex<Vec<(TcpStream, JoinHandle<()>)>>> = Arc::new(Mutex::new(Vec::new()));
+        let conns: Arc<Mutex<Vec<Connection>>> = Arc::new(Mutex::new(Vec::new()));
         let accept_listener = listener.try_clone()?;
         let (accept_receiver, accept_conns) = (receiver.clone(), conns.clone());
         let accept_thread = spawn("kvstage-accept", move || {

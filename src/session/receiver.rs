@@ -295,10 +295,7 @@ impl Receiver {
         let Some(Message::Hello(hello)) = protocol::read_frame(&mut reader)? else {
             return Err(reject(Status::KVSTAGE_E_PROTOCOL, "first frame is not a hello"));
         };
-        let (peer_id, src) = match self.accept(&hello, &link) {
-            Ok(v) => v,
-            Err(e) => return Err(e),
-        };
+        let (peer_id, src) = self.accept(&hello, &link)?;
         reader.set_read_timeout(None)?;
         let result = self.read_loop(peer_id, &src, &mut reader, &link, &hello.session);
         let reason = match &result {
