@@ -64,13 +64,15 @@ struct Cfg {
     src_pages: Vec<u32>,
     dst_pages: Vec<u32>,
     threads: u32,
+    /// Non-temporal stores for every plan (else plain memcpy: these plans are small).
+    streaming: bool,
 }
 
 impl std::fmt::Debug for Cfg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{:?} H={} D={} b={} ps={} P{}x{}->D{}x{} layers={:?} cap={} src={:?} dst={:?} threads={}",
+            "{:?} H={} D={} b={} ps={} P{}x{}->D{}x{} layers={:?} cap={} src={:?} dst={:?} threads={} streaming={}",
             self.kind,
             self.heads,
             self.head_dim,
@@ -84,7 +86,8 @@ impl std::fmt::Debug for Cfg {
             self.capacity,
             self.src_pages,
             self.dst_pages,
-            self.threads
+            self.threads,
+            self.streaming
         )
     }
 }
@@ -234,7 +237,9 @@ fn expected_staging(c: &Cfg, d: u32, q: u32) -> Vec<u8> {
 // ---------------------------------------------------------------- the pipeline under test
 
 fn run(c: &Cfg) -> Result<(), TestCaseError> {
-    let engine = HostCopyEngine::new(c.threads).with_min_parallel_bytes(0);
+    let engine = HostCopyEngine::new(c.threads)
+        .with_min_parallel_bytes(0)
+        .with_streaming_min_bytes(if c.streaming { 0 } else { u64::MAX });
     // Prefill pools: pattern in the request's pages, noise everywhere else.
     let mut prefill = Vec::new();
     for j in 0..c.src_pp {
@@ -346,9 +351,9 @@ fn cfg() -> impl Strategy<Value = Cfg> {
         prop::sample::select(vec![1u32, 2, 4]),
         prop::sample::select(vec![1u32, 2, 3, 8]),
         prop::sample::subsequence((0u32..8).collect::<Vec<_>>(), 1..=4),
-        1u32..=3,
+        (1u32..=3, any::<bool>()),
     )
-        .prop_flat_map(|(kind, heads, (src_tp, dst_tp), (src_pp, dst_pp), page_size, dtype, head_dim, layers, threads)| {
+        .prop_flat_map(|(kind, heads, (src_tp, dst_tp), (src_pp, dst_pp), page_size, dtype, head_dim, layers, (threads, streaming))| {
             // Fewer pages for big pages and big heads keep each case small.
             let max_pages: u32 = if page_size == 64 { 3 } else { 5 };
             (1..=max_pages, 0u32..4).prop_flat_map(move |(n, extra)| {
@@ -381,6 +386,7 @@ fn cfg() -> impl Strategy<Value = Cfg> {
                         src_pages,
                         dst_pages,
                         threads,
+                        streaming,
                     }
                 })
             })
@@ -388,7 +394,7 @@ fn cfg() -> impl Strategy<Value = Cfg> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
     fn reshard_is_bit_exact(c in cfg()) {
@@ -414,6 +420,7 @@ fn fixed(kind: ModelKind, heads: u32, src_tp: u32, dst_tp: u32, page_size: u32, 
         src_pages,
         dst_pages,
         threads: 2,
+        streaming: page_size != 4,
     }
 }
 

@@ -6,23 +6,38 @@ use crate::geometry::{CopyPlan, KvLayout, MemoryKind};
 
 /// Plans moving fewer bytes than this run on the calling thread only.
 const DEFAULT_MIN_PARALLEL_BYTES: u64 = 1 << 20;
+/// Plans moving at least this many bytes write with non-temporal (streaming) stores.
+const DEFAULT_STREAMING_MIN_BYTES: u64 = 4 << 20;
 
 /// Gather/scatter between host-memory pools and host staging buffers.
 ///
 /// A plan is cut into `threads` byte-balanced parts of its `slabs × tokens` rows (cuts may fall
 /// inside a run); the calling thread executes one part and scoped threads the others. Contiguous
-/// runs are single `memcpy`s; strided runs (a head slice of each token slot) copy row by row, with
-/// fixed-size copies for the common row sizes.
+/// runs are single copies; strided runs (a head slice of each token slot) copy row by row. Large
+/// plans write with non-temporal stores on x86-64 (the destination of a chunk copy is not read
+/// again soon: the staging bytes go to the network, the pool rows to a later decode step), which
+/// avoids reading every destination line before overwriting it; small plans use `memcpy`.
 #[derive(Clone, Debug)]
 pub struct HostCopyEngine {
     threads: u32,
     min_parallel_bytes: u64,
+    streaming_min_bytes: u64,
 }
 
 impl HostCopyEngine {
     /// An engine using up to `threads` threads per plan (clamped to 1..=256).
     pub fn new(threads: u32) -> HostCopyEngine {
-        HostCopyEngine { threads: threads.clamp(1, 256), min_parallel_bytes: DEFAULT_MIN_PARALLEL_BYTES }
+        HostCopyEngine {
+            threads: threads.clamp(1, 256),
+            min_parallel_bytes: DEFAULT_MIN_PARALLEL_BYTES,
+            streaming_min_bytes: DEFAULT_STREAMING_MIN_BYTES,
+        }
+    }
+
+    /// Plans of at least `bytes` use non-temporal stores (default 4 MiB); `u64::MAX` never does.
+    pub fn with_streaming_min_bytes(mut self, bytes: u64) -> HostCopyEngine {
+        self.streaming_min_bytes = bytes;
+        self
     }
 
     /// Plans smaller than `bytes` run on the calling thread (default 1 MiB); 0 always splits.
@@ -49,7 +64,8 @@ impl HostCopyEngine {
         if staging == 0 {
             return Err(Error::invalid_arg("staging", "is NULL"));
         }
-        let job = Job { plan, bases: &pool.bases, staging, dir };
+        let streaming = plan.bytes() >= self.streaming_min_bytes && nt::AVAILABLE;
+        let job = Job { plan, bases: &pool.bases, staging, dir, streaming };
         let units = plan.slabs.len() as u64 * plan.tokens;
         let parts = if plan.bytes() < self.min_parallel_bytes { 1 } else { (self.threads as u64).min(units) };
         if parts <= 1 {
@@ -92,11 +108,20 @@ struct Job<'a> {
     bases: &'a [usize],
     staging: usize,
     dir: Dir,
+    streaming: bool,
 }
 
 impl Job<'_> {
     /// Executes rows `[a, b)` of the flattened `(slab, token)` space.
     fn run(&self, a: u64, b: u64) {
+        self.run_rows(a, b);
+        if self.streaming {
+            // Non-temporal stores are weakly ordered: make them visible before the part ends.
+            nt::fence();
+        }
+    }
+
+    fn run_rows(&self, a: u64, b: u64) {
         let plan = self.plan;
         let t_total = plan.tokens;
         let mut pos = a;
@@ -134,6 +159,16 @@ impl Job<'_> {
         let rows = rows as usize;
         // SAFETY: see `run`.
         unsafe {
+            if self.streaming {
+                if row == stride {
+                    nt::copy(src as *const u8, dst as *mut u8, row * rows);
+                } else {
+                    for i in 0..rows {
+                        nt::copy((src + i * src_stride) as *const u8, (dst + i * dst_stride) as *mut u8, row);
+                    }
+                }
+                return;
+            }
             if row == stride {
                 std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, row * rows);
                 return;
@@ -169,6 +204,64 @@ unsafe fn strided<const N: usize>(src: usize, dst: usize, src_stride: usize, dst
     }
 }
 
+/// Copies with non-temporal stores (x86-64 SSE2, part of the baseline ISA); elsewhere `memcpy`.
+mod nt {
+    #[cfg(target_arch = "x86_64")]
+    pub const AVAILABLE: bool = true;
+    #[cfg(not(target_arch = "x86_64"))]
+    pub const AVAILABLE: bool = false;
+
+    /// `len` bytes from `src` to `dst` (not overlapping): the unaligned head and the tail with
+    /// `memcpy`, the 16-byte aligned middle with streaming stores.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    pub unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        // SAFETY: the caller guarantees `len` readable bytes at `src` and writable at `dst`.
+        unsafe {
+            let head = ((dst as usize).wrapping_neg() & 15).min(len);
+            std::ptr::copy_nonoverlapping(src, dst, head);
+            let (mut s, mut d, mut n) = (src.add(head), dst.add(head), len - head);
+            while n >= 64 {
+                let a = _mm_loadu_si128(s as *const __m128i);
+                let b = _mm_loadu_si128(s.add(16) as *const __m128i);
+                let c = _mm_loadu_si128(s.add(32) as *const __m128i);
+                let e = _mm_loadu_si128(s.add(48) as *const __m128i);
+                _mm_stream_si128(d as *mut __m128i, a);
+                _mm_stream_si128(d.add(16) as *mut __m128i, b);
+                _mm_stream_si128(d.add(32) as *mut __m128i, c);
+                _mm_stream_si128(d.add(48) as *mut __m128i, e);
+                s = s.add(64);
+                d = d.add(64);
+                n -= 64;
+            }
+            while n >= 16 {
+                _mm_stream_si128(d as *mut __m128i, _mm_loadu_si128(s as *const __m128i));
+                s = s.add(16);
+                d = d.add(16);
+                n -= 16;
+            }
+            std::ptr::copy_nonoverlapping(s, d, n);
+        }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    #[inline]
+    pub unsafe fn copy(src: *const u8, dst: *mut u8, len: usize) {
+        // SAFETY: as above.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    pub fn fence() {
+        // SAFETY: sfence has no preconditions.
+        unsafe { std::arch::x86_64::_mm_sfence() }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub fn fence() {}
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -198,8 +291,8 @@ mod tests {
         let w = st.writer_for(&src_shape).unwrap().unwrap();
         let (sp, dp) = ([3u32, 0], [1u32, 2]);
         let mut buf = vec![0u8; st.writers[w as usize].bytes as usize];
-        for threads in [1, 3] {
-            let eng = HostCopyEngine::new(threads).with_min_parallel_bytes(0);
+        for (threads, streaming) in [(1, 0), (3, 0), (2, u64::MAX)] {
+            let eng = HostCopyEngine::new(threads).with_min_parallel_bytes(0).with_streaming_min_bytes(streaming);
             let g = plan_gather(&src_shape, &sp, &st, w).unwrap();
             unsafe { eng.gather(&g, &src.layout, buf.as_mut_ptr()) }.unwrap();
             let s = plan_scatter(&dst_shape, &dp, &st, w).unwrap();

@@ -1,0 +1,286 @@
+//! Gather/scatter throughput of the host copy engine on a 70B-shaped chunk, next to a
+//! single-thread memcpy of the same bytes measured in the same run.
+//!
+//! Shape: 80 layers, 8 KV heads, head_dim 128, bf16, prefill TP 4 → decode TP 2 (512-byte rows:
+//! the prefill side's slot is the whole row, the decode side's slot is two rows), one writer's
+//! region of a chunk of `--tokens` tokens (default 8192: 640 MiB). Page sizes 1 and 16, pages as
+//! one consecutive run or fully random (in a pool twice the chunk).
+//!
+//! Usage: kvstage-copybench [--tokens N] [--threads N] [--iters N] [--json]
+
+use std::time::{Duration, Instant};
+
+use kvstage::copy::{CopyEngine, HostCopyEngine};
+use kvstage::geometry::{plan_gather, plan_scatter, slice_plan, staging_layout, KvLayout, MemoryKind, ModelKind, PoolShape};
+
+struct Args {
+    tokens: u32,
+    threads: u32,
+    iters: usize,
+    json: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        tokens: 8192,
+        threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
+        iters: 5,
+        json: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut num = |name: &str| -> Result<u64, String> {
+            it.next().and_then(|v| v.parse().ok()).ok_or_else(|| format!("{name} needs a number"))
+        };
+        match arg.as_str() {
+            "--tokens" => a.tokens = num("--tokens")? as u32,
+            "--threads" => a.threads = num("--threads")? as u32,
+            "--iters" => a.iters = num("--iters")?.max(1) as usize,
+            "--json" => a.json = true,
+            "-h" | "--help" => return Err("usage: kvstage-copybench [--tokens N] [--threads N] [--iters N] [--json]".into()),
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    if a.tokens == 0 || a.tokens % 16 != 0 {
+        return Err("--tokens must be a positive multiple of 16".into());
+    }
+    Ok(a)
+}
+
+/// Page-aligned, pre-faulted host memory.
+struct Mem {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Mem {
+    fn new(len: usize, fill: u8) -> Mem {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), 4096).expect("layout");
+        // SAFETY: non-zero size; freed in Drop with the same layout.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        assert!(!ptr.is_null(), "out of memory allocating {len} bytes");
+        // SAFETY: `len` bytes were just allocated.
+        unsafe { std::ptr::write_bytes(ptr, fill, len) };
+        Mem { ptr, len }
+    }
+}
+
+impl Drop for Mem {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, std::alloc::Layout::from_size_align(self.len.max(1), 4096).expect("layout")) };
+    }
+}
+
+fn pool(shape: PoolShape, capacity_pages: u64) -> (Mem, KvLayout) {
+    let bb = capacity_pages as usize * shape.page_bytes() as usize;
+    let nb = (shape.buffers_per_layer() * shape.layer_count()) as usize;
+    let mem = Mem::new(bb * nb, 0x5A);
+    let base = mem.ptr as usize;
+    let layout = KvLayout { shape, capacity_pages, memory: MemoryKind::Host, bases: (0..nb).map(|i| base + i * bb).collect() };
+    (mem, layout)
+}
+
+/// xorshift64*: deterministic random page lists without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+}
+
+fn random_pages(n: usize, capacity: u32, rng: &mut Rng) -> Vec<u32> {
+    let mut all: Vec<u32> = (0..capacity).collect();
+    for i in (1..all.len()).rev() {
+        all.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    all.truncate(n);
+    all
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn memcpy_once(src: &Mem, dst: &Mem, bytes: usize) -> Duration {
+    let t = Instant::now();
+    // SAFETY: both buffers hold at least `bytes` bytes and do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src.ptr, dst.ptr, bytes) };
+    std::hint::black_box(dst.ptr);
+    t.elapsed()
+}
+
+struct Row {
+    page_size: u32,
+    indices: &'static str,
+    op: &'static str,
+    runs: usize,
+    bytes: u64,
+    time: Duration,
+    memcpy: Duration,
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let engine = HostCopyEngine::new(args.threads);
+    let base = PoolShape::new(ModelKind::Mha, 8, 128, 2, 1, 80);
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut rows: Vec<Row> = Vec::new();
+
+    // Memcpy baseline buffers, sized like one writer region.
+    let region = staging_layout(&base.clone().with_tp(0, 4), &base.clone().with_tp(0, 2), args.tokens)
+        .expect("70B staging layout")
+        .writers[0]
+        .bytes as usize;
+    let copy_src = Mem::new(region, 1);
+    let copy_dst = Mem::new(region, 2);
+    let staging = Mem::new(region, 3);
+
+    if !args.json {
+        println!(
+            "kvstage-copybench: 70B chunk (80 layers, 8 KV heads, head_dim 128, bf16), P4->D2, 512 B rows, {} tokens, {:.0} MiB per writer region, {} thread(s), median of {}",
+            args.tokens,
+            region as f64 / (1 << 20) as f64,
+            args.threads,
+            args.iters
+        );
+        println!("{:>4} {:>7} {:>8} {:>9} {:>10} {:>12} {:>8}", "ps", "indices", "op", "runs", "GB/s", "memcpy GB/s", "ratio");
+    }
+    for page_size in [1u32, 16] {
+        let pages_n = (args.tokens / page_size) as usize;
+        let capacity = 2 * pages_n as u32;
+        let src_shape = PoolShape { page_size, ..base.clone() }.with_tp(1, 4);
+        let dst_shape = PoolShape { page_size, ..base.clone() }.with_tp(0, 2);
+        let (_src_mem, src_pool) = pool(src_shape.clone(), capacity as u64);
+        let (_dst_mem, dst_pool) = pool(dst_shape.clone(), capacity as u64);
+        let st = staging_layout(&src_shape, &dst_shape, args.tokens).expect("staging layout");
+        let w = st.writer_for(&src_shape).expect("writer").expect("rank 1 writes to decode rank 0");
+        for indices in ["runs", "random"] {
+            let (src_pages, dst_pages) = match indices {
+                "runs" => ((7..7 + pages_n as u32).collect::<Vec<_>>(), (3..3 + pages_n as u32).collect::<Vec<_>>()),
+                _ => (random_pages(pages_n, capacity, &mut rng), random_pages(pages_n, capacity, &mut rng)),
+            };
+            let t = Instant::now();
+            let g = plan_gather(&src_pool, &src_pages, &st, w).expect("gather plan");
+            let s = plan_scatter(&dst_pool, &dst_pages, &st, w).expect("scatter plan");
+            let plan_time = t.elapsed();
+            let mut times = [Vec::new(), Vec::new(), Vec::new()];
+            for i in 0..=args.iters {
+                let m = memcpy_once(&copy_src, &copy_dst, region);
+                let t = Instant::now();
+                // SAFETY: the pools and the staging buffer are live and sized for the plans.
+                unsafe { engine.gather(&g, &src_pool, staging.ptr) }.expect("gather");
+                let tg = t.elapsed();
+                let t = Instant::now();
+                unsafe { engine.scatter(&s, &dst_pool, staging.ptr) }.expect("scatter");
+                let ts = t.elapsed();
+                if i > 0 {
+                    times[0].push(m);
+                    times[1].push(tg);
+                    times[2].push(ts);
+                }
+            }
+            let [m, tg, ts] = times.map(median);
+            rows.push(Row { page_size, indices, op: "gather", runs: g.run_count(), bytes: g.bytes(), time: tg, memcpy: m });
+            rows.push(Row { page_size, indices, op: "scatter", runs: s.run_count(), bytes: s.bytes(), time: ts, memcpy: m });
+            if !args.json {
+                for r in &rows[rows.len() - 2..] {
+                    println!(
+                        "{:>4} {:>7} {:>8} {:>9} {:>10.2} {:>12.2} {:>7.2}x",
+                        r.page_size,
+                        r.indices,
+                        r.op,
+                        r.runs,
+                        gbps(r.bytes, r.time),
+                        gbps(r.bytes, r.memcpy),
+                        r.memcpy.as_secs_f64() / r.time.as_secs_f64()
+                    );
+                }
+                println!("     (planning both: {:.2} ms)", plan_time.as_secs_f64() * 1e3);
+            }
+        }
+        // The slice path for the same pair, pool to pool, one memcpy per op on one thread.
+        if page_size == 16 {
+            let src_pages: Vec<u32> = (7..7 + pages_n as u32).collect();
+            let dst_pages: Vec<u32> = (3..3 + pages_n as u32).collect();
+            let hs = st.writers[w as usize].heads;
+            let t = Instant::now();
+            let ops = slice_plan(&src_shape, &dst_shape, &hs, &src_pages, &dst_pages).expect("slice plan");
+            let plan_time = t.elapsed();
+            let mut times = Vec::new();
+            let mut mtimes = Vec::new();
+            for i in 0..=args.iters.min(3) {
+                let m = memcpy_once(&copy_src, &copy_dst, region);
+                let t = Instant::now();
+                for op in &ops {
+                    let from = src_pool.bases[op.src_buffer as usize] + op.src_offset as usize;
+                    let to = dst_pool.bases[op.dst_buffer as usize] + op.dst_offset as usize;
+                    // SAFETY: slice_plan offsets lie within the pools' first 2·pages_n pages.
+                    unsafe { std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, op.len as usize) };
+                }
+                if i > 0 {
+                    times.push(t.elapsed());
+                    mtimes.push(m);
+                }
+            }
+            let bytes: u64 = ops.iter().map(|o| o.len).sum();
+            let (t, m) = (median(times), median(mtimes));
+            rows.push(Row { page_size, indices: "runs", op: "slice", runs: ops.len(), bytes, time: t, memcpy: m });
+            if !args.json {
+                println!(
+                    "{:>4} {:>7} {:>8} {:>9} {:>10.2} {:>12.2} {:>7.2}x   (slice path: one 512 B memcpy per op, 1 thread; plan {:.1} ms)",
+                    page_size,
+                    "runs",
+                    "slice",
+                    ops.len(),
+                    gbps(bytes, t),
+                    gbps(bytes, m),
+                    m.as_secs_f64() / t.as_secs_f64(),
+                    plan_time.as_secs_f64() * 1e3
+                );
+            }
+        }
+    }
+    if args.json {
+        let items: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"page_size\":{},\"indices\":\"{}\",\"op\":\"{}\",\"runs\":{},\"bytes\":{},\"seconds\":{:.6},\"gbps\":{:.3},\"memcpy_gbps\":{:.3},\"ratio\":{:.3}}}",
+                    r.page_size,
+                    r.indices,
+                    r.op,
+                    r.runs,
+                    r.bytes,
+                    r.time.as_secs_f64(),
+                    gbps(r.bytes, r.time),
+                    gbps(r.bytes, r.memcpy),
+                    r.memcpy.as_secs_f64() / r.time.as_secs_f64()
+                )
+            })
+            .collect();
+        println!(
+            "{{\"tokens\":{},\"threads\":{},\"iters\":{},\"region_bytes\":{},\"results\":[{}]}}",
+            args.tokens,
+            args.threads,
+            args.iters,
+            region,
+            items.join(",")
+        );
+    }
+}
