@@ -43,7 +43,10 @@ impl HostPool {
     pub fn new(shape: PoolShape, capacity_pages: u64) -> HostPool {
         let buffer = (capacity_pages * shape.page_size as u64 * shape.token_bytes()) as usize;
         let count = (shape.buffers_per_layer() as usize) * shape.layer_ids.len();
-        let mut memory = vec![0u8; buffer * count];
+        // Written, not calloc'd: a real pool is resident, and first-touch page faults would
+        // otherwise be measured as copy time.
+        let mut memory = Vec::with_capacity(buffer * count);
+        memory.resize(buffer * count, 0u8);
         let base = memory.as_mut_ptr() as usize;
         let bases = (0..count).map(|i| base + i * buffer).collect();
         HostPool { memory, layout: KvLayout { shape, capacity_pages, memory: MemoryKind::Host, bases } }
