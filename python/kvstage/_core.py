@@ -1,0 +1,737 @@
+"""Typed wrappers of the C objects: KV layout, engine (pool, staging ring, rooms), session,
+operation; the geometry helpers as functions."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from ctypes import POINTER, byref, c_size_t, c_uint32, c_uint64, c_void_p
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+from . import _lib
+from ._buffers import buffer_info, page_array
+from ._lib import (
+    DEADLINE_INFINITE,
+    Library,
+    MemoryKind,
+    ModelKind,
+    Status,
+    Transport,
+    get_library,
+)
+from ._lib import ErrorClass
+from .errors import ClosedHandleError, argument_error, last_error
+
+__all__ = [
+    "Capabilities",
+    "ChunkEvent",
+    "Engine",
+    "EngineStats",
+    "HeadSlice",
+    "KvLayout",
+    "Operation",
+    "Room",
+    "Session",
+    "StagingLayout",
+    "StagingWriter",
+    "capabilities",
+    "grid_tokens",
+    "head_slice",
+    "staging_layout",
+    "version",
+    "writers_per_chunk",
+]
+
+
+def _check(lib: Library, rc: int, what: str) -> Status:
+    """Raises the last error for a negative code; returns informational codes as :class:`Status`."""
+    if rc < 0:
+        raise last_error(lib, rc, what)
+    try:
+        return Status(rc)
+    except ValueError:  # a future informational code
+        return rc  # type: ignore[return-value]
+
+
+def _u32(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if not 0 <= value < 1 << 32:
+        raise argument_error(name, f"{value} is outside 0..2^32")
+    return value
+
+
+def _u64(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if not 0 <= value < 1 << 64:
+        raise argument_error(name, f"{value} is outside 0..2^64")
+    return value
+
+
+def _enum(cls, value, name: str):
+    if isinstance(value, str):
+        try:
+            return cls[value.upper()]
+        except KeyError:
+            raise argument_error(name, f"{value!r} is not one of {', '.join(m.name.lower() for m in cls)}") from None
+    try:
+        return cls(value)
+    except ValueError:
+        raise argument_error(name, f"{value!r} is not a {cls.__name__} value") from None
+
+
+# --- version and capabilities ----------------------------------------------------------------------
+
+
+def version() -> str:
+    """The loaded library's version (``kvstage_version_string()``)."""
+    return get_library().version
+
+
+class Capabilities(NamedTuple):
+    """What the library can use on this host (``kvstage_capabilities_get``)."""
+
+    tcp: bool
+    rdma: bool
+    host_memory: bool
+    cuda_memory: bool
+
+
+def capabilities() -> Capabilities:
+    lib = get_library()
+    caps = _lib.kvstage_capabilities()
+    caps.struct_size = ctypes.sizeof(caps)
+    _check(lib, lib.kvstage_capabilities_get(byref(caps)), "kvstage_capabilities_get")
+    return Capabilities(bool(caps.tcp), bool(caps.rdma), bool(caps.host_memory), bool(caps.cuda_memory))
+
+
+# --- KV layout -------------------------------------------------------------------------------------
+
+
+class KvLayout:
+    """One rank's KV pool (``kvstage_kv_layout``): its shape, and optionally its buffers.
+
+    Buffers are token-major: token slot ``t`` of a buffer starts ``t * token_bytes`` bytes after its
+    base, page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``. ``k_buffers`` (the latent
+    buffers for MLA) and ``v_buffers`` hold one buffer per layer, each an int address or an array
+    object (see :func:`kvstage.buffer_info`); the layout keeps them referenced.
+
+    A layout without buffers describes a shape only: enough for :func:`staging_layout`, not for
+    :meth:`Engine.register_pool`. ``num_layers`` defaults to ``len(layer_ids)`` or
+    ``len(k_buffers)``; ``local_heads`` to ``max(1, global_heads // tp_size)`` (1 for MLA);
+    ``capacity_pages`` to what the smallest buffer holds; ``memory`` to the buffers' kind.
+    """
+
+    def __init__(
+        self,
+        *,
+        head_dim: int,
+        global_heads: int = 1,
+        local_heads: Optional[int] = None,
+        page_size: int = 1,
+        dtype_bytes: int = 2,
+        model: Union[str, int, ModelKind] = ModelKind.MHA,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        layer_ids: Optional[Sequence[int]] = None,
+        num_layers: Optional[int] = None,
+        k_buffers: Optional[Sequence[Any]] = None,
+        v_buffers: Optional[Sequence[Any]] = None,
+        capacity_pages: Optional[int] = None,
+        memory: Union[None, str, int, MemoryKind] = None,
+    ):
+        self.model = _enum(ModelKind, model, "model")
+        self.head_dim = _u32(head_dim, "head_dim")
+        self.global_heads = _u32(global_heads, "global_heads")
+        self.page_size = _u32(page_size, "page_size")
+        self.dtype_bytes = _u32(dtype_bytes, "dtype_bytes")
+        self.tp_rank, self.tp_size = _u32(tp_rank, "tp_rank"), _u32(tp_size, "tp_size")
+        self.pp_rank, self.pp_size = _u32(pp_rank, "pp_rank"), _u32(pp_size, "pp_size")
+        if local_heads is None:
+            local_heads = 1 if self.model == ModelKind.MLA else max(1, global_heads // max(1, tp_size))
+        self.local_heads = _u32(local_heads, "local_heads")
+        self.layer_ids = None if layer_ids is None else tuple(_u32(x, f"layer_ids[{i}]") for i, x in enumerate(layer_ids))
+        if num_layers is None:
+            if self.layer_ids is not None:
+                num_layers = len(self.layer_ids)
+            elif k_buffers is not None:
+                num_layers = len(k_buffers)
+            else:
+                raise argument_error("num_layers", "is not given and neither layer_ids nor k_buffers tells it")
+        self.num_layers = int(num_layers)
+        if self.layer_ids is not None and len(self.layer_ids) != self.num_layers:
+            raise argument_error("layer_ids", f"has {len(self.layer_ids)} entries, num_layers is {self.num_layers}")
+
+        self._k: Optional[List[Any]] = None
+        self._v: Optional[List[Any]] = None
+        kinds = set()
+        sizes: List[int] = []
+        if k_buffers is not None:
+            self._k = self._infos(k_buffers, "k_buffers", kinds, sizes)
+            if self.model == ModelKind.MHA:
+                if v_buffers is None:
+                    raise argument_error("v_buffers", "is required for an MHA pool")
+                self._v = self._infos(v_buffers, "v_buffers", kinds, sizes)
+            elif v_buffers is not None:
+                raise argument_error("v_buffers", "must be None for an MLA pool (one latent buffer per layer)")
+        elif v_buffers is not None:
+            raise argument_error("v_buffers", "given without k_buffers")
+
+        if memory is not None:
+            self.memory = _enum(MemoryKind, memory, "memory")
+            if kinds and kinds != {self.memory}:
+                raise argument_error("memory", f"is {self.memory.name.lower()} but the buffers are {sorted(k.name.lower() for k in kinds)}")
+        elif len(kinds) > 1:
+            raise argument_error("k_buffers", "mixes host and CUDA buffers")
+        else:
+            self.memory = next(iter(kinds)) if kinds else MemoryKind.HOST
+
+        slot_bytes = self.page_size * self.token_bytes
+        if capacity_pages is None and sizes and len(sizes) == len(self._k or []) + len(self._v or []) and slot_bytes:
+            capacity_pages = min(sizes) // slot_bytes
+        if capacity_pages is None and self._k is not None:
+            raise argument_error("capacity_pages", "is required when the buffers are int addresses")
+        self.capacity_pages = _u64(capacity_pages or 0, "capacity_pages")
+        need = self.capacity_pages * slot_bytes
+        for label, infos in (("k_buffers", self._k), ("v_buffers", self._v)):
+            for i, info in enumerate(infos or []):
+                if info.nbytes is not None and info.nbytes < need:
+                    raise argument_error(
+                        f"{label}[{i}]",
+                        f"holds {info.nbytes} bytes, {self.capacity_pages} pages of {slot_bytes} bytes need {need}",
+                    )
+
+    def _infos(self, buffers: Sequence[Any], label: str, kinds: set, sizes: List[int]):
+        buffers = list(buffers)
+        if len(buffers) != self.num_layers:
+            raise argument_error(label, f"has {len(buffers)} buffers, num_layers is {self.num_layers}")
+        infos = [buffer_info(b, f"{label}[{i}]", writable=True) for i, b in enumerate(buffers)]
+        for info in infos:
+            if info.memory is not None:
+                kinds.add(info.memory)
+            if info.nbytes is not None:
+                sizes.append(info.nbytes)
+        return infos
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token slot of one buffer."""
+        return self.local_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes each buffer must hold: ``capacity_pages * page_size * token_bytes``."""
+        return self.capacity_pages * self.page_size * self.token_bytes
+
+    @property
+    def buffers_per_layer(self) -> int:
+        return 2 if self.model == ModelKind.MHA else 1
+
+    @property
+    def has_buffers(self) -> bool:
+        return self._k is not None
+
+    def _c(self) -> Tuple[_lib.kvstage_kv_layout, tuple]:
+        """The C struct and the objects that must stay alive while it is used."""
+        lib = get_library()
+        c = _lib.kvstage_kv_layout()
+        _check(lib, lib.kvstage_kv_layout_init(byref(c)), "kvstage_kv_layout_init")
+        c.model_kind = int(self.model)
+        c.page_size = self.page_size
+        c.local_heads = self.local_heads
+        c.global_heads = self.global_heads
+        c.head_dim = self.head_dim
+        c.dtype_bytes = self.dtype_bytes
+        c.tp_rank, c.tp_size = self.tp_rank, self.tp_size
+        c.pp_rank, c.pp_size = self.pp_rank, self.pp_size
+        c.num_layers = self.num_layers
+        c.capacity_pages = self.capacity_pages
+        c.memory_kind = int(self.memory)
+        keep: list = []
+        if self.layer_ids is not None:
+            ids = (c_uint32 * self.num_layers)(*self.layer_ids)
+            c.layer_ids = ctypes.cast(ids, POINTER(c_uint32))
+            keep.append(ids)
+        if self._k is not None:
+            ks = (c_uint64 * self.num_layers)(*(i.address for i in self._k))
+            c.k_bases = ctypes.cast(ks, POINTER(c_uint64))
+            keep.append(ks)
+        if self._v is not None:
+            vs = (c_uint64 * self.num_layers)(*(i.address for i in self._v))
+            c.v_bases = ctypes.cast(vs, POINTER(c_uint64))
+            keep.append(vs)
+        return c, tuple(keep)
+
+    def validate(self) -> None:
+        """``kvstage_kv_layout_validate``: raises (naming the field) when the layout is unusable."""
+        lib = get_library()
+        c, _keep = self._c()
+        _check(lib, lib.kvstage_kv_layout_validate(byref(c)), "kvstage_kv_layout_validate")
+
+    def __repr__(self) -> str:
+        return (
+            f"KvLayout(model={self.model.name.lower()}, heads {self.local_heads}/{self.global_heads}, "
+            f"head_dim={self.head_dim}, dtype_bytes={self.dtype_bytes}, page_size={self.page_size}, "
+            f"tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size}, layers={self.num_layers}, "
+            f"capacity_pages={self.capacity_pages}, memory={self.memory.name.lower()}, "
+            f"buffers={'yes' if self.has_buffers else 'no'})"
+        )
+
+
+# --- geometry helpers ------------------------------------------------------------------------------
+
+
+class HeadSlice(NamedTuple):
+    """Heads a prefill rank sends to a decode rank, in local head units."""
+
+    src_head_start: int
+    num_heads: int
+    dst_head_start: int
+
+
+def head_slice(src_tp: int, dst_tp: int, src_rank: int, dst_rank: int, total_kv_heads: int) -> HeadSlice:
+    """``kvstage_head_slice``: raises :class:`ArgumentError` (naming the argument) for ranks that do
+    not exchange data and for unsupported TP combinations."""
+    lib = get_library()
+    out = _lib.kvstage_head_slice_t()
+    args = [_u32(v, n) for v, n in ((src_tp, "src_tp"), (dst_tp, "dst_tp"), (src_rank, "src_rank"), (dst_rank, "dst_rank"), (total_kv_heads, "total_kv_heads"))]
+    _check(lib, lib.kvstage_head_slice(*args, byref(out)), "kvstage_head_slice")
+    return HeadSlice(out.src_head_start, out.num_heads, out.dst_head_start)
+
+
+def writers_per_chunk(src_tp: int, dst_tp: int, src_pp: int = 1, dst_pp: int = 1) -> int:
+    """``kvstage_writers_per_chunk`` (MHA decode rank)."""
+    lib = get_library()
+    out = c_uint32()
+    args = [_u32(v, n) for v, n in ((src_tp, "src_tp"), (dst_tp, "dst_tp"), (src_pp, "src_pp"), (dst_pp, "dst_pp"))]
+    _check(lib, lib.kvstage_writers_per_chunk(*args, byref(out)), "kvstage_writers_per_chunk")
+    return out.value
+
+
+def grid_tokens(chunk_tokens: int, page_size: int) -> int:
+    """``kvstage_grid_tokens``: tokens per chunk of the chunk grid."""
+    lib = get_library()
+    out = c_uint32()
+    rc = lib.kvstage_grid_tokens(_u32(chunk_tokens, "chunk_tokens"), _u32(page_size, "page_size"), byref(out))
+    _check(lib, rc, "kvstage_grid_tokens")
+    return out.value
+
+
+class StagingWriter(NamedTuple):
+    """One writer's region of a staging allocation."""
+
+    offset: int
+    bytes: int
+    layers: int
+    src_tp_rank: int
+    src_pp_rank: int
+    src_head_start: int
+    num_heads: int
+    dst_head_start: int
+
+
+class StagingLayout(NamedTuple):
+    """Layout of one staging allocation (one decode rank, one chunk). Writer ``w``'s slab for
+    buffer ``kv`` and layer index ``l`` starts at
+    ``writers[w].offset + (kv * writers[w].layers + l) * slab_bytes``."""
+
+    total_bytes: int
+    row_bytes: int
+    slab_bytes: int
+    tokens: int
+    num_heads: int
+    buffers_per_layer: int
+    writers: Tuple[StagingWriter, ...]
+
+
+def staging_layout(src: KvLayout, dst: KvLayout, tokens: int) -> StagingLayout:
+    """``kvstage_staging_layout``: the staging allocation decode rank ``dst`` needs for a chunk of
+    ``tokens`` tokens written by the prefill side ``src`` (shape-only layouts suffice)."""
+    lib = get_library()
+    csrc, _ks = src._c()
+    cdst, _kd = dst._c()
+    out = _lib.kvstage_staging_layout_t()
+    out.struct_size = ctypes.sizeof(out)
+    tokens = _u32(tokens, "tokens")
+    _check(lib, lib.kvstage_staging_layout(byref(csrc), byref(cdst), tokens, byref(out), None, 0), "kvstage_staging_layout")
+    writers = (_lib.kvstage_staging_writer_t * max(1, out.num_writers))()
+    rc = lib.kvstage_staging_layout(byref(csrc), byref(cdst), tokens, byref(out), writers, out.num_writers)
+    _check(lib, rc, "kvstage_staging_layout")
+    return StagingLayout(
+        out.total_bytes,
+        out.row_bytes,
+        out.slab_bytes,
+        out.tokens,
+        out.num_heads,
+        out.buffers_per_layer,
+        tuple(
+            StagingWriter(w.offset, w.bytes, w.layers, w.src_tp_rank, w.src_pp_rank, w.src_head_start, w.num_heads, w.dst_head_start)
+            for w in writers[: out.num_writers]
+        ),
+    )
+
+
+# --- handles ---------------------------------------------------------------------------------------
+
+
+class _Handle:
+    """An owned C handle: freed by close() (idempotent), the context manager, or garbage collection.
+
+    Like the C API, close() must not race with other calls on the same object.
+    """
+
+    _kind = "kvstage handle"
+    _free_fn = ""
+
+    def __init__(self, lib: Library, ptr: int):
+        self._lib = lib
+        self._ptr: Optional[int] = ptr
+        self._close_lock = threading.Lock()
+
+    def _handle(self) -> int:
+        ptr = self._ptr
+        if ptr is None:
+            raise ClosedHandleError(
+                f"`{type(self).__name__.lower()}` ({self._kind}) is closed",
+                code=Status.E_INVALID_ARG,
+                klass=ErrorClass.CONFIG,
+                session=getattr(self, "_session_id", ""),
+            )
+        return ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    def _before_free(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Frees the handle. Idempotent; later calls on the object raise :class:`ClosedHandleError`."""
+        with self._close_lock:
+            if self._ptr is None:
+                return
+            self._before_free()
+            ptr, self._ptr = self._ptr, None
+            getattr(self._lib, self._free_fn)(ptr)
+
+    def __enter__(self):
+        self._handle()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may already be gone
+            pass
+
+
+class EngineStats(NamedTuple):
+    """``kvstage_engine_stats``."""
+
+    ring_capacity: int
+    ring_live_allocations: int
+    watermark_round: int
+    watermark_offset: int
+
+
+class ChunkEvent(NamedTuple):
+    """A chunk that reached the decode KV pool (``status`` OK) or failed."""
+
+    room: int
+    chunk_index: int
+    status: Union[Status, int]
+
+    @property
+    def ok(self) -> bool:
+        return self.status == Status.OK
+
+
+def _status(code: int) -> Union[Status, int]:
+    try:
+        return Status(code)
+    except ValueError:
+        return code
+
+
+class Engine(_Handle):
+    """``kvstage_engine``: listener, peers, the registered pool and staging ring, rooms.
+
+    Options left ``None`` keep the library's defaults (``kvstage_engine_options_init``); the
+    default listen address is ``"127.0.0.1:0"`` (a free port on loopback). The engine keeps the
+    pool and ring memory objects referenced until it is closed.
+    """
+
+    _kind = "kvstage_engine"
+    _free_fn = "kvstage_engine_free"
+
+    def __init__(
+        self,
+        listen_address: Optional[str] = None,
+        *,
+        transport: Union[None, str, int, Transport] = None,
+        worker_threads: Optional[int] = None,
+        default_deadline_ms: Optional[int] = None,
+        chunk_tokens: Optional[int] = None,
+        send_staging_bytes: Optional[int] = None,
+        library: Optional[Library] = None,
+    ):
+        lib = library or get_library()
+        opts = _lib.kvstage_engine_options()
+        _check(lib, lib.kvstage_engine_options_init(byref(opts)), "kvstage_engine_options_init")
+        address = None if listen_address is None else listen_address.encode("utf-8")
+        opts.listen_address = address
+        if transport is not None:
+            opts.transport = int(_enum(Transport, transport, "transport"))
+        if worker_threads is not None:
+            opts.worker_threads = _u32(worker_threads, "worker_threads")
+        if default_deadline_ms is not None:
+            opts.default_deadline_ms = _u64(default_deadline_ms, "default_deadline_ms")
+        if chunk_tokens is not None:
+            opts.chunk_tokens = _u32(chunk_tokens, "chunk_tokens")
+        if send_staging_bytes is not None:
+            opts.send_staging_bytes = _u64(send_staging_bytes, "send_staging_bytes")
+        out = c_void_p()
+        _check(lib, lib.kvstage_engine_new(byref(opts), byref(out)), "kvstage_engine_new")
+        super().__init__(lib, out.value)
+        self._pool: Optional[KvLayout] = None
+        self._staging: List[Any] = []
+        self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
+
+    # -- identity ---------------------------------------------------------------------------------
+
+    @property
+    def listen_address(self) -> str:
+        """The address the engine listens on (``"127.0.0.1:40123"``)."""
+        buf = ctypes.create_string_buffer(256)
+        rc = self._lib.kvstage_engine_listen_address(self._handle(), buf, len(buf))
+        _check(self._lib, rc, "kvstage_engine_listen_address")
+        return buf.value.decode("utf-8")
+
+    def stats(self) -> EngineStats:
+        out = _lib.kvstage_engine_stats()
+        out.struct_size = ctypes.sizeof(out)
+        _check(self._lib, self._lib.kvstage_engine_stats_get(self._handle(), byref(out)), "kvstage_engine_stats_get")
+        return EngineStats(out.ring_capacity, out.ring_live_allocations, out.watermark_round, out.watermark_offset)
+
+    # -- registration -----------------------------------------------------------------------------
+
+    def register_pool(self, layout: KvLayout) -> None:
+        """Registers this rank's KV pool (``layout`` must carry its buffers). The memory must stay
+        valid while the engine lives; the engine keeps ``layout`` (and so its buffers) referenced."""
+        if not isinstance(layout, KvLayout):
+            raise TypeError(f"layout: expected a KvLayout, got {type(layout).__name__}")
+        if not layout.has_buffers:
+            raise argument_error("layout", "has no buffers (pass k_buffers/v_buffers to KvLayout)")
+        c, _keep = layout._c()
+        _check(self._lib, self._lib.kvstage_engine_register_pool(self._handle(), byref(c)), "kvstage_engine_register_pool")
+        self._pool = layout
+
+    def register_staging(self, size: int, memory: Any = None) -> None:
+        """Registers the decode-side staging ring of ``size`` bytes: engine-owned memory when
+        ``memory`` is None, else ``memory`` (an int address or an array/buffer object of at least
+        ``size`` bytes, kept referenced by the engine)."""
+        size = _u64(size, "size")
+        ptr = None
+        keep = None
+        if memory is not None:
+            info = buffer_info(memory, "memory", writable=True)
+            if info.nbytes is not None and info.nbytes < size:
+                raise argument_error("memory", f"holds {info.nbytes} bytes, the ring needs {size}")
+            ptr, keep = info.address, info.keepalive
+        rc = self._lib.kvstage_engine_register_staging(self._handle(), ptr, size)
+        _check(self._lib, rc, "kvstage_engine_register_staging")
+        self._staging.append(keep)
+
+    # -- sender side ------------------------------------------------------------------------------
+
+    def connect(self, peer_address: str, session_id: str, timeout_ms: int = 0) -> "Session":
+        """``kvstage_session_connect``: a session to the decode engine at ``peer_address``
+        (handshake: versions, geometry fingerprints, pairing). ``timeout_ms`` 0 = engine default.
+        A geometry disagreement raises :class:`GeometryError`, one cause per differing field."""
+        out = c_void_p()
+        rc = self._lib.kvstage_session_connect(
+            self._handle(), peer_address.encode("utf-8"), session_id.encode("utf-8"), _u64(timeout_ms, "timeout_ms"), byref(out)
+        )
+        _check(self._lib, rc, "kvstage_session_connect")
+        session = Session(self, out.value, peer_address, session_id)
+        self._sessions.add(session)
+        return session
+
+    # -- receiver side: rooms ---------------------------------------------------------------------
+
+    def room_open(self, room: int, dst_pages: Any, chunk_tokens: int = 0) -> int:
+        """``kvstage_room_open``: the room's new tokens land in ``dst_pages`` (token order), cut into
+        chunks of ``chunk_tokens`` (0 = engine default). Returns the number of chunks."""
+        keep, address, count = page_array(dst_pages, "dst_pages")
+        n = c_uint32()
+        rc = self._lib.kvstage_room_open(
+            self._handle(), _u64(room, "room"), ctypes.cast(address, POINTER(c_uint32)), count, _u32(chunk_tokens, "chunk_tokens"), byref(n)
+        )
+        del keep
+        _check(self._lib, rc, "kvstage_room_open")
+        return n.value
+
+    def room_wait(self, room: int, timeout_ms: int = 0) -> None:
+        """``kvstage_room_wait``: returns when every chunk of the room is in the pool; raises the
+        room's error (:class:`TransportError` for a dead peer, ...) or :class:`TimeError` after
+        ``timeout_ms`` (0 = engine default, ``DEADLINE_INFINITE`` = none)."""
+        rc = self._lib.kvstage_room_wait(self._handle(), _u64(room, "room"), _u64(timeout_ms, "timeout_ms"))
+        _check(self._lib, rc, "kvstage_room_wait")
+
+    def room_release(self, room: int) -> None:
+        """``kvstage_room_release``: forgets the room and frees its ring space (idempotent)."""
+        rc = self._lib.kvstage_room_release(self._handle(), _u64(room, "room"))
+        _check(self._lib, rc, "kvstage_room_release")
+
+    def room(self, room: int, dst_pages: Any, chunk_tokens: int = 0) -> "Room":
+        """Opens a room as a context manager that releases it on exit."""
+        return Room(self, room, self.room_open(room, dst_pages, chunk_tokens))
+
+    def poll_events(self, max_events: int = 256) -> List[ChunkEvent]:
+        """``kvstage_engine_poll_events``: up to ``max_events`` chunk events (non-blocking)."""
+        if max_events <= 0:
+            raise argument_error("max_events", f"{max_events} is not positive")
+        events = (_lib.kvstage_chunk_event * max_events)()
+        count = c_size_t()
+        rc = self._lib.kvstage_engine_poll_events(self._handle(), events, max_events, byref(count))
+        _check(self._lib, rc, "kvstage_engine_poll_events")
+        return [ChunkEvent(e.room, e.chunk_index, _status(e.status)) for e in events[: count.value]]
+
+    # -- testing ----------------------------------------------------------------------------------
+
+    def _testing_panic(self) -> None:
+        """Test builds only: panics inside the library (``kvstage_testing_panic``)."""
+        fn = getattr(self._lib, "kvstage_testing_panic", None)
+        if fn is None:
+            raise argument_error("library", "has no test-only exports (build with the feature `testing`)")
+        _check(self._lib, fn(self._handle()), "kvstage_testing_panic")
+
+    def _before_free(self) -> None:
+        for session in list(self._sessions):
+            session.close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<kvstage.Engine closed>"
+        return f"<kvstage.Engine {self.listen_address}>"
+
+
+class Room:
+    """An open room (decode side); ``with engine.room(...) as room:`` releases it on exit."""
+
+    def __init__(self, engine: Engine, room: int, num_chunks: int):
+        self.engine = engine
+        self.room = room
+        self.num_chunks = num_chunks
+
+    def wait(self, timeout_ms: int = 0) -> None:
+        self.engine.room_wait(self.room, timeout_ms)
+
+    def release(self) -> None:
+        self.engine.room_release(self.room)
+
+    def __enter__(self) -> "Room":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.engine.closed:
+            self.release()
+
+
+def _desc(lib: Library, room: int, chunk_index: int, pages: Any, deadline_ms: int):
+    keep, address, count = page_array(pages, "pages")
+    d = _lib.kvstage_transfer_desc()
+    _check(lib, lib.kvstage_transfer_desc_init(byref(d)), "kvstage_transfer_desc_init")
+    d.room = _u64(room, "room")
+    d.chunk_index = _u32(chunk_index, "chunk_index")
+    d.src_pages = ctypes.cast(address, POINTER(c_uint32))
+    d.num_pages = count
+    d.deadline_ms = _u64(deadline_ms, "deadline_ms")
+    return d, keep
+
+
+class Session(_Handle):
+    """``kvstage_session``: one (prefill rank -> decode rank) peering. Thread-safe: transfers on
+    one session may run concurrently from several Python threads (the GIL is released)."""
+
+    _kind = "kvstage_session"
+    _free_fn = "kvstage_session_free"
+
+    def __init__(self, engine: Engine, ptr: int, peer_address: str, session_id: str):
+        super().__init__(engine._lib, ptr)
+        self.engine = engine
+        self.peer_address = peer_address
+        self._session_id = session_id
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    def transfer(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0) -> Status:
+        """``kvstage_transfer``: the staged path for one chunk (``pages``: the prefill pages of the
+        chunk in token order). Returns ``Status.OK``, or ``Status.FALLBACK`` when staging is
+        impossible for this chunk (nothing was allocated; use :meth:`transfer_slices`)."""
+        d, keep = _desc(self._lib, room, chunk_index, pages, deadline_ms)
+        rc = self._lib.kvstage_transfer(self._handle(), byref(d))
+        del keep
+        return _check(self._lib, rc, "kvstage_transfer")
+
+    def transfer_slices(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0) -> Status:
+        """``kvstage_transfer_slices``: the slice path for the same chunk (one write per token,
+        layer and K/V); the fallback of :meth:`transfer`."""
+        d, keep = _desc(self._lib, room, chunk_index, pages, deadline_ms)
+        rc = self._lib.kvstage_transfer_slices(self._handle(), byref(d))
+        del keep
+        return _check(self._lib, rc, "kvstage_transfer_slices")
+
+    def transfer_async(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0) -> "Operation":
+        """``kvstage_transfer_async``: starts the staged path in the background."""
+        d, keep = _desc(self._lib, room, chunk_index, pages, deadline_ms)
+        out = c_void_p()
+        rc = self._lib.kvstage_transfer_async(self._handle(), byref(d), byref(out))
+        del keep
+        _check(self._lib, rc, "kvstage_transfer_async")
+        return Operation(self, out.value)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"to {self.peer_address}"
+        return f"<kvstage.Session {self._session_id!r} {state}>"
+
+
+class Operation(_Handle):
+    """``kvstage_op``: a transfer started by :meth:`Session.transfer_async`. Closing it does not stop
+    it (use :meth:`cancel`)."""
+
+    _kind = "kvstage_op"
+    _free_fn = "kvstage_op_free"
+
+    def __init__(self, session: Session, ptr: int):
+        super().__init__(session._lib, ptr)
+        self.session = session
+        self._session_id = session.session_id
+
+    def poll(self) -> Status:
+        """``Status.PENDING`` while running, then the result (``OK`` or ``FALLBACK``); raises the
+        operation's error (every time it is asked)."""
+        return _check(self._lib, self._lib.kvstage_op_poll(self._handle()), "kvstage_op_poll")
+
+    def wait(self, timeout_ms: int = DEADLINE_INFINITE) -> Status:
+        """Waits up to ``timeout_ms`` (default: until it ends; the operation's own deadline still
+        bounds it). Returns ``Status.PENDING`` if it is still running, else as :meth:`poll`."""
+        rc = self._lib.kvstage_op_wait(self._handle(), _u64(timeout_ms, "timeout_ms"))
+        return _check(self._lib, rc, "kvstage_op_wait")
+
+    def cancel(self) -> None:
+        """Asks the operation to stop; it ends with ``E_CANCELED`` unless it already finished."""
+        _check(self._lib, self._lib.kvstage_op_cancel(self._handle()), "kvstage_op_cancel")
+
+    def __repr__(self) -> str:
+        return f"<kvstage.Operation of session {self._session_id!r}{' closed' if self.closed else ''}>"

@@ -1,0 +1,444 @@
+"""Finding and loading ``libkvstage.so``, and the ctypes view of ``include/kvstage.h``.
+
+Lookup order (the first that applies wins; an explicit choice that fails is an error, never a
+silent fall-through to another copy of the library):
+
+1. the ``path`` argument of :func:`load_library`;
+2. the environment variable ``KVSTAGE_LIBRARY`` (a file, or a directory holding the library);
+3. a ``libkvstage.so.<major>`` / ``libkvstage.so`` next to this package (``kvstage/``);
+4. the system loader (``LD_LIBRARY_PATH``, ``ldconfig`` paths, ``rpath``): ``libkvstage.so.<major>``,
+   ``libkvstage.so``, then ``ctypes.util.find_library("kvstage")``.
+
+The library's ``kvstage_version_string()`` must equal the package's ``__version__``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import enum
+import os
+import threading
+from ctypes import (
+    POINTER,
+    Structure,
+    c_char_p,
+    c_int,
+    c_int32,
+    c_size_t,
+    c_uint8,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ._version import __version__
+
+ENV_VAR = "KVSTAGE_LIBRARY"
+_MAJOR = __version__.split(".")[0]
+LIBRARY_NAMES: Tuple[str, ...] = (f"libkvstage.so.{_MAJOR}", "libkvstage.so")
+
+#: ``KVSTAGE_DEADLINE_INFINITE``: "wait forever" where a deadline or timeout is taken.
+DEADLINE_INFINITE = (1 << 64) - 1
+
+
+class LibraryLoadError(ImportError):
+    """``libkvstage.so`` could not be found or loaded, or is not a usable kvstage library."""
+
+
+class LibraryVersionError(LibraryLoadError):
+    """The loaded ``libkvstage.so`` has a different version than this Python package."""
+
+
+# --- enums of the header ---------------------------------------------------------------------------
+
+
+class Status(enum.IntEnum):
+    """``kvstage_status``: 0 success, > 0 informational, < 0 errors grouped by family."""
+
+    OK = 0
+    PENDING = 1
+    FALLBACK = 2
+    E_INVALID_ARG = -1
+    E_UNSUPPORTED = -2
+    E_OUT_OF_MEMORY = -3
+    E_GEOMETRY_MISMATCH = -10
+    E_GEOMETRY_INVALID = -11
+    E_STAGING_TOO_SMALL = -12
+    E_OVERSIZED = -13
+    E_TIMEOUT = -20
+    E_CANCELED = -21
+    E_TRANSPORT = -30
+    E_PEER_GONE = -31
+    E_PROTOCOL = -40
+    E_INTEGRITY = -41
+    E_AUTH = -42
+    E_CUDA = -50
+    E_RDMA = -51
+    E_NO_DEVICE = -52
+    E_PANIC = -90
+    E_POISONED = -91
+    E_INTERNAL = -92
+
+    @property
+    def c_name(self) -> str:
+        """The C name (``"KVSTAGE_E_TIMEOUT"``), as ``kvstage_status_name`` returns it."""
+        return "KVSTAGE_" + self.name
+
+
+class ErrorClass(enum.IntEnum):
+    """``kvstage_error_class``: the broad family of a failure, for routing (retry, fall back, alert)."""
+
+    NONE = 0
+    CONFIG = 1
+    GEOMETRY = 2
+    TRANSPORT = 3
+    RDMA = 4
+    CUDA = 5
+    PROTOCOL = 6
+    TIMEOUT = 7
+    INTERNAL = 8
+
+
+class Transport(enum.IntEnum):
+    """``kvstage_transport``."""
+
+    AUTO = 0
+    TCP = 1
+    RDMA = 2
+
+
+class ModelKind(enum.IntEnum):
+    """``kvstage_model_kind``."""
+
+    MHA = 0
+    MLA = 1
+
+
+class MemoryKind(enum.IntEnum):
+    """``kvstage_memory_kind``."""
+
+    HOST = 0
+    CUDA = 1
+
+
+def status_name(code: int) -> str:
+    """The C name of a status code (``"KVSTAGE_E_TIMEOUT"``), or ``"KVSTAGE_UNKNOWN"``.
+
+    Pure Python (no library call), so it never disturbs the thread's last error.
+    """
+    try:
+        return Status(code).c_name
+    except ValueError:
+        return "KVSTAGE_UNKNOWN"
+
+
+# --- structs of the header -------------------------------------------------------------------------
+
+
+class kvstage_error(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("code", c_int),
+        ("klass", c_int),
+        ("session", c_char_p),
+        ("message", c_char_p),
+        ("cause_count", c_size_t),
+        ("causes", POINTER(c_char_p)),
+    ]
+
+
+class kvstage_capabilities(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("tcp", c_uint8),
+        ("rdma", c_uint8),
+        ("host_memory", c_uint8),
+        ("cuda_memory", c_uint8),
+    ]
+
+
+class kvstage_engine_options(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("transport", c_int32),
+        ("listen_address", c_char_p),
+        ("worker_threads", c_uint32),
+        ("default_deadline_ms", c_uint64),
+        ("chunk_tokens", c_uint32),
+        ("send_staging_bytes", c_uint64),
+    ]
+
+
+class kvstage_kv_layout(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("model_kind", c_int32),
+        ("page_size", c_uint32),
+        ("local_heads", c_uint32),
+        ("global_heads", c_uint32),
+        ("head_dim", c_uint32),
+        ("dtype_bytes", c_uint32),
+        ("tp_rank", c_uint32),
+        ("tp_size", c_uint32),
+        ("pp_rank", c_uint32),
+        ("pp_size", c_uint32),
+        ("layer_ids", POINTER(c_uint32)),
+        ("num_layers", c_size_t),
+        ("k_bases", POINTER(c_uint64)),
+        ("v_bases", POINTER(c_uint64)),
+        ("capacity_pages", c_uint64),
+        ("memory_kind", c_int32),
+    ]
+
+
+class kvstage_engine_stats(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("ring_capacity", c_uint64),
+        ("ring_live_allocations", c_uint64),
+        ("watermark_round", c_uint64),
+        ("watermark_offset", c_uint64),
+    ]
+
+
+class kvstage_head_slice_t(Structure):
+    _fields_ = [("src_head_start", c_uint32), ("num_heads", c_uint32), ("dst_head_start", c_uint32)]
+
+
+class kvstage_staging_layout_t(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("total_bytes", c_uint64),
+        ("row_bytes", c_uint64),
+        ("slab_bytes", c_uint64),
+        ("tokens", c_uint32),
+        ("num_heads", c_uint32),
+        ("buffers_per_layer", c_uint32),
+        ("num_writers", c_uint32),
+    ]
+
+
+class kvstage_staging_writer_t(Structure):
+    _fields_ = [
+        ("offset", c_uint64),
+        ("bytes", c_uint64),
+        ("layers", c_uint32),
+        ("src_tp_rank", c_uint32),
+        ("src_pp_rank", c_uint32),
+        ("src_head_start", c_uint32),
+        ("num_heads", c_uint32),
+        ("dst_head_start", c_uint32),
+    ]
+
+
+class kvstage_transfer_desc(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("room", c_uint64),
+        ("chunk_index", c_uint32),
+        ("src_pages", POINTER(c_uint32)),
+        ("num_pages", c_size_t),
+        ("deadline_ms", c_uint64),
+    ]
+
+
+class kvstage_chunk_event(Structure):
+    _fields_ = [("room", c_uint64), ("chunk_index", c_uint32), ("status", c_int)]
+
+
+# --- prototypes ------------------------------------------------------------------------------------
+
+_p = POINTER
+# name: (restype, argtypes). Handles are opaque: c_void_p.
+PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
+    "kvstage_version_string": (c_char_p, []),
+    "kvstage_version": (c_uint32, []),
+    "kvstage_status_name": (c_char_p, [c_int32]),
+    "kvstage_error_last": (_p(kvstage_error), []),
+    "kvstage_error_clear": (None, []),
+    "kvstage_capabilities_get": (c_int, [_p(kvstage_capabilities)]),
+    "kvstage_engine_options_init": (c_int, [_p(kvstage_engine_options)]),
+    "kvstage_engine_new": (c_int, [_p(kvstage_engine_options), _p(c_void_p)]),
+    "kvstage_engine_free": (None, [c_void_p]),
+    "kvstage_engine_listen_address": (c_int, [c_void_p, c_char_p, c_size_t]),
+    "kvstage_engine_register_pool": (c_int, [c_void_p, _p(kvstage_kv_layout)]),
+    "kvstage_engine_register_staging": (c_int, [c_void_p, c_void_p, c_size_t]),
+    "kvstage_engine_stats_get": (c_int, [c_void_p, _p(kvstage_engine_stats)]),
+    "kvstage_kv_layout_init": (c_int, [_p(kvstage_kv_layout)]),
+    "kvstage_kv_layout_validate": (c_int, [_p(kvstage_kv_layout)]),
+    "kvstage_head_slice": (c_int, [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_head_slice_t)]),
+    "kvstage_writers_per_chunk": (c_int, [c_uint32, c_uint32, c_uint32, c_uint32, _p(c_uint32)]),
+    "kvstage_grid_tokens": (c_int, [c_uint32, c_uint32, _p(c_uint32)]),
+    "kvstage_staging_layout": (
+        c_int,
+        [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_uint32, _p(kvstage_staging_layout_t), _p(kvstage_staging_writer_t), c_size_t],
+    ),
+    "kvstage_session_connect": (c_int, [c_void_p, c_char_p, c_char_p, c_uint64, _p(c_void_p)]),
+    "kvstage_session_free": (None, [c_void_p]),
+    "kvstage_transfer_desc_init": (c_int, [_p(kvstage_transfer_desc)]),
+    "kvstage_transfer": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
+    "kvstage_transfer_slices": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
+    "kvstage_transfer_async": (c_int, [c_void_p, _p(kvstage_transfer_desc), _p(c_void_p)]),
+    "kvstage_op_poll": (c_int, [c_void_p]),
+    "kvstage_op_wait": (c_int, [c_void_p, c_uint64]),
+    "kvstage_op_cancel": (c_int, [c_void_p]),
+    "kvstage_op_free": (None, [c_void_p]),
+    "kvstage_room_open": (c_int, [c_void_p, c_uint64, _p(c_uint32), c_size_t, c_uint32, _p(c_uint32)]),
+    "kvstage_room_wait": (c_int, [c_void_p, c_uint64, c_uint64]),
+    "kvstage_room_release": (c_int, [c_void_p, c_uint64]),
+    "kvstage_engine_poll_events": (c_int, [c_void_p, _p(kvstage_chunk_event), c_size_t, _p(c_size_t)]),
+}
+
+# Test builds only (cargo feature `testing`); bound when the library exports them.
+OPTIONAL_PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
+    "kvstage_testing_panic": (c_int, [c_void_p]),
+}
+
+# Versioned structs whose size this binding hard-codes, with the _init function that reports the
+# library's own size. A mismatch means the header changed without this file.
+_SIZED_BY_INIT = (
+    ("kvstage_engine_options", kvstage_engine_options, "kvstage_engine_options_init"),
+    ("kvstage_kv_layout", kvstage_kv_layout, "kvstage_kv_layout_init"),
+    ("kvstage_transfer_desc", kvstage_transfer_desc, "kvstage_transfer_desc_init"),
+)
+
+
+class Library:
+    """One loaded ``libkvstage.so`` with typed prototypes (``lib.kvstage_engine_new(...)``)."""
+
+    def __init__(self, cdll: ctypes.CDLL, path: str, expected_version: str = __version__):
+        self.path = path
+        self._cdll = cdll
+        missing = [name for name in PROTOTYPES if not hasattr(cdll, name)]
+        if "kvstage_version_string" in missing:
+            raise LibraryLoadError(f"{path} is not a kvstage library (it does not export kvstage_version_string)")
+        for name, (restype, argtypes) in list(PROTOTYPES.items()) + list(OPTIONAL_PROTOTYPES.items()):
+            if name in missing or not hasattr(cdll, name):
+                continue
+            fn = getattr(cdll, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+            setattr(self, name, fn)
+        raw = self.kvstage_version_string()
+        self.version = raw.decode("ascii", "replace") if raw else "?"
+        if self.version != expected_version:
+            raise LibraryVersionError(
+                f"{path} is libkvstage {self.version}, but the Python package kvstage is {expected_version}; "
+                f"they must be the same version (rebuild the library from the same checkout, or point "
+                f"{ENV_VAR} at the matching libkvstage.so)"
+            )
+        if missing:
+            raise LibraryLoadError(f"{path} (libkvstage {self.version}) lacks the exports {', '.join(missing)}")
+        for struct_name, struct, init in _SIZED_BY_INIT:
+            probe = ctypes.create_string_buffer(ctypes.sizeof(struct) + 1024)  # room for a larger struct
+            getattr(self, init)(ctypes.cast(probe, POINTER(struct)))
+            reported = ctypes.cast(probe, POINTER(c_size_t)).contents.value
+            if reported != ctypes.sizeof(struct):
+                raise LibraryVersionError(
+                    f"{path}: sizeof({struct_name}) is {reported} in the library but {ctypes.sizeof(struct)} in the "
+                    f"Python binding; the binding does not match this library's header"
+                )
+        #: True when the library has the test-only exports (cargo feature ``testing``).
+        self.testing = hasattr(self, "kvstage_testing_panic")
+
+    def __repr__(self) -> str:
+        return f"<kvstage.Library {self.version} at {self.path!r}>"
+
+
+def _open(path: str) -> ctypes.CDLL:
+    return ctypes.CDLL(path)
+
+
+def _resolve_dir(path: str) -> str:
+    """A directory stands for the library inside it."""
+    if os.path.isdir(path):
+        for name in LIBRARY_NAMES:
+            candidate = os.path.join(path, name)
+            if os.path.exists(candidate):
+                return candidate
+        return os.path.join(path, LIBRARY_NAMES[0])
+    return path
+
+
+def find_and_load(
+    path: Optional[str] = None,
+    *,
+    environ: Optional[Mapping[str, str]] = None,
+    package_dir: Optional[str] = None,
+    system_names: Optional[Sequence[str]] = None,
+    expected_version: str = __version__,
+) -> Library:
+    """Finds and loads the library in the documented order (see the module docstring).
+
+    The keyword arguments exist for tests: they replace ``os.environ``, this package's directory
+    and the names given to the system loader.
+    """
+    environ = os.environ if environ is None else environ
+    package_dir = os.path.dirname(os.path.abspath(__file__)) if package_dir is None else package_dir
+
+    def load(candidate: str, how: str) -> Library:
+        candidate = _resolve_dir(os.fspath(candidate))
+        try:
+            cdll = _open(candidate)
+        except OSError as e:
+            raise LibraryLoadError(f"cannot load libkvstage from {how} ({candidate}): {e}") from None
+        return Library(cdll, candidate, expected_version)
+
+    if path is not None:
+        return load(path, "the path argument")
+    env = environ.get(ENV_VAR)
+    if env:
+        return load(env, f"{ENV_VAR}={env}")
+
+    tried: List[str] = []
+    for name in LIBRARY_NAMES:
+        candidate = os.path.join(package_dir, name)
+        if os.path.exists(candidate):
+            return load(candidate, "the kvstage package directory")
+        tried.append(f"{candidate}: no such file")
+    names = list(LIBRARY_NAMES if system_names is None else system_names)
+    if system_names is None:
+        found = ctypes.util.find_library("kvstage")
+        if found and found not in names:
+            names.append(found)
+    for name in names:
+        try:
+            cdll = _open(name)
+        except OSError as e:
+            tried.append(f"system loader {name}: {e}")
+            continue
+        return Library(cdll, getattr(cdll, "_name", name), expected_version)
+    raise LibraryLoadError(
+        "libkvstage.so not found. Build it (cmake --workflow --preset dev puts it in build/dev/lib/) and "
+        f"set {ENV_VAR}=/path/to/libkvstage.so.{_MAJOR}, call kvstage.load_library(path), copy it next to the "
+        "kvstage package, or make it visible to the system loader (LD_LIBRARY_PATH). Tried: " + "; ".join(tried)
+    )
+
+
+_lock = threading.Lock()
+_default: Optional[Library] = None
+
+
+def load_library(path: Optional[str] = None) -> Library:
+    """Loads ``libkvstage.so`` and makes it the library that new kvstage objects use.
+
+    ``path`` (a file or a directory) wins over ``KVSTAGE_LIBRARY``, the package directory and the
+    system loader. Without ``path`` an already loaded library is returned as is. Raises
+    :class:`LibraryLoadError` (an ``ImportError``) when the library cannot be loaded and
+    :class:`LibraryVersionError` when its version differs from the package's.
+    """
+    global _default
+    with _lock:
+        if path is None and _default is not None:
+            return _default
+        lib = find_and_load(path)
+        _default = lib
+        return lib
+
+
+def get_library() -> Library:
+    """The library new objects use: the loaded one, else :func:`load_library` without a path."""
+    lib = _default
+    return lib if lib is not None else load_library()
