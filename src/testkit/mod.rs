@@ -164,3 +164,5 @@ pub fn page_table(n: usize, capacity: u64, seed: u64, runs: bool) -> Vec<u32> {
     pages.truncate(n);
     pages
 }
+
+pub mod cluster;

@@ -1,0 +1,420 @@
+//! A prefill side (this process, one engine per rank) and a decode side (a child process, one
+//! engine per rank) on one machine, driven by line commands over the child's stdin/stdout. Used by
+//! the demo, the benchmark and the multi-process tests.
+//!
+//! Child commands (one line each, one reply line each):
+//! `room ID` opens room ID on every decode rank · `wait ID` waits until it is scattered everywhere ·
+//! `verify ID` compares the decode pools with the reference · `release ID` · `raw BYTES` receives
+//! BYTES on the raw TCP listener and answers when all arrived · `quit`.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{page_table, HostPool, Model};
+use crate::engine::{Engine, EngineOptions};
+use crate::error::{Error, Result, Status};
+use crate::geometry::{self, ModelKind};
+use crate::session::op::Op;
+use crate::session::sender::{SenderSession, TransferDesc};
+
+/// Everything both processes must agree on; passed to the child as command-line flags.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    pub model: Model,
+    pub prefill_tp: u32,
+    pub decode_tp: u32,
+    pub page_size: u32,
+    /// Tokens of one room (request).
+    pub tokens: u32,
+    /// Decode chunk grid.
+    pub chunk_tokens: u32,
+    /// Decode staging ring size in chunk allocations.
+    pub ring_chunks: u32,
+}
+
+impl Setup {
+    pub fn pages(&self) -> usize {
+        (self.tokens / self.page_size) as usize
+    }
+
+    /// Pool capacity: two rooms' pages (rooms alternate between them) plus slack.
+    pub fn capacity(&self) -> u64 {
+        self.pages() as u64 * 2 + 16
+    }
+
+    pub fn grid_pages(&self) -> usize {
+        let grid = geometry::grid_tokens(self.chunk_tokens, self.page_size);
+        (grid / self.page_size) as usize
+    }
+
+    pub fn chunks(&self) -> usize {
+        self.pages().div_ceil(self.grid_pages())
+    }
+
+    pub fn prefill_pages(&self, rank: u32) -> Vec<u32> {
+        page_table(self.pages(), self.capacity(), 100 + rank as u64, false)
+    }
+
+    pub fn decode_pages(&self, rank: u32, room: u64) -> Vec<u32> {
+        let all = page_table(self.pages() * 2, self.capacity(), 200 + rank as u64, false);
+        let n = self.pages();
+        if room % 2 == 1 { all[..n].to_vec() } else { all[n..].to_vec() }
+    }
+
+    pub fn options(&self) -> EngineOptions {
+        EngineOptions { chunk_tokens: self.chunk_tokens, ..EngineOptions::default() }
+    }
+
+    /// Which decode ranks prefill rank `rs` writes to.
+    pub fn targets(&self, rs: u32) -> Vec<u32> {
+        match self.model.kind {
+            ModelKind::Mla => (0..self.decode_tp).filter(|rd| rd % self.prefill_tp == rs).collect(),
+            ModelKind::Mha => geometry::decode_ranks_for_prefill(rs, self.prefill_tp, self.decode_tp)
+                .map(|r| r.collect())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Bytes of KV one room moves (all writers, all decode ranks).
+    pub fn room_bytes(&self) -> Result<u64> {
+        let mut total = 0;
+        for rs in 0..self.prefill_tp {
+            let src = self.model.shape(self.page_size, rs, self.prefill_tp);
+            for rd in self.targets(rs) {
+                let dst = self.model.shape(self.page_size, rd, self.decode_tp);
+                let w = crate::session::writer_of(&src, &dst)?;
+                total += geometry::staging_layout(&src, &dst, self.tokens)?.writers[w as usize].bytes;
+            }
+        }
+        Ok(total)
+    }
+
+    /// Writes (slice path) one room needs: one per token, layer and K/V per rank pair.
+    pub fn room_slice_writes(&self) -> u64 {
+        let pairs: u64 = (0..self.prefill_tp).map(|rs| self.targets(rs).len() as u64).sum();
+        pairs * self.slice_writes_for(self.pages())
+    }
+
+    /// Slice writes for `pages` pages of one rank pair.
+    pub fn slice_writes_for(&self, pages: usize) -> u64 {
+        let buffers = if self.model.kind == ModelKind::Mla { 1 } else { 2 };
+        self.model.layers as u64 * buffers * pages as u64 * self.page_size as u64
+    }
+
+    /// The flags that make a child process build the same setup.
+    pub fn flags(&self) -> Vec<String> {
+        let m = &self.model;
+        [
+            ("--model", m.name.to_string()),
+            ("--layers", m.layers.to_string()),
+            ("--kv-heads", m.kv_heads.to_string()),
+            ("--head-dim", m.head_dim.to_string()),
+            ("--dtype-bytes", m.dtype_bytes.to_string()),
+            ("--prefill-tp", self.prefill_tp.to_string()),
+            ("--decode-tp", self.decode_tp.to_string()),
+            ("--page-size", self.page_size.to_string()),
+            ("--tokens", self.tokens.to_string()),
+            ("--chunk-tokens", self.chunk_tokens.to_string()),
+            ("--ring-chunks", self.ring_chunks.to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(k, v)| [k.to_string(), v])
+        .collect()
+    }
+
+    /// Parses one of the flags above; `Ok(false)` when `flag` is not one of them.
+    pub fn parse_flag(&mut self, flag: &str, value: &mut dyn FnMut() -> std::result::Result<String, String>) -> std::result::Result<bool, String> {
+        let mut num = |name: &str| -> std::result::Result<u32, String> {
+            let v = value()?;
+            v.parse::<u32>().map_err(|_| format!("{name}: '{v}' is not a number"))
+        };
+        match flag {
+            "--model" => {
+                let v = value()?;
+                self.model = super::model(&v).ok_or(format!("unknown model '{v}'"))?;
+            }
+            "--layers" => self.model.layers = num(flag)?,
+            "--kv-heads" => self.model.kv_heads = num(flag)?,
+            "--head-dim" => self.model.head_dim = num(flag)?,
+            "--dtype-bytes" => self.model.dtype_bytes = num(flag)?,
+            "--prefill-tp" => self.prefill_tp = num(flag)?,
+            "--decode-tp" => self.decode_tp = num(flag)?,
+            "--page-size" => self.page_size = num(flag)?,
+            "--tokens" => self.tokens = num(flag)?,
+            "--chunk-tokens" => self.chunk_tokens = num(flag)?,
+            "--ring-chunks" => self.ring_chunks = num(flag)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if self.tokens == 0 || self.page_size == 0 || self.tokens % self.page_size != 0 {
+            return Err(format!("--tokens {} must be a positive multiple of --page-size {}", self.tokens, self.page_size));
+        }
+        if self.prefill_tp == 0 || self.decode_tp == 0 || self.ring_chunks == 0 {
+            return Err("--prefill-tp, --decode-tp and --ring-chunks must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+fn io_err(what: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |e| Error::from(e).context(what.to_owned())
+}
+
+/// Child side: builds the decode ranks, prints `ADDRS a b ... RAW r`, then serves commands.
+pub fn serve_decode(setup: &Setup) -> Result<()> {
+    let mut ranks = Vec::new();
+    for rd in 0..setup.decode_tp {
+        let engine = Engine::new(setup.options())?;
+        let pool = HostPool::new(setup.model.shape(setup.page_size, rd, setup.decode_tp), setup.capacity());
+        engine.register_pool(pool.layout.clone())?;
+        let src = setup.model.shape(setup.page_size, 0, setup.prefill_tp);
+        let chunk = setup.grid_pages() as u32 * setup.page_size;
+        let per_chunk = geometry::staging_layout(&src, &pool.layout.shape, chunk)?.total_bytes;
+        engine.register_staging(None, (per_chunk * setup.ring_chunks as u64) as usize)?;
+        ranks.push((engine, pool));
+    }
+    let raw = TcpListener::bind("127.0.0.1:0")?;
+    let addrs: Vec<String> = ranks.iter().map(|(e, _)| e.local_addr().to_string()).collect();
+    let mut out = std::io::stdout();
+    writeln!(out, "ADDRS {} RAW {}", addrs.join(" "), raw.local_addr()?).map_err(io_err("stdout"))?;
+    out.flush().map_err(io_err("stdout"))?;
+    let mut raw_buf = vec![0u8; 8 << 20];
+    for line in std::io::stdin().lock().lines() {
+        let line = line.map_err(io_err("stdin"))?;
+        let mut words = line.split_whitespace();
+        let cmd = words.next().unwrap_or("");
+        let arg: u64 = words.next().and_then(|w| w.parse().ok()).unwrap_or(0);
+        let reply = match cmd {
+            "room" => {
+                for (rd, (engine, _)) in ranks.iter().enumerate() {
+                    engine.receiver().open_room(arg, &setup.decode_pages(rd as u32, arg), setup.chunk_tokens)?;
+                }
+                "ok".to_owned()
+            }
+            "wait" => {
+                let mut status = "ok".to_owned();
+                for (engine, _) in &ranks {
+                    if let Err(e) = engine.receiver().wait_room(arg, Some(Duration::from_secs(600))) {
+                        status = format!("error {}", e.chain());
+                    }
+                }
+                status
+            }
+            "verify" => {
+                let (mut bad, mut first) = (0, None);
+                for (rd, (_, pool)) in ranks.iter().enumerate() {
+                    let (b, f) = pool.verify(&setup.decode_pages(rd as u32, arg), 0);
+                    bad += b;
+                    first = first.or(f);
+                }
+                format!("verified {bad} {}", first.unwrap_or_default())
+            }
+            "release" => {
+                for (engine, _) in &ranks {
+                    engine.receiver().release_room(arg);
+                }
+                "ok".to_owned()
+            }
+            "raw" => {
+                let (mut stream, _) = raw.accept()?;
+                let mut left = arg as usize;
+                while left > 0 {
+                    let n = stream.read(&mut raw_buf[..left.min(8 << 20)]).map_err(io_err("raw receive"))?;
+                    if n == 0 {
+                        break;
+                    }
+                    left -= n;
+                }
+                stream.write_all(b"k").map_err(io_err("raw ack"))?;
+                format!("raw {}", arg as usize - left)
+            }
+            "quit" => break,
+            other => format!("error unknown command '{other}'"),
+        };
+        writeln!(out, "{reply}").map_err(io_err("stdout"))?;
+        out.flush().map_err(io_err("stdout"))?;
+    }
+    Ok(())
+}
+
+/// The decode child process, seen from the parent.
+pub struct DecodeChild {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    pub addrs: Vec<String>,
+    pub raw_addr: String,
+}
+
+impl DecodeChild {
+    /// Starts `exe` with `args` (which must make it call [`serve_decode`]).
+    pub fn spawn(exe: &std::path::Path, args: &[String], decode_tp: u32) -> Result<DecodeChild> {
+        let mut child = Command::new(exe)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| Error::internal("cannot start the decode process").with_source(e))?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let mut me = DecodeChild { child, stdin, stdout, addrs: Vec::new(), raw_addr: String::new() };
+        let first = me.read_line()?;
+        let mut words = first.split_whitespace();
+        if words.next() != Some("ADDRS") {
+            return Err(Error::internal(format!("decode process did not start (said '{first}')")));
+        }
+        for w in words.by_ref() {
+            if w == "RAW" {
+                break;
+            }
+            me.addrs.push(w.to_owned());
+        }
+        me.raw_addr = words.next().unwrap_or_default().to_owned();
+        if me.addrs.len() != decode_tp as usize {
+            return Err(Error::internal(format!("decode process reported {} ranks, expected {decode_tp}", me.addrs.len())));
+        }
+        Ok(me)
+    }
+
+    fn read_line(&mut self) -> Result<String> {
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).map_err(io_err("reading from the decode process"))?;
+        if line.is_empty() {
+            return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "the decode process exited"));
+        }
+        Ok(line.trim_end().to_owned())
+    }
+
+    /// Sends one command and returns the reply; an `error ...` reply is an error.
+    pub fn command(&mut self, cmd: &str) -> Result<String> {
+        writeln!(self.stdin, "{cmd}").map_err(io_err("writing to the decode process"))?;
+        self.stdin.flush().map_err(io_err("writing to the decode process"))?;
+        let reply = self.read_line()?;
+        match reply.strip_prefix("error ") {
+            Some(why) => Err(Error::internal(format!("decode process: '{cmd}' failed: {why}"))),
+            None => Ok(reply),
+        }
+    }
+
+    /// Bad bytes after `verify`, with the first difference.
+    pub fn verify(&mut self, room: u64) -> Result<(u64, String)> {
+        let reply = self.command(&format!("verify {room}"))?;
+        let rest = reply.strip_prefix("verified ").unwrap_or("");
+        let (bad, first) = rest.split_once(' ').unwrap_or((rest, ""));
+        let bad = bad.parse().map_err(|_| Error::internal(format!("bad verify reply '{reply}'")))?;
+        Ok((bad, first.to_owned()))
+    }
+
+    /// Times a plain TCP stream of `bytes` from this process to the child (the wire baseline).
+    pub fn raw_tcp(&mut self, bytes: u64, buf: &[u8]) -> Result<Duration> {
+        writeln!(self.stdin, "raw {bytes}").map_err(io_err("writing to the decode process"))?;
+        self.stdin.flush().map_err(io_err("writing to the decode process"))?;
+        let mut stream = crate::transport::tcp::connect(self.raw_addr.parse().map_err(|_| Error::internal("raw address"))?, Duration::from_secs(10))?;
+        let start = Instant::now();
+        let mut left = bytes as usize;
+        while left > 0 {
+            let n = left.min(buf.len());
+            stream.write_all(&buf[..n]).map_err(io_err("raw send"))?;
+            left -= n;
+        }
+        let mut ack = [0u8; 1];
+        stream.read_exact(&mut ack).map_err(io_err("raw ack"))?;
+        let elapsed = start.elapsed();
+        self.read_line()?;
+        Ok(elapsed)
+    }
+
+    pub fn quit(mut self) -> Result<()> {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.stdin.flush();
+        let status = self.child.wait().map_err(io_err("waiting for the decode process"))?;
+        if !status.success() {
+            return Err(Error::internal(format!("the decode process exited with {status}")));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DecodeChild {
+    fn drop(&mut self) {
+        // A parent that fails early must not leave the child behind.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The prefill side: one engine, filled pool and sessions per prefill rank.
+pub struct Prefill {
+    pub ranks: Vec<PrefillRank>,
+}
+
+pub struct PrefillRank {
+    pub rank: u32,
+    pub engine: Engine,
+    pub pool: HostPool,
+    pub sessions: Vec<Arc<SenderSession>>,
+}
+
+impl Prefill {
+    pub fn connect(setup: &Setup, addrs: &[String]) -> Result<Prefill> {
+        let mut ranks = Vec::new();
+        for rank in 0..setup.prefill_tp {
+            let engine = Engine::new(setup.options())?;
+            let mut pool = HostPool::new(setup.model.shape(setup.page_size, rank, setup.prefill_tp), setup.capacity());
+            pool.fill(&setup.prefill_pages(rank), 0);
+            engine.register_pool(pool.layout.clone())?;
+            let mut sessions = Vec::new();
+            for rd in setup.targets(rank) {
+                sessions.push(engine.connect(&addrs[rd as usize], &format!("p{rank}-d{rd}"), None)?);
+            }
+            ranks.push(PrefillRank { rank, engine, pool, sessions });
+        }
+        Ok(Prefill { ranks })
+    }
+
+    /// Sends every chunk of `room` from every prefill rank (one thread per rank). `pages_limit`
+    /// sends only the first pages of each chunk (time-boxed slice runs). Returns the writes issued.
+    pub fn send_room(&self, setup: &Setup, room: u64, staged: bool, pages_limit: Option<usize>) -> Result<u64> {
+        let grid = setup.grid_pages();
+        let results: Vec<Result<u64>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .ranks
+                .iter()
+                .map(|r| {
+                    s.spawn(move || -> Result<u64> {
+                        let pages = setup.prefill_pages(r.rank);
+                        let mut writes = 0u64;
+                        for (chunk, chunk_pages) in pages.chunks(grid).enumerate() {
+                            let chunk_pages = &chunk_pages[..pages_limit.unwrap_or(usize::MAX).min(chunk_pages.len())];
+                            for session in &r.sessions {
+                                let desc = TransferDesc {
+                                    room,
+                                    chunk: chunk as u32,
+                                    pages: chunk_pages.to_vec(),
+                                    timeout: Some(Duration::from_secs(600)),
+                                };
+                                let op = Op::new(session.waker());
+                                let status = if staged { session.transfer(&desc, &op)? } else { session.transfer_slices(&desc, &op)? };
+                                if status != Status::KVSTAGE_OK {
+                                    return Err(Error::new(status, format!("transfer returned {}", status.name())));
+                                }
+                                writes += if staged { 1 } else { setup.slice_writes_for(chunk_pages.len()) };
+                            }
+                        }
+                        Ok(writes)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("sender thread panicked")))).collect()
+        });
+        results.into_iter().sum()
+    }
+}
