@@ -43,10 +43,13 @@ impl HostPool {
     pub fn new(shape: PoolShape, capacity_pages: u64) -> HostPool {
         let buffer = (capacity_pages * shape.page_size as u64 * shape.token_bytes()) as usize;
         let count = (shape.buffers_per_layer() as usize) * shape.layer_ids.len();
-        // Written, not calloc'd: a real pool is resident, and first-touch page faults would
+        // Written, not just calloc'd: a real pool is resident, and first-touch page faults would
         // otherwise be measured as copy time.
-        let mut memory = Vec::with_capacity(buffer * count);
-        memory.resize(buffer * count, 0u8);
+        let mut memory = vec![0u8; buffer * count];
+        for i in (0..memory.len()).step_by(4096) {
+            // SAFETY: in bounds; volatile so the store into calloc'd (known-zero) memory stays.
+            unsafe { std::ptr::write_volatile(memory.as_mut_ptr().add(i), 0) };
+        }
         let base = memory.as_mut_ptr() as usize;
         let bases = (0..count).map(|i| base + i * buffer).collect();
         HostPool { memory, layout: KvLayout { shape, capacity_pages, memory: MemoryKind::Host, bases } }
