@@ -1,0 +1,295 @@
+"""Failures as exceptions: classes per family, session ids, cause chains; fallback as a return
+value; deadlines, cancel and closed handles. Both sides live in this process (two engines on
+127.0.0.1)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvref
+import kvstage
+from kvstage import Status
+
+# 2 layers, 2 KV heads of 8 bf16 elements, 4-token pages; 16-token chunks of 4 pages.
+MODEL = kvref.Model(layers=2, heads=2, head_dim=8, dtype_bytes=2, page_size=4)
+CAPACITY = 16
+CHUNK_TOKENS = 16
+PAGES = [3, 4, 5, 6, 9, 1, 2, 0]  # two chunks
+ROOM = 7
+
+
+def decode_engine(ring_bytes, model=MODEL, rooms=(ROOM,)):
+    pool, layout = kvref.make_pool(model, 0, 1, CAPACITY)
+    engine = kvstage.Engine(chunk_tokens=CHUNK_TOKENS)
+    engine.register_pool(layout)
+    if ring_bytes:
+        engine.register_staging(ring_bytes)
+    for room in rooms:
+        assert engine.room_open(room, PAGES, CHUNK_TOKENS) == 2
+    return engine, pool
+
+
+def prefill_engine(tp_rank=0, tp=2, model=MODEL, seed=1):
+    pool, layout = kvref.make_pool(model, tp_rank, tp, CAPACITY)
+    kvref.fill_random(pool, seed)
+    engine = kvstage.Engine()
+    engine.register_pool(layout)
+    return engine, pool
+
+
+def chunk_pages(chunk):
+    return PAGES[4 * chunk : 4 * chunk + 4]
+
+
+def chain_texts(e):
+    out = []
+    c = e.__cause__
+    while c is not None:
+        out.append(str(c))
+        c = c.__cause__
+    return out
+
+
+# --- geometry mismatch -----------------------------------------------------------------------------
+
+
+def test_geometry_mismatch_raises_with_the_field_diff_in_the_cause_chain(lib):
+    other = kvref.Model(layers=2, heads=2, head_dim=16, dtype_bytes=4, page_size=4)
+    dec, _ = decode_engine(1 << 16, model=other)
+    pre, _ = prefill_engine()
+    with dec, pre:
+        with pytest.raises(kvstage.GeometryError) as info:
+            pre.connect(dec.listen_address, "mismatch-1", timeout_ms=5000)
+        e = info.value
+        assert isinstance(e, kvstage.KVStageError)
+        assert e.code == Status.E_GEOMETRY_MISMATCH and e.code_name == "KVSTAGE_E_GEOMETRY_MISMATCH"
+        assert e.klass == kvstage.ErrorClass.GEOMETRY
+        assert e.session == "mismatch-1"
+        assert "mismatch-1" in str(e)
+        # The C causes, outermost first, are both a tuple of strings and a __cause__ chain.
+        assert len(e.causes) >= 2
+        assert chain_texts(e) == list(e.causes)
+        assert isinstance(e.__cause__, kvstage.KVStageCause) and e.__cause__.depth == 0
+        assert e.root_cause is not e and e.root_cause.__cause__ is None
+        text = " | ".join(e.causes)
+        assert "head_dim" in text and "dtype_bytes" in text
+        assert "8" in text and "16" in text
+
+        # The same failure through the drop-in: raised, not a fallback.
+        st = kvstage.StagingTransfer(pre, connect_timeout_ms=5000)
+        target = kvstage.TransferTarget(room=ROOM, chunk_index=0, peer=dec.listen_address)
+        with pytest.raises(kvstage.GeometryError) as info:
+            st.transfer("mismatch-2", chunk_pages(0), None, None, target)
+        assert info.value.session == "mismatch-2"
+        assert any("head_dim" in c for c in info.value.causes)
+        assert st.session_ids == ()
+
+
+def test_connection_refused_is_a_transport_error_with_the_session(lib):
+    with kvstage.Engine() as gone:
+        address = gone.listen_address
+    pre, _ = prefill_engine()
+    with pre:
+        with pytest.raises(kvstage.TransportError) as info:
+            pre.connect(address, "refused-1", timeout_ms=2000)
+    e = info.value
+    assert e.code == Status.E_TRANSPORT and e.session == "refused-1"
+    assert address in e.message
+    assert any("refused" in c.lower() for c in e.causes)
+
+
+# --- fallback --------------------------------------------------------------------------------------
+
+
+def test_fallback_returns_minus_one_and_the_slice_path_delivers(lib):
+    dec, dec_pool = decode_engine(512)  # a chunk needs 2048 bytes of ring
+    pre0, pool0 = prefill_engine(0, 2, seed=10)
+    pre1, pool1 = prefill_engine(1, 2, seed=11)
+    with dec, pre0, pre1:
+        addr = dec.listen_address
+        helpers = [kvstage.StagingTransfer(pre0), kvstage.StagingTransfer(pre1)]
+        for chunk in range(2):
+            for rs, st in enumerate(helpers):
+                target = {"room": ROOM, "chunk_index": chunk, "peer": addr}  # a mapping works too
+                assert st.transfer(f"fallback/p{rs}", chunk_pages(chunk), 0, 0, target) == -1
+                assert st.transfer_slices(f"fallback/p{rs}", chunk_pages(chunk), target) == 0
+        # The Session API says the same with a status.
+        assert helpers[0].session("fallback/p0").transfer(ROOM, 0, chunk_pages(0)) == Status.FALLBACK
+        dec.room_wait(ROOM, timeout_ms=10000)
+        assert dec.stats().ring_live_allocations == 0
+        events = dec.poll_events()
+        assert sorted(e.chunk_index for e in events) == [0, 1] and all(e.ok for e in events)
+        want = kvref.reference_reshard(MODEL, [pool0, pool1], [PAGES, PAGES], [np.zeros_like(dec_pool)], [PAGES])
+        assert not kvref.describe_difference(dec_pool, want[0])
+        for st in helpers:
+            st.close()
+
+
+# --- deadlines, cancel, room errors ----------------------------------------------------------------
+
+
+def blocked(session, room, deadline_ms):
+    """Writer 0 of 2 sends chunk 0 (which then holds the whole one-chunk ring, waiting for writer 1),
+    so chunk 1 waits for ring space: an operation that blocks in back-pressure."""
+    assert session.transfer(room, 0, chunk_pages(0), deadline_ms=5000) == Status.OK
+    op = session.transfer_async(room, 1, chunk_pages(1), deadline_ms=deadline_ms)
+    assert op.wait(200) == Status.PENDING
+    assert op.poll() == Status.PENDING
+    return op
+
+
+def test_deadline_and_cancel_raise_time_errors(lib):
+    dec, _ = decode_engine(2048, rooms=(ROOM, ROOM + 1))
+    pre, _ = prefill_engine(0, 2)
+    with dec, pre:
+        session = pre.connect(dec.listen_address, "blocked-1")
+        with blocked(session, ROOM, 400) as op:
+            with pytest.raises(kvstage.TimeError) as info:
+                op.wait(5000)
+            e = info.value
+            assert e.code == Status.E_TIMEOUT and e.klass == kvstage.ErrorClass.TIMEOUT
+            assert e.session == "blocked-1"
+            assert "room 7 chunk 1" in e.message
+            assert any("watermark" in c for c in e.causes)
+
+        with pytest.raises(kvstage.TimeError) as info:  # the decode room failed with it
+            dec.room_wait(ROOM, timeout_ms=2000)
+
+        op = blocked(session, ROOM + 1, 10000)
+        op.cancel()
+        with pytest.raises(kvstage.TimeError) as info:
+            op.wait(2000)
+        assert info.value.code == Status.E_CANCELED
+        with pytest.raises(kvstage.TimeError):  # repeatable
+            op.poll()
+        op.close()
+        session.close()
+
+
+def test_room_wait_times_out(lib):
+    dec, _ = decode_engine(4096)
+    with dec:
+        t0 = time.monotonic()
+        with pytest.raises(kvstage.TimeError) as info:
+            dec.room_wait(ROOM, timeout_ms=100)
+        assert info.value.code == Status.E_TIMEOUT
+        assert time.monotonic() - t0 < 5
+        with dec.room(ROOM + 5, PAGES, CHUNK_TOKENS) as room:
+            assert room.num_chunks == 2
+        dec.room_release(ROOM + 5)  # idempotent
+
+
+# --- closed handles --------------------------------------------------------------------------------
+
+
+def test_closed_handles_raise(lib):
+    dec, _ = decode_engine(4096)
+    pre, _ = prefill_engine(0, 2)
+    with dec:
+        with pre:
+            session = pre.connect(dec.listen_address, "closing-1")
+            op = session.transfer_async(ROOM, 0, chunk_pages(0), deadline_ms=5000)
+            op.close()
+            op.close()  # idempotent
+            with pytest.raises(kvstage.ClosedHandleError) as info:
+                op.poll()
+            assert info.value.session == "closing-1" and info.value.code == Status.E_INVALID_ARG
+            with pytest.raises(kvstage.ClosedHandleError):
+                op.wait(10)
+            with pytest.raises(kvstage.ClosedHandleError):
+                op.cancel()
+            with session:
+                pass
+            assert session.closed
+            with pytest.raises(kvstage.ClosedHandleError) as info:
+                session.transfer(ROOM, 0, chunk_pages(0))
+            assert "closed" in str(info.value) and isinstance(info.value, ValueError)
+            other = pre.connect(dec.listen_address, "closing-2")
+        assert pre.closed and other.closed  # closing an engine closes its sessions first
+        for call in (lambda: pre.stats(), lambda: pre.listen_address, lambda: pre.connect("127.0.0.1:1", "x"),
+                     lambda: pre.poll_events(), lambda: pre.room_open(1, [0]), lambda: other.transfer_slices(ROOM, 0, [0])):
+            with pytest.raises(kvstage.ClosedHandleError):
+                call()
+        with pytest.raises(kvstage.ClosedHandleError):
+            with pre:
+                pass
+        pre.close()
+
+
+def test_garbage_collected_handles_are_freed(lib):
+    import gc
+    import weakref
+
+    engine = kvstage.Engine()
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None
+
+
+# --- errors from the library and from the binding --------------------------------------------------
+
+
+def test_library_argument_errors_name_the_field(lib):
+    with pytest.raises(kvstage.ArgumentError) as info:
+        kvstage.Engine(worker_threads=0)
+    assert "options->worker_threads" in info.value.message and info.value.klass == kvstage.ErrorClass.CONFIG
+    with pytest.raises(kvstage.ArgumentError) as info:
+        kvstage.head_slice(4, 2, 2, 0, 8)
+    assert "src_rank" in info.value.message
+    with pytest.raises(kvstage.ArgumentError):
+        kvstage.Engine(transport="carrier-pigeon")
+    with kvstage.Engine() as e:
+        with pytest.raises(kvstage.ArgumentError) as info:
+            e.room_open(1, [0, 1])  # no pool registered
+        assert info.value.code < 0
+
+
+def test_panic_is_an_internal_error_and_poisons_the_engine(lib):
+    if not lib.testing:
+        pytest.skip("library built without the test-only exports (feature `testing`)")
+    engine = kvstage.Engine()
+    with pytest.raises(kvstage.InternalError) as info:
+        engine._testing_panic()
+    assert info.value.code == Status.E_PANIC
+    assert any(c.startswith("panic:") for c in info.value.causes)
+    with pytest.raises(kvstage.InternalError) as info:
+        engine.stats()
+    assert info.value.code == Status.E_POISONED
+    engine.close()  # a poisoned handle can still be freed
+
+
+def test_exception_classes_follow_the_status_families(lib):
+    families = {
+        0: kvstage.ArgumentError, 1: kvstage.GeometryError, 2: kvstage.TimeError, 3: kvstage.TransportError,
+        4: kvstage.ProtocolError, 5: kvstage.DeviceError, 9: kvstage.InternalError,
+    }
+    for status in Status:
+        if status < 0:
+            assert kvstage.error_class_for(status) is families[(-status) // 10], status
+    assert kvstage.error_class_for(-77) is kvstage.KVStageError
+    # The binding's names agree with the library's for every code and for unknown ones.
+    for code in [s.value for s in Status] + [-77, 3, 1000]:
+        assert kvstage.status_name(code) == lib.kvstage_status_name(code).decode(), code
+
+
+def test_errors_are_per_thread(lib):
+    """The last error is read on the thread that failed: concurrent failures do not mix."""
+    seen = {}
+
+    def fail(i):
+        try:
+            kvstage.head_slice(4, 2, 2 + (i % 2), 0, 8)
+        except kvstage.ArgumentError as e:
+            seen[i] = e.message
+
+    threads = [threading.Thread(target=fail, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 8
+    for i, message in seen.items():
+        assert f"prefill rank {2 + (i % 2)} does not write" in message
