@@ -88,6 +88,10 @@ class KVStageError(Exception):
             e = e.__cause__
         return e
 
+    def __reduce__(self):
+        # Picklable (multiprocessing, logging handlers) with every attribute and the chain.
+        return (_rebuild, (type(self), self.message, int(self.code), int(self.klass), self.session, self.causes))
+
     def __str__(self) -> str:
         where = f", session {self.session!r}" if self.session else ""
         return f"{self.message} ({self.code_name}{where})"
@@ -103,6 +107,13 @@ class KVStageCause(Exception):
         super().__init__(message)
         self.message = message
         self.depth = depth
+
+    def __reduce__(self):
+        return (KVStageCause, (self.message, self.depth))
+
+
+def _rebuild(cls, message, code, klass, session, causes):
+    return cls(message, code=code, klass=klass, session=session, causes=causes)
 
 
 class ArgumentError(KVStageError, ValueError):

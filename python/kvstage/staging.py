@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
-from ._core import Engine, Session, _u32, _u64
+from ._core import Engine, Session, _u64
 from ._lib import Status
 from .errors import ProtocolError, TransportError, argument_error
 

@@ -275,6 +275,17 @@ def test_exception_classes_follow_the_status_families(lib):
         assert kvstage.status_name(code) == lib.kvstage_status_name(code).decode(), code
 
 
+def test_errors_pickle_with_their_attributes_and_chain():
+    import pickle
+
+    e = kvstage.GeometryError("mismatch", code=Status.E_GEOMETRY_MISMATCH, klass=kvstage.ErrorClass.GEOMETRY,
+                              session="s-1", causes=("head_dim: local 8 != remote 16", "inner"))
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is kvstage.GeometryError and str(back) == str(e)
+    assert (back.code, back.klass, back.session, back.causes) == (e.code, e.klass, e.session, e.causes)
+    assert chain_texts(back) == list(e.causes) and back.root_cause.depth == 1
+
+
 def test_errors_are_per_thread(lib):
     """The last error is read on the thread that failed: concurrent failures do not mix."""
     seen = {}
