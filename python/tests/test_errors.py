@@ -191,6 +191,7 @@ def test_closed_handles_raise(lib):
         with pre:
             session = pre.connect(dec.listen_address, "closing-1")
             op = session.transfer_async(ROOM, 0, chunk_pages(0), deadline_ms=5000)
+            assert op.wait(5000) == Status.OK
             op.close()
             op.close()  # idempotent
             with pytest.raises(kvstage.ClosedHandleError) as info:
