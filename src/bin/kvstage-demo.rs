@@ -9,7 +9,7 @@ use kvstage::testkit::cluster::{serve_decode, DecodeChild, Prefill, Setup};
 use kvstage::testkit::model;
 use kvstage::{Error, Status};
 
-const USAGE: &str = "usage: kvstage-demo [--model llama3-8b|qwen3-32b|llama3-70b|deepseek-v3] [--layers N] \
+const USAGE: &str = "usage: kvstage-demo [--model llama3-8b|qwen3-32b|llama3-70b|deepseek-v3] [--kind mha|mla] [--layers N] \
 [--kv-heads N] [--head-dim N] [--dtype-bytes N] [--prefill-tp N] [--decode-tp N] [--page-size N] [--tokens N] \
 [--chunk-tokens N] [--ring-chunks N] [--no-slice]";
 

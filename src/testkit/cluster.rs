@@ -109,6 +109,7 @@ impl Setup {
         let m = &self.model;
         [
             ("--model", m.name.to_string()),
+            ("--kind", if m.kind == ModelKind::Mla { "mla" } else { "mha" }.to_string()),
             ("--layers", m.layers.to_string()),
             ("--kv-heads", m.kv_heads.to_string()),
             ("--head-dim", m.head_dim.to_string()),
@@ -134,12 +135,29 @@ impl Setup {
         match flag {
             "--model" => {
                 let v = value()?;
-                self.model = super::model(&v).ok_or(format!("unknown model '{v}'"))?;
+                // "custom" keeps the current shape (the child receives the overrides after it).
+                if v != "custom" {
+                    self.model = super::model(&v).ok_or(format!("unknown model '{v}'"))?;
+                }
             }
-            "--layers" => self.model.layers = num(flag)?,
-            "--kv-heads" => self.model.kv_heads = num(flag)?,
-            "--head-dim" => self.model.head_dim = num(flag)?,
-            "--dtype-bytes" => self.model.dtype_bytes = num(flag)?,
+            "--kind" => {
+                self.model.kind = match value()?.as_str() {
+                    "mha" => ModelKind::Mha,
+                    "mla" => ModelKind::Mla,
+                    other => return Err(format!("--kind {other}: expected mha or mla")),
+                };
+            }
+            "--layers" | "--kv-heads" | "--head-dim" | "--dtype-bytes" => {
+                let v = num(flag)?;
+                let m = &mut self.model;
+                *match flag {
+                    "--layers" => &mut m.layers,
+                    "--kv-heads" => &mut m.kv_heads,
+                    "--head-dim" => &mut m.head_dim,
+                    _ => &mut m.dtype_bytes,
+                } = v;
+                m.name = "custom";
+            }
             "--prefill-tp" => self.prefill_tp = num(flag)?,
             "--decode-tp" => self.decode_tp = num(flag)?,
             "--page-size" => self.page_size = num(flag)?,
