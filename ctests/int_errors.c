@@ -95,7 +95,7 @@ static pid_t spawn_decode(uint32_t head_dim, uint32_t dtype, size_t ring_bytes, 
             REQUIRE(kvstage_room_open(e, room, PAGES, 8, CHUNK_TOKENS, &chunks) == KVSTAGE_OK);
             REQUIRE(chunks == 2);
         }
-        char addr[64];
+        char addr[64] = {0}; /* all 64 bytes go through the pipe */
         REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr) == KVSTAGE_OK);
         REQUIRE(write(addr_pipe[1], addr, sizeof addr) == (ssize_t)sizeof addr);
         char c;
