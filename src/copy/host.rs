@@ -8,6 +8,9 @@ use crate::geometry::{CopyPlan, KvLayout, MemoryKind};
 const DEFAULT_MIN_PARALLEL_BYTES: u64 = 1 << 20;
 /// Plans moving at least this many bytes write with non-temporal (streaming) stores.
 const DEFAULT_STREAMING_MIN_BYTES: u64 = 4 << 20;
+/// Gather prefetches the first bytes of the segment this many segments ahead.
+const PREFETCH_SEGMENTS: usize = 4;
+const PREFETCH_BYTES: u64 = 1024;
 
 /// Gather/scatter between host-memory pools and host staging buffers.
 ///
@@ -133,6 +136,14 @@ impl Job<'_> {
             let mut g = plan.segments.partition_point(|s| s.staging_token + s.tokens <= first);
             let mut t = first;
             while t < last {
+                if self.dir == Dir::Gather {
+                    // Random page lists make the pool reads latency-bound: start the reads of a
+                    // segment a few segments ahead.
+                    if let Some(ahead) = plan.segments.get(g + PREFETCH_SEGMENTS) {
+                        let at = base + (ahead.pool_token * plan.pool_token_bytes + plan.pool_head_offset) as usize;
+                        nt::prefetch(at, plan.row_bytes.min(PREFETCH_BYTES) as usize);
+                    }
+                }
                 let seg = plan.segments[g];
                 let end = last.min(seg.staging_token + seg.tokens);
                 let off = t - seg.staging_token;
@@ -251,6 +262,22 @@ mod nt {
         // SAFETY: as above.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
     }
+
+    /// Hints the cache lines of `[at, at + len)` into the cache (never faults).
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    pub fn prefetch(at: usize, len: usize) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let mut p = at & !63;
+        while p < at + len {
+            // SAFETY: prefetch is a hint; it does not fault on any address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+            p += 64;
+        }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub fn prefetch(_at: usize, _len: usize) {}
 
     #[cfg(target_arch = "x86_64")]
     pub fn fence() {
