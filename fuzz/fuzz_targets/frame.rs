@@ -1,0 +1,12 @@
+//! The frame decoder a session's reader runs on every byte a peer sends (`read_frame`).
+//! The properties are in `fuzz/checks.rs`, shared with `tests/fuzz_corpus.rs`.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+#[path = "../checks.rs"]
+mod checks;
+
+fuzz_target!(|data: &[u8]| {
+    checks::frame(data);
+});

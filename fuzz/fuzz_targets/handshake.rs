@@ -1,0 +1,12 @@
+//! The handshake: a `Hello` body from an untrusted peer (`Message::decode`, then both sides' checks).
+//! The properties are in `fuzz/checks.rs`, shared with `tests/fuzz_corpus.rs`.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+#[path = "../checks.rs"]
+mod checks;
+
+fuzz_target!(|data: &[u8]| {
+    checks::handshake(data);
+});
