@@ -1,13 +1,18 @@
 //! Copy engines: execute a [`CopyPlan`] between a registered pool and a staging region.
 //!
 //! Every engine consumes the same plan (see [`crate::geometry::plan`]); the host engine uses
-//! memcpy on CPU threads, a CUDA engine will launch a kernel over the same slabs × segments.
+//! memcpy on CPU threads, the CUDA engine ([`cuda`]) launches a kernel over the same slabs ×
+//! segments. [`engine_for`] picks the engine for a pool; [`AnyCopyEngine`] picks per call.
 
 use crate::error::{Error, Result, Status};
 use crate::geometry::{CopyPlan, KvLayout};
 
+mod any;
+pub mod cuda;
 mod host;
 
+pub use any::{engine_for, AnyCopyEngine};
+pub use cuda::{CudaCopyEngine, HostPin, ReadyFence};
 pub use host::HostCopyEngine;
 
 /// Gather (pool → staging) and scatter (staging → pool) of one plan.
@@ -25,6 +30,29 @@ pub trait CopyEngine: Send + Sync {
     /// # Safety
     /// As for [`gather`](Self::gather) with reads and writes exchanged.
     unsafe fn scatter(&self, plan: &CopyPlan, pool: &KvLayout, staging: *const u8) -> Result<()>;
+
+    /// [`gather`](Self::gather) ordered after the producer's ready point (see [`ReadyFence`]):
+    /// a device engine makes its stream wait for the fence; the default (host engines) blocks the
+    /// calling thread on the fence, then gathers. `None`: the KV is valid now.
+    ///
+    /// # Safety
+    /// As for [`gather`](Self::gather).
+    unsafe fn gather_after(&self, plan: &CopyPlan, pool: &KvLayout, staging: *mut u8, ready: Option<&ReadyFence>) -> Result<()> {
+        if let Some(fence) = ready {
+            fence.wait_host()?;
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.gather(plan, pool, staging) }
+    }
+
+    /// Page-locks `len` bytes of host staging memory at `ptr` so that this engine's device↔host
+    /// copies run at full speed (the memory stays registered while the returned pin lives; drop
+    /// the pin before freeing or reallocating the memory). `Ok(None)`: nothing to do (host engine,
+    /// or already page-locked). An error is not fatal: copies still work, only slower.
+    fn pin_host(&self, ptr: *mut u8, len: usize) -> Result<Option<HostPin>> {
+        let _ = (ptr, len);
+        Ok(None)
+    }
 }
 
 /// Checks a plan against the pool it will run on before any byte moves: buffer indices, the token

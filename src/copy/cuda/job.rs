@@ -1,0 +1,212 @@
+//! The device form of a [`CopyPlan`]: flat tables the kernels read, the kernel parameter block,
+//! the vector width, the grid, and the split of a plan into pieces that fit a scratch buffer.
+//! Pure functions (no driver), tested on the CPU and through the kernel emulator.
+
+use crate::geometry::CopyPlan;
+
+/// Staging tokens per block tile (`TILE` in kernels.cu).
+pub const TILE: u64 = 32;
+/// Slabs per block (`SLABS` in kernels.cu).
+pub const SLABS: u64 = 4;
+/// Threads per block (`THREADS` in kernels.cu).
+pub const THREADS: u32 = 256;
+
+/// `struct KvJob` of kernels.cu, field for field (pointers as device addresses).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvJob {
+    pub bases: u64,
+    pub slab_buffer: u64,
+    pub slab_offset: u64,
+    pub seg_start: u64,
+    pub seg_pool: u64,
+    pub staging: u64,
+    pub nslab: u64,
+    pub nseg: u64,
+    pub tokens: u64,
+    pub pool_token_bytes: u64,
+    pub pool_head_offset: u64,
+    pub row_bytes: u64,
+}
+
+/// The plan's tables as one array of u64 words, uploaded once per gather/scatter:
+/// `bases[nbuf] | slab_buffer[nslab] | slab_offset[nslab] | seg_start[nseg + 1] | seg_pool[nseg]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tables {
+    pub words: Vec<u64>,
+    nbuf: usize,
+    nslab: usize,
+    nseg: usize,
+}
+
+impl Tables {
+    pub fn new(plan: &CopyPlan, bases: &[usize]) -> Tables {
+        let (nbuf, nslab, nseg) = (bases.len(), plan.slabs.len(), plan.segments.len());
+        let mut words = Vec::with_capacity(nbuf + 2 * nslab + 2 * nseg + 1);
+        words.extend(bases.iter().map(|&b| b as u64));
+        words.extend(plan.slabs.iter().map(|s| s.buffer as u64));
+        words.extend(plan.slabs.iter().map(|s| s.staging_offset));
+        words.extend(plan.segments.iter().map(|s| s.staging_token));
+        words.push(plan.tokens);
+        words.extend(plan.segments.iter().map(|s| s.pool_token));
+        Tables { words, nbuf, nslab, nseg }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.words.len() as u64 * 8
+    }
+
+    /// The kernel parameters for slabs `[s0, s1)` of the plan with the tables at device address
+    /// `table`, writing/reading staging byte `slab_offset[s0]` at device address `staging_at`.
+    pub fn job(&self, plan: &CopyPlan, table: u64, s0: usize, s1: usize, staging_at: u64) -> KvJob {
+        let word = |i: usize| table + 8 * i as u64;
+        let slab_buffer = word(self.nbuf);
+        let slab_offset = word(self.nbuf + self.nslab);
+        let seg_start = word(self.nbuf + 2 * self.nslab);
+        let seg_pool = word(self.nbuf + 2 * self.nslab + self.nseg + 1);
+        let first = plan.slabs.get(s0).map_or(0, |s| s.staging_offset);
+        KvJob {
+            bases: word(0),
+            slab_buffer: slab_buffer + 8 * s0 as u64,
+            slab_offset: slab_offset + 8 * s0 as u64,
+            seg_start,
+            seg_pool,
+            // Wrapping: the kernel adds slab_offset[s] >= first back.
+            staging: staging_at.wrapping_sub(first),
+            nslab: (s1 - s0) as u64,
+            nseg: self.nseg as u64,
+            tokens: plan.tokens,
+            pool_token_bytes: plan.pool_token_bytes,
+            pool_head_offset: plan.pool_head_offset,
+            row_bytes: plan.row_bytes,
+        }
+    }
+}
+
+/// The widest access (16, 8, 4, 2 or 1 bytes) that every address of the job is aligned to:
+/// the bases of the buffers the plan reads, the staging address, every slab offset, the token
+/// slot, the head offset and the row size.
+pub fn vector_width(plan: &CopyPlan, bases: &[usize], staging_at: u64) -> u32 {
+    let mut acc = plan.pool_token_bytes | plan.pool_head_offset | plan.row_bytes | staging_at;
+    for s in &plan.slabs {
+        acc |= s.staging_offset;
+        acc |= bases.get(s.buffer as usize).copied().unwrap_or(1) as u64;
+    }
+    // Relative to the first slab, as the kernel sees them (staging_at is that slab's address).
+    if let Some(first) = plan.slabs.first() {
+        for s in &plan.slabs {
+            acc |= s.staging_offset.wrapping_sub(first.staging_offset);
+        }
+    }
+    (1u64 << acc.trailing_zeros().min(4)) as u32
+}
+
+/// Grid caps (x over token tiles, y over slab groups); the kernels stride over the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GridLimits {
+    pub x: u32,
+    pub y: u32,
+}
+
+impl Default for GridLimits {
+    fn default() -> Self {
+        GridLimits { x: 1 << 20, y: 65_535 }
+    }
+}
+
+/// Grid for `tokens` staging tokens and `nslab` slabs.
+pub fn grid(tokens: u64, nslab: u64, limits: GridLimits) -> (u32, u32) {
+    let x = tokens.div_ceil(TILE).clamp(1, limits.x as u64) as u32;
+    let y = nslab.div_ceil(SLABS).clamp(1, limits.y as u64) as u32;
+    (x, y)
+}
+
+/// Slab ranges `[s0, s1)` whose staging bytes are one contiguous range of at most `max_bytes`
+/// (a single slab larger than that is a piece of its own): the units a bounded scratch buffer is
+/// filled and drained in. Returns `(s0, s1, staging_start, bytes)`.
+pub fn pieces(plan: &CopyPlan, max_bytes: u64) -> Vec<(usize, usize, u64, u64)> {
+    let slab = plan.tokens * plan.row_bytes;
+    let mut out: Vec<(usize, usize, u64, u64)> = Vec::new();
+    for (i, s) in plan.slabs.iter().enumerate() {
+        match out.last_mut() {
+            Some(p) if p.2 + p.3 == s.staging_offset && p.3 + slab <= max_bytes => {
+                p.1 = i + 1;
+                p.3 += slab;
+            }
+            _ => out.push((i, i + 1, s.staging_offset, slab)),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::{plan_gather, plan_scatter, staging_layout, ModelKind, PoolShape};
+
+    fn plans() -> (CopyPlan, CopyPlan) {
+        let base = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 3);
+        let (src, dst) = (base.clone().with_tp(3, 4), base.with_tp(1, 2));
+        let st = staging_layout(&src, &dst, 5 * 16).unwrap();
+        let w = st.writer_for(&src).unwrap().unwrap();
+        let pages = [7, 8, 9, 2, 3];
+        (plan_gather(&src, &pages, &st, w).unwrap(), plan_scatter(&dst, &pages, &st, w).unwrap())
+    }
+
+    #[test]
+    fn tables_and_job_point_at_the_plan() {
+        let (g, _) = plans();
+        let bases: Vec<usize> = (0..6).map(|i| 0x1000_0000 + i * 0x10_0000).collect();
+        let t = Tables::new(&g, &bases);
+        assert_eq!(t.words.len(), 6 + 2 * 6 + 2 * 2 + 1);
+        assert_eq!(&t.words[..6], &bases.iter().map(|&b| b as u64).collect::<Vec<_>>()[..]);
+        assert_eq!(t.words[6..12], [0, 1, 2, 3, 4, 5]);
+        assert_eq!(t.words[12], g.slabs[0].staging_offset);
+        assert_eq!(t.words[18..21], [0, 48, 80]);
+        assert_eq!(t.words[21..23], [7 * 16, 2 * 16]);
+        let j = t.job(&g, 0x9000, 2, 5, 0x5_0000);
+        assert_eq!(j.bases, 0x9000);
+        assert_eq!(j.slab_buffer, 0x9000 + 8 * (6 + 2));
+        assert_eq!(j.slab_offset, 0x9000 + 8 * (12 + 2));
+        assert_eq!(j.seg_start, 0x9000 + 8 * 18);
+        assert_eq!(j.seg_pool, 0x9000 + 8 * 21);
+        assert_eq!(j.nslab, 3);
+        assert_eq!(j.staging.wrapping_add(g.slabs[2].staging_offset), 0x5_0000);
+        assert_eq!((j.tokens, j.row_bytes, j.pool_token_bytes), (80, 512, 512));
+        assert_eq!(std::mem::size_of::<KvJob>(), 96);
+    }
+
+    #[test]
+    fn vector_width_is_the_common_alignment() {
+        let (g, s) = plans();
+        let bases: Vec<usize> = (0..6).map(|i| 0x1000_0000 + i * 0x10_0000).collect();
+        assert_eq!(vector_width(&g, &bases, 0x7000_0000), 16);
+        assert_eq!(vector_width(&s, &bases, 0x7000_0000), 16);
+        assert_eq!(vector_width(&g, &bases, 0x7000_0008), 8);
+        let mut odd = bases.clone();
+        odd[5] += 2;
+        assert_eq!(vector_width(&g, &odd, 0x7000_0000), 2);
+        let mut g3 = g.clone();
+        g3.row_bytes = 12;
+        assert_eq!(vector_width(&g3, &bases, 0), 4);
+        g3.pool_head_offset = 1;
+        assert_eq!(vector_width(&g3, &bases, 0), 1);
+    }
+
+    #[test]
+    fn grid_and_pieces() {
+        assert_eq!(grid(80, 6, GridLimits::default()), (3, 2));
+        assert_eq!(grid(0, 0, GridLimits::default()), (1, 1));
+        assert_eq!(grid(1 << 30, 1 << 20, GridLimits { x: 7, y: 3 }), (7, 3));
+        let (g, _) = plans();
+        let slab = 80 * 512;
+        assert_eq!(pieces(&g, u64::MAX), vec![(0, 6, g.slabs[0].staging_offset, 6 * slab)]);
+        let p = pieces(&g, 2 * slab + 1);
+        assert_eq!(p.iter().map(|p| (p.0, p.1)).collect::<Vec<_>>(), vec![(0, 2), (2, 4), (4, 6)]);
+        assert_eq!(p[1].2, g.slabs[2].staging_offset);
+        assert_eq!(pieces(&g, 1).len(), 6);
+        let mut gap = g.clone();
+        gap.slabs[3].staging_offset += 512;
+        assert_eq!(pieces(&gap, u64::MAX).iter().map(|p| (p.0, p.1)).collect::<Vec<_>>(), vec![(0, 3), (3, 4), (4, 6)]);
+    }
+}
