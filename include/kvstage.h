@@ -207,6 +207,10 @@ typedef struct kvstage_kv_layout {
     uint64_t capacity_pages;
     // A `kvstage_memory_kind` value.
     int32_t memory_kind;
+    // KVSTAGE_MEMORY_CUDA: the CUDA device ordinal holding the buffers, checked against the
+    // memory at registration; negative (the `_init` default, -1) = the device holding `k_bases[0]`.
+    // Ignored for host memory.
+    int32_t cuda_device;
 } kvstage_kv_layout;
 
 // Counters of an engine (a snapshot).
@@ -327,6 +331,10 @@ void kvstage_engine_free(struct kvstage_engine *engine);
 enum kvstage_status kvstage_engine_listen_address(const struct kvstage_engine *engine, char *buf, size_t capacity);
 
 // Registers this rank's KV pool (copied; the memory it points to must outlive the engine).
+// A CUDA pool (`memory_kind` CUDA) is checked here: `KVSTAGE_E_NO_DEVICE` without libcuda or
+// without the device (the causes name the CUDA error, e.g. CUDA_ERROR_NO_DEVICE),
+// `KVSTAGE_E_GEOMETRY_INVALID` when a buffer is not device memory of `cuda_device` over its
+// whole extent, `KVSTAGE_E_CUDA` when the kernels do not load (the cause holds the JIT log).
 enum kvstage_status kvstage_engine_register_pool(const struct kvstage_engine *engine, const struct kvstage_kv_layout *layout);
 
 // Registers the decode-side staging ring: `bytes` at `memory`, or engine-owned memory when
@@ -337,7 +345,7 @@ enum kvstage_status kvstage_engine_register_staging(const struct kvstage_engine 
 enum kvstage_status kvstage_engine_stats_get(const struct kvstage_engine *engine, struct kvstage_engine_stats *out);
 
 // Fills `layout` with defaults (sets `struct_size`; MHA, page_size 1, one head, bf16, TP 1,
-// PP 1, host memory; head_dim, layers, bases and capacity must be set).
+// PP 1, host memory, cuda_device -1; head_dim, layers, bases and capacity must be set).
 enum kvstage_status kvstage_kv_layout_init(struct kvstage_kv_layout *layout);
 
 // Checks a layout (shape, layer ids, bases: NULL, overlapping, overflowing). `KVSTAGE_OK` or an

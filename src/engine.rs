@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::copy::{CopyEngine, HostCopyEngine};
+use crate::copy::{AnyCopyEngine, CopyEngine};
 use crate::error::{Error, Result, Status};
 use crate::geometry::KvLayout;
 use crate::session::receiver::{Receiver, RingMemory, ScatterJob};
@@ -132,7 +132,8 @@ impl Engine {
         let listener = TcpListener::bind(listen)
             .map_err(|e| Error::from(e).context(format!("cannot listen on {listen}")))?;
         let local_addr = listener.local_addr()?;
-        let copy: Arc<dyn CopyEngine> = Arc::new(HostCopyEngine::new(options.worker_threads));
+        // Host pools: memcpy threads; CUDA pools: the CUDA engine of the pool's device (see copy::any).
+        let copy: Arc<dyn CopyEngine> = Arc::new(AnyCopyEngine::new(options.worker_threads));
         let pool = Arc::new(Mutex::new(None));
         let send = Arc::new(SendResources {
             pool: pool.clone(),

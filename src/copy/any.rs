@@ -24,6 +24,15 @@ pub fn engine_for(layout: &KvLayout, threads: u32) -> Result<Arc<dyn CopyEngine>
     }
 }
 
+/// Checks at registration that the engine chosen for `layout` can use it: nothing for host
+/// memory; for CUDA memory see [`super::cuda::check_pool`]. Errors as [`engine_for`].
+pub fn check_pool(layout: &KvLayout, cuda_device: Option<u32>) -> Result<()> {
+    match layout.memory {
+        MemoryKind::Host => Ok(()),
+        MemoryKind::Cuda => super::cuda::check_pool(layout, cuda_device),
+    }
+}
+
 /// One engine for every pool kind: dispatches each call on `pool.memory` (host pools to a
 /// [`HostCopyEngine`], CUDA pools to one [`CudaCopyEngine`] per device, opened on first use).
 /// Lets a component that is built before its pool is registered (the engine's sender and

@@ -11,7 +11,7 @@ mod any;
 pub mod cuda;
 mod host;
 
-pub use any::{engine_for, AnyCopyEngine};
+pub use any::{check_pool, engine_for, AnyCopyEngine};
 pub use cuda::{CudaCopyEngine, HostPin, ReadyFence};
 pub use host::HostCopyEngine;
 

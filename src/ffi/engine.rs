@@ -146,6 +146,10 @@ pub unsafe extern "C" fn kvstage_engine_listen_address(
 }
 
 /// Registers this rank's KV pool (copied; the memory it points to must outlive the engine).
+/// A CUDA pool (`memory_kind` CUDA) is checked here: `KVSTAGE_E_NO_DEVICE` without libcuda or
+/// without the device (the causes name the CUDA error, e.g. CUDA_ERROR_NO_DEVICE),
+/// `KVSTAGE_E_GEOMETRY_INVALID` when a buffer is not device memory of `cuda_device` over its
+/// whole extent, `KVSTAGE_E_CUDA` when the kernels do not load (the cause holds the JIT log).
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_register_pool(
     engine: *const kvstage_engine,
@@ -153,7 +157,9 @@ pub unsafe extern "C" fn kvstage_engine_register_pool(
 ) -> Status {
     ffi_fn!(status {
         let engine = unsafe { borrow(engine, "engine") }?;
-        let layout = unsafe { super::geometry::kv_layout_from_c(layout, "layout") }?;
+        let (layout, cuda_device) = unsafe { super::geometry::kv_layout_device_from_c(layout, "layout") }?;
+        // CUDA pools: driver, device, kernels and device memory checked here, before any transfer.
+        crate::copy::check_pool(&layout, cuda_device)?;
         engine.register_pool(layout)?;
         Ok(Status::KVSTAGE_OK)
     })

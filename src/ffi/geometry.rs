@@ -62,6 +62,10 @@ pub struct kvstage_kv_layout {
     pub capacity_pages: u64,
     /// A `kvstage_memory_kind` value.
     pub memory_kind: i32,
+    /// KVSTAGE_MEMORY_CUDA: the CUDA device ordinal holding the buffers, checked against the
+    /// memory at registration; negative (the `_init` default, -1) = the device holding `k_bases[0]`.
+    /// Ignored for host memory.
+    pub cuda_device: i32,
 }
 
 impl Default for kvstage_kv_layout {
@@ -84,6 +88,7 @@ impl Default for kvstage_kv_layout {
             v_bases: std::ptr::null(),
             capacity_pages: 0,
             memory_kind: kvstage_memory_kind::KVSTAGE_MEMORY_HOST as i32,
+            cuda_device: -1,
         }
     }
 }
@@ -135,8 +140,15 @@ unsafe fn shape_of(raw: &kvstage_kv_layout, arg: &str) -> Result<PoolShape> {
 }
 
 /// Reads and validates a whole C layout (shape, bases, capacity, memory kind); errors name `arg`.
-/// The engine's pool registration uses this.
+/// The engine's pool registration uses this. Pure: no driver call (see
+/// [`kv_layout_device_from_c`] for the CUDA device).
 pub unsafe fn kv_layout_from_c(ptr: *const kvstage_kv_layout, arg: &str) -> Result<KvLayout> {
+    unsafe { kv_layout_device_from_c(ptr, arg) }.map(|(layout, _)| layout)
+}
+
+/// [`kv_layout_from_c`] plus the CUDA device the caller names (`cuda_device`; `None` when
+/// negative or for host memory). Registration passes both to `copy::cuda::check_pool`.
+pub unsafe fn kv_layout_device_from_c(ptr: *const kvstage_kv_layout, arg: &str) -> Result<(KvLayout, Option<u32>)> {
     let raw: kvstage_kv_layout = unsafe { versioned_struct(ptr, arg, KV_LAYOUT_V1) }?;
     let shape = unsafe { shape_of(&raw, arg) }?;
     let memory = match raw.memory_kind {
@@ -155,11 +167,12 @@ pub unsafe fn kv_layout_from_c(ptr: *const kvstage_kv_layout, arg: &str) -> Resu
     }
     let layout = KvLayout { shape, capacity_pages: raw.capacity_pages, memory, bases };
     layout.validate().map_err(|e| e.context(format!("`{arg}` is not a valid KV layout")))?;
-    Ok(layout)
+    let device = (memory == MemoryKind::Cuda && raw.cuda_device >= 0).then_some(raw.cuda_device as u32);
+    Ok((layout, device))
 }
 
 /// Fills `layout` with defaults (sets `struct_size`; MHA, page_size 1, one head, bf16, TP 1,
-/// PP 1, host memory; head_dim, layers, bases and capacity must be set).
+/// PP 1, host memory, cuda_device -1; head_dim, layers, bases and capacity must be set).
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_kv_layout_init(layout: *mut kvstage_kv_layout) -> Status {
     ffi_fn!(status {

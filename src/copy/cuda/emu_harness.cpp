@@ -1,7 +1,9 @@
 // CPU emulator of kernels.cu for the Rust tests (src/copy/cuda/emu.rs): compiles the very same
 // kernel source as host C++ and runs a launch with 256 real threads per block, blocks one after
 // the other, __syncthreads() as a barrier and __syncthreads_and() as a barrier with a reduction.
-// "Device memory" is host memory. Built at test time with clang++ (ext_vector_type).
+// "Device memory" is host memory. Built at test time with any C++17 compiler; with clang the
+// 16-byte type is the kernels' own vector type (aligned loads: a misaligned 16-byte access
+// faults, as on the GPU), elsewhere an aligned struct.
 #include <pthread.h>
 
 #include <atomic>
@@ -11,6 +13,12 @@
 #define KV_DEVICE static inline
 #define KV_SHARED static
 #define KV_LAUNCH_BOUNDS(n)
+#if !defined(__clang__)
+#define KV_V4_DEFINED
+struct alignas(16) v4u32 {
+    unsigned x, y, z, w;
+};
+#endif
 
 static pthread_barrier_t g_bar;
 static unsigned g_gx, g_gy;

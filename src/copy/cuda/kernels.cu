@@ -33,7 +33,9 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
+#ifndef KV_V4_DEFINED
 typedef u32 v4u32 __attribute__((ext_vector_type(4)));
+#endif
 
 #define TILE 32u
 #define SLABS 4u

@@ -173,6 +173,23 @@ impl DeviceCopyEngine<CudaBackend> {
     }
 }
 
+/// Checks a CUDA pool at registration, without creating streams or buffers: the driver loads and
+/// has the device, the kernels load on it, and every buffer is device memory of that device over
+/// its whole extent. `device` as in [`CudaCopyEngine::for_pool`].
+pub fn check_pool(pool: &KvLayout, device: Option<u32>) -> Result<()> {
+    let ordinal = pool_device(pool, device)?;
+    let backend = CudaBackend { dev: Device::open(ordinal)? };
+    let bytes = pool.buffer_bytes();
+    backend.scoped(|| {
+        for (i, &base) in pool.bases.iter().enumerate() {
+            backend.check_device_range(base as u64, bytes).map_err(|e| {
+                e.context(format!("KV pool buffer bases[{i}] ({base:#x}, {bytes} bytes) is not usable by the CUDA copy engine"))
+            })?;
+        }
+        Ok(())
+    })
+}
+
 /// The device that holds `pool` (`device` when given, checked against the memory; else the
 /// device owning `bases[0]`). Errors: no driver / device (`KVSTAGE_E_NO_DEVICE`), a host pool or
 /// memory that is not CUDA device memory (`KVSTAGE_E_GEOMETRY_INVALID`).
@@ -427,5 +444,115 @@ impl Drop for DeviceMemory {
             // SAFETY: our allocation; every copy above was synchronous.
             unsafe { sys::cuMemFree_v2(self.ptr) };
         }
+    }
+}
+
+/// A stream of a device, as an application would hand one to kvstage (tools and GPU tests).
+pub struct ToolStream {
+    dev: Arc<Device>,
+    raw: usize,
+}
+
+// SAFETY: CUDA streams may be used from any thread.
+unsafe impl Send for ToolStream {}
+unsafe impl Sync for ToolStream {}
+
+/// An event recorded on a [`ToolStream`].
+pub struct ToolEvent(Event);
+
+impl ToolEvent {
+    pub fn raw(&self) -> usize {
+        self.0.raw
+    }
+}
+
+impl ToolStream {
+    pub fn new(ordinal: i32) -> Result<ToolStream> {
+        let dev = Device::open(ordinal)?;
+        let raw = {
+            let _g = dev.enter()?;
+            driver::create_stream()?
+        };
+        Ok(ToolStream { dev, raw })
+    }
+
+    pub fn raw(&self) -> usize {
+        self.raw
+    }
+
+    /// Queues `bytes` bytes of value `byte` at device address `ptr`.
+    pub fn memset(&self, ptr: u64, byte: u8, bytes: usize) -> Result<()> {
+        let _g = self.dev.enter()?;
+        if !driver::has_symbol("cuMemsetD8Async") {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the CUDA driver lacks cuMemsetD8Async"));
+        }
+        // SAFETY: the caller names device memory of this device.
+        cu("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(ptr, byte, bytes, self.raw as sys::CUstream) })
+    }
+
+    /// Records a new event on the stream.
+    pub fn record(&self) -> Result<ToolEvent> {
+        let _g = self.dev.enter()?;
+        let ev = Event::new(self.dev.ctx())?;
+        // SAFETY: both live in this context.
+        cu("cuEventRecord", unsafe { sys::cuEventRecord(ev.raw as sys::CUevent, self.raw as sys::CUstream) })?;
+        Ok(ToolEvent(ev))
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        let _g = self.dev.enter()?;
+        // SAFETY: a live stream.
+        cu("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.raw as sys::CUstream) })
+    }
+}
+
+impl Drop for ToolStream {
+    fn drop(&mut self) {
+        if let Ok(_g) = self.dev.enter() {
+            // SAFETY: our stream; synchronize first so no queued work refers to freed memory.
+            unsafe {
+                sys::cuStreamSynchronize(self.raw as sys::CUstream);
+                sys::cuStreamDestroy_v2(self.raw as sys::CUstream);
+            }
+        }
+    }
+}
+
+/// [`selftest::TestMemory`] on a CUDA device: allocations live until this is dropped.
+pub struct CudaTestMemory {
+    ordinal: i32,
+    allocs: parking_lot::Mutex<Vec<DeviceMemory>>,
+}
+
+impl CudaTestMemory {
+    pub fn new(ordinal: i32) -> CudaTestMemory {
+        CudaTestMemory { ordinal, allocs: parking_lot::Mutex::new(Vec::new()) }
+    }
+
+    fn locate<R>(&self, at: u64, len: usize, f: impl FnOnce(&DeviceMemory, usize) -> Result<R>) -> Result<R> {
+        let list = self.allocs.lock();
+        let m = list
+            .iter()
+            .find(|m| at >= m.ptr && at + len as u64 <= m.ptr + m.bytes as u64)
+            .ok_or_else(|| Error::internal(format!("{at:#x} + {len} is not test device memory")))?;
+        f(m, (at - m.ptr) as usize)
+    }
+}
+
+impl selftest::TestMemory for CudaTestMemory {
+    fn alloc(&self, bytes: usize) -> Result<u64> {
+        let m = DeviceMemory::alloc(self.ordinal, bytes)?;
+        let p = m.ptr;
+        self.allocs.lock().push(m);
+        Ok(p)
+    }
+
+    fn write(&self, at: u64, data: &[u8]) -> Result<()> {
+        self.locate(at, data.len(), |m, off| m.write(off, data))
+    }
+
+    fn read(&self, at: u64, out: &mut [u8]) -> Result<()> {
+        let len = out.len();
+        self.locate(at, len, |m, off| m.read(off, out))
     }
 }

@@ -1,0 +1,229 @@
+// A fake libcuda.so.1 with one "GPU" whose memory is host memory and whose kernels are
+// src/copy/cuda/kernels.cu run by the CPU emulator (src/copy/cuda/emu_harness.cpp). It exports
+// exactly the driver entry points kvstage calls (plus what the GPU tests use), so the CUDA engine's
+// driver-side code — presence and symbol checks, contexts, module loading, pointer attributes,
+// launches with the real parameter block, fences, pinning — runs on a machine without a GPU.
+// Streams execute every operation at once (in order), so stream order holds trivially; what the
+// fake cannot show is real concurrency, the PTX JIT and device speed.
+//
+// Only for tests (ctests of label api run `kvstage-cuda check` and gpu_transfer against it).
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "emu_harness.cpp"
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUcontext;
+typedef void *CUmodule;
+typedef void *CUfunction;
+typedef void *CUstream;
+typedef void *CUevent;
+
+enum : int {
+    OK = 0,
+    E_INVALID_VALUE = 1,
+    E_OUT_OF_MEMORY = 2,
+    E_INVALID_CONTEXT = 201,
+    E_INVALID_IMAGE = 200,
+    E_INVALID_HANDLE = 400,
+    E_NOT_FOUND = 500,
+    E_HOST_MEMORY_ALREADY_REGISTERED = 712,
+    E_HOST_MEMORY_NOT_REGISTERED = 713,
+};
+
+namespace {
+struct Range {
+    uintptr_t ptr;
+    size_t bytes;
+};
+std::mutex g_mu;
+std::vector<Range> g_device, g_pinned;
+int g_ctx_token;
+thread_local std::vector<CUcontext> t_ctx;
+int g_stream_count;
+
+bool inside(const std::vector<Range> &list, uintptr_t p) {
+    for (const Range &r : list)
+        if (p >= r.ptr && p < r.ptr + r.bytes) return true;
+    return false;
+}
+}  // namespace
+
+#define API extern "C" __attribute__((visibility("default")))
+
+int kvstage_fake_libcuda = 1;  // marker for tests
+
+API CUresult cuInit(unsigned) { return OK; }
+API CUresult cuDriverGetVersion(int *v) { return v ? (*v = 12080, OK) : E_INVALID_VALUE; }
+API CUresult cuDeviceGetCount(int *n) { return n ? (*n = 1, OK) : E_INVALID_VALUE; }
+API CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+    if (d == nullptr || ordinal != 0) return 101;  // CUDA_ERROR_INVALID_DEVICE
+    *d = 0;
+    return OK;
+}
+API CUresult cuDeviceGetName(char *name, int len, CUdevice) {
+    if (name == nullptr || len <= 0) return E_INVALID_VALUE;
+    std::strncpy(name, "kvstage fake GPU (CPU emulator)", (size_t)len - 1);
+    name[len - 1] = 0;
+    return OK;
+}
+API CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice) {
+    if (v == nullptr) return E_INVALID_VALUE;
+    *v = attr == 75 ? 9 : 0;  // compute capability 9.0
+    return OK;
+}
+API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice) { return c ? (*c = &g_ctx_token, OK) : E_INVALID_VALUE; }
+API CUresult cuCtxPushCurrent_v2(CUcontext c) {
+    if (c != &g_ctx_token) return E_INVALID_CONTEXT;
+    t_ctx.push_back(c);
+    return OK;
+}
+API CUresult cuCtxPopCurrent_v2(CUcontext *c) {
+    if (t_ctx.empty()) return E_INVALID_CONTEXT;
+    if (c) *c = t_ctx.back();
+    t_ctx.pop_back();
+    return OK;
+}
+API CUresult cuCtxGetCurrent(CUcontext *c) { return c ? (*c = t_ctx.empty() ? nullptr : t_ctx.back(), OK) : E_INVALID_VALUE; }
+static CUresult need_ctx() { return t_ctx.empty() ? E_INVALID_CONTEXT : OK; }
+
+API CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned, int *, void **) {
+    if (m == nullptr || image == nullptr) return E_INVALID_VALUE;
+    if (need_ctx()) return E_INVALID_CONTEXT;
+    const char *ptx = static_cast<const char *>(image);
+    if (std::strstr(ptx, ".target sm_80") == nullptr || std::strstr(ptx, ".entry kvstage_gather_v16") == nullptr)
+        return E_INVALID_IMAGE;
+    *m = &g_ctx_token;
+    return OK;
+}
+API CUresult cuModuleGetFunction(CUfunction *f, CUmodule, const char *name) {
+    if (f == nullptr || name == nullptr) return E_INVALID_VALUE;
+    for (const auto &e : kEntries)
+        if (std::strcmp(e.name, name) == 0) {
+            *f = const_cast<char *>(e.name);
+            return OK;
+        }
+    return E_NOT_FOUND;
+}
+
+API CUresult cuStreamCreate(CUstream *s, unsigned) {
+    if (s == nullptr) return E_INVALID_VALUE;
+    if (need_ctx()) return E_INVALID_CONTEXT;
+    std::lock_guard<std::mutex> g(g_mu);
+    *s = reinterpret_cast<CUstream>((uintptr_t)0x1000 + 16 * (uintptr_t)++g_stream_count);
+    return OK;
+}
+API CUresult cuStreamDestroy_v2(CUstream) { return OK; }
+API CUresult cuStreamSynchronize(CUstream) { return OK; }
+API CUresult cuStreamWaitEvent(CUstream, CUevent e, unsigned) { return e ? OK : E_INVALID_HANDLE; }
+API CUresult cuStreamGetCtx(CUstream s, CUcontext *c) {
+    if (s == nullptr || c == nullptr) return E_INVALID_HANDLE;
+    *c = &g_ctx_token;
+    return OK;
+}
+API CUresult cuEventCreate(CUevent *e, unsigned) {
+    if (e == nullptr) return E_INVALID_VALUE;
+    if (need_ctx()) return E_INVALID_CONTEXT;
+    *e = std::malloc(1);
+    return OK;
+}
+API CUresult cuEventRecord(CUevent e, CUstream) { return e ? OK : E_INVALID_HANDLE; }
+API CUresult cuEventSynchronize(CUevent e) { return e ? OK : E_INVALID_HANDLE; }
+API CUresult cuEventDestroy_v2(CUevent e) {
+    std::free(e);
+    return OK;
+}
+
+API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) {
+    if (p == nullptr || bytes == 0) return E_INVALID_VALUE;
+    if (need_ctx()) return E_INVALID_CONTEXT;
+    void *m = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    if (m == nullptr) return E_OUT_OF_MEMORY;
+    std::memset(m, 0xCD, bytes);
+    std::lock_guard<std::mutex> g(g_mu);
+    g_device.push_back({(uintptr_t)m, bytes});
+    *p = (CUdeviceptr)(uintptr_t)m;
+    return OK;
+}
+API CUresult cuMemFree_v2(CUdeviceptr p) {
+    std::lock_guard<std::mutex> g(g_mu);
+    for (size_t i = 0; i < g_device.size(); ++i)
+        if (g_device[i].ptr == (uintptr_t)p) {
+            std::free((void *)(uintptr_t)p);
+            g_device.erase(g_device.begin() + (long)i);
+            return OK;
+        }
+    return E_INVALID_VALUE;
+}
+API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream) {
+    std::memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    return OK;
+}
+API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream) {
+    std::memcpy((void *)(uintptr_t)dst, src, n);
+    return OK;
+}
+API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) { return cuMemcpyHtoDAsync_v2(dst, src, n, nullptr); }
+API CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    std::memcpy(dst, (const void *)(uintptr_t)src, n);
+    return OK;
+}
+API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream) {
+    std::memset((void *)(uintptr_t)p, v, n);
+    return OK;
+}
+API CUresult cuMemHostRegister_v2(void *p, size_t bytes, unsigned) {
+    if (p == nullptr || bytes == 0) return E_INVALID_VALUE;
+    std::lock_guard<std::mutex> g(g_mu);
+    if (inside(g_pinned, (uintptr_t)p)) return E_HOST_MEMORY_ALREADY_REGISTERED;
+    g_pinned.push_back({(uintptr_t)p, bytes});
+    return OK;
+}
+API CUresult cuMemHostUnregister(void *p) {
+    std::lock_guard<std::mutex> g(g_mu);
+    for (size_t i = 0; i < g_pinned.size(); ++i)
+        if (g_pinned[i].ptr == (uintptr_t)p) {
+            g_pinned.erase(g_pinned.begin() + (long)i);
+            return OK;
+        }
+    return E_HOST_MEMORY_NOT_REGISTERED;
+}
+API CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    if (data == nullptr) return E_INVALID_VALUE;
+    std::lock_guard<std::mutex> g(g_mu);
+    const bool dev = inside(g_device, (uintptr_t)p), pinned = inside(g_pinned, (uintptr_t)p);
+    if (!dev && !pinned) return E_INVALID_VALUE;  // unknown to the driver (pageable)
+    if (attr == 2) {                              // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+        *static_cast<unsigned *>(data) = dev ? 2u : 1u;
+        return OK;
+    }
+    if (attr == 9) {  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        *static_cast<int *>(data) = 0;
+        return OK;
+    }
+    return E_INVALID_VALUE;
+}
+API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                            unsigned smem, CUstream, void **params, void **extra) {
+    if (f == nullptr || params == nullptr || extra != nullptr) return E_INVALID_VALUE;
+    if (gz != 1 || bx != THREADS || by != 1 || bz != 1 || smem != 0 || gx == 0 || gy == 0) return E_INVALID_VALUE;
+    if (need_ctx()) return E_INVALID_CONTEXT;
+    static std::mutex launch_mu;  // the emulator runs one launch at a time
+    std::lock_guard<std::mutex> g(launch_mu);
+    return kvemu_launch(static_cast<const char *>(f), gx, gy, params[0]) == 0 ? OK : E_INVALID_VALUE;
+}
+API CUresult cuGetErrorName(CUresult e, const char **s) {
+    if (s == nullptr) return E_INVALID_VALUE;
+    *s = e == 0 ? "CUDA_SUCCESS" : "CUDA_ERROR_FAKE";
+    return OK;
+}
+API CUresult cuGetErrorString(CUresult e, const char **s) {
+    if (s == nullptr) return E_INVALID_VALUE;
+    *s = e == 0 ? "no error" : "error reported by the fake driver";
+    return OK;
+}

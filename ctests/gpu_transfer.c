@@ -1,0 +1,190 @@
+/* Label gpu: a staged transfer between CUDA device pools over loopback TCP, in one process.
+ * Prefill TP 2 (two engines, 2 KV heads each) -> decode TP 1 (4 KV heads), 3 layers, bf16,
+ * 4-token pages, two chunks with pages out of order. The decode pool is read back from the device
+ * and compared byte for byte with a reference reshard of the prefill pools; pages outside the room
+ * must be untouched. The device memory is allocated through libcuda itself (dlopen), as an
+ * application would. Exit 77 without a CUDA device, unless KVSTAGE_REQUIRE_GPU=1. */
+#define _POSIX_C_SOURCE 200809L
+
+#include <dlfcn.h>
+#include <stdint.h>
+
+#include "kvstage_check.h"
+
+enum { LAYERS = 3, HEADS = 4, DIM = 64, DT = 2, PAGE = 4, CAPACITY = 16, NPAGES = 4, CHUNK = 8, ROOM = 42 };
+
+typedef int (*cu_init_fn)(unsigned);
+typedef int (*cu_count_fn)(int *);
+typedef int (*cu_retain_fn)(void **, int);
+typedef int (*cu_push_fn)(void *);
+typedef int (*cu_alloc_fn)(unsigned long long *, size_t);
+typedef int (*cu_free_fn)(unsigned long long);
+typedef int (*cu_htod_fn)(unsigned long long, const void *, size_t);
+typedef int (*cu_dtoh_fn)(void *, unsigned long long, size_t);
+
+static struct {
+    cu_init_fn init;
+    cu_count_fn count;
+    cu_retain_fn retain;
+    cu_push_fn push;
+    cu_alloc_fn alloc;
+    cu_free_fn free_;
+    cu_htod_fn htod;
+    cu_dtoh_fn dtoh;
+} cu;
+
+static int load(void *lib, const char *name, void *fn_slot, size_t size) {
+    void *sym = dlsym(lib, name);
+    if (sym == NULL) return 0;
+    memcpy(fn_slot, &sym, size); /* object pointer -> function pointer, the POSIX way */
+    return 1;
+}
+
+static int skip(const char *why) {
+    const char *require = getenv("KVSTAGE_REQUIRE_GPU");
+    if (require != NULL && strcmp(require, "1") == 0) {
+        fprintf(stderr, "KVSTAGE_REQUIRE_GPU=1 but %s\n", why);
+        return 1;
+    }
+    printf("%s: skipped\n", why);
+    return 77;
+}
+
+typedef struct pool {
+    uint32_t local_heads;
+    size_t slot, buffer; /* bytes of a token slot, of a buffer */
+    unsigned long long dev;
+    uint8_t *host; /* what the device holds (mirror) */
+    uint64_t k[LAYERS], v[LAYERS];
+    kvstage_kv_layout layout;
+} pool;
+
+static void pool_init(pool *p, uint32_t tp_rank, uint32_t tp_size, unsigned seed) {
+    size_t i;
+    p->local_heads = HEADS / tp_size;
+    p->slot = (size_t)p->local_heads * DIM * DT;
+    p->buffer = (size_t)CAPACITY * PAGE * p->slot;
+    p->host = (uint8_t *)malloc(2 * LAYERS * p->buffer);
+    REQUIRE(p->host != NULL);
+    for (i = 0; i < 2 * LAYERS * p->buffer; i++) p->host[i] = (uint8_t)((i * 2654435761u + seed) >> 7);
+    REQUIRE(cu.alloc(&p->dev, 2 * LAYERS * p->buffer) == 0);
+    REQUIRE(cu.htod(p->dev, p->host, 2 * LAYERS * p->buffer) == 0);
+    for (i = 0; i < LAYERS; i++) {
+        p->k[i] = p->dev + (2 * i) * p->buffer;
+        p->v[i] = p->dev + (2 * i + 1) * p->buffer;
+    }
+    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
+    p->layout.page_size = PAGE;
+    p->layout.local_heads = p->local_heads;
+    p->layout.global_heads = HEADS;
+    p->layout.head_dim = DIM;
+    p->layout.dtype_bytes = DT;
+    p->layout.tp_rank = tp_rank;
+    p->layout.tp_size = tp_size;
+    p->layout.num_layers = LAYERS;
+    p->layout.k_bases = p->k;
+    p->layout.v_bases = p->v;
+    p->layout.capacity_pages = CAPACITY;
+    p->layout.memory_kind = KVSTAGE_MEMORY_CUDA;
+    p->layout.cuda_device = 0;
+}
+
+static kvstage_engine *engine_with(pool *p) {
+    kvstage_engine *e = NULL;
+    REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
+    CHECK_OK(kvstage_engine_register_pool(e, &p->layout));
+    return e;
+}
+
+int main(void) {
+    static const uint32_t SRC_PAGES[NPAGES] = {7, 2, 3, 11};
+    static const uint32_t DST_PAGES[NPAGES] = {5, 14, 0, 1};
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    void *ctx = NULL;
+    int devices = 0;
+    pool src[2], dst;
+    kvstage_engine *prefill[2], *decode;
+    kvstage_session *session[2];
+    char addr[64];
+    uint32_t chunks = 0;
+    uint8_t *got;
+    int r, c;
+    size_t b, pg, t;
+
+    if (lib == NULL) return skip("no libcuda.so.1");
+    if (!load(lib, "cuInit", &cu.init, sizeof cu.init) || !load(lib, "cuDeviceGetCount", &cu.count, sizeof cu.count) ||
+        !load(lib, "cuDevicePrimaryCtxRetain", &cu.retain, sizeof cu.retain) ||
+        !load(lib, "cuCtxPushCurrent_v2", &cu.push, sizeof cu.push) ||
+        !load(lib, "cuMemAlloc_v2", &cu.alloc, sizeof cu.alloc) || !load(lib, "cuMemFree_v2", &cu.free_, sizeof cu.free_) ||
+        !load(lib, "cuMemcpyHtoD_v2", &cu.htod, sizeof cu.htod) || !load(lib, "cuMemcpyDtoH_v2", &cu.dtoh, sizeof cu.dtoh))
+        return skip("libcuda.so.1 lacks a driver entry point");
+    if (cu.init(0) != 0 || cu.count(&devices) != 0 || devices < 1) return skip("no CUDA device");
+    REQUIRE(cu.retain(&ctx, 0) == 0);
+    REQUIRE(cu.push(ctx) == 0);
+
+    for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1);
+    pool_init(&dst, 0, 1, 99);
+    for (r = 0; r < 2; r++) prefill[r] = engine_with(&src[r]);
+    decode = engine_with(&dst);
+    REQUIRE(*kv_failures() == 0);
+    CHECK_OK(kvstage_engine_register_staging(decode, NULL, 1 << 20));
+    CHECK_OK(kvstage_room_open(decode, ROOM, DST_PAGES, NPAGES, CHUNK, &chunks));
+    CHECK_INT(chunks, NPAGES * PAGE / CHUNK);
+    CHECK_OK(kvstage_engine_listen_address(decode, addr, sizeof addr));
+    for (r = 0; r < 2; r++) {
+        char id[32];
+        snprintf(id, sizeof id, "gpu-p%d", r);
+        CHECK_OK(kvstage_session_connect(prefill[r], addr, id, 5000, &session[r]));
+    }
+    REQUIRE(*kv_failures() == 0);
+    for (c = 0; c < (int)chunks; c++) {
+        for (r = 0; r < 2; r++) {
+            kvstage_transfer_desc d;
+            REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+            d.room = ROOM;
+            d.chunk_index = (uint32_t)c;
+            d.src_pages = SRC_PAGES + c * (CHUNK / PAGE);
+            d.num_pages = CHUNK / PAGE;
+            d.deadline_ms = 10000;
+            CHECK_OK(kvstage_transfer(session[r], &d));
+        }
+    }
+    CHECK_OK(kvstage_room_wait(decode, ROOM, 10000));
+
+    /* Reference reshard on the host mirrors: decode heads [2r, 2r+2) of page DST_PAGES[i] come from
+     * prefill rank r's page SRC_PAGES[i]; every other byte keeps its initial value. */
+    for (b = 0; b < 2 * LAYERS; b++)
+        for (pg = 0; pg < NPAGES; pg++)
+            for (t = 0; t < PAGE; t++)
+                for (r = 0; r < 2; r++) {
+                    const uint8_t *from = src[r].host + b * src[r].buffer + ((size_t)SRC_PAGES[pg] * PAGE + t) * src[r].slot;
+                    uint8_t *to = dst.host + b * dst.buffer + ((size_t)DST_PAGES[pg] * PAGE + t) * dst.slot + (size_t)r * src[r].slot;
+                    memcpy(to, from, src[r].slot);
+                }
+    got = (uint8_t *)malloc(2 * LAYERS * dst.buffer);
+    REQUIRE(got != NULL);
+    REQUIRE(cu.dtoh(got, dst.dev, 2 * LAYERS * dst.buffer) == 0);
+    for (b = 0; b < 2 * LAYERS * dst.buffer; b++)
+        if (got[b] != dst.host[b]) {
+            KV_FAIL_AT(__FILE__, __LINE__, "decode pool byte %lu (buffer %lu, token slot %lu) = %u, expected %u",
+                       (unsigned long)b, (unsigned long)(b / dst.buffer), (unsigned long)(b % dst.buffer / dst.slot),
+                       got[b], dst.host[b]);
+            break;
+        }
+    printf("decode pool verified: %lu bytes\n", (unsigned long)(2 * LAYERS * dst.buffer));
+
+    CHECK_OK(kvstage_room_release(decode, ROOM));
+    for (r = 0; r < 2; r++) {
+        kvstage_session_free(session[r]);
+        kvstage_engine_free(prefill[r]);
+    }
+    kvstage_engine_free(decode);
+    for (r = 0; r < 2; r++) {
+        cu.free_(src[r].dev);
+        free(src[r].host);
+    }
+    cu.free_(dst.dev);
+    free(dst.host);
+    free(got);
+    return kv_finish("gpu_transfer");
+}
