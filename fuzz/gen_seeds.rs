@@ -39,6 +39,7 @@ fn hellos() -> Vec<(String, Hello)> {
                 watermark: Watermark::default(),
                 status: 0,
                 reason: String::new(),
+                token: if i % 2 == 0 { Vec::new() } else { b"cluster-secret".to_vec() },
             },
         ));
     }
@@ -56,6 +57,7 @@ fn hellos() -> Vec<(String, Hello)> {
                 watermark: Watermark { round: 3, offset: 4096 },
                 status: if i % 2 == 0 { 0 } else { -10 },
                 reason: if i % 2 == 0 { String::new() } else { "geometry mismatch (1 field): head_dim".into() },
+                token: Vec::new(),
             },
         ));
     }
@@ -69,7 +71,8 @@ fn messages() -> Vec<(String, Message)> {
         ("alloc-rsp-ok".into(), Message::AllocRsp { req: 7, status: 0, round: 1, offset: 8192, len: 4096, reason: String::new() }),
         ("alloc-rsp-refused".into(), Message::AllocRsp { req: 8, status: -13, round: 0, offset: 0, len: 0, reason: "chunk larger than the ring".into() }),
         ("data".into(), Message::Data { room: 9, chunk: 2, writer: 1, offset: 2048, len: 16 }),
-        ("chunk-ready".into(), Message::ChunkReady { req: 10, room: 9, chunk: 2, writer: 1 }),
+        ("chunk-ready".into(), Message::ChunkReady { req: 10, room: 9, chunk: 2, writer: 1, checksum: Some(0x0123_4567_89ab_cdef) }),
+        ("chunk-ready-unchecked".into(), Message::ChunkReady { req: 13, room: 9, chunk: 3, writer: 0, checksum: None }),
         ("arrived".into(), Message::Arrived { req: 10, status: 0, reason: String::new() }),
         ("arrived-rejected".into(), Message::Arrived { req: 11, status: -40, reason: "ready for chunk 2 after 0 of 4096 bytes".into() }),
         ("watermark".into(), Message::Watermark(Watermark { round: 5, offset: 6 })),

@@ -13,20 +13,11 @@
 #define KVSTAGE_VERSION ((KVSTAGE_VERSION_MAJOR << 16) | (KVSTAGE_VERSION_MINOR << 8) | KVSTAGE_VERSION_PATCH)
 
 
-#define DEFAULT_CHUNK_TOKENS 8192
-
-#define DEFAULT_SEND_STAGING_BYTES (1 << 30)
-
 // Deadline value meaning "wait forever" (must be asked for explicitly).
 #define KVSTAGE_DEADLINE_INFINITE UINT64_MAX
 
 // Default chunk size in tokens of the chunk grid.
 #define KVSTAGE_DEFAULT_CHUNK_TOKENS 8192
-
-#define PROTOCOL_VERSION 1
-
-// Largest control body accepted; anything larger is a protocol error, not an allocation.
-#define MAX_BODY (1 << 20)
 
 // Status codes returned by every `kvstage_*` function that can fail.
 //
@@ -117,6 +108,14 @@ typedef enum kvstage_memory_kind {
     KVSTAGE_MEMORY_CUDA = 1,
 } kvstage_memory_kind;
 
+// Per-chunk integrity checking (xxh3-64 of each writer's staged bytes).
+typedef enum kvstage_integrity {
+    KVSTAGE_INTEGRITY_OFF = 0,
+    // One chunk in 16 (chosen by room and chunk index): the default.
+    KVSTAGE_INTEGRITY_SAMPLED = 1,
+    KVSTAGE_INTEGRITY_ALWAYS = 2,
+} kvstage_integrity;
+
 // An engine: listener, peers, registrations and worker threads. Thread-safe.
 typedef struct kvstage_engine kvstage_engine;
 
@@ -171,6 +170,11 @@ typedef struct kvstage_engine_options {
     uint32_t chunk_tokens;
     // Largest send staging buffer in bytes; a chunk whose share is larger falls back.
     uint64_t send_staging_bytes;
+    // Shared secret both sides of a session must present (compared in constant time);
+    // NULL or "" = no authentication.
+    const char *cluster_token;
+    // A `kvstage_integrity` value: when chunks carry a checksum verified before the scatter.
+    int32_t integrity;
 } kvstage_engine_options;
 
 // One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.

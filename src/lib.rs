@@ -1,19 +1,24 @@
 //! kvstage: staged KV-cache transfer for prefill/decode disaggregated LLM serving.
 //!
 //! Rooms (see the design notes): `error` → `geometry` → `copy` → `ring`/`protocol`/`transport` →
-//! `session` → `engine`, and `ffi`, the only `extern "C"` code.
+//! `session` → `engine`, and `ffi`, the only `extern "C"` code. Every module but `error` and `ffi`
+//! is hidden from cbindgen (`cbindgen:ignore`): their C view lives in `ffi`.
 
-// No C items (their C view lives in `ffi`); keep cbindgen out:
 /// cbindgen:ignore
 pub mod copy;
+/// cbindgen:ignore
+pub mod deadline;
+/// cbindgen:ignore
 pub mod dynlib;
+/// cbindgen:ignore
 pub mod engine;
 pub mod error;
 pub mod ffi;
-// No C items (their C view lives in `ffi`); keep cbindgen out:
 /// cbindgen:ignore
 pub mod geometry;
+/// cbindgen:ignore
 pub mod protocol;
+/// cbindgen:ignore
 pub mod ring;
 /// cbindgen:ignore
 pub mod session;

@@ -31,6 +31,8 @@ pub struct Hello {
     /// Receiver only: status of the handshake (0 = accepted) and why not.
     pub status: i32,
     pub reason: String,
+    /// The cluster token this side presents (empty: none).
+    pub token: Vec<u8>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -42,7 +44,8 @@ pub enum Message {
     /// Header of a bulk write: `len` payload bytes follow, to land at `offset` within the allocation.
     Data { room: u64, chunk: u32, writer: u32, offset: u64, len: u64 },
     /// Completion of one writer's data for a chunk; sent after its `Data` frames in the same stream.
-    ChunkReady { req: u64, room: u64, chunk: u32, writer: u32 },
+    /// `checksum`: xxh3-64 of the writer's region, when integrity checking covers this chunk.
+    ChunkReady { req: u64, room: u64, chunk: u32, writer: u32, checksum: Option<u64> },
     /// Receiver's acknowledgement that a writer's data arrived (status 0) or was rejected.
     Arrived { req: u64, status: i32, reason: String },
     Watermark(Watermark),
@@ -207,6 +210,7 @@ impl Message {
                 e.u16(h.protocol_version).u32(h.library_version).str(&h.session).bytes(&h.fingerprint);
                 encode_shape(&mut e, &h.shape);
                 e.u64(h.ring_bytes).u64(h.watermark.round).u64(h.watermark.offset).i32(h.status).str(&h.reason);
+                e.bytes(&h.token);
             }
             Message::AllocReq { req, room, chunk, writer, tokens, bytes } => {
                 e.u8(T_ALLOC_REQ).u64(*req).u64(*room).u32(*chunk).u32(*writer).u32(*tokens).u64(*bytes);
@@ -217,8 +221,12 @@ impl Message {
             Message::Data { room, chunk, writer, offset, len } => {
                 e.u8(T_DATA).u64(*room).u32(*chunk).u32(*writer).u64(*offset).u64(*len);
             }
-            Message::ChunkReady { req, room, chunk, writer } => {
+            Message::ChunkReady { req, room, chunk, writer, checksum } => {
                 e.u8(T_CHUNK_READY).u64(*req).u64(*room).u32(*chunk).u32(*writer);
+                match checksum {
+                    Some(c) => e.u8(1).u64(*c),
+                    None => e.u8(0),
+                };
             }
             Message::Arrived { req, status, reason } => {
                 e.u8(T_ARRIVED).u64(*req).i32(*status).str(reason);
@@ -267,6 +275,7 @@ impl Message {
                     watermark: Watermark { round: d.u64("watermark.round")?, offset: d.u64("watermark.offset")? },
                     status: d.i32("status")?,
                     reason: d.str("reason")?,
+                    token: d.bytes("token")?,
                 })
             }
             T_ALLOC_REQ => Message::AllocReq {
@@ -297,6 +306,11 @@ impl Message {
                 room: d.u64("room")?,
                 chunk: d.u32("chunk")?,
                 writer: d.u32("writer")?,
+                checksum: match d.u8("checksum flag")? {
+                    0 => None,
+                    1 => Some(d.u64("checksum")?),
+                    f => return Err(malformed(format!("checksum flag {f} is neither 0 nor 1"))),
+                },
             },
             T_ARRIVED => Message::Arrived { req: d.u64("req")?, status: d.i32("status")?, reason: d.str("reason")? },
             T_WATERMARK => Message::Watermark(Watermark { round: d.u64("round")?, offset: d.u64("offset")? }),
@@ -386,11 +400,13 @@ mod tests {
                 watermark: Watermark { round: 3, offset: 99 },
                 status: 0,
                 reason: String::new(),
+                token: b"secret".to_vec(),
             }),
             Message::AllocReq { req: 7, room: 9, chunk: 2, writer: 1, tokens: 64, bytes: 4096 },
             Message::AllocRsp { req: 7, status: -13, round: 1, offset: 2, len: 3, reason: "too big".into() },
             Message::Data { room: 1, chunk: 2, writer: 3, offset: 4, len: 5 },
-            Message::ChunkReady { req: 1, room: 2, chunk: 3, writer: 4 },
+            Message::ChunkReady { req: 1, room: 2, chunk: 3, writer: 4, checksum: Some(0xfeed) },
+            Message::ChunkReady { req: 1, room: 2, chunk: 3, writer: 4, checksum: None },
             Message::Arrived { req: 1, status: 0, reason: String::new() },
             Message::Watermark(Watermark { round: 5, offset: 6 }),
             Message::Abort { room: 1, chunk: u32::MAX, reason: "canceled".into() },
@@ -440,7 +456,7 @@ mod tests {
 
         /// Mutating one byte of a valid frame gives the same message, another message or an error.
         #[test]
-        fn decoder_survives_mutations(which in 0usize..10, pos in any::<usize>(), val in any::<u8>()) {
+        fn decoder_survives_mutations(which in 0usize..11, pos in any::<usize>(), val in any::<u8>()) {
             let mut bytes = samples()[which].encode();
             let p = 4 + pos % (bytes.len() - 4);
             bytes[p] = val;

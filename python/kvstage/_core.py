@@ -481,6 +481,8 @@ class Engine(_Handle):
         default_deadline_ms: Optional[int] = None,
         chunk_tokens: Optional[int] = None,
         send_staging_bytes: Optional[int] = None,
+        cluster_token: Optional[str] = None,
+        integrity: Optional[int] = None,
         library: Optional[Library] = None,
     ):
         lib = library or get_library()
@@ -498,6 +500,10 @@ class Engine(_Handle):
             opts.chunk_tokens = _u32(chunk_tokens, "chunk_tokens")
         if send_staging_bytes is not None:
             opts.send_staging_bytes = _u64(send_staging_bytes, "send_staging_bytes")
+        token = None if cluster_token is None else cluster_token.encode("utf-8")
+        opts.cluster_token = token
+        if integrity is not None:
+            opts.integrity = int(integrity)
         out = c_void_p()
         _check(lib, lib.kvstage_engine_new(byref(opts), byref(out)), "kvstage_engine_new")
         super().__init__(lib, out.value)

@@ -168,6 +168,8 @@ class kvstage_engine_options(Structure):
         ("default_deadline_ms", c_uint64),
         ("chunk_tokens", c_uint32),
         ("send_staging_bytes", c_uint64),
+        ("cluster_token", c_char_p),
+        ("integrity", c_int32),
     ]
 
 

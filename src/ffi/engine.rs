@@ -3,7 +3,7 @@
 use std::ffi::c_char;
 
 use super::{ffi_fn, out_arg, str_arg, versioned_struct, Handle};
-use crate::engine::{Engine, EngineOptions, TransportKind};
+use crate::engine::{Engine, EngineOptions, Integrity, TransportKind};
 use crate::error::{Error, Result, Status};
 
 /// An engine: listener, peers, registrations and worker threads. Thread-safe.
@@ -45,6 +45,21 @@ pub struct kvstage_engine_options {
     pub chunk_tokens: u32,
     /// Largest send staging buffer in bytes; a chunk whose share is larger falls back.
     pub send_staging_bytes: u64,
+    /// Shared secret both sides of a session must present (compared in constant time);
+    /// NULL or "" = no authentication.
+    pub cluster_token: *const c_char,
+    /// A `kvstage_integrity` value: when chunks carry a checksum verified before the scatter.
+    pub integrity: i32,
+}
+
+/// Per-chunk integrity checking (xxh3-64 of each writer's staged bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvstage_integrity {
+    KVSTAGE_INTEGRITY_OFF = 0,
+    /// One chunk in 16 (chosen by room and chunk index): the default.
+    KVSTAGE_INTEGRITY_SAMPLED = 1,
+    KVSTAGE_INTEGRITY_ALWAYS = 2,
 }
 
 impl Default for kvstage_engine_options {
@@ -62,6 +77,8 @@ impl Default for kvstage_engine_options {
             default_deadline_ms: d.default_deadline_ms(),
             chunk_tokens: d.chunk_tokens,
             send_staging_bytes: d.send_staging_bytes,
+            cluster_token: std::ptr::null(),
+            integrity: kvstage_integrity::KVSTAGE_INTEGRITY_SAMPLED as i32,
         }
     }
 }
@@ -88,6 +105,16 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
         opts.listen_address = unsafe { str_arg(raw.listen_address, "options->listen_address") }?.to_owned();
     }
     opts.set_default_deadline_ms(raw.default_deadline_ms);
+    if !raw.cluster_token.is_null() {
+        let token = unsafe { str_arg(raw.cluster_token, "options->cluster_token") }?;
+        opts.cluster_token = (!token.is_empty()).then(|| token.to_owned());
+    }
+    opts.integrity = match raw.integrity {
+        0 => Integrity::Off,
+        1 => Integrity::Sampled,
+        2 => Integrity::Always,
+        other => return Err(Error::invalid_arg("options->integrity", format!("{other} is not a kvstage_integrity value"))),
+    };
     Ok(opts)
 }
 

@@ -5,41 +5,9 @@ pub mod op;
 pub mod receiver;
 pub mod sender;
 
-use std::time::{Duration, Instant};
-
-use parking_lot::{Condvar, MutexGuard};
-
+pub use crate::deadline::Deadline;
 use crate::error::{Error, Status};
 use crate::geometry::{self, PoolShape};
-
-/// When an operation must have ended; `None` = never (only when asked for explicitly).
-#[derive(Clone, Copy, Debug)]
-pub struct Deadline(Option<Instant>);
-
-impl Deadline {
-    pub fn after(timeout: Option<Duration>) -> Deadline {
-        Deadline(timeout.map(|t| Instant::now() + t))
-    }
-
-    pub fn expired(&self) -> bool {
-        self.0.is_some_and(|d| Instant::now() >= d)
-    }
-
-    /// Waits on `cv` until notified or the deadline; returns false when the deadline passed.
-    pub fn wait<T>(&self, cv: &Condvar, guard: &mut MutexGuard<'_, T>) -> bool {
-        match self.0 {
-            Some(d) => !cv.wait_until(guard, d).timed_out() || Instant::now() < d,
-            None => {
-                cv.wait(guard);
-                true
-            }
-        }
-    }
-
-    pub fn timeout_error(&self, what: &str) -> Error {
-        Error::new(Status::KVSTAGE_E_TIMEOUT, format!("deadline passed while {what}"))
-    }
-}
 
 /// The writer index of prefill rank `src` in decode rank `dst`'s allocations; an error when that
 /// prefill rank does not feed that decode rank at all.
@@ -54,4 +22,13 @@ pub fn writer_of(src: &PoolShape, dst: &PoolShape) -> crate::Result<u32> {
             ),
         )
     })
+}
+
+/// Compares cluster tokens in time independent of where they differ.
+pub fn tokens_match(expected: &[u8], presented: &[u8]) -> bool {
+    let mut diff = (expected.len() != presented.len()) as u8;
+    for (i, &e) in expected.iter().enumerate() {
+        diff |= e ^ presented.get(i).copied().unwrap_or(!e);
+    }
+    diff == 0
 }

@@ -19,6 +19,9 @@ use crate::error::{Error, Result, Status};
 use crate::geometry::{self, Fingerprint, HeadSlice, KvLayout, PoolShape, StagingLayout};
 use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
 use crate::ring::{Grant, Ring, Watermark};
+use crate::deadline::Deadline as WriteDeadline;
+use crate::engine::EngineOptions;
+use crate::transport::faults::FaultyTransport;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::Transport;
 
@@ -87,7 +90,8 @@ struct Room {
     pages: Vec<u32>,
     grid_pages: usize,
     chunks: Vec<Chunk>,
-    failure: Option<(Status, String)>,
+    /// Why the room failed: code, message, and the session involved (empty when none).
+    failure: Option<(Status, String, String)>,
     released: bool,
 }
 
@@ -106,7 +110,7 @@ struct State {
     ring: Option<Ring>,
     rooms: HashMap<u64, Room>,
     events: VecDeque<ChunkEvent>,
-    peers: HashMap<u64, Arc<TcpTransport>>,
+    peers: HashMap<u64, Arc<dyn Transport>>,
     next_peer: u64,
     /// Recently released rooms: late frames for them are drained, not treated as attacks.
     released: VecDeque<u64>,
@@ -128,7 +132,17 @@ pub struct Receiver {
     pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
     copy: Arc<dyn CopyEngine>,
     scatter_tx: Mutex<Option<Sender<ScatterJob>>>,
-    default_chunk_tokens: u32,
+    options: Arc<EngineOptions>,
+    /// Set when the engine shuts down (ends stalled test readers).
+    closing: std::sync::atomic::AtomicBool,
+}
+
+/// Bound on a reply or broadcast to one sender: the sender's reader drains them at once, so a
+/// full socket means a stuck peer, which is then cut off.
+const REPLY_DEADLINE: Duration = Duration::from_secs(2);
+
+fn reply_deadline() -> WriteDeadline {
+    WriteDeadline::after(Some(REPLY_DEADLINE))
 }
 
 fn reject(code: Status, reason: impl Into<String>) -> Error {
@@ -136,7 +150,7 @@ fn reject(code: Status, reason: impl Into<String>) -> Error {
 }
 
 impl Receiver {
-    pub fn new(pool: Arc<Mutex<Option<Arc<KvLayout>>>>, copy: Arc<dyn CopyEngine>, default_chunk_tokens: u32) -> Receiver {
+    pub fn new(pool: Arc<Mutex<Option<Arc<KvLayout>>>>, copy: Arc<dyn CopyEngine>, options: Arc<EngineOptions>) -> Receiver {
         Receiver {
             state: Mutex::new(State {
                 ring: None,
@@ -151,7 +165,8 @@ impl Receiver {
             pool,
             copy,
             scatter_tx: Mutex::new(None),
-            default_chunk_tokens,
+            options,
+            closing: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -187,7 +202,7 @@ impl Receiver {
         if pages.is_empty() {
             return Err(Error::invalid_arg("num_pages", "0 (a room needs at least one page)"));
         }
-        let chunk_tokens = if chunk_tokens == 0 { self.default_chunk_tokens } else { chunk_tokens };
+        let chunk_tokens = if chunk_tokens == 0 { self.options.chunk_tokens } else { chunk_tokens };
         let grid_pages = (geometry::grid_tokens(chunk_tokens, pool.shape.page_size) / pool.shape.page_size) as usize;
         let num_chunks = pages.len().div_ceil(grid_pages);
         let mut st = self.state.lock();
@@ -207,8 +222,8 @@ impl Receiver {
         let mut st = self.state.lock();
         loop {
             let r = st.rooms.get(&room).ok_or_else(|| Error::invalid_arg("room", format!("{room} is not open")))?;
-            if let Some((code, msg)) = &r.failure {
-                return Err(Error::new(*code, format!("room {room} failed: {msg}")));
+            if let Some((code, msg, session)) = &r.failure {
+                return Err(Error::new(*code, format!("room {room} failed: {msg}")).with_session(session));
             }
             if r.complete() {
                 return Ok(Status::KVSTAGE_OK);
@@ -242,12 +257,12 @@ impl Receiver {
 
     /// Marks a room failed (it stays visible until released), frees its ring space and reports
     /// every unfinished chunk as failed.
-    fn fail_room(&self, st: &mut State, room: u64, code: Status, why: String) {
+    fn fail_room(&self, st: &mut State, room: u64, code: Status, why: String, session: &str) {
         let Some(r) = st.rooms.get_mut(&room) else { return };
         if r.failure.is_some() || r.released || r.complete() {
             return;
         }
-        r.failure = Some((code, why));
+        r.failure = Some((code, why, session.to_owned()));
         let (freed, _) = take_grants(r);
         for (i, c) in r.chunks.iter().enumerate() {
             if c.phase == ChunkPhase::Waiting {
@@ -291,7 +306,10 @@ impl Receiver {
         crate::transport::tcp::tune(&stream)?;
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
         let mut reader = stream.try_clone()?;
-        let link = Arc::new(TcpTransport::new(stream)?);
+        let mut link: Arc<dyn Transport> = Arc::new(TcpTransport::new(stream)?);
+        if let Some(faults) = &self.options.faults {
+            link = Arc::new(FaultyTransport::new(link, faults.clone(), 2));
+        }
         let Some(Message::Hello(hello)) = protocol::read_frame(&mut reader)? else {
             return Err(reject(Status::KVSTAGE_E_PROTOCOL, "first frame is not a hello"));
         };
@@ -302,17 +320,21 @@ impl Receiver {
             Ok(()) => "peer closed the connection".to_owned(),
             Err(e) => e.chain(),
         };
-        self.peer_gone(peer_id, &reason);
+        self.peer_gone(peer_id, &reason, &hello.session);
         link.shutdown();
         result
     }
 
     /// Validates the hello and answers with ours; registers the peer for watermark broadcasts.
-    fn accept(&self, hello: &Hello, link: &Arc<TcpTransport>) -> Result<(u64, PoolShape)> {
+    fn accept(&self, hello: &Hello, link: &Arc<dyn Transport>) -> Result<(u64, PoolShape)> {
         let pool = self.pool();
+        let token = self.options.cluster_token.clone().unwrap_or_default().into_bytes();
         let mut st = self.state.lock();
         let (ring_bytes, watermark) = st.ring.as_ref().map_or((0, Watermark::default()), |r| (r.capacity(), r.watermark()));
         let (status, reason, shape) = match &pool {
+            _ if !super::tokens_match(&token, &hello.token) => {
+                (Status::KVSTAGE_E_AUTH, "the sender did not present this cluster's token".to_owned(), None)
+            }
             Err(e) => (e.code(), e.message().to_owned(), None),
             Ok(pool) => match verify_peer(&pool.shape, hello) {
                 Ok(()) => (Status::KVSTAGE_OK, String::new(), Some(pool.shape.clone())),
@@ -330,6 +352,7 @@ impl Receiver {
             watermark,
             status: status.code(),
             reason: reason.clone(),
+            token: if status == Status::KVSTAGE_E_AUTH { Vec::new() } else { token },
         };
         // The peer is registered before the answer so no watermark change can fall in between.
         let peer_id = st.next_peer;
@@ -337,8 +360,9 @@ impl Receiver {
             st.next_peer += 1;
             st.peers.insert(peer_id, link.clone());
         }
-        link.send(&Message::Hello(answer))?;
+        let sent = link.send(&Message::Hello(answer), &reply_deadline());
         drop(st);
+        sent?;
         if status != Status::KVSTAGE_OK {
             return Err(reject(status, reason));
         }
@@ -350,22 +374,28 @@ impl Receiver {
         peer: u64,
         src: &PoolShape,
         reader: &mut TcpStream,
-        link: &Arc<TcpTransport>,
+        link: &Arc<dyn Transport>,
         session: &str,
     ) -> Result<()> {
+        let stop_after = self.options.faults.as_ref().and_then(|f| f.plan.stop_reading_after);
+        let mut frames = 0u64;
         let dst = self.pool()?;
         let layout = geometry::staging_layout(src, &dst.shape, dst.shape.page_size)?;
         let writer = writer_of(src, &dst.shape)?;
         let writers = layout.writer_count();
         let slice = layout.writers[writer as usize].heads;
         while let Some(msg) = protocol::read_frame(reader)? {
+            frames += 1;
+            if stop_after.is_some_and(|n| frames > n) {
+                return self.stall(link);
+            }
             match msg {
                 Message::AllocReq { req, room, chunk, writer: w, tokens, bytes } => {
                     let rsp = match self.allocate(room, chunk, w, writer, writers, tokens, bytes, src, &dst.shape, peer) {
                         Ok(g) => Message::AllocRsp { req, status: 0, round: g.round, offset: g.offset, len: g.len, reason: String::new() },
                         Err(e) => Message::AllocRsp { req, status: e.code().code(), round: 0, offset: 0, len: 0, reason: e.chain() },
                     };
-                    link.send(&rsp)?;
+                    link.send(&rsp, &reply_deadline())?;
                 }
                 Message::Data { room, chunk, writer: w, offset, len } => {
                     match self.data_target(room, chunk, w, writer, offset, len) {
@@ -379,12 +409,12 @@ impl Receiver {
                         Err(e) => drain_or_fail(reader, e, len)?,
                     }
                 }
-                Message::ChunkReady { req, room, chunk, writer: w } => {
-                    let (status, last) = match self.arrive(room, chunk, w, writer) {
+                Message::ChunkReady { req, room, chunk, writer: w, checksum } => {
+                    let (status, last) = match self.arrive(room, chunk, w, writer, checksum, session) {
                         Ok(last) => (Message::Arrived { req, status: 0, reason: String::new() }, last),
                         Err(e) => (Message::Arrived { req, status: e.code().code(), reason: e.chain() }, false),
                     };
-                    link.send(&status)?;
+                    link.send(&status, &reply_deadline())?;
                     if last {
                         self.dispatch_scatter(room, chunk)?;
                     }
@@ -405,7 +435,7 @@ impl Receiver {
                         Ok(last) => (Message::Arrived { req, status: 0, reason: String::new() }, last),
                         Err(e) => (Message::Arrived { req, status: e.code().code(), reason: e.chain() }, false),
                     };
-                    link.send(&status)?;
+                    link.send(&status, &reply_deadline())?;
                     if last {
                         self.finish_slices(room, chunk);
                     }
@@ -413,7 +443,7 @@ impl Receiver {
                 Message::Abort { room, chunk, reason } => {
                     let mut st = self.state.lock();
                     let why = format!("sender aborted chunk {chunk} (session {session}): {reason}");
-                    self.fail_room(&mut st, room, Status::KVSTAGE_E_CANCELED, why);
+                    self.fail_room(&mut st, room, Status::KVSTAGE_E_CANCELED, why, session);
                 }
                 other => {
                     return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("unexpected frame from sender: {other:?}")));
@@ -542,29 +572,67 @@ impl Receiver {
     }
 
     /// Marks a writer's data complete; `true` when it was the chunk's last writer.
-    fn arrive(&self, room: u64, chunk: u32, claimed: u32, writer: u32) -> Result<bool> {
+    fn arrive(&self, room: u64, chunk: u32, claimed: u32, writer: u32, checksum: Option<u64>, session: &str) -> Result<bool> {
         if claimed != writer {
             return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("ready for writer {claimed} from writer {writer}")));
         }
+        let region = {
+            let mut st = self.state.lock();
+            let r = live_room(&mut st, room)?;
+            let c = r.chunks.get_mut(chunk as usize).ok_or_else(|| reject(Status::KVSTAGE_E_PROTOCOL, "ready past the room"))?;
+            let (grant, layout) = (c.grant, c.layout.as_ref());
+            let w = c.writers.get(writer as usize).and_then(|w| w.as_ref());
+            let (Some(grant), Some(layout), Some(w)) = (grant, layout, w) else {
+                return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("ready for chunk {chunk} without an allocation")));
+            };
+            let region = &layout.writers[writer as usize];
+            if w.received != region.bytes || w.arrived {
+                return Err(reject(
+                    Status::KVSTAGE_E_PROTOCOL,
+                    format!("ready for chunk {chunk} after {} of {} bytes", w.received, region.bytes),
+                ));
+            }
+            (grant.offset + region.offset, region.bytes)
+        };
+        if let Some(sent) = checksum {
+            // Outside the lock: only this connection writes the region, and it is done.
+            let mem = self.memory.lock().clone().ok_or_else(|| Error::internal("arrival without ring memory"))?;
+            // SAFETY: the region lies inside the ring (checked when the data was accepted).
+            let bytes = unsafe { std::slice::from_raw_parts(mem.ptr.add(region.0 as usize), region.1 as usize) };
+            let got = super::sender::checksum(bytes);
+            if got != sent {
+                let why = format!(
+                    "integrity check failed for room {room} chunk {chunk} writer {writer}: sender checksum {sent:#018x} != received {got:#018x}"
+                );
+                let mut st = self.state.lock();
+                self.fail_room(&mut st, room, Status::KVSTAGE_E_INTEGRITY, why.clone(), session);
+                return Err(Error::new(Status::KVSTAGE_E_INTEGRITY, why).with_session(session));
+            }
+        }
         let mut st = self.state.lock();
         let r = live_room(&mut st, room)?;
-        let c = r.chunks.get_mut(chunk as usize).ok_or_else(|| reject(Status::KVSTAGE_E_PROTOCOL, "ready past the room"))?;
-        let expected = c.layout.as_ref().map(|l| l.writers[writer as usize].bytes);
-        let w = c.writers.get_mut(writer as usize).and_then(|w| w.as_mut()).ok_or_else(|| {
-            reject(Status::KVSTAGE_E_PROTOCOL, format!("ready for chunk {chunk} without an allocation"))
-        })?;
-        if Some(w.received) != expected || w.arrived {
-            return Err(reject(
-                Status::KVSTAGE_E_PROTOCOL,
-                format!("ready for chunk {chunk} after {} of {} bytes", w.received, expected.unwrap_or(0)),
-            ));
+        let c = &mut r.chunks[chunk as usize];
+        if let Some(w) = c.writers[writer as usize].as_mut() {
+            w.arrived = true;
         }
-        w.arrived = true;
         if c.writers.iter().all(|w| w.as_ref().is_some_and(|w| w.arrived)) {
             c.phase = ChunkPhase::Scattering;
             return Ok(true);
         }
         Ok(false)
+    }
+
+    /// Test fault "a peer that stops reading": the connection stays open, unread, until the
+    /// engine shuts it down.
+    fn stall(&self, link: &Arc<dyn Transport>) -> Result<()> {
+        if let Some(f) = &self.options.faults {
+            f.counters.stalled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        while !self.closing.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        link.shutdown();
+        Err(reject(Status::KVSTAGE_E_CANCELED, "fault injection: stopped reading"))
     }
 
     /// Queues the scatter of a chunk whose writers all arrived (after their acks went out, so a
@@ -604,7 +672,7 @@ impl Receiver {
             c.phase = ChunkPhase::Done;
             freed.extend(c.grant.take().map(|g| g.id));
             if let Err(e) = &result {
-                r.failure.get_or_insert((e.code(), e.chain()));
+                r.failure.get_or_insert((e.code(), e.chain(), e.session().unwrap_or("").to_owned()));
             }
             if r.released {
                 st.rooms.remove(&job.room);
@@ -695,7 +763,7 @@ impl Receiver {
 
     /// A sender vanished: every chunk it was writing can never complete, so its rooms fail and
     /// give back their ring space at once.
-    fn peer_gone(&self, peer: u64, reason: &str) {
+    fn peer_gone(&self, peer: u64, reason: &str, session: &str) {
         let mut st = self.state.lock();
         st.peers.remove(&peer);
         // A room it took part in but has not delivered every chunk of can never complete.
@@ -709,11 +777,12 @@ impl Receiver {
             .collect();
         for room in affected {
             let why = format!("a sender disconnected before delivering every chunk: {reason}");
-            self.fail_room(&mut st, room, Status::KVSTAGE_E_PEER_GONE, why);
+            self.fail_room(&mut st, room, Status::KVSTAGE_E_PEER_GONE, why, session);
         }
     }
 
     pub fn shutdown(&self) {
+        self.closing.store(true, std::sync::atomic::Ordering::SeqCst);
         let st = self.state.lock();
         for p in st.peers.values() {
             p.shutdown();
@@ -772,15 +841,15 @@ fn live_room(st: &mut State, room: u64) -> Result<&mut Room> {
 /// Error for a reply about a room that can no longer take data.
 fn closed_room(st: &State, room: u64) -> Error {
     match st.rooms.get(&room).and_then(|r| r.failure.clone()) {
-        Some((code, why)) => reject(code, format!("room {room} failed: {why}")),
+        Some((code, why, _)) => reject(code, format!("room {room} failed: {why}")),
         None => reject(Status::KVSTAGE_E_CANCELED, format!("room {room} was released by the receiver")),
     }
 }
 
 fn broadcast(st: &State, msg: &Message) {
     for p in st.peers.values() {
-        // A dead peer's reader notices on its own; the broadcast must not fail the others.
-        let _ = p.send(msg);
+        // A dead or stuck peer is cut off by its failed send; the others still get the message.
+        let _ = p.send(msg, &reply_deadline());
     }
 }
 

@@ -16,10 +16,12 @@ use parking_lot::{Condvar, Mutex};
 use super::op::{Op, Waker};
 use super::{writer_of, Deadline};
 use crate::copy::CopyEngine;
+use crate::engine::EngineOptions;
 use crate::error::{Error, Result, Status};
 use crate::geometry::{self, Fingerprint, KvLayout};
 use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
 use crate::ring::Watermark;
+use crate::transport::faults::FaultyTransport;
 use crate::transport::tcp::{self, TcpTransport};
 use crate::transport::Transport;
 
@@ -27,12 +29,15 @@ use crate::transport::Transport;
 pub struct SendResources {
     pub pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
     pub copy: Arc<dyn CopyEngine>,
-    /// Reused gather buffer (grows up to `staging_limit`, never shrinks: no per-chunk allocation).
+    /// Reused gather buffer (grows up to `options.send_staging_bytes`, never shrinks: no per-chunk
+    /// allocation).
     pub staging: Mutex<Vec<u8>>,
-    pub staging_limit: u64,
-    /// Deadline of operations that do not name one (`None` = infinite, asked for explicitly).
-    pub default_timeout: Option<Duration>,
+    pub options: Arc<EngineOptions>,
 }
+
+/// How long an abort may take to leave: it is best effort, the receiver also cleans up when the
+/// connection closes.
+const ABORT_DEADLINE: Duration = Duration::from_secs(1);
 
 /// One chunk to send: the prefill pages holding its tokens, in chunk order.
 #[derive(Clone, Debug)]
@@ -63,7 +68,7 @@ impl Waker for Shared {
 
 pub struct SenderSession {
     id: String,
-    link: Arc<TcpTransport>,
+    link: Arc<dyn Transport>,
     remote: Hello,
     resources: Arc<SendResources>,
     pool: Arc<KvLayout>,
@@ -82,10 +87,16 @@ impl SenderSession {
         let pool = resources.pool.lock().clone().ok_or_else(|| {
             Error::invalid_arg("engine", "no KV pool registered (kvstage_engine_register_pool) before connecting")
         })?;
+        let deadline = Deadline::after(Some(timeout));
         let stream = tcp::connect(addr, timeout)?;
         stream.set_read_timeout(Some(timeout))?;
         let mut reader = stream.try_clone()?;
-        let link = Arc::new(TcpTransport::new(stream)?);
+        let mut link: Arc<dyn Transport> = Arc::new(TcpTransport::new(stream)?);
+        let options = &resources.options;
+        if let Some(faults) = &options.faults {
+            link = Arc::new(FaultyTransport::new(link, faults.clone(), 1));
+        }
+        let token = options.cluster_token.clone().unwrap_or_default().into_bytes();
         let ours = Hello {
             protocol_version: PROTOCOL_VERSION,
             library_version: crate::version_number(),
@@ -96,8 +107,9 @@ impl SenderSession {
             watermark: Watermark::default(),
             status: 0,
             reason: String::new(),
+            token: token.clone(),
         };
-        link.send(&Message::Hello(ours))?;
+        link.send(&Message::Hello(ours), &deadline)?;
         let remote = match protocol::read_frame(&mut reader) {
             Ok(Some(Message::Hello(h))) => h,
             Ok(Some(other)) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("expected a hello, got {other:?}"))),
@@ -111,6 +123,10 @@ impl SenderSession {
         if remote.status != 0 {
             let code = Status::from_code(remote.status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
             return Err(Error::new(code, format!("{addr} refused the session: {}", remote.reason)));
+        }
+        // Mutual: a receiver that does not know our cluster's token is not one of ours either.
+        if !crate::session::tokens_match(&token, &remote.token) {
+            return Err(Error::new(Status::KVSTAGE_E_AUTH, format!("{addr} did not present this cluster's token")));
         }
         reader.set_read_timeout(None)?;
         let shared = Arc::new(Shared {
@@ -143,7 +159,16 @@ impl SenderSession {
     }
 
     pub fn default_timeout(&self) -> Option<Duration> {
-        self.resources.default_timeout
+        self.resources.options.default_deadline
+    }
+
+    /// Ends the session now: waiting operations fail at once with `why`.
+    pub fn close(&self, why: &str) {
+        let mut st = self.shared.state.lock();
+        st.dead.get_or_insert((Status::KVSTAGE_E_CANCELED, why.to_owned()));
+        self.shared.cv.notify_all();
+        drop(st);
+        self.link.shutdown();
     }
 
     pub fn remote_ring_bytes(&self) -> u64 {
@@ -166,20 +191,17 @@ impl SenderSession {
         let writer = writer_of(src, dst)?;
         let region = &layout.writers[writer as usize];
         // Fallback is decided here, before anything is allocated on either side.
-        if self.remote.ring_bytes == 0 || layout.total_bytes > self.remote.ring_bytes || region.bytes > self.resources.staging_limit {
+        let staging_limit = self.resources.options.send_staging_bytes;
+        if self.remote.ring_bytes == 0 || layout.total_bytes > self.remote.ring_bytes || region.bytes > staging_limit {
             return Ok(Status::KVSTAGE_FALLBACK);
         }
         let plan = geometry::plan_gather(src, &desc.pages, &layout, writer)?;
 
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
-        self.link.send(&Message::AllocReq {
-            req,
-            room: desc.room,
-            chunk: desc.chunk,
-            writer,
-            tokens,
-            bytes: layout.total_bytes,
-        })?;
+        self.link.send(
+            &Message::AllocReq { req, room: desc.room, chunk: desc.chunk, writer, tokens, bytes: layout.total_bytes },
+            &deadline,
+        )?;
         let (round, offset) = match self.wait_reply(req, &deadline, op, "waiting for the allocation")? {
             Message::AllocRsp { status: 0, round, offset, len, .. } if len == layout.total_bytes => (round, offset),
             Message::AllocRsp { status: 0, len, .. } => {
@@ -231,6 +253,7 @@ impl SenderSession {
         self.wait_writable(round, end, deadline, op)?;
         let mut staging = self.resources.staging.lock();
         if (staging.len() as u64) < region_bytes {
+            // Grown once to the largest chunk share seen, then reused.
             let grow = region_bytes as usize - staging.len();
             staging.try_reserve_exact(grow).map_err(|_| {
                 Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot grow the send staging buffer to {region_bytes} bytes"))
@@ -240,10 +263,12 @@ impl SenderSession {
         // SAFETY: the pool was validated at registration and its pages checked; the staging buffer
         // holds at least the region's bytes.
         unsafe { self.resources.copy.gather(plan, &self.pool, staging.as_mut_ptr()) }?;
+        let data = &staging[..region_bytes as usize];
+        let checksum = self.resources.options.integrity.covers(desc.room, desc.chunk).then(|| checksum(data));
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let header = Message::Data { room: desc.room, chunk: desc.chunk, writer, offset: region_offset, len: region_bytes };
-        let ready = Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer };
-        self.link.write_chunk(&header, &staging[..region_bytes as usize], &ready)?;
+        let ready = Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
+        self.link.write_chunk(&header, data, &ready, deadline)?;
         Ok(req)
     }
 
@@ -281,7 +306,7 @@ impl SenderSession {
             (header, payload)
         });
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
-        self.link.write_slices(&mut frames, &Message::SliceDone { req, room: desc.room, chunk: desc.chunk })?;
+        self.link.write_slices(&mut frames, &Message::SliceDone { req, room: desc.room, chunk: desc.chunk }, &deadline)?;
         match self.wait_reply(req, &deadline, op, "waiting for the slice acknowledgement")? {
             Message::Arrived { status: 0, .. } => Ok(Status::KVSTAGE_OK),
             Message::Arrived { status, reason, .. } => {
@@ -294,7 +319,8 @@ impl SenderSession {
 
     fn abort(&self, desc: &TransferDesc, reason: &str) {
         // Best effort: if the link is gone the receiver frees the space when it notices.
-        let _ = self.link.send(&Message::Abort { room: desc.room, chunk: desc.chunk, reason: reason.to_owned() });
+        let msg = Message::Abort { room: desc.room, chunk: desc.chunk, reason: reason.to_owned() };
+        let _ = self.link.send(&msg, &Deadline::after(Some(ABORT_DEADLINE)));
     }
 
     fn check_alive(&self, st: &State, deadline: &Deadline, op: &Op, what: &str) -> Result<()> {
@@ -349,8 +375,11 @@ fn read_replies(mut stream: TcpStream, shared: &Shared) {
     let why = loop {
         match protocol::read_frame(&mut stream) {
             Ok(Some(Message::Watermark(w))) => {
+                // Watermarks only move forward; keeping the maximum makes a late one harmless.
                 let mut st = shared.state.lock();
-                st.watermark = w;
+                if (w.round, w.offset) > (st.watermark.round, st.watermark.offset) {
+                    st.watermark = w;
+                }
                 shared.cv.notify_all();
             }
             Ok(Some(msg @ (Message::AllocRsp { .. } | Message::Arrived { .. }))) => {
@@ -373,4 +402,9 @@ fn read_replies(mut stream: TcpStream, shared: &Shared) {
     let mut st = shared.state.lock();
     st.dead = Some(why);
     shared.cv.notify_all();
+}
+
+/// The integrity checksum of a writer's staged bytes (xxh3-64).
+pub fn checksum(data: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(data)
 }

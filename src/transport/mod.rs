@@ -2,23 +2,29 @@
 //! receiver granted, delivering the chunk's completion *after* the data (TCP: the same ordered
 //! stream; RDMA: WRITE_WITH_IMM on the same QP). Only the byte mover differs between transports:
 //! the ring, control plane and deadlines above it are shared.
+//!
+//! Every write is bounded by a deadline: a peer that stops reading fails the write with
+//! `KVSTAGE_E_TIMEOUT`, and a transport whose stream was cut mid-frame shuts itself down (the
+//! session is then dead; nothing half-written is ever followed by more frames).
 
+pub mod faults;
 pub mod tcp;
 
+use crate::deadline::Deadline;
 use crate::error::Result;
 use crate::protocol::Message;
 
 pub trait Transport: Send + Sync {
     /// Sends one control message.
-    fn send(&self, msg: &Message) -> Result<()>;
+    fn send(&self, msg: &Message, deadline: &Deadline) -> Result<()>;
 
     /// Writes `data` to the range named by `header` (a `Message::Data`), then `ready`, in that order.
-    fn write_chunk(&self, header: &Message, data: &[u8], ready: &Message) -> Result<()>;
+    fn write_chunk(&self, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()>;
 
     /// Slice path: one write per `(header, payload)` pair (`Message::Slice` headers), then `done`.
-    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message) -> Result<()>;
+    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()>;
 
-    /// Closes both directions; blocked readers return.
+    /// Closes both directions; blocked readers and writers return.
     fn shutdown(&self);
 
     /// "tcp 127.0.0.1:5000" — for messages.

@@ -7,7 +7,8 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::Transport;
-use crate::error::{Error, Result};
+use crate::deadline::Deadline;
+use crate::error::{Error, Result, Status};
 use crate::protocol::Message;
 
 /// Socket buffer size asked for bulk streams (the kernel may clamp it).
@@ -45,8 +46,22 @@ impl TcpTransport {
         Ok(TcpTransport { writer: Mutex::new(stream), closer, peer })
     }
 
-    fn fail(&self, e: std::io::Error) -> Error {
-        Error::from(e).context(format!("write to peer {} failed", self.peer))
+    /// Runs `write` on the stream with the deadline as its write timeout. Any failure may have cut
+    /// a frame in half, so the stream is shut down: the session is dead from here on.
+    fn write(&self, deadline: &Deadline, write: impl FnOnce(&mut TcpStream) -> std::io::Result<()>) -> Result<()> {
+        let what = format!("writing to peer {}", self.peer);
+        let mut w = self.writer.lock();
+        w.set_write_timeout(deadline.remaining(&what)?)?;
+        write(&mut w).map_err(|e| {
+            self.shutdown();
+            let timed_out = matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut);
+            let err = Error::from(e).context(format!("write to peer {} failed", self.peer));
+            if timed_out {
+                err.wrap(Status::KVSTAGE_E_TIMEOUT, format!("deadline passed while {what} (the peer stopped reading)"))
+            } else {
+                err
+            }
+        })
     }
 }
 
@@ -64,25 +79,25 @@ fn write_all_vectored(w: &mut TcpStream, mut parts: &mut [IoSlice<'_>]) -> std::
 }
 
 impl Transport for TcpTransport {
-    fn send(&self, msg: &Message) -> Result<()> {
-        self.writer.lock().write_all(&msg.encode()).map_err(|e| self.fail(e))
+    fn send(&self, msg: &Message, deadline: &Deadline) -> Result<()> {
+        let frame = msg.encode();
+        self.write(deadline, |w| w.write_all(&frame))
     }
 
-    fn write_chunk(&self, header: &Message, data: &[u8], ready: &Message) -> Result<()> {
+    fn write_chunk(&self, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
         let (head, tail) = (header.encode(), ready.encode());
         // Written straight from the caller's staging buffer: no copy between gather and socket.
-        let mut parts = [IoSlice::new(&head), IoSlice::new(data), IoSlice::new(&tail)];
-        write_all_vectored(&mut self.writer.lock(), &mut parts).map_err(|e| self.fail(e))
+        self.write(deadline, |w| write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(data), IoSlice::new(&tail)]))
     }
 
-    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message) -> Result<()> {
-        let mut w = self.writer.lock();
-        for (header, payload) in ops {
-            let head = header.encode();
-            let mut parts = [IoSlice::new(&head), IoSlice::new(payload)];
-            write_all_vectored(&mut w, &mut parts).map_err(|e| self.fail(e))?;
-        }
-        w.write_all(&done.encode()).map_err(|e| self.fail(e))
+    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {
+        self.write(deadline, |w| {
+            for (header, payload) in ops {
+                let head = header.encode();
+                write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(payload)])?;
+            }
+            w.write_all(&done.encode())
+        })
     }
 
     fn shutdown(&self) {
