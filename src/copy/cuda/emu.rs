@@ -34,7 +34,7 @@ fn build(dir: &Path) -> std::result::Result<Harness, String> {
     let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src/copy/cuda");
     let lib = dir.join(format!("libkvemu-{}.so", std::process::id()));
     let out = std::process::Command::new(&cxx)
-        .args(["-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-pthread", "-Wall", "-Wno-unused-function"])
+        .args(["-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-pthread", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas"])
         .arg("-I")
         .arg(&src)
         .arg(src.join("emu_harness.cpp"))

@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""Real-client check of libkvstage.so from Python (ctypes), as an sglang-shaped engine uses it.
+
+Builds token-major K/V pools per layer ([pool_tokens, local_kv_heads, head_dim] bf16 tensors, one
+per TP rank), hands their data pointers to libkvstage, runs staged transfers over loopback TCP
+(gather -> write -> scatter) for P4->D2 and P2->D4, and compares every decode rank's pool with a
+reshard computed in the array library itself (bit-exact, via the bf16 bit patterns).
+
+  --backend torch   PyTorch CUDA tensors, memory_kind CUDA (the GPU runner)
+  --backend numpy   host arrays, memory_kind HOST (a dry run of this script on any machine)
+
+Exit 0 all passed, 1 a mismatch or an error, 77 skipped (no torch / no CUDA device, unless
+KVSTAGE_REQUIRE_GPU=1). Prints 'N passed, N failed' at the end.
+
+The C structs are filled by the library's own _init functions in generously sized buffers and only
+the leading fields are set here, so fields appended to them later do not break the script.
+"""
+import argparse
+import ctypes as C
+import os
+import random
+import sys
+
+KVSTAGE_OK = 0
+MEMORY_HOST, MEMORY_CUDA = 0, 1
+H, D, LAYERS, PAGE, CAPACITY_PAGES = 8, 128, 4, 16, 64
+ROOM_BASE = 1000
+
+
+class KvLayout(C.Structure):  # leading fields of kvstage_kv_layout (include/kvstage.h)
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("model_kind", C.c_int32),
+        ("page_size", C.c_uint32),
+        ("local_heads", C.c_uint32),
+        ("global_heads", C.c_uint32),
+        ("head_dim", C.c_uint32),
+        ("dtype_bytes", C.c_uint32),
+        ("tp_rank", C.c_uint32),
+        ("tp_size", C.c_uint32),
+        ("pp_rank", C.c_uint32),
+        ("pp_size", C.c_uint32),
+        ("layer_ids", C.POINTER(C.c_uint32)),
+        ("num_layers", C.c_size_t),
+        ("k_bases", C.POINTER(C.c_uint64)),
+        ("v_bases", C.POINTER(C.c_uint64)),
+        ("capacity_pages", C.c_uint64),
+        ("memory_kind", C.c_int32),
+        ("cuda_device", C.c_int32),
+    ]
+
+
+class TransferDesc(C.Structure):  # leading fields of kvstage_transfer_desc
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("room", C.c_uint64),
+        ("chunk_index", C.c_uint32),
+        ("src_pages", C.POINTER(C.c_uint32)),
+        ("num_pages", C.c_size_t),
+        ("deadline_ms", C.c_uint64),
+    ]
+
+
+class Error(C.Structure):
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("code", C.c_int),
+        ("klass", C.c_int),
+        ("session", C.c_char_p),
+        ("message", C.c_char_p),
+        ("cause_count", C.c_size_t),
+        ("causes", C.POINTER(C.c_char_p)),
+    ]
+
+
+class Lib:
+    def __init__(self, path):
+        self.lib = C.CDLL(path)
+        L = self.lib
+        L.kvstage_error_last.restype = C.POINTER(Error)
+        for name in ("kvstage_engine_new", "kvstage_engine_register_pool", "kvstage_engine_register_staging",
+                     "kvstage_engine_listen_address", "kvstage_kv_layout_init", "kvstage_transfer_desc_init",
+                     "kvstage_session_connect", "kvstage_transfer", "kvstage_room_open", "kvstage_room_wait",
+                     "kvstage_room_release"):
+            getattr(L, name).restype = C.c_int
+        L.kvstage_engine_new.argtypes = [C.c_void_p, C.POINTER(C.c_void_p)]
+        L.kvstage_engine_register_pool.argtypes = [C.c_void_p, C.c_void_p]
+        L.kvstage_engine_register_staging.argtypes = [C.c_void_p, C.c_void_p, C.c_size_t]
+        L.kvstage_engine_listen_address.argtypes = [C.c_void_p, C.c_char_p, C.c_size_t]
+        L.kvstage_kv_layout_init.argtypes = [C.c_void_p]
+        L.kvstage_transfer_desc_init.argtypes = [C.c_void_p]
+        L.kvstage_session_connect.argtypes = [C.c_void_p, C.c_char_p, C.c_char_p, C.c_uint64, C.POINTER(C.c_void_p)]
+        L.kvstage_transfer.argtypes = [C.c_void_p, C.c_void_p]
+        L.kvstage_room_open.argtypes = [C.c_void_p, C.c_uint64, C.POINTER(C.c_uint32), C.c_size_t, C.c_uint32,
+                                        C.POINTER(C.c_uint32)]
+        L.kvstage_room_wait.argtypes = [C.c_void_p, C.c_uint64, C.c_uint64]
+        L.kvstage_room_release.argtypes = [C.c_void_p, C.c_uint64]
+        L.kvstage_engine_free.argtypes = [C.c_void_p]
+        L.kvstage_session_free.argtypes = [C.c_void_p]
+
+    def check(self, status, what):
+        if status != KVSTAGE_OK:
+            e = self.lib.kvstage_error_last().contents
+            causes = [e.causes[i].decode() for i in range(e.cause_count)]
+            raise RuntimeError(f"{what} returned {status}: {e.message.decode()} {causes}")
+
+    def struct(self, cls, init):
+        buf = C.create_string_buffer(1024)  # room for fields appended after ours
+        self.check(getattr(self.lib, init)(buf), init)
+        return buf, cls.from_buffer(buf)
+
+
+class Backend:
+    def __init__(self, name):
+        self.name = name
+        if name == "torch":
+            import torch
+            self.t = torch
+            self.memory_kind = MEMORY_CUDA
+        else:
+            import numpy
+            self.np = numpy
+            self.memory_kind = MEMORY_HOST
+
+    def pool(self, local_heads, rng_seed):
+        """Per layer K and V of [tokens, local_heads, D] bf16 (numpy: the bf16 bit patterns)."""
+        tokens = CAPACITY_PAGES * PAGE
+        if self.name == "torch":
+            g = self.t.Generator(device="cuda").manual_seed(rng_seed)
+            make = lambda: self.t.randn((tokens, local_heads, D), dtype=self.t.bfloat16, device="cuda", generator=g)
+        else:
+            r = self.np.random.default_rng(rng_seed)
+            make = lambda: r.integers(0, 1 << 16, size=(tokens, local_heads, D), dtype=self.np.uint16)
+        return [make() for _ in range(LAYERS)], [make() for _ in range(LAYERS)]
+
+    def ptr(self, a):
+        return a.data_ptr() if self.name == "torch" else a.ctypes.data
+
+    def bits(self, a):
+        return a.view(self.t.int16) if self.name == "torch" else a
+
+    def cat_heads(self, parts):
+        return self.t.cat(parts, dim=1) if self.name == "torch" else self.np.concatenate(parts, axis=1)
+
+    def equal(self, a, b):
+        return bool(self.t.equal(self.bits(a), self.bits(b))) if self.name == "torch" else bool((a == b).all())
+
+    def clone(self, a):
+        return a.clone() if self.name == "torch" else a.copy()
+
+    def sync(self):
+        if self.name == "torch":
+            self.t.cuda.synchronize()
+
+
+class Rank:
+    def __init__(self, lib, be, tp_rank, tp_size, seed):
+        self.lib, self.be = lib, be
+        self.local = max(1, H // tp_size)
+        self.k, self.v = be.pool(self.local, seed)
+        self.k_bases = (C.c_uint64 * LAYERS)(*[be.ptr(a) for a in self.k])
+        self.v_bases = (C.c_uint64 * LAYERS)(*[be.ptr(a) for a in self.v])
+        self.engine = C.c_void_p()
+        lib.check(lib.lib.kvstage_engine_new(None, C.byref(self.engine)), "kvstage_engine_new")
+        self.layout_buf, l = lib.struct(KvLayout, "kvstage_kv_layout_init")
+        l.page_size, l.local_heads, l.global_heads, l.head_dim, l.dtype_bytes = PAGE, self.local, H, D, 2
+        l.tp_rank, l.tp_size, l.num_layers, l.capacity_pages = tp_rank, tp_size, LAYERS, CAPACITY_PAGES
+        l.k_bases, l.v_bases, l.memory_kind = self.k_bases, self.v_bases, be.memory_kind
+        lib.check(lib.lib.kvstage_engine_register_pool(self.engine, self.layout_buf), "kvstage_engine_register_pool")
+        self.sessions = {}
+
+    def address(self):
+        buf = C.create_string_buffer(64)
+        self.lib.check(self.lib.lib.kvstage_engine_listen_address(self.engine, buf, 64), "listen_address")
+        return buf.value
+
+    def free(self):
+        for s in self.sessions.values():
+            self.lib.lib.kvstage_session_free(s)
+        self.lib.lib.kvstage_engine_free(self.engine)
+
+
+def scenario(lib, be, src_tp, dst_tp, room, seed):
+    rnd = random.Random(seed)
+    prefill = [Rank(lib, be, r, src_tp, seed * 100 + r) for r in range(src_tp)]
+    decode = [Rank(lib, be, d, dst_tp, seed * 100 + 50 + d) for d in range(dst_tp)]
+    before = [([be.clone(a) for a in d.k], [be.clone(a) for a in d.v]) for d in decode]
+    npages = 8  # 128 tokens: two chunks of 64
+    src_pages = rnd.sample(range(CAPACITY_PAGES), npages)
+    dst_pages = rnd.sample(range(CAPACITY_PAGES), npages)
+    chunk_tokens = 4 * PAGE
+    chunks = C.c_uint32()
+    dst_arr = (C.c_uint32 * npages)(*dst_pages)
+    for d in decode:
+        lib.check(lib.lib.kvstage_engine_register_staging(d.engine, None, 64 << 20), "register_staging")
+        lib.check(lib.lib.kvstage_room_open(d.engine, room, dst_arr, npages, chunk_tokens, C.byref(chunks)), "room_open")
+    be.sync()  # the pools' producer finished (a ready fence would order this on a stream)
+    # Rank pairing: P>D: decode d is fed by prefill [d*r, (d+1)*r); P<D: prefill p feeds [p*r, (p+1)*r).
+    pairs = []
+    for p in range(src_tp):
+        if src_tp >= dst_tp:
+            pairs.append((p, p // (src_tp // dst_tp)))
+        else:
+            r = dst_tp // src_tp
+            pairs += [(p, d) for d in range(p * r, (p + 1) * r)]
+    src_arr = (C.c_uint32 * npages)(*src_pages)
+    for p, d in pairs:
+        s = C.c_void_p()
+        lib.check(lib.lib.kvstage_session_connect(prefill[p].engine, decode[d].address(), f"py-{room}-{p}-{d}".encode(),
+                                                  10000, C.byref(s)), "session_connect")
+        prefill[p].sessions[d] = s
+    per_chunk = chunk_tokens // PAGE
+    for c in range(chunks.value):
+        for p, d in pairs:
+            buf, desc = lib.struct(TransferDesc, "kvstage_transfer_desc_init")
+            desc.room, desc.chunk_index, desc.deadline_ms = room, c, 20000
+            desc.src_pages = C.cast(C.byref(src_arr, 4 * c * per_chunk), C.POINTER(C.c_uint32))
+            desc.num_pages = per_chunk
+            lib.check(lib.lib.kvstage_transfer(prefill[p].sessions[d], buf), f"transfer chunk {c} P{p}->D{d}")
+    for d in decode:
+        lib.check(lib.lib.kvstage_room_wait(d.engine, room, 20000), "room_wait")
+    be.sync()
+    # Reference reshard: full-head K/V of each source page, then each decode rank's head slice.
+    failures = 0
+    for which in (0, 1):
+        for layer in range(LAYERS):
+            for i, (sp, dp) in enumerate(zip(src_pages, dst_pages)):
+                rows = slice(sp * PAGE, (sp + 1) * PAGE)
+                pool = lambda rk: rk.k if which == 0 else rk.v
+                full = be.cat_heads([pool(rk)[layer][rows] for rk in prefill])
+                for d, rk in enumerate(decode):
+                    h0 = d * rk.local
+                    want = full[:, h0:h0 + rk.local, :]
+                    got = pool(rk)[layer][dp * PAGE:(dp + 1) * PAGE]
+                    if not be.equal(got, want):
+                        failures += 1
+                        print(f"  MISMATCH {'KV'[which]} layer {layer} page {i} (src {sp} -> dst {dp}) on decode rank {d}")
+            # Outside the room's pages nothing changed.
+            for d, rk in enumerate(decode):
+                pool = rk.k if which == 0 else rk.v
+                old = before[d][which][layer]
+                mask_pages = [p for p in range(CAPACITY_PAGES) if p not in dst_pages]
+                for p in mask_pages:
+                    if not be.equal(pool[layer][p * PAGE:(p + 1) * PAGE], old[p * PAGE:(p + 1) * PAGE]):
+                        failures += 1
+                        print(f"  STRAY WRITE {'KV'[which]} layer {layer} page {p} on decode rank {d}")
+    for d in decode:
+        lib.lib.kvstage_room_release(d.engine, room)
+    for rk in prefill + decode:
+        rk.free()
+    return failures
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", default=os.environ.get("KVSTAGE_LIB", "libkvstage.so"))
+    ap.add_argument("--backend", choices=["torch", "numpy"], default="torch")
+    args = ap.parse_args()
+    require = os.environ.get("KVSTAGE_REQUIRE_GPU") == "1"
+    try:
+        be = Backend(args.backend)
+        if args.backend == "torch" and not be.t.cuda.is_available():
+            raise RuntimeError("torch sees no CUDA device")
+    except Exception as e:  # noqa: BLE001 - any import/device failure is a skip
+        print(f"gpu_torch_check: {e}: skipped")
+        return 1 if require and args.backend == "torch" else 77
+    lib = Lib(args.lib)
+    passed = failed = 0
+    for name, src_tp, dst_tp in (("P4->D2", 4, 2), ("P2->D4", 2, 4)):
+        try:
+            n = scenario(lib, be, src_tp, dst_tp, ROOM_BASE + src_tp * 10 + dst_tp, seed=src_tp * 7 + dst_tp)
+        except Exception as e:  # noqa: BLE001
+            print(f"FAIL {name} ({args.backend}): {e}")
+            failed += 1
+            continue
+        if n:
+            print(f"FAIL {name} ({args.backend}): {n} page(s) differ from the reference reshard")
+            failed += 1
+        else:
+            print(f"ok   {name} ({args.backend}): decode pools equal the reference reshard")
+            passed += 1
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
