@@ -413,12 +413,12 @@ impl KvLayout {
     }
 
     /// Every page index must be below `capacity_pages` (`KVSTAGE_E_INVALID_ARG` naming `pages`).
-    pub fn check_pages(&self, pages: &[u32]) -> Result<()> {
+    pub fn check_pages(&self, pages: &[u32], arg: &str) -> Result<()> {
         match pages.iter().position(|&p| p as u64 >= self.capacity_pages) {
             None => Ok(()),
             Some(i) => Err(Error::invalid_arg(
-                "pages",
-                format!("pages[{i}] = {} is outside the pool (capacity_pages {})", pages[i], self.capacity_pages),
+                arg,
+                format!("{arg}[{i}] = {} is outside the pool (capacity_pages {})", pages[i], self.capacity_pages),
             )),
         }
     }
@@ -528,8 +528,8 @@ mod tests {
     #[test]
     fn check_pages_names_the_first_bad_page() {
         let l = layout();
-        l.check_pages(&[0, 9, 3]).unwrap();
-        let e = l.check_pages(&[0, 10]).unwrap_err();
+        l.check_pages(&[0, 9, 3], "pages").unwrap();
+        let e = l.check_pages(&[0, 10], "pages").unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
         assert!(e.message().contains("pages[1] = 10 is outside the pool (capacity_pages 10)"), "{}", e.message());
     }

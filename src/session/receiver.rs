@@ -82,8 +82,8 @@ struct Chunk {
     grant: Option<Grant>,
     layout: Option<StagingLayout>,
     writers: Vec<Option<Writer>>,
-    /// Slice-path completions (no allocation).
-    slice_done: Vec<bool>,
+    /// Slice-path writers (no allocation): the sending connection and whether it finished.
+    slicers: Vec<(u64, bool)>,
 }
 
 struct Room {
@@ -190,7 +190,7 @@ impl Receiver {
 
     fn pool(&self) -> Result<Arc<KvLayout>> {
         self.pool.lock().clone().ok_or_else(|| {
-            Error::new(Status::KVSTAGE_E_INVALID_ARG, "no KV pool registered on this engine (kvstage_engine_register_pool)")
+            Error::invalid_arg("engine", "has no KV pool registered (kvstage_engine_register_pool)")
         })
     }
 
@@ -198,7 +198,7 @@ impl Receiver {
     /// side's cached prefix), split into chunks of `chunk_tokens` on the page grid.
     pub fn open_room(&self, room: u64, pages: &[u32], chunk_tokens: u32) -> Result<u32> {
         let pool = self.pool()?;
-        pool.check_pages(pages)?;
+        pool.check_pages(pages, "dst_pages")?;
         if pages.is_empty() {
             return Err(Error::invalid_arg("num_pages", "0 (a room needs at least one page)"));
         }
@@ -210,7 +210,7 @@ impl Receiver {
             return Err(Error::invalid_arg("room", format!("{room} is already open")));
         }
         let chunks = (0..num_chunks)
-            .map(|_| Chunk { phase: ChunkPhase::Waiting, grant: None, layout: None, writers: Vec::new(), slice_done: Vec::new() })
+            .map(|_| Chunk { phase: ChunkPhase::Waiting, grant: None, layout: None, writers: Vec::new(), slicers: Vec::new() })
             .collect();
         st.rooms.insert(room, Room { pages: pages.to_vec(), grid_pages, chunks, failure: None, released: false });
         Ok(num_chunks as u32)
@@ -265,7 +265,7 @@ impl Receiver {
         r.failure = Some((code, why, session.to_owned()));
         let (freed, _) = take_grants(r);
         for (i, c) in r.chunks.iter().enumerate() {
-            if c.phase == ChunkPhase::Waiting {
+            if c.phase != ChunkPhase::Done {
                 st.events.push_back(ChunkEvent { room, chunk: i as u32, status: code });
             }
         }
@@ -414,13 +414,15 @@ impl Receiver {
                         Ok(last) => (Message::Arrived { req, status: 0, reason: String::new() }, last),
                         Err(e) => (Message::Arrived { req, status: e.code().code(), reason: e.chain() }, false),
                     };
-                    link.send(&status, &reply_deadline())?;
+                    // The chunk is complete whether or not the ack gets out: scatter it regardless.
+                    let sent = link.send(&status, &reply_deadline());
                     if last {
                         self.dispatch_scatter(room, chunk)?;
                     }
+                    sent?;
                 }
                 Message::Slice { room, chunk, buffer, token, byte_offset, len } => {
-                    match self.slice_target(&dst, room, chunk, buffer, token, byte_offset, len, &slice) {
+                    match self.slice_target(&dst, room, chunk, buffer, token, byte_offset, len, &slice, peer) {
                         Ok(target) => {
                             // SAFETY: `slice_target` checked that the range is inside one token slot
                             // of a page this room owns, within the head range this writer feeds.
@@ -431,14 +433,15 @@ impl Receiver {
                     }
                 }
                 Message::SliceDone { req, room, chunk } => {
-                    let (status, last) = match self.slice_done(room, chunk, writer, writers) {
+                    let (status, last) = match self.slice_done(room, chunk, peer, writers) {
                         Ok(last) => (Message::Arrived { req, status: 0, reason: String::new() }, last),
                         Err(e) => (Message::Arrived { req, status: e.code().code(), reason: e.chain() }, false),
                     };
-                    link.send(&status, &reply_deadline())?;
+                    let sent = link.send(&status, &reply_deadline());
                     if last {
                         self.finish_slices(room, chunk);
                     }
+                    sent?;
                 }
                 Message::Abort { room, chunk, reason } => {
                     let mut st = self.state.lock();
@@ -667,16 +670,17 @@ impl Receiver {
             Ok(()) => Status::KVSTAGE_OK,
             Err(e) => e.code(),
         };
+        if let Err(e) = &result {
+            // Fails the room while this chunk still counts as unfinished (it reports the event).
+            self.fail_room(st, job.room, e.code(), e.chain(), e.session().unwrap_or(""));
+        }
         if let Some(r) = st.rooms.get_mut(&job.room) {
             let c = &mut r.chunks[job.chunk as usize];
             c.phase = ChunkPhase::Done;
             freed.extend(c.grant.take().map(|g| g.id));
-            if let Err(e) = &result {
-                r.failure.get_or_insert((e.code(), e.chain(), e.session().unwrap_or("").to_owned()));
-            }
             if r.released {
                 st.rooms.remove(&job.room);
-            } else {
+            } else if result.is_ok() {
                 st.events.push_back(ChunkEvent { room: job.room, chunk: job.chunk, status });
             }
         }
@@ -711,9 +715,15 @@ impl Receiver {
         byte_offset: u32,
         len: u32,
         slice: &HeadSlice,
+        peer: u64,
     ) -> Result<*mut u8> {
         let mut st = self.state.lock();
         let r = live_room(&mut st, room)?;
+        if let Some(c) = r.chunks.get_mut(chunk as usize) {
+            if !c.slicers.iter().any(|&(p, _)| p == peer) {
+                c.slicers.push((peer, false));
+            }
+        }
         if chunk as usize >= r.chunks.len() {
             return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("slice for chunk {chunk} past the room")));
         }
@@ -740,16 +750,20 @@ impl Receiver {
     }
 
     /// Marks a writer's slices complete; `true` when it was the chunk's last writer.
-    fn slice_done(&self, room: u64, chunk: u32, writer: u32, writers: u32) -> Result<bool> {
+    fn slice_done(&self, room: u64, chunk: u32, peer: u64, writers: u32) -> Result<bool> {
         let mut st = self.state.lock();
         let st = &mut *st;
         let r = live_room(st, room)?;
         let c = r.chunks.get_mut(chunk as usize).ok_or_else(|| reject(Status::KVSTAGE_E_PROTOCOL, "slice done past the room"))?;
-        if c.slice_done.is_empty() {
-            c.slice_done = vec![false; writers as usize];
+        match c.slicers.iter_mut().find(|(p, _)| *p == peer) {
+            Some((_, done)) if *done => {
+                return Err(reject(Status::KVSTAGE_E_PROTOCOL, format!("slices of chunk {chunk} completed twice")))
+            }
+            Some((_, done)) => *done = true,
+            None => c.slicers.push((peer, true)),
         }
-        c.slice_done[writer as usize] = true;
-        Ok(c.slice_done.iter().all(|&d| d) && c.phase == ChunkPhase::Waiting)
+        let finished = c.slicers.iter().filter(|(_, done)| *done).count() as u32;
+        Ok(finished == writers && c.phase == ChunkPhase::Waiting)
     }
 
     fn finish_slices(&self, room: u64, chunk: u32) {
@@ -767,8 +781,12 @@ impl Receiver {
         let mut st = self.state.lock();
         st.peers.remove(&peer);
         // A room it took part in but has not delivered every chunk of can never complete.
-        let wrote = |c: &Chunk| c.writers.iter().flatten().any(|w| w.peer == peer);
-        let delivered = |c: &Chunk| c.phase != ChunkPhase::Waiting || c.writers.iter().flatten().any(|w| w.peer == peer && w.arrived);
+        let wrote = |c: &Chunk| c.writers.iter().flatten().any(|w| w.peer == peer) || c.slicers.iter().any(|&(p, _)| p == peer);
+        let delivered = |c: &Chunk| {
+            c.phase != ChunkPhase::Waiting
+                || c.writers.iter().flatten().any(|w| w.peer == peer && w.arrived)
+                || c.slicers.contains(&(peer, true))
+        };
         let affected: Vec<u64> = st
             .rooms
             .iter()

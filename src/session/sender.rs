@@ -177,6 +177,7 @@ impl SenderSession {
 
     /// The staged path for one chunk. `Ok(FALLBACK)` means nothing was allocated anywhere.
     pub fn transfer(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+        self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))?;
         self.transfer_inner(desc, op)
             .map_err(|e| e.context(format!("staged transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id))
     }
@@ -185,7 +186,6 @@ impl SenderSession {
         let deadline = Deadline::after(desc.timeout);
         let src = &self.pool.shape;
         let dst = &self.remote.shape;
-        self.pool.check_pages(&desc.pages)?;
         let tokens = desc.pages.len() as u32 * src.page_size;
         let layout = geometry::staging_layout(src, dst, tokens)?;
         let writer = writer_of(src, dst)?;
@@ -202,7 +202,9 @@ impl SenderSession {
             &Message::AllocReq { req, room: desc.room, chunk: desc.chunk, writer, tokens, bytes: layout.total_bytes },
             &deadline,
         )?;
-        let (round, offset) = match self.wait_reply(req, &deadline, op, "waiting for the allocation")? {
+        // A grant may already be on its way: giving up here must release it too.
+        let reply = self.wait_reply(req, &deadline, op, "waiting for the allocation").inspect_err(|e| self.abort(desc, e.message()))?;
+        let (round, offset) = match reply {
             Message::AllocRsp { status: 0, round, offset, len, .. } if len == layout.total_bytes => (round, offset),
             Message::AllocRsp { status: 0, len, .. } => {
                 self.abort(desc, "granted size differs");
@@ -275,6 +277,7 @@ impl SenderSession {
     /// The slice path for the same chunk: one write per token per layer per K/V, into the decode
     /// pages of the room (the fallback and the benchmark baseline).
     pub fn transfer_slices(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+        self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))?;
         self.slices_inner(desc, op)
             .map_err(|e| e.context(format!("slice transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id))
     }
@@ -283,7 +286,6 @@ impl SenderSession {
         let deadline = Deadline::after(desc.timeout);
         let src = &self.pool.shape;
         let dst = &self.remote.shape;
-        self.pool.check_pages(&desc.pages)?;
         let writer = writer_of(src, dst)?;
         let hs = geometry::staging_layout(src, dst, src.page_size)?.writers[writer as usize].heads;
         // Destination pages 0..n make every decode offset chunk-relative: the receiver resolves

@@ -1,0 +1,222 @@
+//! Fault soak: many seeded runs of a P2→D1 staged transfer (two chunks, a ring that holds one
+//! chunk, so the second waits on the watermark) over real loopback TCP, each with one kind of
+//! injected fault on the prefill or the decode side. For every seed:
+//! - every operation ends (success or error) before its deadline plus a small slack: no hangs;
+//! - a room reported complete holds exactly the reference bytes: no corrupt success;
+//! - after the room is released and the sessions closed, the decode ring is empty: no leak.
+//! After all seeds, no thread and no file descriptor is left behind.
+//!
+//! `KVSTAGE_SOAK_SEEDS` sets the number of seeds (default 1000).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvstage::engine::{Engine, EngineOptions, Integrity};
+use kvstage::geometry::{ModelKind, PoolShape};
+use kvstage::session::op::Op;
+use kvstage::session::sender::TransferDesc;
+use kvstage::testkit::HostPool;
+use kvstage::transport::faults::{FaultCounters, FaultPlan, Faults};
+use kvstage::Status;
+
+const OP_DEADLINE: Duration = Duration::from_millis(300);
+/// Time an operation may take past its deadline (scheduling on a loaded 2-core machine).
+const SLACK: Duration = Duration::from_millis(1500);
+const PAGE: u32 = 4;
+const CHUNK_TOKENS: u32 = 16;
+const PAGES: usize = 8;
+const ROOM: u64 = 5;
+
+fn shape(rank: u32, tp: u32) -> PoolShape {
+    PoolShape::new(ModelKind::Mha, 2, 8, 2, PAGE, 2).with_tp(rank, tp)
+}
+
+#[derive(Default)]
+struct Tally {
+    seeds: AtomicU64,
+    completed: AtomicU64,
+    failed: AtomicU64,
+    hangs: AtomicU64,
+    corrupt_successes: AtomicU64,
+    leaked: AtomicU64,
+}
+
+fn plan_for(seed: u64) -> (FaultPlan, bool) {
+    let mut p = FaultPlan { seed, ..FaultPlan::default() };
+    let on_decode = seed % 2 == 1;
+    match (seed / 2) % 9 {
+        0 => {}
+        1 => p.drop = 300,
+        2 => p.duplicate = 400,
+        3 => p.reorder = 400,
+        4 => {
+            p.delay = 500;
+            p.max_delay_ms = 120;
+        }
+        5 => p.corrupt = 700,
+        6 => p.truncate = 500,
+        7 => p.cut_at_frame = Some(seed % 7),
+        _ => p.stop_reading_after = Some(seed % 5),
+    }
+    (p, on_decode)
+}
+
+fn options(faults: Option<Faults>) -> EngineOptions {
+    EngineOptions {
+        chunk_tokens: CHUNK_TOKENS,
+        default_deadline: Some(OP_DEADLINE),
+        integrity: Integrity::Always,
+        faults,
+        ..EngineOptions::default()
+    }
+}
+
+fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
+    let (plan, on_decode) = plan_for(seed);
+    let faults = Faults { plan, counters: counters.clone() };
+    let decode = Engine::new(options(on_decode.then(|| faults.clone()))).expect("decode engine");
+    let dpool = HostPool::new(shape(0, 1), 16);
+    decode.register_pool(dpool.layout.clone()).unwrap();
+    let src0 = shape(0, 2);
+    let alloc = kvstage::geometry::staging_layout(&src0, &dpool.layout.shape, CHUNK_TOKENS).unwrap().total_bytes;
+    decode.register_staging(None, alloc as usize).unwrap();
+    let dst_pages = kvstage::testkit::page_table(PAGES, 16, seed, false);
+    decode.receiver().open_room(ROOM, &dst_pages, CHUNK_TOKENS).unwrap();
+    let addr = decode.local_addr().to_string();
+
+    let prefill: Vec<(Engine, HostPool, Vec<u32>)> = (0..2)
+        .map(|rank| {
+            let engine = Engine::new(options((!on_decode).then(|| faults.clone()))).expect("prefill engine");
+            let mut pool = HostPool::new(shape(rank, 2), 16);
+            let pages = kvstage::testkit::page_table(PAGES, 16, seed * 7 + rank as u64, seed % 3 == 0);
+            pool.fill(&pages, 0);
+            engine.register_pool(pool.layout.clone()).unwrap();
+            (engine, pool, pages)
+        })
+        .collect();
+
+    let hung = std::thread::scope(|s| {
+        let handles: Vec<_> = prefill
+            .iter()
+            .enumerate()
+            .map(|(rank, (engine, _, pages))| {
+                let addr = addr.clone();
+                s.spawn(move || {
+                    let mut hangs = 0;
+                    let start = Instant::now();
+                    let session = engine.connect(&addr, &format!("soak-{seed}-p{rank}"), Some(OP_DEADLINE));
+                    if start.elapsed() > OP_DEADLINE + SLACK {
+                        hangs += 1;
+                    }
+                    let Ok(session) = session else { return hangs };
+                    for (chunk, chunk_pages) in pages.chunks(CHUNK_TOKENS as usize / PAGE as usize).enumerate() {
+                        let desc = TransferDesc { room: ROOM, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(OP_DEADLINE) };
+                        let start = Instant::now();
+                        let result = session.transfer(&desc, &Op::new(session.waker()));
+                        if start.elapsed() > OP_DEADLINE + SLACK {
+                            hangs += 1;
+                        }
+                        if !matches!(result, Ok(Status::KVSTAGE_OK)) {
+                            break;
+                        }
+                    }
+                    hangs
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("sender thread")).sum::<u64>()
+    });
+
+    let start = Instant::now();
+    let outcome = decode.receiver().wait_room(ROOM, Some(OP_DEADLINE * 3));
+    let waited = start.elapsed();
+    let mut hangs = hung + (waited > OP_DEADLINE * 3 + SLACK) as u64;
+    match outcome {
+        Ok(_) => {
+            tally.completed.fetch_add(1, Ordering::Relaxed);
+            let (bad, first) = dpool.verify(&dst_pages, 0);
+            if bad != 0 {
+                eprintln!("seed {seed}: room complete with {bad} wrong bytes: {first:?}");
+                tally.corrupt_successes.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Err(_) => {
+            tally.failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    decode.receiver().release_room(ROOM);
+    drop(prefill); // closes the sessions: the receiver frees whatever they still held
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while decode.receiver().ring_stats().1 != 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if decode.receiver().ring_stats().1 != 0 {
+        eprintln!("seed {seed}: {} ring allocations leaked", decode.receiver().ring_stats().1);
+        tally.leaked.fetch_add(1, Ordering::Relaxed);
+    }
+    let start = Instant::now();
+    drop(decode);
+    if start.elapsed() > SLACK {
+        hangs += 1;
+    }
+    if hangs > 0 {
+        eprintln!("seed {seed}: {hangs} operation(s) overran their deadline ({:?})", plan_for(seed));
+    }
+    tally.hangs.fetch_add(hangs, Ordering::Relaxed);
+    tally.seeds.fetch_add(1, Ordering::Relaxed);
+}
+
+fn count_dir(path: &str) -> usize {
+    std::fs::read_dir(path).map(|d| d.count()).unwrap_or(0)
+}
+
+#[test]
+fn soak_every_seed_ends_cleanly() {
+    let seeds: u64 = std::env::var("KVSTAGE_SOAK_SEEDS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let (fds_before, threads_before) = (count_dir("/proc/self/fd"), count_dir("/proc/self/task"));
+    let counters = Arc::new(FaultCounters::default());
+    let tally = Tally::default();
+    let next = AtomicU64::new(0);
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| loop {
+                let seed = next.fetch_add(1, Ordering::Relaxed);
+                if seed >= seeds {
+                    break;
+                }
+                run_seed(seed, &counters, &tally);
+            });
+        }
+    });
+    // Threads of dropped engines are joined; give the kernel a moment to reap them.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while count_dir("/proc/self/task") > threads_before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (fds_after, threads_after) = (count_dir("/proc/self/fd"), count_dir("/proc/self/task"));
+    let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    eprintln!(
+        "soak: {} seeds in {:.1} s: {} rooms complete and verified, {} failed cleanly; hangs {}, corrupt successes {}, \
+         leaked ring allocations {}; faults injected: {:?}; fds {fds_before}->{fds_after}, threads {threads_before}->{threads_after}",
+        g(&tally.seeds),
+        started.elapsed().as_secs_f64(),
+        g(&tally.completed),
+        g(&tally.failed),
+        g(&tally.hangs),
+        g(&tally.corrupt_successes),
+        g(&tally.leaked),
+        counters.snapshot()
+    );
+    assert_eq!(g(&tally.seeds), seeds);
+    assert_eq!(g(&tally.hangs), 0, "operations overran their deadlines");
+    assert_eq!(g(&tally.corrupt_successes), 0, "a room completed with wrong bytes");
+    assert_eq!(g(&tally.leaked), 0, "ring allocations leaked");
+    assert!(fds_after <= fds_before, "file descriptors leaked: {fds_before} -> {fds_after}");
+    assert!(threads_after <= threads_before, "threads leaked: {threads_before} -> {threads_after}");
+    assert!(g(&tally.completed) > seeds / 10, "too few clean runs: the harness itself may be broken");
+    for (kind, n) in counters.snapshot() {
+        assert!(n > 0, "no fault of kind {kind} was injected");
+    }
+}
