@@ -4,6 +4,7 @@
 //! - every operation ends (success or error) before its deadline plus a small slack: no hangs;
 //! - a room reported complete holds exactly the reference bytes: no corrupt success;
 //! - after the room is released and the sessions closed, the decode ring is empty: no leak.
+//!
 //! After all seeds, no thread and no file descriptor is left behind.
 //!
 //! `KVSTAGE_SOAK_SEEDS` sets the number of seeds (default 1000).

@@ -423,8 +423,13 @@ fn sweep_points(a: &Args, what: &str) -> Vec<(String, Setup)> {
     }
 }
 
+/// One sweep point: its label and the staged, slice and raw TCP throughput (GB/s).
+type SweepPoint = (String, f64, f64, f64);
+/// A plotted series: name, colour, and its value at a point.
+type Series = (&'static str, &'static str, fn(&SweepPoint) -> f64);
+
 /// A line chart of staged, slice and raw TCP throughput over the sweep.
-fn svg(what: &str, points: &[(String, f64, f64, f64)]) -> String {
+fn svg(what: &str, points: &[SweepPoint]) -> String {
     let (w, h, left, bottom, top, right) = (720.0, 420.0, 70.0, 60.0, 40.0, 150.0);
     let max = points.iter().flat_map(|p| [p.1, p.2, p.3]).fold(0.0f64, f64::max).max(1e-9) * 1.1;
     let n = points.len().max(2) as f64 - 1.0;
@@ -446,7 +451,7 @@ fn svg(what: &str, points: &[(String, f64, f64, f64)]) -> String {
         let _ = writeln!(out, "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>", x(i), h - bottom + 18.0, p.0);
     }
     let _ = writeln!(out, "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{what}</text>", (left + w - right) / 2.0, h - 16.0);
-    let series: [(&str, &str, fn(&(String, f64, f64, f64)) -> f64); 3] =
+    let series: [Series; 3] =
         [("staged", "#1f77b4", |p| p.1), ("slice", "#d62728", |p| p.2), ("raw TCP", "#2ca02c", |p| p.3)];
     for (k, (name, color, get)) in series.iter().enumerate() {
         let path: Vec<String> = points.iter().enumerate().map(|(i, p)| format!("{:.1},{:.1}", x(i), y(get(p)))).collect();
