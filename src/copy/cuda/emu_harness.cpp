@@ -13,6 +13,7 @@
 #define KV_DEVICE static inline
 #define KV_SHARED static
 #define KV_LAUNCH_BOUNDS(n)
+#define KV_AS_GLOBAL
 #if !defined(__clang__)
 #define KV_V4_DEFINED
 struct alignas(16) v4u32 {

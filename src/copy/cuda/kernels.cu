@@ -27,6 +27,8 @@
 #define KV_DEVICE static __attribute__((device)) inline
 #define KV_SHARED __attribute__((shared))
 #define KV_LAUNCH_BOUNDS(n) __attribute__((launch_bounds(n)))
+// Global address space: ld.global/st.global instead of generic accesses.
+#define KV_AS_GLOBAL __attribute__((address_space(1)))
 #endif
 
 typedef unsigned long long u64;
@@ -75,8 +77,8 @@ KV_DEVICE u64 pool_token(const KvJob &j, u64 t) {
 // Units [first, units) step `step` of one flat range, four loads in flight before the stores.
 template <typename T, bool GATHER>
 KV_DEVICE void copy_flat(u64 pool, u64 stage, u64 first, u64 units, u64 step) {
-    const T *src = (const T *)(GATHER ? pool : stage);
-    T *dst = (T *)(GATHER ? stage : pool);
+    const KV_AS_GLOBAL T *src = (const KV_AS_GLOBAL T *)(GATHER ? pool : stage);
+    KV_AS_GLOBAL T *dst = (KV_AS_GLOBAL T *)(GATHER ? stage : pool);
     u64 k = first;
     for (; k + 3 * step < units; k += 4 * step) {
         T a = src[k], b = src[k + step], c = src[k + 2 * step], d = src[k + 3 * step];
@@ -145,10 +147,10 @@ KV_DEVICE void run(const KvJob &j) {
                     T v[BATCH];
 #pragma unroll
                     for (u32 q = 0; q < BATCH; ++q)
-                        if (ok[q]) v[q] = ((const T *)src[q])[k];
+                        if (ok[q]) v[q] = ((const KV_AS_GLOBAL T *)src[q])[k];
 #pragma unroll
                     for (u32 q = 0; q < BATCH; ++q)
-                        if (ok[q]) ((T *)dst[q])[k] = v[q];
+                        if (ok[q]) ((KV_AS_GLOBAL T *)dst[q])[k] = v[q];
                 }
             }
         }
