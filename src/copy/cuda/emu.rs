@@ -49,6 +49,8 @@ fn build(dir: &Path) -> std::result::Result<Harness, String> {
     // SAFETY: loading the library we just built; it stays loaded for the process.
     unsafe {
         let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+        // The mapping stays; the file is not needed any more.
+        let _ = std::fs::remove_file(&lib);
         if h.is_null() {
             return Err("dlopen of the emulator failed".into());
         }
