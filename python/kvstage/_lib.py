@@ -192,6 +192,7 @@ class kvstage_kv_layout(Structure):
         ("v_bases", POINTER(c_uint64)),
         ("capacity_pages", c_uint64),
         ("memory_kind", c_int32),
+        ("cuda_device", c_int32),
     ]
 
 

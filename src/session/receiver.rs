@@ -16,7 +16,7 @@ use parking_lot::{Condvar, Mutex};
 use super::{writer_of, Deadline};
 use crate::copy::CopyEngine;
 use crate::error::{Error, Result, Status};
-use crate::geometry::{self, Fingerprint, HeadSlice, KvLayout, PoolShape, StagingLayout};
+use crate::geometry::{self, Fingerprint, HeadSlice, KvLayout, MemoryKind, PoolShape, StagingLayout};
 use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
 use crate::ring::{Grant, Ring, Watermark};
 use crate::deadline::Deadline as WriteDeadline;
@@ -717,6 +717,9 @@ impl Receiver {
         slice: &HeadSlice,
         peer: u64,
     ) -> Result<*mut u8> {
+        if pool.memory != MemoryKind::Host {
+            return Err(reject(Status::KVSTAGE_E_UNSUPPORTED, "the slice path writes the KV pool from the CPU: host pools only"));
+        }
         let mut st = self.state.lock();
         let r = live_room(&mut st, room)?;
         if let Some(c) = r.chunks.get_mut(chunk as usize) {

@@ -18,7 +18,7 @@ use super::{writer_of, Deadline};
 use crate::copy::CopyEngine;
 use crate::engine::EngineOptions;
 use crate::error::{Error, Result, Status};
-use crate::geometry::{self, Fingerprint, KvLayout};
+use crate::geometry::{self, Fingerprint, KvLayout, MemoryKind};
 use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
 use crate::ring::Watermark;
 use crate::transport::faults::FaultyTransport;
@@ -283,6 +283,9 @@ impl SenderSession {
     }
 
     fn slices_inner(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+        if self.pool.memory != MemoryKind::Host {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the slice path reads the KV pool from the CPU: host pools only"));
+        }
         let deadline = Deadline::after(desc.timeout);
         let src = &self.pool.shape;
         let dst = &self.remote.shape;
