@@ -77,3 +77,23 @@ pub fn cuda_device_count() -> usize {
     }
 }
 
+
+/// Why the library `name` cannot be loaded (the `dlerror` text), `None` when it loads.
+pub fn load_error(name: &CStr) -> Option<String> {
+    if Library::open(name).is_some() {
+        return None;
+    }
+    // SAFETY: dlerror returns NULL or a thread-local NUL-terminated string.
+    let text = unsafe { libc::dlerror() };
+    if text.is_null() {
+        Some(format!("{} could not be opened", name.to_string_lossy()))
+    } else {
+        // SAFETY: non-NULL dlerror text is a valid C string until the next dl* call.
+        Some(unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned())
+    }
+}
+
+/// True when `name` loads and defines `symbol` (a capability probe, e.g. `ibv_reg_dmabuf_mr`).
+pub fn has_symbol(name: &CStr, symbol: &CStr) -> bool {
+    Library::open(name).is_some_and(|l| l.symbol(symbol).is_some())
+}

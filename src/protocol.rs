@@ -9,6 +9,7 @@ use std::io::{Read, Write};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{ModelKind, PoolShape};
 use crate::ring::Watermark;
+pub use crate::transport::rdma::attrs::RdmaOffer;
 
 pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 pub const PROTOCOL_VERSION: u16 = 1;
@@ -55,6 +56,13 @@ pub enum Message {
     Slice { room: u64, chunk: u32, buffer: u32, token: u32, byte_offset: u32, len: u32 },
     /// Slice path completion, acknowledged with `Arrived`.
     SliceDone { req: u64, room: u64, chunk: u32 },
+    /// RDMA: the sender's queue pairs and ports (after the handshake, before any transfer).
+    RdmaOffer(RdmaOffer),
+    /// RDMA: the receiver's queue pairs and registered ring, or why it cannot serve RDMA.
+    RdmaAnswer(RdmaOffer),
+    /// RDMA: a writer's bytes were written into its region by RDMA WRITE (no payload follows);
+    /// `imm` is the immediate of the WRITE_WITH_IMM that completed them.
+    RdmaWritten { room: u64, chunk: u32, writer: u32, offset: u64, len: u64, imm: u32 },
 }
 
 const T_HELLO: u8 = 1;
@@ -67,6 +75,9 @@ const T_WATERMARK: u8 = 7;
 const T_ABORT: u8 = 8;
 const T_SLICE: u8 = 9;
 const T_SLICE_DONE: u8 = 10;
+const T_RDMA_OFFER: u8 = 11;
+const T_RDMA_ANSWER: u8 = 12;
+const T_RDMA_WRITTEN: u8 = 13;
 
 fn malformed(what: impl Into<String>) -> Error {
     Error::new(Status::KVSTAGE_E_PROTOCOL, format!("malformed frame: {}", what.into()))
@@ -243,6 +254,17 @@ impl Message {
             Message::SliceDone { req, room, chunk } => {
                 e.u8(T_SLICE_DONE).u64(*req).u64(*room).u32(*chunk);
             }
+            Message::RdmaOffer(o) => {
+                e.u8(T_RDMA_OFFER);
+                o.encode(&mut e.0);
+            }
+            Message::RdmaAnswer(o) => {
+                e.u8(T_RDMA_ANSWER);
+                o.encode(&mut e.0);
+            }
+            Message::RdmaWritten { room, chunk, writer, offset, len, imm } => {
+                e.u8(T_RDMA_WRITTEN).u64(*room).u32(*chunk).u32(*writer).u64(*offset).u64(*len).u32(*imm);
+            }
         }
         let body = (e.0.len() - 5) as u32;
         e.0[..4].copy_from_slice(&body.to_le_bytes());
@@ -324,6 +346,16 @@ impl Message {
                 len: d.u32("len")?,
             },
             T_SLICE_DONE => Message::SliceDone { req: d.u64("req")?, room: d.u64("room")?, chunk: d.u32("chunk")? },
+            T_RDMA_OFFER => Message::RdmaOffer(RdmaOffer::decode(d.take(body.len() - d.pos, "rdma offer")?)?),
+            T_RDMA_ANSWER => Message::RdmaAnswer(RdmaOffer::decode(d.take(body.len() - d.pos, "rdma answer")?)?),
+            T_RDMA_WRITTEN => Message::RdmaWritten {
+                room: d.u64("room")?,
+                chunk: d.u32("chunk")?,
+                writer: d.u32("writer")?,
+                offset: d.u64("offset")?,
+                len: d.u64("len")?,
+                imm: d.u32("imm")?,
+            },
             other => return Err(malformed(format!("unknown frame type {other}"))),
         };
         d.finish("frame")?;
@@ -388,6 +420,28 @@ mod tests {
         }
     }
 
+    fn rdma_offer() -> RdmaOffer {
+        use crate::transport::rdma::attrs::{LinkLayer, Mtu, PortAttrs, QpEndpoint, OFFER_VERSION};
+        let port = PortAttrs {
+            device: "mlx5_0".into(),
+            port: 1,
+            link_layer: LinkLayer::Ethernet,
+            active_mtu: Mtu::M4096,
+            lid: 0,
+            gid_index: 3,
+            gid: [7; 16],
+            state: 4,
+        };
+        RdmaOffer {
+            version: OFFER_VERSION,
+            status: 0,
+            reason: String::new(),
+            endpoints: vec![QpEndpoint { qpn: 0x1a4, psn: 0x123456, port, rkey: 9 }],
+            ring_addr: 0x1000,
+            ring_len: 1 << 20,
+        }
+    }
+
     fn samples() -> Vec<Message> {
         vec![
             Message::Hello(Hello {
@@ -412,6 +466,9 @@ mod tests {
             Message::Abort { room: 1, chunk: u32::MAX, reason: "canceled".into() },
             Message::Slice { room: 1, chunk: 0, buffer: 3, token: 17, byte_offset: 256, len: 512 },
             Message::SliceDone { req: 4, room: 1, chunk: 0 },
+            Message::RdmaOffer(rdma_offer()),
+            Message::RdmaAnswer(RdmaOffer::refusal(Status::KVSTAGE_E_NO_DEVICE, "no device")),
+            Message::RdmaWritten { room: 1, chunk: 2, writer: 3, offset: 4, len: 5, imm: 6 },
         ]
     }
 
@@ -448,7 +505,7 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(2000))]
         /// Arbitrary bytes never panic the decoder: every input is a message or a protocol error.
         #[test]
-        fn decoder_survives_garbage(kind in 0u8..12, body in proptest::collection::vec(any::<u8>(), 0..200)) {
+        fn decoder_survives_garbage(kind in 0u8..16, body in proptest::collection::vec(any::<u8>(), 0..200)) {
             if let Err(e) = Message::decode(kind, &body) {
                 prop_assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
             }
@@ -456,7 +513,7 @@ mod tests {
 
         /// Mutating one byte of a valid frame gives the same message, another message or an error.
         #[test]
-        fn decoder_survives_mutations(which in 0usize..11, pos in any::<usize>(), val in any::<u8>()) {
+        fn decoder_survives_mutations(which in 0usize..14, pos in any::<usize>(), val in any::<u8>()) {
             let mut bytes = samples()[which].encode();
             let p = 4 + pos % (bytes.len() - 4);
             bytes[p] = val;

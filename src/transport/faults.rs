@@ -120,6 +120,32 @@ impl FaultyTransport {
             pick: roll(),
         })
     }
+
+    /// A data frame's faults; `grant_offset` is forwarded to transports that need it (RDMA).
+    fn faulty_chunk(&self, grant_offset: Option<u64>, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
+        let write = |d: &[u8]| match grant_offset {
+            Some(o) => self.inner.write_chunk_at(o, header, d, ready, deadline),
+            None => self.inner.write_chunk(header, d, ready, deadline),
+        };
+        let f = self.next_frame()?;
+        let c = &self.faults.counters;
+        if f.truncate && !data.is_empty() {
+            // The stream ends inside the payload, as when the sender dies mid-write.
+            c.truncated.fetch_add(1, Ordering::Relaxed);
+            let cut = (f.pick % data.len() as u64) as usize;
+            let _ = write(&data[..cut]);
+            self.inner.shutdown();
+            return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "fault injection: data frame truncated, connection cut"));
+        }
+        if f.corrupt && !data.is_empty() {
+            c.corrupted.fetch_add(1, Ordering::Relaxed);
+            let mut bad = data.to_vec();
+            let at = (f.pick % bad.len() as u64) as usize;
+            bad[at] ^= 0x5a;
+            return write(&bad);
+        }
+        write(data)
+    }
 }
 
 /// One frame's dice.
@@ -164,24 +190,11 @@ impl Transport for FaultyTransport {
     }
 
     fn write_chunk(&self, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
-        let f = self.next_frame()?;
-        let c = &self.faults.counters;
-        if f.truncate && !data.is_empty() {
-            // The stream ends inside the payload, as when the sender dies mid-write.
-            c.truncated.fetch_add(1, Ordering::Relaxed);
-            let cut = (f.pick % data.len() as u64) as usize;
-            let _ = self.inner.write_chunk(header, &data[..cut], ready, deadline);
-            self.inner.shutdown();
-            return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "fault injection: data frame truncated, connection cut"));
-        }
-        if f.corrupt && !data.is_empty() {
-            c.corrupted.fetch_add(1, Ordering::Relaxed);
-            let mut bad = data.to_vec();
-            let at = (f.pick % bad.len() as u64) as usize;
-            bad[at] ^= 0x5a;
-            return self.inner.write_chunk(header, &bad, ready, deadline);
-        }
-        self.inner.write_chunk(header, data, ready, deadline)
+        self.faulty_chunk(None, header, data, ready, deadline)
+    }
+
+    fn write_chunk_at(&self, grant_offset: u64, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
+        self.faulty_chunk(Some(grant_offset), header, data, ready, deadline)
     }
 
     fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {

@@ -8,6 +8,7 @@
 //! session is then dead; nothing half-written is ever followed by more frames).
 
 pub mod faults;
+pub mod rdma;
 pub mod tcp;
 
 use crate::deadline::Deadline;
@@ -20,6 +21,13 @@ pub trait Transport: Send + Sync {
 
     /// Writes `data` to the range named by `header` (a `Message::Data`), then `ready`, in that order.
     fn write_chunk(&self, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()>;
+
+    /// As `write_chunk`, for a chunk whose allocation starts at `grant_offset` in the receiver's
+    /// ring (RDMA writes there directly; a stream transport does not need it).
+    fn write_chunk_at(&self, grant_offset: u64, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
+        let _ = grant_offset;
+        self.write_chunk(header, data, ready, deadline)
+    }
 
     /// Slice path: one write per `(header, payload)` pair (`Message::Slice` headers), then `done`.
     fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()>;

@@ -1,0 +1,567 @@
+//! Queue-pair slots, the completion-queue polling thread, the sender's transport (RDMA WRITE of
+//! the chunk, WRITE_WITH_IMM as its completion, control frames over the session's TCP stream) and
+//! the receiver's peer (immediates that must precede `ChunkReady`).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::attrs::{self, PortAttrs};
+use super::split::{plan_writes, PlannedWr};
+use super::verbs::{CompletionQueue, QueuePair, SendWr, Wc, WcKind};
+use super::Rdma;
+use crate::deadline::Deadline;
+use crate::error::{Error, Result, Status};
+use crate::protocol::Message;
+use crate::transport::Transport;
+
+/// Receive work requests kept posted on a receiver QP (one per WRITE_WITH_IMM in flight).
+pub const RECV_DEPTH: u32 = 64;
+/// How long a shut-down transport waits for its flushed work requests.
+const FLUSH_WAIT: Duration = Duration::from_secs(1);
+
+/// Wakes the waiters of one transport or peer when any of its QPs completes something.
+#[derive(Default)]
+pub struct Notify {
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Notify {
+    fn notify(&self) {
+        let _g = self.lock.lock();
+        self.cv.notify_all();
+    }
+
+    /// Waits until `ready()` or the deadline; `Ok(false)` on the deadline.
+    fn wait_until(&self, deadline: &Deadline, mut ready: impl FnMut() -> bool) -> bool {
+        let mut g = self.lock.lock();
+        loop {
+            if ready() {
+                return true;
+            }
+            if !deadline.wait(&self.cv, &mut g) && !ready() {
+                return false;
+            }
+        }
+    }
+}
+
+/// A failed work completion, as recorded by the poller.
+#[derive(Clone, Debug)]
+pub struct WcFailure {
+    pub status: u32,
+    pub vendor_err: u32,
+    pub wr_id: u64,
+}
+
+/// One connected (or connecting) QP with its completion queue.
+pub struct QpSlot {
+    pub qp: Mutex<Box<dyn QueuePair>>,
+    cq: Arc<dyn CompletionQueue>,
+    pub qpn: u32,
+    pub nic: usize,
+    pub local: PortAttrs,
+    pub psn: u32,
+    /// "QP 0x1a4 on mlx5_0:1, peer 10.0.0.2:7000, session s-1"
+    pub desc: Mutex<String>,
+    pub session: Mutex<String>,
+    signals: AtomicU64,
+    failure: Mutex<Option<WcFailure>>,
+    notify: Arc<Notify>,
+    arrivals: Option<Arc<Arrivals>>,
+}
+
+impl QpSlot {
+    pub fn new(
+        qp: Box<dyn QueuePair>,
+        cq: Arc<dyn CompletionQueue>,
+        nic: usize,
+        local: PortAttrs,
+        psn: u32,
+        notify: Arc<Notify>,
+        arrivals: Option<Arc<Arrivals>>,
+    ) -> QpSlot {
+        let qpn = qp.qpn();
+        QpSlot {
+            desc: Mutex::new(format!("QP {qpn:#x} on {}", local.describe())),
+            session: Mutex::new(String::new()),
+            qp: Mutex::new(qp),
+            cq,
+            qpn,
+            nic,
+            local,
+            psn,
+            signals: AtomicU64::new(0),
+            failure: Mutex::new(None),
+            notify,
+            arrivals,
+        }
+    }
+
+    pub fn set_peer(&self, peer: &str, session: &str) {
+        *self.desc.lock() = format!("QP {:#x} on {}, peer {peer}, session {session}", self.qpn, self.local.describe());
+        *self.session.lock() = session.to_owned();
+    }
+
+    /// The error a failed completion of this QP stands for (the `ibv_wc_status` name, QP number,
+    /// device, peer and session).
+    pub fn failure_error(&self) -> Option<Error> {
+        let f = self.failure.lock().clone()?;
+        let desc = self.desc.lock().clone();
+        Some(wc_error(&f, &desc).with_session(&self.session.lock()))
+    }
+
+    fn handle(&self, wc: &Wc) {
+        if wc.status != 0 {
+            let mut f = self.failure.lock();
+            // Keep the first real error; a flush (5) only when nothing better is known.
+            if f.as_ref().map_or(true, |old| old.status == 5 && wc.status != 5) {
+                *f = Some(WcFailure { status: wc.status, vendor_err: wc.vendor_err, wr_id: wc.wr_id });
+            }
+            drop(f);
+            if let Some(a) = &self.arrivals {
+                a.fail(self.failure_error().expect("just recorded"));
+            }
+            return;
+        }
+        match wc.kind {
+            WcKind::Send => {
+                self.signals.fetch_add(1, Ordering::SeqCst);
+            }
+            WcKind::RecvImm => {
+                if let Some(a) = &self.arrivals {
+                    a.arrive(wc.imm);
+                }
+                // Keep the receive queue full: one posted receive per immediate in flight.
+                if let Err(e) = self.qp.lock().post_recv(&[wc.wr_id]) {
+                    if let Some(a) = &self.arrivals {
+                        let desc = self.desc.lock().clone();
+                        a.fail(Error::new(Status::KVSTAGE_E_RDMA, format!("ibv_post_recv on {desc} failed")).with_source(e));
+                    }
+                }
+            }
+            WcKind::Other(_) => {}
+        }
+    }
+
+    pub fn to_error(&self) {
+        self.qp.lock().to_error();
+    }
+}
+
+pub fn wc_error(f: &WcFailure, desc: &str) -> Error {
+    Error::new(
+        Status::KVSTAGE_E_RDMA,
+        format!(
+            "work completion failed: {} (status {}, vendor error {:#x}, wr_id {}) on {desc}",
+            attrs::wc_status_name(f.status),
+            f.status,
+            f.vendor_err,
+            f.wr_id
+        ),
+    )
+    .with_source(crate::error::CauseChain::from_list(vec![attrs::wc_status_hint(f.status)]).expect("one item"))
+}
+
+/// Immediates received on a peer's QPs (chunk completions), and the first failure.
+pub struct Arrivals {
+    state: Mutex<(HashSet<u32>, Option<String>, Status)>,
+    notify: Notify,
+}
+
+impl Default for Arrivals {
+    fn default() -> Self {
+        Arrivals { state: Mutex::new((HashSet::new(), None, Status::KVSTAGE_E_RDMA)), notify: Notify::default() }
+    }
+}
+
+impl Arrivals {
+    fn arrive(&self, imm: u32) {
+        self.state.lock().0.insert(imm);
+        self.notify.notify();
+    }
+
+    fn fail(&self, e: Error) {
+        let mut s = self.state.lock();
+        if s.1.is_none() {
+            s.1 = Some(e.chain());
+            s.2 = e.code();
+        }
+        drop(s);
+        self.notify.notify();
+    }
+}
+
+/// The engine's completion-queue poller: one thread for every QP of the engine, started with the
+/// first QP. It spins briefly after activity and then backs off to 1 ms sleeps.
+#[derive(Default)]
+pub struct Poller {
+    slots: Mutex<Vec<Weak<QpSlot>>>,
+    stop: AtomicBool,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    idle: Notify,
+}
+
+impl Poller {
+    pub fn add(self: &Arc<Self>, slot: &Arc<QpSlot>) -> Result<()> {
+        self.slots.lock().push(Arc::downgrade(slot));
+        let mut t = self.thread.lock();
+        if t.is_none() {
+            let me = self.clone();
+            *t = Some(
+                std::thread::Builder::new()
+                    .name("kvstage-rdma-cq".into())
+                    .spawn(move || me.run())
+                    .map_err(|e| Error::internal("cannot start the RDMA completion thread").with_source(e))?,
+            );
+        }
+        drop(t);
+        self.idle.notify();
+        Ok(())
+    }
+
+    fn run(&self) {
+        let mut wcs = Vec::with_capacity(64);
+        let mut idle_passes = 0u32;
+        while !self.stop.load(Ordering::SeqCst) {
+            let live: Vec<Arc<QpSlot>> = {
+                let mut slots = self.slots.lock();
+                slots.retain(|w| w.strong_count() > 0);
+                slots.iter().filter_map(Weak::upgrade).collect()
+            };
+            if live.is_empty() {
+                let dl = Deadline::after(Some(Duration::from_millis(50)));
+                self.idle.wait_until(&dl, || self.stop.load(Ordering::SeqCst));
+                continue;
+            }
+            let mut any = false;
+            for slot in &live {
+                wcs.clear();
+                if let Err(e) = slot.cq.poll(&mut wcs) {
+                    // A CQ that cannot be polled: every waiter of this QP fails.
+                    slot.handle(&Wc { wr_id: 0, status: 21, kind: WcKind::Other(0), imm: 0, vendor_err: e.raw_os_error().unwrap_or(0) as u32 });
+                }
+                for wc in &wcs {
+                    slot.handle(wc);
+                }
+                if !wcs.is_empty() {
+                    any = true;
+                    slot.notify.notify();
+                }
+            }
+            drop(live);
+            if any {
+                idle_passes = 0;
+            } else {
+                idle_passes = idle_passes.saturating_add(1);
+                if idle_passes < 64 {
+                    std::thread::yield_now();
+                } else {
+                    let us = 20u64 << (idle_passes - 64).min(6);
+                    std::thread::sleep(Duration::from_micros(us.min(1000)));
+                }
+            }
+        }
+    }
+
+    pub fn shutdown(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.idle.notify();
+        if let Some(h) = self.thread.lock().take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Where the receiver's ring is, as learned from its answer.
+#[derive(Clone, Debug)]
+pub struct RemoteRing {
+    pub addr: u64,
+    pub len: u64,
+    /// rkey per QP (the ring's key on that QP's remote device).
+    pub rkeys: Vec<u32>,
+}
+
+/// The sender side: control frames over `tcp`, chunk bytes by RDMA.
+pub struct RdmaTransport {
+    tcp: Arc<dyn Transport>,
+    rdma: Arc<Rdma>,
+    slots: Vec<Arc<QpSlot>>,
+    remote: RemoteRing,
+    notify: Arc<Notify>,
+    write_lock: Mutex<()>,
+    dead: AtomicBool,
+    desc: String,
+    session: String,
+    next_wr: AtomicU64,
+}
+
+impl RdmaTransport {
+    pub fn new(tcp: Arc<dyn Transport>, rdma: Arc<Rdma>, slots: Vec<Arc<QpSlot>>, remote: RemoteRing, notify: Arc<Notify>, session: &str) -> RdmaTransport {
+        let devices: Vec<String> = slots.iter().map(|s| s.local.describe()).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        let desc = format!("rdma {} ({} QP{}) via {}", devices.join("+"), slots.len(), if slots.len() == 1 { "" } else { "s" }, tcp.describe());
+        RdmaTransport {
+            tcp,
+            rdma,
+            slots,
+            remote,
+            notify,
+            write_lock: Mutex::new(()),
+            dead: AtomicBool::new(false),
+            desc,
+            session: session.to_owned(),
+            next_wr: AtomicU64::new(1),
+        }
+    }
+
+    pub fn qp_numbers(&self) -> Vec<u32> {
+        self.slots.iter().map(|s| s.qpn).collect()
+    }
+
+    fn first_failure(&self) -> Option<Error> {
+        self.slots.iter().find_map(|s| s.failure_error())
+    }
+
+    /// Any failure mid-write: the QPs go to ERR (flushing what is outstanding, so nothing of this
+    /// chunk lands later in a ring range that may be granted again), the session's stream closes.
+    fn kill(&self) {
+        if self.dead.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        for s in &self.slots {
+            s.to_error();
+        }
+        self.tcp.shutdown();
+    }
+
+    /// Writes `data` to `remote_offset` of the receiver's ring; the last work request of QP 0 is
+    /// a WRITE_WITH_IMM carrying `imm`. Returns once every work request completed.
+    pub fn rdma_write(&self, remote_offset: u64, data: &[u8], imm: u32, deadline: &Deadline) -> Result<()> {
+        let _g = self.write_lock.lock();
+        if self.dead.load(Ordering::SeqCst) {
+            return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, format!("{} was shut down", self.desc)));
+        }
+        let end = remote_offset.checked_add(data.len() as u64);
+        if end.map_or(true, |e| e > self.remote.len) {
+            return Err(Error::new(
+                Status::KVSTAGE_E_PROTOCOL,
+                format!("write [{remote_offset}, +{}) outside the receiver's ring of {} bytes", data.len(), self.remote.len),
+            ));
+        }
+        let lkeys = self.rdma.staging_keys(data.as_ptr() as *mut u8, data.len())?;
+        let result = self.post_and_wait(remote_offset, data, imm, &lkeys, deadline);
+        if result.is_err() {
+            self.kill();
+            // Let the poller drain the flushed requests before the staging buffer is reused.
+            let dl = Deadline::after(Some(FLUSH_WAIT));
+            self.notify.wait_until(&dl, || false);
+        }
+        result
+    }
+
+    fn post_and_wait(&self, remote_offset: u64, data: &[u8], imm: u32, lkeys: &[u32], deadline: &Deadline) -> Result<()> {
+        let opts = self.rdma.options();
+        let plan = plan_writes(data.len() as u64, opts.wr_bytes, opts.signal_every, self.slots.len() as u32);
+        let defer_imm = plan.imm_waits_for_others();
+        let window = (self.rdma.send_depth() / opts.signal_every.max(1)).max(1) as u64;
+        let base: Vec<u64> = self.slots.iter().map(|s| s.signals.load(Ordering::SeqCst)).collect();
+        let mut posted = vec![0u64; self.slots.len()];
+        // Batches per QP: runs of WRs ending with a signalled one.
+        let batches: Vec<Vec<Vec<PlannedWr>>> = plan
+            .per_qp
+            .iter()
+            .map(|wrs| {
+                let mut out: Vec<Vec<PlannedWr>> = Vec::new();
+                let mut cur = Vec::new();
+                for w in wrs {
+                    if w.imm && defer_imm {
+                        continue;
+                    }
+                    cur.push(*w);
+                    if w.signaled {
+                        out.push(std::mem::take(&mut cur));
+                    }
+                }
+                if !cur.is_empty() {
+                    // Ends at the deferred imm: signal the last one so the run is retired.
+                    cur.last_mut().expect("non-empty").signaled = true;
+                    out.push(cur);
+                }
+                out
+            })
+            .collect();
+        let mut cursor = vec![0usize; self.slots.len()];
+        let to_wr = |q: usize, w: &PlannedWr| SendWr {
+            wr_id: self.next_wr.fetch_add(1, Ordering::Relaxed),
+            local_addr: data.as_ptr() as u64 + w.offset,
+            lkey: lkeys[self.slots[q].nic],
+            len: w.len,
+            remote_addr: self.remote.addr + remote_offset + w.offset,
+            rkey: self.remote.rkeys[q],
+            signaled: w.signaled,
+            imm: w.imm.then_some(imm),
+        };
+        loop {
+            let mut progressed = false;
+            let mut pending = false;
+            for q in 0..self.slots.len() {
+                while cursor[q] < batches[q].len() {
+                    let done = self.slots[q].signals.load(Ordering::SeqCst) - base[q];
+                    if posted[q] - done >= window {
+                        pending = true;
+                        break;
+                    }
+                    let wrs: Vec<SendWr> = batches[q][cursor[q]].iter().map(|w| to_wr(q, w)).collect();
+                    self.post(q, &wrs)?;
+                    posted[q] += wrs.iter().filter(|w| w.signaled).count() as u64;
+                    cursor[q] += 1;
+                    progressed = true;
+                }
+            }
+            if !pending {
+                break;
+            }
+            if !progressed {
+                self.wait(deadline, "waiting for send-queue space", |s, q| s.signals.load(Ordering::SeqCst) - base[q] + window > posted[q])?;
+            }
+        }
+        self.wait(deadline, "waiting for the RDMA write completions", |s, q| s.signals.load(Ordering::SeqCst) - base[q] >= posted[q])?;
+        if defer_imm {
+            let w = *plan.per_qp[0].last().expect("QP 0 carries the imm");
+            let wr = to_wr(0, &w);
+            self.post(0, &[wr])?;
+            posted[0] += 1;
+            self.wait(deadline, "waiting for the write-with-immediate completion", |s, q| s.signals.load(Ordering::SeqCst) - base[q] >= posted[q])?;
+        }
+        Ok(())
+    }
+
+    fn post(&self, q: usize, wrs: &[SendWr]) -> Result<()> {
+        let slot = &self.slots[q];
+        slot.qp.lock().post_send(wrs).map_err(|e| {
+            let desc = slot.desc.lock().clone();
+            Error::new(Status::KVSTAGE_E_RDMA, format!("ibv_post_send of {} work requests on {desc} failed", wrs.len()))
+                .with_source(e)
+                .with_session(&self.session)
+        })
+    }
+
+    /// Waits until `done(slot, index)` holds for every slot, a completion failed, or the deadline.
+    fn wait(&self, deadline: &Deadline, what: &str, done: impl Fn(&QpSlot, usize) -> bool) -> Result<()> {
+        let mut failed = None;
+        let ok = self.notify.wait_until(deadline, || {
+            if let Some(e) = self.first_failure() {
+                failed = Some(e);
+                return true;
+            }
+            self.slots.iter().enumerate().all(|(q, s)| done(s, q))
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        if !ok {
+            return Err(deadline.timeout_error(&format!("{what} on {}", self.desc)).with_session(&self.session));
+        }
+        Ok(())
+    }
+}
+
+impl Transport for RdmaTransport {
+    fn send(&self, msg: &Message, deadline: &Deadline) -> Result<()> {
+        self.tcp.send(msg, deadline)
+    }
+
+    fn write_chunk(&self, _header: &Message, _data: &[u8], _ready: &Message, _deadline: &Deadline) -> Result<()> {
+        Err(Error::internal("an RDMA write needs the grant's ring offset (write_chunk_at)"))
+    }
+
+    fn write_chunk_at(&self, grant_offset: u64, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
+        let (Message::Data { room, chunk, writer, offset, len }, Message::ChunkReady { req, .. }) = (header, ready) else {
+            return Err(Error::internal("write_chunk_at needs a Data header and a ChunkReady"));
+        };
+        if *len != data.len() as u64 {
+            return Err(Error::internal(format!("data header says {len} bytes, {} given", data.len())));
+        }
+        // The imm is the ChunkReady's request id: the receiver waits for it before the ready.
+        self.rdma_write(grant_offset + offset, data, *req as u32, deadline)?;
+        let written = Message::RdmaWritten { room: *room, chunk: *chunk, writer: *writer, offset: *offset, len: *len, imm: *req as u32 };
+        self.tcp.send(&written, deadline)?;
+        self.tcp.send(ready, deadline)
+    }
+
+    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {
+        // The slice path stays on the control stream: thousands of tiny writes are what staging avoids.
+        self.tcp.write_slices(ops, done, deadline)
+    }
+
+    fn shutdown(&self) {
+        self.kill();
+    }
+
+    fn describe(&self) -> String {
+        self.desc.clone()
+    }
+}
+
+impl Drop for RdmaTransport {
+    fn drop(&mut self) {
+        for s in &self.slots {
+            s.to_error();
+        }
+    }
+}
+
+/// The receiver side of one RDMA session: its QPs and the immediates that arrived.
+pub struct RdmaPeer {
+    pub slots: Vec<Arc<QpSlot>>,
+    pub arrivals: Arc<Arrivals>,
+    pub desc: String,
+}
+
+impl RdmaPeer {
+    /// Waits until the WRITE_WITH_IMM carrying `imm` completed on one of the peer's QPs (so the
+    /// chunk's bytes are in the ring), then forgets it.
+    pub fn wait_imm(&self, imm: u32, timeout: Duration) -> Result<()> {
+        let deadline = Deadline::after(Some(timeout));
+        let start = Instant::now();
+        let mut failure = None;
+        let arrived = self.arrivals.notify.wait_until(&deadline, || {
+            let mut s = self.arrivals.state.lock();
+            if s.0.remove(&imm) {
+                return true;
+            }
+            if let Some(why) = &s.1 {
+                failure = Some((s.2, why.clone()));
+                return true;
+            }
+            false
+        });
+        if let Some((code, why)) = failure {
+            return Err(Error::new(code, format!("the RDMA write for request {imm} did not complete on {}: {why}", self.desc)));
+        }
+        if !arrived {
+            return Err(Error::new(
+                Status::KVSTAGE_E_PROTOCOL,
+                format!(
+                    "chunk ready for request {imm} but its write-with-immediate did not arrive on {} within {} ms",
+                    self.desc,
+                    start.elapsed().as_millis()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for RdmaPeer {
+    fn drop(&mut self) {
+        for s in &self.slots {
+            s.to_error();
+        }
+    }
+}
