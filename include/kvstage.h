@@ -175,6 +175,17 @@ typedef struct kvstage_engine_options {
     const char *cluster_token;
     // A `kvstage_integrity` value: when chunks carry a checksum verified before the scatter.
     int32_t integrity;
+    // RDMA devices to use, striped, as "mlx5_0:1,mlx5_1" (name[:port], comma-separated);
+    // NULL or "" = the first device with an ACTIVE port.
+    const char *rdma_devices;
+    // GID index for RoCE ports; -1 = automatic (a RoCE v2 GID holding an IPv4 address).
+    int32_t rdma_gid_index;
+    // Queue pairs per device and session (1..=16); a chunk is striped over all of them.
+    uint32_t rdma_qps_per_device;
+    // Largest RDMA WRITE work request in bytes (4096..=1073741824).
+    uint32_t rdma_wr_bytes;
+    // One signalled completion per this many work requests (1..=1024).
+    uint32_t rdma_signal_every;
 } kvstage_engine_options;
 
 // One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
@@ -226,6 +237,11 @@ typedef struct kvstage_engine_stats {
     uint64_t ring_live_allocations;
     uint64_t watermark_round;
     uint64_t watermark_offset;
+    // Sessions this engine opened on TCP although its transport is AUTO (no RDMA device here or
+    // at the peer, or the RDMA exchange failed); `kvstage_engine_transport_describe` says why.
+    uint64_t rdma_downgrades;
+    // Sessions connected over RDMA, opened or accepted by this engine.
+    uint64_t rdma_sessions;
 } kvstage_engine_stats;
 
 // Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
@@ -321,10 +337,27 @@ enum kvstage_status kvstage_capabilities_get(struct kvstage_capabilities *out);
 enum kvstage_status kvstage_testing_panic(const struct kvstage_engine *engine);
 #endif
 
+// Reports what this host offers kvstage: whether libibverbs loads, the RDMA devices and their
+// ports (state, active and max MTU, link layer, LID, GID table size), dma-buf registration and
+// peer-memory support, whether libcuda loads and the GPU count, and a verdict. `json` 0: readable
+// text; 1: one JSON object. The report is written NUL-terminated into `buf`; `*needed` (may be
+// NULL) receives its size including the NUL, so a call with `capacity` 0 and `buf` NULL asks for
+// the size (it returns `KVSTAGE_E_INVALID_ARG` naming the sizes, as does any too-small buffer).
+// Hosts without rdma-core or without a device get a clean "no RDMA" report, not an error.
+enum kvstage_status kvstage_doctor(char *buf, size_t capacity, size_t *needed, int32_t json);
+
+// Describes the engine's transport in one line: "rdma: mlx5_0:1 (InfiniBand, MTU 4096), ...",
+// or why RDMA is not used and the last downgrade of a session to TCP. Same buffer rules as
+// `kvstage_doctor`.
+enum kvstage_status kvstage_engine_transport_describe(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
+
 // Fills `options` with defaults (sets `struct_size`).
 enum kvstage_status kvstage_engine_options_init(struct kvstage_engine_options *options);
 
 // Creates an engine; `options` may be NULL for defaults. Writes `*out` only on success.
+// Transport RDMA without a usable device is `KVSTAGE_E_NO_DEVICE` (class RDMA; the causes end
+// with the OS error of the device list); AUTO without one uses TCP and counts each such session
+// in `kvstage_engine_stats.rdma_downgrades`.
 enum kvstage_status kvstage_engine_new(const struct kvstage_engine_options *options, struct kvstage_engine **out);
 
 // Stops and frees an engine. NULL is a no-op.

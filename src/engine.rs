@@ -9,9 +9,10 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::copy::{AnyCopyEngine, CopyEngine};
-use crate::error::{Error, Result, Status};
+use crate::error::{Error, Result};
 use crate::geometry::KvLayout;
 use crate::transport::faults::Faults;
+use crate::transport::rdma::{Rdma, RdmaMode, RdmaOptions};
 use crate::session::receiver::{Receiver, RingMemory, ScatterJob};
 use crate::session::sender::{SendResources, SenderSession};
 
@@ -39,6 +40,8 @@ pub struct EngineOptions {
     pub integrity: Integrity,
     /// Test only: inject faults into this engine's connections.
     pub faults: Option<Faults>,
+    /// RDMA devices, QPs and work-request sizes (transport auto or rdma).
+    pub rdma: RdmaOptions,
 }
 
 /// When chunks carry a checksum (xxh3-64 of the writer's staged bytes).
@@ -79,6 +82,7 @@ impl Default for EngineOptions {
             cluster_token: None,
             integrity: Integrity::Sampled,
             faults: None,
+            rdma: RdmaOptions::default(),
         }
     }
 }
@@ -112,6 +116,7 @@ impl EngineOptions {
         if self.send_staging_bytes == 0 {
             return Err(Error::invalid_arg("options->send_staging_bytes", "0 (every staged transfer would fall back)"));
         }
+        self.rdma.validate()?;
         self.listen_address.parse::<SocketAddr>().map_err(|e| {
             Error::invalid_arg(
                 "options->listen_address",
@@ -146,6 +151,7 @@ pub struct Engine {
     conns: Arc<Mutex<Vec<Connection>>>,
     /// Sessions this engine opened, ended when it is freed (their operations fail at once).
     sessions: Mutex<Vec<std::sync::Weak<SenderSession>>>,
+    rdma: Arc<Rdma>,
 }
 
 /// An accepted connection: a handle to shut its socket down and its reader thread.
@@ -154,15 +160,14 @@ type Connection = (TcpStream, JoinHandle<()>);
 impl Engine {
     pub fn new(options: EngineOptions) -> Result<Engine> {
         let listen = options.validate()?;
-        match options.transport {
-            TransportKind::Tcp | TransportKind::Auto => {}
-            TransportKind::Rdma => {
-                return Err(Error::new(
-                    Status::KVSTAGE_E_UNSUPPORTED,
-                    "transport rdma is not available in this build yet (use tcp or auto)",
-                ))
-            }
-        }
+        // RDMA devices: transport rdma without a usable one fails here (KVSTAGE_E_NO_DEVICE, the
+        // causes down to the OS error of the device list); auto without one runs on TCP.
+        let rdma_mode = match options.transport {
+            TransportKind::Tcp => RdmaMode::Off,
+            TransportKind::Auto => RdmaMode::Auto,
+            TransportKind::Rdma => RdmaMode::Required,
+        };
+        let rdma = Rdma::open(rdma_mode, options.rdma.clone())?;
         let listener = TcpListener::bind(listen)
             .map_err(|e| Error::from(e).context(format!("cannot listen on {listen}")))?;
         let local_addr = listener.local_addr()?;
@@ -175,8 +180,10 @@ impl Engine {
             copy: copy.clone(),
             staging: Mutex::new(Vec::new()),
             options: shared_options.clone(),
+            rdma: rdma.clone(),
         });
         let receiver = Arc::new(Receiver::new(pool.clone(), copy, shared_options));
+        receiver.set_rdma(rdma.clone());
         let (tx, rx) = crossbeam_channel::unbounded::<ScatterJob>();
         receiver.set_scatter_queue(tx);
         let scatter_receiver = receiver.clone();
@@ -211,11 +218,17 @@ impl Engine {
             scatter_thread: Some(scatter_thread),
             conns,
             sessions: Mutex::new(Vec::new()),
+            rdma,
         })
     }
 
     pub fn options(&self) -> &EngineOptions {
         &self.options
+    }
+
+    /// The engine's RDMA side (devices, counters; inactive for transport tcp or without a device).
+    pub fn rdma(&self) -> &Arc<Rdma> {
+        &self.rdma
     }
 
     /// The address the engine listens on (the chosen port when 0 was asked for).

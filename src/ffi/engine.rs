@@ -50,6 +50,17 @@ pub struct kvstage_engine_options {
     pub cluster_token: *const c_char,
     /// A `kvstage_integrity` value: when chunks carry a checksum verified before the scatter.
     pub integrity: i32,
+    /// RDMA devices to use, striped, as "mlx5_0:1,mlx5_1" (name[:port], comma-separated);
+    /// NULL or "" = the first device with an ACTIVE port.
+    pub rdma_devices: *const c_char,
+    /// GID index for RoCE ports; -1 = automatic (a RoCE v2 GID holding an IPv4 address).
+    pub rdma_gid_index: i32,
+    /// Queue pairs per device and session (1..=16); a chunk is striped over all of them.
+    pub rdma_qps_per_device: u32,
+    /// Largest RDMA WRITE work request in bytes (4096..=1073741824).
+    pub rdma_wr_bytes: u32,
+    /// One signalled completion per this many work requests (1..=1024).
+    pub rdma_signal_every: u32,
 }
 
 /// Per-chunk integrity checking (xxh3-64 of each writer's staged bytes).
@@ -79,12 +90,17 @@ impl Default for kvstage_engine_options {
             send_staging_bytes: d.send_staging_bytes,
             cluster_token: std::ptr::null(),
             integrity: kvstage_integrity::KVSTAGE_INTEGRITY_SAMPLED as i32,
+            rdma_devices: std::ptr::null(),
+            rdma_gid_index: -1,
+            rdma_qps_per_device: d.rdma.qps_per_device,
+            rdma_wr_bytes: d.rdma.wr_bytes,
+            rdma_signal_every: d.rdma.signal_every,
         }
     }
 }
 
-/// Size of the first published version of `kvstage_engine_options`.
-const ENGINE_OPTIONS_V1: usize = std::mem::size_of::<kvstage_engine_options>();
+/// Size of the first published version of `kvstage_engine_options` (up to `integrity`).
+const ENGINE_OPTIONS_V1: usize = std::mem::offset_of!(kvstage_engine_options, rdma_devices);
 
 unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOptions> {
     let raw: kvstage_engine_options = unsafe { versioned_struct(ptr, "options", ENGINE_OPTIONS_V1) }?;
@@ -115,6 +131,18 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
         2 => Integrity::Always,
         other => return Err(Error::invalid_arg("options->integrity", format!("{other} is not a kvstage_integrity value"))),
     };
+    if !raw.rdma_devices.is_null() {
+        let text = unsafe { str_arg(raw.rdma_devices, "options->rdma_devices") }?;
+        opts.rdma.devices = crate::transport::rdma::parse_devices(text)?;
+    }
+    opts.rdma.gid_index = match raw.rdma_gid_index {
+        -1 => None,
+        i if i >= 0 => Some(i as u32),
+        other => return Err(Error::invalid_arg("options->rdma_gid_index", format!("{other} is neither -1 (automatic) nor an index"))),
+    };
+    opts.rdma.qps_per_device = raw.rdma_qps_per_device;
+    opts.rdma.wr_bytes = raw.rdma_wr_bytes;
+    opts.rdma.signal_every = raw.rdma_signal_every;
     Ok(opts)
 }
 
@@ -128,6 +156,9 @@ pub unsafe extern "C" fn kvstage_engine_options_init(options: *mut kvstage_engin
 }
 
 /// Creates an engine; `options` may be NULL for defaults. Writes `*out` only on success.
+/// Transport RDMA without a usable device is `KVSTAGE_E_NO_DEVICE` (class RDMA; the causes end
+/// with the OS error of the device list); AUTO without one uses TCP and counts each such session
+/// in `kvstage_engine_stats.rdma_downgrades`.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_new(
     options: *const kvstage_engine_options,
@@ -219,6 +250,11 @@ pub struct kvstage_engine_stats {
     pub ring_live_allocations: u64,
     pub watermark_round: u64,
     pub watermark_offset: u64,
+    /// Sessions this engine opened on TCP although its transport is AUTO (no RDMA device here or
+    /// at the peer, or the RDMA exchange failed); `kvstage_engine_transport_describe` says why.
+    pub rdma_downgrades: u64,
+    /// Sessions connected over RDMA, opened or accepted by this engine.
+    pub rdma_sessions: u64,
 }
 
 /// Fills `out` (set `out->struct_size` first) with the engine's counters.
@@ -234,6 +270,8 @@ pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine,
             ring_live_allocations: live,
             watermark_round: wm.round,
             watermark_offset: wm.offset,
+            rdma_downgrades: engine.rdma().downgrades(),
+            rdma_sessions: engine.rdma().sessions(),
         };
         super::write_versioned(out, stats, "out")?;
         Ok(Status::KVSTAGE_OK)

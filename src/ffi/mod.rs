@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use crate::error::{Error, Result, Status};
 
 pub mod core;
+pub mod doctor;
 pub mod engine;
 pub mod geometry;
 pub mod last_error;

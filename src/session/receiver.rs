@@ -135,7 +135,13 @@ pub struct Receiver {
     options: Arc<EngineOptions>,
     /// Set when the engine shuts down (ends stalled test readers).
     closing: std::sync::atomic::AtomicBool,
+    /// RDMA devices of the engine: answers senders' offers (none until `set_rdma`).
+    rdma: Mutex<Option<Arc<crate::transport::rdma::Rdma>>>,
 }
+
+/// How long a `ChunkReady` waits for its write-with-immediate (the sender sends it only after the
+/// write completed, so this only bounds a broken or lying sender).
+const RDMA_IMM_WAIT: Duration = Duration::from_secs(5);
 
 /// Bound on a reply or broadcast to one sender: the sender's reader drains them at once, so a
 /// full socket means a stuck peer, which is then cut off.
@@ -167,11 +173,16 @@ impl Receiver {
             scatter_tx: Mutex::new(None),
             options,
             closing: std::sync::atomic::AtomicBool::new(false),
+            rdma: Mutex::new(None),
         }
     }
 
     pub fn set_scatter_queue(&self, tx: Sender<ScatterJob>) {
         *self.scatter_tx.lock() = Some(tx);
+    }
+
+    pub fn set_rdma(&self, rdma: Arc<crate::transport::rdma::Rdma>) {
+        *self.rdma.lock() = Some(rdma);
     }
 
     pub fn close_scatter_queue(&self) {
@@ -184,6 +195,11 @@ impl Receiver {
             return Err(Error::invalid_arg("staging", "the staging ring has live allocations; release rooms first"));
         }
         st.ring = Some(Ring::new(memory.len as u64));
+        // The old ring's memory region goes before its memory (RDMA peers then fail with a
+        // remote access error and reconnect).
+        if let Some(r) = self.rdma.lock().as_ref() {
+            r.forget_ring();
+        }
         *self.memory.lock() = Some(Arc::new(memory));
         Ok(())
     }
@@ -384,6 +400,8 @@ impl Receiver {
         let writer = writer_of(src, &dst.shape)?;
         let writers = layout.writer_count();
         let slice = layout.writers[writer as usize].heads;
+        // Set when the sender connected its RDMA queue pairs (its chunks then arrive by RDMA).
+        let mut rdma_peer: Option<crate::transport::rdma::link::RdmaPeer> = None;
         while let Some(msg) = protocol::read_frame(reader)? {
             frames += 1;
             if stop_after.is_some_and(|n| frames > n) {
@@ -410,7 +428,9 @@ impl Receiver {
                     }
                 }
                 Message::ChunkReady { req, room, chunk, writer: w, checksum } => {
-                    let (status, last) = match self.arrive(room, chunk, w, writer, checksum, session) {
+                    // RDMA: the write-with-immediate (imm = req) must have completed first.
+                    let landed = rdma_peer.as_ref().map_or(Ok(()), |p| p.wait_imm(req as u32, RDMA_IMM_WAIT));
+                    let (status, last) = match landed.and_then(|()| self.arrive(room, chunk, w, writer, checksum, session)) {
                         Ok(last) => (Message::Arrived { req, status: 0, reason: String::new() }, last),
                         Err(e) => (Message::Arrived { req, status: e.code().code(), reason: e.chain() }, false),
                     };
@@ -442,6 +462,25 @@ impl Receiver {
                         self.finish_slices(room, chunk);
                     }
                     sent?;
+                }
+                Message::RdmaOffer(offer) => {
+                    let ring = self.memory.lock().clone();
+                    let rdma = self.rdma.lock().clone().unwrap_or_else(crate::transport::rdma::Rdma::off);
+                    let (answer, p) = rdma.accept(&offer, ring.as_ref().map(|m| (m.ptr, m.len)), &link.describe(), session);
+                    rdma_peer = p;
+                    link.send(&Message::RdmaAnswer(answer), &reply_deadline())?;
+                }
+                Message::RdmaWritten { room, chunk, writer: w, offset, len, imm: _ } => {
+                    if rdma_peer.is_none() {
+                        return Err(reject(Status::KVSTAGE_E_PROTOCOL, "an RDMA write report on a session without RDMA"));
+                    }
+                    // The bytes are already in the ring: check that they were this writer's to
+                    // write, then count them as received (a closed room's late write is ignored).
+                    match self.data_target(room, chunk, w, writer, offset, len) {
+                        Ok(_) => self.note_received(room, chunk, w, len),
+                        Err(e) if e.code() == Status::KVSTAGE_E_PROTOCOL => return Err(e),
+                        Err(_) => {}
+                    }
                 }
                 Message::Abort { room, chunk, reason } => {
                     let mut st = self.state.lock();

@@ -33,6 +33,8 @@ pub struct SendResources {
     /// allocation).
     pub staging: Mutex<Vec<u8>>,
     pub options: Arc<EngineOptions>,
+    /// RDMA devices of the engine (inactive for transport tcp or without a device).
+    pub rdma: Arc<crate::transport::rdma::Rdma>,
 }
 
 /// How long an abort may take to leave: it is best effort, the receiver also cleans up when the
@@ -128,9 +130,19 @@ impl SenderSession {
         if !crate::session::tokens_match(&token, &remote.token) {
             return Err(Error::new(Status::KVSTAGE_E_AUTH, format!("{addr} did not present this cluster's token")));
         }
+        // Transport auto/rdma: the QPs are exchanged on this stream before its reader starts.
+        let (link, early) = resources.rdma.negotiate(link, &mut reader, &addr.to_string(), id, &deadline)?;
+        let mut watermark = remote.watermark;
+        for m in early {
+            if let Message::Watermark(w) = m {
+                if (w.round, w.offset) > (watermark.round, watermark.offset) {
+                    watermark = w;
+                }
+            }
+        }
         reader.set_read_timeout(None)?;
         let shared = Arc::new(Shared {
-            state: Mutex::new(State { watermark: remote.watermark, replies: HashMap::new(), dead: None }),
+            state: Mutex::new(State { watermark, replies: HashMap::new(), dead: None }),
             cv: Condvar::new(),
         });
         let reader_shared = shared.clone();
@@ -217,7 +229,7 @@ impl SenderSession {
             other => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
         };
         // From here on the receiver holds ring space for us: every failure aborts first.
-        let written = self.write_granted(desc, op, &deadline, &plan, region.offset, region.bytes, round, offset + region.offset + region.bytes, writer);
+        let written = self.write_granted(desc, op, &deadline, &plan, region.offset, region.bytes, round, offset + region.offset + region.bytes, writer, offset);
         let req = match written {
             Ok(req) => req,
             Err(e) => {
@@ -251,6 +263,7 @@ impl SenderSession {
         round: u64,
         end: u64,
         writer: u32,
+        grant_offset: u64,
     ) -> Result<u64> {
         self.wait_writable(round, end, deadline, op)?;
         let mut staging = self.resources.staging.lock();
@@ -270,7 +283,7 @@ impl SenderSession {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let header = Message::Data { room: desc.room, chunk: desc.chunk, writer, offset: region_offset, len: region_bytes };
         let ready = Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
-        self.link.write_chunk(&header, data, &ready, deadline)?;
+        self.link.write_chunk_at(grant_offset, &header, data, &ready, deadline)?;
         Ok(req)
     }
 

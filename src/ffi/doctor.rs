@@ -1,0 +1,82 @@
+//! Host capability report (`kvstage_doctor`) and an engine's transport state.
+
+use std::ffi::c_char;
+
+use super::{engine, ffi_fn};
+use crate::error::{Error, Result, Status};
+
+/// Copies `text` NUL-terminated into `buf` of `capacity` bytes; `*needed` (when not NULL) gets the
+/// size including the NUL. Too small: `KVSTAGE_E_INVALID_ARG` naming both sizes.
+unsafe fn write_text(text: &str, buf: *mut c_char, capacity: usize, needed: *mut usize) -> Result<Status> {
+    let size = text.len() + 1;
+    if !needed.is_null() {
+        // SAFETY: a non-NULL `needed` points to writable storage by contract.
+        unsafe { *needed = size };
+    }
+    if size > capacity {
+        return Err(Error::invalid_arg("capacity", format!("{capacity} < {size} bytes needed")));
+    }
+    if buf.is_null() {
+        return Err(Error::invalid_arg("buf", format!("is NULL with capacity {capacity}")));
+    }
+    // SAFETY: `capacity >= size` writable bytes at `buf` by contract.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr(), buf as *mut u8, text.len());
+        *buf.add(text.len()) = 0;
+    }
+    Ok(Status::KVSTAGE_OK)
+}
+
+/// Reports what this host offers kvstage: whether libibverbs loads, the RDMA devices and their
+/// ports (state, active and max MTU, link layer, LID, GID table size), dma-buf registration and
+/// peer-memory support, whether libcuda loads and the GPU count, and a verdict. `json` 0: readable
+/// text; 1: one JSON object. The report is written NUL-terminated into `buf`; `*needed` (may be
+/// NULL) receives its size including the NUL, so a call with `capacity` 0 and `buf` NULL asks for
+/// the size (it returns `KVSTAGE_E_INVALID_ARG` naming the sizes, as does any too-small buffer).
+/// Hosts without rdma-core or without a device get a clean "no RDMA" report, not an error.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_doctor(buf: *mut c_char, capacity: usize, needed: *mut usize, json: i32) -> Status {
+    ffi_fn!(status {
+        let report = crate::transport::rdma::doctor::probe();
+        let text = match json {
+            0 => crate::transport::rdma::doctor::text(&report),
+            1 => crate::transport::rdma::doctor::json(&report),
+            other => return Err(Error::invalid_arg("json", format!("{other} is neither 0 (text) nor 1 (JSON)"))),
+        };
+        unsafe { write_text(&text, buf, capacity, needed) }
+    })
+}
+
+/// Describes the engine's transport in one line: "rdma: mlx5_0:1 (InfiniBand, MTU 4096), ...",
+/// or why RDMA is not used and the last downgrade of a session to TCP. Same buffer rules as
+/// `kvstage_doctor`.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_transport_describe(
+    engine: *const engine::kvstage_engine,
+    buf: *mut c_char,
+    capacity: usize,
+    needed: *mut usize,
+) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { engine::borrow(engine, "engine") }?;
+        let rdma = engine.rdma();
+        let mut text = match rdma.mode() {
+            crate::transport::rdma::RdmaMode::Off => "tcp (transport tcp)".to_owned(),
+            mode if rdma.active() => {
+                let nics: Vec<String> = rdma
+                    .nics()
+                    .iter()
+                    .map(|n| format!("{} ({}, MTU {}, GID index {})", n.attrs.describe(), n.attrs.link_layer, n.attrs.active_mtu, n.attrs.gid_index))
+                    .collect();
+                let how = if mode == crate::transport::rdma::RdmaMode::Required { "required" } else { "auto" };
+                format!("rdma ({how}): {}, {} QP(s) per device", nics.join(", "), rdma.options().qps_per_device)
+            }
+            _ => format!("tcp (transport auto, no usable RDMA device: {})", rdma.unavailable_reason()),
+        };
+        let (n, last) = (rdma.downgrades(), rdma.last_downgrade());
+        if n > 0 {
+            text.push_str(&format!("; {n} session(s) downgraded to tcp, last: {last}"));
+        }
+        unsafe { write_text(&text, buf, capacity, needed) }
+    })
+}
