@@ -299,6 +299,12 @@ typedef struct kvstage_transfer_desc {
     size_t num_pages;
     // Deadline in milliseconds: 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none.
     uint64_t deadline_ms;
+    // CUDA pools: the `CUstream` after whose current work the chunk's KV is valid (an event is
+    // recorded on it during the call), or NULL.
+    void *cuda_stream;
+    // CUDA pools: a recorded `CUevent` after which the chunk's KV is valid, or NULL. At most one
+    // of `cuda_stream` and `cuda_event` is set; both NULL: the KV is valid now.
+    void *cuda_event;
 } kvstage_transfer_desc;
 
 // A chunk that reached the decode KV pool (status `KVSTAGE_OK`) or failed.

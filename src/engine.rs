@@ -14,7 +14,7 @@ use crate::geometry::KvLayout;
 use crate::transport::faults::Faults;
 use crate::transport::rdma::{Rdma, RdmaMode, RdmaOptions};
 use crate::session::receiver::{Receiver, RingMemory, ScatterJob};
-use crate::session::sender::{SendResources, SenderSession};
+use crate::session::sender::{SendResources, SenderSession, Staging};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransportKind {
@@ -178,7 +178,7 @@ impl Engine {
         let send = Arc::new(SendResources {
             pool: pool.clone(),
             copy: copy.clone(),
-            staging: Mutex::new(Vec::new()),
+            staging: Mutex::new(Staging::default()),
             options: shared_options.clone(),
             rdma: rdma.clone(),
         });

@@ -51,7 +51,7 @@ fn corrupted_chunk_is_an_integrity_error_with_both_checksums() {
     let faults = Faults { plan: FaultPlan { seed: 3, corrupt: 1000, ..FaultPlan::default() }, counters: Arc::new(FaultCounters::default()) };
     let p = pair(opts(Integrity::Off, None, None), opts(Integrity::Always, None, Some(faults.clone())));
     let s = p.prefill.connect(&p.decode.local_addr().to_string(), "integrity-1", None).unwrap();
-    let desc = TransferDesc { room: 1, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)) };
+    let desc = TransferDesc { room: 1, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)), ..Default::default() };
     let e = s.transfer(&desc, &Op::new(s.waker())).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_INTEGRITY, "{}", e.chain());
     assert_eq!(e.session(), Some("integrity-1"));
@@ -71,7 +71,7 @@ fn without_checksums_the_same_corruption_goes_unnoticed() {
     let faults = Faults { plan: FaultPlan { seed: 3, corrupt: 1000, ..FaultPlan::default() }, counters: Arc::new(FaultCounters::default()) };
     let p = pair(opts(Integrity::Off, None, None), opts(Integrity::Off, None, Some(faults)));
     let s = p.prefill.connect(&p.decode.local_addr().to_string(), "integrity-2", None).unwrap();
-    let desc = TransferDesc { room: 1, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)) };
+    let desc = TransferDesc { room: 1, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)), ..Default::default() };
     assert_eq!(s.transfer(&desc, &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
     p.decode.receiver().wait_room(1, Some(Duration::from_secs(2))).unwrap();
     let (bad, _) = p.dpool.verify(&[0, 1, 2, 3], 0);
@@ -92,7 +92,7 @@ fn cluster_token_must_match_on_both_sides() {
     }
     let p = pair(opts(Integrity::Always, Some("alpha"), None), opts(Integrity::Always, Some("alpha"), None));
     let s = p.prefill.connect(&p.decode.local_addr().to_string(), "auth-2", None).unwrap();
-    let desc = TransferDesc { room: 1, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)) };
+    let desc = TransferDesc { room: 1, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)), ..Default::default() };
     assert_eq!(s.transfer(&desc, &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
 }
 

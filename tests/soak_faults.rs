@@ -112,7 +112,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
                     }
                     let Ok(session) = session else { return hangs };
                     for (chunk, chunk_pages) in pages.chunks(CHUNK_TOKENS as usize / PAGE as usize).enumerate() {
-                        let desc = TransferDesc { room: ROOM, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(OP_DEADLINE) };
+                        let desc = TransferDesc { room: ROOM, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(OP_DEADLINE), ..Default::default() };
                         let start = Instant::now();
                         let result = session.transfer(&desc, &Op::new(session.waker()));
                         if start.elapsed() > OP_DEADLINE + SLACK {

@@ -244,6 +244,8 @@ class kvstage_transfer_desc(Structure):
         ("src_pages", POINTER(c_uint32)),
         ("num_pages", c_size_t),
         ("deadline_ms", c_uint64),
+        ("cuda_stream", c_void_p),
+        ("cuda_event", c_void_p),
     ]
 
 

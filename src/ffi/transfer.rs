@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use super::engine::{borrow as borrow_engine, kvstage_engine, KVSTAGE_DEADLINE_INFINITE};
 use super::{ffi_fn, out_arg, slice_arg, str_arg, versioned_struct, Handle};
+use crate::copy::ReadyFence;
 use crate::error::{Error, Result, Status};
 use crate::session::op::Op;
 use crate::session::sender::{SenderSession, TransferDesc};
@@ -82,6 +83,12 @@ pub struct kvstage_transfer_desc {
     pub num_pages: usize,
     /// Deadline in milliseconds: 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none.
     pub deadline_ms: u64,
+    /// CUDA pools: the `CUstream` after whose current work the chunk's KV is valid (an event is
+    /// recorded on it during the call), or NULL.
+    pub cuda_stream: *mut std::ffi::c_void,
+    /// CUDA pools: a recorded `CUevent` after which the chunk's KV is valid, or NULL. At most one
+    /// of `cuda_stream` and `cuda_event` is set; both NULL: the KV is valid now.
+    pub cuda_event: *mut std::ffi::c_void,
 }
 
 impl Default for kvstage_transfer_desc {
@@ -93,6 +100,8 @@ impl Default for kvstage_transfer_desc {
             src_pages: std::ptr::null(),
             num_pages: 0,
             deadline_ms: 0,
+            cuda_stream: std::ptr::null_mut(),
+            cuda_event: std::ptr::null_mut(),
         }
     }
 }
@@ -106,17 +115,28 @@ pub unsafe extern "C" fn kvstage_transfer_desc_init(desc: *mut kvstage_transfer_
     })
 }
 
-unsafe fn transfer_desc(engine_default: Option<Duration>, ptr: *const kvstage_transfer_desc) -> Result<TransferDesc> {
-    let raw: kvstage_transfer_desc = unsafe { versioned_struct(ptr, "desc", std::mem::size_of::<kvstage_transfer_desc>()) }?;
+/// Size of the first version of `kvstage_transfer_desc` (before the CUDA ready point).
+const TRANSFER_DESC_V1: usize = std::mem::offset_of!(kvstage_transfer_desc, cuda_stream);
+
+/// Reads a descriptor. The CUDA ready point is captured here, on the caller's thread, so work the
+/// caller queues on its stream afterwards is not waited for.
+unsafe fn transfer_desc(session: &SenderSession, ptr: *const kvstage_transfer_desc) -> Result<TransferDesc> {
+    let engine_default = session.default_timeout();
+    let raw: kvstage_transfer_desc = unsafe { versioned_struct(ptr, "desc", TRANSFER_DESC_V1) }?;
     let pages = unsafe { slice_arg(raw.src_pages, raw.num_pages, "desc->src_pages") }?;
     if pages.is_empty() {
         return Err(Error::invalid_arg("desc->num_pages", "0 (a chunk holds at least one page)"));
     }
+    if !raw.cuda_stream.is_null() && !raw.cuda_event.is_null() {
+        return Err(Error::invalid_arg("desc->cuda_event", "is set together with desc->cuda_stream (set at most one)"));
+    }
+    let ready = ReadyFence::capture(session.pool(), raw.cuda_stream as usize, raw.cuda_event as usize)?;
     Ok(TransferDesc {
         room: raw.room,
         chunk: raw.chunk_index,
         pages: pages.to_vec(),
         timeout: timeout_ms(raw.deadline_ms).unwrap_or(engine_default),
+        ready: ready.map(Arc::new),
     })
 }
 
@@ -134,7 +154,7 @@ fn run(session: &SenderSession, desc: &TransferDesc, op: &Op, path: &Path) -> Re
 
 unsafe fn run_sync(session_ptr: *const kvstage_session, desc_ptr: *const kvstage_transfer_desc, path: Path) -> Result<Status> {
     let session = unsafe { session(session_ptr) }?;
-    let desc = unsafe { transfer_desc(session.default_timeout(), desc_ptr) }?;
+    let desc = unsafe { transfer_desc(session, desc_ptr) }?;
     let op = Op::new(session.waker());
     run(session, &desc, &op, &path)
 }
@@ -166,7 +186,7 @@ pub unsafe extern "C" fn kvstage_transfer_async(
 ) -> Status {
     ffi_fn!(status {
         let session = unsafe { self::session(session) }?.clone();
-        let desc = unsafe { transfer_desc(session.default_timeout(), desc) }?;
+        let desc = unsafe { transfer_desc(&session, desc) }?;
         let out = out_arg(out, "out")?;
         let op = Op::new(session.waker());
         let worker_op = op.clone();

@@ -15,7 +15,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::op::{Op, Waker};
 use super::{writer_of, Deadline};
-use crate::copy::CopyEngine;
+use crate::copy::{CopyEngine, HostPin, ReadyFence};
 use crate::engine::EngineOptions;
 use crate::error::{Error, Result, Status};
 use crate::geometry::{self, Fingerprint, KvLayout, MemoryKind};
@@ -31,7 +31,7 @@ pub struct SendResources {
     pub copy: Arc<dyn CopyEngine>,
     /// Reused gather buffer (grows up to `options.send_staging_bytes`, never shrinks: no per-chunk
     /// allocation).
-    pub staging: Mutex<Vec<u8>>,
+    pub staging: Mutex<Staging>,
     pub options: Arc<EngineOptions>,
     /// RDMA devices of the engine (inactive for transport tcp or without a device).
     pub rdma: Arc<crate::transport::rdma::Rdma>,
@@ -42,12 +42,22 @@ pub struct SendResources {
 const ABORT_DEADLINE: Duration = Duration::from_secs(1);
 
 /// One chunk to send: the prefill pages holding its tokens, in chunk order.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct TransferDesc {
     pub room: u64,
     pub chunk: u32,
     pub pages: Vec<u32>,
     pub timeout: Option<Duration>,
+    /// CUDA pools: the producer's ready point; the gather is ordered after it.
+    pub ready: Option<Arc<ReadyFence>>,
+}
+
+/// The reused send staging buffer and, for device pools, its page-locked registration.
+#[derive(Default)]
+pub struct Staging {
+    buffer: Vec<u8>,
+    /// Dropped before `buffer` is reallocated (declared first: dropped first).
+    pin: Option<HostPin>,
 }
 
 struct State {
@@ -170,6 +180,11 @@ impl SenderSession {
         self.shared.clone()
     }
 
+    /// The local pool this session sends from.
+    pub fn pool(&self) -> &KvLayout {
+        &self.pool
+    }
+
     pub fn default_timeout(&self) -> Option<Duration> {
         self.resources.options.default_deadline
     }
@@ -267,18 +282,22 @@ impl SenderSession {
     ) -> Result<u64> {
         self.wait_writable(round, end, deadline, op)?;
         let mut staging = self.resources.staging.lock();
-        if (staging.len() as u64) < region_bytes {
+        let staging = &mut *staging;
+        if (staging.buffer.len() as u64) < region_bytes {
             // Grown once to the largest chunk share seen, then reused.
-            let grow = region_bytes as usize - staging.len();
-            staging.try_reserve_exact(grow).map_err(|_| {
+            staging.pin = None;
+            let grow = region_bytes as usize - staging.buffer.len();
+            staging.buffer.try_reserve_exact(grow).map_err(|_| {
                 Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot grow the send staging buffer to {region_bytes} bytes"))
             })?;
-            staging.resize(region_bytes as usize, 0);
+            staging.buffer.resize(region_bytes as usize, 0);
+            // Page-locked for device pools (faster device-to-host copies); best effort.
+            staging.pin = self.resources.copy.pin_host(staging.buffer.as_mut_ptr(), staging.buffer.len()).ok().flatten();
         }
         // SAFETY: the pool was validated at registration and its pages checked; the staging buffer
         // holds at least the region's bytes.
-        unsafe { self.resources.copy.gather(plan, &self.pool, staging.as_mut_ptr()) }?;
-        let data = &staging[..region_bytes as usize];
+        unsafe { self.resources.copy.gather_after(plan, &self.pool, staging.buffer.as_mut_ptr(), desc.ready.as_deref()) }?;
+        let data = &staging.buffer[..region_bytes as usize];
         let checksum = self.resources.options.integrity.covers(desc.room, desc.chunk).then(|| checksum(data));
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let header = Message::Data { room: desc.room, chunk: desc.chunk, writer, offset: region_offset, len: region_bytes };

@@ -418,6 +418,7 @@ impl Prefill {
                                     chunk: chunk as u32,
                                     pages: chunk_pages.to_vec(),
                                     timeout: Some(Duration::from_secs(600)),
+                                    ready: None,
                                 };
                                 let op = Op::new(session.waker());
                                 let status = if staged { session.transfer(&desc, &op)? } else { session.transfer_slices(&desc, &op)? };
