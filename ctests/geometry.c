@@ -1,0 +1,143 @@
+/* Geometry from C: kvstage_head_slice (GEOMETRY.md examples, bad input names the argument and
+ * leaves *out untouched), kvstage_staging_layout (count query, too-small array, filled entries,
+ * errors naming the layout and field), kvstage_kv_layout_init/validate, writers and grid.
+ * Also built as C++17. */
+#include "kvstage_check.h"
+
+static void check_error(int status, int expected, const char *needle, int line) {
+    const kvstage_error *e = kvstage_error_last();
+    if (status != expected || status >= 0 || (int)e->code != expected || strstr(e->message, needle) == NULL) {
+        KV_FAIL_AT(__FILE__, line, "status %d (expected %d), message \"%s\" (expected to contain \"%s\")",
+                   status, expected, e->message, needle);
+    }
+}
+#define CHECK_ERROR(call, expected, needle) check_error((int)(call), (int)(expected), (needle), __LINE__)
+
+static kvstage_kv_layout layout(uint32_t tp_rank, uint32_t tp_size, size_t num_layers) {
+    kvstage_kv_layout l;
+    memset(&l, 0, sizeof l);
+    CHECK_OK(kvstage_kv_layout_init(&l));
+    CHECK_INT(l.struct_size, sizeof(kvstage_kv_layout));
+    CHECK_INT(l.model_kind, KVSTAGE_MODEL_MHA);
+    CHECK_INT(l.memory_kind, KVSTAGE_MEMORY_HOST);
+    l.page_size = 16;
+    l.global_heads = 8;
+    l.local_heads = 8 / tp_size;
+    l.head_dim = 128;
+    l.dtype_bytes = 2;
+    l.tp_rank = tp_rank;
+    l.tp_size = tp_size;
+    l.layer_ids = NULL; /* layers 0 .. num_layers-1 */
+    l.num_layers = num_layers;
+    return l;
+}
+
+int main(void) {
+    kvstage_head_slice_t hs;
+    uint32_t rank, n = 0;
+    static const uint32_t p4d2[4] = {0, 2, 0, 2}, p1d4[4] = {0, 0, 1, 1};
+
+    /* GEOMETRY.md: P4->D2, H=8: dst_start for prefill ranks 0..3 = [0, 2, 0, 2], n = 2. */
+    for (rank = 0; rank < 4; rank++) {
+        CHECK_OK(kvstage_head_slice(4, 2, rank, rank / 2, 8, &hs));
+        CHECK_INT(hs.src_head_start, 0);
+        CHECK_INT(hs.num_heads, 2);
+        CHECK_INT(hs.dst_head_start, p4d2[rank]);
+    }
+    /* P2->D4, H=8: src_start for decode ranks 0..3 = [0, 2, 0, 2]. */
+    for (rank = 0; rank < 4; rank++) {
+        CHECK_OK(kvstage_head_slice(2, 4, rank / 2, rank, 8, &hs));
+        CHECK_INT(hs.src_head_start, p4d2[rank]);
+        CHECK_INT(hs.num_heads, 2);
+    }
+    /* P1->D4, H=2 (replication): src_start = [0, 0, 1, 1], n = 1. */
+    for (rank = 0; rank < 4; rank++) {
+        CHECK_OK(kvstage_head_slice(1, 4, 0, rank, 2, &hs));
+        CHECK_INT(hs.src_head_start, p1d4[rank]);
+        CHECK_INT(hs.num_heads, 1);
+    }
+    /* Equal TP: (0, H/tp, 0). */
+    CHECK_OK(kvstage_head_slice(4, 4, 3, 3, 8, &hs));
+    CHECK_INT(hs.src_head_start, 0);
+    CHECK_INT(hs.num_heads, 2);
+    CHECK_INT(hs.dst_head_start, 0);
+
+    /* Bad input: a negative code, a message naming the argument, *out untouched. */
+    hs.src_head_start = 77;
+    CHECK_ERROR(kvstage_head_slice(4, 2, 4, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
+    CHECK_ERROR(kvstage_head_slice(4, 2, 0, 2, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_rank`");
+    CHECK_ERROR(kvstage_head_slice(0, 2, 0, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_tp`");
+    CHECK_ERROR(kvstage_head_slice(4, 2, 0, 0, 6, &hs), KVSTAGE_E_INVALID_ARG, "`total_kv_heads`");
+    CHECK_ERROR(kvstage_head_slice(4, 2, 2, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "does not write to decode rank 0");
+    CHECK_ERROR(kvstage_head_slice(4, 2, 0, 0, 8, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
+    CHECK_INT(hs.src_head_start, 77);
+
+    CHECK_OK(kvstage_writers_per_chunk(8, 2, 2, 1, &n));
+    CHECK_INT(n, 8);
+    CHECK_OK(kvstage_grid_tokens(8200, 64, &n));
+    CHECK_INT(n, 8192);
+    CHECK_INT(KVSTAGE_DEFAULT_CHUNK_TOKENS, 8192);
+    CHECK_ERROR(kvstage_grid_tokens(8192, 0, &n), KVSTAGE_E_INVALID_ARG, "`page_size`");
+
+    {
+        /* 70B-shaped, P4->D2, 8192 tokens: 2 writers of 640 MiB. */
+        kvstage_kv_layout src = layout(0, 4, 80), dst = layout(1, 2, 80);
+        kvstage_staging_layout_t out;
+        kvstage_staging_writer_t w[3], one[1];
+        const kvstage_error *e;
+        memset(&out, 0, sizeof out);
+        memset(w, 0, sizeof w);
+        memset(one, 0, sizeof one);
+        out.struct_size = sizeof out;
+        CHECK_OK(kvstage_staging_layout(&src, &dst, 8192, &out, NULL, 0)); /* count query */
+        CHECK_INT(out.num_writers, 2);
+        CHECK_INT(out.total_bytes, 1280ull << 20);
+        CHECK_INT(out.row_bytes, 512);
+        CHECK_INT(out.slab_bytes, 8192ull * 512);
+        CHECK_INT(out.buffers_per_layer, 2);
+        out.num_writers = 0;
+        CHECK_ERROR(kvstage_staging_layout(&src, &dst, 8192, &out, one, 1), KVSTAGE_E_INVALID_ARG, "`writers_len`");
+        CHECK_INT(out.num_writers, 2); /* the required count is reported */
+        CHECK_OK(kvstage_staging_layout(&src, &dst, 8192, &out, w, 3));
+        CHECK_INT(w[1].offset, 640ull << 20);
+        CHECK_INT(w[1].bytes, 640ull << 20);
+        CHECK_INT(w[1].layers, 80);
+        CHECK_INT(w[1].src_tp_rank, 3);
+        CHECK_INT(w[1].num_heads, 2);
+        CHECK_INT(w[1].dst_head_start, 2);
+
+        dst.local_heads = 2; /* should be 4 on a TP-2 rank of 8 heads */
+        CHECK_ERROR(kvstage_staging_layout(&src, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_INVALID, "`dst`");
+        e = kvstage_error_last();
+        REQUIRE(e->cause_count >= 1);
+        CHECK_CONTAINS(e->causes[0], "`local_heads`: 2 != 4");
+        dst.local_heads = 4;
+        dst.head_dim = 64;
+        CHECK_ERROR(kvstage_staging_layout(&src, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_MISMATCH, "mismatch");
+        e = kvstage_error_last();
+        REQUIRE(e->cause_count == 1);
+        CHECK_STR(e->causes[0], "head_dim: local 128 != remote 64");
+    }
+    {
+        /* A complete layout with (fake, never dereferenced) addresses: validate checks them. */
+        kvstage_kv_layout l = layout(0, 2, 2);
+        uint64_t bytes = 4ull * 16 * 4 * 128 * 2;
+        uint64_t k[2], v[2];
+        k[0] = 0x100000;
+        k[1] = k[0] + bytes;
+        v[0] = k[0] + 2 * bytes;
+        v[1] = k[0] + 3 * bytes;
+        l.capacity_pages = 4;
+        l.k_bases = k;
+        l.v_bases = v;
+        CHECK_OK(kvstage_kv_layout_validate(&l));
+        v[1] = v[0] + 64;
+        CHECK_ERROR(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`");
+        v[1] = 0;
+        CHECK_ERROR(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`");
+        l.model_kind = 9;
+        CHECK_ERROR(kvstage_kv_layout_validate(&l), KVSTAGE_E_INVALID_ARG, "`layout->model_kind`");
+        CHECK_ERROR(kvstage_kv_layout_validate(NULL), KVSTAGE_E_INVALID_ARG, "`layout`");
+    }
+    return kv_finish("geometry");
+}
