@@ -20,7 +20,7 @@ use kvstage::Error;
 const USAGE: &str = "usage: kvstage-bench [--model llama3-8b|qwen3-32b|llama3-70b|deepseek-v3] [--kind mha|mla] [--layers N] [--kv-heads N] \
 [--head-dim N] [--dtype-bytes N] [--prefill-tp N] [--decode-tp N] [--page-size N] [--tokens N (per request)] \
 [--chunk-tokens N] [--ring-chunks N] [--reps N] [--warmup N] [--slice-seconds S] [--threads N] \
-[--transport tcp] [--memory host] [--json FILE] [--sweep tokens|page-size|tp --plot FILE.svg]";
+[--transport tcp] [--memory host] [--json FILE] [--sweep tokens|page-size|tp --plot FILE.svg] | --doctor [--json]";
 
 #[derive(Clone)]
 struct Args {
@@ -505,6 +505,14 @@ fn run(a: &Args) -> Result<bool, Error> {
 }
 
 fn main() {
+    // `--doctor [--json]`: this host's RDMA/CUDA capabilities (kvstage_doctor), then exit.
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    if raw.iter().any(|a| a == "--doctor") {
+        let report = kvstage::transport::rdma::doctor::probe();
+        let json = raw.iter().any(|a| a == "--json");
+        print!("{}", if json { kvstage::transport::rdma::doctor::json(&report) + "\n" } else { kvstage::transport::rdma::doctor::text(&report) });
+        return;
+    }
     let args = parse_args().unwrap_or_else(|e| {
         eprintln!("{e}");
         std::process::exit(2)

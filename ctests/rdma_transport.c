@@ -1,0 +1,265 @@
+/* The RDMA transport from C, two engines in one process.
+ *
+ * Mode "none" (test rdma_none, label api, every host): on a host without a usable RDMA device the doctor reports
+ * "no RDMA" cleanly (text and JSON, with libibverbs found or not as KVSTAGE_EXPECT_LIBIBVERBS says:
+ * "present" or "hidden"), transport RDMA fails at engine creation with KVSTAGE_E_NO_DEVICE (class
+ * RDMA, a cause chain ending with the device-list error), and transport AUTO moves a staged chunk
+ * over TCP, counts the downgrade in kvstage_engine_stats.rdma_downgrades and says so in
+ * kvstage_engine_transport_describe. Exits 77 on a host that has an RDMA device.
+ *
+ * Mode "loopback" (test rdma_loopback, label rdma): both engines with transport RDMA on this host's device (or
+ * KVSTAGE_RDMA_DEVICES), a staged chunk written by RDMA WRITE + WRITE_WITH_IMM, every byte of the
+ * decode pool compared with the prefill pool. Exits 77 without a device unless
+ * KVSTAGE_REQUIRE_RDMA=1. */
+#include <stdint.h>
+
+#include "kvstage_check.h"
+
+enum { LAYERS = 4, HEADS = 8, HEAD_DIM = 64, DTYPE = 2, PAGE = 16, CAPACITY = 64, NPAGES = 32, ROOM = 11 };
+
+typedef struct pool {
+    uint8_t *memory;
+    size_t buffer;
+    uint64_t k[LAYERS], v[LAYERS];
+    kvstage_kv_layout layout;
+} pool;
+
+static void pool_init(pool *p, unsigned seed) {
+    size_t i;
+    p->buffer = (size_t)CAPACITY * PAGE * HEADS * HEAD_DIM * DTYPE;
+    p->memory = (uint8_t *)malloc(2 * LAYERS * p->buffer);
+    REQUIRE(p->memory != NULL);
+    for (i = 0; i < 2 * LAYERS * p->buffer; i++) p->memory[i] = (uint8_t)(seed ? (i * 131u + i / 4093u + seed) : 0u);
+    for (i = 0; i < LAYERS; ++i) {
+        p->k[i] = (uint64_t)(uintptr_t)(p->memory + (2 * i) * p->buffer);
+        p->v[i] = (uint64_t)(uintptr_t)(p->memory + (2 * i + 1) * p->buffer);
+    }
+    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
+    p->layout.model_kind = KVSTAGE_MODEL_MHA;
+    p->layout.page_size = PAGE;
+    p->layout.local_heads = HEADS;
+    p->layout.global_heads = HEADS;
+    p->layout.head_dim = HEAD_DIM;
+    p->layout.dtype_bytes = DTYPE;
+    p->layout.tp_rank = 0;
+    p->layout.tp_size = 1;
+    p->layout.pp_rank = 0;
+    p->layout.pp_size = 1;
+    p->layout.num_layers = LAYERS;
+    p->layout.k_bases = p->k;
+    p->layout.v_bases = p->v;
+    p->layout.capacity_pages = CAPACITY;
+}
+
+static void print_error(const char *what) {
+    const kvstage_error *e = kvstage_error_last();
+    size_t i;
+    /* No kvstage call in between: it would replace the last error. */
+    printf("%s: %s (code %d)\n", what, e->message, (int)e->code);
+    for (i = 0; i < e->cause_count; i++) printf("  cause %zu: %s\n", i, e->causes[i]);
+}
+
+/* Decode pages 0..NPAGES-1 receive prefill pages NPAGES..2*NPAGES-1 (TP 1 -> 1: whole slots). */
+static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, const char *session_id) {
+    uint32_t src[NPAGES], dst[NPAGES], chunks = 0;
+    char addr[64];
+    kvstage_session *s = NULL;
+    kvstage_transfer_desc d;
+    size_t b, pg, page_bytes = (size_t)PAGE * HEADS * HEAD_DIM * DTYPE;
+    int bad = 0, i;
+    for (i = 0; i < NPAGES; i++) {
+        dst[i] = (uint32_t)i;
+        src[i] = (uint32_t)(NPAGES + i);
+    }
+    REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr) == KVSTAGE_OK);
+    CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, &chunks));
+    CHECK_INT(chunks, 1);
+    if (kvstage_session_connect(pre, addr, session_id, 10000, &s) != KVSTAGE_OK) {
+        print_error("connect");
+        return 1;
+    }
+    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    d.room = ROOM;
+    d.chunk_index = 0;
+    d.src_pages = src;
+    d.num_pages = NPAGES;
+    d.deadline_ms = 20000;
+    if (kvstage_transfer(s, &d) != KVSTAGE_OK) {
+        print_error("transfer");
+        bad = 1;
+    }
+    CHECK_OK(kvstage_room_wait(dec, ROOM, 20000));
+    for (b = 0; b < 2 * LAYERS; b++)
+        for (pg = 0; pg < NPAGES; pg++)
+            if (memcmp(dp->memory + b * dp->buffer + pg * page_bytes, pp->memory + b * pp->buffer + (NPAGES + pg) * page_bytes, page_bytes) != 0) {
+                if (bad < 5) fprintf(stderr, "buffer %zu page %zu differs\n", b, pg);
+                bad++;
+            }
+    CHECK_INT(bad, 0);
+    CHECK_OK(kvstage_room_release(dec, ROOM));
+    kvstage_session_free(s);
+    return bad;
+}
+
+static kvstage_engine *engine(int transport, const char *devices, pool *p, int staging) {
+    kvstage_engine_options o;
+    kvstage_engine *e = NULL;
+    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    o.transport = transport;
+    o.rdma_devices = devices;
+    o.rdma_wr_bytes = 64 * 1024; /* several work requests per chunk */
+    o.rdma_signal_every = 4;
+    o.integrity = KVSTAGE_INTEGRITY_ALWAYS;
+    if (kvstage_engine_new(&o, &e) != KVSTAGE_OK) return NULL;
+    REQUIRE(kvstage_engine_register_pool(e, &p->layout) == KVSTAGE_OK);
+    if (staging) REQUIRE(kvstage_engine_register_staging(e, NULL, 16u << 20) == KVSTAGE_OK);
+    return e;
+}
+
+static int doctor_says_usable(void) {
+    size_t needed = 0;
+    char *json;
+    int usable;
+    CHECK_INT(kvstage_doctor(NULL, 0, &needed, 1), KVSTAGE_E_INVALID_ARG);
+    CHECK_CONTAINS(kvstage_error_last()->message, "capacity");
+    REQUIRE(needed > 10);
+    json = (char *)malloc(needed);
+    REQUIRE(json != NULL);
+    CHECK_OK(kvstage_doctor(json, needed, NULL, 1));
+    usable = strstr(json, "\"usable\":true") != NULL;
+    free(json);
+    return usable;
+}
+
+static int mode_none(void) {
+    const char *expect = getenv("KVSTAGE_EXPECT_LIBIBVERBS");
+    char text[8192], json[8192], describe[1024];
+    size_t needed = 0;
+    const kvstage_error *e;
+    kvstage_engine_stats st;
+    pool pp, dp;
+    kvstage_engine *pre, *dec, *bad = NULL;
+    kvstage_engine_options o;
+
+    if (doctor_says_usable()) {
+        printf("this host has a usable RDMA device: the no-device checks do not apply: skipped\n");
+        return 77;
+    }
+    CHECK_OK(kvstage_doctor(text, sizeof text, &needed, 0));
+    CHECK_INT(needed, strlen(text) + 1);
+    CHECK_OK(kvstage_doctor(json, sizeof json, NULL, 1));
+    printf("%s\n%s\n", text, json);
+    CHECK_CONTAINS(text, "verdict: no RDMA");
+    CHECK_CONTAINS(text, "libcuda.so.1:");
+    CHECK_CONTAINS(json, "\"usable\":false");
+    CHECK_CONTAINS(json, "\"devices\":[]");
+    if (expect != NULL && strcmp(expect, "present") == 0) {
+        CHECK_CONTAINS(text, "libibverbs.so.1: found");
+        CHECK_CONTAINS(json, "\"libibverbs\":{\"found\":true");
+    } else if (expect != NULL && strcmp(expect, "hidden") == 0) {
+        CHECK_CONTAINS(text, "libibverbs.so.1: not found");
+        CHECK_CONTAINS(json, "\"libibverbs\":{\"found\":false");
+        CHECK_CONTAINS(text, "os error");
+    }
+    CHECK_INT(kvstage_doctor(text, sizeof text, NULL, 2), KVSTAGE_E_INVALID_ARG);
+    CHECK_CONTAINS(kvstage_error_last()->message, "json");
+
+    /* transport RDMA: no engine, NO_DEVICE, class RDMA, causes down to the device list's error. */
+    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    o.transport = KVSTAGE_TRANSPORT_RDMA;
+    CHECK_INT(kvstage_engine_new(&o, &bad), KVSTAGE_E_NO_DEVICE);
+    CHECK(bad == NULL);
+    e = kvstage_error_last();
+    print_error("transport rdma");
+    CHECK_INT(e->klass, KVSTAGE_CLASS_RDMA);
+    CHECK_CONTAINS(e->message, "transport rdma: no usable RDMA device");
+    REQUIRE(e->cause_count >= 2);
+    CHECK_CONTAINS(e->causes[0], "libibverbs.so.1");
+    if (expect != NULL && strcmp(expect, "hidden") == 0) {
+        CHECK_CONTAINS(e->causes[0], "could not be loaded");
+        CHECK_CONTAINS(e->causes[e->cause_count - 2], "ibv_get_device_list failed");
+        CHECK_CONTAINS(e->causes[e->cause_count - 1], "os error");
+    }
+    o.rdma_devices = "mlx5_0:x";
+    CHECK_INT(kvstage_engine_new(&o, &bad), KVSTAGE_E_INVALID_ARG);
+    CHECK_CONTAINS(kvstage_error_last()->message, "options->rdma_devices");
+    o.rdma_devices = NULL;
+    o.rdma_wr_bytes = 1;
+    CHECK_INT(kvstage_engine_new(&o, &bad), KVSTAGE_E_INVALID_ARG);
+    CHECK_CONTAINS(kvstage_error_last()->message, "options->rdma_wr_bytes");
+
+    /* transport AUTO: TCP, the downgrade counted and described. */
+    pool_init(&pp, 7);
+    pool_init(&dp, 0);
+    pre = engine(KVSTAGE_TRANSPORT_AUTO, NULL, &pp, 0);
+    dec = engine(KVSTAGE_TRANSPORT_AUTO, NULL, &dp, 1);
+    REQUIRE(pre != NULL && dec != NULL);
+    CHECK_INT(transfer_and_verify(pre, dec, &pp, &dp, "auto-1"), 0);
+    memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    CHECK_OK(kvstage_engine_stats_get(pre, &st));
+    CHECK_INT(st.rdma_downgrades, 1);
+    CHECK_INT(st.rdma_sessions, 0);
+    CHECK_OK(kvstage_engine_transport_describe(pre, describe, sizeof describe, NULL));
+    printf("prefill transport: %s\n", describe);
+    CHECK_CONTAINS(describe, "tcp (transport auto, no usable RDMA device");
+    CHECK_CONTAINS(describe, "1 session(s) downgraded to tcp");
+    CHECK_INT(kvstage_engine_transport_describe(pre, describe, 4, &needed), KVSTAGE_E_INVALID_ARG);
+    CHECK(needed > 4);
+    kvstage_engine_free(pre);
+    kvstage_engine_free(dec);
+    free(pp.memory);
+    free(dp.memory);
+    return kv_finish("rdma_none");
+}
+
+static int mode_loopback(void) {
+    const char *require = getenv("KVSTAGE_REQUIRE_RDMA");
+    const char *devices = getenv("KVSTAGE_RDMA_DEVICES");
+    char describe[1024];
+    kvstage_engine_stats st;
+    pool pp, dp;
+    kvstage_engine *pre, *dec;
+    int required = require != NULL && strcmp(require, "1") == 0;
+
+    pool_init(&pp, 3);
+    pool_init(&dp, 0);
+    dec = engine(KVSTAGE_TRANSPORT_RDMA, devices, &dp, 1);
+    if (dec == NULL) {
+        print_error("transport rdma");
+        free(pp.memory);
+        free(dp.memory);
+        if (required) {
+            fprintf(stderr, "KVSTAGE_REQUIRE_RDMA=1 but no usable RDMA device\n");
+            return 1;
+        }
+        printf("no usable RDMA device on this host: skipped\n");
+        return 77;
+    }
+    pre = engine(KVSTAGE_TRANSPORT_RDMA, devices, &pp, 0);
+    REQUIRE(pre != NULL);
+    CHECK_OK(kvstage_engine_transport_describe(pre, describe, sizeof describe, NULL));
+    printf("prefill transport: %s\n", describe);
+    CHECK_CONTAINS(describe, "rdma (required)");
+    CHECK_INT(transfer_and_verify(pre, dec, &pp, &dp, "loopback-1"), 0);
+    memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    CHECK_OK(kvstage_engine_stats_get(pre, &st));
+    CHECK_INT(st.rdma_sessions, 1);
+    CHECK_INT(st.rdma_downgrades, 0);
+    CHECK_OK(kvstage_engine_stats_get(dec, &st));
+    CHECK_INT(st.rdma_sessions, 1);
+    CHECK_INT(st.ring_live_allocations, 0);
+    kvstage_engine_free(pre);
+    kvstage_engine_free(dec);
+    free(pp.memory);
+    free(dp.memory);
+    return kv_finish("rdma_loopback");
+}
+
+/* The executable's name picks the mode: rdma_loopback, or anything else (rdma_none). */
+int main(int argc, char **argv) {
+    const char *mode = argc > 1 ? argv[1] : argv[0];
+    if (strstr(mode, "loopback") != NULL) return mode_loopback();
+    return mode_none();
+}
