@@ -13,6 +13,7 @@
  * block) is refused as "not a live kvstage handle", and `_free` ignores it.
  *
  * Also built as C++17. */
+#include <stddef.h>
 #include <stdint.h>
 
 #include "kvstage_check.h"
@@ -163,7 +164,8 @@ static void test_global_and_options(void) {
     } while (0)
 
     BAD_OPTION(struct_size, 0, "`options->struct_size`");
-    BAD_OPTION(struct_size, sizeof(kvstage_engine_options) - 1, "`options->struct_size`");
+    /* Below the first published version (which ended with `integrity`). */
+    BAD_OPTION(struct_size, offsetof(kvstage_engine_options, rdma_devices) - 1, "`options->struct_size`");
     BAD_OPTION(struct_size, (size_t)1 << 21, "`options->struct_size`");
     BAD_OPTION(struct_size, SIZE_MAX, "`options->struct_size`");
     BAD_OPTION(transport, 7, "`options->transport`");
@@ -178,13 +180,31 @@ static void test_global_and_options(void) {
     BAD_OPTION(listen_address, "127.0.0.1:99999", "`options->listen_address`");
     BAD_OPTION(listen_address, "", "`options->listen_address`");
     BAD_OPTION(listen_address, bad_utf8, "`options->listen_address`");
+
+    BAD_OPTION(rdma_devices, "mlx5_0:0", "`options->rdma_devices`");
+    BAD_OPTION(rdma_devices, "a b", "`options->rdma_devices`");
+    BAD_OPTION(rdma_devices, bad_utf8, "`options->rdma_devices`");
+    BAD_OPTION(rdma_gid_index, -2, "`options->rdma_gid_index`");
+    BAD_OPTION(rdma_qps_per_device, 0, "`options->rdma_qps_per_device`");
+    BAD_OPTION(rdma_qps_per_device, 17, "`options->rdma_qps_per_device`");
+    BAD_OPTION(rdma_wr_bytes, 4095, "`options->rdma_wr_bytes`");
+    BAD_OPTION(rdma_signal_every, 0, "`options->rdma_signal_every`");
+    BAD_OPTION(rdma_signal_every, 1025, "`options->rdma_signal_every`");
 #undef BAD_OPTION
 
-    /* RDMA is a valid value this build cannot serve: UNSUPPORTED, not INVALID_ARG. */
+    /* RDMA is a valid value: without a usable device NO_DEVICE (not INVALID_ARG), out untouched. */
     REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
     o.transport = KVSTAGE_TRANSPORT_RDMA;
-    EXPECT(kvstage_engine_new(&o, &out), KVSTAGE_E_UNSUPPORTED, "transport");
-    CHECK(out == SENTINEL_ENGINE);
+    {
+        kvstage_capabilities caps;
+        memset(&caps, 0, sizeof caps);
+        caps.struct_size = sizeof caps;
+        REQUIRE(kvstage_capabilities_get(&caps) == KVSTAGE_OK);
+        if (!caps.rdma) {
+            EXPECT(kvstage_engine_new(&o, &out), KVSTAGE_E_NO_DEVICE, "transport rdma");
+            CHECK(out == SENTINEL_ENGINE);
+        }
+    }
 
     /* _free(NULL) is a no-op and leaves "no error". */
     kvstage_engine_free(NULL);

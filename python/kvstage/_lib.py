@@ -170,6 +170,11 @@ class kvstage_engine_options(Structure):
         ("send_staging_bytes", c_uint64),
         ("cluster_token", c_char_p),
         ("integrity", c_int32),
+        ("rdma_devices", c_char_p),
+        ("rdma_gid_index", c_int32),
+        ("rdma_qps_per_device", c_uint32),
+        ("rdma_wr_bytes", c_uint32),
+        ("rdma_signal_every", c_uint32),
     ]
 
 
@@ -203,6 +208,8 @@ class kvstage_engine_stats(Structure):
         ("ring_live_allocations", c_uint64),
         ("watermark_round", c_uint64),
         ("watermark_offset", c_uint64),
+        ("rdma_downgrades", c_uint64),
+        ("rdma_sessions", c_uint64),
     ]
 
 
