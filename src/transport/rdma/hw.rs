@@ -254,7 +254,9 @@ impl QueuePair for HwQp {
     fn to_rtr(&mut self, c: &Connect<'_>) -> io::Result<()> {
         let mut ah = AddressHandleAttribute::new();
         ah.setup_dest_lid(c.remote.port.lid).setup_port(c.local.port).setup_service_level(0);
-        if c.local.link_layer == LinkLayer::Ethernet || c.remote.port.gid != [0; 16] && !c.local.link_layer.uses_lid() {
+        // RoCE addresses by GID (a GRH on every packet); InfiniBand within a subnet by LID only
+        // (routing between IB subnets, which needs a GRH too, is not supported).
+        if c.local.link_layer == LinkLayer::Ethernet {
             let gid = sideway::ibverbs::address::Gid { raw: c.remote.port.gid };
             ah.setup_grh(&gid, 0, c.local.gid_index as u8, 64, 0);
         }

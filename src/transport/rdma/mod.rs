@@ -181,6 +181,7 @@ fn open_port(dev: &Arc<dyn Device>, port: Option<u8>, gid_index: Option<u32>) ->
         }
         let index = match gid_index {
             Some(i) => i,
+            None if info.link_layer.uses_lid() => 0,
             None => {
                 let n = info.gid_table_len.min(256);
                 let table: Vec<(u32, [u8; 16], bool)> =
