@@ -393,6 +393,13 @@ impl Rdma {
         self.ring.lock().take();
     }
 
+    /// Forgets the send staging registration. Call it before the staging buffer is freed or
+    /// replaced by memory that may reuse its addresses (growing it is safe: a larger range is
+    /// never covered by the old registration and is registered again).
+    pub fn forget_staging(&self) {
+        self.staging.lock().take();
+    }
+
     fn new_slot(&self, nic: usize, notify: &Arc<Notify>, arrivals: Option<Arc<Arrivals>>) -> Result<Arc<QpSlot>> {
         let n = &self.nics[nic];
         let caps = QpCaps { max_send_wr: self.send_depth(), max_recv_wr: RECV_DEPTH };
