@@ -6,7 +6,7 @@
 use kvstage::geometry::{self, Fingerprint, ModelKind, PoolShape};
 use kvstage::protocol::{read_frame, Message};
 use kvstage::session::receiver::verify_peer;
-use kvstage::session::writer_of;
+use kvstage::session::pairing;
 use kvstage::Status;
 
 /// The type byte of a `Hello` frame (the handshake).
@@ -92,13 +92,13 @@ pub fn handshake(data: &[u8]) -> bool {
         if verify_peer(&ours, &hello).is_ok() {
             let layout = geometry::staging_layout(&hello.shape, &ours, ours.page_size)
                 .expect("an accepted peer has a staging layout");
-            let w = writer_of(&hello.shape, &ours).expect("an accepted peer is a writer");
+            let w = pairing(&hello.shape, &ours).expect("an accepted peer is a writer").writer;
             assert!((w as usize) < layout.writers.len());
         }
         // Sender: the peer is the decode rank we write to.
         let Ok(theirs) = Fingerprint::decode(&hello.fingerprint) else { continue };
         if Fingerprint::of(&ours).check(&theirs).is_ok() {
-            if let Ok(w) = writer_of(&ours, &hello.shape) {
+            if let Ok(w) = pairing(&ours, &hello.shape).map(|p| p.writer) {
                 let layout = geometry::staging_layout(&ours, &hello.shape, hello.shape.page_size)
                     .expect("a paired decode rank has a staging layout");
                 assert!((w as usize) < layout.writers.len());

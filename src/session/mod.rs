@@ -7,13 +7,24 @@ pub mod sender;
 
 pub use crate::deadline::Deadline;
 use crate::error::{Error, Status};
-use crate::geometry::{self, PoolShape};
+use crate::geometry::{self, HeadSlice, PoolShape};
 
-/// The writer index of prefill rank `src` in decode rank `dst`'s allocations; an error when that
-/// prefill rank does not feed that decode rank at all.
-pub fn writer_of(src: &PoolShape, dst: &PoolShape) -> crate::Result<u32> {
+/// How a (prefill rank, decode rank) pair exchanges data; fixed for the life of a session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pairing {
+    /// The prefill rank's writer index in the decode rank's allocations.
+    pub writer: u32,
+    /// Writers expected per chunk.
+    pub writers: u32,
+    /// Heads it carries (source heads for the gather, destination heads for the scatter).
+    pub heads: HeadSlice,
+}
+
+/// The pairing of prefill rank `src` with decode rank `dst`; an error when that prefill rank does
+/// not feed that decode rank at all.
+pub fn pairing(src: &PoolShape, dst: &PoolShape) -> crate::Result<Pairing> {
     let layout = geometry::staging_layout(src, dst, src.page_size)?;
-    layout.writer_for(src)?.ok_or_else(|| {
+    let writer = layout.writer_for(src)?.ok_or_else(|| {
         Error::new(
             Status::KVSTAGE_E_GEOMETRY_MISMATCH,
             format!(
@@ -21,7 +32,8 @@ pub fn writer_of(src: &PoolShape, dst: &PoolShape) -> crate::Result<u32> {
                 src.tp_rank, src.tp_size, src.pp_rank, src.pp_size, dst.tp_rank, dst.tp_size, dst.pp_rank, dst.pp_size
             ),
         )
-    })
+    })?;
+    Ok(Pairing { writer, writers: layout.writer_count(), heads: layout.writers[writer as usize].heads })
 }
 
 /// Compares cluster tokens in time independent of where they differ.

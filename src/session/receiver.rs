@@ -13,13 +13,12 @@ use std::time::Duration;
 use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 
-use super::{writer_of, Deadline};
+use super::{pairing, Deadline};
 use crate::copy::CopyEngine;
 use crate::error::{Error, Result, Status};
 use crate::geometry::{self, Fingerprint, HeadSlice, KvLayout, MemoryKind, PoolShape, StagingLayout};
 use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
 use crate::ring::{Grant, Ring, Watermark};
-use crate::deadline::Deadline as WriteDeadline;
 use crate::engine::EngineOptions;
 use crate::transport::faults::FaultyTransport;
 use crate::transport::tcp::TcpTransport;
@@ -147,8 +146,8 @@ const RDMA_IMM_WAIT: Duration = Duration::from_secs(5);
 /// full socket means a stuck peer, which is then cut off.
 const REPLY_DEADLINE: Duration = Duration::from_secs(2);
 
-fn reply_deadline() -> WriteDeadline {
-    WriteDeadline::after(Some(REPLY_DEADLINE))
+fn reply_deadline() -> Deadline {
+    Deadline::after(Some(REPLY_DEADLINE))
 }
 
 fn reject(code: Status, reason: impl Into<String>) -> Error {
@@ -396,10 +395,7 @@ impl Receiver {
         let stop_after = self.options.faults.as_ref().and_then(|f| f.plan.stop_reading_after);
         let mut frames = 0u64;
         let dst = self.pool()?;
-        let layout = geometry::staging_layout(src, &dst.shape, dst.shape.page_size)?;
-        let writer = writer_of(src, &dst.shape)?;
-        let writers = layout.writer_count();
-        let slice = layout.writers[writer as usize].heads;
+        let super::Pairing { writer, writers, heads: slice } = pairing(src, &dst.shape)?;
         // Set when the sender connected its RDMA queue pairs (its chunks then arrive by RDMA).
         let mut rdma_peer: Option<crate::transport::rdma::link::RdmaPeer> = None;
         while let Some(msg) = protocol::read_frame(reader)? {
@@ -917,5 +913,5 @@ fn broadcast(st: &State, msg: &Message) {
 pub fn verify_peer(ours: &PoolShape, hello: &Hello) -> Result<()> {
     let theirs = Fingerprint::decode(&hello.fingerprint)?;
     Fingerprint::of(ours).check(&theirs)?;
-    writer_of(&hello.shape, ours).map(|_| ())
+    pairing(&hello.shape, ours).map(|_| ())
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use super::op::{Op, Waker};
-use super::{writer_of, Deadline};
+use super::{pairing, Deadline, Pairing};
 use crate::copy::{CopyEngine, HostPin, ReadyFence};
 use crate::engine::EngineOptions;
 use crate::error::{Error, Result, Status};
@@ -82,6 +82,8 @@ pub struct SenderSession {
     id: String,
     link: Arc<dyn Transport>,
     remote: Hello,
+    /// Writer index and heads of this pair (fixed at the handshake).
+    pair: Pairing,
     resources: Arc<SendResources>,
     pool: Arc<KvLayout>,
     shared: Arc<Shared>,
@@ -131,7 +133,7 @@ impl SenderSession {
         // Our own diff gives every field; the peer's status covers what only it can check.
         let theirs = Fingerprint::decode(&remote.fingerprint)?;
         Fingerprint::of(&pool.shape).check(&theirs)?;
-        writer_of(&pool.shape, &remote.shape)?;
+        let pair = pairing(&pool.shape, &remote.shape)?;
         if remote.status != 0 {
             let code = Status::from_code(remote.status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
             return Err(Error::new(code, format!("{addr} refused the session: {}", remote.reason)));
@@ -164,6 +166,7 @@ impl SenderSession {
             id: id.to_owned(),
             link,
             remote,
+            pair,
             resources,
             pool,
             shared,
@@ -215,7 +218,7 @@ impl SenderSession {
         let dst = &self.remote.shape;
         let tokens = desc.pages.len() as u32 * src.page_size;
         let layout = geometry::staging_layout(src, dst, tokens)?;
-        let writer = writer_of(src, dst)?;
+        let writer = self.pair.writer;
         let region = &layout.writers[writer as usize];
         // Fallback is decided here, before anything is allocated on either side.
         let staging_limit = self.resources.options.send_staging_bytes;
@@ -321,8 +324,7 @@ impl SenderSession {
         let deadline = Deadline::after(desc.timeout);
         let src = &self.pool.shape;
         let dst = &self.remote.shape;
-        let writer = writer_of(src, dst)?;
-        let hs = geometry::staging_layout(src, dst, src.page_size)?.writers[writer as usize].heads;
+        let hs = self.pair.heads;
         // Destination pages 0..n make every decode offset chunk-relative: the receiver resolves
         // (buffer, token within chunk, byte within the token slot) against its own room pages.
         let chunk_pages: Vec<u32> = (0..desc.pages.len() as u32).collect();

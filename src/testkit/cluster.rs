@@ -85,7 +85,7 @@ impl Setup {
             let src = self.model.shape(self.page_size, rs, self.prefill_tp);
             for rd in self.targets(rs) {
                 let dst = self.model.shape(self.page_size, rd, self.decode_tp);
-                let w = crate::session::writer_of(&src, &dst)?;
+                let w = crate::session::pairing(&src, &dst)?.writer;
                 total += geometry::staging_layout(&src, &dst, self.tokens)?.writers[w as usize].bytes;
             }
         }
