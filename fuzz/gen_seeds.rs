@@ -40,6 +40,7 @@ fn hellos() -> Vec<(String, Hello)> {
                 status: 0,
                 reason: String::new(),
                 token: if i % 2 == 0 { Vec::new() } else { b"cluster-secret".to_vec() },
+                integrity: (i % 3) as u8,
             },
         ));
     }
@@ -58,6 +59,7 @@ fn hellos() -> Vec<(String, Hello)> {
                 status: if i % 2 == 0 { 0 } else { -10 },
                 reason: if i % 2 == 0 { String::new() } else { "geometry mismatch (1 field): head_dim".into() },
                 token: Vec::new(),
+                integrity: 1,
             },
         ));
     }

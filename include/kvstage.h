@@ -186,6 +186,24 @@ typedef struct kvstage_engine_options {
     uint32_t rdma_wr_bytes;
     // One signalled completion per this many work requests (1..=1024).
     uint32_t rdma_signal_every;
+    // Sender connections the listener keeps at once (handshaking or serving); more are
+    // answered with a refusal and closed (default 1024).
+    uint32_t max_connections;
+    // Connections still in their handshake at once; more are refused (default 64).
+    uint32_t max_handshakes;
+    // The whole handshake of an accepted connection must end within this (default 5000 ms).
+    uint32_t handshake_timeout_ms;
+    // Chunk events kept for `kvstage_engine_poll_events`; more are dropped and counted in
+    // `kvstage_engine_stats.events_dropped` (default 65536).
+    uint32_t max_events;
+    // A peer that stops answering (a host that vanished) is declared gone after about this long:
+    // TCP keepalive and `TCP_USER_TIMEOUT` (>= 1000; default 15000; KVSTAGE_DEADLINE_INFINITE:
+    // the OS defaults, about two hours).
+    uint64_t dead_peer_timeout_ms;
+    // A decode room not complete this long after `kvstage_room_open` fails with
+    // `KVSTAGE_E_TIMEOUT` and returns its ring space (default 300000; KVSTAGE_DEADLINE_INFINITE:
+    // never).
+    uint64_t room_timeout_ms;
 } kvstage_engine_options;
 
 // One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
@@ -242,6 +260,21 @@ typedef struct kvstage_engine_stats {
     uint64_t rdma_downgrades;
     // Sessions connected over RDMA, opened or accepted by this engine.
     uint64_t rdma_sessions;
+    // Sender connections accepted and past their handshake, now.
+    uint64_t connections;
+    // Failed `accept` calls (EMFILE, ENOMEM, …); the listener retries with backoff.
+    uint64_t accept_errors;
+    // Connections refused by `max_connections` or `max_handshakes`.
+    uint64_t connections_refused;
+    // Handshakes that failed: malformed or oversized hello, unsupported protocol version,
+    // wrong cluster token, geometry mismatch, deadline passed.
+    uint64_t handshakes_failed;
+    // Chunk events dropped because `max_events` were waiting to be polled.
+    uint64_t events_dropped;
+    // Rooms failed with `KVSTAGE_E_TIMEOUT` by `room_timeout_ms`.
+    uint64_t rooms_expired;
+    // Panics caught in library threads (each failed the rooms involved with `KVSTAGE_E_PANIC`).
+    uint64_t thread_panics;
 } kvstage_engine_stats;
 
 // Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.

@@ -1,6 +1,6 @@
 //! The top-level object: options, registrations, worker threads, stats.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -13,7 +13,8 @@ use crate::error::{Error, Result};
 use crate::geometry::KvLayout;
 use crate::transport::faults::Faults;
 use crate::transport::rdma::{Rdma, RdmaMode, RdmaOptions};
-use crate::session::receiver::{Receiver, RingMemory, ScatterJob};
+use crate::session::receiver::listener::{Limits, Listener};
+use crate::session::receiver::{Receiver, ReceiverConfig, RingMemory, ScatterJob};
 use crate::session::sender::{SendResources, SenderSession, Staging};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,33 +43,25 @@ pub struct EngineOptions {
     pub faults: Option<Faults>,
     /// RDMA devices, QPs and work-request sizes (transport auto or rdma).
     pub rdma: RdmaOptions,
+    /// Listener bounds: connections, handshakes in progress, handshake deadline.
+    pub listener: Limits,
+    /// A peer that stops answering is declared gone after about this long (keepalive and
+    /// `TCP_USER_TIMEOUT`); `None`: the OS defaults (hours).
+    pub dead_peer_timeout: Option<Duration>,
+    /// Decode rooms not complete this long after they opened fail with `TIMEOUT`; `None`: never.
+    pub room_timeout: Option<Duration>,
+    /// Chunk events kept for polling; more are dropped and counted.
+    pub max_events: u32,
 }
 
-/// When chunks carry a checksum (xxh3-64 of the writer's staged bytes).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Integrity {
-    Off,
-    /// One chunk in [`INTEGRITY_SAMPLE_PERIOD`], chosen by (room, chunk): catches systematic
-    /// corruption at a small fraction of the cost.
-    Sampled,
-    Always,
-}
-
-pub const INTEGRITY_SAMPLE_PERIOD: u64 = 16;
-
-impl Integrity {
-    pub fn covers(self, room: u64, chunk: u32) -> bool {
-        match self {
-            Integrity::Off => false,
-            Integrity::Always => true,
-            Integrity::Sampled => (room.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ chunk as u64) % INTEGRITY_SAMPLE_PERIOD == 0,
-        }
-    }
-}
+pub use crate::session::{Integrity, INTEGRITY_SAMPLE_PERIOD};
 
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
 pub const DEFAULT_CHUNK_TOKENS: u32 = 8192;
 pub const DEFAULT_SEND_STAGING_BYTES: u64 = 1 << 30;
+pub const DEFAULT_DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(15);
+pub const DEFAULT_ROOM_TIMEOUT: Duration = Duration::from_secs(300);
+pub const DEFAULT_MAX_EVENTS: u32 = 65536;
 
 impl Default for EngineOptions {
     fn default() -> Self {
@@ -83,6 +76,10 @@ impl Default for EngineOptions {
             integrity: Integrity::Sampled,
             faults: None,
             rdma: RdmaOptions::default(),
+            listener: Limits::default(),
+            dead_peer_timeout: Some(DEFAULT_DEAD_PEER_TIMEOUT),
+            room_timeout: Some(DEFAULT_ROOM_TIMEOUT),
+            max_events: DEFAULT_MAX_EVENTS,
         }
     }
 }
@@ -116,6 +113,28 @@ impl EngineOptions {
         if self.send_staging_bytes == 0 {
             return Err(Error::invalid_arg("options->send_staging_bytes", "0 (every staged transfer would fall back)"));
         }
+        let positive = |name: &str, v: u32| {
+            if v == 0 {
+                Err(Error::invalid_arg(name, "0 (must be at least 1)"))
+            } else {
+                Ok(())
+            }
+        };
+        positive("options->max_connections", self.listener.max_connections)?;
+        positive("options->max_handshakes", self.listener.max_handshakes)?;
+        positive("options->max_events", self.max_events)?;
+        if self.listener.handshake_timeout.is_zero() {
+            return Err(Error::invalid_arg("options->handshake_timeout_ms", "0 would refuse every sender"));
+        }
+        if self.dead_peer_timeout.is_some_and(|t| t < Duration::from_secs(1)) {
+            return Err(Error::invalid_arg(
+                "options->dead_peer_timeout_ms",
+                "below 1000 (keepalive works in whole seconds; KVSTAGE_DEADLINE_INFINITE for the OS defaults)",
+            ));
+        }
+        if self.room_timeout == Some(Duration::ZERO) {
+            return Err(Error::invalid_arg("options->room_timeout_ms", "0 would fail every room at once"));
+        }
         self.rdma.validate()?;
         self.listen_address.parse::<SocketAddr>().map_err(|e| {
             Error::invalid_arg(
@@ -148,14 +167,12 @@ pub struct Engine {
     listener: TcpListener,
     accept_thread: Option<JoinHandle<()>>,
     scatter_thread: Option<JoinHandle<()>>,
-    conns: Arc<Mutex<Vec<Connection>>>,
+    keeper_thread: Option<JoinHandle<()>>,
+    conns: Arc<Listener>,
     /// Sessions this engine opened, ended when it is freed (their operations fail at once).
     sessions: Mutex<Vec<std::sync::Weak<SenderSession>>>,
     rdma: Arc<Rdma>,
 }
-
-/// An accepted connection: a handle to shut its socket down and its reader thread.
-type Connection = (TcpStream, JoinHandle<()>);
 
 impl Engine {
     pub fn new(options: EngineOptions) -> Result<Engine> {
@@ -182,7 +199,17 @@ impl Engine {
             options: shared_options.clone(),
             rdma: rdma.clone(),
         });
-        let receiver = Arc::new(Receiver::new(pool.clone(), copy, shared_options));
+        let config = ReceiverConfig {
+            chunk_tokens: options.chunk_tokens,
+            cluster_token: options.cluster_token.clone().unwrap_or_default().into_bytes(),
+            integrity: options.integrity,
+            room_timeout: options.room_timeout,
+            max_events: options.max_events as usize,
+            listener: options.listener,
+            dead_peer_timeout: options.dead_peer_timeout,
+            faults: options.faults.clone(),
+        };
+        let receiver = Arc::new(Receiver::new(pool.clone(), copy, config));
         receiver.set_rdma(rdma.clone());
         let (tx, rx) = crossbeam_channel::unbounded::<ScatterJob>();
         receiver.set_scatter_queue(tx);
@@ -192,21 +219,12 @@ impl Engine {
                 scatter_receiver.run_scatter(job);
             }
         })?;
-        let conns: Arc<Mutex<Vec<Connection>>> = Arc::new(Mutex::new(Vec::new()));
+        let keeper_receiver = receiver.clone();
+        let keeper_thread = spawn("kvstage-keeper", move || keeper_receiver.run_keeper())?;
+        let conns = Arc::new(Listener::new());
         let accept_listener = listener.try_clone()?;
         let (accept_receiver, accept_conns) = (receiver.clone(), conns.clone());
-        let accept_thread = spawn("kvstage-accept", move || {
-            for stream in accept_listener.incoming() {
-                let Ok(stream) = stream else { break };
-                let Ok(closer) = stream.try_clone() else { continue };
-                let r = accept_receiver.clone();
-                if let Ok(h) = spawn("kvstage-recv", move || r.serve(stream)) {
-                    let mut conns = accept_conns.lock();
-                    conns.retain(|(_, h)| !h.is_finished());
-                    conns.push((closer, h));
-                }
-            }
-        })?;
+        let accept_thread = spawn("kvstage-accept", move || accept_conns.run(accept_listener, accept_receiver))?;
         Ok(Engine {
             options,
             local_addr,
@@ -216,6 +234,7 @@ impl Engine {
             listener,
             accept_thread: Some(accept_thread),
             scatter_thread: Some(scatter_thread),
+            keeper_thread: Some(keeper_thread),
             conns,
             sessions: Mutex::new(Vec::new()),
             rdma,
@@ -290,19 +309,17 @@ impl Drop for Engine {
         for s in self.sessions.lock().drain(..).filter_map(|w| w.upgrade()) {
             s.close("the engine was freed");
         }
+        // Closing first: the accept loop retries failed accepts unless the receiver is closing.
+        self.receiver.shutdown();
         // SHUT_RD on a listening socket wakes a blocked accept() on Linux.
         // SAFETY: the fd is ours and open.
         unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RD) };
         if let Some(h) = self.accept_thread.take() {
             let _ = h.join();
         }
-        self.receiver.shutdown();
         // Join every connection so no thread writes into caller memory after the engine is freed.
-        let conns = std::mem::take(&mut *self.conns.lock());
-        for (stream, _) in &conns {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
-        }
-        for (_, h) in conns {
+        self.conns.close_all();
+        if let Some(h) = self.keeper_thread.take() {
             let _ = h.join();
         }
         self.receiver.close_scatter_queue();

@@ -316,6 +316,27 @@ pub struct CauseChain {
     rest: Option<Box<CauseChain>>,
 }
 
+/// The text of a caught panic's payload.
+pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".to_string())
+}
+
+impl Error {
+    /// `KVSTAGE_E_PANIC` with `what` as the message and the panic text as its cause.
+    pub fn from_panic(what: impl Into<String>, payload: &(dyn std::any::Any + Send)) -> Error {
+        let text = format!("panic: {}", panic_text(payload));
+        let err = Error::new(Status::KVSTAGE_E_PANIC, what);
+        match CauseChain::from_list(vec![text]) {
+            Some(chain) => err.with_source(chain),
+            None => err,
+        }
+    }
+}
+
 impl CauseChain {
     pub fn from_list<T: fmt::Display>(list: Vec<T>) -> Option<CauseChain> {
         let mut chain: Option<CauseChain> = None;

@@ -12,9 +12,12 @@ use crate::ring::Watermark;
 pub use crate::transport::rdma::attrs::RdmaOffer;
 
 pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
-pub const PROTOCOL_VERSION: u16 = 1;
+/// 2: the hello carries the integrity policy; late frames for closed rooms are discarded.
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
+/// Largest hello body accepted from a peer that has not authenticated yet.
+pub const MAX_HELLO_BODY: u32 = 64 << 10;
 /// Largest number of layers a shape on the wire may carry.
 const MAX_LAYERS: u32 = 4096;
 
@@ -34,6 +37,8 @@ pub struct Hello {
     pub reason: String,
     /// The cluster token this side presents (empty: none).
     pub token: Vec<u8>,
+    /// This side's integrity policy (0 off, 1 sampled, 2 always); the stronger one applies.
+    pub integrity: u8,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -221,7 +226,7 @@ impl Message {
                 e.u16(h.protocol_version).u32(h.library_version).str(&h.session).bytes(&h.fingerprint);
                 encode_shape(&mut e, &h.shape);
                 e.u64(h.ring_bytes).u64(h.watermark.round).u64(h.watermark.offset).i32(h.status).str(&h.reason);
-                e.bytes(&h.token);
+                e.bytes(&h.token).u8(h.integrity);
             }
             Message::AllocReq { req, room, chunk, writer, tokens, bytes } => {
                 e.u8(T_ALLOC_REQ).u64(*req).u64(*room).u32(*chunk).u32(*writer).u32(*tokens).u64(*bytes);
@@ -298,6 +303,7 @@ impl Message {
                     status: d.i32("status")?,
                     reason: d.str("reason")?,
                     token: d.bytes("token")?,
+                    integrity: d.u8("integrity")?,
                 })
             }
             T_ALLOC_REQ => Message::AllocReq {
@@ -374,6 +380,20 @@ impl Message {
 
 /// Reads one frame (not its payload). `Ok(None)` on a clean EOF between frames.
 pub fn read_frame(r: &mut impl Read) -> Result<Option<Message>> {
+    read_frame_limited(r, MAX_BODY, None)
+}
+
+/// The first frame of a connection: a hello of at most [`MAX_HELLO_BODY`] bytes. Anything else
+/// is refused from its 5-byte header, before its body is read.
+pub fn read_hello(r: &mut impl Read) -> Result<Hello> {
+    match read_frame_limited(r, MAX_HELLO_BODY, Some(T_HELLO))? {
+        Some(Message::Hello(h)) => Ok(h),
+        Some(_) => unreachable!("only a hello passes the type check"),
+        None => Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed before the hello")),
+    }
+}
+
+fn read_frame_limited(r: &mut impl Read, max_body: u32, only: Option<u8>) -> Result<Option<Message>> {
     let mut head = [0u8; 5];
     let mut got = 0;
     while got < head.len() {
@@ -386,11 +406,21 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Message>> {
         }
     }
     let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
-    if len > MAX_BODY {
-        return Err(malformed(format!("body length {len} exceeds the limit of {MAX_BODY}")));
+    if only.is_some_and(|t| t != head[4]) {
+        return Err(malformed(format!("frame type {} where a hello was expected (not a kvstage peer?)", head[4])));
     }
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body).map_err(|e| Error::from(e).context("reading a frame body failed"))?;
+    if len > max_body {
+        return Err(malformed(format!("body length {len} exceeds the limit of {max_body}")));
+    }
+    // Grown as bytes arrive: a peer that announces a large body and sends little holds little.
+    let mut body = Vec::with_capacity((len as usize).min(4096));
+    r.take(len as u64).read_to_end(&mut body).map_err(|e| Error::from(e).context("reading a frame body failed"))?;
+    if body.len() != len as usize {
+        return Err(Error::new(
+            Status::KVSTAGE_E_PEER_GONE,
+            format!("connection closed inside a frame body ({} of {len} bytes)", body.len()),
+        ));
+    }
     Message::decode(head[4], &body).map(Some)
 }
 
@@ -455,6 +485,7 @@ mod tests {
                 status: 0,
                 reason: String::new(),
                 token: b"secret".to_vec(),
+                integrity: 2,
             }),
             Message::AllocReq { req: 7, room: 9, chunk: 2, writer: 1, tokens: 64, bytes: 4096 },
             Message::AllocRsp { req: 7, status: -13, round: 1, offset: 2, len: 3, reason: "too big".into() },

@@ -69,6 +69,11 @@ impl Ring {
         self.live.len()
     }
 
+    /// Live allocations, oldest first.
+    pub fn live(&self) -> impl Iterator<Item = &Grant> {
+        self.live.iter()
+    }
+
     pub fn assign(&mut self, len: u64) -> Result<Grant, Oversized> {
         if len > self.capacity {
             return Err(Oversized { requested: len, capacity: self.capacity });

@@ -440,6 +440,15 @@ class EngineStats(NamedTuple):
     ring_live_allocations: int
     watermark_round: int
     watermark_offset: int
+    rdma_downgrades: int = 0
+    rdma_sessions: int = 0
+    connections: int = 0
+    accept_errors: int = 0
+    connections_refused: int = 0
+    handshakes_failed: int = 0
+    events_dropped: int = 0
+    rooms_expired: int = 0
+    thread_panics: int = 0
 
 
 class ChunkEvent(NamedTuple):
@@ -483,6 +492,12 @@ class Engine(_Handle):
         send_staging_bytes: Optional[int] = None,
         cluster_token: Optional[str] = None,
         integrity: Optional[int] = None,
+        max_connections: Optional[int] = None,
+        max_handshakes: Optional[int] = None,
+        handshake_timeout_ms: Optional[int] = None,
+        max_events: Optional[int] = None,
+        dead_peer_timeout_ms: Optional[int] = None,
+        room_timeout_ms: Optional[int] = None,
         library: Optional[Library] = None,
     ):
         lib = library or get_library()
@@ -504,6 +519,16 @@ class Engine(_Handle):
         opts.cluster_token = token
         if integrity is not None:
             opts.integrity = int(integrity)
+        for name, value, conv in (
+            ("max_connections", max_connections, _u32),
+            ("max_handshakes", max_handshakes, _u32),
+            ("handshake_timeout_ms", handshake_timeout_ms, _u32),
+            ("max_events", max_events, _u32),
+            ("dead_peer_timeout_ms", dead_peer_timeout_ms, _u64),
+            ("room_timeout_ms", room_timeout_ms, _u64),
+        ):
+            if value is not None:
+                setattr(opts, name, conv(value, name))
         out = c_void_p()
         _check(lib, lib.kvstage_engine_new(byref(opts), byref(out)), "kvstage_engine_new")
         super().__init__(lib, out.value)
@@ -525,7 +550,7 @@ class Engine(_Handle):
         out = _lib.kvstage_engine_stats()
         out.struct_size = ctypes.sizeof(out)
         _check(self._lib, self._lib.kvstage_engine_stats_get(self._handle(), byref(out)), "kvstage_engine_stats_get")
-        return EngineStats(out.ring_capacity, out.ring_live_allocations, out.watermark_round, out.watermark_offset)
+        return EngineStats(*(getattr(out, name) for name in EngineStats._fields))
 
     # -- registration -----------------------------------------------------------------------------
 

@@ -175,6 +175,12 @@ class kvstage_engine_options(Structure):
         ("rdma_qps_per_device", c_uint32),
         ("rdma_wr_bytes", c_uint32),
         ("rdma_signal_every", c_uint32),
+        ("max_connections", c_uint32),
+        ("max_handshakes", c_uint32),
+        ("handshake_timeout_ms", c_uint32),
+        ("max_events", c_uint32),
+        ("dead_peer_timeout_ms", c_uint64),
+        ("room_timeout_ms", c_uint64),
     ]
 
 
@@ -210,6 +216,13 @@ class kvstage_engine_stats(Structure):
         ("watermark_offset", c_uint64),
         ("rdma_downgrades", c_uint64),
         ("rdma_sessions", c_uint64),
+        ("connections", c_uint64),
+        ("accept_errors", c_uint64),
+        ("connections_refused", c_uint64),
+        ("handshakes_failed", c_uint64),
+        ("events_dropped", c_uint64),
+        ("rooms_expired", c_uint64),
+        ("thread_panics", c_uint64),
     ]
 
 

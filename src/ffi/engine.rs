@@ -61,6 +61,24 @@ pub struct kvstage_engine_options {
     pub rdma_wr_bytes: u32,
     /// One signalled completion per this many work requests (1..=1024).
     pub rdma_signal_every: u32,
+    /// Sender connections the listener keeps at once (handshaking or serving); more are
+    /// answered with a refusal and closed (default 1024).
+    pub max_connections: u32,
+    /// Connections still in their handshake at once; more are refused (default 64).
+    pub max_handshakes: u32,
+    /// The whole handshake of an accepted connection must end within this (default 5000 ms).
+    pub handshake_timeout_ms: u32,
+    /// Chunk events kept for `kvstage_engine_poll_events`; more are dropped and counted in
+    /// `kvstage_engine_stats.events_dropped` (default 65536).
+    pub max_events: u32,
+    /// A peer that stops answering (a host that vanished) is declared gone after about this long:
+    /// TCP keepalive and `TCP_USER_TIMEOUT` (>= 1000; default 15000; KVSTAGE_DEADLINE_INFINITE:
+    /// the OS defaults, about two hours).
+    pub dead_peer_timeout_ms: u64,
+    /// A decode room not complete this long after `kvstage_room_open` fails with
+    /// `KVSTAGE_E_TIMEOUT` and returns its ring space (default 300000; KVSTAGE_DEADLINE_INFINITE:
+    /// never).
+    pub room_timeout_ms: u64,
 }
 
 /// Per-chunk integrity checking (xxh3-64 of each writer's staged bytes).
@@ -95,8 +113,22 @@ impl Default for kvstage_engine_options {
             rdma_qps_per_device: d.rdma.qps_per_device,
             rdma_wr_bytes: d.rdma.wr_bytes,
             rdma_signal_every: d.rdma.signal_every,
+            max_connections: d.listener.max_connections,
+            max_handshakes: d.listener.max_handshakes,
+            handshake_timeout_ms: d.listener.handshake_timeout.as_millis() as u32,
+            max_events: d.max_events,
+            dead_peer_timeout_ms: millis_or_infinite(d.dead_peer_timeout),
+            room_timeout_ms: millis_or_infinite(d.room_timeout),
         }
     }
+}
+
+fn millis_or_infinite(d: Option<std::time::Duration>) -> u64 {
+    d.map_or(KVSTAGE_DEADLINE_INFINITE, |d| d.as_millis() as u64)
+}
+
+fn duration_or_infinite(ms: u64) -> Option<std::time::Duration> {
+    (ms != KVSTAGE_DEADLINE_INFINITE).then(|| std::time::Duration::from_millis(ms))
 }
 
 /// Size of the first published version of `kvstage_engine_options` (up to `integrity`).
@@ -143,6 +175,12 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
     opts.rdma.qps_per_device = raw.rdma_qps_per_device;
     opts.rdma.wr_bytes = raw.rdma_wr_bytes;
     opts.rdma.signal_every = raw.rdma_signal_every;
+    opts.listener.max_connections = raw.max_connections;
+    opts.listener.max_handshakes = raw.max_handshakes;
+    opts.listener.handshake_timeout = std::time::Duration::from_millis(raw.handshake_timeout_ms.into());
+    opts.max_events = raw.max_events;
+    opts.dead_peer_timeout = duration_or_infinite(raw.dead_peer_timeout_ms);
+    opts.room_timeout = duration_or_infinite(raw.room_timeout_ms);
     Ok(opts)
 }
 
@@ -255,6 +293,21 @@ pub struct kvstage_engine_stats {
     pub rdma_downgrades: u64,
     /// Sessions connected over RDMA, opened or accepted by this engine.
     pub rdma_sessions: u64,
+    /// Sender connections accepted and past their handshake, now.
+    pub connections: u64,
+    /// Failed `accept` calls (EMFILE, ENOMEM, …); the listener retries with backoff.
+    pub accept_errors: u64,
+    /// Connections refused by `max_connections` or `max_handshakes`.
+    pub connections_refused: u64,
+    /// Handshakes that failed: malformed or oversized hello, unsupported protocol version,
+    /// wrong cluster token, geometry mismatch, deadline passed.
+    pub handshakes_failed: u64,
+    /// Chunk events dropped because `max_events` were waiting to be polled.
+    pub events_dropped: u64,
+    /// Rooms failed with `KVSTAGE_E_TIMEOUT` by `room_timeout_ms`.
+    pub rooms_expired: u64,
+    /// Panics caught in library threads (each failed the rooms involved with `KVSTAGE_E_PANIC`).
+    pub thread_panics: u64,
 }
 
 /// Fills `out` (set `out->struct_size` first) with the engine's counters.
@@ -263,15 +316,22 @@ pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine,
     ffi_fn!(status {
         let engine = unsafe { borrow(engine, "engine") }?;
         let out = out_arg(out, "out")?;
-        let (capacity, live, wm) = engine.receiver().ring_stats();
+        let r = engine.receiver().stats();
         let stats = kvstage_engine_stats {
             struct_size: std::mem::size_of::<kvstage_engine_stats>(),
-            ring_capacity: capacity,
-            ring_live_allocations: live,
-            watermark_round: wm.round,
-            watermark_offset: wm.offset,
+            ring_capacity: r.ring_capacity,
+            ring_live_allocations: r.ring_live,
+            watermark_round: r.watermark.round,
+            watermark_offset: r.watermark.offset,
             rdma_downgrades: engine.rdma().downgrades(),
             rdma_sessions: engine.rdma().sessions(),
+            connections: r.connections,
+            accept_errors: r.accept_errors,
+            connections_refused: r.connections_refused,
+            handshakes_failed: r.handshakes_failed,
+            events_dropped: r.events_dropped,
+            rooms_expired: r.rooms_expired,
+            thread_panics: r.panics,
         };
         super::write_versioned(out, stats, "out")?;
         Ok(Status::KVSTAGE_OK)

@@ -69,11 +69,7 @@ pub fn guard<R>(clear_error: bool, on_panic: R, body: impl FnOnce() -> R) -> R {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(value) => value,
         Err(payload) => {
-            let text = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "non-string panic payload".to_string());
+            let text = crate::error::panic_text(&*payload);
             let poisoned = TOUCHED.with(|t| {
                 let flags = std::mem::take(&mut *t.borrow_mut());
                 for flag in &flags {

@@ -348,6 +348,17 @@ impl KvLayout {
         format!("bases[{i}] ({which} of layer {id})")
     }
 
+    /// Address of `len` bytes at `byte_offset` in token slot `slot` of buffer `buffer`, checked
+    /// against the pool (buffer index, capacity, slot bounds).
+    pub fn slot_bytes(&self, buffer: u32, slot: u64, byte_offset: u64, len: u64) -> Result<*mut u8> {
+        let base = *self.bases.get(buffer as usize).ok_or_else(|| Error::internal(format!("buffer {buffer} is not in the pool")))?;
+        let token_bytes = self.shape.token_bytes();
+        if slot >= self.capacity_tokens() || byte_offset.checked_add(len).is_none_or(|e| e > token_bytes) {
+            return Err(Error::internal(format!("slot {slot} [{byte_offset}, +{len}) is outside the pool")));
+        }
+        Ok((base as u64 + slot * token_bytes + byte_offset) as *mut u8)
+    }
+
     /// Checks the shape, the capacity, the number of bases, NULL bases, address-space overflow and
     /// overlapping buffers (`KVSTAGE_E_GEOMETRY_INVALID`, naming the field and the values).
     pub fn validate(&self) -> Result<()> {

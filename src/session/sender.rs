@@ -14,7 +14,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use super::op::{Op, Waker};
-use super::{pairing, Deadline, Pairing};
+use super::{pairing, Deadline, Integrity, Pairing};
 use crate::copy::{CopyEngine, HostPin, ReadyFence};
 use crate::engine::EngineOptions;
 use crate::error::{Error, Result, Status};
@@ -89,6 +89,8 @@ pub struct SenderSession {
     shared: Arc<Shared>,
     next_req: AtomicU64,
     reader: Mutex<Option<JoinHandle<()>>>,
+    /// The stronger of both sides' integrity policies.
+    integrity: Integrity,
 }
 
 impl SenderSession {
@@ -102,7 +104,7 @@ impl SenderSession {
             Error::invalid_arg("engine", "no KV pool registered (kvstage_engine_register_pool) before connecting")
         })?;
         let deadline = Deadline::after(Some(timeout));
-        let stream = tcp::connect(addr, timeout)?;
+        let stream = tcp::connect(addr, timeout, resources.options.dead_peer_timeout)?;
         stream.set_read_timeout(Some(timeout))?;
         let mut reader = stream.try_clone()?;
         let mut link: Arc<dyn Transport> = Arc::new(TcpTransport::new(stream)?);
@@ -122,6 +124,7 @@ impl SenderSession {
             status: 0,
             reason: String::new(),
             token: token.clone(),
+            integrity: options.integrity.wire(),
         };
         link.send(&Message::Hello(ours), &deadline)?;
         let remote = match protocol::read_frame(&mut reader) {
@@ -130,7 +133,12 @@ impl SenderSession {
             Ok(None) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, format!("{addr} closed the connection during the handshake"))),
             Err(e) => return Err(e.context(format!("handshake with {addr} failed"))),
         };
-        // Our own diff gives every field; the peer's status covers what only it can check.
+        // A refusal that is not about geometry (auth, limits, version) says it all; for geometry our
+        // own diff gives every field and the peer's status covers what only it can check.
+        let refused = Status::from_code(remote.status).filter(|s| *s != Status::KVSTAGE_OK);
+        if let Some(code) = refused.filter(|c| !matches!(c, Status::KVSTAGE_E_GEOMETRY_MISMATCH | Status::KVSTAGE_E_GEOMETRY_INVALID)) {
+            return Err(Error::new(code, format!("{addr} refused the session: {}", remote.reason)));
+        }
         let theirs = Fingerprint::decode(&remote.fingerprint)?;
         Fingerprint::of(&pool.shape).check(&theirs)?;
         let pair = pairing(&pool.shape, &remote.shape)?;
@@ -162,6 +170,7 @@ impl SenderSession {
             .name(format!("kvstage-send-{id}"))
             .spawn(move || read_replies(reader, &reader_shared))
             .map_err(|e| Error::internal("cannot start the session reader thread").with_source(e))?;
+        let integrity = options.integrity.stronger(Integrity::from_wire(remote.integrity));
         Ok(Arc::new(SenderSession {
             id: id.to_owned(),
             link,
@@ -172,6 +181,7 @@ impl SenderSession {
             shared,
             next_req: AtomicU64::new(1),
             reader: Mutex::new(Some(handle)),
+            integrity,
         }))
     }
 
@@ -301,7 +311,7 @@ impl SenderSession {
         // holds at least the region's bytes.
         unsafe { self.resources.copy.gather_after(plan, &self.pool, staging.buffer.as_mut_ptr(), desc.ready.as_deref()) }?;
         let data = &staging.buffer[..region_bytes as usize];
-        let checksum = self.resources.options.integrity.covers(desc.room, desc.chunk).then(|| checksum(data));
+        let checksum = self.integrity.covers(desc.room, desc.chunk).then(|| checksum(data));
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let header = Message::Data { room: desc.room, chunk: desc.chunk, writer, offset: region_offset, len: region_bytes };
         let ready = Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };

@@ -333,7 +333,7 @@ impl DecodeChild {
     pub fn raw_tcp(&mut self, bytes: u64, buf: &[u8]) -> Result<Duration> {
         writeln!(self.stdin, "raw {bytes}").map_err(io_err("writing to the decode process"))?;
         self.stdin.flush().map_err(io_err("writing to the decode process"))?;
-        let mut stream = crate::transport::tcp::connect(self.raw_addr.parse().map_err(|_| Error::internal("raw address"))?, Duration::from_secs(10))?;
+        let mut stream = crate::transport::tcp::connect(self.raw_addr.parse().map_err(|_| Error::internal("raw address"))?, Duration::from_secs(10), None)?;
         let start = Instant::now();
         let mut left = bytes as usize;
         while left > 0 {

@@ -14,22 +14,65 @@ use crate::protocol::Message;
 /// Socket buffer size asked for bulk streams (the kernel may clamp it).
 const SOCKET_BUFFER_BYTES: usize = 8 << 20;
 
-/// Tunes a connected socket: no Nagle delay for control frames, large buffers for bulk data.
-pub fn tune(stream: &TcpStream) -> Result<()> {
+/// Keepalive probes sent before a silent peer is declared gone.
+const KEEPALIVE_PROBES: u32 = 5;
+
+/// Tunes a connected socket: no Nagle delay for control frames, large buffers for bulk data, and
+/// dead-peer detection: with `dead_peer` set, a peer that stops answering (a host that vanished)
+/// fails the socket after about that long, idle (keepalive: a third of it idle, then
+/// [`KEEPALIVE_PROBES`] probes) or with unacknowledged data (`TCP_USER_TIMEOUT`).
+pub fn tune(stream: &TcpStream, dead_peer: Option<Duration>) -> Result<()> {
     stream.set_nodelay(true)?;
     let sock = socket2::SockRef::from(stream);
     // Best effort: a kernel limit below the request is not an error.
     let _ = sock.set_send_buffer_size(SOCKET_BUFFER_BYTES);
     let _ = sock.set_recv_buffer_size(SOCKET_BUFFER_BYTES);
-    sock.set_keepalive(true)?;
+    match dead_peer {
+        None => sock.set_keepalive(true)?,
+        Some(t) => {
+            let idle = (t / 3).max(Duration::from_secs(1));
+            let interval = ((t - t / 3) / KEEPALIVE_PROBES).max(Duration::from_secs(1));
+            let keepalive = socket2::TcpKeepalive::new().with_time(idle).with_interval(interval).with_retries(KEEPALIVE_PROBES);
+            sock.set_tcp_keepalive(&keepalive)?;
+            sock.set_tcp_user_timeout(Some(t))?;
+        }
+    }
     Ok(())
 }
 
-pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStream> {
+pub fn connect(addr: SocketAddr, timeout: Duration, dead_peer: Option<Duration>) -> Result<TcpStream> {
     let stream = TcpStream::connect_timeout(&addr, timeout)
         .map_err(|e| Error::from(e).context(format!("connect to {addr} failed")))?;
-    tune(&stream)?;
+    tune(&stream, dead_peer)?;
     Ok(stream)
+}
+
+/// Reads from a stream with one deadline for the whole exchange (not per read): a peer that
+/// trickles bytes cannot stretch it.
+pub struct DeadlineReader<'a> {
+    stream: &'a TcpStream,
+    deadline: &'a Deadline,
+    what: &'static str,
+}
+
+impl<'a> DeadlineReader<'a> {
+    pub fn new(stream: &'a TcpStream, deadline: &'a Deadline, what: &'static str) -> DeadlineReader<'a> {
+        DeadlineReader { stream, deadline, what }
+    }
+}
+
+impl std::io::Read for DeadlineReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.remaining(self.what).map_err(|e| std::io::Error::new(std::io::ErrorKind::TimedOut, e.message().to_owned()))?;
+        self.stream.set_read_timeout(left)?;
+        let mut s = self.stream;
+        match std::io::Read::read(&mut s, buf) {
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("deadline passed while {}", self.what)))
+            }
+            other => other,
+        }
+    }
 }
 
 pub struct TcpTransport {

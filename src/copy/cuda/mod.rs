@@ -556,3 +556,8 @@ impl selftest::TestMemory for CudaTestMemory {
         self.locate(at, len, |m, off| m.read(off, out))
     }
 }
+
+/// Whether `ptr` is CUDA device memory (false without a driver, and for host memory).
+pub fn is_device_pointer(ptr: u64) -> bool {
+    driver().is_ok() && driver::device_of(ptr).is_some()
+}

@@ -1,0 +1,323 @@
+//! One accepted sender connection: the handshake (bounded in time and memory), then frame
+//! dispatch. Every frame is checked by the state machine before a byte of payload is read, and
+//! payload reads hold a lease so nothing frees or re-grants the range underneath them.
+
+use std::cell::Cell;
+use std::io::Read;
+use std::net::TcpStream;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::state::{ConnInfo, ConnId, Target};
+use super::{reply_deadline, Receiver};
+use crate::error::{Error, Result, Status};
+use crate::geometry::{Fingerprint, ModelKind, PoolShape};
+use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
+use crate::ring::Watermark;
+use crate::session::{pairing, tokens_match, Deadline, Integrity};
+use crate::transport::faults::FaultyTransport;
+use crate::transport::tcp::{DeadlineReader, TcpTransport};
+use crate::transport::Transport;
+
+/// How long a `ChunkReady` waits for its write-with-immediate (the sender sends it only after the
+/// write completed, so this only bounds a broken or lying sender).
+const RDMA_IMM_WAIT: Duration = Duration::from_secs(5);
+
+/// A refusal sent in place of the handshake answer: our hello with `status` and `reason`.
+pub fn refusal(receiver: &Receiver, session: &str, status: Status, reason: &str) -> Message {
+    // Without a pool there is no shape to show; a placeholder keeps the frame well-formed.
+    let shape = receiver.pool.lock().as_ref().map_or_else(|| PoolShape::new(ModelKind::Mha, 1, 1, 1, 1, 1), |p| p.shape.clone());
+    Message::Hello(Hello {
+        protocol_version: PROTOCOL_VERSION,
+        library_version: crate::version_number(),
+        session: session.to_owned(),
+        fingerprint: Fingerprint::of(&shape).encode(),
+        shape,
+        ring_bytes: 0,
+        watermark: Watermark::default(),
+        status: status.code(),
+        reason: reason.to_owned(),
+        token: Vec::new(),
+        integrity: receiver.config.integrity.wire(),
+    })
+}
+
+/// Checks a sender's hello against our shape (fingerprint diff, pairing); its pairing.
+pub fn verify_peer(ours: &PoolShape, hello: &Hello) -> Result<crate::session::Pairing> {
+    let theirs = Fingerprint::decode(&hello.fingerprint)?;
+    Fingerprint::of(ours).check(&theirs)?;
+    pairing(&hello.shape, ours)
+}
+
+impl Receiver {
+    /// Runs one accepted connection until it closes. Never unwinds: a panic fails the rooms the
+    /// connection wrote to with `KVSTAGE_E_PANIC` and returns their ring space.
+    pub fn serve(self: &Arc<Self>, stream: TcpStream, handshake_done: impl FnOnce()) {
+        let conn: Cell<Option<ConnId>> = Cell::new(None);
+        let mut handshake_done = Some(handshake_done);
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.serve_inner(stream, &conn, &mut || {
+                if let Some(f) = handshake_done.take() {
+                    f()
+                }
+            })
+        }));
+        if let Some(f) = handshake_done.take() {
+            f();
+        }
+        let (code, reason) = match outcome {
+            Ok(Ok(())) => (Status::KVSTAGE_E_PEER_GONE, "the sender closed the connection".to_owned()),
+            Ok(Err(e)) if e.code() == Status::KVSTAGE_E_PANIC => (e.code(), e.chain()),
+            Ok(Err(e)) => (Status::KVSTAGE_E_PEER_GONE, e.chain()),
+            Err(p) => {
+                self.counters.panics.fetch_add(1, Ordering::Relaxed);
+                let e = Error::from_panic("a receiver connection thread panicked", &*p);
+                (e.code(), e.chain())
+            }
+        };
+        if let Some(id) = conn.get() {
+            if let Some(link) = self.peers.lock().remove(&id) {
+                link.shutdown();
+            }
+            self.with_state(|st| st.conn_gone(id, code, &reason));
+        }
+    }
+
+    fn serve_inner(self: &Arc<Self>, stream: TcpStream, conn: &Cell<Option<ConnId>>, handshake_done: &mut dyn FnMut()) -> Result<()> {
+        crate::transport::tcp::tune(&stream, self.config.dead_peer_timeout)?;
+        let mut reader = stream.try_clone()?;
+        let mut link: Arc<dyn Transport> = Arc::new(TcpTransport::new(stream)?);
+        if let Some(faults) = &self.config.faults {
+            link = Arc::new(FaultyTransport::new(link, faults.clone(), 2));
+        }
+        let deadline = Deadline::after(Some(self.config.listener.handshake_timeout));
+        let hello = match protocol::read_hello(&mut DeadlineReader::new(&reader, &deadline, "reading the hello")) {
+            Ok(h) => h,
+            Err(e) => {
+                self.counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                // Answered when the peer can still read it (a newer version learns why), then closed.
+                let _ = link.send(&refusal(self, "", e.code(), &e.chain()), &Deadline::after(Some(Duration::from_millis(200))));
+                link.shutdown();
+                return Err(e);
+            }
+        };
+        let info = self.handshake(&hello, &link, &deadline).inspect_err(|_| {
+            self.counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
+            link.shutdown();
+        })?;
+        handshake_done();
+        reader.set_read_timeout(None)?;
+        let session = info.session.clone();
+        // Registered only now that the answer left: from here on it gets watermark broadcasts,
+        // and one more watermark covers any change between the answer and the registration.
+        let id = self.with_state(|st| st.add_conn(info));
+        conn.set(Some(id));
+        self.peers.lock().insert(id, link.clone());
+        let wm = self.ring_stats().2;
+        link.send(&Message::Watermark(wm), &reply_deadline())?;
+        self.read_loop(id, &session, &mut reader, &link)
+    }
+
+    /// Validates the hello and answers with ours.
+    fn handshake(&self, hello: &Hello, link: &Arc<dyn Transport>, deadline: &Deadline) -> Result<ConnInfo> {
+        let pool = self.pool();
+        let token = &self.config.cluster_token;
+        let (ring_bytes, _, watermark) = self.ring_stats();
+        let checked = if !tokens_match(token, &hello.token) {
+            Err(Error::new(Status::KVSTAGE_E_AUTH, "the sender did not present this cluster's token"))
+        } else {
+            pool.as_ref().map_err(|e| Error::new(e.code(), e.message())).and_then(|pool| {
+                let pair = verify_peer(&pool.shape, hello)?;
+                Ok(ConnInfo { session: hello.session.clone(), src: hello.shape.clone(), dst: pool.shape.clone(), pairing: pair, rdma: false, host_pool: pool.memory == crate::geometry::MemoryKind::Host })
+            })
+        };
+        let our_shape = pool.as_ref().map(|p| p.shape.clone()).unwrap_or_else(|_| hello.shape.clone());
+        let (status, reason) = match &checked {
+            Ok(_) => (Status::KVSTAGE_OK, String::new()),
+            Err(e) => (e.code(), e.chain()),
+        };
+        let answer = Hello {
+            protocol_version: PROTOCOL_VERSION,
+            library_version: crate::version_number(),
+            session: hello.session.clone(),
+            fingerprint: Fingerprint::of(&our_shape).encode(),
+            shape: our_shape,
+            ring_bytes,
+            watermark,
+            status: status.code(),
+            reason,
+            token: if status == Status::KVSTAGE_E_AUTH { Vec::new() } else { token.clone() },
+            integrity: self.config.integrity.wire(),
+        };
+        link.send(&Message::Hello(answer), deadline)?;
+        checked.map_err(|e| e.with_session(&hello.session))
+    }
+
+    fn read_loop(&self, id: ConnId, session: &str, reader: &mut TcpStream, link: &Arc<dyn Transport>) -> Result<()> {
+        let stop_after = self.config.faults.as_ref().and_then(|f| f.plan.stop_reading_after);
+        let mut frames = 0u64;
+        let pool = self.pool()?;
+        let integrity = self.config.integrity;
+        // Set when the sender connected its RDMA queue pairs (its chunks then arrive by RDMA).
+        let mut rdma_peer: Option<crate::transport::rdma::link::RdmaPeer> = None;
+        while let Some(msg) = protocol::read_frame(reader)? {
+            frames += 1;
+            if stop_after.is_some_and(|n| frames > n) {
+                return self.stall(link);
+            }
+            match msg {
+                Message::AllocReq { req, room, chunk, writer, tokens, bytes } => {
+                    let rsp = match self.with_state(|st| st.allocate(id, room, chunk, writer, tokens, bytes)) {
+                        Ok(g) => Message::AllocRsp { req, status: 0, round: g.round, offset: g.offset, len: g.len, reason: String::new() },
+                        Err(e) => Message::AllocRsp { req, status: e.code().code(), round: 0, offset: 0, len: 0, reason: e.chain() },
+                    };
+                    link.send(&rsp, &reply_deadline())?;
+                }
+                Message::Data { room, chunk, writer, offset, len } => {
+                    match self.with_state(|st| st.begin_data(id, room, chunk, writer, offset, len))? {
+                        Target::Land(lease) => {
+                            let mem = self.ring_memory()?;
+                            // SAFETY: the lease pins [ring_offset, +len), inside this writer's region
+                            // of a live grant: no other thread writes it, nothing frees it until
+                            // `end_data`.
+                            let read = unsafe { mem.range(lease.ring_offset, lease.len) }
+                                .and_then(|buf| reader.read_exact(buf).map_err(|e| Error::from(e).context("receiving chunk data failed")));
+                            let landed = read.is_ok();
+                            self.with_state(|st| st.end_data(lease, landed));
+                            read?;
+                        }
+                        Target::Discard(_) => discard(reader, len)?,
+                    }
+                }
+                Message::ChunkReady { req, room, chunk, writer, checksum } => {
+                    // RDMA: the write-with-immediate (imm = req) must have completed first.
+                    let landed = rdma_peer.as_ref().map_or(Ok(()), |p| p.wait_imm(req as u32, RDMA_IMM_WAIT));
+                    let (result, fx) = match landed {
+                        Err(e) => (Err(e), Default::default()),
+                        Ok(()) => self.ready(id, session, room, chunk, writer, checksum, integrity),
+                    };
+                    let reply = match result {
+                        Ok(()) => Message::Arrived { req, status: 0, reason: String::new() },
+                        Err(e) => Message::Arrived { req, status: e.code().code(), reason: e.chain() },
+                    };
+                    // The ack goes first, so a caller who sees the room complete never races it;
+                    // the chunk is scattered whether or not the ack gets out.
+                    let sent = link.send(&reply, &reply_deadline());
+                    self.apply(fx);
+                    sent?;
+                }
+                Message::Slice { room, chunk, buffer, token, byte_offset, len } => {
+                    match self.with_state(|st| st.begin_slice(id, room, chunk, buffer, token, byte_offset, len))? {
+                        Target::Land(lease) => {
+                            let target = pool.slot_bytes(lease.buffer, lease.slot, lease.byte_offset, lease.len);
+                            let read = target.and_then(|t| {
+                                // SAFETY: the state checked the slot lies in a page of this room
+                                // and the bytes in this writer's head range; the lease keeps the
+                                // room's pages from going back to the caller during the read.
+                                let buf = unsafe { std::slice::from_raw_parts_mut(t, lease.len as usize) };
+                                reader.read_exact(buf).map_err(|e| Error::from(e).context("receiving slice data failed"))
+                            });
+                            let landed = read.is_ok();
+                            self.with_state(|st| st.end_slice(lease, landed));
+                            read?;
+                        }
+                        Target::Discard(_) => discard(reader, len as u64)?,
+                    }
+                }
+                Message::SliceDone { req, room, chunk } => {
+                    let reply = match self.with_state(|st| st.slice_done(id, room, chunk)) {
+                        Ok(()) => Message::Arrived { req, status: 0, reason: String::new() },
+                        Err(e) => Message::Arrived { req, status: e.code().code(), reason: e.chain() },
+                    };
+                    link.send(&reply, &reply_deadline())?;
+                }
+                Message::RdmaOffer(offer) => {
+                    let ring = self.memory.lock().clone();
+                    let rdma = self.rdma.lock().clone().unwrap_or_else(crate::transport::rdma::Rdma::off);
+                    let (answer, p) = rdma.accept(&offer, ring.as_ref().map(|m| (m.base(), m.len())), &link.describe(), session);
+                    if p.is_some() {
+                        self.with_state(|st| st.set_rdma(id));
+                    }
+                    rdma_peer = p;
+                    link.send(&Message::RdmaAnswer(answer), &reply_deadline())?;
+                }
+                Message::RdmaWritten { room, chunk, writer, offset, len, imm: _ } => {
+                    self.with_state(|st| st.rdma_written(id, room, chunk, writer, offset, len))?;
+                }
+                Message::Abort { room, chunk, reason } => {
+                    self.with_state(|st| st.abort(id, room, chunk, &reason));
+                }
+                other => {
+                    return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected frame from sender: {other:?}")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A writer's `ChunkReady`: checks the region (and its checksum, outside the lock), counts the
+    /// arrival; the effects hold the scatter when it was the chunk's last writer.
+    #[allow(clippy::too_many_arguments)]
+    fn ready(
+        &self,
+        id: ConnId,
+        session: &str,
+        room: u64,
+        chunk: u32,
+        writer: u32,
+        checksum: Option<u64>,
+        integrity: Integrity,
+    ) -> (Result<()>, super::Effects) {
+        let (lease, fx) = self.with_state_deferred(|st| st.begin_ready(id, room, chunk, writer));
+        self.apply(fx);
+        let lease = match lease {
+            Ok(l) => l,
+            Err(e) => return (Err(e), Default::default()),
+        };
+        let verified = match checksum {
+            None if integrity.covers(room, chunk) => Err(Error::new(
+                Status::KVSTAGE_E_INTEGRITY,
+                format!("room {room} chunk {chunk} writer {writer} arrived without the checksum this receiver requires"),
+            )),
+            None => Ok(()),
+            Some(sent) => self.ring_memory().and_then(|mem| {
+                // SAFETY: the ready lease pins the writer's finished region; nothing writes it.
+                let bytes = unsafe { mem.range(lease.ring_offset, lease.len) }?;
+                let got = crate::session::sender::checksum(bytes);
+                if got == sent {
+                    Ok(())
+                } else {
+                    Err(Error::new(
+                        Status::KVSTAGE_E_INTEGRITY,
+                        format!("integrity check failed for room {room} chunk {chunk} writer {writer}: sender checksum {sent:#018x} != received {got:#018x}"),
+                    ))
+                }
+            }),
+        };
+        let (result, fx) = self.with_state_deferred(|st| st.finish_ready(lease, verified, session));
+        (result.map_err(|e| e.with_session(session)), fx)
+    }
+
+    /// Test fault "a peer that stops reading": the connection stays open, unread, until the
+    /// engine shuts it down.
+    fn stall(&self, link: &Arc<dyn Transport>) -> Result<()> {
+        if let Some(f) = &self.config.faults {
+            f.counters.stalled.fetch_add(1, Ordering::Relaxed);
+        }
+        while !self.closing() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        link.shutdown();
+        Err(Error::new(Status::KVSTAGE_E_CANCELED, "fault injection: stopped reading"))
+    }
+}
+
+/// Reads and drops a payload whose room can no longer take it (the stream stays in sync).
+fn discard(reader: &mut TcpStream, len: u64) -> Result<()> {
+    let copied = std::io::copy(&mut reader.by_ref().take(len), &mut std::io::sink())?;
+    if copied != len {
+        return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload"));
+    }
+    Ok(())
+}

@@ -1,0 +1,63 @@
+//! The staging ring's memory: caller-provided or owned by the engine.
+
+use crate::error::{Error, Result, Status};
+
+pub struct RingMemory {
+    ptr: *mut u8,
+    len: usize,
+    _owned: Option<Vec<u8>>,
+}
+
+// SAFETY: the memory is only written inside grants the receiver's state handed to one writer (and
+// pinned while a read lands there), and read by the scatter of a chunk whose writers all arrived.
+unsafe impl Send for RingMemory {}
+unsafe impl Sync for RingMemory {}
+
+impl RingMemory {
+    /// `ptr == None` allocates `len` bytes owned by the engine. Caller memory must be writable by
+    /// the CPU: device memory is refused (the receiver reads payloads into it from sockets).
+    pub fn new(ptr: Option<*mut u8>, len: usize) -> Result<RingMemory> {
+        match ptr {
+            Some(p) => {
+                if crate::copy::cuda::is_device_pointer(p as u64) {
+                    return Err(Error::new(
+                        Status::KVSTAGE_E_UNSUPPORTED,
+                        format!("staging memory {p:p} is CUDA device memory; the ring must be host memory the CPU can write"),
+                    ));
+                }
+                Ok(RingMemory { ptr: p, len, _owned: None })
+            }
+            None => {
+                let mut v = Vec::new();
+                v.try_reserve_exact(len).map_err(|_| {
+                    Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot allocate a staging ring of {len} bytes"))
+                })?;
+                v.resize(len, 0);
+                let ptr = v.as_mut_ptr();
+                Ok(RingMemory { ptr, len, _owned: Some(v) })
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn base(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// `len` bytes at `offset`, which the caller's lease on the range makes exclusively its own.
+    ///
+    /// # Safety
+    /// The range must be leased from the receiver's state (a write or ready lease, or a scatter),
+    /// so no other thread writes it meanwhile.
+    pub unsafe fn range(&self, offset: u64, len: u64) -> crate::Result<&mut [u8]> {
+        let end = offset.checked_add(len).filter(|&e| e <= self.len as u64);
+        if end.is_none() {
+            return Err(Error::internal(format!("ring range [{offset}, +{len}) is outside the ring of {} bytes", self.len)));
+        }
+        // SAFETY: inside the ring (checked), exclusive by the caller's lease.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset as usize), len as usize) })
+    }
+}

@@ -1,0 +1,343 @@
+//! Decode side: the I/O around the receiver's state machine ([`state`]).
+//!
+//! [`State`] holds every room, chunk, writer slot, grant and lease and changes only under one
+//! lock; this module owns what the state must not: the ring memory, the scatter queue, the
+//! watermark broadcast and the caller-facing waits. Connections ([`conn`]) and the listener
+//! ([`listener`]) call into it. No blocking I/O happens under the state lock: effects the state
+//! asks for (broadcast a watermark, run a scatter, wake waiters) are carried out after unlocking.
+
+mod conn;
+mod coverage;
+pub mod listener;
+mod memory;
+pub mod state;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+use parking_lot::{Condvar, Mutex};
+
+pub use conn::verify_peer;
+pub use memory::RingMemory;
+pub use state::{ChunkEvent, ConnId, ScatterJob};
+use state::{Effects, Release, State};
+
+use super::{Deadline, Integrity};
+use crate::copy::CopyEngine;
+use crate::error::{Error, Result, Status};
+use crate::geometry::{self, KvLayout};
+use crate::ring::Watermark;
+use crate::transport::faults::Faults;
+use crate::transport::Transport;
+
+/// What the receiver needs from the engine's options.
+#[derive(Clone, Debug)]
+pub struct ReceiverConfig {
+    /// Chunk grid of a room that does not name one.
+    pub chunk_tokens: u32,
+    /// Secret the sender must present (empty: none).
+    pub cluster_token: Vec<u8>,
+    /// This side's integrity policy; the stronger of both sides' applies.
+    pub integrity: Integrity,
+    /// A room not complete this long after it opened fails with `TIMEOUT` (`None`: never).
+    pub room_timeout: Option<Duration>,
+    /// Chunk events kept for `kvstage_engine_poll_events`; more are dropped and counted.
+    pub max_events: usize,
+    pub listener: listener::Limits,
+    /// Keepalive and `TCP_USER_TIMEOUT`: a silent peer is declared gone after about this long.
+    pub dead_peer_timeout: Option<Duration>,
+    /// Test only: faults injected into this side's connections.
+    pub faults: Option<Faults>,
+}
+
+/// Bound on a reply or broadcast to one sender: its reader drains them at once, so a full socket
+/// means a stuck peer, which is then cut off.
+const REPLY_DEADLINE: Duration = Duration::from_secs(2);
+
+/// How long `release_room` lets in-flight payload reads finish before it shuts their
+/// connections down.
+const RELEASE_GRACE: Duration = Duration::from_millis(500);
+
+/// How often rooms are checked against their deadlines.
+const EXPIRY_TICK: Duration = Duration::from_millis(200);
+
+fn reply_deadline() -> Deadline {
+    Deadline::after(Some(REPLY_DEADLINE))
+}
+
+/// Counters of the receiver (engine stats).
+#[derive(Default)]
+pub struct ReceiverCounters {
+    pub accept_errors: AtomicU64,
+    pub connections_refused: AtomicU64,
+    pub handshakes_failed: AtomicU64,
+    pub panics: AtomicU64,
+}
+
+/// A snapshot for `kvstage_engine_stats`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReceiverStats {
+    pub ring_capacity: u64,
+    pub ring_live: u64,
+    pub watermark: Watermark,
+    pub connections: u64,
+    pub accept_errors: u64,
+    pub connections_refused: u64,
+    pub handshakes_failed: u64,
+    pub events_dropped: u64,
+    pub rooms_expired: u64,
+    pub panics: u64,
+}
+
+/// The receiver half of an engine.
+pub struct Receiver {
+    state: Mutex<State>,
+    changed: Condvar,
+    memory: Mutex<Option<Arc<RingMemory>>>,
+    pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
+    copy: Arc<dyn CopyEngine>,
+    scatter_tx: Mutex<Option<Sender<ScatterJob>>>,
+    config: ReceiverConfig,
+    /// Accepted senders: watermark broadcasts and shutdown (never locked together with `state`).
+    peers: Mutex<HashMap<ConnId, Arc<dyn Transport>>>,
+    /// Latest watermark not yet broadcast, for the keeper thread.
+    pending_watermark: Mutex<Option<Watermark>>,
+    keeper_wake: Condvar,
+    closing: AtomicBool,
+    rdma: Mutex<Option<Arc<crate::transport::rdma::Rdma>>>,
+    pub counters: ReceiverCounters,
+}
+
+impl Receiver {
+    pub fn new(pool: Arc<Mutex<Option<Arc<KvLayout>>>>, copy: Arc<dyn CopyEngine>, config: ReceiverConfig) -> Receiver {
+        Receiver {
+            state: Mutex::new(State::new(config.max_events)),
+            changed: Condvar::new(),
+            memory: Mutex::new(None),
+            pool,
+            copy,
+            scatter_tx: Mutex::new(None),
+            config,
+            peers: Mutex::new(HashMap::new()),
+            pending_watermark: Mutex::new(None),
+            keeper_wake: Condvar::new(),
+            closing: AtomicBool::new(false),
+            rdma: Mutex::new(None),
+            counters: ReceiverCounters::default(),
+        }
+    }
+
+    pub fn config(&self) -> &ReceiverConfig {
+        &self.config
+    }
+
+    pub fn set_scatter_queue(&self, tx: Sender<ScatterJob>) {
+        *self.scatter_tx.lock() = Some(tx);
+    }
+
+    pub fn set_rdma(&self, rdma: Arc<crate::transport::rdma::Rdma>) {
+        *self.rdma.lock() = Some(rdma);
+    }
+
+    pub fn close_scatter_queue(&self) {
+        self.scatter_tx.lock().take();
+    }
+
+    /// Runs `f` on the state under its lock, then carries out the effects it asked for.
+    fn with_state<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        let (r, fx) = self.with_state_deferred(f);
+        self.apply(fx);
+        r
+    }
+
+    /// As [`with_state`](Self::with_state), returning the effects for the caller to apply later
+    /// (a chunk's scatter is queued only after the sender's acknowledgement left).
+    fn with_state_deferred<R>(&self, f: impl FnOnce(&mut State) -> R) -> (R, Effects) {
+        let mut st = self.state.lock();
+        let r = f(&mut st);
+        (r, st.take_effects())
+    }
+
+    fn apply(&self, fx: Effects) {
+        if let Some(w) = fx.watermark {
+            *self.pending_watermark.lock() = Some(w);
+            self.keeper_wake.notify_all();
+        }
+        for job in fx.scatter {
+            let tx = self.scatter_tx.lock().clone();
+            if tx.ok_or(()).and_then(|tx| tx.send(job.clone()).map_err(|_| ())).is_err() {
+                self.with_state(|st| st.scatter_done(&job, Err(Error::internal("the scatter queue is closed"))));
+            }
+        }
+        if fx.changed {
+            self.changed.notify_all();
+        }
+    }
+
+    pub fn register_ring(&self, memory: RingMemory) -> Result<()> {
+        let len = memory.len() as u64;
+        let mut slot = self.memory.lock();
+        self.with_state(|st| st.register_ring(len))?;
+        // The old ring's memory region goes before its memory (RDMA peers then fail with a remote
+        // access error and reconnect); nothing writes the old memory: no allocation was live.
+        if let Some(r) = self.rdma.lock().as_ref() {
+            r.forget_ring();
+        }
+        *slot = Some(Arc::new(memory));
+        Ok(())
+    }
+
+    fn ring_memory(&self) -> Result<Arc<RingMemory>> {
+        self.memory.lock().clone().ok_or_else(|| Error::internal("a grant without ring memory"))
+    }
+
+    fn pool(&self) -> Result<Arc<KvLayout>> {
+        self.pool.lock().clone().ok_or_else(|| {
+            Error::invalid_arg("engine", "has no KV pool registered (kvstage_engine_register_pool)")
+        })
+    }
+
+    /// Opens a room: the decode pages that receive the request's new tokens (after the decode
+    /// side's cached prefix), split into chunks of `chunk_tokens` on the page grid.
+    pub fn open_room(&self, room: u64, pages: &[u32], chunk_tokens: u32) -> Result<u32> {
+        let pool = self.pool()?;
+        pool.check_pages(pages, "dst_pages")?;
+        let chunk_tokens = if chunk_tokens == 0 { self.config.chunk_tokens } else { chunk_tokens };
+        let grid_pages = (geometry::grid_tokens(chunk_tokens, pool.shape.page_size) / pool.shape.page_size) as usize;
+        let expires = self.config.room_timeout.map(|t| Instant::now() + t);
+        self.with_state(|st| st.open_room(room, pages, grid_pages, expires))
+    }
+
+    /// Waits until every chunk of `room` is scattered (OK), the room failed (its error) or the deadline.
+    pub fn wait_room(&self, room: u64, timeout: Option<Duration>) -> Result<Status> {
+        let deadline = Deadline::after(timeout);
+        let mut st = self.state.lock();
+        loop {
+            if st.room_outcome(room)? {
+                return Ok(Status::KVSTAGE_OK);
+            }
+            if !deadline.wait(&self.changed, &mut st) {
+                let done = st.room_progress(room);
+                return Err(deadline.timeout_error(&format!("waiting for room {room} ({done})")));
+            }
+        }
+    }
+
+    /// Releases a room and returns once no kvstage thread will touch its pages again: payload
+    /// reads into them get a short grace, then their connections are shut down.
+    pub fn release_room(&self, room: u64) {
+        let Release::Draining { gen, .. } = self.with_state(|st| st.release_room(room)) else { return };
+        let grace = Deadline::after(Some(RELEASE_GRACE));
+        let mut st = self.state.lock();
+        let mut shut = false;
+        while let Some(holders) = st.draining(room, gen) {
+            if !shut && grace.expired() {
+                // A sender stuck inside a payload into this room's pages: cut it off.
+                drop(st);
+                let peers = self.peers.lock();
+                for h in holders {
+                    if let Some(p) = peers.get(&h) {
+                        p.shutdown();
+                    }
+                }
+                drop(peers);
+                shut = true;
+                st = self.state.lock();
+                continue;
+            }
+            self.changed.wait_for(&mut st, Duration::from_millis(50));
+        }
+    }
+
+    pub fn take_events(&self, max: usize) -> Vec<ChunkEvent> {
+        self.state.lock().take_events(max)
+    }
+
+    pub fn ring_stats(&self) -> (u64, u64, Watermark) {
+        self.state.lock().ring_stats()
+    }
+
+    pub fn stats(&self) -> ReceiverStats {
+        let st = self.state.lock();
+        let (ring_capacity, ring_live, watermark) = st.ring_stats();
+        let c = st.counters();
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ReceiverStats {
+            ring_capacity,
+            ring_live,
+            watermark,
+            connections: st.conn_count() as u64,
+            accept_errors: n(&self.counters.accept_errors),
+            connections_refused: n(&self.counters.connections_refused),
+            handshakes_failed: n(&self.counters.handshakes_failed),
+            events_dropped: c.events_dropped,
+            rooms_expired: c.rooms_expired,
+            panics: n(&self.counters.panics),
+        }
+    }
+
+    /// Executes a scatter job (on the engine's scatter thread); a panic fails the room with
+    /// `KVSTAGE_E_PANIC` and still returns the ring space.
+    pub fn run_scatter(&self, job: ScatterJob) {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.scatter(&job))).unwrap_or_else(|p| {
+            self.counters.panics.fetch_add(1, Ordering::Relaxed);
+            Err(Error::from_panic(format!("the scatter of room {} chunk {} panicked", job.room, job.chunk), &*p))
+        });
+        self.with_state(|st| st.scatter_done(&job, result));
+    }
+
+    fn scatter(&self, job: &ScatterJob) -> Result<()> {
+        let pool = self.pool()?;
+        let mem = self.ring_memory()?;
+        for src in &job.writers {
+            let w = job.layout.writer_for(src)?.ok_or_else(|| Error::internal("an arrived writer is not in the layout"))?;
+            let plan = geometry::plan_scatter(&pool.shape, &job.pages, &job.layout, w)?;
+            let region = &job.layout.writers[w as usize];
+            // SAFETY: the grant is pinned for this scatter and all its writers arrived, so nothing
+            // writes the region while the scatter reads it; the range check is in `range`.
+            unsafe {
+                let bytes = mem.range(job.ring_offset + region.offset, region.bytes)?;
+                self.copy.scatter(&plan, &pool, bytes.as_mut_ptr())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The keeper thread's loop: broadcasts the latest watermark to every sender (outside the
+    /// state lock, so a stuck sender delays nobody's bookkeeping) and expires overdue rooms.
+    pub fn run_keeper(&self) {
+        while !self.closing.load(Ordering::SeqCst) {
+            let w = {
+                let mut pending = self.pending_watermark.lock();
+                if pending.is_none() {
+                    self.keeper_wake.wait_for(&mut pending, EXPIRY_TICK);
+                }
+                pending.take()
+            };
+            if let Some(w) = w {
+                let peers: Vec<Arc<dyn Transport>> = self.peers.lock().values().cloned().collect();
+                for p in peers {
+                    // A dead or stuck peer is cut off by its failed send; the others still get it.
+                    let _ = p.send(&crate::protocol::Message::Watermark(w), &reply_deadline());
+                }
+            }
+            self.with_state(|st| st.expire(Instant::now()));
+        }
+    }
+
+    /// Stops the keeper and shuts every accepted connection down (their threads then end).
+    pub fn shutdown(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+        self.keeper_wake.notify_all();
+        for p in self.peers.lock().values() {
+            p.shutdown();
+        }
+    }
+
+    pub fn closing(&self) -> bool {
+        self.closing.load(Ordering::SeqCst)
+    }
+}

@@ -1,0 +1,741 @@
+//! The receiver's state machine without sockets: targeted attacks and races, then a model-based
+//! property test that drives random event sequences from several connections against a small
+//! reference model and checks the invariants after every step.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::geometry::ModelKind;
+use crate::session::pairing;
+
+/// Decode rank: 8 heads, head_dim 4, 2-byte dtype, 2-token pages, 2 layers, TP 1.
+fn dst() -> PoolShape {
+    PoolShape::new(ModelKind::Mha, 8, 4, 2, 2, 2)
+}
+
+/// Prefill rank `r` of TP `tp` (TP 2: writers 0 and 1 of every chunk).
+fn src(r: u32, tp: u32) -> PoolShape {
+    PoolShape::new(ModelKind::Mha, 8, 4, 2, 2, 2).with_tp(r, tp)
+}
+
+fn info(r: u32, tp: u32, rdma: bool) -> ConnInfo {
+    let (s, d) = (src(r, tp), dst());
+    ConnInfo { session: format!("s{r}"), pairing: pairing(&s, &d).unwrap(), src: s, dst: d, rdma, host_pool: true }
+}
+
+/// Room of 4 pages, chunks of 2 pages (4 tokens): each writer region is 4 tokens × 4 heads × 4
+/// × 2 bytes × 2 layers × K/V = 512 bytes, a chunk 1024.
+const PAGES: [u32; 4] = [3, 1, 2, 0];
+const GRID: usize = 2;
+const TOKENS: u32 = 4;
+const REGION: u64 = 512;
+const CHUNK: u64 = 1024;
+
+#[test]
+fn sizes_follow_the_staging_layout() {
+    let layout = geometry::staging_layout(&src(0, 2), &dst(), TOKENS).unwrap();
+    assert_eq!((layout.writers[0].bytes, layout.total_bytes), (REGION, CHUNK));
+}
+
+fn state(ring: u64) -> State {
+    let mut st = State::new(64);
+    st.register_ring(ring).unwrap();
+    st
+}
+
+fn land<L: std::fmt::Debug>(t: Result<Target<L>>) -> L {
+    match t {
+        Ok(Target::Land(l)) => l,
+        other => panic!("expected a landing, got {other:?}"),
+    }
+}
+
+/// Writes writer `w`'s whole region of (room, chunk) for `conn` and reports it ready.
+fn deliver(st: &mut State, conn: ConnId, room: u64, chunk: u32, w: u32) -> Result<()> {
+    let lease = land(st.begin_data(conn, room, chunk, w, w as u64 * REGION, REGION));
+    st.end_data(lease, true);
+    let r = st.begin_ready(conn, room, chunk, w)?;
+    st.finish_ready(r, Ok(()), "s")
+}
+
+#[test]
+fn another_connection_cannot_write_or_complete_a_grant_it_does_not_hold() {
+    let mut st = state(4096);
+    let (a, b, intruder) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)), st.add_conn(info(0, 2, false)));
+    st.open_room(7, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 7, 0, 0, TOKENS, CHUNK).unwrap();
+    // Same writer index, other connection: no allocation, no data, no ready, no abort.
+    assert!(st.allocate(intruder, 7, 0, 0, TOKENS, CHUNK).unwrap_err().message().contains("held by another connection"));
+    let e = st.begin_data(intruder, 7, 0, 0, 0, REGION).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
+    assert!(e.message().contains("does not hold it"), "{}", e.message());
+    assert!(st.begin_ready(intruder, 7, 0, 0).is_err());
+    st.abort(intruder, 7, 0, "mischief");
+    st.abort(intruder, 7, u32::MAX, "mischief");
+    assert_eq!(st.room_outcome(7).unwrap(), false, "an abort by a non-writer must not fail the room");
+    // The real writers complete it.
+    deliver(&mut st, a, 7, 0, 0).unwrap();
+    st.allocate(b, 7, 0, 1, TOKENS, CHUNK).unwrap();
+    deliver(&mut st, b, 7, 0, 1).unwrap();
+    assert_eq!(st.take_effects().scatter.len(), 1);
+}
+
+#[test]
+fn a_release_during_a_payload_read_defers_the_free_and_discards_the_bytes() {
+    let mut st = state(CHUNK);
+    let a = st.add_conn(info(0, 2, false));
+    st.open_room(1, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    let lease = land(st.begin_data(a, 1, 0, 0, 0, REGION));
+    assert_eq!(st.release_room(1), Release::Done);
+    // The grant is still live: nobody may get this range while the read writes into it.
+    assert_eq!(st.ring_stats().1, 1);
+    st.open_room(1, &PAGES, GRID, None).unwrap();
+    let b = st.add_conn(info(1, 2, false));
+    let g = st.allocate(b, 1, 0, 1, TOKENS, CHUNK).unwrap();
+    assert!(!st.watermark().permits(g.round, g.end()), "a new grant over a pinned range must wait for the watermark");
+    assert!(st.register_ring(CHUNK).is_err(), "the ring cannot be replaced under a read");
+    st.end_data(lease, true);
+    assert!(st.watermark().permits(g.round, g.end()));
+    // The old lease's bytes did not count for the reopened room.
+    assert!(st.begin_data(a, 1, 0, 0, 0, REGION).unwrap_err().message().contains("without an allocation"));
+}
+
+#[test]
+fn a_room_id_cannot_be_reopened_while_its_scatter_runs() {
+    let mut st = state(4096);
+    let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
+    st.open_room(5, &PAGES[..2], GRID, None).unwrap();
+    for (c, w) in [(a, 0), (b, 1)] {
+        st.allocate(c, 5, 0, w, TOKENS, CHUNK).unwrap();
+        deliver(&mut st, c, 5, 0, w).unwrap();
+    }
+    let job = st.take_effects().scatter.pop().unwrap();
+    let Release::Draining { gen, .. } = st.release_room(5) else { panic!("a running scatter holds the pages") };
+    assert!(st.open_room(5, &PAGES, GRID, None).unwrap_err().message().contains("still being released"));
+    assert!(st.draining(5, gen).is_some());
+    st.scatter_done(&job, Ok(()));
+    assert!(st.draining(5, gen).is_none());
+    assert_eq!(st.ring_stats().1, 0);
+    st.open_room(5, &PAGES, GRID, None).unwrap();
+}
+
+#[test]
+fn senders_of_one_room_must_share_the_prefill_geometry() {
+    let mut st = state(1 << 20);
+    let (tp2, tp4) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 4, false)));
+    st.open_room(1, &PAGES, GRID, None).unwrap();
+    st.allocate(tp2, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    let e = st.allocate(tp4, 1, 0, 1, TOKENS, 512).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+    assert!(e.causes().iter().any(|c| c.contains("tp_size: local 2 != remote 4")), "{:?}", e.causes());
+}
+
+#[test]
+fn late_frames_for_closed_rooms_are_discarded_not_fatal() {
+    let mut st = state(4096);
+    let a = st.add_conn(info(0, 2, false));
+    assert!(matches!(st.begin_data(a, 99, 0, 0, 0, 10), Ok(Target::Discard(_))));
+    assert!(matches!(st.begin_slice(a, 99, 0, 0, 0, 0, 32), Ok(Target::Discard(_))));
+    assert_eq!(st.begin_ready(a, 99, 0, 0).unwrap_err().code(), Status::KVSTAGE_E_CANCELED);
+    st.open_room(3, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 3, 0, 0, TOKENS, CHUNK).unwrap();
+    st.fail_room(3, Status::KVSTAGE_E_CANCELED, "test".into(), "");
+    assert!(matches!(st.begin_data(a, 3, 0, 0, 0, REGION), Ok(Target::Discard(_))));
+    assert_eq!(st.ring_stats().1, 0);
+}
+
+#[test]
+fn rdma_grants_stay_quarantined_until_the_writer_is_done() {
+    let mut st = state(CHUNK);
+    let a = st.add_conn(info(0, 2, true));
+    st.open_room(1, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    st.release_room(1);
+    assert_eq!(st.ring_stats().1, 1, "the sender may still RDMA-write its grant");
+    st.abort(a, 1, 0, "gave up");
+    assert_eq!(st.ring_stats().1, 0, "its abort ends the quarantine");
+    st.open_room(2, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 2, 0, 0, TOKENS, CHUNK).unwrap();
+    st.release_room(2);
+    assert_eq!(st.ring_stats().1, 1);
+    st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
+    assert_eq!(st.ring_stats().1, 0, "its queue pairs are gone: nothing more can land");
+}
+
+#[test]
+fn slices_complete_only_when_every_row_arrived_once() {
+    let mut st = state(4096);
+    let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
+    st.open_room(1, &PAGES[..2], GRID, None).unwrap();
+    let row = |w: u32| (w * 32, 32);
+    let d = dst();
+    let send = |st: &mut State, c, w: u32, buffer, token| {
+        let (off, len) = row(w);
+        let l = land(st.begin_slice(c, 1, 0, buffer, token, off, len));
+        st.end_slice(l, true);
+    };
+    for t in 0..TOKENS {
+        send(&mut st, a, 0, d.buffer_index(0, 0), t);
+    }
+    let e = st.slice_done(a, 1, 0).unwrap_err();
+    assert!(e.message().contains("after 4 of 16 rows"), "{}", e.message());
+    assert!(st.room_outcome(1).is_err(), "a writer short of rows fails the room");
+    st.release_room(1);
+    st.open_room(1, &PAGES[..2], GRID, None).unwrap();
+    for (c, w) in [(a, 0), (b, 1)] {
+        for buffer in 0..4 {
+            for t in 0..TOKENS {
+                send(&mut st, c, w, buffer, t);
+            }
+        }
+    }
+    let (off, len) = row(0);
+    assert!(st.begin_slice(a, 1, 0, 0, 0, off, len).unwrap_err().message().contains("written twice"));
+    st.slice_done(a, 1, 0).unwrap();
+    st.slice_done(b, 1, 0).unwrap();
+    assert_eq!(st.room_outcome(1).unwrap(), true);
+}
+
+#[test]
+fn one_chunk_cannot_mix_staged_and_slice_writers() {
+    let mut st = state(4096);
+    let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
+    st.open_room(1, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    let Ok(Target::Discard(e)) = st.begin_slice(b, 1, 0, 0, 0, 32, 32) else { panic!("slice into a staged chunk") };
+    assert_eq!(e.code(), Status::KVSTAGE_E_UNSUPPORTED);
+    assert_eq!(st.slice_done(b, 1, 0).unwrap_err().code(), Status::KVSTAGE_E_UNSUPPORTED);
+    let l = land(st.begin_slice(b, 1, 1, 0, 0, 32, 32));
+    st.end_slice(l, true);
+    assert_eq!(st.allocate(a, 1, 1, 0, TOKENS, CHUNK).unwrap_err().code(), Status::KVSTAGE_E_UNSUPPORTED);
+}
+
+#[test]
+fn events_are_bounded_and_rooms_expire() {
+    let mut st = State::new(2);
+    st.register_ring(4096).unwrap();
+    let now = Instant::now();
+    st.open_room(1, &PAGES, GRID, Some(now + Duration::from_secs(1))).unwrap();
+    st.expire(now);
+    assert!(st.room_outcome(1).unwrap() == false);
+    st.expire(now + Duration::from_secs(2));
+    assert_eq!(st.room_outcome(1).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
+    st.open_room(2, &PAGES, GRID, None).unwrap();
+    st.fail_room(2, Status::KVSTAGE_E_CANCELED, "x".into(), "");
+    assert_eq!(st.pending_events(), 2);
+    assert_eq!(st.counters(), Counters { events_dropped: 2, rooms_expired: 1 });
+}
+
+// --- the model-based property test -----------------------------------------------------------------
+
+/// Actors: connections 0..3 are prefill ranks 0, 1 (TCP) and 0 again (a second connection
+/// claiming writer 0), connection 3 is rank 1 over RDMA. Rooms 0..3.
+const CONNS: usize = 4;
+const ROOMS: u64 = 3;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Open(u64, usize),
+    Release(u64),
+    Allocate(usize, u64, u32),
+    /// Begin the next half of the connection's region (or a lying write with `bool` set).
+    DataBegin(usize, u64, u32, bool),
+    DataEnd(usize, bool),
+    Ready(usize, u64, u32, bool),
+    Abort(usize, u64, u32),
+    SliceBegin(usize, u64, u32, u32, u32),
+    SliceEnd(usize, bool),
+    SliceDone(usize, u64, u32),
+    Scatter(usize, bool),
+    Gone(usize),
+    RegisterRing,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let c = 0..CONNS;
+    let r = 0..ROOMS;
+    let ch = 0u32..3;
+    prop_oneof![
+        1 => (r.clone(), prop_oneof![Just(2usize), Just(4usize)]).prop_map(|(r, n)| Op::Open(r, n)),
+        1 => r.clone().prop_map(Op::Release),
+        1 => (c.clone(), r.clone(), ch.clone()).prop_map(|(c, r, ch)| Op::Allocate(c, r, ch)),
+        3 => (c.clone(), r.clone(), ch.clone(), prop::bool::weighted(0.1)).prop_map(|(c, r, ch, l)| Op::DataBegin(c, r, ch, l)),
+        3 => (any::<usize>(), prop::bool::weighted(0.9)).prop_map(|(i, ok)| Op::DataEnd(i, ok)),
+        2 => (c.clone(), r.clone(), ch.clone(), prop::bool::weighted(0.9)).prop_map(|(c, r, ch, ok)| Op::Ready(c, r, ch, ok)),
+        1 => (c.clone(), r.clone(), prop_oneof![ch.clone(), Just(u32::MAX)]).prop_map(|(c, r, ch)| Op::Abort(c, r, ch)),
+        2 => (c.clone(), r.clone(), ch.clone(), 0u32..4, 0u32..4).prop_map(|(c, r, ch, b, t)| Op::SliceBegin(c, r, ch, b, t)),
+        2 => (any::<usize>(), prop::bool::weighted(0.95)).prop_map(|(i, ok)| Op::SliceEnd(i, ok)),
+        1 => (c.clone(), r.clone(), ch.clone()).prop_map(|(c, r, ch)| Op::SliceDone(c, r, ch)),
+        2 => (any::<usize>(), prop::bool::weighted(0.9)).prop_map(|(i, ok)| Op::Scatter(i, ok)),
+        1 => c.prop_map(Op::Gone),
+        1 => Just(Op::RegisterRing),
+    ]
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MPhase {
+    Waiting,
+    Scattering,
+    Done,
+}
+
+#[derive(Clone, Debug, Default)]
+struct MSlot {
+    conn: ConnId,
+    received: u64,
+    rows: HashSet<(u32, u32)>,
+    arrived: bool,
+}
+
+#[derive(Clone, Debug)]
+struct MChunk {
+    phase: MPhase,
+    slices: Option<bool>,
+    slots: [Option<MSlot>; 2],
+    grant: Option<Grant>,
+}
+
+#[derive(Clone, Debug)]
+struct MRoom {
+    gen: u64,
+    chunks: Vec<MChunk>,
+    failed: bool,
+    released: bool,
+    leases: usize,
+}
+
+impl MRoom {
+    fn live(&self) -> bool {
+        !self.failed && !self.released
+    }
+    fn complete(&self) -> bool {
+        self.chunks.iter().all(|c| c.phase == MPhase::Done)
+    }
+}
+
+struct Harness {
+    st: State,
+    /// The reference model: rooms by id (a released room stays until drained).
+    rooms: HashMap<u64, MRoom>,
+    conns: [Option<ConnId>; CONNS],
+    writes: Vec<(usize, WriteLease)>,
+    slices: Vec<(usize, SliceLease)>,
+    scatters: Vec<ScatterJob>,
+}
+
+fn writer_of(c: usize) -> u32 {
+    [0, 1, 0, 1][c]
+}
+
+impl Harness {
+    fn new() -> Harness {
+        Harness { st: state(3 * CHUNK / 2 + 100), rooms: HashMap::new(), conns: [None; CONNS], writes: Vec::new(), slices: Vec::new(), scatters: Vec::new() }
+    }
+
+    fn conn(&mut self, c: usize) -> ConnId {
+        *self.conns[c].get_or_insert_with(|| self.st.add_conn(info(writer_of(c), 2, c == 3)))
+    }
+
+    fn collect(&mut self) {
+        let fx = self.st.take_effects();
+        self.scatters.extend(fx.scatter);
+    }
+
+    /// The model's view of "this connection's writer slot is gone": rooms it owes fail.
+    fn model_conn_gone(&mut self, id: ConnId) {
+        for r in self.rooms.values_mut() {
+            let owes = r.chunks.iter().any(|ch| ch.phase == MPhase::Waiting && ch.slots.iter().flatten().any(|s| s.conn == id && !s.arrived));
+            if owes && r.live() && !r.complete() {
+                r.failed = true;
+            }
+        }
+    }
+
+    /// A fatal error ends the connection, as the I/O layer does. Its leases are dropped without
+    /// being ended (as when its thread panics): the state must release them itself.
+    fn kill(&mut self, c: usize) {
+        let Some(id) = self.conns[c].take() else { return };
+        self.st.conn_gone(id, Status::KVSTAGE_E_PEER_GONE, "test");
+        self.writes.retain(|(w, _)| *w != c);
+        self.slices.retain(|(w, _)| *w != c);
+        self.model_conn_gone(id);
+        self.recount_leases();
+        self.collect();
+    }
+
+    /// A connection reads one frame at a time: while it is inside a payload it sends nothing else.
+    fn busy(&self, c: usize) -> bool {
+        self.writes.iter().any(|(x, _)| *x == c) || self.slices.iter().any(|(x, _)| *x == c)
+    }
+
+    fn recount_leases(&mut self) {
+        for r in self.rooms.values_mut() {
+            r.leases = 0;
+        }
+        for (_, l) in &self.slices {
+            if let Some(r) = self.rooms.values_mut().find(|r| r.gen == l.gen) {
+                r.leases += 1;
+            }
+        }
+        for j in &self.scatters {
+            if let Some(r) = self.rooms.values_mut().find(|r| r.gen == j.gen) {
+                r.leases += 1;
+            }
+        }
+        let drained: Vec<u64> = self.rooms.iter().filter(|(_, r)| r.released && r.leases == 0).map(|(id, _)| *id).collect();
+        for id in drained {
+            self.rooms.remove(&id);
+        }
+    }
+
+    fn step(&mut self, op: Op) {
+        match op {
+            Op::Open(room, pages) => {
+                let result = self.st.open_room(room, &PAGES[..pages], GRID, None);
+                assert_eq!(result.is_ok(), !self.rooms.contains_key(&room), "open {room}: {result:?}");
+                if result.is_ok() {
+                    let gen = self.st.rooms[&room].gen;
+                    let chunk = MChunk { phase: MPhase::Waiting, slices: None, slots: [None, None], grant: None };
+                    self.rooms.insert(room, MRoom { gen, chunks: vec![chunk; pages.div_ceil(GRID)], failed: false, released: false, leases: 0 });
+                }
+            }
+            Op::Release(room) => {
+                let outcome = self.st.release_room(room);
+                if let Some(r) = self.rooms.get_mut(&room) {
+                    r.released = true;
+                }
+                self.recount_leases();
+                assert_eq!(matches!(outcome, Release::Done), !self.rooms.contains_key(&room), "release {room}: {outcome:?}");
+            }
+            Op::Allocate(c, room, chunk) => {
+                let id = self.conn(c);
+                let w = writer_of(c);
+                if self.busy(c) {
+                    return;
+                }
+                let result = self.st.allocate(id, room, chunk, w, TOKENS, CHUNK);
+                let expect = self.rooms.get(&room).filter(|r| r.live()).and_then(|r| r.chunks.get(chunk as usize)).is_some_and(|ch| {
+                    ch.phase == MPhase::Waiting && ch.slices != Some(true) && ch.slots[w as usize].is_none()
+                });
+                assert_eq!(result.is_ok(), expect, "allocate c{c} r{room} ch{chunk}: {result:?}");
+                if let Ok(g) = result {
+                    let ch = &mut self.rooms.get_mut(&room).unwrap().chunks[chunk as usize];
+                    ch.slices = Some(false);
+                    ch.grant = Some(g);
+                    ch.slots[w as usize] = Some(MSlot { conn: id, ..MSlot::default() });
+                }
+            }
+            Op::DataBegin(c, room, chunk, lie) => {
+                let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
+                let w = writer_of(c);
+                let slot = self.rooms.get(&room).filter(|r| r.live()).and_then(|r| r.chunks.get(chunk as usize)).filter(|ch| ch.slices == Some(false)).and_then(|ch| {
+                    ch.slots[w as usize].as_ref().filter(|s| s.conn == id && !s.arrived && s.received < REGION).map(|s| (s.received, ch.grant.unwrap()))
+                });
+                // An honest sender writes only once the watermark allows it.
+                if let Some((_, g)) = slot {
+                    if !lie && !self.st.watermark().permits(g.round, g.end()) {
+                        return;
+                    }
+                }
+                let offset = w as u64 * REGION + slot.map_or(0, |s| s.0) + lie as u64;
+                let result = if c == 3 {
+                    self.st.rdma_written(id, room, chunk, w, offset, REGION / 2).map(|()| None)
+                } else {
+                    self.st.begin_data(id, room, chunk, w, offset, REGION / 2).map(Some)
+                };
+                let room_live = self.rooms.get(&room).is_some_and(|r| r.live());
+                match result {
+                    Err(e) => {
+                        assert!(lie || room_live && slot.is_none(), "data c{c} r{room} ch{chunk} refused: {e:?}");
+                        assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
+                        self.kill(c);
+                    }
+                    Ok(Some(Target::Discard(_))) | Ok(None) if !room_live => {}
+                    Ok(None) => {
+                        assert!(slot.is_some() && !lie, "rdma write c{c} r{room} ch{chunk} accepted");
+                        let ch = &mut self.rooms.get_mut(&room).unwrap().chunks[chunk as usize];
+                        ch.slots[w as usize].as_mut().unwrap().received += REGION / 2;
+                    }
+                    Ok(Some(Target::Discard(e))) => panic!("live room's data discarded: {e:?}"),
+                    Ok(Some(Target::Land(lease))) => {
+                        assert!(slot.is_some() && !lie && room_live, "data c{c} r{room} ch{chunk} landed");
+                        self.writes.push((c, lease));
+                    }
+                }
+            }
+            Op::DataEnd(i, ok) => {
+                if self.writes.is_empty() {
+                    return;
+                }
+                let (c, lease) = self.writes.remove(i % self.writes.len());
+                let (room, gen, chunk, w) = (lease.room, lease.gen, lease.chunk, lease.writer);
+                self.st.end_data(lease, ok);
+                if !ok {
+                    self.kill(c);
+                    return;
+                }
+                if let Some(r) = self.rooms.get_mut(&room).filter(|r| r.gen == gen && r.live()) {
+                    r.chunks[chunk as usize].slots[w as usize].as_mut().unwrap().received += REGION / 2;
+                }
+            }
+            Op::Ready(c, room, chunk, checksum_ok) => {
+                let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
+                let w = writer_of(c);
+                let result = self.st.begin_ready(id, room, chunk, w);
+                let m = self.rooms.get_mut(&room).filter(|r| r.live());
+                let slot = m
+                    .and_then(|r| r.chunks.get_mut(chunk as usize))
+                    .filter(|ch| ch.slices == Some(false))
+                    .and_then(|ch| ch.slots[w as usize].as_mut().filter(|s| s.conn == id));
+                match (result, slot) {
+                    (Ok(lease), Some(s)) => {
+                        assert!(s.received == REGION && !s.arrived, "ready accepted at {} bytes", s.received);
+                        let verified = if checksum_ok { Ok(()) } else { Err(Error::new(Status::KVSTAGE_E_INTEGRITY, "bad")) };
+                        let done = self.st.finish_ready(lease, verified, "s");
+                        let r = self.rooms.get_mut(&room).unwrap();
+                        if done.is_ok() {
+                            let ch = &mut r.chunks[chunk as usize];
+                            ch.slots[w as usize].as_mut().unwrap().arrived = true;
+                            if ch.slots.iter().all(|s| s.as_ref().is_some_and(|s| s.arrived)) {
+                                ch.phase = MPhase::Scattering;
+                            }
+                        } else {
+                            assert!(!checksum_ok);
+                            r.failed = true;
+                        }
+                        self.collect();
+                    }
+                    (Ok(_), None) => panic!("ready c{c} r{room} ch{chunk} accepted without the slot"),
+                    (Err(_), Some(s)) => {
+                        assert!(s.received != REGION || s.arrived, "ready refused for a full region");
+                        let r = self.rooms.get_mut(&room).unwrap();
+                        if !r.complete() {
+                            r.failed = true;
+                        }
+                        self.collect();
+                    }
+                    (Err(_), None) => self.collect(),
+                }
+            }
+            Op::Abort(c, room, chunk) => {
+                let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
+                self.st.abort(id, room, chunk, "test");
+                if let Some(r) = self.rooms.get_mut(&room).filter(|r| r.live() && !r.complete()) {
+                    let holds = r.chunks.iter().enumerate().any(|(i, ch)| {
+                        (chunk == u32::MAX || i as u32 == chunk) && ch.slots.iter().flatten().any(|s| s.conn == id)
+                    });
+                    if holds {
+                        r.failed = true;
+                    }
+                }
+                self.collect();
+            }
+            Op::SliceBegin(c, room, chunk, buffer, token) => {
+                let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
+                let w = writer_of(c);
+                let result = self.st.begin_slice(id, room, chunk, buffer, token, w * 32, 32);
+                let m = self.rooms.get(&room).filter(|r| r.live());
+                let ch = m.and_then(|r| r.chunks.get(chunk as usize));
+                match result {
+                    Ok(Target::Discard(_)) => assert!(m.is_none() || ch.is_some_and(|ch| ch.slices == Some(false))),
+                    Ok(Target::Land(lease)) => {
+                        let ch = ch.expect("landed in a live chunk");
+                        assert!(ch.slices != Some(false) && ch.phase == MPhase::Waiting);
+                        let s = ch.slots[w as usize].as_ref();
+                        assert!(s.is_none_or(|s| s.conn == id && !s.rows.contains(&(buffer, token))), "slice c{c} landed");
+                        let ch = &mut self.rooms.get_mut(&room).unwrap().chunks[chunk as usize];
+                        ch.slices = Some(true);
+                        ch.slots[w as usize].get_or_insert_with(|| MSlot { conn: id, ..MSlot::default() });
+                        self.slices.push((c, lease));
+                        self.recount_leases();
+                    }
+                    Err(_) => {
+                        assert!(ch.is_none_or(|ch| ch.phase != MPhase::Waiting || ch.slots[w as usize].as_ref().is_some_and(|s| s.conn != id || s.arrived || s.rows.contains(&(buffer, token)))));
+                        self.kill(c);
+                    }
+                }
+            }
+            Op::SliceEnd(i, ok) => {
+                if self.slices.is_empty() {
+                    return;
+                }
+                let (c, lease) = self.slices.remove(i % self.slices.len());
+                let key = (lease.buffer, lease.token);
+                let (room, gen, chunk, w) = (lease.room, lease.gen, lease.chunk, lease.writer);
+                self.st.end_slice(lease, ok);
+                if let Some(r) = self.rooms.get_mut(&room).filter(|r| r.gen == gen && r.live()) {
+                    if ok {
+                        r.chunks[chunk as usize].slots[w as usize].as_mut().unwrap().rows.insert(key);
+                    }
+                }
+                self.recount_leases();
+                if !ok {
+                    self.kill(c);
+                }
+            }
+            Op::SliceDone(c, room, chunk) => {
+                let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
+                let w = writer_of(c);
+                let result = self.st.slice_done(id, room, chunk);
+                let r = self.rooms.get_mut(&room).filter(|r| r.live());
+                let ch = r.and_then(|r| r.chunks.get_mut(chunk as usize));
+                match (result, ch) {
+                    (Ok(()), Some(ch)) => {
+                        let s = ch.slots[w as usize].as_mut().unwrap();
+                        assert_eq!(s.rows.len(), 16, "slices done accepted short");
+                        s.arrived = true;
+                        if ch.slots.iter().all(|s| s.as_ref().is_some_and(|s| s.arrived)) {
+                            ch.phase = MPhase::Done;
+                        }
+                    }
+                    (Ok(()), None) => panic!("slices done accepted for a closed room"),
+                    (Err(_), Some(ch)) => {
+                        let short = ch.slices == Some(true)
+                            && ch.slots[w as usize].as_ref().is_some_and(|s| s.conn == id && !s.arrived && s.rows.len() < 16);
+                        if short {
+                            self.rooms.get_mut(&room).unwrap().failed = true;
+                        }
+                    }
+                    (Err(_), None) => {}
+                }
+                self.collect();
+            }
+            Op::Scatter(i, ok) => {
+                if self.scatters.is_empty() {
+                    return;
+                }
+                let job = self.scatters.remove(i % self.scatters.len());
+                let result = if ok { Ok(()) } else { Err(Error::new(Status::KVSTAGE_E_CUDA, "scatter failed")) };
+                self.st.scatter_done(&job, result);
+                if let Some(r) = self.rooms.get_mut(&job.room).filter(|r| r.gen == job.gen) {
+                    if !ok && r.live() && !r.complete() {
+                        r.failed = true;
+                    }
+                    r.chunks[job.chunk as usize].phase = MPhase::Done;
+                }
+                self.recount_leases();
+                self.collect();
+            }
+            Op::Gone(c) => self.kill(c),
+            Op::RegisterRing => {
+                let busy = self.st.ring_stats().1 > 0;
+                let result = self.st.register_ring(3 * CHUNK / 2 + 100);
+                assert_eq!(result.is_ok(), !busy);
+                assert!(result.is_err() || self.writes.is_empty() && self.scatters.is_empty(), "ring replaced under a lease");
+            }
+        }
+        self.check();
+    }
+
+    /// Invariants that hold after every step.
+    fn check(&self) {
+        let st = &self.st;
+        let ring = st.ring.as_ref().unwrap();
+        let live: HashMap<u64, Grant> = ring.live().map(|g| (g.id, *g)).collect();
+        assert_eq!(live.keys().copied().collect::<HashSet<_>>(), st.grants.keys().copied().collect::<HashSet<_>>());
+        // Nothing a write can still reach is back in the ring.
+        for (_, l) in &self.writes {
+            assert!(live.contains_key(&l.grant), "a read writes into grant {} that was returned to the ring", l.grant);
+        }
+        for j in &self.scatters {
+            assert!(live.contains_key(&j.grant), "a scatter reads grant {} that was returned to the ring", j.grant);
+        }
+        if let Some(id) = self.conns[3] {
+            for g in st.grants.values() {
+                if g.remote_writers.contains(&id) {
+                    assert!(live.contains_key(&g.grant.id));
+                }
+            }
+        }
+        // Writable grants never overlap.
+        let wm = ring.watermark();
+        let writable: Vec<&Grant> = live.values().filter(|g| wm.permits(g.round, g.end())).collect();
+        for (i, a) in writable.iter().enumerate() {
+            for b in &writable[i + 1..] {
+                assert!(a.end() <= b.offset || b.end() <= a.offset, "writable grants overlap: {a:?} {b:?}");
+            }
+        }
+        // Leases name rooms that still exist with their generation: pages never returned under them.
+        for (_, l) in &self.slices {
+            assert!(st.rooms.get(&l.room).is_some_and(|r| r.gen == l.gen), "slice lease on a room that is gone");
+        }
+        for j in &self.scatters {
+            assert!(st.rooms.get(&j.room).is_some_and(|r| r.gen == j.gen), "scatter on a room that is gone");
+        }
+        // The state agrees with the model on every room.
+        assert_eq!(st.rooms.keys().copied().collect::<HashSet<_>>(), self.rooms.keys().copied().collect::<HashSet<_>>());
+        for (id, m) in &self.rooms {
+            let r = &st.rooms[id];
+            assert_eq!((r.failure.is_some(), r.released), (m.failed, m.released), "room {id}");
+            if !m.failed {
+                for (i, (c, mc)) in r.chunks.iter().zip(&m.chunks).enumerate() {
+                    let phase = match c.phase {
+                        Phase::Waiting => MPhase::Waiting,
+                        Phase::Scattering => MPhase::Scattering,
+                        Phase::Done => MPhase::Done,
+                    };
+                    assert_eq!(phase, mc.phase, "room {id} chunk {i}");
+                }
+            }
+        }
+        assert!(st.events.len() <= st.max_events);
+    }
+
+    /// Ends everything: leases, scatters, connections; then every room is terminal, and once
+    /// released the ring is empty.
+    fn finish(mut self) {
+        for (c, l) in std::mem::take(&mut self.writes) {
+            self.st.end_data(l, false);
+            self.kill(c);
+        }
+        for (_, l) in std::mem::take(&mut self.slices) {
+            self.st.end_slice(l, false);
+        }
+        while let Some(job) = self.scatters.pop() {
+            self.st.scatter_done(&job, Ok(()));
+            self.collect();
+        }
+        for c in 0..CONNS {
+            self.kill(c);
+        }
+        self.st.expire(Instant::now());
+        for id in self.st.rooms.keys().copied().collect::<Vec<_>>() {
+            if self.st.rooms[&id].released {
+                continue;
+            }
+            // Rooms without a deadline may still wait for writers that never came; with one they
+            // are terminal once it passed.
+            self.st.rooms.get_mut(&id).unwrap().expires = Some(Instant::now());
+        }
+        self.st.expire(Instant::now() + Duration::from_secs(1));
+        for (&id, r) in &self.st.rooms {
+            assert!(r.released || r.failure.is_some() || r.complete(), "room {id} is not terminal");
+        }
+        for id in self.st.rooms.keys().copied().collect::<Vec<_>>() {
+            assert_eq!(self.st.release_room(id), Release::Done);
+        }
+        assert_eq!(self.st.ring_stats().1, 0, "ring space leaked");
+        assert!(self.st.grants.is_empty() && self.st.rooms.is_empty());
+    }
+}
+
+/// Sequences per run: at least 10,000 in CI (`KVSTAGE_MODEL_CASES` raises it).
+fn model_cases() -> u32 {
+    std::env::var("KVSTAGE_MODEL_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: model_cases(), max_shrink_iters: 2000, ..ProptestConfig::default() })]
+    #[test]
+    fn model_random_sequences_keep_every_invariant(ops in proptest::collection::vec(op(), 1..80)) {
+        let mut h = Harness::new();
+        for op in ops {
+            h.step(op);
+        }
+        h.finish();
+    }
+}
