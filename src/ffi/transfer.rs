@@ -193,7 +193,9 @@ pub unsafe extern "C" fn kvstage_transfer_async(
         std::thread::Builder::new()
             .name("kvstage-transfer".to_owned())
             .spawn(move || {
-                let result = run(&session, &desc, &worker_op, &Path::Staged);
+                // A panic must still finish the operation, or its waiters would hang.
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&session, &desc, &worker_op, &Path::Staged)))
+                    .unwrap_or_else(|p| Err(Error::from_panic("the transfer thread panicked", &*p)));
                 worker_op.finish(result);
             })
             .map_err(|e| Error::internal("cannot start a transfer thread").with_source(e))?;

@@ -168,7 +168,16 @@ impl SenderSession {
         let reader_shared = shared.clone();
         let handle = std::thread::Builder::new()
             .name(format!("kvstage-send-{id}"))
-            .spawn(move || read_replies(reader, &reader_shared))
+            .spawn(move || {
+                // A panic kills the session (its waiters fail at once) instead of hanging them.
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read_replies(reader, &reader_shared)));
+                if let Err(p) = outcome {
+                    let e = Error::from_panic("the session reader thread panicked", &*p);
+                    let mut st = reader_shared.state.lock();
+                    st.dead = Some((e.code(), e.chain()));
+                    reader_shared.cv.notify_all();
+                }
+            })
             .map_err(|e| Error::internal("cannot start the session reader thread").with_source(e))?;
         let integrity = options.integrity.stronger(Integrity::from_wire(remote.integrity));
         Ok(Arc::new(SenderSession {

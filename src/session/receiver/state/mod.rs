@@ -1,0 +1,588 @@
+//! The decode side's bookkeeping as one plain state machine: rooms, chunks, writer slots, grants,
+//! leases and events. No I/O, no threads, no clock of its own: the receiver calls it under one
+//! lock, does the I/O it allows outside the lock, and reports back.
+//!
+//! Rules it keeps (ARCHITECTURE.md):
+//! - a writer slot belongs to the connection that claimed it; every frame naming it is checked
+//!   against that connection;
+//! - a ring range is returned to the ring only when no write into it can happen: a payload read in
+//!   progress pins its grant, an RDMA grant stays quarantined while its writer may still write;
+//! - a released room leaves only when no lease on its pages (slice reads, scatter) is left, and its
+//!   id can be opened again only then; stale leases name the room's generation, never a newer room;
+//! - events are bounded (overflow is counted).
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use crate::error::{Error, FieldMismatch, Result, Status};
+use crate::geometry::{self, PoolShape, StagingLayout};
+use crate::ring::{Grant, Ring, Watermark};
+use crate::session::receiver::coverage::Coverage;
+use crate::session::Pairing;
+
+mod slices;
+mod staged;
+
+pub type ConnId = u64;
+
+/// What the handshake established about a connection.
+#[derive(Clone, Debug)]
+pub struct ConnInfo {
+    pub session: String,
+    /// The sender's pool shape and ours at the handshake.
+    pub src: PoolShape,
+    pub dst: PoolShape,
+    pub pairing: Pairing,
+    /// Chunks arrive by RDMA WRITE: grants stay quarantined until the writer is done with them.
+    pub rdma: bool,
+    /// Our pool is host memory (the slice path writes it from the CPU: host pools only).
+    pub host_pool: bool,
+}
+
+/// One completed or failed chunk, as reported to the decode caller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkEvent {
+    pub room: u64,
+    pub chunk: u32,
+    pub status: Status,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Waiting,
+    Scattering,
+    Done,
+}
+
+/// How a chunk's writers deliver; fixed by the first frame that names the chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Unset,
+    Staged,
+    Slices,
+}
+
+#[derive(Clone, Debug)]
+struct Slot {
+    conn: ConnId,
+    shape: PoolShape,
+    /// Staged: bytes landed contiguously from the region's start.
+    received: u64,
+    /// Slice path: rows landed.
+    coverage: Option<Coverage>,
+    arrived: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Chunk {
+    phase: Phase,
+    mode: Mode,
+    grant: Option<u64>,
+    layout: Option<StagingLayout>,
+    slots: Vec<Option<Slot>>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub code: Status,
+    pub why: String,
+    pub session: String,
+}
+
+#[derive(Clone, Debug)]
+struct Room {
+    gen: u64,
+    pages: Vec<u32>,
+    grid_pages: usize,
+    chunks: Vec<Chunk>,
+    failure: Option<Failure>,
+    released: bool,
+    /// Prefill geometry every writer of the room must share (set by the first writer).
+    prefill: Option<PoolShape>,
+    /// Leases on the room's pool pages: slice reads by connection, and running scatters.
+    page_leases: Vec<Option<ConnId>>,
+    expires: Option<Instant>,
+}
+
+impl Room {
+    fn chunk_pages(&self, chunk: u32) -> &[u32] {
+        let start = chunk as usize * self.grid_pages;
+        &self.pages[start..(start + self.grid_pages).min(self.pages.len())]
+    }
+
+    fn complete(&self) -> bool {
+        self.chunks.iter().all(|c| c.phase == Phase::Done)
+    }
+
+    fn live(&self) -> bool {
+        !self.released && self.failure.is_none()
+    }
+
+    fn done_text(&self) -> String {
+        format!("{} of {} chunks done", self.chunks.iter().filter(|c| c.phase == Phase::Done).count(), self.chunks.len())
+    }
+}
+
+/// A ring allocation and who may still write into it.
+#[derive(Clone, Debug)]
+struct GrantState {
+    grant: Grant,
+    /// The chunk it was granted for (an RDMA writer's abort or ready names it).
+    room: u64,
+    chunk: u32,
+    /// Payload reads (by connection) and scatters (`None`) using it right now.
+    pins: Vec<Option<ConnId>>,
+    /// RDMA writers that may still write into it (quarantine).
+    remote_writers: Vec<ConnId>,
+    /// Its chunk no longer needs it: returned to the ring once unpinned and out of quarantine.
+    freeing: bool,
+}
+
+/// A payload read into a writer's region (staged path).
+#[derive(Debug)]
+pub struct WriteLease {
+    conn: ConnId,
+    grant: u64,
+    room: u64,
+    gen: u64,
+    chunk: u32,
+    writer: u32,
+    /// Where the payload lands in the ring, and how many bytes.
+    pub ring_offset: u64,
+    pub len: u64,
+}
+
+/// A writer's finished region, checked (checksum) outside the lock before it counts as arrived.
+#[derive(Debug)]
+pub struct ReadyLease {
+    conn: ConnId,
+    grant: u64,
+    room: u64,
+    gen: u64,
+    chunk: u32,
+    writer: u32,
+    pub ring_offset: u64,
+    pub len: u64,
+}
+
+/// Where one slice payload lands in the pool: buffer, token slot and byte within the slot.
+#[derive(Debug)]
+pub struct SliceLease {
+    conn: ConnId,
+    room: u64,
+    gen: u64,
+    chunk: u32,
+    writer: u32,
+    token: u32,
+    pub buffer: u32,
+    pub slot: u64,
+    pub byte_offset: u64,
+    pub len: u64,
+}
+
+/// A chunk whose writers all arrived: scatter it from the ring into the room's pages.
+#[derive(Clone, Debug)]
+pub struct ScatterJob {
+    pub room: u64,
+    gen: u64,
+    pub chunk: u32,
+    grant: u64,
+    pub ring_offset: u64,
+    pub pages: Vec<u32>,
+    pub layout: StagingLayout,
+    /// The writers' pool shapes, in slot order.
+    pub writers: Vec<PoolShape>,
+}
+
+/// What a data frame's target turned out to be.
+#[derive(Debug)]
+pub enum Target<L> {
+    /// Read the payload here.
+    Land(L),
+    /// The room was released or failed (or is unknown): read and discard the payload.
+    Discard(Error),
+}
+
+/// What the I/O around the state must do once the lock is dropped.
+#[derive(Default, Debug)]
+pub struct Effects {
+    /// Broadcast this watermark to every sender.
+    pub watermark: Option<Watermark>,
+    /// Run these scatters.
+    pub scatter: Vec<ScatterJob>,
+    /// Wake waiters (room_wait, room_release).
+    pub changed: bool,
+}
+
+/// Outcome of releasing a room.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Release {
+    /// Gone: no kvstage thread will touch its pages again.
+    Done,
+    /// Leases remain; the connections holding them (a stuck one may be shut down).
+    Draining { gen: u64, holders: Vec<ConnId> },
+}
+
+/// Counters of the receiver's bounded structures.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub events_dropped: u64,
+    pub rooms_expired: u64,
+}
+
+pub struct State {
+    ring: Option<Ring>,
+    grants: HashMap<u64, GrantState>,
+    rooms: HashMap<u64, Room>,
+    conns: HashMap<ConnId, ConnInfo>,
+    events: VecDeque<ChunkEvent>,
+    max_events: usize,
+    next_conn: ConnId,
+    next_gen: u64,
+    counters: Counters,
+    fx: Effects,
+}
+
+fn protocol(why: impl Into<String>) -> Error {
+    Error::new(Status::KVSTAGE_E_PROTOCOL, why)
+}
+
+fn mismatch(field: &str, ours: u32, theirs: u32) -> Option<FieldMismatch> {
+    (ours != theirs).then(|| FieldMismatch { field: field.into(), local: ours.to_string(), remote: theirs.to_string() })
+}
+
+/// Fields every prefill writer of one room must share (ranks and layer ids legitimately differ).
+fn prefill_diff(first: &PoolShape, other: &PoolShape) -> Vec<FieldMismatch> {
+    [
+        mismatch("tp_size", first.tp_size, other.tp_size),
+        mismatch("pp_size", first.pp_size, other.pp_size),
+        mismatch("local_heads", first.local_heads, other.local_heads),
+        mismatch("global_heads", first.global_heads, other.global_heads),
+        mismatch("head_dim", first.head_dim, other.head_dim),
+        mismatch("dtype_bytes", first.dtype_bytes, other.dtype_bytes),
+        mismatch("page_size", first.page_size, other.page_size),
+        mismatch("model_kind", first.kind as u32, other.kind as u32),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
+impl State {
+    pub fn new(max_events: usize) -> State {
+        State {
+            ring: None,
+            grants: HashMap::new(),
+            rooms: HashMap::new(),
+            conns: HashMap::new(),
+            events: VecDeque::new(),
+            max_events,
+            next_conn: 1,
+            next_gen: 1,
+            counters: Counters::default(),
+            fx: Effects::default(),
+        }
+    }
+
+    /// What the caller must do after this call's lock is dropped.
+    pub fn take_effects(&mut self) -> Effects {
+        std::mem::take(&mut self.fx)
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    // --- ring ------------------------------------------------------------------------------------
+
+    /// Installs a new ring of `capacity` bytes. Refused while any allocation of the old one is live
+    /// (pinned or quarantined ones included: a write may still land in the old memory).
+    pub fn register_ring(&mut self, capacity: u64) -> Result<()> {
+        if let Some(r) = &self.ring {
+            if r.live_count() > 0 {
+                return Err(Error::invalid_arg(
+                    "staging",
+                    format!("the staging ring has {} live allocations; release rooms first", r.live_count()),
+                ));
+            }
+        }
+        self.ring = Some(Ring::new(capacity));
+        Ok(())
+    }
+
+    /// (capacity, live allocations, watermark).
+    pub fn ring_stats(&self) -> (u64, u64, Watermark) {
+        self.ring.as_ref().map_or((0, 0, Watermark::default()), |r| (r.capacity(), r.live_count() as u64, r.watermark()))
+    }
+
+    fn watermark(&self) -> Watermark {
+        self.ring.as_ref().map(|r| r.watermark()).unwrap_or_default()
+    }
+
+    /// Marks a grant no longer needed and returns it to the ring once nothing can write into it.
+    fn retire_grant(&mut self, id: u64) {
+        if let Some(g) = self.grants.get_mut(&id) {
+            g.freeing = true;
+        }
+        self.maybe_free(id);
+    }
+
+    fn maybe_free(&mut self, id: u64) {
+        let Some(g) = self.grants.get(&id) else { return };
+        if !g.freeing || !g.pins.is_empty() || !g.remote_writers.is_empty() {
+            return;
+        }
+        self.grants.remove(&id);
+        if let Some(w) = self.ring.as_mut().and_then(|r| r.free(id)) {
+            self.fx.watermark = Some(w);
+        }
+        self.fx.changed = true;
+    }
+
+    fn unpin(&mut self, id: u64, holder: Option<ConnId>) {
+        if let Some(g) = self.grants.get_mut(&id) {
+            if let Some(pos) = g.pins.iter().position(|p| *p == holder) {
+                g.pins.swap_remove(pos);
+            }
+        }
+        self.maybe_free(id);
+    }
+
+    // --- connections -----------------------------------------------------------------------------
+
+    pub fn add_conn(&mut self, info: ConnInfo) -> ConnId {
+        let id = self.next_conn;
+        self.next_conn += 1;
+        self.conns.insert(id, info);
+        id
+    }
+
+    pub fn set_rdma(&mut self, conn: ConnId) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.rdma = true;
+        }
+    }
+
+    pub fn conn_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// A connection ended (and, for RDMA, its queue pairs are destroyed: nothing more can land).
+    /// Every room it wrote to and has not delivered fails; its quarantined grants are released.
+    pub fn conn_gone(&mut self, conn: ConnId, code: Status, reason: &str) {
+        let Some(info) = self.conns.remove(&conn) else { return };
+        let owes = |c: &Chunk| {
+            c.phase == Phase::Waiting && c.slots.iter().flatten().any(|s| s.conn == conn && !s.arrived)
+        };
+        let affected: Vec<u64> = self.rooms.iter().filter(|(_, r)| r.chunks.iter().any(owes)).map(|(id, _)| *id).collect();
+        for room in affected {
+            self.fail_room(room, code, format!("a sender disconnected before delivering every chunk: {reason}"), &info.session);
+        }
+        // Its leases end with it (also those of a reader that panicked mid-payload).
+        let held: Vec<u64> = self
+            .grants
+            .iter()
+            .filter(|(_, g)| g.remote_writers.contains(&conn) || g.pins.contains(&Some(conn)))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in held {
+            if let Some(g) = self.grants.get_mut(&id) {
+                g.remote_writers.retain(|&c| c != conn);
+                g.pins.retain(|&p| p != Some(conn));
+            }
+            self.maybe_free(id);
+        }
+        let leased: Vec<u64> =
+            self.rooms.iter().filter(|(_, r)| r.page_leases.contains(&Some(conn))).map(|(id, _)| *id).collect();
+        for room in leased {
+            if let Some(r) = self.rooms.get_mut(&room) {
+                r.page_leases.retain(|&l| l != Some(conn));
+            }
+            self.drain_check(room);
+        }
+        self.fx.changed = true;
+    }
+
+    fn conn(&self, conn: ConnId) -> Result<&ConnInfo> {
+        self.conns.get(&conn).ok_or_else(|| Error::internal(format!("connection {conn} is not registered")))
+    }
+
+    // --- rooms -----------------------------------------------------------------------------------
+
+    /// Opens `room` over `pages`, `grid_pages` pages a chunk. A room id still open, or still being
+    /// released, is refused.
+    pub fn open_room(&mut self, room: u64, pages: &[u32], grid_pages: usize, expires: Option<Instant>) -> Result<u32> {
+        if pages.is_empty() {
+            return Err(Error::invalid_arg("num_pages", "0 (a room needs at least one page)"));
+        }
+        if grid_pages == 0 {
+            return Err(Error::invalid_arg("chunk_tokens", "gives chunks of 0 pages"));
+        }
+        if let Some(r) = self.rooms.get(&room) {
+            let why = if r.released { "is still being released" } else { "is already open" };
+            return Err(Error::invalid_arg("room", format!("{room} {why}")));
+        }
+        let num_chunks = pages.len().div_ceil(grid_pages);
+        let chunk = Chunk { phase: Phase::Waiting, mode: Mode::Unset, grant: None, layout: None, slots: Vec::new() };
+        let gen = self.next_gen;
+        self.next_gen += 1;
+        self.rooms.insert(
+            room,
+            Room {
+                gen,
+                pages: pages.to_vec(),
+                grid_pages,
+                chunks: vec![chunk; num_chunks],
+                failure: None,
+                released: false,
+                prefill: None,
+                page_leases: Vec::new(),
+                expires,
+            },
+        );
+        Ok(num_chunks as u32)
+    }
+
+    /// `Ok(true)`: every chunk scattered; `Ok(false)`: still in progress; `Err`: failed or unknown.
+    pub fn room_outcome(&self, room: u64) -> Result<bool> {
+        match self.rooms.get(&room) {
+            Some(r) if r.released => Err(Error::invalid_arg("room", format!("{room} was released"))),
+            Some(r) => match &r.failure {
+                Some(f) => Err(Error::new(f.code, format!("room {room} failed: {}", f.why)).with_session(&f.session)),
+                None => Ok(r.complete()),
+            },
+            None => Err(Error::invalid_arg("room", format!("{room} is not open"))),
+        }
+    }
+
+    pub fn room_progress(&self, room: u64) -> String {
+        self.rooms.get(&room).map_or_else(|| "room gone".to_owned(), Room::done_text)
+    }
+
+    /// Releases a room: its ring space goes back (deferred while written into), its pages are
+    /// returned to the caller once no lease on them is left. Idempotent.
+    pub fn release_room(&mut self, room: u64) -> Release {
+        let Some(r) = self.rooms.get_mut(&room) else { return Release::Done };
+        r.released = true;
+        let grants: Vec<u64> = r.chunks.iter_mut().filter(|c| c.phase != Phase::Scattering).filter_map(|c| c.grant.take()).collect();
+        for id in grants {
+            self.retire_grant(id);
+        }
+        self.fx.changed = true;
+        self.drain_check(room)
+    }
+
+    /// Whether the release of (`room`, `gen`) is still waiting for leases.
+    pub fn draining(&self, room: u64, gen: u64) -> Option<Vec<ConnId>> {
+        let r = self.rooms.get(&room).filter(|r| r.gen == gen && r.released)?;
+        Some(r.page_leases.iter().flatten().copied().collect())
+    }
+
+    fn drain_check(&mut self, room: u64) -> Release {
+        let Some(r) = self.rooms.get(&room) else { return Release::Done };
+        if !r.released {
+            return Release::Done;
+        }
+        if r.page_leases.is_empty() {
+            self.rooms.remove(&room);
+            self.fx.changed = true;
+            return Release::Done;
+        }
+        Release::Draining { gen: r.gen, holders: r.page_leases.iter().flatten().copied().collect() }
+    }
+
+    /// Fails a live room: its ring space goes back, every unfinished chunk is reported failed.
+    pub fn fail_room(&mut self, room: u64, code: Status, why: String, session: &str) {
+        let Some(r) = self.rooms.get_mut(&room) else { return };
+        if !r.live() || r.complete() {
+            return;
+        }
+        r.failure = Some(Failure { code, why, session: session.to_owned() });
+        let mut grants = Vec::new();
+        let mut events = Vec::new();
+        for (i, c) in r.chunks.iter_mut().enumerate() {
+            if c.phase != Phase::Scattering {
+                grants.extend(c.grant.take());
+            }
+            if c.phase != Phase::Done {
+                events.push(ChunkEvent { room, chunk: i as u32, status: code });
+            }
+        }
+        for id in grants {
+            self.retire_grant(id);
+        }
+        for e in events {
+            self.push_event(e);
+        }
+        self.fx.changed = true;
+    }
+
+    /// Fails every live room whose deadline passed (`TIMEOUT`).
+    pub fn expire(&mut self, now: Instant) {
+        let due: Vec<u64> = self
+            .rooms
+            .iter()
+            .filter(|(_, r)| r.live() && !r.complete() && r.expires.is_some_and(|t| t <= now))
+            .map(|(id, _)| *id)
+            .collect();
+        for room in due {
+            let done = self.room_progress(room);
+            self.fail_room(room, Status::KVSTAGE_E_TIMEOUT, format!("the room's deadline passed ({done})"), "");
+            self.counters.rooms_expired += 1;
+        }
+    }
+
+    fn push_event(&mut self, e: ChunkEvent) {
+        if self.events.len() >= self.max_events {
+            self.counters.events_dropped += 1;
+        } else {
+            self.events.push_back(e);
+        }
+    }
+
+    pub fn take_events(&mut self, max: usize) -> Vec<ChunkEvent> {
+        let n = max.min(self.events.len());
+        self.events.drain(..n).collect()
+    }
+
+    pub fn pending_events(&self) -> usize {
+        self.events.len()
+    }
+
+    /// The room a frame names, when it can still take data; otherwise why not (no error for the
+    /// session: a late frame for a released, failed or reopened room is discarded).
+    fn live_room(&self, room: u64) -> std::result::Result<&Room, Error> {
+        match self.rooms.get(&room) {
+            Some(r) if r.live() => Ok(r),
+            Some(r) => Err(match &r.failure {
+                Some(f) => Error::new(f.code, format!("room {room} failed: {}", f.why)),
+                None => Error::new(Status::KVSTAGE_E_CANCELED, format!("room {room} was released by the receiver")),
+            }),
+            None => Err(Error::new(Status::KVSTAGE_E_CANCELED, format!("room {room} is not open on the receiver"))),
+        }
+    }
+
+    /// Checks that a writer of this room shares the prefill geometry of the room's first writer.
+    fn agree_prefill(&mut self, room: u64, src: &PoolShape) -> Result<()> {
+        let r = self.rooms.get_mut(&room).expect("caller checked the room");
+        match &r.prefill {
+            None => {
+                r.prefill = Some(src.clone());
+                Ok(())
+            }
+            Some(first) => {
+                let diff = prefill_diff(first, src);
+                if diff.is_empty() {
+                    return Ok(());
+                }
+                Err(geometry::mismatch_error(
+                    &format!("room {room}: this sender's prefill geometry differs from the room's first sender"),
+                    diff,
+                ))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

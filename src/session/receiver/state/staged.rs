@@ -1,0 +1,301 @@
+//! The staged path's transitions: allocation, payload writes (pinned), RDMA reports, readiness,
+//! scatter completion and aborts.
+
+use super::*;
+
+impl State {
+
+    /// An allocation request from `conn` for its writer slot of (room, chunk). Errors are replied
+    /// to the sender; none ends the session.
+    pub fn allocate(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, tokens: u32, bytes: u64) -> Result<Grant> {
+        let info = self.conn(conn)?.clone();
+        let writer = info.pairing.writer;
+        if claimed != writer {
+            return Err(protocol(format!("writer {claimed} claimed, this session is writer {writer}")));
+        }
+        self.live_room(room)?;
+        self.agree_prefill(room, &info.src)?;
+        let r = self.live_room(room)?;
+        let num_chunks = r.chunks.len();
+        let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("chunk {chunk} is past room {room}'s {num_chunks} chunks")))?;
+        let expected_tokens = r.chunk_pages(chunk).len() as u32 * info.dst.page_size;
+        if tokens != expected_tokens {
+            return Err(Error::new(
+                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+                format!("chunk {chunk} of room {room}: sender has {tokens} tokens, receiver expects {expected_tokens}"),
+            ));
+        }
+        match c.mode {
+            Mode::Slices => {
+                return Err(Error::new(
+                    Status::KVSTAGE_E_UNSUPPORTED,
+                    format!("chunk {chunk} of room {room} is being sent by the slice path; one chunk cannot mix paths"),
+                ))
+            }
+            _ if c.phase != Phase::Waiting => {
+                return Err(protocol(format!("chunk {chunk} of room {room} is already complete")));
+            }
+            _ => {}
+        }
+        if let Some(s) = c.slots.get(writer as usize).and_then(|s| s.as_ref()) {
+            return Err(if s.conn == conn {
+                protocol(format!("writer {writer} requested chunk {chunk} twice"))
+            } else {
+                protocol(format!("writer slot {writer} of chunk {chunk} is held by another connection"))
+            });
+        }
+        let layout = geometry::staging_layout(&info.src, &info.dst, tokens)?;
+        if bytes != layout.total_bytes {
+            return Err(Error::new(
+                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+                format!("allocation size {bytes} != expected {} for chunk {chunk}", layout.total_bytes),
+            ));
+        }
+        if layout.writer_count() != info.pairing.writers || writer >= layout.writer_count() {
+            return Err(Error::internal(format!("layout has {} writers, pairing {}", layout.writer_count(), info.pairing.writers)));
+        }
+        let existing = self.rooms[&room].chunks[chunk as usize].grant;
+        let id = match existing {
+            Some(id) => id,
+            None => {
+                let ring = self.ring.as_mut().ok_or_else(|| Error::new(Status::KVSTAGE_E_STAGING_TOO_SMALL, "no staging ring registered"))?;
+                let g = ring.assign(bytes).map_err(|e| Error::new(Status::KVSTAGE_E_OVERSIZED, e.to_string()))?;
+                self.grants.insert(g.id, GrantState { grant: g, room, chunk, pins: Vec::new(), remote_writers: Vec::new(), freeing: false });
+                g.id
+            }
+        };
+        if info.rdma {
+            self.grants.get_mut(&id).expect("live grant").remote_writers.push(conn);
+        }
+        let grant = self.grants[&id].grant;
+        let c = &mut self.rooms.get_mut(&room).expect("checked").chunks[chunk as usize];
+        if existing.is_none() {
+            c.grant = Some(id);
+            c.layout = Some(layout);
+            c.mode = Mode::Staged;
+            c.slots = vec![None; info.pairing.writers as usize];
+        }
+        c.slots[writer as usize] = Some(Slot { conn, shape: info.src.clone(), received: 0, coverage: None, arrived: false });
+        Ok(grant)
+    }
+
+    /// Checks a staged write of `len` bytes at `offset` (allocation-relative) by `conn`. An `Err`
+    /// ends the session (the frame lies about what this connection owns); a closed room's write
+    /// is discarded.
+    pub fn begin_data(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<WriteLease>> {
+        let (grant, region_offset) = match self.check_write(conn, room, chunk, claimed, offset, len)? {
+            Target::Land(v) => v,
+            Target::Discard(e) => return Ok(Target::Discard(e)),
+        };
+        let g = self.grants.get_mut(&grant).expect("a chunk's grant is live");
+        g.pins.push(Some(conn));
+        let gen = self.rooms[&room].gen;
+        Ok(Target::Land(WriteLease {
+            conn,
+            grant,
+            room,
+            gen,
+            chunk,
+            writer: claimed,
+            ring_offset: g.grant.offset + region_offset,
+            len,
+        }))
+    }
+
+    /// Validates a write and returns (grant id, allocation-relative offset).
+    fn check_write(&self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<(u64, u64)>> {
+        let writer = self.conn(conn)?.pairing.writer;
+        if claimed != writer {
+            return Err(protocol(format!("data for writer {claimed} from writer {writer}")));
+        }
+        let r = match self.live_room(room) {
+            Ok(r) => r,
+            Err(e) => return Ok(Target::Discard(e)),
+        };
+        let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("data for chunk {chunk} past room {room}")))?;
+        let slot = c.slots.get(writer as usize).and_then(|s| s.as_ref());
+        let (Some(grant), Some(layout), Some(slot)) = (c.grant, c.layout.as_ref(), slot) else {
+            return Err(protocol(format!("data for chunk {chunk} of room {room} without an allocation")));
+        };
+        if slot.conn != conn {
+            return Err(protocol(format!("data for writer slot {writer} of chunk {chunk} from a connection that does not hold it")));
+        }
+        let region = &layout.writers[writer as usize];
+        let start = region.offset + slot.received;
+        if slot.arrived || offset != start || len > region.bytes - slot.received {
+            return Err(protocol(format!(
+                "write [{offset}, {}) outside writer {writer}'s remaining region [{start}, {}) of chunk {chunk}",
+                offset.saturating_add(len),
+                region.offset + region.bytes
+            )));
+        }
+        let g = &self.grants[&grant].grant;
+        let wm = self.watermark();
+        if !wm.permits(g.round, g.offset + region.offset + region.bytes) {
+            return Err(protocol(format!("write to round {} before the watermark {wm:?} allowed it", g.round)));
+        }
+        Ok(Target::Land((grant, offset)))
+    }
+
+    /// The payload read of `lease` ended; `landed` when every byte arrived. Bytes for a room
+    /// released or failed meanwhile do not count (the grant was returned once unpinned).
+    pub fn end_data(&mut self, lease: WriteLease, landed: bool) {
+        if landed {
+            if let Some(slot) = self.slot_mut(lease.room, lease.gen, lease.chunk, lease.writer, lease.conn) {
+                slot.received += lease.len;
+            }
+        }
+        self.unpin(lease.grant, Some(lease.conn));
+    }
+
+    /// An RDMA WRITE report: the bytes are already in the ring; count them if they were the
+    /// connection's to write. `Err` ends the session.
+    pub fn rdma_written(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<()> {
+        if !self.conn(conn)?.rdma {
+            return Err(protocol("an RDMA write report on a session without RDMA"));
+        }
+        if let Target::Land(_) = self.check_write(conn, room, chunk, claimed, offset, len)? {
+            let gen = self.rooms[&room].gen;
+            if let Some(slot) = self.slot_mut(room, gen, chunk, claimed, conn) {
+                slot.received += len;
+            }
+        }
+        Ok(())
+    }
+
+    fn slot_mut(&mut self, room: u64, gen: u64, chunk: u32, writer: u32, conn: ConnId) -> Option<&mut Slot> {
+        let r = self.rooms.get_mut(&room).filter(|r| r.gen == gen && r.live())?;
+        r.chunks.get_mut(chunk as usize)?.slots.get_mut(writer as usize)?.as_mut().filter(|s| s.conn == conn)
+    }
+
+    /// A writer says its region is complete. On success the region is pinned for the checksum
+    /// check done outside the lock; [`State::finish_ready`] then counts the arrival. Errors are
+    /// replied; a writer that owns the slot and lies about its bytes fails the room.
+    pub fn begin_ready(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32) -> Result<ReadyLease> {
+        let info = self.conn(conn)?;
+        let (writer, session) = (info.pairing.writer, info.session.clone());
+        // An RDMA writer that reports ready has finished writing (its immediate arrived first).
+        self.release_remote_writer(conn, room, Some(chunk));
+        if claimed != writer {
+            return Err(protocol(format!("ready for writer {claimed} from writer {writer}")));
+        }
+        let r = self.live_room(room)?;
+        let gen = r.gen;
+        let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("ready for chunk {chunk} past room {room}")))?;
+        let slot = c.slots.get(writer as usize).and_then(|s| s.as_ref()).filter(|s| s.conn == conn);
+        let (Some(grant), Some(layout), Some(slot)) = (c.grant, c.layout.as_ref(), slot) else {
+            return Err(protocol(format!("ready for chunk {chunk} of room {room} without this connection's allocation")));
+        };
+        let region = &layout.writers[writer as usize];
+        if slot.received != region.bytes || slot.arrived {
+            let why = format!("ready for chunk {chunk} after {} of {} bytes", slot.received, region.bytes);
+            self.fail_room(room, Status::KVSTAGE_E_PROTOCOL, why.clone(), &session);
+            return Err(protocol(why));
+        }
+        let (ring_offset, len) = (self.grants[&grant].grant.offset + region.offset, region.bytes);
+        self.grants.get_mut(&grant).expect("live").pins.push(Some(conn));
+        Ok(ReadyLease { conn, grant, room, gen, chunk, writer, ring_offset, len })
+    }
+
+    /// Counts the arrival checked by `verified` (the checksum result); when it was the chunk's
+    /// last writer the scatter is queued (in the effects).
+    pub fn finish_ready(&mut self, lease: ReadyLease, verified: Result<()>, session: &str) -> Result<()> {
+        self.unpin(lease.grant, Some(lease.conn));
+        let live = self.rooms.get(&lease.room).is_some_and(|r| r.gen == lease.gen && r.live());
+        if !live {
+            return Err(self.live_room(lease.room).err().unwrap_or_else(|| {
+                Error::new(Status::KVSTAGE_E_CANCELED, format!("room {} was reopened", lease.room))
+            }));
+        }
+        if let Err(e) = verified {
+            self.fail_room(lease.room, e.code(), e.message().to_owned(), session);
+            return Err(e);
+        }
+        let r = self.rooms.get_mut(&lease.room).expect("live");
+        let pages = r.chunk_pages(lease.chunk).to_vec();
+        let c = &mut r.chunks[lease.chunk as usize];
+        if let Some(s) = c.slots[lease.writer as usize].as_mut() {
+            s.arrived = true;
+        }
+        if !c.slots.iter().all(|s| s.as_ref().is_some_and(|s| s.arrived)) {
+            return Ok(());
+        }
+        c.phase = Phase::Scattering;
+        let grant = c.grant.expect("staged chunk has a grant");
+        let job = ScatterJob {
+            room: lease.room,
+            gen: lease.gen,
+            chunk: lease.chunk,
+            grant,
+            ring_offset: self.grants[&grant].grant.offset,
+            pages,
+            layout: c.layout.clone().expect("staged chunk has a layout"),
+            writers: c.slots.iter().flatten().map(|s| s.shape.clone()).collect(),
+        };
+        r.page_leases.push(None);
+        self.grants.get_mut(&grant).expect("live").pins.push(None);
+        self.fx.scatter.push(job);
+        Ok(())
+    }
+
+    /// The scatter of `job` ended: the chunk is done (or the room failed), the grant goes back.
+    pub fn scatter_done(&mut self, job: &ScatterJob, result: Result<()>) {
+        if let Some(r) = self.rooms.get_mut(&job.room).filter(|r| r.gen == job.gen) {
+            if let Some(pos) = r.page_leases.iter().position(|l| l.is_none()) {
+                r.page_leases.swap_remove(pos);
+            }
+            let ok = result.is_ok();
+            if let Err(e) = result {
+                // While the chunk is still Scattering, the room failure reports it as failed.
+                self.fail_room(job.room, e.code(), e.chain(), e.session().unwrap_or(""));
+            }
+            let r = self.rooms.get_mut(&job.room).expect("present");
+            let c = &mut r.chunks[job.chunk as usize];
+            c.phase = Phase::Done;
+            c.grant = None;
+            if ok && r.live() {
+                self.push_event(ChunkEvent { room: job.room, chunk: job.chunk, status: Status::KVSTAGE_OK });
+            }
+            self.drain_check(job.room);
+        }
+        self.unpin(job.grant, None);
+        self.retire_grant(job.grant);
+        self.fx.changed = true;
+    }
+
+    /// A sender gives up on a chunk (`chunk == u32::MAX`: the whole room). Only a connection that
+    /// holds a writer slot of it can fail the room; it also ends that writer's RDMA quarantine.
+    pub fn abort(&mut self, conn: ConnId, room: u64, chunk: u32, reason: &str) {
+        let Some(info) = self.conns.get(&conn) else { return };
+        let session = info.session.clone();
+        let which = (chunk != u32::MAX).then_some(chunk);
+        self.release_remote_writer(conn, room, which);
+        let Some(r) = self.rooms.get(&room) else { return };
+        let holds = r
+            .chunks
+            .iter()
+            .enumerate()
+            .any(|(i, c)| which.is_none_or(|w| w as usize == i) && c.slots.iter().flatten().any(|s| s.conn == conn));
+        if holds {
+            let what = which.map_or_else(|| "the room".to_owned(), |c| format!("chunk {c}"));
+            self.fail_room(room, Status::KVSTAGE_E_CANCELED, format!("sender aborted {what} (session {session}): {reason}"), &session);
+        }
+    }
+
+    /// `conn` will not write (room, chunk) — every chunk of the room for `None` — by RDMA any
+    /// more: its quarantine of those grants ends.
+    fn release_remote_writer(&mut self, conn: ConnId, room: u64, chunk: Option<u32>) {
+        let ids: Vec<u64> = self
+            .grants
+            .iter()
+            .filter(|(_, g)| g.room == room && chunk.is_none_or(|c| g.chunk == c) && g.remote_writers.contains(&conn))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            if let Some(g) = self.grants.get_mut(&id) {
+                g.remote_writers.retain(|&c| c != conn);
+            }
+            self.maybe_free(id);
+        }
+    }
+}
