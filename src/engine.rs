@@ -15,7 +15,7 @@ use crate::transport::faults::Faults;
 use crate::transport::rdma::{Rdma, RdmaMode, RdmaOptions};
 use crate::session::receiver::listener::{Limits, Listener};
 use crate::session::receiver::{Receiver, ReceiverConfig, RingMemory, ScatterJob};
-use crate::session::sender::{SendResources, SenderSession, Staging};
+use crate::session::sender::{SendResources, SenderConfig, SenderSession, Staging};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransportKind {
@@ -191,12 +191,18 @@ impl Engine {
         // Host pools: memcpy threads; CUDA pools: the CUDA engine of the pool's device (see copy::any).
         let copy: Arc<dyn CopyEngine> = Arc::new(AnyCopyEngine::new(options.worker_threads));
         let pool = Arc::new(Mutex::new(None));
-        let shared_options = Arc::new(options.clone());
         let send = Arc::new(SendResources {
             pool: pool.clone(),
             copy: copy.clone(),
             staging: Mutex::new(Staging::default()),
-            options: shared_options.clone(),
+            options: SenderConfig {
+                send_staging_bytes: options.send_staging_bytes,
+                cluster_token: options.cluster_token.clone().unwrap_or_default().into_bytes(),
+                integrity: options.integrity,
+                default_deadline: options.default_deadline,
+                dead_peer_timeout: options.dead_peer_timeout,
+                faults: options.faults.clone(),
+            },
             rdma: rdma.clone(),
         });
         let config = ReceiverConfig {

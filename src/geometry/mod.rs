@@ -7,14 +7,14 @@
 
 use crate::error::{Error, FieldMismatch, Result, Status};
 
-mod fingerprint;
+pub(crate) mod fingerprint;
 mod grid;
 mod heads;
 pub mod plan;
 mod slice;
 mod staging;
 
-pub use fingerprint::{Fingerprint, FINGERPRINT_MAGIC, FINGERPRINT_VERSION};
+pub use fingerprint::{Fingerprint, FINGERPRINT_VERSION};
 pub use grid::{chunk_count, grid_tokens, split_grid, GridPiece, DEFAULT_CHUNK_TOKENS};
 pub use heads::{
     decode_pp_ranks_for_prefill, decode_ranks_for_prefill, head_slice, mla_source_rank, pp_writers,
@@ -353,7 +353,7 @@ impl KvLayout {
     pub fn slot_bytes(&self, buffer: u32, slot: u64, byte_offset: u64, len: u64) -> Result<*mut u8> {
         let base = *self.bases.get(buffer as usize).ok_or_else(|| Error::internal(format!("buffer {buffer} is not in the pool")))?;
         let token_bytes = self.shape.token_bytes();
-        if slot >= self.capacity_tokens() || byte_offset.checked_add(len).is_none_or(|e| e > token_bytes) {
+        if slot >= self.capacity_tokens() || byte_offset.checked_add(len).map_or(true, |e| e > token_bytes) {
             return Err(Error::internal(format!("slot {slot} [{byte_offset}, +{len}) is outside the pool")));
         }
         Ok((base as u64 + slot * token_bytes + byte_offset) as *mut u8)

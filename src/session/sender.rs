@@ -16,7 +16,6 @@ use parking_lot::{Condvar, Mutex};
 use super::op::{Op, Waker};
 use super::{pairing, Deadline, Integrity, Pairing};
 use crate::copy::{CopyEngine, HostPin, ReadyFence};
-use crate::engine::EngineOptions;
 use crate::error::{Error, Result, Status};
 use crate::geometry::{self, Fingerprint, KvLayout, MemoryKind};
 use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
@@ -25,6 +24,23 @@ use crate::transport::faults::FaultyTransport;
 use crate::transport::tcp::{self, TcpTransport};
 use crate::transport::Transport;
 
+/// What sender sessions need from the engine's options.
+#[derive(Clone, Debug)]
+pub struct SenderConfig {
+    /// Largest send staging buffer (one writer's share of a chunk); larger chunks fall back.
+    pub send_staging_bytes: u64,
+    /// Secret presented in the handshake (empty: none).
+    pub cluster_token: Vec<u8>,
+    /// This side's integrity policy; the stronger of both sides' applies.
+    pub integrity: Integrity,
+    /// Deadline of an operation without its own (`None`: infinite).
+    pub default_deadline: Option<Duration>,
+    /// Keepalive and `TCP_USER_TIMEOUT` of the session's connection.
+    pub dead_peer_timeout: Option<Duration>,
+    /// Test only: faults injected into this side's connections.
+    pub faults: Option<crate::transport::faults::Faults>,
+}
+
 /// Engine-wide resources every sender session uses.
 pub struct SendResources {
     pub pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
@@ -32,7 +48,7 @@ pub struct SendResources {
     /// Reused gather buffer (grows up to `options.send_staging_bytes`, never shrinks: no per-chunk
     /// allocation).
     pub staging: Mutex<Staging>,
-    pub options: Arc<EngineOptions>,
+    pub options: SenderConfig,
     /// RDMA devices of the engine (inactive for transport tcp or without a device).
     pub rdma: Arc<crate::transport::rdma::Rdma>,
 }
@@ -112,7 +128,7 @@ impl SenderSession {
         if let Some(faults) = &options.faults {
             link = Arc::new(FaultyTransport::new(link, faults.clone(), 1));
         }
-        let token = options.cluster_token.clone().unwrap_or_default().into_bytes();
+        let token = options.cluster_token.clone();
         let ours = Hello {
             protocol_version: PROTOCOL_VERSION,
             library_version: crate::version_number(),

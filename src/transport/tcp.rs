@@ -47,6 +47,45 @@ pub fn connect(addr: SocketAddr, timeout: Duration, dead_peer: Option<Duration>)
     Ok(stream)
 }
 
+/// The receiving half of a TCP session: frames, and each payload read straight into the target
+/// its header was checked against (no intermediate copy).
+pub struct Inbound {
+    stream: TcpStream,
+}
+
+impl Inbound {
+    pub fn new(stream: TcpStream) -> Inbound {
+        Inbound { stream }
+    }
+
+    /// The first frame: a hello within `deadline` for the whole of it (a trickling peer cannot
+    /// stretch it), bounded in size before its body is read.
+    pub fn read_hello(&mut self, deadline: &Deadline) -> Result<crate::protocol::Hello> {
+        let hello = crate::protocol::read_hello(&mut DeadlineReader::new(&self.stream, deadline, "reading the hello"));
+        self.stream.set_read_timeout(None)?;
+        hello
+    }
+
+    /// The next frame header and body; `None` on a clean EOF between frames.
+    pub fn next_frame(&mut self) -> Result<Option<Message>> {
+        crate::protocol::read_frame(&mut self.stream)
+    }
+
+    /// Reads a payload of exactly `buf.len()` bytes into `buf`.
+    pub fn payload_into(&mut self, buf: &mut [u8]) -> Result<()> {
+        std::io::Read::read_exact(&mut self.stream, buf).map_err(|e| Error::from(e).context("receiving a payload failed"))
+    }
+
+    /// Reads and drops a payload of `len` bytes (the stream stays in sync).
+    pub fn discard(&mut self, len: u64) -> Result<()> {
+        let copied = std::io::copy(&mut std::io::Read::take(&mut self.stream, len), &mut std::io::sink())?;
+        if copied != len {
+            return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload"));
+        }
+        Ok(())
+    }
+}
+
 /// Reads from a stream with one deadline for the whole exchange (not per read): a peer that
 /// trickles bytes cannot stretch it.
 pub struct DeadlineReader<'a> {

@@ -3,7 +3,6 @@
 //! payload reads hold a lease so nothing frees or re-grants the range underneath them.
 
 use std::cell::Cell;
-use std::io::Read;
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -13,11 +12,11 @@ use super::state::{ConnInfo, ConnId, Target};
 use super::{reply_deadline, Receiver};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{Fingerprint, ModelKind, PoolShape};
-use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
+use crate::protocol::{Hello, Message, PROTOCOL_VERSION};
 use crate::ring::Watermark;
 use crate::session::{pairing, tokens_match, Deadline, Integrity};
 use crate::transport::faults::FaultyTransport;
-use crate::transport::tcp::{DeadlineReader, TcpTransport};
+use crate::transport::tcp::{Inbound, TcpTransport};
 use crate::transport::Transport;
 
 /// How long a `ChunkReady` waits for its write-with-immediate (the sender sends it only after the
@@ -86,13 +85,13 @@ impl Receiver {
 
     fn serve_inner(self: &Arc<Self>, stream: TcpStream, conn: &Cell<Option<ConnId>>, handshake_done: &mut dyn FnMut()) -> Result<()> {
         crate::transport::tcp::tune(&stream, self.config.dead_peer_timeout)?;
-        let mut reader = stream.try_clone()?;
+        let mut inbound = Inbound::new(stream.try_clone()?);
         let mut link: Arc<dyn Transport> = Arc::new(TcpTransport::new(stream)?);
         if let Some(faults) = &self.config.faults {
             link = Arc::new(FaultyTransport::new(link, faults.clone(), 2));
         }
         let deadline = Deadline::after(Some(self.config.listener.handshake_timeout));
-        let hello = match protocol::read_hello(&mut DeadlineReader::new(&reader, &deadline, "reading the hello")) {
+        let hello = match inbound.read_hello(&deadline) {
             Ok(h) => h,
             Err(e) => {
                 self.counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
@@ -107,7 +106,6 @@ impl Receiver {
             link.shutdown();
         })?;
         handshake_done();
-        reader.set_read_timeout(None)?;
         let session = info.session.clone();
         // Registered only now that the answer left: from here on it gets watermark broadcasts,
         // and one more watermark covers any change between the answer and the registration.
@@ -116,7 +114,7 @@ impl Receiver {
         self.peers.lock().insert(id, link.clone());
         let wm = self.ring_stats().2;
         link.send(&Message::Watermark(wm), &reply_deadline())?;
-        self.read_loop(id, &session, &mut reader, &link)
+        self.read_loop(id, &session, &mut inbound, &link)
     }
 
     /// Validates the hello and answers with ours.
@@ -154,14 +152,14 @@ impl Receiver {
         checked.map_err(|e| e.with_session(&hello.session))
     }
 
-    fn read_loop(&self, id: ConnId, session: &str, reader: &mut TcpStream, link: &Arc<dyn Transport>) -> Result<()> {
+    fn read_loop(&self, id: ConnId, session: &str, inbound: &mut Inbound, link: &Arc<dyn Transport>) -> Result<()> {
         let stop_after = self.config.faults.as_ref().and_then(|f| f.plan.stop_reading_after);
         let mut frames = 0u64;
         let pool = self.pool()?;
         let integrity = self.config.integrity;
         // Set when the sender connected its RDMA queue pairs (its chunks then arrive by RDMA).
         let mut rdma_peer: Option<crate::transport::rdma::link::RdmaPeer> = None;
-        while let Some(msg) = protocol::read_frame(reader)? {
+        while let Some(msg) = inbound.next_frame()? {
             frames += 1;
             if stop_after.is_some_and(|n| frames > n) {
                 return self.stall(link);
@@ -178,16 +176,17 @@ impl Receiver {
                     match self.with_state(|st| st.begin_data(id, room, chunk, writer, offset, len))? {
                         Target::Land(lease) => {
                             let mem = self.ring_memory()?;
-                            // SAFETY: the lease pins [ring_offset, +len), inside this writer's region
-                            // of a live grant: no other thread writes it, nothing frees it until
-                            // `end_data`.
-                            let read = unsafe { mem.range(lease.ring_offset, lease.len) }
-                                .and_then(|buf| reader.read_exact(buf).map_err(|e| Error::from(e).context("receiving chunk data failed")));
+                            let read = mem.range(lease.ring_offset, lease.len).and_then(|p| {
+                                // SAFETY: the lease pins [ring_offset, +len), inside this writer's
+                                // region of a live grant: no other thread writes it, nothing frees
+                                // or re-grants it until `end_data`.
+                                inbound.payload_into(unsafe { std::slice::from_raw_parts_mut(p, lease.len as usize) })
+                            });
                             let landed = read.is_ok();
                             self.with_state(|st| st.end_data(lease, landed));
                             read?;
                         }
-                        Target::Discard(_) => discard(reader, len)?,
+                        Target::Discard(_) => inbound.discard(len)?,
                     }
                 }
                 Message::ChunkReady { req, room, chunk, writer, checksum } => {
@@ -215,14 +214,13 @@ impl Receiver {
                                 // SAFETY: the state checked the slot lies in a page of this room
                                 // and the bytes in this writer's head range; the lease keeps the
                                 // room's pages from going back to the caller during the read.
-                                let buf = unsafe { std::slice::from_raw_parts_mut(t, lease.len as usize) };
-                                reader.read_exact(buf).map_err(|e| Error::from(e).context("receiving slice data failed"))
+                                inbound.payload_into(unsafe { std::slice::from_raw_parts_mut(t, lease.len as usize) })
                             });
                             let landed = read.is_ok();
                             self.with_state(|st| st.end_slice(lease, landed));
                             read?;
                         }
-                        Target::Discard(_) => discard(reader, len as u64)?,
+                        Target::Discard(_) => inbound.discard(len as u64)?,
                     }
                 }
                 Message::SliceDone { req, room, chunk } => {
@@ -235,7 +233,7 @@ impl Receiver {
                 Message::RdmaOffer(offer) => {
                     let ring = self.memory.lock().clone();
                     let rdma = self.rdma.lock().clone().unwrap_or_else(crate::transport::rdma::Rdma::off);
-                    let (answer, p) = rdma.accept(&offer, ring.as_ref().map(|m| (m.base(), m.len())), &link.describe(), session);
+                    let (answer, p) = rdma.accept(&offer, ring.as_ref().map(|m| (m.base(), m.size())), &link.describe(), session);
                     if p.is_some() {
                         self.with_state(|st| st.set_rdma(id));
                     }
@@ -282,8 +280,9 @@ impl Receiver {
             )),
             None => Ok(()),
             Some(sent) => self.ring_memory().and_then(|mem| {
+                let p = mem.range(lease.ring_offset, lease.len)?;
                 // SAFETY: the ready lease pins the writer's finished region; nothing writes it.
-                let bytes = unsafe { mem.range(lease.ring_offset, lease.len) }?;
+                let bytes = unsafe { std::slice::from_raw_parts(p, lease.len as usize) };
                 let got = crate::session::sender::checksum(bytes);
                 if got == sent {
                     Ok(())
@@ -311,13 +310,4 @@ impl Receiver {
         link.shutdown();
         Err(Error::new(Status::KVSTAGE_E_CANCELED, "fault injection: stopped reading"))
     }
-}
-
-/// Reads and drops a payload whose room can no longer take it (the stream stays in sync).
-fn discard(reader: &mut TcpStream, len: u64) -> Result<()> {
-    let copied = std::io::copy(&mut reader.by_ref().take(len), &mut std::io::sink())?;
-    if copied != len {
-        return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload"));
-    }
-    Ok(())
 }

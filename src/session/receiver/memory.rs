@@ -39,7 +39,7 @@ impl RingMemory {
         }
     }
 
-    pub fn len(&self) -> usize {
+    pub fn size(&self) -> usize {
         self.len
     }
 
@@ -47,17 +47,15 @@ impl RingMemory {
         self.ptr
     }
 
-    /// `len` bytes at `offset`, which the caller's lease on the range makes exclusively its own.
-    ///
-    /// # Safety
-    /// The range must be leased from the receiver's state (a write or ready lease, or a scatter),
-    /// so no other thread writes it meanwhile.
-    pub unsafe fn range(&self, offset: u64, len: u64) -> crate::Result<&mut [u8]> {
+    /// The address of `len` bytes at `offset`, checked to lie inside the ring. Using them is only
+    /// sound under a lease from the receiver's state (a write or ready lease, or a scatter), which
+    /// keeps every other writer out of the range.
+    pub fn range(&self, offset: u64, len: u64) -> crate::Result<*mut u8> {
         let end = offset.checked_add(len).filter(|&e| e <= self.len as u64);
         if end.is_none() {
             return Err(Error::internal(format!("ring range [{offset}, +{len}) is outside the ring of {} bytes", self.len)));
         }
-        // SAFETY: inside the ring (checked), exclusive by the caller's lease.
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset as usize), len as usize) })
+        // SAFETY: offset is inside the allocation (checked).
+        Ok(unsafe { self.ptr.add(offset as usize) })
     }
 }

@@ -178,7 +178,7 @@ impl Receiver {
     }
 
     pub fn register_ring(&self, memory: RingMemory) -> Result<()> {
-        let len = memory.len() as u64;
+        let len = memory.size() as u64;
         let mut slot = self.memory.lock();
         self.with_state(|st| st.register_ring(len))?;
         // The old ring's memory region goes before its memory (RDMA peers then fail with a remote
@@ -296,12 +296,10 @@ impl Receiver {
             let w = job.layout.writer_for(src)?.ok_or_else(|| Error::internal("an arrived writer is not in the layout"))?;
             let plan = geometry::plan_scatter(&pool.shape, &job.pages, &job.layout, w)?;
             let region = &job.layout.writers[w as usize];
+            let src = mem.range(job.ring_offset + region.offset, region.bytes)?;
             // SAFETY: the grant is pinned for this scatter and all its writers arrived, so nothing
-            // writes the region while the scatter reads it; the range check is in `range`.
-            unsafe {
-                let bytes = mem.range(job.ring_offset + region.offset, region.bytes)?;
-                self.copy.scatter(&plan, &pool, bytes.as_mut_ptr())?;
-            }
+            // writes the region while the scatter reads it; `range` checked it lies in the ring.
+            unsafe { self.copy.scatter(&plan, &pool, src)? };
         }
         Ok(())
     }

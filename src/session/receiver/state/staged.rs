@@ -275,7 +275,7 @@ impl State {
             .chunks
             .iter()
             .enumerate()
-            .any(|(i, c)| which.is_none_or(|w| w as usize == i) && c.slots.iter().flatten().any(|s| s.conn == conn));
+            .any(|(i, c)| which.map_or(true, |w| w as usize == i) && c.slots.iter().flatten().any(|s| s.conn == conn));
         if holds {
             let what = which.map_or_else(|| "the room".to_owned(), |c| format!("chunk {c}"));
             self.fail_room(room, Status::KVSTAGE_E_CANCELED, format!("sender aborted {what} (session {session}): {reason}"), &session);
@@ -288,7 +288,7 @@ impl State {
         let ids: Vec<u64> = self
             .grants
             .iter()
-            .filter(|(_, g)| g.room == room && chunk.is_none_or(|c| g.chunk == c) && g.remote_writers.contains(&conn))
+            .filter(|(_, g)| g.room == room && chunk.map_or(true, |c| g.chunk == c) && g.remote_writers.contains(&conn))
             .map(|(id, _)| *id)
             .collect();
         for id in ids {

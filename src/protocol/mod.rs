@@ -9,7 +9,13 @@ use std::io::{Read, Write};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{ModelKind, PoolShape};
 use crate::ring::Watermark;
-pub use crate::transport::rdma::attrs::RdmaOffer;
+pub use rdma_offer::{LinkLayer, Mtu, PortAttrs, QpEndpoint, RdmaOffer, MAX_ENDPOINTS, OFFER_VERSION};
+
+use codec::{Dec, Enc};
+
+pub mod codec;
+pub mod fingerprint;
+pub mod rdma_offer;
 
 pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// 2: the hello carries the integrity policy; late frames for closed rooms are discarded.
@@ -18,6 +24,8 @@ pub const PROTOCOL_VERSION: u16 = 2;
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.
 pub const MAX_HELLO_BODY: u32 = 64 << 10;
+/// Largest string or byte field of a frame (session id, reason, fingerprint, token).
+const MAX_TEXT: usize = 16 << 10;
 /// Largest number of layers a shape on the wire may carry.
 const MAX_LAYERS: u32 = 4096;
 
@@ -88,83 +96,6 @@ fn malformed(what: impl Into<String>) -> Error {
     Error::new(Status::KVSTAGE_E_PROTOCOL, format!("malformed frame: {}", what.into()))
 }
 
-#[derive(Default)]
-struct Enc(Vec<u8>);
-
-impl Enc {
-    fn u8(&mut self, v: u8) -> &mut Self {
-        self.0.push(v);
-        self
-    }
-    fn u16(&mut self, v: u16) -> &mut Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn u32(&mut self, v: u32) -> &mut Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn i32(&mut self, v: i32) -> &mut Self {
-        self.u32(v as u32)
-    }
-    fn u64(&mut self, v: u64) -> &mut Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn bytes(&mut self, v: &[u8]) -> &mut Self {
-        self.u32(v.len() as u32);
-        self.0.extend_from_slice(v);
-        self
-    }
-    fn str(&mut self, v: &str) -> &mut Self {
-        self.bytes(v.as_bytes())
-    }
-}
-
-struct Dec<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Dec<'a> {
-    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| {
-            malformed(format!("{what} needs {n} bytes at {} but the body has {}", self.pos, self.buf.len()))
-        })?;
-        let s = &self.buf[self.pos..end];
-        self.pos = end;
-        Ok(s)
-    }
-    fn u8(&mut self, what: &str) -> Result<u8> {
-        Ok(self.take(1, what)?[0])
-    }
-    fn u16(&mut self, what: &str) -> Result<u16> {
-        Ok(u16::from_le_bytes(self.take(2, what)?.try_into().expect("2 bytes")))
-    }
-    fn u32(&mut self, what: &str) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
-    }
-    fn i32(&mut self, what: &str) -> Result<i32> {
-        Ok(self.u32(what)? as i32)
-    }
-    fn u64(&mut self, what: &str) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
-    }
-    fn bytes(&mut self, what: &str) -> Result<Vec<u8>> {
-        let n = self.u32(what)? as usize;
-        Ok(self.take(n, what)?.to_vec())
-    }
-    fn str(&mut self, what: &str) -> Result<String> {
-        String::from_utf8(self.bytes(what)?).map_err(|_| malformed(format!("{what} is not UTF-8")))
-    }
-    fn finish(&self, kind: &str) -> Result<()> {
-        if self.pos != self.buf.len() {
-            return Err(malformed(format!("{} trailing bytes after {kind}", self.buf.len() - self.pos)));
-        }
-        Ok(())
-    }
-}
-
 fn encode_shape(e: &mut Enc, s: &PoolShape) {
     e.u8(match s.kind {
         ModelKind::Mha => 0,
@@ -222,7 +153,7 @@ impl Message {
         match self {
             Message::Hello(h) => {
                 e.u8(T_HELLO);
-                e.0.extend_from_slice(&MAGIC);
+                e.raw(&MAGIC);
                 e.u16(h.protocol_version).u32(h.library_version).str(&h.session).bytes(&h.fingerprint);
                 encode_shape(&mut e, &h.shape);
                 e.u64(h.ring_bytes).u64(h.watermark.round).u64(h.watermark.offset).i32(h.status).str(&h.reason);
@@ -261,11 +192,11 @@ impl Message {
             }
             Message::RdmaOffer(o) => {
                 e.u8(T_RDMA_OFFER);
-                o.encode(&mut e.0);
+                o.encode(&mut e);
             }
             Message::RdmaAnswer(o) => {
                 e.u8(T_RDMA_ANSWER);
-                o.encode(&mut e.0);
+                o.encode(&mut e);
             }
             Message::RdmaWritten { room, chunk, writer, offset, len, imm } => {
                 e.u8(T_RDMA_WRITTEN).u64(*room).u32(*chunk).u32(*writer).u64(*offset).u64(*len).u32(*imm);
@@ -278,7 +209,7 @@ impl Message {
 
     /// Decodes a frame's type byte and body (everything after the length prefix).
     pub fn decode(kind: u8, body: &[u8]) -> Result<Message> {
-        let mut d = Dec { buf: body, pos: 0 };
+        let mut d = Dec::new(body, "frame");
         let msg = match kind {
             T_HELLO => {
                 let magic = d.take(8, "magic")?;
@@ -295,14 +226,14 @@ impl Message {
                 Message::Hello(Hello {
                     protocol_version,
                     library_version: d.u32("library_version")?,
-                    session: d.str("session")?,
-                    fingerprint: d.bytes("fingerprint")?,
+                    session: d.str("session", MAX_TEXT)?,
+                    fingerprint: d.bytes("fingerprint", MAX_TEXT)?,
                     shape: decode_shape(&mut d)?,
                     ring_bytes: d.u64("ring_bytes")?,
                     watermark: Watermark { round: d.u64("watermark.round")?, offset: d.u64("watermark.offset")? },
                     status: d.i32("status")?,
-                    reason: d.str("reason")?,
-                    token: d.bytes("token")?,
+                    reason: d.str("reason", MAX_TEXT)?,
+                    token: d.bytes("token", MAX_TEXT)?,
                     integrity: d.u8("integrity")?,
                 })
             }
@@ -320,7 +251,7 @@ impl Message {
                 round: d.u64("round")?,
                 offset: d.u64("offset")?,
                 len: d.u64("len")?,
-                reason: d.str("reason")?,
+                reason: d.str("reason", MAX_TEXT)?,
             },
             T_DATA => Message::Data {
                 room: d.u64("room")?,
@@ -340,9 +271,9 @@ impl Message {
                     f => return Err(malformed(format!("checksum flag {f} is neither 0 nor 1"))),
                 },
             },
-            T_ARRIVED => Message::Arrived { req: d.u64("req")?, status: d.i32("status")?, reason: d.str("reason")? },
+            T_ARRIVED => Message::Arrived { req: d.u64("req")?, status: d.i32("status")?, reason: d.str("reason", MAX_TEXT)? },
             T_WATERMARK => Message::Watermark(Watermark { round: d.u64("round")?, offset: d.u64("offset")? }),
-            T_ABORT => Message::Abort { room: d.u64("room")?, chunk: d.u32("chunk")?, reason: d.str("reason")? },
+            T_ABORT => Message::Abort { room: d.u64("room")?, chunk: d.u32("chunk")?, reason: d.str("reason", MAX_TEXT)? },
             T_SLICE => Message::Slice {
                 room: d.u64("room")?,
                 chunk: d.u32("chunk")?,
@@ -352,8 +283,8 @@ impl Message {
                 len: d.u32("len")?,
             },
             T_SLICE_DONE => Message::SliceDone { req: d.u64("req")?, room: d.u64("room")?, chunk: d.u32("chunk")? },
-            T_RDMA_OFFER => Message::RdmaOffer(RdmaOffer::decode(d.take(body.len() - d.pos, "rdma offer")?)?),
-            T_RDMA_ANSWER => Message::RdmaAnswer(RdmaOffer::decode(d.take(body.len() - d.pos, "rdma answer")?)?),
+            T_RDMA_OFFER => Message::RdmaOffer(RdmaOffer::decode(d.rest())?),
+            T_RDMA_ANSWER => Message::RdmaAnswer(RdmaOffer::decode(d.rest())?),
             T_RDMA_WRITTEN => Message::RdmaWritten {
                 room: d.u64("room")?,
                 chunk: d.u32("chunk")?,
@@ -364,7 +295,7 @@ impl Message {
             },
             other => return Err(malformed(format!("unknown frame type {other}"))),
         };
-        d.finish("frame")?;
+        d.finish()?;
         Ok(msg)
     }
 
@@ -451,7 +382,7 @@ mod tests {
     }
 
     fn rdma_offer() -> RdmaOffer {
-        use crate::transport::rdma::attrs::{LinkLayer, Mtu, PortAttrs, QpEndpoint, OFFER_VERSION};
+        use super::rdma_offer::{LinkLayer, Mtu, PortAttrs, QpEndpoint, OFFER_VERSION};
         let port = PortAttrs {
             device: "mlx5_0".into(),
             port: 1,
