@@ -190,6 +190,13 @@ static void test_global_and_options(void) {
     BAD_OPTION(rdma_wr_bytes, 4095, "`options->rdma_wr_bytes`");
     BAD_OPTION(rdma_signal_every, 0, "`options->rdma_signal_every`");
     BAD_OPTION(rdma_signal_every, 1025, "`options->rdma_signal_every`");
+    BAD_OPTION(max_connections, 0, "`options->max_connections`");
+    BAD_OPTION(max_handshakes, 0, "`options->max_handshakes`");
+    BAD_OPTION(handshake_timeout_ms, 0, "`options->handshake_timeout_ms`");
+    BAD_OPTION(max_events, 0, "`options->max_events`");
+    BAD_OPTION(dead_peer_timeout_ms, 999, "`options->dead_peer_timeout_ms`");
+    BAD_OPTION(dead_peer_timeout_ms, 0, "`options->dead_peer_timeout_ms`");
+    BAD_OPTION(room_timeout_ms, 0, "`options->room_timeout_ms`");
 #undef BAD_OPTION
 
     /* RDMA is a valid value: without a usable device NO_DEVICE (not INVALID_ARG), out untouched. */

@@ -48,6 +48,13 @@ int main(void) {
     CHECK(defaults.listen_address == NULL);
     CHECK(defaults.worker_threads >= 1 && defaults.worker_threads <= 256);
     CHECK(defaults.default_deadline_ms > 0);
+    /* Receiver bounds: sane, finite defaults (a vanished host is noticed within about 15 s). */
+    CHECK_INT(defaults.max_connections, 1024);
+    CHECK_INT(defaults.max_handshakes, 64);
+    CHECK_INT(defaults.handshake_timeout_ms, 5000);
+    CHECK_INT(defaults.max_events, 65536);
+    CHECK_INT(defaults.dead_peer_timeout_ms, 15000);
+    CHECK_INT(defaults.room_timeout_ms, 300000);
 
     /* Valid engines. */
     CHECK_OK(kvstage_engine_new(&defaults, &engine));
@@ -68,6 +75,15 @@ int main(void) {
     engine = NULL;
     CHECK_OK(kvstage_engine_new(&o, &engine));
     CHECK(engine != NULL);
+    kvstage_engine_free(engine);
+
+    o = defaults;
+    o.dead_peer_timeout_ms = KVSTAGE_DEADLINE_INFINITE; /* the OS's keepalive defaults */
+    o.room_timeout_ms = KVSTAGE_DEADLINE_INFINITE;
+    o.max_connections = 1;
+    o.max_handshakes = 1;
+    engine = NULL;
+    CHECK_OK(kvstage_engine_new(&o, &engine));
     kvstage_engine_free(engine);
 
     o = defaults;

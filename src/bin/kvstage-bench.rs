@@ -220,7 +220,7 @@ fn measure(a: &Args) -> Result<Report, Error> {
 
     // slice: a probe of one page per chunk gives the rate; then as many pages as fit the time box.
     room += 1;
-    child.command(&format!("room {room}"))?;
+    child.command(&format!("room {room} 1"))?;
     let (probe_secs, probe_writes) = time(|| prefill.send_room(s, room, false, Some(1)))?;
     child.command(&format!("release {room}"))?;
     let full_writes = s.room_slice_writes();
@@ -228,7 +228,8 @@ fn measure(a: &Args) -> Result<Report, Error> {
     let pages_fit = ((a.slice_seconds / per_write) / (full_writes as f64 / s.pages() as f64)).floor() as usize;
     let boxed = pages_fit < s.grid_pages();
     room += 1;
-    child.command(&format!("room {room}"))?;
+    // A time-boxed run sends the first pages of each chunk into a room of just those pages.
+    child.command(&if boxed { format!("room {room} {}", pages_fit.max(1)) } else { format!("room {room}") })?;
     let (slice_secs, slice_writes) = time(|| {
         let w = prefill.send_room(s, room, false, boxed.then_some(pages_fit.max(1)))?;
         child.command(&format!("wait {room}"))?;

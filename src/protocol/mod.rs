@@ -311,20 +311,26 @@ impl Message {
 
 /// Reads one frame (not its payload). `Ok(None)` on a clean EOF between frames.
 pub fn read_frame(r: &mut impl Read) -> Result<Option<Message>> {
-    read_frame_limited(r, MAX_BODY, None)
+    read_frame_limited(r, MAX_BODY, None, false)
+}
+
+/// As [`read_frame`] on a stream with a read timeout that bounds stalls *inside* a frame: a
+/// timeout before the first byte of a frame is an idle peer and the wait goes on.
+pub fn read_frame_between_idle(r: &mut impl Read) -> Result<Option<Message>> {
+    read_frame_limited(r, MAX_BODY, None, true)
 }
 
 /// The first frame of a connection: a hello of at most [`MAX_HELLO_BODY`] bytes. Anything else
 /// is refused from its 5-byte header, before its body is read.
 pub fn read_hello(r: &mut impl Read) -> Result<Hello> {
-    match read_frame_limited(r, MAX_HELLO_BODY, Some(T_HELLO))? {
+    match read_frame_limited(r, MAX_HELLO_BODY, Some(T_HELLO), false)? {
         Some(Message::Hello(h)) => Ok(h),
         Some(_) => unreachable!("only a hello passes the type check"),
         None => Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed before the hello")),
     }
 }
 
-fn read_frame_limited(r: &mut impl Read, max_body: u32, only: Option<u8>) -> Result<Option<Message>> {
+fn read_frame_limited(r: &mut impl Read, max_body: u32, only: Option<u8>, idle_ok: bool) -> Result<Option<Message>> {
     let mut head = [0u8; 5];
     let mut got = 0;
     while got < head.len() {
@@ -333,6 +339,7 @@ fn read_frame_limited(r: &mut impl Read, max_body: u32, only: Option<u8>) -> Res
             Ok(0) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a frame header")),
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if idle_ok && got == 0 && matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
             Err(e) => return Err(Error::from(e).context("reading a frame header failed")),
         }
     }

@@ -3,7 +3,8 @@
 //! the demo, the benchmark and the multi-process tests.
 //!
 //! Child commands (one line each, one reply line each):
-//! `room ID` opens room ID on every decode rank · `wait ID` waits until it is scattered everywhere ·
+//! `room ID [K]` opens room ID on every decode rank (with K: only the first K pages of each chunk,
+//! in chunks of K pages, for runs that send partial chunks) · `wait ID` waits until it is scattered everywhere ·
 //! `verify ID` compares the decode pools with the reference · `release ID` · `raw BYTES` receives
 //! BYTES on the raw TCP listener and answers when all arrived · `quit`.
 
@@ -62,6 +63,12 @@ impl Setup {
         let all = page_table(self.pages() * 2, self.capacity(), 200 + rank as u64, false);
         let n = self.pages();
         if room % 2 == 1 { all[..n].to_vec() } else { all[n..].to_vec() }
+    }
+
+    /// The decode pages of a room that receives only the first `per_chunk` pages of each chunk
+    /// (time-boxed slice runs): its chunks are `per_chunk` pages, so each one is sent whole.
+    pub fn decode_pages_limited(&self, rank: u32, room: u64, per_chunk: usize) -> Vec<u32> {
+        self.decode_pages(rank, room).chunks(self.grid_pages()).flat_map(|c| c[..per_chunk.min(c.len())].to_vec()).collect()
     }
 
     pub fn options(&self) -> EngineOptions {
@@ -208,10 +215,15 @@ pub fn serve_decode(setup: &Setup) -> Result<()> {
         let mut words = line.split_whitespace();
         let cmd = words.next().unwrap_or("");
         let arg: u64 = words.next().and_then(|w| w.parse().ok()).unwrap_or(0);
+        let per_chunk: Option<usize> = words.next().and_then(|w| w.parse().ok());
         let reply = match cmd {
             "room" => {
                 for (rd, (engine, _)) in ranks.iter().enumerate() {
-                    engine.receiver().open_room(arg, &setup.decode_pages(rd as u32, arg), setup.chunk_tokens)?;
+                    let (pages, tokens) = match per_chunk {
+                        Some(k) => (setup.decode_pages_limited(rd as u32, arg, k), k as u32 * setup.page_size),
+                        None => (setup.decode_pages(rd as u32, arg), setup.chunk_tokens),
+                    };
+                    engine.receiver().open_room(arg, &pages, tokens)?;
                 }
                 "ok".to_owned()
             }

@@ -49,41 +49,77 @@ pub fn connect(addr: SocketAddr, timeout: Duration, dead_peer: Option<Duration>)
 
 /// The receiving half of a TCP session: frames, and each payload read straight into the target
 /// its header was checked against (no intermediate copy).
+///
+/// With a `stall` bound, a peer may idle between frames as long as it likes (keepalive notices a
+/// vanished host), but one that stops sending inside a frame or payload for that long is cut off:
+/// otherwise a payload read that never ends would pin its ring range forever.
 pub struct Inbound {
     stream: TcpStream,
+    stall: Option<Duration>,
 }
 
 impl Inbound {
-    pub fn new(stream: TcpStream) -> Inbound {
-        Inbound { stream }
+    pub fn new(stream: TcpStream, stall: Option<Duration>) -> Inbound {
+        Inbound { stream, stall }
     }
 
     /// The first frame: a hello within `deadline` for the whole of it (a trickling peer cannot
     /// stretch it), bounded in size before its body is read.
     pub fn read_hello(&mut self, deadline: &Deadline) -> Result<crate::protocol::Hello> {
         let hello = crate::protocol::read_hello(&mut DeadlineReader::new(&self.stream, deadline, "reading the hello"));
-        self.stream.set_read_timeout(None)?;
+        self.stream.set_read_timeout(self.stall)?;
         hello
     }
 
     /// The next frame header and body; `None` on a clean EOF between frames.
     pub fn next_frame(&mut self) -> Result<Option<Message>> {
-        crate::protocol::read_frame(&mut self.stream)
+        crate::protocol::read_frame_between_idle(&mut self.stream).map_err(|e| self.stalled(e))
     }
 
     /// Reads a payload of exactly `buf.len()` bytes into `buf`.
     pub fn payload_into(&mut self, buf: &mut [u8]) -> Result<()> {
-        std::io::Read::read_exact(&mut self.stream, buf).map_err(|e| Error::from(e).context("receiving a payload failed"))
+        std::io::Read::read_exact(&mut self.stream, buf).map_err(|e| self.stalled(peer_error(e).context("receiving a payload failed")))
     }
 
     /// Reads and drops a payload of `len` bytes (the stream stays in sync).
     pub fn discard(&mut self, len: u64) -> Result<()> {
-        let copied = std::io::copy(&mut std::io::Read::take(&mut self.stream, len), &mut std::io::sink())?;
+        let copied = std::io::copy(&mut std::io::Read::take(&mut self.stream, len), &mut std::io::sink())
+            .map_err(|e| self.stalled(peer_error(e).context("discarding a payload failed")))?;
         if copied != len {
             return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload"));
         }
         Ok(())
     }
+
+    /// A read timeout here means the peer stalled mid-frame: it is treated as gone.
+    fn stalled(&self, e: Error) -> Error {
+        match self.stall {
+            Some(t) if e.code() == Status::KVSTAGE_E_TIMEOUT => {
+                e.wrap(Status::KVSTAGE_E_PEER_GONE, format!("the peer sent nothing for {} ms inside a frame or payload", t.as_millis()))
+            }
+            _ => e,
+        }
+    }
+}
+
+/// An I/O error on an established connection. The peer's host being unreachable or gone (reset,
+/// closed, no acknowledgement within `TCP_USER_TIMEOUT`, network or host unreachable) is
+/// `KVSTAGE_E_PEER_GONE`; a read or write timeout that a deadline set is `KVSTAGE_E_TIMEOUT`;
+/// anything else `KVSTAGE_E_TRANSPORT`.
+pub fn peer_error(e: std::io::Error) -> Error {
+    let gone = matches!(
+        e.raw_os_error(),
+        Some(libc::ETIMEDOUT | libc::ENETUNREACH | libc::EHOSTUNREACH | libc::ENETDOWN | libc::EHOSTDOWN | libc::ECONNRESET | libc::EPIPE | libc::ECONNABORTED)
+    ) || e.kind() == std::io::ErrorKind::UnexpectedEof;
+    if gone {
+        let why = if e.raw_os_error() == Some(libc::ETIMEDOUT) {
+            "the peer stopped acknowledging (host gone or partitioned)"
+        } else {
+            "the peer is gone"
+        };
+        return Error::from(e).wrap(Status::KVSTAGE_E_PEER_GONE, why);
+    }
+    Error::from(e)
 }
 
 /// Reads from a stream with one deadline for the whole exchange (not per read): a peer that
@@ -136,9 +172,10 @@ impl TcpTransport {
         w.set_write_timeout(deadline.remaining(&what)?)?;
         write(&mut w).map_err(|e| {
             self.shutdown();
-            let timed_out = matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut);
-            let err = Error::from(e).context(format!("write to peer {} failed", self.peer));
-            if timed_out {
+            // SO_SNDTIMEO (the deadline) expires as EAGAIN; ETIMEDOUT is TCP_USER_TIMEOUT: gone.
+            let deadline_passed = e.kind() == std::io::ErrorKind::WouldBlock;
+            let err = peer_error(e).context(format!("write to peer {} failed", self.peer));
+            if deadline_passed {
                 err.wrap(Status::KVSTAGE_E_TIMEOUT, format!("deadline passed while {what} (the peer stopped reading)"))
             } else {
                 err

@@ -85,7 +85,7 @@ impl Receiver {
 
     fn serve_inner(self: &Arc<Self>, stream: TcpStream, conn: &Cell<Option<ConnId>>, handshake_done: &mut dyn FnMut()) -> Result<()> {
         crate::transport::tcp::tune(&stream, self.config.dead_peer_timeout)?;
-        let mut inbound = Inbound::new(stream.try_clone()?);
+        let mut inbound = Inbound::new(stream.try_clone()?, self.config.dead_peer_timeout);
         let mut link: Arc<dyn Transport> = Arc::new(TcpTransport::new(stream)?);
         if let Some(faults) = &self.config.faults {
             link = Arc::new(FaultyTransport::new(link, faults.clone(), 2));

@@ -368,13 +368,22 @@ impl State {
     }
 
     /// A connection ended (and, for RDMA, its queue pairs are destroyed: nothing more can land).
-    /// Every room it wrote to and has not delivered fails; its quarantined grants are released.
+    /// Every room it wrote to fails when it still owes a chunk (its writer slot of a waiting chunk
+    /// is unclaimed or its own and unfinished): a prefill rank writes every chunk of a request
+    /// over one session. Its quarantined grants and leases are released.
     pub fn conn_gone(&mut self, conn: ConnId, code: Status, reason: &str) {
         let Some(info) = self.conns.remove(&conn) else { return };
+        let w = info.pairing.writer as usize;
+        let wrote = |c: &Chunk| c.slots.iter().flatten().any(|s| s.conn == conn);
         let owes = |c: &Chunk| {
-            c.phase == Phase::Waiting && c.slots.iter().flatten().any(|s| s.conn == conn && !s.arrived)
+            c.phase == Phase::Waiting && c.slots.get(w).and_then(|s| s.as_ref()).map_or(true, |s| s.conn == conn && !s.arrived)
         };
-        let affected: Vec<u64> = self.rooms.iter().filter(|(_, r)| r.chunks.iter().any(owes)).map(|(id, _)| *id).collect();
+        let affected: Vec<u64> = self
+            .rooms
+            .iter()
+            .filter(|(_, r)| r.chunks.iter().any(wrote) && r.chunks.iter().any(owes))
+            .map(|(id, _)| *id)
+            .collect();
         for room in affected {
             self.fail_room(room, code, format!("a sender disconnected before delivering every chunk: {reason}"), &info.session);
         }

@@ -346,10 +346,13 @@ impl Harness {
     }
 
     /// The model's view of "this connection's writer slot is gone": rooms it owes fail.
-    fn model_conn_gone(&mut self, id: ConnId) {
+    fn model_conn_gone(&mut self, id: ConnId, w: usize) {
         for r in self.rooms.values_mut() {
-            let owes = r.chunks.iter().any(|ch| ch.phase == MPhase::Waiting && ch.slots.iter().flatten().any(|s| s.conn == id && !s.arrived));
-            if owes && r.live() && !r.complete() {
+            let wrote = r.chunks.iter().any(|ch| ch.slots.iter().flatten().any(|s| s.conn == id));
+            let owes = r.chunks.iter().any(|ch| {
+                ch.phase == MPhase::Waiting && ch.slots[w].as_ref().map_or(true, |s| s.conn == id && !s.arrived)
+            });
+            if wrote && owes && r.live() && !r.complete() {
                 r.failed = true;
             }
         }
@@ -362,7 +365,7 @@ impl Harness {
         self.st.conn_gone(id, Status::KVSTAGE_E_PEER_GONE, "test");
         self.writes.retain(|(w, _)| *w != c);
         self.slices.retain(|(w, _)| *w != c);
-        self.model_conn_gone(id);
+        self.model_conn_gone(id, writer_of(c) as usize);
         self.recount_leases();
         self.collect();
     }

@@ -1,0 +1,558 @@
+//! A hostile peer against a real decode engine on 127.0.0.1: this process speaks the wire protocol
+//! by hand (the crate's own codec) with garbage, lying lengths, trickled and truncated hellos,
+//! thousands of idle and half-open connections, descriptor exhaustion, mixed-TP senders, frames
+//! for another connection's writer slot or for rooms that are closed, and a sender that stops in
+//! the middle of a payload.
+//!
+//! After every attack: no panic was caught, a legitimate staged transfer (real prefill engines,
+//! TP 2 → decode TP 1) completes and its bytes match the reference (pages outside the room keep
+//! their canary), the process's file descriptors and threads return to their baseline within 10 s,
+//! and RSS grew by less than 32 MiB.
+//!
+//! The tests share one mutex (fd, thread and RSS figures are process-wide; one test lowers
+//! `RLIMIT_NOFILE`).
+
+mod common;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvstage::engine::Engine;
+use kvstage::protocol::{Message, PROTOCOL_VERSION};
+use kvstage::session::op::Op;
+use kvstage::session::receiver::listener::Limits;
+use kvstage::session::sender::TransferDesc;
+use kvstage::testkit::HostPool;
+use kvstage::Status;
+
+const RSS_BOUND: u64 = 32 << 20;
+const CLOSE_BOUND: Duration = Duration::from_secs(2);
+
+fn cluster(limits: Limits) -> Cluster {
+    let mut options = decode_options(&SMALL);
+    options.listener = limits;
+    let ring = 4 * SMALL.layout(0, 2).total_bytes as usize;
+    Cluster::new(SMALL, options, RingSpec::Owned(ring))
+}
+
+/// No connection of the decode engine is left (handshaking or serving).
+fn quiesce(c: &Cluster) {
+    let ok = settle(Duration::from_secs(10), || {
+        c.decode.receiver().stats().connections == 0 && threads_named("kvstage-recv") == 0
+    });
+    assert!(ok, "decode connections did not end: {:?}, {} receiver threads", c.decode.receiver().stats(), threads_named("kvstage-recv"));
+}
+
+/// A warm-up transfer (first-use allocations), then the baseline.
+fn prepare(c: &Cluster) -> Baseline {
+    c.legit_transfer("warm-up", None, 2);
+    quiesce(c);
+    Baseline::take()
+}
+
+/// The checks after each attack.
+fn after_attack(c: &Cluster, base: &Baseline, what: &str) -> After {
+    let stats = c.decode.receiver().stats();
+    assert_eq!(stats.panics, 0, "[{what}] a panic was caught in the engine: {stats:?}");
+    let took = c.legit_transfer(what, None, 2);
+    eprintln!("[{what}] legitimate transfer after the attack verified in {took:?}");
+    quiesce(c);
+    base.check(what, RSS_BOUND)
+}
+
+fn xorshift_bytes(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn garbage_lying_lengths_and_truncated_hellos_are_refused_or_closed() {
+    let _serial = serial();
+    let c = cluster(Limits::default());
+    let base = prepare(&c);
+    let valid = hello(&SMALL.shape(0, 2), "garbage", b"").encode();
+    let mut random = xorshift_bytes(7, 4096);
+    random[4] = 0xAB; // an unknown frame type: refused from the header
+    let mut data_with_payload = header(0xFFFF_FFF0, 4);
+    data_with_payload.extend(xorshift_bytes(9, 1000));
+    let mut bad_magic = header(100, 1);
+    bad_magic.extend(xorshift_bytes(11, 100));
+    // (what, bytes, then close our write side)
+    let cases: Vec<(&str, Vec<u8>, bool)> = vec![
+        ("http request", b"GET / HTTP/1.1\r\nHost: kvstage\r\n\r\n".to_vec(), false),
+        ("4 KiB of random bytes", random, false),
+        ("body length 0xFFFF_FFF0, alloc type", header(0xFFFF_FFF0, 2), false),
+        ("body length 0xFFFF_FFF0, hello type", header(0xFFFF_FFF0, 1), false),
+        ("body length 0xFFFF_FFF0, data type, 1000 bytes", data_with_payload, false),
+        ("hello with a bad magic", bad_magic, false),
+        ("hello with an empty body", header(0, 1), false),
+        ("truncated hello then EOF", valid[..valid.len() / 2].to_vec(), true),
+        ("hello header only then EOF", valid[..5].to_vec(), true),
+        ("3 bytes of a header then EOF", valid[..3].to_vec(), true),
+        ("nothing then EOF", Vec::new(), true),
+    ];
+    for (what, bytes, eof) in cases {
+        let failed_before = c.decode.receiver().stats().handshakes_failed;
+        let mut p = RawPeer::connect(c.addr());
+        let _ = p.send_bytes(&bytes);
+        if eof {
+            p.shutdown_write();
+        }
+        let closed = p.wait_closed(CLOSE_BOUND);
+        let refusal = closed.refusal().map(|h| (h.status, h.reason.clone()));
+        eprintln!("[{what}] closed after {:?} ({}); refusal: {refusal:?}", closed.after, closed.how);
+        assert!(closed.after.is_some(), "[{what}] the engine left the connection open for {CLOSE_BOUND:?}");
+        if let Some((status, reason)) = refusal {
+            assert_ne!(status, 0, "[{what}] a refusal with status 0");
+            assert!(!reason.is_empty(), "[{what}] a refusal without a reason");
+        }
+        let counted = settle(Duration::from_secs(2), || c.decode.receiver().stats().handshakes_failed > failed_before);
+        assert!(counted, "[{what}] not counted as a failed handshake");
+        drop(p);
+        after_attack(&c, &base, what);
+    }
+}
+
+#[test]
+fn trickled_hello_hits_the_whole_handshake_deadline() {
+    let _serial = serial();
+    let c = cluster(Limits { handshake_timeout: Duration::from_secs(1), ..Limits::default() });
+    let base = prepare(&c);
+    let bytes = hello(&SMALL.shape(0, 2), "trickle", b"").encode();
+    let start = Instant::now();
+    let mut p = RawPeer::connect(c.addr());
+    let mut w = p.stream.try_clone().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop_writer = stop.clone();
+    let writer = std::thread::spawn(move || {
+        let mut sent = 0;
+        for b in bytes {
+            if stop_writer.load(Ordering::Relaxed) || w.write_all(&[b]).is_err() {
+                break;
+            }
+            sent += 1;
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        sent
+    });
+    let closed = p.wait_closed(Duration::from_secs(5));
+    let elapsed = start.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    let sent = writer.join().unwrap();
+    eprintln!("trickle: closed after {elapsed:?} ({}), {sent} bytes trickled, refusal {:?}", closed.how, closed.refusal().map(|h| &h.reason));
+    assert!(closed.after.is_some(), "a hello trickled 1 byte / 300 ms kept the connection open for 5 s (handshake_timeout 1 s)");
+    // 1 s deadline + scheduling: nominally ~1.0-1.3 s; a per-read timeout would never fire.
+    assert!(elapsed < Duration::from_secs(3), "closed only after {elapsed:?} with handshake_timeout 1 s");
+    drop(p);
+    after_attack(&c, &base, "trickled hello");
+}
+
+#[test]
+fn newer_protocol_version_is_told_why_then_closed() {
+    let _serial = serial();
+    let c = cluster(Limits::default());
+    let base = prepare(&c);
+    let mut bytes = hello(&SMALL.shape(0, 2), "future", b"").encode();
+    // Frame header (5) + MAGIC (8), then the u16 protocol version.
+    bytes[13..15].copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
+    let mut p = RawPeer::connect(c.addr());
+    p.send_bytes(&bytes).unwrap();
+    let closed = p.wait_closed(CLOSE_BOUND);
+    eprintln!("newer version: closed after {:?} ({}), frames {:?}", closed.after, closed.how, closed.frames);
+    let h = closed.refusal().expect("a refusal hello for a newer protocol version");
+    assert_ne!(h.status, 0);
+    assert!(h.reason.contains("version"), "the refusal does not mention the version: {}", h.reason);
+    assert!(h.reason.contains(&(PROTOCOL_VERSION + 1).to_string()), "the refusal does not name the peer's version: {}", h.reason);
+    assert_eq!(closed.how, "eof", "expected a clean close after the refusal");
+    drop(p);
+    after_attack(&c, &base, "newer protocol version");
+}
+
+#[test]
+fn thousands_of_idle_and_half_open_connections_are_bounded() {
+    let _serial = serial();
+    const MAX_HANDSHAKES: u32 = 64;
+    // A long handshake deadline: no slot frees while the flood is built, so the count is exact.
+    let limits = Limits { max_connections: 256, max_handshakes: MAX_HANDSHAKES, handshake_timeout: Duration::from_secs(30) };
+    let c = cluster(limits);
+    let base = prepare(&c);
+    let (soft, _) = nofile();
+    // Our sockets + the engine's (4 fds a handshaking connection) + room for everything else.
+    let budget = soft as usize - base.fds - 4 * MAX_HANDSHAKES as usize - 400;
+    let big = 200usize.min(budget / 4);
+    let idle = 2000usize.min(budget - big);
+    assert!(idle >= 500, "RLIMIT_NOFILE {soft} leaves room for only {idle} idle connections");
+    let refused_before = c.decode.receiver().stats().connections_refused;
+    let connect = || {
+        let s = TcpStream::connect_timeout(&c.addr(), Duration::from_secs(5)).expect("connect");
+        s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+        s
+    };
+    let mut held = Vec::with_capacity(idle + big);
+    let start = Instant::now();
+    let first_idle = 32.min(idle);
+    for _ in 0..first_idle {
+        held.push(connect());
+    }
+    // A 5-byte header announcing a 60 KiB hello, then all of it but the last byte.
+    let announced = 60 << 10;
+    let body = vec![0x41u8; announced as usize - 1];
+    for _ in 0..big {
+        let mut s = connect();
+        let _ = s.write_all(&header(announced, 1));
+        let _ = s.write_all(&body); // refused ones may be reset: fine
+        held.push(s);
+    }
+    let half_open_built = start.elapsed();
+    // Connects that waited for a SYN retransmit (the listen backlog overflowed meanwhile).
+    let (mut slow, mut slowest) = (0, Duration::ZERO);
+    for _ in first_idle..idle {
+        let t = Instant::now();
+        held.push(connect());
+        slowest = slowest.max(t.elapsed());
+        slow += (t.elapsed() > Duration::from_millis(500)) as u32;
+    }
+    let built = start.elapsed();
+    eprintln!(
+        "flood: first {first_idle} idle + {big} half-open connected after {half_open_built:?}; {slow} idle connects took > 0.5 s \
+         (slowest {slowest:?}: SYN retransmits after listen-backlog overflows)"
+    );
+    let total = (idle + big) as u64;
+    let expect_refused = total - MAX_HANDSHAKES as u64;
+    let all_seen = settle(Duration::from_secs(10), || c.decode.receiver().stats().connections_refused - refused_before >= expect_refused);
+    std::thread::sleep(Duration::from_millis(300)); // the accepted ones read their 60 KiB
+    let stats = c.decode.receiver().stats();
+    let refused = stats.connections_refused - refused_before;
+    let recv_threads = threads_named("kvstage-recv");
+    let fds_during = fd_count();
+    let rss_growth = (rss_bytes() as f64 - base.rss as f64) / MIB;
+    eprintln!(
+        "flood: {idle} idle + {big} half-open (60 KiB hello announced, 60 KiB - 1 sent) built in {built:?}; refused {refused} \
+         (expected >= {expect_refused}); receiver threads {recv_threads}; fds {} -> {fds_during} (ours {total}); RSS growth {rss_growth:.2} MiB; {stats:?}",
+        base.fds
+    );
+    assert!(all_seen, "only {refused} of {total} connections refused with max_handshakes {MAX_HANDSHAKES}");
+    assert!(refused <= total, "{refused} refusals for {total} connections");
+    assert!(recv_threads <= MAX_HANDSHAKES as usize, "{recv_threads} receiver threads for max_handshakes {MAX_HANDSHAKES}");
+    assert!(
+        fds_during <= base.fds + total as usize + 4 * MAX_HANDSHAKES as usize + 16,
+        "the engine holds too many descriptors during the flood: {fds_during} (baseline {}, ours {total})",
+        base.fds
+    );
+    assert!(rss_growth * MIB < RSS_BOUND as f64, "RSS grew by {rss_growth:.2} MiB during the flood");
+    // A legitimate sender meanwhile is refused cleanly (no hang), naming the limit.
+    let t = Instant::now();
+    match c.prefill[0].connect(&c.addr().to_string(), "during-the-flood", Some(Duration::from_secs(5))) {
+        Ok(_) => panic!("a handshake was accepted with {MAX_HANDSHAKES} handshakes in progress"),
+        Err(e) => {
+            eprintln!("flood: a legitimate connect during the flood: {:?} after {:?}: {}", e.code(), t.elapsed(), e.chain());
+            assert!(e.chain().contains("too many"), "{}", e.chain());
+        }
+    }
+    drop(held);
+    after_attack(&c, &base, "idle and half-open flood");
+}
+
+/// Lowest descriptor number that is not open (a blocked `accept()` may have reserved it).
+fn lowest_closed_fd() -> i32 {
+    (0..1 << 20)
+        // SAFETY: F_GETFD only queries.
+        .find(|&fd| unsafe { libc::fcntl(fd, libc::F_GETFD) } == -1)
+        .expect("a free descriptor number")
+}
+
+struct RestoreNofile(u64);
+
+impl Drop for RestoreNofile {
+    fn drop(&mut self) {
+        set_nofile_soft(self.0);
+    }
+}
+
+#[test]
+fn descriptor_exhaustion_in_accept_is_survived() {
+    let _serial = serial();
+    let c = cluster(Limits::default());
+    let base = prepare(&c);
+    let errors_before = c.decode.receiver().stats().accept_errors;
+    const K: usize = 4;
+    // Sockets made before the limit drops: connecting them needs no new descriptor.
+    let socks: Vec<socket2::Socket> =
+        (0..K).map(|_| socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap()).collect();
+    let addr: socket2::SockAddr = c.addr().into();
+    let (soft, _) = nofile();
+    let limit = lowest_closed_fd();
+    let (connected, saw_errors, errors_during) = {
+        let _restore = RestoreNofile(soft);
+        // Every descriptor number below the limit is open: any new one fails with EMFILE.
+        set_nofile_soft(limit as u64);
+        let connected: Vec<bool> = socks.iter().map(|s| s.connect(&addr).is_ok()).collect();
+        let saw = settle(Duration::from_secs(5), || c.decode.receiver().stats().accept_errors > errors_before);
+        std::thread::sleep(Duration::from_millis(200));
+        (connected, saw, c.decode.receiver().stats().accept_errors - errors_before)
+    };
+    eprintln!("EMFILE: soft limit {soft} -> {limit} and back; connects {connected:?}; accept errors meanwhile {errors_during}");
+    assert!(saw_errors, "accept() never failed with RLIMIT_NOFILE at {limit} ({:?})", c.decode.receiver().stats());
+    // The listener recovered: the connections queued meanwhile are served.
+    let mut served = 0;
+    let mut outcomes = Vec::new();
+    for (i, s) in socks.into_iter().enumerate() {
+        let mut p = RawPeer { stream: TcpStream::from(s) };
+        p.stream.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+        let sent = p.send(&hello(&SMALL.shape(0, 2), &format!("emfile-{i}"), b""));
+        let answer = p.recv(Duration::from_secs(5));
+        match (&sent, &answer) {
+            (Ok(()), Ok(Some(Message::Hello(h)))) if h.status == 0 => served += 1,
+            _ => {}
+        }
+        outcomes.push(format!("{sent:?} / {:?}", answer.as_ref().map(|m| m.as_ref().map(|m| format!("{m:?}").chars().take(80).collect::<String>()))));
+    }
+    eprintln!("EMFILE: after the limit was restored, {served} of {K} queued connections completed a handshake: {outcomes:#?}");
+    // The one a blocked accept() took with its reserved descriptor may have been dropped (its
+    // try_clone failed); every other one must be served.
+    assert!(served >= K - 1, "the listener did not recover: {served} of {K} handshakes: {outcomes:#?}");
+    after_attack(&c, &base, "descriptor exhaustion");
+}
+
+#[test]
+fn mixed_tp_senders_to_one_room_are_refused_without_panic() {
+    let _serial = serial();
+    let mut pool4 = HostPool::new(SMALL.shape(1, 4), SMALL.pool_pages);
+    pool4.fill(&(0..SMALL.pool_pages as u32).collect::<Vec<_>>(), 0);
+    let c = cluster(Limits::default());
+    let tp4 = Engine::new(prefill_options()).unwrap();
+    tp4.register_pool(pool4.layout.clone()).unwrap();
+    let base = prepare(&c);
+    let addr = c.addr().to_string();
+    let rx = c.decode.receiver();
+    let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
+    let desc = |room| TransferDesc { room, chunk: 0, pages: src.clone(), timeout: Some(Duration::from_secs(5)), ..Default::default() };
+
+    // TP 2 first: the TP 4 sender is refused, the room is unharmed and completes.
+    let room = 77;
+    let pages = c.room_pages(room, 1);
+    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+    let s2 = c.prefill[0].connect(&addr, "mixed-tp2-r0", None).expect("TP 2 rank 0 passes the handshake");
+    let s4 = tp4.connect(&addr, "mixed-tp4-r1", None).expect("TP 4 rank 1 passes the handshake");
+    assert_eq!(s2.transfer(&desc(room), &Op::new(s2.waker())).unwrap(), Status::KVSTAGE_OK);
+    let e = s4.transfer(&desc(room), &Op::new(s4.waker())).unwrap_err();
+    eprintln!("mixed TP: {:?}: {}", e.code(), e.chain());
+    assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
+    assert!(e.causes().iter().any(|c| c.contains("tp_size")), "the causes do not name tp_size: {:?}", e.causes());
+    let s2b = c.prefill[1].connect(&addr, "mixed-tp2-r1", None).unwrap();
+    assert_eq!(s2b.transfer(&desc(room), &Op::new(s2b.waker())).unwrap(), Status::KVSTAGE_OK);
+    rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
+    c.verify_room("mixed TP", room, &pages);
+    rx.release_room(room);
+    pool_fill_canary(&c.dpool, &pages);
+
+    // TP 4 first: now the TP 2 sender is the one refused.
+    let room = 78;
+    let pages = c.room_pages(room, 1);
+    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+    assert_eq!(s4.transfer(&desc(room), &Op::new(s4.waker())).unwrap(), Status::KVSTAGE_OK);
+    let e = s2.transfer(&desc(room), &Op::new(s2.waker())).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
+    assert!(e.causes().iter().any(|c| c.contains("tp_size")), "{:?}", e.causes());
+    assert!(rx.wait_room(room, Some(Duration::from_millis(200))).is_err_and(|e| e.code() == Status::KVSTAGE_E_TIMEOUT));
+    rx.release_room(room);
+    assert!(settle(Duration::from_secs(5), || rx.stats().ring_live == 0), "ring space of the released room leaked");
+    let (stray, first) = pool_scan_canary(&c.dpool, &all_pages(&c.dpool));
+    assert_eq!(stray, 0, "an incomplete room's pages were written: {first:?}");
+    assert_eq!(rx.stats().panics, 0);
+    drop((s2, s2b, s4));
+    drop(tp4);
+    after_attack(&c, &base, "mixed TP senders");
+}
+
+#[test]
+fn another_connections_writer_slot_cannot_be_written() {
+    let _serial = serial();
+    let c = cluster(Limits::default());
+    let base = prepare(&c);
+    let rx = c.decode.receiver();
+    let addr = c.addr().to_string();
+    let layout = SMALL.layout(0, 2);
+    let w0 = layout.writers[0].clone();
+    let room = 88;
+    let pages = c.room_pages(room, 1);
+    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+    let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
+    let desc = TransferDesc { room, chunk: 0, pages: src, timeout: Some(Duration::from_secs(5)), ..Default::default() };
+    let s0 = c.prefill[0].connect(&addr, "legit-r0", None).unwrap();
+    assert_eq!(s0.transfer(&desc, &Op::new(s0.waker())).unwrap(), Status::KVSTAGE_OK);
+
+    // A raw peer with a real handshake, claiming the same prefill rank (writer 0).
+    let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "impostor-r0", b"");
+    match raw.alloc(1, room, 0, 0, &layout) {
+        Message::AllocRsp { status, reason, .. } => {
+            assert_ne!(status, 0, "the impostor was granted another connection's writer slot");
+            assert!(reason.contains("held by another connection"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Writes anyway, into the legitimate writer's region.
+    let _ = raw.send(&Message::Data { room, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes });
+    let _ = raw.send_bytes(&vec![0xEE; w0.bytes as usize]);
+    let _ = raw.send(&Message::ChunkReady { req: 2, room, chunk: 0, writer: 0, checksum: None });
+    let closed = raw.wait_closed(CLOSE_BOUND);
+    eprintln!("impostor data: closed after {:?} ({}), frames {:?}", closed.after, closed.how, closed.frames);
+    assert!(closed.after.is_some(), "the engine kept a connection that wrote another connection's slot");
+    assert!(
+        !closed.frames.iter().any(|m| matches!(m, Message::Arrived { req: 2, status: 0, .. })),
+        "the impostor's chunk was acknowledged"
+    );
+    // A second impostor claims a writer index that is not its own.
+    let (mut raw2, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "impostor-w1", b"");
+    let _ = raw2.send(&Message::Data { room, chunk: 0, writer: 1, offset: layout.writers[1].offset, len: 64 });
+    let _ = raw2.send_bytes(&[0xEE; 64]);
+    let closed = raw2.wait_closed(CLOSE_BOUND);
+    assert!(closed.after.is_some(), "the engine kept a connection that wrote a writer index not its own");
+
+    // The legitimate room completes with the right bytes.
+    let s1 = c.prefill[1].connect(&addr, "legit-r1", None).unwrap();
+    assert_eq!(s1.transfer(&desc, &Op::new(s1.waker())).unwrap(), Status::KVSTAGE_OK);
+    rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
+    c.verify_room("impostor data", room, &pages);
+    rx.release_room(room);
+    pool_fill_canary(&c.dpool, &pages);
+    drop((s0, s1, raw, raw2));
+    after_attack(&c, &base, "another connection's writer slot");
+}
+
+#[test]
+fn abort_from_a_connection_that_never_wrote_does_not_fail_the_room() {
+    let _serial = serial();
+    let c = cluster(Limits::default());
+    let base = prepare(&c);
+    let rx = c.decode.receiver();
+    let addr = c.addr().to_string();
+    let room = 89;
+    let pages = c.room_pages(room, 1);
+    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+    let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
+    let desc = TransferDesc { room, chunk: 0, pages: src, timeout: Some(Duration::from_secs(5)), ..Default::default() };
+    let s0 = c.prefill[0].connect(&addr, "legit-r0", None).unwrap();
+    assert_eq!(s0.transfer(&desc, &Op::new(s0.waker())).unwrap(), Status::KVSTAGE_OK);
+
+    let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "aborter", b"");
+    raw.send(&Message::Abort { room, chunk: u32::MAX, reason: "hostile whole-room abort".into() }).unwrap();
+    raw.send(&Message::Abort { room, chunk: 0, reason: "hostile chunk abort".into() }).unwrap();
+    raw.barrier(1, 0); // both aborts were processed
+    match rx.wait_room(room, Some(Duration::from_millis(300))) {
+        Err(e) if e.code() == Status::KVSTAGE_E_TIMEOUT => {}
+        other => panic!("an abort from a connection holding no slot changed the room: {other:?}"),
+    }
+    let s1 = c.prefill[1].connect(&addr, "legit-r1", None).unwrap();
+    assert_eq!(s1.transfer(&desc, &Op::new(s1.waker())).unwrap(), Status::KVSTAGE_OK);
+    rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
+    c.verify_room("foreign abort", room, &pages);
+    rx.release_room(room);
+    pool_fill_canary(&c.dpool, &pages);
+    raw.barrier(2, 0); // and the aborter's session is still served
+    drop((s0, s1, raw));
+    after_attack(&c, &base, "abort from a non-writer");
+}
+
+#[test]
+fn late_frames_for_closed_rooms_keep_the_session() {
+    let _serial = serial();
+    let c = cluster(Limits::default());
+    let base = prepare(&c);
+    let rx = c.decode.receiver();
+    let layout = SMALL.layout(0, 2);
+    let w0 = layout.writers[0].clone();
+    let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "late", b"");
+    let late = |raw: &mut RawPeer, room: u64, req: u64, what: &str| {
+        raw.send(&Message::Data { room, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes }).unwrap();
+        raw.send_bytes(&vec![0xEE; w0.bytes as usize]).unwrap();
+        raw.send(&Message::ChunkReady { req, room, chunk: 0, writer: 0, checksum: None }).unwrap();
+        match raw.reply(Duration::from_secs(5)) {
+            Message::Arrived { req: r, status, reason } if r == req => {
+                eprintln!("late frames, {what}: Arrived status {status}: {reason}");
+                assert_ne!(status, 0, "[{what}] late data acknowledged as arrived");
+            }
+            other => panic!("[{what}] expected Arrived {req}, got {other:?}"),
+        }
+        raw.barrier(100 + req, 0);
+    };
+    late(&mut raw, 4242, 1, "never opened");
+    let pages = c.room_pages(4243, 1);
+    rx.open_room(4243, &pages, SMALL.chunk_tokens).unwrap();
+    rx.release_room(4243);
+    late(&mut raw, 4243, 2, "released");
+    // Granted to this connection, then released before its data came.
+    rx.open_room(4244, &pages, SMALL.chunk_tokens).unwrap();
+    raw.alloc_granted(3, 4244, 0, 0, &layout);
+    release_bounded(&c.decode, 4244, Duration::from_secs(5));
+    late(&mut raw, 4244, 4, "released after the grant");
+    assert!(settle(Duration::from_secs(5), || rx.stats().ring_live == 0), "ring space leaked: {:?}", rx.stats());
+    let (stray, first) = pool_scan_canary(&c.dpool, &all_pages(&c.dpool));
+    assert_eq!(stray, 0, "late data reached the pool: {first:?}");
+    drop(raw);
+    after_attack(&c, &base, "late frames");
+}
+
+#[test]
+fn a_sender_stalled_inside_a_payload_cannot_hold_the_ring() {
+    let _serial = serial();
+    // A peer silent inside a payload for dead_peer_timeout is cut off, and its pinned range freed.
+    let mut options = decode_options(&SMALL);
+    options.dead_peer_timeout = Some(Duration::from_secs(2));
+    let c = Cluster::new(SMALL, options, RingSpec::Owned(4 * SMALL.layout(0, 2).total_bytes as usize));
+    let base = prepare(&c);
+    let rx = c.decode.receiver();
+    let layout = SMALL.layout(0, 2);
+    let w0 = layout.writers[0].clone();
+    // A sender with a real handshake and a grant sends a data header and half its payload, then
+    // goes silent (its socket stays open and its kernel keeps acknowledging).
+    let room = 90;
+    rx.open_room(room, &c.room_pages(room, 1), SMALL.chunk_tokens).unwrap();
+    let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "stalled-mid-payload", b"");
+    raw.alloc_granted(1, room, 0, 0, &layout);
+    raw.send(&Message::Data { room, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes }).unwrap();
+    raw.send_bytes(&vec![0xEE; w0.bytes as usize / 2]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let took = release_bounded(&c.decode, room, Duration::from_secs(5));
+    // The ring holds 4 chunks: 4 more single-chunk rooms wrap it, so the last grant needs the
+    // watermark to pass the stalled sender's range.
+    let mut outcomes = Vec::new();
+    for i in 0..4 {
+        let t = Instant::now();
+        let r = c.try_transfer(&format!("after a stalled sender, room {i}"), None, 1);
+        outcomes.push(format!("{:?}: {}", t.elapsed(), r.as_ref().map_or_else(|e| e.clone(), |_| "ok".into())));
+        if r.is_err() {
+            break;
+        }
+    }
+    let stats = rx.stats();
+    let closed = raw.wait_closed(Duration::from_millis(100));
+    eprintln!(
+        "stalled sender: release_room took {took:?}; later transfers: {outcomes:#?}; ring_live {} (watermark {:?}); \
+         stalled connection closed by the engine: {}",
+        stats.ring_live,
+        stats.watermark,
+        closed.after.is_some()
+    );
+    assert!(closed.after.is_some(), "the engine did not cut off a sender stalled inside a payload");
+    assert!(
+        outcomes.len() == 4 && outcomes.iter().all(|o| o.ends_with("ok")),
+        "a sender stalled inside a payload for a released room still holds its ring range (ring_live {}, stalled connection \
+         closed: {}), and transfers that wrap the ring wait for it: {outcomes:#?}",
+        stats.ring_live,
+        closed.after.is_some()
+    );
+    drop(raw);
+    after_attack(&c, &base, "sender stalled inside a payload");
+}
