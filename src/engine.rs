@@ -185,8 +185,8 @@ impl Engine {
             TransportKind::Rdma => RdmaMode::Required,
         };
         let rdma = Rdma::open(rdma_mode, options.rdma.clone())?;
-        let listener = TcpListener::bind(listen)
-            .map_err(|e| Error::from(e).context(format!("cannot listen on {listen}")))?;
+        let backlog = options.listener.max_connections.clamp(128, 4096) as i32;
+        let listener = crate::transport::tcp::listen(listen, backlog)?;
         let local_addr = listener.local_addr()?;
         // Host pools: memcpy threads; CUDA pools: the CUDA engine of the pool's device (see copy::any).
         let copy: Arc<dyn CopyEngine> = Arc::new(AnyCopyEngine::new(options.worker_threads));

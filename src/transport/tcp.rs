@@ -40,6 +40,19 @@ pub fn tune(stream: &TcpStream, dead_peer: Option<Duration>) -> Result<()> {
     Ok(())
 }
 
+/// A listening socket with room for `backlog` connections not yet accepted (std's fixed 128
+/// overflows under a burst of senders: their SYNs are dropped and retried a second later).
+pub fn listen(addr: SocketAddr, backlog: i32) -> Result<std::net::TcpListener> {
+    let bind = || -> std::io::Result<std::net::TcpListener> {
+        let sock = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
+        sock.set_reuse_address(true)?;
+        sock.bind(&addr.into())?;
+        sock.listen(backlog)?;
+        Ok(sock.into())
+    };
+    bind().map_err(|e| Error::from(e).context(format!("cannot listen on {addr}")))
+}
+
 pub fn connect(addr: SocketAddr, timeout: Duration, dead_peer: Option<Duration>) -> Result<TcpStream> {
     let stream = TcpStream::connect_timeout(&addr, timeout)
         .map_err(|e| Error::from(e).context(format!("connect to {addr} failed")))?;

@@ -92,7 +92,11 @@ impl Listener {
                 refuse(&receiver, stream, &why);
                 continue;
             }
-            let Ok(closer) = stream.try_clone() else { continue };
+            let Ok(closer) = stream.try_clone() else {
+                // No descriptor for the closer (EMFILE): refused like a failed accept.
+                receiver.counters.accept_errors.fetch_add(1, Ordering::Relaxed);
+                continue;
+            };
             let closer = Arc::new(Mutex::new(Some(closer)));
             reg.handshaking += 1;
             let (r, registry, own_closer) = (receiver.clone(), self.registry.clone(), closer.clone());
