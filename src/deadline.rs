@@ -15,6 +15,11 @@ impl Deadline {
         Deadline(timeout.map(|t| Instant::now() + t))
     }
 
+    /// When it passes (`None`: never).
+    pub fn instant(&self) -> Option<Instant> {
+        self.0
+    }
+
     pub fn expired(&self) -> bool {
         self.0.is_some_and(|d| Instant::now() >= d)
     }

@@ -15,7 +15,10 @@ use crate::transport::faults::Faults;
 use crate::transport::rdma::{Rdma, RdmaMode, RdmaOptions};
 use crate::session::receiver::listener::{Limits, Listener};
 use crate::session::receiver::{Receiver, ReceiverConfig, RingMemory, ScatterJob};
-use crate::session::sender::{SendResources, SenderConfig, SenderSession, Staging};
+use crate::session::notify::Completions;
+use crate::session::sender::{SendResources, SenderConfig, SenderSession};
+use crate::session::staging::StagingPool;
+use crate::session::workers::Workers;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TransportKind {
@@ -35,6 +38,12 @@ pub struct EngineOptions {
     pub chunk_tokens: u32,
     /// Largest send staging buffer (one writer's share of a chunk); larger chunks fall back.
     pub send_staging_bytes: u64,
+    /// Send staging buffers at most (chunks gathering or writing at once, all sessions).
+    pub send_staging_buffers: u32,
+    /// Bytes all send staging buffers may hold together.
+    pub send_staging_total_bytes: u64,
+    /// Threads running asynchronous transfers (a session uses at most half of them at once).
+    pub transfer_threads: u32,
     /// Shared secret both sides must present in the handshake (`None`: no authentication).
     pub cluster_token: Option<String>,
     /// Per-chunk checksums (computed after gather, verified on arrival before the scatter).
@@ -59,6 +68,9 @@ pub use crate::session::{Integrity, INTEGRITY_SAMPLE_PERIOD};
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
 pub const DEFAULT_CHUNK_TOKENS: u32 = 8192;
 pub const DEFAULT_SEND_STAGING_BYTES: u64 = 1 << 30;
+pub const DEFAULT_SEND_STAGING_BUFFERS: u32 = 4;
+pub const DEFAULT_SEND_STAGING_TOTAL_BYTES: u64 = 4 << 30;
+pub const DEFAULT_TRANSFER_THREADS: u32 = 4;
 pub const DEFAULT_DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(15);
 pub const DEFAULT_ROOM_TIMEOUT: Duration = Duration::from_secs(300);
 pub const DEFAULT_MAX_EVENTS: u32 = 65536;
@@ -72,6 +84,9 @@ impl Default for EngineOptions {
             default_deadline: Some(DEFAULT_DEADLINE),
             chunk_tokens: DEFAULT_CHUNK_TOKENS,
             send_staging_bytes: DEFAULT_SEND_STAGING_BYTES,
+            send_staging_buffers: DEFAULT_SEND_STAGING_BUFFERS,
+            send_staging_total_bytes: DEFAULT_SEND_STAGING_TOTAL_BYTES,
+            transfer_threads: DEFAULT_TRANSFER_THREADS,
             cluster_token: None,
             integrity: Integrity::Sampled,
             faults: None,
@@ -121,6 +136,16 @@ impl EngineOptions {
             }
         };
         positive("options->max_connections", self.listener.max_connections)?;
+        positive("options->send_staging_buffers", self.send_staging_buffers)?;
+        if self.transfer_threads == 0 || self.transfer_threads > 256 {
+            return Err(Error::invalid_arg("options->transfer_threads", format!("{} is outside 1..=256", self.transfer_threads)));
+        }
+        if self.send_staging_total_bytes < self.send_staging_bytes {
+            return Err(Error::invalid_arg(
+                "options->send_staging_total_bytes",
+                format!("{} is below send_staging_bytes {} (one chunk share must fit)", self.send_staging_total_bytes, self.send_staging_bytes),
+            ));
+        }
         positive("options->max_handshakes", self.listener.max_handshakes)?;
         positive("options->max_events", self.max_events)?;
         if self.listener.handshake_timeout.is_zero() {
@@ -191,10 +216,13 @@ impl Engine {
         // Host pools: memcpy threads; CUDA pools: the CUDA engine of the pool's device (see copy::any).
         let copy: Arc<dyn CopyEngine> = Arc::new(AnyCopyEngine::new(options.worker_threads));
         let pool = Arc::new(Mutex::new(None));
+        let completions = Arc::new(Completions::new()?);
         let send = Arc::new(SendResources {
             pool: pool.clone(),
             copy: copy.clone(),
-            staging: Mutex::new(Staging::default()),
+            staging: StagingPool::new(options.send_staging_buffers as usize, options.send_staging_total_bytes),
+            workers: Workers::new(options.transfer_threads as usize, (options.transfer_threads as usize).div_ceil(2))?,
+            completions: completions.clone(),
             options: SenderConfig {
                 send_staging_bytes: options.send_staging_bytes,
                 cluster_token: options.cluster_token.clone().unwrap_or_default().into_bytes(),
@@ -215,7 +243,7 @@ impl Engine {
             dead_peer_timeout: options.dead_peer_timeout,
             faults: options.faults.clone(),
         };
-        let receiver = Arc::new(Receiver::new(pool.clone(), copy, config));
+        let receiver = Arc::new(Receiver::new(pool.clone(), copy, config, completions.clone()));
         receiver.set_rdma(rdma.clone());
         let (tx, rx) = crossbeam_channel::unbounded::<ScatterJob>();
         receiver.set_scatter_queue(tx);
@@ -278,6 +306,11 @@ impl Engine {
         self.receiver.register_ring(RingMemory::new(ptr, bytes)?)
     }
 
+    /// Finished operations and decode chunk events are signalled here (eventfd, callback).
+    pub fn completions(&self) -> &Arc<Completions> {
+        &self.send.completions
+    }
+
     pub fn receiver(&self) -> &Receiver {
         &self.receiver
     }
@@ -315,6 +348,8 @@ impl Drop for Engine {
         for s in self.sessions.lock().drain(..).filter_map(|w| w.upgrade()) {
             s.close("the engine was freed");
         }
+        // Queued transfers now fail fast (their sessions are closed); then every worker is joined.
+        self.send.workers.shutdown();
         // Closing first: the accept loop retries failed accepts unless the receiver is closing.
         self.receiver.shutdown();
         // SHUT_RD on a listening socket wakes a blocked accept() on Linux.

@@ -1,9 +1,12 @@
 //! Per-peer state machines: the sender side (prefill: allocate, gather, write) and the receiver
 //! side (decode: grant, receive, count writers, scatter, free), plus deadlines and operations.
 
+pub mod notify;
 pub mod op;
 pub mod receiver;
 pub mod sender;
+pub mod staging;
+pub mod workers;
 
 pub use crate::deadline::Deadline;
 use crate::error::{Error, Status};

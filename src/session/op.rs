@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
+use super::notify::{Completion, Completions};
 use super::Deadline;
 use crate::error::{Error, Result, Status};
 
@@ -19,11 +20,24 @@ pub struct Op {
     done: Condvar,
     canceled: AtomicBool,
     waker: Arc<dyn Waker>,
+    /// Signalled with `tag` when the operation finishes (asynchronous operations).
+    notify: Option<(Arc<Completions>, u64)>,
 }
 
 impl Op {
     pub fn new(waker: Arc<dyn Waker>) -> Arc<Op> {
-        Arc::new(Op { result: Mutex::new(None), done: Condvar::new(), canceled: AtomicBool::new(false), waker })
+        Arc::new(Op { result: Mutex::new(None), done: Condvar::new(), canceled: AtomicBool::new(false), waker, notify: None })
+    }
+
+    /// An operation whose end is signalled on `completions` with the caller's `tag`.
+    pub fn notifying(waker: Arc<dyn Waker>, completions: Arc<Completions>, tag: u64) -> Arc<Op> {
+        Arc::new(Op {
+            result: Mutex::new(None),
+            done: Condvar::new(),
+            canceled: AtomicBool::new(false),
+            waker,
+            notify: Some((completions, tag)),
+        })
     }
 
     pub fn is_canceled(&self) -> bool {
@@ -36,8 +50,15 @@ impl Op {
     }
 
     pub fn finish(&self, result: Result<Status>) {
+        let status = match &result {
+            Ok(s) => *s,
+            Err(e) => e.code(),
+        };
         *self.result.lock() = Some(result);
         self.done.notify_all();
+        if let Some((completions, tag)) = &self.notify {
+            completions.signal(&Completion::Op { tag: *tag, status });
+        }
     }
 
     /// `PENDING` while running, otherwise the terminal result (repeatable).

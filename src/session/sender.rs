@@ -9,13 +9,16 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
 use super::op::{Op, Waker};
 use super::{pairing, Deadline, Integrity, Pairing};
-use crate::copy::{CopyEngine, HostPin, ReadyFence};
+use super::notify::Completions;
+use super::staging::StagingPool;
+use super::workers::Workers;
+use crate::copy::{CopyEngine, ReadyFence};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{self, Fingerprint, KvLayout, MemoryKind};
 use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
@@ -45,13 +48,19 @@ pub struct SenderConfig {
 pub struct SendResources {
     pub pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
     pub copy: Arc<dyn CopyEngine>,
-    /// Reused gather buffer (grows up to `options.send_staging_bytes`, never shrinks: no per-chunk
-    /// allocation).
-    pub staging: Mutex<Staging>,
+    /// Send staging buffers, bounded in count and bytes, reused across chunks.
+    pub staging: StagingPool,
+    /// Runs asynchronous transfers (a fixed set of threads, fair between sessions).
+    pub workers: Workers,
     pub options: SenderConfig,
+    /// Where finished asynchronous operations are signalled.
+    pub completions: Arc<Completions>,
     /// RDMA devices of the engine (inactive for transport tcp or without a device).
     pub rdma: Arc<crate::transport::rdma::Rdma>,
 }
+
+/// Distinct keys for the sessions' worker queues.
+static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
 /// How long an abort may take to leave: it is best effort, the receiver also cleans up when the
 /// connection closes.
@@ -66,14 +75,6 @@ pub struct TransferDesc {
     pub timeout: Option<Duration>,
     /// CUDA pools: the producer's ready point; the gather is ordered after it.
     pub ready: Option<Arc<ReadyFence>>,
-}
-
-/// The reused send staging buffer and, for device pools, its page-locked registration.
-#[derive(Default)]
-pub struct Staging {
-    buffer: Vec<u8>,
-    /// Dropped before `buffer` is reallocated (declared first: dropped first).
-    pin: Option<HostPin>,
 }
 
 struct State {
@@ -107,6 +108,8 @@ pub struct SenderSession {
     reader: Mutex<Option<JoinHandle<()>>>,
     /// The stronger of both sides' integrity policies.
     integrity: Integrity,
+    /// This session's queue on the engine's transfer workers.
+    key: u64,
 }
 
 impl SenderSession {
@@ -207,6 +210,7 @@ impl SenderSession {
             next_req: AtomicU64::new(1),
             reader: Mutex::new(Some(handle)),
             integrity,
+            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
         }))
     }
 
@@ -319,29 +323,44 @@ impl SenderSession {
         grant_offset: u64,
     ) -> Result<u64> {
         self.wait_writable(round, end, deadline, op)?;
-        let mut staging = self.resources.staging.lock();
-        let staging = &mut *staging;
-        if (staging.buffer.len() as u64) < region_bytes {
-            // Grown once to the largest chunk share seen, then reused.
-            staging.pin = None;
-            let grow = region_bytes as usize - staging.buffer.len();
-            staging.buffer.try_reserve_exact(grow).map_err(|_| {
-                Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot grow the send staging buffer to {region_bytes} bytes"))
-            })?;
-            staging.buffer.resize(region_bytes as usize, 0);
-            // Page-locked for device pools (faster device-to-host copies); best effort.
-            staging.pin = self.resources.copy.pin_host(staging.buffer.as_mut_ptr(), staging.buffer.len()).ok().flatten();
-        }
+        // A buffer of the engine's pool, held for the gather and the write only.
+        let mut staging = self.resources.staging.acquire(region_bytes, deadline, op, &self.resources.copy)?;
+        let data = staging.bytes(region_bytes as usize);
         // SAFETY: the pool was validated at registration and its pages checked; the staging buffer
-        // holds at least the region's bytes.
-        unsafe { self.resources.copy.gather_after(plan, &self.pool, staging.buffer.as_mut_ptr(), desc.ready.as_deref()) }?;
-        let data = &staging.buffer[..region_bytes as usize];
+        // holds the region's bytes.
+        unsafe { self.resources.copy.gather_after(plan, &self.pool, data.as_mut_ptr(), desc.ready.as_deref()) }?;
+        let data = &*data;
         let checksum = self.integrity.covers(desc.room, desc.chunk).then(|| checksum(data));
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let header = Message::Data { room: desc.room, chunk: desc.chunk, writer, offset: region_offset, len: region_bytes };
         let ready = Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
         self.link.write_chunk_at(grant_offset, &header, data, &ready, deadline)?;
         Ok(req)
+    }
+
+    /// Queues `desc` on the engine's transfer workers and returns its operation at once; the
+    /// deadline runs from now (time spent queued counts). `slices` selects the slice path.
+    pub fn transfer_async(self: &Arc<Self>, mut desc: TransferDesc, slices: bool, tag: u64) -> Result<Arc<Op>> {
+        let op = Op::notifying(self.waker(), self.resources.completions.clone(), tag);
+        let (session, worker_op) = (self.clone(), op.clone());
+        let queued = Instant::now();
+        self.resources.workers.submit(self.key, move || {
+            desc.timeout = desc.timeout.map(|t| t.saturating_sub(queued.elapsed()));
+            // A panic still finishes the operation, or its waiters would hang.
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                if desc.timeout == Some(Duration::ZERO) {
+                    return Err(Error::new(Status::KVSTAGE_E_TIMEOUT, "the deadline passed while the transfer was queued"));
+                }
+                if slices {
+                    session.transfer_slices(&desc, &worker_op)
+                } else {
+                    session.transfer(&desc, &worker_op)
+                }
+            }))
+            .unwrap_or_else(|p| Err(Error::from_panic("the transfer worker panicked", &*p)));
+            worker_op.finish(result);
+        })?;
+        Ok(op)
     }
 
     /// The slice path for the same chunk: one write per token per layer per K/V, into the decode

@@ -2,7 +2,7 @@
 
 use std::io::{IoSlice, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -179,11 +179,15 @@ impl TcpTransport {
 
     /// Runs `write` on the stream with the deadline as its write timeout. Any failure may have cut
     /// a frame in half, so the stream is shut down: the session is dead from here on.
-    fn write(&self, deadline: &Deadline, write: impl FnOnce(&mut TcpStream) -> std::io::Result<()>) -> Result<()> {
+    fn write(&self, deadline: &Deadline, write: impl FnOnce(&mut DeadlineWriter<'_>) -> std::io::Result<()>) -> Result<()> {
         let what = format!("writing to peer {}", self.peer);
-        let mut w = self.writer.lock();
-        w.set_write_timeout(deadline.remaining(&what)?)?;
-        write(&mut w).map_err(|e| {
+        // Another transfer of this session may be writing: wait for it only until our deadline.
+        let w = match deadline.instant() {
+            Some(t) => self.writer.try_lock_until(t).ok_or_else(|| deadline.timeout_error(&format!("waiting to write to peer {}", self.peer)))?,
+            None => self.writer.lock(),
+        };
+        let mut out = DeadlineWriter::new(&w, deadline);
+        write(&mut out).map_err(|e| {
             self.shutdown();
             // SO_SNDTIMEO (the deadline) expires as EAGAIN; ETIMEDOUT is TCP_USER_TIMEOUT: gone.
             let deadline_passed = e.kind() == std::io::ErrorKind::WouldBlock;
@@ -197,7 +201,53 @@ impl TcpTransport {
     }
 }
 
-fn write_all_vectored(w: &mut TcpStream, mut parts: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+/// Writes with one deadline for the whole exchange: the socket's send timeout is re-armed with
+/// the time left (at most every [`REARM`]), so a peer that drains slowly cannot stretch a write
+/// past its deadline by more than that slack.
+pub struct DeadlineWriter<'a> {
+    stream: &'a TcpStream,
+    deadline: &'a Deadline,
+    armed: Option<Instant>,
+}
+
+/// How often the send timeout is re-armed while writing (the slack a deadline may overrun by).
+pub const REARM: Duration = Duration::from_millis(10);
+
+impl<'a> DeadlineWriter<'a> {
+    fn new(stream: &'a TcpStream, deadline: &'a Deadline) -> DeadlineWriter<'a> {
+        DeadlineWriter { stream, deadline, armed: None }
+    }
+
+    fn arm(&mut self) -> std::io::Result<()> {
+        if self.armed.is_some_and(|t| t.elapsed() < REARM) {
+            return Ok(());
+        }
+        let left = self.deadline.remaining("writing").map_err(|_| std::io::Error::from(std::io::ErrorKind::WouldBlock))?;
+        self.stream.set_write_timeout(left)?;
+        self.armed = Some(Instant::now());
+        Ok(())
+    }
+}
+
+impl Write for DeadlineWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.arm()?;
+        let mut s = self.stream;
+        s.write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        self.arm()?;
+        let mut s = self.stream;
+        s.write_vectored(bufs)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn write_all_vectored(w: &mut impl Write, mut parts: &mut [IoSlice<'_>]) -> std::io::Result<()> {
     IoSlice::advance_slices(&mut parts, 0);
     while !parts.is_empty() {
         match w.write_vectored(parts) {

@@ -25,6 +25,7 @@ pub use memory::RingMemory;
 pub use state::{ChunkEvent, ConnId, ScatterJob};
 use state::{Effects, Release, State};
 
+use super::notify::{Completion, Completions};
 use super::{Deadline, Integrity};
 use crate::copy::CopyEngine;
 use crate::error::{Error, Result, Status};
@@ -109,11 +110,14 @@ pub struct Receiver {
     closing: AtomicBool,
     rdma: Mutex<Option<Arc<crate::transport::rdma::Rdma>>>,
     pub counters: ReceiverCounters,
+    /// Chunk events are signalled here too (eventfd, callback).
+    completions: Arc<Completions>,
 }
 
 impl Receiver {
-    pub fn new(pool: Arc<Mutex<Option<Arc<KvLayout>>>>, copy: Arc<dyn CopyEngine>, config: ReceiverConfig) -> Receiver {
+    pub fn new(pool: Arc<Mutex<Option<Arc<KvLayout>>>>, copy: Arc<dyn CopyEngine>, config: ReceiverConfig, completions: Arc<Completions>) -> Receiver {
         Receiver {
+            completions,
             state: Mutex::new(State::new(config.max_events)),
             changed: Condvar::new(),
             memory: Mutex::new(None),
@@ -174,6 +178,9 @@ impl Receiver {
         }
         if fx.changed {
             self.changed.notify_all();
+        }
+        for e in fx.events {
+            self.completions.signal(&Completion::Chunk(e));
         }
     }
 
@@ -253,7 +260,12 @@ impl Receiver {
     }
 
     pub fn take_events(&self, max: usize) -> Vec<ChunkEvent> {
-        self.state.lock().take_events(max)
+        self.state.lock().take_events(None, max)
+    }
+
+    /// As [`take_events`](Self::take_events) for one room only (the others stay queued).
+    pub fn take_room_events(&self, room: u64, max: usize) -> Vec<ChunkEvent> {
+        self.state.lock().take_events(Some(room), max)
     }
 
     pub fn ring_stats(&self) -> (u64, u64, Watermark) {

@@ -212,6 +212,8 @@ pub struct Effects {
     pub scatter: Vec<ScatterJob>,
     /// Wake waiters (room_wait, room_release).
     pub changed: bool,
+    /// Chunk events queued by this call (to signal completion listeners).
+    pub events: Vec<ChunkEvent>,
 }
 
 /// Outcome of releasing a room.
@@ -545,13 +547,26 @@ impl State {
         if self.events.len() >= self.max_events {
             self.counters.events_dropped += 1;
         } else {
+            self.fx.events.push(e.clone());
             self.events.push_back(e);
         }
     }
 
-    pub fn take_events(&mut self, max: usize) -> Vec<ChunkEvent> {
-        let n = max.min(self.events.len());
-        self.events.drain(..n).collect()
+    /// Up to `max` queued events, oldest first: of one room, or of every room for `None`.
+    pub fn take_events(&mut self, room: Option<u64>, max: usize) -> Vec<ChunkEvent> {
+        let Some(room) = room else {
+            let n = max.min(self.events.len());
+            return self.events.drain(..n).collect();
+        };
+        let mut taken = Vec::new();
+        self.events.retain(|e| {
+            let take = e.room == room && taken.len() < max;
+            if take {
+                taken.push(e.clone());
+            }
+            !take
+        });
+        taken
     }
 
     pub fn pending_events(&self) -> usize {

@@ -1,0 +1,193 @@
+//! The engine's send staging buffers: a bounded pool (count and total bytes), so chunks of
+//! different sessions gather and write at the same time while memory stays bounded. A chunk waits
+//! for a buffer only until its deadline; no lock is held while a buffer is in use.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use super::op::Op;
+use super::Deadline;
+use crate::copy::{CopyEngine, HostPin};
+use crate::error::{Error, Result, Status};
+
+/// One staging buffer and, for device pools, its page-locked registration.
+struct Buffer {
+    /// Held for its drop, which unregisters the page lock before `bytes` is freed (declared first:
+    /// dropped first).
+    _pin: Option<HostPin>,
+    bytes: Vec<u8>,
+}
+
+#[derive(Default)]
+struct State {
+    idle: Vec<Buffer>,
+    /// Buffers lent out.
+    lent: usize,
+    /// Bytes of every buffer, idle or lent.
+    total: u64,
+}
+
+pub struct StagingPool {
+    state: Mutex<State>,
+    returned: Condvar,
+    max_buffers: usize,
+    max_total: u64,
+}
+
+/// A buffer lent to one chunk; returned to the pool when dropped.
+pub struct StagingLease<'a> {
+    pool: &'a StagingPool,
+    buffer: Option<Buffer>,
+}
+
+impl StagingLease<'_> {
+    /// The first `len` bytes of the buffer (it holds at least the size asked for).
+    pub fn bytes(&mut self, len: usize) -> &mut [u8] {
+        &mut self.buffer.as_mut().expect("a lease holds its buffer").bytes[..len]
+    }
+}
+
+impl Drop for StagingLease<'_> {
+    fn drop(&mut self) {
+        if let Some(b) = self.buffer.take() {
+            let mut st = self.pool.state.lock();
+            st.lent -= 1;
+            st.idle.push(b);
+            drop(st);
+            self.pool.returned.notify_one();
+        }
+    }
+}
+
+/// How often a waiting chunk looks at its cancel flag.
+const CANCEL_POLL: Duration = Duration::from_millis(20);
+
+impl StagingPool {
+    pub fn new(max_buffers: usize, max_total: u64) -> StagingPool {
+        StagingPool { state: Mutex::new(State::default()), returned: Condvar::new(), max_buffers: max_buffers.max(1), max_total }
+    }
+
+    /// A buffer of at least `len` bytes, waiting for one to be returned until `deadline` (or the
+    /// operation is canceled). Buffers are kept for reuse and grown or replaced on demand within
+    /// the pool's bounds. `copy` page-locks new buffers for device pools (best effort).
+    pub fn acquire(&self, len: u64, deadline: &Deadline, op: &Op, copy: &Arc<dyn CopyEngine>) -> Result<StagingLease<'_>> {
+        if len > self.max_total {
+            return Err(Error::new(
+                Status::KVSTAGE_E_OUT_OF_MEMORY,
+                format!("a chunk share of {len} bytes exceeds the send staging pool of {} bytes", self.max_total),
+            ));
+        }
+        let mut st = self.state.lock();
+        loop {
+            // The smallest idle buffer that is large enough.
+            if let Some(i) = st.idle.iter().enumerate().filter(|(_, b)| b.bytes.len() as u64 >= len).min_by_key(|(_, b)| b.bytes.len()).map(|(i, _)| i) {
+                let b = st.idle.swap_remove(i);
+                st.lent += 1;
+                return Ok(StagingLease { pool: self, buffer: Some(b) });
+            }
+            // Make room: idle buffers that are too small go first.
+            while st.total + len > self.max_total || st.idle.len() + st.lent >= self.max_buffers {
+                let Some(i) = st.idle.iter().enumerate().min_by_key(|(_, b)| b.bytes.len()).map(|(i, _)| i) else { break };
+                let b = st.idle.swap_remove(i);
+                st.total -= b.bytes.len() as u64;
+            }
+            if st.total + len <= self.max_total && st.idle.len() + st.lent < self.max_buffers {
+                st.total += len;
+                st.lent += 1;
+                drop(st);
+                return match allocate(len, copy) {
+                    Ok(b) => Ok(StagingLease { pool: self, buffer: Some(b) }),
+                    Err(e) => {
+                        let mut st = self.state.lock();
+                        st.total -= len;
+                        st.lent -= 1;
+                        Err(e)
+                    }
+                };
+            }
+            if op.is_canceled() {
+                return Err(Error::new(Status::KVSTAGE_E_CANCELED, "canceled while waiting for a send staging buffer"));
+            }
+            let what = "waiting for a send staging buffer (all are in use by other chunks)";
+            let slice = match deadline.remaining(what)? {
+                Some(left) => left.min(CANCEL_POLL),
+                None => CANCEL_POLL,
+            };
+            self.returned.wait_for(&mut st, slice);
+        }
+    }
+
+    /// (buffers lent, bytes held by the pool).
+    pub fn usage(&self) -> (usize, u64) {
+        let st = self.state.lock();
+        (st.lent, st.total)
+    }
+}
+
+fn allocate(len: u64, copy: &Arc<dyn CopyEngine>) -> Result<Buffer> {
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(len as usize)
+        .map_err(|_| Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot allocate a send staging buffer of {len} bytes")))?;
+    bytes.resize(len as usize, 0);
+    // Page-locked for device pools (faster device-to-host copies); best effort.
+    let pin = copy.pin_host(bytes.as_mut_ptr(), bytes.len()).ok().flatten();
+    Ok(Buffer { _pin: pin, bytes })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::copy::HostCopyEngine;
+    use crate::session::op::Waker;
+
+    struct NoWake;
+    impl Waker for NoWake {
+        fn wake(&self) {}
+    }
+
+    fn engine() -> Arc<dyn CopyEngine> {
+        Arc::new(HostCopyEngine::new(1))
+    }
+
+    #[test]
+    fn bounded_by_count_and_bytes_and_reused() {
+        let pool = StagingPool::new(2, 1000);
+        let (op, copy) = (Op::new(Arc::new(NoWake)), engine());
+        let soon = || Deadline::after(Some(Duration::from_millis(50)));
+        let a = pool.acquire(400, &soon(), &op, &copy).unwrap();
+        let b = pool.acquire(400, &soon(), &op, &copy).unwrap();
+        let e = pool.acquire(100, &soon(), &op, &copy).err().expect("a third buffer exceeds the count");
+        assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT);
+        drop(a);
+        // Reused, not reallocated: still 800 bytes held.
+        let c = pool.acquire(300, &soon(), &op, &copy).unwrap();
+        assert_eq!(pool.usage(), (2, 800));
+        drop((b, c));
+        // A larger one replaces idle buffers within the byte bound.
+        let d = pool.acquire(900, &soon(), &op, &copy).unwrap();
+        assert_eq!(pool.usage(), (1, 900));
+        drop(d);
+        assert_eq!(pool.acquire(1001, &soon(), &op, &copy).err().unwrap().code(), Status::KVSTAGE_E_OUT_OF_MEMORY);
+    }
+
+    #[test]
+    fn a_waiter_gets_the_buffer_returned_by_another_thread_or_sees_its_cancel() {
+        let pool = Arc::new(StagingPool::new(1, 100));
+        let (op, copy) = (Op::new(Arc::new(NoWake)), engine());
+        let held = pool.acquire(100, &Deadline::after(None), &op, &copy).unwrap();
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| pool.acquire(50, &Deadline::after(Some(Duration::from_secs(10))), &op, &copy).map(|_| ()));
+            std::thread::sleep(Duration::from_millis(50));
+            drop(held);
+            waiter.join().unwrap().unwrap();
+        });
+        let _again = pool.acquire(100, &Deadline::after(None), &op, &copy).unwrap();
+        let canceled = Op::new(Arc::new(NoWake));
+        canceled.cancel();
+        let e = pool.acquire(10, &Deadline::after(None), &canceled, &copy).err().unwrap();
+        assert_eq!(e.code(), Status::KVSTAGE_E_CANCELED);
+    }
+}
