@@ -1,24 +1,50 @@
 #!/usr/bin/env bash
 # ctest bench_json: runs kvstage-bench on a tiny geometry with --json and checks that the report
-# parses, has every section with positive figures, and says the decode bytes were verified.
+# parses, has every section with positive figures, and says the decode bytes were verified; then
+# the same at load (--inflight 4) and a short inflight sweep: the load fields (inflight, request
+# latencies, raw TCP streams, the library's thread peak) are present and consistent.
 # No timing is asserted. Usage: check_bench.sh <kvstage-bench>
 set -euo pipefail
 bench=$1
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-"$bench" --layers 2 --kv-heads 4 --head-dim 16 --dtype-bytes 2 --prefill-tp 2 --decode-tp 1 \
-  --page-size 4 --tokens 64 --chunk-tokens 32 --reps 2 --warmup 1 --slice-seconds 0.2 \
-  --json "$out/bench.json"
-python3 - "$out/bench.json" <<'PY'
+tiny=(--layers 2 --kv-heads 4 --head-dim 16 --dtype-bytes 2 --prefill-tp 2 --decode-tp 1
+  --page-size 4 --tokens 64 --chunk-tokens 32 --reps 2 --warmup 1 --slice-seconds 0.2)
+"$bench" "${tiny[@]}" --json "$out/bench.json"
+"$bench" "${tiny[@]}" --inflight 4 --json "$out/load.json"
+"$bench" "${tiny[@]}" --sweep inflight --inflight 2 --json "$out/sweep.json" >/dev/null
+python3 - "$out/bench.json" "$out/load.json" "$out/sweep.json" <<'PY'
 import json, sys
-report = json.load(open(sys.argv[1]))
-for name in ("staged", "slice", "raw_tcp", "memcpy", "gather", "scatter"):
-    section = report[name]
-    for key in ("bytes", "seconds_median", "seconds_p99", "gbps"):
-        assert section[key] > 0, f"{name}.{key} = {section[key]!r} is not positive"
-for key in ("staged_over_raw_tcp", "staged_over_slice", "gather_over_memcpy"):
-    assert report["ratios"][key] > 0, f"ratios.{key} is not positive"
-assert report["verified"] is True, "decode bytes were not verified"
-assert report["params"]["prefill_tp"] == 2 and report["params"]["decode_tp"] == 1
-print("bench_json: all sections present and positive, verified")
+
+def check(report, inflight, full=True):
+    sections = ("staged", "slice", "raw_tcp", "memcpy", "gather", "scatter") if full else ("staged", "raw_tcp")
+    for name in sections:
+        section = report[name]
+        for key in ("bytes", "seconds_median", "seconds_p99", "gbps", "latency_p50_s", "latency_p99_s"):
+            assert section[key] > 0, f"{name}.{key} = {section[key]!r} is not positive"
+        assert section["latency_p99_s"] >= section["latency_p50_s"], f"{name}: p99 below p50"
+        expected = inflight if name == "staged" else 1
+        assert section["inflight"] == expected, f"{name}.inflight = {section['inflight']!r}, expected {expected}"
+    staged = report["staged"]
+    assert staged["requests"] >= max(report["params"]["reps"], 2 * inflight), f"staged.requests = {staged['requests']}"
+    assert staged["operations"] > 0 and staged["request_gbps"] > 0
+    assert report["raw_tcp"]["streams"] == report["params"]["sessions"] == 2, "raw TCP uses one stream per session"
+    ratios = ("staged_over_raw_tcp", "staged_p99_over_p50") + (("staged_over_slice", "gather_over_memcpy") if full else ())
+    for key in ratios:
+        assert report["ratios"][key] > 0, f"ratios.{key} is not positive"
+    threads = report["threads"]
+    # Per prefill engine at least its transfer workers and its session reader.
+    assert threads["max_kvstage"] >= 2 * (report["params"]["transfer_threads"] + 1), f"threads = {threads}"
+    assert threads["max_total"] >= threads["max_kvstage"] and threads["samples"] > 0, f"threads = {threads}"
+    assert report["params"]["inflight"] == inflight
+    assert report["verified"] is True, "decode bytes were not verified"
+    assert report["params"]["prefill_tp"] == 2 and report["params"]["decode_tp"] == 1
+
+check(json.load(open(sys.argv[1])), 1)
+check(json.load(open(sys.argv[2])), 4)
+sweep = json.load(open(sys.argv[3]))
+assert [p["params"]["inflight"] for p in sweep] == [1, 2], "the inflight sweep runs 1, 2"
+for point in sweep:
+    check(point, point["params"]["inflight"], full=False)
+print("bench_json: all sections present and positive, verified; at load (inflight 4) and in an inflight sweep too")
 PY

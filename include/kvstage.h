@@ -116,6 +116,15 @@ typedef enum kvstage_integrity {
     KVSTAGE_INTEGRITY_ALWAYS = 2,
 } kvstage_integrity;
 
+// What a completion reports.
+typedef enum kvstage_completion_kind {
+    // An asynchronous operation ended: `tag` is its descriptor's `user_tag`, `status` its result
+    // (as `kvstage_op_poll` would return it).
+    KVSTAGE_COMPLETION_OP = 1,
+    // A decode chunk was scattered (`status` OK) or failed: `room`, `chunk_index`, `status`.
+    KVSTAGE_COMPLETION_CHUNK = 2,
+} kvstage_completion_kind;
+
 // An engine: listener, peers, registrations and worker threads. Thread-safe.
 typedef struct kvstage_engine kvstage_engine;
 
@@ -125,6 +134,32 @@ typedef struct kvstage_op kvstage_op;
 // A sender session: one (prefill rank → decode rank) peering. Thread-safe; transfers on one
 // session may run concurrently.
 typedef struct kvstage_session kvstage_session;
+
+// One completion, as handed to a `kvstage_completion_fn`.
+typedef struct kvstage_completion {
+    size_t struct_size;
+    // A `kvstage_completion_kind` value.
+    int32_t kind;
+    enum kvstage_status status;
+    // `KVSTAGE_COMPLETION_OP`: the operation's `user_tag`.
+    uint64_t tag;
+    // `KVSTAGE_COMPLETION_CHUNK`: the decode room and chunk.
+    uint64_t room;
+    uint32_t chunk_index;
+} kvstage_completion;
+
+// Called once per completion, on a library thread (a transfer worker, a receiver connection
+// thread or the scatter thread), with no kvstage lock held. It may call kvstage functions (poll
+// an operation, poll events) but must return quickly (it delays that thread's other work) and
+// must not free the engine that calls it. `completion` is valid during the call only.
+typedef void (*kvstage_completion_fn)(void *user_data, const struct kvstage_completion *completion);
+
+// A chunk that reached the decode KV pool (status `KVSTAGE_OK`) or failed.
+typedef struct kvstage_chunk_event {
+    uint64_t room;
+    uint32_t chunk_index;
+    enum kvstage_status status;
+} kvstage_chunk_event;
 
 // Details of the last failed kvstage call on this thread.
 //
@@ -204,6 +239,13 @@ typedef struct kvstage_engine_options {
     // `KVSTAGE_E_TIMEOUT` and returns its ring space (default 300000; KVSTAGE_DEADLINE_INFINITE:
     // never).
     uint64_t room_timeout_ms;
+    // Send staging buffers at most, all sessions together (default 4).
+    uint32_t send_staging_buffers;
+    // Threads running asynchronous transfers, 1..=256 (default 4); one session uses at most half.
+    uint32_t transfer_threads;
+    // Bytes all send staging buffers may hold together, at least `send_staging_bytes`
+    // (default 4 GiB, allocated on demand).
+    uint64_t send_staging_total_bytes;
 } kvstage_engine_options;
 
 // One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
@@ -338,18 +380,33 @@ typedef struct kvstage_transfer_desc {
     // CUDA pools: a recorded `CUevent` after which the chunk's KV is valid, or NULL. At most one
     // of `cuda_stream` and `cuda_event` is set; both NULL: the KV is valid now.
     void *cuda_event;
+    // The caller's value, handed back with this transfer's completion (asynchronous transfers).
+    uint64_t user_tag;
 } kvstage_transfer_desc;
-
-// A chunk that reached the decode KV pool (status `KVSTAGE_OK`) or failed.
-typedef struct kvstage_chunk_event {
-    uint64_t room;
-    uint32_t chunk_index;
-    enum kvstage_status status;
-} kvstage_chunk_event;
 
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Writes the engine's completion descriptor into `*fd`: it becomes readable whenever an
+// asynchronous operation of the engine ends or a decode chunk event is queued. Add it to an
+// epoll set or an asyncio loop; when readable, call `kvstage_engine_completions_drain` (or read 8
+// bytes from it), then poll operations and events. Owned by the engine: do not close it; it is
+// valid until `kvstage_engine_free`.
+enum kvstage_status kvstage_engine_completion_fd(const struct kvstage_engine *engine, int32_t *fd);
+
+// Resets the completion descriptor (it is not readable again until the next completion) and
+// writes how many completions were signalled since the last reset into `*count` (may be NULL).
+enum kvstage_status kvstage_engine_completions_drain(const struct kvstage_engine *engine, uint64_t *count);
+
+// Sets (or with NULL removes) the engine's completion callback; see `kvstage_completion_fn` for
+// the thread it runs on and what it may do. Completions keep being signalled on the descriptor.
+enum kvstage_status kvstage_engine_set_completion_callback(const struct kvstage_engine *engine, kvstage_completion_fn callback, void *user_data);
+
+// Decode side: as `kvstage_engine_poll_events` for one room only: moves up to `capacity` of
+// `room`'s chunk events into `events` and their number into `*count`; events of other rooms stay
+// queued. Non-blocking.
+enum kvstage_status kvstage_room_poll_events(const struct kvstage_engine *engine, uint64_t room, struct kvstage_chunk_event *events, size_t capacity, size_t *count);
 
 // The library's version as "MAJOR.MINOR.PATCH" (static storage).
 const char *kvstage_version_string(void);
@@ -399,7 +456,10 @@ enum kvstage_status kvstage_engine_options_init(struct kvstage_engine_options *o
 // in `kvstage_engine_stats.rdma_downgrades`.
 enum kvstage_status kvstage_engine_new(const struct kvstage_engine_options *options, struct kvstage_engine **out);
 
-// Stops and frees an engine. NULL is a no-op.
+// Stops and frees an engine (joins its threads). NULL is a no-op. When other threads are inside
+// calls on this engine, it returns at once; those calls end by their own rules and the last one
+// stops the engine as it returns, on its thread. Later calls with the pointer (and a second
+// free, which records it in the last error) fail with `KVSTAGE_E_INVALID_ARG`.
 void kvstage_engine_free(struct kvstage_engine *engine);
 
 // Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated).
@@ -455,7 +515,9 @@ enum kvstage_status kvstage_staging_layout(const struct kvstage_kv_layout *src, 
 // `timeout_ms` 0 = engine default. Writes `*out` only on success.
 enum kvstage_status kvstage_session_connect(const struct kvstage_engine *engine, const char *peer_address, const char *session_id, uint64_t timeout_ms_, struct kvstage_session **out);
 
-// Closes a session. Operations still running keep it alive until they end. NULL is a no-op.
+// Closes a session. Operations still running, and calls in flight on other threads, keep it
+// alive until they end; this returns at once. NULL is a no-op. Later calls with the pointer fail
+// with `KVSTAGE_E_INVALID_ARG`.
 void kvstage_session_free(struct kvstage_session *session);
 
 // Fills `desc` with defaults (sets `struct_size`).
@@ -472,8 +534,10 @@ enum kvstage_status kvstage_transfer(const struct kvstage_session *session, cons
 // pages. Same decode bytes as `kvstage_transfer`; the fallback and the benchmark baseline.
 enum kvstage_status kvstage_transfer_slices(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc);
 
-// Starts the staged path for one chunk in the background and returns `KVSTAGE_PENDING` with an
-// operation in `*out` (poll, wait, cancel, then free it). Argument errors return at once.
+// Queues the staged path for one chunk on the engine's transfer workers and returns
+// `KVSTAGE_PENDING` with an operation in `*out` (poll, wait, cancel, then free it); its end is
+// signalled on the engine's completion descriptor and callback with `desc->user_tag`. The
+// deadline runs from this call (time spent queued counts). Argument errors return at once.
 enum kvstage_status kvstage_transfer_async(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc, struct kvstage_op **out);
 
 // `KVSTAGE_PENDING` while running; then the operation's result (repeatable; errors set the last
@@ -488,7 +552,9 @@ enum kvstage_status kvstage_op_wait(const struct kvstage_op *op, uint64_t timeou
 // Ring space it held on the receiver is released.
 enum kvstage_status kvstage_op_cancel(const struct kvstage_op *op);
 
-// Frees an operation handle (a running operation continues to its end). NULL is a no-op.
+// Frees an operation handle (a running operation continues to its end; a `kvstage_op_wait` in
+// flight on another thread ends by its own rules). NULL is a no-op. Later calls with the pointer
+// fail with `KVSTAGE_E_INVALID_ARG`.
 void kvstage_op_free(struct kvstage_op *op);
 
 // Decode side: opens room `room` whose new tokens land in `dst_pages` (the pages after the

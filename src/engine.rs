@@ -350,6 +350,8 @@ impl Drop for Engine {
         }
         // Queued transfers now fail fast (their sessions are closed); then every worker is joined.
         self.send.workers.shutdown();
+        // The copy workers too, even while a session handle outlives the engine.
+        self.send.copy.shutdown();
         // Closing first: the accept loop retries failed accepts unless the receiver is closing.
         self.receiver.shutdown();
         // SHUT_RD on a listening socket wakes a blocked accept() on Linux.

@@ -57,6 +57,12 @@ impl Ring {
         Ring { capacity, head: 0, round: 0, next_id: 1, live: VecDeque::new(), watermark: Watermark::default() }
     }
 
+    /// An empty ring whose first round is `round` (a ring replacing another continues its rounds).
+    pub fn starting_at(capacity: u64, round: u64) -> Ring {
+        let w = Watermark { round, offset: 0 };
+        Ring { capacity, head: 0, round, next_id: 1, live: VecDeque::new(), watermark: w }
+    }
+
     pub fn capacity(&self) -> u64 {
         self.capacity
     }
@@ -135,6 +141,20 @@ mod tests {
         let b = ring.assign(70).unwrap();
         assert_eq!(b.offset, 0);
         assert!(ring.watermark().permits(b.round, b.end()));
+    }
+
+    #[test]
+    fn a_ring_that_replaces_another_continues_its_rounds() {
+        let mut old = Ring::new(100);
+        let a = old.assign(60).unwrap();
+        old.free(a.id);
+        let seen = old.watermark();
+        let mut ring = Ring::starting_at(100, seen.round + 1);
+        let (g1, g2) = (ring.assign(60).unwrap(), ring.assign(60).unwrap());
+        assert!(g1.round > seen.round);
+        // A sender holding the old ring's watermark may write neither the first nor the overlap.
+        assert!(!seen.permits(g2.round, g2.end()));
+        assert!(ring.watermark().permits(g1.round, g1.end()) && !ring.watermark().permits(g2.round, g2.end()));
     }
 
     #[test]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
-from ctypes import POINTER, byref, c_size_t, c_uint32, c_uint64, c_void_p
+from ctypes import POINTER, byref, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _lib
@@ -498,6 +498,9 @@ class Engine(_Handle):
         max_events: Optional[int] = None,
         dead_peer_timeout_ms: Optional[int] = None,
         room_timeout_ms: Optional[int] = None,
+        send_staging_buffers: Optional[int] = None,
+        send_staging_total_bytes: Optional[int] = None,
+        transfer_threads: Optional[int] = None,
         library: Optional[Library] = None,
     ):
         lib = library or get_library()
@@ -526,6 +529,9 @@ class Engine(_Handle):
             ("max_events", max_events, _u32),
             ("dead_peer_timeout_ms", dead_peer_timeout_ms, _u64),
             ("room_timeout_ms", room_timeout_ms, _u64),
+            ("send_staging_buffers", send_staging_buffers, _u32),
+            ("send_staging_total_bytes", send_staging_total_bytes, _u64),
+            ("transfer_threads", transfer_threads, _u32),
         ):
             if value is not None:
                 setattr(opts, name, conv(value, name))
@@ -534,6 +540,7 @@ class Engine(_Handle):
         super().__init__(lib, out.value)
         self._pool: Optional[KvLayout] = None
         self._staging: List[Any] = []
+        self._callback: Any = None
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
 
     # -- identity ---------------------------------------------------------------------------------
@@ -626,15 +633,76 @@ class Engine(_Handle):
         """Opens a room as a context manager that releases it on exit."""
         return Room(self, room, self.room_open(room, dst_pages, chunk_tokens))
 
-    def poll_events(self, max_events: int = 256) -> List[ChunkEvent]:
-        """``kvstage_engine_poll_events``: up to ``max_events`` chunk events (non-blocking)."""
+    def poll_events(self, max_events: int = 256, room: Optional[int] = None) -> List[ChunkEvent]:
+        """``kvstage_engine_poll_events`` (or ``kvstage_room_poll_events`` with ``room``): up to
+        ``max_events`` chunk events, of every room or of one (non-blocking)."""
         if max_events <= 0:
             raise argument_error("max_events", f"{max_events} is not positive")
         events = (_lib.kvstage_chunk_event * max_events)()
         count = c_size_t()
-        rc = self._lib.kvstage_engine_poll_events(self._handle(), events, max_events, byref(count))
-        _check(self._lib, rc, "kvstage_engine_poll_events")
+        if room is None:
+            rc = self._lib.kvstage_engine_poll_events(self._handle(), events, max_events, byref(count))
+            _check(self._lib, rc, "kvstage_engine_poll_events")
+        else:
+            rc = self._lib.kvstage_room_poll_events(self._handle(), _u64(room, "room"), events, max_events, byref(count))
+            _check(self._lib, rc, "kvstage_room_poll_events")
         return [ChunkEvent(e.room, e.chunk_index, _status(e.status)) for e in events[: count.value]]
+
+    # -- completions ------------------------------------------------------------------------------
+
+    def completion_fd(self) -> int:
+        """``kvstage_engine_completion_fd``: readable whenever an operation of this engine ends or
+        a chunk event is queued. Owned by the engine (do not close it)."""
+        fd = c_int32()
+        _check(self._lib, self._lib.kvstage_engine_completion_fd(self._handle(), byref(fd)), "kvstage_engine_completion_fd")
+        return fd.value
+
+    def drain_completions(self) -> int:
+        """``kvstage_engine_completions_drain``: resets the descriptor; completions since the last
+        drain."""
+        n = c_uint64()
+        _check(self._lib, self._lib.kvstage_engine_completions_drain(self._handle(), byref(n)), "kvstage_engine_completions_drain")
+        return n.value
+
+    async def completions(self) -> int:
+        """Waits (asyncio) until the completion descriptor is readable, then drains it; returns
+        how many completions were signalled. Then poll operations and events."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        fd = self.completion_fd()
+        while True:
+            n = self.drain_completions()
+            if n:
+                return n
+            ready = loop.create_future()
+            loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+            try:
+                await ready
+            finally:
+                loop.remove_reader(fd)
+
+    def set_completion_callback(self, callback: Optional[Any]) -> None:
+        """``kvstage_engine_set_completion_callback``: ``callback(kind, status, tag, room, chunk)``
+        runs on a library thread for every completion (keep it short; it must not close this
+        engine). ``None`` removes it."""
+        if callback is None:
+            c_fn = _lib.kvstage_completion_fn()
+        else:
+
+            def trampoline(_user: Any, c: Any) -> None:
+                v = c.contents
+                try:
+                    callback(v.kind, _status(v.status), v.tag, v.room, v.chunk_index)
+                except Exception:  # never unwind into the library's thread
+                    import traceback
+
+                    traceback.print_exc()
+
+            c_fn = _lib.kvstage_completion_fn(trampoline)
+        rc = self._lib.kvstage_engine_set_completion_callback(self._handle(), c_fn, None)
+        _check(self._lib, rc, "kvstage_engine_set_completion_callback")
+        self._callback = c_fn  # kept alive while the library may call it
 
     # -- testing ----------------------------------------------------------------------------------
 
@@ -677,7 +745,7 @@ class Room:
             self.release()
 
 
-def _desc(lib: Library, room: int, chunk_index: int, pages: Any, deadline_ms: int):
+def _desc(lib: Library, room: int, chunk_index: int, pages: Any, deadline_ms: int, tag: int = 0):
     keep, address, count = page_array(pages, "pages")
     d = _lib.kvstage_transfer_desc()
     _check(lib, lib.kvstage_transfer_desc_init(byref(d)), "kvstage_transfer_desc_init")
@@ -686,6 +754,7 @@ def _desc(lib: Library, room: int, chunk_index: int, pages: Any, deadline_ms: in
     d.src_pages = ctypes.cast(address, POINTER(c_uint32))
     d.num_pages = count
     d.deadline_ms = _u64(deadline_ms, "deadline_ms")
+    d.user_tag = _u64(tag, "tag")
     return d, keep
 
 
@@ -723,9 +792,10 @@ class Session(_Handle):
         del keep
         return _check(self._lib, rc, "kvstage_transfer_slices")
 
-    def transfer_async(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0) -> "Operation":
-        """``kvstage_transfer_async``: starts the staged path in the background."""
-        d, keep = _desc(self._lib, room, chunk_index, pages, deadline_ms)
+    def transfer_async(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, tag: int = 0) -> "Operation":
+        """``kvstage_transfer_async``: starts the staged path on the engine's transfer workers;
+        ``tag`` comes back with its completion (callback)."""
+        d, keep = _desc(self._lib, room, chunk_index, pages, deadline_ms, tag)
         out = c_void_p()
         rc = self._lib.kvstage_transfer_async(self._handle(), byref(d), byref(out))
         del keep

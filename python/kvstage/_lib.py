@@ -181,6 +181,9 @@ class kvstage_engine_options(Structure):
         ("max_events", c_uint32),
         ("dead_peer_timeout_ms", c_uint64),
         ("room_timeout_ms", c_uint64),
+        ("send_staging_buffers", c_uint32),
+        ("transfer_threads", c_uint32),
+        ("send_staging_total_bytes", c_uint64),
     ]
 
 
@@ -266,7 +269,23 @@ class kvstage_transfer_desc(Structure):
         ("deadline_ms", c_uint64),
         ("cuda_stream", c_void_p),
         ("cuda_event", c_void_p),
+        ("user_tag", c_uint64),
     ]
+
+
+class kvstage_completion(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("kind", c_int32),
+        ("status", c_int),
+        ("tag", c_uint64),
+        ("room", c_uint64),
+        ("chunk_index", c_uint32),
+    ]
+
+
+# void (*)(void *user_data, const kvstage_completion *completion)
+kvstage_completion_fn = ctypes.CFUNCTYPE(None, c_void_p, POINTER(kvstage_completion))
 
 
 class kvstage_chunk_event(Structure):
@@ -314,6 +333,10 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_room_wait": (c_int, [c_void_p, c_uint64, c_uint64]),
     "kvstage_room_release": (c_int, [c_void_p, c_uint64]),
     "kvstage_engine_poll_events": (c_int, [c_void_p, _p(kvstage_chunk_event), c_size_t, _p(c_size_t)]),
+    "kvstage_room_poll_events": (c_int, [c_void_p, c_uint64, _p(kvstage_chunk_event), c_size_t, _p(c_size_t)]),
+    "kvstage_engine_completion_fd": (c_int, [c_void_p, _p(c_int32)]),
+    "kvstage_engine_completions_drain": (c_int, [c_void_p, _p(c_uint64)]),
+    "kvstage_engine_set_completion_callback": (c_int, [c_void_p, kvstage_completion_fn, c_void_p]),
 }
 
 # Test builds only (cargo feature `testing`); bound when the library exports them.

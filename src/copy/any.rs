@@ -110,6 +110,11 @@ impl CopyEngine for AnyCopyEngine {
         }
     }
 
+    /// Joins the host engine's workers (see [`CopyEngine::shutdown`]).
+    fn shutdown(&self) {
+        self.host.shutdown();
+    }
+
     /// Pins through the first prepared CUDA engine (the registration is portable: every device's
     /// copies benefit); `Ok(None)` while no CUDA pool was prepared.
     fn pin_host(&self, ptr: *mut u8, len: usize) -> Result<Option<HostPin>> {

@@ -53,6 +53,11 @@ pub trait CopyEngine: Send + Sync {
         let _ = (ptr, len);
         Ok(None)
     }
+
+    /// Stops and joins the threads the engine owns (the host engine's workers), so that the
+    /// object owning the engine can end them when it is freed although others still hold the
+    /// engine; calls made afterwards still work (on the calling thread). Default: nothing.
+    fn shutdown(&self) {}
 }
 
 /// Checks a plan against the pool it will run on before any byte moves: buffer indices, the token

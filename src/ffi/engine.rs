@@ -2,7 +2,7 @@
 
 use std::ffi::c_char;
 
-use super::{ffi_fn, out_arg, str_arg, versioned_struct, Handle};
+use super::{ffi_fn, out_arg, str_arg, versioned_struct, Borrowed, Handle};
 use crate::engine::{Engine, EngineOptions, Integrity, TransportKind};
 use crate::error::{Error, Result, Status};
 
@@ -11,8 +11,8 @@ pub struct kvstage_engine {
     _private: [u8; 0],
 }
 
-pub(crate) unsafe fn borrow<'a>(ptr: *const kvstage_engine, arg: &str) -> Result<&'a Engine> {
-    unsafe { Handle::<Engine>::borrow(ptr as *const Handle<Engine>, arg) }
+pub(crate) unsafe fn borrow(ptr: *const kvstage_engine, arg: &str) -> Result<Borrowed<Engine>> {
+    Handle::borrow(ptr, arg)
 }
 
 /// Which byte mover an engine uses.
@@ -79,6 +79,13 @@ pub struct kvstage_engine_options {
     /// `KVSTAGE_E_TIMEOUT` and returns its ring space (default 300000; KVSTAGE_DEADLINE_INFINITE:
     /// never).
     pub room_timeout_ms: u64,
+    /// Send staging buffers at most, all sessions together (default 4).
+    pub send_staging_buffers: u32,
+    /// Threads running asynchronous transfers, 1..=256 (default 4); one session uses at most half.
+    pub transfer_threads: u32,
+    /// Bytes all send staging buffers may hold together, at least `send_staging_bytes`
+    /// (default 4 GiB, allocated on demand).
+    pub send_staging_total_bytes: u64,
 }
 
 /// Per-chunk integrity checking (xxh3-64 of each writer's staged bytes).
@@ -119,6 +126,9 @@ impl Default for kvstage_engine_options {
             max_events: d.max_events,
             dead_peer_timeout_ms: millis_or_infinite(d.dead_peer_timeout),
             room_timeout_ms: millis_or_infinite(d.room_timeout),
+            send_staging_buffers: d.send_staging_buffers,
+            transfer_threads: d.transfer_threads,
+            send_staging_total_bytes: d.send_staging_total_bytes,
         }
     }
 }
@@ -181,6 +191,9 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
     opts.max_events = raw.max_events;
     opts.dead_peer_timeout = duration_or_infinite(raw.dead_peer_timeout_ms);
     opts.room_timeout = duration_or_infinite(raw.room_timeout_ms);
+    opts.send_staging_buffers = raw.send_staging_buffers;
+    opts.transfer_threads = raw.transfer_threads;
+    opts.send_staging_total_bytes = raw.send_staging_total_bytes;
     Ok(opts)
 }
 
@@ -206,15 +219,18 @@ pub unsafe extern "C" fn kvstage_engine_new(
         let out = out_arg(out, "out")?;
         let opts = if options.is_null() { EngineOptions::default() } else { unsafe { engine_options(options) }? };
         let engine = Engine::new(opts)?;
-        *out = Handle::into_raw("kvstage_engine", engine) as *mut kvstage_engine;
+        *out = Handle::into_raw(engine)?;
         Ok(Status::KVSTAGE_OK)
     })
 }
 
-/// Stops and frees an engine. NULL is a no-op.
+/// Stops and frees an engine (joins its threads). NULL is a no-op. When other threads are inside
+/// calls on this engine, it returns at once; those calls end by their own rules and the last one
+/// stops the engine as it returns, on its thread. Later calls with the pointer (and a second
+/// free, which records it in the last error) fail with `KVSTAGE_E_INVALID_ARG`.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_free(engine: *mut kvstage_engine) {
-    ffi_fn!(value = (), { unsafe { Handle::<Engine>::free(engine as *mut Handle<Engine>) } })
+    ffi_fn!(value = (), { Handle::free(engine, "engine") })
 }
 
 /// Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated).

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::engine::{borrow as borrow_engine, kvstage_engine, KVSTAGE_DEADLINE_INFINITE};
-use super::{ffi_fn, out_arg, slice_arg, str_arg, versioned_struct, Handle};
+use super::{ffi_fn, out_arg, slice_arg, str_arg, versioned_struct, Borrowed, Handle};
 use crate::copy::ReadyFence;
 use crate::error::{Error, Result, Status};
 use crate::session::op::Op;
@@ -22,12 +22,12 @@ pub struct kvstage_op {
     _private: [u8; 0],
 }
 
-unsafe fn session<'a>(ptr: *const kvstage_session) -> Result<&'a Arc<SenderSession>> {
-    unsafe { Handle::<Arc<SenderSession>>::borrow(ptr as *const Handle<Arc<SenderSession>>, "session") }
+unsafe fn session(ptr: *const kvstage_session) -> Result<Borrowed<Arc<SenderSession>>> {
+    Handle::borrow(ptr, "session")
 }
 
-unsafe fn op<'a>(ptr: *const kvstage_op) -> Result<&'a Arc<Op>> {
-    unsafe { Handle::<Arc<Op>>::borrow(ptr as *const Handle<Arc<Op>>, "op") }
+unsafe fn op(ptr: *const kvstage_op) -> Result<Borrowed<Arc<Op>>> {
+    Handle::borrow(ptr, "op")
 }
 
 /// Milliseconds → timeout: 0 = the engine default, `KVSTAGE_DEADLINE_INFINITE` = none.
@@ -58,15 +58,17 @@ pub unsafe extern "C" fn kvstage_session_connect(
         let out = out_arg(out, "out")?;
         let timeout = engine.timeout(timeout_ms(timeout_ms_));
         let session = engine.connect(addr, id, timeout)?;
-        *out = Handle::into_raw("kvstage_session", session) as *mut kvstage_session;
+        *out = Handle::into_raw(session)?;
         Ok(Status::KVSTAGE_OK)
     })
 }
 
-/// Closes a session. Operations still running keep it alive until they end. NULL is a no-op.
+/// Closes a session. Operations still running, and calls in flight on other threads, keep it
+/// alive until they end; this returns at once. NULL is a no-op. Later calls with the pointer fail
+/// with `KVSTAGE_E_INVALID_ARG`.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_session_free(session: *mut kvstage_session) {
-    ffi_fn!(value = (), { unsafe { Handle::<Arc<SenderSession>>::free(session as *mut Handle<Arc<SenderSession>>) } })
+    ffi_fn!(value = (), { Handle::free(session, "session") })
 }
 
 /// One chunk to transfer. Fill with `kvstage_transfer_desc_init`.
@@ -89,6 +91,8 @@ pub struct kvstage_transfer_desc {
     /// CUDA pools: a recorded `CUevent` after which the chunk's KV is valid, or NULL. At most one
     /// of `cuda_stream` and `cuda_event` is set; both NULL: the KV is valid now.
     pub cuda_event: *mut std::ffi::c_void,
+    /// The caller's value, handed back with this transfer's completion (asynchronous transfers).
+    pub user_tag: u64,
 }
 
 impl Default for kvstage_transfer_desc {
@@ -102,6 +106,7 @@ impl Default for kvstage_transfer_desc {
             deadline_ms: 0,
             cuda_stream: std::ptr::null_mut(),
             cuda_event: std::ptr::null_mut(),
+            user_tag: 0,
         }
     }
 }
@@ -140,6 +145,13 @@ unsafe fn transfer_desc(session: &SenderSession, ptr: *const kvstage_transfer_de
     })
 }
 
+/// `desc->user_tag` when the caller's struct has it, else 0 (the struct was validated by
+/// `transfer_desc`, which fails first on a bad one).
+unsafe fn user_tag(ptr: *const kvstage_transfer_desc) -> u64 {
+    let raw: Option<kvstage_transfer_desc> = unsafe { versioned_struct(ptr, "desc", TRANSFER_DESC_V1) }.ok();
+    raw.map_or(0, |d| d.user_tag)
+}
+
 enum Path {
     Staged,
     Slices,
@@ -154,9 +166,9 @@ fn run(session: &SenderSession, desc: &TransferDesc, op: &Op, path: &Path) -> Re
 
 unsafe fn run_sync(session_ptr: *const kvstage_session, desc_ptr: *const kvstage_transfer_desc, path: Path) -> Result<Status> {
     let session = unsafe { session(session_ptr) }?;
-    let desc = unsafe { transfer_desc(session, desc_ptr) }?;
+    let desc = unsafe { transfer_desc(&session, desc_ptr) }?;
     let op = Op::new(session.waker());
-    run(session, &desc, &op, &path)
+    run(&session, &desc, &op, &path)
 }
 
 /// The staged path for one chunk, blocking until the receiver acknowledged the data, the
@@ -176,8 +188,10 @@ pub unsafe extern "C" fn kvstage_transfer_slices(session: *const kvstage_session
     ffi_fn!(status { unsafe { run_sync(session, desc, Path::Slices) } })
 }
 
-/// Starts the staged path for one chunk in the background and returns `KVSTAGE_PENDING` with an
-/// operation in `*out` (poll, wait, cancel, then free it). Argument errors return at once.
+/// Queues the staged path for one chunk on the engine's transfer workers and returns
+/// `KVSTAGE_PENDING` with an operation in `*out` (poll, wait, cancel, then free it); its end is
+/// signalled on the engine's completion descriptor and callback with `desc->user_tag`. The
+/// deadline runs from this call (time spent queued counts). Argument errors return at once.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_transfer_async(
     session: *const kvstage_session,
@@ -186,20 +200,11 @@ pub unsafe extern "C" fn kvstage_transfer_async(
 ) -> Status {
     ffi_fn!(status {
         let session = unsafe { self::session(session) }?.clone();
+        let tag = unsafe { user_tag(desc) };
         let desc = unsafe { transfer_desc(&session, desc) }?;
         let out = out_arg(out, "out")?;
-        let op = Op::new(session.waker());
-        let worker_op = op.clone();
-        std::thread::Builder::new()
-            .name("kvstage-transfer".to_owned())
-            .spawn(move || {
-                // A panic must still finish the operation, or its waiters would hang.
-                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&session, &desc, &worker_op, &Path::Staged)))
-                    .unwrap_or_else(|p| Err(Error::from_panic("the transfer thread panicked", &*p)));
-                worker_op.finish(result);
-            })
-            .map_err(|e| Error::internal("cannot start a transfer thread").with_source(e))?;
-        *out = Handle::into_raw("kvstage_op", op) as *mut kvstage_op;
+        let op = session.transfer_async(desc, false, tag)?;
+        *out = Handle::into_raw(op)?;
         Ok(Status::KVSTAGE_PENDING)
     })
 }
@@ -232,10 +237,12 @@ pub unsafe extern "C" fn kvstage_op_cancel(op: *const kvstage_op) -> Status {
     })
 }
 
-/// Frees an operation handle (a running operation continues to its end). NULL is a no-op.
+/// Frees an operation handle (a running operation continues to its end; a `kvstage_op_wait` in
+/// flight on another thread ends by its own rules). NULL is a no-op. Later calls with the pointer
+/// fail with `KVSTAGE_E_INVALID_ARG`.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_op_free(op: *mut kvstage_op) {
-    ffi_fn!(value = (), { unsafe { Handle::<Arc<Op>>::free(op as *mut Handle<Arc<Op>>) } })
+    ffi_fn!(value = (), { Handle::free(op, "op") })
 }
 
 /// Decode side: opens room `room` whose new tokens land in `dst_pages` (the pages after the
@@ -308,11 +315,7 @@ pub unsafe extern "C" fn kvstage_engine_poll_events(
             return Err(Error::invalid_arg("events", format!("is NULL with capacity {capacity}")));
         }
         let taken = engine.receiver().take_events(capacity);
-        for (i, e) in taken.iter().enumerate() {
-            // SAFETY: `capacity` writable elements by contract; `taken.len() <= capacity`.
-            unsafe { *events.add(i) = kvstage_chunk_event { room: e.room, chunk_index: e.chunk, status: e.status } };
-        }
-        *count = taken.len();
+        super::completion::write_events(&taken, events, capacity, count)?;
         Ok(Status::KVSTAGE_OK)
     })
 }

@@ -5,19 +5,30 @@
 //! Child commands (one line each, one reply line each):
 //! `room ID [K]` opens room ID on every decode rank (with K: only the first K pages of each chunk,
 //! in chunks of K pages, for runs that send partial chunks) · `wait ID` waits until it is scattered everywhere ·
-//! `verify ID` compares the decode pools with the reference · `release ID` · `raw BYTES` receives
-//! BYTES on the raw TCP listener and answers when all arrived · `quit`.
+//! `verify ID` compares the decode pools with the reference · `release ID` · `raw BYTES [STREAMS]`
+//! accepts STREAMS (default 1) connections on the raw TCP listener, reads each until its sender
+//! shuts it down, acknowledges each, and answers `raw TOTAL` · `watch ID` reports room ID's end
+//! through `next` · `next` waits until a watched room is scattered everywhere (or failed) and
+//! answers `done ID AGO_NS` (how long ago it completed) · `quit`.
+//!
+//! Rooms open on decode pages that alternate between two sets (odd and even room ids): many rooms
+//! in flight at once share pages. Every room carries the same request, so shared pages receive
+//! the same bytes and `verify` still checks what the last room scattered.
 
+use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::{page_table, HostPool, Model};
 use crate::engine::{Engine, EngineOptions};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{self, ModelKind};
+use crate::session::notify::Completion;
 use crate::session::op::Op;
 use crate::session::sender::{SenderSession, TransferDesc};
 
@@ -83,6 +94,11 @@ impl Setup {
                 .map(|r| r.collect())
                 .unwrap_or_default(),
         }
+    }
+
+    /// Sender sessions (prefill rank, decode rank pairs) one room uses.
+    pub fn sessions(&self) -> usize {
+        (0..self.prefill_tp).map(|rs| self.targets(rs).len()).sum()
     }
 
     /// Bytes of KV one room moves (all writers, all decode ranks).
@@ -191,17 +207,101 @@ fn io_err(what: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |e| Error::from(e).context(what.to_owned())
 }
 
+/// Rooms the child reports through `next`: chunk events still owed by each, and the rooms that
+/// ended (scattered everywhere, or failed) in the order they ended.
+#[derive(Default)]
+struct Watched {
+    owed: HashMap<u64, u64>,
+    ended: VecDeque<(u64, Instant, Option<String>)>,
+}
+
+#[derive(Default)]
+struct Watch {
+    state: Mutex<Watched>,
+    cv: Condvar,
+}
+
+impl Watch {
+    /// A decode engine's chunk event (called on a library thread, with no kvstage lock held).
+    fn chunk(&self, room: u64, status: Status) {
+        let mut st = self.state.lock();
+        let Some(owed) = st.owed.get_mut(&room) else { return };
+        if status == Status::KVSTAGE_OK && *owed > 1 {
+            *owed -= 1;
+            return;
+        }
+        st.owed.remove(&room);
+        let failure = (status != Status::KVSTAGE_OK).then(|| format!("a chunk ended with {}", status.name()));
+        st.ended.push_back((room, Instant::now(), failure));
+        self.cv.notify_all();
+    }
+
+    /// The next room that ended: its id, when, and why it failed.
+    fn next(&self, timeout: Duration) -> Option<(u64, Instant, Option<String>)> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.state.lock();
+        loop {
+            if let Some(e) = st.ended.pop_front() {
+                return Some(e);
+            }
+            if st.owed.is_empty() || self.cv.wait_until(&mut st, deadline).timed_out() {
+                return st.ended.pop_front();
+            }
+        }
+    }
+}
+
+/// Receives one raw stream until its sender shuts it down, then acknowledges it.
+fn raw_receive(mut stream: TcpStream, buf: &mut [u8]) -> Result<u64> {
+    crate::transport::tcp::tune(&stream, None)?;
+    let mut got = 0u64;
+    loop {
+        let n = stream.read(buf).map_err(io_err("raw receive"))?;
+        if n == 0 {
+            break;
+        }
+        got += n as u64;
+    }
+    stream.write_all(b"k").map_err(io_err("raw ack"))?;
+    Ok(got)
+}
+
 /// Child side: builds the decode ranks, prints `ADDRS a b ... RAW r`, then serves commands.
 pub fn serve_decode(setup: &Setup) -> Result<()> {
+    serve_decode_with(setup, &DecodeOptions::default())
+}
+
+/// Options of the decode side beyond the [`Setup`] both sides share.
+#[derive(Clone, Debug, Default)]
+pub struct DecodeOptions {
+    /// Decode rank whose engine stops reading after this many frames per connection (a stuck
+    /// peer): `(rank, frames)`.
+    pub stuck: Option<(u32, u64)>,
+}
+
+/// [`serve_decode`] with [`DecodeOptions`].
+pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
+    let watch = Arc::new(Watch::default());
     let mut ranks = Vec::new();
     for rd in 0..setup.decode_tp {
-        let engine = Engine::new(setup.options())?;
+        let mut options = setup.options();
+        if let Some((_, frames)) = decode.stuck.filter(|(r, _)| *r == rd) {
+            let plan = crate::transport::faults::FaultPlan { stop_reading_after: Some(frames), ..Default::default() };
+            options.faults = Some(crate::transport::faults::Faults { plan, counters: Default::default() });
+        }
+        let engine = Engine::new(options)?;
         let pool = HostPool::new(setup.model.shape(setup.page_size, rd, setup.decode_tp), setup.capacity());
         engine.register_pool(pool.layout.clone())?;
         let src = setup.model.shape(setup.page_size, 0, setup.prefill_tp);
         let chunk = setup.grid_pages() as u32 * setup.page_size;
         let per_chunk = geometry::staging_layout(&src, &pool.layout.shape, chunk)?.total_bytes;
         engine.register_staging(None, (per_chunk * setup.ring_chunks as u64) as usize)?;
+        let w = watch.clone();
+        engine.completions().set_callback(Some(Arc::new(move |c: &Completion| {
+            if let Completion::Chunk(e) = c {
+                w.chunk(e.room, e.status);
+            }
+        })));
         ranks.push((engine, pool));
     }
     let raw = TcpListener::bind("127.0.0.1:0")?;
@@ -209,7 +309,7 @@ pub fn serve_decode(setup: &Setup) -> Result<()> {
     let mut out = std::io::stdout();
     writeln!(out, "ADDRS {} RAW {}", addrs.join(" "), raw.local_addr()?).map_err(io_err("stdout"))?;
     out.flush().map_err(io_err("stdout"))?;
-    let mut raw_buf = vec![0u8; 8 << 20];
+    let mut raw_bufs: Vec<Vec<u8>> = Vec::new();
     for line in std::io::stdin().lock().lines() {
         let line = line.map_err(io_err("stdin"))?;
         let mut words = line.split_whitespace();
@@ -236,6 +336,19 @@ pub fn serve_decode(setup: &Setup) -> Result<()> {
                 }
                 status
             }
+            "watch" => {
+                // Every decode rank receives every chunk of a (full) room.
+                watch.state.lock().owed.insert(arg, setup.chunks() as u64 * ranks.len() as u64);
+                "ok".to_owned()
+            }
+            "next" => match watch.next(Duration::from_secs(600)) {
+                Some((room, at, None)) => format!("done {room} {}", at.elapsed().as_nanos()),
+                Some((room, _, Some(why))) => {
+                    let progress: Vec<String> = ranks.iter().map(|(e, _)| e.receiver().wait_room(room, Some(Duration::ZERO)).err().map(|e| e.chain()).unwrap_or_default()).collect();
+                    format!("error room {room} failed: {why} ({})", progress.join("; "))
+                }
+                None => "error no watched room ended (none in flight, or none within 600 s)".to_owned(),
+            },
             "verify" => {
                 let (mut bad, mut first) = (0, None);
                 for (rd, (_, pool)) in ranks.iter().enumerate() {
@@ -252,17 +365,27 @@ pub fn serve_decode(setup: &Setup) -> Result<()> {
                 "ok".to_owned()
             }
             "raw" => {
-                let (mut stream, _) = raw.accept()?;
-                let mut left = arg as usize;
-                while left > 0 {
-                    let n = stream.read(&mut raw_buf[..left.min(8 << 20)]).map_err(io_err("raw receive"))?;
-                    if n == 0 {
-                        break;
-                    }
-                    left -= n;
+                let streams = per_chunk.unwrap_or(1).max(1);
+                while raw_bufs.len() < streams {
+                    raw_bufs.push(vec![0x11u8; 8 << 20]);
                 }
-                stream.write_all(b"k").map_err(io_err("raw ack"))?;
-                format!("raw {}", arg as usize - left)
+                let mut conns = Vec::new();
+                for _ in 0..streams {
+                    conns.push(raw.accept()?.0);
+                }
+                let results: Vec<Result<u64>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = conns
+                        .into_iter()
+                        .zip(raw_bufs.iter_mut())
+                        .map(|(c, buf)| s.spawn(move || raw_receive(c, buf)))
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("raw receiver panicked")))).collect()
+                });
+                let mut total = 0;
+                for r in results {
+                    total += r?;
+                }
+                format!("raw {total}")
             }
             "quit" => break,
             other => format!("error unknown command '{other}'"),
@@ -343,21 +466,86 @@ impl DecodeChild {
 
     /// Times a plain TCP stream of `bytes` from this process to the child (the wire baseline).
     pub fn raw_tcp(&mut self, bytes: u64, buf: &[u8]) -> Result<Duration> {
-        writeln!(self.stdin, "raw {bytes}").map_err(io_err("writing to the decode process"))?;
+        self.raw_tcp_streams(bytes, 1, buf)
+    }
+
+    /// Times `streams` plain TCP streams from this process to the child, all at once, carrying
+    /// `bytes` between them (split evenly), until the child has read every byte of every stream.
+    pub fn raw_tcp_streams(&mut self, bytes: u64, streams: u32, buf: &[u8]) -> Result<Duration> {
+        let streams = streams.max(1);
+        writeln!(self.stdin, "raw {bytes} {streams}").map_err(io_err("writing to the decode process"))?;
         self.stdin.flush().map_err(io_err("writing to the decode process"))?;
-        let mut stream = crate::transport::tcp::connect(self.raw_addr.parse().map_err(|_| Error::internal("raw address"))?, Duration::from_secs(10), None)?;
-        let start = Instant::now();
-        let mut left = bytes as usize;
-        while left > 0 {
-            let n = left.min(buf.len());
-            stream.write_all(&buf[..n]).map_err(io_err("raw send"))?;
-            left -= n;
+        let addr = self.raw_addr.parse().map_err(|_| Error::internal("raw address"))?;
+        let mut conns = Vec::new();
+        for _ in 0..streams {
+            conns.push(crate::transport::tcp::connect(addr, Duration::from_secs(10), None)?);
         }
-        let mut ack = [0u8; 1];
-        stream.read_exact(&mut ack).map_err(io_err("raw ack"))?;
-        let elapsed = start.elapsed();
-        self.read_line()?;
+        let share = |i: u64| bytes / streams as u64 + u64::from(i < bytes % streams as u64);
+        // The senders start together: each waits for the gate this thread holds until all exist.
+        let gate = RwLock::new(());
+        let (elapsed, results) = std::thread::scope(|s| {
+            let held = gate.write();
+            let mut handles = Vec::new();
+            for (i, mut stream) in conns.into_iter().enumerate() {
+                let gate = &gate;
+                let left = share(i as u64) as usize;
+                let h = std::thread::Builder::new().name(format!("bench-raw-{i}")).spawn_scoped(s, move || -> Result<()> {
+                    drop(gate.read());
+                    let mut left = left;
+                    while left > 0 {
+                        let n = left.min(buf.len());
+                        stream.write_all(&buf[..n]).map_err(io_err("raw send"))?;
+                        left -= n;
+                    }
+                    stream.shutdown(Shutdown::Write).map_err(io_err("raw shutdown"))?;
+                    let mut ack = [0u8; 1];
+                    stream.read_exact(&mut ack).map_err(io_err("raw ack"))?;
+                    Ok(())
+                });
+                handles.push(h);
+            }
+            let start = Instant::now();
+            drop(held);
+            let results: Vec<Result<()>> = handles
+                .into_iter()
+                .map(|h| match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| Err(Error::internal("raw sender panicked"))),
+                    Err(e) => Err(Error::internal("cannot start a raw sender thread").with_source(e)),
+                })
+                .collect();
+            (start.elapsed(), results)
+        });
+        let reply = self.read_line()?;
+        for r in results {
+            r?;
+        }
+        if reply != format!("raw {bytes}") {
+            return Err(Error::internal(format!("raw TCP: sent {bytes} bytes, the decode process said '{reply}'")));
+        }
         Ok(elapsed)
+    }
+
+    /// The child's process id (for its CPU time in /proc).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Asks the child to report room `room`'s end through [`next_done`](Self::next_done).
+    pub fn watch(&mut self, room: u64) -> Result<()> {
+        self.command(&format!("watch {room}")).map(|_| ())
+    }
+
+    /// Waits until a watched room is scattered on every decode rank; returns it and when that
+    /// happened (on this process's clock). A failed room is an error.
+    pub fn next_done(&mut self) -> Result<(u64, Instant)> {
+        let reply = self.command("next")?;
+        let now = Instant::now();
+        let mut words = reply.split_whitespace();
+        let parsed = match (words.next(), words.next().map(str::parse::<u64>), words.next().map(str::parse::<u64>)) {
+            (Some("done"), Some(Ok(room)), Some(Ok(ago))) => Some((room, now.checked_sub(Duration::from_nanos(ago)).unwrap_or(now))),
+            _ => None,
+        };
+        parsed.ok_or_else(|| Error::internal(format!("bad reply to next: '{reply}'")))
     }
 
     pub fn quit(mut self) -> Result<()> {
@@ -395,9 +583,14 @@ pub struct PrefillRank {
 
 impl Prefill {
     pub fn connect(setup: &Setup, addrs: &[String]) -> Result<Prefill> {
+        Self::connect_with(setup, addrs, &setup.options())
+    }
+
+    /// [`connect`](Self::connect) with these engine options for every prefill rank.
+    pub fn connect_with(setup: &Setup, addrs: &[String], options: &EngineOptions) -> Result<Prefill> {
         let mut ranks = Vec::new();
         for rank in 0..setup.prefill_tp {
-            let engine = Engine::new(setup.options())?;
+            let engine = Engine::new(options.clone())?;
             let mut pool = HostPool::new(setup.model.shape(setup.page_size, rank, setup.prefill_tp), setup.capacity());
             pool.fill(&setup.prefill_pages(rank), 0);
             engine.register_pool(pool.layout.clone())?;
@@ -447,5 +640,25 @@ impl Prefill {
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("sender thread panicked")))).collect()
         });
         results.into_iter().sum()
+    }
+
+    /// Queues every chunk of `room` from every prefill rank to every decode rank it feeds on the
+    /// engines' transfer workers (`transfer_async`, staged path) and returns the operations at
+    /// once, chunk by chunk in request order. `timeout` runs from now (queued time counts).
+    pub fn submit_room(&self, setup: &Setup, room: u64, timeout: Duration) -> Result<Vec<Arc<Op>>> {
+        let grid = setup.grid_pages();
+        let pages: Vec<Vec<u32>> = self.ranks.iter().map(|r| setup.prefill_pages(r.rank)).collect();
+        let mut ops = Vec::new();
+        for chunk in 0..setup.chunks() {
+            for (r, rank_pages) in self.ranks.iter().zip(&pages) {
+                let Some(chunk_pages) = rank_pages.chunks(grid).nth(chunk) else { continue };
+                for session in &r.sessions {
+                    let desc = TransferDesc { room, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(timeout), ready: None };
+                    let tag = (room << 24) | ops.len() as u64;
+                    ops.push(session.transfer_async(desc, false, tag)?);
+                }
+            }
+        }
+        Ok(ops)
     }
 }

@@ -308,7 +308,14 @@ impl State {
                 ));
             }
         }
-        self.ring = Some(Ring::new(capacity));
+        // Rounds go on from the old ring's: senders keep the highest watermark they saw, so a
+        // new ring restarting at round 0 would let them write grants that overlap live ones.
+        let ring = match &self.ring {
+            Some(old) => Ring::starting_at(capacity, old.watermark().round + 1),
+            None => Ring::new(capacity),
+        };
+        self.fx.watermark = Some(ring.watermark());
+        self.ring = Some(ring);
         Ok(())
     }
 
@@ -475,6 +482,8 @@ impl State {
     pub fn release_room(&mut self, room: u64) -> Release {
         let Some(r) = self.rooms.get_mut(&room) else { return Release::Done };
         r.released = true;
+        // Its queued events go too: a reopened room must not report the old request's chunks.
+        self.events.retain(|e| e.room != room);
         let grants: Vec<u64> = r.chunks.iter_mut().filter(|c| c.phase != Phase::Scattering).filter_map(|c| c.grant.take()).collect();
         for id in grants {
             self.retire_grant(id);

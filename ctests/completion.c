@@ -1,0 +1,183 @@
+/* Completions in a C event loop: the engine's descriptor with poll(), the callback with each
+ * operation's user_tag, and chunk events polled by room. Two engines in this process on
+ * 127.0.0.1; the decode bytes are compared with the prefill pool. */
+#define _POSIX_C_SOURCE 200809L
+
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <unistd.h>
+
+#include "kvstage_check.h"
+
+enum { LAYERS = 2, HEADS = 2, HEAD_DIM = 8, DTYPE = 2, PAGE = 4, CAPACITY = 8, CHUNK_TOKENS = 16, OPS = 24 };
+
+typedef struct pool {
+    uint8_t *memory;
+    size_t buffer;
+    uint64_t k[LAYERS], v[LAYERS];
+    kvstage_kv_layout layout;
+} pool;
+
+static void pool_init(pool *p, uint8_t seed) {
+    p->buffer = (size_t)CAPACITY * PAGE * HEADS * HEAD_DIM * DTYPE;
+    p->memory = (uint8_t *)calloc(2 * LAYERS, p->buffer);
+    REQUIRE(p->memory != NULL);
+    for (size_t i = 0; seed && i < 2 * LAYERS * p->buffer; ++i) p->memory[i] = (uint8_t)(i * 7 + seed);
+    for (int l = 0; l < LAYERS; ++l) {
+        p->k[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l) * p->buffer);
+        p->v[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l + 1) * p->buffer);
+    }
+    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
+    p->layout.model_kind = KVSTAGE_MODEL_MHA;
+    p->layout.page_size = PAGE;
+    p->layout.local_heads = HEADS;
+    p->layout.global_heads = HEADS;
+    p->layout.head_dim = HEAD_DIM;
+    p->layout.dtype_bytes = DTYPE;
+    p->layout.tp_rank = 0;
+    p->layout.tp_size = 1;
+    p->layout.pp_rank = 0;
+    p->layout.pp_size = 1;
+    p->layout.num_layers = LAYERS;
+    p->layout.k_bases = p->k;
+    p->layout.v_bases = p->v;
+    p->layout.capacity_pages = CAPACITY;
+}
+
+static const uint32_t PAGES[4] = {0, 1, 2, 3}; /* one chunk of 16 tokens */
+
+typedef struct seen {
+    pthread_mutex_t lock;
+    uint64_t tags;  /* bit i: the operation with user_tag i */
+    int ops, chunks, bad;
+} seen;
+
+static void on_completion(void *user_data, const kvstage_completion *c) {
+    seen *s = (seen *)user_data;
+    pthread_mutex_lock(&s->lock);
+    if (c->struct_size != sizeof *c) s->bad++;
+    if (c->kind == KVSTAGE_COMPLETION_OP) {
+        if (c->status != KVSTAGE_OK || c->tag >= OPS) s->bad++;
+        else s->tags |= (uint64_t)1 << c->tag;
+        s->ops++;
+    } else if (c->kind == KVSTAGE_COMPLETION_CHUNK) {
+        if (c->status != KVSTAGE_OK || c->chunk_index != 0) s->bad++;
+        s->chunks++;
+    } else {
+        s->bad++;
+    }
+    pthread_mutex_unlock(&s->lock);
+}
+
+int main(void) {
+    pool dp, pp;
+    pool_init(&dp, 0);
+    pool_init(&pp, 3);
+    kvstage_engine *decode = NULL, *prefill = NULL;
+    REQUIRE(kvstage_engine_new(NULL, &decode) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_register_pool(decode, &dp.layout) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_register_staging(decode, NULL, 1 << 20) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_new(NULL, &prefill) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_register_pool(prefill, &pp.layout) == KVSTAGE_OK);
+    for (uint64_t room = 0; room < OPS; ++room) REQUIRE(kvstage_room_open(decode, room, PAGES, 4, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
+    char addr[64] = {0};
+    REQUIRE(kvstage_engine_listen_address(decode, addr, sizeof addr) == KVSTAGE_OK);
+    kvstage_session *session = NULL;
+    REQUIRE(kvstage_session_connect(prefill, addr, "completion", 0, &session) == KVSTAGE_OK);
+
+    seen prefill_seen, decode_seen;
+    memset(&prefill_seen, 0, sizeof prefill_seen);
+    memset(&decode_seen, 0, sizeof decode_seen);
+    pthread_mutex_init(&prefill_seen.lock, NULL);
+    pthread_mutex_init(&decode_seen.lock, NULL);
+    CHECK_OK(kvstage_engine_set_completion_callback(prefill, on_completion, &prefill_seen));
+    CHECK_OK(kvstage_engine_set_completion_callback(decode, on_completion, &decode_seen));
+    CHECK_INT(kvstage_engine_set_completion_callback(NULL, on_completion, NULL), KVSTAGE_E_INVALID_ARG);
+
+    int fd = -1;
+    CHECK_OK(kvstage_engine_completion_fd(prefill, &fd));
+    CHECK(fd >= 0);
+    CHECK_INT(kvstage_engine_completion_fd(prefill, NULL), KVSTAGE_E_INVALID_ARG);
+    struct pollfd pfd = {fd, POLLIN, 0};
+    CHECK_INT(poll(&pfd, 1, 0), 0); /* nothing finished yet */
+
+    kvstage_op *ops[OPS];
+    for (uint64_t i = 0; i < OPS; ++i) {
+        kvstage_transfer_desc d;
+        REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+        d.room = i;
+        d.chunk_index = 0;
+        d.src_pages = PAGES;
+        d.num_pages = 4;
+        d.deadline_ms = 20000;
+        d.user_tag = i;
+        ops[i] = NULL;
+        CHECK_INT(kvstage_transfer_async(session, &d, &ops[i]), KVSTAGE_PENDING);
+    }
+    /* The event loop: sleep in poll() until the descriptor says something finished, drain it,
+     * then look at the operations. Bounded: 200 wake-ups of at most 5 s. */
+    int finished = 0;
+    uint64_t signalled = 0;
+    for (int round = 0; round < 200 && finished < OPS; ++round) {
+        pfd.revents = 0;
+        if (poll(&pfd, 1, 5000) != 1) break;
+        uint64_t n = 0;
+        CHECK_OK(kvstage_engine_completions_drain(prefill, &n));
+        signalled += n;
+        finished = 0;
+        for (int i = 0; i < OPS; ++i) finished += kvstage_op_poll(ops[i]) != KVSTAGE_PENDING;
+    }
+    CHECK_INT(finished, OPS);
+    CHECK_INT(signalled, OPS);
+    for (int i = 0; i < OPS; ++i) {
+        CHECK_INT(kvstage_op_poll(ops[i]), KVSTAGE_OK);
+        kvstage_op_free(ops[i]);
+    }
+    pthread_mutex_lock(&prefill_seen.lock);
+    CHECK_INT(prefill_seen.ops, OPS);
+    CHECK(prefill_seen.tags == (((uint64_t)1 << OPS) - 1));
+    CHECK_INT(prefill_seen.bad, 0);
+    pthread_mutex_unlock(&prefill_seen.lock);
+
+    /* Decode side: every room completes; its events are polled room by room. */
+    for (uint64_t room = 0; room < OPS; ++room) CHECK_OK(kvstage_room_wait(decode, room, 20000));
+    kvstage_chunk_event ev[4];
+    size_t count = 0;
+    CHECK_OK(kvstage_room_poll_events(decode, 5, ev, 4, &count));
+    CHECK_INT(count, 1);
+    CHECK_INT(ev[0].room, 5);
+    CHECK_INT(kvstage_room_poll_events(decode, 5, NULL, 4, &count), KVSTAGE_E_INVALID_ARG);
+    CHECK_OK(kvstage_room_poll_events(decode, 5, ev, 4, &count));
+    CHECK_INT(count, 0);
+    size_t rest = 0;
+    kvstage_chunk_event all[OPS];
+    CHECK_OK(kvstage_engine_poll_events(decode, all, OPS, &rest));
+    CHECK_INT(rest, OPS - 1);
+    /* A room completes before its event's callback has run (it runs after the state lock is
+     * released): wait for the callbacks, bounded. */
+    for (int i = 0; i < 500; ++i) {
+        pthread_mutex_lock(&decode_seen.lock);
+        int n = decode_seen.chunks;
+        pthread_mutex_unlock(&decode_seen.lock);
+        if (n >= OPS) break;
+        usleep(10000);
+    }
+    pthread_mutex_lock(&decode_seen.lock);
+    CHECK_INT(decode_seen.chunks, OPS);
+    CHECK_INT(decode_seen.bad, 0);
+    pthread_mutex_unlock(&decode_seen.lock);
+    /* The bytes: the decode pool now holds the prefill pool's pages 0..3 (same layout). */
+    size_t page_bytes = (size_t)PAGE * HEADS * HEAD_DIM * DTYPE;
+    for (int b = 0; b < 2 * LAYERS; ++b)
+        CHECK(memcmp(dp.memory + (size_t)b * dp.buffer, pp.memory + (size_t)b * pp.buffer, 4 * page_bytes) == 0);
+
+    CHECK_OK(kvstage_engine_set_completion_callback(prefill, NULL, NULL));
+    for (uint64_t room = 0; room < OPS; ++room) CHECK_OK(kvstage_room_release(decode, room));
+    kvstage_session_free(session);
+    kvstage_engine_free(prefill);
+    kvstage_engine_free(decode);
+    free(dp.memory);
+    free(pp.memory);
+    return kv_finish("completion");
+}

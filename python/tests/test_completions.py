@@ -1,0 +1,108 @@
+"""Completions in an event loop: the engine's descriptor with asyncio, the callback, and chunk
+events polled by room. Both engines live in this process, on 127.0.0.1."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+
+import kvref
+import kvstage
+
+MODEL = kvref.Model(layers=2, heads=4, head_dim=8, dtype_bytes=2, page_size=4)
+PAGES = 4  # one chunk of 16 tokens per room
+
+
+def _pair(rooms):
+    """A decode engine (pool, ring, the rooms open) and a prefill engine connected to it."""
+    dpool, dlayout = kvref.make_pool(MODEL, 0, 1, 16)
+    decode = kvstage.Engine()
+    decode.register_pool(dlayout)
+    decode.register_staging(4 << 20)
+    for room in rooms:
+        decode.room_open(room, list(range(PAGES)), chunk_tokens=PAGES * MODEL.page_size)
+    ppool, playout = kvref.make_pool(MODEL, 0, 1, 16)
+    kvref.fill_random(ppool, 7)
+    prefill = kvstage.Engine(transfer_threads=2)
+    prefill.register_pool(playout)
+    session = prefill.connect(decode.listen_address, "completions")
+    return decode, dpool, prefill, ppool, session
+
+
+def _expected(dpool, ppool):
+    return kvref.reference_reshard(MODEL, [ppool], [list(range(PAGES))], [dpool], [list(range(PAGES))])[0]
+
+
+def test_asyncio_waits_on_the_completion_descriptor(lib):
+    rooms = list(range(10, 30))
+    decode, dpool, prefill, ppool, session = _pair(rooms)
+    try:
+        ops = {room: session.transfer_async(room, 0, list(range(PAGES)), deadline_ms=20000, tag=room) for room in rooms}
+
+        async def until_done():
+            finished = 0
+            while finished < len(ops):
+                # The descriptor wakes the loop; nothing here polls in a busy loop.
+                finished += await asyncio.wait_for(prefill.completions(), timeout=20)
+            return finished
+
+        assert asyncio.run(until_done()) == len(rooms)
+        assert all(op.poll() == kvstage.Status.OK for op in ops.values())
+
+        async def decode_side():
+            seen = set()
+            while len(seen) < len(rooms):
+                await asyncio.wait_for(decode.completions(), timeout=20)
+                for room in rooms:
+                    seen.update(e.room for e in decode.poll_events(room=room) if e.ok)
+            return seen
+
+        assert asyncio.run(decode_side()) == set(rooms)
+        want = _expected(dpool, ppool)
+        assert kvref.describe_difference(dpool, want) == ""
+        for op in ops.values():
+            op.close()
+    finally:
+        session.close()
+        prefill.close()
+        decode.close()
+
+
+def test_callback_reports_every_operation_with_its_tag_and_room_events_filter(lib):
+    rooms = [1, 2, 3]
+    decode, dpool, prefill, ppool, session = _pair(rooms)
+    seen, chunk_events = [], []
+    done = threading.Event()
+
+    def on_completion(kind, status, tag, room, chunk):
+        seen.append((kind, status, tag))
+        if len(seen) == len(rooms):
+            done.set()
+
+    decode.set_completion_callback(lambda kind, status, tag, room, chunk: chunk_events.append((room, chunk, status)))
+    prefill.set_completion_callback(on_completion)
+    try:
+        ops = [session.transfer_async(room, 0, list(range(PAGES)), deadline_ms=20000, tag=1000 + room) for room in rooms]
+        assert done.wait(20), f"callbacks seen: {seen}"
+        assert sorted(t for _, _, t in seen) == [1001, 1002, 1003]
+        assert all(kind == 1 and status == kvstage.Status.OK for kind, status, _ in seen)
+        for room in rooms:
+            decode.room_wait(room, 20000)
+        # Room 2's events only; the others stay queued for the engine-wide poll.
+        assert [(e.room, e.chunk_index) for e in decode.poll_events(room=2)] == [(2, 0)]
+        assert sorted(e.room for e in decode.poll_events()) == [1, 3]
+        # A room completes before its event's callback has run (after the library's lock is
+        # released): wait for the callbacks, bounded.
+        deadline = time.monotonic() + 10
+        while len(chunk_events) < len(rooms) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(r for r, _, _ in chunk_events) == rooms
+        assert np.array_equal(dpool, _expected(dpool, ppool))
+        prefill.set_completion_callback(None)
+        for op in ops:
+            op.close()
+    finally:
+        session.close()
+        prefill.close()
+        decode.close()

@@ -1,0 +1,168 @@
+//! Completions for an engine's event loop: the eventfd, the callback, and chunk events by room.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use super::engine::{borrow as borrow_engine, kvstage_engine};
+use super::transfer::kvstage_chunk_event;
+use super::{ffi_fn, out_arg};
+use crate::error::{Error, Result, Status};
+use crate::session::notify::Completion;
+use crate::session::receiver::ChunkEvent;
+
+/// What a completion reports.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvstage_completion_kind {
+    /// An asynchronous operation ended: `tag` is its descriptor's `user_tag`, `status` its result
+    /// (as `kvstage_op_poll` would return it).
+    KVSTAGE_COMPLETION_OP = 1,
+    /// A decode chunk was scattered (`status` OK) or failed: `room`, `chunk_index`, `status`.
+    KVSTAGE_COMPLETION_CHUNK = 2,
+}
+
+/// One completion, as handed to a `kvstage_completion_fn`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct kvstage_completion {
+    pub struct_size: usize,
+    /// A `kvstage_completion_kind` value.
+    pub kind: i32,
+    pub status: Status,
+    /// `KVSTAGE_COMPLETION_OP`: the operation's `user_tag`.
+    pub tag: u64,
+    /// `KVSTAGE_COMPLETION_CHUNK`: the decode room and chunk.
+    pub room: u64,
+    pub chunk_index: u32,
+}
+
+/// Called once per completion, on a library thread (a transfer worker, a receiver connection
+/// thread or the scatter thread), with no kvstage lock held. It may call kvstage functions (poll
+/// an operation, poll events) but must return quickly (it delays that thread's other work) and
+/// must not free the engine that calls it. `completion` is valid during the call only.
+pub type kvstage_completion_fn = Option<unsafe extern "C" fn(user_data: *mut c_void, completion: *const kvstage_completion)>;
+
+/// The caller's pointer, handed back unchanged on the library's threads.
+struct UserData(*mut c_void);
+// SAFETY: kvstage never dereferences it; thread-safety of what it points to is the caller's
+// contract for the callback (documented above).
+unsafe impl Send for UserData {}
+unsafe impl Sync for UserData {}
+
+impl UserData {
+    fn get(&self) -> *mut c_void {
+        self.0
+    }
+}
+
+fn to_c(c: &Completion) -> kvstage_completion {
+    let mut out = kvstage_completion {
+        struct_size: std::mem::size_of::<kvstage_completion>(),
+        kind: kvstage_completion_kind::KVSTAGE_COMPLETION_OP as i32,
+        status: Status::KVSTAGE_OK,
+        tag: 0,
+        room: 0,
+        chunk_index: 0,
+    };
+    match c {
+        Completion::Op { tag, status } => {
+            out.tag = *tag;
+            out.status = *status;
+        }
+        Completion::Chunk(ChunkEvent { room, chunk, status }) => {
+            out.kind = kvstage_completion_kind::KVSTAGE_COMPLETION_CHUNK as i32;
+            out.room = *room;
+            out.chunk_index = *chunk;
+            out.status = *status;
+        }
+    }
+    out
+}
+
+/// Writes the engine's completion descriptor into `*fd`: it becomes readable whenever an
+/// asynchronous operation of the engine ends or a decode chunk event is queued. Add it to an
+/// epoll set or an asyncio loop; when readable, call `kvstage_engine_completions_drain` (or read 8
+/// bytes from it), then poll operations and events. Owned by the engine: do not close it; it is
+/// valid until `kvstage_engine_free`.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_completion_fd(engine: *const kvstage_engine, fd: *mut i32) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        *out_arg(fd, "fd")? = engine.completions().fd();
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Resets the completion descriptor (it is not readable again until the next completion) and
+/// writes how many completions were signalled since the last reset into `*count` (may be NULL).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_completions_drain(engine: *const kvstage_engine, count: *mut u64) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        let n = engine.completions().drain();
+        if !count.is_null() {
+            *out_arg(count, "count")? = n;
+        }
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Sets (or with NULL removes) the engine's completion callback; see `kvstage_completion_fn` for
+/// the thread it runs on and what it may do. Completions keep being signalled on the descriptor.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_set_completion_callback(
+    engine: *const kvstage_engine,
+    callback: kvstage_completion_fn,
+    user_data: *mut c_void,
+) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        let cb = callback.map(|f| {
+            let data = UserData(user_data);
+            Arc::new(move |c: &Completion| {
+                let out = to_c(c);
+                // SAFETY: the caller's function with its own pointer; `out` lives for the call.
+                unsafe { f(data.get(), &out) }
+            }) as crate::session::notify::Callback
+        });
+        engine.completions().set_callback(cb);
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Copies up to `capacity` events into `events` (`capacity` 0 accepts NULL) and their number
+/// into `*count`.
+pub(crate) fn write_events(taken: &[ChunkEvent], events: *mut kvstage_chunk_event, capacity: usize, count: &mut usize) -> Result<()> {
+    if capacity > 0 && events.is_null() {
+        return Err(Error::invalid_arg("events", format!("is NULL with capacity {capacity}")));
+    }
+    for (i, e) in taken.iter().take(capacity).enumerate() {
+        // SAFETY: `capacity` writable elements by contract; `i < capacity`.
+        unsafe { *events.add(i) = kvstage_chunk_event { room: e.room, chunk_index: e.chunk, status: e.status } };
+    }
+    *count = taken.len().min(capacity);
+    Ok(())
+}
+
+/// Decode side: as `kvstage_engine_poll_events` for one room only: moves up to `capacity` of
+/// `room`'s chunk events into `events` and their number into `*count`; events of other rooms stay
+/// queued. Non-blocking.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_room_poll_events(
+    engine: *const kvstage_engine,
+    room: u64,
+    events: *mut kvstage_chunk_event,
+    capacity: usize,
+    count: *mut usize,
+) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        let count = out_arg(count, "count")?;
+        if capacity > 0 && events.is_null() {
+            return Err(Error::invalid_arg("events", format!("is NULL with capacity {capacity}")));
+        }
+        let taken = engine.receiver().take_room_events(room, capacity);
+        write_events(&taken, events, capacity, count)?;
+        Ok(Status::KVSTAGE_OK)
+    })
+}
