@@ -150,8 +150,10 @@ typedef struct kvstage_completion {
 
 // Called once per completion, on a library thread (a transfer worker, a receiver connection
 // thread or the scatter thread), with no kvstage lock held. It may call kvstage functions (poll
-// an operation, poll events) but must return quickly (it delays that thread's other work) and
-// must not free the engine that calls it. `completion` is valid during the call only.
+// an operation, poll events) but must return quickly (it delays that thread's other work), must
+// not free the engine that calls it, and must not call `kvstage_room_release`,
+// `kvstage_room_wait` or `kvstage_op_wait` (they may wait for work of the very thread running
+// the callback). `completion` is valid during the call only.
 typedef void (*kvstage_completion_fn)(void *user_data, const struct kvstage_completion *completion);
 
 // A chunk that reached the decode KV pool (status `KVSTAGE_OK`) or failed.

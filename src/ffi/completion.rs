@@ -38,8 +38,10 @@ pub struct kvstage_completion {
 
 /// Called once per completion, on a library thread (a transfer worker, a receiver connection
 /// thread or the scatter thread), with no kvstage lock held. It may call kvstage functions (poll
-/// an operation, poll events) but must return quickly (it delays that thread's other work) and
-/// must not free the engine that calls it. `completion` is valid during the call only.
+/// an operation, poll events) but must return quickly (it delays that thread's other work), must
+/// not free the engine that calls it, and must not call `kvstage_room_release`,
+/// `kvstage_room_wait` or `kvstage_op_wait` (they may wait for work of the very thread running
+/// the callback). `completion` is valid during the call only.
 pub type kvstage_completion_fn = Option<unsafe extern "C" fn(user_data: *mut c_void, completion: *const kvstage_completion)>;
 
 /// The caller's pointer, handed back unchanged on the library's threads.

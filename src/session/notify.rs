@@ -4,7 +4,8 @@
 //!
 //! The callback runs on a library thread (a transfer worker, a receiver connection thread or the
 //! scatter thread) with no kvstage lock held, so it may call kvstage functions (poll operations,
-//! poll events); it must return quickly and must not free the engine that signals it.
+//! poll events); it must return quickly, must not free the engine that signals it, and must not
+//! wait (room release or wait, operation wait: they may need the very thread running it).
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
