@@ -596,23 +596,19 @@ impl State {
     }
 
     /// Checks that a writer of this room shares the prefill geometry of the room's first writer.
-    fn agree_prefill(&mut self, room: u64, src: &PoolShape) -> Result<()> {
-        let r = self.rooms.get_mut(&room).expect("caller checked the room");
-        match &r.prefill {
-            None => {
-                r.prefill = Some(src.clone());
-                Ok(())
-            }
-            Some(first) => {
-                let diff = prefill_diff(first, src);
-                if diff.is_empty() {
-                    return Ok(());
-                }
-                Err(geometry::mismatch_error(
-                    &format!("room {room}: this sender's prefill geometry differs from the room's first sender"),
-                    diff,
-                ))
-            }
+    fn check_prefill(&self, room: u64, src: &PoolShape) -> Result<()> {
+        let Some(first) = self.rooms.get(&room).and_then(|r| r.prefill.as_ref()) else { return Ok(()) };
+        let diff = prefill_diff(first, src);
+        if diff.is_empty() {
+            return Ok(());
+        }
+        Err(geometry::mismatch_error(&format!("room {room}: this sender's prefill geometry differs from the room's first sender"), diff))
+    }
+
+    /// The room's prefill geometry, set by its first accepted writer (a refused request sets none).
+    fn record_prefill(&mut self, room: u64, src: &PoolShape) {
+        if let Some(r) = self.rooms.get_mut(&room) {
+            r.prefill.get_or_insert_with(|| src.clone());
         }
     }
 }

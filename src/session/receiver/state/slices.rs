@@ -68,7 +68,11 @@ impl State {
                 return Err(protocol(format!("slice of buffer {buffer} token {token} written twice")));
             }
         }
-        self.agree_prefill(room, &info.src)?;
+        self.check_prefill(room, &info.src)?;
+        if !Coverage::new(&info.src, dst, tokens).carries(buffer) {
+            return Err(protocol(format!("slice buffer {buffer} is not one this writer carries")));
+        }
+        self.record_prefill(room, &info.src);
         let r = self.rooms.get_mut(&room).expect("checked");
         let c = &mut r.chunks[chunk as usize];
         if c.mode == Mode::Unset {

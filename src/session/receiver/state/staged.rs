@@ -14,7 +14,7 @@ impl State {
             return Err(protocol(format!("writer {claimed} claimed, this session is writer {writer}")));
         }
         self.live_room(room)?;
-        self.agree_prefill(room, &info.src)?;
+        self.check_prefill(room, &info.src)?;
         let r = self.live_room(room)?;
         let num_chunks = r.chunks.len();
         let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("chunk {chunk} is past room {room}'s {num_chunks} chunks")))?;
@@ -64,6 +64,7 @@ impl State {
                 g.id
             }
         };
+        self.record_prefill(room, &info.src);
         if info.rdma {
             self.grants.get_mut(&id).expect("live grant").remote_writers.push(conn);
         }

@@ -135,6 +135,18 @@ fn senders_of_one_room_must_share_the_prefill_geometry() {
 }
 
 #[test]
+fn a_refused_request_does_not_decide_the_rooms_prefill_geometry() {
+    let mut st = state(1 << 20);
+    let (tp4, tp2) = (st.add_conn(info(1, 4, false)), st.add_conn(info(0, 2, false)));
+    st.open_room(1, &PAGES, GRID, None).unwrap();
+    // A stale request (a chunk past the room) from a sender of another TP size is refused...
+    assert_eq!(st.allocate(tp4, 1, 9, 1, TOKENS, 512).unwrap_err().code(), Status::KVSTAGE_E_PROTOCOL);
+    // ...and the room's real writers are still accepted.
+    st.allocate(tp2, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    assert_eq!(st.allocate(tp4, 1, 0, 1, TOKENS, 512).unwrap_err().code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+}
+
+#[test]
 fn late_frames_for_closed_rooms_are_discarded_not_fatal() {
     let mut st = state(4096);
     let a = st.add_conn(info(0, 2, false));
