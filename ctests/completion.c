@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kvstage_check.h"
@@ -161,7 +162,8 @@ int main(void) {
         int n = decode_seen.chunks;
         pthread_mutex_unlock(&decode_seen.lock);
         if (n >= OPS) break;
-        usleep(10000);
+        struct timespec ten_ms = {0, 10 * 1000 * 1000};
+        nanosleep(&ten_ms, NULL);
     }
     pthread_mutex_lock(&decode_seen.lock);
     CHECK_INT(decode_seen.chunks, OPS);
