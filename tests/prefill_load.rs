@@ -13,9 +13,9 @@ use kvstage::testkit::HostPool;
 use kvstage::transport::faults::{FaultCounters, FaultPlan, Faults};
 use kvstage::Status;
 
-fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
-}
+mod common;
+
+use common::thread_count as threads;
 
 struct Decode {
     engine: Engine,

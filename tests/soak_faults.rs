@@ -10,10 +10,13 @@
 //!
 //! `KVSTAGE_SOAK_SEEDS` sets the number of seeds (default 1000).
 
+mod common;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::{fd_count, thread_count};
 use kvstage::engine::{Engine, EngineOptions, Integrity};
 use kvstage::geometry::{ModelKind, PoolShape};
 use kvstage::session::op::Op;
@@ -181,14 +184,10 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     tally.seeds.fetch_add(1, Ordering::Relaxed);
 }
 
-fn count_dir(path: &str) -> usize {
-    std::fs::read_dir(path).map(|d| d.count()).unwrap_or(0)
-}
-
 #[test]
 fn soak_every_seed_ends_cleanly() {
     let seeds: u64 = std::env::var("KVSTAGE_SOAK_SEEDS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
-    let (fds_before, threads_before) = (count_dir("/proc/self/fd"), count_dir("/proc/self/task"));
+    let (fds_before, threads_before) = (fd_count(), thread_count());
     let counters = Arc::new(FaultCounters::default());
     let tally = Tally::default();
     let next = AtomicU64::new(0);
@@ -206,10 +205,10 @@ fn soak_every_seed_ends_cleanly() {
     });
     // Threads of dropped engines are joined; give the kernel a moment to reap them.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while count_dir("/proc/self/task") > threads_before && Instant::now() < deadline {
+    while thread_count() > threads_before && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let (fds_after, threads_after) = (count_dir("/proc/self/fd"), count_dir("/proc/self/task"));
+    let (fds_after, threads_after) = (fd_count(), thread_count());
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
     eprintln!(
         "soak: {} seeds in {:.1} s: {} rooms complete and verified, {} failed cleanly; hangs {}, corrupt successes {}, \
