@@ -8,7 +8,10 @@ fn main() {
     let minor = std::env::var("CARGO_PKG_VERSION_MINOR").expect("cargo sets the version");
     let patch = std::env::var("CARGO_PKG_VERSION_PATCH").expect("cargo sets the version");
 
-    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libkvstage.so.{major}");
+    // 0.x: a minor release may break the ABI, so the SONAME carries it (libkvstage.so.0.2);
+    // from 1.0 on, the major alone (libkvstage.so.1). CMakeLists.txt and the Python loader agree.
+    let soversion = if major == "0" { format!("0.{minor}") } else { major.clone() };
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libkvstage.so.{soversion}");
     println!("cargo:rerun-if-changed=src");
     println!("cargo:rerun-if-changed=cbindgen.toml");
     println!("cargo:rerun-if-changed=build.rs");

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # ctest bench_json: runs kvstage-bench on a tiny geometry with --json and checks that the report
-# parses, has every section with positive figures, and says the decode bytes were verified; then
+# parses, has every section with positive figures, and says the decode bytes were verified (staged
+# always; slice unless time-boxed, whose bytes are not checked); then
 # the same at load (--inflight 4) and a short inflight sweep: the load fields (inflight, request
 # latencies, raw TCP streams, the library's thread peak) are present and consistent.
 # No timing is asserted. Usage: check_bench.sh <kvstage-bench>
@@ -13,7 +14,9 @@ tiny=(--layers 2 --kv-heads 4 --head-dim 16 --dtype-bytes 2 --prefill-tp 2 --dec
 "$bench" "${tiny[@]}" --json "$out/bench.json"
 "$bench" "${tiny[@]}" --inflight 4 --json "$out/load.json"
 "$bench" "${tiny[@]}" --sweep inflight --inflight 2 --json "$out/sweep.json" >/dev/null
-python3 - "$out/bench.json" "$out/load.json" "$out/sweep.json" <<'PY'
+# A slice run time-boxed to nothing (the last --slice-seconds wins): one page per chunk is sent.
+"$bench" "${tiny[@]}" --slice-seconds 0 --json "$out/boxed.json" >/dev/null
+python3 - "$out/bench.json" "$out/load.json" "$out/sweep.json" "$out/boxed.json" <<'PY'
 import json, sys
 
 def check(report, inflight, full=True):
@@ -37,7 +40,12 @@ def check(report, inflight, full=True):
     assert threads["max_kvstage"] >= 2 * (report["params"]["transfer_threads"] + 1), f"threads = {threads}"
     assert threads["max_total"] >= threads["max_kvstage"] and threads["samples"] > 0, f"threads = {threads}"
     assert report["params"]["inflight"] == inflight
-    assert report["verified"] is True, "decode bytes were not verified"
+    assert report["staged"]["verified"] is True, "staged: decode bytes were not verified"
+    if full:
+        slice_ = report["slice"]
+        assert slice_["verified"] is (not slice_["time_boxed"]), \
+            f"slice: verified {slice_['verified']!r} with time_boxed {slice_['time_boxed']!r}"
+    assert "verified" not in report, "verified is per section"
     assert report["params"]["prefill_tp"] == 2 and report["params"]["decode_tp"] == 1
 
 check(json.load(open(sys.argv[1])), 1)
@@ -46,5 +54,9 @@ sweep = json.load(open(sys.argv[3]))
 assert [p["params"]["inflight"] for p in sweep] == [1, 2], "the inflight sweep runs 1, 2"
 for point in sweep:
     check(point, point["params"]["inflight"], full=False)
-print("bench_json: all sections present and positive, verified; at load (inflight 4) and in an inflight sweep too")
+boxed = json.load(open(sys.argv[4]))
+check(boxed, 1)
+assert boxed["slice"]["time_boxed"] is True and boxed["slice"]["verified"] is False, boxed["slice"]
+print("bench_json: all sections present and positive, verified; at load (inflight 4) and in an inflight sweep too;"
+      " a time-boxed slice run says it was not verified")
 PY

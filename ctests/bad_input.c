@@ -231,10 +231,19 @@ static void test_engine_calls(void) {
     pool p;
     pool_init(&p);
 
-    EXPECT(kvstage_engine_listen_address(NULL, buf, sizeof buf), KVSTAGE_E_INVALID_ARG, "`engine`");
-    EXPECT(kvstage_engine_listen_address(e, NULL, sizeof buf), KVSTAGE_E_INVALID_ARG, "`buf`");
-    EXPECT(kvstage_engine_listen_address(e, buf, 0), KVSTAGE_E_INVALID_ARG, "`capacity`");
-    EXPECT(kvstage_engine_listen_address(e, buf, 5), KVSTAGE_E_INVALID_ARG, "`capacity`");
+    EXPECT(kvstage_engine_listen_address(NULL, buf, sizeof buf, NULL), KVSTAGE_E_INVALID_ARG, "`engine`");
+    EXPECT(kvstage_engine_listen_address(e, NULL, sizeof buf, NULL), KVSTAGE_E_INVALID_ARG, "`buf`");
+    EXPECT(kvstage_engine_listen_address(e, buf, 0, NULL), KVSTAGE_E_INVALID_ARG, "`capacity`");
+    EXPECT(kvstage_engine_listen_address(e, buf, 5, NULL), KVSTAGE_E_INVALID_ARG, "`capacity`");
+    {
+        /* (buf, capacity, needed): NULL and 0 ask for the size; a big enough buffer gets the text. */
+        size_t needed = 0;
+        EXPECT(kvstage_engine_listen_address(e, NULL, 0, &needed), KVSTAGE_E_INVALID_ARG, "`capacity`");
+        CHECK(needed > sizeof "1.2.3.4:5" - 1 && needed <= sizeof buf);
+        size_t again = 0;
+        EXPECT(kvstage_engine_listen_address(e, buf, needed, &again), KVSTAGE_OK, NULL);
+        CHECK(again == needed && strlen(buf) + 1 == needed);
+    }
 
     EXPECT(kvstage_engine_stats_get(NULL, &stats), KVSTAGE_E_INVALID_ARG, "`engine`");
     EXPECT(kvstage_engine_stats_get(e, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
@@ -383,9 +392,9 @@ static void test_layouts(void) {
 /* --- geometry helpers ------------------------------------------------------------------------ */
 
 static void test_geometry(void) {
-    kvstage_head_slice_t hs;
-    kvstage_staging_layout_t st;
-    kvstage_staging_writer_t writers[4];
+    kvstage_head_slice hs;
+    kvstage_staging_layout st;
+    kvstage_staging_writer writers[4];
     uint32_t n = 0;
     pool src, dst;
     pool_init(&src);
@@ -395,17 +404,17 @@ static void test_geometry(void) {
     src.layout.tp_rank = 1;
     src.layout.local_heads = 1;
 
-    EXPECT(kvstage_head_slice(2, 1, 0, 0, 8, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
-    EXPECT(kvstage_head_slice(0, 1, 0, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_tp`");
-    EXPECT(kvstage_head_slice(2, 0, 0, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_tp`");
-    EXPECT(kvstage_head_slice(2, 1, 2, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
-    EXPECT(kvstage_head_slice(2, 1, UINT32_MAX, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
-    EXPECT(kvstage_head_slice(2, 4, 0, 4, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_rank`");
-    EXPECT(kvstage_head_slice(2, 1, 0, 0, 0, &hs), KVSTAGE_E_INVALID_ARG, "`total_kv_heads`");
-    EXPECT(kvstage_head_slice(3, 2, 0, 0, 6, &hs), KVSTAGE_E_INVALID_ARG, "`src_tp`");
+    EXPECT(kvstage_head_slice_compute(2, 1, 0, 0, 8, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
+    EXPECT(kvstage_head_slice_compute(0, 1, 0, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_tp`");
+    EXPECT(kvstage_head_slice_compute(2, 0, 0, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_tp`");
+    EXPECT(kvstage_head_slice_compute(2, 1, 2, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
+    EXPECT(kvstage_head_slice_compute(2, 1, UINT32_MAX, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
+    EXPECT(kvstage_head_slice_compute(2, 4, 0, 4, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_rank`");
+    EXPECT(kvstage_head_slice_compute(2, 1, 0, 0, 0, &hs), KVSTAGE_E_INVALID_ARG, "`total_kv_heads`");
+    EXPECT(kvstage_head_slice_compute(3, 2, 0, 0, 6, &hs), KVSTAGE_E_INVALID_ARG, "`src_tp`");
     /* A pair that exchanges nothing: prefill rank 3 of 4 writes to decode rank 1 of 2, not 0. */
-    EXPECT(kvstage_head_slice(4, 2, 3, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
-    EXPECT(kvstage_head_slice(2, 4, 0, 3, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_rank`");
+    EXPECT(kvstage_head_slice_compute(4, 2, 3, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
+    EXPECT(kvstage_head_slice_compute(2, 4, 0, 3, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_rank`");
 
     EXPECT(kvstage_writers_per_chunk(2, 1, 1, 1, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
     EXPECT(kvstage_writers_per_chunk(0, 1, 1, 1, &n), KVSTAGE_E_INVALID_ARG, "`src_tp`");
@@ -416,34 +425,34 @@ static void test_geometry(void) {
     EXPECT(kvstage_grid_tokens(16, 0, &n), KVSTAGE_E_INVALID_ARG, "`page_size`");
 
     st.struct_size = sizeof st;
-    EXPECT(kvstage_staging_layout(NULL, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`src`");
-    EXPECT(kvstage_staging_layout(&src.layout, NULL, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`dst`");
-    EXPECT(kvstage_staging_layout(&src.layout, &dst.layout, 8, NULL, writers, 4), KVSTAGE_E_INVALID_ARG, "`out`");
-    EXPECT(kvstage_staging_layout(&src.layout, &dst.layout, 8, &st, NULL, 4), KVSTAGE_E_INVALID_ARG, "`writers`");
-    EXPECT(kvstage_staging_layout(&src.layout, &dst.layout, 8, &st, writers, 1), KVSTAGE_E_INVALID_ARG,
+    EXPECT(kvstage_staging_layout_compute(NULL, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`src`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, NULL, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`dst`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, &dst.layout, 8, NULL, writers, 4), KVSTAGE_E_INVALID_ARG, "`out`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, &dst.layout, 8, &st, NULL, 4), KVSTAGE_E_INVALID_ARG, "`writers`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, &dst.layout, 8, &st, writers, 1), KVSTAGE_E_INVALID_ARG,
            "`writers_len`");
     CHECK_INT(st.num_writers, 2); /* still filled */
-    EXPECT(kvstage_staging_layout(&src.layout, &dst.layout, 8, &st, NULL, 0), KVSTAGE_OK, NULL);
-    EXPECT(kvstage_staging_layout(&src.layout, &dst.layout, 6, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`tokens`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, &dst.layout, 8, &st, NULL, 0), KVSTAGE_OK, NULL);
+    EXPECT(kvstage_staging_layout_compute(&src.layout, &dst.layout, 6, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`tokens`");
     st.struct_size = 0;
-    EXPECT(kvstage_staging_layout(&src.layout, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
+    EXPECT(kvstage_staging_layout_compute(&src.layout, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
            "`out->struct_size`");
     st.struct_size = sizeof st;
     src.layout.struct_size = 0;
-    EXPECT(kvstage_staging_layout(&src.layout, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
+    EXPECT(kvstage_staging_layout_compute(&src.layout, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
            "`src->struct_size`");
     src.layout.struct_size = sizeof src.layout;
     dst.layout.tp_rank = 1;
-    EXPECT_CAUSE(kvstage_staging_layout(&src.layout, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_INVALID,
+    EXPECT_CAUSE(kvstage_staging_layout_compute(&src.layout, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_INVALID,
                  "`dst`", "`tp_rank`");
     dst.layout.tp_rank = 0;
     /* Only the shape is read: bases may be NULL. */
     src.layout.k_bases = NULL;
     src.layout.v_bases = NULL;
-    EXPECT(kvstage_staging_layout(&src.layout, &dst.layout, 8, &st, writers, 4), KVSTAGE_OK, NULL);
+    EXPECT(kvstage_staging_layout_compute(&src.layout, &dst.layout, 8, &st, writers, 4), KVSTAGE_OK, NULL);
     /* Geometry that disagrees (head_dim): a mismatch, one cause per field. */
     src.layout.head_dim = 16;
-    EXPECT_CAUSE(kvstage_staging_layout(&src.layout, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_MISMATCH,
+    EXPECT_CAUSE(kvstage_staging_layout_compute(&src.layout, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_MISMATCH,
                  "", "head_dim");
     free(src.memory);
     free(dst.memory);
@@ -474,7 +483,7 @@ static void test_sessions(void) {
     REQUIRE(kvstage_engine_register_pool(decode, &dec.layout) == KVSTAGE_OK);
     REQUIRE(kvstage_engine_register_staging(decode, NULL, 1 << 16) == KVSTAGE_OK);
     REQUIRE(kvstage_engine_register_pool(prefill, &pre.layout) == KVSTAGE_OK);
-    REQUIRE(kvstage_engine_listen_address(decode, addr, sizeof addr) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL) == KVSTAGE_OK);
 
     EXPECT(kvstage_session_connect(NULL, addr, "bad-1", 2000, &out_s), KVSTAGE_E_INVALID_ARG, "`engine`");
     EXPECT(kvstage_session_connect(prefill, NULL, "bad-1", 2000, &out_s), KVSTAGE_E_INVALID_ARG, "`peer_address`");
@@ -575,7 +584,7 @@ static void test_foreign_handles(void) {
     REQUIRE(zeros != NULL);
     REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
 
-    EXPECT(kvstage_engine_listen_address((const kvstage_engine *)zeros, buf, sizeof buf), KVSTAGE_E_INVALID_ARG,
+    EXPECT(kvstage_engine_listen_address((const kvstage_engine *)zeros, buf, sizeof buf, NULL), KVSTAGE_E_INVALID_ARG,
            "not a live kvstage handle");
     CHECK_CONTAINS(kvstage_error_last()->message, "`engine`");
     EXPECT(kvstage_room_release((const kvstage_engine *)zeros, 1), KVSTAGE_E_INVALID_ARG, "`engine`");
@@ -620,7 +629,7 @@ static void test_poisoned(void) {
 
 #define POISONED(call) EXPECT(call, KVSTAGE_E_POISONED, "`engine` (kvstage_engine) was poisoned")
     POISONED(kvstage_testing_panic(e));
-    POISONED(kvstage_engine_listen_address(e, buf, sizeof buf));
+    POISONED(kvstage_engine_listen_address(e, buf, sizeof buf, NULL));
     POISONED(kvstage_engine_register_pool(e, &p.layout));
     POISONED(kvstage_engine_register_pool(e, NULL)); /* the handle is checked first */
     POISONED(kvstage_engine_register_staging(e, NULL, 4096));
@@ -636,7 +645,7 @@ static void test_poisoned(void) {
 
     /* Other engines are unaffected; the poisoned one can and must be freed. */
     fresh = engine_new();
-    EXPECT(kvstage_engine_listen_address(fresh, buf, sizeof buf), KVSTAGE_OK, NULL);
+    EXPECT(kvstage_engine_listen_address(fresh, buf, sizeof buf, NULL), KVSTAGE_OK, NULL);
     kvstage_engine_free(fresh);
     kvstage_engine_free(e);
     ++g_cases;

@@ -83,7 +83,7 @@ int main(void) {
     REQUIRE(kvstage_engine_register_pool(prefill, &pp.layout) == KVSTAGE_OK);
     for (uint64_t room = 0; room < OPS; ++room) REQUIRE(kvstage_room_open(decode, room, PAGES, 4, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
     char addr[64] = {0};
-    REQUIRE(kvstage_engine_listen_address(decode, addr, sizeof addr) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL) == KVSTAGE_OK);
     kvstage_session *session = NULL;
     REQUIRE(kvstage_session_connect(prefill, addr, "completion", 0, &session) == KVSTAGE_OK);
 

@@ -1,5 +1,5 @@
-/* Geometry from C: kvstage_head_slice (GEOMETRY.md examples, bad input names the argument and
- * leaves *out untouched), kvstage_staging_layout (count query, too-small array, filled entries,
+/* Geometry from C: kvstage_head_slice_compute(GEOMETRY.md examples, bad input names the argument and
+ * leaves *out untouched), kvstage_staging_layout_compute(count query, too-small array, filled entries,
  * errors naming the layout and field), kvstage_kv_layout_init/validate, writers and grid.
  * Also built as C++17. */
 #include "kvstage_check.h"
@@ -20,6 +20,7 @@ static kvstage_kv_layout layout(uint32_t tp_rank, uint32_t tp_size, size_t num_l
     CHECK_INT(l.struct_size, sizeof(kvstage_kv_layout));
     CHECK_INT(l.model_kind, KVSTAGE_MODEL_MHA);
     CHECK_INT(l.memory_kind, KVSTAGE_MEMORY_HOST);
+    CHECK_INT(l.local_heads, 0); /* derived from global_heads and tp_size unless set */
     l.page_size = 16;
     l.global_heads = 8;
     l.local_heads = 8 / tp_size;
@@ -33,43 +34,43 @@ static kvstage_kv_layout layout(uint32_t tp_rank, uint32_t tp_size, size_t num_l
 }
 
 int main(void) {
-    kvstage_head_slice_t hs;
+    kvstage_head_slice hs;
     uint32_t rank, n = 0;
     static const uint32_t p4d2[4] = {0, 2, 0, 2}, p1d4[4] = {0, 0, 1, 1};
 
     /* GEOMETRY.md: P4->D2, H=8: dst_start for prefill ranks 0..3 = [0, 2, 0, 2], n = 2. */
     for (rank = 0; rank < 4; rank++) {
-        CHECK_OK(kvstage_head_slice(4, 2, rank, rank / 2, 8, &hs));
+        CHECK_OK(kvstage_head_slice_compute(4, 2, rank, rank / 2, 8, &hs));
         CHECK_INT(hs.src_head_start, 0);
         CHECK_INT(hs.num_heads, 2);
         CHECK_INT(hs.dst_head_start, p4d2[rank]);
     }
     /* P2->D4, H=8: src_start for decode ranks 0..3 = [0, 2, 0, 2]. */
     for (rank = 0; rank < 4; rank++) {
-        CHECK_OK(kvstage_head_slice(2, 4, rank / 2, rank, 8, &hs));
+        CHECK_OK(kvstage_head_slice_compute(2, 4, rank / 2, rank, 8, &hs));
         CHECK_INT(hs.src_head_start, p4d2[rank]);
         CHECK_INT(hs.num_heads, 2);
     }
     /* P1->D4, H=2 (replication): src_start = [0, 0, 1, 1], n = 1. */
     for (rank = 0; rank < 4; rank++) {
-        CHECK_OK(kvstage_head_slice(1, 4, 0, rank, 2, &hs));
+        CHECK_OK(kvstage_head_slice_compute(1, 4, 0, rank, 2, &hs));
         CHECK_INT(hs.src_head_start, p1d4[rank]);
         CHECK_INT(hs.num_heads, 1);
     }
     /* Equal TP: (0, H/tp, 0). */
-    CHECK_OK(kvstage_head_slice(4, 4, 3, 3, 8, &hs));
+    CHECK_OK(kvstage_head_slice_compute(4, 4, 3, 3, 8, &hs));
     CHECK_INT(hs.src_head_start, 0);
     CHECK_INT(hs.num_heads, 2);
     CHECK_INT(hs.dst_head_start, 0);
 
     /* Bad input: a negative code, a message naming the argument, *out untouched. */
     hs.src_head_start = 77;
-    CHECK_ERROR(kvstage_head_slice(4, 2, 4, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
-    CHECK_ERROR(kvstage_head_slice(4, 2, 0, 2, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_rank`");
-    CHECK_ERROR(kvstage_head_slice(0, 2, 0, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_tp`");
-    CHECK_ERROR(kvstage_head_slice(4, 2, 0, 0, 6, &hs), KVSTAGE_E_INVALID_ARG, "`total_kv_heads`");
-    CHECK_ERROR(kvstage_head_slice(4, 2, 2, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "does not write to decode rank 0");
-    CHECK_ERROR(kvstage_head_slice(4, 2, 0, 0, 8, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
+    CHECK_ERROR(kvstage_head_slice_compute(4, 2, 4, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
+    CHECK_ERROR(kvstage_head_slice_compute(4, 2, 0, 2, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_rank`");
+    CHECK_ERROR(kvstage_head_slice_compute(0, 2, 0, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_tp`");
+    CHECK_ERROR(kvstage_head_slice_compute(4, 2, 0, 0, 6, &hs), KVSTAGE_E_INVALID_ARG, "`total_kv_heads`");
+    CHECK_ERROR(kvstage_head_slice_compute(4, 2, 2, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "does not write to decode rank 0");
+    CHECK_ERROR(kvstage_head_slice_compute(4, 2, 0, 0, 8, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
     CHECK_INT(hs.src_head_start, 77);
 
     CHECK_OK(kvstage_writers_per_chunk(8, 2, 2, 1, &n));
@@ -82,23 +83,23 @@ int main(void) {
     {
         /* 70B-shaped, P4->D2, 8192 tokens: 2 writers of 640 MiB. */
         kvstage_kv_layout src = layout(0, 4, 80), dst = layout(1, 2, 80);
-        kvstage_staging_layout_t out;
-        kvstage_staging_writer_t w[3], one[1];
+        kvstage_staging_layout out;
+        kvstage_staging_writer w[3], one[1];
         const kvstage_error *e;
         memset(&out, 0, sizeof out);
         memset(w, 0, sizeof w);
         memset(one, 0, sizeof one);
         out.struct_size = sizeof out;
-        CHECK_OK(kvstage_staging_layout(&src, &dst, 8192, &out, NULL, 0)); /* count query */
+        CHECK_OK(kvstage_staging_layout_compute(&src, &dst, 8192, &out, NULL, 0)); /* count query */
         CHECK_INT(out.num_writers, 2);
         CHECK_INT(out.total_bytes, 1280ull << 20);
         CHECK_INT(out.row_bytes, 512);
         CHECK_INT(out.slab_bytes, 8192ull * 512);
         CHECK_INT(out.buffers_per_layer, 2);
         out.num_writers = 0;
-        CHECK_ERROR(kvstage_staging_layout(&src, &dst, 8192, &out, one, 1), KVSTAGE_E_INVALID_ARG, "`writers_len`");
+        CHECK_ERROR(kvstage_staging_layout_compute(&src, &dst, 8192, &out, one, 1), KVSTAGE_E_INVALID_ARG, "`writers_len`");
         CHECK_INT(out.num_writers, 2); /* the required count is reported */
-        CHECK_OK(kvstage_staging_layout(&src, &dst, 8192, &out, w, 3));
+        CHECK_OK(kvstage_staging_layout_compute(&src, &dst, 8192, &out, w, 3));
         CHECK_INT(w[1].offset, 640ull << 20);
         CHECK_INT(w[1].bytes, 640ull << 20);
         CHECK_INT(w[1].layers, 80);
@@ -107,13 +108,19 @@ int main(void) {
         CHECK_INT(w[1].dst_head_start, 2);
 
         dst.local_heads = 2; /* should be 4 on a TP-2 rank of 8 heads */
-        CHECK_ERROR(kvstage_staging_layout(&src, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_INVALID, "`dst`");
+        CHECK_ERROR(kvstage_staging_layout_compute(&src, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_INVALID, "`dst`");
         e = kvstage_error_last();
         REQUIRE(e->cause_count >= 1);
         CHECK_CONTAINS(e->causes[0], "`local_heads`: 2 != 4");
+        dst.local_heads = 0; /* derived: max(1, 8 / 2) = 4, the same layout as above */
+        memset(w, 0xAB, sizeof w);
+        CHECK_OK(kvstage_staging_layout_compute(&src, &dst, 8192, &out, w, 3));
+        CHECK_INT(w[1].bytes, 640ull << 20);
+        CHECK_INT(w[1].num_heads, 2);
+        CHECK_INT(w[1].dst_head_start, 2);
         dst.local_heads = 4;
         dst.head_dim = 64;
-        CHECK_ERROR(kvstage_staging_layout(&src, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_MISMATCH, "mismatch");
+        CHECK_ERROR(kvstage_staging_layout_compute(&src, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_MISMATCH, "mismatch");
         e = kvstage_error_last();
         REQUIRE(e->cause_count == 1);
         CHECK_STR(e->causes[0], "head_dim: local 128 != remote 64");

@@ -130,7 +130,7 @@ int main(void) {
     CHECK_OK(kvstage_engine_register_staging(decode, NULL, 1 << 20));
     CHECK_OK(kvstage_room_open(decode, ROOM, DST_PAGES, NPAGES, CHUNK, &chunks));
     CHECK_INT(chunks, NPAGES * PAGE / CHUNK);
-    CHECK_OK(kvstage_engine_listen_address(decode, addr, sizeof addr));
+    CHECK_OK(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL));
     for (r = 0; r < 2; r++) {
         char id[32];
         snprintf(id, sizeof id, "gpu-p%d", r);

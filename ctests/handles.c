@@ -163,17 +163,17 @@ static void desc_for(kvstage_transfer_desc *d, uint64_t room, uint32_t chunk, ui
 }
 
 static void world_init(world *w) {
-    kvstage_staging_layout_t st;
+    kvstage_staging_layout st;
     kvstage_transfer_desc d;
     pool_init(&w->pre, 0, 2);
     pool_init(&w->dec, 0, 1);
     memset(&st, 0, sizeof st);
     st.struct_size = sizeof st;
-    REQUIRE(kvstage_staging_layout(&w->pre.layout, &w->dec.layout, CHUNK_TOKENS, &st, NULL, 0) == KVSTAGE_OK);
+    REQUIRE(kvstage_staging_layout_compute(&w->pre.layout, &w->dec.layout, CHUNK_TOKENS, &st, NULL, 0) == KVSTAGE_OK);
     REQUIRE(st.num_writers == 2);
     w->decode = engine_with_pool(&w->dec);
     REQUIRE(kvstage_engine_register_staging(w->decode, NULL, (size_t)st.total_bytes) == KVSTAGE_OK);
-    REQUIRE(kvstage_engine_listen_address(w->decode, w->addr, sizeof w->addr) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_listen_address(w->decode, w->addr, sizeof w->addr, NULL) == KVSTAGE_OK);
     w->prefill = engine_with_pool(&w->pre);
     w->session = NULL;
     CHECK_OK(kvstage_session_connect(w->prefill, w->addr, "handles", 5000, &w->session));
@@ -210,7 +210,7 @@ static void engine_exports(world *w, kvstage_engine *e, const char *needle) {
     kvstage_session *s = SENTINEL_SESSION;
     stats.struct_size = sizeof stats;
 
-    EXPECT_INVALID(kvstage_engine_listen_address(e, buf, sizeof buf), "`engine`", needle);
+    EXPECT_INVALID(kvstage_engine_listen_address(e, buf, sizeof buf, NULL), "`engine`", needle);
     EXPECT_INVALID(kvstage_engine_register_pool(e, &w->dec.layout), "`engine`", needle);
     EXPECT_INVALID(kvstage_engine_register_staging(e, NULL, 4096), "`engine`", needle);
     EXPECT_INVALID(kvstage_engine_stats_get(e, &stats), "`engine`", needle);
@@ -251,9 +251,9 @@ static void op_exports(kvstage_op *op, const char *needle) {
 static void still_live(world *w) {
     char buf[64];
     ++g_cases;
-    CHECK_OK(kvstage_engine_listen_address(w->decode, buf, sizeof buf));
+    CHECK_OK(kvstage_engine_listen_address(w->decode, buf, sizeof buf, NULL));
     CHECK_STR(buf, w->addr);
-    CHECK_OK(kvstage_engine_listen_address(w->prefill, buf, sizeof buf));
+    CHECK_OK(kvstage_engine_listen_address(w->prefill, buf, sizeof buf, NULL));
     CHECK_INT(kvstage_op_poll(w->op), w->op_result);
     {
         kvstage_transfer_desc d;
@@ -439,7 +439,7 @@ static void test_free_engine_during_room_wait(world *w) {
         r.engine = engine_with_pool(&w->dec);
         r.room = 10 + (uint64_t)i;
         REQUIRE(kvstage_room_open(r.engine, r.room, DST_PAGES, 4, CHUNK_TOKENS, &chunks) == KVSTAGE_OK);
-        REQUIRE(kvstage_engine_listen_address(r.engine, addr, sizeof addr) == KVSTAGE_OK);
+        REQUIRE(kvstage_engine_listen_address(r.engine, addr, sizeof addr, NULL) == KVSTAGE_OK);
         hit = run_race(&r, DELAY(i));
         in_flight += hit;
         /* A held the last reference: the engine stopped when A returned (its port is closed). */

@@ -96,7 +96,7 @@ static pid_t spawn_decode(uint32_t head_dim, uint32_t dtype, size_t ring_bytes, 
             REQUIRE(chunks == 2);
         }
         char addr[64] = {0}; /* all 64 bytes go through the pipe */
-        REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr) == KVSTAGE_OK);
+        REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
         REQUIRE(write(addr_pipe[1], addr, sizeof addr) == (ssize_t)sizeof addr);
         char c;
         while (read(done_pipe[0], &c, 1) > 0) {
@@ -128,7 +128,7 @@ static void test_connection_refused(void) {
     kvstage_engine *e = NULL;
     REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
     char addr[64];
-    REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
     kvstage_engine_free(e);
     pool p;
     pool_init(&p, 0, 2, 8, 2);
@@ -279,7 +279,7 @@ static void test_prefill_killed_mid_chunk(void) {
     REQUIRE(kvstage_engine_register_staging(e, NULL, 4096) == KVSTAGE_OK);
     REQUIRE(kvstage_room_open(e, ROOM, PAGES, 8, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
     char addr[64] = {0};
-    REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
     REQUIRE(write(addr_pipe[1], addr, sizeof addr) == (ssize_t)sizeof addr);
     char c;
     REQUIRE(read(sent_pipe[0], &c, 1) == 1);

@@ -71,7 +71,7 @@ static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *p
         dst[i] = (uint32_t)i;
         src[i] = (uint32_t)(NPAGES + i);
     }
-    REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr, NULL) == KVSTAGE_OK);
     CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, &chunks));
     CHECK_INT(chunks, 1);
     if (kvstage_session_connect(pre, addr, session_id, 10000, &s) != KVSTAGE_OK) {

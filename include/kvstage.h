@@ -7,9 +7,9 @@
 #include <stdint.h>
 
 #define KVSTAGE_VERSION_MAJOR 0
-#define KVSTAGE_VERSION_MINOR 1
+#define KVSTAGE_VERSION_MINOR 2
 #define KVSTAGE_VERSION_PATCH 0
-#define KVSTAGE_VERSION_STRING "0.1.0"
+#define KVSTAGE_VERSION_STRING "0.2.0"
 #define KVSTAGE_VERSION ((KVSTAGE_VERSION_MAJOR << 16) | (KVSTAGE_VERSION_MINOR << 8) | KVSTAGE_VERSION_PATCH)
 
 
@@ -125,6 +125,30 @@ typedef enum kvstage_completion_kind {
     KVSTAGE_COMPLETION_CHUNK = 2,
 } kvstage_completion_kind;
 
+// Severity of a log record, and the most verbose level a sink receives (each level includes the
+// ones above it). Passed as a plain int.
+//
+// Without a callback, records go to stderr at the level of the environment variable
+// `KVSTAGE_LOG` (`off`, `error`, `warn`, `info`, `debug` or `trace`; default `warn`), read once
+// when the first engine is created or a callback is set.
+typedef enum kvstage_log_level {
+    // As `max_level`: no records at all.
+    KVSTAGE_LOG_OFF = 0,
+    // Something failed that an operator must look at (RDMA queue pair errors, caught panics,
+    // rooms failed by a CUDA, RDMA or internal error).
+    KVSTAGE_LOG_ERROR = 1,
+    // Something failed or degraded and the library carried on (a room failed, a session
+    // downgraded from RDMA to TCP, a connection lost or refused).
+    KVSTAGE_LOG_WARN = 2,
+    // Lifecycle: engines created and freed, sessions opened and closed with their transport.
+    KVSTAGE_LOG_INFO = 3,
+    // Details for diagnosis (errors also returned to the caller, connections without a valid
+    // hello); at most one record per chunk.
+    KVSTAGE_LOG_DEBUG = 4,
+    // Per chunk.
+    KVSTAGE_LOG_TRACE = 5,
+} kvstage_log_level;
+
 // An engine: listener, peers, registrations and worker threads. Thread-safe.
 typedef struct kvstage_engine kvstage_engine;
 
@@ -134,6 +158,32 @@ typedef struct kvstage_op kvstage_op;
 // A sender session: one (prefill rank → decode rank) peering. Thread-safe; transfers on one
 // session may run concurrently.
 typedef struct kvstage_session kvstage_session;
+
+// Where one transfer (one chunk) spent its time, in nanoseconds (monotonic clock). A phase that
+// did not happen is 0 (a fallback has only `total_ns`; a failure has the phases it reached, the
+// one it failed in included). The phases run one after the other in the order below, so
+// `total_ns` >= the sum of the others. In sums (`timings_sum` of the stats structs) each field is
+// the sum over the counted transfers.
+typedef struct kvstage_transfer_timings {
+    size_t struct_size;
+    // Asynchronous transfers: from `kvstage_transfer_async` to a transfer worker taking it up.
+    uint64_t queued_ns;
+    // The allocation request's round trip to the receiver (the grant of ring space), plus waiting
+    // until the receiver's watermark lets the granted range be written (its ring is full).
+    uint64_t watermark_wait_ns;
+    // Waiting for a send staging buffer of the engine (all in use by other chunks), or
+    // allocating a new one.
+    uint64_t alloc_wait_ns;
+    // Gathering the chunk's pages into the staging buffer (for CUDA pools the wait for the
+    // producer's ready point included), plus the integrity checksum when the chunk carries one.
+    uint64_t gather_ns;
+    // The bulk write of the gathered bytes and the ready frame (slice path: all slice writes).
+    uint64_t wire_ns;
+    // From the end of the write to the receiver's acknowledgement of the arrival.
+    uint64_t ack_ns;
+    // The whole transfer, from the call (asynchronous: `kvstage_transfer_async`) to its result.
+    uint64_t total_ns;
+} kvstage_transfer_timings;
 
 // One completion, as handed to a `kvstage_completion_fn`.
 typedef struct kvstage_completion {
@@ -146,6 +196,13 @@ typedef struct kvstage_completion {
     // `KVSTAGE_COMPLETION_CHUNK`: the decode room and chunk.
     uint64_t room;
     uint32_t chunk_index;
+    // Appended with the metrics: read only when `struct_size` covers it.
+    // `KVSTAGE_COMPLETION_OP`: the transfer's phase timings (as `kvstage_op_timings_get`).
+    struct kvstage_transfer_timings timings;
+    // `KVSTAGE_COMPLETION_CHUNK` with status OK, staged path: nanoseconds from the arrival of the
+    // chunk's last writer to the end of its scatter (see `kvstage_engine_stats.scatter_ns_sum`);
+    // 0 otherwise.
+    uint64_t scatter_ns;
 } kvstage_completion;
 
 // Called once per completion, on a library thread (a transfer worker, a receiver connection
@@ -260,7 +317,8 @@ typedef struct kvstage_kv_layout {
     int32_t model_kind;
     // Token slots per page (1..=2^20).
     uint32_t page_size;
-    // KV heads on this rank: max(1, global_heads / tp_size); 1 for MLA.
+    // KV heads on this rank: max(1, global_heads / tp_size); 1 for MLA. 0 (the `_init` default)
+    // derives that value from `global_heads` and `tp_size`.
     uint32_t local_heads;
     // KV heads of the model; 1 for MLA.
     uint32_t global_heads;
@@ -319,19 +377,58 @@ typedef struct kvstage_engine_stats {
     uint64_t rooms_expired;
     // Panics caught in library threads (each failed the rooms involved with `KVSTAGE_E_PANIC`).
     uint64_t thread_panics;
+    // Metrics, appended from here on (a caller whose `struct_size` ends at `thread_panics` gets
+    // the fields above only). Sender side, every session this engine opened (freed ones
+    // included), as in `kvstage_session_stats`: payload bytes written completely to receivers.
+    uint64_t bytes_sent;
+    // Chunks whose bytes were written completely (acknowledged or not).
+    uint64_t chunks_sent;
+    // Transfers acknowledged (`KVSTAGE_OK`).
+    uint64_t transfers_ok;
+    // Transfers answered `KVSTAGE_FALLBACK`.
+    uint64_t transfers_fallback;
+    // Failed transfers = `transfers_timeout + transfers_canceled + transfers_peer_gone +
+    // transfers_failed_other`.
+    uint64_t transfers_failed;
+    uint64_t transfers_timeout;
+    uint64_t transfers_canceled;
+    uint64_t transfers_peer_gone;
+    uint64_t transfers_failed_other;
+    // Transfers in progress now (synchronous calls, asynchronous operations queued or running).
+    uint64_t transfers_in_flight;
+    // Ended transfers whose phase timings are summed in `timings_sum`.
+    uint64_t timed_transfers;
+    // Phase timings summed over those transfers.
+    struct kvstage_transfer_timings timings_sum;
+    // Receiver side: payload bytes received: staged writer shares counted once complete (their ready frame
+    // accepted), slice payloads once landed.
+    uint64_t bytes_received;
+    // Chunks that reached the KV pool (scattered from the ring, or completed by the slice path).
+    uint64_t chunks_received;
+    // Staged chunks timed from arrival to scatter done: from the arrival of the chunk's last
+    // writer (its ready frame: every byte in the ring) to the end of its scatter into the pool
+    // (checksum, acknowledgement, scatter queue and scatter). Count, sum and largest, in ns.
+    uint64_t scatter_count;
+    uint64_t scatter_ns_sum;
+    uint64_t scatter_ns_max;
+    // Bytes of the staging ring held by live allocations now: from the oldest live allocation to
+    // the end of the newest, wrap-around included (at most `ring_capacity`).
+    uint64_t ring_used_bytes;
+    // The largest `ring_used_bytes` ever (the ring's high-water mark).
+    uint64_t ring_high_water_bytes;
 } kvstage_engine_stats;
 
 // Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
-typedef struct kvstage_head_slice_t {
+typedef struct kvstage_head_slice {
     uint32_t src_head_start;
     uint32_t num_heads;
     uint32_t dst_head_start;
-} kvstage_head_slice_t;
+} kvstage_head_slice;
 
 // Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
 // call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` starts at
 // `writers[w].offset + (kv · writers[w].layers + l) · slab_bytes`.
-typedef struct kvstage_staging_layout_t {
+typedef struct kvstage_staging_layout {
     size_t struct_size;
     // Bytes of the whole allocation.
     uint64_t total_bytes;
@@ -344,12 +441,12 @@ typedef struct kvstage_staging_layout_t {
     uint32_t num_heads;
     // 2 (K, V) for MHA, 1 for MLA.
     uint32_t buffers_per_layer;
-    // Writers whose arrival completes the chunk (entries `kvstage_staging_layout` fills).
+    // Writers whose arrival completes the chunk (entries `kvstage_staging_layout_compute` fills).
     uint32_t num_writers;
-} kvstage_staging_layout_t;
+} kvstage_staging_layout;
 
 // One writer's region of a staging allocation.
-typedef struct kvstage_staging_writer_t {
+typedef struct kvstage_staging_writer {
     // Byte offset of the region within the allocation.
     uint64_t offset;
     uint64_t bytes;
@@ -362,7 +459,77 @@ typedef struct kvstage_staging_writer_t {
     uint32_t src_head_start;
     uint32_t num_heads;
     uint32_t dst_head_start;
-} kvstage_staging_writer_t;
+} kvstage_staging_writer;
+
+// One log record, as handed to a `kvstage_log_fn`. Every pointer is valid during the call only.
+typedef struct kvstage_log_record {
+    // `sizeof(kvstage_log_record)` of the library (fields are only ever appended).
+    size_t struct_size;
+    // A `kvstage_log_level` value: `KVSTAGE_LOG_ERROR` … `KVSTAGE_LOG_TRACE`.
+    int32_t level;
+    // Where in kvstage the record comes from, e.g. "kvstage::transport::rdma" (NUL-terminated).
+    const char *target;
+    // The session id the record is about (the one `kvstage_error.session` names), "" when none.
+    // Not repeated in `message`.
+    const char *session;
+    // One line of text without a trailing newline, e.g. "room 7 failed (KVSTAGE_E_TIMEOUT): …".
+    const char *message;
+} kvstage_log_record;
+
+// Receives kvstage's log records (see `kvstage_log_set_callback`).
+//
+// - **Threads.** Called on whatever thread logs: the caller's own thread inside a kvstage call,
+//   or a kvstage thread (listener, connection, transfer worker, scatter, RDMA completion). It
+//   can be called from several threads at once: it must be thread-safe.
+// - **Blocking.** It delays the thread that logs: return quickly (queue the record if the
+//   embedder's logger may block). It must not wait for anything that waits for kvstage (an
+//   engine being freed, an operation or room wait on another thread).
+// - **Reentrancy.** It must not call kvstage functions. Records that kvstage calls made from
+//   inside it would log are dropped, and `kvstage_log_set_callback` called from inside it fails
+//   with `KVSTAGE_E_UNSUPPORTED`.
+// - **Lifetime.** `record` and the strings it points to are valid during the call only: copy
+//   what must outlive it.
+// - **Unwinding.** It must return normally: no C++ exception, `longjmp` or thread exit may
+//   leave it (that would cross kvstage's frames, which is undefined behavior).
+typedef void (*kvstage_log_fn)(void *user_data, const struct kvstage_log_record *record);
+
+// Counters of one sender session (a snapshot). Transfers are counted once they end; a transfer
+// is one chunk (`kvstage_transfer`, `kvstage_transfer_slices` or `kvstage_transfer_async`).
+typedef struct kvstage_session_stats {
+    size_t struct_size;
+    // The transport the session's chunks use: `KVSTAGE_TRANSPORT_TCP` or `KVSTAGE_TRANSPORT_RDMA`.
+    int32_t transport;
+    // 1 when the engine's transport is AUTO and this session runs on TCP (counted in
+    // `kvstage_engine_stats.rdma_downgrades`), else 0.
+    uint32_t downgraded;
+    // Payload bytes written completely to the receiver (staged: this writer's share of each
+    // chunk; slice path: the slice payloads).
+    uint64_t bytes_sent;
+    // Chunks whose bytes were written completely (acknowledged or not).
+    uint64_t chunks_sent;
+    // Transfers the receiver acknowledged (`KVSTAGE_OK`).
+    uint64_t transfers_ok;
+    // Transfers answered `KVSTAGE_FALLBACK` (nothing allocated or sent).
+    uint64_t transfers_fallback;
+    // Transfers that failed (any error) = the four counters below together.
+    uint64_t transfers_failed;
+    // Failed with `KVSTAGE_E_TIMEOUT`.
+    uint64_t transfers_timeout;
+    // Failed with `KVSTAGE_E_CANCELED` (the operation canceled, the session or engine freed, the
+    // receiver released the room or does not have it open, a sender aborted the chunk).
+    uint64_t transfers_canceled;
+    // Failed with `KVSTAGE_E_PEER_GONE`.
+    uint64_t transfers_peer_gone;
+    // Failed with any other error code.
+    uint64_t transfers_failed_other;
+    // Transfers in progress now: synchronous calls running and asynchronous operations queued or
+    // running.
+    uint64_t transfers_in_flight;
+    // Transfers whose timings are in `timings_sum` (every ended transfer).
+    uint64_t timed_transfers;
+    // Phase timings summed over the ended transfers (divide by `timed_transfers` for means).
+    struct kvstage_transfer_timings timings_sum;
+} kvstage_session_stats;
 
 // One chunk to transfer. Fill with `kvstage_transfer_desc_init`.
 typedef struct kvstage_transfer_desc {
@@ -464,9 +631,10 @@ enum kvstage_status kvstage_engine_new(const struct kvstage_engine_options *opti
 // free, which records it in the last error) fail with `KVSTAGE_E_INVALID_ARG`.
 void kvstage_engine_free(struct kvstage_engine *engine);
 
-// Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated).
-// `KVSTAGE_E_INVALID_ARG` when `capacity` is too small (the message says how much is needed).
-enum kvstage_status kvstage_engine_listen_address(const struct kvstage_engine *engine, char *buf, size_t capacity);
+// Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated);
+// `*needed` (may be NULL) receives its size including the NUL. Too small a `capacity` (0 with
+// `buf` NULL asks for the size): `KVSTAGE_E_INVALID_ARG` naming both sizes.
+enum kvstage_status kvstage_engine_listen_address(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
 
 // Registers this rank's KV pool (copied; the memory it points to must outlive the engine).
 // A CUDA pool (`memory_kind` CUDA) is checked here: `KVSTAGE_E_NO_DEVICE` without libcuda or
@@ -479,7 +647,10 @@ enum kvstage_status kvstage_engine_register_pool(const struct kvstage_engine *en
 // `memory` is NULL. Senders learn its size in the handshake.
 enum kvstage_status kvstage_engine_register_staging(const struct kvstage_engine *engine, void *memory, size_t bytes);
 
-// Fills `out` (set `out->struct_size` first) with the engine's counters.
+// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_engine_stats)`) with the
+// engine's counters. A smaller `struct_size` (a caller built with an older header, whose struct
+// ends at `thread_panics`: `offsetof(kvstage_engine_stats, bytes_sent)`) gets the fields it holds;
+// nothing past it is written.
 enum kvstage_status kvstage_engine_stats_get(const struct kvstage_engine *engine, struct kvstage_engine_stats *out);
 
 // Fills `layout` with defaults (sets `struct_size`; MHA, page_size 1, one head, bf16, TP 1,
@@ -494,10 +665,10 @@ enum kvstage_status kvstage_kv_layout_validate(const struct kvstage_kv_layout *l
 // `dst_tp`) for a model with `total_kv_heads` KV heads (MHA/GQA). `KVSTAGE_E_INVALID_ARG` naming
 // the argument for zero sizes, ranks not below their size, head counts that do not divide a TP
 // size, TP sizes that are not multiples of one another, or ranks that do not exchange data.
-enum kvstage_status kvstage_head_slice(uint32_t src_tp, uint32_t dst_tp, uint32_t src_rank, uint32_t dst_rank, uint32_t total_kv_heads, struct kvstage_head_slice_t *out);
+enum kvstage_status kvstage_head_slice_compute(uint32_t src_tp, uint32_t dst_tp, uint32_t src_rank, uint32_t dst_rank, uint32_t total_kv_heads, struct kvstage_head_slice *out);
 
 // Writers per chunk on an MHA decode rank: `tp_writers × pp_writers` (an MLA decode rank has
-// `pp_writers`; `kvstage_staging_layout` reports both exactly).
+// `pp_writers`; `kvstage_staging_layout_compute` reports both exactly).
 enum kvstage_status kvstage_writers_per_chunk(uint32_t src_tp, uint32_t dst_tp, uint32_t src_pp, uint32_t dst_pp, uint32_t *out);
 
 // Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.
@@ -509,7 +680,43 @@ enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_siz
 // `writers` may be NULL with `writers_len` 0 to ask for the count only. When `writers_len` is
 // too small, `out` (with `num_writers`) is still filled and `KVSTAGE_E_INVALID_ARG` names
 // `writers_len`.
-enum kvstage_status kvstage_staging_layout(const struct kvstage_kv_layout *src, const struct kvstage_kv_layout *dst, uint32_t tokens, struct kvstage_staging_layout_t *out, struct kvstage_staging_writer_t *writers, size_t writers_len);
+enum kvstage_status kvstage_staging_layout_compute(const struct kvstage_kv_layout *src, const struct kvstage_kv_layout *dst, uint32_t tokens, struct kvstage_staging_layout *out, struct kvstage_staging_writer *writers, size_t writers_len);
+
+// Sends kvstage's log records at or above `max_level` (a `kvstage_log_level` value) to
+// `callback` instead of stderr, with `user_data` handed back unchanged; `callback` NULL sends
+// them to stderr again (at the `KVSTAGE_LOG` level; `max_level` is then ignored). Process-wide:
+// one callback for every engine. See `kvstage_log_fn` for the threads it runs on and what it
+// must not do.
+//
+// Safe to call at any time from any thread (except from inside the callback: that fails with
+// `KVSTAGE_E_UNSUPPORTED`): it returns only once no call of the previous callback is running or
+// can start, so the previous `user_data` may be freed as soon as it returns. It waits for those
+// calls: do not call it while holding a lock that the callback takes.
+//
+// `max_level` outside `KVSTAGE_LOG_OFF`..=`KVSTAGE_LOG_TRACE` is `KVSTAGE_E_INVALID_ARG`.
+enum kvstage_status kvstage_log_set_callback(kvstage_log_fn callback, void *user_data, int32_t max_level);
+
+#if defined(KVSTAGE_TESTING)
+// TEST BUILDS ONLY (cargo feature `testing`): logs `message` at `level` (a `kvstage_log_level`
+// value, 1..=5) with target "kvstage::testing" and `session` (NULL or "" for none), to test the
+// sinks without staging a failure.
+enum kvstage_status kvstage_testing_log(int32_t level, const char *session, const char *message);
+#endif
+
+// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_session_stats)`) with the
+// session's counters; a smaller, older `struct_size` gets the fields it holds.
+enum kvstage_status kvstage_session_stats_get(const struct kvstage_session *session, struct kvstage_session_stats *out);
+
+// Fills `out` (set `out->struct_size` first) with the phase timings of a finished asynchronous
+// operation and returns `KVSTAGE_OK`; while it runs, returns `KVSTAGE_PENDING` and leaves `out`
+// as it is. The same timings come with the operation's completion (`kvstage_completion.timings`).
+enum kvstage_status kvstage_op_timings_get(const struct kvstage_op *op, struct kvstage_transfer_timings *out);
+
+// Fills `out` (set `out->struct_size` first) with the phase timings of the last synchronous
+// transfer (`kvstage_transfer` or `kvstage_transfer_slices`) this thread called, whatever its
+// result; zeros before the first one and after one that failed before it started (a bad
+// argument). Other kvstage calls leave them as they are.
+enum kvstage_status kvstage_transfer_timings_last(struct kvstage_transfer_timings *out);
 
 // Connects to the decode engine at `peer_address` ("127.0.0.1:5000") and runs the handshake
 // (versions, geometry fingerprints, pairing). A geometry disagreement fails with

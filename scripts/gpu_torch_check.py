@@ -86,7 +86,7 @@ class Lib:
         L.kvstage_engine_new.argtypes = [C.c_void_p, C.POINTER(C.c_void_p)]
         L.kvstage_engine_register_pool.argtypes = [C.c_void_p, C.c_void_p]
         L.kvstage_engine_register_staging.argtypes = [C.c_void_p, C.c_void_p, C.c_size_t]
-        L.kvstage_engine_listen_address.argtypes = [C.c_void_p, C.c_char_p, C.c_size_t]
+        L.kvstage_engine_listen_address.argtypes = [C.c_void_p, C.c_char_p, C.c_size_t, C.c_void_p]
         L.kvstage_kv_layout_init.argtypes = [C.c_void_p]
         L.kvstage_transfer_desc_init.argtypes = [C.c_void_p]
         L.kvstage_session_connect.argtypes = [C.c_void_p, C.c_char_p, C.c_char_p, C.c_uint64, C.POINTER(C.c_void_p)]
@@ -171,7 +171,7 @@ class Rank:
 
     def address(self):
         buf = C.create_string_buffer(64)
-        self.lib.check(self.lib.lib.kvstage_engine_listen_address(self.engine, buf, 64), "listen_address")
+        self.lib.check(self.lib.lib.kvstage_engine_listen_address(self.engine, buf, 64, None), "listen_address")
         return buf.value
 
     def free(self):

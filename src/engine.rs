@@ -1,4 +1,7 @@
-//! The top-level object: options, registrations, worker threads, stats.
+//! The top-level object: options, registrations, worker threads, stats, logging ([`logging`]).
+
+pub mod logging;
+pub mod stats;
 
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
@@ -201,6 +204,7 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(options: EngineOptions) -> Result<Engine> {
+        logging::init();
         let listen = options.validate()?;
         // RDMA devices: transport rdma without a usable one fails here (KVSTAGE_E_NO_DEVICE, the
         // causes down to the OS error of the device list); auto without one runs on TCP.
@@ -210,6 +214,9 @@ impl Engine {
             TransportKind::Rdma => RdmaMode::Required,
         };
         let rdma = Rdma::open(rdma_mode, options.rdma.clone())?;
+        if rdma_mode == RdmaMode::Auto && !rdma.active() {
+            log::info!("transport auto: no usable RDMA device, sessions will use tcp ({})", rdma.unavailable_reason());
+        }
         let backlog = options.listener.max_connections.clamp(128, 4096) as i32;
         let listener = crate::transport::tcp::listen(listen, backlog)?;
         let local_addr = listener.local_addr()?;
@@ -232,6 +239,7 @@ impl Engine {
                 faults: options.faults.clone(),
             },
             rdma: rdma.clone(),
+            counters: Default::default(),
         });
         let config = ReceiverConfig {
             chunk_tokens: options.chunk_tokens,
@@ -259,6 +267,7 @@ impl Engine {
         let accept_listener = listener.try_clone()?;
         let (accept_receiver, accept_conns) = (receiver.clone(), conns.clone());
         let accept_thread = spawn("kvstage-accept", move || accept_conns.run(accept_listener, accept_receiver))?;
+        log::info!("engine listening on {local_addr}, transport {}", describe_transport(options.transport, &rdma));
         Ok(Engine {
             options,
             local_addr,
@@ -336,6 +345,17 @@ impl Engine {
     }
 }
 
+/// "auto (rdma: mlx5_0:1)", "rdma (mlx5_0:1, mlx5_1:1)", "tcp", "auto (tcp only)" for the log.
+fn describe_transport(kind: TransportKind, rdma: &Rdma) -> String {
+    let nics = || rdma.nics().iter().map(|n| n.attrs.describe()).collect::<Vec<_>>().join(", ");
+    match kind {
+        TransportKind::Tcp => "tcp".to_owned(),
+        TransportKind::Auto if rdma.active() => format!("auto (rdma: {})", nics()),
+        TransportKind::Auto => "auto (tcp only)".to_owned(),
+        TransportKind::Rdma => format!("rdma ({})", nics()),
+    }
+}
+
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(name.to_owned())
@@ -345,6 +365,7 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 
 impl Drop for Engine {
     fn drop(&mut self) {
+        log::info!("engine on {} freed", self.local_addr);
         for s in self.sessions.lock().drain(..).filter_map(|w| w.upgrade()) {
             s.close("the engine was freed");
         }

@@ -23,8 +23,6 @@ pub mod ring;
 /// cbindgen:ignore
 pub mod session;
 /// cbindgen:ignore
-pub mod testkit;
-/// cbindgen:ignore
 pub mod transport;
 
 pub use error::{Error, ErrorClass, Result, Status};

@@ -80,6 +80,20 @@ impl Ring {
         self.live.iter()
     }
 
+    /// Bytes of the ring held by live allocations: from the oldest live one to the end of the
+    /// newest (the head), wrap-around included, at most the capacity (an overcommitted grant
+    /// overlaps space already counted). Holes freed out of order count: nothing reuses them before
+    /// the watermark passes.
+    pub fn occupied(&self) -> u64 {
+        let Some(oldest) = self.live.front() else { return 0 };
+        let span = if oldest.round == self.round {
+            self.head.saturating_sub(oldest.offset)
+        } else {
+            (self.capacity - oldest.offset).saturating_add(self.head)
+        };
+        span.min(self.capacity)
+    }
+
     pub fn assign(&mut self, len: u64) -> Result<Grant, Oversized> {
         if len > self.capacity {
             return Err(Oversized { requested: len, capacity: self.capacity });
@@ -130,6 +144,28 @@ mod tests {
         assert!(!ring.watermark().permits(b.round, b.end()));
         assert_eq!(ring.free(a.id), Some(Watermark { round: 1, offset: 0 }));
         assert!(ring.watermark().permits(b.round, b.end()));
+    }
+
+    #[test]
+    fn occupied_spans_the_oldest_to_the_head_within_the_capacity() {
+        let mut ring = Ring::new(100);
+        assert_eq!(ring.occupied(), 0);
+        let a = ring.assign(40).unwrap();
+        let b = ring.assign(30).unwrap();
+        assert_eq!(ring.occupied(), 70);
+        ring.free(a.id);
+        assert_eq!(ring.occupied(), 30, "from b's start to the head");
+        let c = ring.assign(35).unwrap();
+        assert_eq!((c.round, c.offset), (1, 0));
+        assert_eq!(ring.occupied(), 100 - 40 + 35, "wraps: b's round from b on, plus c");
+        let d = ring.assign(10).unwrap();
+        assert_eq!((d.round, d.offset), (1, 35));
+        assert_eq!(ring.occupied(), 100, "d overlaps b (overcommit): at most the capacity");
+        ring.free(b.id);
+        assert_eq!(ring.occupied(), 45, "from c to the head");
+        ring.free(c.id);
+        ring.free(d.id);
+        assert_eq!(ring.occupied(), 0);
     }
 
     #[test]

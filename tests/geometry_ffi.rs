@@ -19,13 +19,13 @@ fn last_error() -> (Status, String, Vec<String>) {
 
 #[test]
 fn head_slice_examples_and_errors() {
-    let mut out = kvstage_head_slice_t::default();
+    let mut out = kvstage_head_slice::default();
     // P4→D2, H=8: prefill rank 3 feeds decode rank 1 at heads 2..4.
-    assert_eq!(unsafe { kvstage_head_slice(4, 2, 3, 1, 8, &mut out) }, Status::KVSTAGE_OK);
-    assert_eq!(out, kvstage_head_slice_t { src_head_start: 0, num_heads: 2, dst_head_start: 2 });
+    assert_eq!(unsafe { kvstage_head_slice_compute(4, 2, 3, 1, 8, &mut out) }, Status::KVSTAGE_OK);
+    assert_eq!(out, kvstage_head_slice { src_head_start: 0, num_heads: 2, dst_head_start: 2 });
     // P1→D4, H=2: decode rank 2 reads head 1.
-    assert_eq!(unsafe { kvstage_head_slice(1, 4, 0, 2, 2, &mut out) }, Status::KVSTAGE_OK);
-    assert_eq!(out, kvstage_head_slice_t { src_head_start: 1, num_heads: 1, dst_head_start: 0 });
+    assert_eq!(unsafe { kvstage_head_slice_compute(1, 4, 0, 2, 2, &mut out) }, Status::KVSTAGE_OK);
+    assert_eq!(out, kvstage_head_slice { src_head_start: 1, num_heads: 1, dst_head_start: 0 });
     assert_eq!(last_error().0, Status::KVSTAGE_OK);
 
     let before = out;
@@ -37,7 +37,7 @@ fn head_slice_examples_and_errors() {
         ((4, 2, 2, 0, 8), "`src_rank`"),
     ] {
         let (a, b, c, d, e) = args;
-        let st = unsafe { kvstage_head_slice(a, b, c, d, e, &mut out) };
+        let st = unsafe { kvstage_head_slice_compute(a, b, c, d, e, &mut out) };
         assert_eq!(st, Status::KVSTAGE_E_INVALID_ARG);
         assert!(st.code() < 0);
         let (code, message, _) = last_error();
@@ -45,7 +45,7 @@ fn head_slice_examples_and_errors() {
         assert!(message.contains(name), "{message} does not name {name}");
         assert_eq!(out, before, "out written on failure");
     }
-    assert_eq!(unsafe { kvstage_head_slice(4, 2, 3, 1, 8, std::ptr::null_mut()) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_head_slice_compute(4, 2, 3, 1, 8, std::ptr::null_mut()) }, Status::KVSTAGE_E_INVALID_ARG);
     assert!(last_error().1.contains("`out`"));
 }
 
@@ -81,25 +81,25 @@ fn layout(tp_rank: u32, tp: u32, layers: &[u32]) -> kvstage_kv_layout {
 fn staging_layout_fills_caller_storage_and_reports_the_count() {
     let layers: Vec<u32> = (0..80).collect();
     let (src, dst) = (layout(0, 4, &layers), layout(1, 2, &layers));
-    let mut out = kvstage_staging_layout_t { struct_size: std::mem::size_of::<kvstage_staging_layout_t>(), ..Default::default() };
+    let mut out = kvstage_staging_layout { struct_size: std::mem::size_of::<kvstage_staging_layout>(), ..Default::default() };
     // Count query.
-    assert_eq!(unsafe { kvstage_staging_layout(&src, &dst, 8192, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, &dst, 8192, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
     assert_eq!(out.num_writers, 2);
     assert_eq!(out.total_bytes, 1280 << 20);
     assert_eq!((out.row_bytes, out.slab_bytes, out.tokens, out.num_heads, out.buffers_per_layer), (512, 8192 * 512, 8192, 2, 2));
     // Too small: count still reported, error names writers_len.
-    let mut one = [kvstage_staging_writer_t::default(); 1];
+    let mut one = [kvstage_staging_writer::default(); 1];
     out.num_writers = 0;
-    assert_eq!(unsafe { kvstage_staging_layout(&src, &dst, 8192, &mut out, one.as_mut_ptr(), 1) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, &dst, 8192, &mut out, one.as_mut_ptr(), 1) }, Status::KVSTAGE_E_INVALID_ARG);
     assert_eq!(out.num_writers, 2);
     assert!(last_error().1.contains("`writers_len`: 1 entries are too few: the layout has 2 writers"));
-    assert_eq!(one[0], kvstage_staging_writer_t::default());
+    assert_eq!(one[0], kvstage_staging_writer::default());
     // Enough room.
-    let mut w = [kvstage_staging_writer_t::default(); 3];
-    assert_eq!(unsafe { kvstage_staging_layout(&src, &dst, 8192, &mut out, w.as_mut_ptr(), 3) }, Status::KVSTAGE_OK);
+    let mut w = [kvstage_staging_writer::default(); 3];
+    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, &dst, 8192, &mut out, w.as_mut_ptr(), 3) }, Status::KVSTAGE_OK);
     assert_eq!(
         w[1],
-        kvstage_staging_writer_t {
+        kvstage_staging_writer {
             offset: 640 << 20,
             bytes: 640 << 20,
             layers: 80,
@@ -110,10 +110,10 @@ fn staging_layout_fills_caller_storage_and_reports_the_count() {
             dst_head_start: 2
         }
     );
-    assert_eq!(w[2], kvstage_staging_writer_t::default());
+    assert_eq!(w[2], kvstage_staging_writer::default());
     // An older caller's smaller struct gets only its fields.
-    let mut small = kvstage_staging_layout_t { struct_size: 16, tokens: 77, ..Default::default() };
-    assert_eq!(unsafe { kvstage_staging_layout(&src, &dst, 8192, &mut small, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
+    let mut small = kvstage_staging_layout { struct_size: 16, tokens: 77, ..Default::default() };
+    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, &dst, 8192, &mut small, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
     assert_eq!((small.total_bytes, small.tokens, small.struct_size), (1280 << 20, 77, 16));
 }
 
@@ -121,9 +121,9 @@ fn staging_layout_fills_caller_storage_and_reports_the_count() {
 fn staging_layout_errors_name_the_argument_and_field() {
     let layers: Vec<u32> = (0..4).collect();
     let (src, mut dst) = (layout(0, 4, &layers), layout(1, 2, &layers));
-    let mut out = kvstage_staging_layout_t { struct_size: std::mem::size_of::<kvstage_staging_layout_t>(), ..Default::default() };
-    let call = |src: &kvstage_kv_layout, dst: &kvstage_kv_layout, out: &mut kvstage_staging_layout_t| unsafe {
-        kvstage_staging_layout(src, dst, 64, out, std::ptr::null_mut(), 0)
+    let mut out = kvstage_staging_layout { struct_size: std::mem::size_of::<kvstage_staging_layout>(), ..Default::default() };
+    let call = |src: &kvstage_kv_layout, dst: &kvstage_kv_layout, out: &mut kvstage_staging_layout| unsafe {
+        kvstage_staging_layout_compute(src, dst, 64, out, std::ptr::null_mut(), 0)
     };
     dst.local_heads = 2;
     assert_eq!(call(&src, &dst, &mut out), Status::KVSTAGE_E_GEOMETRY_INVALID);
@@ -148,9 +148,9 @@ fn staging_layout_errors_name_the_argument_and_field() {
     assert!(last_error().1.contains("`dst->num_layers`: 0"));
     dst.num_layers = 4;
     assert_eq!(call(&src, &dst, &mut out), Status::KVSTAGE_OK);
-    assert_eq!(unsafe { kvstage_staging_layout(std::ptr::null(), &dst, 64, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(std::ptr::null(), &dst, 64, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
     assert!(last_error().1.contains("`src`: is NULL"));
-    assert_eq!(unsafe { kvstage_staging_layout(&src, &dst, 60, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, &dst, 60, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
     assert!(last_error().1.contains("`tokens`: 60 is not a multiple of page_size 16"));
     // A NULL layer list means layers 0..num_layers-1.
     dst.layer_ids = std::ptr::null();

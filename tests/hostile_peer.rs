@@ -26,7 +26,7 @@ use kvstage::protocol::{Message, PROTOCOL_VERSION};
 use kvstage::session::op::Op;
 use kvstage::session::receiver::listener::Limits;
 use kvstage::session::sender::TransferDesc;
-use kvstage::testkit::HostPool;
+use kvstage_testkit::HostPool;
 use kvstage::Status;
 
 const RSS_BOUND: u64 = 32 << 20;

@@ -9,7 +9,7 @@ use kvstage::engine::{Engine, EngineOptions};
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
-use kvstage::testkit::HostPool;
+use kvstage_testkit::HostPool;
 use kvstage::transport::faults::{FaultCounters, FaultPlan, Faults};
 use kvstage::Status;
 

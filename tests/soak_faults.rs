@@ -21,7 +21,7 @@ use kvstage::engine::{Engine, EngineOptions, Integrity};
 use kvstage::geometry::{ModelKind, PoolShape};
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
-use kvstage::testkit::HostPool;
+use kvstage_testkit::HostPool;
 use kvstage::transport::faults::{FaultCounters, FaultPlan, Faults};
 use kvstage::Status;
 
@@ -86,7 +86,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     let src0 = shape(0, 2);
     let alloc = kvstage::geometry::staging_layout(&src0, &dpool.layout.shape, CHUNK_TOKENS).unwrap().total_bytes;
     decode.register_staging(None, alloc as usize).unwrap();
-    let dst_pages = kvstage::testkit::page_table(PAGES, 16, seed, false);
+    let dst_pages = kvstage_testkit::page_table(PAGES, 16, seed, false);
     decode.receiver().open_room(ROOM, &dst_pages, CHUNK_TOKENS).unwrap();
     let addr = decode.local_addr().to_string();
 
@@ -94,7 +94,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
         .map(|rank| {
             let engine = Engine::new(options((!on_decode).then(|| faults.clone()))).expect("prefill engine");
             let mut pool = HostPool::new(shape(rank, 2), 16);
-            let pages = kvstage::testkit::page_table(PAGES, 16, seed * 7 + rank as u64, seed % 3 == 0);
+            let pages = kvstage_testkit::page_table(PAGES, 16, seed * 7 + rank as u64, seed.is_multiple_of(3));
             pool.fill(&pages, 0);
             engine.register_pool(pool.layout.clone()).unwrap();
             (engine, pool, pages)

@@ -41,7 +41,7 @@ use kvstage::engine::{Engine, EngineOptions};
 use kvstage::geometry::{ModelKind, PoolShape};
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
-use kvstage::testkit::HostPool;
+use kvstage_testkit::HostPool;
 use kvstage::Status;
 
 /// Dead-peer timeout of both engines.

@@ -2,8 +2,10 @@
 
 Importing the package does not load the library; the first object or helper that needs it does
 (or :func:`load_library`, which also takes an explicit path). Lookup order: the ``path``
-argument, ``$KVSTAGE_LIBRARY``, a ``libkvstage.so.0`` next to this package, the system loader.
-The library's version must equal ``kvstage.__version__``.
+argument, ``$KVSTAGE_LIBRARY``, a ``libkvstage.so.0.2`` next to this package, the system loader.
+The library's version must equal ``kvstage.__version__``. Once loaded, its log records go to the
+:mod:`logging` loggers ``kvstage.<target>`` (see :func:`route_logs_to_python`;
+``KVSTAGE_PYTHON_LOGGING=0`` keeps the library's own stderr output).
 
 Decode side::
 
@@ -34,12 +36,15 @@ from ._core import (
     Operation,
     Room,
     Session,
+    SessionStats,
     StagingLayout,
     StagingWriter,
     capabilities,
     grid_tokens,
     head_slice,
     staging_layout,
+    transfer_timings_last,
+    TransferTimings,
     version,
     writers_per_chunk,
 )
@@ -72,6 +77,7 @@ from .errors import (
     TransportError,
     error_class_for,
 )
+from ._logging import TRACE, route_logs_to_python, route_logs_to_stderr
 from .staging import StagingTransfer, TransferTarget
 
 __all__ = [
@@ -101,6 +107,10 @@ __all__ = [
     "Session",
     "Operation",
     "StagingTransfer",
+    # metrics
+    "SessionStats",
+    "TransferTimings",
+    "transfer_timings_last",
     "TransferTarget",
     # geometry
     "head_slice",
@@ -128,4 +138,8 @@ __all__ = [
     "LibraryLoadError",
     "LibraryVersionError",
     "error_class_for",
+    # logging (the library's records in the `logging` module, loggers "kvstage.<target>")
+    "route_logs_to_python",
+    "route_logs_to_stderr",
+    "TRACE",
 ]

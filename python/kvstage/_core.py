@@ -33,12 +33,15 @@ __all__ = [
     "Operation",
     "Room",
     "Session",
+    "SessionStats",
     "StagingLayout",
     "StagingWriter",
+    "TransferTimings",
     "capabilities",
     "grid_tokens",
     "head_slice",
     "staging_layout",
+    "transfer_timings_last",
     "version",
     "writers_per_chunk",
 ]
@@ -294,12 +297,12 @@ class HeadSlice(NamedTuple):
 
 
 def head_slice(src_tp: int, dst_tp: int, src_rank: int, dst_rank: int, total_kv_heads: int) -> HeadSlice:
-    """``kvstage_head_slice``: raises :class:`ArgumentError` (naming the argument) for ranks that do
+    """``kvstage_head_slice_compute``: raises :class:`ArgumentError` (naming the argument) for ranks that do
     not exchange data and for unsupported TP combinations."""
     lib = get_library()
-    out = _lib.kvstage_head_slice_t()
+    out = _lib.kvstage_head_slice()
     args = [_u32(v, n) for v, n in ((src_tp, "src_tp"), (dst_tp, "dst_tp"), (src_rank, "src_rank"), (dst_rank, "dst_rank"), (total_kv_heads, "total_kv_heads"))]
-    _check(lib, lib.kvstage_head_slice(*args, byref(out)), "kvstage_head_slice")
+    _check(lib, lib.kvstage_head_slice_compute(*args, byref(out)), "kvstage_head_slice_compute")
     return HeadSlice(out.src_head_start, out.num_heads, out.dst_head_start)
 
 
@@ -349,18 +352,18 @@ class StagingLayout(NamedTuple):
 
 
 def staging_layout(src: KvLayout, dst: KvLayout, tokens: int) -> StagingLayout:
-    """``kvstage_staging_layout``: the staging allocation decode rank ``dst`` needs for a chunk of
+    """``kvstage_staging_layout_compute``: the staging allocation decode rank ``dst`` needs for a chunk of
     ``tokens`` tokens written by the prefill side ``src`` (shape-only layouts suffice)."""
     lib = get_library()
     csrc, _ks = src._c()
     cdst, _kd = dst._c()
-    out = _lib.kvstage_staging_layout_t()
+    out = _lib.kvstage_staging_layout()
     out.struct_size = ctypes.sizeof(out)
     tokens = _u32(tokens, "tokens")
-    _check(lib, lib.kvstage_staging_layout(byref(csrc), byref(cdst), tokens, byref(out), None, 0), "kvstage_staging_layout")
-    writers = (_lib.kvstage_staging_writer_t * max(1, out.num_writers))()
-    rc = lib.kvstage_staging_layout(byref(csrc), byref(cdst), tokens, byref(out), writers, out.num_writers)
-    _check(lib, rc, "kvstage_staging_layout")
+    _check(lib, lib.kvstage_staging_layout_compute(byref(csrc), byref(cdst), tokens, byref(out), None, 0), "kvstage_staging_layout_compute")
+    writers = (_lib.kvstage_staging_writer * max(1, out.num_writers))()
+    rc = lib.kvstage_staging_layout_compute(byref(csrc), byref(cdst), tokens, byref(out), writers, out.num_writers)
+    _check(lib, rc, "kvstage_staging_layout_compute")
     return StagingLayout(
         out.total_bytes,
         out.row_bytes,
@@ -433,6 +436,62 @@ class _Handle:
             pass
 
 
+class TransferTimings(NamedTuple):
+    """``kvstage_transfer_timings``: where one transfer (one chunk) spent its time, in
+    nanoseconds; 0 for a phase that did not happen. The phases run in this order and ``total_ns``
+    spans them all. In ``timings_sum`` of the stats, each field is summed over the transfers."""
+
+    queued_ns: int = 0
+    watermark_wait_ns: int = 0
+    alloc_wait_ns: int = 0
+    gather_ns: int = 0
+    wire_ns: int = 0
+    ack_ns: int = 0
+    total_ns: int = 0
+
+    @classmethod
+    def _from_c(cls, c: Any) -> "TransferTimings":
+        return cls(*(getattr(c, name) for name in cls._fields))
+
+
+def _fields_from_c(cls: Any, c: Any) -> Any:
+    """A NamedTuple of ``cls`` from the C struct ``c`` (same field names; nested timings too)."""
+    values = []
+    for name in cls._fields:
+        v = getattr(c, name)
+        values.append(TransferTimings._from_c(v) if isinstance(v, _lib.kvstage_transfer_timings) else v)
+    return cls(*values)
+
+
+class SessionStats(NamedTuple):
+    """``kvstage_session_stats``: a sender session's counters (see the README's Metrics)."""
+
+    transport: Union[Transport, int]
+    downgraded: int
+    bytes_sent: int
+    chunks_sent: int
+    transfers_ok: int
+    transfers_fallback: int
+    transfers_failed: int
+    transfers_timeout: int
+    transfers_canceled: int
+    transfers_peer_gone: int
+    transfers_failed_other: int
+    transfers_in_flight: int
+    timed_transfers: int
+    timings_sum: TransferTimings
+
+
+def transfer_timings_last() -> TransferTimings:
+    """``kvstage_transfer_timings_last``: the phase timings of the last synchronous transfer
+    (:meth:`Session.transfer` or :meth:`Session.transfer_slices`) made on this thread."""
+    lib = get_library()
+    out = _lib.kvstage_transfer_timings()
+    out.struct_size = ctypes.sizeof(out)
+    _check(lib, lib.kvstage_transfer_timings_last(byref(out)), "kvstage_transfer_timings_last")
+    return TransferTimings._from_c(out)
+
+
 class EngineStats(NamedTuple):
     """``kvstage_engine_stats``."""
 
@@ -449,6 +508,26 @@ class EngineStats(NamedTuple):
     events_dropped: int = 0
     rooms_expired: int = 0
     thread_panics: int = 0
+    # metrics
+    bytes_sent: int = 0
+    chunks_sent: int = 0
+    transfers_ok: int = 0
+    transfers_fallback: int = 0
+    transfers_failed: int = 0
+    transfers_timeout: int = 0
+    transfers_canceled: int = 0
+    transfers_peer_gone: int = 0
+    transfers_failed_other: int = 0
+    transfers_in_flight: int = 0
+    timed_transfers: int = 0
+    timings_sum: TransferTimings = TransferTimings()
+    bytes_received: int = 0
+    chunks_received: int = 0
+    scatter_count: int = 0
+    scatter_ns_sum: int = 0
+    scatter_ns_max: int = 0
+    ring_used_bytes: int = 0
+    ring_high_water_bytes: int = 0
 
 
 class ChunkEvent(NamedTuple):
@@ -549,7 +628,7 @@ class Engine(_Handle):
     def listen_address(self) -> str:
         """The address the engine listens on (``"127.0.0.1:40123"``)."""
         buf = ctypes.create_string_buffer(256)
-        rc = self._lib.kvstage_engine_listen_address(self._handle(), buf, len(buf))
+        rc = self._lib.kvstage_engine_listen_address(self._handle(), buf, len(buf), None)
         _check(self._lib, rc, "kvstage_engine_listen_address")
         return buf.value.decode("utf-8")
 
@@ -557,7 +636,7 @@ class Engine(_Handle):
         out = _lib.kvstage_engine_stats()
         out.struct_size = ctypes.sizeof(out)
         _check(self._lib, self._lib.kvstage_engine_stats_get(self._handle(), byref(out)), "kvstage_engine_stats_get")
-        return EngineStats(*(getattr(out, name) for name in EngineStats._fields))
+        return _fields_from_c(EngineStats, out)
 
     # -- registration -----------------------------------------------------------------------------
 
@@ -682,10 +761,11 @@ class Engine(_Handle):
             finally:
                 loop.remove_reader(fd)
 
-    def set_completion_callback(self, callback: Optional[Any]) -> None:
+    def set_completion_callback(self, callback: Optional[Any], metrics: bool = False) -> None:
         """``kvstage_engine_set_completion_callback``: ``callback(kind, status, tag, room, chunk)``
         runs on a library thread for every completion (keep it short; it must not close this
-        engine). ``None`` removes it."""
+        engine). With ``metrics=True`` it also gets ``timings`` (a :class:`TransferTimings`, for
+        operations) and ``scatter_ns`` (for chunks). ``None`` removes it."""
         if callback is None:
             c_fn = _lib.kvstage_completion_fn()
         else:
@@ -693,6 +773,10 @@ class Engine(_Handle):
             def trampoline(_user: Any, c: Any) -> None:
                 v = c.contents
                 try:
+                    if metrics:
+                        timings = TransferTimings._from_c(v.timings)
+                        callback(v.kind, _status(v.status), v.tag, v.room, v.chunk_index, timings, v.scatter_ns)
+                        return
                     callback(v.kind, _status(v.status), v.tag, v.room, v.chunk_index)
                 except Exception:  # never unwind into the library's thread
                     import traceback
@@ -802,6 +886,17 @@ class Session(_Handle):
         _check(self._lib, rc, "kvstage_transfer_async")
         return Operation(self, out.value)
 
+    def stats(self) -> SessionStats:
+        """``kvstage_session_stats_get``: this session's counters and transport."""
+        out = _lib.kvstage_session_stats()
+        out.struct_size = ctypes.sizeof(out)
+        _check(self._lib, self._lib.kvstage_session_stats_get(self._handle(), byref(out)), "kvstage_session_stats_get")
+        stats = _fields_from_c(SessionStats, out)
+        try:
+            return stats._replace(transport=Transport(stats.transport))
+        except ValueError:
+            return stats
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"to {self.peer_address}"
         return f"<kvstage.Session {self._session_id!r} {state}>"
@@ -833,6 +928,13 @@ class Operation(_Handle):
     def cancel(self) -> None:
         """Asks the operation to stop; it ends with ``E_CANCELED`` unless it already finished."""
         _check(self._lib, self._lib.kvstage_op_cancel(self._handle()), "kvstage_op_cancel")
+
+    def timings(self) -> Optional[TransferTimings]:
+        """``kvstage_op_timings_get``: the phase timings once the operation ended, else ``None``."""
+        out = _lib.kvstage_transfer_timings()
+        out.struct_size = ctypes.sizeof(out)
+        rc = _check(self._lib, self._lib.kvstage_op_timings_get(self._handle(), byref(out)), "kvstage_op_timings_get")
+        return None if rc == Status.PENDING else TransferTimings._from_c(out)
 
     def __repr__(self) -> str:
         return f"<kvstage.Operation of session {self._session_id!r}{' closed' if self.closed else ''}>"

@@ -36,8 +36,10 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from ._version import __version__
 
 ENV_VAR = "KVSTAGE_LIBRARY"
-_MAJOR = __version__.split(".")[0]
-LIBRARY_NAMES: Tuple[str, ...] = (f"libkvstage.so.{_MAJOR}", "libkvstage.so")
+_MAJOR, _MINOR = __version__.split(".")[:2]
+# The SONAME's version: MAJOR, or 0.MINOR while the major is 0 (a minor release may break the ABI).
+SOVERSION = f"0.{_MINOR}" if _MAJOR == "0" else _MAJOR
+LIBRARY_NAMES: Tuple[str, ...] = (f"libkvstage.so.{SOVERSION}", "libkvstage.so")
 
 #: ``KVSTAGE_DEADLINE_INFINITE``: "wait forever" where a deadline or timeout is taken.
 DEADLINE_INFINITE = (1 << 64) - 1
@@ -210,6 +212,19 @@ class kvstage_kv_layout(Structure):
     ]
 
 
+class kvstage_transfer_timings(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("queued_ns", c_uint64),
+        ("watermark_wait_ns", c_uint64),
+        ("alloc_wait_ns", c_uint64),
+        ("gather_ns", c_uint64),
+        ("wire_ns", c_uint64),
+        ("ack_ns", c_uint64),
+        ("total_ns", c_uint64),
+    ]
+
+
 class kvstage_engine_stats(Structure):
     _fields_ = [
         ("struct_size", c_size_t),
@@ -226,14 +241,54 @@ class kvstage_engine_stats(Structure):
         ("events_dropped", c_uint64),
         ("rooms_expired", c_uint64),
         ("thread_panics", c_uint64),
+        # metrics (appended)
+        ("bytes_sent", c_uint64),
+        ("chunks_sent", c_uint64),
+        ("transfers_ok", c_uint64),
+        ("transfers_fallback", c_uint64),
+        ("transfers_failed", c_uint64),
+        ("transfers_timeout", c_uint64),
+        ("transfers_canceled", c_uint64),
+        ("transfers_peer_gone", c_uint64),
+        ("transfers_failed_other", c_uint64),
+        ("transfers_in_flight", c_uint64),
+        ("timed_transfers", c_uint64),
+        ("timings_sum", kvstage_transfer_timings),
+        ("bytes_received", c_uint64),
+        ("chunks_received", c_uint64),
+        ("scatter_count", c_uint64),
+        ("scatter_ns_sum", c_uint64),
+        ("scatter_ns_max", c_uint64),
+        ("ring_used_bytes", c_uint64),
+        ("ring_high_water_bytes", c_uint64),
     ]
 
 
-class kvstage_head_slice_t(Structure):
+class kvstage_session_stats(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("transport", c_int32),
+        ("downgraded", c_uint32),
+        ("bytes_sent", c_uint64),
+        ("chunks_sent", c_uint64),
+        ("transfers_ok", c_uint64),
+        ("transfers_fallback", c_uint64),
+        ("transfers_failed", c_uint64),
+        ("transfers_timeout", c_uint64),
+        ("transfers_canceled", c_uint64),
+        ("transfers_peer_gone", c_uint64),
+        ("transfers_failed_other", c_uint64),
+        ("transfers_in_flight", c_uint64),
+        ("timed_transfers", c_uint64),
+        ("timings_sum", kvstage_transfer_timings),
+    ]
+
+
+class kvstage_head_slice(Structure):
     _fields_ = [("src_head_start", c_uint32), ("num_heads", c_uint32), ("dst_head_start", c_uint32)]
 
 
-class kvstage_staging_layout_t(Structure):
+class kvstage_staging_layout(Structure):
     _fields_ = [
         ("struct_size", c_size_t),
         ("total_bytes", c_uint64),
@@ -246,7 +301,7 @@ class kvstage_staging_layout_t(Structure):
     ]
 
 
-class kvstage_staging_writer_t(Structure):
+class kvstage_staging_writer(Structure):
     _fields_ = [
         ("offset", c_uint64),
         ("bytes", c_uint64),
@@ -281,11 +336,27 @@ class kvstage_completion(Structure):
         ("tag", c_uint64),
         ("room", c_uint64),
         ("chunk_index", c_uint32),
+        ("timings", kvstage_transfer_timings),
+        ("scatter_ns", c_uint64),
     ]
 
 
 # void (*)(void *user_data, const kvstage_completion *completion)
 kvstage_completion_fn = ctypes.CFUNCTYPE(None, c_void_p, POINTER(kvstage_completion))
+
+
+class kvstage_log_record(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("level", c_int32),
+        ("target", c_char_p),
+        ("session", c_char_p),
+        ("message", c_char_p),
+    ]
+
+
+# void (*)(void *user_data, const kvstage_log_record *record)
+kvstage_log_fn = ctypes.CFUNCTYPE(None, c_void_p, POINTER(kvstage_log_record))
 
 
 class kvstage_chunk_event(Structure):
@@ -306,18 +377,21 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_engine_options_init": (c_int, [_p(kvstage_engine_options)]),
     "kvstage_engine_new": (c_int, [_p(kvstage_engine_options), _p(c_void_p)]),
     "kvstage_engine_free": (None, [c_void_p]),
-    "kvstage_engine_listen_address": (c_int, [c_void_p, c_char_p, c_size_t]),
+    "kvstage_engine_listen_address": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
     "kvstage_engine_register_pool": (c_int, [c_void_p, _p(kvstage_kv_layout)]),
     "kvstage_engine_register_staging": (c_int, [c_void_p, c_void_p, c_size_t]),
     "kvstage_engine_stats_get": (c_int, [c_void_p, _p(kvstage_engine_stats)]),
+    "kvstage_session_stats_get": (c_int, [c_void_p, _p(kvstage_session_stats)]),
+    "kvstage_op_timings_get": (c_int, [c_void_p, _p(kvstage_transfer_timings)]),
+    "kvstage_transfer_timings_last": (c_int, [_p(kvstage_transfer_timings)]),
     "kvstage_kv_layout_init": (c_int, [_p(kvstage_kv_layout)]),
     "kvstage_kv_layout_validate": (c_int, [_p(kvstage_kv_layout)]),
-    "kvstage_head_slice": (c_int, [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_head_slice_t)]),
+    "kvstage_head_slice_compute": (c_int, [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_head_slice)]),
     "kvstage_writers_per_chunk": (c_int, [c_uint32, c_uint32, c_uint32, c_uint32, _p(c_uint32)]),
     "kvstage_grid_tokens": (c_int, [c_uint32, c_uint32, _p(c_uint32)]),
-    "kvstage_staging_layout": (
+    "kvstage_staging_layout_compute": (
         c_int,
-        [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_uint32, _p(kvstage_staging_layout_t), _p(kvstage_staging_writer_t), c_size_t],
+        [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_uint32, _p(kvstage_staging_layout), _p(kvstage_staging_writer), c_size_t],
     ),
     "kvstage_session_connect": (c_int, [c_void_p, c_char_p, c_char_p, c_uint64, _p(c_void_p)]),
     "kvstage_session_free": (None, [c_void_p]),
@@ -337,11 +411,13 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_engine_completion_fd": (c_int, [c_void_p, _p(c_int32)]),
     "kvstage_engine_completions_drain": (c_int, [c_void_p, _p(c_uint64)]),
     "kvstage_engine_set_completion_callback": (c_int, [c_void_p, kvstage_completion_fn, c_void_p]),
+    "kvstage_log_set_callback": (c_int, [kvstage_log_fn, c_void_p, c_int32]),
 }
 
 # Test builds only (cargo feature `testing`); bound when the library exports them.
 OPTIONAL_PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_testing_panic": (c_int, [c_void_p]),
+    "kvstage_testing_log": (c_int, [c_int32, c_char_p, c_char_p]),
 }
 
 # Versioned structs whose size this binding hard-codes, with the _init function that reports the
@@ -460,7 +536,7 @@ def find_and_load(
         return Library(cdll, getattr(cdll, "_name", name), expected_version)
     raise LibraryLoadError(
         "libkvstage.so not found. Build it (cmake --workflow --preset dev puts it in build/dev/lib/) and "
-        f"set {ENV_VAR}=/path/to/libkvstage.so.{_MAJOR}, call kvstage.load_library(path), copy it next to the "
+        f"set {ENV_VAR}=/path/to/libkvstage.so.{SOVERSION}, call kvstage.load_library(path), copy it next to the "
         "kvstage package, or make it visible to the system loader (LD_LIBRARY_PATH). Tried: " + "; ".join(tried)
     )
 
@@ -483,6 +559,11 @@ def load_library(path: Optional[str] = None) -> Library:
             return _default
         lib = find_and_load(path)
         _default = lib
+        # Its log records go to the `logging` module from now on (kvstage/_logging.py; opt out
+        # with KVSTAGE_PYTHON_LOGGING=0).
+        from ._logging import _install_default
+
+        _install_default(lib)
         return lib
 
 

@@ -13,6 +13,7 @@ from kvstage import _lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CARGO_TOML = os.path.join(HERE, os.pardir, os.pardir, "Cargo.toml")
+NAME = _lib.LIBRARY_NAMES[0]  # libkvstage.so.<SONAME version>
 
 
 def test_package_version_equals_the_crate_version():
@@ -36,7 +37,7 @@ def test_loaded_library_matches_the_package(lib):
 
 
 def test_explicit_path_that_does_not_exist(tmp_path):
-    missing = tmp_path / "nowhere" / "libkvstage.so.0"
+    missing = tmp_path / "nowhere" / NAME
     with pytest.raises(kvstage.LibraryLoadError) as info:
         _lib.find_and_load(str(missing))
     assert isinstance(info.value, ImportError)
@@ -44,14 +45,14 @@ def test_explicit_path_that_does_not_exist(tmp_path):
 
 
 def test_environment_variable_that_points_nowhere(tmp_path):
-    missing = str(tmp_path / "libkvstage.so.0")
+    missing = str(tmp_path / NAME)
     with pytest.raises(kvstage.LibraryLoadError) as info:
         _lib.find_and_load(environ={kvstage.ENV_VAR: missing})
     assert f"{kvstage.ENV_VAR}={missing}" in str(info.value)
 
 
 def test_a_file_that_is_not_a_library(tmp_path):
-    bogus = tmp_path / "libkvstage.so.0"
+    bogus = tmp_path / NAME
     bogus.write_bytes(b"not an ELF file")
     with pytest.raises(kvstage.LibraryLoadError) as info:
         _lib.find_and_load(str(bogus))
@@ -73,7 +74,7 @@ def test_not_found_anywhere_lists_what_was_tried(tmp_path):
     text = str(info.value)
     assert text.startswith("libkvstage.so not found")
     assert kvstage.ENV_VAR in text and "load_library" in text
-    assert str(tmp_path / "libkvstage.so.0") in text and "libkvstage-absent.so.0" in text
+    assert str(tmp_path / NAME) in text and "libkvstage-absent.so.0" in text
 
 
 def test_version_mismatch_is_a_clear_error(lib):
@@ -87,16 +88,16 @@ def test_version_mismatch_is_a_clear_error(lib):
 def test_lookup_order(lib, tmp_path):
     package_dir = tmp_path / "pkg"
     package_dir.mkdir()
-    (package_dir / "libkvstage.so.0").symlink_to(lib.path)
+    (package_dir / NAME).symlink_to(lib.path)
     # next to the package
     found = _lib.find_and_load(environ={}, package_dir=str(package_dir), system_names=())
-    assert found.path == str(package_dir / "libkvstage.so.0")
+    assert found.path == str(package_dir / NAME)
     # the environment variable wins over the package directory; a directory stands for the library in it
     env_dir = tmp_path / "env"
     env_dir.mkdir()
-    (env_dir / "libkvstage.so.0").symlink_to(lib.path)
+    (env_dir / NAME).symlink_to(lib.path)
     found = _lib.find_and_load(environ={kvstage.ENV_VAR: str(env_dir)}, package_dir=str(package_dir))
-    assert found.path == str(env_dir / "libkvstage.so.0")
+    assert found.path == str(env_dir / NAME)
     # the explicit path wins over both
     found = _lib.find_and_load(lib.path, environ={kvstage.ENV_VAR: str(env_dir)}, package_dir=str(package_dir))
     assert found.path == lib.path
@@ -112,7 +113,7 @@ def run_python(code, env):
 def test_missing_library_in_a_fresh_process(child_env, tmp_path):
     """Importing works without a library; the first use raises an ImportError saying what to do."""
     env = dict(child_env)
-    env[kvstage.ENV_VAR] = str(tmp_path / "missing" / "libkvstage.so.0")
+    env[kvstage.ENV_VAR] = str(tmp_path / "missing" / NAME)
     code = (
         "import kvstage\n"
         "try:\n"
@@ -123,7 +124,7 @@ def test_missing_library_in_a_fresh_process(child_env, tmp_path):
     out = run_python(code, env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("LibraryLoadError | cannot load libkvstage from KVSTAGE_LIBRARY="), out.stdout
-    assert "missing/libkvstage.so.0" in out.stdout
+    assert f"missing/{NAME}" in out.stdout
 
 
 def test_numpy_and_torch_are_not_imported(child_env):

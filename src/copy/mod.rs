@@ -72,7 +72,7 @@ pub fn check_plan(plan: &CopyPlan, pool: &KvLayout) -> Result<()> {
             format!("plan token slot {} bytes != pool token slot {} bytes", plan.pool_token_bytes, shape.token_bytes()),
         ));
     }
-    if plan.row_bytes == 0 || plan.pool_head_offset.checked_add(plan.row_bytes).map_or(true, |e| e > plan.pool_token_bytes) {
+    if plan.row_bytes == 0 || plan.pool_head_offset.checked_add(plan.row_bytes).is_none_or(|e| e > plan.pool_token_bytes) {
         return Err(Error::internal(format!(
             "plan rows of {} bytes at head offset {} do not fit a {}-byte token slot",
             plan.row_bytes, plan.pool_head_offset, plan.pool_token_bytes
@@ -88,7 +88,7 @@ pub fn check_plan(plan: &CopyPlan, pool: &KvLayout) -> Result<()> {
             return Err(Error::internal(format!("plan segment {i} does not tile the chunk (staging token {}, expected {next})", seg.staging_token)));
         }
         next += seg.tokens;
-        if seg.pool_token.checked_add(seg.tokens).map_or(true, |e| e > capacity) {
+        if seg.pool_token.checked_add(seg.tokens).is_none_or(|e| e > capacity) {
             return Err(Error::invalid_arg(
                 "pages",
                 format!(
@@ -112,7 +112,7 @@ pub fn check_plan(plan: &CopyPlan, pool: &KvLayout) -> Result<()> {
                 format!("plan slab {i} names buffer {}, the pool has {}", slab.buffer, pool.bases.len()),
             ));
         }
-        if slab.staging_offset.checked_add(slab_bytes).map_or(true, |e| e > plan.staging_bytes) {
+        if slab.staging_offset.checked_add(slab_bytes).is_none_or(|e| e > plan.staging_bytes) {
             return Err(Error::new(
                 Status::KVSTAGE_E_STAGING_TOO_SMALL,
                 format!(

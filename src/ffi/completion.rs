@@ -34,6 +34,13 @@ pub struct kvstage_completion {
     /// `KVSTAGE_COMPLETION_CHUNK`: the decode room and chunk.
     pub room: u64,
     pub chunk_index: u32,
+    /// Appended with the metrics: read only when `struct_size` covers it.
+    /// `KVSTAGE_COMPLETION_OP`: the transfer's phase timings (as `kvstage_op_timings_get`).
+    pub timings: super::stats::kvstage_transfer_timings,
+    /// `KVSTAGE_COMPLETION_CHUNK` with status OK, staged path: nanoseconds from the arrival of the
+    /// chunk's last writer to the end of its scatter (see `kvstage_engine_stats.scatter_ns_sum`);
+    /// 0 otherwise.
+    pub scatter_ns: u64,
 }
 
 /// Called once per completion, on a library thread (a transfer worker, a receiver connection
@@ -65,17 +72,24 @@ fn to_c(c: &Completion) -> kvstage_completion {
         tag: 0,
         room: 0,
         chunk_index: 0,
+        timings: super::stats::kvstage_transfer_timings {
+            struct_size: std::mem::size_of::<super::stats::kvstage_transfer_timings>(),
+            ..Default::default()
+        },
+        scatter_ns: 0,
     };
     match c {
-        Completion::Op { tag, status } => {
+        Completion::Op { tag, status, timings } => {
             out.tag = *tag;
             out.status = *status;
+            out.timings = super::stats::timings_to_c(timings);
         }
-        Completion::Chunk(ChunkEvent { room, chunk, status }) => {
+        Completion::Chunk(ChunkEvent { room, chunk, status, scatter_ns }) => {
             out.kind = kvstage_completion_kind::KVSTAGE_COMPLETION_CHUNK as i32;
             out.room = *room;
             out.chunk_index = *chunk;
             out.status = *status;
+            out.scatter_ns = *scatter_ns;
         }
     }
     out

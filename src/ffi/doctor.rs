@@ -2,30 +2,8 @@
 
 use std::ffi::c_char;
 
-use super::{engine, ffi_fn};
-use crate::error::{Error, Result, Status};
-
-/// Copies `text` NUL-terminated into `buf` of `capacity` bytes; `*needed` (when not NULL) gets the
-/// size including the NUL. Too small: `KVSTAGE_E_INVALID_ARG` naming both sizes.
-unsafe fn write_text(text: &str, buf: *mut c_char, capacity: usize, needed: *mut usize) -> Result<Status> {
-    let size = text.len() + 1;
-    if !needed.is_null() {
-        // SAFETY: a non-NULL `needed` points to writable storage by contract.
-        unsafe { *needed = size };
-    }
-    if size > capacity {
-        return Err(Error::invalid_arg("capacity", format!("{capacity} < {size} bytes needed")));
-    }
-    if buf.is_null() {
-        return Err(Error::invalid_arg("buf", format!("is NULL with capacity {capacity}")));
-    }
-    // SAFETY: `capacity >= size` writable bytes at `buf` by contract.
-    unsafe {
-        std::ptr::copy_nonoverlapping(text.as_ptr(), buf as *mut u8, text.len());
-        *buf.add(text.len()) = 0;
-    }
-    Ok(Status::KVSTAGE_OK)
-}
+use super::{engine, ffi_fn, write_text};
+use crate::error::{Error, Status};
 
 /// Reports what this host offers kvstage: whether libibverbs loads, the RDMA devices and their
 /// ports (state, active and max MTU, link layer, LID, GID table size), dma-buf registration and

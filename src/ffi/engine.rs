@@ -2,7 +2,7 @@
 
 use std::ffi::c_char;
 
-use super::{ffi_fn, out_arg, str_arg, versioned_struct, Borrowed, Handle};
+use super::{ffi_fn, out_arg, str_arg, versioned_struct, write_text, Borrowed, Handle};
 use crate::engine::{Engine, EngineOptions, Integrity, TransportKind};
 use crate::error::{Error, Result, Status};
 
@@ -233,27 +233,19 @@ pub unsafe extern "C" fn kvstage_engine_free(engine: *mut kvstage_engine) {
     ffi_fn!(value = (), { Handle::free(engine, "engine") })
 }
 
-/// Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated).
-/// `KVSTAGE_E_INVALID_ARG` when `capacity` is too small (the message says how much is needed).
+/// Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated);
+/// `*needed` (may be NULL) receives its size including the NUL. Too small a `capacity` (0 with
+/// `buf` NULL asks for the size): `KVSTAGE_E_INVALID_ARG` naming both sizes.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_listen_address(
     engine: *const kvstage_engine,
     buf: *mut c_char,
     capacity: usize,
+    needed: *mut usize,
 ) -> Status {
     ffi_fn!(status {
         let engine = unsafe { borrow(engine, "engine") }?;
-        out_arg(buf, "buf")?;
-        let text = engine.local_addr().to_string();
-        if text.len() + 1 > capacity {
-            return Err(Error::invalid_arg("capacity", format!("{capacity} < {} bytes needed", text.len() + 1)));
-        }
-        // SAFETY: `capacity` writable bytes at `buf` by contract, and the text fits.
-        unsafe {
-            std::ptr::copy_nonoverlapping(text.as_ptr(), buf as *mut u8, text.len());
-            *buf.add(text.len()) = 0;
-        }
-        Ok(Status::KVSTAGE_OK)
+        unsafe { write_text(&engine.local_addr().to_string(), buf, capacity, needed) }
     })
 }
 
@@ -324,30 +316,92 @@ pub struct kvstage_engine_stats {
     pub rooms_expired: u64,
     /// Panics caught in library threads (each failed the rooms involved with `KVSTAGE_E_PANIC`).
     pub thread_panics: u64,
+    /// Metrics, appended from here on (a caller whose `struct_size` ends at `thread_panics` gets
+    /// the fields above only). Sender side, every session this engine opened (freed ones
+    /// included), as in `kvstage_session_stats`: payload bytes written completely to receivers.
+    pub bytes_sent: u64,
+    /// Chunks whose bytes were written completely (acknowledged or not).
+    pub chunks_sent: u64,
+    /// Transfers acknowledged (`KVSTAGE_OK`).
+    pub transfers_ok: u64,
+    /// Transfers answered `KVSTAGE_FALLBACK`.
+    pub transfers_fallback: u64,
+    /// Failed transfers = `transfers_timeout + transfers_canceled + transfers_peer_gone +
+    /// transfers_failed_other`.
+    pub transfers_failed: u64,
+    pub transfers_timeout: u64,
+    pub transfers_canceled: u64,
+    pub transfers_peer_gone: u64,
+    pub transfers_failed_other: u64,
+    /// Transfers in progress now (synchronous calls, asynchronous operations queued or running).
+    pub transfers_in_flight: u64,
+    /// Ended transfers whose phase timings are summed in `timings_sum`.
+    pub timed_transfers: u64,
+    /// Phase timings summed over those transfers.
+    pub timings_sum: super::stats::kvstage_transfer_timings,
+    /// Receiver side: payload bytes received: staged writer shares counted once complete (their ready frame
+    /// accepted), slice payloads once landed.
+    pub bytes_received: u64,
+    /// Chunks that reached the KV pool (scattered from the ring, or completed by the slice path).
+    pub chunks_received: u64,
+    /// Staged chunks timed from arrival to scatter done: from the arrival of the chunk's last
+    /// writer (its ready frame: every byte in the ring) to the end of its scatter into the pool
+    /// (checksum, acknowledgement, scatter queue and scatter). Count, sum and largest, in ns.
+    pub scatter_count: u64,
+    pub scatter_ns_sum: u64,
+    pub scatter_ns_max: u64,
+    /// Bytes of the staging ring held by live allocations now: from the oldest live allocation to
+    /// the end of the newest, wrap-around included (at most `ring_capacity`).
+    pub ring_used_bytes: u64,
+    /// The largest `ring_used_bytes` ever (the ring's high-water mark).
+    pub ring_high_water_bytes: u64,
 }
 
-/// Fills `out` (set `out->struct_size` first) with the engine's counters.
+/// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_engine_stats)`) with the
+/// engine's counters. A smaller `struct_size` (a caller built with an older header, whose struct
+/// ends at `thread_panics`: `offsetof(kvstage_engine_stats, bytes_sent)`) gets the fields it holds;
+/// nothing past it is written.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine, out: *mut kvstage_engine_stats) -> Status {
     ffi_fn!(status {
         let engine = unsafe { borrow(engine, "engine") }?;
         let out = out_arg(out, "out")?;
-        let r = engine.receiver().stats();
+        let r = engine.stats();
+        let f = super::stats::send_fields(&r.send);
         let stats = kvstage_engine_stats {
             struct_size: std::mem::size_of::<kvstage_engine_stats>(),
             ring_capacity: r.ring_capacity,
-            ring_live_allocations: r.ring_live,
+            ring_live_allocations: r.ring_live_allocations,
             watermark_round: r.watermark.round,
             watermark_offset: r.watermark.offset,
-            rdma_downgrades: engine.rdma().downgrades(),
-            rdma_sessions: engine.rdma().sessions(),
+            rdma_downgrades: r.rdma_downgrades,
+            rdma_sessions: r.rdma_sessions,
             connections: r.connections,
             accept_errors: r.accept_errors,
             connections_refused: r.connections_refused,
             handshakes_failed: r.handshakes_failed,
             events_dropped: r.events_dropped,
             rooms_expired: r.rooms_expired,
-            thread_panics: r.panics,
+            thread_panics: r.thread_panics,
+            bytes_sent: f.bytes_sent,
+            chunks_sent: f.chunks_sent,
+            transfers_ok: f.transfers_ok,
+            transfers_fallback: f.transfers_fallback,
+            transfers_failed: f.transfers_failed,
+            transfers_timeout: f.transfers_timeout,
+            transfers_canceled: f.transfers_canceled,
+            transfers_peer_gone: f.transfers_peer_gone,
+            transfers_failed_other: f.transfers_failed_other,
+            transfers_in_flight: f.transfers_in_flight,
+            timed_transfers: f.timed_transfers,
+            timings_sum: f.timings_sum,
+            bytes_received: r.receive.bytes_received,
+            chunks_received: r.receive.chunks_received,
+            scatter_count: r.receive.scatter_count,
+            scatter_ns_sum: r.receive.scatter_ns_sum,
+            scatter_ns_max: r.receive.scatter_ns_max,
+            ring_used_bytes: r.ring_used_bytes,
+            ring_high_water_bytes: r.receive.ring_high_water,
         };
         super::write_versioned(out, stats, "out")?;
         Ok(Status::KVSTAGE_OK)

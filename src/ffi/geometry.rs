@@ -38,7 +38,8 @@ pub struct kvstage_kv_layout {
     pub model_kind: i32,
     /// Token slots per page (1..=2^20).
     pub page_size: u32,
-    /// KV heads on this rank: max(1, global_heads / tp_size); 1 for MLA.
+    /// KV heads on this rank: max(1, global_heads / tp_size); 1 for MLA. 0 (the `_init` default)
+    /// derives that value from `global_heads` and `tp_size`.
     pub local_heads: u32,
     /// KV heads of the model; 1 for MLA.
     pub global_heads: u32,
@@ -74,7 +75,7 @@ impl Default for kvstage_kv_layout {
             struct_size: std::mem::size_of::<Self>(),
             model_kind: kvstage_model_kind::KVSTAGE_MODEL_MHA as i32,
             page_size: 1,
-            local_heads: 1,
+            local_heads: 0,
             global_heads: 1,
             head_dim: 0,
             dtype_bytes: 2,
@@ -125,7 +126,10 @@ unsafe fn shape_of(raw: &kvstage_kv_layout, arg: &str) -> Result<PoolShape> {
     let shape = PoolShape {
         kind,
         page_size: raw.page_size,
-        local_heads: raw.local_heads,
+        local_heads: match raw.local_heads {
+            0 => (raw.global_heads / raw.tp_size.max(1)).max(1),
+            given => given,
+        },
         global_heads: raw.global_heads,
         head_dim: raw.head_dim,
         dtype_bytes: raw.dtype_bytes,
@@ -194,7 +198,7 @@ pub unsafe extern "C" fn kvstage_kv_layout_validate(layout: *const kvstage_kv_la
 /// Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct kvstage_head_slice_t {
+pub struct kvstage_head_slice {
     pub src_head_start: u32,
     pub num_heads: u32,
     pub dst_head_start: u32,
@@ -205,24 +209,24 @@ pub struct kvstage_head_slice_t {
 /// the argument for zero sizes, ranks not below their size, head counts that do not divide a TP
 /// size, TP sizes that are not multiples of one another, or ranks that do not exchange data.
 #[no_mangle]
-pub unsafe extern "C" fn kvstage_head_slice(
+pub unsafe extern "C" fn kvstage_head_slice_compute(
     src_tp: u32,
     dst_tp: u32,
     src_rank: u32,
     dst_rank: u32,
     total_kv_heads: u32,
-    out: *mut kvstage_head_slice_t,
+    out: *mut kvstage_head_slice,
 ) -> Status {
     ffi_fn!(status {
         let out = out_arg(out, "out")?;
         let hs = geometry::head_slice(src_tp, dst_tp, src_rank, dst_rank, total_kv_heads)?;
-        *out = kvstage_head_slice_t { src_head_start: hs.src_head_start, num_heads: hs.num_heads, dst_head_start: hs.dst_head_start };
+        *out = kvstage_head_slice { src_head_start: hs.src_head_start, num_heads: hs.num_heads, dst_head_start: hs.dst_head_start };
         Ok(Status::KVSTAGE_OK)
     })
 }
 
 /// Writers per chunk on an MHA decode rank: `tp_writers × pp_writers` (an MLA decode rank has
-/// `pp_writers`; `kvstage_staging_layout` reports both exactly).
+/// `pp_writers`; `kvstage_staging_layout_compute` reports both exactly).
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_writers_per_chunk(src_tp: u32, dst_tp: u32, src_pp: u32, dst_pp: u32, out: *mut u32) -> Status {
     ffi_fn!(status {
@@ -250,7 +254,7 @@ pub unsafe extern "C" fn kvstage_grid_tokens(chunk_tokens: u32, page_size: u32, 
 /// `writers[w].offset + (kv · writers[w].layers + l) · slab_bytes`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct kvstage_staging_layout_t {
+pub struct kvstage_staging_layout {
     pub struct_size: usize,
     /// Bytes of the whole allocation.
     pub total_bytes: u64,
@@ -263,14 +267,14 @@ pub struct kvstage_staging_layout_t {
     pub num_heads: u32,
     /// 2 (K, V) for MHA, 1 for MLA.
     pub buffers_per_layer: u32,
-    /// Writers whose arrival completes the chunk (entries `kvstage_staging_layout` fills).
+    /// Writers whose arrival completes the chunk (entries `kvstage_staging_layout_compute` fills).
     pub num_writers: u32,
 }
 
 /// One writer's region of a staging allocation.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct kvstage_staging_writer_t {
+pub struct kvstage_staging_writer {
     /// Byte offset of the region within the allocation.
     pub offset: u64,
     pub bytes: u64,
@@ -292,12 +296,12 @@ pub struct kvstage_staging_writer_t {
 /// too small, `out` (with `num_writers`) is still filled and `KVSTAGE_E_INVALID_ARG` names
 /// `writers_len`.
 #[no_mangle]
-pub unsafe extern "C" fn kvstage_staging_layout(
+pub unsafe extern "C" fn kvstage_staging_layout_compute(
     src: *const kvstage_kv_layout,
     dst: *const kvstage_kv_layout,
     tokens: u32,
-    out: *mut kvstage_staging_layout_t,
-    writers: *mut kvstage_staging_writer_t,
+    out: *mut kvstage_staging_layout,
+    writers: *mut kvstage_staging_writer,
     writers_len: usize,
 ) -> Status {
     ffi_fn!(status {
@@ -305,8 +309,8 @@ pub unsafe extern "C" fn kvstage_staging_layout(
         let src = unsafe { pool_shape_from_c(src, "src") }?;
         let dst = unsafe { pool_shape_from_c(dst, "dst") }?;
         let st = geometry::staging_layout(&src, &dst, tokens)?;
-        let filled = kvstage_staging_layout_t {
-            struct_size: std::mem::size_of::<kvstage_staging_layout_t>(),
+        let filled = kvstage_staging_layout {
+            struct_size: std::mem::size_of::<kvstage_staging_layout>(),
             total_bytes: st.total_bytes,
             row_bytes: st.row_bytes,
             slab_bytes: st.slab_bytes,
@@ -332,7 +336,7 @@ pub unsafe extern "C" fn kvstage_staging_layout(
         // SAFETY: the caller provides `writers_len` >= `needed` writable entries.
         let dst_entries = unsafe { std::slice::from_raw_parts_mut(writers, needed) };
         for (slot, w) in dst_entries.iter_mut().zip(&st.writers) {
-            *slot = kvstage_staging_writer_t {
+            *slot = kvstage_staging_writer {
                 offset: w.offset,
                 bytes: w.bytes,
                 layers: w.layers,

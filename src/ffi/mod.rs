@@ -25,6 +25,8 @@ pub mod doctor;
 pub mod engine;
 pub mod geometry;
 pub mod last_error;
+pub mod log;
+pub mod stats;
 pub mod transfer;
 
 pub use last_error::kvstage_error;
@@ -84,6 +86,7 @@ pub fn guard<R>(clear_error: bool, on_panic: R, body: impl FnOnce() -> R) -> R {
                 format!("internal panic caught at the C boundary ({poisoned} handle(s) poisoned)"),
             )
             .with_source(PanicText(text));
+            ::log::error!("{}", err.chain());
             last_error::set(err);
             on_panic
         }
@@ -327,6 +330,30 @@ pub unsafe fn slice_arg<'a, T>(ptr: *const T, len: usize, arg: &str) -> Result<&
     }
     // SAFETY: the caller provides `len` readable elements by contract.
     Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// The one convention of string outputs `(buf, capacity, needed)`: copies `text` NUL-terminated
+/// into `buf` of `capacity` bytes; `*needed` (when not NULL) gets the size including the NUL, also
+/// when the buffer is too small (then `KVSTAGE_E_INVALID_ARG` naming both sizes), so a call with
+/// `buf` NULL and `capacity` 0 asks for the size.
+pub unsafe fn write_text(text: &str, buf: *mut c_char, capacity: usize, needed: *mut usize) -> Result<Status> {
+    let size = text.len() + 1;
+    if !needed.is_null() {
+        // SAFETY: a non-NULL `needed` points to writable storage by contract.
+        unsafe { *needed = size };
+    }
+    if size > capacity {
+        return Err(Error::invalid_arg("capacity", format!("{capacity} < {size} bytes needed")));
+    }
+    if buf.is_null() {
+        return Err(Error::invalid_arg("buf", format!("is NULL with capacity {capacity}")));
+    }
+    // SAFETY: `capacity >= size` writable bytes at `buf` by contract.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr(), buf as *mut u8, text.len());
+        *buf.add(text.len()) = 0;
+    }
+    Ok(Status::KVSTAGE_OK)
 }
 
 /// Reads a versioned options struct whose first field is `struct_size`: fields the caller's

@@ -22,11 +22,11 @@ pub struct kvstage_op {
     _private: [u8; 0],
 }
 
-unsafe fn session(ptr: *const kvstage_session) -> Result<Borrowed<Arc<SenderSession>>> {
+pub(crate) unsafe fn session(ptr: *const kvstage_session) -> Result<Borrowed<Arc<SenderSession>>> {
     Handle::borrow(ptr, "session")
 }
 
-unsafe fn op(ptr: *const kvstage_op) -> Result<Borrowed<Arc<Op>>> {
+pub(crate) unsafe fn op(ptr: *const kvstage_op) -> Result<Borrowed<Arc<Op>>> {
     Handle::borrow(ptr, "op")
 }
 
@@ -157,18 +157,19 @@ enum Path {
     Slices,
 }
 
-fn run(session: &SenderSession, desc: &TransferDesc, op: &Op, path: &Path) -> Result<Status> {
-    match path {
-        Path::Staged => session.transfer(desc, op),
-        Path::Slices => session.transfer_slices(desc, op),
-    }
-}
-
+/// Runs a synchronous transfer; its phase timings become this thread's
+/// `kvstage_transfer_timings_last` (zeros when it did not start).
 unsafe fn run_sync(session_ptr: *const kvstage_session, desc_ptr: *const kvstage_transfer_desc, path: Path) -> Result<Status> {
+    super::stats::set_last(crate::session::stats::TransferTimings::ZERO);
     let session = unsafe { session(session_ptr) }?;
     let desc = unsafe { transfer_desc(&session, desc_ptr) }?;
     let op = Op::new(session.waker());
-    run(&session, &desc, &op, &path)
+    let (result, timings) = match path {
+        Path::Staged => session.transfer_timed(&desc, &op),
+        Path::Slices => session.transfer_slices_timed(&desc, &op),
+    };
+    super::stats::set_last(timings);
+    result
 }
 
 /// The staged path for one chunk, blocking until the receiver acknowledged the data, the

@@ -63,7 +63,7 @@ pub fn split_grid(
 ) -> Result<Vec<GridPiece>> {
     check_page_size(page_size)?;
     let grid = grid_tokens(chunk_tokens, page_size);
-    if decode_prefix_tokens % page_size as u64 != 0 {
+    if !decode_prefix_tokens.is_multiple_of(page_size as u64) {
         return Err(Error::invalid_arg(
             "decode_prefix_tokens",
             format!("{decode_prefix_tokens} is not a multiple of page_size {page_size} (the decode-side prefix must be page aligned)"),

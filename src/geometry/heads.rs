@@ -52,7 +52,7 @@ fn check_heads(total_heads: u32, tp_name: &str, tp: u32) -> Result<()> {
     if total_heads == 0 || total_heads > MAX_HEADS {
         return Err(Error::invalid_arg("total_kv_heads", format!("{total_heads} is outside 1..={MAX_HEADS}")));
     }
-    if total_heads % tp != 0 && tp % total_heads != 0 {
+    if !total_heads.is_multiple_of(tp) && !tp.is_multiple_of(total_heads) {
         return Err(Error::invalid_arg(
             "total_kv_heads",
             format!("{total_heads} and {tp_name} {tp} do not divide each other"),

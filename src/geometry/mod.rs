@@ -202,7 +202,7 @@ impl PoolShape {
                 if h == 0 || h > MAX_HEADS {
                     return Err(geometry_invalid("global_heads", format!("{h} is outside 1..={MAX_HEADS}")));
                 }
-                if h % self.tp_size != 0 && self.tp_size % h != 0 {
+                if !h.is_multiple_of(self.tp_size) && !self.tp_size.is_multiple_of(h) {
                     return Err(geometry_invalid(
                         "global_heads",
                         format!("{h} and tp_size {} do not divide each other", self.tp_size),
@@ -353,7 +353,7 @@ impl KvLayout {
     pub fn slot_bytes(&self, buffer: u32, slot: u64, byte_offset: u64, len: u64) -> Result<*mut u8> {
         let base = *self.bases.get(buffer as usize).ok_or_else(|| Error::internal(format!("buffer {buffer} is not in the pool")))?;
         let token_bytes = self.shape.token_bytes();
-        if slot >= self.capacity_tokens() || byte_offset.checked_add(len).map_or(true, |e| e > token_bytes) {
+        if slot >= self.capacity_tokens() || byte_offset.checked_add(len).is_none_or(|e| e > token_bytes) {
             return Err(Error::internal(format!("slot {slot} [{byte_offset}, +{len}) is outside the pool")));
         }
         Ok((base as u64 + slot * token_bytes + byte_offset) as *mut u8)

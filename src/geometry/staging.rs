@@ -115,7 +115,7 @@ pub fn staging_layout(src: &PoolShape, dst: &PoolShape, tokens: u32) -> Result<S
     dst.validate().map_err(|e| e.context("decode (dst) pool shape"))?;
     let pw = pp_writers(src.pp_size, dst.pp_size)?;
     let l = dst.layer_ids.len();
-    if l % pw as usize != 0 {
+    if !l.is_multiple_of(pw as usize) {
         return Err(geometry_invalid(
             "layer_ids",
             format!(
@@ -139,7 +139,7 @@ pub fn staging_layout_pp(src: &PoolShape, dst: &PoolShape, tokens: u32, pp_layer
     if !list.is_empty() {
         return Err(mismatch_error("prefill and decode pools", list));
     }
-    if tokens % dst.page_size != 0 {
+    if !tokens.is_multiple_of(dst.page_size) {
         return Err(Error::invalid_arg("tokens", format!("{tokens} is not a multiple of page_size {}", dst.page_size)));
     }
     let pw = pp_writers(src.pp_size, dst.pp_size)?;

@@ -6,6 +6,7 @@ pub mod op;
 pub mod receiver;
 pub mod sender;
 pub mod staging;
+pub mod stats;
 pub mod workers;
 
 pub use crate::deadline::Deadline;
@@ -51,7 +52,7 @@ impl Integrity {
         match self {
             Integrity::Off => false,
             Integrity::Always => true,
-            Integrity::Sampled => (room.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ chunk as u64) % INTEGRITY_SAMPLE_PERIOD == 0,
+            Integrity::Sampled => (room.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ chunk as u64).is_multiple_of(INTEGRITY_SAMPLE_PERIOD),
         }
     }
 }
@@ -83,6 +84,44 @@ pub fn pairing(src: &PoolShape, dst: &PoolShape) -> crate::Result<Pairing> {
     Ok(Pairing { writer, writers: layout.writer_count(), heads: layout.writers[writer as usize].heads })
 }
 
+/// Rate sense for records a peer (or a port scanner) can cause at will: the first record goes
+/// out, then at most one per `period`; the ones held back in between are counted and the next
+/// record says how many.
+pub struct LogLimiter {
+    period: std::time::Duration,
+    /// When the last record went out, and how many were held back since.
+    state: parking_lot::Mutex<(Option<std::time::Instant>, u64)>,
+}
+
+impl LogLimiter {
+    pub const fn new(period: std::time::Duration) -> LogLimiter {
+        LogLimiter { period, state: parking_lot::Mutex::new((None, 0)) }
+    }
+
+    /// `Some(held back since the last record)` when a record may go out at `now`, else `None`
+    /// (counted).
+    pub fn allow_at(&self, now: std::time::Instant) -> Option<u64> {
+        let mut s = self.state.lock();
+        match s.0 {
+            Some(last) if now.saturating_duration_since(last) < self.period => {
+                s.1 += 1;
+                None
+            }
+            _ => {
+                s.0 = Some(now);
+                Some(std::mem::take(&mut s.1))
+            }
+        }
+    }
+
+    /// As [`allow_at`](Self::allow_at) now, as a suffix for the message: "" or
+    /// " (N similar records suppressed)".
+    pub fn allow(&self) -> Option<String> {
+        self.allow_at(std::time::Instant::now())
+            .map(|n| if n == 0 { String::new() } else { format!(" ({n} similar records suppressed)") })
+    }
+}
+
 /// Compares cluster tokens in time independent of where they differ.
 pub fn tokens_match(expected: &[u8], presented: &[u8]) -> bool {
     let mut diff = (expected.len() != presented.len()) as u8;
@@ -90,4 +129,24 @@ pub fn tokens_match(expected: &[u8], presented: &[u8]) -> bool {
         diff |= e ^ presented.get(i).copied().unwrap_or(!e);
     }
     diff == 0
+}
+
+#[cfg(test)]
+mod log_limiter_tests {
+    use super::LogLimiter;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_first_record_goes_out_then_one_per_period_counting_the_rest() {
+        let l = LogLimiter::new(Duration::from_secs(10));
+        let t = Instant::now();
+        assert_eq!(l.allow_at(t), Some(0));
+        assert_eq!(l.allow_at(t + Duration::from_secs(1)), None);
+        assert_eq!(l.allow_at(t + Duration::from_secs(9)), None);
+        assert_eq!(l.allow_at(t + Duration::from_secs(10)), Some(2));
+        assert_eq!(l.allow_at(t + Duration::from_secs(11)), None);
+        assert_eq!(l.allow_at(t + Duration::from_secs(25)), Some(1));
+        assert_eq!(l.allow_at(t + Duration::from_secs(40)), Some(0));
+        assert_eq!(LogLimiter::new(Duration::from_secs(10)).allow().as_deref(), Some(""));
+    }
 }

@@ -13,13 +13,15 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 use super::receiver::ChunkEvent;
+use super::stats::TransferTimings;
 use crate::error::{Error, Result, Status};
 
 /// What completed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Completion {
-    /// An asynchronous operation ended with `status`; `tag` is the caller's, from its descriptor.
-    Op { tag: u64, status: Status },
+    /// An asynchronous operation ended with `status`; `tag` is the caller's, from its descriptor;
+    /// `timings` are its phase timings.
+    Op { tag: u64, status: Status, timings: TransferTimings },
     /// A decode chunk was scattered or failed.
     Chunk(ChunkEvent),
 }
@@ -92,8 +94,8 @@ mod tests {
         c.set_callback(Some(Arc::new(move |_c: &Completion| {
             s.fetch_add(1, Ordering::SeqCst);
         })));
-        c.signal(&Completion::Op { tag: 7, status: Status::KVSTAGE_OK });
-        c.signal(&Completion::Chunk(ChunkEvent { room: 1, chunk: 0, status: Status::KVSTAGE_OK }));
+        c.signal(&Completion::Op { tag: 7, status: Status::KVSTAGE_OK, timings: TransferTimings::default() });
+        c.signal(&Completion::Chunk(ChunkEvent { room: 1, chunk: 0, status: Status::KVSTAGE_OK, scatter_ns: 0 }));
         // SAFETY: as above.
         assert_eq!(unsafe { libc::poll(&mut pfd, 1, 1000) }, 1);
         assert_eq!(c.drain(), 2);

@@ -7,6 +7,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use super::notify::{Completion, Completions};
+use super::stats::TransferTimings;
 use super::Deadline;
 use crate::error::{Error, Result, Status};
 
@@ -16,7 +17,8 @@ pub trait Waker: Send + Sync {
 }
 
 pub struct Op {
-    result: Mutex<Option<Result<Status>>>,
+    /// The terminal result (once finished) and the transfer's phase timings.
+    result: Mutex<(Option<Result<Status>>, TransferTimings)>,
     done: Condvar,
     canceled: AtomicBool,
     waker: Arc<dyn Waker>,
@@ -26,13 +28,13 @@ pub struct Op {
 
 impl Op {
     pub fn new(waker: Arc<dyn Waker>) -> Arc<Op> {
-        Arc::new(Op { result: Mutex::new(None), done: Condvar::new(), canceled: AtomicBool::new(false), waker, notify: None })
+        Arc::new(Op { result: Mutex::new((None, TransferTimings::default())), done: Condvar::new(), canceled: AtomicBool::new(false), waker, notify: None })
     }
 
     /// An operation whose end is signalled on `completions` with the caller's `tag`.
     pub fn notifying(waker: Arc<dyn Waker>, completions: Arc<Completions>, tag: u64) -> Arc<Op> {
         Arc::new(Op {
-            result: Mutex::new(None),
+            result: Mutex::new((None, TransferTimings::default())),
             done: Condvar::new(),
             canceled: AtomicBool::new(false),
             waker,
@@ -50,20 +52,32 @@ impl Op {
     }
 
     pub fn finish(&self, result: Result<Status>) {
+        self.finish_timed(result, TransferTimings::default());
+    }
+
+    /// Finishes with the transfer's phase timings (kept for [`timings`](Self::timings) and
+    /// carried by the completion).
+    pub fn finish_timed(&self, result: Result<Status>, timings: TransferTimings) {
         let status = match &result {
             Ok(s) => *s,
             Err(e) => e.code(),
         };
-        *self.result.lock() = Some(result);
+        *self.result.lock() = (Some(result), timings);
         self.done.notify_all();
         if let Some((completions, tag)) = &self.notify {
-            completions.signal(&Completion::Op { tag: *tag, status });
+            completions.signal(&Completion::Op { tag: *tag, status, timings });
         }
+    }
+
+    /// The phase timings once the operation finished; `None` while it runs.
+    pub fn timings(&self) -> Option<TransferTimings> {
+        let slot = self.result.lock();
+        slot.0.is_some().then_some(slot.1)
     }
 
     /// `PENDING` while running, otherwise the terminal result (repeatable).
     pub fn poll(&self) -> Result<Status> {
-        match &*self.result.lock() {
+        match &self.result.lock().0 {
             None => Ok(Status::KVSTAGE_PENDING),
             Some(r) => clone_result(r),
         }
@@ -73,12 +87,12 @@ impl Op {
     pub fn wait(&self, timeout: Option<Duration>) -> Result<Status> {
         let deadline = Deadline::after(timeout);
         let mut slot = self.result.lock();
-        while slot.is_none() {
+        while slot.0.is_none() {
             if !deadline.wait(&self.done, &mut slot) {
                 return Ok(Status::KVSTAGE_PENDING);
             }
         }
-        clone_result(slot.as_ref().expect("checked above"))
+        clone_result(slot.0.as_ref().expect("checked above"))
     }
 }
 

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -17,6 +17,7 @@ use super::op::{Op, Waker};
 use super::{pairing, Deadline, Integrity, Pairing};
 use super::notify::Completions;
 use super::staging::StagingPool;
+use super::stats::{since, SendCounters, SendMetrics, SessionStats, TransferTimings};
 use super::workers::Workers;
 use crate::copy::{CopyEngine, ReadyFence};
 use crate::error::{Error, Result, Status};
@@ -57,6 +58,8 @@ pub struct SendResources {
     pub completions: Arc<Completions>,
     /// RDMA devices of the engine (inactive for transport tcp or without a device).
     pub rdma: Arc<crate::transport::rdma::Rdma>,
+    /// Sender counters of the engine (every session adds to them as well as to its own).
+    pub counters: Arc<SendCounters>,
 }
 
 /// Distinct keys for the sessions' worker queues.
@@ -110,12 +113,34 @@ pub struct SenderSession {
     integrity: Integrity,
     /// This session's queue on the engine's transfer workers.
     key: u64,
+    /// The decode peer's address (for the log).
+    peer: SocketAddr,
+    /// A fallback to the slice path was logged (warn once per session, then debug).
+    fallback_logged: AtomicBool,
+    /// This session's counters and the engine's.
+    metrics: SendMetrics,
+    /// Chunks go by RDMA; `downgraded`: RDMA was asked for (auto) but the session runs on TCP.
+    rdma_link: bool,
+    downgraded: bool,
 }
 
 impl SenderSession {
     /// Connects to a decode engine and runs the handshake.
     pub fn connect(resources: Arc<SendResources>, addr: SocketAddr, id: &str, timeout: Duration) -> Result<Arc<SenderSession>> {
-        Self::connect_inner(resources, addr, id, timeout).map_err(|e| e.with_session(id))
+        match Self::connect_inner(resources, addr, id, timeout) {
+            Ok(s) => {
+                // "tcp", or "rdma mlx5_0:1 (2 QPs)" (the control stream's address is `addr`).
+                let how = s.link.describe();
+                let how = if how.starts_with("tcp ") { "tcp" } else { how.split(" via ").next().unwrap_or(&how) };
+                log::info!(session = id; "session opened to {addr} over {how} (writer {} of {})", s.pair.writer, s.pair.writers);
+                Ok(s)
+            }
+            Err(e) => {
+                // The caller gets the error itself; the log keeps a trace of it.
+                log::debug!(session = id; "session to {addr} failed to open: {}", e.chain());
+                Err(e.with_session(id))
+            }
+        }
     }
 
     fn connect_inner(resources: Arc<SendResources>, addr: SocketAddr, id: &str, timeout: Duration) -> Result<Arc<SenderSession>> {
@@ -170,7 +195,11 @@ impl SenderSession {
             return Err(Error::new(Status::KVSTAGE_E_AUTH, format!("{addr} did not present this cluster's token")));
         }
         // Transport auto/rdma: the QPs are exchanged on this stream before its reader starts.
+        let plain = link.clone();
         let (link, early) = resources.rdma.negotiate(link, &mut reader, &addr.to_string(), id, &deadline)?;
+        let rdma_link = !Arc::ptr_eq(&plain, &link);
+        drop(plain);
+        let downgraded = !rdma_link && resources.rdma.mode() == crate::transport::rdma::RdmaMode::Auto;
         let mut watermark = remote.watermark;
         for m in early {
             if let Message::Watermark(w) = m {
@@ -185,13 +214,17 @@ impl SenderSession {
             cv: Condvar::new(),
         });
         let reader_shared = shared.clone();
+        let (reader_id, reader_peer) = (id.to_owned(), link.describe());
         let handle = std::thread::Builder::new()
             .name(format!("kvstage-send-{id}"))
             .spawn(move || {
                 // A panic kills the session (its waiters fail at once) instead of hanging them.
-                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read_replies(reader, &reader_shared)));
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    read_replies(reader, &reader_shared, &reader_id, &reader_peer)
+                }));
                 if let Err(p) = outcome {
                     let e = Error::from_panic("the session reader thread panicked", &*p);
+                    log::error!(session = reader_id.as_str(); "{}", e.chain());
                     let mut st = reader_shared.state.lock();
                     st.dead = Some((e.code(), e.chain()));
                     reader_shared.cv.notify_all();
@@ -204,13 +237,18 @@ impl SenderSession {
             link,
             remote,
             pair,
-            resources,
             pool,
             shared,
             next_req: AtomicU64::new(1),
             reader: Mutex::new(Some(handle)),
             integrity,
             key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+            peer: addr,
+            fallback_logged: AtomicBool::new(false),
+            metrics: SendMetrics { session: Arc::default(), engine: resources.counters.clone() },
+            rdma_link,
+            downgraded,
+            resources,
         }))
     }
 
@@ -233,6 +271,7 @@ impl SenderSession {
 
     /// Ends the session now: waiting operations fail at once with `why`.
     pub fn close(&self, why: &str) {
+        log::debug!(session = self.id.as_str(); "session to {} closed: {why}", self.peer);
         let mut st = self.shared.state.lock();
         st.dead.get_or_insert((Status::KVSTAGE_E_CANCELED, why.to_owned()));
         self.shared.cv.notify_all();
@@ -244,14 +283,74 @@ impl SenderSession {
         self.remote.ring_bytes
     }
 
-    /// The staged path for one chunk. `Ok(FALLBACK)` means nothing was allocated anywhere.
-    pub fn transfer(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
-        self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))?;
-        self.transfer_inner(desc, op)
-            .map_err(|e| e.context(format!("staged transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id))
+    /// This session's counters (bytes, chunks, transfers by result, in flight, summed phase
+    /// timings) and its transport.
+    pub fn stats(&self) -> SessionStats {
+        SessionStats { send: self.metrics.session.snapshot(), rdma: self.rdma_link, downgraded: self.downgraded }
     }
 
-    fn transfer_inner(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+    /// The staged path for one chunk. `Ok(FALLBACK)` means nothing was allocated anywhere.
+    pub fn transfer(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+        self.transfer_timed(desc, op).0
+    }
+
+    /// [`transfer`](Self::transfer), with the transfer's phase timings.
+    pub fn transfer_timed(&self, desc: &TransferDesc, op: &Op) -> (Result<Status>, TransferTimings) {
+        self.counted(|t| self.staged(desc, op, t))
+    }
+
+    /// [`transfer_slices`](Self::transfer_slices), with the transfer's phase timings.
+    pub fn transfer_slices_timed(&self, desc: &TransferDesc, op: &Op) -> (Result<Status>, TransferTimings) {
+        self.counted(|t| self.slices(desc, op, t))
+    }
+
+    /// Runs a synchronous transfer: in flight meanwhile, timed, its result counted.
+    fn counted(&self, f: impl FnOnce(&mut TransferTimings) -> Result<Status>) -> (Result<Status>, TransferTimings) {
+        let started = Instant::now();
+        let _in_flight = self.metrics.start();
+        let mut t = TransferTimings::default();
+        let result = f(&mut t);
+        t.total_ns = since(started);
+        self.metrics.finished(&result, &t);
+        (result, t)
+    }
+
+    fn staged(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
+        self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))?;
+        let result = self
+            .transfer_inner(desc, op, t)
+            .map_err(|e| e.context(format!("staged transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id));
+        self.log_outcome("staged", desc, &result);
+        result
+    }
+
+    /// Per chunk: trace on success, debug on failure (the caller gets the error itself; the
+    /// receiver logs the room's failure).
+    fn log_outcome(&self, path: &str, desc: &TransferDesc, result: &Result<Status>) {
+        let id = self.id.as_str();
+        match result {
+            Ok(Status::KVSTAGE_FALLBACK) => {}
+            Ok(_) => log::trace!(session = id; "{path} transfer of room {} chunk {} done", desc.room, desc.chunk),
+            Err(e) => log::debug!(session = id; "{}", e.chain()),
+        }
+    }
+
+    /// A chunk the staged path cannot take: warn once per session with the reason, then debug.
+    fn log_fallback(&self, desc: &TransferDesc, why: &str) {
+        let id = self.id.as_str();
+        if self.fallback_logged.swap(true, Ordering::Relaxed) {
+            log::debug!(session = id; "room {} chunk {}: staged path unavailable, KVSTAGE_FALLBACK: {why}", desc.room, desc.chunk);
+        } else {
+            log::warn!(
+                session = id;
+                "staged path unavailable for room {} chunk {}, KVSTAGE_FALLBACK (the caller may use the slice path): {why} (logged once per session)",
+                desc.room,
+                desc.chunk
+            );
+        }
+    }
+
+    fn transfer_inner(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
         let deadline = Deadline::after(desc.timeout);
         let src = &self.pool.shape;
         let dst = &self.remote.shape;
@@ -261,18 +360,32 @@ impl SenderSession {
         let region = &layout.writers[writer as usize];
         // Fallback is decided here, before anything is allocated on either side.
         let staging_limit = self.resources.options.send_staging_bytes;
-        if self.remote.ring_bytes == 0 || layout.total_bytes > self.remote.ring_bytes || region.bytes > staging_limit {
+        let fallback = if self.remote.ring_bytes == 0 {
+            Some("the receiver has no staging ring registered".to_owned())
+        } else if layout.total_bytes > self.remote.ring_bytes {
+            Some(format!("the chunk needs {} bytes of the receiver's {}-byte ring", layout.total_bytes, self.remote.ring_bytes))
+        } else if region.bytes > staging_limit {
+            Some(format!("this writer's share is {} bytes, above send_staging_bytes {staging_limit}", region.bytes))
+        } else {
+            None
+        };
+        if let Some(why) = fallback {
+            self.log_fallback(desc, &why);
             return Ok(Status::KVSTAGE_FALLBACK);
         }
         let plan = geometry::plan_gather(src, &desc.pages, &layout, writer)?;
 
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        // Watermark wait, part one: the allocation's round trip (part two: `wait_writable`).
+        let asked = Instant::now();
         self.link.send(
             &Message::AllocReq { req, room: desc.room, chunk: desc.chunk, writer, tokens, bytes: layout.total_bytes },
             &deadline,
         )?;
         // A grant may already be on its way: giving up here must release it too.
-        let reply = self.wait_reply(req, &deadline, op, "waiting for the allocation").inspect_err(|e| self.abort(desc, e.message()))?;
+        let reply = self.wait_reply(req, &deadline, op, "waiting for the allocation");
+        t.watermark_wait_ns = since(asked);
+        let reply = reply.inspect_err(|e| self.abort(desc, e.message()))?;
         let (round, offset) = match reply {
             Message::AllocRsp { status: 0, round, offset, len, .. } if len == layout.total_bytes => (round, offset),
             Message::AllocRsp { status: 0, len, .. } => {
@@ -286,7 +399,7 @@ impl SenderSession {
             other => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
         };
         // From here on the receiver holds ring space for us: every failure aborts first.
-        let written = self.write_granted(desc, op, &deadline, &plan, region.offset, region.bytes, round, offset + region.offset + region.bytes, writer, offset);
+        let written = self.write_granted(desc, op, &deadline, &plan, region.offset, region.bytes, round, offset + region.offset + region.bytes, writer, offset, t);
         let req = match written {
             Ok(req) => req,
             Err(e) => {
@@ -294,7 +407,10 @@ impl SenderSession {
                 return Err(e);
             }
         };
-        match self.wait_reply(req, &deadline, op, "waiting for the arrival acknowledgement") {
+        let written_at = Instant::now();
+        let ack = self.wait_reply(req, &deadline, op, "waiting for the arrival acknowledgement");
+        t.ack_ns = since(written_at);
+        match ack {
             Ok(Message::Arrived { status: 0, .. }) => Ok(Status::KVSTAGE_OK),
             Ok(Message::Arrived { status, reason, .. }) => {
                 let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
@@ -321,20 +437,38 @@ impl SenderSession {
         end: u64,
         writer: u32,
         grant_offset: u64,
+        t: &mut TransferTimings,
     ) -> Result<u64> {
-        self.wait_writable(round, end, deadline, op)?;
+        // Each phase is timed whether it succeeds or not (a timeout shows where it waited).
+        let phase = Instant::now();
+        let writable = self.wait_writable(round, end, deadline, op);
+        t.watermark_wait_ns += since(phase);
+        writable?;
         // A buffer of the engine's pool, held for the gather and the write only.
-        let mut staging = self.resources.staging.acquire(region_bytes, deadline, op, &self.resources.copy)?;
+        let phase = Instant::now();
+        let staging = self.resources.staging.acquire(region_bytes, deadline, op, &self.resources.copy);
+        t.alloc_wait_ns = since(phase);
+        let mut staging = staging?;
         let data = staging.bytes(region_bytes as usize);
+        let phase = Instant::now();
         // SAFETY: the pool was validated at registration and its pages checked; the staging buffer
         // holds the region's bytes.
-        unsafe { self.resources.copy.gather_after(plan, &self.pool, data.as_mut_ptr(), desc.ready.as_deref()) }?;
+        let gathered = unsafe { self.resources.copy.gather_after(plan, &self.pool, data.as_mut_ptr(), desc.ready.as_deref()) };
+        if gathered.is_err() {
+            t.gather_ns = since(phase);
+        }
+        gathered?;
         let data = &*data;
         let checksum = self.integrity.covers(desc.room, desc.chunk).then(|| checksum(data));
+        t.gather_ns = since(phase);
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         let header = Message::Data { room: desc.room, chunk: desc.chunk, writer, offset: region_offset, len: region_bytes };
         let ready = Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
-        self.link.write_chunk_at(grant_offset, &header, data, &ready, deadline)?;
+        let phase = Instant::now();
+        let wrote = self.link.write_chunk_at(grant_offset, &header, data, &ready, deadline);
+        t.wire_ns = since(phase);
+        wrote?;
+        self.metrics.sent(region_bytes);
         Ok(req)
     }
 
@@ -344,7 +478,10 @@ impl SenderSession {
         let op = Op::notifying(self.waker(), self.resources.completions.clone(), tag);
         let (session, worker_op) = (self.clone(), op.clone());
         let queued = Instant::now();
+        // In flight from now until the worker finished it (or the submission failed).
+        let in_flight = self.metrics.start();
         self.resources.workers.submit(self.key, move || {
+            let mut timings = TransferTimings { queued_ns: since(queued), ..TransferTimings::default() };
             desc.timeout = desc.timeout.map(|t| t.saturating_sub(queued.elapsed()));
             // A panic still finishes the operation, or its waiters would hang.
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -352,13 +489,21 @@ impl SenderSession {
                     return Err(Error::new(Status::KVSTAGE_E_TIMEOUT, "the deadline passed while the transfer was queued"));
                 }
                 if slices {
-                    session.transfer_slices(&desc, &worker_op)
+                    session.slices(&desc, &worker_op, &mut timings)
                 } else {
-                    session.transfer(&desc, &worker_op)
+                    session.staged(&desc, &worker_op, &mut timings)
                 }
             }))
-            .unwrap_or_else(|p| Err(Error::from_panic("the transfer worker panicked", &*p)));
-            worker_op.finish(result);
+            .unwrap_or_else(|p| {
+                let e = Error::from_panic("the transfer worker panicked", &*p).with_session(session.id());
+                log::error!(session = session.id(); "room {} chunk {}: {}", desc.room, desc.chunk, e.chain());
+                Err(e)
+            });
+            timings.total_ns = since(queued);
+            // Counted before the operation's waiters wake, so they see it in the stats.
+            session.metrics.finished(&result, &timings);
+            drop(in_flight);
+            worker_op.finish_timed(result, timings);
         })?;
         Ok(op)
     }
@@ -366,12 +511,19 @@ impl SenderSession {
     /// The slice path for the same chunk: one write per token per layer per K/V, into the decode
     /// pages of the room (the fallback and the benchmark baseline).
     pub fn transfer_slices(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
-        self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))?;
-        self.slices_inner(desc, op)
-            .map_err(|e| e.context(format!("slice transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id))
+        self.transfer_slices_timed(desc, op).0
     }
 
-    fn slices_inner(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+    fn slices(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
+        self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))?;
+        let result = self
+            .slices_inner(desc, op, t)
+            .map_err(|e| e.context(format!("slice transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id));
+        self.log_outcome("slice", desc, &result);
+        result
+    }
+
+    fn slices_inner(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
         if self.pool.memory != MemoryKind::Host {
             return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the slice path reads the KV pool from the CPU: host pools only"));
         }
@@ -384,6 +536,7 @@ impl SenderSession {
         let chunk_pages: Vec<u32> = (0..desc.pages.len() as u32).collect();
         let ops = geometry::slice_plan(src, dst, &hs, &desc.pages, &chunk_pages)?;
         let dst_token_bytes = dst.token_bytes();
+        let bytes: u64 = ops.iter().map(|o| o.len).sum();
         let mut frames = ops.iter().map(|o| {
             let base = self.pool.bases[o.src_buffer as usize] as *const u8;
             // SAFETY: slice_plan produced offsets inside the registered (checked) pages.
@@ -399,8 +552,15 @@ impl SenderSession {
             (header, payload)
         });
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
-        self.link.write_slices(&mut frames, &Message::SliceDone { req, room: desc.room, chunk: desc.chunk }, &deadline)?;
-        match self.wait_reply(req, &deadline, op, "waiting for the slice acknowledgement")? {
+        let phase = Instant::now();
+        let wrote = self.link.write_slices(&mut frames, &Message::SliceDone { req, room: desc.room, chunk: desc.chunk }, &deadline);
+        t.wire_ns = since(phase);
+        wrote?;
+        self.metrics.sent(bytes);
+        let phase = Instant::now();
+        let ack = self.wait_reply(req, &deadline, op, "waiting for the slice acknowledgement");
+        t.ack_ns = since(phase);
+        match ack? {
             Message::Arrived { status: 0, .. } => Ok(Status::KVSTAGE_OK),
             Message::Arrived { status, reason, .. } => {
                 let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
@@ -455,6 +615,9 @@ impl SenderSession {
 
 impl Drop for SenderSession {
     fn drop(&mut self) {
+        // Marked first, so the reader takes the end of the stream for what it is.
+        self.shared.state.lock().dead.get_or_insert((Status::KVSTAGE_E_CANCELED, "the session was freed".to_owned()));
+        log::info!(session = self.id.as_str(); "session to {} closed", self.peer);
         self.link.shutdown();
         if let Some(h) = self.reader.lock().take() {
             let _ = h.join();
@@ -464,7 +627,7 @@ impl Drop for SenderSession {
 
 /// The session's reader: routes replies to waiting operations and tracks the watermark. On any
 /// error or EOF the session is dead and every waiter fails at once with `PEER_GONE`.
-fn read_replies(mut stream: TcpStream, shared: &Shared) {
+fn read_replies(mut stream: TcpStream, shared: &Shared, session: &str, peer: &str) {
     let why = loop {
         match protocol::read_frame(&mut stream) {
             Ok(Some(Message::Watermark(w))) => {
@@ -492,9 +655,18 @@ fn read_replies(mut stream: TcpStream, shared: &Shared) {
             }
         }
     };
+    let text = format!("{} ({})", why.1, why.0.name());
     let mut st = shared.state.lock();
+    // Already dead: closed here (freed, or its engine freed), so the end of the stream is expected.
+    let expected = st.dead.is_some();
     st.dead = Some(why);
     shared.cv.notify_all();
+    drop(st);
+    if expected {
+        log::debug!(session = session; "session reader ended: {text}");
+    } else {
+        log::warn!(session = session; "connection to the receiver ({peer}) lost: {text}");
+    }
 }
 
 /// The integrity checksum of a writer's staged bytes (xxh3-64).

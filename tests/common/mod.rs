@@ -19,7 +19,7 @@ use kvstage::protocol::{self, Hello, Message, PROTOCOL_VERSION};
 use kvstage::ring::Watermark;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
-use kvstage::testkit::HostPool;
+use kvstage_testkit::HostPool;
 use kvstage::Status;
 
 // --- serialization and process-wide measurements ---------------------------------------------------
@@ -263,7 +263,7 @@ pub struct CanaryRing {
 
 impl CanaryRing {
     pub fn new(len: usize, margin: usize, salt: u64) -> CanaryRing {
-        assert!(len % 8 == 0 && margin % 8 == 0);
+        assert!(len.is_multiple_of(8) && margin.is_multiple_of(8));
         let mut buf = vec![0u64; (len + 2 * margin) / 8].into_boxed_slice();
         // SAFETY: our own allocation.
         unsafe { fill_canary(buf.as_mut_ptr() as *mut u8, buf.len() * 8, salt, 0) };
@@ -418,7 +418,7 @@ impl Cluster {
 
     /// Decode pages of a room of `chunks` chunks (shuffled, distinct, seeded by the room id).
     pub fn room_pages(&self, room: u64, chunks: usize) -> Vec<u32> {
-        kvstage::testkit::page_table(chunks * self.geo.pages_per_chunk(), self.geo.pool_pages, room, false)
+        kvstage_testkit::page_table(chunks * self.geo.pages_per_chunk(), self.geo.pool_pages, room, false)
     }
 
     /// Sends `chunks` chunks from every prefill engine into `room` over `pages` (already opened).

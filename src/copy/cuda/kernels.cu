@@ -144,7 +144,8 @@ KV_DEVICE void run(const KvJob &j) {
                     dst[q] = GATHER ? stage : pool;
                 }
                 for (u64 k = tx; k < row_units; k += bx) {
-                    T v[BATCH];
+                    // Read and written only where ok[q]; zeroed because gcc at -O3 cannot see that.
+                    T v[BATCH] = {};
 #pragma unroll
                     for (u32 q = 0; q < BATCH; ++q)
                         if (ok[q]) v[q] = ((const KV_AS_GLOBAL T *)src[q])[k];

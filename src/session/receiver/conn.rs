@@ -2,7 +2,7 @@
 //! dispatch. Every frame is checked by the state machine before a byte of payload is read, and
 //! payload reads hold a lease so nothing frees or re-grants the range underneath them.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::net::TcpStream;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -54,9 +54,12 @@ impl Receiver {
     /// connection wrote to with `KVSTAGE_E_PANIC` and returns their ring space.
     pub fn serve(self: &Arc<Self>, stream: TcpStream, handshake_done: impl FnOnce()) {
         let conn: Cell<Option<ConnId>> = Cell::new(None);
+        // The session id once the hello is read, for the log.
+        let session = RefCell::new(String::new());
+        let peer = stream.peer_addr().map_or_else(|_| "an unknown peer".to_owned(), |a| a.to_string());
         let mut handshake_done = Some(handshake_done);
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.serve_inner(stream, &conn, &mut || {
+            self.serve_inner(stream, &conn, &session, &peer, &mut || {
                 if let Some(f) = handshake_done.take() {
                     f()
                 }
@@ -65,13 +68,31 @@ impl Receiver {
         if let Some(f) = handshake_done.take() {
             f();
         }
+        let session = session.into_inner();
+        let registered = conn.get().is_some();
         let (code, reason) = match outcome {
-            Ok(Ok(())) => (Status::KVSTAGE_E_PEER_GONE, "the sender closed the connection".to_owned()),
-            Ok(Err(e)) if e.code() == Status::KVSTAGE_E_PANIC => (e.code(), e.chain()),
-            Ok(Err(e)) => (Status::KVSTAGE_E_PEER_GONE, e.chain()),
+            Ok(Ok(())) => {
+                if registered && self.closing() {
+                    log::debug!(session = session.as_str(); "connection from {peer} closed at shutdown");
+                } else if registered {
+                    log::info!(session = session.as_str(); "session from {peer} closed by the sender");
+                }
+                (Status::KVSTAGE_E_PEER_GONE, "the sender closed the connection".to_owned())
+            }
+            Ok(Err(e)) => {
+                let code = if e.code() == Status::KVSTAGE_E_PANIC { e.code() } else { Status::KVSTAGE_E_PEER_GONE };
+                // Before the handshake's end the handshake logged it; at shutdown it is expected.
+                if registered && self.closing() {
+                    log::debug!(session = session.as_str(); "connection from {peer} ended at shutdown: {}", e.chain());
+                } else if registered {
+                    log::warn!(session = session.as_str(); "connection from {peer} lost: {}", e.chain());
+                }
+                (code, e.chain())
+            }
             Err(p) => {
                 self.counters.panics.fetch_add(1, Ordering::Relaxed);
                 let e = Error::from_panic("a receiver connection thread panicked", &*p);
+                log::error!(session = session.as_str(); "connection from {peer}: {}", e.chain());
                 (e.code(), e.chain())
             }
         };
@@ -83,7 +104,14 @@ impl Receiver {
         }
     }
 
-    fn serve_inner(self: &Arc<Self>, stream: TcpStream, conn: &Cell<Option<ConnId>>, handshake_done: &mut dyn FnMut()) -> Result<()> {
+    fn serve_inner(
+        self: &Arc<Self>,
+        stream: TcpStream,
+        conn: &Cell<Option<ConnId>>,
+        session_id: &RefCell<String>,
+        peer: &str,
+        handshake_done: &mut dyn FnMut(),
+    ) -> Result<()> {
         crate::transport::tcp::tune(&stream, self.config.dead_peer_timeout)?;
         let mut inbound = Inbound::new(stream.try_clone()?, self.config.dead_peer_timeout);
         let mut link: Arc<dyn Transport> = Arc::new(TcpTransport::new(stream)?);
@@ -95,18 +123,31 @@ impl Receiver {
             Ok(h) => h,
             Err(e) => {
                 self.counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                // Not even a hello (a port scanner, a health check, a stalled peer): debug only.
+                log::debug!("no valid hello from {peer}: {}", e.chain());
                 // Answered when the peer can still read it (a newer version learns why), then closed.
                 let _ = link.send(&refusal(self, "", e.code(), &e.chain()), &Deadline::after(Some(Duration::from_millis(200))));
                 link.shutdown();
                 return Err(e);
             }
         };
-        let info = self.handshake(&hello, &link, &deadline).inspect_err(|_| {
+        *session_id.borrow_mut() = hello.session.clone();
+        let info = self.handshake(&hello, &link, &deadline).inspect_err(|e| {
             self.counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
+            // A sender of ours, misconfigured (token, geometry, version): an operator's matter.
+            if let Some(suppressed) = self.log_limits.handshakes.allow() {
+                log::warn!(session = hello.session.as_str(); "refused the session from {peer}: {}{suppressed}", e.chain());
+            }
             link.shutdown();
         })?;
         handshake_done();
         let session = info.session.clone();
+        log::info!(
+            session = session.as_str();
+            "session from {peer} accepted over tcp (writer {} of {})",
+            info.pairing.writer,
+            info.pairing.writers
+        );
         // Registered only now that the answer left: from here on it gets watermark broadcasts,
         // and one more watermark covers any change between the answer and the registration.
         let id = self.with_state(|st| st.add_conn(info));
@@ -190,12 +231,17 @@ impl Receiver {
                     }
                 }
                 Message::ChunkReady { req, room, chunk, writer, checksum } => {
+                    // Arrival of the writer's last byte (decode-side timing: arrival to scatter done).
+                    let arrived = std::time::Instant::now();
                     // RDMA: the write-with-immediate (imm = req) must have completed first.
                     let landed = rdma_peer.as_ref().map_or(Ok(()), |p| p.wait_imm(req as u32, RDMA_IMM_WAIT));
-                    let (result, fx) = match landed {
+                    let (result, mut fx) = match landed {
                         Err(e) => (Err(e), Default::default()),
                         Ok(()) => self.ready(id, session, room, chunk, writer, checksum, integrity),
                     };
+                    for job in &mut fx.scatter {
+                        job.arrived = Some(arrived);
+                    }
                     let reply = match result {
                         Ok(()) => Message::Arrived { req, status: 0, reason: String::new() },
                         Err(e) => Message::Arrived { req, status: e.code().code(), reason: e.chain() },

@@ -64,13 +64,16 @@ impl Listener {
         let limits = receiver.config().listener;
         let mut backoff = ACCEPT_BACKOFF.0;
         while !receiver.closing() {
-            let stream = match listener.accept() {
-                Ok((s, _)) => s,
+            let (stream, peer) = match listener.accept() {
+                Ok(accepted) => accepted,
                 Err(_) if receiver.closing() => break,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(_) => {
+                Err(e) => {
                     // EMFILE, ENFILE, ENOMEM, ECONNABORTED …: counted, and tried again later.
-                    receiver.counters.accept_errors.fetch_add(1, Ordering::Relaxed);
+                    let n = receiver.counters.accept_errors.fetch_add(1, Ordering::Relaxed) + 1;
+                    if let Some(suppressed) = receiver.log_limits.accept_errors.allow() {
+                        log::warn!("accept failed: {e} (retrying in {backoff:?}; {n} accept errors so far){suppressed}");
+                    }
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(ACCEPT_BACKOFF.1);
                     continue;
@@ -88,14 +91,24 @@ impl Listener {
             };
             if let Some(why) = refused {
                 drop(reg);
-                receiver.counters.connections_refused.fetch_add(1, Ordering::Relaxed);
+                let n = receiver.counters.connections_refused.fetch_add(1, Ordering::Relaxed) + 1;
+                if let Some(suppressed) = receiver.log_limits.refused.allow() {
+                    log::warn!("refused a connection from {peer}: {why} ({n} refused so far){suppressed}");
+                }
                 refuse(&receiver, stream, &why);
                 continue;
             }
-            let Ok(closer) = stream.try_clone() else {
-                // No descriptor for the closer (EMFILE): refused like a failed accept.
-                receiver.counters.accept_errors.fetch_add(1, Ordering::Relaxed);
-                continue;
+            let closer = match stream.try_clone() {
+                Ok(closer) => closer,
+                Err(e) => {
+                    // No descriptor for the closer (EMFILE): refused like a failed accept.
+                    drop(reg);
+                    receiver.counters.accept_errors.fetch_add(1, Ordering::Relaxed);
+                    if let Some(suppressed) = receiver.log_limits.accept_errors.allow() {
+                        log::warn!("dropped the connection from {peer}: cannot duplicate its socket: {e}{suppressed}");
+                    }
+                    continue;
+                }
             };
             let closer = Arc::new(Mutex::new(Some(closer)));
             reg.handshaking += 1;
@@ -107,9 +120,13 @@ impl Listener {
             });
             match spawned {
                 Ok(thread) => reg.conns.push(Tracked { closer, thread }),
-                Err(_) => {
+                Err(e) => {
                     reg.handshaking -= 1;
+                    drop(reg);
                     receiver.counters.accept_errors.fetch_add(1, Ordering::Relaxed);
+                    if let Some(suppressed) = receiver.log_limits.accept_errors.allow() {
+                        log::warn!("dropped the connection from {peer}: cannot start its thread: {e}{suppressed}");
+                    }
                 }
             }
         }

@@ -26,7 +26,7 @@ pub use state::{ChunkEvent, ConnId, ScatterJob};
 use state::{Effects, Release, State};
 
 use super::notify::{Completion, Completions};
-use super::{Deadline, Integrity};
+use super::{Deadline, Integrity, LogLimiter};
 use crate::copy::CopyEngine;
 use crate::error::{Error, Result, Status};
 use crate::geometry::{self, KvLayout};
@@ -78,6 +78,28 @@ pub struct ReceiverCounters {
     pub panics: AtomicU64,
 }
 
+/// How often records a peer can cause at will may go out (each kind on its own).
+const LOG_PERIOD: Duration = Duration::from_secs(10);
+
+/// Rate sense for the receiver's records that peers (or their absence) can repeat at will.
+pub struct LogLimits {
+    pub accept_errors: LogLimiter,
+    pub refused: LogLimiter,
+    pub handshakes: LogLimiter,
+    pub events_dropped: LogLimiter,
+}
+
+impl Default for LogLimits {
+    fn default() -> Self {
+        LogLimits {
+            accept_errors: LogLimiter::new(LOG_PERIOD),
+            refused: LogLimiter::new(LOG_PERIOD),
+            handshakes: LogLimiter::new(LOG_PERIOD),
+            events_dropped: LogLimiter::new(LOG_PERIOD),
+        }
+    }
+}
+
 /// A snapshot for `kvstage_engine_stats`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ReceiverStats {
@@ -91,6 +113,10 @@ pub struct ReceiverStats {
     pub events_dropped: u64,
     pub rooms_expired: u64,
     pub panics: u64,
+    /// Current span of the ring held by live allocations, in bytes.
+    pub ring_used: u64,
+    /// Bytes and chunks received, scatter times, the ring's high-water mark.
+    pub metrics: crate::session::stats::ReceiveStats,
 }
 
 /// The receiver half of an engine.
@@ -110,6 +136,7 @@ pub struct Receiver {
     closing: AtomicBool,
     rdma: Mutex<Option<Arc<crate::transport::rdma::Rdma>>>,
     pub counters: ReceiverCounters,
+    pub log_limits: LogLimits,
     /// Chunk events are signalled here too (eventfd, callback).
     completions: Arc<Completions>,
 }
@@ -131,6 +158,7 @@ impl Receiver {
             closing: AtomicBool::new(false),
             rdma: Mutex::new(None),
             counters: ReceiverCounters::default(),
+            log_limits: LogLimits::default(),
         }
     }
 
@@ -166,6 +194,25 @@ impl Receiver {
     }
 
     fn apply(&self, fx: Effects) {
+        // Logged before the waiters wake: a caller who sees the room fail finds the record.
+        for (room, f) in &fx.failed {
+            let code = f.code.name();
+            let session = f.session.as_str();
+            if matches!(f.code, Status::KVSTAGE_E_PANIC | Status::KVSTAGE_E_INTERNAL | Status::KVSTAGE_E_CUDA | Status::KVSTAGE_E_RDMA) {
+                log::error!(session = session; "room {room} failed ({code}): {}", f.why);
+            } else {
+                log::warn!(session = session; "room {room} failed ({code}): {}", f.why);
+            }
+        }
+        if fx.events_dropped > 0 {
+            if let Some(suppressed) = self.log_limits.events_dropped.allow() {
+                log::warn!(
+                    "chunk event queue full (max_events {}): {} event(s) dropped; poll events or raise max_events{suppressed}",
+                    self.config.max_events,
+                    fx.events_dropped
+                );
+            }
+        }
         if let Some(w) = fx.watermark {
             *self.pending_watermark.lock() = Some(w);
             self.keeper_wake.notify_all();
@@ -288,16 +335,19 @@ impl Receiver {
             events_dropped: c.events_dropped,
             rooms_expired: c.rooms_expired,
             panics: n(&self.counters.panics),
+            ring_used: st.ring_used(),
+            metrics: st.metrics(),
         }
     }
 
     /// Executes a scatter job (on the engine's scatter thread); a panic fails the room with
     /// `KVSTAGE_E_PANIC` and still returns the ring space.
-    pub fn run_scatter(&self, job: ScatterJob) {
+    pub fn run_scatter(&self, mut job: ScatterJob) {
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.scatter(&job))).unwrap_or_else(|p| {
             self.counters.panics.fetch_add(1, Ordering::Relaxed);
             Err(Error::from_panic(format!("the scatter of room {} chunk {} panicked", job.room, job.chunk), &*p))
         });
+        job.scatter_ns = job.arrived.map_or(0, crate::session::stats::since);
         self.with_state(|st| st.scatter_done(&job, result));
     }
 

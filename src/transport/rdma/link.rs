@@ -120,10 +120,22 @@ impl QpSlot {
         if wc.status != 0 {
             let mut f = self.failure.lock();
             // Keep the first real error; a flush (5) only when nothing better is known.
-            if f.as_ref().map_or(true, |old| old.status == 5 && wc.status != 5) {
+            let first = f.as_ref().is_none_or(|old| old.status == 5 && wc.status != 5);
+            if first {
                 *f = Some(WcFailure { status: wc.status, vendor_err: wc.vendor_err, wr_id: wc.wr_id });
             }
             drop(f);
+            if first {
+                // Once per QP (a flush only until a real error shows): the QP is in the error
+                // state; every write on it fails from here on.
+                let e = self.failure_error().expect("just recorded");
+                let session = self.session.lock().clone();
+                if wc.status == 5 {
+                    log::debug!(session = session.as_str(); "{}", e.chain());
+                } else {
+                    log::error!(session = session.as_str(); "{}", e.chain());
+                }
+            }
             if let Some(a) = &self.arrivals {
                 a.fail(self.failure_error().expect("just recorded"));
             }
@@ -347,7 +359,7 @@ impl RdmaTransport {
             return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, format!("{} was shut down", self.desc)));
         }
         let end = remote_offset.checked_add(data.len() as u64);
-        if end.map_or(true, |e| e > self.remote.len) {
+        if end.is_none_or(|e| e > self.remote.len) {
             return Err(Error::new(
                 Status::KVSTAGE_E_PROTOCOL,
                 format!("write [{remote_offset}, +{}) outside the receiver's ring of {} bytes", data.len(), self.remote.len),

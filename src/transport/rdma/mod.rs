@@ -351,9 +351,12 @@ impl Rdma {
         self.sessions.load(Ordering::Relaxed)
     }
 
-    fn downgrade(&self, why: String) {
+    /// Session `session` to `peer` runs on TCP although RDMA was asked for (`auto`): counted,
+    /// remembered for `kvstage_engine_transport_describe` and logged (warn).
+    fn downgrade(&self, session: &str, peer: &str, why: &str) {
+        log::warn!(session = session; "downgraded from rdma to tcp (transport auto) for the session to {peer}: {why}");
         self.downgrades.fetch_add(1, Ordering::Relaxed);
-        *self.last_downgrade.lock() = why;
+        *self.last_downgrade.lock() = format!("session {session} to {peer}: {why}");
     }
 
     /// Send-queue depth of a sender QP.
@@ -442,7 +445,7 @@ impl Rdma {
         match self.mode {
             RdmaMode::Off => return Ok((tcp, Vec::new())),
             RdmaMode::Auto if !self.active() => {
-                self.downgrade(format!("session {session} to {peer}: no local RDMA device ({})", self.unavailable_reason()));
+                self.downgrade(session, peer, &format!("no local RDMA device ({})", self.unavailable_reason()));
                 return Ok((tcp, Vec::new()));
             }
             _ => {}
@@ -454,10 +457,18 @@ impl Rdma {
                 Ok((link, early))
             }
             Err(e) if self.mode == RdmaMode::Auto && e.code() != Status::KVSTAGE_E_PEER_GONE && e.code() != Status::KVSTAGE_E_TIMEOUT => {
-                self.downgrade(format!("session {session} to {peer}: {}", e.chain()));
+                self.downgrade(session, peer, &e.chain());
                 Ok((tcp, early))
             }
-            Err(e) => Err(e),
+            Err(e) => {
+                // Returned to the caller too; logged because an RDMA failure is an operator's matter.
+                if matches!(e.code(), Status::KVSTAGE_E_PEER_GONE | Status::KVSTAGE_E_TIMEOUT) {
+                    log::debug!(session = session; "RDMA exchange with {peer} failed: {}", e.chain());
+                } else {
+                    log::error!(session = session; "RDMA connection to {peer} failed (transport rdma: no fallback to tcp): {}", e.chain());
+                }
+                Err(e)
+            }
         }
     }
 
@@ -525,9 +536,21 @@ impl Rdma {
         match self.try_accept(offer, ring, peer, session) {
             Ok((answer, p)) => {
                 self.sessions.fetch_add(1, Ordering::Relaxed);
+                log::info!(session = session; "session from {peer} connected over rdma ({})", p.desc);
                 (answer, Some(p))
             }
-            Err(e) => (RdmaOffer::refusal(e.code(), e.chain()), None),
+            Err(e) => {
+                // Not serving RDMA at all is a configuration (the sender downgrades or fails and
+                // logs it); failing to serve it with devices open is an RDMA error.
+                if !self.active() {
+                    log::debug!(session = session; "refused the RDMA offer of {peer}: {}", e.chain());
+                } else if e.code() == Status::KVSTAGE_E_RDMA {
+                    log::error!(session = session; "refused the RDMA offer of {peer}: {}", e.chain());
+                } else {
+                    log::warn!(session = session; "refused the RDMA offer of {peer}: {}", e.chain());
+                }
+                (RdmaOffer::refusal(e.code(), e.chain()), None)
+            }
         }
     }
 

@@ -54,7 +54,7 @@ pub fn plan_writes(len: u64, wr_bytes: u32, signal_every: u32, qps: u32) -> Writ
             let n = (len - offset).min(wr_bytes) as u32;
             let idx = (p - first) as usize;
             let is_last = p + 1 == last;
-            wrs.push(PlannedWr { offset, len: n, signaled: is_last || (idx + 1) % signal_every == 0, imm: false });
+            wrs.push(PlannedWr { offset, len: n, signaled: is_last || (idx + 1).is_multiple_of(signal_every), imm: false });
         }
     }
     // QP 0 always has a piece (first = 0, last = pieces / qps >= 1 unless pieces < qps, in which

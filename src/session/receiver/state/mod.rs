@@ -18,6 +18,7 @@ use crate::error::{Error, FieldMismatch, Result, Status};
 use crate::geometry::{self, PoolShape, StagingLayout};
 use crate::ring::{Grant, Ring, Watermark};
 use crate::session::receiver::coverage::Coverage;
+use crate::session::stats::ReceiveStats;
 use crate::session::Pairing;
 
 mod slices;
@@ -45,6 +46,9 @@ pub struct ChunkEvent {
     pub room: u64,
     pub chunk: u32,
     pub status: Status,
+    /// Staged chunks scattered OK: nanoseconds from the arrival of the chunk's last writer to the
+    /// end of its scatter (see [`ReceiveStats`]); 0 otherwise.
+    pub scatter_ns: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -192,6 +196,10 @@ pub struct ScatterJob {
     pub layout: StagingLayout,
     /// The writers' pool shapes, in slot order.
     pub writers: Vec<PoolShape>,
+    /// When the chunk's last writer arrived (stamped by the connection that read it).
+    pub arrived: Option<Instant>,
+    /// From `arrived` to the end of the scatter (set by the scatter thread before `scatter_done`).
+    pub scatter_ns: u64,
 }
 
 /// What a data frame's target turned out to be.
@@ -214,6 +222,10 @@ pub struct Effects {
     pub changed: bool,
     /// Chunk events queued by this call (to signal completion listeners).
     pub events: Vec<ChunkEvent>,
+    /// Rooms this call failed, and why (for the log).
+    pub failed: Vec<(u64, Failure)>,
+    /// Chunk events this call dropped because the queue was full (for the log).
+    pub events_dropped: u64,
 }
 
 /// Outcome of releasing a room.
@@ -242,6 +254,7 @@ pub struct State {
     next_conn: ConnId,
     next_gen: u64,
     counters: Counters,
+    metrics: ReceiveStats,
     fx: Effects,
 }
 
@@ -282,6 +295,7 @@ impl State {
             next_conn: 1,
             next_gen: 1,
             counters: Counters::default(),
+            metrics: ReceiveStats::default(),
             fx: Effects::default(),
         }
     }
@@ -293,6 +307,16 @@ impl State {
 
     pub fn counters(&self) -> Counters {
         self.counters
+    }
+
+    /// Bytes and chunks received, scatter times and the ring's high-water mark.
+    pub fn metrics(&self) -> ReceiveStats {
+        self.metrics
+    }
+
+    /// Current span of the ring held by live allocations (see [`Ring::occupied`]).
+    pub fn ring_used(&self) -> u64 {
+        self.ring.as_ref().map_or(0, |r| r.occupied())
     }
 
     // --- ring ------------------------------------------------------------------------------------
@@ -385,7 +409,7 @@ impl State {
         let w = info.pairing.writer as usize;
         let wrote = |c: &Chunk| c.slots.iter().flatten().any(|s| s.conn == conn);
         let owes = |c: &Chunk| {
-            c.phase == Phase::Waiting && c.slots.get(w).and_then(|s| s.as_ref()).map_or(true, |s| s.conn == conn && !s.arrived)
+            c.phase == Phase::Waiting && c.slots.get(w).and_then(|s| s.as_ref()).is_none_or(|s| s.conn == conn && !s.arrived)
         };
         let affected: Vec<u64> = self
             .rooms
@@ -517,7 +541,9 @@ impl State {
         if !r.live() || r.complete() {
             return;
         }
-        r.failure = Some(Failure { code, why, session: session.to_owned() });
+        let failure = Failure { code, why, session: session.to_owned() };
+        self.fx.failed.push((room, failure.clone()));
+        r.failure = Some(failure);
         let mut grants = Vec::new();
         let mut events = Vec::new();
         for (i, c) in r.chunks.iter_mut().enumerate() {
@@ -525,7 +551,7 @@ impl State {
                 grants.extend(c.grant.take());
             }
             if c.phase != Phase::Done {
-                events.push(ChunkEvent { room, chunk: i as u32, status: code });
+                events.push(ChunkEvent { room, chunk: i as u32, status: code, scatter_ns: 0 });
             }
         }
         for id in grants {
@@ -555,6 +581,7 @@ impl State {
     fn push_event(&mut self, e: ChunkEvent) {
         if self.events.len() >= self.max_events {
             self.counters.events_dropped += 1;
+            self.fx.events_dropped += 1;
         } else {
             self.fx.events.push(e.clone());
             self.events.push_back(e);

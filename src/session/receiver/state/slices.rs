@@ -117,6 +117,7 @@ impl State {
                 .and_then(|s| s.coverage.as_mut())
             {
                 cov.mark(lease.buffer, lease.token);
+                self.metrics.bytes_received += lease.len;
             }
         }
         self.drain_check(lease.room);
@@ -151,7 +152,8 @@ impl State {
         c.slots[writer as usize].as_mut().expect("checked").arrived = true;
         if c.slots.iter().all(|s| s.as_ref().is_some_and(|s| s.arrived)) {
             c.phase = Phase::Done;
-            self.push_event(ChunkEvent { room, chunk, status: Status::KVSTAGE_OK });
+            self.metrics.chunks_received += 1;
+            self.push_event(ChunkEvent { room, chunk, status: Status::KVSTAGE_OK, scatter_ns: 0 });
             self.fx.changed = true;
         }
         Ok(())

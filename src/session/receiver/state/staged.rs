@@ -60,6 +60,7 @@ impl State {
             None => {
                 let ring = self.ring.as_mut().ok_or_else(|| Error::new(Status::KVSTAGE_E_STAGING_TOO_SMALL, "no staging ring registered"))?;
                 let g = ring.assign(bytes).map_err(|e| Error::new(Status::KVSTAGE_E_OVERSIZED, e.to_string()))?;
+                self.metrics.ring_high_water = self.metrics.ring_high_water.max(ring.occupied());
                 self.grants.insert(g.id, GrantState { grant: g, room, chunk, pins: Vec::new(), remote_writers: Vec::new(), freeing: false });
                 g.id
             }
@@ -217,6 +218,7 @@ impl State {
         let c = &mut r.chunks[lease.chunk as usize];
         if let Some(s) = c.slots[lease.writer as usize].as_mut() {
             s.arrived = true;
+            self.metrics.bytes_received += lease.len;
         }
         if !c.slots.iter().all(|s| s.as_ref().is_some_and(|s| s.arrived)) {
             return Ok(());
@@ -232,6 +234,8 @@ impl State {
             pages,
             layout: c.layout.clone().expect("staged chunk has a layout"),
             writers: c.slots.iter().flatten().map(|s| s.shape.clone()).collect(),
+            arrived: None,
+            scatter_ns: 0,
         };
         r.page_leases.push(None);
         self.grants.get_mut(&grant).expect("live").pins.push(None);
@@ -255,7 +259,14 @@ impl State {
             c.phase = Phase::Done;
             c.grant = None;
             if ok && r.live() {
-                self.push_event(ChunkEvent { room: job.room, chunk: job.chunk, status: Status::KVSTAGE_OK });
+                let m = &mut self.metrics;
+                m.chunks_received += 1;
+                if job.scatter_ns > 0 {
+                    m.scatter_count += 1;
+                    m.scatter_ns_sum += job.scatter_ns;
+                    m.scatter_ns_max = m.scatter_ns_max.max(job.scatter_ns);
+                }
+                self.push_event(ChunkEvent { room: job.room, chunk: job.chunk, status: Status::KVSTAGE_OK, scatter_ns: job.scatter_ns });
             }
             self.drain_check(job.room);
         }
@@ -276,7 +287,7 @@ impl State {
             .chunks
             .iter()
             .enumerate()
-            .any(|(i, c)| which.map_or(true, |w| w as usize == i) && c.slots.iter().flatten().any(|s| s.conn == conn));
+            .any(|(i, c)| which.is_none_or(|w| w as usize == i) && c.slots.iter().flatten().any(|s| s.conn == conn));
         if holds {
             let what = which.map_or_else(|| "the room".to_owned(), |c| format!("chunk {c}"));
             self.fail_room(room, Status::KVSTAGE_E_CANCELED, format!("sender aborted {what} (session {session}): {reason}"), &session);
@@ -289,7 +300,7 @@ impl State {
         let ids: Vec<u64> = self
             .grants
             .iter()
-            .filter(|(_, g)| g.room == room && chunk.map_or(true, |c| g.chunk == c) && g.remote_writers.contains(&conn))
+            .filter(|(_, g)| g.room == room && chunk.is_none_or(|c| g.chunk == c) && g.remote_writers.contains(&conn))
             .map(|(id, _)| *id)
             .collect();
         for id in ids {

@@ -362,7 +362,7 @@ impl Harness {
         for r in self.rooms.values_mut() {
             let wrote = r.chunks.iter().any(|ch| ch.slots.iter().flatten().any(|s| s.conn == id));
             let owes = r.chunks.iter().any(|ch| {
-                ch.phase == MPhase::Waiting && ch.slots[w].as_ref().map_or(true, |s| s.conn == id && !s.arrived)
+                ch.phase == MPhase::Waiting && ch.slots[w].as_ref().is_none_or(|s| s.conn == id && !s.arrived)
             });
             if wrote && owes && r.live() && !r.complete() {
                 r.failed = true;
@@ -561,7 +561,7 @@ impl Harness {
                         let ch = ch.expect("landed in a live chunk");
                         assert!(ch.slices != Some(false) && ch.phase == MPhase::Waiting);
                         let s = ch.slots[w as usize].as_ref();
-                        assert!(s.map_or(true, |s| s.conn == id && !s.rows.contains(&(buffer, token))), "slice c{c} landed");
+                        assert!(s.is_none_or(|s| s.conn == id && !s.rows.contains(&(buffer, token))), "slice c{c} landed");
                         let ch = &mut self.rooms.get_mut(&room).unwrap().chunks[chunk as usize];
                         ch.slices = Some(true);
                         ch.slots[w as usize].get_or_insert_with(|| MSlot { conn: id, ..MSlot::default() });
@@ -569,7 +569,7 @@ impl Harness {
                         self.recount_leases();
                     }
                     Err(_) => {
-                        assert!(ch.map_or(true, |ch| ch.phase != MPhase::Waiting || ch.slots[w as usize].as_ref().is_some_and(|s| s.conn != id || s.arrived || s.rows.contains(&(buffer, token)))));
+                        assert!(ch.is_none_or(|ch| ch.phase != MPhase::Waiting || ch.slots[w as usize].as_ref().is_some_and(|s| s.conn != id || s.arrived || s.rows.contains(&(buffer, token)))));
                         self.kill(c);
                     }
                 }

@@ -24,13 +24,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use super::{page_table, HostPool, Model};
-use crate::engine::{Engine, EngineOptions};
-use crate::error::{Error, Result, Status};
-use crate::geometry::{self, ModelKind};
-use crate::session::notify::Completion;
-use crate::session::op::Op;
-use crate::session::sender::{SenderSession, TransferDesc};
+use kvstage::engine::{Engine, EngineOptions};
+use kvstage::geometry::{self, ModelKind};
+use kvstage::session::notify::Completion;
+use kvstage::session::op::Op;
+use kvstage::session::sender::{SenderSession, TransferDesc};
+use kvstage::{Error, Result, Status};
+
+use crate::{page_table, HostPool, Model};
 
 /// Everything both processes must agree on; passed to the child as command-line flags.
 #[derive(Clone, Debug)]
@@ -108,7 +109,7 @@ impl Setup {
             let src = self.model.shape(self.page_size, rs, self.prefill_tp);
             for rd in self.targets(rs) {
                 let dst = self.model.shape(self.page_size, rd, self.decode_tp);
-                let w = crate::session::pairing(&src, &dst)?.writer;
+                let w = kvstage::session::pairing(&src, &dst)?.writer;
                 total += geometry::staging_layout(&src, &dst, self.tokens)?.writers[w as usize].bytes;
             }
         }
@@ -149,51 +150,8 @@ impl Setup {
         .collect()
     }
 
-    /// Parses one of the flags above; `Ok(false)` when `flag` is not one of them.
-    pub fn parse_flag(&mut self, flag: &str, value: &mut dyn FnMut() -> std::result::Result<String, String>) -> std::result::Result<bool, String> {
-        let mut num = |name: &str| -> std::result::Result<u32, String> {
-            let v = value()?;
-            v.parse::<u32>().map_err(|_| format!("{name}: '{v}' is not a number"))
-        };
-        match flag {
-            "--model" => {
-                let v = value()?;
-                // "custom" keeps the current shape (the child receives the overrides after it).
-                if v != "custom" {
-                    self.model = super::model(&v).ok_or(format!("unknown model '{v}'"))?;
-                }
-            }
-            "--kind" => {
-                self.model.kind = match value()?.as_str() {
-                    "mha" => ModelKind::Mha,
-                    "mla" => ModelKind::Mla,
-                    other => return Err(format!("--kind {other}: expected mha or mla")),
-                };
-            }
-            "--layers" | "--kv-heads" | "--head-dim" | "--dtype-bytes" => {
-                let v = num(flag)?;
-                let m = &mut self.model;
-                *match flag {
-                    "--layers" => &mut m.layers,
-                    "--kv-heads" => &mut m.kv_heads,
-                    "--head-dim" => &mut m.head_dim,
-                    _ => &mut m.dtype_bytes,
-                } = v;
-                m.name = "custom";
-            }
-            "--prefill-tp" => self.prefill_tp = num(flag)?,
-            "--decode-tp" => self.decode_tp = num(flag)?,
-            "--page-size" => self.page_size = num(flag)?,
-            "--tokens" => self.tokens = num(flag)?,
-            "--chunk-tokens" => self.chunk_tokens = num(flag)?,
-            "--ring-chunks" => self.ring_chunks = num(flag)?,
-            _ => return Ok(false),
-        }
-        Ok(true)
-    }
-
     pub fn check(&self) -> std::result::Result<(), String> {
-        if self.tokens == 0 || self.page_size == 0 || self.tokens % self.page_size != 0 {
+        if self.tokens == 0 || self.page_size == 0 || !self.tokens.is_multiple_of(self.page_size) {
             return Err(format!("--tokens {} must be a positive multiple of --page-size {}", self.tokens, self.page_size));
         }
         if self.prefill_tp == 0 || self.decode_tp == 0 || self.ring_chunks == 0 {
@@ -253,7 +211,7 @@ impl Watch {
 
 /// Receives one raw stream until its sender shuts it down, then acknowledges it.
 fn raw_receive(mut stream: TcpStream, buf: &mut [u8]) -> Result<u64> {
-    crate::transport::tcp::tune(&stream, None)?;
+    kvstage::transport::tcp::tune(&stream, None)?;
     let mut got = 0u64;
     loop {
         let n = stream.read(buf).map_err(io_err("raw receive"))?;
@@ -286,8 +244,8 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
     for rd in 0..setup.decode_tp {
         let mut options = setup.options();
         if let Some((_, frames)) = decode.stuck.filter(|(r, _)| *r == rd) {
-            let plan = crate::transport::faults::FaultPlan { stop_reading_after: Some(frames), ..Default::default() };
-            options.faults = Some(crate::transport::faults::Faults { plan, counters: Default::default() });
+            let plan = kvstage::transport::faults::FaultPlan { stop_reading_after: Some(frames), ..Default::default() };
+            options.faults = Some(kvstage::transport::faults::Faults { plan, counters: Default::default() });
         }
         let engine = Engine::new(options)?;
         let pool = HostPool::new(setup.model.shape(setup.page_size, rd, setup.decode_tp), setup.capacity());
@@ -478,7 +436,7 @@ impl DecodeChild {
         let addr = self.raw_addr.parse().map_err(|_| Error::internal("raw address"))?;
         let mut conns = Vec::new();
         for _ in 0..streams {
-            conns.push(crate::transport::tcp::connect(addr, Duration::from_secs(10), None)?);
+            conns.push(kvstage::transport::tcp::connect(addr, Duration::from_secs(10), None)?);
         }
         let share = |i: u64| bytes / streams as u64 + u64::from(i < bytes % streams as u64);
         // The senders start together: each waits for the gate this thread holds until all exist.

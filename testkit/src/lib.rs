@@ -1,8 +1,12 @@
 //! Support for the demo, the benchmark and the tests: host pools filled with a position-unique
 //! pattern, and a verifier that recomputes the expected decode bytes from first principles
-//! (global head, layer, token position) — independently of the planner it checks.
+//! (global head, layer, token position) — independently of the planner it checks; and
+//! [`cluster`], a prefill and a decode process on one machine.
+//!
+//! A crate of its own (`kvstage-testkit`): none of it is compiled into `libkvstage`. The tools
+//! (`tools/`) depend on it, and the root package's integration tests as a dev-dependency.
 
-use crate::geometry::{KvLayout, MemoryKind, ModelKind, PoolShape};
+use kvstage::geometry::{KvLayout, MemoryKind, ModelKind, PoolShape};
 
 /// A model shape preset (per-token bytes match the design notes).
 #[derive(Clone, Copy, Debug)]

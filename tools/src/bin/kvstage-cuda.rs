@@ -17,39 +17,60 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use clap::{Parser, Subcommand};
 use kvstage::copy::cuda::{self, selftest, CudaCopyEngine, CudaTestMemory, DeviceMemory, ReadyFence, ToolStream};
 use kvstage::copy::CopyEngine;
 use kvstage::geometry::{plan_gather, plan_scatter, staging_layout, CopyPlan, KvLayout, MemoryKind, ModelKind, PoolShape};
 use kvstage::{Error, Result};
+use serde::Serialize;
 
-struct Args {
-    cmd: String,
+/// The CUDA copy engine on a real GPU: doctor report, bit-exactness check, benchmark.
+#[derive(Parser)]
+#[command(name = "kvstage-cuda", args_override_self = true)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Driver version, devices, whether the embedded PTX loads.
+    Doctor,
+    /// The selftest cases (device engine vs host engine on the same plans) with default,
+    /// tiny-scratch and tiny-grid engines, and the ready-fence ordering (stream and event).
+    #[command(args_override_self = true)]
+    Check {
+        /// CUDA device ordinal.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        device: i32,
+    },
+    /// Gather/scatter of 70B- and MLA-shaped chunks vs a device memcpy of the same bytes (and vs
+    /// device<->host copies for host staging), median of N runs, ratios.
+    #[command(args_override_self = true)]
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// CUDA device ordinal.
+    #[arg(long, value_name = "N", default_value_t = 0)]
     device: i32,
+    /// Timed runs per figure (after 3 untimed ones); the median is reported.
+    #[arg(long, value_name = "N", default_value_t = 20)]
     iters: usize,
+    /// Tokens per chunk (a positive multiple of 64).
+    #[arg(long, value_name = "N", default_value_t = 8192, value_parser = tokens)]
     tokens: u32,
+    /// Also write the results as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
     json: Option<String>,
 }
 
-fn parse() -> std::result::Result<Args, String> {
-    let mut it = std::env::args().skip(1);
-    let cmd = it.next().ok_or("usage: kvstage-cuda doctor|check|bench [--device N] [--iters N] [--tokens N] [--json FILE]")?;
-    let mut a = Args { cmd, device: 0, iters: 20, tokens: 8192, json: None };
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--device" => a.device = value()?.parse().map_err(|e| format!("--device: {e}"))?,
-            "--iters" => a.iters = value()?.parse().map_err(|e| format!("--iters: {e}"))?,
-            "--json" => a.json = Some(value()?),
-            "--tokens" => {
-                a.tokens = value()?.parse().map_err(|e| format!("--tokens: {e}"))?;
-                if a.tokens == 0 || a.tokens % 64 != 0 {
-                    return Err("--tokens must be a positive multiple of 64".into());
-                }
-            }
-            other => return Err(format!("unknown argument {other}")),
-        }
+fn tokens(v: &str) -> std::result::Result<u32, String> {
+    match v.parse::<u32>() {
+        Ok(t) if t > 0 && t % 64 == 0 => Ok(t),
+        _ => Err("must be a positive multiple of 64".into()),
     }
-    Ok(a)
 }
 
 /// 77 (skipped) without a GPU, unless KVSTAGE_REQUIRE_GPU=1.
@@ -63,55 +84,49 @@ fn no_gpu(e: &Error) -> ExitCode {
 }
 
 fn main() -> ExitCode {
-    let args = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("kvstage-cuda: {e}");
-            return ExitCode::from(2);
+    let cli = Cli::parse();
+    let (device, name) = match &cli.cmd {
+        Cmd::Doctor => {
+            print!("{}", cuda::report());
+            return ExitCode::SUCCESS;
         }
+        Cmd::Check { device } => (*device, "check"),
+        Cmd::Bench(b) => (b.device, "bench"),
     };
-    if args.cmd == "doctor" {
-        print!("{}", cuda::report());
-        return ExitCode::SUCCESS;
-    }
-    let engine = match CudaCopyEngine::open(args.device) {
+    let engine = match CudaCopyEngine::open(device) {
         Ok(e) => e,
         Err(e) => return no_gpu(&e),
     };
-    let result = match args.cmd.as_str() {
-        "check" => check(&engine, &args),
-        "bench" => bench(&engine, &args),
-        other => {
-            eprintln!("kvstage-cuda: unknown command {other}");
-            return ExitCode::from(2);
-        }
+    let result = match &cli.cmd {
+        Cmd::Bench(b) => bench(&engine, b),
+        _ => check(&engine, device),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("kvstage-cuda {}: FAILED: {}", args.cmd, e.chain());
+            eprintln!("kvstage-cuda {name}: FAILED: {}", e.chain());
             ExitCode::from(1)
         }
     }
 }
 
-fn check(engine: &CudaCopyEngine, args: &Args) -> Result<()> {
+fn check(engine: &CudaCopyEngine, device: i32) -> Result<()> {
     print!("{}", cuda::report());
-    let mem = CudaTestMemory::new(args.device);
+    let mem = CudaTestMemory::new(device);
     let mut log = |line: &str| println!("  {line}");
     println!("check: default engine");
     let (n, _) = selftest::run_all(engine, &mem, &mut log)?;
     println!("check: 1-byte scratch limit (one piece per slab), 1x1 grid");
-    let tiny = CudaCopyEngine::open(args.device)?
+    let tiny = CudaCopyEngine::open(device)?
         .with_scratch_limit(1)
         .with_grid_limits(cuda::job::GridLimits { x: 1, y: 1 });
     selftest::run_all(&tiny, &mem, &mut log)?;
     println!("check: 3 KiB scratch, 2x3 grid");
-    let small = CudaCopyEngine::open(args.device)?
+    let small = CudaCopyEngine::open(device)?
         .with_scratch_limit(3 << 10)
         .with_grid_limits(cuda::job::GridLimits { x: 2, y: 3 });
     selftest::run_all(&small, &mem, &mut log)?;
-    fences(engine, args.device)?;
+    fences(engine, device)?;
     println!("check: {n} cases x 3 engines bit-exact, fences ordered: all passed");
     Ok(())
 }
@@ -168,12 +183,31 @@ fn fences(engine: &CudaCopyEngine, device: i32) -> Result<()> {
     Ok(())
 }
 
+#[derive(Serialize)]
 struct Row {
+    #[serde(rename = "case")]
     name: String,
     bytes: u64,
     ms: f64,
+    #[serde(rename = "baseline_ms")]
     base_ms: f64,
     baseline: &'static str,
+    /// GB/s of the case; its baseline's time over its own (filled by [`Row::new`]).
+    gbps: f64,
+    ratio: f64,
+}
+
+impl Row {
+    fn new(name: String, bytes: u64, ms: f64, base_ms: f64, baseline: &'static str) -> Row {
+        Row { name, bytes, ms, base_ms, baseline, gbps: bytes as f64 / ms / 1e6, ratio: base_ms / ms }
+    }
+}
+
+/// The `--json` report.
+#[derive(Serialize)]
+struct Report<'a> {
+    iters: usize,
+    results: &'a [Row],
 }
 
 fn median_ms(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
@@ -190,7 +224,7 @@ fn median_ms(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(t[t.len() / 2])
 }
 
-fn bench(engine: &CudaCopyEngine, args: &Args) -> Result<()> {
+fn bench(engine: &CudaCopyEngine, args: &BenchArgs) -> Result<()> {
     print!("{}", cuda::report());
     let dev = args.device;
     let tokens = args.tokens;
@@ -244,21 +278,21 @@ fn bench(engine: &CudaCopyEngine, args: &Args) -> Result<()> {
         };
         let gms = run(&g, &sp.layout, true)?;
         let sms = run(&s, &dp.layout, false)?;
-        rows.push(Row { name: format!("{name}: gather"), bytes: g.bytes(), ms: gms, base_ms: memcpy, baseline: "device memcpy" });
-        rows.push(Row { name: format!("{name}: scatter"), bytes: s.bytes(), ms: sms, base_ms: memcpy, baseline: "device memcpy" });
+        rows.push(Row::new(format!("{name}: gather"), g.bytes(), gms, memcpy, "device memcpy"));
+        rows.push(Row::new(format!("{name}: scatter"), s.bytes(), sms, memcpy, "device memcpy"));
         if name.starts_with("70B P4->D2 ps16 random") {
             // Host staging (the TCP path): pinned and pageable, vs a plain copy of the same bytes.
             let mut host = vec![0u8; region];
             let d2h = median_ms(args.iters, || staging.read(0, &mut host))?;
             let pageable = median_ms(args.iters, || unsafe { engine.gather(&g, &sp.layout, host.as_mut_ptr()) })?;
-            rows.push(Row { name: format!("{name}: gather to pageable host"), bytes: g.bytes(), ms: pageable, base_ms: d2h, baseline: "device->host copy, same buffer" });
+            rows.push(Row::new(format!("{name}: gather to pageable host"), g.bytes(), pageable, d2h, "device->host copy, same buffer"));
             let pin = engine.pin_host(host.as_mut_ptr(), host.len())?;
             let d2h_pinned = median_ms(args.iters, || staging.read(0, &mut host))?;
             let pinned = median_ms(args.iters, || unsafe { engine.gather(&g, &sp.layout, host.as_mut_ptr()) })?;
             let h2d_pinned = median_ms(args.iters, || staging.write(0, &host))?;
             let spinned = median_ms(args.iters, || unsafe { engine.scatter(&s, &dp.layout, host.as_ptr()) })?;
-            rows.push(Row { name: format!("{name}: gather to pinned host"), bytes: g.bytes(), ms: pinned, base_ms: d2h_pinned, baseline: "device->host copy, pinned" });
-            rows.push(Row { name: format!("{name}: scatter from pinned host"), bytes: s.bytes(), ms: spinned, base_ms: h2d_pinned, baseline: "host->device copy, pinned" });
+            rows.push(Row::new(format!("{name}: gather to pinned host"), g.bytes(), pinned, d2h_pinned, "device->host copy, pinned"));
+            rows.push(Row::new(format!("{name}: scatter from pinned host"), s.bytes(), spinned, h2d_pinned, "host->device copy, pinned"));
             drop(pin);
         }
     }
@@ -269,31 +303,25 @@ fn bench(engine: &CudaCopyEngine, args: &Args) -> Result<()> {
             r.name,
             r.bytes as f64 / (1 << 20) as f64,
             r.ms,
-            r.bytes as f64 / r.ms / 1e6,
-            r.base_ms / r.ms,
+            r.gbps,
+            r.ratio,
             r.baseline,
             r.bytes as f64 / r.base_ms / 1e6
         );
     }
     if let Some(path) = &args.json {
-        let items: Vec<String> = rows
-            .iter()
-            .map(|r| {
-                format!(
-                    "{{\"case\":\"{}\",\"bytes\":{},\"ms\":{:.4},\"gbps\":{:.2},\"baseline\":\"{}\",\"baseline_ms\":{:.4},\"ratio\":{:.3}}}",
-                    r.name,
-                    r.bytes,
-                    r.ms,
-                    r.bytes as f64 / r.ms / 1e6,
-                    r.baseline,
-                    r.base_ms,
-                    r.base_ms / r.ms
-                )
-            })
-            .collect();
-        std::fs::write(path, format!("{{\"iters\":{},\"results\":[{}]}}\n", args.iters, items.join(",")))
-            .map_err(|e| Error::internal(format!("cannot write {path}: {e}")))?;
+        kvstage_tools::write_json(path, &Report { iters: args.iters, results: &rows })?;
         println!("bench: JSON in {path}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn command_line() {
+        super::Cli::command().debug_assert();
+    }
 }

@@ -6,45 +6,39 @@
 //! region of a chunk of `--tokens` tokens (default 8192: 640 MiB). Page sizes 1 and 16, pages as
 //! one consecutive run or fully random (in a pool twice the chunk).
 //!
-//! Usage: kvstage-copybench [--tokens N] [--threads N] [--iters N] [--json]
+//! Usage: kvstage-copybench [--tokens N] [--threads N] [--iters N] [--json] (`--help`)
 
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use kvstage::copy::{CopyEngine, HostCopyEngine};
 use kvstage::geometry::{plan_gather, plan_scatter, slice_plan, staging_layout, KvLayout, MemoryKind, ModelKind, PoolShape};
+use serde::Serialize;
 
-struct Args {
+/// Gather/scatter throughput of the host copy engine on a 70B-shaped chunk, next to a
+/// single-thread memcpy of the same bytes.
+#[derive(Parser)]
+#[command(name = "kvstage-copybench", args_override_self = true)]
+struct Cli {
+    /// Tokens of the chunk (a positive multiple of 16).
+    #[arg(long, value_name = "N", default_value_t = 8192, value_parser = tokens)]
     tokens: u32,
+    /// Copy engine threads (default: the available cores).
+    #[arg(long, value_name = "N", default_value_t = std::thread::available_parallelism().map_or(2, |n| n.get() as u32))]
     threads: u32,
-    iters: usize,
+    /// Timed runs per figure (the median is reported; one more runs first, untimed).
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    iters: u32,
+    /// Print one JSON object on stdout instead of the table.
+    #[arg(long)]
     json: bool,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        tokens: 8192,
-        threads: std::thread::available_parallelism().map_or(2, |n| n.get() as u32),
-        iters: 5,
-        json: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(arg) = it.next() {
-        let mut num = |name: &str| -> Result<u64, String> {
-            it.next().and_then(|v| v.parse().ok()).ok_or_else(|| format!("{name} needs a number"))
-        };
-        match arg.as_str() {
-            "--tokens" => a.tokens = num("--tokens")? as u32,
-            "--threads" => a.threads = num("--threads")? as u32,
-            "--iters" => a.iters = num("--iters")?.max(1) as usize,
-            "--json" => a.json = true,
-            "-h" | "--help" => return Err("usage: kvstage-copybench [--tokens N] [--threads N] [--iters N] [--json]".into()),
-            other => return Err(format!("unknown argument {other}")),
-        }
+fn tokens(v: &str) -> Result<u32, String> {
+    match v.parse::<u32>() {
+        Ok(t) if t > 0 && t % 16 == 0 => Ok(t),
+        _ => Err("must be a positive multiple of 16".into()),
     }
-    if a.tokens == 0 || a.tokens % 16 != 0 {
-        return Err("--tokens must be a positive multiple of 16".into());
-    }
-    Ok(a)
 }
 
 /// Page-aligned, pre-faulted host memory.
@@ -119,24 +113,44 @@ fn memcpy_once(src: &Mem, dst: &Mem, bytes: usize) -> Duration {
     t.elapsed()
 }
 
+#[derive(Serialize)]
 struct Row {
     page_size: u32,
     indices: &'static str,
     op: &'static str,
     runs: usize,
     bytes: u64,
+    #[serde(rename = "seconds", serialize_with = "secs")]
     time: Duration,
-    memcpy: Duration,
+    /// GB/s of the op and of the memcpy of the same bytes; memcpy time / op time.
+    gbps: f64,
+    memcpy_gbps: f64,
+    ratio: f64,
+}
+
+impl Row {
+    fn new(page_size: u32, indices: &'static str, op: &'static str, runs: usize, bytes: u64, time: Duration, memcpy: Duration) -> Row {
+        let (gbps, memcpy_gbps) = (gbps(bytes, time), gbps(bytes, memcpy));
+        Row { page_size, indices, op, runs, bytes, time, gbps, memcpy_gbps, ratio: memcpy.as_secs_f64() / time.as_secs_f64() }
+    }
+}
+
+fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+/// The `--json` report.
+#[derive(Serialize)]
+struct Report<'a> {
+    tokens: u32,
+    threads: u32,
+    iters: u32,
+    region_bytes: usize,
+    results: &'a [Row],
 }
 
 fn main() {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            std::process::exit(2);
-        }
-    };
+    let args = Cli::parse();
     let engine = HostCopyEngine::new(args.threads);
     let base = PoolShape::new(ModelKind::Mha, 8, 128, 2, 1, 80);
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
@@ -163,7 +177,8 @@ fn main() {
     }
     for page_size in [1u32, 16] {
         let pages_n = (args.tokens / page_size) as usize;
-        let capacity = 2 * pages_n as u32;
+        // Twice the chunk, and room for the run-shaped lists (pages 7.. and 3..) at any --tokens.
+        let capacity = 2 * pages_n as u32 + 8;
         let src_shape = PoolShape { page_size, ..base.clone() }.with_tp(1, 4);
         let dst_shape = PoolShape { page_size, ..base.clone() }.with_tp(0, 2);
         let (_src_mem, src_pool) = pool(src_shape.clone(), capacity as u64);
@@ -196,8 +211,8 @@ fn main() {
                 }
             }
             let [m, tg, ts] = times.map(median);
-            rows.push(Row { page_size, indices, op: "gather", runs: g.run_count(), bytes: g.bytes(), time: tg, memcpy: m });
-            rows.push(Row { page_size, indices, op: "scatter", runs: s.run_count(), bytes: s.bytes(), time: ts, memcpy: m });
+            rows.push(Row::new(page_size, indices, "gather", g.run_count(), g.bytes(), tg, m));
+            rows.push(Row::new(page_size, indices, "scatter", s.run_count(), s.bytes(), ts, m));
             if !args.json {
                 for r in &rows[rows.len() - 2..] {
                     println!(
@@ -206,9 +221,9 @@ fn main() {
                         r.indices,
                         r.op,
                         r.runs,
-                        gbps(r.bytes, r.time),
-                        gbps(r.bytes, r.memcpy),
-                        r.memcpy.as_secs_f64() / r.time.as_secs_f64()
+                        r.gbps,
+                        r.memcpy_gbps,
+                        r.ratio
                     );
                 }
                 println!("     (planning both: {:.2} ms)", plan_time.as_secs_f64() * 1e3);
@@ -240,7 +255,7 @@ fn main() {
             }
             let bytes: u64 = ops.iter().map(|o| o.len).sum();
             let (t, m) = (median(times), median(mtimes));
-            rows.push(Row { page_size, indices: "runs", op: "slice", runs: ops.len(), bytes, time: t, memcpy: m });
+            rows.push(Row::new(page_size, "runs", "slice", ops.len(), bytes, t, m));
             if !args.json {
                 println!(
                     "{:>4} {:>7} {:>8} {:>9} {:>10.2} {:>12.2} {:>7.2}x   (slice path: one 512 B memcpy per op, 1 thread; plan {:.1} ms)",
@@ -257,30 +272,17 @@ fn main() {
         }
     }
     if args.json {
-        let items: Vec<String> = rows
-            .iter()
-            .map(|r| {
-                format!(
-                    "{{\"page_size\":{},\"indices\":\"{}\",\"op\":\"{}\",\"runs\":{},\"bytes\":{},\"seconds\":{:.6},\"gbps\":{:.3},\"memcpy_gbps\":{:.3},\"ratio\":{:.3}}}",
-                    r.page_size,
-                    r.indices,
-                    r.op,
-                    r.runs,
-                    r.bytes,
-                    r.time.as_secs_f64(),
-                    gbps(r.bytes, r.time),
-                    gbps(r.bytes, r.memcpy),
-                    r.memcpy.as_secs_f64() / r.time.as_secs_f64()
-                )
-            })
-            .collect();
-        println!(
-            "{{\"tokens\":{},\"threads\":{},\"iters\":{},\"region_bytes\":{},\"results\":[{}]}}",
-            args.tokens,
-            args.threads,
-            args.iters,
-            region,
-            items.join(",")
-        );
+        let report = Report { tokens: args.tokens, threads: args.threads, iters: args.iters, region_bytes: region, results: &rows };
+        print!("{}", kvstage_tools::json(&report));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn command_line() {
+        super::Cli::command().debug_assert();
     }
 }

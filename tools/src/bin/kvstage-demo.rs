@@ -5,56 +5,33 @@
 
 use std::time::Instant;
 
-use kvstage::testkit::cluster::{serve_decode, DecodeChild, Prefill, Setup};
-use kvstage::testkit::model;
+use clap::Parser;
 use kvstage::{Error, Status};
+use kvstage_testkit::cluster::{serve_decode, DecodeChild, Prefill, Setup};
+use kvstage_tools::{parse_with_defaults, spinner, SetupArgs};
 
-const USAGE: &str = "usage: kvstage-demo [--model llama3-8b|qwen3-32b|llama3-70b|deepseek-v3] [--kind mha|mla] [--layers N] \
-[--kv-heads N] [--head-dim N] [--dtype-bytes N] [--prefill-tp N] [--decode-tp N] [--page-size N] [--tokens N] \
-[--chunk-tokens N] [--ring-chunks N] [--no-slice]";
+const DEFAULT_MODEL: &str = "llama3-8b";
 
-struct Args {
-    setup: Setup,
-    slice: bool,
+/// A staged KV transfer between two processes on this machine (prefill TP -> decode TP over
+/// loopback TCP), the decode pools checked byte for byte against a reference reshard, and the
+/// slice path for comparison.
+#[derive(Parser)]
+#[command(name = "kvstage-demo", args_override_self = true)]
+struct Cli {
+    #[command(flatten)]
+    setup: SetupArgs,
+    /// Skip the slice path.
+    #[arg(long)]
+    no_slice: bool,
+    /// Internal: be the decode process.
+    #[arg(long, hide = true)]
     role_decode: bool,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        setup: Setup {
-            model: model("llama3-8b").expect("preset exists"),
-            prefill_tp: 4,
-            decode_tp: 2,
-            page_size: 16,
-            tokens: 4096,
-            chunk_tokens: 2048,
-            ring_chunks: 2,
-        },
-        slice: true,
-        role_decode: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or(format!("{flag} needs a value\n{USAGE}"));
-        if a.setup.parse_flag(&flag, &mut value)? {
-            continue;
-        }
-        match flag.as_str() {
-            "--no-slice" => a.slice = false,
-            "--role-decode" => a.role_decode = true,
-            "-h" | "--help" => return Err(USAGE.to_owned()),
-            other => return Err(format!("unknown argument '{other}'\n{USAGE}")),
-        }
-    }
-    a.setup.check()?;
-    Ok(a)
 }
 
 const STAGED_ROOM: u64 = 1;
 const SLICE_ROOM: u64 = 2;
 
-fn run(a: &Args) -> Result<bool, Error> {
-    let s = &a.setup;
+fn run(s: &Setup, slice: bool) -> Result<bool, Error> {
     let exe = std::env::current_exe().map_err(|e| Error::internal("cannot find the demo executable").with_source(e))?;
     let mut args = s.flags();
     args.push("--role-decode".into());
@@ -63,7 +40,7 @@ fn run(a: &Args) -> Result<bool, Error> {
     println!(
         "kvstage {} demo: {} ({} layers, {} KV heads, head_dim {}, {}-byte dtype), prefill TP {} -> decode TP {} \
          (separate processes, loopback TCP), page_size {}, {} tokens in chunks of {}",
-        env!("CARGO_PKG_VERSION"),
+        kvstage_tools::library_version(),
         m.name,
         m.layers,
         m.kv_heads,
@@ -81,9 +58,11 @@ fn run(a: &Args) -> Result<bool, Error> {
     let mut ok = true;
     let mut staged_secs = 0.0;
     for (room, staged) in [(STAGED_ROOM, true), (SLICE_ROOM, false)] {
-        if !staged && !a.slice {
+        if !staged && !slice {
             break;
         }
+        let label = if staged { "staged path" } else { "slice path " };
+        let bar = spinner(format!("{}: {bytes} bytes, then the decode pool check", label.trim_end()));
         child.command(&format!("room {room}"))?;
         let start = Instant::now();
         let writes = prefill.send_room(s, room, staged, None)?;
@@ -91,7 +70,7 @@ fn run(a: &Args) -> Result<bool, Error> {
         let secs = start.elapsed().as_secs_f64();
         let (bad, first) = child.verify(room)?;
         child.command(&format!("release {room}"))?;
-        let label = if staged { "staged path" } else { "slice path " };
+        bar.finish_and_clear();
         let rate = if staged { String::new() } else { format!(", {:.0} writes/s", writes as f64 / secs) };
         println!("{label} : {bytes} bytes in {writes} writes, {secs:.3} s, {:.2} GB/s{rate}", gbps(secs));
         if bad == 0 {
@@ -112,18 +91,16 @@ fn run(a: &Args) -> Result<bool, Error> {
 }
 
 fn main() {
-    let args = parse_args().unwrap_or_else(|e| {
-        eprintln!("{e}");
-        std::process::exit(2)
-    });
-    if args.role_decode {
-        if let Err(e) = serve_decode(&args.setup) {
+    let cli: Cli = parse_with_defaults(&[("model", DEFAULT_MODEL), ("tokens", "4096")]);
+    let setup = cli.setup.setup(DEFAULT_MODEL).unwrap_or_else(|e| kvstage_tools::usage_error::<Cli>(e));
+    if cli.role_decode {
+        if let Err(e) = serve_decode(&setup) {
             eprintln!("kvstage-demo (decode): {}", e.chain());
             std::process::exit(1);
         }
         return;
     }
-    match run(&args) {
+    match run(&setup, !cli.no_slice) {
         Ok(true) => println!("\nresult: OK (decode KV pools byte-identical to the reference reshard)"),
         Ok(false) => {
             println!("\nresult: FAILED (decode KV pools differ from the reference)");
@@ -134,5 +111,15 @@ fn main() {
             eprintln!("kvstage-demo: {} ({})", e.chain(), code.name());
             std::process::exit(1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn command_line() {
+        super::Cli::command().debug_assert();
     }
 }

@@ -1,0 +1,95 @@
+"""Metrics from Python: session and engine counters after a known sequence of transfers, phase
+timings of a synchronous transfer, of an operation and in its completion, and the decode side's
+arrival-to-scatter times. Both engines live in this process, on 127.0.0.1."""
+
+import threading
+
+import kvref
+import kvstage
+
+MODEL = kvref.Model(layers=2, heads=4, head_dim=8, dtype_bytes=2, page_size=4)
+PAGES = 4  # one chunk of 16 tokens per room
+CHUNK_BYTES = PAGES * MODEL.page_size * MODEL.heads * MODEL.head_dim * MODEL.dtype_bytes * 2 * MODEL.layers
+PHASES = ("watermark_wait_ns", "alloc_wait_ns", "gather_ns", "wire_ns", "ack_ns")
+
+
+def _full(t: kvstage.TransferTimings) -> None:
+    for name in PHASES + ("total_ns",):
+        assert getattr(t, name) > 0, (name, t)
+    assert t.total_ns >= t.queued_ns + sum(getattr(t, name) for name in PHASES), t
+
+
+def test_counters_and_timings_after_a_known_sequence(lib):
+    dpool, dlayout = kvref.make_pool(MODEL, 0, 1, 16)
+    decode = kvstage.Engine(transport="tcp")
+    decode.register_pool(dlayout)
+    ring = CHUNK_BYTES * 2
+    decode.register_staging(ring)
+    ppool, playout = kvref.make_pool(MODEL, 0, 1, 16)
+    kvref.fill_random(ppool, 11)
+    prefill = kvstage.Engine(transport="tcp")
+    prefill.register_pool(playout)
+    session = prefill.connect(decode.listen_address, "stats")
+    completions, chunks = [], []
+    done = threading.Event()
+
+    def on_op(kind, status, tag, room, chunk, timings, scatter_ns):
+        completions.append((tag, status, timings))
+        done.set()
+
+    def on_chunk(kind, status, tag, room, chunk, timings, scatter_ns):
+        if status == kvstage.Status.OK:
+            chunks.append(scatter_ns)
+
+    prefill.set_completion_callback(on_op, metrics=True)
+    decode.set_completion_callback(on_chunk, metrics=True)
+    pages = list(range(PAGES))
+    try:
+        assert session.stats().transfers_ok == 0
+        for room in (1, 2):
+            decode.room_open(room, pages, chunk_tokens=PAGES * MODEL.page_size)
+            assert session.transfer(room, 0, pages, deadline_ms=20000) == kvstage.Status.OK
+            t = kvstage.transfer_timings_last()
+            _full(t)
+            assert t.queued_ns == 0
+            decode.room_wait(room, 20000)
+        decode.room_open(3, pages, chunk_tokens=PAGES * MODEL.page_size)
+        op = session.transfer_async(3, 0, pages, deadline_ms=20000, tag=33)
+        assert op.wait() == kvstage.Status.OK
+        t = op.timings()
+        _full(t)
+        assert t.queued_ns > 0
+        assert done.wait(20)
+        assert completions == [(33, kvstage.Status.OK, t)]
+        op.close()
+        decode.room_wait(3, 20000)
+        # A fallback: 12 pages are more than the ring holds.
+        assert session.transfer(4, 0, list(range(12)), deadline_ms=20000) == kvstage.Status.FALLBACK
+        assert kvstage.transfer_timings_last().gather_ns == 0
+
+        s = session.stats()
+        assert s.transport == kvstage.Transport.TCP and s.downgraded == 0
+        assert (s.bytes_sent, s.chunks_sent, s.transfers_ok, s.transfers_fallback) == (3 * CHUNK_BYTES, 3, 3, 1)
+        assert (s.transfers_failed, s.transfers_in_flight, s.timed_transfers) == (0, 0, 4)
+        assert s.timings_sum.queued_ns == t.queued_ns
+        assert s.timings_sum.total_ns >= s.timings_sum.wire_ns + s.timings_sum.ack_ns > 0
+
+        e = prefill.stats()
+        assert (e.bytes_sent, e.chunks_sent, e.transfers_ok, e.transfers_fallback, e.timed_transfers) == (3 * CHUNK_BYTES, 3, 3, 1, 4)
+        assert e.timings_sum == s.timings_sum
+        d = decode.stats()
+        assert (d.bytes_received, d.chunks_received, d.scatter_count) == (3 * CHUNK_BYTES, 3, 3)
+        assert CHUNK_BYTES <= d.ring_high_water_bytes <= ring
+        assert d.ring_used_bytes == 0
+        assert 0 < d.scatter_ns_max <= d.scatter_ns_sum
+        for _ in range(1000):  # chunk callbacks run just after the room completes
+            if len(chunks) == 3:
+                break
+            threading.Event().wait(0.01)
+        assert len(chunks) == 3 and all(ns > 0 for ns in chunks) and sum(chunks) == d.scatter_ns_sum
+    finally:
+        prefill.set_completion_callback(None)
+        decode.set_completion_callback(None)
+        session.close()
+        prefill.close()
+        decode.close()

@@ -1,0 +1,181 @@
+//! The RDMA session path end to end on the in-process soft fabric (two engines, one process):
+//! attribute exchange, QP transitions, WR splitting and striping, the CQ thread, the immediate
+//! gating `ChunkReady`, downgrade and error reporting. Plus what this host says without a device.
+//! The soft fabric is in test builds of the library only: this test needs the feature `testing`
+//! (`cargo test --features testing`; the dev preset's `cargo_test` ctest has it).
+
+use std::time::Duration;
+
+use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
+use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
+use kvstage::session::op::Op;
+use kvstage::session::sender::TransferDesc;
+use kvstage::transport::rdma::{parse_devices, RdmaOptions};
+use kvstage::Status;
+use kvstage_testkit::HostPool;
+
+fn shape(rank: u32, tp: u32) -> PoolShape {
+    // 8 heads of 64, bf16, pages of 16, 4 layers: 16 KiB per token slot row set, ~64 KiB per chunk share.
+    PoolShape::new(ModelKind::Mha, 8, 64, 2, 16, 4).with_tp(rank, tp)
+}
+
+fn opts(transport: TransportKind, devices: &str, qps: u32) -> EngineOptions {
+    EngineOptions {
+        transport,
+        integrity: Integrity::Always,
+        default_deadline: Some(Duration::from_secs(10)),
+        rdma: RdmaOptions {
+            devices: parse_devices(devices).unwrap(),
+            qps_per_device: qps,
+            wr_bytes: 4096,
+            signal_every: 3,
+            ..RdmaOptions::default()
+        },
+        ..EngineOptions::default()
+    }
+}
+
+struct Pair {
+    decode: Engine,
+    dpool: HostPool,
+    prefill: Vec<(Engine, HostPool)>,
+}
+
+const PAGES: u32 = 8;
+
+/// Decode TP 1 (one rank) fed by `prefill_tp` prefill ranks.
+fn pair(decode: EngineOptions, prefill: EngineOptions, prefill_tp: u32) -> Pair {
+    let d = Engine::new(decode).unwrap();
+    let dpool = HostPool::new(shape(0, 1), 16);
+    d.register_pool(dpool.layout.clone()).unwrap();
+    let bytes = staging_layout(&shape(0, prefill_tp), &dpool.layout.shape, PAGES * 16).unwrap().total_bytes;
+    d.register_staging(None, bytes as usize * 2).unwrap();
+    let prefill = (0..prefill_tp)
+        .map(|r| {
+            let e = Engine::new(prefill.clone()).unwrap();
+            let mut p = HostPool::new(shape(r, prefill_tp), 16);
+            p.fill(&(8..8 + PAGES).collect::<Vec<_>>(), 0);
+            e.register_pool(p.layout.clone()).unwrap();
+            (e, p)
+        })
+        .collect();
+    Pair { decode: d, dpool, prefill }
+}
+
+fn desc(room: u64) -> TransferDesc {
+    TransferDesc { room, chunk: 0, pages: (8..8 + PAGES).collect(), timeout: Some(Duration::from_secs(10)), ..Default::default() }
+}
+
+fn transfer_all(p: &Pair, room: u64, tag: &str) {
+    p.decode.receiver().open_room(room, &(0..PAGES).collect::<Vec<_>>(), PAGES * 16).unwrap();
+    for (i, (e, _)) in p.prefill.iter().enumerate() {
+        let s = e.connect(&p.decode.local_addr().to_string(), &format!("{tag}-{i}"), None).unwrap();
+        assert_eq!(s.transfer(&desc(room), &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
+    }
+    p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
+    let (bad, first) = p.dpool.verify(&(0..PAGES).collect::<Vec<_>>(), 0);
+    assert_eq!(bad, 0, "{first:?}");
+    p.decode.receiver().release_room(room);
+    assert_eq!(p.decode.receiver().ring_stats().1, 0);
+}
+
+#[test]
+fn staged_chunks_land_by_rdma_write_between_two_engines() {
+    // softib1 (MTU 2048) to softib0 (MTU 4096): path MTU 2048. Two prefill ranks write one ring.
+    let p = pair(opts(TransportKind::Rdma, "softib0", 1), opts(TransportKind::Rdma, "softib1", 1), 2);
+    transfer_all(&p, 1, "rdma");
+    assert_eq!(p.decode.rdma().sessions(), 2);
+    for (e, _) in &p.prefill {
+        assert_eq!(e.rdma().sessions(), 1);
+        assert_eq!(e.rdma().downgrades(), 0);
+    }
+    // A second room over new sessions reuses the ring registration.
+    transfer_all(&p, 2, "rdma-again");
+}
+
+#[test]
+fn a_chunk_is_striped_over_several_qps() {
+    let p = pair(opts(TransportKind::Rdma, "softib0", 2), opts(TransportKind::Rdma, "softib0", 3), 1);
+    transfer_all(&p, 7, "striped");
+    let p = pair(opts(TransportKind::Auto, "softib0", 1), opts(TransportKind::Auto, "softib0,softib1", 2), 1);
+    transfer_all(&p, 8, "two-nics");
+    assert_eq!(p.prefill[0].0.rdma().sessions(), 1);
+}
+
+#[test]
+fn auto_downgrades_to_tcp_when_the_receiver_has_no_rdma_and_rdma_refuses() {
+    let p = pair(opts(TransportKind::Tcp, "", 1), opts(TransportKind::Auto, "softib0", 1), 1);
+    transfer_all(&p, 3, "auto");
+    let e = &p.prefill[0].0;
+    assert_eq!(e.rdma().downgrades(), 1);
+    assert!(e.rdma().last_downgrade().contains("the receiver does not serve RDMA: its transport is tcp"), "{}", e.rdma().last_downgrade());
+    let p = pair(opts(TransportKind::Tcp, "", 1), opts(TransportKind::Rdma, "softib0", 1), 1);
+    let Err(err) = p.prefill[0].0.connect(&p.decode.local_addr().to_string(), "required", None) else {
+        panic!("transport rdma connected to a receiver without RDMA");
+    };
+    assert_eq!(err.code(), Status::KVSTAGE_E_NO_DEVICE, "{}", err.chain());
+    assert_eq!(err.session(), Some("required"));
+    assert!(err.chain().contains("cannot serve RDMA"), "{}", err.chain());
+}
+
+#[test]
+fn rtr_failure_names_the_disagreeing_attribute() {
+    // InfiniBand sender, RoCE receiver: the receiver's RTR fails and says why.
+    let p = pair(opts(TransportKind::Rdma, "softroce0", 1), opts(TransportKind::Rdma, "softib0", 1), 1);
+    let Err(err) = p.prefill[0].0.connect(&p.decode.local_addr().to_string(), "mixed", None) else {
+        panic!("an InfiniBand QP connected to a RoCE QP");
+    };
+    let chain = err.chain();
+    assert_eq!(err.code(), Status::KVSTAGE_E_RDMA, "{chain}");
+    assert!(chain.contains("to RTR") && chain.contains("QP 0x"), "{chain}");
+    assert!(chain.contains("suspect: link_layer"), "{chain}");
+    assert!(chain.contains("link_layer: local Ethernet (RoCE) | remote InfiniBand  <-- DIFFERS"), "{chain}");
+    // auto: the same failure downgrades the session to TCP and the transfer still works.
+    let p = pair(opts(TransportKind::Auto, "softroce0", 1), opts(TransportKind::Auto, "softib0", 1), 1);
+    transfer_all(&p, 4, "mixed-auto");
+    assert_eq!(p.prefill[0].0.rdma().downgrades(), 1);
+    assert!(p.prefill[0].0.rdma().last_downgrade().contains("link_layer"));
+}
+
+#[test]
+fn a_failed_work_completion_names_status_qp_peer_and_session() {
+    let p = pair(opts(TransportKind::Rdma, "softib0", 1), opts(TransportKind::Rdma, "softib0", 1), 1);
+    let (e, _) = &p.prefill[0];
+    let s = e.connect(&p.decode.local_addr().to_string(), "stale-rkey", None).unwrap();
+    // Registering the ring again deregisters the region the session learned: its next write
+    // completes with a remote access error.
+    let bytes = p.decode.receiver().ring_stats().0;
+    p.decode.register_staging(None, bytes as usize).unwrap();
+    p.decode.receiver().open_room(5, &(0..PAGES).collect::<Vec<_>>(), PAGES * 16).unwrap();
+    let err = s.transfer(&desc(5), &Op::new(s.waker())).unwrap_err();
+    let chain = err.chain();
+    assert_eq!(err.code(), Status::KVSTAGE_E_RDMA, "{chain}");
+    assert_eq!(err.session(), Some("stale-rkey"));
+    assert!(chain.contains("IBV_WC_REM_ACCESS_ERR (status 10"), "{chain}");
+    assert!(chain.contains("QP 0x") && chain.contains("peer ") && chain.contains("session stale-rkey"), "{chain}");
+    // The session is dead; the decode side fails the room and frees its ring space.
+    let room = p.decode.receiver().wait_room(5, Some(Duration::from_secs(5))).unwrap_err();
+    assert!(matches!(room.code(), Status::KVSTAGE_E_PEER_GONE | Status::KVSTAGE_E_CANCELED), "{}", room.chain());
+    assert_eq!(p.decode.receiver().ring_stats().1, 0);
+}
+
+#[test]
+fn this_host_without_a_device_reports_no_device_or_downgrades() {
+    // Only meaningful on a host without RDMA (CI); on a host with a device it checks nothing.
+    if kvstage::dynlib::rdma_device_count() > 0 {
+        return;
+    }
+    let err = Engine::new(EngineOptions { transport: TransportKind::Rdma, ..EngineOptions::default() }).err().expect("rdma without a device");
+    assert_eq!(err.code(), Status::KVSTAGE_E_NO_DEVICE);
+    assert_eq!(err.class(), kvstage::ErrorClass::KVSTAGE_CLASS_RDMA);
+    assert!(err.message().contains("transport rdma: no usable RDMA device"), "{}", err.chain());
+    let causes = err.causes();
+    let last = causes.last().expect("a cause chain");
+    assert!(last.contains("os error") || last.contains("returned no devices") || last.contains("no device"), "{causes:?}");
+    // auto: the engine is created, its sessions use TCP and are counted.
+    let p = pair(EngineOptions::default(), EngineOptions::default(), 1);
+    transfer_all(&p, 9, "auto-here");
+    assert_eq!(p.prefill[0].0.rdma().downgrades(), 1);
+    assert!(!p.prefill[0].0.rdma().active());
+}
+

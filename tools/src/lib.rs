@@ -1,0 +1,220 @@
+//! What the tools share: the geometry flags of the two-process tools (kvstage-demo,
+//! kvstage-bench), progress bars on stderr, and JSON output.
+
+use std::io::IsTerminal;
+use std::time::Duration;
+
+use clap::{CommandFactory, Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvstage::geometry::ModelKind;
+use kvstage::Error;
+use kvstage_testkit::cluster::Setup;
+use kvstage_testkit::{model, MODELS};
+
+/// The kvstage library's version, `MAJOR.MINOR.PATCH`.
+pub fn library_version() -> String {
+    let v = kvstage::version_number();
+    format!("{}.{}.{}", v >> 16, (v >> 8) & 0xff, v & 0xff)
+}
+
+/// `--kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Kind {
+    /// Multi-head (or grouped-query) attention: K and V per layer.
+    Mha,
+    /// Multi-head latent attention: one latent buffer per layer.
+    Mla,
+}
+
+/// The geometry both processes share (the test kit's [`Setup`]), as flags. The decode child
+/// process receives the same flags ([`Setup::flags`]).
+#[derive(clap::Args, Clone, Debug)]
+pub struct SetupArgs {
+    /// Model shape preset; `custom`: the tool's default preset changed by the shape flags below
+    /// (any of which also makes the shape `custom`).
+    #[arg(long, value_parser = model_names(), default_value = "llama3-70b")]
+    pub model: String,
+    /// Attention kind (overrides the preset).
+    #[arg(long, value_enum)]
+    pub kind: Option<Kind>,
+    /// Layers (overrides the preset).
+    #[arg(long, value_name = "N")]
+    pub layers: Option<u32>,
+    /// KV heads of the whole model (overrides the preset).
+    #[arg(long, value_name = "N")]
+    pub kv_heads: Option<u32>,
+    /// Elements per head (overrides the preset).
+    #[arg(long, value_name = "N")]
+    pub head_dim: Option<u32>,
+    /// Bytes per element (overrides the preset).
+    #[arg(long, value_name = "N")]
+    pub dtype_bytes: Option<u32>,
+    /// Prefill tensor-parallel size (this process plays every prefill rank).
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub prefill_tp: u32,
+    /// Decode tensor-parallel size (the child process plays every decode rank).
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub decode_tp: u32,
+    /// Tokens per page.
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    pub page_size: u32,
+    /// Tokens per request.
+    #[arg(long, value_name = "N", default_value_t = 2048)]
+    pub tokens: u32,
+    /// Tokens per chunk (the decode chunk grid).
+    #[arg(long, value_name = "N", default_value_t = 2048)]
+    pub chunk_tokens: u32,
+    /// Decode staging ring size, in chunk allocations.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub ring_chunks: u32,
+}
+
+fn model_names() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(MODELS.iter().map(|m| m.name).chain(["custom"]))
+}
+
+impl SetupArgs {
+    /// The setup these flags describe; `default_model` is the base of `--model custom`.
+    pub fn setup(&self, default_model: &str) -> Result<Setup, String> {
+        let name = if self.model == "custom" { default_model } else { &self.model };
+        let mut m = model(name).ok_or_else(|| format!("unknown model '{name}'"))?;
+        if self.model == "custom" {
+            m.name = "custom";
+        }
+        let shape = [
+            (self.layers, &mut m.layers),
+            (self.kv_heads, &mut m.kv_heads),
+            (self.head_dim, &mut m.head_dim),
+            (self.dtype_bytes, &mut m.dtype_bytes),
+        ];
+        let mut custom = false;
+        for (value, field) in shape {
+            if let Some(v) = value {
+                *field = v;
+                custom = true;
+            }
+        }
+        if let Some(kind) = self.kind {
+            m.kind = match kind {
+                Kind::Mha => ModelKind::Mha,
+                Kind::Mla => ModelKind::Mla,
+            };
+            custom = true;
+        }
+        if custom {
+            m.name = "custom";
+        }
+        let setup = Setup {
+            model: m,
+            prefill_tp: self.prefill_tp,
+            decode_tp: self.decode_tp,
+            page_size: self.page_size,
+            tokens: self.tokens,
+            chunk_tokens: self.chunk_tokens,
+            ring_chunks: self.ring_chunks,
+        };
+        setup.check()?;
+        Ok(setup)
+    }
+}
+
+/// Parses the command line into `T` with these defaults (argument id, value): the tools share
+/// [`SetupArgs`] but not all of its defaults. Exits like clap on an error or `--help`.
+pub fn parse_with_defaults<T: Parser>(defaults: &[(&'static str, &'static str)]) -> T {
+    let mut matches = with_defaults(T::command(), defaults).get_matches();
+    T::from_arg_matches_mut(&mut matches).unwrap_or_else(|e| e.exit())
+}
+
+fn with_defaults(mut cmd: clap::Command, defaults: &[(&'static str, &'static str)]) -> clap::Command {
+    for &(id, value) in defaults {
+        cmd = cmd.mut_arg(id, |a| a.default_value(value));
+    }
+    cmd
+}
+
+/// Exits with clap's usage error (status 2) for a check clap cannot express.
+pub fn usage_error<T: CommandFactory>(message: impl std::fmt::Display) -> ! {
+    T::command().error(clap::error::ErrorKind::ValueValidation, message).exit()
+}
+
+/// A progress bar of `len` steps on stderr; drawn only when stderr is a terminal.
+pub fn progress(len: u64) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(len), draw_target());
+    bar.set_style(
+        ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg:24} {elapsed}").expect("valid template").progress_chars("#>."),
+    );
+    bar
+}
+
+/// A spinner with `message` on stderr; drawn only when stderr is a terminal.
+pub fn spinner(message: String) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(None, draw_target());
+    bar.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"));
+    bar.set_message(message);
+    if !bar.is_hidden() {
+        bar.enable_steady_tick(Duration::from_millis(100));
+    }
+    bar
+}
+
+fn draw_target() -> ProgressDrawTarget {
+    if std::io::stderr().is_terminal() {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    }
+}
+
+/// `value` as pretty-printed JSON (with a final newline).
+pub fn json<T: serde::Serialize + ?Sized>(value: &T) -> String {
+    serde_json::to_string_pretty(value).expect("plain data serializes") + "\n"
+}
+
+/// Writes `value` as JSON to `path`.
+pub fn write_json<T: serde::Serialize + ?Sized>(path: &str, value: &T) -> Result<(), Error> {
+    std::fs::write(path, json(value)).map_err(|e| Error::internal(format!("cannot write {path}")).with_source(e))
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::FromArgMatches;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        setup: SetupArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<Setup, String> {
+        let mut cmd = with_defaults(Cli::command(), &[("model", "llama3-70b"), ("tokens", "2048")]);
+        let mut m = cmd.try_get_matches_from_mut(std::iter::once("t").chain(args.iter().copied())).map_err(|e| e.to_string())?;
+        Cli::from_arg_matches_mut(&mut m).map_err(|e| e.to_string())?.setup.setup("llama3-70b")
+    }
+
+    /// Everything but the model's name.
+    fn key(s: &Setup) -> (ModelKind, [u32; 10]) {
+        let m = &s.model;
+        (m.kind, [m.layers, m.kv_heads, m.head_dim, m.dtype_bytes, s.prefill_tp, s.decode_tp, s.page_size, s.tokens, s.chunk_tokens, s.ring_chunks])
+    }
+
+    #[test]
+    fn flags_round_trip_through_the_child_command_line() {
+        for args in [
+            &["--model", "deepseek-v3", "--prefill-tp", "2", "--decode-tp", "8"][..],
+            &["--layers", "2", "--kv-heads", "4", "--head-dim", "16", "--page-size", "4", "--tokens", "64"],
+            &["--model", "custom", "--kind", "mla", "--kv-heads", "1"],
+        ] {
+            let s = parse(args).unwrap();
+            let again = parse(&s.flags().iter().map(String::as_str).collect::<Vec<_>>()).unwrap();
+            assert_eq!(key(&again), key(&s), "{args:?}");
+        }
+        let s = parse(&[]).unwrap();
+        assert_eq!((s.model.name, s.tokens, s.prefill_tp, s.decode_tp, s.page_size, s.ring_chunks), ("llama3-70b", 2048, 4, 2, 16, 2));
+        assert_eq!(parse(&["--layers", "3"]).unwrap().model.name, "custom");
+        assert!(parse(&["--tokens", "10"]).unwrap_err().contains("multiple of --page-size"));
+        assert!(parse(&["--model", "gpt"]).is_err());
+        Cli::command().debug_assert();
+    }
+}
