@@ -73,7 +73,7 @@ int main(void) {
     CHECK_ERROR(kvstage_head_slice_compute(4, 2, 0, 0, 8, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
     CHECK_INT(hs.src_head_start, 77);
 
-    CHECK_OK(kvstage_writers_per_chunk(8, 2, 2, 1, &n));
+    CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 2, 2, 1, &n));
     CHECK_INT(n, 8);
     CHECK_OK(kvstage_grid_tokens(8200, 64, &n));
     CHECK_INT(n, 8192);
@@ -145,6 +145,45 @@ int main(void) {
         l.model_kind = 9;
         CHECK_ERROR(kvstage_kv_layout_validate(&l), KVSTAGE_E_INVALID_ARG, "`layout->model_kind`");
         CHECK_ERROR(kvstage_kv_layout_validate(NULL), KVSTAGE_E_INVALID_ARG, "`layout`");
+    }
+    {
+        /* Pairing: prefill stages holding 4 and 3 of 7 layers (TP 2) into one decode stage (TP 1). */
+        static const uint32_t first[4] = {0, 1, 2, 3}, second[3] = {4, 5, 6};
+        kvstage_kv_layout p0 = layout(0, 2, 4), p1 = layout(1, 2, 3), d = layout(0, 1, 7);
+        const kvstage_kv_layout *prefill_stages[2], *decode_stages[1];
+        kvstage_rank ranks[8];
+        size_t count = 0;
+        p0.pp_size = p1.pp_size = 2;
+        p1.pp_rank = 1;
+        p0.layer_ids = first;
+        p1.layer_ids = second;
+        prefill_stages[0] = &p0;
+        prefill_stages[1] = &p1;
+        decode_stages[0] = &d;
+        CHECK_OK(kvstage_pairing_decode_ranks(&p1, decode_stages, 1, ranks, 8, &count));
+        CHECK_INT(count, 1);
+        CHECK_INT(ranks[0].tp_rank, 0);
+        CHECK_INT(ranks[0].pp_rank, 0);
+        /* The decode rank is written by both TP ranks of both stages; a NULL query asks the count. */
+        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, NULL, 0, &count), KVSTAGE_E_INVALID_ARG,
+                    "`capacity`");
+        CHECK_INT(count, 4);
+        CHECK_OK(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, ranks, count, &count));
+        CHECK_INT(ranks[1].tp_rank, 1);
+        CHECK_INT(ranks[1].pp_rank, 0);
+        CHECK_INT(ranks[2].tp_rank, 0);
+        CHECK_INT(ranks[2].pp_rank, 1);
+        /* Stages out of order are named. */
+        prefill_stages[0] = &p1;
+        prefill_stages[1] = &p0;
+        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
+                    "`prefill_stages[0]`");
+        CHECK_ERROR(kvstage_pairing_decode_ranks(&p0, NULL, 1, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
+                    "`decode_stages`");
+        /* MLA: one designated TP writer per decode rank, whatever the TP sizes. */
+        CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MLA, 8, 2, 2, 1, &n));
+        CHECK_INT(n, 2);
+        CHECK_ERROR(kvstage_writers_per_chunk(7, 8, 2, 2, 1, &n), KVSTAGE_E_INVALID_ARG, "`model_kind`");
     }
     return kv_finish("geometry");
 }

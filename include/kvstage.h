@@ -348,7 +348,12 @@ typedef struct kvstage_kv_layout {
     int32_t cuda_device;
 } kvstage_kv_layout;
 
-// Counters of an engine (a snapshot).
+// Counters of an engine (a snapshot). The snapshot is not atomic across counters: each is read
+// on its own while transfers may be ending, so a concurrent read may see, for instance, a
+// transfer already counted in `transfers_ok` but still in `transfers_in_flight`, or its result
+// counted before its `timings_sum`. It is consistent for every transfer whose end the caller
+// has seen (its `kvstage_transfer` returned, or `kvstage_op_wait` / `kvstage_room_wait` or the
+// completion callback reported it).
 typedef struct kvstage_engine_stats {
     size_t struct_size;
     // Size of the registered staging ring in bytes (0 = none).
@@ -414,7 +419,8 @@ typedef struct kvstage_engine_stats {
     // Bytes of the staging ring held by live allocations now: from the oldest live allocation to
     // the end of the newest, wrap-around included (at most `ring_capacity`).
     uint64_t ring_used_bytes;
-    // The largest `ring_used_bytes` ever (the ring's high-water mark).
+    // The largest `ring_used_bytes` since the current ring was registered (the ring's high-water
+    // mark; registering a new ring starts it again from 0).
     uint64_t ring_high_water_bytes;
 } kvstage_engine_stats;
 
@@ -424,6 +430,12 @@ typedef struct kvstage_head_slice {
     uint32_t num_heads;
     uint32_t dst_head_start;
 } kvstage_head_slice;
+
+// A rank of the other side that a rank exchanges KV data with (`kvstage_pairing_*`).
+typedef struct kvstage_rank {
+    uint32_t tp_rank;
+    uint32_t pp_rank;
+} kvstage_rank;
 
 // Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
 // call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` starts at
@@ -495,6 +507,11 @@ typedef void (*kvstage_log_fn)(void *user_data, const struct kvstage_log_record 
 
 // Counters of one sender session (a snapshot). Transfers are counted once they end; a transfer
 // is one chunk (`kvstage_transfer`, `kvstage_transfer_slices` or `kvstage_transfer_async`).
+// The snapshot is not atomic across counters: each is read on its own while transfers may be
+// ending, so a concurrent read may see a transfer counted in one field and not yet in another
+// (its result but not its timings, or its result while still in `transfers_in_flight`). It is
+// consistent for every transfer whose end the caller has seen (`kvstage_transfer` returned, or
+// `kvstage_op_wait` or the completion callback reported it).
 typedef struct kvstage_session_stats {
     size_t struct_size;
     // The transport the session's chunks use: `KVSTAGE_TRANSPORT_TCP` or `KVSTAGE_TRANSPORT_RDMA`.
@@ -667,9 +684,26 @@ enum kvstage_status kvstage_kv_layout_validate(const struct kvstage_kv_layout *l
 // size, TP sizes that are not multiples of one another, or ranks that do not exchange data.
 enum kvstage_status kvstage_head_slice_compute(uint32_t src_tp, uint32_t dst_tp, uint32_t src_rank, uint32_t dst_rank, uint32_t total_kv_heads, struct kvstage_head_slice *out);
 
-// Writers per chunk on an MHA decode rank: `tp_writers × pp_writers` (an MLA decode rank has
-// `pp_writers`; `kvstage_staging_layout_compute` reports both exactly).
-enum kvstage_status kvstage_writers_per_chunk(uint32_t src_tp, uint32_t dst_tp, uint32_t src_pp, uint32_t dst_pp, uint32_t *out);
+// Writers per chunk on a decode rank with equal-sized pipeline stages: `tp_writers × pp_writers`
+// for MHA, `pp_writers` for MLA (one designated TP writer); `model_kind` is a
+// `kvstage_model_kind`. `kvstage_staging_layout_compute` reports the writers of any split exactly.
+enum kvstage_status kvstage_writers_per_chunk(int32_t model_kind, uint32_t src_tp, uint32_t dst_tp, uint32_t src_pp, uint32_t dst_pp, uint32_t *out);
+
+// The decode ranks prefill rank `prefill` must open sessions to, ordered by (pp_rank, tp_rank):
+// TP ranks by the head mapping (MLA: the decode ranks this rank is the designated writer of), PP
+// stages that hold at least one of its layers, whatever the split. `decode_stages` holds
+// `num_decode_stages` pointers to shape-only layouts, `decode_stages[j]` for decode stage `j`
+// (any TP rank: its `tp_size` and `layer_ids` are used; bases are ignored). The ranks go to
+// `out[capacity]`; `*count` (may be NULL) receives their number, also when `capacity` is too
+// small (`KVSTAGE_E_INVALID_ARG`), so a call with `out` NULL and `capacity` 0 asks for it.
+// Errors name the bad stage: out of order, TP sizes that differ, a layer held twice, fields both
+// sides must agree on (`KVSTAGE_E_GEOMETRY_MISMATCH`).
+enum kvstage_status kvstage_pairing_decode_ranks(const struct kvstage_kv_layout *prefill, const struct kvstage_kv_layout *const *decode_stages, size_t num_decode_stages, struct kvstage_rank *out, size_t capacity, size_t *count);
+
+// The prefill ranks that write to decode rank `decode` (the sessions it will accept), ordered by
+// (pp_rank, tp_rank): the inverse of `kvstage_pairing_decode_ranks`, with the same conventions;
+// `prefill_stages[j]` describes prefill stage `j`.
+enum kvstage_status kvstage_pairing_prefill_ranks(const struct kvstage_kv_layout *decode, const struct kvstage_kv_layout *const *prefill_stages, size_t num_prefill_stages, struct kvstage_rank *out, size_t capacity, size_t *count);
 
 // Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.
 enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_size, uint32_t *out);

@@ -23,7 +23,7 @@ fn head_mapping_moves_the_right_heads_for_every_tp_pair() {
     for &h in &HEADS {
         for &src_tp in &SIZES {
             for &dst_tp in &SIZES {
-                let writers = writers_per_chunk(src_tp, dst_tp, 1, 1).unwrap();
+                let writers = writers_per_chunk(ModelKind::Mha, src_tp, dst_tp, 1, 1).unwrap();
                 for d in 0..dst_tp {
                     let dst_heads = heads_of(d, dst_tp, h);
                     let feeders = prefill_ranks_for_decode(d, src_tp, dst_tp).unwrap();

@@ -47,6 +47,8 @@ from ._core import (
     TransferTimings,
     version,
     writers_per_chunk,
+    pairing_decode_ranks,
+    pairing_prefill_ranks,
 )
 from ._lib import (
     DEADLINE_INFINITE,
@@ -119,6 +121,8 @@ __all__ = [
     "StagingLayout",
     "StagingWriter",
     "writers_per_chunk",
+    "pairing_decode_ranks",
+    "pairing_prefill_ranks",
     "grid_tokens",
     # buffers
     "buffer_info",

@@ -44,6 +44,8 @@ __all__ = [
     "transfer_timings_last",
     "version",
     "writers_per_chunk",
+    "pairing_decode_ranks",
+    "pairing_prefill_ranks",
 ]
 
 
@@ -306,13 +308,41 @@ def head_slice(src_tp: int, dst_tp: int, src_rank: int, dst_rank: int, total_kv_
     return HeadSlice(out.src_head_start, out.num_heads, out.dst_head_start)
 
 
-def writers_per_chunk(src_tp: int, dst_tp: int, src_pp: int = 1, dst_pp: int = 1) -> int:
-    """``kvstage_writers_per_chunk`` (MHA decode rank)."""
+def writers_per_chunk(src_tp: int, dst_tp: int, src_pp: int = 1, dst_pp: int = 1, model="mha") -> int:
+    """``kvstage_writers_per_chunk``: writers per chunk on a decode rank with equal pipeline stages
+    (MLA: one TP writer)."""
     lib = get_library()
     out = c_uint32()
+    kind = int(_enum(ModelKind, model, "model"))
     args = [_u32(v, n) for v, n in ((src_tp, "src_tp"), (dst_tp, "dst_tp"), (src_pp, "src_pp"), (dst_pp, "dst_pp"))]
-    _check(lib, lib.kvstage_writers_per_chunk(*args, byref(out)), "kvstage_writers_per_chunk")
+    _check(lib, lib.kvstage_writers_per_chunk(kind, *args, byref(out)), "kvstage_writers_per_chunk")
     return out.value
+
+
+def _pairing(fn: str, local: KvLayout, stages: Sequence[KvLayout]) -> List[Tuple[int, int]]:
+    lib = get_library()
+    clocal, _keep_local = local._c()
+    converted = [s._c() for s in stages]
+    array = (ctypes.POINTER(_lib.kvstage_kv_layout) * max(1, len(converted)))(*[ctypes.pointer(c) for c, _ in converted])
+    count = c_size_t(0)
+    rc = getattr(lib, fn)(byref(clocal), array, len(converted), None, 0, byref(count))
+    if rc != 0 and count.value == 0:
+        _check(lib, rc, fn)
+    out = (_lib.kvstage_rank * max(1, count.value))()
+    _check(lib, getattr(lib, fn)(byref(clocal), array, len(converted), out, count.value, byref(count)), fn)
+    return [(out[i].tp_rank, out[i].pp_rank) for i in range(count.value)]
+
+
+def pairing_decode_ranks(prefill: KvLayout, decode_stages: Sequence[KvLayout]) -> List[Tuple[int, int]]:
+    """``kvstage_pairing_decode_ranks``: the ``(tp_rank, pp_rank)`` decode ranks prefill rank
+    ``prefill`` must open sessions to; ``decode_stages[j]`` is a shape-only layout of decode stage ``j``."""
+    return _pairing("kvstage_pairing_decode_ranks", prefill, decode_stages)
+
+
+def pairing_prefill_ranks(decode: KvLayout, prefill_stages: Sequence[KvLayout]) -> List[Tuple[int, int]]:
+    """``kvstage_pairing_prefill_ranks``: the ``(tp_rank, pp_rank)`` prefill ranks that write to decode
+    rank ``decode``; ``prefill_stages[j]`` describes prefill stage ``j``."""
+    return _pairing("kvstage_pairing_prefill_ranks", decode, prefill_stages)
 
 
 def grid_tokens(chunk_tokens: int, page_size: int) -> int:

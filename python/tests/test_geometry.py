@@ -51,3 +51,37 @@ def test_staging_layout(lib):
     with pytest.raises(kvstage.KVStageError) as info:
         kvstage.staging_layout(m.shape(0, 4), kvref.Model(3, 8, 32, 2, 16).shape(0, 2), 64)
     assert info.value.code < 0
+
+
+def test_mla_writers_per_chunk(lib):
+    assert kvstage.writers_per_chunk(8, 2, 2, 1, model="mla") == 2
+    assert kvstage.writers_per_chunk(8, 2, 2, 1) == 8
+    with pytest.raises(kvstage.ArgumentError, match="model"):
+        kvstage.writers_per_chunk(8, 2, model="gqa")
+
+
+def _stage(tp_size, pp_rank, pp_size, layer_ids, tp_rank=0):
+    return kvstage.KvLayout(
+        head_dim=16, global_heads=8, page_size=4, tp_rank=tp_rank, tp_size=tp_size,
+        pp_rank=pp_rank, pp_size=pp_size, layer_ids=layer_ids,
+    )
+
+
+def test_pairing_uneven_stages(lib):
+    # Prefill stages of 3, 2 and 2 of 7 layers (TP 2) into decode stages of 4 and 3 layers (TP 1).
+    prefill = [_stage(2, 0, 3, [0, 1, 2]), _stage(2, 1, 3, [3, 4]), _stage(2, 2, 3, [5, 6])]
+    decode = [_stage(1, 0, 2, [0, 1, 2, 3]), _stage(1, 1, 2, [4, 5, 6])]
+    assert kvstage.pairing_decode_ranks(_stage(2, 1, 3, [3, 4], tp_rank=1), decode) == [(0, 0), (0, 1)]
+    assert kvstage.pairing_decode_ranks(prefill[2], decode) == [(0, 1)]
+    assert kvstage.pairing_prefill_ranks(decode[0], prefill) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    # Every pair one side lists, the other side lists too.
+    forward = {
+        (rs, sp, rd, dp)
+        for sp, s in enumerate(prefill)
+        for rs in range(2)
+        for rd, dp in kvstage.pairing_decode_ranks(_stage(2, sp, 3, s.layer_ids, tp_rank=rs), decode)
+    }
+    backward = {(rs, sp, 0, dp) for dp, d in enumerate(decode) for rs, sp in kvstage.pairing_prefill_ranks(d, prefill)}
+    assert forward == backward
+    with pytest.raises(kvstage.ArgumentError, match=r"prefill_stages\[1\].*holds layer 2, which stage 0 holds too"):
+        kvstage.pairing_prefill_ranks(decode[0], [prefill[0], _stage(2, 1, 3, [2, 3]), prefill[2]])

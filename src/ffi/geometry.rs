@@ -104,14 +104,17 @@ pub unsafe fn pool_shape_from_c(ptr: *const kvstage_kv_layout, arg: &str) -> Res
     unsafe { shape_of(&raw, arg) }
 }
 
+/// A `kvstage_model_kind` value passed as a plain int; anything else is an error naming `arg`.
+fn model_kind_arg(value: i32, arg: &str) -> Result<ModelKind> {
+    match value {
+        0 => Ok(ModelKind::Mha),
+        1 => Ok(ModelKind::Mla),
+        other => Err(Error::invalid_arg(arg, format!("{other} is not a kvstage_model_kind value"))),
+    }
+}
+
 unsafe fn shape_of(raw: &kvstage_kv_layout, arg: &str) -> Result<PoolShape> {
-    let kind = match raw.model_kind {
-        0 => ModelKind::Mha,
-        1 => ModelKind::Mla,
-        other => {
-            return Err(Error::invalid_arg(&format!("{arg}->model_kind"), format!("{other} is not a kvstage_model_kind value")))
-        }
-    };
+    let kind = model_kind_arg(raw.model_kind, &format!("{arg}->model_kind"))?;
     if raw.num_layers == 0 || raw.num_layers > u32::MAX as usize {
         return Err(Error::invalid_arg(
             &format!("{arg}->num_layers"),
@@ -225,14 +228,105 @@ pub unsafe extern "C" fn kvstage_head_slice_compute(
     })
 }
 
-/// Writers per chunk on an MHA decode rank: `tp_writers × pp_writers` (an MLA decode rank has
-/// `pp_writers`; `kvstage_staging_layout_compute` reports both exactly).
+/// Writers per chunk on a decode rank with equal-sized pipeline stages: `tp_writers × pp_writers`
+/// for MHA, `pp_writers` for MLA (one designated TP writer); `model_kind` is a
+/// `kvstage_model_kind`. `kvstage_staging_layout_compute` reports the writers of any split exactly.
 #[no_mangle]
-pub unsafe extern "C" fn kvstage_writers_per_chunk(src_tp: u32, dst_tp: u32, src_pp: u32, dst_pp: u32, out: *mut u32) -> Status {
+pub unsafe extern "C" fn kvstage_writers_per_chunk(
+    model_kind: i32,
+    src_tp: u32,
+    dst_tp: u32,
+    src_pp: u32,
+    dst_pp: u32,
+    out: *mut u32,
+) -> Status {
     ffi_fn!(status {
         let out = out_arg(out, "out")?;
-        *out = geometry::writers_per_chunk(src_tp, dst_tp, src_pp, dst_pp)?;
+        *out = geometry::writers_per_chunk(model_kind_arg(model_kind, "model_kind")?, src_tp, dst_tp, src_pp, dst_pp)?;
         Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// A rank of the other side that a rank exchanges KV data with (`kvstage_pairing_*`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvstage_rank {
+    pub tp_rank: u32,
+    pub pp_rank: u32,
+}
+
+/// Shapes of the other side's pipeline stages: `stages[j]` describes stage `j` (any TP rank of it).
+unsafe fn stage_shapes(stages: *const *const kvstage_kv_layout, count: usize, arg: &str) -> Result<Vec<PoolShape>> {
+    let ptrs = unsafe { slice_arg(stages, count, arg) }?;
+    ptrs.iter().enumerate().map(|(j, &p)| unsafe { pool_shape_from_c(p, &format!("{arg}[{j}]")) }).collect()
+}
+
+/// Writes `peers` into `out[capacity]`; `*count` (may be NULL) receives their number, also when
+/// `capacity` is too small (then `KVSTAGE_E_INVALID_ARG` naming both).
+unsafe fn write_peers(peers: &[geometry::PeerRank], out: *mut kvstage_rank, capacity: usize, count: *mut usize) -> Result<Status> {
+    if !count.is_null() {
+        // SAFETY: a non-NULL `count` points to writable storage by contract.
+        unsafe { *count = peers.len() };
+    }
+    if peers.len() > capacity {
+        return Err(Error::invalid_arg("capacity", format!("{capacity} < {} ranks to report", peers.len())));
+    }
+    if peers.is_empty() {
+        return Ok(Status::KVSTAGE_OK);
+    }
+    if out.is_null() {
+        return Err(Error::invalid_arg("out", format!("is NULL with capacity {capacity}")));
+    }
+    for (i, p) in peers.iter().enumerate() {
+        // SAFETY: `capacity >= peers.len()` writable entries at `out` by contract.
+        unsafe { *out.add(i) = kvstage_rank { tp_rank: p.tp_rank, pp_rank: p.pp_rank } };
+    }
+    Ok(Status::KVSTAGE_OK)
+}
+
+/// The decode ranks prefill rank `prefill` must open sessions to, ordered by (pp_rank, tp_rank):
+/// TP ranks by the head mapping (MLA: the decode ranks this rank is the designated writer of), PP
+/// stages that hold at least one of its layers, whatever the split. `decode_stages` holds
+/// `num_decode_stages` pointers to shape-only layouts, `decode_stages[j]` for decode stage `j`
+/// (any TP rank: its `tp_size` and `layer_ids` are used; bases are ignored). The ranks go to
+/// `out[capacity]`; `*count` (may be NULL) receives their number, also when `capacity` is too
+/// small (`KVSTAGE_E_INVALID_ARG`), so a call with `out` NULL and `capacity` 0 asks for it.
+/// Errors name the bad stage: out of order, TP sizes that differ, a layer held twice, fields both
+/// sides must agree on (`KVSTAGE_E_GEOMETRY_MISMATCH`).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_pairing_decode_ranks(
+    prefill: *const kvstage_kv_layout,
+    decode_stages: *const *const kvstage_kv_layout,
+    num_decode_stages: usize,
+    out: *mut kvstage_rank,
+    capacity: usize,
+    count: *mut usize,
+) -> Status {
+    ffi_fn!(status {
+        let local = unsafe { pool_shape_from_c(prefill, "prefill") }?;
+        let stages = unsafe { stage_shapes(decode_stages, num_decode_stages, "decode_stages") }?;
+        let peers = geometry::decode_peers(&local, &stages)?;
+        unsafe { write_peers(&peers, out, capacity, count) }
+    })
+}
+
+/// The prefill ranks that write to decode rank `decode` (the sessions it will accept), ordered by
+/// (pp_rank, tp_rank): the inverse of `kvstage_pairing_decode_ranks`, with the same conventions;
+/// `prefill_stages[j]` describes prefill stage `j`.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_pairing_prefill_ranks(
+    decode: *const kvstage_kv_layout,
+    prefill_stages: *const *const kvstage_kv_layout,
+    num_prefill_stages: usize,
+    out: *mut kvstage_rank,
+    capacity: usize,
+    count: *mut usize,
+) -> Status {
+    ffi_fn!(status {
+        let local = unsafe { pool_shape_from_c(decode, "decode") }?;
+        let stages = unsafe { stage_shapes(prefill_stages, num_prefill_stages, "prefill_stages") }?;
+        let peers = geometry::prefill_peers(&local, &stages)?;
+        unsafe { write_peers(&peers, out, capacity, count) }
     })
 }
 

@@ -3,6 +3,7 @@
 use std::ops::Range;
 
 use super::limits::{MAX_HEADS, MAX_PARALLEL};
+use super::ModelKind;
 use crate::error::{Error, Result};
 
 /// Which heads one prefill rank sends to one decode rank, in local head units of each side:
@@ -116,10 +117,12 @@ pub fn pp_writers(src_pp: u32, dst_pp: u32) -> Result<u32> {
     Ok(if src_pp > dst_pp { ratio } else { 1 })
 }
 
-/// Writers expected per chunk on an MHA decode rank: `tp_writers × pp_writers`. (An MLA decode rank
-/// has `pp_writers` writers: one TP writer, see [`mla_source_rank`].)
-pub fn writers_per_chunk(src_tp: u32, dst_tp: u32, src_pp: u32, dst_pp: u32) -> Result<u32> {
-    Ok(tp_writers(src_tp, dst_tp)? * pp_writers(src_pp, dst_pp)?)
+/// Writers expected per chunk on a decode rank: `tp_writers × pp_writers` for MHA, `pp_writers`
+/// for MLA (one designated TP writer, see [`mla_source_rank`]).
+pub fn writers_per_chunk(kind: ModelKind, src_tp: u32, dst_tp: u32, src_pp: u32, dst_pp: u32) -> Result<u32> {
+    let tw = tp_writers(src_tp, dst_tp)?; // checks the TP sizes for MLA too
+    let tw = if kind == ModelKind::Mla { 1 } else { tw };
+    Ok(tw * pp_writers(src_pp, dst_pp)?)
 }
 
 /// Prefill TP ranks that write to MHA decode rank `dst_rank`: `[d·r, (d+1)·r)` when prefill is
@@ -223,10 +226,10 @@ mod tests {
 
     #[test]
     fn pairing_and_writers() {
-        assert_eq!(writers_per_chunk(4, 2, 1, 1).unwrap(), 2);
-        assert_eq!(writers_per_chunk(2, 4, 1, 1).unwrap(), 1);
-        assert_eq!(writers_per_chunk(8, 2, 4, 2).unwrap(), 8);
-        assert_eq!(writers_per_chunk(8, 2, 1, 2).unwrap(), 4);
+        assert_eq!(writers_per_chunk(ModelKind::Mha, 4, 2, 1, 1).unwrap(), 2);
+        assert_eq!(writers_per_chunk(ModelKind::Mha, 2, 4, 1, 1).unwrap(), 1);
+        assert_eq!(writers_per_chunk(ModelKind::Mha, 8, 2, 4, 2).unwrap(), 8);
+        assert_eq!(writers_per_chunk(ModelKind::Mha, 8, 2, 1, 2).unwrap(), 4);
         assert_eq!(prefill_ranks_for_decode(1, 4, 2).unwrap(), 2..4);
         assert_eq!(prefill_ranks_for_decode(3, 2, 4).unwrap(), 1..2);
         assert_eq!(prefill_ranks_for_decode(3, 4, 4).unwrap(), 3..4);
@@ -267,7 +270,7 @@ mod tests {
         bad(head_slice(2, 4, 0, 2, 8), "dst_rank", "decode rank 2 reads prefill rank 1, not prefill rank 0");
         bad(writer_index(4, 0, 4, 2, 1, 1), "src_tp_rank", "4 is not below src_tp 4");
         bad(writer_index(0, 1, 4, 2, 1, 1), "src_pp_rank", "1 is not below src_pp 1");
-        bad(writers_per_chunk(4, 2, 3, 2), "src_pp", "src_pp 3 and dst_pp 2");
+        bad(writers_per_chunk(ModelKind::Mha, 4, 2, 3, 2), "src_pp", "src_pp 3 and dst_pp 2");
         bad(prefill_ranks_for_decode(2, 4, 2), "dst_rank", "2 is not below dst_tp 2");
         bad(decode_ranks_for_prefill(4, 4, 2), "src_rank", "4 is not below src_tp 4");
         bad(mla_source_rank(2, 4, 2), "dst_rank", "2 is not below");

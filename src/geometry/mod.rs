@@ -10,6 +10,7 @@ use crate::error::{Error, FieldMismatch, Result, Status};
 pub(crate) mod fingerprint;
 mod grid;
 mod heads;
+mod pairing;
 pub mod plan;
 mod slice;
 mod staging;
@@ -21,6 +22,7 @@ pub use heads::{
     prefill_pp_ranks_for_decode, prefill_ranks_for_decode, tp_writers, writer_index, writers_per_chunk,
     HeadSlice,
 };
+pub use pairing::{decode_peers, prefill_peers, PeerRank};
 pub use plan::{plan_chunk, plan_gather, plan_scatter, CopyPlan, CopyRun, Segment, Slab};
 pub use slice::{slice_plan, SliceOp};
 pub use staging::{staging_layout, staging_layout_pp, StagingLayout, WriterRegion};
