@@ -4,10 +4,10 @@
 #   1. configure, build and run ctests/consumer (find_package(kvstage REQUIRED), kvstage::kvstage
 #      and kvstage::static) against that prefix;
 #   2. compile ctests/consumer/consumer.c with `pkg-config --cflags --libs kvstage` and run it.
-# Usage: install_consumer.sh <cmake> <build dir> <consumer src> <work dir> <cc> <libdir> <includedir> <version>
+# Usage: install_consumer.sh <cmake> <build dir> <consumer src> <work dir> <cc> <libdir> <includedir> <version> <soversion>
 set -euo pipefail
 cmake=$1 build=$2 consumer=$3 work=$4 cc=$5 libdir=$6 includedir=$7 version=$8
-major=${version%%.*}
+soversion=$9 # the SONAME's version: MAJOR, or 0.MINOR while the major is 0
 
 step() { printf '\n== %s\n' "$*"; }
 fail() { echo "FAIL: $*" >&2; exit 1; }
@@ -25,10 +25,10 @@ mv "$stage" "$prefix"
 step "layout"
 lib=$prefix/$libdir
 [[ -f $lib/libkvstage.so.$version && ! -L $lib/libkvstage.so.$version ]] || fail "$lib/libkvstage.so.$version is not a regular file"
-[[ -L $lib/libkvstage.so.$major ]] || fail "$lib/libkvstage.so.$major is not a symlink"
-[[ $(readlink "$lib/libkvstage.so.$major") == "libkvstage.so.$version" ]] || fail "libkvstage.so.$major -> $(readlink "$lib/libkvstage.so.$major")"
+[[ -L $lib/libkvstage.so.$soversion ]] || fail "$lib/libkvstage.so.$soversion is not a symlink"
+[[ $(readlink "$lib/libkvstage.so.$soversion") == "libkvstage.so.$version" ]] || fail "libkvstage.so.$soversion -> $(readlink "$lib/libkvstage.so.$soversion")"
 [[ -L $lib/libkvstage.so ]] || fail "$lib/libkvstage.so is not a symlink"
-[[ $(readlink "$lib/libkvstage.so") == "libkvstage.so.$major" ]] || fail "libkvstage.so -> $(readlink "$lib/libkvstage.so")"
+[[ $(readlink "$lib/libkvstage.so") == "libkvstage.so.$soversion" ]] || fail "libkvstage.so -> $(readlink "$lib/libkvstage.so")"
 for f in "$lib/libkvstage.a" "$prefix/$includedir/kvstage.h" \
          "$lib/cmake/kvstage/kvstageConfig.cmake" "$lib/cmake/kvstage/kvstageConfigVersion.cmake" \
          "$lib/pkgconfig/kvstage.pc"; do
@@ -45,8 +45,8 @@ step "find_package consumer (CMake)"
   -DKVSTAGE_EXPECTED_VERSION="$version"
 "$cmake" --build "$work/consumer-build"
 needed() { readelf -d "$1" | sed -n 's/.*(NEEDED).*\[\(.*\)\].*/\1/p'; }
-needed "$work/consumer-build/kvstage_consumer" | grep -qx "libkvstage.so.$major" \
-  || fail "kvstage_consumer does not record NEEDED libkvstage.so.$major"
+needed "$work/consumer-build/kvstage_consumer" | grep -qx "libkvstage.so.$soversion" \
+  || fail "kvstage_consumer does not record NEEDED libkvstage.so.$soversion"
 if needed "$work/consumer-build/kvstage_consumer_static" | grep -q libkvstage; then
   fail "kvstage_consumer_static needs a shared libkvstage"
 fi
