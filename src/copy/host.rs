@@ -789,18 +789,22 @@ mod tests {
         unsafe { naive(&g, &src.layout, want.as_mut_ptr(), Dir::Gather) };
 
         let named = |name: &str| tasks().iter().filter(|(_, c)| c == name).count();
+        // `ready`: every caller runs (named) and waits; `start`: copies begin. Sampling the names
+        // between the two cannot race with a caller that already finished its copies.
+        let ready = std::sync::Barrier::new(CALLERS + 1);
         let start = std::sync::Barrier::new(CALLERS + 1);
         let done = AtomicU64::new(0);
         let callers = Mutex::new(HashSet::new());
         let (mut before, mut peak) = (0, 0);
         std::thread::scope(|scope| {
             for _ in 0..CALLERS {
-                let (eng, g, src, want, start, done, callers) = (&eng, &g, &src, &want, &start, &done, &callers);
+                let (eng, g, src, want, ready, start, done, callers) = (&eng, &g, &src, &want, &ready, &start, &done, &callers);
                 std::thread::Builder::new()
                     .name(CALLER.into())
                     .spawn_scoped(scope, move || {
                         callers.lock().insert(tid());
                         let mut buf = vec![0u8; want.len()];
+                        ready.wait();
                         start.wait();
                         for _ in 0..COPIES / CALLERS + 1 {
                             buf.fill(0);
@@ -811,11 +815,12 @@ mod tests {
                     })
                     .unwrap();
             }
+            ready.wait();
+            before = callers.lock().iter().filter(|t| comm(**t).as_deref() == Some(CALLER)).count();
             start.wait();
             // Threads started by a thread inherit its name unless given one: helper threads of a
             // copy would show up under the callers' name while the copies run. (A listing can
             // miss threads that exit meanwhile, never invent one, so `peak` is a lower bound.)
-            before = callers.lock().iter().filter(|t| comm(**t).as_deref() == Some(CALLER)).count();
             while done.load(Ordering::SeqCst) < CALLERS as u64 {
                 peak = peak.max(named(CALLER));
                 std::thread::sleep(Duration::from_micros(500));
