@@ -416,10 +416,10 @@ static void test_geometry(void) {
     EXPECT(kvstage_head_slice_compute(4, 2, 3, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
     EXPECT(kvstage_head_slice_compute(2, 4, 0, 3, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_rank`");
 
-    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 2, 1, 1, 1, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
-    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 0, 1, 1, 1, &n), KVSTAGE_E_INVALID_ARG, "`src_tp`");
-    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 2, 1, 1, 0, &n), KVSTAGE_E_INVALID_ARG, "`dst_pp`");
-    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 2, 1, 3, 2, &n), KVSTAGE_E_INVALID_ARG, "`src_pp`");
+    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 2, 1, 1, 1, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
+    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 0, 1, 1, 1, &n), KVSTAGE_E_INVALID_ARG, "`src_tp`");
+    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 2, 1, 1, 0, &n), KVSTAGE_E_INVALID_ARG, "`dst_pp`");
+    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 2, 1, 3, 2, &n), KVSTAGE_E_INVALID_ARG, "`src_pp`");
 
     EXPECT(kvstage_grid_tokens(16, 4, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
     EXPECT(kvstage_grid_tokens(16, 0, &n), KVSTAGE_E_INVALID_ARG, "`page_size`");

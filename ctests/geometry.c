@@ -73,7 +73,7 @@ int main(void) {
     CHECK_ERROR(kvstage_head_slice_compute(4, 2, 0, 0, 8, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
     CHECK_INT(hs.src_head_start, 77);
 
-    CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 2, 2, 1, &n));
+    CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 8, 2, 2, 1, &n));
     CHECK_INT(n, 8);
     CHECK_OK(kvstage_grid_tokens(8200, 64, &n));
     CHECK_INT(n, 8192);
@@ -181,9 +181,12 @@ int main(void) {
         CHECK_ERROR(kvstage_pairing_decode_ranks(&p0, NULL, 1, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
                     "`decode_stages`");
         /* MLA: one designated TP writer per decode rank, whatever the TP sizes. */
-        CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MLA, 8, 2, 2, 1, &n));
+        CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MLA, 1, 8, 2, 2, 1, &n));
         CHECK_INT(n, 2);
-        CHECK_ERROR(kvstage_writers_per_chunk(7, 8, 2, 2, 1, &n), KVSTAGE_E_INVALID_ARG, "`model_kind`");
+        CHECK_ERROR(kvstage_writers_per_chunk(7, 8, 8, 2, 2, 1, &n), KVSTAGE_E_INVALID_ARG, "`model_kind`");
+        /* Prefill-side replication (TP 8, 4 KV heads) into TP 2: one writer per head group. */
+        CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 4, 8, 2, 1, 1, &n));
+        CHECK_INT(n, 2);
     }
     return kv_finish("geometry");
 }

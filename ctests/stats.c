@@ -201,7 +201,18 @@ int main(void) {
     CHECK(t.watermark_wait_ns > 0 && t.total_ns >= t.watermark_wait_ns);
     CHECK_INT(t.gather_ns + t.wire_ns, 0);
 
-    /* A bad argument: no transfer started, the last timings are zeros. */
+    /* Bad arguments: no transfer started, the last timings are zeros, nothing is counted (the
+     * counters below are exact). A page outside the pool is one too, synchronous or not. */
+    static const uint32_t OUTSIDE[1] = {CAPACITY};
+    d = desc_for(0, 1, 0);
+    d.src_pages = OUTSIDE;
+    CHECK_INT(kvstage_transfer(session, &d), KVSTAGE_E_INVALID_ARG);
+    t.struct_size = sizeof t;
+    CHECK_OK(kvstage_transfer_timings_last(&t));
+    CHECK_INT(t.total_ns + t.watermark_wait_ns, 0);
+    op = NULL;
+    CHECK_INT(kvstage_transfer_async(session, &d, &op), KVSTAGE_E_INVALID_ARG);
+    CHECK(op == NULL);
     CHECK_INT(kvstage_transfer(session, NULL), KVSTAGE_E_INVALID_ARG);
     CHECK_OK(kvstage_transfer_timings_last(&t));
     CHECK_INT(t.total_ns, 0);
@@ -231,15 +242,20 @@ int main(void) {
     CHECK(ss.timings_sum.gather_ns > 0 && ss.timings_sum.queued_ns == ot.queued_ns);
     CHECK_INT(kvstage_session_stats_get(NULL, &ss), KVSTAGE_E_INVALID_ARG);
     CHECK_INT(kvstage_session_stats_get(session, NULL), KVSTAGE_E_INVALID_ARG);
-    /* An older, smaller session stats: filled up to its size, nothing written past it. */
-    unsigned char sbuf[sizeof(kvstage_session_stats) + 32];
+    /* An older, smaller session stats: filled up to its size, nothing written past it. The
+     * buffer is aligned as the struct would be (a union: portable to C11 and C++). */
+    union {
+        unsigned char bytes[sizeof(kvstage_session_stats) + 32];
+        uint64_t align_u64;
+        size_t align_size;
+    } sbuf;
     size_t s_old = offsetof(kvstage_session_stats, timings_sum);
-    memset(sbuf, 0xA5, sizeof sbuf);
-    memcpy(sbuf, &s_old, sizeof s_old);
-    CHECK_OK(kvstage_session_stats_get(session, (kvstage_session_stats *)(void *)sbuf));
-    for (size_t i = s_old; i < sizeof sbuf; ++i) CHECK(sbuf[i] == 0xA5);
+    memset(sbuf.bytes, 0xA5, sizeof sbuf.bytes);
+    memcpy(sbuf.bytes, &s_old, sizeof s_old);
+    CHECK_OK(kvstage_session_stats_get(session, (kvstage_session_stats *)(void *)sbuf.bytes));
+    for (size_t i = s_old; i < sizeof sbuf.bytes; ++i) CHECK(sbuf.bytes[i] == 0xA5);
     kvstage_session_stats small;
-    memcpy(&small, sbuf, s_old);
+    memcpy(&small, sbuf.bytes, s_old);
     CHECK_INT(small.transfers_ok, 4);
     memset(&ss, 0, sizeof ss);
     ss.struct_size = sizeof ss;
@@ -299,17 +315,21 @@ int main(void) {
     /* Versioning: a caller built before the metrics passes the old size; it gets the old fields
      * and not one byte past its struct. */
     size_t old = offsetof(kvstage_engine_stats, bytes_sent);
-    unsigned char buf[sizeof(kvstage_engine_stats) + 64];
-    memset(buf, 0xA5, sizeof buf);
-    memcpy(buf, &old, sizeof old);
-    CHECK_OK(kvstage_engine_stats_get(decode, (kvstage_engine_stats *)(void *)buf));
+    union {
+        unsigned char bytes[sizeof(kvstage_engine_stats) + 64];
+        uint64_t align_u64;
+        size_t align_size;
+    } buf;
+    memset(buf.bytes, 0xA5, sizeof buf.bytes);
+    memcpy(buf.bytes, &old, sizeof old);
+    CHECK_OK(kvstage_engine_stats_get(decode, (kvstage_engine_stats *)(void *)buf.bytes));
     size_t written = 0;
-    memcpy(&written, buf, sizeof written);
+    memcpy(&written, buf.bytes, sizeof written);
     CHECK_INT(written, old);
-    for (size_t i = old; i < sizeof buf; ++i) CHECK(buf[i] == 0xA5);
+    for (size_t i = old; i < sizeof buf.bytes; ++i) CHECK(buf.bytes[i] == 0xA5);
     kvstage_engine_stats v1;
     memset(&v1, 0, sizeof v1);
-    memcpy(&v1, buf, old);
+    memcpy(&v1, buf.bytes, old);
     CHECK_INT(v1.ring_capacity, RING_BYTES);
     CHECK_INT(v1.ring_live_allocations, 0);
     CHECK_INT(v1.thread_panics, 0);

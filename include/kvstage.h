@@ -685,9 +685,11 @@ enum kvstage_status kvstage_kv_layout_validate(const struct kvstage_kv_layout *l
 enum kvstage_status kvstage_head_slice_compute(uint32_t src_tp, uint32_t dst_tp, uint32_t src_rank, uint32_t dst_rank, uint32_t total_kv_heads, struct kvstage_head_slice *out);
 
 // Writers per chunk on a decode rank with equal-sized pipeline stages: `tp_writers × pp_writers`
-// for MHA, `pp_writers` for MLA (one designated TP writer); `model_kind` is a
-// `kvstage_model_kind`. `kvstage_staging_layout_compute` reports the writers of any split exactly.
-enum kvstage_status kvstage_writers_per_chunk(int32_t model_kind, uint32_t src_tp, uint32_t dst_tp, uint32_t src_pp, uint32_t dst_pp, uint32_t *out);
+// for MHA (`tp_writers` counts one writer per distinct head group: with prefill-side GQA
+// replication only one of the prefill ranks holding a head sends it), `pp_writers` for MLA (one
+// designated TP writer); `model_kind` is a `kvstage_model_kind`, `total_kv_heads` the model's
+// KV heads (1 for MLA). `kvstage_staging_layout_compute` reports the writers of any split exactly.
+enum kvstage_status kvstage_writers_per_chunk(int32_t model_kind, uint32_t total_kv_heads, uint32_t src_tp, uint32_t dst_tp, uint32_t src_pp, uint32_t dst_pp, uint32_t *out);
 
 // The decode ranks prefill rank `prefill` must open sessions to, ordered by (pp_rank, tp_rank):
 // TP ranks by the head mapping (MLA: the decode ranks this rank is the designated writer of), PP

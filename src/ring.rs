@@ -83,13 +83,14 @@ impl Ring {
     /// Bytes of the ring held by live allocations: from the oldest live one to the end of the
     /// newest (the head), wrap-around included, at most the capacity (an overcommitted grant
     /// overlaps space already counted). Holes freed out of order count: nothing reuses them before
-    /// the watermark passes.
+    /// the watermark passes. Live allocations two or more rounds apart (overcommit) span a whole
+    /// round at least: the capacity.
     pub fn occupied(&self) -> u64 {
         let Some(oldest) = self.live.front() else { return 0 };
-        let span = if oldest.round == self.round {
-            self.head.saturating_sub(oldest.offset)
-        } else {
-            (self.capacity - oldest.offset).saturating_add(self.head)
+        let span = match self.round.saturating_sub(oldest.round) {
+            0 => self.head.saturating_sub(oldest.offset),
+            1 => (self.capacity - oldest.offset).saturating_add(self.head),
+            _ => self.capacity,
         };
         span.min(self.capacity)
     }
@@ -164,6 +165,26 @@ mod tests {
         ring.free(b.id);
         assert_eq!(ring.occupied(), 45, "from c to the head");
         ring.free(c.id);
+        ring.free(d.id);
+        assert_eq!(ring.occupied(), 0);
+    }
+
+    #[test]
+    fn occupied_is_the_capacity_when_live_allocations_are_two_rounds_apart() {
+        let mut ring = Ring::new(100);
+        let a = ring.assign(90).unwrap();
+        let b = ring.assign(10).unwrap();
+        ring.free(a.id);
+        assert_eq!((b.round, b.offset), (0, 90));
+        let c = ring.assign(60).unwrap();
+        let d = ring.assign(50).unwrap();
+        assert_eq!((c.round, c.offset, d.round, d.offset), (1, 0, 2, 0));
+        // b (round 0) to the head (round 2): a whole round and more, not (100 - 90) + 50.
+        assert_eq!(ring.occupied(), 100);
+        ring.free(b.id);
+        assert_eq!(ring.occupied(), 100, "c (round 1) to the head (round 2), overcommitted");
+        ring.free(c.id);
+        assert_eq!(ring.occupied(), 50, "d alone");
         ring.free(d.id);
         assert_eq!(ring.occupied(), 0);
     }

@@ -52,9 +52,9 @@ fn head_slice_examples_and_errors() {
 #[test]
 fn writers_and_grid() {
     let mut n = 0u32;
-    assert_eq!(unsafe { kvstage_writers_per_chunk(kvstage_model_kind::KVSTAGE_MODEL_MHA as i32, 8, 2, 2, 1, &mut n) }, Status::KVSTAGE_OK);
+    assert_eq!(unsafe { kvstage_writers_per_chunk(kvstage_model_kind::KVSTAGE_MODEL_MHA as i32, 8, 8, 2, 2, 1, &mut n) }, Status::KVSTAGE_OK);
     assert_eq!(n, 8);
-    assert_eq!(unsafe { kvstage_writers_per_chunk(kvstage_model_kind::KVSTAGE_MODEL_MHA as i32, 3, 2, 1, 1, &mut n) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_writers_per_chunk(kvstage_model_kind::KVSTAGE_MODEL_MHA as i32, 8, 3, 2, 1, 1, &mut n) }, Status::KVSTAGE_E_INVALID_ARG);
     assert_eq!(unsafe { kvstage_grid_tokens(8200, 64, &mut n) }, Status::KVSTAGE_OK);
     assert_eq!(n, 8192);
     assert_eq!(unsafe { kvstage_grid_tokens(KVSTAGE_DEFAULT_CHUNK_TOKENS, 0, &mut n) }, Status::KVSTAGE_E_INVALID_ARG);

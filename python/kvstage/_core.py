@@ -308,13 +308,14 @@ def head_slice(src_tp: int, dst_tp: int, src_rank: int, dst_rank: int, total_kv_
     return HeadSlice(out.src_head_start, out.num_heads, out.dst_head_start)
 
 
-def writers_per_chunk(src_tp: int, dst_tp: int, src_pp: int = 1, dst_pp: int = 1, model="mha") -> int:
+def writers_per_chunk(src_tp: int, dst_tp: int, src_pp: int = 1, dst_pp: int = 1, *, total_kv_heads: int, model="mha") -> int:
     """``kvstage_writers_per_chunk``: writers per chunk on a decode rank with equal pipeline stages
-    (MLA: one TP writer)."""
+    (one per distinct head group under prefill-side replication; MLA: one TP writer)."""
     lib = get_library()
     out = c_uint32()
     kind = int(_enum(ModelKind, model, "model"))
-    args = [_u32(v, n) for v, n in ((src_tp, "src_tp"), (dst_tp, "dst_tp"), (src_pp, "src_pp"), (dst_pp, "dst_pp"))]
+    values = ((total_kv_heads, "total_kv_heads"), (src_tp, "src_tp"), (dst_tp, "dst_tp"), (src_pp, "src_pp"), (dst_pp, "dst_pp"))
+    args = [_u32(v, n) for v, n in values]
     _check(lib, lib.kvstage_writers_per_chunk(kind, *args, byref(out)), "kvstage_writers_per_chunk")
     return out.value
 

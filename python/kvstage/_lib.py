@@ -391,7 +391,7 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_kv_layout_init": (c_int, [_p(kvstage_kv_layout)]),
     "kvstage_kv_layout_validate": (c_int, [_p(kvstage_kv_layout)]),
     "kvstage_head_slice_compute": (c_int, [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_head_slice)]),
-    "kvstage_writers_per_chunk": (c_int, [c_int32, c_uint32, c_uint32, c_uint32, c_uint32, _p(c_uint32)]),
+    "kvstage_writers_per_chunk": (c_int, [c_int32, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, _p(c_uint32)]),
     "kvstage_pairing_decode_ranks": (
         c_int,
         [_p(kvstage_kv_layout), _p(_p(kvstage_kv_layout)), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],

@@ -29,9 +29,10 @@ def test_head_slice(lib, src_tp, dst_tp):
 
 
 def test_counts_and_grid(lib):
-    assert kvstage.writers_per_chunk(4, 2) == 2
-    assert kvstage.writers_per_chunk(2, 4) == 1
-    assert kvstage.writers_per_chunk(4, 2, 2, 1) == 4
+    assert kvstage.writers_per_chunk(4, 2, total_kv_heads=8) == 2
+    assert kvstage.writers_per_chunk(2, 4, total_kv_heads=8) == 1
+    assert kvstage.writers_per_chunk(4, 2, 2, 1, total_kv_heads=8) == 4
+    assert kvstage.writers_per_chunk(8, 2, total_kv_heads=4) == 2  # prefill replication: one copy
     assert kvstage.grid_tokens(100, 16) == 96
     assert kvstage.grid_tokens(8, 16) == 16
     with pytest.raises(kvstage.ArgumentError, match="page_size"):
@@ -54,10 +55,10 @@ def test_staging_layout(lib):
 
 
 def test_mla_writers_per_chunk(lib):
-    assert kvstage.writers_per_chunk(8, 2, 2, 1, model="mla") == 2
-    assert kvstage.writers_per_chunk(8, 2, 2, 1) == 8
+    assert kvstage.writers_per_chunk(8, 2, 2, 1, total_kv_heads=1, model="mla") == 2
+    assert kvstage.writers_per_chunk(8, 2, 2, 1, total_kv_heads=8) == 8
     with pytest.raises(kvstage.ArgumentError, match="model"):
-        kvstage.writers_per_chunk(8, 2, model="gqa")
+        kvstage.writers_per_chunk(8, 2, total_kv_heads=8, model="gqa")
 
 
 def _stage(tp_size, pp_rank, pp_size, layer_ids, tp_rank=0):

@@ -2,10 +2,16 @@
 timings of a synchronous transfer, of an operation and in its completion, and the decode side's
 arrival-to-scatter times. Both engines live in this process, on 127.0.0.1."""
 
+import ctypes
+import os
+import re
 import threading
+
+import pytest
 
 import kvref
 import kvstage
+from kvstage import _lib
 
 MODEL = kvref.Model(layers=2, heads=4, head_dim=8, dtype_bytes=2, page_size=4)
 PAGES = 4  # one chunk of 16 tokens per room
@@ -93,3 +99,48 @@ def test_counters_and_timings_after_a_known_sequence(lib):
         session.close()
         prefill.close()
         decode.close()
+
+
+HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "include", "kvstage.h")
+C_TYPES = {
+    "size_t": ctypes.c_size_t,
+    "uint64_t": ctypes.c_uint64,
+    "uint32_t": ctypes.c_uint32,
+    "int32_t": ctypes.c_int32,
+    "enum kvstage_status": ctypes.c_int,
+}
+
+
+def _header_struct(text: str, name: str, known: dict) -> type:
+    """A ctypes Structure built from the header's definition of `name` (fields of the types above
+    or of structs built before)."""
+    m = re.search(r"typedef struct %s \{(.*?)\} %s;" % (name, name), text, re.S)
+    assert m, f"{name} not in the header"
+    fields = []
+    for decl in m.group(1).split(";"):
+        decl = " ".join(decl.split())
+        if not decl:
+            continue
+        ctype, field = decl.rsplit(" ", 1)
+        if ctype.startswith("struct "):
+            fields.append((field, known[ctype[len("struct ") :]]))
+        else:
+            assert ctype in C_TYPES, f"{name}.{field}: type {ctype} not mapped"
+            fields.append((field, C_TYPES[ctype]))
+    return type(name, (ctypes.Structure,), {"_fields_": fields})
+
+
+def test_ctypes_structs_match_the_header():
+    """The binding's metric structs have the header's fields, offsets and sizes."""
+    if not os.path.exists(HEADER):
+        pytest.skip("include/kvstage.h is not in this tree")
+    with open(HEADER, encoding="utf-8") as f:
+        text = re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S))
+    known: dict = {}
+    for name in ("kvstage_transfer_timings", "kvstage_engine_stats", "kvstage_session_stats", "kvstage_completion"):
+        want = known[name] = _header_struct(text, name, known)
+        got = getattr(_lib, name)
+        assert [f[0] for f in got._fields_] == [f[0] for f in want._fields_], name
+        for field, _ in want._fields_:
+            assert getattr(got, field).offset == getattr(want, field).offset, (name, field)
+        assert ctypes.sizeof(got) == ctypes.sizeof(want), name

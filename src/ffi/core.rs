@@ -3,7 +3,7 @@
 use std::ffi::c_char;
 
 use super::last_error::{self, kvstage_error};
-use super::{ffi_fn, out_arg, write_versioned};
+use super::{ffi_fn, out_ptr, write_versioned};
 use crate::error::Status;
 
 /// Version string of the library, e.g. "0.2.0".
@@ -64,7 +64,7 @@ pub struct kvstage_capabilities {
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_capabilities_get(out: *mut kvstage_capabilities) -> Status {
     ffi_fn!(status {
-        let out = out_arg(out, "out")?;
+        let out = out_ptr(out, "out")?;
         let caps = crate::engine::Capabilities::detect();
         let filled = kvstage_capabilities {
             struct_size: std::mem::size_of::<kvstage_capabilities>(),
@@ -73,7 +73,7 @@ pub unsafe extern "C" fn kvstage_capabilities_get(out: *mut kvstage_capabilities
             host_memory: 1,
             cuda_memory: caps.cuda as u8,
         };
-        write_versioned(out, filled, "out")?;
+        unsafe { write_versioned(out, filled, "out") }?;
         Ok(Status::KVSTAGE_OK)
     })
 }

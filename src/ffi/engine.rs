@@ -285,7 +285,12 @@ pub unsafe extern "C" fn kvstage_engine_register_staging(
     })
 }
 
-/// Counters of an engine (a snapshot).
+/// Counters of an engine (a snapshot). The snapshot is not atomic across counters: each is read
+/// on its own while transfers may be ending, so a concurrent read may see, for instance, a
+/// transfer already counted in `transfers_ok` but still in `transfers_in_flight`, or its result
+/// counted before its `timings_sum`. It is consistent for every transfer whose end the caller
+/// has seen (its `kvstage_transfer` returned, or `kvstage_op_wait` / `kvstage_room_wait` or the
+/// completion callback reported it).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub struct kvstage_engine_stats {
@@ -353,7 +358,8 @@ pub struct kvstage_engine_stats {
     /// Bytes of the staging ring held by live allocations now: from the oldest live allocation to
     /// the end of the newest, wrap-around included (at most `ring_capacity`).
     pub ring_used_bytes: u64,
-    /// The largest `ring_used_bytes` ever (the ring's high-water mark).
+    /// The largest `ring_used_bytes` since the current ring was registered (the ring's high-water
+    /// mark; registering a new ring starts it again from 0).
     pub ring_high_water_bytes: u64,
 }
 
@@ -365,7 +371,7 @@ pub struct kvstage_engine_stats {
 pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine, out: *mut kvstage_engine_stats) -> Status {
     ffi_fn!(status {
         let engine = unsafe { borrow(engine, "engine") }?;
-        let out = out_arg(out, "out")?;
+        let out = super::out_ptr(out, "out")?;
         let r = engine.stats();
         let f = super::stats::send_fields(&r.send);
         let stats = kvstage_engine_stats {
@@ -403,7 +409,7 @@ pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine,
             ring_used_bytes: r.ring_used_bytes,
             ring_high_water_bytes: r.receive.ring_high_water,
         };
-        super::write_versioned(out, stats, "out")?;
+        unsafe { super::write_versioned(out, stats, "out") }?;
         Ok(Status::KVSTAGE_OK)
     })
 }

@@ -229,11 +229,14 @@ pub unsafe extern "C" fn kvstage_head_slice_compute(
 }
 
 /// Writers per chunk on a decode rank with equal-sized pipeline stages: `tp_writers × pp_writers`
-/// for MHA, `pp_writers` for MLA (one designated TP writer); `model_kind` is a
-/// `kvstage_model_kind`. `kvstage_staging_layout_compute` reports the writers of any split exactly.
+/// for MHA (`tp_writers` counts one writer per distinct head group: with prefill-side GQA
+/// replication only one of the prefill ranks holding a head sends it), `pp_writers` for MLA (one
+/// designated TP writer); `model_kind` is a `kvstage_model_kind`, `total_kv_heads` the model's
+/// KV heads (1 for MLA). `kvstage_staging_layout_compute` reports the writers of any split exactly.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_writers_per_chunk(
     model_kind: i32,
+    total_kv_heads: u32,
     src_tp: u32,
     dst_tp: u32,
     src_pp: u32,
@@ -242,7 +245,8 @@ pub unsafe extern "C" fn kvstage_writers_per_chunk(
 ) -> Status {
     ffi_fn!(status {
         let out = out_arg(out, "out")?;
-        *out = geometry::writers_per_chunk(model_kind_arg(model_kind, "model_kind")?, src_tp, dst_tp, src_pp, dst_pp)?;
+        let kind = model_kind_arg(model_kind, "model_kind")?;
+        *out = geometry::writers_per_chunk(kind, total_kv_heads, src_tp, dst_tp, src_pp, dst_pp)?;
         Ok(Status::KVSTAGE_OK)
     })
 }

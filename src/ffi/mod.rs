@@ -378,10 +378,26 @@ pub unsafe fn versioned_struct<T: Copy + Default>(ptr: *const T, arg: &str, min_
     Ok(value)
 }
 
+/// Checks a versioned output pointer for NULL without making a reference of it: the caller's
+/// struct may be an older, smaller one than `T` (see [`write_versioned`]).
+pub fn out_ptr<T>(ptr: *mut T, arg: &str) -> Result<*mut T> {
+    if ptr.is_null() {
+        return Err(Error::invalid_arg(arg, "is NULL"));
+    }
+    Ok(ptr)
+}
+
 /// Writes a versioned output struct: copies as many bytes as the caller's `struct_size` holds.
-pub fn write_versioned<T: Copy>(out: &mut T, value: T, arg: &str) -> Result<()> {
+/// Works on the raw pointer only: the caller's struct may be smaller than `T` (built with an
+/// older header), so no `&mut T` over it may exist.
+///
+/// # Safety
+/// `out` is NULL or points to at least `out->struct_size` writable bytes (the C caller's
+/// contract), beginning with a `size_t struct_size`; no alignment is assumed.
+pub unsafe fn write_versioned<T: Copy>(out: *mut T, value: T, arg: &str) -> Result<()> {
+    let out = out_ptr(out, arg)? as *mut u8;
     // SAFETY: the first field of every versioned struct is a `size_t struct_size`.
-    let given = unsafe { *(out as *mut T as *const usize) };
+    let given = unsafe { std::ptr::read_unaligned(out as *const usize) };
     let full = std::mem::size_of::<T>();
     if given < std::mem::size_of::<usize>() || given > (1 << 20) {
         return Err(Error::invalid_arg(
@@ -390,10 +406,11 @@ pub fn write_versioned<T: Copy>(out: &mut T, value: T, arg: &str) -> Result<()> 
         ));
     }
     let n = given.min(full);
-    // SAFETY: `n` bytes are writable in the caller's struct (it said so) and readable in `value`.
+    // SAFETY: `n` bytes are writable in the caller's struct (it said so) and readable in `value`;
+    // the caller's bytes and the local `value` do not overlap.
     unsafe {
-        std::ptr::copy_nonoverlapping(&value as *const T as *const u8, out as *mut T as *mut u8, n);
-        *(out as *mut T as *mut usize) = given;
+        std::ptr::copy_nonoverlapping(&value as *const T as *const u8, out, n);
+        std::ptr::write_unaligned(out as *mut usize, given);
     }
     Ok(())
 }

@@ -4,7 +4,7 @@
 use std::cell::Cell;
 
 use super::transfer::{kvstage_op, kvstage_session};
-use super::{ffi_fn, out_arg, write_versioned};
+use super::{ffi_fn, out_ptr, write_versioned};
 use crate::error::Status;
 use crate::session::stats::{SendStats, TransferTimings};
 
@@ -51,6 +51,11 @@ pub(crate) fn timings_to_c(t: &TransferTimings) -> kvstage_transfer_timings {
 
 /// Counters of one sender session (a snapshot). Transfers are counted once they end; a transfer
 /// is one chunk (`kvstage_transfer`, `kvstage_transfer_slices` or `kvstage_transfer_async`).
+/// The snapshot is not atomic across counters: each is read on its own while transfers may be
+/// ending, so a concurrent read may see a transfer counted in one field and not yet in another
+/// (its result but not its timings, or its result while still in `transfers_in_flight`). It is
+/// consistent for every transfer whose end the caller has seen (`kvstage_transfer` returned, or
+/// `kvstage_op_wait` or the completion callback reported it).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 pub struct kvstage_session_stats {
@@ -128,7 +133,7 @@ pub(crate) fn send_fields(s: &SendStats) -> SendFields {
 pub unsafe extern "C" fn kvstage_session_stats_get(session: *const kvstage_session, out: *mut kvstage_session_stats) -> Status {
     ffi_fn!(status {
         let session = unsafe { super::transfer::session(session) }?;
-        let out = out_arg(out, "out")?;
+        let out = out_ptr(out, "out")?;
         let s = session.stats();
         let f = send_fields(&s.send);
         let transport = if s.rdma { super::engine::kvstage_transport::KVSTAGE_TRANSPORT_RDMA } else { super::engine::kvstage_transport::KVSTAGE_TRANSPORT_TCP };
@@ -149,7 +154,7 @@ pub unsafe extern "C" fn kvstage_session_stats_get(session: *const kvstage_sessi
             timed_transfers: f.timed_transfers,
             timings_sum: f.timings_sum,
         };
-        write_versioned(out, stats, "out")?;
+        unsafe { write_versioned(out, stats, "out") }?;
         Ok(Status::KVSTAGE_OK)
     })
 }
@@ -161,11 +166,11 @@ pub unsafe extern "C" fn kvstage_session_stats_get(session: *const kvstage_sessi
 pub unsafe extern "C" fn kvstage_op_timings_get(op: *const kvstage_op, out: *mut kvstage_transfer_timings) -> Status {
     ffi_fn!(status {
         let op = unsafe { super::transfer::op(op) }?;
-        let out = out_arg(out, "out")?;
+        let out = out_ptr(out, "out")?;
         match op.timings() {
             None => Ok(Status::KVSTAGE_PENDING),
             Some(t) => {
-                write_versioned(out, timings_to_c(&t), "out")?;
+                unsafe { write_versioned(out, timings_to_c(&t), "out") }?;
                 Ok(Status::KVSTAGE_OK)
             }
         }
@@ -189,9 +194,9 @@ pub(crate) fn set_last(t: TransferTimings) {
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_transfer_timings_last(out: *mut kvstage_transfer_timings) -> Status {
     ffi_fn!(status {
-        let out = out_arg(out, "out")?;
+        let out = out_ptr(out, "out")?;
         let t = LAST.with(|c| c.get());
-        write_versioned(out, timings_to_c(&t), "out")?;
+        unsafe { write_versioned(out, timings_to_c(&t), "out") }?;
         Ok(Status::KVSTAGE_OK)
     })
 }

@@ -105,10 +105,29 @@ pub fn head_slice(src_tp: u32, dst_tp: u32, src_rank: u32, dst_rank: u32, total_
     }
 }
 
-/// TP writers per decode rank for MHA: `src_tp / dst_tp` when prefill is larger, else 1.
-pub fn tp_writers(src_tp: u32, dst_tp: u32) -> Result<u32> {
+/// Whether MHA prefill rank `src_rank`, one of decode rank `dst_rank`'s TP sources, sends its
+/// heads. With prefill-side GQA replication (`src_tp > total_heads`) `src_tp / total_heads`
+/// consecutive prefill ranks hold the same heads; of those feeding one decode rank only the first
+/// sends them (each head crosses the wire once), the others have nothing to send there.
+pub fn sends_its_heads(src_rank: u32, dst_rank: u32, src_tp: u32, dst_tp: u32, total_heads: u32) -> bool {
+    let rep = (src_tp / total_heads.max(1)).max(1);
+    let first = if src_tp > dst_tp { dst_rank * (src_tp / dst_tp) } else { src_rank };
+    src_rank == first || src_rank.is_multiple_of(rep)
+}
+
+/// TP writers per decode rank for MHA: the prefill ranks feeding it (`src_tp / dst_tp` when
+/// prefill is larger, else 1) that send their heads, one per distinct head group
+/// ([`sends_its_heads`]): `max(1, (src_tp / dst_tp) / (src_tp / total_heads))` under prefill-side
+/// replication.
+pub fn tp_writers(src_tp: u32, dst_tp: u32, total_heads: u32) -> Result<u32> {
     let ratio = check_ratio("src_tp", src_tp, "dst_tp", dst_tp)?;
-    Ok(if src_tp > dst_tp { ratio } else { 1 })
+    check_heads(total_heads, "src_tp", src_tp)?;
+    check_heads(total_heads, "dst_tp", dst_tp)?;
+    if src_tp <= dst_tp {
+        return Ok(1);
+    }
+    let rep = (src_tp / total_heads.max(1)).max(1);
+    Ok((ratio / rep).max(1))
 }
 
 /// PP writers per decode rank: `src_pp / dst_pp` when prefill has more stages, else 1.
@@ -119,8 +138,8 @@ pub fn pp_writers(src_pp: u32, dst_pp: u32) -> Result<u32> {
 
 /// Writers expected per chunk on a decode rank: `tp_writers × pp_writers` for MHA, `pp_writers`
 /// for MLA (one designated TP writer, see [`mla_source_rank`]).
-pub fn writers_per_chunk(kind: ModelKind, src_tp: u32, dst_tp: u32, src_pp: u32, dst_pp: u32) -> Result<u32> {
-    let tw = tp_writers(src_tp, dst_tp)?; // checks the TP sizes for MLA too
+pub fn writers_per_chunk(kind: ModelKind, total_heads: u32, src_tp: u32, dst_tp: u32, src_pp: u32, dst_pp: u32) -> Result<u32> {
+    let tw = tp_writers(src_tp, dst_tp, total_heads)?; // checks the TP sizes for MLA too
     let tw = if kind == ModelKind::Mla { 1 } else { tw };
     Ok(tw * pp_writers(src_pp, dst_pp)?)
 }
@@ -172,17 +191,6 @@ pub fn mla_source_rank(dst_rank: u32, src_tp: u32, dst_tp: u32) -> Result<u32> {
     Ok(dst_rank % src_tp)
 }
 
-/// Writer index of an MHA prefill rank within a decode rank's staging allocation:
-/// `(src_pp_rank mod pp_writers) · tp_writers + (src_tp_rank mod tp_writers)`. With one PP writer
-/// this is GEOMETRY.md's `prefill tp rank mod W`.
-pub fn writer_index(src_tp_rank: u32, src_pp_rank: u32, src_tp: u32, dst_tp: u32, src_pp: u32, dst_pp: u32) -> Result<u32> {
-    let tw = tp_writers(src_tp, dst_tp)?;
-    let pw = pp_writers(src_pp, dst_pp)?;
-    check_rank("src_tp_rank", src_tp_rank, "src_tp", src_tp)?;
-    check_rank("src_pp_rank", src_pp_rank, "src_pp", src_pp)?;
-    Ok((src_pp_rank % pw) * tw + src_tp_rank % tw)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,10 +234,10 @@ mod tests {
 
     #[test]
     fn pairing_and_writers() {
-        assert_eq!(writers_per_chunk(ModelKind::Mha, 4, 2, 1, 1).unwrap(), 2);
-        assert_eq!(writers_per_chunk(ModelKind::Mha, 2, 4, 1, 1).unwrap(), 1);
-        assert_eq!(writers_per_chunk(ModelKind::Mha, 8, 2, 4, 2).unwrap(), 8);
-        assert_eq!(writers_per_chunk(ModelKind::Mha, 8, 2, 1, 2).unwrap(), 4);
+        assert_eq!(writers_per_chunk(ModelKind::Mha, 8, 4, 2, 1, 1).unwrap(), 2);
+        assert_eq!(writers_per_chunk(ModelKind::Mha, 8, 2, 4, 1, 1).unwrap(), 1);
+        assert_eq!(writers_per_chunk(ModelKind::Mha, 8, 8, 2, 4, 2).unwrap(), 8);
+        assert_eq!(writers_per_chunk(ModelKind::Mha, 8, 8, 2, 1, 2).unwrap(), 4);
         assert_eq!(prefill_ranks_for_decode(1, 4, 2).unwrap(), 2..4);
         assert_eq!(prefill_ranks_for_decode(3, 2, 4).unwrap(), 1..2);
         assert_eq!(prefill_ranks_for_decode(3, 4, 4).unwrap(), 3..4);
@@ -239,12 +247,16 @@ mod tests {
         assert_eq!(prefill_pp_ranks_for_decode(1, 1, 2).unwrap(), 0..1);
         assert_eq!(decode_pp_ranks_for_prefill(0, 1, 2).unwrap(), 0..2);
         assert_eq!(decode_pp_ranks_for_prefill(3, 4, 2).unwrap(), 1..2);
-        assert_eq!(writer_index(3, 0, 4, 2, 1, 1).unwrap(), 1);
-        assert_eq!(writer_index(2, 0, 4, 2, 1, 1).unwrap(), 0);
-        assert_eq!(writer_index(5, 3, 8, 2, 4, 2).unwrap(), 4 + 1);
-        assert_eq!(writer_index(1, 0, 2, 4, 1, 1).unwrap(), 0);
         assert_eq!(mla_source_rank(5, 4, 8).unwrap(), 1);
         assert_eq!(mla_source_rank(1, 8, 2).unwrap(), 1);
+        // Prefill-side replication: TP 8 with 4 KV heads into TP 2 sends each head once.
+        assert_eq!(writers_per_chunk(ModelKind::Mha, 4, 8, 2, 1, 1).unwrap(), 2);
+        let senders: Vec<u32> = (4..8).filter(|&rs| sends_its_heads(rs, 1, 8, 2, 4)).collect();
+        assert_eq!(senders, [4, 6]);
+        // TP 8 with 2 heads into TP 4: each decode rank holds one head, fed by two copies of it.
+        assert_eq!(writers_per_chunk(ModelKind::Mha, 2, 8, 4, 1, 1).unwrap(), 1);
+        assert_eq!((2..4).filter(|&rs| sends_its_heads(rs, 1, 8, 4, 2)).collect::<Vec<_>>(), [2]);
+        assert_eq!(writers_per_chunk(ModelKind::Mla, 1, 8, 2, 2, 1).unwrap(), 2);
     }
 
     fn bad(r: Result<impl std::fmt::Debug>, name: &str, text: &str) {
@@ -268,9 +280,7 @@ mod tests {
         bad(head_slice(1, 4, 0, 0, 6), "total_kv_heads", "6 and dst_tp 4 do not divide");
         bad(head_slice(4, 2, 2, 0, 8), "src_rank", "prefill rank 2 does not write to decode rank 0 (its writers are prefill ranks 0..2)");
         bad(head_slice(2, 4, 0, 2, 8), "dst_rank", "decode rank 2 reads prefill rank 1, not prefill rank 0");
-        bad(writer_index(4, 0, 4, 2, 1, 1), "src_tp_rank", "4 is not below src_tp 4");
-        bad(writer_index(0, 1, 4, 2, 1, 1), "src_pp_rank", "1 is not below src_pp 1");
-        bad(writers_per_chunk(ModelKind::Mha, 4, 2, 3, 2), "src_pp", "src_pp 3 and dst_pp 2");
+        bad(writers_per_chunk(ModelKind::Mha, 8, 4, 2, 3, 2), "src_pp", "src_pp 3 and dst_pp 2");
         bad(prefill_ranks_for_decode(2, 4, 2), "dst_rank", "2 is not below dst_tp 2");
         bad(decode_ranks_for_prefill(4, 4, 2), "src_rank", "4 is not below src_tp 4");
         bad(mla_source_rank(2, 4, 2), "dst_rank", "2 is not below");

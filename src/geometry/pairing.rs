@@ -1,12 +1,13 @@
 //! Which ranks of the other side a rank exchanges KV data with: the sessions an engine must open
 //! (prefill side) or expect (decode side).
 //!
-//! Tensor parallelism pairs ranks by the head mapping (GEOMETRY.md, "Rank pairing"; MLA: one
-//! designated prefill rank per decode rank). Pipeline parallelism pairs stages by their layer ids:
+//! Tensor parallelism pairs ranks by the head mapping (GEOMETRY.md, "Rank pairing"; prefill-side
+//! GQA replication: the one rank of each group of copies that sends; MLA: one designated prefill
+//! rank per decode rank). Pipeline parallelism pairs stages by their layer ids:
 //! a prefill stage writes to every decode stage holding at least one of its layers, whatever the
 //! split (uneven, or not contiguous).
 
-use super::heads::{decode_ranks_for_prefill, mla_source_rank, prefill_ranks_for_decode};
+use super::heads::{decode_ranks_for_prefill, mla_source_rank, prefill_ranks_for_decode, sends_its_heads};
 use super::{agreed_field_mismatches, mismatch_error, ModelKind, PoolShape};
 use crate::error::{Error, Result};
 
@@ -25,7 +26,9 @@ pub struct PeerRank {
 pub fn decode_peers(src: &PoolShape, dst_stages: &[PoolShape]) -> Result<Vec<PeerRank>> {
     let dst_tp = check_stages(src, dst_stages, "decode_stages")?;
     let tp_ranks: Vec<u32> = match src.kind {
-        ModelKind::Mha => decode_ranks_for_prefill(src.tp_rank, src.tp_size, dst_tp)?.collect(),
+        ModelKind::Mha => decode_ranks_for_prefill(src.tp_rank, src.tp_size, dst_tp)?
+            .filter(|&d| sends_its_heads(src.tp_rank, d, src.tp_size, dst_tp, src.global_heads))
+            .collect(),
         ModelKind::Mla => {
             mla_source_rank(0, src.tp_size, dst_tp)?; // checks the sizes
             (0..dst_tp).filter(|d| d % src.tp_size == src.tp_rank).collect()
@@ -39,7 +42,9 @@ pub fn decode_peers(src: &PoolShape, dst_stages: &[PoolShape]) -> Result<Vec<Pee
 pub fn prefill_peers(dst: &PoolShape, src_stages: &[PoolShape]) -> Result<Vec<PeerRank>> {
     let src_tp = check_stages(dst, src_stages, "prefill_stages")?;
     let tp_ranks: Vec<u32> = match dst.kind {
-        ModelKind::Mha => prefill_ranks_for_decode(dst.tp_rank, src_tp, dst.tp_size)?.collect(),
+        ModelKind::Mha => prefill_ranks_for_decode(dst.tp_rank, src_tp, dst.tp_size)?
+            .filter(|&rs| sends_its_heads(rs, dst.tp_rank, src_tp, dst.tp_size, dst.global_heads))
+            .collect(),
         ModelKind::Mla => vec![mla_source_rank(dst.tp_rank, src_tp, dst.tp_size)?],
     };
     Ok(pairs(dst, src_stages, &tp_ranks))
@@ -116,7 +121,8 @@ mod tests {
         let sizes = [1u32, 2, 4, 8, 16];
         let mut checked = 0;
         for kind in [ModelKind::Mha, ModelKind::Mla] {
-            let heads = if kind == ModelKind::Mha { 8 } else { 1 };
+            // 4 KV heads: TP 8 and 16 replicate them on the prefill side, the decode side, or both.
+            let heads = if kind == ModelKind::Mha { 4 } else { 1 };
             let dim = if kind == ModelKind::Mha { 16 } else { 64 };
             let base = PoolShape::new(kind, heads, dim, 2, 4, 16);
             for (&stp, &dtp, &spp, &dpp) in itertools(&sizes) {

@@ -8,7 +8,7 @@
 //! Writer `w = pp_writer · tp_writers + tp_writer`. Every writer carries the same head count `n`;
 //! with several PP writers each carries its own block of the decode rank's layers.
 
-use super::heads::{head_slice, mla_source_rank, pp_writers, tp_writers, HeadSlice};
+use super::heads::{head_slice, mla_source_rank, pp_writers, prefill_ranks_for_decode, sends_its_heads, HeadSlice};
 use super::{agreed_field_mismatches, geometry_invalid, mismatch_error, ModelKind, PoolShape};
 use crate::error::{Error, FieldMismatch, Result, Status};
 
@@ -160,13 +160,13 @@ pub fn staging_layout_pp(src: &PoolShape, dst: &PoolShape, tokens: u32, pp_layer
 
     let (tw, tp_sources): (u32, Vec<(u32, HeadSlice)>) = match dst.kind {
         ModelKind::Mha => {
-            let tw = tp_writers(src.tp_size, dst.tp_size)?;
-            let first = if src.tp_size > dst.tp_size { dst.tp_rank * tw } else { dst.tp_rank / (dst.tp_size / src.tp_size) };
-            let mut v = Vec::with_capacity(tw as usize);
-            for rs in first..first + tw {
-                v.push((rs, head_slice(src.tp_size, dst.tp_size, rs, dst.tp_rank, dst.global_heads)?));
+            let mut v = Vec::new();
+            for rs in prefill_ranks_for_decode(dst.tp_rank, src.tp_size, dst.tp_size)? {
+                if sends_its_heads(rs, dst.tp_rank, src.tp_size, dst.tp_size, dst.global_heads) {
+                    v.push((rs, head_slice(src.tp_size, dst.tp_size, rs, dst.tp_rank, dst.global_heads)?));
+                }
             }
-            (tw, v)
+            (v.len() as u32, v)
         }
         ModelKind::Mla => (1, vec![(mla_source_rank(dst.tp_rank, src.tp_size, dst.tp_size)?, HeadSlice::MLA)]),
     };

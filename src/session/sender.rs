@@ -132,7 +132,7 @@ impl SenderSession {
                 // "tcp", or "rdma mlx5_0:1 (2 QPs)" (the control stream's address is `addr`).
                 let how = s.link.describe();
                 let how = if how.starts_with("tcp ") { "tcp" } else { how.split(" via ").next().unwrap_or(&how) };
-                log::info!(session = id; "session opened to {addr} over {how} (writer {} of {})", s.pair.writer, s.pair.writers);
+                log::info!(session = id; "session opened to {addr} over {how} ({})", s.pair.describe());
                 Ok(s)
             }
             Err(e) => {
@@ -294,29 +294,46 @@ impl SenderSession {
         self.transfer_timed(desc, op).0
     }
 
-    /// [`transfer`](Self::transfer), with the transfer's phase timings.
+    /// [`transfer`](Self::transfer), with the transfer's phase timings (zeros when an argument is
+    /// bad: the transfer never started and is not counted).
     pub fn transfer_timed(&self, desc: &TransferDesc, op: &Op) -> (Result<Status>, TransferTimings) {
-        self.counted(|t| self.staged(desc, op, t))
+        self.counted(desc, |t| self.staged(desc, op, t))
     }
 
     /// [`transfer_slices`](Self::transfer_slices), with the transfer's phase timings.
     pub fn transfer_slices_timed(&self, desc: &TransferDesc, op: &Op) -> (Result<Status>, TransferTimings) {
-        self.counted(|t| self.slices(desc, op, t))
+        self.counted(desc, |t| self.slices(desc, op, t))
     }
 
-    /// Runs a synchronous transfer: in flight meanwhile, timed, its result counted.
-    fn counted(&self, f: impl FnOnce(&mut TransferTimings) -> Result<Status>) -> (Result<Status>, TransferTimings) {
+    /// The argument checks of a transfer, made before it starts (a bad argument is not counted).
+    fn check_args(&self, desc: &TransferDesc) -> Result<()> {
+        self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))
+    }
+
+    /// Runs a synchronous transfer: in flight meanwhile, timed, its result counted (a panic as
+    /// `KVSTAGE_E_PANIC`, then it goes on unwinding).
+    fn counted(&self, desc: &TransferDesc, f: impl FnOnce(&mut TransferTimings) -> Result<Status>) -> (Result<Status>, TransferTimings) {
+        if let Err(e) = self.check_args(desc) {
+            return (Err(e), TransferTimings::ZERO);
+        }
         let started = Instant::now();
         let _in_flight = self.metrics.start();
         let mut t = TransferTimings::default();
-        let result = f(&mut t);
-        t.total_ns = since(started);
-        self.metrics.finished(&result, &t);
-        (result, t)
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut t)));
+        t.finish_total(started);
+        match outcome {
+            Ok(result) => {
+                self.metrics.finished(&result, &t);
+                (result, t)
+            }
+            Err(panic) => {
+                self.metrics.finished(&Err(Error::new(Status::KVSTAGE_E_PANIC, "the transfer panicked")), &t);
+                std::panic::resume_unwind(panic)
+            }
+        }
     }
 
     fn staged(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
-        self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))?;
         let result = self
             .transfer_inner(desc, op, t)
             .map_err(|e| e.context(format!("staged transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id));
@@ -356,7 +373,9 @@ impl SenderSession {
         let dst = &self.remote.shape;
         let tokens = desc.pages.len() as u32 * src.page_size;
         let layout = geometry::staging_layout(src, dst, tokens)?;
-        let writer = self.pair.writer;
+        let Some(writer) = self.pair.writer else {
+            return Ok(Status::KVSTAGE_OK); // another prefill rank sends these heads
+        };
         let region = &layout.writers[writer as usize];
         // Fallback is decided here, before anything is allocated on either side.
         let staging_limit = self.resources.options.send_staging_bytes;
@@ -378,10 +397,12 @@ impl SenderSession {
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         // Watermark wait, part one: the allocation's round trip (part two: `wait_writable`).
         let asked = Instant::now();
-        self.link.send(
+        let sent = self.link.send(
             &Message::AllocReq { req, room: desc.room, chunk: desc.chunk, writer, tokens, bytes: layout.total_bytes },
             &deadline,
-        )?;
+        );
+        t.watermark_wait_ns = since(asked);
+        sent?;
         // A grant may already be on its way: giving up here must release it too.
         let reply = self.wait_reply(req, &deadline, op, "waiting for the allocation");
         t.watermark_wait_ns = since(asked);
@@ -475,6 +496,8 @@ impl SenderSession {
     /// Queues `desc` on the engine's transfer workers and returns its operation at once; the
     /// deadline runs from now (time spent queued counts). `slices` selects the slice path.
     pub fn transfer_async(self: &Arc<Self>, mut desc: TransferDesc, slices: bool, tag: u64) -> Result<Arc<Op>> {
+        // A bad argument fails the call at once: no operation, nothing counted.
+        self.check_args(&desc)?;
         let op = Op::notifying(self.waker(), self.resources.completions.clone(), tag);
         let (session, worker_op) = (self.clone(), op.clone());
         let queued = Instant::now();
@@ -499,7 +522,7 @@ impl SenderSession {
                 log::error!(session = session.id(); "room {} chunk {}: {}", desc.room, desc.chunk, e.chain());
                 Err(e)
             });
-            timings.total_ns = since(queued);
+            timings.finish_total(queued);
             // Counted before the operation's waiters wake, so they see it in the stats.
             session.metrics.finished(&result, &timings);
             drop(in_flight);
@@ -515,7 +538,6 @@ impl SenderSession {
     }
 
     fn slices(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
-        self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))?;
         let result = self
             .slices_inner(desc, op, t)
             .map_err(|e| e.context(format!("slice transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id));
@@ -526,6 +548,9 @@ impl SenderSession {
     fn slices_inner(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
         if self.pool.memory != MemoryKind::Host {
             return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the slice path reads the KV pool from the CPU: host pools only"));
+        }
+        if self.pair.writer.is_none() {
+            return Ok(Status::KVSTAGE_OK); // another prefill rank sends these heads
         }
         let deadline = Deadline::after(desc.timeout);
         let src = &self.pool.shape;

@@ -38,6 +38,19 @@ pub struct TransferTimings {
 impl TransferTimings {
     pub const ZERO: TransferTimings =
         TransferTimings { queued_ns: 0, watermark_wait_ns: 0, alloc_wait_ns: 0, gather_ns: 0, wire_ns: 0, ack_ns: 0, total_ns: 0 };
+
+    /// The phases together (`total_ns` excluded).
+    pub fn phases_ns(&self) -> u64 {
+        [self.queued_ns, self.watermark_wait_ns, self.alloc_wait_ns, self.gather_ns, self.wire_ns, self.ack_ns]
+            .into_iter()
+            .fold(0, u64::saturating_add)
+    }
+
+    /// Sets `total_ns` from the transfer's start, at least the sum of the phases (each phase is
+    /// rounded up to 1 ns, so a measured total could fall short of them by a few).
+    pub(crate) fn finish_total(&mut self, started: Instant) {
+        self.total_ns = since(started).max(self.phases_ns());
+    }
 }
 
 pub(crate) fn nanos(d: Duration) -> u64 {
@@ -228,7 +241,8 @@ pub struct ReceiveStats {
     pub scatter_ns_sum: u64,
     pub scatter_ns_max: u64,
     /// The largest span of the staging ring ever held by live allocations (bytes from the oldest
-    /// live allocation to the end of the newest, wrap-around included; at most the ring's size).
+    /// live allocation to the end of the newest, wrap-around included; at most the ring's size),
+    /// since the current ring was registered (a new ring starts it again from 0).
     pub ring_high_water: u64,
 }
 
@@ -236,6 +250,15 @@ pub struct ReceiveStats {
 mod tests {
     use super::*;
     use crate::error::Error;
+
+    #[test]
+    fn the_total_is_at_least_the_sum_of_the_phases() {
+        // Phases rounded up to 1 ns each can add up to more than a measured total.
+        let mut t = TransferTimings { watermark_wait_ns: 1 << 40, ack_ns: 1 << 40, ..Default::default() };
+        t.finish_total(Instant::now());
+        assert_eq!(t.total_ns, 2 << 40);
+        assert_eq!(t.phases_ns(), t.total_ns);
+    }
 
     #[test]
     fn results_are_counted_by_code_in_both_sets() {

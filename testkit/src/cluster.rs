@@ -87,14 +87,12 @@ impl Setup {
         EngineOptions { chunk_tokens: self.chunk_tokens, ..EngineOptions::default() }
     }
 
-    /// Which decode ranks prefill rank `rs` writes to.
+    /// Which decode ranks prefill rank `rs` writes to (the library's pairing helper: a replica of
+    /// heads another rank sends has no session to open).
     pub fn targets(&self, rs: u32) -> Vec<u32> {
-        match self.model.kind {
-            ModelKind::Mla => (0..self.decode_tp).filter(|rd| rd % self.prefill_tp == rs).collect(),
-            ModelKind::Mha => geometry::decode_ranks_for_prefill(rs, self.prefill_tp, self.decode_tp)
-                .map(|r| r.collect())
-                .unwrap_or_default(),
-        }
+        let src = self.model.shape(self.page_size, rs, self.prefill_tp);
+        let decode_stage = self.model.shape(self.page_size, 0, self.decode_tp);
+        geometry::decode_peers(&src, &[decode_stage]).map(|peers| peers.iter().map(|p| p.tp_rank).collect()).unwrap_or_default()
     }
 
     /// Sender sessions (prefill rank, decode rank pairs) one room uses.
@@ -109,8 +107,9 @@ impl Setup {
             let src = self.model.shape(self.page_size, rs, self.prefill_tp);
             for rd in self.targets(rs) {
                 let dst = self.model.shape(self.page_size, rd, self.decode_tp);
-                let w = kvstage::session::pairing(&src, &dst)?.writer;
-                total += geometry::staging_layout(&src, &dst, self.tokens)?.writers[w as usize].bytes;
+                if let Some(w) = kvstage::session::pairing(&src, &dst)?.writer {
+                    total += geometry::staging_layout(&src, &dst, self.tokens)?.writers[w as usize].bytes;
+                }
             }
         }
         Ok(total)

@@ -144,9 +144,8 @@ impl Receiver {
         let session = info.session.clone();
         log::info!(
             session = session.as_str();
-            "session from {peer} accepted over tcp (writer {} of {})",
-            info.pairing.writer,
-            info.pairing.writers
+            "session from {peer} accepted over tcp ({})",
+            info.pairing.describe()
         );
         // Registered only now that the answer left: from here on it gets watermark broadcasts,
         // and one more watermark covers any change between the answer and the registration.
@@ -231,10 +230,12 @@ impl Receiver {
                     }
                 }
                 Message::ChunkReady { req, room, chunk, writer, checksum } => {
-                    // Arrival of the writer's last byte (decode-side timing: arrival to scatter done).
-                    let arrived = std::time::Instant::now();
                     // RDMA: the write-with-immediate (imm = req) must have completed first.
                     let landed = rdma_peer.as_ref().map_or(Ok(()), |p| p.wait_imm(req as u32, RDMA_IMM_WAIT));
+                    // Arrival of the writer's last byte (decode-side timing: arrival to scatter
+                    // done): the ready frame, and over RDMA the write's completion after it (a
+                    // failed wait scatters nothing, so the stamp is unused then).
+                    let arrived = std::time::Instant::now();
                     let (result, mut fx) = match landed {
                         Err(e) => (Err(e), Default::default()),
                         Ok(()) => self.ready(id, session, room, chunk, writer, checksum, integrity),

@@ -340,6 +340,8 @@ impl State {
         };
         self.fx.watermark = Some(ring.watermark());
         self.ring = Some(ring);
+        // The high-water mark is the current ring's (an old, larger ring's would exceed it).
+        self.metrics.ring_high_water = 0;
         Ok(())
     }
 
@@ -406,7 +408,7 @@ impl State {
     /// over one session. Its quarantined grants and leases are released.
     pub fn conn_gone(&mut self, conn: ConnId, code: Status, reason: &str) {
         let Some(info) = self.conns.remove(&conn) else { return };
-        let w = info.pairing.writer as usize;
+        let Some(w) = info.pairing.writer.map(|w| w as usize) else { return };
         let wrote = |c: &Chunk| c.slots.iter().flatten().any(|s| s.conn == conn);
         let owes = |c: &Chunk| {
             c.phase == Phase::Waiting && c.slots.get(w).and_then(|s| s.as_ref()).is_none_or(|s| s.conn == conn && !s.arrived)

@@ -54,7 +54,7 @@ impl State {
         if byte_offset as u64 != head_off || len as u64 != row {
             return Err(protocol(format!("slice [{byte_offset}, +{len}) is not this writer's head range [{head_off}, +{row})")));
         }
-        let writer = info.pairing.writer;
+        let writer = info.pairing.writer()?;
         let slot = c.slots.get(writer as usize).and_then(|s| s.as_ref());
         if let Some(s) = slot {
             if s.conn != conn {
@@ -128,7 +128,7 @@ impl State {
     /// Errors are replied; a writer that owns the slot and is short fails the room.
     pub fn slice_done(&mut self, conn: ConnId, room: u64, chunk: u32) -> Result<()> {
         let info = self.conn(conn)?;
-        let (writer, session) = (info.pairing.writer, info.session.clone());
+        let (writer, session) = (info.pairing.writer()?, info.session.clone());
         let r = self.live_room(room)?;
         let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("slices done for chunk {chunk} past room {room}")))?;
         if let Some(why) = slices_refused(info, c, room, chunk) {

@@ -9,7 +9,7 @@ impl State {
     /// to the sender; none ends the session.
     pub fn allocate(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, tokens: u32, bytes: u64) -> Result<Grant> {
         let info = self.conn(conn)?.clone();
-        let writer = info.pairing.writer;
+        let writer = info.pairing.writer()?;
         if claimed != writer {
             return Err(protocol(format!("writer {claimed} claimed, this session is writer {writer}")));
         }
@@ -106,7 +106,7 @@ impl State {
 
     /// Validates a write and returns (grant id, allocation-relative offset).
     fn check_write(&self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<(u64, u64)>> {
-        let writer = self.conn(conn)?.pairing.writer;
+        let writer = self.conn(conn)?.pairing.writer()?;
         if claimed != writer {
             return Err(protocol(format!("data for writer {claimed} from writer {writer}")));
         }
@@ -175,7 +175,7 @@ impl State {
     /// replied; a writer that owns the slot and lies about its bytes fails the room.
     pub fn begin_ready(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32) -> Result<ReadyLease> {
         let info = self.conn(conn)?;
-        let (writer, session) = (info.pairing.writer, info.session.clone());
+        let (writer, session) = (info.pairing.writer()?, info.session.clone());
         // An RDMA writer that reports ready has finished writing (its immediate arrived first).
         self.release_remote_writer(conn, room, Some(chunk));
         if claimed != writer {

@@ -124,6 +124,24 @@ fn a_room_id_cannot_be_reopened_while_its_scatter_runs() {
 }
 
 #[test]
+fn a_new_ring_starts_its_own_high_water_mark() {
+    let mut st = state(4 * CHUNK);
+    let a = st.add_conn(info(0, 2, false));
+    st.open_room(1, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    st.allocate(a, 1, 1, 0, TOKENS, CHUNK).unwrap();
+    assert_eq!(st.metrics().ring_high_water, 2 * CHUNK);
+    assert_eq!(st.release_room(1), Release::Done);
+    assert_eq!(st.ring_stats().1, 0);
+    // A smaller ring replaces it: the old mark would exceed the new ring's size.
+    st.register_ring(CHUNK).unwrap();
+    assert_eq!(st.metrics().ring_high_water, 0);
+    st.open_room(2, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 2, 0, 0, TOKENS, CHUNK).unwrap();
+    assert_eq!(st.metrics().ring_high_water, CHUNK);
+}
+
+#[test]
 fn senders_of_one_room_must_share_the_prefill_geometry() {
     let mut st = state(1 << 20);
     let (tp2, tp4) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 4, false)));

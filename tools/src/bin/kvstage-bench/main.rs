@@ -424,7 +424,7 @@ fn copies(a: &Args, prefill: &Prefill, bar: &ProgressBar) -> Result<(Section, Se
             let dst_shape = s.model.shape(s.page_size, rd, s.decode_tp);
             for pages in s.prefill_pages(r.rank).chunks(grid) {
                 let layout = geometry::staging_layout(&r.pool.layout.shape, &dst_shape, (pages.len() as u32) * s.page_size)?;
-                let w = kvstage::session::pairing(&r.pool.layout.shape, &dst_shape)?.writer;
+                let w = kvstage::session::pairing(&r.pool.layout.shape, &dst_shape)?.writer()?;
                 let plan = geometry::plan_gather(&r.pool.layout.shape, pages, &layout, w)?;
                 staging.resize(staging.len().max(layout.writers[w as usize].bytes as usize), 0);
                 plans.push((r.rank as usize, plan));

@@ -163,7 +163,7 @@ struct SessionJson {
 fn chunk_share(s: &Setup, rs: u32, rd: u32) -> Result<u64, Error> {
     let src = s.model.shape(s.page_size, rs, s.prefill_tp);
     let dst = s.model.shape(s.page_size, rd, s.decode_tp);
-    let w = kvstage::session::pairing(&src, &dst)?.writer;
+    let w = kvstage::session::pairing(&src, &dst)?.writer()?;
     let tokens = (s.grid_pages().min(s.pages()) as u32) * s.page_size;
     Ok(geometry::staging_layout(&src, &dst, tokens)?.writers[w as usize].bytes)
 }
