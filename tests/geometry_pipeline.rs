@@ -187,12 +187,22 @@ fn expected_pool(c: &Cfg, tp_rank: u32, tp: u32, pp_rank: u32, pp: u32, pages: &
 /// The staging allocation of decode rank (d, q) as GEOMETRY.md specifies it, from scratch.
 fn expected_staging(c: &Cfg, d: u32, q: u32) -> Vec<u8> {
     let tokens = c.dst_pages.len() as u64 * c.page_size as u64;
-    // TP writers, in writer order, and the global heads each carries.
+    // TP writers, in writer order, and the global heads each carries (prefill-side replicas of
+    // heads another writer carries send nothing).
     let tp_srcs: Vec<u32> = match c.kind {
         ModelKind::Mla => vec![d % c.src_tp],
         ModelKind::Mha if c.src_tp > c.dst_tp => {
+            // Each head crosses once: a feeding rank writes unless an earlier one holds its heads.
             let r = c.src_tp / c.dst_tp;
-            (d * r..(d + 1) * r).collect()
+            let mut seen: Vec<Vec<u32>> = Vec::new();
+            (d * r..(d + 1) * r)
+                .filter(|&rs| {
+                    let heads = global_heads_of(c.kind, rs, c.src_tp, c.heads);
+                    let first = !seen.contains(&heads);
+                    seen.push(heads);
+                    first
+                })
+                .collect()
         }
         ModelKind::Mha => vec![d / (c.dst_tp / c.src_tp)],
     };
