@@ -238,8 +238,10 @@ impl Write for DeadlineWriter<'_> {
 
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
         self.arm()?;
-        let mut s = self.stream;
-        s.write_vectored(bufs)
+        // Not TcpStream::write_vectored: std sends vectors with writev, which raises SIGPIPE in the
+        // host process when the peer has gone (a library must never kill its host). sendmsg with
+        // MSG_NOSIGNAL reports EPIPE instead, as std's own `write` does.
+        socket2::SockRef::from(self.stream).send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
