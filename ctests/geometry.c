@@ -85,21 +85,23 @@ int main(void) {
         kvstage_kv_layout src = layout(0, 4, 80), dst = layout(1, 2, 80);
         kvstage_staging_layout out;
         kvstage_staging_writer w[3], one[1];
+        const kvstage_kv_layout *stages[1];
         const kvstage_error *e;
+        stages[0] = &src;
         memset(&out, 0, sizeof out);
         memset(w, 0, sizeof w);
         memset(one, 0, sizeof one);
         out.struct_size = sizeof out;
-        CHECK_OK(kvstage_staging_layout_compute(&src, &dst, 8192, &out, NULL, 0)); /* count query */
+        CHECK_OK(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, NULL, 0)); /* count query */
         CHECK_INT(out.num_writers, 2);
         CHECK_INT(out.total_bytes, 1280ull << 20);
         CHECK_INT(out.row_bytes, 512);
         CHECK_INT(out.slab_bytes, 8192ull * 512);
         CHECK_INT(out.buffers_per_layer, 2);
         out.num_writers = 0;
-        CHECK_ERROR(kvstage_staging_layout_compute(&src, &dst, 8192, &out, one, 1), KVSTAGE_E_INVALID_ARG, "`writers_len`");
+        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, one, 1), KVSTAGE_E_INVALID_ARG, "`writers_len`");
         CHECK_INT(out.num_writers, 2); /* the required count is reported */
-        CHECK_OK(kvstage_staging_layout_compute(&src, &dst, 8192, &out, w, 3));
+        CHECK_OK(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, w, 3));
         CHECK_INT(w[1].offset, 640ull << 20);
         CHECK_INT(w[1].bytes, 640ull << 20);
         CHECK_INT(w[1].layers, 80);
@@ -108,22 +110,50 @@ int main(void) {
         CHECK_INT(w[1].dst_head_start, 2);
 
         dst.local_heads = 2; /* should be 4 on a TP-2 rank of 8 heads */
-        CHECK_ERROR(kvstage_staging_layout_compute(&src, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_INVALID, "`dst`");
+        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_INVALID, "`dst`");
         e = kvstage_error_last();
         REQUIRE(e->cause_count >= 1);
         CHECK_CONTAINS(e->causes[0], "`local_heads`: 2 != 4");
         dst.local_heads = 0; /* derived: max(1, 8 / 2) = 4, the same layout as above */
         memset(w, 0xAB, sizeof w);
-        CHECK_OK(kvstage_staging_layout_compute(&src, &dst, 8192, &out, w, 3));
+        CHECK_OK(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, w, 3));
         CHECK_INT(w[1].bytes, 640ull << 20);
         CHECK_INT(w[1].num_heads, 2);
         CHECK_INT(w[1].dst_head_start, 2);
         dst.local_heads = 4;
         dst.head_dim = 64;
-        CHECK_ERROR(kvstage_staging_layout_compute(&src, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_MISMATCH, "mismatch");
+        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_MISMATCH, "mismatch");
         e = kvstage_error_last();
         REQUIRE(e->cause_count == 1);
-        CHECK_STR(e->causes[0], "head_dim: local 128 != remote 64");
+        CHECK_STR(e->causes[0], "head_dim: local 64 != remote 128"); /* local: the decode rank */
+    }
+    {
+        /* Uneven pipeline stages: 4 + 3 layers (ids 0..3 and 4..6) into one decode rank of 7. */
+        uint32_t first[4] = {0, 1, 2, 3}, second[3] = {4, 5, 6};
+        kvstage_kv_layout s0 = layout(0, 1, 4), s1 = layout(0, 1, 3), dst = layout(0, 1, 7);
+        const kvstage_kv_layout *stages[2];
+        kvstage_staging_layout out;
+        kvstage_staging_writer w[2];
+        s0.layer_ids = first;
+        s0.pp_size = 2;
+        s1.layer_ids = second;
+        s1.pp_rank = 1;
+        s1.pp_size = 2;
+        stages[0] = &s0;
+        stages[1] = &s1;
+        memset(&out, 0, sizeof out);
+        out.struct_size = sizeof out;
+        CHECK_OK(kvstage_staging_layout_compute(stages, 2, &dst, 64, &out, w, 2));
+        CHECK_INT(out.num_writers, 2);
+        CHECK_INT(out.num_tp_writers, 1);
+        CHECK_INT(w[0].layers, 4);
+        CHECK_INT(w[1].layers, 3);
+        CHECK_INT(w[1].src_pp_rank, 1);
+        CHECK_INT(w[1].offset, w[0].bytes);
+        CHECK_INT(out.total_bytes, w[0].bytes + w[1].bytes);
+        /* Stage 1 missing: layers 4..6 of the decode rank are held by nobody. */
+        s0.pp_size = 1;
+        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, 64, &out, w, 2), KVSTAGE_E_GEOMETRY_MISMATCH, "do not cover");
     }
     {
         /* A complete layout with (fake, never dereferenced) addresses: validate checks them. */

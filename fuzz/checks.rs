@@ -77,7 +77,8 @@ pub fn frame(data: &[u8]) -> usize {
 /// `Message::decode`, then checked the way both sides check it — the receiver's `verify_peer`
 /// (fingerprint decode, field-by-field diff, pairing) and the sender's view (fingerprint decode and
 /// check, writer index) — against every local shape. A peer the checks accept must yield a staging
-/// layout with its writer inside it. Returns whether the body decoded.
+/// layout with its head group inside it and, when it writes, a region. Returns whether the body
+/// decoded.
 pub fn handshake(data: &[u8]) -> bool {
     let hello = match Message::decode(T_HELLO, data) {
         Ok(Message::Hello(h)) => h,
@@ -94,7 +95,8 @@ pub fn handshake(data: &[u8]) -> bool {
                 .expect("an accepted peer has a staging layout");
             let p = pairing(&hello.shape, &ours).expect("an accepted peer is paired");
             // A replica of heads another rank sends is paired but writes nothing.
-            assert!(p.writer.is_none_or(|w| (w as usize) < layout.writers.len()));
+            assert!(p.writer.is_none_or(|w| w < layout.tp_writers()));
+            assert_eq!(p.writer.is_some(), layout.region_of(&hello.shape).expect("checked shape").is_some());
         }
         // Sender: the peer is the decode rank we write to.
         let Ok(theirs) = Fingerprint::decode(&hello.fingerprint) else { continue };
@@ -102,7 +104,7 @@ pub fn handshake(data: &[u8]) -> bool {
             if let Ok(w) = pairing(&ours, &hello.shape).map(|p| p.writer) {
                 let layout = geometry::staging_layout(&ours, &hello.shape, hello.shape.page_size)
                     .expect("a paired decode rank has a staging layout");
-                assert!(w.is_none_or(|w| (w as usize) < layout.writers.len()));
+                assert!(w.is_none_or(|w| w < layout.tp_writers()));
             }
         }
     }

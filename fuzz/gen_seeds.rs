@@ -70,8 +70,8 @@ fn messages() -> Vec<(String, Message)> {
     let mut out: Vec<(String, Message)> = hellos().into_iter().map(|(n, h)| (format!("hello-{n}"), Message::Hello(h))).collect();
     out.extend([
         ("alloc-req".into(), Message::AllocReq { req: 7, room: 9, chunk: 2, writer: 1, tokens: 64, bytes: 4096 }),
-        ("alloc-rsp-ok".into(), Message::AllocRsp { req: 7, status: 0, round: 1, offset: 8192, len: 4096, reason: String::new() }),
-        ("alloc-rsp-refused".into(), Message::AllocRsp { req: 8, status: -13, round: 0, offset: 0, len: 0, reason: "chunk larger than the ring".into() }),
+        ("alloc-rsp-ok".into(), Message::AllocRsp { req: 7, status: 0, round: 1, offset: 8192, len: 4096, region: 2048, reason: String::new() }),
+        ("alloc-rsp-refused".into(), Message::AllocRsp { req: 8, status: -13, round: 0, offset: 0, len: 0, region: 0, reason: "chunk larger than the ring".into() }),
         ("data".into(), Message::Data { room: 9, chunk: 2, writer: 1, offset: 2048, len: 16 }),
         ("chunk-ready".into(), Message::ChunkReady { req: 10, room: 9, chunk: 2, writer: 1, checksum: Some(0x0123_4567_89ab_cdef) }),
         ("chunk-ready-unchecked".into(), Message::ChunkReady { req: 13, room: 9, chunk: 3, writer: 0, checksum: None }),

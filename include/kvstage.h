@@ -438,7 +438,8 @@ typedef struct kvstage_rank {
 } kvstage_rank;
 
 // Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
-// call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` starts at
+// call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` (into the
+// decode rank's layers the writer holds, ascending) starts at
 // `writers[w].offset + (kv · writers[w].layers + l) · slab_bytes`.
 typedef struct kvstage_staging_layout {
     size_t struct_size;
@@ -455,6 +456,8 @@ typedef struct kvstage_staging_layout {
     uint32_t buffers_per_layer;
     // Writers whose arrival completes the chunk (entries `kvstage_staging_layout_compute` fills).
     uint32_t num_writers;
+    // Head groups of the decode rank: each of its layers arrives once per head group.
+    uint32_t num_tp_writers;
 } kvstage_staging_layout;
 
 // One writer's region of a staging allocation.
@@ -467,6 +470,8 @@ typedef struct kvstage_staging_writer {
     // The prefill rank writing the region.
     uint32_t src_tp_rank;
     uint32_t src_pp_rank;
+    // Its head group among the decode rank's (`0 .. num_tp_writers`).
+    uint32_t tp_writer;
     // First source head (gather) and first destination head (scatter), `num_heads` each.
     uint32_t src_head_start;
     uint32_t num_heads;
@@ -547,6 +552,18 @@ typedef struct kvstage_session_stats {
     // Phase timings summed over the ended transfers (divide by `timed_transfers` for means).
     struct kvstage_transfer_timings timings_sum;
 } kvstage_session_stats;
+
+// A room's chunk grid on the decode side (`kvstage_session_room_grid`). Set `struct_size` first.
+typedef struct kvstage_room_grid {
+    size_t struct_size;
+    // Tokens of every chunk but possibly the last (the `chunk_tokens` of `kvstage_room_open`
+    // rounded to whole pages).
+    uint32_t chunk_tokens;
+    // Chunks of the room: `chunk_index` of a transfer is below this.
+    uint32_t num_chunks;
+    // Pages of the room.
+    uint32_t num_pages;
+} kvstage_room_grid;
 
 // One chunk to transfer. Fill with `kvstage_transfer_desc_init`.
 typedef struct kvstage_transfer_desc {
@@ -711,12 +728,17 @@ enum kvstage_status kvstage_pairing_prefill_ranks(const struct kvstage_kv_layout
 enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_size, uint32_t *out);
 
 // Computes the staging layout of decode rank `dst` for a chunk of `tokens` tokens written by the
-// prefill side `src` (any of its ranks). Only the shape fields of both layouts are read (bases may
-// be NULL). Fills `*out` and `writers[0 .. out->num_writers)`; no memory is allocated.
-// `writers` may be NULL with `writers_len` 0 to ask for the count only. When `writers_len` is
-// too small, `out` (with `num_writers`) is still filled and `KVSTAGE_E_INVALID_ARG` names
+// prefill side: `prefill_stages` holds `num_prefill_stages` pointers, `prefill_stages[j]` for
+// prefill stage `j` (any TP rank: its `tp_size` and `layer_ids` are used), as for
+// `kvstage_pairing_prefill_ranks`; stages may split the layers any way, together they must hold
+// every layer of `dst`. Only shape fields are read (bases may be NULL). Fills `*out` and
+// `writers[0 .. out->num_writers)` in (stage, head group) order; no memory is allocated. A
+// receiver places regions in the order their allocation requests arrive (each writer learns its
+// offset from the grant), so at run time offsets may differ from these; sizes and the total do
+// not. `writers` may be NULL with `writers_len` 0 to ask for the count only. When `writers_len`
+// is too small, `out` (with `num_writers`) is still filled and `KVSTAGE_E_INVALID_ARG` names
 // `writers_len`.
-enum kvstage_status kvstage_staging_layout_compute(const struct kvstage_kv_layout *src, const struct kvstage_kv_layout *dst, uint32_t tokens, struct kvstage_staging_layout *out, struct kvstage_staging_writer *writers, size_t writers_len);
+enum kvstage_status kvstage_staging_layout_compute(const struct kvstage_kv_layout *const *prefill_stages, size_t num_prefill_stages, const struct kvstage_kv_layout *dst, uint32_t tokens, struct kvstage_staging_layout *out, struct kvstage_staging_writer *writers, size_t writers_len);
 
 // Sends kvstage's log records at or above `max_level` (a `kvstage_log_level` value) to
 // `callback` instead of stderr, with `user_data` handed back unchanged; `callback` NULL sends
@@ -753,6 +775,14 @@ enum kvstage_status kvstage_op_timings_get(const struct kvstage_op *op, struct k
 // result; zeros before the first one and after one that failed before it started (a bad
 // argument). Other kvstage calls leave them as they are.
 enum kvstage_status kvstage_transfer_timings_last(struct kvstage_transfer_timings *out);
+
+// Asks the decode rank of `session` for the chunk grid of `room` (open there): chunk `k` of a
+// transfer must carry the tokens `[k · chunk_tokens, min((k + 1) · chunk_tokens, num_pages ·
+// page_size))` of the room, so a prefill engine can cut its transfers on the decode side's grid
+// instead of guessing it. One round trip; `timeout_ms` 0 = the engine default. Errors: the room
+// is not open there (`KVSTAGE_E_CANCELED`, the receiver's message in the cause chain), the
+// session is gone, the timeout passed. Fills `*out` only on success.
+enum kvstage_status kvstage_session_room_grid(const struct kvstage_session *session, uint64_t room, uint64_t timeout_ms_, struct kvstage_room_grid *out);
 
 // Connects to the decode engine at `peer_address` ("127.0.0.1:5000") and runs the handshake
 // (versions, geometry fingerprints, pairing). A geometry disagreement fails with

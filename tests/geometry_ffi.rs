@@ -81,22 +81,23 @@ fn layout(tp_rank: u32, tp: u32, layers: &[u32]) -> kvstage_kv_layout {
 fn staging_layout_fills_caller_storage_and_reports_the_count() {
     let layers: Vec<u32> = (0..80).collect();
     let (src, dst) = (layout(0, 4, &layers), layout(1, 2, &layers));
+    let stages = [&src as *const kvstage_kv_layout];
     let mut out = kvstage_staging_layout { struct_size: std::mem::size_of::<kvstage_staging_layout>(), ..Default::default() };
     // Count query.
-    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, &dst, 8192, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
-    assert_eq!(out.num_writers, 2);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
+    assert_eq!((out.num_writers, out.num_tp_writers), (2, 2));
     assert_eq!(out.total_bytes, 1280 << 20);
     assert_eq!((out.row_bytes, out.slab_bytes, out.tokens, out.num_heads, out.buffers_per_layer), (512, 8192 * 512, 8192, 2, 2));
     // Too small: count still reported, error names writers_len.
     let mut one = [kvstage_staging_writer::default(); 1];
     out.num_writers = 0;
-    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, &dst, 8192, &mut out, one.as_mut_ptr(), 1) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut out, one.as_mut_ptr(), 1) }, Status::KVSTAGE_E_INVALID_ARG);
     assert_eq!(out.num_writers, 2);
     assert!(last_error().1.contains("`writers_len`: 1 entries are too few: the layout has 2 writers"));
     assert_eq!(one[0], kvstage_staging_writer::default());
     // Enough room.
     let mut w = [kvstage_staging_writer::default(); 3];
-    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, &dst, 8192, &mut out, w.as_mut_ptr(), 3) }, Status::KVSTAGE_OK);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut out, w.as_mut_ptr(), 3) }, Status::KVSTAGE_OK);
     assert_eq!(
         w[1],
         kvstage_staging_writer {
@@ -105,6 +106,7 @@ fn staging_layout_fills_caller_storage_and_reports_the_count() {
             layers: 80,
             src_tp_rank: 3,
             src_pp_rank: 0,
+            tp_writer: 1,
             src_head_start: 0,
             num_heads: 2,
             dst_head_start: 2
@@ -113,8 +115,26 @@ fn staging_layout_fills_caller_storage_and_reports_the_count() {
     assert_eq!(w[2], kvstage_staging_writer::default());
     // An older caller's smaller struct gets only its fields.
     let mut small = kvstage_staging_layout { struct_size: 16, tokens: 77, ..Default::default() };
-    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, &dst, 8192, &mut small, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut small, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
     assert_eq!((small.total_bytes, small.tokens, small.struct_size), (1280 << 20, 77, 16));
+
+    // Uneven stages (50 + 30 layers): one region per (stage, head group), sized by what it holds.
+    let (first, second): (Vec<u32>, Vec<u32>) = ((0..50).collect(), (50..80).collect());
+    let mut s0 = layout(0, 4, &first);
+    let mut s1 = layout(0, 4, &second);
+    (s0.pp_rank, s0.pp_size, s1.pp_rank, s1.pp_size) = (0, 2, 1, 2);
+    let stages = [&s0 as *const kvstage_kv_layout, &s1];
+    let mut w = [kvstage_staging_writer::default(); 4];
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 2, &dst, 8192, &mut out, w.as_mut_ptr(), 4) }, Status::KVSTAGE_OK);
+    assert_eq!((out.num_writers, out.total_bytes), (4, 1280 << 20));
+    let slab = 8192 * 512 * 2;
+    assert_eq!(w.map(|w| (w.src_pp_rank, w.tp_writer, w.layers, w.bytes)), [(0, 0, 50, 50 * slab), (0, 1, 50, 50 * slab), (1, 0, 30, 30 * slab), (1, 1, 30, 30 * slab)]);
+    assert_eq!(w[3].offset, 2 * 50 * slab + 30 * slab);
+    // Stages that leave a decode layer out are refused, naming it.
+    s0.pp_size = 1;
+    let stages = [&s0 as *const kvstage_kv_layout];
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+    assert!(last_error().2[0].starts_with("decode layers: local [50, 51,"), "{:?}", last_error());
 }
 
 #[test]
@@ -123,7 +143,7 @@ fn staging_layout_errors_name_the_argument_and_field() {
     let (src, mut dst) = (layout(0, 4, &layers), layout(1, 2, &layers));
     let mut out = kvstage_staging_layout { struct_size: std::mem::size_of::<kvstage_staging_layout>(), ..Default::default() };
     let call = |src: &kvstage_kv_layout, dst: &kvstage_kv_layout, out: &mut kvstage_staging_layout| unsafe {
-        kvstage_staging_layout_compute(src, dst, 64, out, std::ptr::null_mut(), 0)
+        kvstage_staging_layout_compute(&(src as *const kvstage_kv_layout), 1, dst, 64, out, std::ptr::null_mut(), 0)
     };
     dst.local_heads = 2;
     assert_eq!(call(&src, &dst, &mut out), Status::KVSTAGE_E_GEOMETRY_INVALID);
@@ -133,7 +153,7 @@ fn staging_layout_errors_name_the_argument_and_field() {
     dst.local_heads = 4;
     dst.head_dim = 64;
     assert_eq!(call(&src, &dst, &mut out), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
-    assert_eq!(last_error().2, vec!["head_dim: local 128 != remote 64"]);
+    assert_eq!(last_error().2, vec!["head_dim: local 64 != remote 128"]);
     dst.head_dim = 128;
     dst.model_kind = 7;
     assert_eq!(call(&src, &dst, &mut out), Status::KVSTAGE_E_INVALID_ARG);
@@ -148,9 +168,9 @@ fn staging_layout_errors_name_the_argument_and_field() {
     assert!(last_error().1.contains("`dst->num_layers`: 0"));
     dst.num_layers = 4;
     assert_eq!(call(&src, &dst, &mut out), Status::KVSTAGE_OK);
-    assert_eq!(unsafe { kvstage_staging_layout_compute(std::ptr::null(), &dst, 64, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
-    assert!(last_error().1.contains("`src`: is NULL"));
-    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, &dst, 60, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(std::ptr::null(), 1, &dst, 64, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert!(last_error().1.contains("`prefill_stages`: is NULL"), "{:?}", last_error());
+    assert_eq!(unsafe { kvstage_staging_layout_compute(&(&src as *const kvstage_kv_layout), 1, &dst, 60, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
     assert!(last_error().1.contains("`tokens`: 60 is not a multiple of page_size 16"));
     // A NULL layer list means layers 0..num_layers-1.
     dst.layer_ids = std::ptr::null();

@@ -4,13 +4,14 @@
 //! written here, per element, from first principles (which global heads a rank holds), sharing no
 //! code with the engine. The staging allocation itself is also compared byte for byte with the
 //! layout GEOMETRY.md specifies, and the slice path is checked against the same reference.
+//! Pipeline stages split the layers at random on both sides (uneven, interleaved), and writers
+//! reach the decode rank in random order (regions are placed in arrival order).
 
 use std::collections::BTreeSet;
 
 use kvstage::copy::{CopyEngine, HostCopyEngine};
 use kvstage::geometry::{
-    head_slice, plan_gather, plan_scatter, slice_plan, staging_layout, HeadSlice, KvLayout, MemoryKind, ModelKind,
-    PoolShape,
+    head_slice, plan_gather, plan_scatter, slice_plan, staging_layout, HeadSlice, KvLayout, MemoryKind, ModelKind, PoolShape,
 };
 use proptest::prelude::*;
 
@@ -57,9 +58,11 @@ struct Cfg {
     page_size: u32,
     src_tp: u32,
     dst_tp: u32,
-    src_pp: u32,
-    dst_pp: u32,
-    layers: Vec<u32>,
+    /// Layer ids of each pipeline stage (every layer in exactly one stage of each side).
+    src_split: Vec<Vec<u32>>,
+    dst_split: Vec<Vec<u32>>,
+    /// Shuffles the order in which writers reach each decode rank.
+    arrival_seed: u64,
     capacity: u32,
     src_pages: Vec<u32>,
     dst_pages: Vec<u32>,
@@ -72,17 +75,17 @@ impl std::fmt::Debug for Cfg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{:?} H={} D={} b={} ps={} P{}x{}->D{}x{} layers={:?} cap={} src={:?} dst={:?} threads={} streaming={}",
+            "{:?} H={} D={} b={} ps={} P{}x{:?}->D{}x{:?} arrival={} cap={} src={:?} dst={:?} threads={} streaming={}",
             self.kind,
             self.heads,
             self.head_dim,
             self.dtype,
             self.page_size,
             self.src_tp,
-            self.src_pp,
+            self.src_split,
             self.dst_tp,
-            self.dst_pp,
-            self.layers,
+            self.dst_split,
+            self.arrival_seed,
             self.capacity,
             self.src_pages,
             self.dst_pages,
@@ -92,10 +95,9 @@ impl std::fmt::Debug for Cfg {
     }
 }
 
-/// Layers held by PP rank `rank` of `pp`: contiguous equal blocks of the model's layer list.
-fn stage_layers(all: &[u32], rank: u32, pp: u32) -> Vec<u32> {
-    let per = all.len() / pp as usize;
-    all[rank as usize * per..(rank as usize + 1) * per].to_vec()
+/// Contiguous equal blocks of `all`, one per stage.
+fn even_split(all: &[u32], pp: usize) -> Vec<Vec<u32>> {
+    all.chunks(all.len() / pp).map(<[u32]>::to_vec).collect()
 }
 
 fn local_heads(c: &Cfg, tp: u32) -> u32 {
@@ -105,7 +107,7 @@ fn local_heads(c: &Cfg, tp: u32) -> u32 {
     }
 }
 
-fn shape(c: &Cfg, tp_rank: u32, tp: u32, pp_rank: u32, pp: u32) -> PoolShape {
+fn shape(c: &Cfg, tp_rank: u32, tp: u32, pp_rank: usize, split: &[Vec<u32>]) -> PoolShape {
     PoolShape {
         kind: c.kind,
         page_size: c.page_size,
@@ -115,9 +117,9 @@ fn shape(c: &Cfg, tp_rank: u32, tp: u32, pp_rank: u32, pp: u32) -> PoolShape {
         dtype_bytes: c.dtype,
         tp_rank,
         tp_size: tp,
-        pp_rank,
-        pp_size: pp,
-        layer_ids: stage_layers(&c.layers, pp_rank, pp),
+        pp_rank: pp_rank as u32,
+        pp_size: split.len() as u32,
+        layer_ids: split[pp_rank].clone(),
     }
 }
 
@@ -152,11 +154,10 @@ fn new_pool(c: &Cfg, shape: PoolShape, fill: impl Fn(usize) -> u8) -> Pool {
     Pool { mem, layout, buffer_bytes, slot_bytes }
 }
 
-/// Expected content of a pool of rank (tp_rank, pp_rank) after the transfer, byte by byte:
-/// slots of `pages[i]` hold sequence tokens i·ps.. with this rank's global heads; every other
-/// byte keeps `filler`.
-fn expected_pool(c: &Cfg, tp_rank: u32, tp: u32, pp_rank: u32, pp: u32, pages: &[u32], filler: &dyn Fn(usize) -> u8) -> Vec<u8> {
-    let layers = stage_layers(&c.layers, pp_rank, pp);
+/// Expected content of a pool of TP rank `tp_rank` holding `layers` after the transfer, byte by
+/// byte: slots of `pages[i]` hold sequence tokens i·ps.. with this rank's global heads; every
+/// other byte keeps `filler`.
+fn expected_pool(c: &Cfg, tp_rank: u32, tp: u32, layers: &[u32], pages: &[u32], filler: &dyn Fn(usize) -> u8) -> Vec<u8> {
     let heads = global_heads_of(c.kind, tp_rank, tp, c.heads);
     let slot = heads.len() * (c.head_dim * c.dtype) as usize;
     let buffer = c.capacity as usize * c.page_size as usize * slot;
@@ -184,8 +185,10 @@ fn expected_pool(c: &Cfg, tp_rank: u32, tp: u32, pp_rank: u32, pp: u32, pages: &
     out
 }
 
-/// The staging allocation of decode rank (d, q) as GEOMETRY.md specifies it, from scratch.
-fn expected_staging(c: &Cfg, d: u32, q: u32) -> Vec<u8> {
+/// The staging allocation of decode rank (d, q) as GEOMETRY.md specifies it, from scratch, for
+/// prefill ranks (TP rank, stage) that arrive in the order `arrivals` (ranks that write nothing
+/// here are skipped).
+fn expected_staging(c: &Cfg, d: u32, q: usize, arrivals: &[(u32, usize)]) -> Vec<u8> {
     let tokens = c.dst_pages.len() as u64 * c.page_size as u64;
     // TP writers, in writer order, and the global heads each carries (prefill-side replicas of
     // heads another writer carries send nothing).
@@ -213,27 +216,22 @@ fn expected_staging(c: &Cfg, d: u32, q: u32) -> Vec<u8> {
             global_heads_of(c.kind, d, c.dst_tp, c.heads) // the decode rank's heads, all of them
         }
     };
-    // PP writers and their layers.
-    let dst_layers = stage_layers(&c.layers, q, c.dst_pp);
-    let pp_blocks: Vec<Vec<u32>> = if c.src_pp > c.dst_pp {
-        let r = (c.src_pp / c.dst_pp) as usize;
-        let per = dst_layers.len() / r;
-        (0..r).map(|j| dst_layers[j * per..(j + 1) * per].to_vec()).collect()
-    } else {
-        vec![dst_layers.clone()]
-    };
+    // Each arriving writer's region: the decode rank's layers its stage holds, ascending.
+    let dst_layers = &c.dst_split[q];
     let mut out = Vec::new();
-    for block in &pp_blocks {
-        for &rs in &tp_srcs {
-            let heads = carried(rs);
-            for kv in 0..buffers_per_layer(c) {
-                for &layer in block {
-                    for tok in 0..tokens {
-                        for &g in &heads {
-                            for e in 0..c.head_dim {
-                                for y in 0..c.dtype {
-                                    out.push(pattern(layer, kv, g, tok, e, y));
-                                }
+    for &(rs, j) in arrivals {
+        let block: Vec<u32> = dst_layers.iter().copied().filter(|l| c.src_split[j].contains(l)).collect();
+        if !tp_srcs.contains(&rs) || block.is_empty() {
+            continue;
+        }
+        let heads = carried(rs);
+        for kv in 0..buffers_per_layer(c) {
+            for &layer in &block {
+                for tok in 0..tokens {
+                    for &g in &heads {
+                        for e in 0..c.head_dim {
+                            for y in 0..c.dtype {
+                                out.push(pattern(layer, kv, g, tok, e, y));
                             }
                         }
                     }
@@ -252,11 +250,11 @@ fn run(c: &Cfg) -> Result<(), TestCaseError> {
         .with_streaming_min_bytes(if c.streaming { 0 } else { u64::MAX });
     // Prefill pools: pattern in the request's pages, noise everywhere else.
     let mut prefill = Vec::new();
-    for j in 0..c.src_pp {
+    for j in 0..c.src_split.len() {
         for r in 0..c.src_tp {
-            let s = shape(c, r, c.src_tp, j, c.src_pp);
-            let tag = 1000 + (j * c.src_tp + r) as u64;
-            let want = expected_pool(c, r, c.src_tp, j, c.src_pp, &c.src_pages, &|p| noise(tag, p));
+            let s = shape(c, r, c.src_tp, j, &c.src_split);
+            let tag = 1000 + (j as u32 * c.src_tp + r) as u64;
+            let want = expected_pool(c, r, c.src_tp, &c.src_split[j], &c.src_pages, &|p| noise(tag, p));
             let mut pool = new_pool(c, s, |_| 0);
             pool.mem.copy_from_slice(&want);
             prefill.push(pool);
@@ -264,21 +262,31 @@ fn run(c: &Cfg) -> Result<(), TestCaseError> {
     }
     let any_src = prefill[0].layout.shape.clone();
     let tokens = c.dst_pages.len() as u32 * c.page_size;
-    for q in 0..c.dst_pp {
+    for q in 0..c.dst_split.len() {
         for d in 0..c.dst_tp {
-            let dst_shape = shape(c, d, c.dst_tp, q, c.dst_pp);
-            let tag = 5000 + (q * c.dst_tp + d) as u64;
-            let st = staging_layout(&any_src, &dst_shape, tokens).map_err(|e| TestCaseError::fail(e.chain()))?;
-            // Gather on every prefill rank that writes here; "write" into the allocation.
+            let dst_shape = shape(c, d, c.dst_tp, q, &c.dst_split);
+            let tag = 5000 + (q as u32 * c.dst_tp + d) as u64;
+            let mut st = staging_layout(&any_src, &dst_shape, tokens).map_err(|e| TestCaseError::fail(e.chain()))?;
+            // Prefill ranks reach the decode rank in a random order; each one that writes here
+            // is placed, gathers, and "writes" into the allocation.
+            let mut order: Vec<&Pool> = prefill.iter().collect();
+            let mut x = c.arrival_seed ^ (q as u64) << 32 ^ d as u64;
+            for i in (1..order.len()).rev() {
+                x = mix(x);
+                order.swap(i, (x % (i as u64 + 1)) as usize);
+            }
+            let arrivals: Vec<(u32, usize)> = order.iter().map(|p| (p.layout.shape.tp_rank, p.layout.shape.pp_rank as usize)).collect();
             let mut alloc = vec![0xA5u8; st.total_bytes as usize];
             let mut arrived = BTreeSet::new();
             let mut slice_pool = new_pool(c, dst_shape.clone(), |p| noise(tag, p));
-            for src in &prefill {
-                let Some(w) = st.writer_for(&src.layout.shape).map_err(|e| TestCaseError::fail(e.chain()))? else {
+            for src in order {
+                if st.region_of(&src.layout.shape).map_err(|e| TestCaseError::fail(e.chain()))?.is_none() {
                     continue;
-                };
+                }
+                let w = st.place(&src.layout.shape).map_err(|e| TestCaseError::fail(e.chain()))?;
                 prop_assert!(arrived.insert(w), "writer {} arrived twice", w);
-                let plan = plan_gather(&src.layout, &c.src_pages, &st, w).map_err(|e| TestCaseError::fail(e.chain()))?;
+                let region = st.writers[w as usize].clone();
+                let plan = plan_gather(&src.layout, &c.src_pages, &st, &region).map_err(|e| TestCaseError::fail(e.chain()))?;
                 let mut buf = vec![0u8; plan.staging_bytes as usize];
                 unsafe { engine.gather(&plan, &src.layout, buf.as_mut_ptr()) }.map_err(|e| TestCaseError::fail(e.chain()))?;
                 let at = plan.region_offset as usize;
@@ -303,7 +311,8 @@ fn run(c: &Cfg) -> Result<(), TestCaseError> {
                 }
             }
             prop_assert_eq!(arrived.len(), st.writers.len(), "writers that arrived");
-            let want_staging = expected_staging(c, d, q);
+            prop_assert!(st.complete(), "every (head group, layer) of decode rank ({}, {}) arrived", d, q);
+            let want_staging = expected_staging(c, d, q, &arrivals);
             prop_assert_eq!(alloc.len(), want_staging.len(), "allocation size");
             if let Some(i) = alloc.iter().zip(&want_staging).position(|(a, b)| a != b) {
                 prop_assert!(false, "decode rank ({}, {}): staging byte {} differs ({} != {})", d, q, i, alloc[i], want_staging[i]);
@@ -311,12 +320,12 @@ fn run(c: &Cfg) -> Result<(), TestCaseError> {
 
             // Scatter every writer region into the decode pool.
             let pool = new_pool(c, dst_shape.clone(), |p| noise(tag, p));
-            for w in 0..st.writers.len() as u32 {
-                let plan = plan_scatter(&pool.layout, &c.dst_pages, &st, w).map_err(|e| TestCaseError::fail(e.chain()))?;
+            for region in &st.writers {
+                let plan = plan_scatter(&pool.layout, &c.dst_pages, &st, region).map_err(|e| TestCaseError::fail(e.chain()))?;
                 let region = unsafe { alloc.as_ptr().add(plan.region_offset as usize) };
                 unsafe { engine.scatter(&plan, &pool.layout, region) }.map_err(|e| TestCaseError::fail(e.chain()))?;
             }
-            let want = expected_pool(c, d, c.dst_tp, q, c.dst_pp, &c.dst_pages, &|p| noise(tag, p));
+            let want = expected_pool(c, d, c.dst_tp, &c.dst_split[q], &c.dst_pages, &|p| noise(tag, p));
             for (what, got) in [("staged", &pool.mem), ("slice path", &slice_pool.mem)] {
                 if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
                     let (buf, off) = (i / pool.buffer_bytes, i % pool.buffer_bytes);
@@ -349,6 +358,27 @@ fn pages(n: u32, cap: u32) -> impl Strategy<Value = Vec<u32>> {
     })
 }
 
+/// `layers` split among `pp` non-empty stages: the first `pp` of `shuffled` open one stage each,
+/// every other layer goes to stage `picks[i] % pp` (uneven, interleaved or contiguous splits).
+fn split(layers: &[u32], pp: usize, shuffled: &[u32], picks: &[usize]) -> Vec<Vec<u32>> {
+    let pp = pp.min(layers.len());
+    let mut stages = vec![Vec::new(); pp];
+    for (i, &l) in shuffled.iter().enumerate() {
+        stages[if i < pp { i } else { picks[i] % pp }].push(l);
+    }
+    for s in &mut stages {
+        s.sort_unstable();
+    }
+    stages
+}
+
+/// A pipeline split of `layers` into 1..=3 stages.
+fn split_strategy(layers: Vec<u32>) -> impl Strategy<Value = Vec<Vec<u32>>> {
+    let n = layers.len();
+    (1usize..=3, Just(layers.clone()).prop_shuffle(), prop::collection::vec(0usize..3, n))
+        .prop_map(move |(pp, shuffled, picks)| split(&layers, pp, &shuffled, &picks))
+}
+
 fn cfg() -> impl Strategy<Value = Cfg> {
     let tp = prop::sample::select(vec![1u32, 2, 4, 8, 16]);
     let kind = prop_oneof![4 => Just(ModelKind::Mha), 1 => Just(ModelKind::Mla)];
@@ -356,31 +386,23 @@ fn cfg() -> impl Strategy<Value = Cfg> {
         kind,
         prop::sample::select(vec![1u32, 2, 4, 8, 32]),
         (tp.clone(), tp),
-        prop::sample::select(vec![(1u32, 1u32), (1, 1), (2, 1), (1, 2), (2, 2)]),
+        prop::sample::subsequence((0u32..8).collect::<Vec<_>>(), 1..=6).prop_flat_map(|layers| (split_strategy(layers.clone()), split_strategy(layers))),
         prop::sample::select(vec![1u32, 4, 16, 64]),
         prop::sample::select(vec![1u32, 2, 4]),
         prop::sample::select(vec![1u32, 2, 3, 8]),
-        prop::sample::subsequence((0u32..8).collect::<Vec<_>>(), 1..=4),
-        (1u32..=3, any::<bool>()),
+        (1u32..=3, any::<bool>(), any::<u64>()),
     )
-        .prop_flat_map(|(kind, heads, (src_tp, dst_tp), (src_pp, dst_pp), page_size, dtype, head_dim, layers, (threads, streaming))| {
+        .prop_flat_map(|(kind, heads, (src_tp, dst_tp), (src_split, dst_split), page_size, dtype, head_dim, (threads, streaming, arrival_seed))| {
             // Fewer pages for big pages and big heads keep each case small.
             let max_pages: u32 = if page_size == 64 { 3 } else { 5 };
             (1..=max_pages, 0u32..4).prop_flat_map(move |(n, extra)| {
                 let cap = n + extra;
-                let layers = layers.clone();
+                let (src_split, dst_split) = (src_split.clone(), dst_split.clone());
                 (pages(n, cap), pages(n, cap + 1)).prop_map(move |(src_pages, dst_pages)| {
                     let (heads, head_dim) = match kind {
                         ModelKind::Mha => (heads, head_dim),
                         ModelKind::Mla => (1, head_dim * 3), // latent width
                     };
-                    // PP stages need a layer count both sides can split evenly.
-                    let mut layers = layers.clone();
-                    if src_pp.max(dst_pp) == 2 && layers.len() % 2 == 1 {
-                        let extra = (0..8).find(|l| !layers.contains(l)).expect("fewer than 8 layers");
-                        layers.push(extra);
-                        layers.sort_unstable();
-                    }
                     Cfg {
                         kind,
                         heads,
@@ -389,9 +411,9 @@ fn cfg() -> impl Strategy<Value = Cfg> {
                         page_size,
                         src_tp,
                         dst_tp,
-                        src_pp,
-                        dst_pp,
-                        layers,
+                        src_split: src_split.clone(),
+                        dst_split: dst_split.clone(),
+                        arrival_seed,
                         capacity: cap + 1,
                         src_pages,
                         dst_pages,
@@ -423,9 +445,9 @@ fn fixed(kind: ModelKind, heads: u32, src_tp: u32, dst_tp: u32, page_size: u32, 
         page_size,
         src_tp,
         dst_tp,
-        src_pp: 1,
-        dst_pp: 1,
-        layers: vec![0, 1, 3],
+        src_split: vec![vec![0, 1, 3]],
+        dst_split: vec![vec![0, 1, 3]],
+        arrival_seed: 0,
         capacity: 8,
         src_pages,
         dst_pages,
@@ -453,11 +475,20 @@ fn gqa_replication_on_both_sides_and_mla() {
 
 #[test]
 fn pipeline_stages_on_both_sides() {
-    for (src_pp, dst_pp) in [(2, 1), (1, 2), (2, 2)] {
+    let layers = [0, 2, 3, 6];
+    let seven: Vec<u32> = (0..7).collect();
+    let splits = [
+        (even_split(&layers, 2), even_split(&layers, 1)),
+        (even_split(&layers, 1), even_split(&layers, 2)),
+        (even_split(&layers, 2), even_split(&layers, 2)),
+        // 4 + 3 layers into one decode rank; 3 stages into 2; interleaved ids.
+        (vec![seven[..4].to_vec(), seven[4..].to_vec()], vec![seven.clone()]),
+        (vec![vec![0, 1, 2], vec![3, 4], vec![5, 6]], vec![vec![0, 1, 2, 3], vec![4, 5, 6]]),
+        (vec![vec![0, 2, 4, 6], vec![1, 3, 5]], vec![vec![0, 1, 2], vec![3, 4, 5, 6]]),
+    ];
+    for (seed, (src_split, dst_split)) in splits.into_iter().enumerate() {
         let mut c = fixed(ModelKind::Mha, 8, 4, 2, 4, vec![1, 2], vec![5, 3]);
-        c.src_pp = src_pp;
-        c.dst_pp = dst_pp;
-        c.layers = vec![0, 2, 3, 6];
+        (c.src_split, c.dst_split, c.arrival_seed) = (src_split, dst_split, seed as u64);
         run(&c).unwrap_or_else(|e| panic!("{c:?}: {e}"));
         c.kind = ModelKind::Mla;
         c.heads = 1;

@@ -1,7 +1,7 @@
 //! Properties of the pure geometry functions against naive references written here.
 
 use kvstage::geometry::{
-    decode_ranks_for_prefill, grid_tokens, head_slice, plan_gather, prefill_ranks_for_decode, split_grid, staging_layout,
+    decode_ranks_for_prefill, grid_tokens, head_slice, plan_gather, prefill_ranks_for_decode, split_grid, staging_layout, staging_layout_stages,
     sends_its_heads, writers_per_chunk, Fingerprint, GridPiece, ModelKind, PoolShape,
 };
 use kvstage::Status;
@@ -184,7 +184,8 @@ proptest! {
         let src_rank = prefill_ranks_for_decode(dst_tp - 1, src_tp, dst_tp).unwrap().start;
         let src = base.with_tp(src_rank, src_tp);
         let tokens = pages.len() as u32 * ps;
-        let st = staging_layout(&src, &dst, tokens).unwrap();
+        let st = staging_layout_stages(std::slice::from_ref(&src), &dst, tokens).unwrap();
+        prop_assert_eq!(staging_layout(&src, &dst, tokens).unwrap().total_bytes, st.total_bytes);
         // One writer per distinct head group: prefill-side replication sends each head once.
         let rep = (src_tp / h).max(1);
         let w = if src_tp > dst_tp { (src_tp / dst_tp / rep).max(1) } else { 1 };
@@ -199,7 +200,7 @@ proptest! {
             prop_assert_eq!(st.slab_offset(i as u32, 1, layers - 1), r.offset + writer_bytes - tokens as u64 * n as u64 * d as u64 * b as u64);
         }
         let writer = st.writer_for(&src).unwrap().unwrap();
-        let plan = plan_gather(&src, &pages, &st, writer).unwrap();
+        let plan = plan_gather(&src, &pages, &st, &st.writers[writer as usize]).unwrap();
         let runs = pages.windows(2).filter(|p| p[1] != p[0].wrapping_add(1)).count() + usize::from(!pages.is_empty());
         prop_assert_eq!(plan.run_count(), runs * 2 * layers as usize);
         prop_assert_eq!(plan.contiguous(), n == src.local_heads);

@@ -398,7 +398,7 @@ fn another_connections_writer_slot_cannot_be_written() {
     match raw.alloc(1, room, 0, 0, &layout) {
         Message::AllocRsp { status, reason, .. } => {
             assert_ne!(status, 0, "the impostor was granted another connection's writer slot");
-            assert!(reason.contains("held by another connection"), "{reason}");
+            assert!(reason.contains("carried by prefill rank (tp 0, pp 0) != remote claimed by"), "{reason}");
         }
         other => panic!("{other:?}"),
     }

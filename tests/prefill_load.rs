@@ -34,8 +34,13 @@ fn decode(shape: &PoolShape, pages: u64, ring_chunks: u64, chunk_tokens: u32, fa
 /// A decode engine that stops reading after its first frames: transfers to it fail by their
 /// deadline (plus the documented slack), and transfers of the same prefill engine to a healthy
 /// decode engine in the same period all succeed with verified bytes.
+/// The thread-count test counts the whole process: the other test's engines must not start or
+/// stop threads meanwhile, so the tests of this file run one at a time.
+static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
 #[test]
 fn a_stuck_decode_peer_costs_only_its_own_sessions() {
+    let _alone = ONE_AT_A_TIME.lock();
     // 32 KiB per token: a 64-page chunk is 32 MiB, more than the socket buffers can swallow.
     let shape = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 8);
     let chunk_tokens = 64 * 16;
@@ -91,6 +96,7 @@ fn a_stuck_decode_peer_costs_only_its_own_sessions() {
 /// flat, every operation ends, every room verifies, and each end is signalled once.
 #[test]
 fn hundreds_of_async_operations_run_on_a_fixed_set_of_threads() {
+    let _alone = ONE_AT_A_TIME.lock();
     let shape = PoolShape::new(ModelKind::Mha, 2, 8, 2, 4, 2);
     let pages: Vec<u32> = (0..4).collect();
     let decodes: Vec<Decode> = (0..2).map(|_| decode(&shape, 8, 8, 16, None)).collect();

@@ -41,10 +41,11 @@ fn stall_writer0(c: &Cluster, room: u64, session: &str) -> Stalled {
     let grant = raw.alloc_granted(1, room, 0, 0, &layout);
     assert_eq!(grant.len, layout.total_bytes);
     let half = w0.bytes as usize / 2;
-    raw.send(&Message::Data { room, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes }).unwrap();
+    // The receiver places regions in allocation order: writer 0's lies where the grant says.
+    raw.send(&Message::Data { room, chunk: 0, writer: 0, offset: grant.region, len: w0.bytes }).unwrap();
     raw.send_bytes(&vec![FIRST; half]).unwrap();
     std::thread::sleep(PAUSE); // the engine is now inside the payload read
-    let start = (grant.offset + w0.offset) as usize;
+    let start = (grant.offset + grant.region) as usize;
     Stalled { raw, grant, region: start..start + w0.bytes as usize, half }
 }
 

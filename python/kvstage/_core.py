@@ -363,6 +363,7 @@ class StagingWriter(NamedTuple):
     layers: int
     src_tp_rank: int
     src_pp_rank: int
+    tp_writer: int
     src_head_start: int
     num_heads: int
     dst_head_start: int
@@ -379,21 +380,28 @@ class StagingLayout(NamedTuple):
     tokens: int
     num_heads: int
     buffers_per_layer: int
+    num_tp_writers: int
     writers: Tuple[StagingWriter, ...]
 
 
-def staging_layout(src: KvLayout, dst: KvLayout, tokens: int) -> StagingLayout:
+def staging_layout(prefill_stages: Union[KvLayout, Sequence[KvLayout]], dst: KvLayout, tokens: int) -> StagingLayout:
     """``kvstage_staging_layout_compute``: the staging allocation decode rank ``dst`` needs for a chunk of
-    ``tokens`` tokens written by the prefill side ``src`` (shape-only layouts suffice)."""
+    ``tokens`` tokens written by the prefill side; ``prefill_stages[j]`` is a shape-only layout of
+    prefill stage ``j`` (one layout for a prefill side without pipeline stages). Writers are listed
+    in (stage, head group) order; a receiver places them in arrival order, so run-time offsets may
+    differ (sizes do not)."""
     lib = get_library()
-    csrc, _ks = src._c()
+    stages = [prefill_stages] if isinstance(prefill_stages, KvLayout) else list(prefill_stages)
+    converted = [s._c() for s in stages]
+    array = (ctypes.POINTER(_lib.kvstage_kv_layout) * max(1, len(converted)))(*[ctypes.pointer(c) for c, _ in converted])
     cdst, _kd = dst._c()
     out = _lib.kvstage_staging_layout()
     out.struct_size = ctypes.sizeof(out)
     tokens = _u32(tokens, "tokens")
-    _check(lib, lib.kvstage_staging_layout_compute(byref(csrc), byref(cdst), tokens, byref(out), None, 0), "kvstage_staging_layout_compute")
+    fn = lib.kvstage_staging_layout_compute
+    _check(lib, fn(array, len(converted), byref(cdst), tokens, byref(out), None, 0), "kvstage_staging_layout_compute")
     writers = (_lib.kvstage_staging_writer * max(1, out.num_writers))()
-    rc = lib.kvstage_staging_layout_compute(byref(csrc), byref(cdst), tokens, byref(out), writers, out.num_writers)
+    rc = fn(array, len(converted), byref(cdst), tokens, byref(out), writers, out.num_writers)
     _check(lib, rc, "kvstage_staging_layout_compute")
     return StagingLayout(
         out.total_bytes,
@@ -402,8 +410,9 @@ def staging_layout(src: KvLayout, dst: KvLayout, tokens: int) -> StagingLayout:
         out.tokens,
         out.num_heads,
         out.buffers_per_layer,
+        out.num_tp_writers,
         tuple(
-            StagingWriter(w.offset, w.bytes, w.layers, w.src_tp_rank, w.src_pp_rank, w.src_head_start, w.num_heads, w.dst_head_start)
+            StagingWriter(w.offset, w.bytes, w.layers, w.src_tp_rank, w.src_pp_rank, w.tp_writer, w.src_head_start, w.num_heads, w.dst_head_start)
             for w in writers[: out.num_writers]
         ),
     )

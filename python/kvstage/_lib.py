@@ -298,6 +298,7 @@ class kvstage_staging_layout(Structure):
         ("num_heads", c_uint32),
         ("buffers_per_layer", c_uint32),
         ("num_writers", c_uint32),
+        ("num_tp_writers", c_uint32),
     ]
 
 
@@ -312,6 +313,7 @@ class kvstage_staging_writer(Structure):
         ("layers", c_uint32),
         ("src_tp_rank", c_uint32),
         ("src_pp_rank", c_uint32),
+        ("tp_writer", c_uint32),
         ("src_head_start", c_uint32),
         ("num_heads", c_uint32),
         ("dst_head_start", c_uint32),
@@ -403,7 +405,7 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_grid_tokens": (c_int, [c_uint32, c_uint32, _p(c_uint32)]),
     "kvstage_staging_layout_compute": (
         c_int,
-        [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_uint32, _p(kvstage_staging_layout), _p(kvstage_staging_writer), c_size_t],
+        [_p(_p(kvstage_kv_layout)), c_size_t, _p(kvstage_kv_layout), c_uint32, _p(kvstage_staging_layout), _p(kvstage_staging_writer), c_size_t],
     ),
     "kvstage_session_connect": (c_int, [c_void_p, c_char_p, c_char_p, c_uint64, _p(c_void_p)]),
     "kvstage_session_free": (None, [c_void_p]),

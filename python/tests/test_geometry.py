@@ -54,6 +54,21 @@ def test_staging_layout(lib):
     assert info.value.code < 0
 
 
+def test_staging_layout_of_uneven_pipeline_stages(lib):
+    def stage(pp_rank, pp_size, ids, tp_rank=0, tp=1):
+        return kvstage.KvLayout(head_dim=16, global_heads=8, page_size=16, dtype_bytes=2, tp_rank=tp_rank, tp_size=tp,
+                                pp_rank=pp_rank, pp_size=pp_size, layer_ids=ids)
+
+    # Prefill stages of 4 and 3 layers into one decode rank holding all 7.
+    st = kvstage.staging_layout([stage(0, 2, [0, 1, 2, 3]), stage(1, 2, [4, 5, 6])], stage(0, 1, range(7)), 16)
+    slab = 16 * 8 * 16 * 2
+    assert [(w.src_pp_rank, w.layers, w.bytes) for w in st.writers] == [(0, 4, 4 * 2 * slab), (1, 3, 3 * 2 * slab)]
+    assert st.total_bytes == 7 * 2 * slab and st.num_tp_writers == 1
+    # A decode layer no prefill stage holds is refused.
+    with pytest.raises(kvstage.GeometryError, match="do not cover"):
+        kvstage.staging_layout([stage(0, 1, [0, 1, 2])], stage(0, 1, range(4)), 16)
+
+
 def test_mla_writers_per_chunk(lib):
     assert kvstage.writers_per_chunk(8, 2, 2, 1, total_kv_heads=1, model="mla") == 2
     assert kvstage.writers_per_chunk(8, 2, 2, 1, total_kv_heads=8) == 8

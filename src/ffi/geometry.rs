@@ -348,7 +348,8 @@ pub unsafe extern "C" fn kvstage_grid_tokens(chunk_tokens: u32, page_size: u32, 
 }
 
 /// Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
-/// call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` starts at
+/// call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` (into the
+/// decode rank's layers the writer holds, ascending) starts at
 /// `writers[w].offset + (kv · writers[w].layers + l) · slab_bytes`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -367,6 +368,8 @@ pub struct kvstage_staging_layout {
     pub buffers_per_layer: u32,
     /// Writers whose arrival completes the chunk (entries `kvstage_staging_layout_compute` fills).
     pub num_writers: u32,
+    /// Head groups of the decode rank: each of its layers arrives once per head group.
+    pub num_tp_writers: u32,
 }
 
 /// One writer's region of a staging allocation.
@@ -381,6 +384,8 @@ pub struct kvstage_staging_writer {
     /// The prefill rank writing the region.
     pub src_tp_rank: u32,
     pub src_pp_rank: u32,
+    /// Its head group among the decode rank's (`0 .. num_tp_writers`).
+    pub tp_writer: u32,
     /// First source head (gather) and first destination head (scatter), `num_heads` each.
     pub src_head_start: u32,
     pub num_heads: u32,
@@ -388,14 +393,20 @@ pub struct kvstage_staging_writer {
 }
 
 /// Computes the staging layout of decode rank `dst` for a chunk of `tokens` tokens written by the
-/// prefill side `src` (any of its ranks). Only the shape fields of both layouts are read (bases may
-/// be NULL). Fills `*out` and `writers[0 .. out->num_writers)`; no memory is allocated.
-/// `writers` may be NULL with `writers_len` 0 to ask for the count only. When `writers_len` is
-/// too small, `out` (with `num_writers`) is still filled and `KVSTAGE_E_INVALID_ARG` names
+/// prefill side: `prefill_stages` holds `num_prefill_stages` pointers, `prefill_stages[j]` for
+/// prefill stage `j` (any TP rank: its `tp_size` and `layer_ids` are used), as for
+/// `kvstage_pairing_prefill_ranks`; stages may split the layers any way, together they must hold
+/// every layer of `dst`. Only shape fields are read (bases may be NULL). Fills `*out` and
+/// `writers[0 .. out->num_writers)` in (stage, head group) order; no memory is allocated. A
+/// receiver places regions in the order their allocation requests arrive (each writer learns its
+/// offset from the grant), so at run time offsets may differ from these; sizes and the total do
+/// not. `writers` may be NULL with `writers_len` 0 to ask for the count only. When `writers_len`
+/// is too small, `out` (with `num_writers`) is still filled and `KVSTAGE_E_INVALID_ARG` names
 /// `writers_len`.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_staging_layout_compute(
-    src: *const kvstage_kv_layout,
+    prefill_stages: *const *const kvstage_kv_layout,
+    num_prefill_stages: usize,
     dst: *const kvstage_kv_layout,
     tokens: u32,
     out: *mut kvstage_staging_layout,
@@ -404,9 +415,9 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
 ) -> Status {
     ffi_fn!(status {
         let out = out_arg(out, "out")?;
-        let src = unsafe { pool_shape_from_c(src, "src") }?;
+        let stages = unsafe { stage_shapes(prefill_stages, num_prefill_stages, "prefill_stages") }?;
         let dst = unsafe { pool_shape_from_c(dst, "dst") }?;
-        let st = geometry::staging_layout(&src, &dst, tokens)?;
+        let st = geometry::staging_layout_stages(&stages, &dst, tokens)?;
         let filled = kvstage_staging_layout {
             struct_size: std::mem::size_of::<kvstage_staging_layout>(),
             total_bytes: st.total_bytes,
@@ -415,7 +426,8 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
             tokens: st.tokens,
             num_heads: st.num_heads,
             buffers_per_layer: st.buffers_per_layer,
-            num_writers: st.writer_count(),
+            num_writers: st.writers.len() as u32,
+            num_tp_writers: st.tp_writers(),
         };
         write_versioned(out, filled, "out")?;
         let needed = st.writers.len();
@@ -440,6 +452,7 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
                 layers: w.layers,
                 src_tp_rank: w.src_tp_rank,
                 src_pp_rank: w.src_pp_rank,
+                tp_writer: w.tp_writer,
                 src_head_start: w.heads.src_head_start,
                 num_heads: w.heads.num_heads,
                 dst_head_start: w.heads.dst_head_start,

@@ -9,7 +9,7 @@ use super::{ffi_fn, out_arg, slice_arg, str_arg, versioned_struct, Borrowed, Han
 use crate::copy::ReadyFence;
 use crate::error::{Error, Result, Status};
 use crate::session::op::Op;
-use crate::session::sender::{SenderSession, TransferDesc};
+use crate::session::sender::{RoomGrid, SenderSession, TransferDesc};
 
 /// A sender session: one (prefill rank → decode rank) peering. Thread-safe; transfers on one
 /// session may run concurrently.
@@ -28,6 +28,39 @@ pub(crate) unsafe fn session(ptr: *const kvstage_session) -> Result<Borrowed<Arc
 
 pub(crate) unsafe fn op(ptr: *const kvstage_op) -> Result<Borrowed<Arc<Op>>> {
     Handle::borrow(ptr, "op")
+}
+
+/// A room's chunk grid on the decode side (`kvstage_session_room_grid`). Set `struct_size` first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvstage_room_grid {
+    pub struct_size: usize,
+    /// Tokens of every chunk but possibly the last (the `chunk_tokens` of `kvstage_room_open`
+    /// rounded to whole pages).
+    pub chunk_tokens: u32,
+    /// Chunks of the room: `chunk_index` of a transfer is below this.
+    pub num_chunks: u32,
+    /// Pages of the room.
+    pub num_pages: u32,
+}
+
+/// Asks the decode rank of `session` for the chunk grid of `room` (open there): chunk `k` of a
+/// transfer must carry the tokens `[k · chunk_tokens, min((k + 1) · chunk_tokens, num_pages ·
+/// page_size))` of the room, so a prefill engine can cut its transfers on the decode side's grid
+/// instead of guessing it. One round trip; `timeout_ms` 0 = the engine default. Errors: the room
+/// is not open there (`KVSTAGE_E_CANCELED`, the receiver's message in the cause chain), the
+/// session is gone, the timeout passed. Fills `*out` only on success.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_session_room_grid(session: *const kvstage_session, room: u64, timeout_ms_: u64, out: *mut kvstage_room_grid) -> Status {
+    ffi_fn!(status {
+        let session = unsafe { self::session(session) }?;
+        let out = super::out_ptr(out, "out")?;
+        let timeout = timeout_ms(timeout_ms_).unwrap_or(session.default_timeout());
+        let RoomGrid { chunk_tokens, num_chunks, num_pages } = session.room_grid(room, timeout)?;
+        let grid = kvstage_room_grid { struct_size: std::mem::size_of::<kvstage_room_grid>(), chunk_tokens, num_chunks, num_pages };
+        unsafe { super::write_versioned(out, grid, "out") }?;
+        Ok(Status::KVSTAGE_OK)
+    })
 }
 
 /// Milliseconds → timeout: 0 = the engine default, `KVSTAGE_DEADLINE_INFINITE` = none.

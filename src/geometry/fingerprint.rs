@@ -32,9 +32,9 @@ impl Fingerprint {
     }
 
     /// Fields on which `self` (local) and `remote` disagree, with both values: model kind, global
-    /// heads, head_dim, dtype bytes, page_size, and the layer ids when both sides are the same
-    /// pipeline stage of equal PP sizes (then they must hold the same layers). Ranks, TP and PP
-    /// sizes may differ.
+    /// heads, head_dim, dtype bytes, page_size, and the layer ids when neither side has pipeline
+    /// stages (each then holds the whole model). Ranks, TP and PP sizes, and how each side splits
+    /// its layers among its stages may differ.
     pub fn diff(&self, remote: &Fingerprint) -> Vec<FieldMismatch> {
         let (a, b) = (&self.shape, &remote.shape);
         let mut list = Vec::new();
@@ -42,7 +42,7 @@ impl Fingerprint {
             list.push(FieldMismatch { field: "version".into(), local: self.version.to_string(), remote: remote.version.to_string() });
         }
         list.extend(agreed_field_mismatches(a, b));
-        if a.pp_size == b.pp_size && a.pp_rank == b.pp_rank && a.layer_ids != b.layer_ids {
+        if a.pp_size == 1 && b.pp_size == 1 && a.layer_ids != b.layer_ids {
             list.push(FieldMismatch {
                 field: "layer_ids".into(),
                 local: format!("{:?}", layer_runs(&a.layer_ids)),

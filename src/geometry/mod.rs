@@ -25,7 +25,7 @@ pub use heads::{
 pub use pairing::{decode_peers, prefill_peers, PeerRank};
 pub use plan::{plan_chunk, plan_gather, plan_scatter, CopyPlan, CopyRun, Segment, Slab};
 pub use slice::{slice_plan, SliceOp};
-pub use staging::{staging_layout, staging_layout_pp, StagingLayout, WriterRegion};
+pub use staging::{staging_layout, staging_layout_stages, StagingLayout, WriterRegion};
 
 /// Upper bounds that keep every size computation far from overflow (and reject garbage early).
 pub(crate) mod limits {

@@ -62,7 +62,7 @@ fn pairs(local: &PoolShape, stages: &[PoolShape], tp_ranks: &[u32]) -> Vec<PeerR
 }
 
 /// Validates `local` and the other side's stages; returns the other side's TP size.
-fn check_stages(local: &PoolShape, stages: &[PoolShape], arg: &str) -> Result<u32> {
+pub(super) fn check_stages(local: &PoolShape, stages: &[PoolShape], arg: &str) -> Result<u32> {
     local.validate()?;
     let Some(first) = stages.first() else {
         return Err(Error::invalid_arg(arg, "is empty (one shape per pipeline stage)"));
@@ -113,9 +113,8 @@ mod tests {
         (0..pp).map(|j| (j * block..(j + 1) * block).collect()).collect()
     }
 
-    /// Every TP/PP combination up to 16 with even splits (what the staging layout accepts today):
-    /// the pairs both helpers list are exactly the (prefill, decode) rank pairs whose staging
-    /// layout names the prefill rank as a writer.
+    /// Every TP/PP combination up to 16 (even splits): the pairs both helpers list are exactly the
+    /// (prefill, decode) rank pairs whose staging layout gives the prefill rank a region.
     #[test]
     fn pairing_matches_a_brute_force_over_staging_layouts() {
         let sizes = [1u32, 2, 4, 8, 16];
@@ -137,7 +136,7 @@ mod tests {
                             let dst = d_stage.clone().with_tp(rd, dtp);
                             let st = staging_layout(s_stage, &dst, 4).unwrap();
                             for rs in 0..stp {
-                                if st.writer_for(&s_stage.clone().with_tp(rs, stp)).unwrap().is_some() {
+                                if st.region_of(&s_stage.clone().with_tp(rs, stp)).unwrap().is_some() {
                                     brute.insert((rs, sp as u32, rd, dp as u32));
                                 }
                             }

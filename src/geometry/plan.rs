@@ -14,7 +14,7 @@
 //! single copy of `tokens · row_bytes` bytes. The factored form keeps the plan small (a 70B chunk of
 //! 8192 random single-token pages is 8192 segments + 160 slabs, not 1.3 M descriptors).
 
-use super::{mismatch_error, PoolShape, StagingLayout};
+use super::{mismatch_error, PoolShape, StagingLayout, WriterRegion};
 use crate::error::{Error, FieldMismatch, Result};
 
 /// Consecutive pool token slots `[pool_token, pool_token + tokens)` ↔ staging rows
@@ -63,7 +63,6 @@ pub struct CopyPlan {
     pub slabs: Vec<Slab>,
     /// In staging order, tiling `[0, tokens)`.
     pub segments: Vec<Segment>,
-    pub writer: u32,
     pub region_offset: u64,
     pub staging_bytes: u64,
 }
@@ -118,11 +117,11 @@ fn segments(pages: &[u32], page_size: u32) -> Vec<Segment> {
     out
 }
 
-/// Plans the copy between `pool` (a [`PoolShape`] or a [`super::KvLayout`]) and region `writer` of `staging` for one chunk: heads
+/// Plans the copy between `pool` (a [`PoolShape`] or a [`super::KvLayout`]) and `region` of `staging` for one chunk: heads
 /// `[head_start, head_start + num_heads)` of every token of `pages` (in chunk order), every layer
 /// the writer carries (mapped to the pool's buffer indices), K slabs then V slabs.
 ///
-/// Errors: `writer` out of range, heads outside the pool or disagreeing with the layout, a page
+/// Errors: heads outside the pool or disagreeing with the layout, a page
 /// count that does not match the chunk (`KVSTAGE_E_INVALID_ARG`); a pool whose agreed fields differ
 /// from the layout or that lacks one of the writer's layers (`KVSTAGE_E_GEOMETRY_MISMATCH`). Page
 /// indices are checked against the pool capacity by the engine that executes the plan.
@@ -132,13 +131,10 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
     num_heads: u32,
     pages: &[u32],
     staging: &StagingLayout,
-    writer: u32,
+    region: &WriterRegion,
 ) -> Result<CopyPlan> {
     let pool = pool.as_ref();
     pool.validate()?;
-    let region = staging.writers.get(writer as usize).ok_or_else(|| {
-        Error::invalid_arg("writer", format!("{writer} is not below the layout's {} writers", staging.writers.len()))
-    })?;
     let list = super::agreed_field_mismatches(pool, &staging.dst);
     if !list.is_empty() {
         return Err(mismatch_error("pool and staging layout", list));
@@ -166,7 +162,7 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
             mismatch_error(
                 "pool lacks a layer the writer carries",
                 vec![FieldMismatch {
-                    field: format!("layer {id} of writer {writer}"),
+                    field: format!("layer {id} of the region of prefill rank (tp {}, pp {})", region.src_tp_rank, region.src_pp_rank),
                     local: "absent from this pool's layer_ids".into(),
                     remote: format!("carried in {:?}", region.layer_ids),
                 }],
@@ -190,29 +186,26 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
         tokens,
         slabs,
         segments: segments(pages, pool.page_size),
-        writer,
         region_offset: region.offset,
         staging_bytes: region.bytes,
     })
 }
 
-/// The sender's plan: pool → region `writer`, using the region's source heads.
-pub fn plan_gather<P: AsRef<PoolShape> + ?Sized>(pool: &P, pages: &[u32], staging: &StagingLayout, writer: u32) -> Result<CopyPlan> {
-    let heads = staging.writers.get(writer as usize).map(|w| w.heads).unwrap_or_default();
-    plan_chunk(pool, heads.src_head_start, staging.num_heads, pages, staging, writer)
+/// The sender's plan: pool → `region`, using the region's source heads.
+pub fn plan_gather<P: AsRef<PoolShape> + ?Sized>(pool: &P, pages: &[u32], staging: &StagingLayout, region: &WriterRegion) -> Result<CopyPlan> {
+    plan_chunk(pool, region.heads.src_head_start, staging.num_heads, pages, staging, region)
 }
 
-/// The receiver's plan: region `writer` → pool, using the region's destination heads.
-pub fn plan_scatter<P: AsRef<PoolShape> + ?Sized>(pool: &P, pages: &[u32], staging: &StagingLayout, writer: u32) -> Result<CopyPlan> {
-    let heads = staging.writers.get(writer as usize).map(|w| w.heads).unwrap_or_default();
-    plan_chunk(pool, heads.dst_head_start, staging.num_heads, pages, staging, writer)
+/// The receiver's plan: `region` → pool, using the region's destination heads.
+pub fn plan_scatter<P: AsRef<PoolShape> + ?Sized>(pool: &P, pages: &[u32], staging: &StagingLayout, region: &WriterRegion) -> Result<CopyPlan> {
+    plan_chunk(pool, region.heads.dst_head_start, staging.num_heads, pages, staging, region)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::error::Status;
-    use crate::geometry::{staging_layout, ModelKind};
+    use crate::geometry::{staging_layout, staging_layout_stages, ModelKind};
 
     fn shapes() -> (PoolShape, PoolShape) {
         let base = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 3);
@@ -222,8 +215,8 @@ mod tests {
     #[test]
     fn adjacent_pages_merge_and_full_heads_are_single_copies() {
         let (src, dst) = shapes();
-        let st = staging_layout(&src, &dst, 5 * 16).unwrap();
-        let w = st.writer_for(&src).unwrap().unwrap();
+        let st = staging_layout_stages(std::slice::from_ref(&src), &dst, 5 * 16).unwrap();
+        let w = &st.writers[st.writer_for(&src).unwrap().unwrap() as usize];
         let pages = [7, 8, 9, 2, 3];
         let g = plan_gather(&src, &pages, &st, w).unwrap();
         assert!(g.contiguous());
@@ -266,26 +259,24 @@ mod tests {
     fn plan_errors() {
         let (src, dst) = shapes();
         let st = staging_layout(&src, &dst, 32).unwrap();
-        let e = plan_chunk(&src, 0, 2, &[1, 2], &st, 2).unwrap_err();
-        assert!(e.message().contains("`writer`: 2 is not below the layout's 2 writers"));
-        let e = plan_chunk(&src, 0, 2, &[1, 2, 3], &st, 0).unwrap_err();
+        let w = &st.region_of(&src).unwrap().unwrap();
+        let e = plan_chunk(&src, 0, 2, &[1, 2, 3], &st, w).unwrap_err();
         assert!(e.message().contains("`pages`: 3 pages × page_size 16 = 48 tokens != the chunk's 32 tokens"));
-        let e = plan_chunk(&src, 1, 2, &[1, 2], &st, 0).unwrap_err();
+        let e = plan_chunk(&src, 1, 2, &[1, 2], &st, w).unwrap_err();
         assert!(e.message().contains("`head_start`: heads 1..3 exceed the pool's 2 local heads"), "{}", e.message());
-        let e = plan_chunk(&dst, 0, 1, &[1, 2], &st, 0).unwrap_err();
+        let e = plan_chunk(&dst, 0, 1, &[1, 2], &st, w).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
         assert!(e.message().contains("`num_heads`: 1 != the layout's 2 heads per row"), "{}", e.message());
         let mut other = src.clone();
         other.dtype_bytes = 4;
-        let e = plan_chunk(&other, 0, 2, &[1, 2], &st, 0).unwrap_err();
+        let e = plan_chunk(&other, 0, 2, &[1, 2], &st, w).unwrap_err();
         assert_eq!(e.causes(), vec!["dtype_bytes: local 4 != remote 2"]);
         let fewer = src.clone().with_pp(0, 1, vec![0, 2]);
-        let e = plan_chunk(&fewer, 0, 2, &[1, 2], &st, 0).unwrap_err();
+        let e = plan_chunk(&fewer, 0, 2, &[1, 2], &st, w).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
-        assert!(e.causes()[0].starts_with("layer 1 of writer 0: local absent"), "{:?}", e.causes());
+        assert!(e.causes()[0].starts_with("layer 1 of the region of prefill rank (tp 3, pp 0): local absent"), "{:?}", e.causes());
         let mut bad = src.clone();
         bad.page_size = 0;
-        assert_eq!(plan_chunk(&bad, 0, 2, &[1, 2], &st, 0).unwrap_err().code(), Status::KVSTAGE_E_GEOMETRY_INVALID);
-        assert!(plan_gather(&src, &[1, 2], &st, 9).unwrap_err().message().contains("`writer`: 9"));
+        assert_eq!(plan_chunk(&bad, 0, 2, &[1, 2], &st, w).unwrap_err().code(), Status::KVSTAGE_E_GEOMETRY_INVALID);
     }
 }

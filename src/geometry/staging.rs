@@ -1,31 +1,39 @@
 //! Byte layout of one staging allocation (one decode rank, one chunk).
 //!
 //! ```text
-//! allocation = [ writer 0 | writer 1 | … | writer W-1 ]     writer w at Σ bytes of writers < w
-//! writer     = [ K_0 | K_1 | … | K_{L-1} | V_0 | … | V_{L-1} ]   (MLA: latent slabs only)
+//! allocation = [ region 0 | region 1 | … ]           regions placed back to back, in placement order
+//! region     = [ K_0 | K_1 | … | K_{l-1} | V_0 | … | V_{l-1} ]   (MLA: latent slabs only)
 //! slab       = T tokens (chunk page order) × n heads × D × b bytes
 //! ```
-//! Writer `w = pp_writer · tp_writers + tp_writer`. Every writer carries the same head count `n`;
-//! with several PP writers each carries its own block of the decode rank's layers.
+//! A region is what one prefill rank writes: the decode rank's heads of its head group (its "TP
+//! writer") for the decode rank's layers it holds. The allocation holds one slab per (TP writer,
+//! decode layer, buffer), so its size follows from the decode rank's shape and the TP sizes alone,
+//! whatever the pipeline split: stages of any size, decode stages that take a subset, layer ids
+//! that are not contiguous. Where a region lies is decided when it is placed (the receiver places
+//! regions in the order their allocation requests arrive and tells each writer its offset);
+//! placing refuses a region that carries a (TP writer, layer) another region already carries.
 
-use super::heads::{head_slice, mla_source_rank, pp_writers, prefill_ranks_for_decode, sends_its_heads, HeadSlice};
-use super::{agreed_field_mismatches, geometry_invalid, mismatch_error, ModelKind, PoolShape};
+use super::heads::{head_slice, mla_source_rank, prefill_ranks_for_decode, sends_its_heads, HeadSlice};
+use super::pairing::check_stages;
+use super::{agreed_field_mismatches, mismatch_error, ModelKind, PoolShape};
 use crate::error::{Error, FieldMismatch, Result, Status};
 
 /// One writer's region of a staging allocation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WriterRegion {
-    /// Byte offset of the region within the allocation.
+    /// Byte offset of the region within the allocation (0 until placed).
     pub offset: u64,
     /// Region size: `tokens · row_bytes · layers · buffers_per_layer`.
     pub bytes: u64,
     /// Layers carried (`layer_ids.len()`).
     pub layers: u32,
-    /// Model layer ids carried, in slab order (ascending).
+    /// Model layer ids carried, in slab order (ascending): the decode rank's layers the writer holds.
     pub layer_ids: Vec<u32>,
     /// The prefill rank that writes this region.
     pub src_tp_rank: u32,
     pub src_pp_rank: u32,
+    /// Its TP writer: index of its head group among the decode rank's ([`StagingLayout::tp_ranks`]).
+    pub tp_writer: u32,
     /// Heads it carries: source heads for its gather, destination heads for the scatter.
     pub heads: HeadSlice,
 }
@@ -33,8 +41,10 @@ pub struct WriterRegion {
 /// Layout of one staging allocation on one decode rank for a chunk of `tokens` tokens.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StagingLayout {
+    /// Regions placed so far, back to back from offset 0: by [`StagingLayout::place`] (the
+    /// receiver, in allocation order) or all of them by [`staging_layout_stages`].
     pub writers: Vec<WriterRegion>,
-    /// Bytes of the whole allocation (Σ writer bytes).
+    /// Bytes of the whole allocation: `tp_writers · layers · buffers_per_layer · slab_bytes`.
     pub total_bytes: u64,
     pub tokens: u32,
     /// Bytes of one token's head slice: `n · D · b`.
@@ -46,8 +56,9 @@ pub struct StagingLayout {
     pub kind: ModelKind,
     pub page_size: u32,
     pub buffers_per_layer: u32,
-    pub tp_writers: u32,
-    pub pp_writers: u32,
+    /// The prefill TP rank that writes each head group (TP writer) of the decode rank, and the
+    /// heads it sends: one rank per group of prefill ranks holding the same heads.
+    pub tp_ranks: Vec<(u32, HeadSlice)>,
     /// Parallel sizes of the prefill side this layout was computed for.
     pub src_tp: u32,
     pub src_pp: u32,
@@ -56,25 +67,30 @@ pub struct StagingLayout {
 }
 
 impl StagingLayout {
-    /// Offset within the allocation of slab (`kv`, `layer_idx`) of `writer` (`kv` 0 = K / latent,
-    /// 1 = V; `layer_idx` indexes the writer's `layer_ids`). Panics when `writer` is out of range.
+    /// Offset within the allocation of slab (`kv`, `layer_idx`) of placed region `writer` (`kv`
+    /// 0 = K / latent, 1 = V; `layer_idx` indexes the region's `layer_ids`). Panics when `writer`
+    /// is out of range.
     pub fn slab_offset(&self, writer: u32, kv: u32, layer_idx: u32) -> u64 {
         let w = &self.writers[writer as usize];
         w.offset + (kv as u64 * w.layers as u64 + layer_idx as u64) * self.slab_bytes
     }
 
-    /// Number of writers whose arrival completes the chunk.
-    pub fn writer_count(&self) -> u32 {
-        self.writers.len() as u32
+    /// Head groups of the decode rank: prefill ranks (one per group) that write each chunk's
+    /// heads for every layer.
+    pub fn tp_writers(&self) -> u32 {
+        self.tp_ranks.len() as u32
     }
 
-    /// The writer index of prefill rank `src` in this allocation, or `None` when that rank does not
-    /// write to this decode rank (a different TP or PP group, or a non-designated MLA rank).
-    ///
-    /// Fails with `KVSTAGE_E_GEOMETRY_MISMATCH` when `src` disagrees with the layout (agreed fields,
-    /// TP/PP sizes) or holds a different set of this decode rank's layers than its region carries
-    /// (the two sides split pipeline stages differently).
-    pub fn writer_for(&self, src: &PoolShape) -> Result<Option<u32>> {
+    /// Whether the placed regions carry every (TP writer, decode layer): the chunk is complete
+    /// once each of them arrived.
+    pub fn complete(&self) -> bool {
+        let carried: u64 = self.writers.iter().map(|w| w.layers as u64).sum();
+        carried == self.tp_writers() as u64 * self.dst.layer_count() as u64
+    }
+
+    /// Checks that prefill rank `src` shares the agreed fields and the TP/PP sizes of the layout
+    /// (`KVSTAGE_E_GEOMETRY_MISMATCH` listing the differing fields).
+    fn check_src(&self, src: &PoolShape) -> Result<()> {
         src.validate().map_err(|e| e.context("prefill (src) pool shape"))?;
         let mut list = agreed_field_mismatches(src, &self.dst);
         if src.tp_size != self.src_tp {
@@ -86,6 +102,72 @@ impl StagingLayout {
         if !list.is_empty() {
             return Err(mismatch_error("prefill rank does not match the staging layout", list));
         }
+        Ok(())
+    }
+
+    /// The region prefill rank `src` writes (offset 0: not placed), or `None` when it writes
+    /// nothing to this decode rank: another TP group, a replica of heads another rank sends, a
+    /// non-designated MLA rank, or a stage holding none of the decode rank's layers.
+    pub fn region_of(&self, src: &PoolShape) -> Result<Option<WriterRegion>> {
+        self.check_src(src)?;
+        let Some(t) = self.tp_ranks.iter().position(|(rank, _)| *rank == src.tp_rank) else {
+            return Ok(None);
+        };
+        let layer_ids: Vec<u32> = src.layer_ids.iter().copied().filter(|id| self.dst.layer_ids.binary_search(id).is_ok()).collect();
+        if layer_ids.is_empty() {
+            return Ok(None);
+        }
+        let layers = layer_ids.len() as u32;
+        Ok(Some(WriterRegion {
+            offset: 0,
+            bytes: self.slab_bytes * layers as u64 * self.buffers_per_layer as u64,
+            layers,
+            layer_ids,
+            src_tp_rank: src.tp_rank,
+            src_pp_rank: src.pp_rank,
+            tp_writer: t as u32,
+            heads: self.tp_ranks[t].1,
+        }))
+    }
+
+    /// Places the region of prefill rank `src` after the regions placed so far and returns its
+    /// index. Refused (nothing placed) when `src` writes nothing here
+    /// (`KVSTAGE_E_GEOMETRY_MISMATCH`) or carries a (TP writer, layer) a placed region carries
+    /// already (two stages both claiming a layer: `KVSTAGE_E_GEOMETRY_MISMATCH` naming both).
+    pub fn place(&mut self, src: &PoolShape) -> Result<u32> {
+        let Some(mut region) = self.region_of(src)? else {
+            return Err(Error::new(
+                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+                format!(
+                    "prefill rank (tp {}/{}, pp {}/{}) writes nothing to decode rank (tp {}/{}, pp {}/{})",
+                    src.tp_rank, src.tp_size, src.pp_rank, src.pp_size, self.dst.tp_rank, self.dst.tp_size, self.dst.pp_rank, self.dst.pp_size
+                ),
+            ));
+        };
+        for other in self.writers.iter().filter(|w| w.tp_writer == region.tp_writer) {
+            if let Some(id) = region.layer_ids.iter().find(|id| other.layer_ids.binary_search(id).is_ok()) {
+                return Err(mismatch_error(
+                    "pipeline stages overlap",
+                    vec![FieldMismatch {
+                        field: format!("layer {id} of head group {}", region.tp_writer),
+                        local: format!("carried by prefill rank (tp {}, pp {})", other.src_tp_rank, other.src_pp_rank),
+                        remote: format!("claimed by prefill rank (tp {}, pp {})", src.tp_rank, src.pp_rank),
+                    }],
+                ));
+            }
+        }
+        region.offset = self.writers.iter().map(|w| w.bytes).sum();
+        debug_assert!(region.offset + region.bytes <= self.total_bytes, "disjoint regions fit the allocation");
+        self.writers.push(region);
+        Ok(self.writers.len() as u32 - 1)
+    }
+
+    /// The index of the placed region written by prefill rank `src`, or `None` when it has none.
+    ///
+    /// Fails with `KVSTAGE_E_GEOMETRY_MISMATCH` when `src` disagrees with the layout (agreed fields,
+    /// TP/PP sizes) or holds a different set of this decode rank's layers than its region carries.
+    pub fn writer_for(&self, src: &PoolShape) -> Result<Option<u32>> {
+        self.check_src(src)?;
         let Some(w) = self.writers.iter().position(|w| w.src_tp_rank == src.tp_rank && w.src_pp_rank == src.pp_rank) else {
             return Ok(None);
         };
@@ -104,35 +186,11 @@ impl StagingLayout {
     }
 }
 
-/// The staging layout of decode rank `dst` for a chunk of `tokens` tokens written by the prefill
-/// side described by `src` (any prefill rank: its TP/PP sizes and agreed fields are used).
-///
-/// With several PP writers (`src.pp_size > dst.pp_size`) the decode rank's layers are split into
-/// equal contiguous blocks, one per prefill stage; when they do not split evenly, use
-/// [`staging_layout_pp`] with the layer ids each prefill stage really holds.
+/// The staging allocation of decode rank `dst` for a chunk of `tokens` tokens written by the
+/// prefill side described by `src` (any prefill rank: its TP/PP sizes and agreed fields are
+/// used), with no region placed yet. Its size does not depend on how either side splits its
+/// layers among pipeline stages.
 pub fn staging_layout(src: &PoolShape, dst: &PoolShape, tokens: u32) -> Result<StagingLayout> {
-    src.validate().map_err(|e| e.context("prefill (src) pool shape"))?;
-    dst.validate().map_err(|e| e.context("decode (dst) pool shape"))?;
-    let pw = pp_writers(src.pp_size, dst.pp_size)?;
-    let l = dst.layer_ids.len();
-    if !l.is_multiple_of(pw as usize) {
-        return Err(geometry_invalid(
-            "layer_ids",
-            format!(
-                "the decode rank's {l} layers do not split evenly among {pw} pipeline writers (prefill pp_size {} / decode pp_size {}); pass each stage's layers explicitly",
-                src.pp_size, dst.pp_size
-            ),
-        ));
-    }
-    let block = l / pw as usize;
-    let blocks: Vec<Vec<u32>> = dst.layer_ids.chunks(block).map(|c| c.to_vec()).collect();
-    staging_layout_pp(src, dst, tokens, &blocks)
-}
-
-/// [`staging_layout`] with explicit layer ids per PP writer: `pp_layers[j]` are the decode rank's
-/// layers held by the `j`-th prefill stage writing to it (ascending, disjoint, together exactly
-/// `dst.layer_ids`).
-pub fn staging_layout_pp(src: &PoolShape, dst: &PoolShape, tokens: u32, pp_layers: &[Vec<u32>]) -> Result<StagingLayout> {
     src.validate().map_err(|e| e.context("prefill (src) pool shape"))?;
     dst.validate().map_err(|e| e.context("decode (dst) pool shape"))?;
     let list = agreed_field_mismatches(src, dst);
@@ -142,23 +200,7 @@ pub fn staging_layout_pp(src: &PoolShape, dst: &PoolShape, tokens: u32, pp_layer
     if !tokens.is_multiple_of(dst.page_size) {
         return Err(Error::invalid_arg("tokens", format!("{tokens} is not a multiple of page_size {}", dst.page_size)));
     }
-    let pw = pp_writers(src.pp_size, dst.pp_size)?;
-    if pp_layers.len() != pw as usize {
-        return Err(Error::invalid_arg(
-            "pp_layers",
-            format!("holds {} layer lists, expected {pw} (one per pipeline writer)", pp_layers.len()),
-        ));
-    }
-    let mut all: Vec<u32> = pp_layers.iter().flatten().copied().collect();
-    all.sort_unstable();
-    if all != dst.layer_ids || pp_layers.iter().any(|b| b.is_empty() || b.windows(2).any(|p| p[1] <= p[0])) {
-        return Err(Error::invalid_arg(
-            "pp_layers",
-            format!("{pp_layers:?} are not non-empty ascending disjoint blocks covering the decode layers {:?}", dst.layer_ids),
-        ));
-    }
-
-    let (tw, tp_sources): (u32, Vec<(u32, HeadSlice)>) = match dst.kind {
+    let tp_ranks: Vec<(u32, HeadSlice)> = match dst.kind {
         ModelKind::Mha => {
             let mut v = Vec::new();
             for rs in prefill_ranks_for_decode(dst.tp_rank, src.tp_size, dst.tp_size)? {
@@ -166,37 +208,20 @@ pub fn staging_layout_pp(src: &PoolShape, dst: &PoolShape, tokens: u32, pp_layer
                     v.push((rs, head_slice(src.tp_size, dst.tp_size, rs, dst.tp_rank, dst.global_heads)?));
                 }
             }
-            (v.len() as u32, v)
+            v
         }
-        ModelKind::Mla => (1, vec![(mla_source_rank(dst.tp_rank, src.tp_size, dst.tp_size)?, HeadSlice::MLA)]),
+        ModelKind::Mla => vec![(mla_source_rank(dst.tp_rank, src.tp_size, dst.tp_size)?, HeadSlice::MLA)],
     };
-    let first_pp = if src.pp_size > dst.pp_size { dst.pp_rank * pw } else { dst.pp_rank / (dst.pp_size / src.pp_size) };
-    let n = tp_sources[0].1.num_heads;
+    let n = tp_ranks[0].1.num_heads;
     let overflow = || Error::new(Status::KVSTAGE_E_GEOMETRY_INVALID, format!("staging size of {tokens} tokens overflows 64 bits"));
     let row_bytes = n as u64 * dst.head_bytes();
     let slab_bytes = (tokens as u64).checked_mul(row_bytes).ok_or_else(overflow)?;
     let bpl = dst.buffers_per_layer();
-    let mut writers = Vec::with_capacity((tw * pw) as usize);
-    let mut offset = 0u64;
-    for (j, layer_ids) in pp_layers.iter().enumerate() {
-        let layers = layer_ids.len() as u32;
-        let bytes = slab_bytes.checked_mul(layers as u64 * bpl as u64).ok_or_else(overflow)?;
-        for &(src_tp_rank, heads) in &tp_sources {
-            writers.push(WriterRegion {
-                offset,
-                bytes,
-                layers,
-                layer_ids: layer_ids.clone(),
-                src_tp_rank,
-                src_pp_rank: first_pp + j as u32,
-                heads,
-            });
-            offset = offset.checked_add(bytes).ok_or_else(overflow)?;
-        }
-    }
+    let slabs = tp_ranks.len() as u64 * dst.layer_count() as u64 * bpl as u64;
+    let total_bytes = slab_bytes.checked_mul(slabs).ok_or_else(overflow)?;
     Ok(StagingLayout {
-        writers,
-        total_bytes: offset,
+        writers: Vec::new(),
+        total_bytes,
         tokens,
         row_bytes,
         slab_bytes,
@@ -204,12 +229,37 @@ pub fn staging_layout_pp(src: &PoolShape, dst: &PoolShape, tokens: u32, pp_layer
         kind: dst.kind,
         page_size: dst.page_size,
         buffers_per_layer: bpl,
-        tp_writers: tw,
-        pp_writers: pw,
+        tp_ranks,
         src_tp: src.tp_size,
         src_pp: src.pp_size,
         dst: dst.clone(),
     })
+}
+
+/// [`staging_layout`] with every region placed, in the order (prefill stage, TP writer):
+/// `src_stages[j]` describes prefill stage `j` (any TP rank: its TP size and layer ids are used).
+/// Errors when a decode layer is held by no stage or by two (`KVSTAGE_E_GEOMETRY_MISMATCH`), or
+/// the stage list is malformed (`KVSTAGE_E_INVALID_ARG`, as for the pairing helpers).
+pub fn staging_layout_stages(src_stages: &[PoolShape], dst: &PoolShape, tokens: u32) -> Result<StagingLayout> {
+    let src_tp = check_stages(dst, src_stages, "prefill_stages")?;
+    let mut layout = staging_layout(&src_stages[0], dst, tokens)?;
+    for stage in src_stages {
+        for t in 0..layout.tp_ranks.len() {
+            let rank = stage.clone().with_tp(layout.tp_ranks[t].0, src_tp);
+            if layout.region_of(&rank)?.is_some() {
+                layout.place(&rank)?;
+            }
+        }
+    }
+    let unheld: Vec<u32> = dst.layer_ids.iter().copied().filter(|id| !src_stages.iter().any(|s| s.layer_ids.binary_search(id).is_ok())).collect();
+    if !unheld.is_empty() {
+        return Err(mismatch_error(
+            "prefill stages do not cover the decode rank",
+            vec![FieldMismatch { field: "decode layers".into(), local: format!("{unheld:?}"), remote: "held by no prefill stage".into() }],
+        ));
+    }
+    debug_assert!(layout.complete());
+    Ok(layout)
 }
 
 #[cfg(test)]
@@ -220,20 +270,26 @@ mod tests {
         PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 80).with_tp(tp_rank, tp)
     }
 
+    fn stages(base: &PoolShape, tp: u32, split: &[Vec<u32>]) -> Vec<PoolShape> {
+        split.iter().enumerate().map(|(j, ids)| base.clone().with_tp(0, tp).with_pp(j as u32, split.len() as u32, ids.clone())).collect()
+    }
+
     #[test]
     fn seventy_b_p4_to_d2() {
         // GEOMETRY.md: 70B, P4→D2, 8192-token chunk: 2 writers × 640 MiB.
-        let st = staging_layout(&shape(0, 4), &shape(1, 2), 8192).unwrap();
+        let st = staging_layout_stages(&[shape(0, 4)], &shape(1, 2), 8192).unwrap();
         assert_eq!(st.writers.len(), 2);
         assert_eq!(st.row_bytes, 512);
         assert!(st.writers.iter().all(|w| w.bytes == 640 << 20));
         assert_eq!(st.total_bytes, 1280 << 20);
+        assert_eq!(staging_layout(&shape(0, 4), &shape(1, 2), 8192).unwrap().total_bytes, st.total_bytes);
         assert_eq!(st.writers[1].offset, 640 << 20);
         assert_eq!((st.writers[0].src_tp_rank, st.writers[1].src_tp_rank), (2, 3));
         assert_eq!(st.writers[1].heads, HeadSlice { src_head_start: 0, num_heads: 2, dst_head_start: 2 });
         assert_eq!(st.slab_offset(1, 1, 3), (640 << 20) + (80 + 3) * 8192 * 512);
         assert_eq!(st.writer_for(&shape(3, 4)).unwrap(), Some(1));
         assert_eq!(st.writer_for(&shape(1, 4)).unwrap(), None);
+        assert!(st.complete());
     }
 
     #[test]
@@ -250,7 +306,7 @@ mod tests {
     #[test]
     fn mla_has_one_designated_writer() {
         let mla = PoolShape::new(ModelKind::Mla, 1, 576, 2, 64, 4);
-        let st = staging_layout(&mla.clone().with_tp(0, 2), &mla.clone().with_tp(3, 4), 128).unwrap();
+        let st = staging_layout_stages(&[mla.clone().with_tp(0, 2)], &mla.clone().with_tp(3, 4), 128).unwrap();
         assert_eq!(st.writers.len(), 1);
         assert_eq!(st.writers[0].src_tp_rank, 1);
         assert_eq!(st.writers[0].bytes, 128 * 1152 * 4);
@@ -259,33 +315,64 @@ mod tests {
     }
 
     #[test]
-    fn pipeline_writers_carry_their_layer_blocks() {
+    fn pipeline_writers_carry_the_layers_they_hold_whatever_the_split() {
         let base = PoolShape::new(ModelKind::Mha, 8, 64, 2, 4, 8);
-        let src = |tp_rank, pp_rank: u32| base.clone().with_tp(tp_rank, 4).with_pp(pp_rank, 4, (pp_rank * 2..pp_rank * 2 + 2).collect());
+        let slab = 8 * 2 * 64 * 2; // 8 tokens × 2 heads × 64 × bf16
+        // Even: 4 prefill stages of 2 layers into decode stage 1 of 2 (layers 4..8).
+        let src = stages(&base, 4, &[vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
         let dst = base.clone().with_tp(1, 2).with_pp(1, 2, (4..8).collect());
-        let st = staging_layout(&src(0, 0), &dst, 8).unwrap();
-        assert_eq!((st.tp_writers, st.pp_writers, st.writers.len()), (2, 2, 4));
+        let st = staging_layout_stages(&src, &dst, 8).unwrap();
+        assert_eq!((st.tp_writers(), st.writers.len()), (2, 4));
         assert_eq!(st.writers[3].layer_ids, vec![6, 7]);
         assert_eq!((st.writers[3].src_tp_rank, st.writers[3].src_pp_rank), (3, 3));
-        assert_eq!(st.writer_for(&src(3, 3)).unwrap(), Some(3));
-        assert_eq!(st.writer_for(&src(2, 2)).unwrap(), Some(0));
-        assert_eq!(st.writer_for(&src(2, 1)).unwrap(), None);
-        // A prefill stage that holds a different block is a mismatch, not a silent garble.
+        assert_eq!(st.writer_for(&src[3].clone().with_tp(3, 4)).unwrap(), Some(3));
+        assert_eq!(st.writer_for(&src[2].clone().with_tp(2, 4)).unwrap(), Some(0));
+        assert_eq!(st.writer_for(&src[1].clone().with_tp(2, 4)).unwrap(), None);
+        // A prefill rank that holds a different block than its region is a mismatch, not a garble.
         let odd = base.clone().with_tp(2, 4).with_pp(2, 4, vec![3, 4]);
         let e = st.writer_for(&odd).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
         assert!(e.causes()[0].contains("local [4] != remote [4, 5] (writer 0)"), "{:?}", e.causes());
-        // Uneven split needs explicit blocks.
+
+        // Uneven: stages of 3 and 2 layers into one decode rank of 5.
+        let src = stages(&base, 4, &[vec![0, 1, 2], vec![3, 4]]);
         let dst5 = base.clone().with_tp(1, 2).with_pp(0, 1, (0..5).collect());
-        let src2 = base.clone().with_tp(2, 4).with_pp(0, 2, vec![0, 1, 2]);
-        let e = staging_layout(&src2, &dst5, 8).unwrap_err();
-        assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_INVALID);
-        assert!(e.message().contains("5 layers do not split evenly among 2 pipeline writers"), "{}", e.message());
-        let st = staging_layout_pp(&src2, &dst5, 8, &[vec![0, 1, 2], vec![3, 4]]).unwrap();
-        assert_eq!(st.writers[0].bytes, 8 * 2 * 64 * 2 * 3 * 2);
-        assert_eq!(st.writers[2].bytes, 8 * 2 * 64 * 2 * 2 * 2);
+        let st = staging_layout_stages(&src, &dst5, 8).unwrap();
+        assert_eq!(st.total_bytes, 2 * 5 * 2 * slab);
+        assert_eq!(st.writers.iter().map(|w| w.bytes).collect::<Vec<_>>(), [3 * 2 * slab, 3 * 2 * slab, 2 * 2 * slab, 2 * 2 * slab]);
         assert_eq!(st.writers[2].offset, 2 * st.writers[0].bytes);
-        assert_eq!(st.writer_for(&src2).unwrap(), Some(0));
+        assert!(st.complete());
+
+        // Interleaved ids, and a decode stage that takes a subset: regions follow what each holds.
+        let src = stages(&base, 2, &[vec![0, 2, 4, 6], vec![1, 3, 5, 7]]);
+        let dst = base.clone().with_tp(0, 1).with_pp(1, 2, vec![3, 4, 5]);
+        let st = staging_layout_stages(&src, &dst, 8).unwrap();
+        assert_eq!(st.writers.iter().map(|w| w.layer_ids.clone()).collect::<Vec<_>>(), [vec![4], vec![4], vec![3, 5], vec![3, 5]]);
+        assert_eq!(st.total_bytes, st.writers.iter().map(|w| w.bytes).sum::<u64>());
+
+        // Placing in any order fills the allocation; a layer claimed twice is refused.
+        let mut st = staging_layout(&src[0], &dst, 8).unwrap();
+        assert_eq!(st.place(&src[1].clone().with_tp(1, 2)).unwrap(), 0);
+        assert!(!st.complete());
+        let e = st.place(&base.clone().with_tp(1, 2).with_pp(0, 2, vec![4, 5])).unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+        assert!(e.causes()[0].contains("layer 5 of head group 1"), "{:?}", e.causes());
+        assert_eq!(st.writers.len(), 1, "a refused region is not placed");
+        let e = st.place(&src[0].clone().with_pp(0, 2, vec![0, 1])).unwrap_err();
+        assert!(e.message().contains("writes nothing to decode rank"), "{}", e.message());
+    }
+
+    #[test]
+    fn stage_lists_must_cover_the_decode_rank() {
+        let base = PoolShape::new(ModelKind::Mha, 8, 64, 2, 4, 8);
+        let src = stages(&base, 1, &[vec![0, 1, 2], vec![4, 5]]);
+        let dst = base.clone().with_pp(0, 1, (0..6).collect());
+        let e = staging_layout_stages(&src, &dst, 4).unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+        assert_eq!(e.causes(), vec!["decode layers: local [3] != remote held by no prefill stage"]);
+        let twice = stages(&base, 1, &[vec![0, 1, 2], vec![2, 3, 4, 5]]);
+        let e = staging_layout_stages(&twice, &dst, 4).unwrap_err();
+        assert!(e.message().contains("holds layer 2, which stage 0 holds too"), "{}", e.message());
     }
 
     #[test]
@@ -306,16 +393,13 @@ mod tests {
         assert!(e.causes()[0].contains("`local_heads`"));
         let e = staging_layout(&shape(0, 4), &shape(0, 3).with_tp(0, 3), 16).unwrap_err();
         assert!(e.message().contains("decode (dst) pool shape"), "{}", e.message());
-        let e = staging_layout_pp(&shape(0, 4), &shape(1, 2), 16, &[vec![0]]).unwrap_err();
-        assert!(e.message().contains("`pp_layers`"));
-        let e = staging_layout_pp(&shape(0, 4), &shape(1, 2), 16, &[]).unwrap_err();
-        assert!(e.message().contains("holds 0 layer lists, expected 1"));
+        let e = staging_layout_stages(&[], &shape(1, 2), 16).unwrap_err();
+        assert!(e.message().contains("`prefill_stages`: is empty"), "{}", e.message());
         let st = staging_layout(&shape(0, 4), &shape(1, 2), 16).unwrap();
         let mut wrong_tp = shape(0, 8);
         wrong_tp.tp_rank = 2;
         let e = st.writer_for(&wrong_tp).unwrap_err();
         assert_eq!(e.causes(), vec!["src tp_size: local 8 != remote 4"]);
-        let e = staging_layout(&shape(0, 4), &shape(1, 2), 0).map(|s| s.total_bytes).unwrap();
-        assert_eq!(e, 0);
+        assert_eq!(staging_layout(&shape(0, 4), &shape(1, 2), 0).unwrap().total_bytes, 0);
     }
 }

@@ -19,7 +19,9 @@ pub mod rdma_offer;
 
 pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// 2: the hello carries the integrity policy; late frames for closed rooms are discarded.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// 3: an allocation reply says where the writer's region lies (regions follow the pipeline split);
+/// a sender can ask for a room's chunk grid.
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.
@@ -53,8 +55,9 @@ pub struct Hello {
 pub enum Message {
     Hello(Hello),
     AllocReq { req: u64, room: u64, chunk: u32, writer: u32, tokens: u32, bytes: u64 },
-    /// `status` 0 = granted; otherwise a `Status` code with `reason`.
-    AllocRsp { req: u64, status: i32, round: u64, offset: u64, len: u64, reason: String },
+    /// `status` 0 = granted `[offset, offset + len)` of ring round `round`, the writer's region at
+    /// `region` bytes into it; otherwise a `Status` code with `reason`.
+    AllocRsp { req: u64, status: i32, round: u64, offset: u64, len: u64, region: u64, reason: String },
     /// Header of a bulk write: `len` payload bytes follow, to land at `offset` within the allocation.
     Data { room: u64, chunk: u32, writer: u32, offset: u64, len: u64 },
     /// Completion of one writer's data for a chunk; sent after its `Data` frames in the same stream.
@@ -76,6 +79,11 @@ pub enum Message {
     /// RDMA: a writer's bytes were written into its region by RDMA WRITE (no payload follows);
     /// `imm` is the immediate of the WRITE_WITH_IMM that completed them.
     RdmaWritten { room: u64, chunk: u32, writer: u32, offset: u64, len: u64, imm: u32 },
+    /// The sender asks for the chunk grid of a room open on the receiver.
+    GridReq { req: u64, room: u64 },
+    /// `status` 0: the room's pages split into `num_chunks` chunks of `chunk_tokens` tokens (the
+    /// last one may be shorter); otherwise a `Status` code with `reason`.
+    GridRsp { req: u64, status: i32, chunk_tokens: u32, num_chunks: u32, num_pages: u32, reason: String },
 }
 
 const T_HELLO: u8 = 1;
@@ -91,6 +99,8 @@ const T_SLICE_DONE: u8 = 10;
 const T_RDMA_OFFER: u8 = 11;
 const T_RDMA_ANSWER: u8 = 12;
 const T_RDMA_WRITTEN: u8 = 13;
+const T_GRID_REQ: u8 = 14;
+const T_GRID_RSP: u8 = 15;
 
 fn malformed(what: impl Into<String>) -> Error {
     Error::new(Status::KVSTAGE_E_PROTOCOL, format!("malformed frame: {}", what.into()))
@@ -162,8 +172,8 @@ impl Message {
             Message::AllocReq { req, room, chunk, writer, tokens, bytes } => {
                 e.u8(T_ALLOC_REQ).u64(*req).u64(*room).u32(*chunk).u32(*writer).u32(*tokens).u64(*bytes);
             }
-            Message::AllocRsp { req, status, round, offset, len, reason } => {
-                e.u8(T_ALLOC_RSP).u64(*req).i32(*status).u64(*round).u64(*offset).u64(*len).str(reason);
+            Message::AllocRsp { req, status, round, offset, len, region, reason } => {
+                e.u8(T_ALLOC_RSP).u64(*req).i32(*status).u64(*round).u64(*offset).u64(*len).u64(*region).str(reason);
             }
             Message::Data { room, chunk, writer, offset, len } => {
                 e.u8(T_DATA).u64(*room).u32(*chunk).u32(*writer).u64(*offset).u64(*len);
@@ -200,6 +210,12 @@ impl Message {
             }
             Message::RdmaWritten { room, chunk, writer, offset, len, imm } => {
                 e.u8(T_RDMA_WRITTEN).u64(*room).u32(*chunk).u32(*writer).u64(*offset).u64(*len).u32(*imm);
+            }
+            Message::GridReq { req, room } => {
+                e.u8(T_GRID_REQ).u64(*req).u64(*room);
+            }
+            Message::GridRsp { req, status, chunk_tokens, num_chunks, num_pages, reason } => {
+                e.u8(T_GRID_RSP).u64(*req).i32(*status).u32(*chunk_tokens).u32(*num_chunks).u32(*num_pages).str(reason);
             }
         }
         let body = (e.0.len() - 5) as u32;
@@ -251,6 +267,7 @@ impl Message {
                 round: d.u64("round")?,
                 offset: d.u64("offset")?,
                 len: d.u64("len")?,
+                region: d.u64("region")?,
                 reason: d.str("reason", MAX_TEXT)?,
             },
             T_DATA => Message::Data {
@@ -292,6 +309,15 @@ impl Message {
                 offset: d.u64("offset")?,
                 len: d.u64("len")?,
                 imm: d.u32("imm")?,
+            },
+            T_GRID_REQ => Message::GridReq { req: d.u64("req")?, room: d.u64("room")? },
+            T_GRID_RSP => Message::GridRsp {
+                req: d.u64("req")?,
+                status: d.i32("status")?,
+                chunk_tokens: d.u32("chunk_tokens")?,
+                num_chunks: d.u32("num_chunks")?,
+                num_pages: d.u32("num_pages")?,
+                reason: d.str("reason", MAX_TEXT)?,
             },
             other => return Err(malformed(format!("unknown frame type {other}"))),
         };
@@ -426,7 +452,7 @@ mod tests {
                 integrity: 2,
             }),
             Message::AllocReq { req: 7, room: 9, chunk: 2, writer: 1, tokens: 64, bytes: 4096 },
-            Message::AllocRsp { req: 7, status: -13, round: 1, offset: 2, len: 3, reason: "too big".into() },
+            Message::AllocRsp { req: 7, status: -13, round: 1, offset: 2, len: 3, region: 4, reason: "too big".into() },
             Message::Data { room: 1, chunk: 2, writer: 3, offset: 4, len: 5 },
             Message::ChunkReady { req: 1, room: 2, chunk: 3, writer: 4, checksum: Some(0xfeed) },
             Message::ChunkReady { req: 1, room: 2, chunk: 3, writer: 4, checksum: None },
@@ -438,6 +464,8 @@ mod tests {
             Message::RdmaOffer(rdma_offer()),
             Message::RdmaAnswer(RdmaOffer::refusal(Status::KVSTAGE_E_NO_DEVICE, "no device")),
             Message::RdmaWritten { room: 1, chunk: 2, writer: 3, offset: 4, len: 5, imm: 6 },
+            Message::GridReq { req: 7, room: 8 },
+            Message::GridRsp { req: 9, status: 0, chunk_tokens: 64, num_chunks: 3, num_pages: 10, reason: String::new() },
         ]
     }
 

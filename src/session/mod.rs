@@ -60,18 +60,18 @@ impl Integrity {
 /// How a (prefill rank, decode rank) pair exchanges data; fixed for the life of a session.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pairing {
-    /// The prefill rank's writer index in the decode rank's allocations; `None` when another
+    /// The prefill rank's TP writer (head group) among the decode rank's; `None` when another
     /// prefill rank holding the same heads sends them (prefill-side GQA replication): the session
     /// exists, its transfers have nothing to send.
     pub writer: Option<u32>,
-    /// Writers expected per chunk.
-    pub writers: u32,
+    /// Head groups of the decode rank (one prefill writer each per layer of a chunk).
+    pub tp_writers: u32,
     /// Heads it carries (source heads for the gather, destination heads for the scatter).
     pub heads: HeadSlice,
 }
 
 impl Pairing {
-    /// The writer index, or the protocol error a receiver replies to a rank that sends nothing.
+    /// The TP writer, or the protocol error a receiver replies to a rank that sends nothing.
     pub fn writer(&self) -> crate::Result<u32> {
         self.writer.ok_or_else(|| {
             Error::new(
@@ -81,44 +81,37 @@ impl Pairing {
         })
     }
 
-    /// "writer 1 of 2", or "no writer (replicated heads sent by another rank) of 2".
+    /// "head group 1 of 2", or "no writer (its heads are sent by another prefill rank) of 2".
     pub fn describe(&self) -> String {
         match self.writer {
-            Some(w) => format!("writer {w} of {}", self.writers),
-            None => format!("no writer (its heads are sent by another prefill rank) of {}", self.writers),
+            Some(w) => format!("head group {w} of {}", self.tp_writers),
+            None => format!("no writer (its heads are sent by another prefill rank) of {} head groups", self.tp_writers),
         }
     }
 }
 
 /// The pairing of prefill rank `src` with decode rank `dst`; an error when that prefill rank does
-/// not feed that decode rank at all.
+/// not feed that decode rank at all (another TP group, or a stage holding none of its layers).
 pub fn pairing(src: &PoolShape, dst: &PoolShape) -> crate::Result<Pairing> {
     let layout = geometry::staging_layout(src, dst, src.page_size)?;
-    let heads_elsewhere = || -> crate::Result<bool> {
-        // Paired by TP and PP, but a replica: the first rank of its head group sends.
-        let tp_paired = src.kind == geometry::ModelKind::Mha
-            && geometry::prefill_ranks_for_decode(dst.tp_rank, src.tp_size, dst.tp_size)?.contains(&src.tp_rank);
-        let pp_paired = src.layer_ids.iter().any(|id| dst.layer_ids.binary_search(id).is_ok());
-        Ok(tp_paired && pp_paired)
-    };
-    let writer = match layout.writer_for(src)? {
-        Some(w) => Some(w),
-        None if heads_elsewhere()? => {
-            let hs = geometry::head_slice(src.tp_size, dst.tp_size, src.tp_rank, dst.tp_rank, dst.global_heads)?;
-            return Ok(Pairing { writer: None, writers: layout.writer_count(), heads: hs });
-        }
-        None => None,
-    };
-    let writer = writer.ok_or_else(|| {
-        Error::new(
-            Status::KVSTAGE_E_GEOMETRY_MISMATCH,
-            format!(
-                "prefill rank (tp {}/{}, pp {}/{}) does not feed decode rank (tp {}/{}, pp {}/{})",
-                src.tp_rank, src.tp_size, src.pp_rank, src.pp_size, dst.tp_rank, dst.tp_size, dst.pp_rank, dst.pp_size
-            ),
-        )
-    })?;
-    Ok(Pairing { writer: Some(writer), writers: layout.writer_count(), heads: layout.writers[writer as usize].heads })
+    if let Some(region) = layout.region_of(src)? {
+        return Ok(Pairing { writer: Some(region.tp_writer), tp_writers: layout.tp_writers(), heads: region.heads });
+    }
+    // Paired by TP and PP, but a replica: the first rank of its head group sends.
+    let shares_layers = src.layer_ids.iter().any(|id| dst.layer_ids.binary_search(id).is_ok());
+    let tp_paired = src.kind == geometry::ModelKind::Mha
+        && geometry::prefill_ranks_for_decode(dst.tp_rank, src.tp_size, dst.tp_size)?.contains(&src.tp_rank);
+    if shares_layers && tp_paired {
+        let heads = geometry::head_slice(src.tp_size, dst.tp_size, src.tp_rank, dst.tp_rank, dst.global_heads)?;
+        return Ok(Pairing { writer: None, tp_writers: layout.tp_writers(), heads });
+    }
+    Err(Error::new(
+        Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+        format!(
+            "prefill rank (tp {}/{}, pp {}/{}) does not feed decode rank (tp {}/{}, pp {}/{})",
+            src.tp_rank, src.tp_size, src.pp_rank, src.pp_size, dst.tp_rank, dst.tp_size, dst.pp_rank, dst.pp_size
+        ),
+    ))
 }
 
 /// Rate sense for records a peer (or a port scanner) can cause at will: the first record goes

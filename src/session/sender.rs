@@ -69,6 +69,16 @@ static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 /// connection closes.
 const ABORT_DEADLINE: Duration = Duration::from_secs(1);
 
+/// A room's chunk grid on the receiver ([`SenderSession::room_grid`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoomGrid {
+    /// Tokens of every chunk but possibly the last.
+    pub chunk_tokens: u32,
+    pub num_chunks: u32,
+    /// Pages of the room (its tokens are `num_pages · page_size`).
+    pub num_pages: u32,
+}
+
 /// One chunk to send: the prefill pages holding its tokens, in chunk order.
 #[derive(Clone, Debug, Default)]
 pub struct TransferDesc {
@@ -376,7 +386,7 @@ impl SenderSession {
         let Some(writer) = self.pair.writer else {
             return Ok(Status::KVSTAGE_OK); // another prefill rank sends these heads
         };
-        let region = &layout.writers[writer as usize];
+        let region = layout.region_of(src)?.ok_or_else(|| Error::internal("a paired writer has no region"))?;
         // Fallback is decided here, before anything is allocated on either side.
         let staging_limit = self.resources.options.send_staging_bytes;
         let fallback = if self.remote.ring_bytes == 0 {
@@ -392,7 +402,7 @@ impl SenderSession {
             self.log_fallback(desc, &why);
             return Ok(Status::KVSTAGE_FALLBACK);
         }
-        let plan = geometry::plan_gather(src, &desc.pages, &layout, writer)?;
+        let plan = geometry::plan_gather(src, &desc.pages, &layout, &region)?;
 
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         // Watermark wait, part one: the allocation's round trip (part two: `wait_writable`).
@@ -407,11 +417,18 @@ impl SenderSession {
         let reply = self.wait_reply(req, &deadline, op, "waiting for the allocation");
         t.watermark_wait_ns = since(asked);
         let reply = reply.inspect_err(|e| self.abort(desc, e.message()))?;
-        let (round, offset) = match reply {
-            Message::AllocRsp { status: 0, round, offset, len, .. } if len == layout.total_bytes => (round, offset),
-            Message::AllocRsp { status: 0, len, .. } => {
+        let (round, offset, region_offset) = match reply {
+            Message::AllocRsp { status: 0, round, offset, len, region: at, .. }
+                if len == layout.total_bytes && at.checked_add(region.bytes).is_some_and(|end| end <= len) =>
+            {
+                (round, offset, at)
+            }
+            Message::AllocRsp { status: 0, len, region: at, .. } => {
                 self.abort(desc, "granted size differs");
-                return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("granted {len} bytes, asked {}", layout.total_bytes)));
+                return Err(Error::new(
+                    Status::KVSTAGE_E_PROTOCOL,
+                    format!("granted {len} bytes with this writer's {} at {at}, asked {}", region.bytes, layout.total_bytes),
+                ));
             }
             Message::AllocRsp { status, reason, .. } => {
                 let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
@@ -420,7 +437,7 @@ impl SenderSession {
             other => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
         };
         // From here on the receiver holds ring space for us: every failure aborts first.
-        let written = self.write_granted(desc, op, &deadline, &plan, region.offset, region.bytes, round, offset + region.offset + region.bytes, writer, offset, t);
+        let written = self.write_granted(desc, op, &deadline, &plan, region_offset, region.bytes, round, offset + region_offset + region.bytes, writer, offset, t);
         let req = match written {
             Ok(req) => req,
             Err(e) => {
@@ -595,6 +612,24 @@ impl SenderSession {
         }
     }
 
+    /// The chunk grid of `room` as the receiver opened it: what chunk `k` of a transfer must
+    /// cover (pages `[k · chunk_tokens / page_size, …)` of the room, the last chunk possibly
+    /// shorter). Fails as the receiver says (e.g. `KVSTAGE_E_CANCELED` for a room it has not
+    /// opened) or when `timeout` (`None`: no limit) passes.
+    pub fn room_grid(&self, room: u64, timeout: Option<Duration>) -> Result<RoomGrid> {
+        let deadline = Deadline::after(timeout);
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        self.link.send(&Message::GridReq { req, room }, &deadline)?;
+        match self.wait_reply(req, &deadline, &Op::new(self.waker()), "waiting for the room's chunk grid")? {
+            Message::GridRsp { status: 0, chunk_tokens, num_chunks, num_pages, .. } => Ok(RoomGrid { chunk_tokens, num_chunks, num_pages }),
+            Message::GridRsp { status, reason, .. } => {
+                let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
+                Err(Error::new(code, format!("the receiver has no grid for room {room}: {reason}")).with_session(&self.id))
+            }
+            other => Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
+        }
+    }
+
     fn abort(&self, desc: &TransferDesc, reason: &str) {
         // Best effort: if the link is gone the receiver frees the space when it notices.
         let msg = Message::Abort { room: desc.room, chunk: desc.chunk, reason: reason.to_owned() };
@@ -663,9 +698,9 @@ fn read_replies(mut stream: TcpStream, shared: &Shared, session: &str, peer: &st
                 }
                 shared.cv.notify_all();
             }
-            Ok(Some(msg @ (Message::AllocRsp { .. } | Message::Arrived { .. }))) => {
+            Ok(Some(msg @ (Message::AllocRsp { .. } | Message::Arrived { .. } | Message::GridRsp { .. }))) => {
                 let req = match &msg {
-                    Message::AllocRsp { req, .. } | Message::Arrived { req, .. } => *req,
+                    Message::AllocRsp { req, .. } | Message::Arrived { req, .. } | Message::GridRsp { req, .. } => *req,
                     _ => unreachable!("matched above"),
                 };
                 let mut st = shared.state.lock();

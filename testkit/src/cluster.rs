@@ -107,8 +107,8 @@ impl Setup {
             let src = self.model.shape(self.page_size, rs, self.prefill_tp);
             for rd in self.targets(rs) {
                 let dst = self.model.shape(self.page_size, rd, self.decode_tp);
-                if let Some(w) = kvstage::session::pairing(&src, &dst)?.writer {
-                    total += geometry::staging_layout(&src, &dst, self.tokens)?.writers[w as usize].bytes;
+                if let Some(region) = geometry::staging_layout(&src, &dst, self.tokens)?.region_of(&src)? {
+                    total += region.bytes;
                 }
             }
         }

@@ -14,7 +14,7 @@ use std::sync::{Mutex, MutexGuard, Once};
 use std::time::{Duration, Instant};
 
 use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
-use kvstage::geometry::{staging_layout, Fingerprint, ModelKind, PoolShape, StagingLayout};
+use kvstage::geometry::{staging_layout_stages, Fingerprint, ModelKind, PoolShape, StagingLayout};
 use kvstage::protocol::{self, Hello, Message, PROTOCOL_VERSION};
 use kvstage::ring::Watermark;
 use kvstage::session::op::Op;
@@ -182,9 +182,10 @@ impl Geometry {
         (self.chunk_tokens / self.page) as usize
     }
 
-    /// Staging layout of one full chunk from prefill TP `src_tp` into decode TP 1.
+    /// Staging layout of one full chunk from prefill TP `src_tp` into decode TP 1, its regions
+    /// placed in prefill rank order (where the receiver puts them when they ask in that order).
     pub fn layout(&self, src_rank: u32, src_tp: u32) -> StagingLayout {
-        staging_layout(&self.shape(src_rank, src_tp), &self.shape(0, 1), self.chunk_tokens).expect("staging layout")
+        staging_layout_stages(&[self.shape(src_rank, src_tp)], &self.shape(0, 1), self.chunk_tokens).expect("staging layout")
     }
 }
 
@@ -632,6 +633,8 @@ pub struct RawGrant {
     pub round: u64,
     pub offset: u64,
     pub len: u64,
+    /// Where the writer's region lies in the allocation.
+    pub region: u64,
 }
 
 impl RawPeer {
@@ -648,7 +651,7 @@ impl RawPeer {
     /// As [`alloc`](Self::alloc), panicking unless granted.
     pub fn alloc_granted(&mut self, req: u64, room: u64, chunk: u32, writer: u32, layout: &StagingLayout) -> RawGrant {
         match self.alloc(req, room, chunk, writer, layout) {
-            Message::AllocRsp { status: 0, round, offset, len, .. } => RawGrant { round, offset, len },
+            Message::AllocRsp { status: 0, round, offset, len, region, .. } => RawGrant { round, offset, len, region },
             other => panic!("raw peer: allocation of room {room} chunk {chunk} refused: {other:?}"),
         }
     }

@@ -148,7 +148,7 @@ mod tests {
         let base = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 3);
         let (src, dst) = (base.clone().with_tp(3, 4), base.with_tp(1, 2));
         let st = staging_layout(&src, &dst, 5 * 16).unwrap();
-        let w = st.writer_for(&src).unwrap().unwrap();
+        let w = &st.region_of(&src).unwrap().unwrap();
         let pages = [7, 8, 9, 2, 3];
         (plan_gather(&src, &pages, &st, w).unwrap(), plan_scatter(&dst, &pages, &st, w).unwrap())
     }

@@ -169,13 +169,13 @@ pub fn run_case<B: Backend>(engine: &DeviceCopyEngine<B>, mem: &dyn TestMemory, 
     let mut rng = Rng(seed | 1);
     let tokens = case.src_pages.len() as u32 * case.src.page_size;
     let st = staging_layout(&case.src, &case.dst, tokens)?;
-    let w = st.writer_for(&case.src)?.ok_or_else(|| Error::internal(format!("case `{}`: src rank is not a writer", case.name)))?;
-    let region = &st.writers[w as usize];
+    let region = st.region_of(&case.src)?.ok_or_else(|| Error::internal(format!("case `{}`: src rank is not a writer", case.name)))?;
+    let region = &region;
     let host_engine = HostCopyEngine::new(1);
 
     // Gather.
     let src = make_pool(mem, &case.src, case.capacity_pages, case.misalign, &mut rng)?;
-    let g = plan_gather(&case.src, &case.src_pages, &st, w)?;
+    let g = plan_gather(&case.src, &case.src_pages, &st, region)?;
     let mut want = vec![0u8; region.bytes as usize];
     // SAFETY: the mirror holds every buffer; `want` is the writer region.
     unsafe { host_engine.gather(&g, &src.host, want.as_mut_ptr()) }?;
@@ -201,7 +201,7 @@ pub fn run_case<B: Backend>(engine: &DeviceCopyEngine<B>, mem: &dyn TestMemory, 
     // Scatter.
     let dst = make_pool(mem, &case.dst, case.capacity_pages, case.misalign, &mut rng)?;
     let before = dst.mirror.clone();
-    let s = plan_scatter(&case.dst, &case.dst_pages, &st, w)?;
+    let s = plan_scatter(&case.dst, &case.dst_pages, &st, region)?;
     // SAFETY: the mirror holds every buffer; `want` is the writer region.
     unsafe { host_engine.scatter(&s, &dst.host, want.as_ptr()) }?;
     // SAFETY: device pool, host staging.

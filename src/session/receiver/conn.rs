@@ -207,8 +207,10 @@ impl Receiver {
             match msg {
                 Message::AllocReq { req, room, chunk, writer, tokens, bytes } => {
                     let rsp = match self.with_state(|st| st.allocate(id, room, chunk, writer, tokens, bytes)) {
-                        Ok(g) => Message::AllocRsp { req, status: 0, round: g.round, offset: g.offset, len: g.len, reason: String::new() },
-                        Err(e) => Message::AllocRsp { req, status: e.code().code(), round: 0, offset: 0, len: 0, reason: e.chain() },
+                        Ok((g, region)) => {
+                            Message::AllocRsp { req, status: 0, round: g.round, offset: g.offset, len: g.len, region, reason: String::new() }
+                        }
+                        Err(e) => Message::AllocRsp { req, status: e.code().code(), round: 0, offset: 0, len: 0, region: 0, reason: e.chain() },
                     };
                     link.send(&rsp, &reply_deadline())?;
                 }
@@ -256,7 +258,7 @@ impl Receiver {
                 Message::Slice { room, chunk, buffer, token, byte_offset, len } => {
                     match self.with_state(|st| st.begin_slice(id, room, chunk, buffer, token, byte_offset, len))? {
                         Target::Land(lease) => {
-                            let target = pool.slot_bytes(lease.buffer, lease.slot, lease.byte_offset, lease.len);
+                            let target = pool.slot_bytes(lease.buffer, lease.pool_slot, lease.byte_offset, lease.len);
                             let read = target.and_then(|t| {
                                 // SAFETY: the state checked the slot lies in a page of this room
                                 // and the bytes in this writer's head range; the lease keeps the
@@ -292,6 +294,15 @@ impl Receiver {
                 }
                 Message::Abort { room, chunk, reason } => {
                     self.with_state(|st| st.abort(id, room, chunk, &reason));
+                }
+                Message::GridReq { req, room } => {
+                    let reply = match self.with_state(|st| st.room_grid(id, room)) {
+                        Ok((chunk_tokens, num_chunks, num_pages)) => {
+                            Message::GridRsp { req, status: 0, chunk_tokens, num_chunks, num_pages, reason: String::new() }
+                        }
+                        Err(e) => Message::GridRsp { req, status: e.code().code(), chunk_tokens: 0, num_chunks: 0, num_pages: 0, reason: e.chain() },
+                    };
+                    link.send(&reply, &reply_deadline())?;
                 }
                 other => {
                     return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected frame from sender: {other:?}")));

@@ -354,10 +354,8 @@ impl Receiver {
     fn scatter(&self, job: &ScatterJob) -> Result<()> {
         let pool = self.pool()?;
         let mem = self.ring_memory()?;
-        for src in &job.writers {
-            let w = job.layout.writer_for(src)?.ok_or_else(|| Error::internal("an arrived writer is not in the layout"))?;
-            let plan = geometry::plan_scatter(&pool.shape, &job.pages, &job.layout, w)?;
-            let region = &job.layout.writers[w as usize];
+        for region in &job.layout.writers {
+            let plan = geometry::plan_scatter(&pool.shape, &job.pages, &job.layout, region)?;
             let src = mem.range(job.ring_offset + region.offset, region.bytes)?;
             // SAFETY: the grant is pinned for this scatter and all its writers arrived, so nothing
             // writes the region while the scatter reads it; `range` checked it lies in the ring.

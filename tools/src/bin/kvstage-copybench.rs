@@ -184,7 +184,7 @@ fn main() {
         let (_src_mem, src_pool) = pool(src_shape.clone(), capacity as u64);
         let (_dst_mem, dst_pool) = pool(dst_shape.clone(), capacity as u64);
         let st = staging_layout(&src_shape, &dst_shape, args.tokens).expect("staging layout");
-        let w = st.writer_for(&src_shape).expect("writer").expect("rank 1 writes to decode rank 0");
+        let w = &st.region_of(&src_shape).expect("writer").expect("rank 1 writes to decode rank 0");
         for indices in ["runs", "random"] {
             let (src_pages, dst_pages) = match indices {
                 "runs" => ((7..7 + pages_n as u32).collect::<Vec<_>>(), (3..3 + pages_n as u32).collect::<Vec<_>>()),
@@ -233,7 +233,7 @@ fn main() {
         if page_size == 16 {
             let src_pages: Vec<u32> = (7..7 + pages_n as u32).collect();
             let dst_pages: Vec<u32> = (3..3 + pages_n as u32).collect();
-            let hs = st.writers[w as usize].heads;
+            let hs = w.heads;
             let t = Instant::now();
             let ops = slice_plan(&src_shape, &dst_shape, &hs, &src_pages, &dst_pages).expect("slice plan");
             let plan_time = t.elapsed();

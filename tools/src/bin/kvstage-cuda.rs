@@ -154,7 +154,8 @@ fn fences(engine: &CudaCopyEngine, device: i32) -> Result<()> {
     let pool = device_pool(device, &shape, capacity)?;
     let st = staging_layout(&shape, &shape, 128 * 64)?;
     let pages: Vec<u32> = (0..128).map(|p| p * 4 % capacity as u32).collect();
-    let plan = plan_gather(&shape, &pages, &st, 0)?;
+    let region = st.region_of(&shape)?.ok_or_else(|| Error::internal("a TP 1 rank writes every layer"))?;
+    let plan = plan_gather(&shape, &pages, &st, &region)?;
     let bytes = pool.layout.buffer_bytes() as usize * pool.layout.bases.len();
     let producer = ToolStream::new(device)?;
     let mut staging = vec![0u8; plan.staging_bytes as usize];
@@ -242,7 +243,7 @@ fn bench(engine: &CudaCopyEngine, args: &BenchArgs) -> Result<()> {
     ];
     for (name, src, dst, random) in cases {
         let st = staging_layout(&src, &dst, tokens)?;
-        let w = st.writer_for(&src)?.ok_or_else(|| Error::internal("not a writer"))?;
+        let w = &st.region_of(&src)?.ok_or_else(|| Error::internal("not a writer"))?;
         let npages = tokens / src.page_size;
         let capacity = 2 * npages as u64;
         let pages: Vec<u32> = if random {
@@ -263,7 +264,7 @@ fn bench(engine: &CudaCopyEngine, args: &BenchArgs) -> Result<()> {
         let dp = device_pool(dev, &dst, capacity)?;
         let g = plan_gather(&src, &pages, &st, w)?;
         let s = plan_scatter(&dst, &pages, &st, w)?;
-        let region = st.writers[w as usize].bytes as usize;
+        let region = w.bytes as usize;
         let staging = DeviceMemory::alloc(dev, region)?;
         let other = DeviceMemory::alloc(dev, region)?;
         let memcpy = median_ms(args.iters, || other.copy_from(&staging, region))?;

@@ -66,10 +66,12 @@ enum Mode {
     Slices,
 }
 
+/// What one connection writes of one chunk: its region (staged) or its rows (slice path).
 #[derive(Clone, Debug)]
 struct Slot {
     conn: ConnId,
-    shape: PoolShape,
+    /// Its region's index in the chunk's layout: the layers it carries (and, staged, where).
+    region: u32,
     /// Staged: bytes landed contiguously from the region's start.
     received: u64,
     /// Slice path: rows landed.
@@ -82,8 +84,22 @@ struct Chunk {
     phase: Phase,
     mode: Mode,
     grant: Option<u64>,
+    /// Which (head group, layer) each slot carries: the chunk needs all of them, once each.
     layout: Option<StagingLayout>,
-    slots: Vec<Option<Slot>>,
+    /// One per connection that writes the chunk, in the order they claimed it.
+    slots: Vec<Slot>,
+}
+
+impl Chunk {
+    /// Every (head group, layer) is claimed and every claimant finished.
+    fn all_arrived(&self) -> bool {
+        self.layout.as_ref().is_some_and(StagingLayout::complete) && self.slots.iter().all(|s| s.arrived)
+    }
+
+    /// `conn`'s slot and its index.
+    fn slot_of(&self, conn: ConnId) -> Option<(u32, &Slot)> {
+        self.slots.iter().enumerate().find(|(_, s)| s.conn == conn).map(|(i, s)| (i as u32, s))
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -150,7 +166,8 @@ pub struct WriteLease {
     room: u64,
     gen: u64,
     chunk: u32,
-    writer: u32,
+    /// Index of the connection's slot in the chunk.
+    slot: u32,
     /// Where the payload lands in the ring, and how many bytes.
     pub ring_offset: u64,
     pub len: u64,
@@ -164,7 +181,8 @@ pub struct ReadyLease {
     room: u64,
     gen: u64,
     chunk: u32,
-    writer: u32,
+    /// Index of the connection's slot in the chunk.
+    slot: u32,
     pub ring_offset: u64,
     pub len: u64,
 }
@@ -176,10 +194,11 @@ pub struct SliceLease {
     room: u64,
     gen: u64,
     chunk: u32,
-    writer: u32,
+    /// Index of the connection's slot in the chunk.
+    slot: u32,
     token: u32,
     pub buffer: u32,
-    pub slot: u64,
+    pub pool_slot: u64,
     pub byte_offset: u64,
     pub len: u64,
 }
@@ -193,9 +212,8 @@ pub struct ScatterJob {
     grant: u64,
     pub ring_offset: u64,
     pub pages: Vec<u32>,
+    /// The chunk's layout with every region placed.
     pub layout: StagingLayout,
-    /// The writers' pool shapes, in slot order.
-    pub writers: Vec<PoolShape>,
     /// When the chunk's last writer arrived (stamped by the connection that read it).
     pub arrived: Option<Instant>,
     /// From `arrived` to the end of the scatter (set by the scatter thread before `scatter_done`).
@@ -403,15 +421,21 @@ impl State {
     }
 
     /// A connection ended (and, for RDMA, its queue pairs are destroyed: nothing more can land).
-    /// Every room it wrote to fails when it still owes a chunk (its writer slot of a waiting chunk
-    /// is unclaimed or its own and unfinished): a prefill rank writes every chunk of a request
-    /// over one session. Its quarantined grants and leases are released.
+    /// Every room it wrote to fails when it still owes a chunk (a waiting chunk it has not
+    /// finished, unless others claimed all of that chunk): a prefill rank writes every chunk of a
+    /// request over one session. Its quarantined grants and leases are released.
     pub fn conn_gone(&mut self, conn: ConnId, code: Status, reason: &str) {
         let Some(info) = self.conns.remove(&conn) else { return };
-        let Some(w) = info.pairing.writer.map(|w| w as usize) else { return };
-        let wrote = |c: &Chunk| c.slots.iter().flatten().any(|s| s.conn == conn);
+        if info.pairing.writer.is_none() {
+            return;
+        }
+        let wrote = |c: &Chunk| c.slot_of(conn).is_some();
         let owes = |c: &Chunk| {
-            c.phase == Phase::Waiting && c.slots.get(w).and_then(|s| s.as_ref()).is_none_or(|s| s.conn == conn && !s.arrived)
+            c.phase == Phase::Waiting
+                && match c.slot_of(conn) {
+                    Some((_, s)) => !s.arrived,
+                    None => c.layout.as_ref().is_none_or(|l| !l.complete()),
+                }
         };
         let affected: Vec<u64> = self
             .rooms
@@ -497,6 +521,13 @@ impl State {
             },
             None => Err(Error::invalid_arg("room", format!("{room} is not open"))),
         }
+    }
+
+    /// The chunk grid of open `room` as `conn` sees it: (tokens per chunk, chunks, pages).
+    pub fn room_grid(&self, conn: ConnId, room: u64) -> Result<(u32, u32, u32)> {
+        let page_size = self.conn(conn)?.dst.page_size;
+        let r = self.live_room(room)?;
+        Ok((r.grid_pages as u32 * page_size, r.chunks.len() as u32, r.pages.len() as u32))
     }
 
     pub fn room_progress(&self, room: u64) -> String {

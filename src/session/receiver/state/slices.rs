@@ -54,12 +54,8 @@ impl State {
         if byte_offset as u64 != head_off || len as u64 != row {
             return Err(protocol(format!("slice [{byte_offset}, +{len}) is not this writer's head range [{head_off}, +{row})")));
         }
-        let writer = info.pairing.writer()?;
-        let slot = c.slots.get(writer as usize).and_then(|s| s.as_ref());
-        if let Some(s) = slot {
-            if s.conn != conn {
-                return Err(protocol(format!("slice for writer slot {writer} of chunk {chunk} from a connection that does not hold it")));
-            }
+        info.pairing.writer()?;
+        if let Some((_, s)) = c.slot_of(conn) {
             let cov = s.coverage.as_ref().expect("slice slots track coverage");
             if !cov.carries(buffer) {
                 return Err(protocol(format!("slice buffer {buffer} is not one this writer carries")));
@@ -72,29 +68,30 @@ impl State {
         if !Coverage::new(&info.src, dst, tokens).carries(buffer) {
             return Err(protocol(format!("slice buffer {buffer} is not one this writer carries")));
         }
+        let placed = match c.slot_of(conn) {
+            Some(_) => None,
+            None => {
+                // The connection's first slice of the chunk claims its layers for its head group.
+                let mut layout = match &c.layout {
+                    Some(l) => l.clone(),
+                    None => geometry::staging_layout(&info.src, dst, tokens)?,
+                };
+                let region = layout.place(&info.src)?;
+                Some((layout, region))
+            }
+        };
         self.record_prefill(room, &info.src);
         let r = self.rooms.get_mut(&room).expect("checked");
         let c = &mut r.chunks[chunk as usize];
-        if c.mode == Mode::Unset {
-            c.mode = Mode::Slices;
-            c.slots = vec![None; info.pairing.writers as usize];
+        c.mode = Mode::Slices;
+        if let Some((layout, region)) = placed {
+            c.layout = Some(layout);
+            c.slots.push(Slot { conn, region, received: 0, coverage: Some(Coverage::new(&info.src, dst, tokens)), arrived: false });
         }
-        if c.slots.len() != info.pairing.writers as usize || writer as usize >= c.slots.len() {
-            return Err(protocol(format!("writer {writer} of {} disagrees with the chunk's {} writers", info.pairing.writers, c.slots.len())));
-        }
-        let slot = c.slots[writer as usize].get_or_insert_with(|| Slot {
-            conn,
-            shape: info.src.clone(),
-            received: 0,
-            coverage: Some(Coverage::new(&info.src, dst, tokens)),
-            arrived: false,
-        });
-        if !slot.coverage.as_ref().expect("slice slot").carries(buffer) {
-            return Err(protocol(format!("slice buffer {buffer} is not one this writer carries")));
-        }
+        let (slot, _) = c.slot_of(conn).expect("claimed above");
         r.page_leases.push(Some(conn));
         let slot_index = page as u64 * ps as u64 + (token % ps) as u64;
-        Ok(Target::Land(SliceLease { conn, room, gen, chunk, writer, token, buffer, slot: slot_index, byte_offset: head_off, len: row }))
+        Ok(Target::Land(SliceLease { conn, room, gen, chunk, slot, token, buffer, pool_slot: slot_index, byte_offset: head_off, len: row }))
     }
 
     /// The slice payload read ended; `landed` when every byte arrived.
@@ -111,8 +108,7 @@ impl State {
             if let Some(cov) = r
                 .chunks
                 .get_mut(lease.chunk as usize)
-                .and_then(|c| c.slots.get_mut(lease.writer as usize))
-                .and_then(|s| s.as_mut())
+                .and_then(|c| c.slots.get_mut(lease.slot as usize))
                 .filter(|s| s.conn == lease.conn)
                 .and_then(|s| s.coverage.as_mut())
             {
@@ -128,14 +124,14 @@ impl State {
     /// Errors are replied; a writer that owns the slot and is short fails the room.
     pub fn slice_done(&mut self, conn: ConnId, room: u64, chunk: u32) -> Result<()> {
         let info = self.conn(conn)?;
-        let (writer, session) = (info.pairing.writer()?, info.session.clone());
+        let session = info.session.clone();
+        info.pairing.writer()?;
         let r = self.live_room(room)?;
         let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("slices done for chunk {chunk} past room {room}")))?;
         if let Some(why) = slices_refused(info, c, room, chunk) {
             return Err(why);
         }
-        let slot = c.slots.get(writer as usize).and_then(|s| s.as_ref()).filter(|s| s.conn == conn);
-        let Some(slot) = slot else {
+        let Some((index, slot)) = c.slot_of(conn) else {
             return Err(protocol(format!("slices done for chunk {chunk} of room {room} by a connection that sent none")));
         };
         if slot.arrived {
@@ -149,8 +145,8 @@ impl State {
         }
         let r = self.rooms.get_mut(&room).expect("live");
         let c = &mut r.chunks[chunk as usize];
-        c.slots[writer as usize].as_mut().expect("checked").arrived = true;
-        if c.slots.iter().all(|s| s.as_ref().is_some_and(|s| s.arrived)) {
+        c.slots[index as usize].arrived = true;
+        if c.all_arrived() {
             c.phase = Phase::Done;
             self.metrics.chunks_received += 1;
             self.push_event(ChunkEvent { room, chunk, status: Status::KVSTAGE_OK, scatter_ns: 0 });

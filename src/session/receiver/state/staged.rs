@@ -5,9 +5,9 @@ use super::*;
 
 impl State {
 
-    /// An allocation request from `conn` for its writer slot of (room, chunk). Errors are replied
-    /// to the sender; none ends the session.
-    pub fn allocate(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, tokens: u32, bytes: u64) -> Result<Grant> {
+    /// An allocation request from `conn` for its region of (room, chunk): the grant and the
+    /// region's offset within it. Errors are replied to the sender; none ends the session.
+    pub fn allocate(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, tokens: u32, bytes: u64) -> Result<(Grant, u64)> {
         let info = self.conn(conn)?.clone();
         let writer = info.pairing.writer()?;
         if claimed != writer {
@@ -17,12 +17,18 @@ impl State {
         self.check_prefill(room, &info.src)?;
         let r = self.live_room(room)?;
         let num_chunks = r.chunks.len();
-        let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("chunk {chunk} is past room {room}'s {num_chunks} chunks")))?;
+        let c = r.chunks.get(chunk as usize).ok_or_else(|| {
+            protocol(format!("chunk {chunk} is past room {room}'s {num_chunks} chunks (0 .. {})", num_chunks.saturating_sub(1)))
+        })?;
         let expected_tokens = r.chunk_pages(chunk).len() as u32 * info.dst.page_size;
         if tokens != expected_tokens {
             return Err(Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
-                format!("chunk {chunk} of room {room}: sender has {tokens} tokens, receiver expects {expected_tokens}"),
+                format!(
+                    "chunk {chunk} of room {room}: sender has {tokens} tokens, receiver expects {expected_tokens} (its grid: {num_chunks} chunks of {} tokens over {} pages)",
+                    r.grid_pages as u32 * info.dst.page_size,
+                    r.pages.len()
+                ),
             ));
         }
         match c.mode {
@@ -37,23 +43,22 @@ impl State {
             }
             _ => {}
         }
-        if let Some(s) = c.slots.get(writer as usize).and_then(|s| s.as_ref()) {
-            return Err(if s.conn == conn {
-                protocol(format!("writer {writer} requested chunk {chunk} twice"))
-            } else {
-                protocol(format!("writer slot {writer} of chunk {chunk} is held by another connection"))
-            });
+        if c.slot_of(conn).is_some() {
+            return Err(protocol(format!("writer {writer} requested chunk {chunk} twice")));
         }
-        let layout = geometry::staging_layout(&info.src, &info.dst, tokens)?;
+        let mut layout = match &c.layout {
+            Some(l) => l.clone(),
+            None => geometry::staging_layout(&info.src, &info.dst, tokens)?,
+        };
         if bytes != layout.total_bytes {
             return Err(Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
                 format!("allocation size {bytes} != expected {} for chunk {chunk}", layout.total_bytes),
             ));
         }
-        if layout.writer_count() != info.pairing.writers || writer >= layout.writer_count() {
-            return Err(Error::internal(format!("layout has {} writers, pairing {}", layout.writer_count(), info.pairing.writers)));
-        }
+        // Refuses a connection claiming layers of its head group that another one carries.
+        let region = layout.place(&info.src)?;
+        let region_offset = layout.writers[region as usize].offset;
         let existing = self.rooms[&room].chunks[chunk as usize].grant;
         let id = match existing {
             Some(id) => id,
@@ -71,21 +76,18 @@ impl State {
         }
         let grant = self.grants[&id].grant;
         let c = &mut self.rooms.get_mut(&room).expect("checked").chunks[chunk as usize];
-        if existing.is_none() {
-            c.grant = Some(id);
-            c.layout = Some(layout);
-            c.mode = Mode::Staged;
-            c.slots = vec![None; info.pairing.writers as usize];
-        }
-        c.slots[writer as usize] = Some(Slot { conn, shape: info.src.clone(), received: 0, coverage: None, arrived: false });
-        Ok(grant)
+        c.grant = Some(id);
+        c.layout = Some(layout);
+        c.mode = Mode::Staged;
+        c.slots.push(Slot { conn, region, received: 0, coverage: None, arrived: false });
+        Ok((grant, region_offset))
     }
 
     /// Checks a staged write of `len` bytes at `offset` (allocation-relative) by `conn`. An `Err`
     /// ends the session (the frame lies about what this connection owns); a closed room's write
     /// is discarded.
     pub fn begin_data(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<WriteLease>> {
-        let (grant, region_offset) = match self.check_write(conn, room, chunk, claimed, offset, len)? {
+        let (grant, slot, region_offset) = match self.check_write(conn, room, chunk, claimed, offset, len)? {
             Target::Land(v) => v,
             Target::Discard(e) => return Ok(Target::Discard(e)),
         };
@@ -98,14 +100,14 @@ impl State {
             room,
             gen,
             chunk,
-            writer: claimed,
+            slot,
             ring_offset: g.grant.offset + region_offset,
             len,
         }))
     }
 
-    /// Validates a write and returns (grant id, allocation-relative offset).
-    fn check_write(&self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<(u64, u64)>> {
+    /// Validates a write and returns (grant id, slot, allocation-relative offset).
+    fn check_write(&self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<(u64, u32, u64)>> {
         let writer = self.conn(conn)?.pairing.writer()?;
         if claimed != writer {
             return Err(protocol(format!("data for writer {claimed} from writer {writer}")));
@@ -115,18 +117,14 @@ impl State {
             Err(e) => return Ok(Target::Discard(e)),
         };
         let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("data for chunk {chunk} past room {room}")))?;
-        let slot = c.slots.get(writer as usize).and_then(|s| s.as_ref());
-        let (Some(grant), Some(layout), Some(slot)) = (c.grant, c.layout.as_ref(), slot) else {
-            return Err(protocol(format!("data for chunk {chunk} of room {room} without an allocation")));
+        let (Some(grant), Some(layout), Some((index, slot))) = (c.grant, c.layout.as_ref(), c.slot_of(conn)) else {
+            return Err(protocol(format!("data for chunk {chunk} of room {room} without this connection's allocation")));
         };
-        if slot.conn != conn {
-            return Err(protocol(format!("data for writer slot {writer} of chunk {chunk} from a connection that does not hold it")));
-        }
-        let region = &layout.writers[writer as usize];
+        let region = &layout.writers[slot.region as usize];
         let start = region.offset + slot.received;
         if slot.arrived || offset != start || len > region.bytes - slot.received {
             return Err(protocol(format!(
-                "write [{offset}, {}) outside writer {writer}'s remaining region [{start}, {}) of chunk {chunk}",
+                "write [{offset}, {}) outside this writer's remaining region [{start}, {}) of chunk {chunk}",
                 offset.saturating_add(len),
                 region.offset + region.bytes
             )));
@@ -136,14 +134,14 @@ impl State {
         if !wm.permits(g.round, g.offset + region.offset + region.bytes) {
             return Err(protocol(format!("write to round {} before the watermark {wm:?} allowed it", g.round)));
         }
-        Ok(Target::Land((grant, offset)))
+        Ok(Target::Land((grant, index, offset)))
     }
 
     /// The payload read of `lease` ended; `landed` when every byte arrived. Bytes for a room
     /// released or failed meanwhile do not count (the grant was returned once unpinned).
     pub fn end_data(&mut self, lease: WriteLease, landed: bool) {
         if landed {
-            if let Some(slot) = self.slot_mut(lease.room, lease.gen, lease.chunk, lease.writer, lease.conn) {
+            if let Some(slot) = self.slot_mut(lease.room, lease.gen, lease.chunk, lease.slot, lease.conn) {
                 slot.received += lease.len;
             }
         }
@@ -156,18 +154,18 @@ impl State {
         if !self.conn(conn)?.rdma {
             return Err(protocol("an RDMA write report on a session without RDMA"));
         }
-        if let Target::Land(_) = self.check_write(conn, room, chunk, claimed, offset, len)? {
+        if let Target::Land((_, index, _)) = self.check_write(conn, room, chunk, claimed, offset, len)? {
             let gen = self.rooms[&room].gen;
-            if let Some(slot) = self.slot_mut(room, gen, chunk, claimed, conn) {
+            if let Some(slot) = self.slot_mut(room, gen, chunk, index, conn) {
                 slot.received += len;
             }
         }
         Ok(())
     }
 
-    fn slot_mut(&mut self, room: u64, gen: u64, chunk: u32, writer: u32, conn: ConnId) -> Option<&mut Slot> {
+    fn slot_mut(&mut self, room: u64, gen: u64, chunk: u32, slot: u32, conn: ConnId) -> Option<&mut Slot> {
         let r = self.rooms.get_mut(&room).filter(|r| r.gen == gen && r.live())?;
-        r.chunks.get_mut(chunk as usize)?.slots.get_mut(writer as usize)?.as_mut().filter(|s| s.conn == conn)
+        r.chunks.get_mut(chunk as usize)?.slots.get_mut(slot as usize).filter(|s| s.conn == conn)
     }
 
     /// A writer says its region is complete. On success the region is pinned for the checksum
@@ -184,11 +182,10 @@ impl State {
         let r = self.live_room(room)?;
         let gen = r.gen;
         let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("ready for chunk {chunk} past room {room}")))?;
-        let slot = c.slots.get(writer as usize).and_then(|s| s.as_ref()).filter(|s| s.conn == conn);
-        let (Some(grant), Some(layout), Some(slot)) = (c.grant, c.layout.as_ref(), slot) else {
+        let (Some(grant), Some(layout), Some((index, slot))) = (c.grant, c.layout.as_ref(), c.slot_of(conn)) else {
             return Err(protocol(format!("ready for chunk {chunk} of room {room} without this connection's allocation")));
         };
-        let region = &layout.writers[writer as usize];
+        let region = &layout.writers[slot.region as usize];
         if slot.received != region.bytes || slot.arrived {
             let why = format!("ready for chunk {chunk} after {} of {} bytes", slot.received, region.bytes);
             self.fail_room(room, Status::KVSTAGE_E_PROTOCOL, why.clone(), &session);
@@ -196,7 +193,7 @@ impl State {
         }
         let (ring_offset, len) = (self.grants[&grant].grant.offset + region.offset, region.bytes);
         self.grants.get_mut(&grant).expect("live").pins.push(Some(conn));
-        Ok(ReadyLease { conn, grant, room, gen, chunk, writer, ring_offset, len })
+        Ok(ReadyLease { conn, grant, room, gen, chunk, slot: index, ring_offset, len })
     }
 
     /// Counts the arrival checked by `verified` (the checksum result); when it was the chunk's
@@ -216,11 +213,11 @@ impl State {
         let r = self.rooms.get_mut(&lease.room).expect("live");
         let pages = r.chunk_pages(lease.chunk).to_vec();
         let c = &mut r.chunks[lease.chunk as usize];
-        if let Some(s) = c.slots[lease.writer as usize].as_mut() {
+        if let Some(s) = c.slots.get_mut(lease.slot as usize).filter(|s| s.conn == lease.conn) {
             s.arrived = true;
             self.metrics.bytes_received += lease.len;
         }
-        if !c.slots.iter().all(|s| s.as_ref().is_some_and(|s| s.arrived)) {
+        if !c.all_arrived() {
             return Ok(());
         }
         c.phase = Phase::Scattering;
@@ -233,7 +230,6 @@ impl State {
             ring_offset: self.grants[&grant].grant.offset,
             pages,
             layout: c.layout.clone().expect("staged chunk has a layout"),
-            writers: c.slots.iter().flatten().map(|s| s.shape.clone()).collect(),
             arrived: None,
             scatter_ns: 0,
         };
@@ -287,7 +283,7 @@ impl State {
             .chunks
             .iter()
             .enumerate()
-            .any(|(i, c)| which.is_none_or(|w| w as usize == i) && c.slots.iter().flatten().any(|s| s.conn == conn));
+            .any(|(i, c)| which.is_none_or(|w| w as usize == i) && c.slot_of(conn).is_some());
         if holds {
             let what = which.map_or_else(|| "the room".to_owned(), |c| format!("chunk {c}"));
             self.fail_room(room, Status::KVSTAGE_E_CANCELED, format!("sender aborted {what} (session {session}): {reason}"), &session);

@@ -37,7 +37,7 @@ const CHUNK: u64 = 1024;
 #[test]
 fn sizes_follow_the_staging_layout() {
     let layout = geometry::staging_layout(&src(0, 2), &dst(), TOKENS).unwrap();
-    assert_eq!((layout.writers[0].bytes, layout.total_bytes), (REGION, CHUNK));
+    assert_eq!((layout.region_of(&src(0, 2)).unwrap().unwrap().bytes, layout.total_bytes), (REGION, CHUNK));
 }
 
 fn state(ring: u64) -> State {
@@ -68,10 +68,11 @@ fn another_connection_cannot_write_or_complete_a_grant_it_does_not_hold() {
     st.open_room(7, &PAGES, GRID, None).unwrap();
     st.allocate(a, 7, 0, 0, TOKENS, CHUNK).unwrap();
     // Same writer index, other connection: no allocation, no data, no ready, no abort.
-    assert!(st.allocate(intruder, 7, 0, 0, TOKENS, CHUNK).unwrap_err().message().contains("held by another connection"));
+    let e = st.allocate(intruder, 7, 0, 0, TOKENS, CHUNK).unwrap_err();
+    assert!(e.causes()[0].contains("carried by prefill rank (tp 0, pp 0) != remote claimed by"), "{:?}", e.causes());
     let e = st.begin_data(intruder, 7, 0, 0, 0, REGION).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
-    assert!(e.message().contains("does not hold it"), "{}", e.message());
+    assert!(e.message().contains("without this connection's allocation"), "{}", e.message());
     assert!(st.begin_ready(intruder, 7, 0, 0).is_err());
     st.abort(intruder, 7, 0, "mischief");
     st.abort(intruder, 7, u32::MAX, "mischief");
@@ -95,13 +96,13 @@ fn a_release_during_a_payload_read_defers_the_free_and_discards_the_bytes() {
     assert_eq!(st.ring_stats().1, 1);
     st.open_room(1, &PAGES, GRID, None).unwrap();
     let b = st.add_conn(info(1, 2, false));
-    let g = st.allocate(b, 1, 0, 1, TOKENS, CHUNK).unwrap();
+    let (g, _) = st.allocate(b, 1, 0, 1, TOKENS, CHUNK).unwrap();
     assert!(!st.watermark().permits(g.round, g.end()), "a new grant over a pinned range must wait for the watermark");
     assert!(st.register_ring(CHUNK).is_err(), "the ring cannot be replaced under a read");
     st.end_data(lease, true);
     assert!(st.watermark().permits(g.round, g.end()));
     // The old lease's bytes did not count for the reopened room.
-    assert!(st.begin_data(a, 1, 0, 0, 0, REGION).unwrap_err().message().contains("without an allocation"));
+    assert!(st.begin_data(a, 1, 0, 0, 0, REGION).unwrap_err().message().contains("without this connection's allocation"));
 }
 
 #[test]
@@ -316,6 +317,8 @@ enum MPhase {
 #[derive(Clone, Debug, Default)]
 struct MSlot {
     conn: ConnId,
+    /// Where the receiver placed the region (allocation order).
+    region: u64,
     received: u64,
     rows: HashSet<(u32, u32)>,
     arrived: bool,
@@ -455,18 +458,19 @@ impl Harness {
                     ch.phase == MPhase::Waiting && ch.slices != Some(true) && ch.slots[w as usize].is_none()
                 });
                 assert_eq!(result.is_ok(), expect, "allocate c{c} r{room} ch{chunk}: {result:?}");
-                if let Ok(g) = result {
+                if let Ok((g, region)) = result {
                     let ch = &mut self.rooms.get_mut(&room).unwrap().chunks[chunk as usize];
+                    assert_eq!(region, ch.slots.iter().flatten().count() as u64 * REGION, "regions are placed back to back");
                     ch.slices = Some(false);
                     ch.grant = Some(g);
-                    ch.slots[w as usize] = Some(MSlot { conn: id, ..MSlot::default() });
+                    ch.slots[w as usize] = Some(MSlot { conn: id, region, ..MSlot::default() });
                 }
             }
             Op::DataBegin(c, room, chunk, lie) => {
                 let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
                 let w = writer_of(c);
                 let slot = self.rooms.get(&room).filter(|r| r.live()).and_then(|r| r.chunks.get(chunk as usize)).filter(|ch| ch.slices == Some(false)).and_then(|ch| {
-                    ch.slots[w as usize].as_ref().filter(|s| s.conn == id && !s.arrived && s.received < REGION).map(|s| (s.received, ch.grant.unwrap()))
+                    ch.slots[w as usize].as_ref().filter(|s| s.conn == id && !s.arrived && s.received < REGION).map(|s| (s.region + s.received, ch.grant.unwrap()))
                 });
                 // An honest sender writes only once the watermark allows it.
                 if let Some((_, g)) = slot {
@@ -474,7 +478,7 @@ impl Harness {
                         return;
                     }
                 }
-                let offset = w as u64 * REGION + slot.map_or(0, |s| s.0) + lie as u64;
+                let offset = slot.map_or(w as u64 * REGION, |s| s.0) + lie as u64;
                 let result = if c == 3 {
                     self.st.rdma_written(id, room, chunk, w, offset, REGION / 2).map(|()| None)
                 } else {
@@ -505,7 +509,7 @@ impl Harness {
                     return;
                 }
                 let (c, lease) = self.writes.remove(i % self.writes.len());
-                let (room, gen, chunk, w) = (lease.room, lease.gen, lease.chunk, lease.writer);
+                let (room, gen, chunk, w) = (lease.room, lease.gen, lease.chunk, writer_of(c));
                 self.st.end_data(lease, ok);
                 if !ok {
                     self.kill(c);
@@ -598,7 +602,7 @@ impl Harness {
                 }
                 let (c, lease) = self.slices.remove(i % self.slices.len());
                 let key = (lease.buffer, lease.token);
-                let (room, gen, chunk, w) = (lease.room, lease.gen, lease.chunk, lease.writer);
+                let (room, gen, chunk, w) = (lease.room, lease.gen, lease.chunk, writer_of(c));
                 self.st.end_slice(lease, ok);
                 if let Some(r) = self.rooms.get_mut(&room).filter(|r| r.gen == gen && r.live()) {
                     if ok {

@@ -424,9 +424,9 @@ fn copies(a: &Args, prefill: &Prefill, bar: &ProgressBar) -> Result<(Section, Se
             let dst_shape = s.model.shape(s.page_size, rd, s.decode_tp);
             for pages in s.prefill_pages(r.rank).chunks(grid) {
                 let layout = geometry::staging_layout(&r.pool.layout.shape, &dst_shape, (pages.len() as u32) * s.page_size)?;
-                let w = kvstage::session::pairing(&r.pool.layout.shape, &dst_shape)?.writer()?;
-                let plan = geometry::plan_gather(&r.pool.layout.shape, pages, &layout, w)?;
-                staging.resize(staging.len().max(layout.writers[w as usize].bytes as usize), 0);
+                let Some(region) = layout.region_of(&r.pool.layout.shape)? else { continue };
+                let plan = geometry::plan_gather(&r.pool.layout.shape, pages, &layout, &region)?;
+                staging.resize(staging.len().max(region.bytes as usize), 0);
                 plans.push((r.rank as usize, plan));
             }
         }
@@ -449,10 +449,10 @@ fn copies(a: &Args, prefill: &Prefill, bar: &ProgressBar) -> Result<(Section, Se
     let mut scatter_bytes = 0;
     let src_shape = s.model.shape(s.page_size, 0, s.prefill_tp);
     for pages in dst_pages.chunks(grid) {
-        let layout = geometry::staging_layout(&src_shape, &dst_shape, (pages.len() as u32) * s.page_size)?;
-        for w in 0..layout.writer_count() {
-            scatter_plans.push(geometry::plan_scatter(&dst_shape, pages, &layout, w)?);
-            scatter_bytes += layout.writers[w as usize].bytes;
+        let layout = geometry::staging_layout_stages(std::slice::from_ref(&src_shape), &dst_shape, (pages.len() as u32) * s.page_size)?;
+        for region in &layout.writers {
+            scatter_plans.push(geometry::plan_scatter(&dst_shape, pages, &layout, region)?);
+            scatter_bytes += region.bytes;
         }
     }
     let mut scatter = Section::new(scatter_bytes);

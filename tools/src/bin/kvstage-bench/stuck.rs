@@ -163,9 +163,9 @@ struct SessionJson {
 fn chunk_share(s: &Setup, rs: u32, rd: u32) -> Result<u64, Error> {
     let src = s.model.shape(s.page_size, rs, s.prefill_tp);
     let dst = s.model.shape(s.page_size, rd, s.decode_tp);
-    let w = kvstage::session::pairing(&src, &dst)?.writer()?;
     let tokens = (s.grid_pages().min(s.pages()) as u32) * s.page_size;
-    Ok(geometry::staging_layout(&src, &dst, tokens)?.writers[w as usize].bytes)
+    let region = geometry::staging_layout(&src, &dst, tokens)?.region_of(&src)?;
+    Ok(region.ok_or_else(|| Error::internal(format!("prefill rank {rs} writes nothing to decode rank {rd}")))?.bytes)
 }
 
 /// One phase of `--stuck-peer`: every session's transfers that ended inside the window. With
