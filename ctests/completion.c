@@ -1,6 +1,7 @@
 /* Completions in a C event loop: the engine's descriptor with poll(), the callback with each
  * operation's user_tag, and chunk events polled by room. Two engines in this process on
- * 127.0.0.1; the decode bytes are compared with the prefill pool. */
+ * 127.0.0.1; the decode bytes are compared with the prefill pool. Also: a room's chunk grid as
+ * the prefill side learns it (kvstage_session_room_grid). */
 #define _POSIX_C_SOURCE 200809L
 
 #include <poll.h>
@@ -86,6 +87,20 @@ int main(void) {
     REQUIRE(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL) == KVSTAGE_OK);
     kvstage_session *session = NULL;
     REQUIRE(kvstage_session_connect(prefill, addr, "completion", 0, &session) == KVSTAGE_OK);
+
+    {
+        /* The prefill side learns the decode side's chunk grid of a room. */
+        kvstage_room_grid grid;
+        memset(&grid, 0, sizeof grid);
+        grid.struct_size = sizeof grid;
+        CHECK_OK(kvstage_session_room_grid(session, 0, 5000, &grid));
+        CHECK_INT(grid.chunk_tokens, CHUNK_TOKENS);
+        CHECK_INT(grid.num_chunks, 1);
+        CHECK_INT(grid.num_pages, 4);
+        CHECK_INT(kvstage_session_room_grid(session, 999, 5000, &grid), KVSTAGE_E_CANCELED);
+        CHECK_CONTAINS(kvstage_error_last()->message, "room 999 is not open");
+        CHECK_INT(kvstage_session_room_grid(session, 0, 5000, NULL), KVSTAGE_E_INVALID_ARG);
+    }
 
     seen prefill_seen, decode_seen;
     memset(&prefill_seen, 0, sizeof prefill_seen);

@@ -36,6 +36,7 @@ from ._core import (
     Operation,
     Room,
     Session,
+    RoomGrid,
     SessionStats,
     StagingLayout,
     StagingWriter,
@@ -110,6 +111,7 @@ __all__ = [
     "Operation",
     "StagingTransfer",
     # metrics
+    "RoomGrid",
     "SessionStats",
     "TransferTimings",
     "transfer_timings_last",

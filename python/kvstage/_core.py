@@ -503,6 +503,14 @@ def _fields_from_c(cls: Any, c: Any) -> Any:
     return cls(*values)
 
 
+class RoomGrid(NamedTuple):
+    """``kvstage_room_grid``: a room's chunk grid on the decode side."""
+
+    chunk_tokens: int
+    num_chunks: int
+    num_pages: int
+
+
 class SessionStats(NamedTuple):
     """``kvstage_session_stats``: a sender session's counters (see the README's Metrics)."""
 
@@ -925,6 +933,15 @@ class Session(_Handle):
         del keep
         _check(self._lib, rc, "kvstage_transfer_async")
         return Operation(self, out.value)
+
+    def room_grid(self, room: int, timeout_ms: int = 0) -> RoomGrid:
+        """``kvstage_session_room_grid``: the chunk grid of ``room`` as the decode side opened it
+        (chunk ``k`` carries the room's tokens ``[k * chunk_tokens, ...)``); one round trip."""
+        out = _lib.kvstage_room_grid()
+        out.struct_size = ctypes.sizeof(out)
+        rc = self._lib.kvstage_session_room_grid(self._handle(), _u64(room, "room"), _u64(timeout_ms, "timeout_ms"), byref(out))
+        _check(self._lib, rc, "kvstage_session_room_grid")
+        return RoomGrid(out.chunk_tokens, out.num_chunks, out.num_pages)
 
     def stats(self) -> SessionStats:
         """``kvstage_session_stats_get``: this session's counters and transport."""

@@ -302,6 +302,10 @@ class kvstage_staging_layout(Structure):
     ]
 
 
+class kvstage_room_grid(Structure):
+    _fields_ = [("struct_size", c_size_t), ("chunk_tokens", c_uint32), ("num_chunks", c_uint32), ("num_pages", c_uint32)]
+
+
 class kvstage_rank(Structure):
     _fields_ = [("tp_rank", c_uint32), ("pp_rank", c_uint32)]
 
@@ -409,6 +413,7 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     ),
     "kvstage_session_connect": (c_int, [c_void_p, c_char_p, c_char_p, c_uint64, _p(c_void_p)]),
     "kvstage_session_free": (None, [c_void_p]),
+    "kvstage_session_room_grid": (c_int, [c_void_p, c_uint64, c_uint64, _p(kvstage_room_grid)]),
     "kvstage_transfer_desc_init": (c_int, [_p(kvstage_transfer_desc)]),
     "kvstage_transfer": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
     "kvstage_transfer_slices": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
