@@ -1,7 +1,11 @@
 /* Failure paths of the staged transfer between two real processes on 127.0.0.1: connection
  * refused, geometry mismatch with a field-by-field diff, fallback when the ring is too small,
  * deadline expiry, cancel, and a peer killed mid-chunk on either side (the survivor reports
- * PEER_GONE within a second and the ring returns to empty). */
+ * PEER_GONE within a second and the ring returns to empty).
+ *
+ * KVSTAGE_TEST_TRANSPORT=rdma (or tcp) forces every engine's transport (default: auto) and checks
+ * that each session really uses it, so a run on real verbs (ctest rdma_vm) cannot pass by
+ * quietly moving the chunks over TCP. */
 #define _POSIX_C_SOURCE 200809L
 
 #include <signal.h>
@@ -50,11 +54,33 @@ static void pool_init(pool *p, uint32_t tp_rank, uint32_t tp_size, uint32_t head
 
 static const uint32_t PAGES[8] = {3, 4, 5, 6, 9, 1, 2, 0}; /* two chunks of 4 pages */
 
-static kvstage_engine *engine_with_pool(pool *p) {
+static int32_t g_transport = KVSTAGE_TRANSPORT_AUTO;
+
+static kvstage_engine *new_engine(void) {
+    kvstage_engine_options o;
     kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    o.transport = g_transport;
+    REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
+    return e;
+}
+
+static kvstage_engine *engine_with_pool(pool *p) {
+    kvstage_engine *e = new_engine();
     REQUIRE(kvstage_engine_register_pool(e, &p->layout) == KVSTAGE_OK);
     return e;
+}
+
+/* A session that must open; with a forced transport, on that transport. */
+static kvstage_session *connect_ok(kvstage_engine *e, const char *addr, const char *id) {
+    kvstage_session *s = NULL;
+    kvstage_session_stats st;
+    REQUIRE(kvstage_session_connect(e, addr, id, 2000, &s) == KVSTAGE_OK);
+    memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    REQUIRE(kvstage_session_stats_get(s, &st) == KVSTAGE_OK);
+    if (g_transport != KVSTAGE_TRANSPORT_AUTO) CHECK_INT(st.transport, g_transport);
+    return s;
 }
 
 static double now_s(void) {
@@ -125,8 +151,7 @@ static void finish(pid_t pid, int done_fd) {
 
 static void test_connection_refused(void) {
     /* A port that was just in use and is now closed. */
-    kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
+    kvstage_engine *e = new_engine();
     char addr[64];
     REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
     kvstage_engine_free(e);
@@ -186,7 +211,7 @@ static void test_fallback_when_the_ring_is_too_small(void) {
     pool_init(&p, 0, 2, 8, 2);
     kvstage_engine *e = engine_with_pool(&p);
     kvstage_session *s = NULL;
-    REQUIRE(kvstage_session_connect(e, addr, "fallback-1", 2000, &s) == KVSTAGE_OK);
+    s = connect_ok(e, addr, "fallback-1");
     kvstage_transfer_desc d = chunk_desc(ROOM, 0, 0);
     CHECK_INT(kvstage_transfer(s, &d), KVSTAGE_FALLBACK);
     /* The slice path still delivers the chunk. */
@@ -219,7 +244,7 @@ static void test_deadline_cancel_and_decode_killed(void) {
     pool_init(&p, 0, 2, 8, 2);
     kvstage_engine *e = engine_with_pool(&p);
     kvstage_session *s = NULL;
-    REQUIRE(kvstage_session_connect(e, addr, "blocked-1", 2000, &s) == KVSTAGE_OK);
+    s = connect_ok(e, addr, "blocked-1");
 
     /* Deadline: the blocked transfer ends with TIMEOUT, naming what it waited for. */
     kvstage_op *op = blocked_transfer(s, ROOM, 400);
@@ -238,7 +263,7 @@ static void test_deadline_cancel_and_decode_killed(void) {
 
     /* The decode process dies while a third transfer waits: PEER_GONE well before its deadline. */
     kvstage_session_free(s);
-    REQUIRE(kvstage_session_connect(e, addr, "blocked-2", 2000, &s) == KVSTAGE_OK);
+    s = connect_ok(e, addr, "blocked-2");
     op = blocked_transfer(s, ROOM + 2, 30000);
     double t0 = now_s();
     kill(pid, SIGKILL);
@@ -269,7 +294,7 @@ static void test_prefill_killed_mid_chunk(void) {
         pool_init(&src, 0, 2, 8, 2);
         kvstage_engine *e = engine_with_pool(&src);
         kvstage_session *s = NULL;
-        REQUIRE(kvstage_session_connect(e, addr, "dying-prefill", 2000, &s) == KVSTAGE_OK);
+        s = connect_ok(e, addr, "dying-prefill");
         kvstage_transfer_desc d = chunk_desc(ROOM, 0, 5000);
         REQUIRE(kvstage_transfer(s, &d) == KVSTAGE_OK);
         REQUIRE(write(sent_pipe[1], "x", 1) == 1);
@@ -303,7 +328,12 @@ static void test_prefill_killed_mid_chunk(void) {
 }
 
 int main(void) {
+    const char *forced = getenv("KVSTAGE_TEST_TRANSPORT");
     signal(SIGPIPE, SIG_IGN);
+    if (forced != NULL && strcmp(forced, "rdma") == 0) g_transport = KVSTAGE_TRANSPORT_RDMA;
+    else if (forced != NULL && strcmp(forced, "tcp") == 0) g_transport = KVSTAGE_TRANSPORT_TCP;
+    else REQUIRE(forced == NULL || forced[0] == 0);
+    printf("int_errors: transport %s\n", forced != NULL && forced[0] ? forced : "auto");
     test_connection_refused();
     test_geometry_mismatch();
     test_fallback_when_the_ring_is_too_small();

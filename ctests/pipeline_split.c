@@ -136,10 +136,13 @@ static void paint(uint8_t *memory, const kvstage_kv_layout *l, const uint32_t *p
             }
 }
 
+/* TCP unless KVSTAGE_TEST_TRANSPORT=rdma (ctest rdma_vm: the same regions by RDMA WRITE). */
+static int32_t g_transport = KVSTAGE_TRANSPORT_TCP;
+
 static kvstage_engine *engine_with(const pool *p) {
     kvstage_engine_options o;
     REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
-    o.transport = KVSTAGE_TRANSPORT_TCP; /* the layouts are the subject, not the transport */
+    o.transport = g_transport;
     kvstage_engine *e = NULL;
     REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
     REQUIRE(kvstage_engine_register_pool(e, &p->layout) == KVSTAGE_OK);
@@ -258,6 +261,7 @@ static int prefill_main(const scenario *sc, uint32_t tp_rank, uint32_t stage, ch
         kvstage_session_stats st;
         st.struct_size = sizeof st;
         CHECK_OK(kvstage_session_stats_get(s, &st));
+        CHECK_INT(st.transport, g_transport);
         uint64_t heads = replica ? 0 : l.local_heads; /* decode TP 1 takes all of them */
         CHECK_INT(st.bytes_sent, heads * shared_layers(&sc->prefill, stage, &sc->decode, d) * 2 * TOKENS * ROW);
         kvstage_session_free(s);
@@ -352,6 +356,8 @@ static void run(const scenario *sc) {
 }
 
 int main(void) {
+    const char *forced = getenv("KVSTAGE_TEST_TRANSPORT");
+    if (forced != NULL && strcmp(forced, "rdma") == 0) g_transport = KVSTAGE_TRANSPORT_RDMA;
     for (size_t i = 0; i < sizeof SCENARIOS / sizeof SCENARIOS[0]; ++i) {
         int before = *kv_failures();
         run(&SCENARIOS[i]);

@@ -10,7 +10,9 @@
  * Mode "loopback" (test rdma_loopback, label rdma): both engines with transport RDMA on this host's device (or
  * KVSTAGE_RDMA_DEVICES), a staged chunk written by RDMA WRITE + WRITE_WITH_IMM, every byte of the
  * decode pool compared with the prefill pool. Exits 77 without a device unless
- * KVSTAGE_REQUIRE_RDMA=1. */
+ * KVSTAGE_REQUIRE_RDMA=1. The chunk (4 MiB) spans many work requests and signal intervals;
+ * KVSTAGE_RDMA_QPS=n stripes it over n queue pairs per device, and with KVSTAGE_RDMA_DEVICES the
+ * session must use the device named first (both checked in the transport's description). */
 #include <stdint.h>
 
 #include "kvstage_check.h"
@@ -102,11 +104,13 @@ static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *p
 }
 
 static kvstage_engine *engine(int transport, const char *devices, pool *p, int staging) {
+    const char *qps = getenv("KVSTAGE_RDMA_QPS");
     kvstage_engine_options o;
     kvstage_engine *e = NULL;
     REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
     o.transport = transport;
     o.rdma_devices = devices;
+    if (qps != NULL) o.rdma_qps_per_device = (uint32_t)atoi(qps);
     o.rdma_wr_bytes = 64 * 1024; /* several work requests per chunk */
     o.rdma_signal_every = 4;
     o.integrity = KVSTAGE_INTEGRITY_ALWAYS;
@@ -241,6 +245,16 @@ static int mode_loopback(void) {
     CHECK_OK(kvstage_engine_transport_describe(pre, describe, sizeof describe, NULL));
     printf("prefill transport: %s\n", describe);
     CHECK_CONTAINS(describe, "rdma (required)");
+    if (getenv("KVSTAGE_RDMA_QPS") != NULL) {
+        char want[64];
+        snprintf(want, sizeof want, ", %s QP(s) per device", getenv("KVSTAGE_RDMA_QPS"));
+        CHECK_CONTAINS(describe, want);
+    }
+    if (devices != NULL) {
+        char want[64];
+        snprintf(want, sizeof want, ": %.*s:", (int)strcspn(devices, ",:"), devices);
+        CHECK_CONTAINS(describe, want);
+    }
     CHECK_INT(transfer_and_verify(pre, dec, &pp, &dp, "loopback-1"), 0);
     memset(&st, 0, sizeof st);
     st.struct_size = sizeof st;

@@ -6,7 +6,7 @@
 #   scripts/prereqs.sh build    cargo, cmake >= 3.25, a C compiler, libclang-dev, pkg-config
 #                               (sideway's rdma-core bindings run cmake and bindgen at build time)
 #   scripts/prereqs.sh test     build + g++, valgrind, iproute2, clang-14, libasan, libibverbs,
-#                               python3 with numpy, pytest and venv, ptxas from PyPI
+#                               qemu-system-x86, python3 with numpy, pytest and venv, ptxas from PyPI
 set -euo pipefail
 mode=${1:-build}
 [[ $mode == build || $mode == test ]] || { echo "usage: $0 build|test" >&2; exit 2; }
@@ -52,6 +52,10 @@ if [[ $mode == test ]]; then
     # device" here and, masked in a mount namespace, "no rdma-core".
     deb_installed libibverbs1 || missing+=(libibverbs1 ibverbs-providers)
   fi
+  # ctest rdma_vm boots Debian's kernel in qemu with soft-RoCE (scripts/rxe-vm.sh); xz and
+  # dpkg-deb unpack the packages it fetches.
+  command -v qemu-system-x86_64 >/dev/null || missing+=(qemu-system-x86)
+  command -v xz >/dev/null || missing+=(xz-utils)
   command -v python3 >/dev/null || missing+=(python3 python3-pip)
   # The bundled-library test installs the Python package into a fresh virtualenv.
   if command -v python3 >/dev/null && ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
