@@ -12,7 +12,8 @@
  * decode pool compared with the prefill pool. Exits 77 without a device unless
  * KVSTAGE_REQUIRE_RDMA=1. The chunk (4 MiB) spans many work requests and signal intervals;
  * KVSTAGE_RDMA_QPS=n stripes it over n queue pairs per device, and with KVSTAGE_RDMA_DEVICES the
- * session must use the device named first (both checked in the transport's description). */
+ * session must use the device named first (both checked in the transport's description). Then
+ * the decode ring is registered again under a connected session (see below). */
 #include <stdint.h>
 
 #include "kvstage_check.h"
@@ -217,6 +218,51 @@ static int mode_none(void) {
     return kv_finish("rdma_none");
 }
 
+/* The decode engine registers its staging ring again while an RDMA session is connected: the old
+ * region (and its rkey) is gone, so that session's next chunk fails on the remote side with
+ * IBV_WC_REM_ACCESS_ERR (named in the chain), the session is dead, the ring holds nothing; a new
+ * session gets the new region and delivers the chunk. */
+static void ring_registered_again_under_a_session(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp) {
+    uint32_t src[NPAGES], dst[NPAGES];
+    char addr[64];
+    kvstage_session *s = NULL;
+    kvstage_transfer_desc d;
+    kvstage_engine_stats st;
+    const kvstage_error *e;
+    int i, seen = 0;
+    size_t c;
+    for (i = 0; i < NPAGES; i++) {
+        dst[i] = (uint32_t)i;
+        src[i] = (uint32_t)(NPAGES + i);
+    }
+    REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr, NULL) == KVSTAGE_OK);
+    REQUIRE(kvstage_session_connect(pre, addr, "before-reregister", 10000, &s) == KVSTAGE_OK);
+    CHECK_OK(kvstage_engine_register_staging(dec, NULL, 16u << 20));
+    CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, NULL));
+    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    d.room = ROOM;
+    d.chunk_index = 0;
+    d.src_pages = src;
+    d.num_pages = NPAGES;
+    d.deadline_ms = 20000;
+    CHECK_INT(kvstage_transfer(s, &d), KVSTAGE_E_RDMA);
+    e = kvstage_error_last();
+    print_error("transfer after the ring was registered again");
+    for (c = 0; c < e->cause_count; c++) seen |= strstr(e->causes[c], "IBV_WC_REM_ACCESS_ERR") != NULL;
+    seen |= strstr(e->message, "IBV_WC_REM_ACCESS_ERR") != NULL;
+    CHECK(seen);
+    CHECK(kvstage_transfer(s, &d) < 0); /* the session is dead */
+    kvstage_session_free(s);
+    CHECK(kvstage_room_wait(dec, ROOM, 5000) < 0); /* the aborted chunk failed the room */
+    CHECK_OK(kvstage_room_release(dec, ROOM));
+    memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    CHECK_OK(kvstage_engine_stats_get(dec, &st));
+    CHECK_INT(st.ring_live_allocations, 0);
+    memset(dp->memory, 0, 2 * LAYERS * dp->buffer);
+    CHECK_INT(transfer_and_verify(pre, dec, pp, dp, "after-reregister"), 0);
+}
+
 static int mode_loopback(void) {
     const char *require = getenv("KVSTAGE_REQUIRE_RDMA");
     const char *devices = getenv("KVSTAGE_RDMA_DEVICES");
@@ -264,6 +310,7 @@ static int mode_loopback(void) {
     CHECK_OK(kvstage_engine_stats_get(dec, &st));
     CHECK_INT(st.rdma_sessions, 1);
     CHECK_INT(st.ring_live_allocations, 0);
+    ring_registered_again_under_a_session(pre, dec, &pp, &dp);
     kvstage_engine_free(pre);
     kvstage_engine_free(dec);
     free(pp.memory);

@@ -38,6 +38,7 @@ while (($#)); do
   esac
 done
 ((${#tests[@]})) || { echo "rxe-vm: no test given (--help)" >&2; exit 2; }
+mkdir -p "$work" && work=$(cd "$work" && pwd)
 
 log() { echo "[rxe-vm $(date +%T)] $*" >&2; }
 unavailable() {
