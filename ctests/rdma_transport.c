@@ -318,9 +318,106 @@ static int mode_loopback(void) {
     return kv_finish("rdma_loopback");
 }
 
-/* The executable's name picks the mode: rdma_loopback, or anything else (rdma_none). */
+#if defined(KVSTAGE_TESTING)
+/* One chunk with `fault` injected into its RDMA write (kvstage_testing_rdma_fault): the transfer
+ * fails with KVSTAGE_E_RDMA naming `wc_status` in the chain, the session is dead, the decode room
+ * fails and its ring space comes back, the bytes around the ring are untouched; then a new
+ * session delivers the chunk, verified. */
+static void faulty_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, uint32_t fault, const char *wc_status,
+                         const uint8_t *guard_lo, const uint8_t *guard_hi, size_t guard) {
+    uint32_t src[NPAGES], dst[NPAGES];
+    char addr[64], id[32];
+    kvstage_session *s = NULL;
+    kvstage_transfer_desc d;
+    kvstage_engine_stats st;
+    const kvstage_error *e;
+    size_t c, i;
+    int seen = 0, intact = 1;
+    for (i = 0; i < NPAGES; i++) {
+        dst[i] = (uint32_t)i;
+        src[i] = (uint32_t)(NPAGES + i);
+    }
+    snprintf(id, sizeof id, "fault-%u", (unsigned)fault);
+    REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr, NULL) == KVSTAGE_OK);
+    REQUIRE(kvstage_session_connect(pre, addr, id, 10000, &s) == KVSTAGE_OK);
+    CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, NULL));
+    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    d.room = ROOM;
+    d.chunk_index = 0;
+    d.src_pages = src;
+    d.num_pages = NPAGES;
+    d.deadline_ms = 20000;
+    CHECK_OK(kvstage_testing_rdma_fault(fault));
+    CHECK_INT(kvstage_transfer(s, &d), KVSTAGE_E_RDMA);
+    e = kvstage_error_last();
+    print_error(id);
+    for (c = 0; c < e->cause_count; c++) seen |= strstr(e->causes[c], wc_status) != NULL;
+    seen |= strstr(e->message, wc_status) != NULL;
+    CHECK(seen);
+    CHECK(kvstage_transfer(s, &d) < 0); /* the session is dead */
+    kvstage_session_free(s);
+    CHECK(kvstage_room_wait(dec, ROOM, 5000) < 0);
+    CHECK_OK(kvstage_room_release(dec, ROOM));
+    memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    CHECK_OK(kvstage_engine_stats_get(dec, &st));
+    CHECK_INT(st.ring_live_allocations, 0);
+    for (i = 0; i < guard; i++) intact &= guard_lo[i] == 0x5A && guard_hi[i] == 0x5A;
+    CHECK(intact);
+    memset(dp->memory, 0, 2 * LAYERS * dp->buffer);
+    snprintf(id, sizeof id, "after-fault-%u", (unsigned)fault);
+    CHECK_INT(transfer_and_verify(pre, dec, pp, dp, id), 0);
+}
+
+/* Mode "faults" (test rdma_faults, label rdma, test builds): each failure of a write on the
+ * wire, with the receiver's ring in caller memory between two guard zones: a remote key the
+ * receiver never issued and a range past the end of the registered ring (both refused by the
+ * receiving side: IBV_WC_REM_ACCESS_ERR), and QP 0 moved to the error state once the first work
+ * requests are posted (flushed: IBV_WC_WR_FLUSH_ERR). Exits 77 without a device unless
+ * KVSTAGE_REQUIRE_RDMA=1. */
+static int mode_faults(void) {
+    const char *require = getenv("KVSTAGE_REQUIRE_RDMA");
+    enum { RING = 16u << 20, GUARD = 1u << 20 };
+    pool pp, dp;
+    kvstage_engine *pre, *dec;
+    uint8_t *ring = (uint8_t *)malloc(RING + 2 * GUARD);
+    REQUIRE(ring != NULL);
+    memset(ring, 0x5A, RING + 2 * GUARD);
+    pool_init(&pp, 5);
+    pool_init(&dp, 0);
+    dec = engine(KVSTAGE_TRANSPORT_RDMA, getenv("KVSTAGE_RDMA_DEVICES"), &dp, 0);
+    if (dec == NULL) {
+        print_error("transport rdma");
+        free(pp.memory);
+        free(dp.memory);
+        free(ring);
+        if (require != NULL && strcmp(require, "1") == 0) return 1;
+        printf("no usable RDMA device on this host: skipped\n");
+        return 77;
+    }
+    REQUIRE(kvstage_engine_register_staging(dec, ring + GUARD, RING) == KVSTAGE_OK);
+    pre = engine(KVSTAGE_TRANSPORT_RDMA, getenv("KVSTAGE_RDMA_DEVICES"), &pp, 0);
+    REQUIRE(pre != NULL);
+    faulty_chunk(pre, dec, &pp, &dp, 1, "IBV_WC_REM_ACCESS_ERR", ring, ring + GUARD + RING, GUARD);
+    faulty_chunk(pre, dec, &pp, &dp, 2, "IBV_WC_REM_ACCESS_ERR", ring, ring + GUARD + RING, GUARD);
+    faulty_chunk(pre, dec, &pp, &dp, 3, "IBV_WC_WR_FLUSH_ERR", ring, ring + GUARD + RING, GUARD);
+    CHECK_INT(kvstage_testing_rdma_fault(4), KVSTAGE_E_INVALID_ARG);
+    kvstage_engine_free(pre);
+    kvstage_engine_free(dec);
+    free(pp.memory);
+    free(dp.memory);
+    free(ring);
+    return kv_finish("rdma_faults");
+}
+#endif
+
+/* The executable's name picks the mode: rdma_loopback, rdma_faults (test builds), or anything
+ * else (rdma_none). */
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : argv[0];
     if (strstr(mode, "loopback") != NULL) return mode_loopback();
+#if defined(KVSTAGE_TESTING)
+    if (strstr(mode, "faults") != NULL) return mode_faults();
+#endif
     return mode_none();
 }

@@ -631,6 +631,14 @@ void kvstage_error_clear(void);
 enum kvstage_status kvstage_capabilities_get(struct kvstage_capabilities *out);
 
 #if defined(KVSTAGE_TESTING)
+// TEST BUILDS ONLY (cargo feature `testing`): the next chunk this process writes by RDMA does
+// something wrong on the wire, to run the failure paths on real verbs: `fault` 1 = a remote key
+// the receiver never issued, 2 = the granted range moved past the end of the registered ring,
+// 3 = QP 0 moved to the error state once the chunk's first work requests are posted; 0 disarms.
+enum kvstage_status kvstage_testing_rdma_fault(uint32_t fault);
+#endif
+
+#if defined(KVSTAGE_TESTING)
 // TEST BUILDS ONLY (cargo feature `testing`): panics inside the export after borrowing `engine`,
 // to prove that a panic becomes `KVSTAGE_E_PANIC` and poisons the handle.
 enum kvstage_status kvstage_testing_panic(const struct kvstage_engine *engine);
@@ -780,8 +788,9 @@ enum kvstage_status kvstage_transfer_timings_last(struct kvstage_transfer_timing
 // transfer must carry the tokens `[k · chunk_tokens, min((k + 1) · chunk_tokens, num_pages ·
 // page_size))` of the room, so a prefill engine can cut its transfers on the decode side's grid
 // instead of guessing it. One round trip; `timeout_ms` 0 = the engine default. Errors: the room
-// is not open there (`KVSTAGE_E_CANCELED`, the receiver's message in the cause chain), the
-// session is gone, the timeout passed. Fills `*out` only on success.
+// is not open there (`KVSTAGE_E_INVALID_ARG`: not yet, or released; ask again once the decode
+// side opened it), it failed there (its error), the session is gone, the timeout passed. Fills
+// `*out` only on success.
 enum kvstage_status kvstage_session_room_grid(const struct kvstage_session *session, uint64_t room, uint64_t timeout_ms_, struct kvstage_room_grid *out);
 
 // Connects to the decode engine at `peer_address` ("127.0.0.1:5000") and runs the handshake

@@ -3,9 +3,9 @@
 # kernel (linux-image-amd64) in qemu, loads soft-RoCE (rdma_rxe) on a veth pair inside the VM and
 # runs each test there, passing its exit code back.
 #
-#   scripts/rxe-vm.sh [--work DIR] [--timeout S] [--env K=V]... TEST [--env K=V]... TEST ...
+#   scripts/rxe-vm.sh [--work DIR] [--timeout S] [--env K=V]... [--arg A]... TEST ...
 #
-# `--env` applies to the next TEST only. Every test runs in the same boot, one after another,
+# `--env` and `--arg` (one argument each) apply to the next TEST only. Every test runs in the same boot, one after another,
 # with RXE_DEV=rxe0, RXE_GID_INDEX (the IPv4 RoCE v2 GID of rxe0) and, when the kernel gives the
 # second end of the veth pair its own device, RXE_DEV2=rxe1. Exit: 0 when every test exited 0,
 # 1 when one did not (or the VM failed), 77 when qemu or the Debian packages cannot be had
@@ -27,14 +27,15 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 work=$repo/build/rxe-vm
 timeout_s=600
-tests=() envs=() pending=()
+tests=() envs=() args=() pending=() pending_args=()
 while (($#)); do
   case $1 in
     --work) work=$2; shift 2 ;;
     --timeout) timeout_s=$2; shift 2 ;;
     --env) pending+=("$2"); shift 2 ;;
+    --arg) pending_args+=("$(printf '%q' "$2")"); shift 2 ;;
     -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
-    *) tests+=("$(readlink -f "$1")"); envs+=("${pending[*]:-}"); pending=(); shift ;;
+    *) tests+=("$(readlink -f "$1")"); envs+=("${pending[*]:-}"); args+=("${pending_args[*]:-}"); pending=() pending_args=(); shift ;;
   esac
 done
 ((${#tests[@]})) || { echo "rxe-vm: no test given (--help)" >&2; exit 2; }
@@ -139,7 +140,7 @@ for i in "${!tests[@]}"; do
   copy_elf "$t" "$d/${t##*/}"
   {
     for kv in ${envs[$i]}; do printf 'export %q\n' "$kv"; done
-    printf 'exec timeout %s ./%q\n' "$timeout_s" "${t##*/}"
+    printf 'exec timeout %s ./%q %s\n' "$timeout_s" "${t##*/}" "${args[$i]}"
   } >"$d/run.sh"
 done
 
@@ -174,7 +175,7 @@ export RXE_DEV=rxe0 RXE_GID_INDEX=$(gid_of rxe0 c000:0201)
 [ -d /sys/class/infiniband/rxe1 ] && export RXE_DEV2=rxe1
 say "kernel $(uname -r); devices: $(ls /sys/class/infiniband | tr '\n' ' ')gid $RXE_GID_INDEX"
 for d in /tests/*; do
-  name=$(tail -n1 $d/run.sh | sed 's/.* \.\///')
+  name=$(tail -n1 $d/run.sh | sed 's/.* \.\///; s/ .*//')
   say "RUN ${d##*/} $name"
   (cd $d && sh ./run.sh); rc=$?
   say "RESULT ${d##*/} $rc"
@@ -210,8 +211,8 @@ failed=0
 for i in "${!tests[@]}"; do
   rc=$(grep -a "^RXE-VM: RESULT $i " "$console" | awk '{print $4}' || true)
   case ${rc:-none} in
-    0) log "passed: ${tests[$i]##*/} ${envs[$i]}" ;;
-    *) log "FAILED (exit ${rc:-none, the VM ended first}): ${tests[$i]##*/} ${envs[$i]}"; failed=1 ;;
+    0) log "passed: ${envs[$i]} ${tests[$i]##*/} ${args[$i]}" ;;
+    *) log "FAILED (exit ${rc:-none, the VM ended first}): ${envs[$i]} ${tests[$i]##*/} ${args[$i]}"; failed=1 ;;
   esac
 done
 ((qemu_rc == 0)) || { log "qemu exited with $qemu_rc"; failed=1; }

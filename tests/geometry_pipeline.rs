@@ -3,11 +3,9 @@
 //! scatter on every decode rank, and compare every byte of every decode pool with a reference
 //! written here, per element, from first principles (which global heads a rank holds), sharing no
 //! code with the engine. The staging allocation itself is also compared byte for byte with the
-//! layout GEOMETRY.md specifies, and the slice path is checked against the same reference.
+//! layout src/geometry/staging.rs documents, and the slice path is checked against the same reference.
 //! Pipeline stages split the layers at random on both sides (uneven, interleaved), and writers
 //! reach the decode rank in random order (regions are placed in arrival order).
-
-use std::collections::BTreeSet;
 
 use kvstage::copy::{CopyEngine, HostCopyEngine};
 use kvstage::geometry::{
@@ -185,11 +183,11 @@ fn expected_pool(c: &Cfg, tp_rank: u32, tp: u32, layers: &[u32], pages: &[u32], 
     out
 }
 
-/// The staging allocation of decode rank (d, q) as GEOMETRY.md specifies it, from scratch, for
-/// prefill ranks (TP rank, stage) that arrive in the order `arrivals` (ranks that write nothing
-/// here are skipped).
-fn expected_staging(c: &Cfg, d: u32, q: usize, arrivals: &[(u32, usize)]) -> Vec<u8> {
-    let tokens = c.dst_pages.len() as u64 * c.page_size as u64;
+/// The regions of decode rank (d, q), in the order their prefill ranks (TP rank, stage) arrive:
+/// (prefill TP rank, the decode layers it carries, the global heads it carries). Ranks that
+/// write nothing here (other heads, a replica of heads an earlier rank sends, no shared layer)
+/// have none.
+fn expected_regions(c: &Cfg, d: u32, q: usize, arrivals: &[(u32, usize)]) -> Vec<(u32, Vec<u32>, Vec<u32>)> {
     // TP writers, in writer order, and the global heads each carries (prefill-side replicas of
     // heads another writer carries send nothing).
     let tp_srcs: Vec<u32> = match c.kind {
@@ -218,13 +216,21 @@ fn expected_staging(c: &Cfg, d: u32, q: usize, arrivals: &[(u32, usize)]) -> Vec
     };
     // Each arriving writer's region: the decode rank's layers its stage holds, ascending.
     let dst_layers = &c.dst_split[q];
+    arrivals
+        .iter()
+        .filter(|(rs, _)| tp_srcs.contains(rs))
+        .map(|&(rs, j)| (rs, dst_layers.iter().copied().filter(|l| c.src_split[j].contains(l)).collect::<Vec<u32>>(), carried(rs)))
+        .filter(|(_, block, _)| !block.is_empty())
+        .collect()
+}
+
+/// The staging allocation of decode rank (d, q) as the staging layout specifies it, from scratch:
+/// the regions back to back in arrival order, each `[K_l … | V_l …]` over its layers, a slab per
+/// (buffer, layer) of tokens × heads × elements.
+fn expected_staging(c: &Cfg, d: u32, q: usize, arrivals: &[(u32, usize)]) -> Vec<u8> {
+    let tokens = c.dst_pages.len() as u64 * c.page_size as u64;
     let mut out = Vec::new();
-    for &(rs, j) in arrivals {
-        let block: Vec<u32> = dst_layers.iter().copied().filter(|l| c.src_split[j].contains(l)).collect();
-        if !tp_srcs.contains(&rs) || block.is_empty() {
-            continue;
-        }
-        let heads = carried(rs);
+    for (_, block, heads) in expected_regions(c, d, q, arrivals) {
         for kv in 0..buffers_per_layer(c) {
             for &layer in &block {
                 for tok in 0..tokens {
@@ -277,14 +283,12 @@ fn run(c: &Cfg) -> Result<(), TestCaseError> {
             }
             let arrivals: Vec<(u32, usize)> = order.iter().map(|p| (p.layout.shape.tp_rank, p.layout.shape.pp_rank as usize)).collect();
             let mut alloc = vec![0xA5u8; st.total_bytes as usize];
-            let mut arrived = BTreeSet::new();
             let mut slice_pool = new_pool(c, dst_shape.clone(), |p| noise(tag, p));
             for src in order {
                 if st.region_of(&src.layout.shape).map_err(|e| TestCaseError::fail(e.chain()))?.is_none() {
                     continue;
                 }
                 let w = st.place(&src.layout.shape).map_err(|e| TestCaseError::fail(e.chain()))?;
-                prop_assert!(arrived.insert(w), "writer {} arrived twice", w);
                 let region = st.writers[w as usize].clone();
                 let plan = plan_gather(&src.layout, &c.src_pages, &st, &region).map_err(|e| TestCaseError::fail(e.chain()))?;
                 let mut buf = vec![0u8; plan.staging_bytes as usize];
@@ -310,7 +314,10 @@ fn run(c: &Cfg) -> Result<(), TestCaseError> {
                     slice_pool.mem[to..to + len].copy_from_slice(&src.mem[from..from + len]);
                 }
             }
-            prop_assert_eq!(arrived.len(), st.writers.len(), "writers that arrived");
+            // The writers, their layers and the order they were placed in, against the reference.
+            let placed: Vec<(u32, Vec<u32>)> = st.writers.iter().map(|w| (w.src_tp_rank, w.layer_ids.clone())).collect();
+            let want: Vec<(u32, Vec<u32>)> = expected_regions(c, d, q, &arrivals).into_iter().map(|(rs, block, _)| (rs, block)).collect();
+            prop_assert_eq!(placed, want, "regions of decode rank ({}, {})", d, q);
             prop_assert!(st.complete(), "every (head group, layer) of decode rank ({}, {}) arrived", d, q);
             let want_staging = expected_staging(c, d, q, &arrivals);
             prop_assert_eq!(alloc.len(), want_staging.len(), "allocation size");

@@ -4,7 +4,7 @@
 //!   writers arriving in an order other than stage order: every decode pool holds the reference
 //!   bytes, and the bytes on the wire are the decode layers' once.
 //! - Two prefill ranks claiming the same layer of the same heads: the second is refused before
-//!   its bytes move, naming the layer and both ranks.
+//!   its bytes move and the room fails, naming the layer and both ranks.
 //! - The chunk grid: the prefill side asks the decode side for it; a chunk of the wrong size or
 //!   past the room is refused before any byte moves, with both sides' values in the message.
 
@@ -134,6 +134,10 @@ fn two_ranks_claiming_one_layer_are_refused_before_bytes_move() {
     assert!(e.chain().contains("carried by prefill rank (tp 0, pp 0) != remote claimed by prefill rank (tp 0, pp 1)"), "{}", e.chain());
     assert_eq!(d.engine.stats().receive.bytes_received, before, "the refused writer's bytes never moved");
     assert_eq!(overlapping.sessions[0].stats().send.bytes_sent, 0);
+    // Either copy of layer 3 may be the wrong layer: the room fails at once, naming both ranks.
+    let e = d.engine.receiver().wait_room(4, Some(Duration::from_secs(5))).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
+    assert!(e.chain().contains("claimed by prefill rank (tp 0, pp 1)"), "{}", e.chain());
 }
 
 #[test]
@@ -146,8 +150,12 @@ fn the_prefill_side_learns_the_grid_and_a_wrong_chunk_is_refused_with_both_value
     let grid = s.room_grid(6, Some(Duration::from_secs(5))).unwrap();
     assert_eq!(grid, RoomGrid { chunk_tokens: 16, num_chunks: 3, num_pages: 10 });
     let e = s.room_grid(99, Some(Duration::from_secs(5))).unwrap_err();
-    assert_eq!(e.code(), Status::KVSTAGE_E_CANCELED, "{}", e.chain());
-    assert!(e.chain().contains("room 99 is not open on the receiver"), "{}", e.chain());
+    assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", e.chain());
+    assert!(e.chain().contains("99 is not open on the receiver (yet)"), "{}", e.chain());
+    d.engine.receiver().release_room(6);
+    let e = s.room_grid(6, Some(Duration::from_secs(5))).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "a released room is gone: {}", e.chain());
+    d.engine.receiver().open_room(6, &pages, 16).unwrap();
 
     // A sender guessing a grid of 3 pages: refused at allocation, nothing sent.
     let e = send(s, 6, 0, &pages[..3]).unwrap_err();

@@ -78,6 +78,27 @@ pub unsafe extern "C" fn kvstage_capabilities_get(out: *mut kvstage_capabilities
     })
 }
 
+/// TEST BUILDS ONLY (cargo feature `testing`): the next chunk this process writes by RDMA does
+/// something wrong on the wire, to run the failure paths on real verbs: `fault` 1 = a remote key
+/// the receiver never issued, 2 = the granted range moved past the end of the registered ring,
+/// 3 = QP 0 moved to the error state once the chunk's first work requests are posted; 0 disarms.
+#[cfg(feature = "testing")]
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_testing_rdma_fault(fault: u32) -> Status {
+    use crate::transport::rdma::fault::{arm, WriteFault};
+    ffi_fn!(status {
+        let fault = match fault {
+            0 => WriteFault::None,
+            1 => WriteFault::BadRkey,
+            2 => WriteFault::PastTheRing,
+            3 => WriteFault::QpErrorMidChunk,
+            other => return Err(crate::error::Error::invalid_arg("fault", format!("{other} is not 0..=3"))),
+        };
+        arm(fault);
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
 /// TEST BUILDS ONLY (cargo feature `testing`): panics inside the export after borrowing `engine`,
 /// to prove that a panic becomes `KVSTAGE_E_PANIC` and poisons the handle.
 #[cfg(feature = "testing")]

@@ -48,8 +48,9 @@ pub struct kvstage_room_grid {
 /// transfer must carry the tokens `[k · chunk_tokens, min((k + 1) · chunk_tokens, num_pages ·
 /// page_size))` of the room, so a prefill engine can cut its transfers on the decode side's grid
 /// instead of guessing it. One round trip; `timeout_ms` 0 = the engine default. Errors: the room
-/// is not open there (`KVSTAGE_E_CANCELED`, the receiver's message in the cause chain), the
-/// session is gone, the timeout passed. Fills `*out` only on success.
+/// is not open there (`KVSTAGE_E_INVALID_ARG`: not yet, or released; ask again once the decode
+/// side opened it), it failed there (its error), the session is gone, the timeout passed. Fills
+/// `*out` only on success.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_session_room_grid(session: *const kvstage_session, room: u64, timeout_ms_: u64, out: *mut kvstage_room_grid) -> Status {
     ffi_fn!(status {

@@ -3,7 +3,8 @@
 //!
 //! Nothing here touches memory: [`KvLayout`] carries base addresses only so that they can be
 //! validated (NULL, overlap, address-space overflow) before an engine dereferences them.
-//! See `GEOMETRY.md` in the design notes for the formulas.
+//! See `GEOMETRY.md` in the design notes for the head mapping; the staging layout follows the
+//! pipeline split (see `staging`), not the fixed writer order the notes describe.
 
 use crate::error::{Error, FieldMismatch, Result, Status};
 

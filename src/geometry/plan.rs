@@ -135,6 +135,17 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
 ) -> Result<CopyPlan> {
     let pool = pool.as_ref();
     pool.validate()?;
+    let sized = region.layers as usize == region.layer_ids.len()
+        && staging.slab_bytes.checked_mul(region.layers as u64 * staging.buffers_per_layer as u64) == Some(region.bytes);
+    if !sized || region.offset.checked_add(region.bytes).is_none_or(|end| end > staging.total_bytes) {
+        return Err(Error::invalid_arg(
+            "region",
+            format!(
+                "[{}, +{}) with {} layers is not a region of this layout ({} bytes, slabs of {})",
+                region.offset, region.bytes, region.layers, staging.total_bytes, staging.slab_bytes
+            ),
+        ));
+    }
     let list = super::agreed_field_mismatches(pool, &staging.dst);
     if !list.is_empty() {
         return Err(mismatch_error("pool and staging layout", list));
@@ -260,6 +271,10 @@ mod tests {
         let (src, dst) = shapes();
         let st = staging_layout(&src, &dst, 32).unwrap();
         let w = &st.region_of(&src).unwrap().unwrap();
+        let mut foreign = w.clone();
+        foreign.offset = st.total_bytes - w.bytes + 1;
+        let e = plan_chunk(&src, 0, 2, &[1, 2], &st, &foreign).unwrap_err();
+        assert!(e.message().contains("`region`") && e.message().contains("is not a region of this layout"), "{}", e.message());
         let e = plan_chunk(&src, 0, 2, &[1, 2, 3], &st, w).unwrap_err();
         assert!(e.message().contains("`pages`: 3 pages × page_size 16 = 48 tokens != the chunk's 32 tokens"));
         let e = plan_chunk(&src, 1, 2, &[1, 2], &st, w).unwrap_err();

@@ -130,10 +130,24 @@ impl StagingLayout {
         }))
     }
 
+    /// Whether placed regions of `region`'s head group carry every layer of `region`.
+    pub fn carries(&self, region: &WriterRegion) -> bool {
+        region.layer_ids.iter().all(|id| {
+            self.writers.iter().any(|w| w.tp_writer == region.tp_writer && w.layer_ids.binary_search(id).is_ok())
+        })
+    }
+
+    /// The placed region that already carries one of `region`'s (head group, layer), with that layer.
+    pub fn overlap(&self, region: &WriterRegion) -> Option<(&WriterRegion, u32)> {
+        self.writers.iter().filter(|w| w.tp_writer == region.tp_writer).find_map(|w| {
+            region.layer_ids.iter().find(|id| w.layer_ids.binary_search(id).is_ok()).map(|&id| (w, id))
+        })
+    }
+
     /// Places the region of prefill rank `src` after the regions placed so far and returns its
     /// index. Refused (nothing placed) when `src` writes nothing here
     /// (`KVSTAGE_E_GEOMETRY_MISMATCH`) or carries a (TP writer, layer) a placed region carries
-    /// already (two stages both claiming a layer: `KVSTAGE_E_GEOMETRY_MISMATCH` naming both).
+    /// already (`KVSTAGE_E_GEOMETRY_MISMATCH` naming the layer and both ranks: [`Self::overlap`]).
     pub fn place(&mut self, src: &PoolShape) -> Result<u32> {
         let Some(mut region) = self.region_of(src)? else {
             return Err(Error::new(
@@ -144,20 +158,22 @@ impl StagingLayout {
                 ),
             ));
         };
-        for other in self.writers.iter().filter(|w| w.tp_writer == region.tp_writer) {
-            if let Some(id) = region.layer_ids.iter().find(|id| other.layer_ids.binary_search(id).is_ok()) {
-                return Err(mismatch_error(
-                    "pipeline stages overlap",
-                    vec![FieldMismatch {
-                        field: format!("layer {id} of head group {}", region.tp_writer),
-                        local: format!("carried by prefill rank (tp {}, pp {})", other.src_tp_rank, other.src_pp_rank),
-                        remote: format!("claimed by prefill rank (tp {}, pp {})", src.tp_rank, src.pp_rank),
-                    }],
-                ));
-            }
+        if let Some((other, id)) = self.overlap(&region) {
+            return Err(mismatch_error(
+                "pipeline stages overlap",
+                vec![FieldMismatch {
+                    field: format!("layer {id} of head group {}", region.tp_writer),
+                    local: format!("carried by prefill rank (tp {}, pp {})", other.src_tp_rank, other.src_pp_rank),
+                    remote: format!("claimed by prefill rank (tp {}, pp {})", src.tp_rank, src.pp_rank),
+                }],
+            ));
         }
         region.offset = self.writers.iter().map(|w| w.bytes).sum();
-        debug_assert!(region.offset + region.bytes <= self.total_bytes, "disjoint regions fit the allocation");
+        // Disjoint (head group, layer) cells always fit; checked anyway, since writes are bounded
+        // by the grant only through the regions.
+        if region.offset + region.bytes > self.total_bytes {
+            return Err(Error::internal(format!("region [{}, +{}) past the allocation's {} bytes", region.offset, region.bytes, self.total_bytes)));
+        }
         self.writers.push(region);
         Ok(self.writers.len() as u32 - 1)
     }
@@ -238,8 +254,9 @@ pub fn staging_layout(src: &PoolShape, dst: &PoolShape, tokens: u32) -> Result<S
 
 /// [`staging_layout`] with every region placed, in the order (prefill stage, TP writer):
 /// `src_stages[j]` describes prefill stage `j` (any TP rank: its TP size and layer ids are used).
-/// Errors when a decode layer is held by no stage or by two (`KVSTAGE_E_GEOMETRY_MISMATCH`), or
-/// the stage list is malformed (`KVSTAGE_E_INVALID_ARG`, as for the pairing helpers).
+/// Errors when a decode layer is held by no stage (`KVSTAGE_E_GEOMETRY_MISMATCH`), or the stage
+/// list is malformed, a layer held by two stages included (`KVSTAGE_E_INVALID_ARG`, as for the
+/// pairing helpers).
 pub fn staging_layout_stages(src_stages: &[PoolShape], dst: &PoolShape, tokens: u32) -> Result<StagingLayout> {
     let src_tp = check_stages(dst, src_stages, "prefill_stages")?;
     let mut layout = staging_layout(&src_stages[0], dst, tokens)?;

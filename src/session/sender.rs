@@ -112,7 +112,7 @@ pub struct SenderSession {
     id: String,
     link: Arc<dyn Transport>,
     remote: Hello,
-    /// Writer index and heads of this pair (fixed at the handshake).
+    /// Head group (TP writer) and heads of this pair (fixed at the handshake).
     pair: Pairing,
     resources: Arc<SendResources>,
     pool: Arc<KvLayout>,
@@ -419,15 +419,17 @@ impl SenderSession {
         let reply = reply.inspect_err(|e| self.abort(desc, e.message()))?;
         let (round, offset, region_offset) = match reply {
             Message::AllocRsp { status: 0, round, offset, len, region: at, .. }
-                if len == layout.total_bytes && at.checked_add(region.bytes).is_some_and(|end| end <= len) =>
+                if len == layout.total_bytes
+                    && at.checked_add(region.bytes).is_some_and(|end| end <= len)
+                    && offset.checked_add(len).is_some() =>
             {
                 (round, offset, at)
             }
-            Message::AllocRsp { status: 0, len, region: at, .. } => {
+            Message::AllocRsp { status: 0, offset, len, region: at, .. } => {
                 self.abort(desc, "granted size differs");
                 return Err(Error::new(
                     Status::KVSTAGE_E_PROTOCOL,
-                    format!("granted {len} bytes with this writer's {} at {at}, asked {}", region.bytes, layout.total_bytes),
+                    format!("granted {len} bytes at {offset} with this writer's {} at {at}, asked {}", region.bytes, layout.total_bytes),
                 ));
             }
             Message::AllocRsp { status, reason, .. } => {
@@ -614,8 +616,8 @@ impl SenderSession {
 
     /// The chunk grid of `room` as the receiver opened it: what chunk `k` of a transfer must
     /// cover (pages `[k · chunk_tokens / page_size, …)` of the room, the last chunk possibly
-    /// shorter). Fails as the receiver says (e.g. `KVSTAGE_E_CANCELED` for a room it has not
-    /// opened) or when `timeout` (`None`: no limit) passes.
+    /// shorter). Fails as the receiver says (`KVSTAGE_E_INVALID_ARG` for a room it has not opened
+    /// yet) or when `timeout` (`None`: no limit) passes.
     pub fn room_grid(&self, room: u64, timeout: Option<Duration>) -> Result<RoomGrid> {
         let deadline = Deadline::after(timeout);
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use kvstage::engine::{Engine, EngineOptions};
+use kvstage::engine::{Engine, EngineOptions, TransportKind};
 use kvstage::geometry::{self, ModelKind};
 use kvstage::session::notify::Completion;
 use kvstage::session::op::Op;
@@ -46,6 +46,8 @@ pub struct Setup {
     pub chunk_tokens: u32,
     /// Decode staging ring size in chunk allocations.
     pub ring_chunks: u32,
+    /// Transport of every engine, on both sides.
+    pub transport: TransportKind,
 }
 
 impl Setup {
@@ -84,7 +86,7 @@ impl Setup {
     }
 
     pub fn options(&self) -> EngineOptions {
-        EngineOptions { chunk_tokens: self.chunk_tokens, ..EngineOptions::default() }
+        EngineOptions { chunk_tokens: self.chunk_tokens, transport: self.transport, ..EngineOptions::default() }
     }
 
     /// Which decode ranks prefill rank `rs` writes to (the library's pairing helper: a replica of
@@ -143,6 +145,7 @@ impl Setup {
             ("--tokens", self.tokens.to_string()),
             ("--chunk-tokens", self.chunk_tokens.to_string()),
             ("--ring-chunks", self.ring_chunks.to_string()),
+            ("--transport", transport_name(self.transport).to_string()),
         ]
         .into_iter()
         .flat_map(|(k, v)| [k.to_string(), v])
@@ -157,6 +160,15 @@ impl Setup {
             return Err("--prefill-tp, --decode-tp and --ring-chunks must be positive".into());
         }
         Ok(())
+    }
+}
+
+/// `tcp`, `rdma` or `auto`: the `--transport` value of `kind`.
+pub fn transport_name(kind: TransportKind) -> &'static str {
+    match kind {
+        TransportKind::Tcp => "tcp",
+        TransportKind::Rdma => "rdma",
+        TransportKind::Auto => "auto",
     }
 }
 

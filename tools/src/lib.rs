@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::{CommandFactory, Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvstage::engine::TransportKind;
 use kvstage::geometry::ModelKind;
 use kvstage::Error;
 use kvstage_testkit::cluster::Setup;
@@ -67,6 +68,18 @@ pub struct SetupArgs {
     /// Decode staging ring size, in chunk allocations.
     #[arg(long, value_name = "N", default_value_t = 2)]
     pub ring_chunks: u32,
+    /// Transport of every engine on both sides: `rdma` fails without a usable device (no quiet
+    /// fallback), `auto` takes RDMA where both sides can.
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub transport: Transport,
+}
+
+/// `--transport`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Transport {
+    Tcp,
+    Rdma,
+    Auto,
 }
 
 fn model_names() -> clap::builder::PossibleValuesParser {
@@ -112,6 +125,11 @@ impl SetupArgs {
             tokens: self.tokens,
             chunk_tokens: self.chunk_tokens,
             ring_chunks: self.ring_chunks,
+            transport: match self.transport {
+                Transport::Tcp => TransportKind::Tcp,
+                Transport::Rdma => TransportKind::Rdma,
+                Transport::Auto => TransportKind::Auto,
+            },
         };
         setup.check()?;
         Ok(setup)

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::attrs::{self, PortAttrs};
+use super::fault::{self, WriteFault};
 use super::split::{plan_writes, PlannedWr};
 use super::verbs::{CompletionQueue, QueuePair, SendWr, Wc, WcKind};
 use super::Rdma;
@@ -408,13 +409,15 @@ impl RdmaTransport {
             })
             .collect();
         let mut cursor = vec![0usize; self.slots.len()];
+        let fault = fault::take();
+        let past_the_ring = if fault == WriteFault::PastTheRing { self.remote.len } else { 0 };
         let to_wr = |q: usize, w: &PlannedWr| SendWr {
             wr_id: self.next_wr.fetch_add(1, Ordering::Relaxed),
             local_addr: data.as_ptr() as u64 + w.offset,
             lkey: lkeys[self.slots[q].nic],
             len: w.len,
-            remote_addr: self.remote.addr + remote_offset + w.offset,
-            rkey: self.remote.rkeys[q],
+            remote_addr: self.remote.addr + remote_offset + w.offset + past_the_ring,
+            rkey: if fault == WriteFault::BadRkey { !self.remote.rkeys[q] } else { self.remote.rkeys[q] },
             signaled: w.signaled,
             imm: w.imm.then_some(imm),
         };
@@ -430,6 +433,9 @@ impl RdmaTransport {
                     }
                     let wrs: Vec<SendWr> = batches[q][cursor[q]].iter().map(|w| to_wr(q, w)).collect();
                     self.post(q, &wrs)?;
+                    if fault == WriteFault::QpErrorMidChunk && q == 0 && cursor[0] == 0 {
+                        self.slots[0].to_error();
+                    }
                     posted[q] += wrs.iter().filter(|w| w.signaled).count() as u64;
                     cursor[q] += 1;
                     progressed = true;
@@ -500,7 +506,8 @@ impl Transport for RdmaTransport {
             return Err(Error::internal(format!("data header says {len} bytes, {} given", data.len())));
         }
         // The imm is the ChunkReady's request id: the receiver waits for it before the ready.
-        self.rdma_write(grant_offset + offset, data, *req as u32, deadline)?;
+        let at = grant_offset.checked_add(*offset).ok_or_else(|| Error::new(Status::KVSTAGE_E_PROTOCOL, "granted offset overflows"))?;
+        self.rdma_write(at, data, *req as u32, deadline)?;
         let written = Message::RdmaWritten { room: *room, chunk: *chunk, writer: *writer, offset: *offset, len: *len, imm: *req as u32 };
         self.tcp.send(&written, deadline)?;
         self.tcp.send(ready, deadline)

@@ -12,10 +12,12 @@
 //!
 //! Files: `attrs` (pure: attribute exchange, MTU, port diff, wc names), `split` (pure: WR planning),
 //! `verbs` (the verbs as traits), `hw` (sideway), `soft` (test builds: an in-process fabric),
-//! `link` (QP slots, CQ poller, sender transport, receiver peer), `doctor` (host report).
+//! `link` (QP slots, CQ poller, sender transport, receiver peer), `doctor` (host report), `fault`
+//! (test builds: faults injected into real writes).
 
 pub mod attrs;
 pub mod doctor;
+pub mod fault;
 mod hw;
 pub mod link;
 #[cfg(any(test, feature = "testing"))]

@@ -157,9 +157,11 @@ fn main() {
     let mut rows: Vec<Row> = Vec::new();
 
     // Memcpy baseline buffers, sized like one writer region.
-    let region = staging_layout(&base.clone().with_tp(0, 4), &base.clone().with_tp(0, 2), args.tokens)
+    let src0 = base.clone().with_tp(0, 4);
+    let region = staging_layout(&src0, &base.clone().with_tp(0, 2), args.tokens)
+        .and_then(|st| st.region_of(&src0))
         .expect("70B staging layout")
-        .writers[0]
+        .expect("prefill rank 0 writes to decode rank 0")
         .bytes as usize;
     let copy_src = Mem::new(region, 1);
     let copy_dst = Mem::new(region, 2);

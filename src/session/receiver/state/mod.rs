@@ -422,7 +422,7 @@ impl State {
 
     /// A connection ended (and, for RDMA, its queue pairs are destroyed: nothing more can land).
     /// Every room it wrote to fails when it still owes a chunk (a waiting chunk it has not
-    /// finished, unless others claimed all of that chunk): a prefill rank writes every chunk of a
+    /// finished, unless others carry its layers of it): a prefill rank writes every chunk of a
     /// request over one session. Its quarantined grants and leases are released.
     pub fn conn_gone(&mut self, conn: ConnId, code: Status, reason: &str) {
         let Some(info) = self.conns.remove(&conn) else { return };
@@ -430,11 +430,13 @@ impl State {
             return;
         }
         let wrote = |c: &Chunk| c.slot_of(conn).is_some();
+        // A chunk it has no slot in is owed unless other connections carry all of its layers.
         let owes = |c: &Chunk| {
             c.phase == Phase::Waiting
-                && match c.slot_of(conn) {
-                    Some((_, s)) => !s.arrived,
-                    None => c.layout.as_ref().is_none_or(|l| !l.complete()),
+                && match (c.slot_of(conn), &c.layout) {
+                    (Some((_, s)), _) => !s.arrived,
+                    (None, None) => true,
+                    (None, Some(l)) => l.region_of(&info.src).ok().flatten().is_none_or(|r| !l.carries(&r)),
                 }
         };
         let affected: Vec<u64> = self
@@ -523,9 +525,31 @@ impl State {
         }
     }
 
+    /// Places `info`'s region in `layout` (a copy of a chunk's, committed by the caller). A
+    /// second connection claiming the same prefill rank is refused (an impostor or a duplicate:
+    /// the room goes on); a *different* prefill rank claiming a layer of the same heads means the
+    /// two sides disagree on the pipeline split and either copy may be the wrong layer, so the room
+    /// fails as well.
+    fn claim(&mut self, room: u64, layout: &mut StagingLayout, info: &ConnInfo) -> Result<u32> {
+        let clash = layout.region_of(&info.src)?.and_then(|r| {
+            layout.overlap(&r).map(|(other, _)| (other.src_tp_rank, other.src_pp_rank) != (info.src.tp_rank, info.src.pp_rank))
+        });
+        match layout.place(&info.src) {
+            Err(e) if clash == Some(true) => {
+                self.fail_room(room, e.code(), e.chain(), &info.session);
+                Err(e)
+            }
+            placed => placed,
+        }
+    }
+
     /// The chunk grid of open `room` as `conn` sees it: (tokens per chunk, chunks, pages).
     pub fn room_grid(&self, conn: ConnId, room: u64) -> Result<(u32, u32, u32)> {
         let page_size = self.conn(conn)?.dst.page_size;
+        if !self.rooms.contains_key(&room) {
+            // Not opened yet (or long gone): the caller may ask again once the decode side opened it.
+            return Err(Error::invalid_arg("room", format!("{room} is not open on the receiver (yet)")));
+        }
         let r = self.live_room(room)?;
         Ok((r.grid_pages as u32 * page_size, r.chunks.len() as u32, r.pages.len() as u32))
     }

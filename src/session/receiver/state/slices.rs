@@ -76,7 +76,7 @@ impl State {
                     Some(l) => l.clone(),
                     None => geometry::staging_layout(&info.src, dst, tokens)?,
                 };
-                let region = layout.place(&info.src)?;
+                let region = self.claim(room, &mut layout, &info)?;
                 Some((layout, region))
             }
         };

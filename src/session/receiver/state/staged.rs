@@ -56,8 +56,7 @@ impl State {
                 format!("allocation size {bytes} != expected {} for chunk {chunk}", layout.total_bytes),
             ));
         }
-        // Refuses a connection claiming layers of its head group that another one carries.
-        let region = layout.place(&info.src)?;
+        let region = self.claim(room, &mut layout, &info)?;
         let region_offset = layout.writers[region as usize].offset;
         let existing = self.rooms[&room].chunks[chunk as usize].grant;
         let id = match existing {

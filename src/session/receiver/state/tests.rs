@@ -67,7 +67,7 @@ fn another_connection_cannot_write_or_complete_a_grant_it_does_not_hold() {
     let (a, b, intruder) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)), st.add_conn(info(0, 2, false)));
     st.open_room(7, &PAGES, GRID, None).unwrap();
     st.allocate(a, 7, 0, 0, TOKENS, CHUNK).unwrap();
-    // Same writer index, other connection: no allocation, no data, no ready, no abort.
+    // The same prefill rank on another connection: no allocation, no data, no ready, no abort.
     let e = st.allocate(intruder, 7, 0, 0, TOKENS, CHUNK).unwrap_err();
     assert!(e.causes()[0].contains("carried by prefill rank (tp 0, pp 0) != remote claimed by"), "{:?}", e.causes());
     let e = st.begin_data(intruder, 7, 0, 0, 0, REGION).unwrap_err();
@@ -82,6 +82,72 @@ fn another_connection_cannot_write_or_complete_a_grant_it_does_not_hold() {
     st.allocate(b, 7, 0, 1, TOKENS, CHUNK).unwrap();
     deliver(&mut st, b, 7, 0, 1).unwrap();
     assert_eq!(st.take_effects().scatter.len(), 1);
+}
+
+fn stage_info(tp_rank: u32, pp_rank: u32, layers: Vec<u32>) -> ConnInfo {
+    let (s, d) = (src(tp_rank, 2).with_pp(pp_rank, 2, layers), dst());
+    let session = format!("tp{tp_rank}-pp{pp_rank}");
+    ConnInfo { session, pairing: pairing(&s, &d).unwrap(), src: s, dst: d, rdma: false, host_pool: true }
+}
+
+/// Prefill TP 2 × PP 2 (one layer per stage) into the decode rank's two layers: four regions of a
+/// quarter chunk, placed in the order the requests come, and the chunk completes only with all.
+#[test]
+fn regions_of_one_head_group_from_several_stages_complete_a_chunk_together() {
+    const QUARTER: u64 = CHUNK / 4;
+    let mut st = state(4 * CHUNK);
+    let order = [(1, 1), (0, 0), (1, 0), (0, 1)];
+    let conns: Vec<ConnId> = order.iter().map(|&(t, p)| st.add_conn(stage_info(t, p, vec![p]))).collect();
+    st.open_room(3, &PAGES[..2], GRID, None).unwrap();
+    for (i, (&c, &(t, _))) in conns.iter().zip(&order).enumerate() {
+        let (_, region) = st.allocate(c, 3, 0, t, TOKENS, CHUNK).unwrap();
+        assert_eq!(region, i as u64 * QUARTER, "placed in request order");
+        let lease = land(st.begin_data(c, 3, 0, t, region, QUARTER));
+        st.end_data(lease, true);
+        let r = st.begin_ready(c, 3, 0, t).unwrap();
+        st.finish_ready(r, Ok(()), "s").unwrap();
+        let scattered = st.take_effects().scatter;
+        assert_eq!(scattered.len(), usize::from(i == 3), "after {} of 4 regions", i + 1);
+        if let Some(job) = scattered.first() {
+            assert_eq!(job.layout.writers.len(), 4);
+        }
+    }
+}
+
+/// The same prefill rank on a second connection is refused and the room goes on; a different rank
+/// claiming a layer of the same heads means the sides split the pipeline differently: the room fails.
+#[test]
+fn an_overlapping_claim_fails_the_room_only_from_another_rank() {
+    let mut st = state(4 * CHUNK);
+    let first = st.add_conn(stage_info(0, 0, vec![0]));
+    let twin = st.add_conn(stage_info(0, 0, vec![0]));
+    let other_stage = st.add_conn(stage_info(0, 1, vec![0, 1]));
+    st.open_room(4, &PAGES[..2], GRID, None).unwrap();
+    st.allocate(first, 4, 0, 0, TOKENS, CHUNK).unwrap();
+    let e = st.allocate(twin, 4, 0, 0, TOKENS, CHUNK).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+    assert!(!st.room_outcome(4).unwrap(), "a duplicate of a writer does not fail the room");
+    let e = st.allocate(other_stage, 4, 0, 0, TOKENS, CHUNK).unwrap_err();
+    assert!(e.causes()[0].contains("layer 0 of head group 0"), "{:?}", e.causes());
+    let failed = st.room_outcome(4).unwrap_err();
+    assert_eq!(failed.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+    assert!(failed.message().contains("claimed by prefill rank (tp 0, pp 1)"), "{}", failed.message());
+}
+
+/// A connection gone after its chunks: a chunk it never claimed is not owed by it when another
+/// connection carries its layers there, so the room lives on.
+#[test]
+fn a_departed_writer_does_not_owe_a_chunk_another_connection_carries_for_it() {
+    let mut st = state(4 * CHUNK);
+    let (a, twin) = (st.add_conn(info(0, 2, false)), st.add_conn(info(0, 2, false)));
+    st.open_room(5, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 5, 0, 0, TOKENS, CHUNK).unwrap();
+    deliver(&mut st, a, 5, 0, 0).unwrap();
+    st.allocate(twin, 5, 1, 0, TOKENS, CHUNK).unwrap();
+    st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
+    assert!(!st.room_outcome(5).unwrap(), "nothing a owed is missing");
+    st.conn_gone(twin, Status::KVSTAGE_E_PEER_GONE, "closed");
+    assert_eq!(st.room_outcome(5).unwrap_err().code(), Status::KVSTAGE_E_PEER_GONE, "twin owed chunk 1");
 }
 
 #[test]

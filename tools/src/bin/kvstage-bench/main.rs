@@ -76,9 +76,6 @@ struct Cli {
     /// Send staging buffers of each prefill engine [default: the library's].
     #[arg(long, value_name = "N")]
     staging_buffers: Option<u32>,
-    /// Transport (only tcp in this tool).
-    #[arg(long, value_parser = ["tcp"], default_value = "tcp")]
-    transport: String,
     /// Memory of the pools (only host in this tool).
     #[arg(long, value_parser = ["host"], default_value = "host")]
     memory: String,

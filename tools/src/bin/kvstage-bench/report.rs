@@ -158,8 +158,19 @@ pub fn print_report(a: &Args, r: &Report) {
     let s = &a.setup;
     let m = &s.model;
     println!(
-        "kvstage-bench: {} ({} layers, {} KV heads, head_dim {}, {} B dtype), P{} -> D{}, page_size {}, {} tokens per request in chunks of {}, ring {} chunks, tcp, host memory",
-        m.name, m.layers, m.kv_heads, m.head_dim, m.dtype_bytes, s.prefill_tp, s.decode_tp, s.page_size, s.tokens, s.chunk_tokens, s.ring_chunks
+        "kvstage-bench: {} ({} layers, {} KV heads, head_dim {}, {} B dtype), P{} -> D{}, page_size {}, {} tokens per request in chunks of {}, ring {} chunks, {}, host memory",
+        m.name,
+        m.layers,
+        m.kv_heads,
+        m.head_dim,
+        m.dtype_bytes,
+        s.prefill_tp,
+        s.decode_tp,
+        s.page_size,
+        s.tokens,
+        s.chunk_tokens,
+        s.ring_chunks,
+        kvstage_testkit::cluster::transport_name(s.transport)
     );
     println!("{:<9} {:>14} {:>12} {:>12} {:>9}", "", "bytes", "median s", "p99 s", "GB/s");
     let row = |name: &str, sec: &Section| {
@@ -360,7 +371,7 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
             raw_streams: r.raw_streams,
             transfer_threads: o.transfer_threads,
             send_staging_buffers: o.send_staging_buffers,
-            transport: "tcp",
+            transport: kvstage_testkit::cluster::transport_name(s.transport),
             memory: "host",
         },
         staged: st.section.json(StagedJson {

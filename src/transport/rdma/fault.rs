@@ -1,0 +1,45 @@
+//! Test builds (feature `testing`): a fault the next RDMA write of this process injects on the
+//! wire, so the failure paths run on real verbs (soft-RoCE in the rdma_vm ctest), not only on the
+//! in-process fabric. Without the feature nothing is ever armed and the checks fold away.
+
+/// What the next chunk written by RDMA does wrong.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteFault {
+    None,
+    /// Every work request carries a remote key the receiver never issued.
+    BadRkey,
+    /// Every work request targets the granted range moved past the end of the registered ring.
+    PastTheRing,
+    /// QP 0 is moved to the error state once the chunk's first work requests are posted.
+    QpErrorMidChunk,
+}
+
+#[cfg(feature = "testing")]
+static ARMED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Arms `fault` for the next RDMA chunk written by this process.
+#[cfg(feature = "testing")]
+pub fn arm(fault: WriteFault) {
+    let code = match fault {
+        WriteFault::None => 0,
+        WriteFault::BadRkey => 1,
+        WriteFault::PastTheRing => 2,
+        WriteFault::QpErrorMidChunk => 3,
+    };
+    ARMED.store(code, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// The armed fault, disarmed (one chunk only).
+pub(super) fn take() -> WriteFault {
+    #[cfg(feature = "testing")]
+    {
+        match ARMED.swap(0, std::sync::atomic::Ordering::SeqCst) {
+            1 => WriteFault::BadRkey,
+            2 => WriteFault::PastTheRing,
+            3 => WriteFault::QpErrorMidChunk,
+            _ => WriteFault::None,
+        }
+    }
+    #[cfg(not(feature = "testing"))]
+    WriteFault::None
+}
