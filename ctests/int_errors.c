@@ -56,19 +56,28 @@ static const uint32_t PAGES[8] = {3, 4, 5, 6, 9, 1, 2, 0}; /* two chunks of 4 pa
 
 static int32_t g_transport = KVSTAGE_TRANSPORT_AUTO;
 
-static kvstage_engine *new_engine(void) {
+/* `wr_bytes` 0: the default RDMA work-request size; smaller makes a chunk several requests. */
+static kvstage_engine *new_engine(uint32_t wr_bytes) {
     kvstage_engine_options o;
     kvstage_engine *e = NULL;
     REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
     o.transport = g_transport;
+    if (wr_bytes) {
+        o.rdma_wr_bytes = wr_bytes;
+        o.rdma_signal_every = 1;
+    }
     REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
     return e;
 }
 
-static kvstage_engine *engine_with_pool(pool *p) {
-    kvstage_engine *e = new_engine();
+static kvstage_engine *engine_with_pool_wr(pool *p, uint32_t wr_bytes) {
+    kvstage_engine *e = new_engine(wr_bytes);
     REQUIRE(kvstage_engine_register_pool(e, &p->layout) == KVSTAGE_OK);
     return e;
+}
+
+static kvstage_engine *engine_with_pool(pool *p) {
+    return engine_with_pool_wr(p, 0);
 }
 
 /* A session that must open; with a forced transport, on that transport. */
@@ -151,7 +160,7 @@ static void finish(pid_t pid, int done_fd) {
 
 static void test_connection_refused(void) {
     /* A port that was just in use and is now closed. */
-    kvstage_engine *e = new_engine();
+    kvstage_engine *e = new_engine(0);
     char addr[64];
     REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
     kvstage_engine_free(e);
@@ -279,10 +288,14 @@ static void test_deadline_cancel_and_decode_killed(void) {
 }
 
 /* A prefill process sends its half of chunk 0 and dies: the decode room fails with PEER_GONE within
- * a second and the ring is empty again. */
-static void test_prefill_killed_mid_chunk(void) {
+ * a second and the ring is empty again. With `mid_write` (test builds) it dies inside the write
+ * instead: over RDMA its 64 KiB share goes in 4 KiB work requests and the writer stops after the first
+ * (kvstage_testing_rdma_fault), so part of the region has landed, the immediate has not, and the
+ * grant is still quarantined for that writer when its process is killed. */
+static void test_prefill_killed(int mid_write) {
+    uint32_t head_dim = mid_write ? 512 : 8;
     pool p;
-    pool_init(&p, 0, 1, 8, 2);
+    pool_init(&p, 0, 1, head_dim, 2);
     int addr_pipe[2], sent_pipe[2];
     REQUIRE(pipe(addr_pipe) == 0 && pipe(sent_pipe) == 0);
     pid_t pid = fork();
@@ -291,23 +304,35 @@ static void test_prefill_killed_mid_chunk(void) {
         char addr[64];
         REQUIRE(read(addr_pipe[0], addr, sizeof addr) == (ssize_t)sizeof addr);
         pool src;
-        pool_init(&src, 0, 2, 8, 2);
-        kvstage_engine *e = engine_with_pool(&src);
+        pool_init(&src, 0, 2, head_dim, 2);
+        kvstage_engine *e = engine_with_pool_wr(&src, mid_write ? 4096 : 0);
         kvstage_session *s = NULL;
-        s = connect_ok(e, addr, "dying-prefill");
-        kvstage_transfer_desc d = chunk_desc(ROOM, 0, 5000);
-        REQUIRE(kvstage_transfer(s, &d) == KVSTAGE_OK);
-        REQUIRE(write(sent_pipe[1], "x", 1) == 1);
+        s = connect_ok(e, addr, mid_write ? "dying-mid-write" : "dying-prefill");
+        kvstage_transfer_desc d = chunk_desc(ROOM, 0, 20000);
+        if (mid_write) {
+#if defined(KVSTAGE_TESTING)
+            REQUIRE(kvstage_testing_rdma_fault(4) == KVSTAGE_OK);
+#endif
+            REQUIRE(write(sent_pipe[1], "x", 1) == 1);
+            kvstage_transfer(s, &d); /* over RDMA it stops mid-write; over TCP it completes */
+        } else {
+            REQUIRE(kvstage_transfer(s, &d) == KVSTAGE_OK);
+            REQUIRE(write(sent_pipe[1], "x", 1) == 1);
+        }
         for (;;) pause(); /* killed by the parent */
     }
     kvstage_engine *e = engine_with_pool(&p);
-    REQUIRE(kvstage_engine_register_staging(e, NULL, 4096) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_register_staging(e, NULL, mid_write ? 1u << 20 : 4096) == KVSTAGE_OK);
     REQUIRE(kvstage_room_open(e, ROOM, PAGES, 8, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
     char addr[64] = {0};
     REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
     REQUIRE(write(addr_pipe[1], addr, sizeof addr) == (ssize_t)sizeof addr);
     char c;
     REQUIRE(read(sent_pipe[0], &c, 1) == 1);
+    if (mid_write) {
+        struct timespec settle = {1, 0}; /* the grant, then the first work request */
+        nanosleep(&settle, NULL);
+    }
     CHECK_INT(live_allocations(e), 1);
     double t0 = now_s();
     kill(pid, SIGKILL);
@@ -338,6 +363,9 @@ int main(void) {
     test_geometry_mismatch();
     test_fallback_when_the_ring_is_too_small();
     test_deadline_cancel_and_decode_killed();
-    test_prefill_killed_mid_chunk();
+    test_prefill_killed(0);
+#if defined(KVSTAGE_TESTING)
+    test_prefill_killed(1);
+#endif
     return *kv_failures() ? 1 : 0;
 }

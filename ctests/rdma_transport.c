@@ -401,7 +401,7 @@ static int mode_faults(void) {
     faulty_chunk(pre, dec, &pp, &dp, 1, "IBV_WC_REM_ACCESS_ERR", ring, ring + GUARD + RING, GUARD);
     faulty_chunk(pre, dec, &pp, &dp, 2, "IBV_WC_REM_ACCESS_ERR", ring, ring + GUARD + RING, GUARD);
     faulty_chunk(pre, dec, &pp, &dp, 3, "IBV_WC_WR_FLUSH_ERR", ring, ring + GUARD + RING, GUARD);
-    CHECK_INT(kvstage_testing_rdma_fault(4), KVSTAGE_E_INVALID_ARG);
+    CHECK_INT(kvstage_testing_rdma_fault(5), KVSTAGE_E_INVALID_ARG);
     kvstage_engine_free(pre);
     kvstage_engine_free(dec);
     free(pp.memory);

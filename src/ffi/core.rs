@@ -81,7 +81,8 @@ pub unsafe extern "C" fn kvstage_capabilities_get(out: *mut kvstage_capabilities
 /// TEST BUILDS ONLY (cargo feature `testing`): the next chunk this process writes by RDMA does
 /// something wrong on the wire, to run the failure paths on real verbs: `fault` 1 = a remote key
 /// the receiver never issued, 2 = the granted range moved past the end of the registered ring,
-/// 3 = QP 0 moved to the error state once the chunk's first work requests are posted; 0 disarms.
+/// 3 = QP 0 moved to the error state once the chunk's first work requests are posted, 4 = the
+/// writer stops for 10 s once they are posted (to kill the process mid-write); 0 disarms.
 #[cfg(feature = "testing")]
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_testing_rdma_fault(fault: u32) -> Status {
@@ -92,7 +93,8 @@ pub unsafe extern "C" fn kvstage_testing_rdma_fault(fault: u32) -> Status {
             1 => WriteFault::BadRkey,
             2 => WriteFault::PastTheRing,
             3 => WriteFault::QpErrorMidChunk,
-            other => return Err(crate::error::Error::invalid_arg("fault", format!("{other} is not 0..=3"))),
+            4 => WriteFault::PauseMidChunk,
+            other => return Err(crate::error::Error::invalid_arg("fault", format!("{other} is not 0..=4"))),
         };
         arm(fault);
         Ok(Status::KVSTAGE_OK)

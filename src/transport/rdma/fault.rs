@@ -12,7 +12,13 @@ pub enum WriteFault {
     PastTheRing,
     /// QP 0 is moved to the error state once the chunk's first work requests are posted.
     QpErrorMidChunk,
+    /// The writer stops for [`PAUSE`] once the chunk's first work requests are posted (a test
+    /// kills the process meanwhile: a peer gone mid-write).
+    PauseMidChunk,
 }
+
+/// How long [`WriteFault::PauseMidChunk`] holds the write.
+pub const PAUSE: std::time::Duration = std::time::Duration::from_secs(10);
 
 #[cfg(feature = "testing")]
 static ARMED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -25,6 +31,7 @@ pub fn arm(fault: WriteFault) {
         WriteFault::BadRkey => 1,
         WriteFault::PastTheRing => 2,
         WriteFault::QpErrorMidChunk => 3,
+        WriteFault::PauseMidChunk => 4,
     };
     ARMED.store(code, std::sync::atomic::Ordering::SeqCst);
 }
@@ -37,6 +44,7 @@ pub(super) fn take() -> WriteFault {
             1 => WriteFault::BadRkey,
             2 => WriteFault::PastTheRing,
             3 => WriteFault::QpErrorMidChunk,
+            4 => WriteFault::PauseMidChunk,
             _ => WriteFault::None,
         }
     }

@@ -433,8 +433,12 @@ impl RdmaTransport {
                     }
                     let wrs: Vec<SendWr> = batches[q][cursor[q]].iter().map(|w| to_wr(q, w)).collect();
                     self.post(q, &wrs)?;
-                    if fault == WriteFault::QpErrorMidChunk && q == 0 && cursor[0] == 0 {
-                        self.slots[0].to_error();
+                    if q == 0 && cursor[0] == 0 {
+                        match fault {
+                            WriteFault::QpErrorMidChunk => self.slots[0].to_error(),
+                            WriteFault::PauseMidChunk => std::thread::sleep(fault::PAUSE),
+                            _ => {}
+                        }
                     }
                     posted[q] += wrs.iter().filter(|w| w.signaled).count() as u64;
                     cursor[q] += 1;
