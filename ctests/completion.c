@@ -132,10 +132,12 @@ int main(void) {
         CHECK_INT(kvstage_transfer_async(session, &d, &ops[i]), KVSTAGE_PENDING);
     }
     /* The event loop: sleep in poll() until the descriptor says something finished, drain it,
-     * then look at the operations. Bounded: 200 wake-ups of at most 5 s. */
+     * then look at the operations. An operation's result is visible before its signal is written
+     * (so a woken loop never finds it still pending): go on until every signal came too.
+     * Bounded: 200 wake-ups of at most 5 s. */
     int finished = 0;
     uint64_t signalled = 0;
-    for (int round = 0; round < 200 && finished < OPS; ++round) {
+    for (int round = 0; round < 200 && (finished < OPS || signalled < OPS); ++round) {
         pfd.revents = 0;
         if (poll(&pfd, 1, 5000) != 1) break;
         uint64_t n = 0;
