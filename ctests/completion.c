@@ -98,7 +98,7 @@ int main(void) {
         CHECK_INT(grid.num_chunks, 1);
         CHECK_INT(grid.num_pages, 4);
         CHECK_INT(kvstage_session_room_grid(session, 999, 5000, &grid), KVSTAGE_E_INVALID_ARG); /* not open (yet) */
-        CHECK_CONTAINS(kvstage_error_last()->message, "room 999 is not open");
+        CHECK_CONTAINS(kvstage_error_last()->message, "999 is not open on the receiver");
         CHECK_INT(kvstage_session_room_grid(session, 0, 5000, NULL), KVSTAGE_E_INVALID_ARG);
     }
 

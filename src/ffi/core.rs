@@ -86,8 +86,8 @@ pub unsafe extern "C" fn kvstage_capabilities_get(out: *mut kvstage_capabilities
 #[cfg(feature = "testing")]
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_testing_rdma_fault(fault: u32) -> Status {
-    use crate::transport::rdma::fault::{arm, WriteFault};
     ffi_fn!(status {
+        use crate::transport::rdma::fault::{arm, WriteFault};
         let fault = match fault {
             0 => WriteFault::None,
             1 => WriteFault::BadRkey,
