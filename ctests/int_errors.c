@@ -359,6 +359,7 @@ int main(void) {
     else if (forced != NULL && strcmp(forced, "tcp") == 0) g_transport = KVSTAGE_TRANSPORT_TCP;
     else REQUIRE(forced == NULL || forced[0] == 0);
     printf("int_errors: transport %s\n", forced != NULL && forced[0] ? forced : "auto");
+    fflush(stdout); /* before any fork: a child must not flush a copy of it again */
     test_connection_refused();
     test_geometry_mismatch();
     test_fallback_when_the_ring_is_too_small();
