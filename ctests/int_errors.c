@@ -353,12 +353,10 @@ static void test_prefill_killed(int mid_write) {
 }
 
 int main(void) {
-    const char *forced = getenv("KVSTAGE_TEST_TRANSPORT");
+    static const char *const names[] = {"auto", "tcp", "rdma"};
     signal(SIGPIPE, SIG_IGN);
-    if (forced != NULL && strcmp(forced, "rdma") == 0) g_transport = KVSTAGE_TRANSPORT_RDMA;
-    else if (forced != NULL && strcmp(forced, "tcp") == 0) g_transport = KVSTAGE_TRANSPORT_TCP;
-    else REQUIRE(forced == NULL || forced[0] == 0);
-    printf("int_errors: transport %s\n", forced != NULL && forced[0] ? forced : "auto");
+    g_transport = kv_test_transport(KVSTAGE_TRANSPORT_AUTO);
+    printf("int_errors: transport %s\n", names[g_transport]);
     fflush(stdout); /* before any fork: a child must not flush a copy of it again */
     test_connection_refused();
     test_geometry_mismatch();

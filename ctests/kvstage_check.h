@@ -93,4 +93,15 @@ static inline int kv_finish(const char *test) {
     return 0;
 }
 
+/* The transport KVSTAGE_TEST_TRANSPORT forces ("rdma" or "tcp"; ctest rdma_vm runs tests on real
+ * verbs this way), else `fallback`. Any other value is a failure, not a quiet default. */
+static inline int32_t kv_test_transport(int32_t fallback) {
+    const char *forced = getenv("KVSTAGE_TEST_TRANSPORT");
+    if (forced == NULL || forced[0] == 0) return fallback;
+    if (strcmp(forced, "rdma") == 0) return KVSTAGE_TRANSPORT_RDMA;
+    if (strcmp(forced, "tcp") == 0) return KVSTAGE_TRANSPORT_TCP;
+    fprintf(stderr, "KVSTAGE_TEST_TRANSPORT=%s is neither rdma nor tcp\n", forced);
+    exit(1);
+}
+
 #endif /* KVSTAGE_CHECK_H */

@@ -356,8 +356,7 @@ static void run(const scenario *sc) {
 }
 
 int main(void) {
-    const char *forced = getenv("KVSTAGE_TEST_TRANSPORT");
-    if (forced != NULL && strcmp(forced, "rdma") == 0) g_transport = KVSTAGE_TRANSPORT_RDMA;
+    g_transport = kv_test_transport(KVSTAGE_TRANSPORT_TCP);
     for (size_t i = 0; i < sizeof SCENARIOS / sizeof SCENARIOS[0]; ++i) {
         int before = *kv_failures();
         run(&SCENARIOS[i]);

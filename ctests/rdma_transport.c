@@ -218,13 +218,14 @@ static int mode_none(void) {
     return kv_finish("rdma_none");
 }
 
-/* The decode engine registers its staging ring again while an RDMA session is connected: the old
- * region (and its rkey) is gone, so that session's next chunk fails on the remote side with
- * IBV_WC_REM_ACCESS_ERR (named in the chain), the session is dead, the ring holds nothing; a new
- * session gets the new region and delivers the chunk. */
-static void ring_registered_again_under_a_session(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp) {
+/* Something goes wrong with a connected RDMA session's next chunk: `spoil` (run between the
+ * connect and the transfer, given `arg`) makes the write fail on the wire. The transfer fails with
+ * KVSTAGE_E_RDMA naming `wc_status` in the chain, the session is dead, the decode room fails and the
+ * ring holds nothing; then a new session delivers the chunk, verified. */
+static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, const char *id, const char *wc_status,
+                          void (*spoil)(kvstage_engine *dec, uintptr_t arg), uintptr_t arg) {
     uint32_t src[NPAGES], dst[NPAGES];
-    char addr[64];
+    char addr[64], again[48];
     kvstage_session *s = NULL;
     kvstage_transfer_desc d;
     kvstage_engine_stats st;
@@ -236,8 +237,8 @@ static void ring_registered_again_under_a_session(kvstage_engine *pre, kvstage_e
         src[i] = (uint32_t)(NPAGES + i);
     }
     REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr, NULL) == KVSTAGE_OK);
-    REQUIRE(kvstage_session_connect(pre, addr, "before-reregister", 10000, &s) == KVSTAGE_OK);
-    CHECK_OK(kvstage_engine_register_staging(dec, NULL, 16u << 20));
+    REQUIRE(kvstage_session_connect(pre, addr, id, 10000, &s) == KVSTAGE_OK);
+    spoil(dec, arg);
     CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, NULL));
     REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
     d.room = ROOM;
@@ -247,9 +248,9 @@ static void ring_registered_again_under_a_session(kvstage_engine *pre, kvstage_e
     d.deadline_ms = 20000;
     CHECK_INT(kvstage_transfer(s, &d), KVSTAGE_E_RDMA);
     e = kvstage_error_last();
-    print_error("transfer after the ring was registered again");
-    for (c = 0; c < e->cause_count; c++) seen |= strstr(e->causes[c], "IBV_WC_REM_ACCESS_ERR") != NULL;
-    seen |= strstr(e->message, "IBV_WC_REM_ACCESS_ERR") != NULL;
+    print_error(id);
+    for (c = 0; c < e->cause_count; c++) seen |= strstr(e->causes[c], wc_status) != NULL;
+    seen |= strstr(e->message, wc_status) != NULL;
     CHECK(seen);
     CHECK(kvstage_transfer(s, &d) < 0); /* the session is dead */
     kvstage_session_free(s);
@@ -260,7 +261,15 @@ static void ring_registered_again_under_a_session(kvstage_engine *pre, kvstage_e
     CHECK_OK(kvstage_engine_stats_get(dec, &st));
     CHECK_INT(st.ring_live_allocations, 0);
     memset(dp->memory, 0, 2 * LAYERS * dp->buffer);
-    CHECK_INT(transfer_and_verify(pre, dec, pp, dp, "after-reregister"), 0);
+    snprintf(again, sizeof again, "after-%s", id);
+    CHECK_INT(transfer_and_verify(pre, dec, pp, dp, again), 0);
+}
+
+/* The decode engine registers its staging ring again while an RDMA session is connected: the old
+ * region (and its rkey) is gone, so that session's next chunk fails on the remote side. */
+static void register_the_ring_again(kvstage_engine *dec, uintptr_t unused) {
+    (void)unused;
+    CHECK_OK(kvstage_engine_register_staging(dec, NULL, 16u << 20));
 }
 
 static int mode_loopback(void) {
@@ -310,7 +319,7 @@ static int mode_loopback(void) {
     CHECK_OK(kvstage_engine_stats_get(dec, &st));
     CHECK_INT(st.rdma_sessions, 1);
     CHECK_INT(st.ring_live_allocations, 0);
-    ring_registered_again_under_a_session(pre, dec, &pp, &dp);
+    spoiled_chunk(pre, dec, &pp, &dp, "before-reregister", "IBV_WC_REM_ACCESS_ERR", register_the_ring_again, 0);
     kvstage_engine_free(pre);
     kvstage_engine_free(dec);
     free(pp.memory);
@@ -319,54 +328,18 @@ static int mode_loopback(void) {
 }
 
 #if defined(KVSTAGE_TESTING)
-/* One chunk with `fault` injected into its RDMA write (kvstage_testing_rdma_fault): the transfer
- * fails with KVSTAGE_E_RDMA naming `wc_status` in the chain, the session is dead, the decode room
- * fails and its ring space comes back, the bytes around the ring are untouched; then a new
- * session delivers the chunk, verified. */
-static void faulty_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, uint32_t fault, const char *wc_status,
-                         const uint8_t *guard_lo, const uint8_t *guard_hi, size_t guard) {
-    uint32_t src[NPAGES], dst[NPAGES];
-    char addr[64], id[32];
-    kvstage_session *s = NULL;
-    kvstage_transfer_desc d;
-    kvstage_engine_stats st;
-    const kvstage_error *e;
-    size_t c, i;
-    int seen = 0, intact = 1;
-    for (i = 0; i < NPAGES; i++) {
-        dst[i] = (uint32_t)i;
-        src[i] = (uint32_t)(NPAGES + i);
-    }
-    snprintf(id, sizeof id, "fault-%u", (unsigned)fault);
-    REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr, NULL) == KVSTAGE_OK);
-    REQUIRE(kvstage_session_connect(pre, addr, id, 10000, &s) == KVSTAGE_OK);
-    CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, NULL));
-    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
-    d.room = ROOM;
-    d.chunk_index = 0;
-    d.src_pages = src;
-    d.num_pages = NPAGES;
-    d.deadline_ms = 20000;
-    CHECK_OK(kvstage_testing_rdma_fault(fault));
-    CHECK_INT(kvstage_transfer(s, &d), KVSTAGE_E_RDMA);
-    e = kvstage_error_last();
-    print_error(id);
-    for (c = 0; c < e->cause_count; c++) seen |= strstr(e->causes[c], wc_status) != NULL;
-    seen |= strstr(e->message, wc_status) != NULL;
-    CHECK(seen);
-    CHECK(kvstage_transfer(s, &d) < 0); /* the session is dead */
-    kvstage_session_free(s);
-    CHECK(kvstage_room_wait(dec, ROOM, 5000) < 0);
-    CHECK_OK(kvstage_room_release(dec, ROOM));
-    memset(&st, 0, sizeof st);
-    st.struct_size = sizeof st;
-    CHECK_OK(kvstage_engine_stats_get(dec, &st));
-    CHECK_INT(st.ring_live_allocations, 0);
-    for (i = 0; i < guard; i++) intact &= guard_lo[i] == 0x5A && guard_hi[i] == 0x5A;
-    CHECK(intact);
-    memset(dp->memory, 0, 2 * LAYERS * dp->buffer);
-    snprintf(id, sizeof id, "after-fault-%u", (unsigned)fault);
-    CHECK_INT(transfer_and_verify(pre, dec, pp, dp, id), 0);
+/* Test builds: the next write carries fault `arg` (kvstage_testing_rdma_fault). */
+static void arm_fault(kvstage_engine *dec, uintptr_t fault) {
+    (void)dec;
+    CHECK_OK(kvstage_testing_rdma_fault((uint32_t)fault));
+}
+
+/* Guard bytes around the caller-provided ring are all 0x5A: nothing was written outside it. */
+static int guards_intact(const uint8_t *ring, size_t ring_bytes, size_t guard) {
+    size_t i;
+    int intact = 1;
+    for (i = 0; i < guard; i++) intact &= ring[i] == 0x5A && ring[guard + ring_bytes + i] == 0x5A;
+    return intact;
 }
 
 /* Mode "faults" (test rdma_faults, label rdma, test builds): each failure of a write on the
@@ -398,9 +371,12 @@ static int mode_faults(void) {
     REQUIRE(kvstage_engine_register_staging(dec, ring + GUARD, RING) == KVSTAGE_OK);
     pre = engine(KVSTAGE_TRANSPORT_RDMA, getenv("KVSTAGE_RDMA_DEVICES"), &pp, 0);
     REQUIRE(pre != NULL);
-    faulty_chunk(pre, dec, &pp, &dp, 1, "IBV_WC_REM_ACCESS_ERR", ring, ring + GUARD + RING, GUARD);
-    faulty_chunk(pre, dec, &pp, &dp, 2, "IBV_WC_REM_ACCESS_ERR", ring, ring + GUARD + RING, GUARD);
-    faulty_chunk(pre, dec, &pp, &dp, 3, "IBV_WC_WR_FLUSH_ERR", ring, ring + GUARD + RING, GUARD);
+    spoiled_chunk(pre, dec, &pp, &dp, "fault-1", "IBV_WC_REM_ACCESS_ERR", arm_fault, 1);
+    CHECK(guards_intact(ring, RING, GUARD));
+    spoiled_chunk(pre, dec, &pp, &dp, "fault-2", "IBV_WC_REM_ACCESS_ERR", arm_fault, 2);
+    CHECK(guards_intact(ring, RING, GUARD));
+    spoiled_chunk(pre, dec, &pp, &dp, "fault-3", "IBV_WC_WR_FLUSH_ERR", arm_fault, 3);
+    CHECK(guards_intact(ring, RING, GUARD));
     CHECK_INT(kvstage_testing_rdma_fault(5), KVSTAGE_E_INVALID_ARG);
     kvstage_engine_free(pre);
     kvstage_engine_free(dec);

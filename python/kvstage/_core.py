@@ -320,17 +320,23 @@ def writers_per_chunk(src_tp: int, dst_tp: int, src_pp: int = 1, dst_pp: int = 1
     return out.value
 
 
+def _stage_array(stages: Sequence[KvLayout]):
+    """``const kvstage_kv_layout *const *`` over ``stages`` and what keeps it alive."""
+    converted = [s._c() for s in stages]
+    array = (ctypes.POINTER(_lib.kvstage_kv_layout) * max(1, len(converted)))(*[ctypes.pointer(c) for c, _ in converted])
+    return array, converted
+
+
 def _pairing(fn: str, local: KvLayout, stages: Sequence[KvLayout]) -> List[Tuple[int, int]]:
     lib = get_library()
     clocal, _keep_local = local._c()
-    converted = [s._c() for s in stages]
-    array = (ctypes.POINTER(_lib.kvstage_kv_layout) * max(1, len(converted)))(*[ctypes.pointer(c) for c, _ in converted])
+    array, keep = _stage_array(stages)
     count = c_size_t(0)
-    rc = getattr(lib, fn)(byref(clocal), array, len(converted), None, 0, byref(count))
+    rc = getattr(lib, fn)(byref(clocal), array, len(keep), None, 0, byref(count))
     if rc != 0 and count.value == 0:
         _check(lib, rc, fn)
     out = (_lib.kvstage_rank * max(1, count.value))()
-    _check(lib, getattr(lib, fn)(byref(clocal), array, len(converted), out, count.value, byref(count)), fn)
+    _check(lib, getattr(lib, fn)(byref(clocal), array, len(keep), out, count.value, byref(count)), fn)
     return [(out[i].tp_rank, out[i].pp_rank) for i in range(count.value)]
 
 
@@ -391,17 +397,15 @@ def staging_layout(prefill_stages: Union[KvLayout, Sequence[KvLayout]], dst: KvL
     in (stage, head group) order; a receiver places them in arrival order, so run-time offsets may
     differ (sizes do not)."""
     lib = get_library()
-    stages = [prefill_stages] if isinstance(prefill_stages, KvLayout) else list(prefill_stages)
-    converted = [s._c() for s in stages]
-    array = (ctypes.POINTER(_lib.kvstage_kv_layout) * max(1, len(converted)))(*[ctypes.pointer(c) for c, _ in converted])
+    array, keep = _stage_array([prefill_stages] if isinstance(prefill_stages, KvLayout) else list(prefill_stages))
     cdst, _kd = dst._c()
     out = _lib.kvstage_staging_layout()
     out.struct_size = ctypes.sizeof(out)
     tokens = _u32(tokens, "tokens")
     fn = lib.kvstage_staging_layout_compute
-    _check(lib, fn(array, len(converted), byref(cdst), tokens, byref(out), None, 0), "kvstage_staging_layout_compute")
+    _check(lib, fn(array, len(keep), byref(cdst), tokens, byref(out), None, 0), "kvstage_staging_layout_compute")
     writers = (_lib.kvstage_staging_writer * max(1, out.num_writers))()
-    rc = fn(array, len(converted), byref(cdst), tokens, byref(out), writers, out.num_writers)
+    rc = fn(array, len(keep), byref(cdst), tokens, byref(out), writers, out.num_writers)
     _check(lib, rc, "kvstage_staging_layout_compute")
     return StagingLayout(
         out.total_bytes,

@@ -88,15 +88,9 @@ pub unsafe extern "C" fn kvstage_capabilities_get(out: *mut kvstage_capabilities
 pub unsafe extern "C" fn kvstage_testing_rdma_fault(fault: u32) -> Status {
     ffi_fn!(status {
         use crate::transport::rdma::fault::{arm, WriteFault};
-        let fault = match fault {
-            0 => WriteFault::None,
-            1 => WriteFault::BadRkey,
-            2 => WriteFault::PastTheRing,
-            3 => WriteFault::QpErrorMidChunk,
-            4 => WriteFault::PauseMidChunk,
-            other => return Err(crate::error::Error::invalid_arg("fault", format!("{other} is not 0..=4"))),
-        };
-        arm(fault);
+        let armed = WriteFault::from_code(fault)
+            .ok_or_else(|| crate::error::Error::invalid_arg("fault", format!("{fault} is not 0..=4")))?;
+        arm(armed);
         Ok(Status::KVSTAGE_OK)
     })
 }

@@ -20,19 +20,23 @@ pub enum WriteFault {
 /// How long [`WriteFault::PauseMidChunk`] holds the write.
 pub const PAUSE: std::time::Duration = std::time::Duration::from_secs(10);
 
+impl WriteFault {
+    const ALL: [WriteFault; 5] =
+        [WriteFault::None, WriteFault::BadRkey, WriteFault::PastTheRing, WriteFault::QpErrorMidChunk, WriteFault::PauseMidChunk];
+
+    /// The fault of code `code` (its position in the list above: 0 = none).
+    pub fn from_code(code: u32) -> Option<WriteFault> {
+        Self::ALL.get(code as usize).copied()
+    }
+}
+
 #[cfg(feature = "testing")]
 static ARMED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// Arms `fault` for the next RDMA chunk written by this process.
 #[cfg(feature = "testing")]
 pub fn arm(fault: WriteFault) {
-    let code = match fault {
-        WriteFault::None => 0,
-        WriteFault::BadRkey => 1,
-        WriteFault::PastTheRing => 2,
-        WriteFault::QpErrorMidChunk => 3,
-        WriteFault::PauseMidChunk => 4,
-    };
+    let code = WriteFault::ALL.iter().position(|f| *f == fault).expect("listed") as u32;
     ARMED.store(code, std::sync::atomic::Ordering::SeqCst);
 }
 
@@ -40,13 +44,7 @@ pub fn arm(fault: WriteFault) {
 pub(super) fn take() -> WriteFault {
     #[cfg(feature = "testing")]
     {
-        match ARMED.swap(0, std::sync::atomic::Ordering::SeqCst) {
-            1 => WriteFault::BadRkey,
-            2 => WriteFault::PastTheRing,
-            3 => WriteFault::QpErrorMidChunk,
-            4 => WriteFault::PauseMidChunk,
-            _ => WriteFault::None,
-        }
+        WriteFault::from_code(ARMED.swap(0, std::sync::atomic::Ordering::SeqCst)).unwrap_or(WriteFault::None)
     }
     #[cfg(not(feature = "testing"))]
     WriteFault::None

@@ -525,6 +525,12 @@ impl State {
         }
     }
 
+    /// A copy of a chunk's layout to claim in (committed by the caller), or a fresh one for its
+    /// first writer.
+    fn chunk_layout(c: &Chunk, info: &ConnInfo, tokens: u32) -> Result<StagingLayout> {
+        c.layout.clone().map_or_else(|| geometry::staging_layout(&info.src, &info.dst, tokens), Ok)
+    }
+
     /// Places `info`'s region in `layout` (a copy of a chunk's, committed by the caller). A
     /// second connection claiming the same prefill rank is refused (an impostor or a duplicate:
     /// the room goes on); a *different* prefill rank claiming a layer of the same heads means the

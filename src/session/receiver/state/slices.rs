@@ -72,10 +72,7 @@ impl State {
             Some(_) => None,
             None => {
                 // The connection's first slice of the chunk claims its layers for its head group.
-                let mut layout = match &c.layout {
-                    Some(l) => l.clone(),
-                    None => geometry::staging_layout(&info.src, dst, tokens)?,
-                };
+                let mut layout = Self::chunk_layout(c, &info, tokens)?;
                 let region = self.claim(room, &mut layout, &info)?;
                 Some((layout, region))
             }

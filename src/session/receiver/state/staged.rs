@@ -46,10 +46,7 @@ impl State {
         if c.slot_of(conn).is_some() {
             return Err(protocol(format!("writer {writer} requested chunk {chunk} twice")));
         }
-        let mut layout = match &c.layout {
-            Some(l) => l.clone(),
-            None => geometry::staging_layout(&info.src, &info.dst, tokens)?,
-        };
+        let mut layout = Self::chunk_layout(c, &info, tokens)?;
         if bytes != layout.total_bytes {
             return Err(Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
