@@ -82,6 +82,10 @@ fn messages() -> Vec<(String, Message)> {
         ("abort-room".into(), Message::Abort { room: 9, chunk: u32::MAX, reason: "canceled".into() }),
         ("slice".into(), Message::Slice { room: 9, chunk: 0, buffer: 3, token: 17, byte_offset: 256, len: 8 }),
         ("slice-done".into(), Message::SliceDone { req: 12, room: 9, chunk: 0 }),
+        ("written".into(), Message::Written { room: 9, chunk: 2, writer: 1, offset: 2048, len: 4096, imm: 0 }),
+        ("shm-offer".into(), Message::ShmOffer { socket: "kvstage-shm-42-00112233445566778899aabb".into(), nonce: vec![0x5a; 16] }),
+        ("shm-answer".into(), Message::ShmAnswer { status: 0, local: true, ring_len: 1 << 20, reason: String::new() }),
+        ("shm-answer-refused".into(), Message::ShmAnswer { status: -5, local: true, ring_len: 0, reason: "caller memory".into() }),
     ]);
     out
 }

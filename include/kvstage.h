@@ -87,10 +87,14 @@ typedef enum kvstage_error_class {
 
 // Which byte mover an engine uses.
 typedef enum kvstage_transport {
-    // RDMA when a usable device exists on both sides, else TCP.
+    // The same-host path when the peer is on this host (unless `same_host` is OFF), else RDMA
+    // when a usable device exists on both sides, else TCP.
     KVSTAGE_TRANSPORT_AUTO = 0,
     KVSTAGE_TRANSPORT_TCP = 1,
     KVSTAGE_TRANSPORT_RDMA = 2,
+    // The same-host path (the sender writes into the receiver's ring mapped in its process), or
+    // an error at connect (`KVSTAGE_E_UNSUPPORTED` when the peer is on another host).
+    KVSTAGE_TRANSPORT_SHM = 3,
 } kvstage_transport;
 
 // Attention flavour of a KV pool (`kvstage_kv_layout.model_kind`).
@@ -305,6 +309,9 @@ typedef struct kvstage_engine_options {
     // Bytes all send staging buffers may hold together, at least `send_staging_bytes`
     // (default 4 GiB, allocated on demand).
     uint64_t send_staging_total_bytes;
+    // A `kvstage_same_host` value: whether transport AUTO uses the same-host path (default AUTO;
+    // OFF with transport SHM is an error).
+    int32_t same_host;
 } kvstage_engine_options;
 
 // One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
@@ -422,6 +429,13 @@ typedef struct kvstage_engine_stats {
     // The largest `ring_used_bytes` since the current ring was registered (the ring's high-water
     // mark; registering a new ring starts it again from 0).
     uint64_t ring_high_water_bytes;
+    // Sessions that used the same-host path, opened or accepted by this engine.
+    uint64_t shm_sessions;
+    // Sessions this engine opened to a peer on this host that could not use the same-host path
+    // although transport AUTO allowed it (the peer's ring is caller memory, its transport rules
+    // it out, mapping failed); `kvstage_engine_transport_describe` says why. Peers on other
+    // hosts and `same_host` OFF are not counted.
+    uint64_t shm_downgrades;
 } kvstage_engine_stats;
 
 // Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
@@ -519,10 +533,10 @@ typedef void (*kvstage_log_fn)(void *user_data, const struct kvstage_log_record 
 // `kvstage_op_wait` or the completion callback reported it).
 typedef struct kvstage_session_stats {
     size_t struct_size;
-    // The transport the session's chunks use: `KVSTAGE_TRANSPORT_TCP` or `KVSTAGE_TRANSPORT_RDMA`.
+    // The transport the session's chunks use: `KVSTAGE_TRANSPORT_TCP`, `_RDMA` or `_SHM`.
     int32_t transport;
-    // 1 when the engine's transport is AUTO and this session runs on TCP (counted in
-    // `kvstage_engine_stats.rdma_downgrades`), else 0.
+    // 1 when the engine's transport is AUTO and a faster path failed for this session (counted
+    // in `kvstage_engine_stats.shm_downgrades` or `rdma_downgrades`), else 0.
     uint32_t downgraded;
     // Payload bytes written completely to the receiver (staged: this writer's share of each
     // chunk; slice path: the slice payloads).
@@ -654,9 +668,9 @@ enum kvstage_status kvstage_testing_panic(const struct kvstage_engine *engine);
 // Hosts without rdma-core or without a device get a clean "no RDMA" report, not an error.
 enum kvstage_status kvstage_doctor(char *buf, size_t capacity, size_t *needed, int32_t json);
 
-// Describes the engine's transport in one line: "rdma: mlx5_0:1 (InfiniBand, MTU 4096), ...",
-// or why RDMA is not used and the last downgrade of a session to TCP. Same buffer rules as
-// `kvstage_doctor`.
+// Describes the engine's transport in one line: the same-host path (mode, sessions, the last
+// downgrade), then "rdma: mlx5_0:1 (InfiniBand, MTU 4096), ..." or why RDMA is not used and the
+// last downgrade of a session to TCP. Same buffer rules as `kvstage_doctor`.
 enum kvstage_status kvstage_engine_transport_describe(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
 
 // Fills `options` with defaults (sets `struct_size`).

@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::geometry::KvLayout;
 use crate::transport::faults::Faults;
 use crate::transport::rdma::{Rdma, RdmaMode, RdmaOptions};
+use crate::transport::shm::{Shm, ShmMode};
 use crate::session::receiver::listener::{Limits, Listener};
 use crate::session::receiver::{Receiver, ReceiverConfig, RingMemory, ScatterJob};
 use crate::session::notify::Completions;
@@ -28,6 +29,8 @@ pub enum TransportKind {
     Auto,
     Tcp,
     Rdma,
+    /// The same-host path or an error at connect.
+    Shm,
 }
 
 #[derive(Clone, Debug)]
@@ -55,6 +58,8 @@ pub struct EngineOptions {
     pub faults: Option<Faults>,
     /// RDMA devices, QPs and work-request sizes (transport auto or rdma).
     pub rdma: RdmaOptions,
+    /// Transport auto: use the same-host path when the peer is on this host (`false`: never).
+    pub same_host: bool,
     /// Listener bounds: connections, handshakes in progress, handshake deadline.
     pub listener: Limits,
     /// A peer that stops answering is declared gone after about this long (keepalive and
@@ -94,6 +99,7 @@ impl Default for EngineOptions {
             integrity: Integrity::Sampled,
             faults: None,
             rdma: RdmaOptions::default(),
+            same_host: true,
             listener: Limits::default(),
             dead_peer_timeout: Some(DEFAULT_DEAD_PEER_TIMEOUT),
             room_timeout: Some(DEFAULT_ROOM_TIMEOUT),
@@ -164,6 +170,9 @@ impl EngineOptions {
             return Err(Error::invalid_arg("options->room_timeout_ms", "0 would fail every room at once"));
         }
         self.rdma.validate()?;
+        if self.transport == TransportKind::Shm && !self.same_host {
+            return Err(Error::invalid_arg("options->same_host", "is OFF while the transport is SHM (which requires it)"));
+        }
         self.listen_address.parse::<SocketAddr>().map_err(|e| {
             Error::invalid_arg(
                 "options->listen_address",
@@ -200,6 +209,7 @@ pub struct Engine {
     /// Sessions this engine opened, ended when it is freed (their operations fail at once).
     sessions: Mutex<Vec<std::sync::Weak<SenderSession>>>,
     rdma: Arc<Rdma>,
+    shm: Arc<Shm>,
 }
 
 impl Engine {
@@ -209,10 +219,15 @@ impl Engine {
         // RDMA devices: transport rdma without a usable one fails here (KVSTAGE_E_NO_DEVICE, the
         // causes down to the OS error of the device list); auto without one runs on TCP.
         let rdma_mode = match options.transport {
-            TransportKind::Tcp => RdmaMode::Off,
+            TransportKind::Tcp | TransportKind::Shm => RdmaMode::Off,
             TransportKind::Auto => RdmaMode::Auto,
             TransportKind::Rdma => RdmaMode::Required,
         };
+        let shm = Shm::new(match options.transport {
+            TransportKind::Auto if options.same_host => ShmMode::Auto,
+            TransportKind::Shm => ShmMode::Required,
+            _ => ShmMode::Off,
+        });
         let rdma = Rdma::open(rdma_mode, options.rdma.clone())?;
         if rdma_mode == RdmaMode::Auto && !rdma.active() {
             log::info!("transport auto: no usable RDMA device, sessions will use tcp ({})", rdma.unavailable_reason());
@@ -239,6 +254,7 @@ impl Engine {
                 faults: options.faults.clone(),
             },
             rdma: rdma.clone(),
+            shm: shm.clone(),
             counters: Default::default(),
         });
         let config = ReceiverConfig {
@@ -253,6 +269,7 @@ impl Engine {
         };
         let receiver = Arc::new(Receiver::new(pool.clone(), copy, config, completions.clone()));
         receiver.set_rdma(rdma.clone());
+        receiver.set_shm(shm.clone());
         let (tx, rx) = crossbeam_channel::unbounded::<ScatterJob>();
         receiver.set_scatter_queue(tx);
         let scatter_receiver = receiver.clone();
@@ -267,7 +284,7 @@ impl Engine {
         let accept_listener = listener.try_clone()?;
         let (accept_receiver, accept_conns) = (receiver.clone(), conns.clone());
         let accept_thread = spawn("kvstage-accept", move || accept_conns.run(accept_listener, accept_receiver))?;
-        log::info!("engine listening on {local_addr}, transport {}", describe_transport(options.transport, &rdma));
+        log::info!("engine listening on {local_addr}, transport {}", describe_transport(&options, &rdma));
         Ok(Engine {
             options,
             local_addr,
@@ -281,6 +298,7 @@ impl Engine {
             conns,
             sessions: Mutex::new(Vec::new()),
             rdma,
+            shm,
         })
     }
 
@@ -291,6 +309,11 @@ impl Engine {
     /// The engine's RDMA side (devices, counters; inactive for transport tcp or without a device).
     pub fn rdma(&self) -> &Arc<Rdma> {
         &self.rdma
+    }
+
+    /// The engine's same-host side (mode, counters).
+    pub fn shm(&self) -> &Arc<Shm> {
+        &self.shm
     }
 
     /// The address the engine listens on (the chosen port when 0 was asked for).
@@ -345,13 +368,16 @@ impl Engine {
     }
 }
 
-/// "auto (rdma: mlx5_0:1)", "rdma (mlx5_0:1, mlx5_1:1)", "tcp", "auto (tcp only)" for the log.
-fn describe_transport(kind: TransportKind, rdma: &Rdma) -> String {
+/// "auto (same host, else rdma: mlx5_0:1)", "rdma (mlx5_0:1, mlx5_1:1)", "tcp", "shm",
+/// "auto (same host, else tcp)" for the log.
+fn describe_transport(options: &EngineOptions, rdma: &Rdma) -> String {
     let nics = || rdma.nics().iter().map(|n| n.attrs.describe()).collect::<Vec<_>>().join(", ");
-    match kind {
+    let same_host = if options.same_host { "same host, else " } else { "" };
+    match options.transport {
         TransportKind::Tcp => "tcp".to_owned(),
-        TransportKind::Auto if rdma.active() => format!("auto (rdma: {})", nics()),
-        TransportKind::Auto => "auto (tcp only)".to_owned(),
+        TransportKind::Shm => "shm (same host only)".to_owned(),
+        TransportKind::Auto if rdma.active() => format!("auto ({same_host}rdma: {})", nics()),
+        TransportKind::Auto => format!("auto ({same_host}tcp)"),
         TransportKind::Rdma => format!("rdma ({})", nics()),
     }
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvstage::engine::{Engine, EngineOptions, Integrity};
+use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
@@ -42,6 +42,8 @@ fn opts(integrity: Integrity, token: Option<&str>, faults: Option<Faults>) -> En
         cluster_token: token.map(str::to_owned),
         faults,
         default_deadline: Some(Duration::from_secs(5)),
+        // The injected faults corrupt TCP payloads: the same-host path has none.
+        transport: TransportKind::Tcp,
         ..EngineOptions::default()
     }
 }

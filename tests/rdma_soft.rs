@@ -31,6 +31,8 @@ fn opts(transport: TransportKind, devices: &str, qps: u32) -> EngineOptions {
             signal_every: 3,
             ..RdmaOptions::default()
         },
+        // Both engines share this host: auto would take the same-host path before RDMA.
+        same_host: false,
         ..EngineOptions::default()
     }
 }
@@ -172,8 +174,9 @@ fn this_host_without_a_device_reports_no_device_or_downgrades() {
     let causes = err.causes();
     let last = causes.last().expect("a cause chain");
     assert!(last.contains("os error") || last.contains("returned no devices") || last.contains("no device"), "{causes:?}");
-    // auto: the engine is created, its sessions use TCP and are counted.
-    let p = pair(EngineOptions::default(), EngineOptions::default(), 1);
+    // auto (same host ruled out): the engine is created, its sessions use TCP and are counted.
+    let auto = || EngineOptions { same_host: false, ..EngineOptions::default() };
+    let p = pair(auto(), auto(), 1);
     transfer_all(&p, 9, "auto-here");
     assert_eq!(p.prefill[0].0.rdma().downgrades(), 1);
     assert!(!p.prefill[0].0.rdma().active());

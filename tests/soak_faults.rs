@@ -1,6 +1,6 @@
 //! Fault soak: many seeded runs of a P2→D1 staged transfer (two chunks, a ring that holds one
 //! chunk, so the second waits on the watermark) over real loopback TCP, each with one kind of
-//! injected fault on the prefill or the decode side. For every seed:
+//! injected fault on the prefill or the decode side, over TCP or the same-host path. For every seed:
 //! - every operation ends (success or error) before its deadline plus a small slack: no hangs;
 //! - a room reported complete holds exactly the reference bytes: no corrupt success;
 //! - once the room is terminal and the sessions closed, the decode ring is empty before the room is
@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{fd_count, thread_count};
-use kvstage::engine::{Engine, EngineOptions, Integrity};
+use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
 use kvstage::geometry::{ModelKind, PoolShape};
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
@@ -67,12 +67,16 @@ fn plan_for(seed: u64) -> (FaultPlan, bool) {
     (p, on_decode)
 }
 
-fn options(faults: Option<Faults>) -> EngineOptions {
+/// Every fault kind on either side runs over both byte movers: TCP (whose payloads the faults can
+/// corrupt or truncate) and the same-host path (transport auto between engines of one host,
+/// where only control frames pass through the faults).
+fn options(seed: u64, faults: Option<Faults>) -> EngineOptions {
     EngineOptions {
         chunk_tokens: CHUNK_TOKENS,
         default_deadline: Some(OP_DEADLINE),
         integrity: Integrity::Always,
         faults,
+        transport: if (seed / 18).is_multiple_of(2) { TransportKind::Tcp } else { TransportKind::Auto },
         ..EngineOptions::default()
     }
 }
@@ -80,7 +84,7 @@ fn options(faults: Option<Faults>) -> EngineOptions {
 fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     let (plan, on_decode) = plan_for(seed);
     let faults = Faults { plan, counters: counters.clone() };
-    let decode = Engine::new(options(on_decode.then(|| faults.clone()))).expect("decode engine");
+    let decode = Engine::new(options(seed, on_decode.then(|| faults.clone()))).expect("decode engine");
     let dpool = HostPool::new(shape(0, 1), 16);
     decode.register_pool(dpool.layout.clone()).unwrap();
     let src0 = shape(0, 2);
@@ -92,7 +96,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
 
     let prefill: Vec<(Engine, HostPool, Vec<u32>)> = (0..2)
         .map(|rank| {
-            let engine = Engine::new(options((!on_decode).then(|| faults.clone()))).expect("prefill engine");
+            let engine = Engine::new(options(seed, (!on_decode).then(|| faults.clone()))).expect("prefill engine");
             let mut pool = HostPool::new(shape(rank, 2), 16);
             let pages = kvstage_testkit::page_table(PAGES, 16, seed * 7 + rank as u64, seed.is_multiple_of(3));
             pool.fill(&pages, 0);

@@ -123,7 +123,7 @@ fn counters_and_timings_match_a_known_sequence() {
     assert_eq!(fresh.send.sum, TransferTimings::default());
     for s in [&to_healthy, &to_stuck, &to_doomed] {
         let st = s.stats();
-        assert!(!st.rdma && !st.downgraded, "transport tcp: neither rdma nor downgraded");
+        assert!(st.link == kvstage::session::stats::LinkKind::Tcp && !st.downgraded, "transport tcp: neither another link nor downgraded");
     }
 
     // 1. Three synchronous transfers, each verified on the decode side.

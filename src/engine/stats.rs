@@ -5,7 +5,7 @@ use crate::ring::Watermark;
 use crate::session::stats::{ReceiveStats, SendStats};
 
 /// A snapshot of an engine's counters: its receiver (ring, listener, chunks received), its RDMA
-/// side and every transfer its sender sessions ran (those already freed included).
+/// and same-host sides and every transfer its sender sessions ran (those already freed included).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EngineStats {
     /// Size of the registered staging ring in bytes (0 = none).
@@ -15,6 +15,8 @@ pub struct EngineStats {
     pub watermark: Watermark,
     pub rdma_downgrades: u64,
     pub rdma_sessions: u64,
+    pub shm_sessions: u64,
+    pub shm_downgrades: u64,
     /// Sender connections accepted and past their handshake, now.
     pub connections: u64,
     pub accept_errors: u64,
@@ -41,6 +43,8 @@ impl Engine {
             watermark: r.watermark,
             rdma_downgrades: self.rdma.downgrades(),
             rdma_sessions: self.rdma.sessions(),
+            shm_sessions: self.shm.sessions(),
+            shm_downgrades: self.shm.downgrades(),
             connections: r.connections,
             accept_errors: r.accept_errors,
             connections_refused: r.connections_refused,

@@ -4,6 +4,8 @@ use std::ffi::c_char;
 
 use super::{engine, ffi_fn, write_text};
 use crate::error::{Error, Status};
+use crate::transport::rdma::RdmaMode;
+use crate::transport::shm::ShmMode;
 
 /// Reports what this host offers kvstage: whether libibverbs loads, the RDMA devices and their
 /// ports (state, active and max MTU, link layer, LID, GID table size), dma-buf registration and
@@ -25,9 +27,9 @@ pub unsafe extern "C" fn kvstage_doctor(buf: *mut c_char, capacity: usize, neede
     })
 }
 
-/// Describes the engine's transport in one line: "rdma: mlx5_0:1 (InfiniBand, MTU 4096), ...",
-/// or why RDMA is not used and the last downgrade of a session to TCP. Same buffer rules as
-/// `kvstage_doctor`.
+/// Describes the engine's transport in one line: the same-host path (mode, sessions, the last
+/// downgrade), then "rdma: mlx5_0:1 (InfiniBand, MTU 4096), ..." or why RDMA is not used and the
+/// last downgrade of a session to TCP. Same buffer rules as `kvstage_doctor`.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_transport_describe(
     engine: *const engine::kvstage_engine,
@@ -38,23 +40,44 @@ pub unsafe extern "C" fn kvstage_engine_transport_describe(
     ffi_fn!(status {
         let engine = unsafe { engine::borrow(engine, "engine") }?;
         let rdma = engine.rdma();
-        let mut text = match rdma.mode() {
-            crate::transport::rdma::RdmaMode::Off => "tcp (transport tcp)".to_owned(),
+        let shm = engine.shm();
+        let mut parts = Vec::new();
+        let same_host = match shm.mode() {
+            ShmMode::Required => Some("shm (required): same-host peers only"),
+            ShmMode::Auto => Some("same host: shm (auto)"),
+            ShmMode::Off if engine.options().transport == crate::engine::TransportKind::Auto => Some("same host: off (same_host OFF)"),
+            ShmMode::Off => None,
+        };
+        if let Some(what) = same_host {
+            let mut part = format!("{what}, {} session(s)", shm.sessions());
+            let n = shm.downgrades();
+            if n > 0 {
+                part.push_str(&format!(", {n} same-host session(s) not on shm, last: {}", shm.last_downgrade()));
+            }
+            parts.push(part);
+        }
+        let rdma_part = match rdma.mode() {
+            RdmaMode::Off if shm.mode() == ShmMode::Required => None,
+            RdmaMode::Off => Some("tcp (transport tcp)".to_owned()),
             mode if rdma.active() => {
                 let nics: Vec<String> = rdma
                     .nics()
                     .iter()
                     .map(|n| format!("{} ({}, MTU {}, GID index {})", n.attrs.describe(), n.attrs.link_layer, n.attrs.active_mtu, n.attrs.gid_index))
                     .collect();
-                let how = if mode == crate::transport::rdma::RdmaMode::Required { "required" } else { "auto" };
-                format!("rdma ({how}): {}, {} QP(s) per device", nics.join(", "), rdma.options().qps_per_device)
+                let how = if mode == RdmaMode::Required { "required" } else { "auto" };
+                Some(format!("rdma ({how}): {}, {} QP(s) per device", nics.join(", "), rdma.options().qps_per_device))
             }
-            _ => format!("tcp (transport auto, no usable RDMA device: {})", rdma.unavailable_reason()),
+            _ => Some(format!("tcp (transport auto, no usable RDMA device: {})", rdma.unavailable_reason())),
         };
-        let (n, last) = (rdma.downgrades(), rdma.last_downgrade());
-        if n > 0 {
-            text.push_str(&format!("; {n} session(s) downgraded to tcp, last: {last}"));
+        if let Some(mut part) = rdma_part {
+            let (n, last) = (rdma.downgrades(), rdma.last_downgrade());
+            if n > 0 {
+                part.push_str(&format!("; {n} session(s) downgraded to tcp, last: {last}"));
+            }
+            parts.push(part);
         }
+        let text = parts.join("; other hosts: ");
         unsafe { write_text(&text, buf, capacity, needed) }
     })
 }

@@ -19,10 +19,24 @@ pub(crate) unsafe fn borrow(ptr: *const kvstage_engine, arg: &str) -> Result<Bor
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum kvstage_transport {
-    /// RDMA when a usable device exists on both sides, else TCP.
+    /// The same-host path when the peer is on this host (unless `same_host` is OFF), else RDMA
+    /// when a usable device exists on both sides, else TCP.
     KVSTAGE_TRANSPORT_AUTO = 0,
     KVSTAGE_TRANSPORT_TCP = 1,
     KVSTAGE_TRANSPORT_RDMA = 2,
+    /// The same-host path (the sender writes into the receiver's ring mapped in its process), or
+    /// an error at connect (`KVSTAGE_E_UNSUPPORTED` when the peer is on another host).
+    KVSTAGE_TRANSPORT_SHM = 3,
+}
+
+/// Whether transport AUTO may use the same-host path (`kvstage_engine_options.same_host`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvstage_same_host {
+    /// Used when the peer is on this host and its ring is engine-owned (the default).
+    KVSTAGE_SAME_HOST_AUTO = 0,
+    /// Never: same-host peers use RDMA or TCP; nothing is counted as a downgrade.
+    KVSTAGE_SAME_HOST_OFF = 1,
 }
 
 /// Deadline value meaning "wait forever" (must be asked for explicitly).
@@ -86,6 +100,9 @@ pub struct kvstage_engine_options {
     /// Bytes all send staging buffers may hold together, at least `send_staging_bytes`
     /// (default 4 GiB, allocated on demand).
     pub send_staging_total_bytes: u64,
+    /// A `kvstage_same_host` value: whether transport AUTO uses the same-host path (default AUTO;
+    /// OFF with transport SHM is an error).
+    pub same_host: i32,
 }
 
 /// Per-chunk integrity checking (xxh3-64 of each writer's staged bytes).
@@ -107,6 +124,7 @@ impl Default for kvstage_engine_options {
                 TransportKind::Auto => kvstage_transport::KVSTAGE_TRANSPORT_AUTO,
                 TransportKind::Tcp => kvstage_transport::KVSTAGE_TRANSPORT_TCP,
                 TransportKind::Rdma => kvstage_transport::KVSTAGE_TRANSPORT_RDMA,
+                TransportKind::Shm => kvstage_transport::KVSTAGE_TRANSPORT_SHM,
             } as i32,
             listen_address: std::ptr::null(),
             worker_threads: d.worker_threads,
@@ -129,6 +147,7 @@ impl Default for kvstage_engine_options {
             send_staging_buffers: d.send_staging_buffers,
             transfer_threads: d.transfer_threads,
             send_staging_total_bytes: d.send_staging_total_bytes,
+            same_host: if d.same_host { kvstage_same_host::KVSTAGE_SAME_HOST_AUTO } else { kvstage_same_host::KVSTAGE_SAME_HOST_OFF } as i32,
         }
     }
 }
@@ -150,6 +169,7 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
         0 => TransportKind::Auto,
         1 => TransportKind::Tcp,
         2 => TransportKind::Rdma,
+        3 => TransportKind::Shm,
         other => return Err(Error::invalid_arg("options->transport", format!("{other} is not a kvstage_transport value"))),
     };
     let mut opts = EngineOptions {
@@ -194,6 +214,11 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
     opts.send_staging_buffers = raw.send_staging_buffers;
     opts.transfer_threads = raw.transfer_threads;
     opts.send_staging_total_bytes = raw.send_staging_total_bytes;
+    opts.same_host = match raw.same_host {
+        0 => true,
+        1 => false,
+        other => return Err(Error::invalid_arg("options->same_host", format!("{other} is not a kvstage_same_host value"))),
+    };
     Ok(opts)
 }
 
@@ -361,6 +386,13 @@ pub struct kvstage_engine_stats {
     /// The largest `ring_used_bytes` since the current ring was registered (the ring's high-water
     /// mark; registering a new ring starts it again from 0).
     pub ring_high_water_bytes: u64,
+    /// Sessions that used the same-host path, opened or accepted by this engine.
+    pub shm_sessions: u64,
+    /// Sessions this engine opened to a peer on this host that could not use the same-host path
+    /// although transport AUTO allowed it (the peer's ring is caller memory, its transport rules
+    /// it out, mapping failed); `kvstage_engine_transport_describe` says why. Peers on other
+    /// hosts and `same_host` OFF are not counted.
+    pub shm_downgrades: u64,
 }
 
 /// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_engine_stats)`) with the
@@ -408,6 +440,8 @@ pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine,
             scatter_ns_max: r.receive.scatter_ns_max,
             ring_used_bytes: r.ring_used_bytes,
             ring_high_water_bytes: r.receive.ring_high_water,
+            shm_sessions: r.shm_sessions,
+            shm_downgrades: r.shm_downgrades,
         };
         unsafe { super::write_versioned(out, stats, "out") }?;
         Ok(Status::KVSTAGE_OK)

@@ -6,7 +6,7 @@ use std::cell::Cell;
 use super::transfer::{kvstage_op, kvstage_session};
 use super::{ffi_fn, out_ptr, write_versioned};
 use crate::error::Status;
-use crate::session::stats::{SendStats, TransferTimings};
+use crate::session::stats::{LinkKind, SendStats, TransferTimings};
 
 /// Where one transfer (one chunk) spent its time, in nanoseconds (monotonic clock). A phase that
 /// did not happen is 0 (a fallback has only `total_ns`; a failure has the phases it reached, the
@@ -60,10 +60,10 @@ pub(crate) fn timings_to_c(t: &TransferTimings) -> kvstage_transfer_timings {
 #[derive(Clone, Copy, Default)]
 pub struct kvstage_session_stats {
     pub struct_size: usize,
-    /// The transport the session's chunks use: `KVSTAGE_TRANSPORT_TCP` or `KVSTAGE_TRANSPORT_RDMA`.
+    /// The transport the session's chunks use: `KVSTAGE_TRANSPORT_TCP`, `_RDMA` or `_SHM`.
     pub transport: i32,
-    /// 1 when the engine's transport is AUTO and this session runs on TCP (counted in
-    /// `kvstage_engine_stats.rdma_downgrades`), else 0.
+    /// 1 when the engine's transport is AUTO and a faster path failed for this session (counted
+    /// in `kvstage_engine_stats.shm_downgrades` or `rdma_downgrades`), else 0.
     pub downgraded: u32,
     /// Payload bytes written completely to the receiver (staged: this writer's share of each
     /// chunk; slice path: the slice payloads).
@@ -136,7 +136,12 @@ pub unsafe extern "C" fn kvstage_session_stats_get(session: *const kvstage_sessi
         let out = out_ptr(out, "out")?;
         let s = session.stats();
         let f = send_fields(&s.send);
-        let transport = if s.rdma { super::engine::kvstage_transport::KVSTAGE_TRANSPORT_RDMA } else { super::engine::kvstage_transport::KVSTAGE_TRANSPORT_TCP };
+        use super::engine::kvstage_transport as T;
+        let transport = match s.link {
+            LinkKind::Tcp => T::KVSTAGE_TRANSPORT_TCP,
+            LinkKind::Rdma => T::KVSTAGE_TRANSPORT_RDMA,
+            LinkKind::Shm => T::KVSTAGE_TRANSPORT_SHM,
+        };
         let stats = kvstage_session_stats {
             struct_size: std::mem::size_of::<kvstage_session_stats>(),
             transport: transport as i32,

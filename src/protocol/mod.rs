@@ -21,7 +21,8 @@ pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// 2: the hello carries the integrity policy; late frames for closed rooms are discarded.
 /// 3: an allocation reply says where the writer's region lies (regions follow the pipeline split);
 /// a sender can ask for a room's chunk grid.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// 4: the same-host exchange (`ShmOffer`, `ShmAnswer`); `Written` reports any in-place write.
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.
@@ -76,9 +77,16 @@ pub enum Message {
     RdmaOffer(RdmaOffer),
     /// RDMA: the receiver's queue pairs and registered ring, or why it cannot serve RDMA.
     RdmaAnswer(RdmaOffer),
-    /// RDMA: a writer's bytes were written into its region by RDMA WRITE (no payload follows);
-    /// `imm` is the immediate of the WRITE_WITH_IMM that completed them.
-    RdmaWritten { room: u64, chunk: u32, writer: u32, offset: u64, len: u64, imm: u32 },
+    /// A writer's bytes were written into its region in place, by RDMA WRITE or through a
+    /// same-host mapping of the ring (no payload follows); over RDMA `imm` is the immediate of the
+    /// WRITE_WITH_IMM that completed them (0 otherwise).
+    Written { room: u64, chunk: u32, writer: u32, offset: u64, len: u64, imm: u32 },
+    /// Same host: the sender listens on the abstract Unix socket `socket` and asks for the ring's
+    /// descriptor there, presented with `nonce`.
+    ShmOffer { socket: String, nonce: Vec<u8> },
+    /// Same host: `local` = the receiver reached the socket; `status` 0 = it passed its ring of
+    /// `ring_len` bytes there; otherwise a `Status` code with `reason`.
+    ShmAnswer { status: i32, local: bool, ring_len: u64, reason: String },
     /// The sender asks for the chunk grid of a room open on the receiver.
     GridReq { req: u64, room: u64 },
     /// `status` 0: the room's pages split into `num_chunks` chunks of `chunk_tokens` tokens (the
@@ -98,9 +106,11 @@ const T_SLICE: u8 = 9;
 const T_SLICE_DONE: u8 = 10;
 const T_RDMA_OFFER: u8 = 11;
 const T_RDMA_ANSWER: u8 = 12;
-const T_RDMA_WRITTEN: u8 = 13;
+const T_WRITTEN: u8 = 13;
 const T_GRID_REQ: u8 = 14;
 const T_GRID_RSP: u8 = 15;
+const T_SHM_OFFER: u8 = 16;
+const T_SHM_ANSWER: u8 = 17;
 
 fn malformed(what: impl Into<String>) -> Error {
     Error::new(Status::KVSTAGE_E_PROTOCOL, format!("malformed frame: {}", what.into()))
@@ -208,8 +218,14 @@ impl Message {
                 e.u8(T_RDMA_ANSWER);
                 o.encode(&mut e);
             }
-            Message::RdmaWritten { room, chunk, writer, offset, len, imm } => {
-                e.u8(T_RDMA_WRITTEN).u64(*room).u32(*chunk).u32(*writer).u64(*offset).u64(*len).u32(*imm);
+            Message::ShmOffer { socket, nonce } => {
+                e.u8(T_SHM_OFFER).str(socket).bytes(nonce);
+            }
+            Message::ShmAnswer { status, local, ring_len, reason } => {
+                e.u8(T_SHM_ANSWER).i32(*status).u8(*local as u8).u64(*ring_len).str(reason);
+            }
+            Message::Written { room, chunk, writer, offset, len, imm } => {
+                e.u8(T_WRITTEN).u64(*room).u32(*chunk).u32(*writer).u64(*offset).u64(*len).u32(*imm);
             }
             Message::GridReq { req, room } => {
                 e.u8(T_GRID_REQ).u64(*req).u64(*room);
@@ -302,7 +318,18 @@ impl Message {
             T_SLICE_DONE => Message::SliceDone { req: d.u64("req")?, room: d.u64("room")?, chunk: d.u32("chunk")? },
             T_RDMA_OFFER => Message::RdmaOffer(RdmaOffer::decode(d.rest())?),
             T_RDMA_ANSWER => Message::RdmaAnswer(RdmaOffer::decode(d.rest())?),
-            T_RDMA_WRITTEN => Message::RdmaWritten {
+            T_SHM_OFFER => Message::ShmOffer { socket: d.str("socket", MAX_TEXT)?, nonce: d.bytes("nonce", MAX_TEXT)? },
+            T_SHM_ANSWER => Message::ShmAnswer {
+                status: d.i32("status")?,
+                local: match d.u8("local")? {
+                    0 => false,
+                    1 => true,
+                    f => return Err(malformed(format!("local flag {f} is neither 0 nor 1"))),
+                },
+                ring_len: d.u64("ring_len")?,
+                reason: d.str("reason", MAX_TEXT)?,
+            },
+            T_WRITTEN => Message::Written {
                 room: d.u64("room")?,
                 chunk: d.u32("chunk")?,
                 writer: d.u32("writer")?,
@@ -463,7 +490,9 @@ mod tests {
             Message::SliceDone { req: 4, room: 1, chunk: 0 },
             Message::RdmaOffer(rdma_offer()),
             Message::RdmaAnswer(RdmaOffer::refusal(Status::KVSTAGE_E_NO_DEVICE, "no device")),
-            Message::RdmaWritten { room: 1, chunk: 2, writer: 3, offset: 4, len: 5, imm: 6 },
+            Message::Written { room: 1, chunk: 2, writer: 3, offset: 4, len: 5, imm: 6 },
+            Message::ShmOffer { socket: "kvstage-shm-1-ab".into(), nonce: vec![7; 16] },
+            Message::ShmAnswer { status: 0, local: true, ring_len: 1 << 20, reason: String::new() },
             Message::GridReq { req: 7, room: 8 },
             Message::GridRsp { req: 9, status: 0, chunk_tokens: 64, num_chunks: 3, num_pages: 10, reason: String::new() },
         ]

@@ -17,7 +17,7 @@ use super::op::{Op, Waker};
 use super::{pairing, Deadline, Integrity, Pairing};
 use super::notify::Completions;
 use super::staging::StagingPool;
-use super::stats::{since, SendCounters, SendMetrics, SessionStats, TransferTimings};
+use super::stats::{since, LinkKind, SendCounters, SendMetrics, SessionStats, TransferTimings};
 use super::workers::Workers;
 use crate::copy::{CopyEngine, ReadyFence};
 use crate::error::{Error, Result, Status};
@@ -25,6 +25,7 @@ use crate::geometry::{self, Fingerprint, KvLayout, MemoryKind};
 use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
 use crate::ring::Watermark;
 use crate::transport::faults::FaultyTransport;
+use crate::transport::shm::Negotiated;
 use crate::transport::tcp::{self, TcpTransport};
 use crate::transport::Transport;
 
@@ -58,6 +59,8 @@ pub struct SendResources {
     pub completions: Arc<Completions>,
     /// RDMA devices of the engine (inactive for transport tcp or without a device).
     pub rdma: Arc<crate::transport::rdma::Rdma>,
+    /// The same-host path's mode and counters.
+    pub shm: Arc<crate::transport::shm::Shm>,
     /// Sender counters of the engine (every session adds to them as well as to its own).
     pub counters: Arc<SendCounters>,
 }
@@ -129,8 +132,9 @@ pub struct SenderSession {
     fallback_logged: AtomicBool,
     /// This session's counters and the engine's.
     metrics: SendMetrics,
-    /// Chunks go by RDMA; `downgraded`: RDMA was asked for (auto) but the session runs on TCP.
-    rdma_link: bool,
+    /// How chunks move; `downgraded`: a faster path was asked for (auto) and counted as a
+    /// downgrade, the session runs on a slower one.
+    link_kind: LinkKind,
     downgraded: bool,
 }
 
@@ -204,12 +208,25 @@ impl SenderSession {
         if !crate::session::tokens_match(&token, &remote.token) {
             return Err(Error::new(Status::KVSTAGE_E_AUTH, format!("{addr} did not present this cluster's token")));
         }
-        // Transport auto/rdma: the QPs are exchanged on this stream before its reader starts.
-        let plain = link.clone();
-        let (link, early) = resources.rdma.negotiate(link, &mut reader, &addr.to_string(), id, &deadline)?;
-        let rdma_link = !Arc::ptr_eq(&plain, &link);
-        drop(plain);
-        let downgraded = !rdma_link && resources.rdma.mode() == crate::transport::rdma::RdmaMode::Auto;
+        // Transport auto/shm/rdma: the same-host path, then RDMA's QPs, are negotiated on this
+        // stream before its reader starts.
+        let mut early = Vec::new();
+        let peer = addr.to_string();
+        let (link, link_kind, downgraded) = match resources.shm.negotiate(&link, &mut reader, &peer, id, &deadline, &mut early)? {
+            Negotiated::Mapped(shm) => (shm, LinkKind::Shm, false),
+            Negotiated::NotUsed { downgraded } => {
+                let plain = link.clone();
+                let (link, more) = resources.rdma.negotiate(link, &mut reader, &peer, id, &deadline)?;
+                early.extend(more);
+                if Arc::ptr_eq(&plain, &link) {
+                    // Transport auto on TCP: RDMA's downgrade was counted.
+                    let rdma_downgraded = resources.rdma.mode() == crate::transport::rdma::RdmaMode::Auto;
+                    (link, LinkKind::Tcp, downgraded || rdma_downgraded)
+                } else {
+                    (link, LinkKind::Rdma, downgraded)
+                }
+            }
+        };
         let mut watermark = remote.watermark;
         for m in early {
             if let Message::Watermark(w) = m {
@@ -224,6 +241,7 @@ impl SenderSession {
             cv: Condvar::new(),
         });
         let reader_shared = shared.clone();
+        let reader_link = link.clone();
         let (reader_id, reader_peer) = (id.to_owned(), link.describe());
         let handle = std::thread::Builder::new()
             .name(format!("kvstage-send-{id}"))
@@ -239,6 +257,9 @@ impl SenderSession {
                     st.dead = Some((e.code(), e.chain()));
                     reader_shared.cv.notify_all();
                 }
+                // The session is dead: the link goes too (a same-host mapping of the receiver's
+                // ring is unmapped once a gather in progress ends, which ends its quarantine there).
+                reader_link.shutdown();
             })
             .map_err(|e| Error::internal("cannot start the session reader thread").with_source(e))?;
         let integrity = options.integrity.stronger(Integrity::from_wire(remote.integrity));
@@ -256,7 +277,7 @@ impl SenderSession {
             peer: addr,
             fallback_logged: AtomicBool::new(false),
             metrics: SendMetrics { session: Arc::default(), engine: resources.counters.clone() },
-            rdma_link,
+            link_kind,
             downgraded,
             resources,
         }))
@@ -296,7 +317,7 @@ impl SenderSession {
     /// This session's counters (bytes, chunks, transfers by result, in flight, summed phase
     /// timings) and its transport.
     pub fn stats(&self) -> SessionStats {
-        SessionStats { send: self.metrics.session.snapshot(), rdma: self.rdma_link, downgraded: self.downgraded }
+        SessionStats { send: self.metrics.session.snapshot(), link: self.link_kind, downgraded: self.downgraded }
     }
 
     /// The staged path for one chunk. `Ok(FALLBACK)` means nothing was allocated anywhere.
@@ -484,32 +505,55 @@ impl SenderSession {
         let writable = self.wait_writable(round, end, deadline, op);
         t.watermark_wait_ns += since(phase);
         writable?;
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let header = Message::Data { room: desc.room, chunk: desc.chunk, writer, offset: region_offset, len: region_bytes };
+        let ready = |checksum| Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
+        // Same host, host pool: the gather writes straight into the granted range of the ring.
+        let in_place = match self.pool.memory {
+            MemoryKind::Host => self.link.in_place(grant_offset + region_offset, region_bytes),
+            _ => None,
+        };
+        if let Some(range) = in_place {
+            let mut range = range?;
+            let checksum = self.gather(desc, plan, range.as_mut_ptr(), region_bytes, t)?;
+            drop(range);
+            let phase = Instant::now();
+            let wrote = self.link.finish_in_place(&header, &ready(checksum), deadline);
+            t.wire_ns = since(phase);
+            wrote?;
+            self.metrics.sent(region_bytes);
+            return Ok(req);
+        }
         // A buffer of the engine's pool, held for the gather and the write only.
         let phase = Instant::now();
         let staging = self.resources.staging.acquire(region_bytes, deadline, op, &self.resources.copy);
         t.alloc_wait_ns = since(phase);
         let mut staging = staging?;
         let data = staging.bytes(region_bytes as usize);
+        let checksum = self.gather(desc, plan, data.as_mut_ptr(), region_bytes, t)?;
         let phase = Instant::now();
-        // SAFETY: the pool was validated at registration and its pages checked; the staging buffer
-        // holds the region's bytes.
-        let gathered = unsafe { self.resources.copy.gather_after(plan, &self.pool, data.as_mut_ptr(), desc.ready.as_deref()) };
-        if gathered.is_err() {
-            t.gather_ns = since(phase);
-        }
-        gathered?;
-        let data = &*data;
-        let checksum = self.integrity.covers(desc.room, desc.chunk).then(|| checksum(data));
-        t.gather_ns = since(phase);
-        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
-        let header = Message::Data { room: desc.room, chunk: desc.chunk, writer, offset: region_offset, len: region_bytes };
-        let ready = Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
-        let phase = Instant::now();
-        let wrote = self.link.write_chunk_at(grant_offset, &header, data, &ready, deadline);
+        let wrote = self.link.write_chunk_at(grant_offset, &header, data, &ready(checksum), deadline);
         t.wire_ns = since(phase);
         wrote?;
         self.metrics.sent(region_bytes);
         Ok(req)
+    }
+
+    /// Gathers the chunk's region into `dst` (`len` bytes), ordered after the caller's ready
+    /// point; its checksum when integrity covers the chunk.
+    fn gather(&self, desc: &TransferDesc, plan: &geometry::CopyPlan, dst: *mut u8, len: u64, t: &mut TransferTimings) -> Result<Option<u64>> {
+        let phase = Instant::now();
+        // SAFETY: the pool was validated at registration and its pages checked; `dst` holds the
+        // region's `len` bytes (a staging buffer, or this writer's granted range of the ring).
+        let gathered = unsafe { self.resources.copy.gather_after(plan, &self.pool, dst, desc.ready.as_deref()) };
+        let checksum = gathered.map(|()| {
+            self.integrity.covers(desc.room, desc.chunk).then(|| {
+                // SAFETY: the gather above filled the `len` bytes at `dst`, which nothing else writes.
+                checksum(unsafe { std::slice::from_raw_parts(dst, len as usize) })
+            })
+        });
+        t.gather_ns = since(phase);
+        checksum
     }
 
     /// Queues `desc` on the engine's transfer workers and returns its operation at once; the

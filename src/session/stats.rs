@@ -215,13 +215,23 @@ impl Drop for InFlight {
     }
 }
 
+/// How a session's chunks move.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LinkKind {
+    #[default]
+    Tcp,
+    Rdma,
+    /// Written in place through a same-host mapping of the receiver's ring.
+    Shm,
+}
+
 /// A sender session's counters and the transport it runs on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SessionStats {
     pub send: SendStats,
-    /// The session's chunks go by RDMA (otherwise TCP).
-    pub rdma: bool,
-    /// The engine asked for RDMA (transport auto) but this session runs on TCP.
+    pub link: LinkKind,
+    /// A faster path was allowed (transport auto) but failed for this session, which runs on a
+    /// slower one (counted in the engine's downgrade counters).
     pub downgraded: bool,
 }
 

@@ -1,6 +1,7 @@
 //! Byte movers. A transport sends control messages and moves a chunk's bytes into a range the
 //! receiver granted, delivering the chunk's completion *after* the data (TCP: the same ordered
-//! stream; RDMA: WRITE_WITH_IMM on the same QP). Only the byte mover differs between transports:
+//! stream; RDMA: WRITE_WITH_IMM on the same QP; same host: the gather writes into the mapped ring,
+//! then the report goes over the stream). Only the byte mover differs between transports:
 //! the ring, control plane and deadlines above it are shared.
 //!
 //! Every write is bounded by a deadline: a peer that stops reading fails the write with
@@ -9,6 +10,7 @@
 
 pub mod faults;
 pub mod rdma;
+pub mod shm;
 pub mod tcp;
 
 use crate::deadline::Deadline;
@@ -27,6 +29,21 @@ pub trait Transport: Send + Sync {
     fn write_chunk_at(&self, grant_offset: u64, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
         let _ = grant_offset;
         self.write_chunk(header, data, ready, deadline)
+    }
+
+    /// Same-host transports: the range `[ring_offset, +len)` of the receiver's ring, mapped in
+    /// this process, for the gather to write in place; then [`finish_in_place`](Self::finish_in_place).
+    /// `None`: this transport moves bytes from a staging buffer.
+    fn in_place(&self, ring_offset: u64, len: u64) -> Option<Result<shm::InPlace<'_>>> {
+        let _ = (ring_offset, len);
+        None
+    }
+
+    /// After an in-place write of the range `header` (a `Message::Data`) names: reports it, then
+    /// `ready`, in that order.
+    fn finish_in_place(&self, header: &Message, ready: &Message, deadline: &Deadline) -> Result<()> {
+        let _ = (header, ready, deadline);
+        Err(crate::error::Error::internal(format!("{} cannot write in place", self.describe())))
     }
 
     /// Slice path: one write per `(header, payload)` pair (`Message::Slice` headers), then `done`.

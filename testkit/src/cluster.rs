@@ -163,11 +163,12 @@ impl Setup {
     }
 }
 
-/// `tcp`, `rdma` or `auto`: the `--transport` value of `kind`.
+/// `tcp`, `rdma`, `shm` or `auto`: the `--transport` value of `kind`.
 pub fn transport_name(kind: TransportKind) -> &'static str {
     match kind {
         TransportKind::Tcp => "tcp",
         TransportKind::Rdma => "rdma",
+        TransportKind::Shm => "shm",
         TransportKind::Auto => "auto",
     }
 }

@@ -68,8 +68,9 @@ pub struct SetupArgs {
     /// Decode staging ring size, in chunk allocations.
     #[arg(long, value_name = "N", default_value_t = 2)]
     pub ring_chunks: u32,
-    /// Transport of every engine on both sides: `rdma` fails without a usable device (no quiet
-    /// fallback), `auto` takes RDMA where both sides can.
+    /// Transport of every engine on both sides: `rdma` fails without a usable device and `shm`
+    /// between engines on different hosts (no quiet fallback); `auto` takes the same-host path,
+    /// else RDMA where both sides can, else TCP.
     #[arg(long, value_enum, default_value = "tcp")]
     pub transport: Transport,
 }
@@ -79,6 +80,7 @@ pub struct SetupArgs {
 pub enum Transport {
     Tcp,
     Rdma,
+    Shm,
     Auto,
 }
 
@@ -128,6 +130,7 @@ impl SetupArgs {
             transport: match self.transport {
                 Transport::Tcp => TransportKind::Tcp,
                 Transport::Rdma => TransportKind::Rdma,
+                Transport::Shm => TransportKind::Shm,
                 Transport::Auto => TransportKind::Auto,
             },
         };

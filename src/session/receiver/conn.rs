@@ -167,7 +167,7 @@ impl Receiver {
         } else {
             pool.as_ref().map_err(|e| Error::new(e.code(), e.message())).and_then(|pool| {
                 let pair = verify_peer(&pool.shape, hello)?;
-                Ok(ConnInfo { session: hello.session.clone(), src: hello.shape.clone(), dst: pool.shape.clone(), pairing: pair, rdma: false, host_pool: pool.memory == crate::geometry::MemoryKind::Host })
+                Ok(ConnInfo { session: hello.session.clone(), src: hello.shape.clone(), dst: pool.shape.clone(), pairing: pair, in_place: false, host_pool: pool.memory == crate::geometry::MemoryKind::Host })
             })
         };
         let our_shape = pool.as_ref().map(|p| p.shape.clone()).unwrap_or_else(|_| hello.shape.clone());
@@ -192,7 +192,7 @@ impl Receiver {
         checked.map_err(|e| e.with_session(&hello.session))
     }
 
-    fn read_loop(&self, id: ConnId, session: &str, inbound: &mut Inbound, link: &Arc<dyn Transport>) -> Result<()> {
+    fn read_loop(self: &Arc<Self>, id: ConnId, session: &str, inbound: &mut Inbound, link: &Arc<dyn Transport>) -> Result<()> {
         let stop_after = self.config.faults.as_ref().and_then(|f| f.plan.stop_reading_after);
         let mut frames = 0u64;
         let pool = self.pool()?;
@@ -284,13 +284,17 @@ impl Receiver {
                     let rdma = self.rdma.lock().clone().unwrap_or_else(crate::transport::rdma::Rdma::off);
                     let (answer, p) = rdma.accept(&offer, ring.as_ref().map(|m| (m.base(), m.size())), &link.describe(), session);
                     if p.is_some() {
-                        self.with_state(|st| st.set_rdma(id));
+                        self.with_state(|st| st.set_in_place(id, false));
                     }
                     rdma_peer = p;
                     link.send(&Message::RdmaAnswer(answer), &reply_deadline())?;
                 }
-                Message::RdmaWritten { room, chunk, writer, offset, len, imm: _ } => {
-                    self.with_state(|st| st.rdma_written(id, room, chunk, writer, offset, len))?;
+                Message::ShmOffer { socket, nonce } => {
+                    let answer = self.serve_same_host(id, &socket, &nonce, session, &link.describe());
+                    link.send(&answer, &reply_deadline())?;
+                }
+                Message::Written { room, chunk, writer, offset, len, imm: _ } => {
+                    self.with_state(|st| st.written_in_place(id, room, chunk, writer, offset, len))?;
                 }
                 Message::Abort { room, chunk, reason } => {
                     self.with_state(|st| st.abort(id, room, chunk, &reason));

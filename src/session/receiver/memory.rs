@@ -1,11 +1,14 @@
-//! The staging ring's memory: caller-provided or owned by the engine.
+//! The staging ring's memory: caller-provided, or owned by the engine as a sealed memfd that a
+//! same-host sender can map.
 
 use crate::error::{Error, Result, Status};
+use crate::transport::shm::memory::SharedRing;
 
 pub struct RingMemory {
     ptr: *mut u8,
     len: usize,
-    _owned: Option<Vec<u8>>,
+    /// Engine-owned memory (shareable); `None` for the caller's.
+    owned: Option<SharedRing>,
 }
 
 // SAFETY: the memory is only written inside grants the receiver's state handed to one writer (and
@@ -25,18 +28,18 @@ impl RingMemory {
                         format!("staging memory {p:p} is CUDA device memory; the ring must be host memory the CPU can write"),
                     ));
                 }
-                Ok(RingMemory { ptr: p, len, _owned: None })
+                Ok(RingMemory { ptr: p, len, owned: None })
             }
             None => {
-                let mut v = Vec::new();
-                v.try_reserve_exact(len).map_err(|_| {
-                    Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot allocate a staging ring of {len} bytes"))
-                })?;
-                v.resize(len, 0);
-                let ptr = v.as_mut_ptr();
-                Ok(RingMemory { ptr, len, _owned: Some(v) })
+                let ring = SharedRing::create(len).map_err(|e| e.context(format!("cannot allocate a staging ring of {len} bytes")))?;
+                Ok(RingMemory { ptr: ring.ptr(), len, owned: Some(ring) })
             }
         }
+    }
+
+    /// The engine-owned ring a same-host sender can map (`None`: caller memory).
+    pub fn shareable(&self) -> Option<&SharedRing> {
+        self.owned.as_ref()
     }
 
     pub fn size(&self) -> usize {

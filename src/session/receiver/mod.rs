@@ -10,6 +10,7 @@ mod conn;
 mod coverage;
 pub mod listener;
 mod memory;
+mod same_host;
 pub mod state;
 
 use std::collections::HashMap;
@@ -135,6 +136,9 @@ pub struct Receiver {
     keeper_wake: Condvar,
     closing: AtomicBool,
     rdma: Mutex<Option<Arc<crate::transport::rdma::Rdma>>>,
+    shm: Mutex<Option<Arc<crate::transport::shm::Shm>>>,
+    /// Same-host peers' mapping leases (see [`same_host`]).
+    leases: same_host::Leases,
     pub counters: ReceiverCounters,
     pub log_limits: LogLimits,
     /// Chunk events are signalled here too (eventfd, callback).
@@ -157,6 +161,8 @@ impl Receiver {
             keeper_wake: Condvar::new(),
             closing: AtomicBool::new(false),
             rdma: Mutex::new(None),
+            shm: Mutex::new(None),
+            leases: same_host::Leases::default(),
             counters: ReceiverCounters::default(),
             log_limits: LogLimits::default(),
         }
@@ -172,6 +178,10 @@ impl Receiver {
 
     pub fn set_rdma(&self, rdma: Arc<crate::transport::rdma::Rdma>) {
         *self.rdma.lock() = Some(rdma);
+    }
+
+    pub fn set_shm(&self, shm: Arc<crate::transport::shm::Shm>) {
+        *self.shm.lock() = Some(shm);
     }
 
     pub fn close_scatter_queue(&self) {
@@ -234,11 +244,22 @@ impl Receiver {
     pub fn register_ring(&self, memory: RingMemory) -> Result<()> {
         let len = memory.size() as u64;
         let mut slot = self.memory.lock();
-        self.with_state(|st| st.register_ring(len))?;
+        let mapped = self.with_state(|st| st.register_ring(len).map(|()| st.mapped_conns()))?;
         // The old ring's memory region goes before its memory (RDMA peers then fail with a remote
         // access error and reconnect); nothing writes the old memory: no allocation was live.
         if let Some(r) = self.rdma.lock().as_ref() {
             r.forget_ring();
+        }
+        // Same-host peers map the old ring: their sessions end (they reconnect to map the new
+        // one). The old pages stay alive while mapped, so a late write lands in no one's memory.
+        if !mapped.is_empty() {
+            log::info!("staging ring replaced: closing {} same-host session(s) that map the old one", mapped.len());
+            let peers = self.peers.lock();
+            for id in mapped {
+                if let Some(p) = peers.get(&id) {
+                    p.shutdown();
+                }
+            }
         }
         *slot = Some(Arc::new(memory));
         Ok(())
@@ -393,6 +414,7 @@ impl Receiver {
         for p in self.peers.lock().values() {
             p.shutdown();
         }
+        self.leases.close_all();
     }
 
     pub fn closing(&self) -> bool {

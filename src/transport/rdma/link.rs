@@ -512,7 +512,7 @@ impl Transport for RdmaTransport {
         // The imm is the ChunkReady's request id: the receiver waits for it before the ready.
         let at = grant_offset.checked_add(*offset).ok_or_else(|| Error::new(Status::KVSTAGE_E_PROTOCOL, "granted offset overflows"))?;
         self.rdma_write(at, data, *req as u32, deadline)?;
-        let written = Message::RdmaWritten { room: *room, chunk: *chunk, writer: *writer, offset: *offset, len: *len, imm: *req as u32 };
+        let written = Message::Written { room: *room, chunk: *chunk, writer: *writer, offset: *offset, len: *len, imm: *req as u32 };
         self.tcp.send(&written, deadline)?;
         self.tcp.send(ready, deadline)
     }

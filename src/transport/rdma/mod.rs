@@ -4,7 +4,7 @@
 //! `wr_bytes` with one signalled completion per `signal_every`, striped over `qps_per_device`
 //! QPs on each selected device; the chunk's completion is a WRITE_WITH_IMM (imm = the
 //! `ChunkReady` request id) on QP 0 after every other QP's data completed, so it can neither
-//! overtake nor be separated from the data. Control frames (allocation, `RdmaWritten`,
+//! overtake nor be separated from the data. Control frames (allocation, `Written`,
 //! `ChunkReady`, acks, watermarks) stay on TCP: the ring, control plane and deadlines are shared.
 //!
 //! Only the staging ring (receiver) and the send staging buffer (sender) are registered, never a

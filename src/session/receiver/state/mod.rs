@@ -6,12 +6,14 @@
 //! - a writer slot belongs to the connection that claimed it; every frame naming it is checked
 //!   against that connection;
 //! - a ring range is returned to the ring only when no write into it can happen: a payload read in
-//!   progress pins its grant, an RDMA grant stays quarantined while its writer may still write;
+//!   progress pins its grant, a grant written in place (RDMA, same-host mapping) stays quarantined
+//!   while its writer may still write — for a same-host writer until its mapping is gone, which
+//!   may be after its connection;
 //! - a released room leaves only when no lease on its pages (slice reads, scatter) is left, and its
 //!   id can be opened again only then; stale leases name the room's generation, never a newer room;
 //! - events are bounded (overflow is counted).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use crate::error::{Error, FieldMismatch, Result, Status};
@@ -34,8 +36,9 @@ pub struct ConnInfo {
     pub src: PoolShape,
     pub dst: PoolShape,
     pub pairing: Pairing,
-    /// Chunks arrive by RDMA WRITE: grants stay quarantined until the writer is done with them.
-    pub rdma: bool,
+    /// Chunks are written in place (RDMA WRITE, or a same-host mapping of the ring): grants stay
+    /// quarantined until the writer is done with them.
+    pub in_place: bool,
     /// Our pool is host memory (the slice path writes it from the CPU: host pools only).
     pub host_pool: bool,
 }
@@ -152,7 +155,7 @@ struct GrantState {
     chunk: u32,
     /// Payload reads (by connection) and scatters (`None`) using it right now.
     pins: Vec<Option<ConnId>>,
-    /// RDMA writers that may still write into it (quarantine).
+    /// In-place writers that may still write into it (quarantine).
     remote_writers: Vec<ConnId>,
     /// Its chunk no longer needs it: returned to the ring once unpinned and out of quarantine.
     freeing: bool,
@@ -267,6 +270,8 @@ pub struct State {
     grants: HashMap<u64, GrantState>,
     rooms: HashMap<u64, Room>,
     conns: HashMap<ConnId, ConnInfo>,
+    /// Connections (live or gone) whose peer maps the ring: their quarantines outlive them.
+    mapped: HashSet<ConnId>,
     events: VecDeque<ChunkEvent>,
     max_events: usize,
     next_conn: ConnId,
@@ -308,6 +313,7 @@ impl State {
             grants: HashMap::new(),
             rooms: HashMap::new(),
             conns: HashMap::new(),
+            mapped: HashSet::new(),
             events: VecDeque::new(),
             max_events,
             next_conn: 1,
@@ -410,9 +416,39 @@ impl State {
         id
     }
 
-    pub fn set_rdma(&mut self, conn: ConnId) {
+    /// `conn`'s chunks are written in place from now on. `mapped`: through a mapping of the ring
+    /// that can outlive the connection (same host), ended only by [`State::unmapped`]; otherwise
+    /// (RDMA) the writes end with the connection, whose queue pairs go first.
+    pub fn set_in_place(&mut self, conn: ConnId, mapped: bool) {
         if let Some(c) = self.conns.get_mut(&conn) {
-            c.rdma = true;
+            c.in_place = true;
+            if mapped {
+                self.mapped.insert(conn);
+            }
+        }
+    }
+
+    /// Live connections whose peer maps the ring.
+    pub fn mapped_conns(&self) -> Vec<ConnId> {
+        self.mapped.iter().copied().filter(|c| self.conns.contains_key(c)).collect()
+    }
+
+    /// The peer of `conn` no longer maps the ring (its lease socket closed): nothing it writes
+    /// can land any more, so every quarantine it holds ends.
+    pub fn unmapped(&mut self, conn: ConnId) {
+        if !self.mapped.remove(&conn) {
+            return;
+        }
+        self.release_quarantine(conn);
+    }
+
+    fn release_quarantine(&mut self, conn: ConnId) {
+        let held: Vec<u64> = self.grants.iter().filter(|(_, g)| g.remote_writers.contains(&conn)).map(|(id, _)| *id).collect();
+        for id in held {
+            if let Some(g) = self.grants.get_mut(&id) {
+                g.remote_writers.retain(|&c| c != conn);
+            }
+            self.maybe_free(id);
         }
     }
 
@@ -423,7 +459,8 @@ impl State {
     /// A connection ended (and, for RDMA, its queue pairs are destroyed: nothing more can land).
     /// Every room it wrote to fails when it still owes a chunk (a waiting chunk it has not
     /// finished, unless others carry its layers of it): a prefill rank writes every chunk of a
-    /// request over one session. Its quarantined grants and leases are released.
+    /// request over one session. Its leases are released, and its quarantines unless its peer
+    /// still maps the ring (then [`State::unmapped`] ends them).
     pub fn conn_gone(&mut self, conn: ConnId, code: Status, reason: &str) {
         let Some(info) = self.conns.remove(&conn) else { return };
         if info.pairing.writer.is_none() {
@@ -449,18 +486,15 @@ impl State {
             self.fail_room(room, code, format!("a sender disconnected before delivering every chunk: {reason}"), &info.session);
         }
         // Its leases end with it (also those of a reader that panicked mid-payload).
-        let held: Vec<u64> = self
-            .grants
-            .iter()
-            .filter(|(_, g)| g.remote_writers.contains(&conn) || g.pins.contains(&Some(conn)))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in held {
+        let pinned: Vec<u64> = self.grants.iter().filter(|(_, g)| g.pins.contains(&Some(conn))).map(|(id, _)| *id).collect();
+        for id in pinned {
             if let Some(g) = self.grants.get_mut(&id) {
-                g.remote_writers.retain(|&c| c != conn);
                 g.pins.retain(|&p| p != Some(conn));
             }
             self.maybe_free(id);
+        }
+        if !self.mapped.contains(&conn) {
+            self.release_quarantine(conn);
         }
         let leased: Vec<u64> =
             self.rooms.iter().filter(|(_, r)| r.page_leases.contains(&Some(conn))).map(|(id, _)| *id).collect();

@@ -1,4 +1,4 @@
-//! The staged path's transitions: allocation, payload writes (pinned), RDMA reports, readiness,
+//! The staged path's transitions: allocation, payload writes (pinned), in-place reports, readiness,
 //! scatter completion and aborts.
 
 use super::*;
@@ -67,7 +67,7 @@ impl State {
             }
         };
         self.record_prefill(room, &info.src);
-        if info.rdma {
+        if info.in_place {
             self.grants.get_mut(&id).expect("live grant").remote_writers.push(conn);
         }
         let grant = self.grants[&id].grant;
@@ -144,11 +144,11 @@ impl State {
         self.unpin(lease.grant, Some(lease.conn));
     }
 
-    /// An RDMA WRITE report: the bytes are already in the ring; count them if they were the
-    /// connection's to write. `Err` ends the session.
-    pub fn rdma_written(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<()> {
-        if !self.conn(conn)?.rdma {
-            return Err(protocol("an RDMA write report on a session without RDMA"));
+    /// An in-place write report (RDMA WRITE, same-host mapping): the bytes are already in the
+    /// ring; count them if they were the connection's to write. `Err` ends the session.
+    pub fn written_in_place(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<()> {
+        if !self.conn(conn)?.in_place {
+            return Err(protocol("an in-place write report on a session that does not write in place"));
         }
         if let Target::Land((_, index, _)) = self.check_write(conn, room, chunk, claimed, offset, len)? {
             let gen = self.rooms[&room].gen;
@@ -170,7 +170,8 @@ impl State {
     pub fn begin_ready(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32) -> Result<ReadyLease> {
         let info = self.conn(conn)?;
         let (writer, session) = (info.pairing.writer()?, info.session.clone());
-        // An RDMA writer that reports ready has finished writing (its immediate arrived first).
+        // An in-place writer that reports ready has finished writing (over RDMA its immediate
+        // arrived first; a same-host writer sends the report after its gather returned).
         self.release_remote_writer(conn, room, Some(chunk));
         if claimed != writer {
             return Err(protocol(format!("ready for writer {claimed} from writer {writer}")));
@@ -268,7 +269,7 @@ impl State {
     }
 
     /// A sender gives up on a chunk (`chunk == u32::MAX`: the whole room). Only a connection that
-    /// holds a writer slot of it can fail the room; it also ends that writer's RDMA quarantine.
+    /// holds a writer slot of it can fail the room; it also ends that writer's in-place quarantine.
     pub fn abort(&mut self, conn: ConnId, room: u64, chunk: u32, reason: &str) {
         let Some(info) = self.conns.get(&conn) else { return };
         let session = info.session.clone();
@@ -286,7 +287,7 @@ impl State {
         }
     }
 
-    /// `conn` will not write (room, chunk) — every chunk of the room for `None` — by RDMA any
+    /// `conn` will not write (room, chunk) — every chunk of the room for `None` — in place any
     /// more: its quarantine of those grants ends.
     fn release_remote_writer(&mut self, conn: ConnId, room: u64, chunk: Option<u32>) {
         let ids: Vec<u64> = self

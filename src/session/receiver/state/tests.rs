@@ -23,7 +23,7 @@ fn src(r: u32, tp: u32) -> PoolShape {
 
 fn info(r: u32, tp: u32, rdma: bool) -> ConnInfo {
     let (s, d) = (src(r, tp), dst());
-    ConnInfo { session: format!("s{r}"), pairing: pairing(&s, &d).unwrap(), src: s, dst: d, rdma, host_pool: true }
+    ConnInfo { session: format!("s{r}"), pairing: pairing(&s, &d).unwrap(), src: s, dst: d, in_place: rdma, host_pool: true }
 }
 
 /// Room of 4 pages, chunks of 2 pages (4 tokens): each writer region is 4 tokens × 4 heads × 4
@@ -87,7 +87,7 @@ fn another_connection_cannot_write_or_complete_a_grant_it_does_not_hold() {
 fn stage_info(tp_rank: u32, pp_rank: u32, layers: Vec<u32>) -> ConnInfo {
     let (s, d) = (src(tp_rank, 2).with_pp(pp_rank, 2, layers), dst());
     let session = format!("tp{tp_rank}-pp{pp_rank}");
-    ConnInfo { session, pairing: pairing(&s, &d).unwrap(), src: s, dst: d, rdma: false, host_pool: true }
+    ConnInfo { session, pairing: pairing(&s, &d).unwrap(), src: s, dst: d, in_place: false, host_pool: true }
 }
 
 /// Prefill TP 2 × PP 2 (one layer per stage) into the decode rank's two layers: four regions of a
@@ -546,7 +546,7 @@ impl Harness {
                 }
                 let offset = slot.map_or(w as u64 * REGION, |s| s.0) + lie as u64;
                 let result = if c == 3 {
-                    self.st.rdma_written(id, room, chunk, w, offset, REGION / 2).map(|()| None)
+                    self.st.written_in_place(id, room, chunk, w, offset, REGION / 2).map(|()| None)
                 } else {
                     self.st.begin_data(id, room, chunk, w, offset, REGION / 2).map(Some)
                 };

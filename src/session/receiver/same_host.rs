@@ -1,0 +1,118 @@
+//! The receiver's half of the same-host path: answering a sender's `ShmOffer` (the ring's
+//! descriptor goes to the sender's local socket) and watching the mapping's lease.
+//!
+//! A same-host sender can write the whole ring for as long as it maps it, which may outlast its
+//! TCP connection (a sender whose connection was cut still finishes a gather in progress). So the
+//! state keeps every range such a connection may write quarantined until the lease socket
+//! closes: the sender closes it after unmapping, and the kernel closes it when the process dies
+//! (after tearing down its address space).
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
+
+use super::state::ConnId;
+use super::Receiver;
+use crate::error::Status;
+use crate::protocol::Message;
+use crate::transport::shm;
+
+/// Lease sockets of same-host peers and the threads watching them.
+#[derive(Default)]
+pub struct Leases {
+    watched: Mutex<HashMap<ConnId, (UnixStream, JoinHandle<()>)>>,
+}
+
+impl Leases {
+    /// Ends every watch (engine shutdown): the quarantines they held end with the engine, whose
+    /// ring pages stay alive as long as any peer still maps them.
+    pub fn close_all(&self) {
+        let watched: Vec<_> = self.watched.lock().drain().collect();
+        for (_, (stream, handle)) in watched {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Receiver {
+    /// Answers a same-host offer of connection `id`.
+    pub(super) fn serve_same_host(self: &Arc<Self>, id: ConnId, socket: &str, nonce: &[u8], session: &str, peer: &str) -> Message {
+        let shm = self.shm.lock().clone();
+        let answer = |status: Status, local: bool, ring_len: u64, reason: String| Message::ShmAnswer { status: status.code(), local, ring_len, reason };
+        // Held until the state knows the peer maps the ring: `register_ring` then sees it.
+        let memory = self.memory.lock();
+        let refusal = if let Some(why) = shm.as_ref().map_or(Some("it serves no same-host sessions".to_owned()), |s| s.refusal()) {
+            Some((Status::KVSTAGE_E_UNSUPPORTED, format!("the receiver does not serve the same-host path: {why}")))
+        } else if self.with_state(|st| st.mapped_conns().contains(&id)) {
+            Some((Status::KVSTAGE_E_PROTOCOL, "a second same-host offer on one session".to_owned()))
+        } else {
+            match memory.as_ref() {
+                None => Some((Status::KVSTAGE_E_STAGING_TOO_SMALL, "the receiver has no staging ring registered".to_owned())),
+                Some(m) if m.shareable().is_none() => Some((
+                    Status::KVSTAGE_E_UNSUPPORTED,
+                    "the receiver's staging ring is caller memory (register it with ptr = NULL to let the engine own a shareable one)".to_owned(),
+                )),
+                Some(_) => None,
+            }
+        };
+        let fd = memory.as_ref().and_then(|m| m.shareable()).map(|r| r.fd());
+        let ring_len = memory.as_ref().map_or(0, |m| m.size() as u64);
+        let passed = match (refusal, fd) {
+            (Some((code, why)), _) => {
+                // Still reached for, so that the sender learns whether it is on this host (a
+                // refusal then counts as a downgrade there, another host does not).
+                let local = shm::fdpass::connect_abstract(socket, shm::LOCAL_IO_TIMEOUT).is_ok();
+                log::debug!(session = session; "same-host offer of {peer} refused: {why}");
+                return answer(code, local, 0, why);
+            }
+            (None, Some(fd)) => shm::pass_ring(socket, nonce, fd, ring_len),
+            (None, None) => unreachable!("a shareable ring was checked above"),
+        };
+        let lease = match passed {
+            Ok(s) => s,
+            Err((local, e)) => {
+                log::debug!(session = session; "same-host offer of {peer} not served: {}", e.chain());
+                return answer(e.code(), local, 0, e.chain());
+            }
+        };
+        // From here on the peer may write the ring: quarantine applies before its first grant.
+        self.with_state(|st| st.set_in_place(id, true));
+        drop(memory);
+        if let Err(e) = self.watch_lease(id, lease) {
+            // Without a watch the quarantine would never end: refuse (the lease closes, the sender
+            // sees the socket end and unmaps).
+            self.with_state(|st| st.unmapped(id));
+            return answer(e.code(), true, 0, e.chain());
+        }
+        if let Some(s) = &shm {
+            s.count_session();
+        }
+        log::info!(session = session; "session from {peer} writes in place through the same-host path ({} MiB ring)", ring_len >> 20);
+        answer(Status::KVSTAGE_OK, true, ring_len, String::new())
+    }
+
+    /// Watches `lease` until the peer closes it (unmapped, or its process ended).
+    fn watch_lease(self: &Arc<Self>, id: ConnId, lease: UnixStream) -> crate::Result<()> {
+        let watched = lease.try_clone()?;
+        let me = self.clone();
+        // Locked before the thread starts, so its removal comes after this insertion.
+        let mut leases = self.leases.watched.lock();
+        let handle = std::thread::Builder::new()
+            .name(format!("kvstage-lease-{id}"))
+            .spawn(move || {
+                let mut buf = [0u8; 64];
+                // The peer sends nothing; any byte is ignored, the end (or an error) is the signal.
+                while matches!((&lease).read(&mut buf), Ok(n) if n > 0) {}
+                me.with_state(|st| st.unmapped(id));
+                me.leases.watched.lock().remove(&id);
+            })
+            .map_err(|e| crate::Error::internal("cannot start a lease watcher thread").with_source(e))?;
+        leases.insert(id, (watched, handle));
+        Ok(())
+    }
+}

@@ -1,0 +1,214 @@
+//! Same-host transport: the sender maps the receiver's staging ring (a sealed memfd) and its
+//! gather writes each chunk straight into the granted range; control frames (allocation, the
+//! `Written` report, `ChunkReady`, acks, watermarks) stay on the session's TCP stream, so the ring,
+//! watermark, deadlines and integrity checks are the TCP path's.
+//!
+//! Negotiation, after the handshake (cluster token checked) and before RDMA's:
+//! 1. the sender listens on a fresh abstract Unix socket and offers its name and a nonce
+//!    (`ShmOffer`);
+//! 2. the receiver connects to it — possible only from the same host and network namespace — and
+//!    sends the nonce, the ring's size and the ring's descriptor (`SCM_RIGHTS`), then answers on TCP
+//!    (`ShmAnswer`: `local` says whether it reached the socket, `status` whether it serves);
+//! 3. the sender checks the nonce, the descriptor (a memfd of that size, sealed against
+//!    shrinking) and maps it. The local socket stays open as the mapping's lease: its end tells
+//!    the receiver that this process can no longer write its ring.
+//!
+//! Files: `fdpass` (abstract sockets, descriptor passing), `memory` (sealed memfd, mappings),
+//! `link` (the sender's transport).
+
+pub mod fdpass;
+mod link;
+pub mod memory;
+
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+pub use self::link::{InPlace, ShmTransport};
+use self::fdpass::NONCE_BYTES;
+use crate::deadline::Deadline;
+use crate::error::{Error, Result, Status};
+use crate::protocol::{self, Message};
+use crate::transport::Transport;
+
+/// Bytes sent with the descriptor: the nonce, then the ring's size (u64 LE).
+const GREETING_BYTES: usize = NONCE_BYTES + 8;
+
+/// Local connections the sender accepts while looking for the receiver's (another local process
+/// that saw the socket's name may connect first; it cannot know the nonce).
+const MAX_LOCAL_ACCEPTS: usize = 8;
+
+/// I/O bound on the local socket during the exchange.
+pub const LOCAL_IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the engine's options ask of the same-host path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShmMode {
+    /// Never (transport tcp or rdma, or `same_host` off).
+    Off,
+    /// When the peer is on this host and its ring is shareable; else RDMA or TCP.
+    Auto,
+    /// Transport shm: the same-host path or an error at connect.
+    Required,
+}
+
+/// The same-host side of an engine: its mode and counters.
+pub struct Shm {
+    mode: ShmMode,
+    sessions: AtomicU64,
+    downgrades: AtomicU64,
+    last_downgrade: Mutex<String>,
+}
+
+/// How a sender's offer ended.
+pub enum Negotiated {
+    /// The ring is mapped: chunks go through it.
+    Mapped(Arc<dyn Transport>),
+    /// Not used; the session goes on to RDMA or TCP. `downgraded`: the peer is on this host but
+    /// the path failed (counted); otherwise it was off or the peer is on another host.
+    NotUsed { downgraded: bool },
+}
+
+impl Shm {
+    pub fn new(mode: ShmMode) -> Arc<Shm> {
+        Arc::new(Shm { mode, sessions: AtomicU64::new(0), downgrades: AtomicU64::new(0), last_downgrade: Mutex::new(String::new()) })
+    }
+
+    pub fn mode(&self) -> ShmMode {
+        self.mode
+    }
+
+    /// Sessions that used the same-host path (opened or accepted by this engine).
+    pub fn sessions(&self) -> u64 {
+        self.sessions.load(Ordering::Relaxed)
+    }
+
+    /// Sessions to a peer on this host that could not use the same-host path although it was
+    /// allowed (transport auto); `last_downgrade` says why.
+    pub fn downgrades(&self) -> u64 {
+        self.downgrades.load(Ordering::Relaxed)
+    }
+
+    pub fn last_downgrade(&self) -> String {
+        self.last_downgrade.lock().clone()
+    }
+
+    pub fn count_session(&self) {
+        self.sessions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn downgrade(&self, session: &str, peer: &str, why: &str) {
+        log::warn!(session = session; "same-host path not used for the session to {peer} (transport auto): {why}");
+        self.downgrades.fetch_add(1, Ordering::Relaxed);
+        *self.last_downgrade.lock() = format!("session {session} to {peer}: {why}");
+    }
+
+    /// Sender side, right after the handshake: offers the same-host path on `tcp` and reads the
+    /// answer from `reader` (watermarks that arrive meanwhile go to `early`).
+    pub fn negotiate(
+        &self,
+        tcp: &Arc<dyn Transport>,
+        reader: &mut impl Read,
+        peer: &str,
+        session: &str,
+        deadline: &Deadline,
+        early: &mut Vec<Message>,
+    ) -> Result<Negotiated> {
+        if self.mode == ShmMode::Off {
+            return Ok(Negotiated::NotUsed { downgraded: false });
+        }
+        let (name, listener) = fdpass::listen_abstract()?;
+        let nonce = fdpass::random_bytes(NONCE_BYTES)?;
+        tcp.send(&Message::ShmOffer { socket: name, nonce: nonce.clone() }, deadline)?;
+        let (status, local, ring_len, reason) = loop {
+            match protocol::read_frame(reader) {
+                Ok(Some(Message::ShmAnswer { status, local, ring_len, reason })) => break (status, local, ring_len, reason),
+                Ok(Some(m @ Message::Watermark(_))) => early.push(m),
+                Ok(Some(other)) => {
+                    return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("expected a same-host answer from {peer}, got {other:?}")))
+                }
+                Ok(None) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, format!("{peer} closed the connection during the same-host exchange"))),
+                Err(e) => return Err(e.context(format!("same-host exchange with {peer} failed"))),
+            }
+        };
+        let refused = if !local {
+            // Not a downgrade: the peer is on another host (or network namespace).
+            if self.mode == ShmMode::Required {
+                return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, format!("transport shm: {peer} is not on this host ({reason})")));
+            }
+            log::debug!(session = session; "{peer} is not on this host ({reason}): same-host path not used");
+            return Ok(Negotiated::NotUsed { downgraded: false });
+        } else if status != 0 {
+            let code = Status::from_code(status).filter(|c| *c != Status::KVSTAGE_OK).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
+            Error::new(code, format!("{peer} cannot serve the same-host path: {reason}"))
+        } else {
+            match map_offered_ring(&listener, &nonce, ring_len, deadline) {
+                Ok((ring, lease)) => {
+                    self.count_session();
+                    return Ok(Negotiated::Mapped(Arc::new(ShmTransport::new(tcp.clone(), ring, lease))));
+                }
+                Err(e) => e.context(format!("mapping the staging ring of {peer} failed")),
+            }
+        };
+        match self.mode {
+            ShmMode::Required => Err(refused.context("transport shm: no fallback")),
+            _ if matches!(refused.code(), Status::KVSTAGE_E_PEER_GONE | Status::KVSTAGE_E_TIMEOUT) => Err(refused),
+            _ => {
+                self.downgrade(session, peer, &refused.chain());
+                Ok(Negotiated::NotUsed { downgraded: true })
+            }
+        }
+    }
+
+    /// Receiver side: why this engine does not serve the same-host path (`None`: it does).
+    pub fn refusal(&self) -> Option<String> {
+        match self.mode {
+            ShmMode::Off => Some("its transport or same_host option rules the same-host path out".to_owned()),
+            _ => None,
+        }
+    }
+}
+
+/// Accepts the receiver's local connection (the one that knows `nonce`), receives the ring's
+/// descriptor and maps it. Returns the mapping and the lease socket.
+fn map_offered_ring(listener: &std::os::unix::net::UnixListener, nonce: &[u8], ring_len: u64, deadline: &Deadline) -> Result<(memory::Mapping, UnixStream)> {
+    let local = std::time::Instant::now() + LOCAL_IO_TIMEOUT;
+    let until = deadline.instant().map_or(local, |d| d.min(local));
+    for _ in 0..MAX_LOCAL_ACCEPTS {
+        let stream = fdpass::accept_by(listener, until)?;
+        stream.set_read_timeout(Some(LOCAL_IO_TIMEOUT))?;
+        let mut greeting = [0u8; GREETING_BYTES];
+        let Ok(fd) = fdpass::recv_fd(&stream, &mut greeting) else { continue };
+        let differs = greeting[..NONCE_BYTES].iter().zip(nonce).fold(0u8, |d, (a, b)| d | (a ^ b));
+        if differs != 0 {
+            continue; // another local process: not the receiver that answered
+        }
+        let sent_len = u64::from_le_bytes(greeting[NONCE_BYTES..].try_into().expect("8 bytes"));
+        if sent_len != ring_len {
+            return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("ring of {sent_len} bytes on the local socket, {ring_len} on the control stream")));
+        }
+        let ring = memory::map_peer_ring(&fd, ring_len)?;
+        stream.set_read_timeout(None)?;
+        return Ok((ring, stream));
+    }
+    Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("no local connection in {MAX_LOCAL_ACCEPTS} presented the session's nonce")))
+}
+
+/// Receiver side: connects to the sender's socket named in its offer and passes `ring` (its
+/// descriptor and size). `Err` says whether the socket was reached (`local`).
+pub fn pass_ring(socket: &str, nonce: &[u8], ring: std::os::fd::BorrowedFd<'_>, ring_len: u64) -> std::result::Result<UnixStream, (bool, Error)> {
+    if nonce.len() != NONCE_BYTES {
+        return Err((false, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("a same-host offer with a {}-byte nonce", nonce.len()))));
+    }
+    let stream = fdpass::connect_abstract(socket, LOCAL_IO_TIMEOUT).map_err(|e| (false, e))?;
+    let mut greeting = [0u8; GREETING_BYTES];
+    greeting[..NONCE_BYTES].copy_from_slice(nonce);
+    greeting[NONCE_BYTES..].copy_from_slice(&ring_len.to_le_bytes());
+    fdpass::send_fd(&stream, ring, &greeting).map_err(|e| (true, e))?;
+    stream.set_read_timeout(None).map_err(|e| (true, e.into()))?;
+    Ok(stream)
+}
