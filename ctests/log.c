@@ -183,7 +183,8 @@ static int callback_checks(void) {
     CHECK_OK(kvstage_log_set_callback(on_log, &user_token, KVSTAGE_LOG_INFO));
     scenario_downgrade();
     print_records("downgrade");
-    CHECK_INT(serious(&r), 1);
+    /* Two: the same-host path refused by the decode engine (its transport is TCP), then RDMA. */
+    CHECK_INT(serious(&r), 2);
     CHECK_INT(r.level, KVSTAGE_LOG_WARN);
     CHECK_STR(r.session, SESSION);
     CHECK_STR(r.target, "kvstage::transport::rdma");
@@ -292,9 +293,10 @@ static int count_lines(const char *text, const char *needle) {
 static void stderr_checks(const char *self) {
     static char out[1 << 16];
 
-    /* Default level (warn): the two records, one line each: time, level, target, session, message. */
+    /* Default level (warn): the three records, one line each: time, level, target, session, message. */
     CHECK_INT(run_child(self, NULL, out, sizeof out), 0);
-    CHECK_INT(count_lines(out, NULL), 2);
+    CHECK_INT(count_lines(out, NULL), 3);
+    CHECK_INT(count_lines(out, "  WARN kvstage::transport::shm: session log-downgrade: same-host path not used"), 1);
     CHECK_INT(count_lines(out, "  WARN kvstage::transport::rdma: session log-downgrade: downgraded from rdma to tcp"), 1);
     CHECK_INT(count_lines(out, "  WARN kvstage::session::receiver: room 7 failed (KVSTAGE_E_TIMEOUT): "), 1);
     /* 2026-12-03T10:15:42.123Z */
@@ -306,13 +308,13 @@ static void stderr_checks(const char *self) {
 
     /* info: the lifecycle too. */
     CHECK_INT(run_child(self, "INFO", out, sizeof out), 0);
-    CHECK_INT(count_lines(out, " WARN "), 2);
+    CHECK_INT(count_lines(out, " WARN "), 3);
     CHECK(count_lines(out, "  INFO kvstage::session::sender: session log-downgrade: session opened to ") == 1);
 
     /* A value that is not a level: one warning about it, then the default. */
     CHECK_INT(run_child(self, "loud", out, sizeof out), 0);
     CHECK_INT(count_lines(out, "KVSTAGE_LOG=\"loud\" is not one of off, error, warn, info, debug, trace"), 1);
-    CHECK_INT(count_lines(out, " WARN "), 3);
+    CHECK_INT(count_lines(out, " WARN "), 4);
 }
 
 int main(int argc, char **argv) {

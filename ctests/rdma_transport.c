@@ -110,6 +110,8 @@ static kvstage_engine *engine(int transport, const char *devices, pool *p, int s
     kvstage_engine *e = NULL;
     REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
     o.transport = transport;
+    /* These engines share a host: AUTO would take the same-host path before RDMA or TCP. */
+    o.same_host = KVSTAGE_SAME_HOST_OFF;
     o.rdma_devices = devices;
     if (qps != NULL) o.rdma_qps_per_device = (uint32_t)atoi(qps);
     o.rdma_wr_bytes = 64 * 1024; /* several work requests per chunk */

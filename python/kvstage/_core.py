@@ -580,6 +580,8 @@ class EngineStats(NamedTuple):
     scatter_ns_max: int = 0
     ring_used_bytes: int = 0
     ring_high_water_bytes: int = 0
+    shm_sessions: int = 0
+    shm_downgrades: int = 0
 
 
 class ChunkEvent(NamedTuple):
@@ -632,6 +634,7 @@ class Engine(_Handle):
         send_staging_buffers: Optional[int] = None,
         send_staging_total_bytes: Optional[int] = None,
         transfer_threads: Optional[int] = None,
+        same_host: Optional[bool] = None,
         library: Optional[Library] = None,
     ):
         lib = library or get_library()
@@ -653,6 +656,9 @@ class Engine(_Handle):
         opts.cluster_token = token
         if integrity is not None:
             opts.integrity = int(integrity)
+        if same_host is not None:
+            # kvstage_same_host: AUTO (0) lets transport AUTO take the same-host path, OFF (1) never.
+            opts.same_host = 0 if same_host else 1
         for name, value, conv in (
             ("max_connections", max_connections, _u32),
             ("max_handshakes", max_handshakes, _u32),

@@ -109,6 +109,7 @@ class Transport(enum.IntEnum):
     AUTO = 0
     TCP = 1
     RDMA = 2
+    SHM = 3
 
 
 class ModelKind(enum.IntEnum):
@@ -186,6 +187,7 @@ class kvstage_engine_options(Structure):
         ("send_staging_buffers", c_uint32),
         ("transfer_threads", c_uint32),
         ("send_staging_total_bytes", c_uint64),
+        ("same_host", c_int32),
     ]
 
 
@@ -261,6 +263,8 @@ class kvstage_engine_stats(Structure):
         ("scatter_ns_max", c_uint64),
         ("ring_used_bytes", c_uint64),
         ("ring_high_water_bytes", c_uint64),
+        ("shm_sessions", c_uint64),
+        ("shm_downgrades", c_uint64),
     ]
 
 

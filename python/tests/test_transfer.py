@@ -82,24 +82,25 @@ def _pairs(model, p_tp, d_tp):
 
 
 CASES = {
-    # P4 -> D2, page 16, four chunks, drop-in StagingTransfer, one chunk after the other.
+    # P4 -> D2, page 16, four chunks, drop-in StagingTransfer, one chunk after the other; the
+    # rings are engine-owned, so the prefill engines require the same-host path (transport shm).
     "P4-D2": dict(
         model=kvref.Model(layers=3, heads=8, head_dim=16, dtype_bytes=2, page_size=16),
         prefill_tp=4, decode_tp=2, tokens=256, chunk_tokens=64, capacity_pages=40,
-        ring_chunks=2, ring_memory="engine", sender="staging_transfer",
+        ring_chunks=2, ring_memory="engine", sender="staging_transfer", transport="shm",
     ),
     # P2 -> D4, page 1, three chunks, async operations from one thread per prefill rank; the
     # staging rings are numpy arrays owned by the decode process.
     "P2-D4": dict(
         model=kvref.Model(layers=2, heads=8, head_dim=8, dtype_bytes=4, page_size=1),
         prefill_tp=2, decode_tp=4, tokens=96, chunk_tokens=32, capacity_pages=160,
-        ring_chunks=2, ring_memory="numpy", sender="async_threads",
+        ring_chunks=2, ring_memory="numpy", sender="async_threads", transport="tcp",
     ),
     # P1 -> D4 with two KV heads: each head replicated on two decode ranks; bytearray rings.
     "P1-D4-replicated": dict(
         model=kvref.Model(layers=2, heads=2, head_dim=8, dtype_bytes=1, page_size=4),
         prefill_tp=1, decode_tp=4, tokens=64, chunk_tokens=16, capacity_pages=40,
-        ring_chunks=1, ring_memory="bytearray", sender="staging_transfer",
+        ring_chunks=1, ring_memory="bytearray", sender="staging_transfer", transport="tcp",
     ),
 }
 
@@ -176,7 +177,7 @@ def test_staged_transfer_between_two_processes(name, lib, child_env, tmp_path):
         for rs in range(p_tp):
             pool, layout = kvref.make_pool(model, rs, p_tp, capacity)
             kvref.fill_random(pool, seed=1000 + rs)
-            engine = kvstage.Engine("127.0.0.1:0", transport="tcp")
+            engine = kvstage.Engine("127.0.0.1:0", transport=case["transport"])
             engine.register_pool(layout)
             engines.append(engine)
             pools.append(pool)
@@ -185,6 +186,12 @@ def test_staged_transfer_between_two_processes(name, lib, child_env, tmp_path):
 
         send = _send_staging_transfer if case["sender"] == "staging_transfer" else _send_async_threads
         send(engines, pairs, prefill_pages, addrs, chunks, grid_pages)
+        if case["transport"] == "shm":
+            # Every session of every prefill rank wrote in place, none fell back to TCP.
+            for rs, engine in enumerate(engines):
+                st = engine.stats()
+                assert st.shm_sessions == sum(1 for r, _ in pairs if r == rs), st
+                assert st.shm_downgrades == 0, st
         peer.go()
         result = peer.line(timeout=60)
     finally:

@@ -264,6 +264,41 @@ fn rdma_grants_stay_quarantined_until_the_writer_is_done() {
 }
 
 #[test]
+fn a_mapped_writer_keeps_its_quarantine_past_its_connection_until_it_unmaps() {
+    // Connection gone first, then the mapping (a sender whose stream was cut mid-gather).
+    let mut st = state(CHUNK);
+    let a = st.add_conn(info(0, 2, false));
+    st.set_in_place(a, true);
+    st.open_room(1, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
+    assert!(st.room_outcome(1).is_err(), "the room it owed fails");
+    st.release_room(1);
+    assert_eq!(st.ring_stats().1, 1, "it may still write through its mapping");
+    let b = st.add_conn(info(0, 2, false));
+    st.open_room(2, &PAGES, GRID, None).unwrap();
+    let (_, region) = st.allocate(b, 2, 0, 0, TOKENS, CHUNK).unwrap();
+    assert!(st.begin_data(b, 2, 0, 0, region, REGION).is_err(), "the range is not writable by another meanwhile");
+    st.unmapped(a);
+    assert_eq!(st.ring_stats().1, 1, "unmapped: nothing more can land, only the new grant is live");
+    assert!(matches!(st.begin_data(b, 2, 0, 0, region, REGION), Ok(Target::Land(_))));
+
+    // Mapping gone first (the process died), then the connection; and a ready writer's grant is
+    // not held by its mapping at all.
+    let mut st = state(CHUNK);
+    let a = st.add_conn(info(0, 2, false));
+    st.set_in_place(a, true);
+    assert_eq!(st.mapped_conns(), vec![a]);
+    st.open_room(1, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    st.unmapped(a);
+    st.release_room(1);
+    assert_eq!(st.ring_stats().1, 0);
+    st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
+    assert!(st.mapped_conns().is_empty());
+}
+
+#[test]
 fn slices_complete_only_when_every_row_arrived_once() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
@@ -350,6 +385,8 @@ enum Op {
     Scatter(usize, bool),
     Gone(usize),
     RegisterRing,
+    /// The in-place writer's mapping of the ring ends (same host: its lease socket closed).
+    Unmap,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -370,6 +407,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (any::<usize>(), prop::bool::weighted(0.9)).prop_map(|(i, ok)| Op::Scatter(i, ok)),
         1 => c.prop_map(Op::Gone),
         1 => Just(Op::RegisterRing),
+        1 => Just(Op::Unmap),
     ]
 }
 
@@ -424,6 +462,14 @@ struct Harness {
     writes: Vec<(usize, WriteLease)>,
     slices: Vec<(usize, SliceLease)>,
     scatters: Vec<ScatterJob>,
+    /// Connection 3 writes in place; `mapped`: through a same-host mapping that outlives the
+    /// connection (else RDMA: its writes end with it).
+    mapped: bool,
+    /// Grants an in-place writer may still write into: (connection, grant, room, chunk). Its
+    /// connection may be gone while its mapping lives.
+    may_write: Vec<(ConnId, u64, u64, u32)>,
+    /// Connections whose mapping lives (the current one and any gone before unmapping).
+    mappings: Vec<ConnId>,
 }
 
 fn writer_of(c: usize) -> u32 {
@@ -431,12 +477,37 @@ fn writer_of(c: usize) -> u32 {
 }
 
 impl Harness {
-    fn new() -> Harness {
-        Harness { st: state(3 * CHUNK / 2 + 100), rooms: HashMap::new(), conns: [None; CONNS], writes: Vec::new(), slices: Vec::new(), scatters: Vec::new() }
+    fn new(mapped: bool) -> Harness {
+        Harness {
+            st: state(3 * CHUNK / 2 + 100),
+            rooms: HashMap::new(),
+            conns: [None; CONNS],
+            writes: Vec::new(),
+            slices: Vec::new(),
+            scatters: Vec::new(),
+            mapped,
+            may_write: Vec::new(),
+            mappings: Vec::new(),
+        }
     }
 
     fn conn(&mut self, c: usize) -> ConnId {
-        *self.conns[c].get_or_insert_with(|| self.st.add_conn(info(writer_of(c), 2, c == 3)))
+        if let Some(id) = self.conns[c] {
+            return id;
+        }
+        let id = self.st.add_conn(info(writer_of(c), 2, c == 3));
+        if c == 3 && self.mapped {
+            self.st.set_in_place(id, true);
+            self.mappings.push(id);
+        }
+        self.conns[c] = Some(id);
+        id
+    }
+
+    /// `id` will not write (room, chunk) — every chunk for `None`, every room for `room` None —
+    /// in place any more.
+    fn done_writing(&mut self, id: ConnId, room: Option<u64>, chunk: Option<u32>) {
+        self.may_write.retain(|&(c, _, r, ch)| !(c == id && room.is_none_or(|x| x == r) && chunk.is_none_or(|x| x == ch)));
     }
 
     fn collect(&mut self) {
@@ -462,6 +533,9 @@ impl Harness {
     fn kill(&mut self, c: usize) {
         let Some(id) = self.conns[c].take() else { return };
         self.st.conn_gone(id, Status::KVSTAGE_E_PEER_GONE, "test");
+        if !self.mappings.contains(&id) {
+            self.done_writing(id, None, None); // RDMA: its queue pairs went with it
+        }
         self.writes.retain(|(w, _)| *w != c);
         self.slices.retain(|(w, _)| *w != c);
         self.model_conn_gone(id, writer_of(c) as usize);
@@ -530,6 +604,9 @@ impl Harness {
                     ch.slices = Some(false);
                     ch.grant = Some(g);
                     ch.slots[w as usize] = Some(MSlot { conn: id, region, ..MSlot::default() });
+                    if c == 3 {
+                        self.may_write.push((id, g.id, room, chunk));
+                    }
                 }
             }
             Op::DataBegin(c, room, chunk, lie) => {
@@ -589,6 +666,7 @@ impl Harness {
                 let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
                 let w = writer_of(c);
                 let result = self.st.begin_ready(id, room, chunk, w);
+                self.done_writing(id, Some(room), Some(chunk));
                 let m = self.rooms.get_mut(&room).filter(|r| r.live());
                 let slot = m
                     .and_then(|r| r.chunks.get_mut(chunk as usize))
@@ -627,6 +705,7 @@ impl Harness {
             Op::Abort(c, room, chunk) => {
                 let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
                 self.st.abort(id, room, chunk, "test");
+                self.done_writing(id, Some(room), (chunk != u32::MAX).then_some(chunk));
                 if let Some(r) = self.rooms.get_mut(&room).filter(|r| r.live() && !r.complete()) {
                     let holds = r.chunks.iter().enumerate().any(|(i, ch)| {
                         (chunk == u32::MAX || i as u32 == chunk) && ch.slots.iter().flatten().any(|s| s.conn == id)
@@ -724,6 +803,15 @@ impl Harness {
                 self.collect();
             }
             Op::Gone(c) => self.kill(c),
+            Op::Unmap => {
+                // The oldest mapping still alive ends (a gone connection's, or the live one's).
+                if !self.mappings.is_empty() {
+                    let id = self.mappings.remove(0);
+                    self.st.unmapped(id);
+                    self.done_writing(id, None, None);
+                    self.collect();
+                }
+            }
             Op::RegisterRing => {
                 let busy = self.st.ring_stats().1 > 0;
                 let result = self.st.register_ring(3 * CHUNK / 2 + 100);
@@ -747,12 +835,10 @@ impl Harness {
         for j in &self.scatters {
             assert!(live.contains_key(&j.grant), "a scatter reads grant {} that was returned to the ring", j.grant);
         }
-        if let Some(id) = self.conns[3] {
-            for g in st.grants.values() {
-                if g.remote_writers.contains(&id) {
-                    assert!(live.contains_key(&g.grant.id));
-                }
-            }
+        // Nothing an in-place writer may still write (through a live mapping, past its
+        // connection too) is back in the ring.
+        for &(c, g, room, chunk) in &self.may_write {
+            assert!(live.contains_key(&g), "grant {g} of room {room} chunk {chunk} returned while connection {c} may still write it");
         }
         // Writable grants never overlap.
         let wm = ring.watermark();
@@ -805,6 +891,10 @@ impl Harness {
         for c in 0..CONNS {
             self.kill(c);
         }
+        for id in std::mem::take(&mut self.mappings) {
+            self.st.unmapped(id);
+            self.done_writing(id, None, None);
+        }
         self.st.expire(Instant::now());
         for id in self.st.rooms.keys().copied().collect::<Vec<_>>() {
             if self.st.rooms[&id].released {
@@ -834,8 +924,8 @@ fn model_cases() -> u32 {
 proptest! {
     #![proptest_config(ProptestConfig { cases: model_cases(), max_shrink_iters: 2000, ..ProptestConfig::default() })]
     #[test]
-    fn model_random_sequences_keep_every_invariant(ops in proptest::collection::vec(op(), 1..80)) {
-        let mut h = Harness::new();
+    fn model_random_sequences_keep_every_invariant(mapped in any::<bool>(), ops in proptest::collection::vec(op(), 1..80)) {
+        let mut h = Harness::new(mapped);
         for op in ops {
             h.step(op);
         }
