@@ -9,7 +9,8 @@ use crate::transport::shm::ShmMode;
 
 /// Reports what this host offers kvstage: whether libibverbs loads, the RDMA devices and their
 /// ports (state, active and max MTU, link layer, LID, GID table size), dma-buf registration and
-/// peer-memory support, whether libcuda loads and the GPU count, and a verdict. `json` 0: readable
+/// peer-memory support, whether libcuda loads and the GPU count, a verdict, and whether the same-host
+/// (shared-memory) path works here. `json` 0: readable
 /// text; 1: one JSON object. The report is written NUL-terminated into `buf`; `*needed` (may be
 /// NULL) receives its size including the NUL, so a call with `capacity` 0 and `buf` NULL asks for
 /// the size (it returns `KVSTAGE_E_INVALID_ARG` naming the sizes, as does any too-small buffer).

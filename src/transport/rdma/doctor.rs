@@ -35,6 +35,9 @@ pub struct Report {
     pub kernel: String,
     pub libcuda: Result<(), String>,
     pub gpus: usize,
+    /// The same-host path works here: a sealed memfd passed over an abstract Unix socket and
+    /// mapped again (`Err`: why not, e.g. a seccomp profile refusing memfd_create).
+    pub same_host: Result<(), String>,
 }
 
 impl Report {
@@ -101,6 +104,7 @@ pub fn probe() -> Report {
         kernel: kernel_release(),
         libcuda,
         gpus,
+        same_host: crate::transport::shm::probe().map_err(|e| e.chain()),
     }
 }
 
@@ -170,6 +174,15 @@ pub fn text(r: &Report) -> String {
         }
     }
     let _ = writeln!(s, "  GPUs: {}", r.gpus);
+    let _ = writeln!(s, "Same host");
+    match &r.same_host {
+        Ok(()) => {
+            let _ = writeln!(s, "  shared-memory path: usable (transport auto and shm use it for peers on this host with an engine-owned ring)");
+        }
+        Err(e) => {
+            let _ = writeln!(s, "  shared-memory path: unusable ({e}); same-host peers use RDMA or TCP");
+        }
+    }
     s
 }
 
@@ -237,7 +250,8 @@ pub fn json(r: &Report) -> String {
         concat!(
             "{{\"version\":{},\"rdma\":{{\"libibverbs\":{},\"device_list_error\":{},\"devices\":[{}],",
             "\"dmabuf_mr\":{},\"peer_memory\":{},\"kernel\":{},\"usable\":{},\"verdict\":{}}},",
-            "\"cuda\":{{\"libcuda\":{},\"gpus\":{}}}}}"
+            "\"cuda\":{{\"libcuda\":{},\"gpus\":{}}},",
+            "\"same_host\":{{\"usable\":{},\"error\":{}}}}}"
         ),
         json_str(&r.version),
         found_json(&r.libibverbs),
@@ -249,7 +263,9 @@ pub fn json(r: &Report) -> String {
         r.rdma_usable(),
         json_str(&r.verdict()),
         found_json(&r.libcuda),
-        r.gpus
+        r.gpus,
+        r.same_host.is_ok(),
+        r.same_host.as_ref().err().map_or("null".to_owned(), |e| json_str(e))
     )
 }
 
@@ -268,6 +284,7 @@ mod tests {
             kernel: "6.1.0".into(),
             libcuda: Ok(()),
             gpus: 2,
+            same_host: Err("memfd_create failed: Operation not permitted (os error 1)".into()),
         }
     }
 
@@ -285,6 +302,8 @@ mod tests {
         assert!(j.contains("\"devices\":[]"));
         assert!(j.contains("\"usable\":false"));
         assert!(j.contains("\"cuda\":{\"libcuda\":{\"found\":true,\"error\":null},\"gpus\":2}"), "{j}");
+        assert!(t.contains("shared-memory path: unusable (memfd_create failed"), "{t}");
+        assert!(j.contains("\"same_host\":{\"usable\":false,\"error\":\"memfd_create failed"), "{j}");
     }
 
     #[test]

@@ -198,6 +198,25 @@ fn map_offered_ring(listener: &std::os::unix::net::UnixListener, nonce: &[u8], r
     Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("no local connection in {MAX_LOCAL_ACCEPTS} presented the session's nonce")))
 }
 
+/// Whether the same-host path works on this host (the doctor): a small sealed ring passed over an
+/// abstract socket, mapped again and written through the second mapping.
+pub fn probe() -> Result<()> {
+    let ring = memory::SharedRing::create(4096)?;
+    let (name, listener) = fdpass::listen_abstract()?;
+    let nonce = fdpass::random_bytes(NONCE_BYTES)?;
+    let _lease = pass_ring(&name, &nonce, ring.fd(), 4096).map_err(|(_, e)| e)?;
+    let (mapped, _stream) = map_offered_ring(&listener, &nonce, 4096, &Deadline::after(Some(LOCAL_IO_TIMEOUT)))?;
+    // SAFETY: both mappings are 4096 bytes and this function their only user.
+    let seen = unsafe {
+        mapped.ptr().add(100).write(0xa5);
+        ring.ptr().add(100).read()
+    };
+    if seen != 0xa5 {
+        return Err(Error::internal("a write through the second mapping did not reach the first"));
+    }
+    Ok(())
+}
+
 /// Receiver side: connects to the sender's socket named in its offer and passes `ring` (its
 /// descriptor and size). `Err` says whether the socket was reached (`local`).
 pub fn pass_ring(socket: &str, nonce: &[u8], ring: std::os::fd::BorrowedFd<'_>, ring_len: u64) -> std::result::Result<UnixStream, (bool, Error)> {
@@ -211,4 +230,43 @@ pub fn pass_ring(socket: &str, nonce: &[u8], ring: std::os::fd::BorrowedFd<'_>, 
     fdpass::send_fd(&stream, ring, &greeting).map_err(|e| (true, e))?;
     stream.set_read_timeout(None).map_err(|e| (true, e.into()))?;
     Ok(stream)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_host_serves_the_path() {
+        probe().unwrap();
+    }
+
+    #[test]
+    fn a_local_process_that_connects_first_without_the_nonce_is_skipped() {
+        let ring = memory::SharedRing::create(8192).unwrap();
+        let (name, listener) = fdpass::listen_abstract().unwrap();
+        let nonce = fdpass::random_bytes(NONCE_BYTES).unwrap();
+        // An intruder that read the name from /proc/net/unix: a descriptor, but not the nonce.
+        let intruder = memory::SharedRing::create(8192).unwrap();
+        let _i = pass_ring(&name, &[0u8; NONCE_BYTES], intruder.fd(), 8192).unwrap();
+        let _r = pass_ring(&name, &nonce, ring.fd(), 8192).unwrap();
+        let (mapped, _lease) = map_offered_ring(&listener, &nonce, 8192, &Deadline::after(Some(LOCAL_IO_TIMEOUT))).unwrap();
+        // SAFETY: 8 KiB mappings, used by this test only.
+        unsafe {
+            mapped.ptr().write(7);
+            assert_eq!(ring.ptr().read(), 7, "the receiver's ring was mapped, not the intruder's");
+            assert_eq!(intruder.ptr().read(), 0);
+        }
+    }
+
+    #[test]
+    fn a_size_that_differs_from_the_answer_is_refused() {
+        let ring = memory::SharedRing::create(8192).unwrap();
+        let (name, listener) = fdpass::listen_abstract().unwrap();
+        let nonce = fdpass::random_bytes(NONCE_BYTES).unwrap();
+        let _r = pass_ring(&name, &nonce, ring.fd(), 8192).unwrap();
+        let e = map_offered_ring(&listener, &nonce, 4096, &Deadline::after(Some(LOCAL_IO_TIMEOUT))).unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
+        assert!(e.message().contains("8192"), "{}", e.chain());
+    }
 }
