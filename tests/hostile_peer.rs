@@ -1,8 +1,8 @@
 //! A hostile peer against a real decode engine on 127.0.0.1: this process speaks the wire protocol
 //! by hand (the crate's own codec) with garbage, lying lengths, trickled and truncated hellos,
 //! thousands of idle and half-open connections, descriptor exhaustion, mixed-TP senders, frames
-//! for another connection's writer slot or for rooms that are closed, and a sender that stops in
-//! the middle of a payload.
+//! for another connection's writer slot or for rooms that are closed, a sender that stops in
+//! the middle of a payload, and a same-host peer that maps the ring and lies about what it wrote.
 //!
 //! After every attack: no panic was caught, a legitimate staged transfer (real prefill engines,
 //! TP 2 → decode TP 1) completes and its bytes match the reference (pages outside the room keep
@@ -555,4 +555,72 @@ fn a_sender_stalled_inside_a_payload_cannot_hold_the_ring() {
     );
     drop(raw);
     after_attack(&c, &base, "sender stalled inside a payload");
+}
+
+#[test]
+fn a_same_host_peer_is_held_to_its_grant_and_its_lease() {
+    use kvstage::transport::shm::{fdpass, memory};
+    let _serial = serial();
+    // The decode engine serves the same-host path (transport auto); its prefill engines stay on TCP.
+    let mut options = decode_options(&SMALL);
+    options.transport = kvstage::engine::TransportKind::Auto;
+    let c = Cluster::new(SMALL, options, RingSpec::Owned(4 * SMALL.layout(0, 2).total_bytes as usize));
+    let base = prepare(&c);
+    let rx = c.decode.receiver();
+    let layout = SMALL.layout(0, 2);
+    let w0 = layout.writers[0].clone();
+    let answer = |raw: &mut RawPeer| match raw.reply(Duration::from_secs(5)) {
+        Message::ShmAnswer { status, local, ring_len, reason } => (status, local, ring_len, reason),
+        other => panic!("expected a same-host answer, got {other:?}"),
+    };
+
+    // Offers the engine cannot reach or that are malformed: answered "not local", session kept.
+    let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "shm-hostile", b"");
+    for (socket, nonce) in [("kvstage-shm-nobody-listens-here", vec![1u8; 16]), ("bad name\n", vec![1; 16]), ("kvstage-shm-x", vec![1; 3])] {
+        raw.send(&Message::ShmOffer { socket: socket.into(), nonce }).unwrap();
+        let (status, local, _, reason) = answer(&mut raw);
+        assert!(status != 0 && !local, "offer {socket:?}: {status} {local} {reason}");
+    }
+    raw.barrier(1, 0);
+
+    // A real offer: the ring's descriptor arrives on our socket; a second offer is refused.
+    let (name, listener) = fdpass::listen_abstract().unwrap();
+    let nonce = fdpass::random_bytes(fdpass::NONCE_BYTES).unwrap();
+    raw.send(&Message::ShmOffer { socket: name.clone(), nonce: nonce.clone() }).unwrap();
+    let (status, local, ring_len, reason) = answer(&mut raw);
+    assert!(status == 0 && local, "{status} {local} {reason}");
+    let lease = fdpass::accept_by(&listener, Instant::now() + Duration::from_secs(5)).unwrap();
+    let mut greeting = [0u8; fdpass::NONCE_BYTES + 8];
+    let fd = fdpass::recv_fd(&lease, &mut greeting).unwrap();
+    assert_eq!(&greeting[..fdpass::NONCE_BYTES], &nonce[..]);
+    let ring = memory::map_peer_ring(&fd, ring_len).unwrap();
+    raw.send(&Message::ShmOffer { socket: name, nonce }).unwrap();
+    let (status, _, _, reason) = answer(&mut raw);
+    assert!(status != 0 && reason.contains("second"), "{status} {reason}");
+
+    // A grant, half written in place and reported; then a report past what it wrote ends the
+    // session while the peer still maps the ring: its range stays out of the ring until the lease
+    // (the local socket) closes.
+    let room = 92;
+    let pages = c.room_pages(room, 1);
+    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+    let g = raw.alloc_granted(2, room, 0, 0, &layout);
+    let half = w0.bytes / 2;
+    // SAFETY: the granted region lies inside the mapped ring (checked by the engine's grant).
+    unsafe { std::ptr::write_bytes(ring.ptr().add((g.offset + g.region) as usize), 0xEE, half as usize) };
+    raw.send(&Message::Written { room, chunk: 0, writer: 0, offset: g.region, len: half, imm: 0 }).unwrap();
+    raw.barrier(3, 0);
+    raw.send(&Message::Written { room, chunk: 0, writer: 0, offset: g.region + w0.bytes, len: half, imm: 0 }).unwrap();
+    let closed = raw.wait_closed(CLOSE_BOUND);
+    assert!(closed.after.is_some(), "the engine kept a session that reported bytes outside its region");
+    assert!(settle(Duration::from_secs(5), || rx.stats().connections == 0));
+    let failed = rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_err();
+    assert_eq!(failed.code(), Status::KVSTAGE_E_PEER_GONE, "{}", failed.chain());
+    rx.release_room(room);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(rx.stats().ring_live, 1, "the range of a peer that still maps the ring went back to the ring");
+    drop(lease);
+    assert!(settle(Duration::from_secs(5), || rx.stats().ring_live == 0), "the lease ended but the range stayed: {:?}", rx.stats());
+    drop((ring, fd, raw, listener));
+    after_attack(&c, &base, "same-host peer");
 }
