@@ -44,8 +44,7 @@ impl Receiver {
     pub(super) fn serve_same_host(self: &Arc<Self>, id: ConnId, socket: &str, nonce: &[u8], session: &str, peer: &str) -> Message {
         let shm = self.shm.lock().clone();
         let answer = |status: Status, local: bool, ring_len: u64, reason: String| Message::ShmAnswer { status: status.code(), local, ring_len, reason };
-        // Held until the state knows the peer maps the ring: `register_ring` then sees it.
-        let memory = self.memory.lock();
+        let memory = self.memory.lock().clone();
         let refusal = if let Some(why) = shm.as_ref().map_or(Some("it serves no same-host sessions".to_owned()), |s| s.refusal()) {
             Some((Status::KVSTAGE_E_UNSUPPORTED, format!("the receiver does not serve the same-host path: {why}")))
         } else if self.with_state(|st| st.mapped_conns().contains(&id)) {
@@ -60,9 +59,8 @@ impl Receiver {
                 Some(_) => None,
             }
         };
-        let fd = memory.as_ref().and_then(|m| m.shareable()).map(|r| r.fd());
-        let ring_len = memory.as_ref().map_or(0, |m| m.size() as u64);
-        let passed = match (refusal, fd) {
+        let ring = memory.as_ref().and_then(|m| m.shareable().map(|r| (m, r)));
+        let passed = match (refusal, ring) {
             (Some((code, why)), _) => {
                 // Still reached for, so that the sender learns whether it is on this host (a
                 // refusal then counts as a downgrade there, another host does not).
@@ -70,19 +68,26 @@ impl Receiver {
                 log::debug!(session = session; "same-host offer of {peer} refused: {why}");
                 return answer(code, local, 0, why);
             }
-            (None, Some(fd)) => shm::pass_ring(socket, nonce, fd, ring_len),
+            (None, Some((m, r))) => shm::pass_ring(socket, nonce, r.fd(), m.size() as u64).map(|lease| (lease, m.size() as u64)),
             (None, None) => unreachable!("a shareable ring was checked above"),
         };
-        let lease = match passed {
-            Ok(s) => s,
+        let (lease, ring_len) = match passed {
+            Ok(p) => p,
             Err((local, e)) => {
                 log::debug!(session = session; "same-host offer of {peer} not served: {}", e.chain());
                 return answer(e.code(), local, 0, e.chain());
             }
         };
-        // From here on the peer may write the ring: quarantine applies before its first grant.
+        // From here on the peer may write the ring: quarantine applies before its first grant. Under
+        // the memory lock, so that a ring registered meanwhile is seen (this lease is then for the
+        // old one: refused, the sender never maps it) and a later one closes this session.
+        let current = self.memory.lock();
+        let same_ring = matches!((current.as_ref(), memory.as_ref()), (Some(a), Some(b)) if Arc::ptr_eq(a, b));
+        if !same_ring {
+            return answer(Status::KVSTAGE_E_PEER_GONE, true, 0, "the staging ring was registered again during the exchange; reconnect".to_owned());
+        }
         self.with_state(|st| st.set_in_place(id, true));
-        drop(memory);
+        drop(current);
         if let Err(e) = self.watch_lease(id, lease) {
             // Without a watch the quarantine would never end: refuse (the lease closes, the sender
             // sees the socket end and unmaps).
