@@ -3,7 +3,9 @@
 # parses, has every section with positive figures, and says the decode bytes were verified (staged
 # always; slice unless time-boxed, whose bytes are not checked); then
 # the same at load (--inflight 4) and a short inflight sweep: the load fields (inflight, request
-# latencies, raw TCP streams, the library's thread peak) are present and consistent.
+# latencies, raw TCP streams, the library's thread peak) are present and consistent; then the
+# same-host path: --transport shm, and auto, must report every session (params.links, staged.link)
+# on shm with the staged bytes verified; the default (tcp) reports tcp.
 # No timing is asserted. Usage: check_bench.sh <kvstage-bench>
 set -euo pipefail
 bench=$1
@@ -16,7 +18,10 @@ tiny=(--layers 2 --kv-heads 4 --head-dim 16 --dtype-bytes 2 --prefill-tp 2 --dec
 "$bench" "${tiny[@]}" --sweep inflight --inflight 2 --json "$out/sweep.json" >/dev/null
 # A slice run time-boxed to nothing (the last --slice-seconds wins): one page per chunk is sent.
 "$bench" "${tiny[@]}" --slice-seconds 0 --json "$out/boxed.json" >/dev/null
-python3 - "$out/bench.json" "$out/load.json" "$out/sweep.json" "$out/boxed.json" <<'PY'
+# The same-host path, required and chosen by auto (both processes are on this host).
+"$bench" "${tiny[@]}" --transport shm --json "$out/shm.json" >/dev/null
+"$bench" "${tiny[@]}" --transport auto --inflight 2 --json "$out/auto.json" >/dev/null
+python3 - "$out/bench.json" "$out/load.json" "$out/sweep.json" "$out/boxed.json" "$out/shm.json" "$out/auto.json" <<'PY'
 import json, sys
 
 def check(report, inflight, full=True):
@@ -47,6 +52,14 @@ def check(report, inflight, full=True):
             f"slice: verified {slice_['verified']!r} with time_boxed {slice_['time_boxed']!r}"
     assert "verified" not in report, "verified is per section"
     assert report["params"]["prefill_tp"] == 2 and report["params"]["decode_tp"] == 1
+    # Which link the sessions ended up on: tcp unless asked otherwise (the baselines' links never change).
+    link = {"tcp": "tcp", "shm": "shm", "auto": "shm"}[report["params"]["transport"]]
+    assert report["params"]["links"] == [link] * report["params"]["sessions"], f"params.links = {report['params']['links']}"
+    assert staged["link"] == link and staged["downgraded_sessions"] == 0, \
+        f"staged: link {staged['link']!r}, {staged['downgraded_sessions']} downgraded ({staged.get('shm_downgrade')})"
+    if full:
+        assert report["slice"]["link"] == "tcp", "slice writes go on the TCP control streams"
+        assert report["ratios"]["staged_over_memcpy"] > 0, "ratios.staged_over_memcpy is not positive"
 
 check(json.load(open(sys.argv[1])), 1)
 check(json.load(open(sys.argv[2])), 4)
@@ -57,6 +70,12 @@ for point in sweep:
 boxed = json.load(open(sys.argv[4]))
 check(boxed, 1)
 assert boxed["slice"]["time_boxed"] is True and boxed["slice"]["verified"] is False, boxed["slice"]
+shm = json.load(open(sys.argv[5]))
+assert shm["params"]["transport"] == "shm"
+check(shm, 1)
+auto = json.load(open(sys.argv[6]))
+assert auto["params"]["transport"] == "auto"
+check(auto, 2)
 print("bench_json: all sections present and positive, verified; at load (inflight 4) and in an inflight sweep too;"
-      " a time-boxed slice run says it was not verified")
+      " a time-boxed slice run says it was not verified; --transport shm and auto ran the staged section over shm, verified")
 PY

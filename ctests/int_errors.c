@@ -3,9 +3,9 @@
  * deadline expiry, cancel, and a peer killed mid-chunk on either side (the survivor reports
  * PEER_GONE within a second and the ring returns to empty).
  *
- * KVSTAGE_TEST_TRANSPORT=rdma (or tcp) forces every engine's transport (default: auto) and checks
- * that each session really uses it, so a run on real verbs (ctest rdma_vm) cannot pass by
- * quietly moving the chunks over TCP. */
+ * KVSTAGE_TEST_TRANSPORT=rdma (or tcp, or shm) forces every engine's transport (default: auto) and
+ * checks that each session really uses it, so a run on real verbs (ctest rdma_vm) or on the
+ * same-host path (ctest int_errors_shm) cannot pass by quietly moving the chunks over TCP. */
 #define _POSIX_C_SOURCE 200809L
 
 #include <signal.h>
@@ -353,10 +353,9 @@ static void test_prefill_killed(int mid_write) {
 }
 
 int main(void) {
-    static const char *const names[] = {"auto", "tcp", "rdma"};
     signal(SIGPIPE, SIG_IGN);
     g_transport = kv_test_transport(KVSTAGE_TRANSPORT_AUTO);
-    printf("int_errors: transport %s\n", names[g_transport]);
+    printf("int_errors: transport %s\n", kv_transport_name(g_transport));
     fflush(stdout); /* before any fork: a child must not flush a copy of it again */
     test_connection_refused();
     test_geometry_mismatch();

@@ -93,15 +93,28 @@ static inline int kv_finish(const char *test) {
     return 0;
 }
 
-/* The transport KVSTAGE_TEST_TRANSPORT forces ("rdma" or "tcp"; ctest rdma_vm runs tests on real
- * verbs this way), else `fallback`. Any other value is a failure, not a quiet default. */
+/* The transport KVSTAGE_TEST_TRANSPORT forces ("rdma", "tcp" or "shm"; ctest rdma_vm runs tests on
+ * real verbs this way, the *_shm ctests on the same-host path), else `fallback`. Any other value
+ * is a failure, not a quiet default. */
 static inline int32_t kv_test_transport(int32_t fallback) {
     const char *forced = getenv("KVSTAGE_TEST_TRANSPORT");
     if (forced == NULL || forced[0] == 0) return fallback;
     if (strcmp(forced, "rdma") == 0) return KVSTAGE_TRANSPORT_RDMA;
     if (strcmp(forced, "tcp") == 0) return KVSTAGE_TRANSPORT_TCP;
-    fprintf(stderr, "KVSTAGE_TEST_TRANSPORT=%s is neither rdma nor tcp\n", forced);
+    if (strcmp(forced, "shm") == 0) return KVSTAGE_TRANSPORT_SHM;
+    fprintf(stderr, "KVSTAGE_TEST_TRANSPORT=%s is not rdma, tcp or shm\n", forced);
     exit(1);
+}
+
+/* The name of a `kvstage_transport` value, for test output. */
+static inline const char *kv_transport_name(int32_t transport) {
+    switch (transport) {
+    case KVSTAGE_TRANSPORT_AUTO: return "auto";
+    case KVSTAGE_TRANSPORT_TCP: return "tcp";
+    case KVSTAGE_TRANSPORT_RDMA: return "rdma";
+    case KVSTAGE_TRANSPORT_SHM: return "shm";
+    default: return "unknown";
+    }
 }
 
 #endif /* KVSTAGE_CHECK_H */

@@ -136,7 +136,9 @@ static void paint(uint8_t *memory, const kvstage_kv_layout *l, const uint32_t *p
             }
 }
 
-/* TCP unless KVSTAGE_TEST_TRANSPORT=rdma (ctest rdma_vm: the same regions by RDMA WRITE). */
+/* TCP unless KVSTAGE_TEST_TRANSPORT says otherwise (ctest rdma_vm: rdma, the same regions by RDMA
+ * WRITE; ctest pipeline_split_shm: shm, the prefill gathers straight into the mapped decode ring).
+ * Every session's transport is checked, so no run passes by quietly falling back to TCP. */
 static int32_t g_transport = KVSTAGE_TRANSPORT_TCP;
 
 static kvstage_engine *engine_with(const pool *p) {
@@ -357,6 +359,8 @@ static void run(const scenario *sc) {
 
 int main(void) {
     g_transport = kv_test_transport(KVSTAGE_TRANSPORT_TCP);
+    printf("pipeline_split: transport %s\n", kv_transport_name(g_transport));
+    fflush(stdout); /* before any fork */
     for (size_t i = 0; i < sizeof SCENARIOS / sizeof SCENARIOS[0]; ++i) {
         int before = *kv_failures();
         run(&SCENARIOS[i]);

@@ -97,6 +97,14 @@ typedef enum kvstage_transport {
     KVSTAGE_TRANSPORT_SHM = 3,
 } kvstage_transport;
 
+// Whether transport AUTO may use the same-host path (`kvstage_engine_options.same_host`).
+typedef enum kvstage_same_host {
+    // Used when the peer is on this host and its ring is engine-owned (the default).
+    KVSTAGE_SAME_HOST_AUTO = 0,
+    // Never: same-host peers use RDMA or TCP; nothing is counted as a downgrade.
+    KVSTAGE_SAME_HOST_OFF = 1,
+} kvstage_same_host;
+
 // Attention flavour of a KV pool (`kvstage_kv_layout.model_kind`).
 typedef enum kvstage_model_kind {
     // MHA / GQA: per layer a K and a V buffer of `[pool_tokens, local_heads, head_dim]`.
@@ -661,7 +669,8 @@ enum kvstage_status kvstage_testing_panic(const struct kvstage_engine *engine);
 
 // Reports what this host offers kvstage: whether libibverbs loads, the RDMA devices and their
 // ports (state, active and max MTU, link layer, LID, GID table size), dma-buf registration and
-// peer-memory support, whether libcuda loads and the GPU count, and a verdict. `json` 0: readable
+// peer-memory support, whether libcuda loads and the GPU count, a verdict, and whether the same-host
+// (shared-memory) path works here. `json` 0: readable
 // text; 1: one JSON object. The report is written NUL-terminated into `buf`; `*needed` (may be
 // NULL) receives its size including the NUL, so a call with `capacity` 0 and `buf` NULL asks for
 // the size (it returns `KVSTAGE_E_INVALID_ARG` naming the sizes, as does any too-small buffer).

@@ -34,7 +34,9 @@ def main() -> int:
     ranks = []
     for rd in range(d_tp):
         pool, layout = kvref.make_pool(model, rd, d_tp, cfg["capacity_pages"])
-        engine = kvstage.Engine("127.0.0.1:0", transport="tcp", chunk_tokens=chunk_tokens)
+        # The decode engines serve what the prefill side asks for ("shm" needs the same-host path).
+        transport = "auto" if cfg.get("transport") == "shm" else "tcp"
+        engine = kvstage.Engine("127.0.0.1:0", transport=transport, chunk_tokens=chunk_tokens)
         engine.register_pool(layout)
         grid = kvstage.grid_tokens(chunk_tokens, model.page_size)
         per_chunk = kvstage.staging_layout(model.shape(0, p_tp), layout, grid).total_bytes

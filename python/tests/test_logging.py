@@ -35,7 +35,7 @@ def _records(caplog, name, level=None):
     return [r for r in caplog.records if r.name == name and (level is None or r.levelno == level)]
 
 
-def test_a_downgrade_is_one_warning_of_kvstage_transport_rdma(routed, caplog):
+def test_a_downgrade_is_one_warning_per_path_not_taken(routed, caplog):
     caplog.set_level(logging.INFO, logger="kvstage")
     decode = _engine(kvstage.Transport.TCP)
     prefill = _engine(kvstage.Transport.AUTO)
@@ -46,8 +46,12 @@ def test_a_downgrade_is_one_warning_of_kvstage_transport_rdma(routed, caplog):
         prefill.close()
         decode.close()
     warnings = [r for r in caplog.records if r.name.startswith("kvstage") and r.levelno >= logging.WARNING]
-    assert len(warnings) == 1, [r.getMessage() for r in warnings]
-    (w,) = warnings
+    # The decode engine's transport is TCP: it refuses the same-host path, then RDMA.
+    assert len(warnings) == 2, [r.getMessage() for r in warnings]
+    shm, w = warnings
+    assert shm.name == "kvstage.transport.shm"
+    assert shm.getMessage().startswith("session py-downgrade: same-host path not used")
+    assert "does not serve the same-host path" in shm.getMessage()
     assert w.name == "kvstage.transport.rdma"
     assert w.levelname == "WARNING"
     assert w.getMessage().startswith("session py-downgrade: downgraded from rdma to tcp")
@@ -156,9 +160,12 @@ def test_records_reach_stderr_through_logging_or_the_library(child_env, python_l
     out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, out.stderr
+    # Two downgrades (the decode engine's transport is TCP): the same-host path, then RDMA.
+    assert len(lines) == 2, out.stderr
     if python_logging == "1":
         # logging's last-resort handler: the message only.
-        assert lines[0].startswith("session py-child: downgraded from rdma to tcp"), out.stderr
+        assert lines[0].startswith("session py-child: same-host path not used"), out.stderr
+        assert lines[1].startswith("session py-child: downgraded from rdma to tcp"), out.stderr
     else:
-        assert " WARN kvstage::transport::rdma: session py-child: downgraded from rdma to tcp" in lines[0], out.stderr
+        assert " WARN kvstage::transport::shm: session py-child: same-host path not used" in lines[0], out.stderr
+        assert " WARN kvstage::transport::rdma: session py-child: downgraded from rdma to tcp" in lines[1], out.stderr

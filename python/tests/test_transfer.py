@@ -166,7 +166,7 @@ def test_staged_transfer_between_two_processes(name, lib, child_env, tmp_path):
     cfg = dict(
         model=model.__dict__, prefill_tp=p_tp, decode_tp=d_tp, room=ROOM, chunk_tokens=chunk_tokens,
         capacity_pages=capacity, ring_chunks=case["ring_chunks"], ring_memory=case["ring_memory"],
-        decode_pages=decode_pages, num_chunks=chunks, out=str(out),
+        decode_pages=decode_pages, num_chunks=chunks, out=str(out), transport=case["transport"],
     )
     peer = Peer(cfg, child_env)
     try:

@@ -8,8 +8,9 @@ use clap::{CommandFactory, Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvstage::engine::TransportKind;
 use kvstage::geometry::ModelKind;
+use kvstage::session::stats::LinkKind;
 use kvstage::Error;
-use kvstage_testkit::cluster::Setup;
+use kvstage_testkit::cluster::{Prefill, Setup};
 use kvstage_testkit::{model, MODELS};
 
 /// The kvstage library's version, `MAJOR.MINOR.PATCH`.
@@ -183,6 +184,80 @@ fn draw_target() -> ProgressDrawTarget {
         ProgressDrawTarget::stderr()
     } else {
         ProgressDrawTarget::hidden()
+    }
+}
+
+/// `tcp`, `rdma` or `shm`: how a session's chunks move.
+pub fn link_name(link: LinkKind) -> &'static str {
+    match link {
+        LinkKind::Tcp => "tcp",
+        LinkKind::Rdma => "rdma",
+        LinkKind::Shm => "shm",
+    }
+}
+
+/// The links the sender sessions of a prefill side ended up on (from their stats), whatever
+/// `--transport` asked: with `auto` this is what the engines chose.
+#[derive(Clone, Debug, Default)]
+pub struct Links {
+    /// Per sender session, prefill rank by prefill rank: its id (`p{rank}-d{rank}`) and link.
+    pub sessions: Vec<(String, LinkKind)>,
+    /// Sessions that were allowed a faster path (transport auto) and run on a slower one.
+    pub downgraded: usize,
+    /// The prefill engines' last same-host downgrade (why `auto` did not take shm), if any.
+    pub shm_downgrade: Option<String>,
+}
+
+impl Links {
+    pub fn of(prefill: &Prefill) -> Links {
+        let mut links = Links::default();
+        for r in &prefill.ranks {
+            for session in &r.sessions {
+                let stats = session.stats();
+                links.sessions.push((session.id().to_owned(), stats.link));
+                links.downgraded += usize::from(stats.downgraded);
+            }
+            let why = r.engine.shm().last_downgrade();
+            if !why.is_empty() {
+                links.shm_downgrade = Some(why);
+            }
+        }
+        links
+    }
+
+    /// Each session's link name, in session order.
+    pub fn names(&self) -> Vec<&'static str> {
+        self.sessions.iter().map(|(_, l)| link_name(*l)).collect()
+    }
+
+    /// The one link every session is on, or `mixed` (`none` without sessions).
+    pub fn common(&self) -> &'static str {
+        match self.sessions.split_first() {
+            None => "none",
+            Some(((_, first), rest)) if rest.iter().all(|(_, l)| l == first) => link_name(*first),
+            Some(_) => "mixed",
+        }
+    }
+
+    /// Whether every session is on `link`.
+    pub fn all(&self, link: LinkKind) -> bool {
+        !self.sessions.is_empty() && self.sessions.iter().all(|(_, l)| *l == link)
+    }
+
+    /// `shm (4 sessions)`, or `shm (2 sessions), tcp (2 sessions)`.
+    pub fn summary(&self) -> String {
+        let mut parts = Vec::new();
+        for link in [LinkKind::Shm, LinkKind::Rdma, LinkKind::Tcp] {
+            let n = self.sessions.iter().filter(|(_, l)| *l == link).count();
+            if n > 0 {
+                parts.push(format!("{} ({n} session{})", link_name(link), if n == 1 { "" } else { "s" }));
+            }
+        }
+        if parts.is_empty() {
+            "no sessions".to_owned()
+        } else {
+            parts.join(", ")
+        }
     }
 }
 

@@ -97,7 +97,7 @@ impl Receiver {
         if let Some(s) = &shm {
             s.count_session();
         }
-        log::info!(session = session; "session from {peer} writes in place through the same-host path ({} MiB ring)", ring_len >> 20);
+        log::info!(session = session; "session from {peer} writes in place through the same-host path ({ring_len}-byte ring)");
         answer(Status::KVSTAGE_OK, true, ring_len, String::new())
     }
 

@@ -251,7 +251,7 @@ pub fn json(r: &Report) -> String {
             "{{\"version\":{},\"rdma\":{{\"libibverbs\":{},\"device_list_error\":{},\"devices\":[{}],",
             "\"dmabuf_mr\":{},\"peer_memory\":{},\"kernel\":{},\"usable\":{},\"verdict\":{}}},",
             "\"cuda\":{{\"libcuda\":{},\"gpus\":{}}},",
-            "\"same_host\":{{\"usable\":{},\"error\":{}}}}}"
+            "\"same_host\":{{\"available\":{},\"error\":{}}}}}"
         ),
         json_str(&r.version),
         found_json(&r.libibverbs),
@@ -303,7 +303,7 @@ mod tests {
         assert!(j.contains("\"usable\":false"));
         assert!(j.contains("\"cuda\":{\"libcuda\":{\"found\":true,\"error\":null},\"gpus\":2}"), "{j}");
         assert!(t.contains("shared-memory path: unusable (memfd_create failed"), "{t}");
-        assert!(j.contains("\"same_host\":{\"usable\":false,\"error\":\"memfd_create failed"), "{j}");
+        assert!(j.contains("\"same_host\":{\"available\":false,\"error\":\"memfd_create failed"), "{j}");
     }
 
     #[test]

@@ -127,7 +127,11 @@ impl Transport for ShmTransport {
     }
 
     fn describe(&self) -> String {
-        format!("shm ({} MiB ring mapped) via {}", self.ring_len >> 20, self.tcp.describe())
+        let size = match self.ring_len {
+            n if n >= 1 << 20 => format!("{} MiB", n >> 20),
+            n => format!("{n} bytes"),
+        };
+        format!("shm ({size} ring mapped) via {}", self.tcp.describe())
     }
 }
 

@@ -24,10 +24,12 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Maps `len` bytes of `fd` read-write and shared.
+    /// Maps `len` bytes of `fd` read-write and shared, populated: the pages are allocated (or,
+    /// for a peer's ring, their page tables filled) now, not by the first transfers' writes.
     pub fn map(fd: BorrowedFd<'_>, len: usize) -> Result<Mapping> {
+        let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
         // SAFETY: a fresh mapping chosen by the kernel; the fd's size was checked by the caller.
-        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0) };
         if ptr == libc::MAP_FAILED {
             return Err(Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot map a shared ring of {len} bytes"))
                 .with_source(std::io::Error::last_os_error()));

@@ -1,20 +1,24 @@
 //! The main job: a real staged transfer on one machine. This process plays every prefill rank;
-//! a child process plays every decode rank. KV moves over loopback TCP through the decode staging
-//! rings, is verified byte-for-byte in the child, and the slice path moves the same request for
-//! comparison.
+//! a child process plays every decode rank. KV moves through the decode staging rings (transport
+//! auto by default: the same-host path, where the senders' gathers write straight into the decode
+//! rings through shared mappings, else loopback TCP), is verified byte-for-byte in the child, and
+//! the slice path moves the same request for comparison. It prints which transport the sessions
+//! ended up on and, when auto fell back, why.
 
 use std::time::Instant;
 
 use clap::Parser;
+use kvstage::engine::TransportKind;
+use kvstage::session::stats::LinkKind;
 use kvstage::{Error, Status};
-use kvstage_testkit::cluster::{serve_decode, DecodeChild, Prefill, Setup};
-use kvstage_tools::{parse_with_defaults, spinner, SetupArgs};
+use kvstage_testkit::cluster::{serve_decode, transport_name, DecodeChild, Prefill, Setup};
+use kvstage_tools::{parse_with_defaults, spinner, Links, SetupArgs};
 
 const DEFAULT_MODEL: &str = "llama3-8b";
 
-/// A staged KV transfer between two processes on this machine (prefill TP -> decode TP over
-/// loopback TCP), the decode pools checked byte for byte against a reference reshard, and the
-/// slice path for comparison.
+/// A staged KV transfer between two processes on this machine (prefill TP -> decode TP; transport
+/// auto by default: the same-host path when available, else loopback TCP), the decode pools
+/// checked byte for byte against a reference reshard, and the slice path for comparison.
 #[derive(Parser)]
 #[command(name = "kvstage-demo", args_override_self = true)]
 struct Cli {
@@ -31,6 +35,33 @@ struct Cli {
 const STAGED_ROOM: u64 = 1;
 const SLICE_ROOM: u64 = 2;
 
+/// Which transport the sessions ended up on, and why (the engines' last downgrade when auto fell
+/// back).
+fn transport_line(s: &Setup, links: &Links) -> String {
+    let asked = match s.transport {
+        TransportKind::Auto => "transport auto chose it".to_owned(),
+        other => format!("--transport {}", transport_name(other)),
+    };
+    if links.all(LinkKind::Shm) {
+        return format!(
+            "{}: same host, the gathers write straight into the decode staging rings through shared mappings, \
+             control frames on loopback TCP ({asked})",
+            links.summary()
+        );
+    }
+    let mut line = format!("{}: ", links.summary());
+    if links.all(LinkKind::Rdma) {
+        line += &format!("RDMA writes into the decode staging rings ({asked})");
+    } else if s.transport == TransportKind::Auto {
+        let why = links.shm_downgrade.clone().unwrap_or_else(|| "the decode engines did not appear to be on this host".to_owned());
+        let which = if links.sessions.iter().any(|(_, l)| *l == LinkKind::Shm) { " for every session" } else { "" };
+        line += &format!("transport auto did not take the same-host path{which}: {why}");
+    } else {
+        line += &format!("loopback TCP ({asked})");
+    }
+    line
+}
+
 fn run(s: &Setup, slice: bool) -> Result<bool, Error> {
     let exe = std::env::current_exe().map_err(|e| Error::internal("cannot find the demo executable").with_source(e))?;
     let mut args = s.flags();
@@ -39,7 +70,7 @@ fn run(s: &Setup, slice: bool) -> Result<bool, Error> {
     let m = &s.model;
     println!(
         "kvstage {} demo: {} ({} layers, {} KV heads, head_dim {}, {}-byte dtype), prefill TP {} -> decode TP {} \
-         (separate processes, loopback TCP), page_size {}, {} tokens in chunks of {}",
+         (separate processes, transport {}), page_size {}, {} tokens in chunks of {}",
         kvstage_tools::library_version(),
         m.name,
         m.layers,
@@ -48,11 +79,13 @@ fn run(s: &Setup, slice: bool) -> Result<bool, Error> {
         m.dtype_bytes,
         s.prefill_tp,
         s.decode_tp,
+        transport_name(s.transport),
         s.page_size,
         s.tokens,
         s.chunk_tokens
     );
     let prefill = Prefill::connect(s, &child.addrs)?;
+    println!("sessions    : {}", transport_line(s, &Links::of(&prefill)));
     let bytes = s.room_bytes()?;
     let gbps = |secs: f64| bytes as f64 / secs / 1e9;
     let mut ok = true;
@@ -91,7 +124,8 @@ fn run(s: &Setup, slice: bool) -> Result<bool, Error> {
 }
 
 fn main() {
-    let cli: Cli = parse_with_defaults(&[("model", DEFAULT_MODEL), ("tokens", "4096")]);
+    // Transport auto: the same-host path when both processes can use it, and the demo says which.
+    let cli: Cli = parse_with_defaults(&[("model", DEFAULT_MODEL), ("tokens", "4096"), ("transport", "auto")]);
     let setup = cli.setup.setup(DEFAULT_MODEL).unwrap_or_else(|e| kvstage_tools::usage_error::<Cli>(e));
     if cli.role_decode {
         if let Err(e) = serve_decode(&setup) {

@@ -1,7 +1,8 @@
 //! kvstage-bench: the staged path against its limits, every figure next to a baseline measured in
 //! the same run on the same bytes between the same two processes.
 //!
-//! staged   end-to-end rooms (gather + write + arrival + scatter), decode verified afterwards
+//! staged   end-to-end rooms (gather + write + arrival + scatter), decode verified afterwards;
+//!          over the link each session ended up on (`--transport`: tcp, rdma, shm or auto)
 //! slice    the slice path for the same request (time-boxed: ops/s and the extrapolated time; the
 //!          decode bytes are verified only when the whole request was sent)
 //! raw_tcp  a plain TCP stream of the same byte count to the decode process
@@ -29,7 +30,7 @@ use kvstage::session::op::Op;
 use kvstage::{Error, Status};
 use kvstage_testkit::cluster::{serve_decode_with, DecodeChild, DecodeOptions, Prefill, Setup};
 use kvstage_testkit::HostPool;
-use kvstage_tools::{parse_with_defaults, usage_error, SetupArgs};
+use kvstage_tools::{parse_with_defaults, usage_error, Links, SetupArgs};
 
 mod report;
 mod stuck;
@@ -299,6 +300,8 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
     let s = &a.setup;
     let mut child = spawn_child(a, None)?;
     let prefill = Prefill::connect_with(s, &child.addrs, &prefill_options(a))?;
+    // What the sessions ended up on (with --transport auto: what the engines chose).
+    let links = Links::of(&prefill);
     let bytes = s.room_bytes()?;
     let n = a.inflight.max(1);
     let staged_steps = a.warmup * n + a.requests.unwrap_or(a.reps.max(2 * n)) + n - 1;
@@ -384,7 +387,7 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
     child.quit()?;
     let threads = sampler.finish();
     bar.finish_and_clear();
-    Ok(Report { staged, raw_tcp, raw_streams, fixed, threads })
+    Ok(Report { staged, raw_tcp, raw_streams, fixed, threads, links })
 }
 
 /// memcpy, gather and scatter of one request's bytes in this process.
@@ -527,7 +530,8 @@ fn run(a: &Args) -> Result<bool, Error> {
         json.push(report_json(&point, &r));
         let st = &r.staged.section;
         rows.push(format!(
-            "{label:>9} {:>11.3} {:>11.3} {:>8} {:>11.2} {:>10.4} {:>10.4} {:>8.2} {:>9} {:>9}",
+            "{label:>9} {:>6} {:>11.3} {:>11.3} {:>8} {:>11.2} {:>10.4} {:>10.4} {:>8.2} {:>9} {:>9}",
+            r.links.common(),
             st.gbps(),
             r.raw_tcp.gbps(),
             r.raw_streams,
@@ -541,7 +545,8 @@ fn run(a: &Args) -> Result<bool, Error> {
     }
     println!("\n== summary by {what_name}");
     println!(
-        "{what_name:>9} {:>11} {:>11} {:>8} {:>11} {:>10} {:>10} {:>8} {:>9} {:>9}",
+        "{what_name:>9} {:>6} {:>11} {:>11} {:>8} {:>11} {:>10} {:>10} {:>8} {:>9} {:>9}",
+        "link",
         "staged GB/s", "raw GB/s", "streams", "staged/raw", "p50 s", "p99 s", "p99/p50", "kvstage-*", "threads"
     );
     for row in rows {

@@ -1,5 +1,6 @@
 //! The measurements of one run, printed as a table and written as JSON (`--json`).
 
+use kvstage_tools::Links;
 use serde::Serialize;
 
 use crate::sys::{ThreadPeak, SAMPLE_EVERY};
@@ -136,6 +137,9 @@ pub struct Report {
     pub raw_streams: u32,
     pub fixed: Option<Fixed>,
     pub threads: ThreadPeak,
+    /// The links the sender sessions ended up on (the staged section's; the slice path's writes
+    /// always go on the sessions' TCP control streams).
+    pub links: Links,
 }
 
 impl Report {
@@ -171,6 +175,17 @@ pub fn print_report(a: &Args, r: &Report) {
         s.chunk_tokens,
         s.ring_chunks,
         kvstage_testkit::cluster::transport_name(s.transport)
+    );
+    let downgraded = match (&r.links.downgraded, &r.links.shm_downgrade) {
+        (0, _) => String::new(),
+        (n, Some(why)) => format!(" ({n} downgraded; last same-host downgrade: {why})"),
+        (n, None) => format!(" ({n} downgraded to tcp: transport auto found no usable RDMA path)"),
+    };
+    println!(
+        "links: staged over {}{downgraded}; slice writes on the sessions' TCP control streams; raw_tcp over {} plain loopback TCP stream{}",
+        r.links.summary(),
+        r.raw_streams,
+        if r.raw_streams == 1 { "" } else { "s" }
     );
     println!("{:<9} {:>14} {:>12} {:>12} {:>9}", "", "bytes", "median s", "p99 s", "GB/s");
     let row = |name: &str, sec: &Section| {
@@ -221,8 +236,9 @@ pub fn print_report(a: &Args, r: &Report) {
             if f.slice.boxed { " (time-boxed: only part of each chunk was sent; the time shown is extrapolated)" } else { "" }
         );
         println!(
-            "ratios: staged/raw_tcp {:.2}x  staged/slice {:.1}x  gather/memcpy {:.2}x",
+            "ratios: staged/raw_tcp {:.2}x  staged/memcpy {:.2}x  staged/slice {:.1}x  gather/memcpy {:.2}x",
             ratio(r.staged.section.gbps(), r.raw_tcp.gbps()),
+            ratio(r.staged.section.gbps(), f.memcpy.gbps()),
             ratio(r.staged.section.gbps(), f.slice.section.gbps()),
             ratio(f.gather.gbps(), f.memcpy.gbps())
         );
@@ -267,6 +283,13 @@ struct StagedJson {
     operations: u64,
     /// The decode pools compared with the reference after the timed requests, and equal.
     verified: bool,
+    /// The link every sender session ended up on (`tcp`, `rdma`, `shm`), or `mixed`.
+    link: &'static str,
+    /// Sessions allowed a faster path (transport auto) that run on a slower one.
+    downgraded_sessions: usize,
+    /// The prefill engines' last same-host downgrade: why auto did not take shm.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    shm_downgrade: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -276,6 +299,8 @@ struct SliceJson {
     time_boxed: bool,
     /// False when time-boxed (not compared) or when the bytes differ.
     verified: bool,
+    /// Always `tcp`: slice writes go on the sessions' TCP control streams, whatever their link.
+    link: &'static str,
 }
 
 #[derive(Serialize)]
@@ -303,7 +328,10 @@ struct Params {
     raw_streams: u32,
     transfer_threads: u32,
     send_staging_buffers: u32,
+    /// What `--transport` asked.
     transport: &'static str,
+    /// What each sender session ended up on, in session order (prefill rank, then decode rank).
+    links: Vec<&'static str>,
     memory: &'static str,
 }
 
@@ -314,6 +342,8 @@ struct Ratios {
     staged_cpu_over_raw_tcp_cpu: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     staged_over_slice: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    staged_over_memcpy: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     gather_over_memcpy: Option<f64>,
 }
@@ -372,6 +402,7 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
             transfer_threads: o.transfer_threads,
             send_staging_buffers: o.send_staging_buffers,
             transport: kvstage_testkit::cluster::transport_name(s.transport),
+            links: r.links.names(),
             memory: "host",
         },
         staged: st.section.json(StagedJson {
@@ -381,6 +412,9 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
             request_gbps: st.section.request_gbps(),
             operations: st.ops,
             verified: st.check.verified(),
+            link: r.links.common(),
+            downgraded_sessions: r.links.downgraded,
+            shm_downgrade: r.links.shm_downgrade.clone(),
         }),
         slice: f.map(|f| {
             f.slice.section.json(SliceJson {
@@ -388,6 +422,7 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
                 writes_per_second: f.slice.writes_per_second,
                 time_boxed: f.slice.boxed,
                 verified: f.slice.check.verified(),
+                link: "tcp",
             })
         }),
         raw_tcp: r.raw_tcp.json(RawJson { streams: r.raw_streams }),
@@ -399,6 +434,7 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
             staged_p99_over_p50: ratio(st.section.p99(), st.section.median()),
             staged_cpu_over_raw_tcp_cpu: ratio(st.section.cpu.unwrap_or(0.0), r.raw_tcp.cpu.unwrap_or(0.0)),
             staged_over_slice: f.map(|f| ratio(staged, f.slice.section.gbps())),
+            staged_over_memcpy: f.map(|f| ratio(staged, f.memcpy.gbps())),
             gather_over_memcpy: f.map(|f| ratio(f.gather.gbps(), f.memcpy.gbps())),
         },
         threads: Threads {
