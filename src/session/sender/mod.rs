@@ -1,0 +1,410 @@
+//! Prefill side: one session per (prefill rank, decode rank) peering.
+//!
+//! A staged transfer of one chunk: plan → allocate in the receiver's ring → wait for the watermark
+//! → gather into the staging buffer (or, same host, into the granted range itself) → one bulk
+//! write + ready → wait for the arrival ack. Anything that fails after the grant sends an abort
+//! first, so the receiver frees the space.
+//!
+//! Files: `connect` (handshake, transport negotiation, the reply reader), `staged` (the staged
+//! path); this file: the session, its waits, the slice path and asynchronous operations.
+
+mod connect;
+mod staged;
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use super::op::{Op, Waker};
+use super::{pairing, Deadline, Integrity, Pairing};
+use super::notify::Completions;
+use super::staging::StagingPool;
+use super::stats::{since, LinkKind, SendCounters, SendMetrics, SessionStats, TransferTimings};
+use super::workers::Workers;
+use crate::copy::{CopyEngine, ReadyFence};
+use crate::error::{Error, Result, Status};
+use crate::geometry::{self, Fingerprint, KvLayout, MemoryKind};
+use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
+use crate::ring::Watermark;
+use crate::transport::faults::FaultyTransport;
+use crate::transport::shm::Negotiated;
+use crate::transport::tcp::{self, TcpTransport};
+use crate::transport::Transport;
+
+/// What sender sessions need from the engine's options.
+#[derive(Clone, Debug)]
+pub struct SenderConfig {
+    /// Largest send staging buffer (one writer's share of a chunk); larger chunks fall back.
+    pub send_staging_bytes: u64,
+    /// Secret presented in the handshake (empty: none).
+    pub cluster_token: Vec<u8>,
+    /// This side's integrity policy; the stronger of both sides' applies.
+    pub integrity: Integrity,
+    /// Deadline of an operation without its own (`None`: infinite).
+    pub default_deadline: Option<Duration>,
+    /// Keepalive and `TCP_USER_TIMEOUT` of the session's connection.
+    pub dead_peer_timeout: Option<Duration>,
+    /// Test only: faults injected into this side's connections.
+    pub faults: Option<crate::transport::faults::Faults>,
+}
+
+/// Engine-wide resources every sender session uses.
+pub struct SendResources {
+    pub pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
+    pub copy: Arc<dyn CopyEngine>,
+    /// Send staging buffers, bounded in count and bytes, reused across chunks.
+    pub staging: StagingPool,
+    /// Runs asynchronous transfers (a fixed set of threads, fair between sessions).
+    pub workers: Workers,
+    pub options: SenderConfig,
+    /// Where finished asynchronous operations are signalled.
+    pub completions: Arc<Completions>,
+    /// RDMA devices of the engine (inactive for transport tcp or without a device).
+    pub rdma: Arc<crate::transport::rdma::Rdma>,
+    /// The same-host path's mode and counters.
+    pub shm: Arc<crate::transport::shm::Shm>,
+    /// Sender counters of the engine (every session adds to them as well as to its own).
+    pub counters: Arc<SendCounters>,
+}
+
+/// Distinct keys for the sessions' worker queues.
+static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
+
+/// How long an abort may take to leave: it is best effort, the receiver also cleans up when the
+/// connection closes.
+const ABORT_DEADLINE: Duration = Duration::from_secs(1);
+
+/// A room's chunk grid on the receiver ([`SenderSession::room_grid`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoomGrid {
+    /// Tokens of every chunk but possibly the last.
+    pub chunk_tokens: u32,
+    pub num_chunks: u32,
+    /// Pages of the room (its tokens are `num_pages · page_size`).
+    pub num_pages: u32,
+}
+
+/// One chunk to send: the prefill pages holding its tokens, in chunk order.
+#[derive(Clone, Debug, Default)]
+pub struct TransferDesc {
+    pub room: u64,
+    pub chunk: u32,
+    pub pages: Vec<u32>,
+    pub timeout: Option<Duration>,
+    /// CUDA pools: the producer's ready point; the gather is ordered after it.
+    pub ready: Option<Arc<ReadyFence>>,
+}
+
+struct State {
+    watermark: Watermark,
+    replies: HashMap<u64, Message>,
+    dead: Option<(Status, String)>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Waker for Shared {
+    fn wake(&self) {
+        let _guard = self.state.lock();
+        self.cv.notify_all();
+    }
+}
+
+pub struct SenderSession {
+    id: String,
+    link: Arc<dyn Transport>,
+    remote: Hello,
+    /// Head group (TP writer) and heads of this pair (fixed at the handshake).
+    pair: Pairing,
+    resources: Arc<SendResources>,
+    pool: Arc<KvLayout>,
+    shared: Arc<Shared>,
+    next_req: AtomicU64,
+    reader: Mutex<Option<JoinHandle<()>>>,
+    /// The stronger of both sides' integrity policies.
+    integrity: Integrity,
+    /// This session's queue on the engine's transfer workers.
+    key: u64,
+    /// The decode peer's address (for the log).
+    peer: SocketAddr,
+    /// A fallback to the slice path was logged (warn once per session, then debug).
+    fallback_logged: AtomicBool,
+    /// This session's counters and the engine's.
+    metrics: SendMetrics,
+    /// How chunks move; `downgraded`: a faster path was asked for (auto) and counted as a
+    /// downgrade, the session runs on a slower one.
+    link_kind: LinkKind,
+    downgraded: bool,
+}
+
+impl SenderSession {
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn waker(&self) -> Arc<dyn Waker> {
+        self.shared.clone()
+    }
+
+    /// The local pool this session sends from.
+    pub fn pool(&self) -> &KvLayout {
+        &self.pool
+    }
+
+    pub fn default_timeout(&self) -> Option<Duration> {
+        self.resources.options.default_deadline
+    }
+
+    /// Ends the session now: waiting operations fail at once with `why`.
+    pub fn close(&self, why: &str) {
+        log::debug!(session = self.id.as_str(); "session to {} closed: {why}", self.peer);
+        let mut st = self.shared.state.lock();
+        st.dead.get_or_insert((Status::KVSTAGE_E_CANCELED, why.to_owned()));
+        self.shared.cv.notify_all();
+        drop(st);
+        self.link.shutdown();
+    }
+
+    pub fn remote_ring_bytes(&self) -> u64 {
+        self.remote.ring_bytes
+    }
+
+    /// This session's counters (bytes, chunks, transfers by result, in flight, summed phase
+    /// timings) and its transport.
+    pub fn stats(&self) -> SessionStats {
+        SessionStats { send: self.metrics.session.snapshot(), link: self.link_kind, downgraded: self.downgraded }
+    }
+
+    /// The staged path for one chunk. `Ok(FALLBACK)` means nothing was allocated anywhere.
+    pub fn transfer(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+        self.transfer_timed(desc, op).0
+    }
+
+    /// [`transfer`](Self::transfer), with the transfer's phase timings (zeros when an argument is
+    /// bad: the transfer never started and is not counted).
+    pub fn transfer_timed(&self, desc: &TransferDesc, op: &Op) -> (Result<Status>, TransferTimings) {
+        self.counted(desc, |t| self.staged(desc, op, t))
+    }
+
+    /// [`transfer_slices`](Self::transfer_slices), with the transfer's phase timings.
+    pub fn transfer_slices_timed(&self, desc: &TransferDesc, op: &Op) -> (Result<Status>, TransferTimings) {
+        self.counted(desc, |t| self.slices(desc, op, t))
+    }
+
+    /// The argument checks of a transfer, made before it starts (a bad argument is not counted).
+    fn check_args(&self, desc: &TransferDesc) -> Result<()> {
+        self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))
+    }
+
+    /// Runs a synchronous transfer: in flight meanwhile, timed, its result counted (a panic as
+    /// `KVSTAGE_E_PANIC`, then it goes on unwinding).
+    fn counted(&self, desc: &TransferDesc, f: impl FnOnce(&mut TransferTimings) -> Result<Status>) -> (Result<Status>, TransferTimings) {
+        if let Err(e) = self.check_args(desc) {
+            return (Err(e), TransferTimings::ZERO);
+        }
+        let started = Instant::now();
+        let _in_flight = self.metrics.start();
+        let mut t = TransferTimings::default();
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut t)));
+        t.finish_total(started);
+        match outcome {
+            Ok(result) => {
+                self.metrics.finished(&result, &t);
+                (result, t)
+            }
+            Err(panic) => {
+                self.metrics.finished(&Err(Error::new(Status::KVSTAGE_E_PANIC, "the transfer panicked")), &t);
+                std::panic::resume_unwind(panic)
+            }
+        }
+    }
+
+    /// Queues `desc` on the engine's transfer workers and returns its operation at once; the
+    /// deadline runs from now (time spent queued counts). `slices` selects the slice path.
+    pub fn transfer_async(self: &Arc<Self>, mut desc: TransferDesc, slices: bool, tag: u64) -> Result<Arc<Op>> {
+        // A bad argument fails the call at once: no operation, nothing counted.
+        self.check_args(&desc)?;
+        let op = Op::notifying(self.waker(), self.resources.completions.clone(), tag);
+        let (session, worker_op) = (self.clone(), op.clone());
+        let queued = Instant::now();
+        // In flight from now until the worker finished it (or the submission failed).
+        let in_flight = self.metrics.start();
+        self.resources.workers.submit(self.key, move || {
+            let mut timings = TransferTimings { queued_ns: since(queued), ..TransferTimings::default() };
+            desc.timeout = desc.timeout.map(|t| t.saturating_sub(queued.elapsed()));
+            // A panic still finishes the operation, or its waiters would hang.
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                if desc.timeout == Some(Duration::ZERO) {
+                    return Err(Error::new(Status::KVSTAGE_E_TIMEOUT, "the deadline passed while the transfer was queued"));
+                }
+                if slices {
+                    session.slices(&desc, &worker_op, &mut timings)
+                } else {
+                    session.staged(&desc, &worker_op, &mut timings)
+                }
+            }))
+            .unwrap_or_else(|p| {
+                let e = Error::from_panic("the transfer worker panicked", &*p).with_session(session.id());
+                log::error!(session = session.id(); "room {} chunk {}: {}", desc.room, desc.chunk, e.chain());
+                Err(e)
+            });
+            timings.finish_total(queued);
+            // Counted before the operation's waiters wake, so they see it in the stats.
+            session.metrics.finished(&result, &timings);
+            drop(in_flight);
+            worker_op.finish_timed(result, timings);
+        })?;
+        Ok(op)
+    }
+
+    /// The slice path for the same chunk: one write per token per layer per K/V, into the decode
+    /// pages of the room (the fallback and the benchmark baseline).
+    pub fn transfer_slices(&self, desc: &TransferDesc, op: &Op) -> Result<Status> {
+        self.transfer_slices_timed(desc, op).0
+    }
+
+    fn slices(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
+        let result = self
+            .slices_inner(desc, op, t)
+            .map_err(|e| e.context(format!("slice transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id));
+        self.log_outcome("slice", desc, &result);
+        result
+    }
+
+    fn slices_inner(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
+        if self.pool.memory != MemoryKind::Host {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the slice path reads the KV pool from the CPU: host pools only"));
+        }
+        if self.pair.writer.is_none() {
+            return Ok(Status::KVSTAGE_OK); // another prefill rank sends these heads
+        }
+        let deadline = Deadline::after(desc.timeout);
+        let src = &self.pool.shape;
+        let dst = &self.remote.shape;
+        let hs = self.pair.heads;
+        // Destination pages 0..n make every decode offset chunk-relative: the receiver resolves
+        // (buffer, token within chunk, byte within the token slot) against its own room pages.
+        let chunk_pages: Vec<u32> = (0..desc.pages.len() as u32).collect();
+        let ops = geometry::slice_plan(src, dst, &hs, &desc.pages, &chunk_pages)?;
+        let dst_token_bytes = dst.token_bytes();
+        let bytes: u64 = ops.iter().map(|o| o.len).sum();
+        let mut frames = ops.iter().map(|o| {
+            let base = self.pool.bases[o.src_buffer as usize] as *const u8;
+            // SAFETY: slice_plan produced offsets inside the registered (checked) pages.
+            let payload = unsafe { std::slice::from_raw_parts(base.add(o.src_offset as usize), o.len as usize) };
+            let header = Message::Slice {
+                room: desc.room,
+                chunk: desc.chunk,
+                buffer: o.dst_buffer,
+                token: (o.dst_offset / dst_token_bytes) as u32,
+                byte_offset: (o.dst_offset % dst_token_bytes) as u32,
+                len: o.len as u32,
+            };
+            (header, payload)
+        });
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let phase = Instant::now();
+        let wrote = self.link.write_slices(&mut frames, &Message::SliceDone { req, room: desc.room, chunk: desc.chunk }, &deadline);
+        t.wire_ns = since(phase);
+        wrote?;
+        self.metrics.sent(bytes);
+        let phase = Instant::now();
+        let ack = self.wait_reply(req, &deadline, op, "waiting for the slice acknowledgement");
+        t.ack_ns = since(phase);
+        match ack? {
+            Message::Arrived { status: 0, .. } => Ok(Status::KVSTAGE_OK),
+            Message::Arrived { status, reason, .. } => {
+                let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
+                Err(Error::new(code, format!("the receiver rejected the slices: {reason}")))
+            }
+            other => Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    /// The chunk grid of `room` as the receiver opened it: what chunk `k` of a transfer must
+    /// cover (pages `[k · chunk_tokens / page_size, …)` of the room, the last chunk possibly
+    /// shorter). Fails as the receiver says (`KVSTAGE_E_INVALID_ARG` for a room it has not opened
+    /// yet) or when `timeout` (`None`: no limit) passes.
+    pub fn room_grid(&self, room: u64, timeout: Option<Duration>) -> Result<RoomGrid> {
+        let deadline = Deadline::after(timeout);
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        self.link.send(&Message::GridReq { req, room }, &deadline)?;
+        match self.wait_reply(req, &deadline, &Op::new(self.waker()), "waiting for the room's chunk grid")? {
+            Message::GridRsp { status: 0, chunk_tokens, num_chunks, num_pages, .. } => Ok(RoomGrid { chunk_tokens, num_chunks, num_pages }),
+            Message::GridRsp { status, reason, .. } => {
+                let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
+                Err(Error::new(code, format!("the receiver has no grid for room {room}: {reason}")).with_session(&self.id))
+            }
+            other => Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    fn abort(&self, desc: &TransferDesc, reason: &str) {
+        // Best effort: if the link is gone the receiver frees the space when it notices.
+        let msg = Message::Abort { room: desc.room, chunk: desc.chunk, reason: reason.to_owned() };
+        let _ = self.link.send(&msg, &Deadline::after(Some(ABORT_DEADLINE)));
+    }
+
+    fn check_alive(&self, st: &State, deadline: &Deadline, op: &Op, what: &str) -> Result<()> {
+        if let Some((code, why)) = &st.dead {
+            return Err(Error::new(*code, format!("peer {} is gone ({why}) while {what}", self.link.describe())));
+        }
+        if op.is_canceled() {
+            return Err(Error::new(Status::KVSTAGE_E_CANCELED, format!("canceled while {what}")));
+        }
+        if deadline.expired() {
+            return Err(deadline.timeout_error(what));
+        }
+        Ok(())
+    }
+
+    fn wait_reply(&self, req: u64, deadline: &Deadline, op: &Op, what: &str) -> Result<Message> {
+        let mut st = self.shared.state.lock();
+        loop {
+            if let Some(msg) = st.replies.remove(&req) {
+                return Ok(msg);
+            }
+            self.check_alive(&st, deadline, op, what)?;
+            deadline.wait(&self.shared.cv, &mut st);
+        }
+    }
+
+    /// Back-pressure: blocks (without spinning) until the receiver's watermark allows the write.
+    fn wait_writable(&self, round: u64, end: u64, deadline: &Deadline, op: &Op) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        loop {
+            if st.watermark.permits(round, end) {
+                return Ok(());
+            }
+            self.check_alive(&st, deadline, op, &format!("waiting for the receiver's watermark (round {round})"))?;
+            deadline.wait(&self.shared.cv, &mut st);
+        }
+    }
+}
+
+impl Drop for SenderSession {
+    fn drop(&mut self) {
+        // Marked first, so the reader takes the end of the stream for what it is.
+        self.shared.state.lock().dead.get_or_insert((Status::KVSTAGE_E_CANCELED, "the session was freed".to_owned()));
+        log::info!(session = self.id.as_str(); "session to {} closed", self.peer);
+        self.link.shutdown();
+        if let Some(h) = self.reader.lock().take() {
+            let _ = h.join();
+        }
+    }
+}
+
+
+/// The integrity checksum of a writer's staged bytes (xxh3-64).
+pub fn checksum(data: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(data)
+}

@@ -1,0 +1,199 @@
+//! The staged path of one chunk: plan, allocation in the receiver's ring, watermark wait, gather
+//! (into a send staging buffer, or in place into a same-host mapping of the ring), one write and
+//! the ready frame, then the arrival acknowledgement. Anything that fails after the grant aborts.
+
+use super::*;
+
+impl SenderSession {
+    pub(super) fn staged(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
+        let result = self
+            .transfer_inner(desc, op, t)
+            .map_err(|e| e.context(format!("staged transfer of room {} chunk {} failed", desc.room, desc.chunk)).with_session(&self.id));
+        self.log_outcome("staged", desc, &result);
+        result
+    }
+
+    /// Per chunk: trace on success, debug on failure (the caller gets the error itself; the
+    /// receiver logs the room's failure).
+    pub(super) fn log_outcome(&self, path: &str, desc: &TransferDesc, result: &Result<Status>) {
+        let id = self.id.as_str();
+        match result {
+            Ok(Status::KVSTAGE_FALLBACK) => {}
+            Ok(_) => log::trace!(session = id; "{path} transfer of room {} chunk {} done", desc.room, desc.chunk),
+            Err(e) => log::debug!(session = id; "{}", e.chain()),
+        }
+    }
+
+    /// A chunk the staged path cannot take: warn once per session with the reason, then debug.
+    pub(super) fn log_fallback(&self, desc: &TransferDesc, why: &str) {
+        let id = self.id.as_str();
+        if self.fallback_logged.swap(true, Ordering::Relaxed) {
+            log::debug!(session = id; "room {} chunk {}: staged path unavailable, KVSTAGE_FALLBACK: {why}", desc.room, desc.chunk);
+        } else {
+            log::warn!(
+                session = id;
+                "staged path unavailable for room {} chunk {}, KVSTAGE_FALLBACK (the caller may use the slice path): {why} (logged once per session)",
+                desc.room,
+                desc.chunk
+            );
+        }
+    }
+
+    fn transfer_inner(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
+        let deadline = Deadline::after(desc.timeout);
+        let src = &self.pool.shape;
+        let dst = &self.remote.shape;
+        let tokens = desc.pages.len() as u32 * src.page_size;
+        let layout = geometry::staging_layout(src, dst, tokens)?;
+        let Some(writer) = self.pair.writer else {
+            return Ok(Status::KVSTAGE_OK); // another prefill rank sends these heads
+        };
+        let region = layout.region_of(src)?.ok_or_else(|| Error::internal("a paired writer has no region"))?;
+        // Fallback is decided here, before anything is allocated on either side.
+        let staging_limit = self.resources.options.send_staging_bytes;
+        let fallback = if self.remote.ring_bytes == 0 {
+            Some("the receiver has no staging ring registered".to_owned())
+        } else if layout.total_bytes > self.remote.ring_bytes {
+            Some(format!("the chunk needs {} bytes of the receiver's {}-byte ring", layout.total_bytes, self.remote.ring_bytes))
+        } else if region.bytes > staging_limit {
+            Some(format!("this writer's share is {} bytes, above send_staging_bytes {staging_limit}", region.bytes))
+        } else {
+            None
+        };
+        if let Some(why) = fallback {
+            self.log_fallback(desc, &why);
+            return Ok(Status::KVSTAGE_FALLBACK);
+        }
+        let plan = geometry::plan_gather(src, &desc.pages, &layout, &region)?;
+
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        // Watermark wait, part one: the allocation's round trip (part two: `wait_writable`).
+        let asked = Instant::now();
+        let sent = self.link.send(
+            &Message::AllocReq { req, room: desc.room, chunk: desc.chunk, writer, tokens, bytes: layout.total_bytes },
+            &deadline,
+        );
+        t.watermark_wait_ns = since(asked);
+        sent?;
+        // A grant may already be on its way: giving up here must release it too.
+        let reply = self.wait_reply(req, &deadline, op, "waiting for the allocation");
+        t.watermark_wait_ns = since(asked);
+        let reply = reply.inspect_err(|e| self.abort(desc, e.message()))?;
+        let (round, offset, region_offset) = match reply {
+            Message::AllocRsp { status: 0, round, offset, len, region: at, .. }
+                if len == layout.total_bytes
+                    && at.checked_add(region.bytes).is_some_and(|end| end <= len)
+                    && offset.checked_add(len).is_some() =>
+            {
+                (round, offset, at)
+            }
+            Message::AllocRsp { status: 0, offset, len, region: at, .. } => {
+                self.abort(desc, "granted size differs");
+                return Err(Error::new(
+                    Status::KVSTAGE_E_PROTOCOL,
+                    format!("granted {len} bytes at {offset} with this writer's {} at {at}, asked {}", region.bytes, layout.total_bytes),
+                ));
+            }
+            Message::AllocRsp { status, reason, .. } => {
+                let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
+                return Err(Error::new(code, format!("allocation refused by the receiver: {reason}")));
+            }
+            other => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
+        };
+        // From here on the receiver holds ring space for us: every failure aborts first.
+        let written = self.write_granted(desc, op, &deadline, &plan, region_offset, region.bytes, round, offset + region_offset + region.bytes, writer, offset, t);
+        let req = match written {
+            Ok(req) => req,
+            Err(e) => {
+                self.abort(desc, e.message());
+                return Err(e);
+            }
+        };
+        let written_at = Instant::now();
+        let ack = self.wait_reply(req, &deadline, op, "waiting for the arrival acknowledgement");
+        t.ack_ns = since(written_at);
+        match ack {
+            Ok(Message::Arrived { status: 0, .. }) => Ok(Status::KVSTAGE_OK),
+            Ok(Message::Arrived { status, reason, .. }) => {
+                let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
+                Err(Error::new(code, format!("the receiver rejected the chunk: {reason}")))
+            }
+            Ok(other) => Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
+            Err(e) => {
+                self.abort(desc, e.message());
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write_granted(
+        &self,
+        desc: &TransferDesc,
+        op: &Op,
+        deadline: &Deadline,
+        plan: &geometry::CopyPlan,
+        region_offset: u64,
+        region_bytes: u64,
+        round: u64,
+        end: u64,
+        writer: u32,
+        grant_offset: u64,
+        t: &mut TransferTimings,
+    ) -> Result<u64> {
+        // Each phase is timed whether it succeeds or not (a timeout shows where it waited).
+        let phase = Instant::now();
+        let writable = self.wait_writable(round, end, deadline, op);
+        t.watermark_wait_ns += since(phase);
+        writable?;
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let header = Message::Data { room: desc.room, chunk: desc.chunk, writer, offset: region_offset, len: region_bytes };
+        let ready = |checksum| Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
+        // Same host, host pool: the gather writes straight into the granted range of the ring.
+        let in_place = match self.pool.memory {
+            MemoryKind::Host => self.link.in_place(grant_offset + region_offset, region_bytes),
+            _ => None,
+        };
+        if let Some(range) = in_place {
+            let mut range = range?;
+            let checksum = self.gather(desc, plan, range.as_mut_ptr(), region_bytes, t)?;
+            drop(range);
+            let phase = Instant::now();
+            let wrote = self.link.finish_in_place(&header, &ready(checksum), deadline);
+            t.wire_ns = since(phase);
+            wrote?;
+            self.metrics.sent(region_bytes);
+            return Ok(req);
+        }
+        // A buffer of the engine's pool, held for the gather and the write only.
+        let phase = Instant::now();
+        let staging = self.resources.staging.acquire(region_bytes, deadline, op, &self.resources.copy);
+        t.alloc_wait_ns = since(phase);
+        let mut staging = staging?;
+        let data = staging.bytes(region_bytes as usize);
+        let checksum = self.gather(desc, plan, data.as_mut_ptr(), region_bytes, t)?;
+        let phase = Instant::now();
+        let wrote = self.link.write_chunk_at(grant_offset, &header, data, &ready(checksum), deadline);
+        t.wire_ns = since(phase);
+        wrote?;
+        self.metrics.sent(region_bytes);
+        Ok(req)
+    }
+
+    /// Gathers the chunk's region into `dst` (`len` bytes), ordered after the caller's ready
+    /// point; its checksum when integrity covers the chunk.
+    fn gather(&self, desc: &TransferDesc, plan: &geometry::CopyPlan, dst: *mut u8, len: u64, t: &mut TransferTimings) -> Result<Option<u64>> {
+        let phase = Instant::now();
+        // SAFETY: the pool was validated at registration and its pages checked; `dst` holds the
+        // region's `len` bytes (a staging buffer, or this writer's granted range of the ring).
+        let gathered = unsafe { self.resources.copy.gather_after(plan, &self.pool, dst, desc.ready.as_deref()) };
+        let checksum = gathered.map(|()| {
+            self.integrity.covers(desc.room, desc.chunk).then(|| {
+                // SAFETY: the gather above filled the `len` bytes at `dst`, which nothing else writes.
+                checksum(unsafe { std::slice::from_raw_parts(dst, len as usize) })
+            })
+        });
+        t.gather_ns = since(phase);
+        checksum
+    }
+}
