@@ -147,3 +147,37 @@ fn hundreds_of_async_operations_run_on_a_fixed_set_of_threads() {
     assert_eq!(prefill.completions().drain(), OPS, "each operation's end is signalled once");
     assert!(ops.iter().all(|o| o.poll().is_ok()));
 }
+
+/// One transfer per (room, chunk) at a time on a session: the receiver knows a writer's chunk by
+/// (connection, room, chunk), so a second one's abort would end the first one's quarantine while
+/// it may still write in place. The second is refused at once; once the first ended, it may run.
+#[test]
+fn a_chunk_runs_once_at_a_time_per_session() {
+    let _alone = ONE_AT_A_TIME.lock();
+    let shape = PoolShape::new(ModelKind::Mha, 2, 8, 2, 4, 2);
+    let pages: Vec<u32> = (0..4).collect();
+    let stuck_faults = Faults { plan: FaultPlan { stop_reading_after: Some(2), ..FaultPlan::default() }, counters: Arc::new(FaultCounters::default()) };
+    let stuck = decode(&shape, 8, 2, 16, Some(stuck_faults.clone()));
+    stuck.engine.receiver().open_room(1, &pages, 16).unwrap();
+    let prefill = Engine::new(EngineOptions::default()).unwrap();
+    let mut ppool = HostPool::new(shape.clone(), 8);
+    ppool.fill(&pages, 0);
+    prefill.register_pool(ppool.layout.clone()).unwrap();
+    let s = prefill.connect(&stuck.engine.local_addr().to_string(), "twice", None).unwrap();
+    let desc = |timeout| TransferDesc { room: 1, chunk: 0, pages: pages.clone(), timeout: Some(timeout), ..Default::default() };
+    let first = s.transfer_async(desc(Duration::from_secs(2)), false, 1).unwrap();
+    // The decode peer stops reading at the first's allocation request: from then on the first
+    // runs (it claimed the chunk before asking).
+    let ran = (0..1000).any(|_| {
+        std::thread::sleep(Duration::from_millis(5));
+        stuck_faults.counters.stalled.load(std::sync::atomic::Ordering::Relaxed) > 0
+    });
+    assert!(ran, "the first transfer never reached the decode peer");
+    let refused = s.transfer(&desc(Duration::from_millis(50)), &Op::new(s.waker())).unwrap_err();
+    assert_eq!(refused.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", refused.chain());
+    assert!(refused.message().contains("room 1 chunk 0 is already being sent on this session"), "{}", refused.chain());
+    assert_eq!(first.wait(Some(Duration::from_secs(30))).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
+    // The first ended: the chunk may be sent again (the stuck peer times it out, but not refused).
+    let again = s.transfer(&desc(Duration::from_millis(200)), &Op::new(s.waker())).unwrap_err();
+    assert_ne!(again.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", again.chain());
+}

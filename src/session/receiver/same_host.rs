@@ -47,7 +47,7 @@ impl Receiver {
         let memory = self.memory.lock().clone();
         let refusal = if let Some(why) = shm.as_ref().map_or(Some("it serves no same-host sessions".to_owned()), |s| s.refusal()) {
             Some((Status::KVSTAGE_E_UNSUPPORTED, format!("the receiver does not serve the same-host path: {why}")))
-        } else if self.with_state(|st| st.mapped_conns().contains(&id)) {
+        } else if self.with_state(|st| st.writes_in_place(id)) {
             Some((Status::KVSTAGE_E_PROTOCOL, "a second same-host offer on one session".to_owned()))
         } else {
             match memory.as_ref() {
@@ -111,12 +111,25 @@ impl Receiver {
             .name(format!("kvstage-lease-{id}"))
             .spawn(move || {
                 let mut buf = [0u8; 64];
-                // The peer sends nothing; any byte is ignored, the end (or an error) is the signal.
-                while matches!((&lease).read(&mut buf), Ok(n) if n > 0) {}
+                // The peer sends nothing; any byte is ignored. Only the end of the stream (or a
+                // dead socket) is the signal: a read interrupted by a signal (handlers installed
+                // without SA_RESTART, as CPython's are) must not end the quarantine.
+                loop {
+                    match (&lease).read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(_) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(_) => break,
+                    }
+                }
                 me.with_state(|st| st.unmapped(id));
                 me.leases.watched.lock().remove(&id);
             })
             .map_err(|e| crate::Error::internal("cannot start a lease watcher thread").with_source(e))?;
+        // `close_all` may have run between this connection's offer and here (engine shutdown).
+        if self.closing() {
+            let _ = watched.shutdown(std::net::Shutdown::Both);
+        }
         leases.insert(id, (watched, handle));
         Ok(())
     }

@@ -77,7 +77,7 @@ impl SenderSession {
         // stream before its reader starts.
         let mut early = Vec::new();
         let peer = addr.to_string();
-        let (link, link_kind, downgraded) = match resources.shm.negotiate(&link, &mut reader, &peer, id, &deadline, &mut early)? {
+        let (link, link_kind, downgraded) = match resources.shm.negotiate(&link, &mut reader, &peer, id, remote.ring_bytes, &deadline, &mut early)? {
             Negotiated::Mapped(shm) => (shm, LinkKind::Shm, false),
             Negotiated::NotUsed { downgraded } => {
                 let plain = link.clone();
@@ -141,6 +141,7 @@ impl SenderSession {
             key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
             peer: addr,
             fallback_logged: AtomicBool::new(false),
+            running: Mutex::new(HashSet::new()),
             metrics: SendMetrics { session: Arc::default(), engine: resources.counters.clone() },
             link_kind,
             downgraded,

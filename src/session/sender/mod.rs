@@ -11,7 +11,7 @@
 mod connect;
 mod staged;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -137,6 +137,10 @@ pub struct SenderSession {
     peer: SocketAddr,
     /// A fallback to the slice path was logged (warn once per session, then debug).
     fallback_logged: AtomicBool,
+    /// (room, chunk) of the transfers running on this session: one at a time each, because the
+    /// receiver knows a writer's chunk by (connection, room, chunk) and an abort for one would end
+    /// the other's quarantine while it may still write in place.
+    running: Mutex<HashSet<(u64, u32)>>,
     /// This session's counters and the engine's.
     metrics: SendMetrics,
     /// How chunks move; `downgraded`: a faster path was asked for (auto) and counted as a
@@ -211,6 +215,10 @@ impl SenderSession {
         if let Err(e) = self.check_args(desc) {
             return (Err(e), TransferTimings::ZERO);
         }
+        let _running = match RunningChunk::claim(self, desc) {
+            Ok(claim) => claim,
+            Err(e) => return (Err(e), TransferTimings::ZERO),
+        };
         let started = Instant::now();
         let _in_flight = self.metrics.start();
         let mut t = TransferTimings::default();
@@ -246,6 +254,7 @@ impl SenderSession {
                 if desc.timeout == Some(Duration::ZERO) {
                     return Err(Error::new(Status::KVSTAGE_E_TIMEOUT, "the deadline passed while the transfer was queued"));
                 }
+                let _running = RunningChunk::claim(&session, &desc)?;
                 if slices {
                     session.slices(&desc, &worker_op, &mut timings)
                 } else {
@@ -388,6 +397,32 @@ impl SenderSession {
             self.check_alive(&st, deadline, op, &format!("waiting for the receiver's watermark (round {round})"))?;
             deadline.wait(&self.shared.cv, &mut st);
         }
+    }
+}
+
+/// A (room, chunk) running on a session, released on drop.
+struct RunningChunk<'a> {
+    session: &'a SenderSession,
+    key: (u64, u32),
+}
+
+impl<'a> RunningChunk<'a> {
+    fn claim(session: &'a SenderSession, desc: &TransferDesc) -> Result<RunningChunk<'a>> {
+        let key = (desc.room, desc.chunk);
+        if !session.running.lock().insert(key) {
+            return Err(Error::invalid_arg(
+                "desc",
+                format!("room {} chunk {} is already being sent on this session; one transfer per chunk at a time", desc.room, desc.chunk),
+            )
+            .with_session(&session.id));
+        }
+        Ok(RunningChunk { session, key })
+    }
+}
+
+impl Drop for RunningChunk<'_> {
+    fn drop(&mut self) {
+        self.session.running.lock().remove(&self.key);
     }
 }
 

@@ -102,11 +102,28 @@ pub fn accept_by(listener: &UnixListener, deadline: Instant) -> Result<UnixStrea
     }
 }
 
-/// Sends `data` with `fd` attached (`SCM_RIGHTS`).
-pub fn send_fd(stream: &UnixStream, fd: BorrowedFd<'_>, data: &[u8]) -> Result<()> {
+/// A control buffer for one descriptor, aligned for `cmsghdr` (a `Vec<u8>` only promises bytes).
+fn control_buffer() -> (Vec<u64>, usize) {
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
+    (vec![0u64; space.div_ceil(8)], space)
+}
+
+/// The pid of the process that created the listening socket `stream` is connected to.
+pub fn peer_pid(stream: &UnixStream) -> Result<i32> {
+    // SAFETY: an all-zero ucred is valid; getsockopt writes at most `len` bytes into it.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    let rc = unsafe { libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
+    if rc != 0 {
+        return Err(Error::new(Status::KVSTAGE_E_TRANSPORT, "SO_PEERCRED on the local socket failed").with_source(std::io::Error::last_os_error()));
+    }
+    Ok(cred.pid)
+}
+
+/// Sends `data` with `fd` attached (`SCM_RIGHTS`).
+pub fn send_fd(stream: &UnixStream, fd: BorrowedFd<'_>, data: &[u8]) -> Result<()> {
+    let (mut control, space) = control_buffer();
     let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() };
     // SAFETY: an all-zero msghdr is valid; every pointer set below outlives the call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -139,12 +156,10 @@ pub fn send_fd(stream: &UnixStream, fd: BorrowedFd<'_>, data: &[u8]) -> Result<(
     }
 }
 
-/// Receives exactly `buf.len()` bytes and the one descriptor attached to them. Extra descriptors
-/// are closed by the kernel (the control buffer has room for one).
+/// Receives exactly `buf.len()` bytes and the descriptor attached to them. Any further
+/// descriptors that fit the control buffer are closed here; the kernel closes those that do not.
 pub fn recv_fd(stream: &UnixStream, buf: &mut [u8]) -> Result<OwnedFd> {
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut control = vec![0u8; space];
+    let (mut control, space) = control_buffer();
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     // SAFETY: an all-zero msghdr is valid; every pointer set below outlives the call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };

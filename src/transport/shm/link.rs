@@ -23,18 +23,11 @@ use crate::transport::Transport;
 pub struct InPlace<'a> {
     _mapping: RwLockReadGuard<'a, Option<Mapping>>,
     ptr: *mut u8,
-    len: usize,
 }
 
 impl InPlace<'_> {
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
         self.ptr
-    }
-
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the range lies inside the mapping held by `_mapping`; the receiver's grant gives
-        // it to this writer alone until the writer reports it ready.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
 
@@ -66,7 +59,7 @@ impl ShmTransport {
         }
         // SAFETY: checked to lie inside the mapping.
         let ptr = unsafe { m.ptr().add(ring_offset as usize) };
-        Ok(InPlace { _mapping: guard, ptr, len: len as usize })
+        Ok(InPlace { _mapping: guard, ptr })
     }
 
     fn teardown(&self) {

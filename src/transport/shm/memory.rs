@@ -103,7 +103,14 @@ impl SharedRing {
 /// Checks a descriptor a peer passed as its ring: a memfd whose size is `len` and sealed against
 /// shrinking (so our mapping can never fault), then maps it.
 pub fn map_peer_ring(fd: &OwnedFd, len: u64) -> Result<Mapping> {
-    // SAFETY: fstat/fcntl on a descriptor we own.
+    // The seal first: once F_SEAL_SHRINK is set the size checked next can no longer drop (checked
+    // the other way round, the peer could shrink the file between the two checks and then seal it).
+    // SAFETY: fcntl/fstat on a descriptor we own.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("the peer's ring is not sealed against shrinking (seals {seals:#x})")));
+    }
+    // SAFETY: as above.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
         return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, "fstat of the peer's ring failed").with_source(std::io::Error::last_os_error()));
@@ -113,11 +120,6 @@ pub fn map_peer_ring(fd: &OwnedFd, len: u64) -> Result<Mapping> {
             Status::KVSTAGE_E_PROTOCOL,
             format!("the peer's ring descriptor is not a {len}-byte memory file (mode {:#o}, size {})", st.st_mode, st.st_size),
         ));
-    }
-    // SAFETY: as above.
-    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
-    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-        return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("the peer's ring is not sealed against shrinking (seals {seals:#x})")));
     }
     let len = usize::try_from(len).map_err(|_| Error::new(Status::KVSTAGE_E_PROTOCOL, format!("a ring of {len} bytes")))?;
     Mapping::map(std::os::fd::AsFd::as_fd(fd), len)

@@ -109,20 +109,26 @@ impl Shm {
 
     /// Sender side, right after the handshake: offers the same-host path on `tcp` and reads the
     /// answer from `reader` (watermarks that arrive meanwhile go to `early`).
+    /// `ring_bytes`: the ring size the receiver's hello announced (the ring it passes must be it).
+    #[allow(clippy::too_many_arguments)]
     pub fn negotiate(
         &self,
         tcp: &Arc<dyn Transport>,
         reader: &mut impl Read,
         peer: &str,
         session: &str,
+        ring_bytes: u64,
         deadline: &Deadline,
         early: &mut Vec<Message>,
     ) -> Result<Negotiated> {
         if self.mode == ShmMode::Off {
             return Ok(Negotiated::NotUsed { downgraded: false });
         }
-        let (name, listener) = fdpass::listen_abstract()?;
-        let nonce = fdpass::random_bytes(NONCE_BYTES)?;
+        let local = fdpass::listen_abstract().and_then(|l| Ok((l, fdpass::random_bytes(NONCE_BYTES)?)));
+        let ((name, listener), nonce) = match local {
+            Ok(l) => l,
+            Err(e) => return self.refused(e.context("cannot offer the same-host path"), session, peer),
+        };
         tcp.send(&Message::ShmOffer { socket: name, nonce: nonce.clone() }, deadline)?;
         let (status, local, ring_len, reason) = loop {
             match protocol::read_frame(reader) {
@@ -145,6 +151,10 @@ impl Shm {
         } else if status != 0 {
             let code = Status::from_code(status).filter(|c| *c != Status::KVSTAGE_OK).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
             Error::new(code, format!("{peer} cannot serve the same-host path: {reason}"))
+        } else if ring_len != ring_bytes {
+            // Nothing is mapped that the handshake did not announce (a lying peer could offer a
+            // huge sparse file, populated at our expense).
+            Error::new(Status::KVSTAGE_E_PROTOCOL, format!("{peer} offers a ring of {ring_len} bytes, its hello said {ring_bytes}"))
         } else {
             match map_offered_ring(&listener, &nonce, ring_len, deadline) {
                 Ok((ring, lease)) => {
@@ -154,14 +164,17 @@ impl Shm {
                 Err(e) => e.context(format!("mapping the staging ring of {peer} failed")),
             }
         };
-        match self.mode {
-            ShmMode::Required => Err(refused.context("transport shm: no fallback")),
-            _ if matches!(refused.code(), Status::KVSTAGE_E_PEER_GONE | Status::KVSTAGE_E_TIMEOUT) => Err(refused),
-            _ => {
-                self.downgrade(session, peer, &refused.chain());
-                Ok(Negotiated::NotUsed { downgraded: true })
-            }
+        self.refused(refused, session, peer)
+    }
+
+    /// The same-host path failed for this session (the control stream is fine): an error for
+    /// transport shm, a counted downgrade for auto.
+    fn refused(&self, why: Error, session: &str, peer: &str) -> Result<Negotiated> {
+        if self.mode == ShmMode::Required {
+            return Err(why.context("transport shm: no fallback"));
         }
+        self.downgrade(session, peer, &why.chain());
+        Ok(Negotiated::NotUsed { downgraded: true })
     }
 
     /// Receiver side: why this engine does not serve the same-host path (`None`: it does).
@@ -217,13 +230,30 @@ pub fn probe() -> Result<()> {
     Ok(())
 }
 
+/// The pid a sender's socket name carries ("kvstage-shm-<pid>-<random>"), if it is one.
+fn socket_pid(socket: &str) -> Option<i32> {
+    let rest = socket.strip_prefix("kvstage-shm-")?;
+    let (pid, random) = rest.split_once('-')?;
+    (!random.is_empty() && random.bytes().all(|b| b.is_ascii_hexdigit())).then_some(())?;
+    pid.parse().ok()
+}
+
 /// Receiver side: connects to the sender's socket named in its offer and passes `ring` (its
-/// descriptor and size). `Err` says whether the socket was reached (`local`).
+/// descriptor and size). Only to a kvstage sender's socket: the name must be one `listen_abstract`
+/// makes, and the process that listens on it must be the one the name says (so a peer cannot
+/// have the ring sent to any other local listener). `Err` says whether the socket was reached.
 pub fn pass_ring(socket: &str, nonce: &[u8], ring: std::os::fd::BorrowedFd<'_>, ring_len: u64) -> std::result::Result<UnixStream, (bool, Error)> {
     if nonce.len() != NONCE_BYTES {
         return Err((false, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("a same-host offer with a {}-byte nonce", nonce.len()))));
     }
+    let Some(pid) = socket_pid(socket) else {
+        return Err((false, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("\"{}\" is not a kvstage sender's socket name", socket.escape_debug()))));
+    };
     let stream = fdpass::connect_abstract(socket, LOCAL_IO_TIMEOUT).map_err(|e| (false, e))?;
+    let listener_pid = fdpass::peer_pid(&stream).map_err(|e| (true, e))?;
+    if listener_pid != pid {
+        return Err((true, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("the socket @{socket} is held by process {listener_pid}, not {pid}"))));
+    }
     let mut greeting = [0u8; GREETING_BYTES];
     greeting[..NONCE_BYTES].copy_from_slice(nonce);
     greeting[NONCE_BYTES..].copy_from_slice(&ring_len.to_le_bytes());
@@ -257,6 +287,22 @@ mod tests {
             assert_eq!(ring.ptr().read(), 7, "the receiver's ring was mapped, not the intruder's");
             assert_eq!(intruder.ptr().read(), 0);
         }
+    }
+
+    #[test]
+    fn the_ring_goes_only_to_a_kvstage_socket_held_by_the_process_it_names() {
+        use std::os::linux::net::SocketAddrExt;
+        let ring = memory::SharedRing::create(4096).unwrap();
+        let nonce = [3u8; NONCE_BYTES];
+        // Not a sender's name: refused before connecting.
+        let (local, e) = pass_ring("some-other-service", &nonce, ring.fd(), 4096).unwrap_err();
+        assert!(!local && e.message().contains("not a kvstage sender's socket name"), "{}", e.chain());
+        // A sender's name, but this process (not pid 1) listens on it.
+        let name = format!("kvstage-shm-1-{}", fdpass::hex(&fdpass::random_bytes(8).unwrap()));
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        let _listener = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+        let (local, e) = pass_ring(&name, &nonce, ring.fd(), 4096).unwrap_err();
+        assert!(local && e.message().contains(&format!("held by process {}, not 1", std::process::id())), "{}", e.chain());
     }
 
     #[test]

@@ -428,6 +428,11 @@ impl State {
         }
     }
 
+    /// Whether `conn` was set to write in place (RDMA, or a same-host mapping, now or before).
+    pub fn writes_in_place(&self, conn: ConnId) -> bool {
+        self.conns.get(&conn).is_some_and(|c| c.in_place)
+    }
+
     /// Live connections whose peer maps the ring.
     pub fn mapped_conns(&self) -> Vec<ConnId> {
         self.mapped.iter().copied().filter(|c| self.conns.contains_key(c)).collect()
@@ -439,11 +444,13 @@ impl State {
         if !self.mapped.remove(&conn) {
             return;
         }
-        self.release_quarantine(conn);
+        self.end_quarantine(conn, |_| true);
     }
 
-    fn release_quarantine(&mut self, conn: ConnId) {
-        let held: Vec<u64> = self.grants.iter().filter(|(_, g)| g.remote_writers.contains(&conn)).map(|(id, _)| *id).collect();
+    /// `conn` can no longer write in place into the grants `of` selects: their quarantine by it
+    /// ends (each goes back to the ring once nothing else holds it).
+    fn end_quarantine(&mut self, conn: ConnId, of: impl Fn(&GrantState) -> bool) {
+        let held: Vec<u64> = self.grants.iter().filter(|(_, g)| g.remote_writers.contains(&conn) && of(g)).map(|(id, _)| *id).collect();
         for id in held {
             if let Some(g) = self.grants.get_mut(&id) {
                 g.remote_writers.retain(|&c| c != conn);
@@ -494,7 +501,7 @@ impl State {
             self.maybe_free(id);
         }
         if !self.mapped.contains(&conn) {
-            self.release_quarantine(conn);
+            self.end_quarantine(conn, |_| true);
         }
         let leased: Vec<u64> =
             self.rooms.iter().filter(|(_, r)| r.page_leases.contains(&Some(conn))).map(|(id, _)| *id).collect();

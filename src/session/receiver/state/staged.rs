@@ -290,17 +290,6 @@ impl State {
     /// `conn` will not write (room, chunk) — every chunk of the room for `None` — in place any
     /// more: its quarantine of those grants ends.
     fn release_remote_writer(&mut self, conn: ConnId, room: u64, chunk: Option<u32>) {
-        let ids: Vec<u64> = self
-            .grants
-            .iter()
-            .filter(|(_, g)| g.room == room && chunk.is_none_or(|c| g.chunk == c) && g.remote_writers.contains(&conn))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in ids {
-            if let Some(g) = self.grants.get_mut(&id) {
-                g.remote_writers.retain(|&c| c != conn);
-            }
-            self.maybe_free(id);
-        }
+        self.end_quarantine(conn, |g| g.room == room && chunk.is_none_or(|c| g.chunk == c));
     }
 }
