@@ -11,12 +11,12 @@ impl SenderSession {
                 // "tcp", or "rdma mlx5_0:1 (2 QPs)" (the control stream's address is `addr`).
                 let how = s.link.describe();
                 let how = if how.starts_with("tcp ") { "tcp" } else { how.split(" via ").next().unwrap_or(&how) };
-                log::info!(session = id; "session opened to {addr} over {how} ({})", s.pair.describe());
+                log::info!(target: LOG_TARGET, session = id; "session opened to {addr} over {how} ({})", s.pair.describe());
                 Ok(s)
             }
             Err(e) => {
                 // The caller gets the error itself; the log keeps a trace of it.
-                log::debug!(session = id; "session to {addr} failed to open: {}", e.chain());
+                log::debug!(target: LOG_TARGET, session = id; "session to {addr} failed to open: {}", e.chain());
                 Err(e.with_session(id))
             }
         }
@@ -117,7 +117,7 @@ impl SenderSession {
                 }));
                 if let Err(p) = outcome {
                     let e = Error::from_panic("the session reader thread panicked", &*p);
-                    log::error!(session = reader_id.as_str(); "{}", e.chain());
+                    log::error!(target: LOG_TARGET, session = reader_id.as_str(); "{}", e.chain());
                     let mut st = reader_shared.state.lock();
                     st.dead = Some((e.code(), e.chain()));
                     reader_shared.cv.notify_all();
@@ -188,8 +188,8 @@ fn read_replies(mut stream: TcpStream, shared: &Shared, session: &str, peer: &st
     shared.cv.notify_all();
     drop(st);
     if expected {
-        log::debug!(session = session; "session reader ended: {text}");
+        log::debug!(target: LOG_TARGET, session = session; "session reader ended: {text}");
     } else {
-        log::warn!(session = session; "connection to the receiver ({peer}) lost: {text}");
+        log::warn!(target: LOG_TARGET, session = session; "connection to the receiver ({peer}) lost: {text}");
     }
 }

@@ -72,6 +72,9 @@ pub struct SendResources {
     pub counters: Arc<SendCounters>,
 }
 
+/// The target of the sender's log records, whichever of its files logs them (filters name it).
+const LOG_TARGET: &str = module_path!();
+
 /// Distinct keys for the sessions' worker queues.
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 

@@ -19,8 +19,8 @@ impl SenderSession {
         let id = self.id.as_str();
         match result {
             Ok(Status::KVSTAGE_FALLBACK) => {}
-            Ok(_) => log::trace!(session = id; "{path} transfer of room {} chunk {} done", desc.room, desc.chunk),
-            Err(e) => log::debug!(session = id; "{}", e.chain()),
+            Ok(_) => log::trace!(target: LOG_TARGET, session = id; "{path} transfer of room {} chunk {} done", desc.room, desc.chunk),
+            Err(e) => log::debug!(target: LOG_TARGET, session = id; "{}", e.chain()),
         }
     }
 
@@ -28,10 +28,9 @@ impl SenderSession {
     pub(super) fn log_fallback(&self, desc: &TransferDesc, why: &str) {
         let id = self.id.as_str();
         if self.fallback_logged.swap(true, Ordering::Relaxed) {
-            log::debug!(session = id; "room {} chunk {}: staged path unavailable, KVSTAGE_FALLBACK: {why}", desc.room, desc.chunk);
+            log::debug!(target: LOG_TARGET, session = id; "room {} chunk {}: staged path unavailable, KVSTAGE_FALLBACK: {why}", desc.room, desc.chunk);
         } else {
-            log::warn!(
-                session = id;
+            log::warn!(target: LOG_TARGET, session = id;
                 "staged path unavailable for room {} chunk {}, KVSTAGE_FALLBACK (the caller may use the slice path): {why} (logged once per session)",
                 desc.room,
                 desc.chunk
