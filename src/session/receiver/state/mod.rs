@@ -13,7 +13,7 @@
 //!   id can be opened again only then; stale leases name the room's generation, never a newer room;
 //! - events are bounded (overflow is counted).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use crate::error::{Error, FieldMismatch, Result, Status};
@@ -270,8 +270,11 @@ pub struct State {
     grants: HashMap<u64, GrantState>,
     rooms: HashMap<u64, Room>,
     conns: HashMap<ConnId, ConnInfo>,
-    /// Connections (live or gone) whose peer maps the ring: their quarantines outlive them.
-    mapped: HashSet<ConnId>,
+    /// Connections (live or gone) whose peer maps the ring, with the ring they map (its
+    /// registration number): their quarantines outlive them.
+    mapped: HashMap<ConnId, u64>,
+    /// Registrations of a staging ring so far (the current ring's number).
+    ring_registrations: u64,
     events: VecDeque<ChunkEvent>,
     max_events: usize,
     next_conn: ConnId,
@@ -313,7 +316,8 @@ impl State {
             grants: HashMap::new(),
             rooms: HashMap::new(),
             conns: HashMap::new(),
-            mapped: HashSet::new(),
+            mapped: HashMap::new(),
+            ring_registrations: 0,
             events: VecDeque::new(),
             max_events,
             next_conn: 1,
@@ -364,6 +368,7 @@ impl State {
         };
         self.fx.watermark = Some(ring.watermark());
         self.ring = Some(ring);
+        self.ring_registrations += 1;
         // The high-water mark is the current ring's (an old, larger ring's would exceed it).
         self.metrics.ring_high_water = 0;
         Ok(())
@@ -423,7 +428,7 @@ impl State {
         if let Some(c) = self.conns.get_mut(&conn) {
             c.in_place = true;
             if mapped {
-                self.mapped.insert(conn);
+                self.mapped.insert(conn, self.ring_registrations);
             }
         }
     }
@@ -433,15 +438,26 @@ impl State {
         self.conns.get(&conn).is_some_and(|c| c.in_place)
     }
 
+    /// `Err` when `conn` maps a ring that was replaced since (its session must reconnect).
+    pub fn check_mapping(&self, conn: ConnId) -> Result<()> {
+        match self.mapped.get(&conn) {
+            Some(&ring) if ring != self.ring_registrations => Err(Error::new(
+                Status::KVSTAGE_E_PEER_GONE,
+                "the staging ring was registered again since this session mapped it; reconnect to map the new one",
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Live connections whose peer maps the ring.
     pub fn mapped_conns(&self) -> Vec<ConnId> {
-        self.mapped.iter().copied().filter(|c| self.conns.contains_key(c)).collect()
+        self.mapped.keys().copied().filter(|c| self.conns.contains_key(c)).collect()
     }
 
     /// The peer of `conn` no longer maps the ring (its lease socket closed): nothing it writes
     /// can land any more, so every quarantine it holds ends.
     pub fn unmapped(&mut self, conn: ConnId) {
-        if !self.mapped.remove(&conn) {
+        if self.mapped.remove(&conn).is_none() {
             return;
         }
         self.end_quarantine(conn, |_| true);
@@ -500,7 +516,7 @@ impl State {
             }
             self.maybe_free(id);
         }
-        if !self.mapped.contains(&conn) {
+        if !self.mapped.contains_key(&conn) {
             self.end_quarantine(conn, |_| true);
         }
         let leased: Vec<u64> =

@@ -13,6 +13,8 @@ impl State {
         if claimed != writer {
             return Err(protocol(format!("writer {claimed} claimed, this session is writer {writer}")));
         }
+        // A same-host writer would write a grant of the new ring into its mapping of the old one.
+        self.check_mapping(conn)?;
         self.live_room(room)?;
         self.check_prefill(room, &info.src)?;
         let r = self.live_room(room)?;

@@ -299,6 +299,22 @@ fn a_mapped_writer_keeps_its_quarantine_past_its_connection_until_it_unmaps() {
 }
 
 #[test]
+fn a_mapping_of_a_replaced_ring_gets_no_grant() {
+    let mut st = state(CHUNK);
+    let a = st.add_conn(info(0, 2, false));
+    st.set_in_place(a, true);
+    st.register_ring(2 * CHUNK).unwrap();
+    st.open_room(1, &PAGES, GRID, None).unwrap();
+    let e = st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_PEER_GONE);
+    assert!(e.message().contains("registered again"), "{}", e.chain());
+    // A session that maps the new ring is served.
+    let b = st.add_conn(info(0, 2, false));
+    st.set_in_place(b, true);
+    st.allocate(b, 1, 0, 0, TOKENS, CHUNK).unwrap();
+}
+
+#[test]
 fn slices_complete_only_when_every_row_arrived_once() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
@@ -470,6 +486,8 @@ struct Harness {
     may_write: Vec<(ConnId, u64, u64, u32)>,
     /// Connections whose mapping lives (the current one and any gone before unmapping).
     mappings: Vec<ConnId>,
+    /// The live mapped connection maps a ring that was replaced since (no grant for it).
+    stale_mapping: Option<ConnId>,
 }
 
 fn writer_of(c: usize) -> u32 {
@@ -488,6 +506,7 @@ impl Harness {
             mapped,
             may_write: Vec::new(),
             mappings: Vec::new(),
+            stale_mapping: None,
         }
     }
 
@@ -594,6 +613,10 @@ impl Harness {
                     return;
                 }
                 let result = self.st.allocate(id, room, chunk, w, TOKENS, CHUNK);
+                if self.stale_mapping == Some(id) {
+                    assert_eq!(result.map(|_| ()).unwrap_err().code(), Status::KVSTAGE_E_PEER_GONE, "a grant for a mapping of a replaced ring");
+                    return;
+                }
                 let expect = self.rooms.get(&room).filter(|r| r.live()).and_then(|r| r.chunks.get(chunk as usize)).is_some_and(|ch| {
                     ch.phase == MPhase::Waiting && ch.slices != Some(true) && ch.slots[w as usize].is_none()
                 });
@@ -808,6 +831,9 @@ impl Harness {
                 if !self.mappings.is_empty() {
                     let id = self.mappings.remove(0);
                     self.st.unmapped(id);
+                    if self.stale_mapping == Some(id) {
+                        self.stale_mapping = None;
+                    }
                     self.done_writing(id, None, None);
                     self.collect();
                 }
@@ -816,6 +842,9 @@ impl Harness {
                 let busy = self.st.ring_stats().1 > 0;
                 let result = self.st.register_ring(3 * CHUNK / 2 + 100);
                 assert_eq!(result.is_ok(), !busy);
+                if result.is_ok() {
+                    self.stale_mapping = self.conns[3].filter(|id| self.mappings.contains(id));
+                }
                 assert!(result.is_err() || self.writes.is_empty() && self.scatters.is_empty(), "ring replaced under a lease");
             }
         }
