@@ -122,7 +122,12 @@ pub fn map_peer_ring(fd: &OwnedFd, len: u64) -> Result<Mapping> {
         ));
     }
     let len = usize::try_from(len).map_err(|_| Error::new(Status::KVSTAGE_E_PROTOCOL, format!("a ring of {len} bytes")))?;
-    Mapping::map(std::os::fd::AsFd::as_fd(fd), len)
+    let mapping = Mapping::map(std::os::fd::AsFd::as_fd(fd), len)?;
+    // A child forked by the engine's process (multiprocessing, a helper) gets no copy of the
+    // mapping: only this process, whose teardown the receiver waits for, can write the ring.
+    // SAFETY: advice on our own mapping.
+    unsafe { libc::madvise(mapping.ptr().cast(), mapping.len(), libc::MADV_DONTFORK) };
+    Ok(mapping)
 }
 
 #[cfg(test)]

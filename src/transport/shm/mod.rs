@@ -193,7 +193,9 @@ fn map_offered_ring(listener: &std::os::unix::net::UnixListener, nonce: &[u8], r
     let until = deadline.instant().map_or(local, |d| d.min(local));
     for _ in 0..MAX_LOCAL_ACCEPTS {
         let stream = fdpass::accept_by(listener, until)?;
-        stream.set_read_timeout(Some(LOCAL_IO_TIMEOUT))?;
+        // Bounded by the exchange's end: a silent intruder cannot hold the handshake longer.
+        let left = until.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_millis(1));
+        stream.set_read_timeout(Some(left))?;
         let mut greeting = [0u8; GREETING_BYTES];
         let Ok(fd) = fdpass::recv_fd(&stream, &mut greeting) else { continue };
         let differs = greeting[..NONCE_BYTES].iter().zip(nonce).fold(0u8, |d, (a, b)| d | (a ^ b));
