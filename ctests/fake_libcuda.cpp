@@ -5,12 +5,17 @@
 // launches with the real parameter block, fences, pinning — runs on a machine without a GPU.
 // Streams execute every operation at once (in order), so stream order holds trivially; what the
 // fake cannot show is real concurrency, the PTX JIT and device speed.
+// Device memory is mapped PROT_NONE except while the fake itself copies or runs a kernel, so that
+// host code touching it (which on a GPU reads garbage or faults) crashes here too.
 //
 // Only for tests (ctests of label api run `kvstage-cuda check` and gpu_transfer against it).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+
+#include <sys/mman.h>
+#include <unistd.h>
 #include <vector>
 
 #include "emu_harness.cpp"
@@ -52,6 +57,25 @@ bool inside(const std::vector<Range> &list, uintptr_t p) {
         if (p >= r.ptr && p < r.ptr + r.bytes) return true;
     return false;
 }
+
+size_t mapped_bytes(size_t bytes) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    return (bytes + page - 1) / page * page;
+}
+
+void protect_device(int prot) {
+    for (const Range &r : g_device) mprotect((void *)r.ptr, mapped_bytes(r.bytes), prot);
+}
+
+// The "device" side of the fake at work: every device allocation readable and writable until the
+// scope ends (one such scope at a time, holding g_mu).
+struct DeviceAccess {
+    std::lock_guard<std::mutex> lock{g_mu};
+    DeviceAccess() { protect_device(PROT_READ | PROT_WRITE); }
+    ~DeviceAccess() { protect_device(PROT_NONE); }
+    DeviceAccess(const DeviceAccess &) = delete;
+    DeviceAccess &operator=(const DeviceAccess &) = delete;
+};
 }  // namespace
 
 #define API extern "C" __attribute__((visibility("default")))
@@ -142,11 +166,12 @@ API CUresult cuEventDestroy_v2(CUevent e) {
 API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) {
     if (p == nullptr || bytes == 0) return E_INVALID_VALUE;
     if (need_ctx()) return E_INVALID_CONTEXT;
-    void *m = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
-    if (m == nullptr) return E_OUT_OF_MEMORY;
-    std::memset(m, 0xCD, bytes);
-    std::lock_guard<std::mutex> g(g_mu);
+    void *m = mmap(nullptr, mapped_bytes(bytes), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return E_OUT_OF_MEMORY;
+    DeviceAccess device;
     g_device.push_back({(uintptr_t)m, bytes});
+    mprotect(m, mapped_bytes(bytes), PROT_READ | PROT_WRITE);
+    std::memset(m, 0xCD, bytes);
     *p = (CUdeviceptr)(uintptr_t)m;
     return OK;
 }
@@ -154,26 +179,24 @@ API CUresult cuMemFree_v2(CUdeviceptr p) {
     std::lock_guard<std::mutex> g(g_mu);
     for (size_t i = 0; i < g_device.size(); ++i)
         if (g_device[i].ptr == (uintptr_t)p) {
-            std::free((void *)(uintptr_t)p);
+            munmap((void *)(uintptr_t)p, mapped_bytes(g_device[i].bytes));
             g_device.erase(g_device.begin() + (long)i);
             return OK;
         }
     return E_INVALID_VALUE;
 }
 API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream) {
+    DeviceAccess device;
     std::memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
     return OK;
 }
 API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream) {
-    std::memcpy((void *)(uintptr_t)dst, src, n);
-    return OK;
+    return cuMemcpyAsync(dst, (CUdeviceptr)(uintptr_t)src, n, nullptr);
 }
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) { return cuMemcpyHtoDAsync_v2(dst, src, n, nullptr); }
-API CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
-    std::memcpy(dst, (const void *)(uintptr_t)src, n);
-    return OK;
-}
+API CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) { return cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst, src, n, nullptr); }
 API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream) {
+    DeviceAccess device;
     std::memset((void *)(uintptr_t)p, v, n);
     return OK;
 }
@@ -213,8 +236,7 @@ API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
     if (f == nullptr || params == nullptr || extra != nullptr) return E_INVALID_VALUE;
     if (gz != 1 || bx != THREADS || by != 1 || bz != 1 || smem != 0 || gx == 0 || gy == 0) return E_INVALID_VALUE;
     if (need_ctx()) return E_INVALID_CONTEXT;
-    static std::mutex launch_mu;  // the emulator runs one launch at a time
-    std::lock_guard<std::mutex> g(launch_mu);
+    DeviceAccess device;  // the emulator runs one launch at a time
     return kvemu_launch(static_cast<const char *>(f), gx, gy, params[0]) == 0 ? OK : E_INVALID_VALUE;
 }
 API CUresult cuGetErrorName(CUresult e, const char **s) {

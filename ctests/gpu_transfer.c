@@ -3,7 +3,15 @@
  * 4-token pages, two chunks with pages out of order. The decode pool is read back from the device
  * and compared byte for byte with a reference reshard of the prefill pools; pages outside the room
  * must be untouched. The device memory is allocated through libcuda itself (dlopen), as an
- * application would. Exit 77 without a CUDA device, unless KVSTAGE_REQUIRE_GPU=1. */
+ * application would. Exit 77 without a CUDA device, unless KVSTAGE_REQUIRE_GPU=1.
+ *
+ * The decode staging ring (argv[1]): "host" (default, engine-owned host memory), "device"
+ * (engine-allocated on device 0) or "caller-device" (device memory the test allocates). Device
+ * rings run with integrity ALWAYS (the receiver reads each region back to check it), and first
+ * check what must be refused: a device ring with a host pool (either registration order), an
+ * engine-allocated device ring without a device, device memory through the host-only call, a
+ * bad memory kind, and a sender that requires the same-host path (a device ring cannot be mapped);
+ * an AUTO sender on this host downgrades to TCP and counts it. */
 #define _POSIX_C_SOURCE 200809L
 
 #include <dlfcn.h>
@@ -89,14 +97,97 @@ static void pool_init(pool *p, uint32_t tp_rank, uint32_t tp_size, unsigned seed
     p->layout.cuda_device = 0;
 }
 
-static kvstage_engine *engine_with(pool *p) {
+static kvstage_engine *engine_with(pool *p, int integrity) {
+    kvstage_engine_options o;
     kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    o.integrity = integrity;
+    REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
     CHECK_OK(kvstage_engine_register_pool(e, &p->layout));
     return e;
 }
 
-int main(void) {
+/* `got` is `want` and the last error's message or a cause contains `needle`. */
+static void expect_err(int got, int want, const char *needle, const char *call, int line) {
+    const kvstage_error *e = kvstage_error_last();
+    int found = strstr(e->message, needle) != NULL;
+    size_t i;
+    for (i = 0; i < e->cause_count; i++) found = found || strstr(e->causes[i], needle) != NULL;
+    if (got != want || !found) {
+        KV_FAIL_AT(__FILE__, line, "%s returned %d, expected %d with \"%s\" in the error", call, got, want, needle);
+        kv_print_last_error(call);
+    }
+}
+#define EXPECT_ERR(call, want, needle) expect_err((int)(call), (want), (needle), #call, __LINE__)
+
+static kvstage_staging_memory device_ring(void *memory, int32_t device, size_t bytes) {
+    kvstage_staging_memory m;
+    REQUIRE(kvstage_staging_memory_init(&m) == KVSTAGE_OK);
+    m.memory_kind = KVSTAGE_MEMORY_CUDA;
+    m.cuda_device = device;
+    m.memory = memory;
+    m.bytes = bytes;
+    return m;
+}
+
+/* What a device ring must refuse, on engines of their own. */
+static void check_refusals(pool *dst, pool *sender, void *device_memory) {
+    kvstage_engine *e = NULL, *shm_sender = NULL;
+    kvstage_engine_options o;
+    kvstage_staging_memory m = device_ring(NULL, 0, 1 << 16);
+    kvstage_session *s = NULL;
+    char addr[64];
+    kvstage_kv_layout host = dst->layout;
+    uint8_t *host_buffers = (uint8_t *)calloc(2 * LAYERS, dst->buffer);
+    uint64_t hk[LAYERS], hv[LAYERS];
+    size_t i;
+
+    REQUIRE(host_buffers != NULL);
+    for (i = 0; i < LAYERS; i++) {
+        hk[i] = (uint64_t)(uintptr_t)(host_buffers + 2 * i * dst->buffer);
+        hv[i] = (uint64_t)(uintptr_t)(host_buffers + (2 * i + 1) * dst->buffer);
+    }
+    host.k_bases = hk;
+    host.v_bases = hv;
+    host.memory_kind = KVSTAGE_MEMORY_HOST;
+    host.cuda_device = -1;
+
+    /* Host pool, then a device ring; and the other order. */
+    REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
+    CHECK_OK(kvstage_engine_register_pool(e, &host));
+    EXPECT_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "the KV pool is host memory");
+    kvstage_engine_free(e);
+    REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
+    CHECK_OK(kvstage_engine_register_staging_memory(e, &m));
+    EXPECT_ERR(kvstage_engine_register_pool(e, &host), KVSTAGE_E_INVALID_ARG, "the KV pool is host memory");
+    /* Bad descriptors. */
+    m.cuda_device = -1;
+    EXPECT_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->cuda_device");
+    m.cuda_device = 0;
+    m.memory_kind = 7;
+    EXPECT_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->memory_kind");
+    m.memory_kind = KVSTAGE_MEMORY_CUDA;
+    m.struct_size = 0;
+    EXPECT_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->struct_size");
+    EXPECT_ERR(kvstage_engine_register_staging(e, device_memory, 1 << 16), KVSTAGE_E_INVALID_ARG, "is CUDA device memory");
+    kvstage_engine_free(e);
+
+    /* A sender that requires the same-host path: the device ring cannot be mapped. */
+    e = engine_with(dst, KVSTAGE_INTEGRITY_OFF);
+    m = device_ring(NULL, 0, 1 << 20);
+    CHECK_OK(kvstage_engine_register_staging_memory(e, &m));
+    CHECK_OK(kvstage_engine_listen_address(e, addr, sizeof addr, NULL));
+    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    o.transport = KVSTAGE_TRANSPORT_SHM;
+    REQUIRE(kvstage_engine_new(&o, &shm_sender) == KVSTAGE_OK);
+    CHECK_OK(kvstage_engine_register_pool(shm_sender, &sender->layout));
+    EXPECT_ERR(kvstage_session_connect(shm_sender, addr, "shm-required", 5000, &s), KVSTAGE_E_UNSUPPORTED, "same-node CUDA IPC is not implemented");
+    kvstage_engine_free(shm_sender);
+    kvstage_engine_free(e);
+    free(host_buffers);
+}
+
+int main(int argc, char **argv) {
     static const uint32_t SRC_PAGES[NPAGES] = {7, 2, 3, 11};
     static const uint32_t DST_PAGES[NPAGES] = {5, 14, 0, 1};
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -110,6 +201,10 @@ int main(void) {
     uint8_t *got;
     int r, c;
     size_t b, pg, t;
+    const char *ring = argc > 1 ? argv[1] : "host";
+    const int device_ring_mode = strcmp(ring, "host") != 0;
+    unsigned long long caller_ring = 0;
+    kvstage_engine_stats st;
 
     if (lib == NULL) return skip("no libcuda.so.1");
     if (!load(lib, "cuInit", &cu.init, sizeof cu.init) || !load(lib, "cuDeviceGetCount", &cu.count, sizeof cu.count) ||
@@ -124,10 +219,20 @@ int main(void) {
 
     for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1);
     pool_init(&dst, 0, 1, 99);
-    for (r = 0; r < 2; r++) prefill[r] = engine_with(&src[r]);
-    decode = engine_with(&dst);
+    REQUIRE(strcmp(ring, "host") == 0 || strcmp(ring, "device") == 0 || strcmp(ring, "caller-device") == 0);
+    for (r = 0; r < 2; r++) prefill[r] = engine_with(&src[r], KVSTAGE_INTEGRITY_OFF);
+    decode = engine_with(&dst, device_ring_mode ? KVSTAGE_INTEGRITY_ALWAYS : KVSTAGE_INTEGRITY_OFF);
     REQUIRE(*kv_failures() == 0);
-    CHECK_OK(kvstage_engine_register_staging(decode, NULL, 1 << 20));
+    if (!device_ring_mode) {
+        CHECK_OK(kvstage_engine_register_staging(decode, NULL, 1 << 20));
+    } else {
+        kvstage_staging_memory m;
+        REQUIRE(cu.alloc(&caller_ring, 1 << 20) == 0);
+        check_refusals(&dst, &src[0], (void *)(uintptr_t)caller_ring);
+        m = device_ring(strcmp(ring, "device") == 0 ? NULL : (void *)(uintptr_t)caller_ring, strcmp(ring, "device") == 0 ? 0 : -1, 1 << 20);
+        CHECK_OK(kvstage_engine_register_staging_memory(decode, &m));
+    }
+    printf("staging ring: %s\n", ring);
     CHECK_OK(kvstage_room_open(decode, ROOM, DST_PAGES, NPAGES, CHUNK, &chunks));
     CHECK_INT(chunks, NPAGES * PAGE / CHUNK);
     CHECK_OK(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL));
@@ -174,6 +279,18 @@ int main(void) {
     printf("decode pool verified: %lu bytes\n", (unsigned long)(2 * LAYERS * dst.buffer));
 
     CHECK_OK(kvstage_room_release(decode, ROOM));
+    memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    CHECK_OK(kvstage_engine_stats_get(decode, &st));
+    CHECK_INT(st.ring_live_allocations, 0);
+    for (r = 0; r < 2; r++) {
+        memset(&st, 0, sizeof st);
+        st.struct_size = sizeof st;
+        CHECK_OK(kvstage_engine_stats_get(prefill[r], &st));
+        /* Same host: a host ring is mapped (shm); a device ring refuses it, counted, over TCP. */
+        CHECK_INT(st.shm_sessions, device_ring_mode ? 0 : 1);
+        CHECK_INT(st.shm_downgrades, device_ring_mode ? 1 : 0);
+    }
     for (r = 0; r < 2; r++) {
         kvstage_session_free(session[r]);
         kvstage_engine_free(prefill[r]);
@@ -184,6 +301,7 @@ int main(void) {
         free(src[r].host);
     }
     cu.free_(dst.dev);
+    if (caller_ring) cu.free_(caller_ring);
     free(dst.host);
     free(got);
     return kv_finish("gpu_transfer");

@@ -363,6 +363,24 @@ typedef struct kvstage_kv_layout {
     int32_t cuda_device;
 } kvstage_kv_layout;
 
+// A staging ring to register (`kvstage_engine_register_staging_memory`). Set `struct_size`
+// first (`kvstage_staging_memory_init`): fields appended later keep their defaults for callers
+// built with an older header.
+typedef struct kvstage_staging_memory {
+    size_t struct_size;
+    // A `kvstage_memory_kind` value (`_init`: HOST).
+    int32_t memory_kind;
+    // KVSTAGE_MEMORY_CUDA: the device ordinal. Required (>= 0) when the engine allocates the ring;
+    // for caller memory, checked against the memory (negative: the device holding `memory`).
+    // Ignored for host memory. `_init`: -1.
+    int32_t cuda_device;
+    // The ring's memory; NULL: the engine allocates it (host: a memfd a same-host sender can
+    // map; CUDA: device memory on `cuda_device`) and frees it with the engine or the next ring.
+    void *memory;
+    // Ring size in bytes (> 0).
+    size_t bytes;
+} kvstage_staging_memory;
+
 // Counters of an engine (a snapshot). The snapshot is not atomic across counters: each is read
 // on its own while transfers may be ending, so a concurrent read may see, for instance, a
 // transfer already counted in `transfers_ok` but still in `transfers_in_flight`, or its result
@@ -709,9 +727,26 @@ enum kvstage_status kvstage_engine_listen_address(const struct kvstage_engine *e
 // whole extent, `KVSTAGE_E_CUDA` when the kernels do not load (the cause holds the JIT log).
 enum kvstage_status kvstage_engine_register_pool(const struct kvstage_engine *engine, const struct kvstage_kv_layout *layout);
 
-// Registers the decode-side staging ring: `bytes` at `memory`, or engine-owned memory when
-// `memory` is NULL. Senders learn its size in the handshake.
+// Registers the decode-side staging ring: `bytes` of host memory at `memory`, or engine-owned
+// host memory when `memory` is NULL (the HOST case of `kvstage_engine_register_staging_memory`;
+// CUDA device memory here is `KVSTAGE_E_INVALID_ARG`). Senders learn its size in the handshake.
 enum kvstage_status kvstage_engine_register_staging(const struct kvstage_engine *engine, void *memory, size_t bytes);
+
+// Fills `staging` with defaults (sets `struct_size`; host memory, engine-allocated, cuda_device
+// -1, bytes 0: set `bytes`).
+enum kvstage_status kvstage_staging_memory_init(struct kvstage_staging_memory *staging);
+
+// Registers the decode-side staging ring described by `staging` (host or CUDA device memory,
+// the caller's or the engine's). A device ring is read directly by the scatter kernels, so the
+// KV pool must be CUDA memory of the same device (checked here and when the pool is registered
+// second: `KVSTAGE_E_INVALID_ARG`); payloads arriving over TCP land through a 4 MiB pinned host
+// buffer per connection. Same-host and RDMA sessions need CUDA IPC and GPUDirect registration,
+// not implemented yet: a device ring refuses them, so AUTO senders downgrade to TCP (counted in
+// their `shm_downgrades` / `rdma_downgrades`) and SHM or RDMA senders fail at connect.
+// Errors: `KVSTAGE_E_NO_DEVICE` without libcuda or the device, `KVSTAGE_E_GEOMETRY_INVALID`
+// when caller device memory is not device memory over its whole extent, `KVSTAGE_E_CUDA` when
+// the allocation fails; otherwise as `kvstage_engine_register_staging`.
+enum kvstage_status kvstage_engine_register_staging_memory(const struct kvstage_engine *engine, const struct kvstage_staging_memory *staging);
 
 // Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_engine_stats)`) with the
 // engine's counters. A smaller `struct_size` (a caller built with an older header, whose struct

@@ -13,12 +13,12 @@ use parking_lot::Mutex;
 
 use crate::copy::{AnyCopyEngine, CopyEngine};
 use crate::error::{Error, Result};
-use crate::geometry::KvLayout;
+use crate::geometry::{KvLayout, MemoryKind};
 use crate::transport::faults::Faults;
 use crate::transport::rdma::{Rdma, RdmaMode, RdmaOptions};
 use crate::transport::shm::{Shm, ShmMode};
 use crate::session::receiver::listener::{Limits, Listener};
-use crate::session::receiver::{Receiver, ReceiverConfig, RingMemory, ScatterJob};
+use crate::session::receiver::{Receiver, ReceiverConfig, RingMemory, RingSpec, ScatterJob};
 use crate::session::notify::Completions;
 use crate::session::sender::{SendResources, SenderConfig, SenderSession};
 use crate::session::staging::StagingPool;
@@ -327,15 +327,24 @@ impl Engine {
         if pool.is_some() {
             return Err(Error::invalid_arg("layout", "a KV pool is already registered on this engine"));
         }
+        self.receiver.check_pool_fits_ring(&layout)?;
         *pool = Some(Arc::new(layout));
         Ok(())
     }
 
+    /// Registers a host ring: `bytes` at `ptr`, or engine-owned (shareable) memory for `None`.
     pub fn register_staging(&self, ptr: Option<*mut u8>, bytes: usize) -> Result<()> {
-        if bytes == 0 {
+        self.register_staging_memory(RingSpec { memory: MemoryKind::Host, cuda_device: None, ptr, bytes })
+    }
+
+    /// Registers a ring of any memory kind (a device ring needs a CUDA pool on its device).
+    pub fn register_staging_memory(&self, spec: RingSpec) -> Result<()> {
+        if spec.bytes == 0 {
             return Err(Error::invalid_arg("bytes", "0 (a staging ring needs space)"));
         }
-        self.receiver.register_ring(RingMemory::new(ptr, bytes)?)
+        self.receiver.register_ring(RingMemory::new(spec)?)?;
+        log::info!("staging ring registered: {}", self.receiver.ring_describe());
+        Ok(())
     }
 
     /// Finished operations and decode chunk events are signalled here (eventfd, callback).

@@ -709,20 +709,35 @@ class Engine(_Handle):
         _check(self._lib, self._lib.kvstage_engine_register_pool(self._handle(), byref(c)), "kvstage_engine_register_pool")
         self._pool = layout
 
-    def register_staging(self, size: int, memory: Any = None) -> None:
-        """Registers the decode-side staging ring of ``size`` bytes: engine-owned memory when
-        ``memory`` is None, else ``memory`` (an int address or an array/buffer object of at least
-        ``size`` bytes, kept referenced by the engine)."""
+    def register_staging(self, size: int, memory: Any = None, device: Optional[int] = None) -> None:
+        """Registers the decode-side staging ring of ``size`` bytes
+        (``kvstage_engine_register_staging_memory``).
+
+        ``memory`` None: the engine allocates it, in host memory, or on CUDA device ``device``
+        when one is named. Else ``memory`` (an int address, or an array/buffer/tensor of at least
+        ``size`` bytes, kept referenced by the engine): device memory when it says so (a CUDA
+        tensor, ``__cuda_array_interface__``) or when ``device`` is named for an int address. A
+        device ring needs a CUDA pool on the same device; its sessions run over TCP."""
         size = _u64(size, "size")
-        ptr = None
+        c = _lib.kvstage_staging_memory()
+        _check(self._lib, self._lib.kvstage_staging_memory_init(byref(c)), "kvstage_staging_memory_init")
+        c.bytes = size
+        kind = MemoryKind.HOST if device is None else MemoryKind.CUDA
         keep = None
         if memory is not None:
             info = buffer_info(memory, "memory", writable=True)
             if info.nbytes is not None and info.nbytes < size:
                 raise argument_error("memory", f"holds {info.nbytes} bytes, the ring needs {size}")
-            ptr, keep = info.address, info.keepalive
-        rc = self._lib.kvstage_engine_register_staging(self._handle(), ptr, size)
-        _check(self._lib, rc, "kvstage_engine_register_staging")
+            if info.memory is not None:
+                if device is not None and info.memory != MemoryKind.CUDA:
+                    raise argument_error("device", "is set but memory is host memory")
+                kind = info.memory
+            c.memory, keep = info.address, info.keepalive
+        c.memory_kind = int(kind)
+        if device is not None:
+            c.cuda_device = _u32(device, "device")
+        rc = self._lib.kvstage_engine_register_staging_memory(self._handle(), byref(c))
+        _check(self._lib, rc, "kvstage_engine_register_staging_memory")
         self._staging.append(keep)
 
     # -- sender side ------------------------------------------------------------------------------

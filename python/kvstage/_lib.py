@@ -191,6 +191,16 @@ class kvstage_engine_options(Structure):
     ]
 
 
+class kvstage_staging_memory(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("memory_kind", c_int32),
+        ("cuda_device", c_int32),
+        ("memory", c_void_p),
+        ("bytes", c_size_t),
+    ]
+
+
 class kvstage_kv_layout(Structure):
     _fields_ = [
         ("struct_size", c_size_t),
@@ -394,6 +404,8 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_engine_listen_address": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
     "kvstage_engine_register_pool": (c_int, [c_void_p, _p(kvstage_kv_layout)]),
     "kvstage_engine_register_staging": (c_int, [c_void_p, c_void_p, c_size_t]),
+    "kvstage_staging_memory_init": (c_int, [_p(kvstage_staging_memory)]),
+    "kvstage_engine_register_staging_memory": (c_int, [c_void_p, _p(kvstage_staging_memory)]),
     "kvstage_engine_stats_get": (c_int, [c_void_p, _p(kvstage_engine_stats)]),
     "kvstage_session_stats_get": (c_int, [c_void_p, _p(kvstage_session_stats)]),
     "kvstage_op_timings_get": (c_int, [c_void_p, _p(kvstage_transfer_timings)]),
@@ -448,6 +460,7 @@ OPTIONAL_PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
 _SIZED_BY_INIT = (
     ("kvstage_engine_options", kvstage_engine_options, "kvstage_engine_options_init"),
     ("kvstage_kv_layout", kvstage_kv_layout, "kvstage_kv_layout_init"),
+    ("kvstage_staging_memory", kvstage_staging_memory, "kvstage_staging_memory_init"),
     ("kvstage_transfer_desc", kvstage_transfer_desc, "kvstage_transfer_desc_init"),
 )
 

@@ -153,3 +153,11 @@ def test_kv_layout_checks_its_buffers(lib):
             e.register_pool(kvstage.KvLayout(head_dim=8, num_layers=2))
         with pytest.raises(kvstage.ArgumentError, match="holds 16 bytes"):
             e.register_staging(4096, bytearray(16))
+        # A device ring: host memory named with a device is refused here; without a CUDA
+        # driver (CI) an engine-allocated device ring is NO_DEVICE, never a host ring in disguise.
+        with pytest.raises(kvstage.ArgumentError, match="host memory"):
+            e.register_staging(4096, bytearray(4096), device=0)
+        if not kvstage.capabilities().cuda_memory:
+            with pytest.raises(kvstage.DeviceError) as info:
+                e.register_staging(4096, device=0)
+            assert info.value.code == kvstage.Status.E_NO_DEVICE

@@ -5,6 +5,7 @@ use std::ffi::c_char;
 use super::{ffi_fn, out_arg, str_arg, versioned_struct, write_text, Borrowed, Handle};
 use crate::engine::{Engine, EngineOptions, Integrity, TransportKind};
 use crate::error::{Error, Result, Status};
+use crate::session::receiver::RingSpec;
 
 /// An engine: listener, peers, registrations and worker threads. Thread-safe.
 pub struct kvstage_engine {
@@ -294,8 +295,9 @@ pub unsafe extern "C" fn kvstage_engine_register_pool(
     })
 }
 
-/// Registers the decode-side staging ring: `bytes` at `memory`, or engine-owned memory when
-/// `memory` is NULL. Senders learn its size in the handshake.
+/// Registers the decode-side staging ring: `bytes` of host memory at `memory`, or engine-owned
+/// host memory when `memory` is NULL (the HOST case of `kvstage_engine_register_staging_memory`;
+/// CUDA device memory here is `KVSTAGE_E_INVALID_ARG`). Senders learn its size in the handshake.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_register_staging(
     engine: *const kvstage_engine,
@@ -306,6 +308,76 @@ pub unsafe extern "C" fn kvstage_engine_register_staging(
         let engine = unsafe { borrow(engine, "engine") }?;
         let ptr = (!memory.is_null()).then_some(memory as *mut u8);
         engine.register_staging(ptr, bytes)?;
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// A staging ring to register (`kvstage_engine_register_staging_memory`). Set `struct_size`
+/// first (`kvstage_staging_memory_init`): fields appended later keep their defaults for callers
+/// built with an older header.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct kvstage_staging_memory {
+    pub struct_size: usize,
+    /// A `kvstage_memory_kind` value (`_init`: HOST).
+    pub memory_kind: i32,
+    /// KVSTAGE_MEMORY_CUDA: the device ordinal. Required (>= 0) when the engine allocates the ring;
+    /// for caller memory, checked against the memory (negative: the device holding `memory`).
+    /// Ignored for host memory. `_init`: -1.
+    pub cuda_device: i32,
+    /// The ring's memory; NULL: the engine allocates it (host: a memfd a same-host sender can
+    /// map; CUDA: device memory on `cuda_device`) and frees it with the engine or the next ring.
+    pub memory: *mut std::ffi::c_void,
+    /// Ring size in bytes (> 0).
+    pub bytes: usize,
+}
+
+impl Default for kvstage_staging_memory {
+    fn default() -> Self {
+        kvstage_staging_memory {
+            struct_size: std::mem::size_of::<Self>(),
+            memory_kind: 0,
+            cuda_device: -1,
+            memory: std::ptr::null_mut(),
+            bytes: 0,
+        }
+    }
+}
+
+const STAGING_MEMORY_V1: usize = std::mem::size_of::<kvstage_staging_memory>();
+
+/// Fills `staging` with defaults (sets `struct_size`; host memory, engine-allocated, cuda_device
+/// -1, bytes 0: set `bytes`).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_staging_memory_init(staging: *mut kvstage_staging_memory) -> Status {
+    ffi_fn!(status {
+        *out_arg(staging, "staging")? = kvstage_staging_memory::default();
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Registers the decode-side staging ring described by `staging` (host or CUDA device memory,
+/// the caller's or the engine's). A device ring is read directly by the scatter kernels, so the
+/// KV pool must be CUDA memory of the same device (checked here and when the pool is registered
+/// second: `KVSTAGE_E_INVALID_ARG`); payloads arriving over TCP land through a 4 MiB pinned host
+/// buffer per connection. Same-host and RDMA sessions need CUDA IPC and GPUDirect registration,
+/// not implemented yet: a device ring refuses them, so AUTO senders downgrade to TCP (counted in
+/// their `shm_downgrades` / `rdma_downgrades`) and SHM or RDMA senders fail at connect.
+/// Errors: `KVSTAGE_E_NO_DEVICE` without libcuda or the device, `KVSTAGE_E_GEOMETRY_INVALID`
+/// when caller device memory is not device memory over its whole extent, `KVSTAGE_E_CUDA` when
+/// the allocation fails; otherwise as `kvstage_engine_register_staging`.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_register_staging_memory(
+    engine: *const kvstage_engine,
+    staging: *const kvstage_staging_memory,
+) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow(engine, "engine") }?;
+        let raw: kvstage_staging_memory = unsafe { versioned_struct(staging, "staging", STAGING_MEMORY_V1) }?;
+        let memory = super::geometry::memory_kind_from_c(raw.memory_kind, "staging->memory_kind")?;
+        let ptr = (!raw.memory.is_null()).then_some(raw.memory as *mut u8);
+        let cuda_device = (raw.cuda_device >= 0).then_some(raw.cuda_device as u32);
+        engine.register_staging_memory(RingSpec { memory, cuda_device, ptr, bytes: raw.bytes })?;
         Ok(Status::KVSTAGE_OK)
     })
 }

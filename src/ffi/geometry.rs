@@ -158,13 +158,7 @@ pub unsafe fn kv_layout_from_c(ptr: *const kvstage_kv_layout, arg: &str) -> Resu
 pub unsafe fn kv_layout_device_from_c(ptr: *const kvstage_kv_layout, arg: &str) -> Result<(KvLayout, Option<u32>)> {
     let raw: kvstage_kv_layout = unsafe { versioned_struct(ptr, arg, KV_LAYOUT_V1) }?;
     let shape = unsafe { shape_of(&raw, arg) }?;
-    let memory = match raw.memory_kind {
-        0 => MemoryKind::Host,
-        1 => MemoryKind::Cuda,
-        other => {
-            return Err(Error::invalid_arg(&format!("{arg}->memory_kind"), format!("{other} is not a kvstage_memory_kind value")))
-        }
-    };
+    let memory = memory_kind_from_c(raw.memory_kind, &format!("{arg}->memory_kind"))?;
     let n = raw.num_layers;
     let k = unsafe { slice_arg(raw.k_bases, n, &format!("{arg}->k_bases")) }?;
     let mut bases: Vec<usize> = k.iter().map(|&b| b as usize).collect();
@@ -176,6 +170,15 @@ pub unsafe fn kv_layout_device_from_c(ptr: *const kvstage_kv_layout, arg: &str) 
     layout.validate().map_err(|e| e.context(format!("`{arg}` is not a valid KV layout")))?;
     let device = (memory == MemoryKind::Cuda && raw.cuda_device >= 0).then_some(raw.cuda_device as u32);
     Ok((layout, device))
+}
+
+/// A C `kvstage_memory_kind` value; errors name `arg`.
+pub fn memory_kind_from_c(value: i32, arg: &str) -> Result<MemoryKind> {
+    match value {
+        0 => Ok(MemoryKind::Host),
+        1 => Ok(MemoryKind::Cuda),
+        other => Err(Error::invalid_arg(arg, format!("{other} is not a kvstage_memory_kind value"))),
+    }
 }
 
 /// Fills `layout` with defaults (sets `struct_size`; MHA, page_size 1, one head, bf16, TP 1,

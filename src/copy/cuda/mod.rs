@@ -21,6 +21,7 @@ use crate::geometry::{KvLayout, MemoryKind};
 
 mod driver;
 mod engine;
+mod memory;
 pub mod job;
 pub mod selftest;
 
@@ -29,6 +30,7 @@ mod emu;
 
 pub use driver::{available, driver, CudaError, DriverInfo, Kernel, KERNELS_PTX};
 pub use engine::{Backend, DeviceCopyEngine, DEFAULT_SCRATCH_BYTES};
+pub use memory::DeviceMemory;
 
 use driver::{cu, CtxGuard, Device, Event};
 
@@ -194,29 +196,30 @@ pub fn check_pool(pool: &KvLayout, device: Option<u32>) -> Result<()> {
 /// device owning `bases[0]`). Errors: no driver / device (`KVSTAGE_E_NO_DEVICE`), a host pool or
 /// memory that is not CUDA device memory (`KVSTAGE_E_GEOMETRY_INVALID`).
 pub fn pool_device(pool: &KvLayout, device: Option<u32>) -> Result<i32> {
-    let info = driver()?;
+    driver()?;
     if pool.memory != MemoryKind::Cuda {
         return Err(Error::invalid_arg("layout->memory_kind", "is not KVSTAGE_MEMORY_CUDA"));
     }
+    let base = *pool.bases.first().ok_or_else(|| Error::invalid_arg("layout->k_bases", "is empty"))? as u64;
+    pool_device_of(base, device, "layout->cuda_device").map_err(|e| e.context(format!("KV pool bases[0] ({base:#x})")))
+}
+
+/// The device holding `ptr` (`device` when given, checked against the memory; `arg` names it in
+/// errors). Errors as [`pool_device`].
+pub fn pool_device_of(ptr: u64, device: Option<u32>, arg: &str) -> Result<i32> {
+    let info = driver()?;
     if let Some(d) = device {
         if d as i64 >= info.devices as i64 {
-            return Err(Error::invalid_arg(
-                "layout->cuda_device",
-                format!("{d} is not below the {} CUDA devices of this host", info.devices),
-            ));
+            return Err(Error::invalid_arg(arg, format!("{d} is not below the {} CUDA devices of this host", info.devices)));
         }
     }
-    let base = *pool.bases.first().ok_or_else(|| Error::invalid_arg("layout->k_bases", "is empty"))? as u64;
-    match (driver::device_of(base), device) {
+    match (driver::device_of(ptr), device) {
         (Some(o), None) => Ok(o),
         (Some(o), Some(d)) if o == d as i32 => Ok(o),
-        (Some(o), Some(d)) => Err(Error::invalid_arg(
-            "layout->cuda_device",
-            format!("is {d} but bases[0] {base:#x} is memory of CUDA device {o}"),
-        )),
+        (Some(o), Some(d)) => Err(Error::invalid_arg(arg, format!("is {d} but {ptr:#x} is memory of CUDA device {o}"))),
         (None, _) => Err(Error::new(
             Status::KVSTAGE_E_GEOMETRY_INVALID,
-            format!("KV pool bases[0] {base:#x} is not CUDA device memory (use memory_kind HOST for host memory)"),
+            format!("{ptr:#x} is not CUDA device memory (use memory_kind HOST for host memory)"),
         )
         .with_class(ErrorClass::KVSTAGE_CLASS_CUDA)),
     }
@@ -390,60 +393,6 @@ impl std::fmt::Display for CudaReport {
             }
         }
         Ok(())
-    }
-}
-
-/// Device memory for tools and tests (benchmarks, GPU checks): allocate, fill, read back.
-pub struct DeviceMemory {
-    pub ptr: u64,
-    pub bytes: usize,
-    dev: Arc<Device>,
-}
-
-impl DeviceMemory {
-    pub fn alloc(ordinal: i32, bytes: usize) -> Result<DeviceMemory> {
-        let dev = Device::open(ordinal)?;
-        let _g = dev.enter()?;
-        let mut p: sys::CUdeviceptr = 0;
-        // SAFETY: context current.
-        cu("cuMemAlloc_v2", unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(1)) })?;
-        Ok(DeviceMemory { ptr: p, bytes, dev })
-    }
-
-    /// Copies `src` to offset `at` (synchronous).
-    pub fn write(&self, at: usize, src: &[u8]) -> Result<()> {
-        assert!(at + src.len() <= self.bytes, "write past the device buffer");
-        self.copy_sync(self.ptr + at as u64, src.as_ptr() as u64, src.len())
-    }
-
-    /// Copies `dst.len()` bytes from offset `at` (synchronous).
-    pub fn read(&self, at: usize, dst: &mut [u8]) -> Result<()> {
-        assert!(at + dst.len() <= self.bytes, "read past the device buffer");
-        self.copy_sync(dst.as_mut_ptr() as u64, self.ptr + at as u64, dst.len())
-    }
-
-    /// Copies `bytes` from the start of `src` to the start of `self` (device to device, synchronous).
-    pub fn copy_from(&self, src: &DeviceMemory, bytes: usize) -> Result<()> {
-        assert!(bytes <= self.bytes && bytes <= src.bytes, "copy past a device buffer");
-        self.copy_sync(self.ptr, src.ptr, bytes)
-    }
-
-    fn copy_sync(&self, dst: u64, src: u64, n: usize) -> Result<()> {
-        let _g = self.dev.enter()?;
-        // SAFETY: both ranges checked by the callers; the legacy stream (0) is synchronized below.
-        unsafe {
-            cu("cuMemcpyAsync", sys::cuMemcpyAsync(dst, src, n, std::ptr::null_mut()))?;
-            cu("cuStreamSynchronize", sys::cuStreamSynchronize(std::ptr::null_mut()))
-        }
-    }
-}
-
-impl Drop for DeviceMemory {
-    fn drop(&mut self) {
-        if let Ok(_g) = self.dev.enter() {
-            // SAFETY: our allocation; every copy above was synchronous.
-            unsafe { sys::cuMemFree_v2(self.ptr) };
-        }
     }
 }
 

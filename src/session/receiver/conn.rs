@@ -199,6 +199,8 @@ impl Receiver {
         let integrity = self.config.integrity;
         // Set when the sender connected its RDMA queue pairs (its chunks then arrive by RDMA).
         let mut rdma_peer: Option<crate::transport::rdma::link::RdmaPeer> = None;
+        // Payloads bound for a device ring land through this pinned host buffer.
+        let mut bounce: Option<super::Bounce> = None;
         while let Some(msg) = inbound.next_frame()? {
             frames += 1;
             if stop_after.is_some_and(|n| frames > n) {
@@ -218,12 +220,10 @@ impl Receiver {
                     match self.with_state(|st| st.begin_data(id, room, chunk, writer, offset, len))? {
                         Target::Land(lease) => {
                             let mem = self.ring_memory()?;
-                            let read = mem.range(lease.ring_offset, lease.len).and_then(|p| {
-                                // SAFETY: the lease pins [ring_offset, +len), inside this writer's
-                                // region of a live grant: no other thread writes it, nothing frees
-                                // or re-grants it until `end_data`.
-                                inbound.payload_into(unsafe { std::slice::from_raw_parts_mut(p, lease.len as usize) })
-                            });
+                            // SAFETY: the lease pins [ring_offset, +len), inside this writer's
+                            // region of a live grant: no other thread writes it, nothing frees or
+                            // re-grants it until `end_data`.
+                            let read = unsafe { mem.land(lease.ring_offset, lease.len, &mut bounce, |buf| inbound.payload_into(buf)) };
                             let landed = read.is_ok();
                             self.with_state(|st| st.end_data(lease, landed));
                             read?;
@@ -282,7 +282,16 @@ impl Receiver {
                 Message::RdmaOffer(offer) => {
                     let ring = self.memory.lock().clone();
                     let rdma = self.rdma.lock().clone().unwrap_or_else(crate::transport::rdma::Rdma::off);
-                    let (answer, p) = rdma.accept(&offer, ring.as_ref().map(|m| (m.base(), m.size())), &link.describe(), session);
+                    let (answer, p) = match ring.as_ref().filter(|m| m.device().is_some()) {
+                        // GPUDirect registration of a device ring is not implemented: refused, so
+                        // that the sender downgrades to TCP (counted there) or fails (rdma only).
+                        Some(m) => {
+                            let why = format!("the receiver's staging ring is {}: GPUDirect RDMA registration is not implemented, device rings take TCP", m.describe());
+                            log::warn!(session = session; "refused the RDMA offer of {}: {why}", link.describe());
+                            (crate::protocol::RdmaOffer::refusal(Status::KVSTAGE_E_UNSUPPORTED, why), None)
+                        }
+                        None => rdma.accept(&offer, ring.as_ref().map(|m| (m.base(), m.size())), &link.describe(), session),
+                    };
                     if p.is_some() {
                         self.with_state(|st| st.set_in_place(id, false));
                     }
@@ -342,10 +351,9 @@ impl Receiver {
             )),
             None => Ok(()),
             Some(sent) => self.ring_memory().and_then(|mem| {
-                let p = mem.range(lease.ring_offset, lease.len)?;
                 // SAFETY: the ready lease pins the writer's finished region; nothing writes it.
-                let bytes = unsafe { std::slice::from_raw_parts(p, lease.len as usize) };
-                let got = crate::session::sender::checksum(bytes);
+                let bytes = unsafe { mem.read_back(lease.ring_offset, lease.len) }?;
+                let got = crate::session::sender::checksum(&bytes);
                 if got == sent {
                     Ok(())
                 } else {

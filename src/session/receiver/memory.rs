@@ -1,14 +1,45 @@
-//! The staging ring's memory: caller-provided, or owned by the engine as a sealed memfd that a
-//! same-host sender can map.
+//! The staging ring's memory: host memory (the caller's, or the engine's own sealed memfd that a
+//! same-host sender can map) or CUDA device memory (the caller's, or allocated by the engine on a
+//! named device), which the scatter kernels read directly. The CPU cannot touch device memory, so
+//! payloads read from a socket land there through a pinned host bounce buffer, and the integrity
+//! check reads a region back.
 
+use std::borrow::Cow;
+
+use crate::copy::cuda::{DeviceMemory, HostPin};
 use crate::error::{Error, Result, Status};
+use crate::geometry::{KvLayout, MemoryKind};
 use crate::transport::shm::memory::SharedRing;
+
+/// Bytes of the pinned host buffer a connection lands socket payloads through on a device ring
+/// (one per connection that writes into a device ring, allocated at its first payload).
+pub const DEVICE_BOUNCE_BYTES: usize = 4 << 20;
+
+/// Where the ring lives and who owns it.
+enum Backing {
+    /// The caller's host memory.
+    Caller,
+    /// The engine's memfd (shareable with a same-host sender).
+    Shared(SharedRing),
+    /// Device memory (the caller's or the engine's: [`DeviceMemory`] frees only its own).
+    Device(DeviceMemory),
+}
+
+/// What the caller asks for when registering a ring.
+#[derive(Clone, Copy, Debug)]
+pub struct RingSpec {
+    pub memory: MemoryKind,
+    /// CUDA rings: the device (required when the engine allocates; checked against caller memory).
+    pub cuda_device: Option<u32>,
+    /// `None`: the engine allocates.
+    pub ptr: Option<*mut u8>,
+    pub bytes: usize,
+}
 
 pub struct RingMemory {
     ptr: *mut u8,
     len: usize,
-    /// Engine-owned memory (shareable); `None` for the caller's.
-    owned: Option<SharedRing>,
+    backing: Backing,
 }
 
 // SAFETY: the memory is only written inside grants the receiver's state handed to one writer (and
@@ -17,29 +48,85 @@ unsafe impl Send for RingMemory {}
 unsafe impl Sync for RingMemory {}
 
 impl RingMemory {
-    /// `ptr == None` allocates `len` bytes owned by the engine. Caller memory must be writable by
-    /// the CPU: device memory is refused (the receiver reads payloads into it from sockets).
-    pub fn new(ptr: Option<*mut u8>, len: usize) -> Result<RingMemory> {
-        match ptr {
-            Some(p) => {
+    pub fn new(spec: RingSpec) -> Result<RingMemory> {
+        let len = spec.bytes;
+        match (spec.memory, spec.ptr) {
+            (MemoryKind::Host, Some(p)) => {
                 if crate::copy::cuda::is_device_pointer(p as u64) {
                     return Err(Error::new(
-                        Status::KVSTAGE_E_UNSUPPORTED,
-                        format!("staging memory {p:p} is CUDA device memory; the ring must be host memory the CPU can write"),
+                        Status::KVSTAGE_E_INVALID_ARG,
+                        format!("staging memory {p:p} is CUDA device memory but was registered as host memory (memory_kind HOST)"),
                     ));
                 }
-                Ok(RingMemory { ptr: p, len, owned: None })
+                Ok(RingMemory { ptr: p, len, backing: Backing::Caller })
             }
-            None => {
+            (MemoryKind::Host, None) => {
                 let ring = SharedRing::create(len).map_err(|e| e.context(format!("cannot allocate a staging ring of {len} bytes")))?;
-                Ok(RingMemory { ptr: ring.ptr(), len, owned: Some(ring) })
+                Ok(RingMemory { ptr: ring.ptr(), len, backing: Backing::Shared(ring) })
+            }
+            (MemoryKind::Cuda, Some(p)) => {
+                let mem = DeviceMemory::borrow(spec.cuda_device, p as u64, len, "staging->cuda_device")
+                    .map_err(|e| e.context(format!("staging memory {p:p} ({len} bytes) is not usable as a device ring")))?;
+                Ok(RingMemory { ptr: p, len, backing: Backing::Device(mem) })
+            }
+            (MemoryKind::Cuda, None) => {
+                let device = spec.cuda_device.ok_or_else(|| {
+                    Error::invalid_arg("staging->cuda_device", "is negative: an engine-allocated device ring needs a device ordinal")
+                })?;
+                let mem = DeviceMemory::alloc(device as i32, len)
+                    .map_err(|e| e.context(format!("cannot allocate a staging ring of {len} bytes on CUDA device {device}")))?;
+                Ok(RingMemory { ptr: mem.ptr as *mut u8, len, backing: Backing::Device(mem) })
             }
         }
     }
 
-    /// The engine-owned ring a same-host sender can map (`None`: caller memory).
+    /// The engine-owned ring a same-host sender can map (`None`: caller or device memory).
     pub fn shareable(&self) -> Option<&SharedRing> {
-        self.owned.as_ref()
+        match &self.backing {
+            Backing::Shared(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The CUDA device holding the ring (`None`: host memory).
+    pub fn device(&self) -> Option<i32> {
+        match &self.backing {
+            Backing::Device(m) => Some(m.ordinal()),
+            _ => None,
+        }
+    }
+
+    /// "host memory (engine-owned, shareable)", "CUDA device 0 memory (caller's)" for logs.
+    pub fn describe(&self) -> String {
+        match &self.backing {
+            Backing::Caller => "host memory (caller's)".to_owned(),
+            Backing::Shared(_) => "host memory (engine-owned memfd, shareable on this host)".to_owned(),
+            Backing::Device(m) => format!("CUDA device {} memory ({})", m.ordinal(), if self.owned_device() { "engine-owned" } else { "caller's" }),
+        }
+    }
+
+    fn owned_device(&self) -> bool {
+        matches!(&self.backing, Backing::Device(m) if m.is_owned())
+    }
+
+    /// Checks that the scatter can read this ring into `pool`: a device ring needs a CUDA pool on
+    /// the same device (the kernels read the ring directly); a host ring serves any pool.
+    pub fn check_pool(&self, pool: &KvLayout) -> Result<()> {
+        let Some(ring_device) = self.device() else { return Ok(()) };
+        if pool.memory != MemoryKind::Cuda {
+            return Err(Error::invalid_arg(
+                "staging",
+                format!("is CUDA device {ring_device} memory but the KV pool is host memory: the scatter reads the ring from the CPU; register a host ring"),
+            ));
+        }
+        let pool_device = crate::copy::cuda::pool_device(pool, None)?;
+        if pool_device != ring_device {
+            return Err(Error::invalid_arg(
+                "staging",
+                format!("is memory of CUDA device {ring_device} but the KV pool is on device {pool_device}: the scatter kernels read the ring directly; put it on the pool's device"),
+            ));
+        }
+        Ok(())
     }
 
     pub fn size(&self) -> usize {
@@ -50,9 +137,9 @@ impl RingMemory {
         self.ptr
     }
 
-    /// The address of `len` bytes at `offset`, checked to lie inside the ring. Using them is only
-    /// sound under a lease from the receiver's state (a write or ready lease, or a scatter), which
-    /// keeps every other writer out of the range.
+    /// The address of `len` bytes at `offset` (device memory for a device ring), checked to lie
+    /// inside the ring. Using them is only sound under a lease from the receiver's state (a write
+    /// or ready lease, or a scatter), which keeps every other writer out of the range.
     pub fn range(&self, offset: u64, len: u64) -> crate::Result<*mut u8> {
         let end = offset.checked_add(len).filter(|&e| e <= self.len as u64);
         if end.is_none() {
@@ -60,5 +147,67 @@ impl RingMemory {
         }
         // SAFETY: offset is inside the allocation (checked).
         Ok(unsafe { self.ptr.add(offset as usize) })
+    }
+
+    /// Lands `len` bytes at `offset` from `read` (which fills each slice it is given, in order):
+    /// directly for host memory, through `bounce` (allocated on first use) for device memory.
+    ///
+    /// # Safety
+    /// The caller holds a write lease on the range (see [`range`](Self::range)).
+    pub unsafe fn land(&self, offset: u64, len: u64, bounce: &mut Option<Bounce>, mut read: impl FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        let p = self.range(offset, len)?;
+        let Backing::Device(mem) = &self.backing else {
+            // SAFETY: inside the ring (checked) and leased to this writer (the caller's contract).
+            return read(unsafe { std::slice::from_raw_parts_mut(p, len as usize) });
+        };
+        let bounce = match bounce {
+            Some(b) => b,
+            None => bounce.insert(Bounce::new(mem)),
+        };
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(bounce.buf.len() as u64) as usize;
+            read(&mut bounce.buf[..n])?;
+            mem.write((offset + done) as usize, &bounce.buf[..n])?;
+            done += n as u64;
+        }
+        Ok(())
+    }
+
+    /// The `len` bytes at `offset` as the CPU sees them: borrowed from host memory, copied back
+    /// from device memory.
+    ///
+    /// # Safety
+    /// The caller holds a lease that keeps writers out of the range.
+    pub unsafe fn read_back(&self, offset: u64, len: u64) -> Result<Cow<'_, [u8]>> {
+        let p = self.range(offset, len)?;
+        match &self.backing {
+            Backing::Device(mem) => {
+                let mut out = vec![0u8; len as usize];
+                mem.read(offset as usize, &mut out)?;
+                Ok(Cow::Owned(out))
+            }
+            // SAFETY: inside the ring (checked); no writer (the caller's contract).
+            _ => Ok(Cow::Borrowed(unsafe { std::slice::from_raw_parts(p, len as usize) })),
+        }
+    }
+}
+
+/// A connection's pinned host buffer for payloads bound for a device ring.
+pub struct Bounce {
+    /// Declared before `buf`: unpinned before the memory is freed.
+    _pin: Option<HostPin>,
+    buf: Vec<u8>,
+}
+
+impl Bounce {
+    fn new(mem: &DeviceMemory) -> Bounce {
+        let mut buf = vec![0u8; DEVICE_BOUNCE_BYTES];
+        // Unpinned copies still work (slower): a failed pin is logged, not fatal.
+        let pin = mem.pin_host(buf.as_mut_ptr(), buf.len()).unwrap_or_else(|e| {
+            log::warn!("cannot page-lock the {DEVICE_BOUNCE_BYTES}-byte bounce buffer of a device ring: {}", e.chain());
+            None
+        });
+        Bounce { _pin: pin, buf }
     }
 }

@@ -22,7 +22,7 @@ use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 
 pub use conn::verify_peer;
-pub use memory::RingMemory;
+pub use memory::{Bounce, RingMemory, RingSpec};
 pub use state::{ChunkEvent, ConnId, ScatterJob};
 use state::{Effects, Release, State};
 
@@ -243,6 +243,12 @@ impl Receiver {
 
     pub fn register_ring(&self, memory: RingMemory) -> Result<()> {
         let len = memory.size() as u64;
+        // Lock order: pool, then memory (as `check_pool_fits_ring`), so that a pool and a ring
+        // registered at once cannot both pass the check against the other's predecessor.
+        let pool = self.pool.lock();
+        if let Some(p) = pool.as_ref() {
+            memory.check_pool(p)?;
+        }
         let mut slot = self.memory.lock();
         let mapped = self.with_state(|st| st.register_ring(len).map(|()| st.mapped_conns()))?;
         // The old ring's memory region goes before its memory (RDMA peers then fail with a remote
@@ -263,6 +269,20 @@ impl Receiver {
         }
         *slot = Some(Arc::new(memory));
         Ok(())
+    }
+
+    /// Checks a pool about to be registered against the registered ring (see
+    /// [`RingMemory::check_pool`]); the caller holds the pool lock it will set the pool under.
+    pub fn check_pool_fits_ring(&self, pool: &KvLayout) -> Result<()> {
+        match self.memory.lock().as_ref() {
+            Some(m) => m.check_pool(pool),
+            None => Ok(()),
+        }
+    }
+
+    /// How the registered ring is held, for logs ("none" before registration).
+    pub fn ring_describe(&self) -> String {
+        self.memory.lock().as_ref().map_or_else(|| "none".to_owned(), |m| format!("{} bytes of {}", m.size(), m.describe()))
     }
 
     fn ring_memory(&self) -> Result<Arc<RingMemory>> {

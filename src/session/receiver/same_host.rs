@@ -52,6 +52,10 @@ impl Receiver {
         } else {
             match memory.as_ref() {
                 None => Some((Status::KVSTAGE_E_STAGING_TOO_SMALL, "the receiver has no staging ring registered".to_owned())),
+                Some(m) if m.device().is_some() => Some((
+                    Status::KVSTAGE_E_UNSUPPORTED,
+                    format!("the receiver's staging ring is {}: same-node CUDA IPC is not implemented, device rings take TCP", m.describe()),
+                )),
                 Some(m) if m.shareable().is_none() => Some((
                     Status::KVSTAGE_E_UNSUPPORTED,
                     "the receiver's staging ring is caller memory (register it with ptr = NULL to let the engine own a shareable one)".to_owned(),
