@@ -6,7 +6,8 @@ per TP rank), hands their data pointers to libkvstage, runs staged transfers ove
 (gather -> write -> scatter) for P4->D2 and P2->D4, and compares every decode rank's pool with a
 reshard computed in the array library itself (bit-exact, via the bf16 bit patterns).
 
-  --backend torch   PyTorch CUDA tensors, memory_kind CUDA (the GPU runner)
+  --backend torch   PyTorch CUDA tensors, memory_kind CUDA (the GPU runner); each case runs with a
+                    host staging ring and with a device ring (engine-allocated on the same GPU)
   --backend numpy   host arrays, memory_kind HOST (a dry run of this script on any machine)
 
 Exit 0 all passed, 1 a mismatch or an error, 77 skipped (no torch / no CUDA device, unless
@@ -61,6 +62,16 @@ class TransferDesc(C.Structure):  # leading fields of kvstage_transfer_desc
     ]
 
 
+class StagingMemory(C.Structure):
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("memory_kind", C.c_int32),
+        ("cuda_device", C.c_int32),
+        ("memory", C.c_void_p),
+        ("bytes", C.c_size_t),
+    ]
+
+
 class Error(C.Structure):
     _fields_ = [
         ("struct_size", C.c_size_t),
@@ -81,11 +92,13 @@ class Lib:
         for name in ("kvstage_engine_new", "kvstage_engine_register_pool", "kvstage_engine_register_staging",
                      "kvstage_engine_listen_address", "kvstage_kv_layout_init", "kvstage_transfer_desc_init",
                      "kvstage_session_connect", "kvstage_transfer", "kvstage_room_open", "kvstage_room_wait",
-                     "kvstage_room_release"):
+                     "kvstage_room_release", "kvstage_staging_memory_init", "kvstage_engine_register_staging_memory"):
             getattr(L, name).restype = C.c_int
         L.kvstage_engine_new.argtypes = [C.c_void_p, C.POINTER(C.c_void_p)]
         L.kvstage_engine_register_pool.argtypes = [C.c_void_p, C.c_void_p]
         L.kvstage_engine_register_staging.argtypes = [C.c_void_p, C.c_void_p, C.c_size_t]
+        L.kvstage_staging_memory_init.argtypes = [C.c_void_p]
+        L.kvstage_engine_register_staging_memory.argtypes = [C.c_void_p, C.c_void_p]
         L.kvstage_engine_listen_address.argtypes = [C.c_void_p, C.c_char_p, C.c_size_t, C.c_void_p]
         L.kvstage_kv_layout_init.argtypes = [C.c_void_p]
         L.kvstage_transfer_desc_init.argtypes = [C.c_void_p]
@@ -180,7 +193,18 @@ class Rank:
         self.lib.lib.kvstage_engine_free(self.engine)
 
 
-def scenario(lib, be, src_tp, dst_tp, room, seed):
+def register_ring(lib, be, engine, ring):
+    """The decode ring: engine-owned host memory, or engine-allocated memory of the current CUDA
+    device (the scatter kernels then read it directly)."""
+    if ring == "host":
+        lib.check(lib.lib.kvstage_engine_register_staging(engine, None, 64 << 20), "register_staging")
+        return
+    buf, m = lib.struct(StagingMemory, "kvstage_staging_memory_init")
+    m.memory_kind, m.cuda_device, m.bytes = 1, be.t.cuda.current_device(), 64 << 20
+    lib.check(lib.lib.kvstage_engine_register_staging_memory(engine, buf), "register_staging_memory (device ring)")
+
+
+def scenario(lib, be, src_tp, dst_tp, room, seed, ring):
     rnd = random.Random(seed)
     prefill = [Rank(lib, be, r, src_tp, seed * 100 + r) for r in range(src_tp)]
     decode = [Rank(lib, be, d, dst_tp, seed * 100 + 50 + d) for d in range(dst_tp)]
@@ -192,7 +216,7 @@ def scenario(lib, be, src_tp, dst_tp, room, seed):
     chunks = C.c_uint32()
     dst_arr = (C.c_uint32 * npages)(*dst_pages)
     for d in decode:
-        lib.check(lib.lib.kvstage_engine_register_staging(d.engine, None, 64 << 20), "register_staging")
+        register_ring(lib, be, d.engine, ring)
         lib.check(lib.lib.kvstage_room_open(d.engine, room, dst_arr, npages, chunk_tokens, C.byref(chunks)), "room_open")
     be.sync()  # the pools' producer finished (a ready fence would order this on a stream)
     # Rank pairing: P>D: decode d is fed by prefill [d*r, (d+1)*r); P<D: prefill p feeds [p*r, (p+1)*r).
@@ -266,9 +290,11 @@ def main():
         return 1 if require and args.backend == "torch" else 77
     lib = Lib(args.lib)
     passed = failed = 0
-    for name, src_tp, dst_tp in (("P4->D2", 4, 2), ("P2->D4", 2, 4)):
+    rings = ("host", "device") if args.backend == "torch" else ("host",)
+    cases = [(f"P{s}->D{d} {ring} ring", s, d, ring) for ring in rings for s, d in ((4, 2), (2, 4))]
+    for i, (name, src_tp, dst_tp, ring) in enumerate(cases):
         try:
-            n = scenario(lib, be, src_tp, dst_tp, ROOM_BASE + src_tp * 10 + dst_tp, seed=src_tp * 7 + dst_tp)
+            n = scenario(lib, be, src_tp, dst_tp, ROOM_BASE + 100 * i + src_tp * 10 + dst_tp, seed=src_tp * 7 + dst_tp, ring=ring)
         except Exception as e:  # noqa: BLE001
             print(f"FAIL {name} ({args.backend}): {e}")
             failed += 1
