@@ -231,6 +231,16 @@ API CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     }
     return E_INVALID_VALUE;
 }
+API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    std::lock_guard<std::mutex> g(g_mu);
+    for (const Range &r : g_device)
+        if ((uintptr_t)p >= r.ptr && (uintptr_t)p < r.ptr + r.bytes) {
+            if (base) *base = (CUdeviceptr)r.ptr;
+            if (size) *size = r.bytes;
+            return OK;
+        }
+    return E_NOT_FOUND;
+}
 API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                             unsigned smem, CUstream, void **params, void **extra) {
     if (f == nullptr || params == nullptr || extra != nullptr) return E_INVALID_VALUE;

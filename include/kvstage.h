@@ -724,7 +724,9 @@ enum kvstage_status kvstage_engine_listen_address(const struct kvstage_engine *e
 // A CUDA pool (`memory_kind` CUDA) is checked here: `KVSTAGE_E_NO_DEVICE` without libcuda or
 // without the device (the causes name the CUDA error, e.g. CUDA_ERROR_NO_DEVICE),
 // `KVSTAGE_E_GEOMETRY_INVALID` when a buffer is not device memory of `cuda_device` over its
-// whole extent, `KVSTAGE_E_CUDA` when the kernels do not load (the cause holds the JIT log).
+// whole extent, `KVSTAGE_E_CUDA` when the kernels do not load (the cause holds the JIT log),
+// `KVSTAGE_E_INVALID_ARG` when the registered staging ring is device memory and this pool is
+// not CUDA memory of the same device.
 enum kvstage_status kvstage_engine_register_pool(const struct kvstage_engine *engine, const struct kvstage_kv_layout *layout);
 
 // Registers the decode-side staging ring: `bytes` of host memory at `memory`, or engine-owned
@@ -743,9 +745,11 @@ enum kvstage_status kvstage_staging_memory_init(struct kvstage_staging_memory *s
 // buffer per connection. Same-host and RDMA sessions need CUDA IPC and GPUDirect registration,
 // not implemented yet: a device ring refuses them, so AUTO senders downgrade to TCP (counted in
 // their `shm_downgrades` / `rdma_downgrades`) and SHM or RDMA senders fail at connect.
-// Errors: `KVSTAGE_E_NO_DEVICE` without libcuda or the device, `KVSTAGE_E_GEOMETRY_INVALID`
-// when caller device memory is not device memory over its whole extent, `KVSTAGE_E_CUDA` when
-// the allocation fails; otherwise as `kvstage_engine_register_staging`.
+// Errors: `KVSTAGE_E_NO_DEVICE` without libcuda or without a device, `KVSTAGE_E_INVALID_ARG`
+// for a `cuda_device` this host lacks or that differs from the memory's device,
+// `KVSTAGE_E_GEOMETRY_INVALID` when caller memory is not device memory of one allocation over its
+// whole extent, `KVSTAGE_E_OUT_OF_MEMORY` or `KVSTAGE_E_CUDA` when the engine's allocation
+// fails; otherwise as `kvstage_engine_register_staging`.
 enum kvstage_status kvstage_engine_register_staging_memory(const struct kvstage_engine *engine, const struct kvstage_staging_memory *staging);
 
 // Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_engine_stats)`) with the

@@ -735,7 +735,9 @@ class Engine(_Handle):
             c.memory, keep = info.address, info.keepalive
         c.memory_kind = int(kind)
         if device is not None:
-            c.cuda_device = _u32(device, "device")
+            if _u32(device, "device") >= 1 << 31:
+                raise argument_error("device", f"{device} is not a CUDA device ordinal")
+            c.cuda_device = device
         rc = self._lib.kvstage_engine_register_staging_memory(self._handle(), byref(c))
         _check(self._lib, rc, "kvstage_engine_register_staging_memory")
         self._staging.append(keep)

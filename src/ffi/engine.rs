@@ -279,7 +279,9 @@ pub unsafe extern "C" fn kvstage_engine_listen_address(
 /// A CUDA pool (`memory_kind` CUDA) is checked here: `KVSTAGE_E_NO_DEVICE` without libcuda or
 /// without the device (the causes name the CUDA error, e.g. CUDA_ERROR_NO_DEVICE),
 /// `KVSTAGE_E_GEOMETRY_INVALID` when a buffer is not device memory of `cuda_device` over its
-/// whole extent, `KVSTAGE_E_CUDA` when the kernels do not load (the cause holds the JIT log).
+/// whole extent, `KVSTAGE_E_CUDA` when the kernels do not load (the cause holds the JIT log),
+/// `KVSTAGE_E_INVALID_ARG` when the registered staging ring is device memory and this pool is
+/// not CUDA memory of the same device.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_register_pool(
     engine: *const kvstage_engine,
@@ -363,9 +365,11 @@ pub unsafe extern "C" fn kvstage_staging_memory_init(staging: *mut kvstage_stagi
 /// buffer per connection. Same-host and RDMA sessions need CUDA IPC and GPUDirect registration,
 /// not implemented yet: a device ring refuses them, so AUTO senders downgrade to TCP (counted in
 /// their `shm_downgrades` / `rdma_downgrades`) and SHM or RDMA senders fail at connect.
-/// Errors: `KVSTAGE_E_NO_DEVICE` without libcuda or the device, `KVSTAGE_E_GEOMETRY_INVALID`
-/// when caller device memory is not device memory over its whole extent, `KVSTAGE_E_CUDA` when
-/// the allocation fails; otherwise as `kvstage_engine_register_staging`.
+/// Errors: `KVSTAGE_E_NO_DEVICE` without libcuda or without a device, `KVSTAGE_E_INVALID_ARG`
+/// for a `cuda_device` this host lacks or that differs from the memory's device,
+/// `KVSTAGE_E_GEOMETRY_INVALID` when caller memory is not device memory of one allocation over its
+/// whole extent, `KVSTAGE_E_OUT_OF_MEMORY` or `KVSTAGE_E_CUDA` when the engine's allocation
+/// fails; otherwise as `kvstage_engine_register_staging`.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_register_staging_memory(
     engine: *const kvstage_engine,

@@ -406,6 +406,17 @@ pub fn pointer_attribute(ptr: u64, attr: sys::CUpointer_attribute) -> Option<u32
     (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
 }
 
+/// The allocation holding device address `ptr`: (base, size); `None` when the driver cannot say.
+pub fn allocation_of(ptr: u64) -> Option<(u64, u64)> {
+    if !has_symbol("cuMemGetAddressRange_v2") {
+        return None;
+    }
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: both outputs are valid; the caller's context is current.
+    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some((base, size as u64))
+}
+
 /// The ordinal of the device owning `ptr` when `ptr` is device memory.
 pub fn device_of(ptr: u64) -> Option<i32> {
     use sys::CUpointer_attribute::*;

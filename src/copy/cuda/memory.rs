@@ -10,24 +10,36 @@ use super::driver::{cu, Device};
 use super::{pool_device_of, Backend, CudaBackend, HostPin};
 use crate::error::{Error, Result};
 
-/// A range of device memory: allocated here (freed on drop) or borrowed from the caller.
+/// A range of device memory: allocated here (freed on drop) or borrowed from the caller. Its
+/// copies run on a stream of its own (non-blocking): never behind the application's work on the
+/// legacy default stream, which PyTorch and others use.
 pub struct DeviceMemory {
     pub ptr: u64,
     pub bytes: usize,
     dev: Arc<Device>,
+    stream: usize,
     owned: bool,
 }
+
+// SAFETY: device addresses and CUDA streams may be used from any thread.
+unsafe impl Send for DeviceMemory {}
+unsafe impl Sync for DeviceMemory {}
 
 impl DeviceMemory {
     /// Allocates `bytes` on device `ordinal` (freed on drop).
     pub fn alloc(ordinal: i32, bytes: usize) -> Result<DeviceMemory> {
         let dev = Device::open(ordinal)?;
         let _g = dev.enter()?;
+        let stream = super::driver::create_stream()?;
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: context current.
-        cu("cuMemAlloc_v2", unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(1)) })
-            .map_err(|e| e.context(format!("cannot allocate {bytes} bytes on CUDA device {ordinal}")))?;
-        Ok(DeviceMemory { ptr: p, bytes, dev, owned: true })
+        let allocated = cu("cuMemAlloc_v2", unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(1)) });
+        if let Err(e) = allocated {
+            // SAFETY: our stream, unused.
+            unsafe { sys::cuStreamDestroy_v2(stream as sys::CUstream) };
+            return Err(e.context(format!("cannot allocate {bytes} bytes on CUDA device {ordinal}")));
+        }
+        Ok(DeviceMemory { ptr: p, bytes, dev, stream, owned: true })
     }
 
     /// The caller's `bytes` at `ptr`, checked to be device memory of one device over the whole
@@ -37,8 +49,11 @@ impl DeviceMemory {
     pub fn borrow(device: Option<u32>, ptr: u64, bytes: usize, arg: &str) -> Result<DeviceMemory> {
         let ordinal = pool_device_of(ptr, device, arg)?;
         let backend = CudaBackend { dev: Device::open(ordinal)? };
-        backend.scoped(|| backend.check_device_range(ptr, bytes as u64))?;
-        Ok(DeviceMemory { ptr, bytes, dev: backend.dev, owned: false })
+        let stream = backend.scoped(|| {
+            backend.check_device_range(ptr, bytes as u64)?;
+            super::driver::create_stream()
+        })?;
+        Ok(DeviceMemory { ptr, bytes, dev: backend.dev, stream, owned: false })
     }
 
     pub fn ordinal(&self) -> i32 {
@@ -83,22 +98,27 @@ impl DeviceMemory {
 
     fn copy_sync(&self, dst: u64, src: u64, n: usize) -> Result<()> {
         let _g = self.dev.enter()?;
-        // SAFETY: both ranges checked by the callers; the legacy stream (0) is synchronized below.
+        let stream = self.stream as sys::CUstream;
+        // SAFETY: both ranges checked by the callers; the stream is synchronized before returning
+        // (also when the copy could not be queued, so that nothing queued outlives the call).
         unsafe {
-            cu("cuMemcpyAsync", sys::cuMemcpyAsync(dst, src, n, std::ptr::null_mut()))?;
-            cu("cuStreamSynchronize", sys::cuStreamSynchronize(std::ptr::null_mut()))
+            let queued = cu("cuMemcpyAsync", sys::cuMemcpyAsync(dst, src, n, stream));
+            let synced = cu("cuStreamSynchronize", sys::cuStreamSynchronize(stream));
+            queued.and(synced)
         }
     }
 }
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
-        if !self.owned {
-            return;
-        }
         if let Ok(_g) = self.dev.enter() {
-            // SAFETY: our allocation; every copy above was synchronous.
-            unsafe { sys::cuMemFree_v2(self.ptr) };
+            // SAFETY: our stream (every copy on it was synchronous) and, when owned, our allocation.
+            unsafe {
+                sys::cuStreamDestroy_v2(self.stream as sys::CUstream);
+                if self.owned {
+                    sys::cuMemFree_v2(self.ptr);
+                }
+            }
         }
     }
 }

@@ -138,6 +138,20 @@ impl Backend for CudaBackend {
                 }
             }
         }
+        // First and last byte on the device can still span two allocations with a gap between
+        // them: the whole range must lie in the allocation that holds its first byte.
+        if let Some((base, size)) = driver::allocation_of(ptr) {
+            if last >= base.saturating_add(size) {
+                return Err(Error::new(
+                    Status::KVSTAGE_E_GEOMETRY_INVALID,
+                    format!(
+                        "it spans more than one allocation: its first byte {ptr:#x} lies in the {size}-byte allocation at {base:#x}, \
+                         which ends {} bytes before its last byte",
+                        last + 1 - (base + size)
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 

@@ -199,8 +199,6 @@ impl Receiver {
         let integrity = self.config.integrity;
         // Set when the sender connected its RDMA queue pairs (its chunks then arrive by RDMA).
         let mut rdma_peer: Option<crate::transport::rdma::link::RdmaPeer> = None;
-        // Payloads bound for a device ring land through this pinned host buffer.
-        let mut bounce: Option<super::Bounce> = None;
         while let Some(msg) = inbound.next_frame()? {
             frames += 1;
             if stop_after.is_some_and(|n| frames > n) {
@@ -223,7 +221,7 @@ impl Receiver {
                             // SAFETY: the lease pins [ring_offset, +len), inside this writer's
                             // region of a live grant: no other thread writes it, nothing frees or
                             // re-grants it until `end_data`.
-                            let read = unsafe { mem.land(lease.ring_offset, lease.len, &mut bounce, |buf| inbound.payload_into(buf)) };
+                            let read = unsafe { mem.land(lease.ring_offset, lease.len, |buf| inbound.payload_into(buf)) };
                             let landed = read.is_ok();
                             self.with_state(|st| st.end_data(lease, landed));
                             read?;
@@ -291,6 +289,20 @@ impl Receiver {
                             (crate::protocol::RdmaOffer::refusal(Status::KVSTAGE_E_UNSUPPORTED, why), None)
                         }
                         None => rdma.accept(&offer, ring.as_ref().map(|m| (m.base(), m.size())), &link.describe(), session),
+                    };
+                    // The ring may have been replaced while the offer was served: its registration
+                    // (and the address the answer carries) then describe dead memory.
+                    let current = self.memory.lock().clone();
+                    let replaced = !matches!((&ring, &current), (Some(a), Some(b)) if Arc::ptr_eq(a, b));
+                    let (answer, p) = if p.is_some() && replaced {
+                        let same_memory = matches!((&ring, &current), (Some(a), Some(b)) if a.base() == b.base());
+                        if let (Some(old), false) = (&ring, same_memory) {
+                            rdma.forget_ring_at(old.base());
+                        }
+                        let why = "the staging ring was replaced during the RDMA exchange; reconnect";
+                        (crate::protocol::RdmaOffer::refusal(Status::KVSTAGE_E_PEER_GONE, why.to_owned()), None)
+                    } else {
+                        (answer, p)
                     };
                     if p.is_some() {
                         self.with_state(|st| st.set_in_place(id, false));

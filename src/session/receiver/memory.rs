@@ -6,14 +6,30 @@
 
 use std::borrow::Cow;
 
+use parking_lot::Mutex;
+
 use crate::copy::cuda::{DeviceMemory, HostPin};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{KvLayout, MemoryKind};
 use crate::transport::shm::memory::SharedRing;
 
-/// Bytes of the pinned host buffer a connection lands socket payloads through on a device ring
-/// (one per connection that writes into a device ring, allocated at its first payload).
+/// Bytes of each pinned host buffer socket payloads land through on their way to a device ring.
 pub const DEVICE_BOUNCE_BYTES: usize = 4 << 20;
+
+/// Bounce buffers a device ring keeps between payloads (more are made while more connections
+/// land payloads at once, and freed afterwards): pinned memory held at rest is bounded by
+/// `BOUNCES_KEPT * DEVICE_BOUNCE_BYTES`.
+const BOUNCES_KEPT: usize = 4;
+
+/// The bounce size: [`DEVICE_BOUNCE_BYTES`], or in test builds `KVSTAGE_TESTING_BOUNCE_BYTES` (so
+/// that small test chunks cross several pieces).
+fn bounce_bytes() -> usize {
+    #[cfg(feature = "testing")]
+    if let Some(n) = std::env::var("KVSTAGE_TESTING_BOUNCE_BYTES").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0) {
+        return n;
+    }
+    DEVICE_BOUNCE_BYTES
+}
 
 /// Where the ring lives and who owns it.
 enum Backing {
@@ -21,8 +37,9 @@ enum Backing {
     Caller,
     /// The engine's memfd (shareable with a same-host sender).
     Shared(SharedRing),
-    /// Device memory (the caller's or the engine's: [`DeviceMemory`] frees only its own).
-    Device(DeviceMemory),
+    /// Device memory (the caller's or the engine's: [`DeviceMemory`] frees only its own), and
+    /// the idle bounce buffers payloads land through.
+    Device(DeviceMemory, Mutex<Vec<Bounce>>),
 }
 
 /// What the caller asks for when registering a ring.
@@ -67,7 +84,7 @@ impl RingMemory {
             (MemoryKind::Cuda, Some(p)) => {
                 let mem = DeviceMemory::borrow(spec.cuda_device, p as u64, len, "staging->cuda_device")
                     .map_err(|e| e.context(format!("staging memory {p:p} ({len} bytes) is not usable as a device ring")))?;
-                Ok(RingMemory { ptr: p, len, backing: Backing::Device(mem) })
+                Ok(RingMemory { ptr: p, len, backing: Backing::Device(mem, Mutex::default()) })
             }
             (MemoryKind::Cuda, None) => {
                 let device = spec.cuda_device.ok_or_else(|| {
@@ -75,7 +92,7 @@ impl RingMemory {
                 })?;
                 let mem = DeviceMemory::alloc(device as i32, len)
                     .map_err(|e| e.context(format!("cannot allocate a staging ring of {len} bytes on CUDA device {device}")))?;
-                Ok(RingMemory { ptr: mem.ptr as *mut u8, len, backing: Backing::Device(mem) })
+                Ok(RingMemory { ptr: mem.ptr as *mut u8, len, backing: Backing::Device(mem, Mutex::default()) })
             }
         }
     }
@@ -91,7 +108,7 @@ impl RingMemory {
     /// The CUDA device holding the ring (`None`: host memory).
     pub fn device(&self) -> Option<i32> {
         match &self.backing {
-            Backing::Device(m) => Some(m.ordinal()),
+            Backing::Device(m, _) => Some(m.ordinal()),
             _ => None,
         }
     }
@@ -101,12 +118,8 @@ impl RingMemory {
         match &self.backing {
             Backing::Caller => "host memory (caller's)".to_owned(),
             Backing::Shared(_) => "host memory (engine-owned memfd, shareable on this host)".to_owned(),
-            Backing::Device(m) => format!("CUDA device {} memory ({})", m.ordinal(), if self.owned_device() { "engine-owned" } else { "caller's" }),
+            Backing::Device(m, _) => format!("CUDA device {} memory ({})", m.ordinal(), if m.is_owned() { "engine-owned" } else { "caller's" }),
         }
-    }
-
-    fn owned_device(&self) -> bool {
-        matches!(&self.backing, Backing::Device(m) if m.is_owned())
     }
 
     /// Checks that the scatter can read this ring into `pool`: a device ring needs a CUDA pool on
@@ -145,33 +158,35 @@ impl RingMemory {
         if end.is_none() {
             return Err(Error::internal(format!("ring range [{offset}, +{len}) is outside the ring of {} bytes", self.len)));
         }
-        // SAFETY: offset is inside the allocation (checked).
-        Ok(unsafe { self.ptr.add(offset as usize) })
+        // Not `add`: a device ring's address is no allocation of this process.
+        Ok(self.ptr.wrapping_add(offset as usize))
     }
 
     /// Lands `len` bytes at `offset` from `read` (which fills each slice it is given, in order):
-    /// directly for host memory, through `bounce` (allocated on first use) for device memory.
+    /// directly for host memory, through a pinned bounce buffer for device memory.
     ///
     /// # Safety
     /// The caller holds a write lease on the range (see [`range`](Self::range)).
-    pub unsafe fn land(&self, offset: u64, len: u64, bounce: &mut Option<Bounce>, mut read: impl FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+    pub unsafe fn land(&self, offset: u64, len: u64, mut read: impl FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
         let p = self.range(offset, len)?;
-        let Backing::Device(mem) = &self.backing else {
+        let Backing::Device(mem, idle) = &self.backing else {
             // SAFETY: inside the ring (checked) and leased to this writer (the caller's contract).
             return read(unsafe { std::slice::from_raw_parts_mut(p, len as usize) });
         };
-        let bounce = match bounce {
-            Some(b) => b,
-            None => bounce.insert(Bounce::new(mem)),
-        };
+        let taken = idle.lock().pop();
+        let mut bounce = taken.unwrap_or_else(|| Bounce::new(mem));
         let mut done = 0u64;
-        while done < len {
+        let mut landed = Ok(());
+        while done < len && landed.is_ok() {
             let n = (len - done).min(bounce.buf.len() as u64) as usize;
-            read(&mut bounce.buf[..n])?;
-            mem.write((offset + done) as usize, &bounce.buf[..n])?;
+            landed = read(&mut bounce.buf[..n]).and_then(|()| mem.write((offset + done) as usize, &bounce.buf[..n]));
             done += n as u64;
         }
-        Ok(())
+        let mut idle = idle.lock();
+        if idle.len() < BOUNCES_KEPT {
+            idle.push(bounce);
+        }
+        landed
     }
 
     /// The `len` bytes at `offset` as the CPU sees them: borrowed from host memory, copied back
@@ -182,7 +197,7 @@ impl RingMemory {
     pub unsafe fn read_back(&self, offset: u64, len: u64) -> Result<Cow<'_, [u8]>> {
         let p = self.range(offset, len)?;
         match &self.backing {
-            Backing::Device(mem) => {
+            Backing::Device(mem, _) => {
                 let mut out = vec![0u8; len as usize];
                 mem.read(offset as usize, &mut out)?;
                 Ok(Cow::Owned(out))
@@ -193,8 +208,8 @@ impl RingMemory {
     }
 }
 
-/// A connection's pinned host buffer for payloads bound for a device ring.
-pub struct Bounce {
+/// A pinned host buffer for payloads bound for a device ring.
+struct Bounce {
     /// Declared before `buf`: unpinned before the memory is freed.
     _pin: Option<HostPin>,
     buf: Vec<u8>,
@@ -202,10 +217,10 @@ pub struct Bounce {
 
 impl Bounce {
     fn new(mem: &DeviceMemory) -> Bounce {
-        let mut buf = vec![0u8; DEVICE_BOUNCE_BYTES];
+        let mut buf = vec![0u8; bounce_bytes()];
         // Unpinned copies still work (slower): a failed pin is logged, not fatal.
         let pin = mem.pin_host(buf.as_mut_ptr(), buf.len()).unwrap_or_else(|e| {
-            log::warn!("cannot page-lock the {DEVICE_BOUNCE_BYTES}-byte bounce buffer of a device ring: {}", e.chain());
+            log::warn!("cannot page-lock a {}-byte bounce buffer of a device ring: {}", buf.len(), e.chain());
             None
         });
         Bounce { _pin: pin, buf }

@@ -22,7 +22,7 @@ use crossbeam_channel::Sender;
 use parking_lot::{Condvar, Mutex};
 
 pub use conn::verify_peer;
-pub use memory::{Bounce, RingMemory, RingSpec};
+pub use memory::{RingMemory, RingSpec};
 pub use state::{ChunkEvent, ConnId, ScatterJob};
 use state::{Effects, Release, State};
 
@@ -267,7 +267,11 @@ impl Receiver {
                 }
             }
         }
-        *slot = Some(Arc::new(memory));
+        let old = slot.replace(Arc::new(memory));
+        drop(slot);
+        drop(pool);
+        // Freed (munmap, cuMemFree) outside the locks that senders and rooms wait on.
+        drop(old);
         Ok(())
     }
 

@@ -398,6 +398,15 @@ impl Rdma {
         self.ring.lock().take();
     }
 
+    /// Forgets the ring registration if it is the one of the ring at `addr` (a ring replaced while
+    /// a connection registered it: the registration of its successor, if any, stays).
+    pub fn forget_ring_at(&self, addr: *mut u8) {
+        let mut reg = self.ring.lock();
+        if reg.as_ref().is_some_and(|r| r.addr == addr as usize) {
+            reg.take();
+        }
+    }
+
     /// Forgets the send staging registration. Call it before the staging buffer is freed or
     /// replaced by memory that may reuse its addresses (growing it is safe: a larger range is
     /// never covered by the old registration and is registered again).
