@@ -431,6 +431,81 @@ fn another_connections_writer_slot_cannot_be_written() {
     after_attack(&c, &base, "another connection's writer slot");
 }
 
+/// A writer's region gathered by the reference (host) engine from prefill rank `rank`'s pool.
+fn region_bytes(c: &Cluster, rank: usize, pages: &[u32]) -> Vec<u8> {
+    use kvstage::copy::{CopyEngine, HostCopyEngine};
+    let layout = SMALL.layout(rank as u32, 2);
+    let region = &layout.writers[rank];
+    let plan = kvstage::geometry::plan_gather(&c.ppools[rank].layout, pages, &layout, region).unwrap();
+    let mut bytes = vec![0u8; region.bytes as usize];
+    // SAFETY: the pool outlives the call and `bytes` holds the region.
+    unsafe { HostCopyEngine::new(1).gather(&plan, &c.ppools[rank].layout, bytes.as_mut_ptr()) }.unwrap();
+    bytes
+}
+
+#[test]
+fn slab_writes_land_in_any_order_but_never_twice_or_past_the_region() {
+    let _serial = serial();
+    let c = cluster(Limits::default());
+    let base = prepare(&c);
+    let rx = c.decode.receiver();
+    let addr = c.addr().to_string();
+    let layout = SMALL.layout(1, 2);
+    let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
+    let bytes = region_bytes(&c, 1, &src);
+    let half = bytes.len() as u64 / 2;
+    let s0 = c.prefill[0].connect(&addr, "legit-r0", None).unwrap();
+    let send_rank0 = |room| {
+        let desc = TransferDesc { room, chunk: 0, pages: src.clone(), timeout: Some(Duration::from_secs(5)), ..Default::default() };
+        assert_eq!(s0.transfer(&desc, &Op::new(s0.waker())).unwrap(), Status::KVSTAGE_OK);
+    };
+    // Writer 1 by hand: each half of its region in its own write, the second half first.
+    let room = 90;
+    let pages = c.room_pages(room, 1);
+    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+    send_rank0(room);
+    let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(1, 2), "slabs-reversed", b"");
+    let g = raw.alloc_granted(1, room, 0, 1, &layout);
+    for (at, part) in [(half, &bytes[half as usize..]), (0, &bytes[..half as usize])] {
+        raw.send(&Message::Data { room, chunk: 0, writer: 1, offset: g.region + at, len: part.len() as u64 }).unwrap();
+        raw.send_bytes(part).unwrap();
+    }
+    raw.send(&Message::ChunkReady { req: 2, room, chunk: 0, writer: 1, checksum: Some(kvstage::session::sender::checksum(&bytes)) }).unwrap();
+    match raw.reply(Duration::from_secs(5)) {
+        Message::Arrived { req: 2, status: 0, .. } => {}
+        other => panic!("a region written back to front was not accepted: {other:?}"),
+    }
+    rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
+    c.verify_room("slabs back to front", room, &pages);
+    rx.release_room(room);
+    pool_fill_canary(&c.dpool, &pages);
+
+    // The same half twice, and a write that runs one byte past the region: each ends the session
+    // and nothing of it is acknowledged.
+    for (label, second_at) in [("the same half twice", 0), ("one byte past the region", half + 1)] {
+        let room = if second_at == 0 { 91 } else { 92 };
+        let pages = c.room_pages(room, 1);
+        rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+        let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(1, 2), label, b"");
+        let g = raw.alloc_granted(1, room, 0, 1, &layout);
+        for at in [0, second_at] {
+            let _ = raw.send(&Message::Data { room, chunk: 0, writer: 1, offset: g.region + at, len: half });
+            let _ = raw.send_bytes(&bytes[..half as usize]);
+        }
+        let _ = raw.send(&Message::ChunkReady { req: 2, room, chunk: 0, writer: 1, checksum: None });
+        let closed = raw.wait_closed(CLOSE_BOUND);
+        assert!(closed.after.is_some(), "[{label}] the engine kept the session");
+        assert!(!closed.frames.iter().any(|m| matches!(m, Message::Arrived { req: 2, status: 0, .. })), "[{label}] the chunk was acknowledged");
+        if let Ok(done) = rx.wait_room(room, Some(Duration::from_millis(300))) {
+            panic!("[{label}] room {room} ended {done:?} with half of its bytes");
+        }
+        rx.release_room(room);
+        pool_fill_canary(&c.dpool, &pages);
+    }
+    drop((s0, raw));
+    after_attack(&c, &base, "slab writes in any order");
+}
+
 #[test]
 fn abort_from_a_connection_that_never_wrote_does_not_fail_the_room() {
     let _serial = serial();

@@ -8,6 +8,7 @@
 
 mod conn;
 mod coverage;
+mod extents;
 pub mod listener;
 mod memory;
 mod same_host;

@@ -9,6 +9,8 @@
 //!   progress pins its grant, a grant written in place (RDMA, same-host mapping) stays quarantined
 //!   while its writer may still write — for a same-host writer until its mapping is gone, which
 //!   may be after its connection;
+//! - a writer's staged writes may land in any order inside its region but never outside it or over
+//!   bytes already written; its ready counts only when they cover the region, each byte once;
 //! - a released room leaves only when no lease on its pages (slice reads, scatter) is left, and its
 //!   id can be opened again only then; stale leases name the room's generation, never a newer room;
 //! - events are bounded (overflow is counted).
@@ -20,6 +22,7 @@ use crate::error::{Error, FieldMismatch, Result, Status};
 use crate::geometry::{self, PoolShape, StagingLayout};
 use crate::ring::{Grant, Ring, Watermark};
 use crate::session::receiver::coverage::Coverage;
+use crate::session::receiver::extents::Extents;
 use crate::session::stats::ReceiveStats;
 use crate::session::Pairing;
 
@@ -75,8 +78,8 @@ struct Slot {
     conn: ConnId,
     /// Its region's index in the chunk's layout: the layers it carries (and, staged, where).
     region: u32,
-    /// Staged: bytes landed contiguously from the region's start.
-    received: u64,
+    /// Staged: the ranges of its region that landed (allocation-relative), in any order.
+    written: Extents,
     /// Slice path: rows landed.
     coverage: Option<Coverage>,
     arrived: bool,
@@ -171,7 +174,8 @@ pub struct WriteLease {
     chunk: u32,
     /// Index of the connection's slot in the chunk.
     slot: u32,
-    /// Where the payload lands in the ring, and how many bytes.
+    /// Where the payload lands in the allocation and in the ring, and how many bytes.
+    offset: u64,
     pub ring_offset: u64,
     pub len: u64,
 }

@@ -77,7 +77,7 @@ impl State {
         c.grant = Some(id);
         c.layout = Some(layout);
         c.mode = Mode::Staged;
-        c.slots.push(Slot { conn, region, received: 0, coverage: None, arrived: false });
+        c.slots.push(Slot { conn, region, written: Extents::default(), coverage: None, arrived: false });
         Ok((grant, region_offset))
     }
 
@@ -99,6 +99,7 @@ impl State {
             gen,
             chunk,
             slot,
+            offset: region_offset,
             ring_offset: g.grant.offset + region_offset,
             len,
         }))
@@ -119,13 +120,16 @@ impl State {
             return Err(protocol(format!("data for chunk {chunk} of room {room} without this connection's allocation")));
         };
         let region = &layout.writers[slot.region as usize];
-        let start = region.offset + slot.received;
-        if slot.arrived || offset != start || len > region.bytes - slot.received {
+        let (start, end) = (region.offset, region.offset + region.bytes);
+        if slot.arrived || offset < start || offset.checked_add(len).is_none_or(|e| e > end) {
             return Err(protocol(format!(
-                "write [{offset}, {}) outside this writer's remaining region [{start}, {}) of chunk {chunk}",
+                "write [{offset}, {}) outside this writer's region [{start}, {end}) of chunk {chunk}{}",
                 offset.saturating_add(len),
-                region.offset + region.bytes
+                if slot.arrived { ", which already arrived" } else { "" }
             )));
+        }
+        if let Some((a, b)) = slot.written.overlap(offset, offset + len) {
+            return Err(protocol(format!("write [{offset}, {}) of chunk {chunk} overlaps bytes already written [{a}, {b})", offset + len)));
         }
         let g = &self.grants[&grant].grant;
         let wm = self.watermark();
@@ -140,7 +144,7 @@ impl State {
     pub fn end_data(&mut self, lease: WriteLease, landed: bool) {
         if landed {
             if let Some(slot) = self.slot_mut(lease.room, lease.gen, lease.chunk, lease.slot, lease.conn) {
-                slot.received += lease.len;
+                slot.written.insert(lease.offset, lease.offset + lease.len);
             }
         }
         self.unpin(lease.grant, Some(lease.conn));
@@ -155,7 +159,7 @@ impl State {
         if let Target::Land((_, index, _)) = self.check_write(conn, room, chunk, claimed, offset, len)? {
             let gen = self.rooms[&room].gen;
             if let Some(slot) = self.slot_mut(room, gen, chunk, index, conn) {
-                slot.received += len;
+                slot.written.insert(offset, offset + len);
             }
         }
         Ok(())
@@ -185,8 +189,8 @@ impl State {
             return Err(protocol(format!("ready for chunk {chunk} of room {room} without this connection's allocation")));
         };
         let region = &layout.writers[slot.region as usize];
-        if slot.received != region.bytes || slot.arrived {
-            let why = format!("ready for chunk {chunk} after {} of {} bytes", slot.received, region.bytes);
+        if slot.written.total() != region.bytes || slot.arrived {
+            let why = format!("ready for chunk {chunk} after {} of {} bytes", slot.written.total(), region.bytes);
             self.fail_room(room, Status::KVSTAGE_E_PROTOCOL, why.clone(), &session);
             return Err(protocol(why));
         }

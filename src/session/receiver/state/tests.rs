@@ -390,8 +390,9 @@ enum Op {
     Open(u64, usize),
     Release(u64),
     Allocate(usize, u64, u32),
-    /// Begin the next half of the connection's region (or a lying write with `bool` set).
-    DataBegin(usize, u64, u32, bool),
+    /// Begin a write of the first or (`true`) second half of the connection's region, in either
+    /// order and possibly twice, or (last `bool` set) a lying write that ends past the region.
+    DataBegin(usize, u64, u32, bool, bool),
     DataEnd(usize, bool),
     Ready(usize, u64, u32, bool),
     Abort(usize, u64, u32),
@@ -413,7 +414,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (r.clone(), prop_oneof![Just(2usize), Just(4usize)]).prop_map(|(r, n)| Op::Open(r, n)),
         1 => r.clone().prop_map(Op::Release),
         1 => (c.clone(), r.clone(), ch.clone()).prop_map(|(c, r, ch)| Op::Allocate(c, r, ch)),
-        3 => (c.clone(), r.clone(), ch.clone(), prop::bool::weighted(0.1)).prop_map(|(c, r, ch, l)| Op::DataBegin(c, r, ch, l)),
+        3 => (c.clone(), r.clone(), ch.clone(), any::<bool>(), prop::bool::weighted(0.1)).prop_map(|(c, r, ch, h, l)| Op::DataBegin(c, r, ch, h, l)),
         3 => (any::<usize>(), prop::bool::weighted(0.9)).prop_map(|(i, ok)| Op::DataEnd(i, ok)),
         2 => (c.clone(), r.clone(), ch.clone(), prop::bool::weighted(0.9)).prop_map(|(c, r, ch, ok)| Op::Ready(c, r, ch, ok)),
         1 => (c.clone(), r.clone(), prop_oneof![ch.clone(), Just(u32::MAX)]).prop_map(|(c, r, ch)| Op::Abort(c, r, ch)),
@@ -439,7 +440,8 @@ struct MSlot {
     conn: ConnId,
     /// Where the receiver placed the region (allocation order).
     region: u64,
-    received: u64,
+    /// Which halves of the region landed.
+    halves: [bool; 2],
     rows: HashSet<(u32, u32)>,
     arrived: bool,
 }
@@ -632,19 +634,23 @@ impl Harness {
                     }
                 }
             }
-            Op::DataBegin(c, room, chunk, lie) => {
+            Op::DataBegin(c, room, chunk, second, lie) => {
                 let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
                 let w = writer_of(c);
+                let half = second as usize;
                 let slot = self.rooms.get(&room).filter(|r| r.live()).and_then(|r| r.chunks.get(chunk as usize)).filter(|ch| ch.slices == Some(false)).and_then(|ch| {
-                    ch.slots[w as usize].as_ref().filter(|s| s.conn == id && !s.arrived && s.received < REGION).map(|s| (s.region + s.received, ch.grant.unwrap()))
+                    ch.slots[w as usize].as_ref().filter(|s| s.conn == id && !s.arrived).map(|s| (s.region, ch.grant.unwrap(), s.halves[half]))
                 });
                 // An honest sender writes only once the watermark allows it.
-                if let Some((_, g)) = slot {
+                if let Some((_, g, _)) = slot {
                     if !lie && !self.st.watermark().permits(g.round, g.end()) {
                         return;
                     }
                 }
-                let offset = slot.map_or(w as u64 * REGION, |s| s.0) + lie as u64;
+                // A lie starts one byte into the second half: it ends one byte past the region.
+                let region = slot.map_or(w as u64 * REGION, |s| s.0);
+                let offset = region + if lie { REGION / 2 + 1 } else { half as u64 * REGION / 2 };
+                let fresh = slot.is_some_and(|s| !s.2) && !lie;
                 let result = if c == 3 {
                     self.st.written_in_place(id, room, chunk, w, offset, REGION / 2).map(|()| None)
                 } else {
@@ -653,19 +659,19 @@ impl Harness {
                 let room_live = self.rooms.get(&room).is_some_and(|r| r.live());
                 match result {
                     Err(e) => {
-                        assert!(lie || room_live && slot.is_none(), "data c{c} r{room} ch{chunk} refused: {e:?}");
+                        assert!(room_live && !fresh, "data c{c} r{room} ch{chunk} half {half} refused: {e:?}");
                         assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
                         self.kill(c);
                     }
                     Ok(Some(Target::Discard(_))) | Ok(None) if !room_live => {}
                     Ok(None) => {
-                        assert!(slot.is_some() && !lie, "rdma write c{c} r{room} ch{chunk} accepted");
+                        assert!(fresh, "in-place write c{c} r{room} ch{chunk} half {half} accepted (lie {lie}, slot {slot:?})");
                         let ch = &mut self.rooms.get_mut(&room).unwrap().chunks[chunk as usize];
-                        ch.slots[w as usize].as_mut().unwrap().received += REGION / 2;
+                        ch.slots[w as usize].as_mut().unwrap().halves[half] = true;
                     }
                     Ok(Some(Target::Discard(e))) => panic!("live room's data discarded: {e:?}"),
                     Ok(Some(Target::Land(lease))) => {
-                        assert!(slot.is_some() && !lie && room_live, "data c{c} r{room} ch{chunk} landed");
+                        assert!(fresh && room_live, "data c{c} r{room} ch{chunk} half {half} landed (lie {lie}, slot {slot:?})");
                         self.writes.push((c, lease));
                     }
                 }
@@ -675,14 +681,15 @@ impl Harness {
                     return;
                 }
                 let (c, lease) = self.writes.remove(i % self.writes.len());
-                let (room, gen, chunk, w) = (lease.room, lease.gen, lease.chunk, writer_of(c));
+                let (room, gen, chunk, w, offset) = (lease.room, lease.gen, lease.chunk, writer_of(c), lease.offset);
                 self.st.end_data(lease, ok);
                 if !ok {
                     self.kill(c);
                     return;
                 }
                 if let Some(r) = self.rooms.get_mut(&room).filter(|r| r.gen == gen && r.live()) {
-                    r.chunks[chunk as usize].slots[w as usize].as_mut().unwrap().received += REGION / 2;
+                    let s = r.chunks[chunk as usize].slots[w as usize].as_mut().unwrap();
+                    s.halves[((offset - s.region) / (REGION / 2)) as usize] = true;
                 }
             }
             Op::Ready(c, room, chunk, checksum_ok) => {
@@ -697,7 +704,7 @@ impl Harness {
                     .and_then(|ch| ch.slots[w as usize].as_mut().filter(|s| s.conn == id));
                 match (result, slot) {
                     (Ok(lease), Some(s)) => {
-                        assert!(s.received == REGION && !s.arrived, "ready accepted at {} bytes", s.received);
+                        assert!(s.halves == [true; 2] && !s.arrived, "ready accepted with halves {:?}", s.halves);
                         let verified = if checksum_ok { Ok(()) } else { Err(Error::new(Status::KVSTAGE_E_INTEGRITY, "bad")) };
                         let done = self.st.finish_ready(lease, verified, "s");
                         let r = self.rooms.get_mut(&room).unwrap();
@@ -715,7 +722,7 @@ impl Harness {
                     }
                     (Ok(_), None) => panic!("ready c{c} r{room} ch{chunk} accepted without the slot"),
                     (Err(_), Some(s)) => {
-                        assert!(s.received != REGION || s.arrived, "ready refused for a full region");
+                        assert!(s.halves != [true; 2] || s.arrived, "ready refused for a full region");
                         let r = self.rooms.get_mut(&room).unwrap();
                         if !r.complete() {
                             r.failed = true;
