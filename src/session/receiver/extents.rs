@@ -2,6 +2,11 @@
 //! send each slab as soon as it is ready) but never overlap: the region is complete when they
 //! cover it, each byte exactly once.
 
+/// Separate ranges a region may hold at once: far more than an honest sender makes (one per slab
+/// in flight, adjacent ones merge), few enough that a peer sending tiny scattered writes cannot
+/// make each insert slow or the list large.
+pub const MAX_RANGES: usize = 4096;
+
 /// Landed ranges `[start, end)`, sorted, disjoint, adjacent ones merged.
 #[derive(Clone, Debug, Default)]
 pub struct Extents {
@@ -13,6 +18,17 @@ impl Extents {
     /// Bytes landed.
     pub fn total(&self) -> u64 {
         self.total
+    }
+
+    /// Whether the landed bytes are exactly `[start, end)`.
+    pub fn covers_exactly(&self, start: u64, end: u64) -> bool {
+        self.ranges.as_slice() == [(start, end)] || (start == end && self.ranges.is_empty())
+    }
+
+    /// Whether recording `[start, end)` would leave more than [`MAX_RANGES`] separate ranges.
+    pub fn too_fragmented(&self, start: u64, end: u64) -> bool {
+        let touches = self.ranges.iter().any(|&(s, e)| e == start || s == end);
+        self.ranges.len() >= MAX_RANGES && !touches && start < end
     }
 
     /// A landed range that overlaps `[start, end)`, if any (an empty range overlaps nothing).
@@ -77,6 +93,19 @@ mod tests {
     }
 
     #[test]
+    fn scattered_tiny_writes_are_bounded() {
+        let mut e = Extents::default();
+        for i in 0..MAX_RANGES as u64 {
+            e.insert(2 * i, 2 * i + 1);
+        }
+        let end = 2 * MAX_RANGES as u64;
+        assert!(e.too_fragmented(end + 1, end + 2), "one range more than the bound");
+        assert!(!e.too_fragmented(end - 1, end), "a write that joins a range adds none");
+        assert!(!e.too_fragmented(1, 2), "a write that fills a gap removes one");
+        assert!(!e.covers_exactly(0, end));
+    }
+
+    #[test]
     fn halves_in_either_order_cover_the_region_once() {
         let mut e = Extents::default();
         e.insert(50, 100);
@@ -84,5 +113,6 @@ mod tests {
         assert_eq!(e.overlap(0, 50), None);
         e.insert(0, 50);
         assert_eq!((e.total(), e.ranges.as_slice()), (100, &[(0, 100)][..]));
+        assert!(e.covers_exactly(0, 100) && !e.covers_exactly(0, 99));
     }
 }

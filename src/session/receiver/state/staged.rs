@@ -2,6 +2,7 @@
 //! scatter completion and aborts.
 
 use super::*;
+use crate::session::receiver::extents::MAX_RANGES;
 
 impl State {
 
@@ -85,7 +86,7 @@ impl State {
     /// ends the session (the frame lies about what this connection owns); a closed room's write
     /// is discarded.
     pub fn begin_data(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<WriteLease>> {
-        let (grant, slot, region_offset) = match self.check_write(conn, room, chunk, claimed, offset, len)? {
+        let (grant, slot, offset) = match self.check_write(conn, room, chunk, claimed, offset, len)? {
             Target::Land(v) => v,
             Target::Discard(e) => return Ok(Target::Discard(e)),
         };
@@ -99,8 +100,8 @@ impl State {
             gen,
             chunk,
             slot,
-            offset: region_offset,
-            ring_offset: g.grant.offset + region_offset,
+            offset,
+            ring_offset: g.grant.offset + offset,
             len,
         }))
     }
@@ -130,6 +131,13 @@ impl State {
         }
         if let Some((a, b)) = slot.written.overlap(offset, offset + len) {
             return Err(protocol(format!("write [{offset}, {}) of chunk {chunk} overlaps bytes already written [{a}, {b})", offset + len)));
+        }
+        // Overlap is checked against landed bytes only: a write still landing would escape it.
+        if self.grants[&grant].pins.contains(&Some(conn)) {
+            return Err(protocol(format!("write [{offset}, {}) of chunk {chunk} while this connection's previous write is still landing", offset + len)));
+        }
+        if slot.written.too_fragmented(offset, offset + len) {
+            return Err(protocol(format!("chunk {chunk}: more than {MAX_RANGES} separate writes in one region")));
         }
         let g = &self.grants[&grant].grant;
         let wm = self.watermark();
@@ -189,7 +197,7 @@ impl State {
             return Err(protocol(format!("ready for chunk {chunk} of room {room} without this connection's allocation")));
         };
         let region = &layout.writers[slot.region as usize];
-        if slot.written.total() != region.bytes || slot.arrived {
+        if !slot.written.covers_exactly(region.offset, region.offset + region.bytes) || slot.arrived {
             let why = format!("ready for chunk {chunk} after {} of {} bytes", slot.written.total(), region.bytes);
             self.fail_room(room, Status::KVSTAGE_E_PROTOCOL, why.clone(), &session);
             return Err(protocol(why));

@@ -84,6 +84,42 @@ fn another_connection_cannot_write_or_complete_a_grant_it_does_not_hold() {
     assert_eq!(st.take_effects().scatter.len(), 1);
 }
 
+#[test]
+fn slab_writes_land_in_any_order_once_each_and_one_at_a_time() {
+    let mut st = state(4096);
+    let a = st.add_conn(info(0, 2, false));
+    st.open_room(7, &PAGES, GRID, None).unwrap();
+    st.allocate(a, 7, 0, 0, TOKENS, CHUNK).unwrap();
+    let refused = |r: Result<Target<WriteLease>>, why: &str| {
+        let e = r.unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
+        assert!(e.message().contains(why), "{}", e.message());
+    };
+    // The last quarter first, then a second write while it is still landing: refused, whatever
+    // its range (the overlap check sees only landed bytes).
+    let last = land(st.begin_data(a, 7, 0, 0, 3 * REGION / 4, REGION / 4));
+    refused(st.begin_data(a, 7, 0, 0, 0, REGION / 4), "still landing");
+    st.end_data(last, true);
+    // Past the region's end, or over landed bytes: refused.
+    refused(st.begin_data(a, 7, 0, 0, REGION - 1, 2), "outside this writer's region");
+    refused(st.begin_data(a, 7, 0, 0, 3 * REGION / 4 - 1, 2), "overlaps bytes already written");
+    let first = land(st.begin_data(a, 7, 0, 0, 0, REGION / 4));
+    st.end_data(first, true);
+    // Ready with a hole in the middle fails the room; a fresh room fills the hole out of order.
+    assert!(st.begin_ready(a, 7, 0, 0).is_err());
+    assert!(st.room_outcome(7).is_err(), "a ready with a hole must fail the room");
+    let b = st.add_conn(info(1, 2, false));
+    st.open_room(8, &PAGES, GRID, None).unwrap();
+    st.allocate(b, 8, 0, 1, TOKENS, CHUNK).unwrap();
+    // Its region is the allocation's first (regions are placed in claim order).
+    for (at, len) in [(REGION / 2, REGION / 2), (0, 0), (0, REGION / 2)] {
+        let l = land(st.begin_data(b, 8, 0, 1, at, len));
+        st.end_data(l, true);
+    }
+    let r = st.begin_ready(b, 8, 0, 1).expect("a region written back to front is complete");
+    st.finish_ready(r, Ok(()), "s").unwrap();
+}
+
 fn stage_info(tp_rank: u32, pp_rank: u32, layers: Vec<u32>) -> ConnInfo {
     let (s, d) = (src(tp_rank, 2).with_pp(pp_rank, 2, layers), dst());
     let session = format!("tp{tp_rank}-pp{pp_rank}");
