@@ -63,10 +63,12 @@ impl Op {
             Err(e) => e.code(),
         };
         *self.result.lock() = (Some(result), timings);
-        self.done.notify_all();
+        // Signal before waking waiters: a caller whose wait returned finds this end already
+        // counted on the eventfd (a callback polling the op sees the result set just above).
         if let Some((completions, tag)) = &self.notify {
             completions.signal(&Completion::Op { tag: *tag, status, timings });
         }
+        self.done.notify_all();
     }
 
     /// The phase timings once the operation finished; `None` while it runs.
@@ -110,6 +112,33 @@ fn clone_result(r: &Result<Status>) -> Result<Status> {
                 copy = copy.with_source(chain);
             }
             Err(copy)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct NoWaker;
+    impl Waker for NoWaker {
+        fn wake(&self) {}
+    }
+
+    /// The end is on the eventfd by the time a waiter wakes: a caller that waits, then drains,
+    /// never misses it (finished on another thread, many times, to give a wrong order its chance).
+    #[test]
+    fn a_returned_wait_finds_the_end_already_signalled() {
+        let completions = Arc::new(Completions::new().unwrap());
+        for tag in 0..2000 {
+            let op = Op::notifying(Arc::new(NoWaker), completions.clone(), tag);
+            let finisher = {
+                let op = op.clone();
+                std::thread::spawn(move || op.finish(Ok(Status::KVSTAGE_OK)))
+            };
+            assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap(), Status::KVSTAGE_OK);
+            assert_eq!(completions.drain(), 1, "operation {tag}: its wait returned before its end was signalled");
+            finisher.join().unwrap();
         }
     }
 }

@@ -234,11 +234,12 @@ impl Receiver {
                 self.with_state(|st| st.scatter_done(&job, Err(Error::internal("the scatter queue is closed"))));
             }
         }
-        if fx.changed {
-            self.changed.notify_all();
-        }
+        // Signal before waking room waiters: a caller whose wait returned finds the event counted.
         for e in fx.events {
             self.completions.signal(&Completion::Chunk(e));
+        }
+        if fx.changed {
+            self.changed.notify_all();
         }
     }
 
