@@ -176,6 +176,7 @@ unsafe fn transfer_desc(session: &SenderSession, ptr: *const kvstage_transfer_de
         pages: pages.to_vec(),
         timeout: timeout_ms(raw.deadline_ms).unwrap_or(engine_default),
         ready: ready.map(Arc::new),
+        layers: None,
     })
 }
 

@@ -32,6 +32,8 @@ pub struct Segment {
 pub struct Slab {
     pub buffer: u32,
     pub staging_offset: u64,
+    /// The model layer it holds (layer-wise sending picks slabs by it).
+    pub layer_id: u32,
 }
 
 /// `rows` copies of `row_bytes` bytes: row `i` at `pool_offset + i·pool_stride` in pool buffer
@@ -81,6 +83,28 @@ impl CopyPlan {
     /// Number of [`CopyRun`]s (`slabs × segments`).
     pub fn run_count(&self) -> usize {
         self.slabs.len() * self.segments.len()
+    }
+
+    /// The part of the plan for the layers `ready` says are ready: the same rows, only those
+    /// layers' slabs (at their places in the region).
+    pub fn for_layers(&self, ready: impl Fn(u32) -> bool) -> CopyPlan {
+        CopyPlan { slabs: self.slabs.iter().filter(|s| ready(s.layer_id)).copied().collect(), ..self.clone() }
+    }
+
+    /// Byte ranges `(offset, len)` of the region the plan writes, in region order, adjacent
+    /// slabs merged: what a layer-wise sender reports as written.
+    pub fn staging_ranges(&self) -> Vec<(u64, u64)> {
+        let slab = self.tokens * self.row_bytes;
+        let mut starts: Vec<u64> = self.slabs.iter().map(|s| s.staging_offset).collect();
+        starts.sort_unstable();
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for at in starts {
+            match out.last_mut() {
+                Some((start, len)) if *start + *len == at => *len += slab,
+                _ => out.push((at, slab)),
+            }
+        }
+        out
     }
 
     /// The plan as copy runs, slab-major; contiguous runs have `rows == 1`.
@@ -187,6 +211,7 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
             slabs.push(Slab {
                 buffer: kv * pool_layers + idx,
                 staging_offset: (kv as u64 * region.layers as u64 + l as u64) * staging.slab_bytes,
+                layer_id: region.layer_ids[l],
             });
         }
     }
@@ -221,6 +246,35 @@ mod tests {
     fn shapes() -> (PoolShape, PoolShape) {
         let base = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 3);
         (base.clone().with_tp(3, 4), base.with_tp(1, 2))
+    }
+
+    /// Any partition of the writer's layers splits the plan into parts whose ranges tile the
+    /// region exactly once; a part holds only its layers' K and V slabs.
+    #[test]
+    fn layer_parts_tile_the_region_once() {
+        let src = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 6).with_tp(0, 2);
+        let dst = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 6);
+        let st = staging_layout(&src, &dst, 32).unwrap();
+        let w = st.region_of(&src).unwrap().unwrap();
+        let whole = plan_gather(&src, &[3, 1], &st, &w).unwrap();
+        assert_eq!(whole.staging_ranges(), vec![(0, whole.staging_bytes)]);
+        for parts in [vec![vec![0, 1, 2, 3, 4, 5]], vec![vec![5], vec![0, 2], vec![1, 3, 4]], vec![vec![4, 5], vec![0, 1, 2, 3]]] {
+            let mut covered: Vec<(u64, u64)> = Vec::new();
+            for part in &parts {
+                let p = whole.for_layers(|l| part.contains(&l));
+                assert_eq!(p.slabs.len(), part.len() * 2, "K and V of each layer of {part:?}");
+                assert!(p.slabs.iter().all(|s| part.contains(&s.layer_id)));
+                covered.extend(p.staging_ranges());
+            }
+            covered.sort_unstable();
+            let mut next = 0;
+            for (at, len) in covered {
+                assert_eq!(at, next, "{parts:?}: a gap or an overlap at {at}");
+                next = at + len;
+            }
+            assert_eq!(next, whole.staging_bytes, "{parts:?}");
+        }
+        assert!(whole.for_layers(|_| false).slabs.is_empty());
     }
 
     #[test]

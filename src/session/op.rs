@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
+use super::layers::LayerGate;
 use super::notify::{Completion, Completions};
 use super::stats::TransferTimings;
 use super::Deadline;
@@ -24,22 +25,31 @@ pub struct Op {
     waker: Arc<dyn Waker>,
     /// Signalled with `tag` when the operation finishes (asynchronous operations).
     notify: Option<(Arc<Completions>, u64)>,
+    /// Layer-wise transfers: where the caller marks layers ready.
+    layers: Option<Arc<LayerGate>>,
 }
 
 impl Op {
     pub fn new(waker: Arc<dyn Waker>) -> Arc<Op> {
-        Arc::new(Op { result: Mutex::new((None, TransferTimings::default())), done: Condvar::new(), canceled: AtomicBool::new(false), waker, notify: None })
+        Arc::new(Op { result: Mutex::new((None, TransferTimings::default())), done: Condvar::new(), canceled: AtomicBool::new(false), waker, notify: None, layers: None })
     }
 
-    /// An operation whose end is signalled on `completions` with the caller's `tag`.
-    pub fn notifying(waker: Arc<dyn Waker>, completions: Arc<Completions>, tag: u64) -> Arc<Op> {
+    /// An operation whose end is signalled on `completions` with the caller's `tag`; `layers`:
+    /// a layer-wise transfer's gate.
+    pub fn notifying(waker: Arc<dyn Waker>, completions: Arc<Completions>, tag: u64, layers: Option<Arc<LayerGate>>) -> Arc<Op> {
         Arc::new(Op {
             result: Mutex::new((None, TransferTimings::default())),
             done: Condvar::new(),
             canceled: AtomicBool::new(false),
             waker,
             notify: Some((completions, tag)),
+            layers,
         })
+    }
+
+    /// The gate of a layer-wise transfer (`None` for any other operation).
+    pub fn layers(&self) -> Option<&Arc<LayerGate>> {
+        self.layers.as_ref()
     }
 
     pub fn is_canceled(&self) -> bool {
@@ -131,7 +141,7 @@ mod tests {
     fn a_returned_wait_finds_the_end_already_signalled() {
         let completions = Arc::new(Completions::new().unwrap());
         for tag in 0..2000 {
-            let op = Op::notifying(Arc::new(NoWaker), completions.clone(), tag);
+            let op = Op::notifying(Arc::new(NoWaker), completions.clone(), tag, None);
             let finisher = {
                 let op = op.clone();
                 std::thread::spawn(move || op.finish(Ok(Status::KVSTAGE_OK)))

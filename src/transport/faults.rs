@@ -197,6 +197,10 @@ impl Transport for FaultyTransport {
         self.faulty_chunk(Some(grant_offset), header, data, ready, deadline)
     }
 
+    fn write_piece(&self, header: &Message, data: &[u8], deadline: &Deadline) -> Option<Result<()>> {
+        self.inner.write_piece(header, data, deadline)
+    }
+
     fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {
         self.next_frame()?;
         self.inner.write_slices(ops, done, deadline)

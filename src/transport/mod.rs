@@ -31,6 +31,14 @@ pub trait Transport: Send + Sync {
         self.write_chunk(header, data, ready, deadline)
     }
 
+    /// Layer-wise sending: writes `data` to the range `header` (a `Message::Data`) names, one
+    /// piece of a region whose ready follows later by [`send`](Self::send). `None`: this
+    /// transport writes a region in one piece only (the sender then writes it whole at the end).
+    fn write_piece(&self, header: &Message, data: &[u8], deadline: &Deadline) -> Option<Result<()>> {
+        let _ = (header, data, deadline);
+        None
+    }
+
     /// Same-host transports: the range `[ring_offset, +len)` of the receiver's ring, mapped in
     /// this process, for the gather to write in place; then [`finish_in_place`](Self::finish_in_place).
     /// `None`: this transport moves bytes from a staging buffer.

@@ -593,7 +593,7 @@ impl Prefill {
                                     chunk: chunk as u32,
                                     pages: chunk_pages.to_vec(),
                                     timeout: Some(Duration::from_secs(600)),
-                                    ready: None,
+                                    ..Default::default()
                                 };
                                 let op = Op::new(session.waker());
                                 let status = if staged { session.transfer(&desc, &op)? } else { session.transfer_slices(&desc, &op)? };
@@ -623,7 +623,7 @@ impl Prefill {
             for (r, rank_pages) in self.ranks.iter().zip(&pages) {
                 let Some(chunk_pages) = rank_pages.chunks(grid).nth(chunk) else { continue };
                 for session in &r.sessions {
-                    let desc = TransferDesc { room, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(timeout), ready: None };
+                    let desc = TransferDesc { room, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(timeout), ..Default::default() };
                     let tag = (room << 24) | ops.len() as u64;
                     ops.push(session.transfer_async(desc, false, tag)?);
                 }

@@ -9,6 +9,7 @@
 //! path); this file: the session, its waits, the slice path and asynchronous operations.
 
 mod connect;
+mod layerwise;
 mod staged;
 
 use std::collections::{HashMap, HashSet};
@@ -22,6 +23,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::op::{Op, Waker};
 use super::{pairing, Deadline, Integrity, Pairing};
+use super::layers::LayerGate;
 use super::notify::Completions;
 use super::staging::StagingPool;
 use super::stats::{since, LinkKind, SendCounters, SendMetrics, SessionStats, TransferTimings};
@@ -101,6 +103,9 @@ pub struct TransferDesc {
     pub timeout: Option<Duration>,
     /// CUDA pools: the producer's ready point; the gather is ordered after it.
     pub ready: Option<Arc<ReadyFence>>,
+    /// Layer-wise sending: the chunk's layers become ready over time, marked on this gate (each
+    /// batch with its own ready point, so `ready` must be `None`).
+    pub layers: Option<Arc<LayerGate>>,
 }
 
 struct State {
@@ -207,8 +212,16 @@ impl SenderSession {
         self.counted(desc, |t| self.slices(desc, op, t))
     }
 
+    /// A gate for a layer-wise transfer on this session ([`TransferDesc::layers`]).
+    pub fn layer_gate(&self) -> Arc<LayerGate> {
+        LayerGate::new(self.pool.clone(), self.waker())
+    }
+
     /// The argument checks of a transfer, made before it starts (a bad argument is not counted).
     fn check_args(&self, desc: &TransferDesc) -> Result<()> {
+        if desc.layers.is_some() && desc.ready.is_some() {
+            return Err(Error::invalid_arg("desc->cuda_event", "is set on a layer-wise transfer (each layer batch carries its own ready point)").with_session(&self.id));
+        }
         self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))
     }
 
@@ -244,7 +257,7 @@ impl SenderSession {
     pub fn transfer_async(self: &Arc<Self>, mut desc: TransferDesc, slices: bool, tag: u64) -> Result<Arc<Op>> {
         // A bad argument fails the call at once: no operation, nothing counted.
         self.check_args(&desc)?;
-        let op = Op::notifying(self.waker(), self.resources.completions.clone(), tag);
+        let op = Op::notifying(self.waker(), self.resources.completions.clone(), tag, desc.layers.clone());
         let (session, worker_op) = (self.clone(), op.clone());
         let queued = Instant::now();
         // In flight from now until the worker finished it (or the submission failed).
@@ -293,6 +306,9 @@ impl SenderSession {
     }
 
     fn slices_inner(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
+        if desc.layers.is_some() {
+            return Err(Error::invalid_arg("desc", "the slice path does not send layer by layer"));
+        }
         if self.pool.memory != MemoryKind::Host {
             return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the slice path reads the KV pool from the CPU: host pools only"));
         }

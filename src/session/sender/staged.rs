@@ -100,7 +100,8 @@ impl SenderSession {
             other => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
         };
         // From here on the receiver holds ring space for us: every failure aborts first.
-        let written = self.write_granted(desc, op, &deadline, &plan, region_offset, region.bytes, round, offset + region_offset + region.bytes, writer, offset, t);
+        let place = Placement { round, grant_offset: offset, region_offset, region_bytes: region.bytes, writer };
+        let written = self.write_granted(desc, op, &deadline, &plan, &place, t);
         let req = match written {
             Ok(req) => req,
             Err(e) => {
@@ -125,29 +126,20 @@ impl SenderSession {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn write_granted(
-        &self,
-        desc: &TransferDesc,
-        op: &Op,
-        deadline: &Deadline,
-        plan: &geometry::CopyPlan,
-        region_offset: u64,
-        region_bytes: u64,
-        round: u64,
-        end: u64,
-        writer: u32,
-        grant_offset: u64,
-        t: &mut TransferTimings,
-    ) -> Result<u64> {
+    fn write_granted(&self, desc: &TransferDesc, op: &Op, deadline: &Deadline, plan: &geometry::CopyPlan, place: &Placement, t: &mut TransferTimings) -> Result<u64> {
+        let Placement { round, grant_offset, region_offset, region_bytes, writer } = *place;
         // Each phase is timed whether it succeeds or not (a timeout shows where it waited).
         let phase = Instant::now();
-        let writable = self.wait_writable(round, end, deadline, op);
+        let writable = self.wait_writable(round, place.end(), deadline, op);
         t.watermark_wait_ns += since(phase);
         writable?;
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
-        let header = Message::Data { room: desc.room, chunk: desc.chunk, writer, offset: region_offset, len: region_bytes };
         let ready = |checksum| Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
+        if let Some(gate) = &desc.layers {
+            self.write_by_layers(desc, gate, op, deadline, plan, place, ready, t)?;
+            return Ok(req);
+        }
+        let header = place.data(desc, 0, region_bytes);
         // Same host, host pool: the gather writes straight into the granted range of the ring.
         let in_place = match self.pool.memory {
             MemoryKind::Host => self.link.in_place(grant_offset + region_offset, region_bytes),
@@ -155,7 +147,9 @@ impl SenderSession {
         };
         if let Some(range) = in_place {
             let mut range = range?;
-            let checksum = self.gather(desc, plan, range.as_mut_ptr(), region_bytes, t)?;
+            self.gather(plan, range.as_mut_ptr(), desc.ready.as_deref(), t)?;
+            // SAFETY: the gather above filled the range, which nothing else writes.
+            let checksum = self.region_checksum(desc, unsafe { std::slice::from_raw_parts(range.as_mut_ptr(), region_bytes as usize) });
             drop(range);
             let phase = Instant::now();
             let wrote = self.link.finish_in_place(&header, &ready(checksum), deadline);
@@ -170,7 +164,8 @@ impl SenderSession {
         t.alloc_wait_ns = since(phase);
         let mut staging = staging?;
         let data = staging.bytes(region_bytes as usize);
-        let checksum = self.gather(desc, plan, data.as_mut_ptr(), region_bytes, t)?;
+        self.gather(plan, data.as_mut_ptr(), desc.ready.as_deref(), t)?;
+        let checksum = self.region_checksum(desc, data);
         let phase = Instant::now();
         let wrote = self.link.write_chunk_at(grant_offset, &header, data, &ready(checksum), deadline);
         t.wire_ns = since(phase);
@@ -179,20 +174,48 @@ impl SenderSession {
         Ok(req)
     }
 
-    /// Gathers the chunk's region into `dst` (`len` bytes), ordered after the caller's ready
-    /// point; its checksum when integrity covers the chunk.
-    fn gather(&self, desc: &TransferDesc, plan: &geometry::CopyPlan, dst: *mut u8, len: u64, t: &mut TransferTimings) -> Result<Option<u64>> {
+    /// Gathers `plan` into the region at `dst` (a staging buffer, or this writer's granted
+    /// range of the ring), ordered after `ready`; timed as the gather phase.
+    pub(super) fn gather(&self, plan: &geometry::CopyPlan, dst: *mut u8, ready: Option<&crate::copy::ReadyFence>, t: &mut TransferTimings) -> Result<()> {
         let phase = Instant::now();
         // SAFETY: the pool was validated at registration and its pages checked; `dst` holds the
-        // region's `len` bytes (a staging buffer, or this writer's granted range of the ring).
-        let gathered = unsafe { self.resources.copy.gather_after(plan, &self.pool, dst, desc.ready.as_deref()) };
-        let checksum = gathered.map(|()| {
-            self.integrity.covers(desc.room, desc.chunk).then(|| {
-                // SAFETY: the gather above filled the `len` bytes at `dst`, which nothing else writes.
-                checksum(unsafe { std::slice::from_raw_parts(dst, len as usize) })
-            })
-        });
-        t.gather_ns = since(phase);
-        checksum
+        // plan's region.
+        let gathered = unsafe { self.resources.copy.gather_after(plan, &self.pool, dst, ready) };
+        t.gather_ns += since(phase);
+        gathered
+    }
+
+    /// The checksum of a writer's gathered region when integrity covers the chunk.
+    pub(super) fn region_checksum(&self, desc: &TransferDesc, region: &[u8]) -> Option<u64> {
+        self.integrity.covers(desc.room, desc.chunk).then(|| checksum(region))
+    }
+}
+
+/// Where a writer's bytes go: its region inside the grant.
+#[derive(Clone, Copy)]
+pub(super) struct Placement {
+    /// The grant's ring round and offset in the receiver's ring.
+    pub round: u64,
+    pub grant_offset: u64,
+    /// The region's offset inside the grant, and its size.
+    pub region_offset: u64,
+    pub region_bytes: u64,
+    pub writer: u32,
+}
+
+impl Placement {
+    /// The ring offset past the region (what the watermark must permit).
+    fn end(&self) -> u64 {
+        self.grant_offset + self.region_offset + self.region_bytes
+    }
+
+    /// The header of a write of `[at, +len)` of the region.
+    pub fn data(&self, desc: &TransferDesc, at: u64, len: u64) -> Message {
+        Message::Data { room: desc.room, chunk: desc.chunk, writer: self.writer, offset: self.region_offset + at, len }
+    }
+
+    /// The report of an in-place write of `[at, +len)` of the region.
+    pub fn written(&self, desc: &TransferDesc, at: u64, len: u64) -> Message {
+        Message::Written { room: desc.room, chunk: desc.chunk, writer: self.writer, offset: self.region_offset + at, len, imm: 0 }
     }
 }

@@ -205,7 +205,7 @@ fn stuck_phase(a: &Args, stuck_rank: Option<u32>, silent: Option<u32>) -> Result
         *room += 1;
         child.command(&format!("room {room}"))?;
         let (rs, _, session) = &sessions[i];
-        let desc = TransferDesc { room: *room, chunk: 0, pages: pages[*rs as usize].clone(), timeout: Some(timeout), ready: None };
+        let desc = TransferDesc { room: *room, chunk: 0, pages: pages[*rs as usize].clone(), timeout: Some(timeout), ..Default::default() };
         let op = session.transfer_async(desc, false, ((i as u64) << 40) | *room)?;
         ops.insert(*room, op);
         Ok(())

@@ -1,0 +1,121 @@
+//! Layer-wise writing of a granted region: each batch of layers the caller marks ready is gathered
+//! into its slabs' places and written at once (TCP: one `Data` frame per run of adjacent slabs;
+//! same host: in place, then a `Written` report), while later layers are still being computed.
+//! The ready frame goes after the last batch, so the receiver completes the chunk exactly as for
+//! a whole-chunk write. Transports that write a region in one piece (RDMA) gather by layer and
+//! write once all layers are in.
+
+use std::collections::BTreeSet;
+
+use super::staged::Placement;
+use super::*;
+
+impl SenderSession {
+    /// Writes `place` batch by batch as `gate` hands out layers, then `ready`. Layers of the pool
+    /// this writer does not carry (the decode rank lacks them) are accepted and skipped.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn write_by_layers(
+        &self,
+        desc: &TransferDesc,
+        gate: &LayerGate,
+        op: &Op,
+        deadline: &Deadline,
+        plan: &geometry::CopyPlan,
+        place: &Placement,
+        ready: impl Fn(Option<u64>) -> Message,
+        t: &mut TransferTimings,
+    ) -> Result<()> {
+        let region_bytes = place.region_bytes;
+        let ring_offset = place.grant_offset + place.region_offset;
+        let mut missing: BTreeSet<u32> = plan.slabs.iter().map(|s| s.layer_id).collect();
+        // Same host, host pool: in place, the range taken per batch only (teardown waits for a
+        // gather in progress, not for the caller's compute).
+        let in_place = self.pool.memory == MemoryKind::Host && self.link.in_place(ring_offset, 0).is_some();
+        let mut staging = if in_place {
+            None
+        } else {
+            let phase = Instant::now();
+            let acquired = self.resources.staging.acquire(region_bytes, deadline, op, &self.resources.copy);
+            t.alloc_wait_ns = since(phase);
+            Some(acquired?)
+        };
+        // Whether pieces go out as they are gathered (else the region goes in one write at the end).
+        let mut streaming = true;
+        while !missing.is_empty() {
+            for batch in self.wait_layers(gate, deadline, op)? {
+                let layers: Vec<u32> = batch.layers.iter().copied().filter(|l| missing.remove(l)).collect();
+                if layers.is_empty() {
+                    continue;
+                }
+                let part = plan.for_layers(|l| layers.binary_search(&l).is_ok());
+                let ready_point = batch.ready.as_ref();
+                match staging.as_mut() {
+                    None => {
+                        let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
+                        self.gather(&part, range.as_mut_ptr(), ready_point, t)?;
+                        drop(range);
+                        let phase = Instant::now();
+                        for (at, len) in part.staging_ranges() {
+                            self.link.send(&place.written(desc, at, len), deadline)?;
+                        }
+                        t.wire_ns += since(phase);
+                    }
+                    Some(buffer) => {
+                        let data = buffer.bytes(region_bytes as usize);
+                        self.gather(&part, data.as_mut_ptr(), ready_point, t)?;
+                        let phase = Instant::now();
+                        for (at, len) in part.staging_ranges() {
+                            let piece = &data[at as usize..(at + len) as usize];
+                            match self.link.write_piece(&place.data(desc, at, len), piece, deadline) {
+                                Some(wrote) => wrote?,
+                                None => streaming = false,
+                            }
+                        }
+                        t.wire_ns += since(phase);
+                    }
+                }
+            }
+        }
+        let phase = Instant::now();
+        let wrote = match staging.as_mut() {
+            None => {
+                let checksum = match self.integrity.covers(desc.room, desc.chunk) {
+                    true => {
+                        let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
+                        // SAFETY: this writer's range, gathered above; nothing else writes it.
+                        self.region_checksum(desc, unsafe { std::slice::from_raw_parts(range.as_mut_ptr(), region_bytes as usize) })
+                    }
+                    false => None,
+                };
+                self.link.send(&ready(checksum), deadline)
+            }
+            Some(buffer) => {
+                let data = buffer.bytes(region_bytes as usize);
+                let checksum = self.region_checksum(desc, data);
+                match streaming {
+                    true => self.link.send(&ready(checksum), deadline),
+                    false => self.link.write_chunk_at(place.grant_offset, &place.data(desc, 0, region_bytes), data, &ready(checksum), deadline),
+                }
+            }
+        };
+        t.wire_ns += since(phase);
+        wrote?;
+        self.metrics.sent(region_bytes);
+        Ok(())
+    }
+
+    /// Blocks until the caller marked more layers (or the deadline, a cancel, the session's end).
+    fn wait_layers(&self, gate: &LayerGate, deadline: &Deadline, op: &Op) -> Result<Vec<crate::session::layers::LayerBatch>> {
+        // The gate is read under the session lock: a mark lands either before the read or wakes
+        // the wait below (marking wakes the session after its own lock is released).
+        let mut st = self.shared.state.lock();
+        loop {
+            let batches = gate.take();
+            if !batches.is_empty() {
+                return Ok(batches);
+            }
+            self.check_alive(&st, deadline, op, "waiting for the caller to mark the chunk's layers ready")?;
+            deadline.wait(&self.shared.cv, &mut st);
+        }
+    }
+}
