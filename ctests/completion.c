@@ -1,7 +1,8 @@
 /* Completions in a C event loop: the engine's descriptor with poll(), the callback with each
  * operation's user_tag, and chunk events polled by room. Two engines in this process on
  * 127.0.0.1; the decode bytes are compared with the prefill pool. Also: a room's chunk grid as
- * the prefill side learns it (kvstage_session_room_grid). */
+ * the prefill side learns it (kvstage_session_room_grid), and a layer-wise transfer whose layers
+ * are marked ready out of order (kvstage_transfer_layerwise_async, kvstage_op_layers_ready). */
 #define _POSIX_C_SOURCE 200809L
 
 #include <poll.h>
@@ -192,6 +193,49 @@ int main(void) {
         CHECK(memcmp(dp.memory + (size_t)b * dp.buffer, pp.memory + (size_t)b * pp.buffer, 4 * page_bytes) == 0);
 
     CHECK_OK(kvstage_engine_set_completion_callback(prefill, NULL, NULL));
+
+    {
+        /* Layer-wise: the transfer starts before its layers are ready; layer 1 then layer 0 are
+         * marked; the decode pool (cleared first) then holds the prefill pool's bytes again. */
+        memset(dp.memory, 0, 2 * LAYERS * dp.buffer);
+        const uint64_t room = OPS;
+        REQUIRE(kvstage_room_open(decode, room, PAGES, 4, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
+        kvstage_transfer_desc d;
+        REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+        d.room = room;
+        d.src_pages = PAGES;
+        d.num_pages = 4;
+        d.deadline_ms = 20000;
+        kvstage_op *op = NULL;
+        CHECK_INT(kvstage_transfer_layerwise_async(session, &d, &op), KVSTAGE_PENDING);
+        REQUIRE(op != NULL);
+        CHECK_INT(kvstage_op_layers_ready(op, LAYERS, 1, NULL, NULL), KVSTAGE_E_INVALID_ARG);
+        CHECK_CONTAINS(kvstage_error_last()->message, "is not a layer of this pool");
+        CHECK_INT(kvstage_op_layers_ready(op, 0, 0, NULL, NULL), KVSTAGE_E_INVALID_ARG);
+        CHECK_OK(kvstage_op_layers_ready(op, 1, 1, NULL, NULL));
+        CHECK_INT(kvstage_op_layers_ready(op, 0, 2, NULL, NULL), KVSTAGE_E_INVALID_ARG); /* layer 1 again */
+        CHECK_CONTAINS(kvstage_error_last()->message, "layer 1 was already marked ready");
+        CHECK_INT(kvstage_op_poll(op), KVSTAGE_PENDING); /* layer 0 is still missing */
+        CHECK_OK(kvstage_op_layers_ready(op, 0, 1, NULL, NULL));
+        CHECK_OK(kvstage_op_wait(op, 20000));
+        CHECK_OK(kvstage_room_wait(decode, room, 20000));
+        for (int b = 0; b < 2 * LAYERS; ++b)
+            CHECK(memcmp(dp.memory + (size_t)b * dp.buffer, pp.memory + (size_t)b * pp.buffer, 4 * page_bytes) == 0);
+        CHECK_OK(kvstage_room_release(decode, room));
+        kvstage_op_free(op);
+
+        /* Only a layer-wise operation takes marks. */
+        REQUIRE(kvstage_room_open(decode, room + 1, PAGES, 4, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
+        d.room = room + 1;
+        CHECK_INT(kvstage_transfer_async(session, &d, &op), KVSTAGE_PENDING);
+        CHECK_INT(kvstage_op_layers_ready(op, 0, 1, NULL, NULL), KVSTAGE_E_INVALID_ARG);
+        CHECK_CONTAINS(kvstage_error_last()->message, "is not a layer-wise transfer");
+        CHECK_OK(kvstage_op_wait(op, 20000));
+        CHECK_OK(kvstage_room_release(decode, room + 1));
+        kvstage_op_free(op);
+        CHECK_INT(kvstage_op_layers_ready(NULL, 0, 1, NULL, NULL), KVSTAGE_E_INVALID_ARG);
+    }
+
     for (uint64_t room = 0; room < OPS; ++room) CHECK_OK(kvstage_room_release(decode, room));
     kvstage_session_free(session);
     kvstage_engine_free(prefill);

@@ -887,6 +887,25 @@ enum kvstage_status kvstage_transfer_slices(const struct kvstage_session *sessio
 // deadline runs from this call (time spent queued counts). Argument errors return at once.
 enum kvstage_status kvstage_transfer_async(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc, struct kvstage_op **out);
 
+// Layer-wise sending: as `kvstage_transfer_async` for a chunk whose layers the prefill is still
+// computing. The ring space is requested at once; each batch of layers marked with
+// `kvstage_op_layers_ready` is gathered and written into its place while later layers are
+// computed, and the operation ends as a whole-chunk transfer does, once every layer went. All of
+// the pool's layers must be marked before `desc->deadline_ms`, or the transfer ends with
+// `KVSTAGE_E_TIMEOUT` and the decode room fails. `desc->cuda_stream` and `desc->cuda_event` must
+// be NULL (each batch names its own ready point). The transfer holds a send staging buffer (or,
+// on the same-host path, nothing) until its last layer went. `KVSTAGE_FALLBACK` as for
+// `kvstage_transfer_async`, without waiting for any layer.
+enum kvstage_status kvstage_transfer_layerwise_async(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc, struct kvstage_op **out);
+
+// Marks the model layers `[first_layer, first_layer + num_layers)` of a layer-wise transfer
+// ready: their KV is valid after the caller's current work on `cuda_stream`, after the recorded
+// `cuda_event`, or (both NULL) now; the point is captured during the call. Layers are model layer
+// ids of the pool (a pipeline stage marks its own). `KVSTAGE_E_INVALID_ARG` when `op` is not a
+// layer-wise transfer, a layer is not in the pool, or one was marked before (nothing is marked
+// then). Marking after the operation ended is harmless.
+enum kvstage_status kvstage_op_layers_ready(const struct kvstage_op *op, uint32_t first_layer, uint32_t num_layers, void *cuda_stream, void *cuda_event);
+
 // `KVSTAGE_PENDING` while running; then the operation's result (repeatable; errors set the last
 // error each time).
 enum kvstage_status kvstage_op_poll(const struct kvstage_op *op);

@@ -904,6 +904,16 @@ class Room:
             self.release()
 
 
+def _cuda_handle(obj: Any, attr: str, what: str) -> Optional[int]:
+    """The raw CUDA handle of a torch object (its ``attr``), an int as is, ``None`` for none."""
+    if obj is None:
+        return None
+    raw = getattr(obj, attr, obj)
+    if not isinstance(raw, int):
+        raise TypeError(f"{what}: expected a torch CUDA {what} or a raw handle (int), got {type(obj).__name__}")
+    return raw or None
+
+
 def _desc(lib: Library, room: int, chunk_index: int, pages: Any, deadline_ms: int, tag: int = 0):
     keep, address, count = page_array(pages, "pages")
     d = _lib.kvstage_transfer_desc()
@@ -961,6 +971,17 @@ class Session(_Handle):
         _check(self._lib, rc, "kvstage_transfer_async")
         return Operation(self, out.value)
 
+    def transfer_layerwise_async(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, tag: int = 0) -> "Operation":
+        """``kvstage_transfer_layerwise_async``: starts the staged path for a chunk whose layers
+        are still being computed; mark them with :meth:`Operation.layers_ready` (every layer of
+        the pool before the deadline). The ring space is requested at once."""
+        d, keep = _desc(self._lib, room, chunk_index, pages, deadline_ms, tag)
+        out = c_void_p()
+        rc = self._lib.kvstage_transfer_layerwise_async(self._handle(), byref(d), byref(out))
+        del keep
+        _check(self._lib, rc, "kvstage_transfer_layerwise_async")
+        return Operation(self, out.value)
+
     def room_grid(self, room: int, timeout_ms: int = 0) -> RoomGrid:
         """``kvstage_session_room_grid``: the chunk grid of ``room`` as the decode side opened it
         (chunk ``k`` carries the room's tokens ``[k * chunk_tokens, ...)``); one round trip."""
@@ -1012,6 +1033,22 @@ class Operation(_Handle):
     def cancel(self) -> None:
         """Asks the operation to stop; it ends with ``E_CANCELED`` unless it already finished."""
         _check(self._lib, self._lib.kvstage_op_cancel(self._handle()), "kvstage_op_cancel")
+
+    def layers_ready(self, first_layer: int, num_layers: int = 1, event: Any = None, stream: Any = None) -> None:
+        """``kvstage_op_layers_ready``: model layers ``[first_layer, first_layer + num_layers)``
+        of a layer-wise transfer are ready, after ``event`` (a recorded ``torch.cuda.Event`` or a
+        raw ``CUevent``) or the current work of ``stream`` (a ``torch.cuda.Stream`` or a raw
+        ``CUstream``), or now when neither is given."""
+        if event is not None and stream is not None:
+            raise ValueError("layers_ready: give event or stream, not both")
+        rc = self._lib.kvstage_op_layers_ready(
+            self._handle(),
+            _u32(first_layer, "first_layer"),
+            _u32(num_layers, "num_layers"),
+            _cuda_handle(stream, "cuda_stream", "stream"),
+            _cuda_handle(event, "cuda_event", "event"),
+        )
+        _check(self._lib, rc, "kvstage_op_layers_ready")
 
     def timings(self) -> Optional[TransferTimings]:
         """``kvstage_op_timings_get``: the phase timings once the operation ended, else ``None``."""

@@ -434,6 +434,8 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_transfer": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
     "kvstage_transfer_slices": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
     "kvstage_transfer_async": (c_int, [c_void_p, _p(kvstage_transfer_desc), _p(c_void_p)]),
+    "kvstage_transfer_layerwise_async": (c_int, [c_void_p, _p(kvstage_transfer_desc), _p(c_void_p)]),
+    "kvstage_op_layers_ready": (c_int, [c_void_p, c_uint32, c_uint32, c_void_p, c_void_p]),
     "kvstage_op_poll": (c_int, [c_void_p]),
     "kvstage_op_wait": (c_int, [c_void_p, c_uint64]),
     "kvstage_op_cancel": (c_int, [c_void_p]),

@@ -6,6 +6,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 import kvref
 import kvstage
@@ -102,6 +103,34 @@ def test_callback_reports_every_operation_with_its_tag_and_room_events_filter(li
         prefill.set_completion_callback(None)
         for op in ops:
             op.close()
+    finally:
+        session.close()
+        prefill.close()
+        decode.close()
+
+
+def test_layer_wise_transfer_lands_once_every_layer_is_marked(lib):
+    """Layers marked out of order on a layer-wise operation: nothing completes while one is
+    missing; then the decode pool holds the reference bytes. Marks are checked."""
+    room = 40
+    decode, dpool, prefill, ppool, session = _pair([room])
+    try:
+        op = session.transfer_layerwise_async(room, 0, list(range(PAGES)), deadline_ms=20000)
+        op.layers_ready(1)
+        with pytest.raises(kvstage.ArgumentError, match="layer 1 was already marked ready"):
+            op.layers_ready(1)
+        with pytest.raises(kvstage.ArgumentError, match="layer 2 is not a layer of this pool"):
+            op.layers_ready(2)
+        with pytest.raises(TypeError):
+            op.layers_ready(0, event="not an event")
+        with pytest.raises(ValueError):
+            op.layers_ready(0, event=1, stream=2)
+        assert op.poll() == kvstage.Status.PENDING
+        op.layers_ready(0)
+        assert op.wait(20000) == kvstage.Status.OK
+        decode.room_wait(room, 20000)
+        assert kvref.describe_difference(dpool, _expected(dpool, ppool)) == ""
+        op.close()
     finally:
         session.close()
         prefill.close()

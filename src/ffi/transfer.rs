@@ -245,6 +245,55 @@ pub unsafe extern "C" fn kvstage_transfer_async(
     })
 }
 
+/// Layer-wise sending: as `kvstage_transfer_async` for a chunk whose layers the prefill is still
+/// computing. The ring space is requested at once; each batch of layers marked with
+/// `kvstage_op_layers_ready` is gathered and written into its place while later layers are
+/// computed, and the operation ends as a whole-chunk transfer does, once every layer went. All of
+/// the pool's layers must be marked before `desc->deadline_ms`, or the transfer ends with
+/// `KVSTAGE_E_TIMEOUT` and the decode room fails. `desc->cuda_stream` and `desc->cuda_event` must
+/// be NULL (each batch names its own ready point). The transfer holds a send staging buffer (or,
+/// on the same-host path, nothing) until its last layer went. `KVSTAGE_FALLBACK` as for
+/// `kvstage_transfer_async`, without waiting for any layer.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_transfer_layerwise_async(
+    session: *const kvstage_session,
+    desc: *const kvstage_transfer_desc,
+    out: *mut *mut kvstage_op,
+) -> Status {
+    ffi_fn!(status {
+        let session = unsafe { self::session(session) }?.clone();
+        let tag = unsafe { user_tag(desc) };
+        let mut desc = unsafe { transfer_desc(&session, desc) }?;
+        desc.layers = Some(session.layer_gate());
+        let out = out_arg(out, "out")?;
+        let op = session.transfer_async(desc, false, tag)?;
+        *out = Handle::into_raw(op)?;
+        Ok(Status::KVSTAGE_PENDING)
+    })
+}
+
+/// Marks the model layers `[first_layer, first_layer + num_layers)` of a layer-wise transfer
+/// ready: their KV is valid after the caller's current work on `cuda_stream`, after the recorded
+/// `cuda_event`, or (both NULL) now; the point is captured during the call. Layers are model layer
+/// ids of the pool (a pipeline stage marks its own). `KVSTAGE_E_INVALID_ARG` when `op` is not a
+/// layer-wise transfer, a layer is not in the pool, or one was marked before (nothing is marked
+/// then). Marking after the operation ended is harmless.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_op_layers_ready(
+    op: *const kvstage_op,
+    first_layer: u32,
+    num_layers: u32,
+    cuda_stream: *mut std::ffi::c_void,
+    cuda_event: *mut std::ffi::c_void,
+) -> Status {
+    ffi_fn!(status {
+        let op = unsafe { self::op(op) }?;
+        let gate = op.layers().ok_or_else(|| Error::invalid_arg("op", "is not a layer-wise transfer (kvstage_transfer_layerwise_async)"))?;
+        gate.mark_after(first_layer, num_layers, cuda_stream as usize, cuda_event as usize)?;
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
 /// `KVSTAGE_PENDING` while running; then the operation's result (repeatable; errors set the last
 /// error each time).
 #[no_mangle]
