@@ -5,7 +5,8 @@
 # the same at load (--inflight 4) and a short inflight sweep: the load fields (inflight, request
 # latencies, raw TCP streams, the library's thread peak) are present and consistent; then the
 # same-host path: --transport shm, and auto, must report every session (params.links, staged.link)
-# on shm with the staged bytes verified; the default (tcp) reports tcp.
+# on shm with the staged bytes verified; the default (tcp) reports tcp; then --layer-ms: both
+# kinds' exposed times are present and positive and both kinds' decode bytes were verified.
 # No timing is asserted. Usage: check_bench.sh <kvstage-bench>
 set -euo pipefail
 bench=$1
@@ -21,7 +22,9 @@ tiny=(--layers 2 --kv-heads 4 --head-dim 16 --dtype-bytes 2 --prefill-tp 2 --dec
 # The same-host path, required and chosen by auto (both processes are on this host).
 "$bench" "${tiny[@]}" --transport shm --json "$out/shm.json" >/dev/null
 "$bench" "${tiny[@]}" --transport auto --inflight 2 --json "$out/auto.json" >/dev/null
-python3 - "$out/bench.json" "$out/load.json" "$out/sweep.json" "$out/boxed.json" "$out/shm.json" "$out/auto.json" <<'PY'
+# Layer-wise against whole-chunk sending behind a simulated prefill (1 ms per layer).
+"$bench" "${tiny[@]}" --layer-ms 1 --json "$out/layers.json" >/dev/null
+python3 - "$out/bench.json" "$out/load.json" "$out/sweep.json" "$out/boxed.json" "$out/shm.json" "$out/auto.json" "$out/layers.json" <<'PY'
 import json, sys
 
 def check(report, inflight, full=True):
@@ -76,6 +79,13 @@ check(shm, 1)
 auto = json.load(open(sys.argv[6]))
 assert auto["params"]["transport"] == "auto"
 check(auto, 2)
+layers = json.load(open(sys.argv[7]))
+exposed = layers["exposed"]
+assert layers["layers"] == 2 and layers["layer_ms"] == 1 and layers["reps"] == 2, layers
+assert exposed["whole_s"] > 0 and exposed["layerwise_s"] > 0 and exposed["ratio"] > 0, exposed
+assert len(exposed["whole_samples"]) == len(exposed["layerwise_samples"]) == 2, exposed
+assert layers["verified_whole"] is True and layers["verified_layerwise"] is True, layers
 print("bench_json: all sections present and positive, verified; at load (inflight 4) and in an inflight sweep too;"
-      " a time-boxed slice run says it was not verified; --transport shm and auto ran the staged section over shm, verified")
+      " a time-boxed slice run says it was not verified; --transport shm and auto ran the staged section over shm, verified;"
+      " --layer-ms reports both exposed times, both kinds verified")
 PY

@@ -615,7 +615,8 @@ impl Prefill {
     /// Queues every chunk of `room` from every prefill rank to every decode rank it feeds on the
     /// engines' transfer workers (`transfer_async`, staged path) and returns the operations at
     /// once, chunk by chunk in request order. `timeout` runs from now (queued time counts).
-    pub fn submit_room(&self, setup: &Setup, room: u64, timeout: Duration) -> Result<Vec<Arc<Op>>> {
+    /// `layer_wise`: each operation waits for its layers to be marked ready on its gate.
+    pub fn submit_room(&self, setup: &Setup, room: u64, timeout: Duration, layer_wise: bool) -> Result<Vec<Arc<Op>>> {
         let grid = setup.grid_pages();
         let pages: Vec<Vec<u32>> = self.ranks.iter().map(|r| setup.prefill_pages(r.rank)).collect();
         let mut ops = Vec::new();
@@ -623,7 +624,8 @@ impl Prefill {
             for (r, rank_pages) in self.ranks.iter().zip(&pages) {
                 let Some(chunk_pages) = rank_pages.chunks(grid).nth(chunk) else { continue };
                 for session in &r.sessions {
-                    let desc = TransferDesc { room, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(timeout), ..Default::default() };
+                    let layers = layer_wise.then(|| session.layer_gate());
+                    let desc = TransferDesc { room, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(timeout), layers, ..Default::default() };
                     let tag = (room << 24) | ops.len() as u64;
                     ops.push(session.transfer_async(desc, false, tag)?);
                 }

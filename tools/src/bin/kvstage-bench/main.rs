@@ -14,8 +14,8 @@
 //! the request latencies; a sampler thread records the most library threads seen. `--stuck-peer`
 //! measures what a decode peer that stops reading costs the other sessions of its prefill engine.
 //!
-//! Files: `report` (the sections, the table, the JSON), `stuck` (`--stuck-peer`), `sys` (threads
-//! and CPU time from /proc).
+//! Files: `report` (the sections, the table, the JSON), `stuck` (`--stuck-peer`), `layers`
+//! (`--layer-ms`), `sys` (threads and CPU time from /proc).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -32,6 +32,7 @@ use kvstage_testkit::cluster::{serve_decode_with, DecodeChild, DecodeOptions, Pr
 use kvstage_testkit::HostPool;
 use kvstage_tools::{parse_with_defaults, usage_error, Links, SetupArgs};
 
+mod layers;
 mod report;
 mod stuck;
 mod sys;
@@ -91,6 +92,10 @@ struct Cli {
     /// (three phases on fresh processes).
     #[arg(long, conflicts_with = "sweep")]
     stuck_peer: bool,
+    /// Whole-chunk against layer-wise sending behind a simulated prefill that finishes one layer
+    /// every MS milliseconds: the exposed time (last layer ready to decode scatter done).
+    #[arg(long, value_name = "MS", conflicts_with_all = ["sweep", "stuck_peer"])]
+    layer_ms: Option<f64>,
     /// Length of each --stuck-peer phase's window.
     #[arg(long, value_name = "S", default_value_t = 10.0)]
     stuck_seconds: f64,
@@ -150,6 +155,7 @@ struct Args {
     staging_buffers: Option<u32>,
     stuck_peer: bool,
     stuck_seconds: f64,
+    layer_ms: Option<f64>,
 }
 
 impl Args {
@@ -174,6 +180,7 @@ impl Args {
             staging_buffers: cli.staging_buffers.map(|b| b.max(1)),
             stuck_peer: cli.stuck_peer,
             stuck_seconds: cli.stuck_seconds.max(0.5),
+            layer_ms: cli.layer_ms.map(|ms| ms.max(0.0)),
         }
     }
 }
@@ -203,7 +210,7 @@ fn prefill_options(a: &Args) -> EngineOptions {
 }
 
 /// How long a transfer may take, from its submission (queued time counts).
-const TRANSFER_TIMEOUT: Duration = Duration::from_secs(600);
+pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The staged path at load: `inflight` requests at once. Every chunk of a request, on every rank,
 /// is submitted at once through `transfer_async`; a new request starts whenever one completes
@@ -236,7 +243,7 @@ fn staged_load(a: &Args, child: &mut DecodeChild, prefill: &Prefill, room: &mut 
         child.command(&format!("room {room}"))?;
         child.watch(*room)?;
         let submitted = Instant::now();
-        let ops = prefill.submit_room(s, *room, TRANSFER_TIMEOUT)?;
+        let ops = prefill.submit_room(s, *room, TRANSFER_TIMEOUT, false)?;
         ops_total += ops.len() as u64;
         in_flight.insert(*room, InFlight { index, submitted, ops });
         Ok(())
@@ -498,6 +505,14 @@ fn sweep_points(a: &Args, what: Sweep) -> Vec<(String, Args)> {
 }
 
 fn run(a: &Args) -> Result<bool, Error> {
+    if let Some(ms) = a.layer_ms {
+        let (text, json) = layers::layer_stream(a, ms)?;
+        print!("{text}");
+        if let Some(path) = &a.json {
+            kvstage_tools::write_json(path, &json)?;
+        }
+        return Ok(true);
+    }
     if a.stuck_peer {
         let (text, json) = stuck::stuck_peer(a)?;
         print!("{text}");

@@ -93,7 +93,7 @@ impl Check {
     pub fn verified(self) -> bool {
         self == Check::Matched
     }
-    fn text(self) -> String {
+    pub fn text(self) -> String {
         match self {
             Check::Matched => "yes".into(),
             Check::Differs(bad) => format!("NO, {bad} bytes differ"),
