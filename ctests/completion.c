@@ -207,6 +207,11 @@ int main(void) {
         d.num_pages = 4;
         d.deadline_ms = 20000;
         kvstage_op *op = NULL;
+        d.cuda_event = (void *)0x1; /* refused before anything touches it: batches carry their own */
+        CHECK_INT(kvstage_transfer_layerwise_async(session, &d, &op), KVSTAGE_E_INVALID_ARG);
+        CHECK_CONTAINS(kvstage_error_last()->message, "desc->cuda_event");
+        CHECK(op == NULL);
+        d.cuda_event = NULL;
         CHECK_INT(kvstage_transfer_layerwise_async(session, &d, &op), KVSTAGE_PENDING);
         REQUIRE(op != NULL);
         CHECK_INT(kvstage_op_layers_ready(op, LAYERS, 1, NULL, NULL), KVSTAGE_E_INVALID_ARG);

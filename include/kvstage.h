@@ -888,20 +888,25 @@ enum kvstage_status kvstage_transfer_slices(const struct kvstage_session *sessio
 enum kvstage_status kvstage_transfer_async(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc, struct kvstage_op **out);
 
 // Layer-wise sending: as `kvstage_transfer_async` for a chunk whose layers the prefill is still
-// computing. The ring space is requested at once; each batch of layers marked with
-// `kvstage_op_layers_ready` is gathered and written into its place while later layers are
-// computed, and the operation ends as a whole-chunk transfer does, once every layer went. All of
-// the pool's layers must be marked before `desc->deadline_ms`, or the transfer ends with
-// `KVSTAGE_E_TIMEOUT` and the decode room fails. `desc->cuda_stream` and `desc->cuda_event` must
-// be NULL (each batch names its own ready point). The transfer holds a send staging buffer (or,
-// on the same-host path, nothing) until its last layer went. `KVSTAGE_FALLBACK` as for
+// computing. The ring space is requested as soon as a transfer worker takes the operation; each
+// batch of layers marked with `kvstage_op_layers_ready` is gathered and written into its place
+// while later layers are computed, and the operation ends as a whole-chunk transfer does, once
+// every layer went. All of the pool's layers must be marked before `desc->deadline_ms`, or the
+// transfer ends with `KVSTAGE_E_TIMEOUT` and the decode room fails. `desc->cuda_stream` and
+// `desc->cuda_event` must be NULL (`KVSTAGE_E_INVALID_ARG`: each batch names its own ready
+// point). Until its last layer went the transfer holds a transfer worker (a session runs at most
+// half of `transfer_threads` at once; later ones wait queued, their ring space not yet asked
+// for) and a send staging buffer (none on the same-host path with a host pool). Mark layers on
+// the running operations before waiting on queued ones. `KVSTAGE_FALLBACK` as for
 // `kvstage_transfer_async`, without waiting for any layer.
 enum kvstage_status kvstage_transfer_layerwise_async(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc, struct kvstage_op **out);
 
 // Marks the model layers `[first_layer, first_layer + num_layers)` of a layer-wise transfer
 // ready: their KV is valid after the caller's current work on `cuda_stream`, after the recorded
-// `cuda_event`, or (both NULL) now; the point is captured during the call. Layers are model layer
-// ids of the pool (a pipeline stage marks its own). `KVSTAGE_E_INVALID_ARG` when `op` is not a
+// `cuda_event`, or (both NULL) now. The point is captured during the call, except that for a
+// host pool a `cuda_event` is itself waited for later: do not re-record or destroy it before the
+// operation ends. NULL is not the legacy default stream here: pass `CU_STREAM_LEGACY` (0x1) for
+// it. Layers are model layer ids of the pool (a pipeline stage marks its own). `KVSTAGE_E_INVALID_ARG` when `op` is not a
 // layer-wise transfer, a layer is not in the pool, or one was marked before (nothing is marked
 // then). Marking after the operation ended is harmless.
 enum kvstage_status kvstage_op_layers_ready(const struct kvstage_op *op, uint32_t first_layer, uint32_t num_layers, void *cuda_stream, void *cuda_event);

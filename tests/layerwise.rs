@@ -243,17 +243,16 @@ fn a_layer_never_marked_ends_by_the_deadline_and_fails_the_room() {
     }
 }
 
-/// A layer-wise transfer cannot also carry a whole-chunk ready point, nor take the slice path.
+/// The slice path does not send layer by layer: refused at once, before an operation exists.
 #[test]
-fn layer_wise_arguments_are_checked() {
+fn the_slice_path_refuses_a_layer_gate() {
     let pages = [1u32];
     let d = decode(mha(), TransportKind::Tcp, None);
     let p = prefill(mha(), &pages, &d, TransportKind::Tcp, "args");
     let desc = TransferDesc { room: 9, pages: pages.to_vec(), timeout: Some(Duration::from_secs(1)), layers: Some(p.session.layer_gate()), ..Default::default() };
-    let slices = p.session.transfer_async(desc, true, 0).unwrap();
-    let e = slices.wait(Some(Duration::from_secs(10))).unwrap_err();
+    let Err(e) = p.session.transfer_async(desc.clone(), true, 0) else { panic!("a layer-wise slice transfer was queued") };
     assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", e.chain());
-    assert!(start(&p.session, 9, &pages, Duration::from_secs(1)).layers().is_some());
-    let whole = p.session.transfer_async(TransferDesc { room: 9, pages: pages.to_vec(), ..Default::default() }, false, 0).unwrap();
-    assert!(whole.layers().is_none());
+    let e = p.session.transfer_slices(&desc, &Op::new(p.session.waker())).unwrap_err();
+    assert!(e.message().contains("does not send layer by layer"), "{}", e.chain());
+    assert_eq!(p.session.stats().send.transfers_failed(), 0, "a refused argument is not a transfer");
 }

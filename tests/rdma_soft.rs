@@ -95,6 +95,26 @@ fn staged_chunks_land_by_rdma_write_between_two_engines() {
     transfer_all(&p, 2, "rdma-again");
 }
 
+/// Layer-wise over RDMA: the batches are gathered as they are marked (backwards here) and the
+/// region goes in one write after the last, its immediate gating the ready; bytes verified.
+#[test]
+fn a_layer_wise_chunk_lands_by_one_rdma_write_after_its_last_layer() {
+    let p = pair(opts(TransportKind::Rdma, "softib0", 1), opts(TransportKind::Rdma, "softib0", 2), 1);
+    let room = 11;
+    p.decode.receiver().open_room(room, &(0..PAGES).collect::<Vec<_>>(), PAGES * 16).unwrap();
+    let s = p.prefill[0].0.connect(&p.decode.local_addr().to_string(), "layers", None).unwrap();
+    let op = s.transfer_async(TransferDesc { layers: Some(s.layer_gate()), ..desc(room) }, false, 0).unwrap();
+    let gate = op.layers().unwrap();
+    for layer in (0..4).rev() {
+        gate.mark(layer, 1, None).unwrap();
+    }
+    assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap(), Status::KVSTAGE_OK);
+    p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
+    let (bad, first) = p.dpool.verify(&(0..PAGES).collect::<Vec<_>>(), 0);
+    assert_eq!(bad, 0, "{first:?}");
+    assert_eq!(s.stats().link, kvstage::session::stats::LinkKind::Rdma);
+}
+
 #[test]
 fn a_chunk_is_striped_over_several_qps() {
     let p = pair(opts(TransportKind::Rdma, "softib0", 2), opts(TransportKind::Rdma, "softib0", 3), 1);

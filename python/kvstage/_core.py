@@ -904,13 +904,22 @@ class Room:
             self.release()
 
 
+_CU_STREAM_LEGACY = 0x1
+
+
 def _cuda_handle(obj: Any, attr: str, what: str) -> Optional[int]:
-    """The raw CUDA handle of a torch object (its ``attr``), an int as is, ``None`` for none."""
+    """The raw CUDA handle of a torch object (its ``attr``), an int as is, ``None`` for none.
+    A torch stream whose handle is 0 is the legacy default stream (NULL would mean "ready now");
+    a torch event whose handle is 0 was never recorded."""
     if obj is None:
         return None
     raw = getattr(obj, attr, obj)
     if not isinstance(raw, int):
         raise TypeError(f"{what}: expected a torch CUDA {what} or a raw handle (int), got {type(obj).__name__}")
+    if raw == 0 and obj is not raw:
+        if what == "stream":
+            return _CU_STREAM_LEGACY
+        raise ValueError(f"{what}: the torch CUDA event was never recorded")
     return raw or None
 
 

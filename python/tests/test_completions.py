@@ -125,6 +125,12 @@ def test_layer_wise_transfer_lands_once_every_layer_is_marked(lib):
             op.layers_ready(0, event="not an event")
         with pytest.raises(ValueError):
             op.layers_ready(0, event=1, stream=2)
+
+        class Unrecorded:  # a torch.cuda.Event before its first record has no handle
+            cuda_event = 0
+
+        with pytest.raises(ValueError, match="never recorded"):
+            op.layers_ready(0, event=Unrecorded())
         assert op.poll() == kvstage.Status.PENDING
         op.layers_ready(0)
         assert op.wait(20000) == kvstage.Status.OK

@@ -246,13 +246,16 @@ pub unsafe extern "C" fn kvstage_transfer_async(
 }
 
 /// Layer-wise sending: as `kvstage_transfer_async` for a chunk whose layers the prefill is still
-/// computing. The ring space is requested at once; each batch of layers marked with
-/// `kvstage_op_layers_ready` is gathered and written into its place while later layers are
-/// computed, and the operation ends as a whole-chunk transfer does, once every layer went. All of
-/// the pool's layers must be marked before `desc->deadline_ms`, or the transfer ends with
-/// `KVSTAGE_E_TIMEOUT` and the decode room fails. `desc->cuda_stream` and `desc->cuda_event` must
-/// be NULL (each batch names its own ready point). The transfer holds a send staging buffer (or,
-/// on the same-host path, nothing) until its last layer went. `KVSTAGE_FALLBACK` as for
+/// computing. The ring space is requested as soon as a transfer worker takes the operation; each
+/// batch of layers marked with `kvstage_op_layers_ready` is gathered and written into its place
+/// while later layers are computed, and the operation ends as a whole-chunk transfer does, once
+/// every layer went. All of the pool's layers must be marked before `desc->deadline_ms`, or the
+/// transfer ends with `KVSTAGE_E_TIMEOUT` and the decode room fails. `desc->cuda_stream` and
+/// `desc->cuda_event` must be NULL (`KVSTAGE_E_INVALID_ARG`: each batch names its own ready
+/// point). Until its last layer went the transfer holds a transfer worker (a session runs at most
+/// half of `transfer_threads` at once; later ones wait queued, their ring space not yet asked
+/// for) and a send staging buffer (none on the same-host path with a host pool). Mark layers on
+/// the running operations before waiting on queued ones. `KVSTAGE_FALLBACK` as for
 /// `kvstage_transfer_async`, without waiting for any layer.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_transfer_layerwise_async(
@@ -262,6 +265,13 @@ pub unsafe extern "C" fn kvstage_transfer_layerwise_async(
 ) -> Status {
     ffi_fn!(status {
         let session = unsafe { self::session(session) }?.clone();
+        // Refused before `transfer_desc` captures a ready point (which needs the CUDA driver).
+        let raw: kvstage_transfer_desc = unsafe { versioned_struct(desc, "desc", TRANSFER_DESC_V1) }?;
+        for (set, field) in [(!raw.cuda_stream.is_null(), "desc->cuda_stream"), (!raw.cuda_event.is_null(), "desc->cuda_event")] {
+            if set {
+                return Err(Error::invalid_arg(field, "is set on a layer-wise transfer (kvstage_op_layers_ready takes each batch's ready point)"));
+            }
+        }
         let tag = unsafe { user_tag(desc) };
         let mut desc = unsafe { transfer_desc(&session, desc) }?;
         desc.layers = Some(session.layer_gate());
@@ -274,8 +284,10 @@ pub unsafe extern "C" fn kvstage_transfer_layerwise_async(
 
 /// Marks the model layers `[first_layer, first_layer + num_layers)` of a layer-wise transfer
 /// ready: their KV is valid after the caller's current work on `cuda_stream`, after the recorded
-/// `cuda_event`, or (both NULL) now; the point is captured during the call. Layers are model layer
-/// ids of the pool (a pipeline stage marks its own). `KVSTAGE_E_INVALID_ARG` when `op` is not a
+/// `cuda_event`, or (both NULL) now. The point is captured during the call, except that for a
+/// host pool a `cuda_event` is itself waited for later: do not re-record or destroy it before the
+/// operation ends. NULL is not the legacy default stream here: pass `CU_STREAM_LEGACY` (0x1) for
+/// it. Layers are model layer ids of the pool (a pipeline stage marks its own). `KVSTAGE_E_INVALID_ARG` when `op` is not a
 /// layer-wise transfer, a layer is not in the pool, or one was marked before (nothing is marked
 /// then). Marking after the operation ended is harmless.
 #[no_mangle]

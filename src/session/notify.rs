@@ -54,15 +54,24 @@ impl Completions {
         *self.callback.write() = callback;
     }
 
-    pub fn signal(&self, c: &Completion) {
+    /// Counts `n` completions on the descriptor. Called where the completed state becomes
+    /// visible (under the lock that publishes it), so that a caller who saw the state and then
+    /// drains the descriptor finds them counted.
+    pub fn count(&self, n: u64) {
+        if n == 0 {
+            return;
+        }
+        // SAFETY: writes 8 bytes from a local to our eventfd; a full counter (EAGAIN) is still
+        // readable, which is all a waiter needs.
+        unsafe { libc::write(self.fd.as_raw_fd(), &n as *const u64 as *const libc::c_void, 8) };
+    }
+
+    /// Runs the callback for `c` (counted before with [`count`](Self::count)); with no lock held.
+    pub fn call(&self, c: &Completion) {
         let callback = self.callback.read().clone();
         if let Some(cb) = callback {
             cb(c);
         }
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a local to our eventfd; a full counter (EAGAIN) is still
-        // readable, which is all a waiter needs.
-        unsafe { libc::write(self.fd.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
     }
 
     /// Resets the counter; how many completions were signalled since the last drain.
@@ -94,8 +103,9 @@ mod tests {
         c.set_callback(Some(Arc::new(move |_c: &Completion| {
             s.fetch_add(1, Ordering::SeqCst);
         })));
-        c.signal(&Completion::Op { tag: 7, status: Status::KVSTAGE_OK, timings: TransferTimings::default() });
-        c.signal(&Completion::Chunk(ChunkEvent { room: 1, chunk: 0, status: Status::KVSTAGE_OK, scatter_ns: 0 }));
+        c.count(2);
+        c.call(&Completion::Op { tag: 7, status: Status::KVSTAGE_OK, timings: TransferTimings::default() });
+        c.call(&Completion::Chunk(ChunkEvent { room: 1, chunk: 0, status: Status::KVSTAGE_OK, scatter_ns: 0 }));
         // SAFETY: as above.
         assert_eq!(unsafe { libc::poll(&mut pfd, 1, 1000) }, 1);
         assert_eq!(c.drain(), 2);

@@ -72,13 +72,18 @@ impl Op {
             Ok(s) => *s,
             Err(e) => e.code(),
         };
-        *self.result.lock() = (Some(result), timings);
-        // Signal before waking waiters: a caller whose wait returned finds this end already
-        // counted on the eventfd (a callback polling the op sees the result set just above).
-        if let Some((completions, tag)) = &self.notify {
-            completions.signal(&Completion::Op { tag: *tag, status, timings });
+        let mut slot = self.result.lock();
+        *slot = (Some(result), timings);
+        // Counted under the lock that publishes the result: a caller whose poll or wait saw it
+        // finds this end already on the eventfd when it drains it.
+        if let Some((completions, _)) = &self.notify {
+            completions.count(1);
         }
+        drop(slot);
         self.done.notify_all();
+        if let Some((completions, tag)) = &self.notify {
+            completions.call(&Completion::Op { tag: *tag, status, timings });
+        }
     }
 
     /// The phase timings once the operation finished; `None` while it runs.

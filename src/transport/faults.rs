@@ -122,11 +122,8 @@ impl FaultyTransport {
     }
 
     /// A data frame's faults; `grant_offset` is forwarded to transports that need it (RDMA).
-    fn faulty_chunk(&self, grant_offset: Option<u64>, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
-        let write = |d: &[u8]| match grant_offset {
-            Some(o) => self.inner.write_chunk_at(o, header, d, ready, deadline),
-            None => self.inner.write_chunk(header, d, ready, deadline),
-        };
+    /// One data write through `write` (a whole chunk or a piece), with this frame's faults.
+    fn faulty_data(&self, data: &[u8], write: impl Fn(&[u8]) -> Result<()>) -> Result<()> {
         let f = self.next_frame()?;
         let c = &self.faults.counters;
         if f.truncate && !data.is_empty() {
@@ -190,15 +187,19 @@ impl Transport for FaultyTransport {
     }
 
     fn write_chunk(&self, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
-        self.faulty_chunk(None, header, data, ready, deadline)
+        self.faulty_data(data, |d| self.inner.write_chunk(header, d, ready, deadline))
     }
 
     fn write_chunk_at(&self, grant_offset: u64, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
-        self.faulty_chunk(Some(grant_offset), header, data, ready, deadline)
+        self.faulty_data(data, |d| self.inner.write_chunk_at(grant_offset, header, d, ready, deadline))
     }
 
-    fn write_piece(&self, header: &Message, data: &[u8], deadline: &Deadline) -> Option<Result<()>> {
-        self.inner.write_piece(header, data, deadline)
+    fn writes_pieces(&self) -> bool {
+        self.inner.writes_pieces()
+    }
+
+    fn write_piece(&self, grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {
+        self.faulty_data(data, |d| self.inner.write_piece(grant_offset, header, d, deadline))
     }
 
     fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {

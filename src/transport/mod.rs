@@ -31,12 +31,17 @@ pub trait Transport: Send + Sync {
         self.write_chunk(header, data, ready, deadline)
     }
 
-    /// Layer-wise sending: writes `data` to the range `header` (a `Message::Data`) names, one
-    /// piece of a region whose ready follows later by [`send`](Self::send). `None`: this
-    /// transport writes a region in one piece only (the sender then writes it whole at the end).
-    fn write_piece(&self, header: &Message, data: &[u8], deadline: &Deadline) -> Option<Result<()>> {
-        let _ = (header, data, deadline);
-        None
+    /// Whether [`write_piece`](Self::write_piece) works. Layer-wise sending writes a region in
+    /// pieces as its layers become ready where it does, else whole after the last layer.
+    fn writes_pieces(&self) -> bool {
+        false
+    }
+
+    /// Layer-wise sending: writes `data` to the range `header` (a `Message::Data`) names in the
+    /// grant at `grant_offset`, one piece of a region whose ready follows by [`send`](Self::send).
+    fn write_piece(&self, grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {
+        let _ = (grant_offset, header, data, deadline);
+        Err(crate::error::Error::internal(format!("{} writes a region in one piece", self.describe())))
     }
 
     /// Same-host transports: the range `[ring_offset, +len)` of the receiver's ring, mapped in

@@ -274,9 +274,13 @@ impl Transport for TcpTransport {
         self.write(deadline, |w| write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(data), IoSlice::new(&tail)]))
     }
 
-    fn write_piece(&self, header: &Message, data: &[u8], deadline: &Deadline) -> Option<Result<()>> {
+    fn writes_pieces(&self) -> bool {
+        true
+    }
+
+    fn write_piece(&self, _grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {
         let head = header.encode();
-        Some(self.write(deadline, |w| write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(data)])))
+        self.write(deadline, |w| write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(data)]))
     }
 
     fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {

@@ -201,7 +201,11 @@ impl Receiver {
     fn with_state_deferred<R>(&self, f: impl FnOnce(&mut State) -> R) -> (R, Effects) {
         let mut st = self.state.lock();
         let r = f(&mut st);
-        (r, st.take_effects())
+        let fx = st.take_effects();
+        // Counted under the state lock that publishes them: a caller whose room wait or event
+        // poll saw a chunk's end finds it on the eventfd (the callbacks run later, in `apply`).
+        self.completions.count(fx.events.len() as u64);
+        (r, fx)
     }
 
     fn apply(&self, fx: Effects) {
@@ -234,12 +238,11 @@ impl Receiver {
                 self.with_state(|st| st.scatter_done(&job, Err(Error::internal("the scatter queue is closed"))));
             }
         }
-        // Signal before waking room waiters: a caller whose wait returned finds the event counted.
-        for e in fx.events {
-            self.completions.signal(&Completion::Chunk(e));
-        }
         if fx.changed {
             self.changed.notify_all();
+        }
+        for e in fx.events {
+            self.completions.call(&Completion::Chunk(e));
         }
     }
 

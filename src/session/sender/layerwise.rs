@@ -40,7 +40,7 @@ impl SenderSession {
             Some(acquired?)
         };
         // Whether pieces go out as they are gathered (else the region goes in one write at the end).
-        let mut streaming = true;
+        let streaming = self.link.writes_pieces();
         while !missing.is_empty() {
             for batch in self.wait_layers(gate, deadline, op)? {
                 let layers: Vec<u32> = batch.layers.iter().copied().filter(|l| missing.remove(l)).collect();
@@ -48,11 +48,15 @@ impl SenderSession {
                     continue;
                 }
                 let part = plan.for_layers(|l| layers.binary_search(&l).is_ok());
-                let ready_point = batch.ready.as_ref();
                 match staging.as_mut() {
                     None => {
+                        // The batch's ready point first: teardown waits for the range, not for
+                        // the caller's compute.
+                        if let Some(fence) = &batch.ready {
+                            fence.wait_host()?;
+                        }
                         let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
-                        self.gather(&part, range.as_mut_ptr(), ready_point, t)?;
+                        self.gather(&part, range.as_mut_ptr(), None, t)?;
                         drop(range);
                         let phase = Instant::now();
                         for (at, len) in part.staging_ranges() {
@@ -62,16 +66,15 @@ impl SenderSession {
                     }
                     Some(buffer) => {
                         let data = buffer.bytes(region_bytes as usize);
-                        self.gather(&part, data.as_mut_ptr(), ready_point, t)?;
-                        let phase = Instant::now();
-                        for (at, len) in part.staging_ranges() {
-                            let piece = &data[at as usize..(at + len) as usize];
-                            match self.link.write_piece(&place.data(desc, at, len), piece, deadline) {
-                                Some(wrote) => wrote?,
-                                None => streaming = false,
+                        self.gather(&part, data.as_mut_ptr(), batch.ready.as_ref(), t)?;
+                        if streaming {
+                            let phase = Instant::now();
+                            for (at, len) in part.staging_ranges() {
+                                let piece = &data[at as usize..(at + len) as usize];
+                                self.link.write_piece(place.grant_offset, &place.data(desc, at, len), piece, deadline)?;
                             }
+                            t.wire_ns += since(phase);
                         }
-                        t.wire_ns += since(phase);
                     }
                 }
             }

@@ -204,12 +204,12 @@ impl SenderSession {
     /// [`transfer`](Self::transfer), with the transfer's phase timings (zeros when an argument is
     /// bad: the transfer never started and is not counted).
     pub fn transfer_timed(&self, desc: &TransferDesc, op: &Op) -> (Result<Status>, TransferTimings) {
-        self.counted(desc, |t| self.staged(desc, op, t))
+        self.counted(desc, false, |t| self.staged(desc, op, t))
     }
 
     /// [`transfer_slices`](Self::transfer_slices), with the transfer's phase timings.
     pub fn transfer_slices_timed(&self, desc: &TransferDesc, op: &Op) -> (Result<Status>, TransferTimings) {
-        self.counted(desc, |t| self.slices(desc, op, t))
+        self.counted(desc, true, |t| self.slices(desc, op, t))
     }
 
     /// A gate for a layer-wise transfer on this session ([`TransferDesc::layers`]).
@@ -218,7 +218,10 @@ impl SenderSession {
     }
 
     /// The argument checks of a transfer, made before it starts (a bad argument is not counted).
-    fn check_args(&self, desc: &TransferDesc) -> Result<()> {
+    fn check_args(&self, desc: &TransferDesc, slices: bool) -> Result<()> {
+        if slices && desc.layers.is_some() {
+            return Err(Error::invalid_arg("desc", "the slice path does not send layer by layer").with_session(&self.id));
+        }
         if desc.layers.is_some() && desc.ready.is_some() {
             return Err(Error::invalid_arg("desc->cuda_event", "is set on a layer-wise transfer (each layer batch carries its own ready point)").with_session(&self.id));
         }
@@ -227,8 +230,8 @@ impl SenderSession {
 
     /// Runs a synchronous transfer: in flight meanwhile, timed, its result counted (a panic as
     /// `KVSTAGE_E_PANIC`, then it goes on unwinding).
-    fn counted(&self, desc: &TransferDesc, f: impl FnOnce(&mut TransferTimings) -> Result<Status>) -> (Result<Status>, TransferTimings) {
-        if let Err(e) = self.check_args(desc) {
+    fn counted(&self, desc: &TransferDesc, slices: bool, f: impl FnOnce(&mut TransferTimings) -> Result<Status>) -> (Result<Status>, TransferTimings) {
+        if let Err(e) = self.check_args(desc, slices) {
             return (Err(e), TransferTimings::ZERO);
         }
         let _running = match RunningChunk::claim(self, desc) {
@@ -256,7 +259,7 @@ impl SenderSession {
     /// deadline runs from now (time spent queued counts). `slices` selects the slice path.
     pub fn transfer_async(self: &Arc<Self>, mut desc: TransferDesc, slices: bool, tag: u64) -> Result<Arc<Op>> {
         // A bad argument fails the call at once: no operation, nothing counted.
-        self.check_args(&desc)?;
+        self.check_args(&desc, slices)?;
         let op = Op::notifying(self.waker(), self.resources.completions.clone(), tag, desc.layers.clone());
         let (session, worker_op) = (self.clone(), op.clone());
         let queued = Instant::now();
@@ -306,9 +309,6 @@ impl SenderSession {
     }
 
     fn slices_inner(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
-        if desc.layers.is_some() {
-            return Err(Error::invalid_arg("desc", "the slice path does not send layer by layer"));
-        }
         if self.pool.memory != MemoryKind::Host {
             return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the slice path reads the KV pool from the CPU: host pools only"));
         }

@@ -62,6 +62,18 @@ impl ShmTransport {
         Ok(InPlace { _mapping: guard, ptr })
     }
 
+    /// Copies `data` into the range `header` (a `Message::Data`) names in the grant at `grant_offset`.
+    fn copy_in(&self, grant_offset: u64, header: &Message, data: &[u8]) -> Result<()> {
+        let Message::Data { offset, .. } = header else {
+            return Err(Error::internal(format!("a chunk write described by {header:?}")));
+        };
+        let start = grant_offset.checked_add(*offset).ok_or_else(|| Error::new(Status::KVSTAGE_E_PROTOCOL, "grant offset overflows"))?;
+        let mut range = self.range(start, data.len() as u64)?;
+        // SAFETY: `range` is `data.len()` bytes of this writer's region, which nothing else writes.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), range.as_mut_ptr(), data.len()) };
+        Ok(())
+    }
+
     fn teardown(&self) {
         // Waits for a gather in progress; after this nothing here can write the ring.
         self.ring.write().take();
@@ -91,15 +103,17 @@ impl Transport for ShmTransport {
     }
 
     fn write_chunk_at(&self, grant_offset: u64, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
-        let Message::Data { offset, .. } = header else {
-            return Err(Error::internal(format!("a chunk write described by {header:?}")));
-        };
-        let start = grant_offset.checked_add(*offset).ok_or_else(|| Error::new(Status::KVSTAGE_E_PROTOCOL, "grant offset overflows"))?;
-        let mut range = self.range(start, data.len() as u64)?;
-        // SAFETY: `range` is `data.len()` bytes of this writer's region, which nothing else writes.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), range.as_mut_ptr(), data.len()) };
-        drop(range);
+        self.copy_in(grant_offset, header, data)?;
         self.finish_in_place(header, ready, deadline)
+    }
+
+    fn writes_pieces(&self) -> bool {
+        true
+    }
+
+    fn write_piece(&self, grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {
+        self.copy_in(grant_offset, header, data)?;
+        self.tcp.send(&written(header)?, deadline)
     }
 
     fn in_place(&self, ring_offset: u64, len: u64) -> Option<Result<InPlace<'_>>> {
