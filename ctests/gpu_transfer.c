@@ -108,17 +108,6 @@ static kvstage_engine *engine_with(pool *p, int integrity) {
 }
 
 /* `got` is `want` and the last error's message or a cause contains `needle`. */
-static void expect_err(int got, int want, const char *needle, const char *call, int line) {
-    const kvstage_error *e = kvstage_error_last();
-    int found = strstr(e->message, needle) != NULL;
-    size_t i;
-    for (i = 0; i < e->cause_count; i++) found = found || strstr(e->causes[i], needle) != NULL;
-    if (got != want || !found) {
-        KV_FAIL_AT(__FILE__, line, "%s returned %d, expected %d with \"%s\" in the error", call, got, want, needle);
-        kv_print_last_error(call);
-    }
-}
-#define EXPECT_ERR(call, want, needle) expect_err((int)(call), (want), (needle), #call, __LINE__)
 
 static kvstage_staging_memory device_ring(void *memory, int32_t device, size_t bytes) {
     kvstage_staging_memory m;
@@ -155,21 +144,21 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory) {
     /* Host pool, then a device ring; and the other order. */
     REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
     CHECK_OK(kvstage_engine_register_pool(e, &host));
-    EXPECT_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "the KV pool is host memory");
+    CHECK_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "the KV pool is host memory");
     kvstage_engine_free(e);
     REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
     CHECK_OK(kvstage_engine_register_staging_memory(e, &m));
-    EXPECT_ERR(kvstage_engine_register_pool(e, &host), KVSTAGE_E_INVALID_ARG, "the KV pool is host memory");
+    CHECK_ERR(kvstage_engine_register_pool(e, &host), KVSTAGE_E_INVALID_ARG, "the KV pool is host memory");
     /* Bad descriptors. */
     m.cuda_device = -1;
-    EXPECT_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->cuda_device");
+    CHECK_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->cuda_device");
     m.cuda_device = 0;
     m.memory_kind = 7;
-    EXPECT_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->memory_kind");
+    CHECK_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->memory_kind");
     m.memory_kind = KVSTAGE_MEMORY_CUDA;
     m.struct_size = 0;
-    EXPECT_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->struct_size");
-    EXPECT_ERR(kvstage_engine_register_staging(e, device_memory, 1 << 16), KVSTAGE_E_INVALID_ARG, "is CUDA device memory");
+    CHECK_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->struct_size");
+    CHECK_ERR(kvstage_engine_register_staging(e, device_memory, 1 << 16), KVSTAGE_E_INVALID_ARG, "is CUDA device memory");
     kvstage_engine_free(e);
 
     /* A sender that requires the same-host path: the device ring cannot be mapped. */
@@ -181,7 +170,7 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory) {
     o.transport = KVSTAGE_TRANSPORT_SHM;
     REQUIRE(kvstage_engine_new(&o, &shm_sender) == KVSTAGE_OK);
     CHECK_OK(kvstage_engine_register_pool(shm_sender, &sender->layout));
-    EXPECT_ERR(kvstage_session_connect(shm_sender, addr, "shm-required", 5000, &s), KVSTAGE_E_UNSUPPORTED, "same-node CUDA IPC is not implemented");
+    CHECK_ERR(kvstage_session_connect(shm_sender, addr, "shm-required", 5000, &s), KVSTAGE_E_UNSUPPORTED, "same-node CUDA IPC is not implemented");
     kvstage_engine_free(shm_sender);
     kvstage_engine_free(e);
     free(host_buffers);

@@ -83,6 +83,20 @@ static inline void kv_print_last_error(const char *what) {
         }                                                                                  \
     } while (0)
 
+/* CHECK_ERR(call, code, needle): the call returns `code` and the last error's message or one of
+ * its causes contains `needle` (prints the last error otherwise). */
+static inline void kv_check_err(int got, int want, const char *needle, const char *call, const char *file, int line) {
+    const kvstage_error *e = kvstage_error_last();
+    int found = strstr(e->message, needle) != NULL;
+    size_t i;
+    for (i = 0; i < e->cause_count; i++) found = found || strstr(e->causes[i], needle) != NULL;
+    if (got != want || !found) {
+        KV_FAIL_AT(file, line, "%s returned %d, expected %d with \"%s\" in the error", call, got, want, needle);
+        kv_print_last_error(call);
+    }
+}
+#define CHECK_ERR(call, want, needle) kv_check_err((int)(call), (want), (needle), #call, __FILE__, __LINE__)
+
 /* The end of main(): 0 when every check passed. */
 static inline int kv_finish(const char *test) {
     if (*kv_failures() != 0) {

@@ -293,7 +293,7 @@ impl Receiver {
                     // The ring may have been replaced while the offer was served: its registration
                     // (and the address the answer carries) then describe dead memory.
                     let current = self.memory.lock().clone();
-                    let replaced = !matches!((&ring, &current), (Some(a), Some(b)) if Arc::ptr_eq(a, b));
+                    let replaced = !super::memory::still_current(ring.as_ref(), current.as_ref());
                     let (answer, p) = if p.is_some() && replaced {
                         let same_memory = matches!((&ring, &current), (Some(a), Some(b)) if a.base() == b.base());
                         if let (Some(old), false) = (&ring, same_memory) {

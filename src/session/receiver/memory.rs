@@ -5,6 +5,7 @@
 //! check reads a region back.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
@@ -63,6 +64,12 @@ pub struct RingMemory {
 // pinned while a read lands there), and read by the scatter of a chunk whose writers all arrived.
 unsafe impl Send for RingMemory {}
 unsafe impl Sync for RingMemory {}
+
+/// Whether `seen`, the ring an exchange started with, is still the registered one (`current`):
+/// a ring registered meanwhile makes what the exchange set up describe dead memory.
+pub fn still_current(seen: Option<&Arc<RingMemory>>, current: Option<&Arc<RingMemory>>) -> bool {
+    matches!((seen, current), (Some(a), Some(b)) if Arc::ptr_eq(a, b))
+}
 
 impl RingMemory {
     pub fn new(spec: RingSpec) -> Result<RingMemory> {

@@ -86,8 +86,7 @@ impl Receiver {
         // the memory lock, so that a ring registered meanwhile is seen (this lease is then for the
         // old one: refused, the sender never maps it) and a later one closes this session.
         let current = self.memory.lock();
-        let same_ring = matches!((current.as_ref(), memory.as_ref()), (Some(a), Some(b)) if Arc::ptr_eq(a, b));
-        if !same_ring {
+        if !super::memory::still_current(memory.as_ref(), current.as_ref()) {
             return answer(Status::KVSTAGE_E_PEER_GONE, true, 0, "the staging ring was registered again during the exchange; reconnect".to_owned());
         }
         self.with_state(|st| st.set_in_place(id, true));
