@@ -133,8 +133,8 @@ int main(void) {
         CHECK_INT(kvstage_transfer_async(session, &d, &ops[i]), KVSTAGE_PENDING);
     }
     /* The event loop: sleep in poll() until the descriptor says something finished, drain it,
-     * then look at the operations. An operation's result is visible before its signal is written
-     * (so a woken loop never finds it still pending): go on until every signal came too.
+     * then look at the operations. An operation's end is counted on the descriptor when its result
+     * becomes visible, after its callback ran: once every signal came, every callback ran too.
      * Bounded: 200 wake-ups of at most 5 s. */
     int finished = 0;
     uint64_t signalled = 0;

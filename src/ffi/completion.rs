@@ -48,7 +48,11 @@ pub struct kvstage_completion {
 /// an operation, poll events) but must return quickly (it delays that thread's other work), must
 /// not free the engine that calls it, and must not call `kvstage_room_release`,
 /// `kvstage_room_wait` or `kvstage_op_wait` (they may wait for work of the very thread running
-/// the callback). `completion` is valid during the call only.
+/// the callback). `completion` is valid during the call only. An operation's callback runs before
+/// its end is visible anywhere else: once `kvstage_op_poll` or `kvstage_op_wait` returned its
+/// result, or the completion descriptor counted it, its callback has returned; during the callback
+/// the operation still polls `KVSTAGE_PENDING` (`completion` carries its status). A chunk event's
+/// callback runs after the event is queued and counted, so a room wait may return before it.
 pub type kvstage_completion_fn = Option<unsafe extern "C" fn(user_data: *mut c_void, completion: *const kvstage_completion)>;
 
 /// The caller's pointer, handed back unchanged on the library's threads.

@@ -66,11 +66,14 @@ impl Completions {
         unsafe { libc::write(self.fd.as_raw_fd(), &n as *const u64 as *const libc::c_void, 8) };
     }
 
-    /// Runs the callback for `c` (counted before with [`count`](Self::count)); with no lock held.
+    /// Runs the callback for `c`, with no lock held. A panicking callback is logged, not
+    /// propagated: the completion it reports must still happen.
     pub fn call(&self, c: &Completion) {
         let callback = self.callback.read().clone();
         if let Some(cb) = callback {
-            cb(c);
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(c))).is_err() {
+                log::error!("the completion callback panicked on {c:?}");
+            }
         }
     }
 

@@ -72,18 +72,19 @@ impl Op {
             Ok(s) => *s,
             Err(e) => e.code(),
         };
+        // The callback first, then the result with its count on the eventfd (under the lock that
+        // publishes it): whoever sees the end (poll, wait, the eventfd) finds the callback done
+        // and the end counted. During its own callback the operation still polls PENDING.
+        if let Some((completions, tag)) = &self.notify {
+            completions.call(&Completion::Op { tag: *tag, status, timings });
+        }
         let mut slot = self.result.lock();
         *slot = (Some(result), timings);
-        // Counted under the lock that publishes the result: a caller whose poll or wait saw it
-        // finds this end already on the eventfd when it drains it.
         if let Some((completions, _)) = &self.notify {
             completions.count(1);
         }
         drop(slot);
         self.done.notify_all();
-        if let Some((completions, tag)) = &self.notify {
-            completions.call(&Completion::Op { tag: *tag, status, timings });
-        }
     }
 
     /// The phase timings once the operation finished; `None` while it runs.
@@ -143,8 +144,13 @@ mod tests {
     /// The end is on the eventfd by the time a waiter wakes: a caller that waits, then drains,
     /// never misses it (finished on another thread, many times, to give a wrong order its chance).
     #[test]
-    fn a_returned_wait_finds_the_end_already_signalled() {
+    fn a_returned_wait_finds_the_end_already_signalled_and_its_callback_done() {
         let completions = Arc::new(Completions::new().unwrap());
+        let called = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let seen = called.clone();
+        completions.set_callback(Some(Arc::new(move |_c: &Completion| {
+            seen.fetch_add(1, Ordering::SeqCst);
+        })));
         for tag in 0..2000 {
             let op = Op::notifying(Arc::new(NoWaker), completions.clone(), tag, None);
             let finisher = {
@@ -153,6 +159,7 @@ mod tests {
             };
             assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap(), Status::KVSTAGE_OK);
             assert_eq!(completions.drain(), 1, "operation {tag}: its wait returned before its end was signalled");
+            assert_eq!(called.load(Ordering::SeqCst), tag + 1, "operation {tag}: its wait returned before its callback ran");
             finisher.join().unwrap();
         }
     }
