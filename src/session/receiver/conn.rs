@@ -167,7 +167,15 @@ impl Receiver {
         } else {
             pool.as_ref().map_err(|e| Error::new(e.code(), e.message())).and_then(|pool| {
                 let pair = verify_peer(&pool.shape, hello)?;
-                Ok(ConnInfo { session: hello.session.clone(), src: hello.shape.clone(), dst: pool.shape.clone(), pairing: pair, in_place: false, host_pool: pool.memory == crate::geometry::MemoryKind::Host })
+                Ok(ConnInfo {
+                    session: hello.session.clone(),
+                    src: hello.shape.clone(),
+                    dst: pool.shape.clone(),
+                    pairing: pair,
+                    in_place: false,
+                    host_pool: pool.memory == crate::geometry::MemoryKind::Host,
+                    integrity: self.config.integrity.stronger(Integrity::from_wire(hello.integrity)),
+                })
             })
         };
         let our_shape = pool.as_ref().map(|p| p.shape.clone()).unwrap_or_else(|_| hello.shape.clone());

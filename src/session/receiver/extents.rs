@@ -25,6 +25,13 @@ impl Extents {
         self.ranges.as_slice() == [(start, end)] || (start == end && self.ranges.is_empty())
     }
 
+    /// Whether `[start, end)` landed whole.
+    pub fn contains(&self, start: u64, end: u64) -> bool {
+        // Merged ranges: only the first one ending after `start` can hold it.
+        let i = self.ranges.partition_point(|&(_, e)| e <= start);
+        start >= end || self.ranges.get(i).is_some_and(|&(s, e)| s <= start && end <= e)
+    }
+
     /// Whether recording `[start, end)` would leave more than [`MAX_RANGES`] separate ranges.
     pub fn too_fragmented(&self, start: u64, end: u64) -> bool {
         let touches = self.ranges.iter().any(|&(s, e)| e == start || s == end);
@@ -71,8 +78,9 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
-        /// Against a byte map: a write is refused exactly when it overlaps a landed byte; the
-        /// total is the number of landed bytes; the ranges stay sorted, disjoint and merged.
+        /// Against a byte map: a write is refused exactly when it overlaps a landed byte, a range
+        /// is contained exactly when all its bytes landed, the total is the number of landed
+        /// bytes; the ranges stay sorted, disjoint and merged.
         #[test]
         fn matches_a_byte_map(writes in proptest::collection::vec((0u64..64, 0u64..16), 0..40)) {
             let mut e = Extents::default();
@@ -81,6 +89,8 @@ mod tests {
                 let end = start + len;
                 let taken = (start..end).any(|b| map[b as usize]);
                 prop_assert_eq!(e.overlap(start, end).is_some(), taken, "[{}, {}) vs {:?}", start, end, e.ranges);
+                let whole = (start..end).all(|b| map[b as usize]);
+                prop_assert_eq!(e.contains(start, end), whole, "contains [{}, {}) of {:?}", start, end, e.ranges);
                 if !taken {
                     e.insert(start, end);
                     (start..end).for_each(|b| map[b as usize] = true);

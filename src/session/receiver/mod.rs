@@ -397,7 +397,7 @@ impl Receiver {
             self.counters.panics.fetch_add(1, Ordering::Relaxed);
             Err(Error::from_panic(format!("the scatter of room {} chunk {} panicked", job.room, job.chunk), &*p))
         });
-        job.scatter_ns = job.arrived.map_or(0, crate::session::stats::since);
+        job.finished = Some(Instant::now());
         self.with_state(|st| st.scatter_done(&job, result));
     }
 
@@ -405,10 +405,14 @@ impl Receiver {
         let pool = self.pool()?;
         let mem = self.ring_memory()?;
         for region in &job.layout.writers {
-            let plan = geometry::plan_scatter(&pool.shape, &job.pages, &job.layout, region)?;
+            let plan = geometry::plan_scatter(&pool.shape, &job.pages, &job.layout, region)?.for_layers(|l| job.layers.contains(&l));
+            if plan.slabs.is_empty() {
+                continue;
+            }
             let src = mem.range(job.ring_offset + region.offset, region.bytes)?;
-            // SAFETY: the grant is pinned for this scatter and all its writers arrived, so nothing
-            // writes the region while the scatter reads it; `range` checked it lies in the ring.
+            // SAFETY: the grant is pinned for this scatter and the job's slabs all landed (each
+            // byte once: nothing writes them again) while the region's other slabs, which may
+            // still be landing, are not read; `range` checked the region lies in the ring.
             unsafe { self.copy.scatter(&plan, &pool, src)? };
         }
         Ok(())

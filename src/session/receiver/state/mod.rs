@@ -11,6 +11,9 @@
 //!   may be after its connection;
 //! - a writer's staged writes may land in any order inside its region but never outside it or over
 //!   bytes already written; its ready counts only when they cover the region, each byte once;
+//! - a layer is scattered once its slabs from every writer landed (before the writers' ready,
+//!   unless a checksum covers the chunk: then after it was verified, the whole chunk at once); the
+//!   chunk is done when every writer arrived and every scatter of it ended;
 //! - a released room leaves only when no lease on its pages (slice reads, scatter) is left, and its
 //!   id can be opened again only then; stale leases name the room's generation, never a newer room;
 //! - events are bounded (overflow is counted).
@@ -24,10 +27,11 @@ use crate::ring::{Grant, Ring, Watermark};
 use crate::session::receiver::coverage::Coverage;
 use crate::session::receiver::extents::Extents;
 use crate::session::stats::ReceiveStats;
-use crate::session::Pairing;
+use crate::session::{Integrity, Pairing};
 
 mod slices;
 mod staged;
+mod streaming;
 
 pub type ConnId = u64;
 
@@ -44,6 +48,8 @@ pub struct ConnInfo {
     pub in_place: bool,
     /// Our pool is host memory (the slice path writes it from the CPU: host pools only).
     pub host_pool: bool,
+    /// The stronger of both sides' policies: which of its chunks carry a checksum.
+    pub integrity: Integrity,
 }
 
 /// One completed or failed chunk, as reported to the decode caller.
@@ -94,6 +100,12 @@ struct Chunk {
     layout: Option<StagingLayout>,
     /// One per connection that writes the chunk, in the order they claimed it.
     slots: Vec<Slot>,
+    /// Decode layers (by index in the pool's layer ids) handed to a scatter so far.
+    layers_taken: Vec<bool>,
+    /// Scatters of this chunk queued or running.
+    scatters: u32,
+    /// When its last writer arrived (stamped on the scatter queued then).
+    arrived: Option<Instant>,
 }
 
 impl Chunk {
@@ -210,7 +222,7 @@ pub struct SliceLease {
     pub len: u64,
 }
 
-/// A chunk whose writers all arrived: scatter it from the ring into the room's pages.
+/// Layers of a chunk whose slabs all landed: scatter them from the ring into the room's pages.
 #[derive(Clone, Debug)]
 pub struct ScatterJob {
     pub room: u64,
@@ -221,10 +233,14 @@ pub struct ScatterJob {
     pub pages: Vec<u32>,
     /// The chunk's layout with every region placed.
     pub layout: StagingLayout,
-    /// When the chunk's last writer arrived (stamped by the connection that read it).
+    /// The model layer ids to scatter (possibly none: the last job of a chunk whose layers all
+    /// went before its writers' ready).
+    pub layers: Vec<u32>,
+    /// Queued when the chunk's last writer arrived: when that was (stamped by the connection that
+    /// read it).
     pub arrived: Option<Instant>,
-    /// From `arrived` to the end of the scatter (set by the scatter thread before `scatter_done`).
-    pub scatter_ns: u64,
+    /// When the scatter ended (set by the scatter thread before `scatter_done`).
+    pub finished: Option<Instant>,
 }
 
 /// What a data frame's target turned out to be.
@@ -554,7 +570,16 @@ impl State {
             return Err(Error::invalid_arg("room", format!("{room} {why}")));
         }
         let num_chunks = pages.len().div_ceil(grid_pages);
-        let chunk = Chunk { phase: Phase::Waiting, mode: Mode::Unset, grant: None, layout: None, slots: Vec::new() };
+        let chunk = Chunk {
+            phase: Phase::Waiting,
+            mode: Mode::Unset,
+            grant: None,
+            layout: None,
+            slots: Vec::new(),
+            layers_taken: Vec::new(),
+            scatters: 0,
+            arrived: None,
+        };
         let gen = self.next_gen;
         self.next_gen += 1;
         self.rooms.insert(

@@ -1,5 +1,5 @@
-//! The staged path's transitions: allocation, payload writes (pinned), in-place reports, readiness,
-//! scatter completion and aborts.
+//! The staged path's transitions: allocation, payload writes (pinned), in-place reports, readiness
+//! and aborts (the scatters they lead to: `streaming`).
 
 use super::*;
 use crate::session::receiver::extents::MAX_RANGES;
@@ -76,6 +76,7 @@ impl State {
         let grant = self.grants[&id].grant;
         let c = &mut self.rooms.get_mut(&room).expect("checked").chunks[chunk as usize];
         c.grant = Some(id);
+        c.layers_taken.resize(layout.dst.layer_count() as usize, false);
         c.layout = Some(layout);
         c.mode = Mode::Staged;
         c.slots.push(Slot { conn, region, written: Extents::default(), coverage: None, arrived: false });
@@ -153,6 +154,7 @@ impl State {
         if landed {
             if let Some(slot) = self.slot_mut(lease.room, lease.gen, lease.chunk, lease.slot, lease.conn) {
                 slot.written.insert(lease.offset, lease.offset + lease.len);
+                self.scatter_landed(lease.room, lease.chunk);
             }
         }
         self.unpin(lease.grant, Some(lease.conn));
@@ -168,6 +170,7 @@ impl State {
             let gen = self.rooms[&room].gen;
             if let Some(slot) = self.slot_mut(room, gen, chunk, index, conn) {
                 slot.written.insert(offset, offset + len);
+                self.scatter_landed(room, chunk);
             }
         }
         Ok(())
@@ -208,7 +211,7 @@ impl State {
     }
 
     /// Counts the arrival checked by `verified` (the checksum result); when it was the chunk's
-    /// last writer the scatter is queued (in the effects).
+    /// last writer the scatter of its remaining layers is queued (in the effects).
     pub fn finish_ready(&mut self, lease: ReadyLease, verified: Result<()>, session: &str) -> Result<()> {
         self.unpin(lease.grant, Some(lease.conn));
         let live = self.rooms.get(&lease.room).is_some_and(|r| r.gen == lease.gen && r.live());
@@ -222,64 +225,18 @@ impl State {
             return Err(e);
         }
         let r = self.rooms.get_mut(&lease.room).expect("live");
-        let pages = r.chunk_pages(lease.chunk).to_vec();
         let c = &mut r.chunks[lease.chunk as usize];
         if let Some(s) = c.slots.get_mut(lease.slot as usize).filter(|s| s.conn == lease.conn) {
             s.arrived = true;
             self.metrics.bytes_received += lease.len;
         }
-        if !c.all_arrived() {
-            return Ok(());
+        if c.all_arrived() {
+            self.scatter_rest(lease.room, lease.chunk);
+        } else {
+            // An in-place writer's bytes count from its arrival on.
+            self.scatter_landed(lease.room, lease.chunk);
         }
-        c.phase = Phase::Scattering;
-        let grant = c.grant.expect("staged chunk has a grant");
-        let job = ScatterJob {
-            room: lease.room,
-            gen: lease.gen,
-            chunk: lease.chunk,
-            grant,
-            ring_offset: self.grants[&grant].grant.offset,
-            pages,
-            layout: c.layout.clone().expect("staged chunk has a layout"),
-            arrived: None,
-            scatter_ns: 0,
-        };
-        r.page_leases.push(None);
-        self.grants.get_mut(&grant).expect("live").pins.push(None);
-        self.fx.scatter.push(job);
         Ok(())
-    }
-
-    /// The scatter of `job` ended: the chunk is done (or the room failed), the grant goes back.
-    pub fn scatter_done(&mut self, job: &ScatterJob, result: Result<()>) {
-        if let Some(r) = self.rooms.get_mut(&job.room).filter(|r| r.gen == job.gen) {
-            if let Some(pos) = r.page_leases.iter().position(|l| l.is_none()) {
-                r.page_leases.swap_remove(pos);
-            }
-            let ok = result.is_ok();
-            if let Err(e) = result {
-                // While the chunk is still Scattering, the room failure reports it as failed.
-                self.fail_room(job.room, e.code(), e.chain(), e.session().unwrap_or(""));
-            }
-            let r = self.rooms.get_mut(&job.room).expect("present");
-            let c = &mut r.chunks[job.chunk as usize];
-            c.phase = Phase::Done;
-            c.grant = None;
-            if ok && r.live() {
-                let m = &mut self.metrics;
-                m.chunks_received += 1;
-                if job.scatter_ns > 0 {
-                    m.scatter_count += 1;
-                    m.scatter_ns_sum += job.scatter_ns;
-                    m.scatter_ns_max = m.scatter_ns_max.max(job.scatter_ns);
-                }
-                self.push_event(ChunkEvent { room: job.room, chunk: job.chunk, status: Status::KVSTAGE_OK, scatter_ns: job.scatter_ns });
-            }
-            self.drain_check(job.room);
-        }
-        self.unpin(job.grant, None);
-        self.retire_grant(job.grant);
-        self.fx.changed = true;
     }
 
     /// A sender gives up on a chunk (`chunk == u32::MAX`: the whole room). Only a connection that
