@@ -172,7 +172,8 @@ fn layers_marked_in_any_order_land_bit_exact_in_place_on_one_host() {
 }
 
 /// Over TCP the bytes of the layers marked so far reach the decode ring while the last layer is
-/// still missing: the canary-filled ring changes by (almost) all of those layers' bytes.
+/// still missing: the canary-filled ring changes by (almost) all of those layers' bytes, and the
+/// decode pool already holds them.
 #[test]
 fn marked_layers_leave_before_the_last_is_ready() {
     let pages = [3u32, 0];
@@ -198,6 +199,15 @@ fn marked_layers_leave_before_the_last_is_ready() {
     }
     assert!(seen >= expected * 9 / 10, "only {seen} of the {expected} bytes of the marked layers reached the ring before the last layer");
     assert!(seen <= expected, "{seen} bytes changed: more than the marked layers hold ({expected})");
+    // The decode side scatters each of those layers without waiting for the last one.
+    let marked = |l: u32| l < LAYERS - 1;
+    let mut scattered = d.pool.verify_layers(&pages, 0, marked);
+    while scattered.0 > 0 && started.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+        scattered = d.pool.verify_layers(&pages, 0, marked);
+    }
+    assert_eq!(scattered.0, 0, "the marked layers were not scattered before the last layer: {:?}", scattered.1);
+    assert!(d.pool.verify_layers(&pages, 0, |l| !marked(l)).0 > 0, "the last layer is in the pool before it was marked");
     assert_eq!(op.poll().unwrap(), Status::KVSTAGE_PENDING, "the chunk cannot be done without its last layer");
     gate.mark(LAYERS - 1, 1, None).unwrap();
     assert_eq!(op.wait(Some(Duration::from_secs(20))).unwrap(), Status::KVSTAGE_OK);

@@ -95,11 +95,16 @@ impl HostPool {
     /// Counts bytes of `pages` that differ from the pattern for request tokens `first_token..`;
     /// returns the count and a description of the first difference.
     pub fn verify(&self, pages: &[u32], first_token: u64) -> (u64, Option<String>) {
+        self.verify_layers(pages, first_token, |_| true)
+    }
+
+    /// As [`verify`](Self::verify), for the model layers `checked` selects only.
+    pub fn verify_layers(&self, pages: &[u32], first_token: u64, checked: impl Fn(u32) -> bool) -> (u64, Option<String>) {
         let s = &self.layout.shape;
         let head_bytes = (s.head_dim * s.dtype_bytes) as usize;
         let mut expected = vec![0u8; head_bytes];
         let (mut bad, mut first) = (0u64, None);
-        for (layer_idx, &layer) in s.layer_ids.iter().enumerate() {
+        for (layer_idx, &layer) in s.layer_ids.iter().enumerate().filter(|(_, &l)| checked(l)) {
             for kv in 0..s.buffers_per_layer() {
                 let buffer = kv as usize * s.layer_ids.len() + layer_idx;
                 for (i, &page) in pages.iter().enumerate() {
