@@ -248,7 +248,7 @@ impl Receiver {
                         Err(e) => (Err(e), Default::default()),
                         Ok(()) => self.ready(id, session, room, chunk, writer, checksum, integrity),
                     };
-                    for job in &mut fx.scatter {
+                    for job in fx.scatter.iter_mut().filter(|j| j.last) {
                         job.arrived = Some(arrived);
                     }
                     let reply = match result {

@@ -236,8 +236,9 @@ pub struct ScatterJob {
     /// The model layer ids to scatter (possibly none: the last job of a chunk whose layers all
     /// went before its writers' ready).
     pub layers: Vec<u32>,
-    /// Queued when the chunk's last writer arrived: when that was (stamped by the connection that
-    /// read it).
+    /// The chunk's last scatter, queued when its last writer arrived.
+    pub last: bool,
+    /// The last scatter's: when the last writer arrived (stamped by the connection that read it).
     pub arrived: Option<Instant>,
     /// When the scatter ended (set by the scatter thread before `scatter_done`).
     pub finished: Option<Instant>,

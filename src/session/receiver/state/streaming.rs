@@ -58,7 +58,7 @@ impl State {
         let c = &mut self.rooms.get_mut(&room).expect("live").chunks[chunk as usize];
         let layers = c.take_layers(false, counts);
         if !layers.is_empty() {
-            self.queue_scatter(room, chunk, layers);
+            self.queue_scatter(room, chunk, layers, false);
         }
     }
 
@@ -68,11 +68,11 @@ impl State {
         let c = &mut self.rooms.get_mut(&room).expect("live").chunks[chunk as usize];
         c.phase = Phase::Scattering;
         let layers = c.take_layers(true, |_| true);
-        self.queue_scatter(room, chunk, layers);
+        self.queue_scatter(room, chunk, layers, true);
     }
 
     /// Queues a scatter of `layers`; it pins the grant and leases the room's pages until it ends.
-    fn queue_scatter(&mut self, room: u64, chunk: u32, layers: Vec<u32>) {
+    fn queue_scatter(&mut self, room: u64, chunk: u32, layers: Vec<u32>, last: bool) {
         let r = self.rooms.get_mut(&room).expect("live");
         let pages = r.chunk_pages(chunk).to_vec();
         let c = &mut r.chunks[chunk as usize];
@@ -87,7 +87,7 @@ impl State {
             pages,
             layout: c.layout.clone().expect("a staged chunk has a layout"),
             layers,
-            // The last one is stamped by the connection that read the last writer.
+            last,
             arrived: None,
             finished: None,
         };

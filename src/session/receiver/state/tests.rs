@@ -131,6 +131,7 @@ fn a_layer_scatters_once_every_writer_landed_its_slabs() {
     }
     let last = st.take_effects().scatter;
     assert_eq!((last.len(), layers_of(&last)), (1, vec![]), "the last scatter has nothing left but ends the chunk");
+    assert!(last[0].last && jobs.iter().all(|j| !j.last), "only the scatter queued at the last arrival is timed from it");
     jobs.extend(last);
     while let Some(job) = jobs.pop() {
         assert!(!st.room_outcome(9).unwrap(), "done with {} scatters still running", jobs.len() + 1);
