@@ -402,6 +402,9 @@ impl Receiver {
     }
 
     fn scatter(&self, job: &ScatterJob) -> Result<()> {
+        if job.layers.is_empty() {
+            return Ok(());
+        }
         let pool = self.pool()?;
         let mem = self.ring_memory()?;
         for region in &job.layout.writers {
@@ -410,9 +413,10 @@ impl Receiver {
                 continue;
             }
             let src = mem.range(job.ring_offset + region.offset, region.bytes)?;
-            // SAFETY: the grant is pinned for this scatter and the job's slabs all landed (each
-            // byte once: nothing writes them again) while the region's other slabs, which may
-            // still be landing, are not read; `range` checked the region lies in the ring.
+            // SAFETY: the grant is pinned for this scatter and the job's slabs all landed (the
+            // receiver writes each byte once; an in-place writer is trusted with its own region)
+            // while the region's other slabs, which may still be landing, are not read; `range`
+            // checked the region lies in the ring.
             unsafe { self.copy.scatter(&plan, &pool, src)? };
         }
         Ok(())

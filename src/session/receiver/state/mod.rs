@@ -12,8 +12,9 @@
 //! - a writer's staged writes may land in any order inside its region but never outside it or over
 //!   bytes already written; its ready counts only when they cover the region, each byte once;
 //! - a layer is scattered once its slabs from every writer landed (before the writers' ready,
-//!   unless a checksum covers the chunk: then after it was verified, the whole chunk at once); the
-//!   chunk is done when every writer arrived and every scatter of it ended;
+//!   unless a checksum covers the chunk: then after it was verified, the whole chunk at once; an
+//!   RDMA writer's bytes count only from its ready on); the chunk is done when every writer
+//!   arrived and every scatter of it ended;
 //! - a released room leaves only when no lease on its pages (slice reads, scatter) is left, and its
 //!   id can be opened again only then; stale leases name the room's generation, never a newer room;
 //! - events are bounded (overflow is counted).
@@ -104,7 +105,7 @@ struct Chunk {
     layers_taken: Vec<bool>,
     /// Scatters of this chunk queued or running.
     scatters: u32,
-    /// When its last writer arrived (stamped on the scatter queued then).
+    /// When its last writer arrived (carried by the scatter queued then, recorded when it ends).
     arrived: Option<Instant>,
 }
 

@@ -80,6 +80,8 @@ impl State {
         c.layout = Some(layout);
         c.mode = Mode::Staged;
         c.slots.push(Slot { conn, region, written: Extents::default(), coverage: None, arrived: false });
+        // The claim that completes the layout releases the layers other writers already landed.
+        self.scatter_landed(room, chunk);
         Ok((grant, region_offset))
     }
 
@@ -233,7 +235,7 @@ impl State {
         if c.all_arrived() {
             self.scatter_rest(lease.room, lease.chunk);
         } else {
-            // An in-place writer's bytes count from its arrival on.
+            // An RDMA writer's bytes count from its arrival on.
             self.scatter_landed(lease.room, lease.chunk);
         }
         Ok(())

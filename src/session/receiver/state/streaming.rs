@@ -47,14 +47,18 @@ impl State {
     pub(super) fn scatter_landed(&mut self, room: u64, chunk: u32) {
         let Some(r) = self.rooms.get(&room).filter(|r| r.live()) else { return };
         let Some(c) = r.chunks.get(chunk as usize).filter(|c| c.phase == Phase::Waiting) else { return };
-        let checksummed = c.slots.iter().any(|s| self.conns.get(&s.conn).is_none_or(|i| i.integrity.covers(room, chunk)));
+        // A writer whose connection is gone while the room lives has arrived (else the room
+        // failed): its checksum, if any, was verified.
+        let checksummed = c.slots.iter().any(|s| self.conns.get(&s.conn).is_some_and(|i| i.integrity.covers(room, chunk)));
         if checksummed {
             return;
         }
-        // Bytes a connection read, or a same-host writer copied before it reported them, are in
-        // the ring; an RDMA writer's are bound to its ready's immediate (waited for on arrival).
+        // Bytes a connection read, or a same-host writer copied into its mapping before it
+        // reported them, are in the ring; an RDMA writer's are bound to its ready's immediate
+        // (waited for on arrival), and so are a same-host writer's once its mapping is gone (a
+        // report after that cannot be true).
         let (conns, mapped) = (&self.conns, &self.mapped);
-        let counts = |s: &Slot| mapped.contains_key(&s.conn) || conns.get(&s.conn).is_some_and(|i| !i.in_place);
+        let counts = |s: &Slot| conns.get(&s.conn).is_some_and(|i| !i.in_place || mapped.contains_key(&s.conn));
         let c = &mut self.rooms.get_mut(&room).expect("live").chunks[chunk as usize];
         let layers = c.take_layers(false, counts);
         if !layers.is_empty() {
@@ -115,14 +119,14 @@ impl State {
             c.scatters -= 1;
             c.arrived = c.arrived.or(job.arrived);
             let done = c.phase == Phase::Scattering && c.scatters == 0;
-            // A live chunk still being written keeps its grant; a failed or released room's
-            // grant was retired already (retiring again only lets it go once unpinned).
+            // A live chunk still being written keeps its grant; a failed or released room's goes
+            // back once unpinned (retired already unless the chunk was scattering: idempotent).
             retire = done || !live;
             if done {
                 c.phase = Phase::Done;
                 c.grant = None;
                 let scatter_ns = match (c.arrived, job.finished) {
-                    (Some(a), Some(f)) => f.saturating_duration_since(a).as_nanos() as u64,
+                    (Some(a), Some(f)) => (f.saturating_duration_since(a).as_nanos() as u64).max(1),
                     _ => 0,
                 };
                 if ok && live {

@@ -148,8 +148,9 @@ fn checksummed_chunks_and_rdma_writers_hold_the_scatter_back() {
     for (checksummed, rdma) in [(true, false), (false, true)] {
         let mut st = state(4096);
         let integrity = if checksummed { Integrity::Always } else { Integrity::Off };
-        let a = st.add_conn(ConnInfo { integrity, ..info(0, 2, false) });
-        let b = st.add_conn(ConnInfo { integrity: Integrity::Off, ..info(1, 2, rdma) });
+        // The second writer's policy decides: one checksummed writer holds the whole chunk.
+        let a = st.add_conn(ConnInfo { integrity: Integrity::Off, ..info(0, 2, false) });
+        let b = st.add_conn(ConnInfo { integrity, ..info(1, 2, rdma) });
         st.open_room(9, &PAGES[..2], GRID, None).unwrap();
         let (_, ra) = st.allocate(a, 9, 0, 0, TOKENS, CHUNK).unwrap();
         let (_, rb) = st.allocate(b, 9, 0, 1, TOKENS, CHUNK).unwrap();
@@ -651,6 +652,9 @@ struct Harness {
     stale_mapping: Option<ConnId>,
     /// Every chunk carries a checksum: its bytes reach the pool only after the writers' ready.
     checksummed: bool,
+    /// Mappings that ended: a live connection's reports after that cannot be true, so its bytes
+    /// count only from its ready on.
+    unmapped: Vec<ConnId>,
 }
 
 fn writer_of(c: usize) -> u32 {
@@ -671,6 +675,7 @@ impl Harness {
             mappings: Vec::new(),
             stale_mapping: None,
             checksummed,
+            unmapped: Vec::new(),
         }
     }
 
@@ -721,8 +726,9 @@ impl Harness {
         if self.checksummed || ch.phase != MPhase::Waiting || ch.slices != Some(false) {
             return;
         }
+        let unmapped = &self.unmapped;
         for l in 0..2 {
-            if ch.slots.iter().all(|s| s.as_ref().is_some_and(|s| s.landed(l))) {
+            if ch.slots.iter().all(|s| s.as_ref().is_some_and(|s| s.landed(l) && (s.arrived || !unmapped.contains(&s.conn)))) {
                 ch.scattered[l] = true;
             }
         }
@@ -1067,6 +1073,7 @@ impl Harness {
                 if !self.mappings.is_empty() {
                     let id = self.mappings.remove(0);
                     self.st.unmapped(id);
+                    self.unmapped.push(id);
                     if self.stale_mapping == Some(id) {
                         self.stale_mapping = None;
                     }
