@@ -12,8 +12,9 @@
  * decode pool compared with the prefill pool. Exits 77 without a device unless
  * KVSTAGE_REQUIRE_RDMA=1. The chunk (4 MiB) spans many work requests and signal intervals;
  * KVSTAGE_RDMA_QPS=n stripes it over n queue pairs per device, and with KVSTAGE_RDMA_DEVICES the
- * session must use the device named first (both checked in the transport's description). Then
- * the decode ring is registered again under a connected session (see below). */
+ * session must use the device named first (both checked in the transport's description). The
+ * same chunk then goes layer-wise (a plain RDMA WRITE per marked layer, the write-with-immediate
+ * after the last). Then the decode ring is registered again under a connected session (see below). */
 #include <stdint.h>
 
 #include "kvstage_check.h"
@@ -62,8 +63,10 @@ static void print_error(const char *what) {
     for (i = 0; i < e->cause_count; i++) printf("  cause %zu: %s\n", i, e->causes[i]);
 }
 
-/* Decode pages 0..NPAGES-1 receive prefill pages NPAGES..2*NPAGES-1 (TP 1 -> 1: whole slots). */
-static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, const char *session_id) {
+/* Decode pages 0..NPAGES-1 receive prefill pages NPAGES..2*NPAGES-1 (TP 1 -> 1: whole slots).
+ * `layerwise`: the chunk goes layer by layer (kvstage_transfer_layerwise_async), its layers marked
+ * in reverse order, one RDMA WRITE per marked batch and the write-with-immediate after the last. */
+static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, const char *session_id, int layerwise) {
     uint32_t src[NPAGES], dst[NPAGES], chunks = 0;
     char addr[64];
     kvstage_session *s = NULL;
@@ -87,7 +90,17 @@ static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *p
     d.src_pages = src;
     d.num_pages = NPAGES;
     d.deadline_ms = 20000;
-    if (kvstage_transfer(s, &d) != KVSTAGE_OK) {
+    memset(dp->memory, 0, 2 * LAYERS * dp->buffer);
+    if (layerwise) {
+        kvstage_op *op = NULL;
+        CHECK_INT(kvstage_transfer_layerwise_async(s, &d, &op), KVSTAGE_PENDING);
+        for (i = LAYERS - 1; i >= 0; i--) CHECK_OK(kvstage_op_layers_ready(op, (uint32_t)i, 1, NULL, NULL));
+        if (kvstage_op_wait(op, 20000) != KVSTAGE_OK) {
+            print_error("layer-wise transfer");
+            bad = 1;
+        }
+        kvstage_op_free(op);
+    } else if (kvstage_transfer(s, &d) != KVSTAGE_OK) {
         print_error("transfer");
         bad = 1;
     }
@@ -201,7 +214,7 @@ static int mode_none(void) {
     pre = engine(KVSTAGE_TRANSPORT_AUTO, NULL, &pp, 0);
     dec = engine(KVSTAGE_TRANSPORT_AUTO, NULL, &dp, 1);
     REQUIRE(pre != NULL && dec != NULL);
-    CHECK_INT(transfer_and_verify(pre, dec, &pp, &dp, "auto-1"), 0);
+    CHECK_INT(transfer_and_verify(pre, dec, &pp, &dp, "auto-1", 0), 0);
     memset(&st, 0, sizeof st);
     st.struct_size = sizeof st;
     CHECK_OK(kvstage_engine_stats_get(pre, &st));
@@ -264,7 +277,7 @@ static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, po
     CHECK_INT(st.ring_live_allocations, 0);
     memset(dp->memory, 0, 2 * LAYERS * dp->buffer);
     snprintf(again, sizeof again, "after-%s", id);
-    CHECK_INT(transfer_and_verify(pre, dec, pp, dp, again), 0);
+    CHECK_INT(transfer_and_verify(pre, dec, pp, dp, again, 0), 0);
 }
 
 /* The decode engine registers its staging ring again while an RDMA session is connected: the old
@@ -312,7 +325,7 @@ static int mode_loopback(void) {
         snprintf(want, sizeof want, ": %.*s:", (int)strcspn(devices, ",:"), devices);
         CHECK_CONTAINS(describe, want);
     }
-    CHECK_INT(transfer_and_verify(pre, dec, &pp, &dp, "loopback-1"), 0);
+    CHECK_INT(transfer_and_verify(pre, dec, &pp, &dp, "loopback-1", 0), 0);
     memset(&st, 0, sizeof st);
     st.struct_size = sizeof st;
     CHECK_OK(kvstage_engine_stats_get(pre, &st));
@@ -321,6 +334,7 @@ static int mode_loopback(void) {
     CHECK_OK(kvstage_engine_stats_get(dec, &st));
     CHECK_INT(st.rdma_sessions, 1);
     CHECK_INT(st.ring_live_allocations, 0);
+    CHECK_INT(transfer_and_verify(pre, dec, &pp, &dp, "loopback-layerwise", 1), 0);
     spoiled_chunk(pre, dec, &pp, &dp, "before-reregister", "IBV_WC_REM_ACCESS_ERR", register_the_ring_again, 0);
     kvstage_engine_free(pre);
     kvstage_engine_free(dec);

@@ -95,24 +95,79 @@ fn staged_chunks_land_by_rdma_write_between_two_engines() {
     transfer_all(&p, 2, "rdma-again");
 }
 
-/// Layer-wise over RDMA: the batches are gathered as they are marked (backwards here) and the
-/// region goes in one write after the last, its immediate gating the ready; bytes verified.
+/// Layer-wise over RDMA: each batch goes by plain RDMA WRITEs as it is marked (the bytes of the
+/// first three layers are in the decode ring while the last is missing), but the decode side
+/// trusts none of them before the zero-length write-with-immediate that follows the last batch:
+/// nothing is scattered and the chunk is pending until then; then every byte verified.
 #[test]
-fn a_layer_wise_chunk_lands_by_one_rdma_write_after_its_last_layer() {
+fn a_layer_wise_chunk_streams_by_rdma_write_and_its_immediate_follows_the_last_layer() {
+    const CANARY: u8 = 0xA5;
+    let region = staging_layout(&shape(0, 1), &shape(0, 1), PAGES * 16).unwrap().total_bytes as usize;
+    let mut ring = vec![CANARY; region * 2];
+    let ring_ptr = ring.as_ptr() as usize;
     let p = pair(opts(TransportKind::Rdma, "softib0", 1), opts(TransportKind::Rdma, "softib0", 2), 1);
+    p.decode.register_staging(Some(ring.as_mut_ptr()), ring.len()).unwrap();
     let room = 11;
-    p.decode.receiver().open_room(room, &(0..PAGES).collect::<Vec<_>>(), PAGES * 16).unwrap();
+    let pages: Vec<u32> = (0..PAGES).collect();
+    p.decode.receiver().open_room(room, &pages, PAGES * 16).unwrap();
     let s = p.prefill[0].0.connect(&p.decode.local_addr().to_string(), "layers", None).unwrap();
+    assert_eq!(s.stats().link, kvstage::session::stats::LinkKind::Rdma);
     let op = s.transfer_async(TransferDesc { layers: Some(s.layer_gate()), ..desc(room) }, false, 0).unwrap();
-    let gate = op.layers().unwrap();
-    for layer in (0..4).rev() {
+    let gate = op.layers().unwrap().clone();
+    for layer in (0..3).rev() {
         gate.mark(layer, 1, None).unwrap();
     }
+    let expected = region / 4 * 3;
+    // SAFETY: the ring outlives the engines (declared first); only the soft fabric writes it.
+    let changed = || (0..ring.len()).filter(|&i| unsafe { std::ptr::read_volatile((ring_ptr + i) as *const u8) } != CANARY).count();
+    let started = std::time::Instant::now();
+    let mut seen = changed();
+    while seen < expected * 9 / 10 && started.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+        seen = changed();
+    }
+    assert!(seen >= expected * 9 / 10, "only {seen} of the {expected} bytes of the marked layers reached the ring before the last layer");
+    assert!(seen <= expected, "{seen} bytes changed: more than the marked layers hold ({expected})");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(op.poll().unwrap(), Status::KVSTAGE_PENDING, "the chunk cannot be done without its last layer");
+    assert!(p.dpool.verify_layers(&pages, 0, |_| true).0 > 0, "scattered before the write-with-immediate");
+    gate.mark(3, 1, None).unwrap();
     assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap(), Status::KVSTAGE_OK);
     p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
-    let (bad, first) = p.dpool.verify(&(0..PAGES).collect::<Vec<_>>(), 0);
+    let (bad, first) = p.dpool.verify(&pages, 0);
     assert_eq!(bad, 0, "{first:?}");
-    assert_eq!(s.stats().link, kvstage::session::stats::LinkKind::Rdma);
+    p.decode.receiver().release_room(room);
+    drop(s);
+    drop(p);
+    drop(ring);
+}
+
+/// Two sessions of one prefill engine write at once, each from its own send staging buffer: every
+/// chunk lands (a write never loses its buffer's registration to the other session's write) and
+/// every byte is verified.
+#[test]
+fn two_sessions_of_one_engine_write_at_once_from_their_own_staging_buffers() {
+    let p = pair(opts(TransportKind::Rdma, "softib0", 1), opts(TransportKind::Rdma, "softib0", 2), 1);
+    let addr = p.decode.local_addr().to_string();
+    std::thread::scope(|scope| {
+        for t in 0..2u32 {
+            let (p, addr) = (&p, &addr);
+            scope.spawn(move || {
+                let s = p.prefill[0].0.connect(addr, &format!("concurrent-{t}"), None).unwrap();
+                let dst: Vec<u32> = (t * PAGES..(t + 1) * PAGES).collect();
+                for i in 0..25u64 {
+                    let room = 100 + u64::from(t) * 1000 + i;
+                    p.decode.receiver().open_room(room, &dst, PAGES * 16).unwrap();
+                    let status = s.transfer(&desc(room), &Op::new(s.waker())).unwrap_or_else(|e| panic!("session {t} chunk {i}: {}", e.chain()));
+                    assert_eq!(status, Status::KVSTAGE_OK);
+                    p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
+                    let (bad, first) = p.dpool.verify(&dst, 0);
+                    assert_eq!(bad, 0, "session {t} chunk {i}: {first:?}");
+                    p.decode.receiver().release_room(room);
+                }
+            });
+        }
+    });
 }
 
 #[test]

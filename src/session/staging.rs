@@ -11,11 +11,14 @@ use super::op::Op;
 use super::Deadline;
 use crate::copy::{CopyEngine, HostPin};
 use crate::error::{Error, Result, Status};
+use crate::transport::rdma::{Rdma, StagingRegistration};
 
-/// One staging buffer and, for device pools, its page-locked registration.
+/// One staging buffer with, for device pools, its page lock and, on an engine with RDMA devices,
+/// its registration with them.
 struct Buffer {
-    /// Held for its drop, which unregisters the page lock before `bytes` is freed (declared first:
-    /// dropped first).
+    /// Held for their drops, which end the registration and the page lock before `bytes` is
+    /// freed (declared first: dropped first).
+    _nic: Option<StagingRegistration>,
     _pin: Option<HostPin>,
     bytes: Vec<u8>,
 }
@@ -30,6 +33,8 @@ struct State {
 }
 
 pub struct StagingPool {
+    /// The engine's RDMA devices: each buffer is registered with them while it lives.
+    rdma: Arc<Rdma>,
     state: Mutex<State>,
     returned: Condvar,
     max_buffers: usize,
@@ -65,8 +70,8 @@ impl Drop for StagingLease<'_> {
 const CANCEL_POLL: Duration = Duration::from_millis(20);
 
 impl StagingPool {
-    pub fn new(max_buffers: usize, max_total: u64) -> StagingPool {
-        StagingPool { state: Mutex::new(State::default()), returned: Condvar::new(), max_buffers: max_buffers.max(1), max_total }
+    pub fn new(max_buffers: usize, max_total: u64, rdma: Arc<Rdma>) -> StagingPool {
+        StagingPool { rdma, state: Mutex::new(State::default()), returned: Condvar::new(), max_buffers: max_buffers.max(1), max_total }
     }
 
     /// A buffer of at least `len` bytes, waiting for one to be returned until `deadline` (or the
@@ -97,7 +102,7 @@ impl StagingPool {
                 st.total += len;
                 st.lent += 1;
                 drop(st);
-                return match allocate(len, copy) {
+                return match allocate(len, copy, &self.rdma) {
                     Ok(b) => Ok(StagingLease { pool: self, buffer: Some(b) }),
                     Err(e) => {
                         let mut st = self.state.lock();
@@ -126,7 +131,7 @@ impl StagingPool {
     }
 }
 
-fn allocate(len: u64, copy: &Arc<dyn CopyEngine>) -> Result<Buffer> {
+fn allocate(len: u64, copy: &Arc<dyn CopyEngine>, rdma: &Arc<Rdma>) -> Result<Buffer> {
     let mut bytes = Vec::new();
     bytes
         .try_reserve_exact(len as usize)
@@ -134,7 +139,13 @@ fn allocate(len: u64, copy: &Arc<dyn CopyEngine>) -> Result<Buffer> {
     bytes.resize(len as usize, 0);
     // Page-locked for device pools (faster device-to-host copies); best effort.
     let pin = copy.pin_host(bytes.as_mut_ptr(), bytes.len()).ok().flatten();
-    Ok(Buffer { _pin: pin, bytes })
+    // Registered once here rather than per write; failing that, each RDMA write registers its
+    // range for itself (slower, still correct), so the failure is only logged.
+    let nic = rdma.register_staging(bytes.as_mut_ptr(), bytes.len()).unwrap_or_else(|e| {
+        log::warn!("a send staging buffer of {len} bytes could not be registered with the RDMA devices: {}", e.chain());
+        None
+    });
+    Ok(Buffer { _nic: nic, _pin: pin, bytes })
 }
 
 #[cfg(test)]
@@ -154,7 +165,7 @@ mod tests {
 
     #[test]
     fn bounded_by_count_and_bytes_and_reused() {
-        let pool = StagingPool::new(2, 1000);
+        let pool = StagingPool::new(2, 1000, Rdma::off());
         let (op, copy) = (Op::new(Arc::new(NoWake)), engine());
         let soon = || Deadline::after(Some(Duration::from_millis(50)));
         let a = pool.acquire(400, &soon(), &op, &copy).unwrap();
@@ -175,7 +186,7 @@ mod tests {
 
     #[test]
     fn a_waiter_gets_the_buffer_returned_by_another_thread_or_sees_its_cancel() {
-        let pool = Arc::new(StagingPool::new(1, 100));
+        let pool = Arc::new(StagingPool::new(1, 100, Rdma::off()));
         let (op, copy) = (Op::new(Arc::new(NoWake)), engine());
         let held = pool.acquire(100, &Deadline::after(None), &op, &copy).unwrap();
         std::thread::scope(|s| {

@@ -31,17 +31,16 @@ pub trait Transport: Send + Sync {
         self.write_chunk(header, data, ready, deadline)
     }
 
-    /// Whether [`write_piece`](Self::write_piece) works. Layer-wise sending writes a region in
-    /// pieces as its layers become ready where it does, else whole after the last layer.
-    fn writes_pieces(&self) -> bool {
-        false
-    }
-
     /// Layer-wise sending: writes `data` to the range `header` (a `Message::Data`) names in the
-    /// grant at `grant_offset`, one piece of a region whose ready follows by [`send`](Self::send).
-    fn write_piece(&self, grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {
-        let _ = (grant_offset, header, data, deadline);
-        Err(crate::error::Error::internal(format!("{} writes a region in one piece", self.describe())))
+    /// grant at `grant_offset`, one piece of a region whose ready follows by
+    /// [`finish_pieces`](Self::finish_pieces).
+    fn write_piece(&self, grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()>;
+
+    /// After the last [`write_piece`](Self::write_piece) of the region `header` (a `Message::Data`
+    /// of the whole region, whose bytes are `data`): `ready`, bound to the pieces' data.
+    fn finish_pieces(&self, grant_offset: u64, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
+        let _ = (grant_offset, header, data);
+        self.send(ready, deadline)
     }
 
     /// Same-host transports: the range `[ring_offset, +len)` of the receiver's ring, mapped in

@@ -1,9 +1,9 @@
 //! Layer-wise writing of a granted region: each batch of layers the caller marks ready is gathered
 //! into its slabs' places and written at once (TCP: one `Data` frame per run of adjacent slabs;
-//! same host: in place, then a `Written` report), while later layers are still being computed.
-//! The ready frame goes after the last batch, so the receiver completes the chunk exactly as for
-//! a whole-chunk write. Transports that write a region in one piece (RDMA) gather by layer and
-//! write once all layers are in.
+//! same host: in place, then a `Written` report; RDMA: a plain RDMA WRITE per run, then a
+//! `Written` report), while later layers are still being computed. The ready goes after the last
+//! batch (over RDMA behind a zero-length write-with-immediate that follows every piece), so the
+//! receiver completes the chunk exactly as for a whole-chunk write.
 
 use std::collections::BTreeSet;
 
@@ -39,8 +39,6 @@ impl SenderSession {
             t.alloc_wait_ns = since(phase);
             Some(acquired?)
         };
-        // Whether pieces go out as they are gathered (else the region goes in one write at the end).
-        let streaming = self.link.writes_pieces();
         while !missing.is_empty() {
             for batch in self.wait_layers(gate, deadline, op)? {
                 let layers: Vec<u32> = batch.layers.iter().copied().filter(|l| missing.remove(l)).collect();
@@ -67,14 +65,12 @@ impl SenderSession {
                     Some(buffer) => {
                         let data = buffer.bytes(region_bytes as usize);
                         self.gather(&part, data.as_mut_ptr(), batch.ready.as_ref(), t)?;
-                        if streaming {
-                            let phase = Instant::now();
-                            for (at, len) in part.staging_ranges() {
-                                let piece = &data[at as usize..(at + len) as usize];
-                                self.link.write_piece(place.grant_offset, &place.data(desc, at, len), piece, deadline)?;
-                            }
-                            t.wire_ns += since(phase);
+                        let phase = Instant::now();
+                        for (at, len) in part.staging_ranges() {
+                            let piece = &data[at as usize..(at + len) as usize];
+                            self.link.write_piece(place.grant_offset, &place.data(desc, at, len), piece, deadline)?;
                         }
+                        t.wire_ns += since(phase);
                     }
                 }
             }
@@ -95,10 +91,7 @@ impl SenderSession {
             Some(buffer) => {
                 let data = buffer.bytes(region_bytes as usize);
                 let checksum = self.region_checksum(desc, data);
-                match streaming {
-                    true => self.link.send(&ready(checksum), deadline),
-                    false => self.link.write_chunk_at(place.grant_offset, &place.data(desc, 0, region_bytes), data, &ready(checksum), deadline),
-                }
+                self.link.finish_pieces(place.grant_offset, &place.data(desc, 0, region_bytes), data, &ready(checksum), deadline)
             }
         };
         t.wire_ns += since(phase);

@@ -14,7 +14,7 @@ use super::attrs::{self, PortAttrs};
 use super::fault::{self, WriteFault};
 use super::split::{plan_writes, PlannedWr};
 use super::verbs::{CompletionQueue, QueuePair, SendWr, Wc, WcKind};
-use super::Rdma;
+use super::{Rdma, StagingKeys};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::protocol::Message;
@@ -352,9 +352,10 @@ impl RdmaTransport {
         self.tcp.shutdown();
     }
 
-    /// Writes `data` to `remote_offset` of the receiver's ring; the last work request of QP 0 is
-    /// a WRITE_WITH_IMM carrying `imm`. Returns once every work request completed.
-    pub fn rdma_write(&self, remote_offset: u64, data: &[u8], imm: u32, deadline: &Deadline) -> Result<()> {
+    /// Writes `data` to `remote_offset` of the receiver's ring; with `imm`, the last work request
+    /// of QP 0 is a WRITE_WITH_IMM carrying it, after every other byte of `data`. Returns once
+    /// every work request completed.
+    pub fn rdma_write(&self, remote_offset: u64, data: &[u8], imm: Option<u32>, deadline: &Deadline) -> Result<()> {
         let _g = self.write_lock.lock();
         if self.dead.load(Ordering::SeqCst) {
             return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, format!("{} was shut down", self.desc)));
@@ -377,10 +378,11 @@ impl RdmaTransport {
         result
     }
 
-    fn post_and_wait(&self, remote_offset: u64, data: &[u8], imm: u32, lkeys: &[u32], deadline: &Deadline) -> Result<()> {
+    fn post_and_wait(&self, remote_offset: u64, data: &[u8], imm: Option<u32>, lkeys: &StagingKeys, deadline: &Deadline) -> Result<()> {
         let opts = self.rdma.options();
         let plan = plan_writes(data.len() as u64, opts.wr_bytes, opts.signal_every, self.slots.len() as u32);
-        let defer_imm = plan.imm_waits_for_others();
+        // Without an immediate the planned imm request is a plain write, posted with the others.
+        let defer_imm = imm.is_some() && plan.imm_waits_for_others();
         let window = (self.rdma.send_depth() / opts.signal_every.max(1)).max(1) as u64;
         let base: Vec<u64> = self.slots.iter().map(|s| s.signals.load(Ordering::SeqCst)).collect();
         let mut posted = vec![0u64; self.slots.len()];
@@ -414,12 +416,12 @@ impl RdmaTransport {
         let to_wr = |q: usize, w: &PlannedWr| SendWr {
             wr_id: self.next_wr.fetch_add(1, Ordering::Relaxed),
             local_addr: data.as_ptr() as u64 + w.offset,
-            lkey: lkeys[self.slots[q].nic],
+            lkey: lkeys.lkey(self.slots[q].nic),
             len: w.len,
             remote_addr: self.remote.addr + remote_offset + w.offset + past_the_ring,
             rkey: if fault == WriteFault::BadRkey { !self.remote.rkeys[q] } else { self.remote.rkeys[q] },
             signaled: w.signaled,
-            imm: w.imm.then_some(imm),
+            imm: imm.filter(|_| w.imm),
         };
         loop {
             let mut progressed = false;
@@ -510,10 +512,33 @@ impl Transport for RdmaTransport {
             return Err(Error::internal(format!("data header says {len} bytes, {} given", data.len())));
         }
         // The imm is the ChunkReady's request id: the receiver waits for it before the ready.
-        let at = grant_offset.checked_add(*offset).ok_or_else(|| Error::new(Status::KVSTAGE_E_PROTOCOL, "granted offset overflows"))?;
-        self.rdma_write(at, data, *req as u32, deadline)?;
+        self.rdma_write(granted_at(grant_offset, *offset)?, data, Some(*req as u32), deadline)?;
         let written = Message::Written { room: *room, chunk: *chunk, writer: *writer, offset: *offset, len: *len, imm: *req as u32 };
         self.tcp.send(&written, deadline)?;
+        self.tcp.send(ready, deadline)
+    }
+
+
+    /// A plain RDMA WRITE of the piece, completed before its report: the receiver counts the
+    /// piece's bytes only once the region's immediate arrived ([`finish_pieces`](Transport::finish_pieces)).
+    fn write_piece(&self, grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {
+        let &Message::Data { room, chunk, writer, offset, len } = header else {
+            return Err(Error::internal("write_piece needs a Data header"));
+        };
+        if len != data.len() as u64 {
+            return Err(Error::internal(format!("data header says {len} bytes, {} given", data.len())));
+        }
+        self.rdma_write(granted_at(grant_offset, offset)?, data, None, deadline)?;
+        self.tcp.send(&Message::Written { room, chunk, writer, offset, len, imm: 0 }, deadline)
+    }
+
+    /// Every piece's write completed (on every QP) before this returns from `write_piece`, so a
+    /// zero-length WRITE_WITH_IMM posted now follows all of them: the ready stays bound to data.
+    fn finish_pieces(&self, grant_offset: u64, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
+        let (&Message::Data { offset, .. }, &Message::ChunkReady { req, .. }) = (header, ready) else {
+            return Err(Error::internal("finish_pieces needs a Data header and a ChunkReady"));
+        };
+        self.rdma_write(granted_at(grant_offset, offset)?, &data[..0], Some(req as u32), deadline)?;
         self.tcp.send(ready, deadline)
     }
 
@@ -537,6 +562,11 @@ impl Drop for RdmaTransport {
             s.to_error();
         }
     }
+}
+
+/// Where `offset` of a grant at `grant_offset` lies in the receiver's ring.
+fn granted_at(grant_offset: u64, offset: u64) -> Result<u64> {
+    grant_offset.checked_add(offset).ok_or_else(|| Error::new(Status::KVSTAGE_E_PROTOCOL, "granted offset overflows"))
 }
 
 /// The receiver side of one RDMA session: its QPs and the immediates that arrived.

@@ -262,6 +262,37 @@ struct Registration {
     mrs: Vec<Box<dyn MemoryRegion>>,
 }
 
+impl Registration {
+    fn covers(&self, addr: *mut u8, len: usize) -> bool {
+        self.addr <= addr as usize && addr as usize + len <= self.addr + self.len
+    }
+}
+
+/// The local keys of the send staging memory one write reads, held until the write completed.
+pub struct StagingKeys(Arc<Registration>);
+
+impl StagingKeys {
+    /// The lkey on the engine's `nic`-th device.
+    pub fn lkey(&self, nic: usize) -> u32 {
+        self.0.mrs[nic].lkey()
+    }
+}
+
+/// A send staging buffer's registration with every device, for as long as the buffer lives.
+/// Dropped before the buffer is freed, it leaves the lookup: memory allocated later at the same
+/// addresses is never read through the old regions, which pin the freed pages (the NIC would
+/// send their stale bytes).
+pub struct StagingRegistration {
+    rdma: Arc<Rdma>,
+    reg: Arc<Registration>,
+}
+
+impl Drop for StagingRegistration {
+    fn drop(&mut self) {
+        self.rdma.staging.lock().retain(|r| !Arc::ptr_eq(r, &self.reg));
+    }
+}
+
 /// The RDMA side of an engine: devices, completion thread, registrations, counters.
 pub struct Rdma {
     mode: RdmaMode,
@@ -274,7 +305,9 @@ pub struct Rdma {
     sessions: AtomicU64,
     last_downgrade: Mutex<String>,
     ring: Mutex<Option<Registration>>,
-    staging: Mutex<Option<Registration>>,
+    /// One registration per live send staging buffer: writes of several sessions from different
+    /// buffers never re-register one under another's work requests.
+    staging: Mutex<Vec<Arc<Registration>>>,
     salt: u64,
 }
 
@@ -296,7 +329,7 @@ impl Rdma {
             sessions: AtomicU64::new(0),
             last_downgrade: Mutex::new(String::new()),
             ring: Mutex::new(None),
-            staging: Mutex::new(None),
+            staging: Mutex::new(Vec::new()),
             salt,
         }
     }
@@ -366,31 +399,47 @@ impl Rdma {
         (self.options.signal_every * 4).clamp(16, 1024)
     }
 
-    fn register(&self, slot: &Mutex<Option<Registration>>, addr: *mut u8, len: usize, remote_write: bool) -> Result<Vec<u32>> {
-        let mut reg = slot.lock();
-        let covered = reg.as_ref().is_some_and(|r| r.addr <= addr as usize && addr as usize + len <= r.addr + r.len);
-        if !covered {
-            *reg = None; // deregister the old buffer first
-            let mut mrs = Vec::new();
-            for nic in &self.nics {
-                // SAFETY: the engine keeps the buffer allocated while registered: the staging
-                // buffer only grows (re-registered then) and the ring is re-registered with it.
-                mrs.push(unsafe { nic.dev.reg_mr(addr, len, remote_write) }?);
-            }
-            *reg = Some(Registration { addr: addr as usize, len, mrs });
+    /// `[addr, +len)` registered on every device. The caller keeps the memory allocated while the
+    /// registration lives.
+    fn register(&self, addr: *mut u8, len: usize, remote_write: bool) -> Result<Registration> {
+        let mut mrs = Vec::new();
+        for nic in &self.nics {
+            // SAFETY: the caller keeps the memory allocated while the registration lives.
+            mrs.push(unsafe { nic.dev.reg_mr(addr, len, remote_write) }?);
         }
-        let r = reg.as_ref().expect("registered above");
-        Ok(r.mrs.iter().map(|m| if remote_write { m.rkey() } else { m.lkey() }).collect())
+        Ok(Registration { addr: addr as usize, len, mrs })
     }
 
-    /// lkeys (per device) of the sender's staging buffer holding `[addr, addr + len)`.
-    pub fn staging_keys(&self, addr: *mut u8, len: usize) -> Result<Vec<u32>> {
-        self.register(&self.staging, addr, len.max(1), false)
+    /// Registers a send staging buffer for its lifetime (`None` without a device); drop the
+    /// result before freeing the buffer.
+    pub fn register_staging(self: &Arc<Self>, addr: *mut u8, len: usize) -> Result<Option<StagingRegistration>> {
+        if !self.active() || len == 0 {
+            return Ok(None);
+        }
+        let reg = Arc::new(self.register(addr, len, false)?);
+        self.staging.lock().push(reg.clone());
+        Ok(Some(StagingRegistration { rdma: self.clone(), reg }))
     }
 
-    /// rkeys (per device) of the receiver's ring, registered for remote write.
+    /// lkeys (per device) for a write from `[addr, addr + len)`: its staging buffer's, or when the
+    /// buffer has none (its registration failed), a registration for this write only.
+    pub fn staging_keys(&self, addr: *mut u8, len: usize) -> Result<StagingKeys> {
+        let len = len.max(1);
+        if let Some(r) = self.staging.lock().iter().find(|r| r.covers(addr, len)) {
+            return Ok(StagingKeys(r.clone()));
+        }
+        Ok(StagingKeys(Arc::new(self.register(addr, len, false)?)))
+    }
+
+    /// rkeys (per device) of the receiver's ring, registered for remote write (kept until the
+    /// ring is forgotten or a ring elsewhere is registered).
     pub fn ring_keys(&self, addr: *mut u8, len: usize) -> Result<Vec<u32>> {
-        self.register(&self.ring, addr, len, true)
+        let mut reg = self.ring.lock();
+        if !reg.as_ref().is_some_and(|r| r.covers(addr, len)) {
+            *reg = None; // deregister the old ring first
+            *reg = Some(self.register(addr, len, true)?);
+        }
+        Ok(reg.as_ref().expect("registered above").mrs.iter().map(|m| m.rkey()).collect())
     }
 
     /// Forgets the ring registration (the ring memory is about to be replaced or freed).
@@ -405,13 +454,6 @@ impl Rdma {
         if reg.as_ref().is_some_and(|r| r.addr == addr as usize) {
             reg.take();
         }
-    }
-
-    /// Forgets the send staging registration. Call it before the staging buffer is freed or
-    /// replaced by memory that may reuse its addresses (growing it is safe: a larger range is
-    /// never covered by the old registration and is registered again).
-    pub fn forget_staging(&self) {
-        self.staging.lock().take();
     }
 
     fn new_slot(&self, nic: usize, notify: &Arc<Notify>, arrivals: Option<Arc<Arrivals>>) -> Result<Arc<QpSlot>> {

@@ -64,6 +64,12 @@ fn fabric() -> &'static Mutex<Fabric> {
     FABRIC.get_or_init(|| Mutex::new(Fabric { next_id: 0x100, ..Fabric::default() }))
 }
 
+/// Whether a memory region with key `key` is registered (unit tests of registration lifetimes).
+#[cfg(test)]
+pub fn registered(key: u32) -> bool {
+    fabric().lock().mrs.contains_key(&key)
+}
+
 impl Fabric {
     fn id(&mut self) -> u32 {
         self.next_id += 1;

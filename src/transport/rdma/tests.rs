@@ -31,3 +31,39 @@ fn device_selection_parsing_and_limits() {
     assert_eq!(e.code(), Status::KVSTAGE_E_NO_DEVICE);
     assert!(e.chain().contains("softdown0:1 is DOWN"), "{}", e.chain());
 }
+
+/// Send staging registrations live exactly as long as their buffer: writes alternating between
+/// two live buffers (two sessions at once) keep each buffer's keys valid, so neither write loses
+/// its memory region under the other; a freed buffer's registration is gone, and memory later at
+/// the same addresses is registered anew (never read through regions pinning the freed pages).
+#[test]
+fn staging_buffers_keep_their_own_registration_for_their_lifetime() {
+    let options = RdmaOptions { devices: parse_devices("softib0").unwrap(), ..RdmaOptions::default() };
+    let rdma = Rdma::open(RdmaMode::Required, options).unwrap();
+    let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 8192]);
+    let held_a = rdma.register_staging(a.as_mut_ptr(), a.len()).unwrap().expect("a device is open");
+    let held_b = rdma.register_staging(b.as_mut_ptr(), b.len()).unwrap().expect("a device is open");
+    let first_a = rdma.staging_keys(a[100..].as_mut_ptr(), 200).unwrap();
+    let in_b = rdma.staging_keys(b.as_mut_ptr(), b.len()).unwrap();
+    let again_a = rdma.staging_keys(a.as_mut_ptr(), a.len()).unwrap();
+    assert_eq!(first_a.lkey(0), again_a.lkey(0), "one registration per buffer, reused by every write from it");
+    assert_ne!(first_a.lkey(0), in_b.lkey(0));
+    assert!(soft::registered(first_a.lkey(0)) && soft::registered(in_b.lkey(0)), "a write from one buffer deregistered the other");
+    let key_a = first_a.lkey(0);
+    drop((first_a, in_b, again_a));
+    assert!(soft::registered(key_a), "the buffer still lives");
+    drop(held_a);
+    assert!(!soft::registered(key_a), "the registration outlived its buffer");
+    // New memory at a's addresses (as an allocator may hand out): a registration of its own,
+    // for this write only.
+    let fresh = rdma.staging_keys(a.as_mut_ptr(), a.len()).unwrap();
+    let fresh_key = fresh.lkey(0);
+    assert!(fresh_key != key_a && soft::registered(fresh_key));
+    drop(fresh);
+    assert!(!soft::registered(fresh_key), "a write's own registration ends with the write");
+    let key_b = rdma.staging_keys(b.as_mut_ptr(), 1).unwrap().lkey(0);
+    drop(held_b);
+    assert!(!soft::registered(key_b));
+    // Without a device nothing is registered.
+    assert!(Rdma::off().register_staging(b.as_mut_ptr(), b.len()).unwrap().is_none());
+}
