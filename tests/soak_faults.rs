@@ -6,6 +6,11 @@
 //! - once the room is terminal and the sessions closed, the decode ring is empty before the room is
 //!   released (no leak hidden by the release), and after it.
 //!
+//! Half the seeds send layer-wise (each chunk's two layers marked in reverse order, each written as
+//! it is marked), without a checksum unless the plan corrupts payloads (an unchecked corrupted
+//! payload is a success with wrong bytes by design), so the decode side's per-layer scatter runs
+//! under every other fault.
+//!
 //! After all seeds, no thread and no file descriptor is left behind.
 //!
 //! `KVSTAGE_SOAK_SEEDS` sets the number of seeds (default 1000).
@@ -32,9 +37,10 @@ const PAGE: u32 = 4;
 const CHUNK_TOKENS: u32 = 16;
 const PAGES: usize = 8;
 const ROOM: u64 = 5;
+const LAYERS: u32 = 2;
 
 fn shape(rank: u32, tp: u32) -> PoolShape {
-    PoolShape::new(ModelKind::Mha, 2, 8, 2, PAGE, 2).with_tp(rank, tp)
+    PoolShape::new(ModelKind::Mha, 2, 8, 2, PAGE, LAYERS).with_tp(rank, tp)
 }
 
 #[derive(Default)]
@@ -67,6 +73,11 @@ fn plan_for(seed: u64) -> (FaultPlan, bool) {
     (p, on_decode)
 }
 
+/// Whether `seed` sends layer-wise: every plan, side and transport both ways.
+fn layerwise(seed: u64) -> bool {
+    !(seed / 36).is_multiple_of(2)
+}
+
 /// Every fault kind on either side runs over both byte movers: TCP (whose payloads the faults can
 /// corrupt or truncate) and the same-host path (transport auto between engines of one host,
 /// where only control frames pass through the faults).
@@ -74,7 +85,7 @@ fn options(seed: u64, faults: Option<Faults>) -> EngineOptions {
     EngineOptions {
         chunk_tokens: CHUNK_TOKENS,
         default_deadline: Some(OP_DEADLINE),
-        integrity: Integrity::Always,
+        integrity: if layerwise(seed) && plan_for(seed).0.corrupt == 0 { Integrity::Off } else { Integrity::Always },
         faults,
         transport: if (seed / 18).is_multiple_of(2) { TransportKind::Tcp } else { TransportKind::Auto },
         ..EngineOptions::default()
@@ -122,7 +133,17 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
                     for (chunk, chunk_pages) in pages.chunks(CHUNK_TOKENS as usize / PAGE as usize).enumerate() {
                         let desc = TransferDesc { room: ROOM, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(OP_DEADLINE), ..Default::default() };
                         let start = Instant::now();
-                        let result = session.transfer(&desc, &Op::new(session.waker()));
+                        let result = match layerwise(seed) {
+                            false => session.transfer(&desc, &Op::new(session.waker())),
+                            true => session.transfer_async(TransferDesc { layers: Some(session.layer_gate()), ..desc }, false, 0).and_then(|op| {
+                                let gate = op.layers().expect("a layer-wise operation has a gate");
+                                for layer in (0..LAYERS).rev() {
+                                    gate.mark(layer, 1, None).expect("a layer of the pool, marked once");
+                                    std::thread::sleep(Duration::from_millis(seed % 3)); // the first layer often leaves alone
+                                }
+                                op.wait(Some(OP_DEADLINE + SLACK * 2))
+                            }),
+                        };
                         if start.elapsed() > OP_DEADLINE + SLACK {
                             hangs += 1;
                         }
