@@ -15,7 +15,9 @@
  * session must use the device named first (both checked in the transport's description). The
  * same chunk then goes layer-wise (a plain RDMA WRITE per marked layer, the write-with-immediate
  * after the last). Then the decode ring is registered again under a connected session (see below). */
+#define _POSIX_C_SOURCE 200809L
 #include <stdint.h>
+#include <time.h>
 
 #include "kvstage_check.h"
 
@@ -94,7 +96,12 @@ static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *p
     if (layerwise) {
         kvstage_op *op = NULL;
         CHECK_INT(kvstage_transfer_layerwise_async(s, &d, &op), KVSTAGE_PENDING);
-        for (i = LAYERS - 1; i >= 0; i--) CHECK_OK(kvstage_op_layers_ready(op, (uint32_t)i, 1, NULL, NULL));
+        /* 20 ms apart: the sender takes each layer as its own batch (several pieces, not one). */
+        const struct timespec gap = {0, 20 * 1000 * 1000};
+        for (i = LAYERS - 1; i >= 0; i--) {
+            CHECK_OK(kvstage_op_layers_ready(op, (uint32_t)i, 1, NULL, NULL));
+            nanosleep(&gap, NULL);
+        }
         if (kvstage_op_wait(op, 20000) != KVSTAGE_OK) {
             print_error("layer-wise transfer");
             bad = 1;

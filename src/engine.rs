@@ -242,7 +242,7 @@ impl Engine {
         let send = Arc::new(SendResources {
             pool: pool.clone(),
             copy: copy.clone(),
-            staging: StagingPool::new(options.send_staging_buffers as usize, options.send_staging_total_bytes, rdma.clone()),
+            staging: StagingPool::new(options.send_staging_buffers as usize, options.send_staging_total_bytes),
             workers: Workers::new(options.transfer_threads as usize, (options.transfer_threads as usize).div_ceil(2))?,
             completions: completions.clone(),
             options: SenderConfig {

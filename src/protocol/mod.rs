@@ -79,7 +79,8 @@ pub enum Message {
     RdmaAnswer(RdmaOffer),
     /// A writer's bytes were written into its region in place, by RDMA WRITE or through a
     /// same-host mapping of the ring (no payload follows); over RDMA `imm` is the immediate of the
-    /// WRITE_WITH_IMM that completed them (0 otherwise).
+    /// WRITE_WITH_IMM that completed them, 0 for a piece of a layer-wise region (whose immediate
+    /// follows the last piece) and on the same-host path. Receivers do not rely on it.
     Written { room: u64, chunk: u32, writer: u32, offset: u64, len: u64, imm: u32 },
     /// Same host: the sender listens on the abstract Unix socket `socket` and asks for the ring's
     /// descriptor there, presented with `nonce`.

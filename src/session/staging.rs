@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::op::Op;
 use super::Deadline;
@@ -13,12 +13,12 @@ use crate::copy::{CopyEngine, HostPin};
 use crate::error::{Error, Result, Status};
 use crate::transport::rdma::{Rdma, StagingRegistration};
 
-/// One staging buffer with, for device pools, its page lock and, on an engine with RDMA devices,
-/// its registration with them.
+/// One staging buffer with, for device pools, its page lock and, once an RDMA session wrote from
+/// it, its registration with the engine's RDMA devices.
 struct Buffer {
     /// Held for their drops, which end the registration and the page lock before `bytes` is
     /// freed (declared first: dropped first).
-    _nic: Option<StagingRegistration>,
+    nic: Option<StagingRegistration>,
     _pin: Option<HostPin>,
     bytes: Vec<u8>,
 }
@@ -33,8 +33,6 @@ struct State {
 }
 
 pub struct StagingPool {
-    /// The engine's RDMA devices: each buffer is registered with them while it lives.
-    rdma: Arc<Rdma>,
     state: Mutex<State>,
     returned: Condvar,
     max_buffers: usize,
@@ -48,6 +46,20 @@ pub struct StagingLease<'a> {
 }
 
 impl StagingLease<'_> {
+    /// Registers the whole buffer with the RDMA devices for the rest of its life, once (best
+    /// effort: an RDMA write from memory without a registration registers its range for itself,
+    /// and fails there with the cause if that fails too).
+    pub fn register_with(&mut self, rdma: &Arc<Rdma>) {
+        let b = self.buffer.as_mut().expect("a lease holds its buffer");
+        if b.nic.is_some() {
+            return;
+        }
+        b.nic = rdma.register_staging(b.bytes.as_mut_ptr(), b.bytes.len()).unwrap_or_else(|e| {
+            log::warn!("a send staging buffer of {} bytes could not be registered with the RDMA devices: {}", b.bytes.len(), e.chain());
+            None
+        });
+    }
+
     /// The first `len` bytes of the buffer (it holds at least the size asked for).
     pub fn bytes(&mut self, len: usize) -> &mut [u8] {
         &mut self.buffer.as_mut().expect("a lease holds its buffer").bytes[..len]
@@ -70,8 +82,8 @@ impl Drop for StagingLease<'_> {
 const CANCEL_POLL: Duration = Duration::from_millis(20);
 
 impl StagingPool {
-    pub fn new(max_buffers: usize, max_total: u64, rdma: Arc<Rdma>) -> StagingPool {
-        StagingPool { rdma, state: Mutex::new(State::default()), returned: Condvar::new(), max_buffers: max_buffers.max(1), max_total }
+    pub fn new(max_buffers: usize, max_total: u64) -> StagingPool {
+        StagingPool { state: Mutex::new(State::default()), returned: Condvar::new(), max_buffers: max_buffers.max(1), max_total }
     }
 
     /// A buffer of at least `len` bytes, waiting for one to be returned until `deadline` (or the
@@ -84,6 +96,9 @@ impl StagingPool {
                 format!("a chunk share of {len} bytes exceeds the send staging pool of {} bytes", self.max_total),
             ));
         }
+        // Evicted buffers are freed (and deregistered) with the lock released: declared before
+        // the guard, dropped after it.
+        let mut evicted: Vec<Buffer> = Vec::new();
         let mut st = self.state.lock();
         loop {
             // The smallest idle buffer that is large enough.
@@ -97,12 +112,14 @@ impl StagingPool {
                 let Some(i) = st.idle.iter().enumerate().min_by_key(|(_, b)| b.bytes.len()).map(|(i, _)| i) else { break };
                 let b = st.idle.swap_remove(i);
                 st.total -= b.bytes.len() as u64;
+                evicted.push(b);
             }
             if st.total + len <= self.max_total && st.idle.len() + st.lent < self.max_buffers {
                 st.total += len;
                 st.lent += 1;
                 drop(st);
-                return match allocate(len, copy, &self.rdma) {
+                drop(evicted);
+                return match allocate(len, copy) {
                     Ok(b) => Ok(StagingLease { pool: self, buffer: Some(b) }),
                     Err(e) => {
                         let mut st = self.state.lock();
@@ -111,6 +128,11 @@ impl StagingPool {
                         Err(e)
                     }
                 };
+            }
+            if !evicted.is_empty() {
+                // Freed before waiting (their bytes no longer count); then look again.
+                MutexGuard::unlocked(&mut st, || evicted.clear());
+                continue;
             }
             if op.is_canceled() {
                 return Err(Error::new(Status::KVSTAGE_E_CANCELED, "canceled while waiting for a send staging buffer"));
@@ -131,7 +153,7 @@ impl StagingPool {
     }
 }
 
-fn allocate(len: u64, copy: &Arc<dyn CopyEngine>, rdma: &Arc<Rdma>) -> Result<Buffer> {
+fn allocate(len: u64, copy: &Arc<dyn CopyEngine>) -> Result<Buffer> {
     let mut bytes = Vec::new();
     bytes
         .try_reserve_exact(len as usize)
@@ -139,13 +161,7 @@ fn allocate(len: u64, copy: &Arc<dyn CopyEngine>, rdma: &Arc<Rdma>) -> Result<Bu
     bytes.resize(len as usize, 0);
     // Page-locked for device pools (faster device-to-host copies); best effort.
     let pin = copy.pin_host(bytes.as_mut_ptr(), bytes.len()).ok().flatten();
-    // Registered once here rather than per write; failing that, each RDMA write registers its
-    // range for itself (slower, still correct), so the failure is only logged.
-    let nic = rdma.register_staging(bytes.as_mut_ptr(), bytes.len()).unwrap_or_else(|e| {
-        log::warn!("a send staging buffer of {len} bytes could not be registered with the RDMA devices: {}", e.chain());
-        None
-    });
-    Ok(Buffer { _nic: nic, _pin: pin, bytes })
+    Ok(Buffer { nic: None, _pin: pin, bytes })
 }
 
 #[cfg(test)]
@@ -165,7 +181,7 @@ mod tests {
 
     #[test]
     fn bounded_by_count_and_bytes_and_reused() {
-        let pool = StagingPool::new(2, 1000, Rdma::off());
+        let pool = StagingPool::new(2, 1000);
         let (op, copy) = (Op::new(Arc::new(NoWake)), engine());
         let soon = || Deadline::after(Some(Duration::from_millis(50)));
         let a = pool.acquire(400, &soon(), &op, &copy).unwrap();
@@ -186,7 +202,7 @@ mod tests {
 
     #[test]
     fn a_waiter_gets_the_buffer_returned_by_another_thread_or_sees_its_cancel() {
-        let pool = Arc::new(StagingPool::new(1, 100, Rdma::off()));
+        let pool = Arc::new(StagingPool::new(1, 100));
         let (op, copy) = (Op::new(Arc::new(NoWake)), engine());
         let held = pool.acquire(100, &Deadline::after(None), &op, &copy).unwrap();
         std::thread::scope(|s| {

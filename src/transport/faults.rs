@@ -194,7 +194,6 @@ impl Transport for FaultyTransport {
         self.faulty_data(data, |d| self.inner.write_chunk_at(grant_offset, header, d, ready, deadline))
     }
 
-
     fn write_piece(&self, grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {
         self.faulty_data(data, |d| self.inner.write_piece(grant_offset, header, d, deadline))
     }

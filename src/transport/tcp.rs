@@ -274,7 +274,6 @@ impl Transport for TcpTransport {
         self.write(deadline, |w| write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(data), IoSlice::new(&tail)]))
     }
 
-
     fn write_piece(&self, _grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {
         let head = header.encode();
         self.write(deadline, |w| write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(data)]))

@@ -34,10 +34,7 @@ impl SenderSession {
         let mut staging = if in_place {
             None
         } else {
-            let phase = Instant::now();
-            let acquired = self.resources.staging.acquire(region_bytes, deadline, op, &self.resources.copy);
-            t.alloc_wait_ns = since(phase);
-            Some(acquired?)
+            Some(self.staging_buffer(region_bytes, deadline, op, t)?)
         };
         while !missing.is_empty() {
             for batch in self.wait_layers(gate, deadline, op)? {

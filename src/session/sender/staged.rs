@@ -3,6 +3,7 @@
 //! the ready frame, then the arrival acknowledgement. Anything that fails after the grant aborts.
 
 use super::*;
+use crate::session::staging::StagingLease;
 
 impl SenderSession {
     pub(super) fn staged(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
@@ -159,10 +160,7 @@ impl SenderSession {
             return Ok(req);
         }
         // A buffer of the engine's pool, held for the gather and the write only.
-        let phase = Instant::now();
-        let staging = self.resources.staging.acquire(region_bytes, deadline, op, &self.resources.copy);
-        t.alloc_wait_ns = since(phase);
-        let mut staging = staging?;
+        let mut staging = self.staging_buffer(region_bytes, deadline, op, t)?;
         let data = staging.bytes(region_bytes as usize);
         self.gather(plan, data.as_mut_ptr(), desc.ready.as_deref(), t)?;
         let checksum = self.region_checksum(desc, data);
@@ -172,6 +170,19 @@ impl SenderSession {
         wrote?;
         self.metrics.sent(region_bytes);
         Ok(req)
+    }
+
+    /// A send staging buffer of at least `len` bytes from the engine's pool (the wait timed as the
+    /// allocation wait), registered with the RDMA devices when this session writes by RDMA.
+    pub(super) fn staging_buffer(&self, len: u64, deadline: &Deadline, op: &Op, t: &mut TransferTimings) -> Result<StagingLease<'_>> {
+        let phase = Instant::now();
+        let acquired = self.resources.staging.acquire(len, deadline, op, &self.resources.copy);
+        t.alloc_wait_ns = since(phase);
+        let mut lease = acquired?;
+        if self.link_kind == LinkKind::Rdma {
+            lease.register_with(&self.resources.rdma);
+        }
+        Ok(lease)
     }
 
     /// Gathers `plan` into the region at `dst` (a staging buffer, or this writer's granted

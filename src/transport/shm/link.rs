@@ -107,7 +107,6 @@ impl Transport for ShmTransport {
         self.finish_in_place(header, ready, deadline)
     }
 
-
     fn write_piece(&self, grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {
         self.copy_in(grant_offset, header, data)?;
         self.tcp.send(&written(header)?, deadline)
