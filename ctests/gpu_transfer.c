@@ -1,6 +1,7 @@
 /* Label gpu: a staged transfer between CUDA device pools over loopback TCP, in one process.
  * Prefill TP 2 (two engines, 2 KV heads each) -> decode TP 1 (4 KV heads), 3 layers, bf16,
- * 4-token pages, two chunks with pages out of order. The decode pool is read back from the device
+ * 4-token pages, two chunks with pages out of order, the second sent layer-wise (each layer marked
+ * after work on a CUDA stream, by a recorded event or by the stream). The decode pool is read back from the device
  * and compared byte for byte with a reference reshard of the prefill pools; pages outside the room
  * must be untouched. The device memory is allocated through libcuda itself (dlopen), as an
  * application would. Exit 77 without a CUDA device, unless KVSTAGE_REQUIRE_GPU=1.
@@ -29,6 +30,9 @@ typedef int (*cu_alloc_fn)(unsigned long long *, size_t);
 typedef int (*cu_free_fn)(unsigned long long);
 typedef int (*cu_htod_fn)(unsigned long long, const void *, size_t);
 typedef int (*cu_dtoh_fn)(void *, unsigned long long, size_t);
+typedef int (*cu_create_fn)(void **, unsigned); /* cuStreamCreate, cuEventCreate */
+typedef int (*cu_destroy_fn)(void *);           /* cuStreamDestroy_v2, cuEventDestroy_v2 */
+typedef int (*cu_record_fn)(void *, void *);
 
 static struct {
     cu_init_fn init;
@@ -39,6 +43,9 @@ static struct {
     cu_free_fn free_;
     cu_htod_fn htod;
     cu_dtoh_fn dtoh;
+    cu_create_fn stream_create, event_create;
+    cu_destroy_fn stream_destroy, event_destroy;
+    cu_record_fn event_record;
 } cu;
 
 static int load(void *lib, const char *name, void *fn_slot, size_t size) {
@@ -176,6 +183,30 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory) {
     free(host_buffers);
 }
 
+/* One chunk layer-wise, its layers marked last first, each after the caller's work on a CUDA
+ * stream: odd layers by an event recorded there, even ones by the stream itself. */
+static void send_layerwise(kvstage_session *s, const kvstage_transfer_desc *d) {
+    void *stream = NULL, *events[LAYERS] = {NULL};
+    kvstage_op *op = NULL;
+    int l;
+    REQUIRE(cu.stream_create(&stream, 0) == 0);
+    CHECK_INT(kvstage_transfer_layerwise_async(s, d, &op), KVSTAGE_PENDING);
+    for (l = LAYERS - 1; l >= 0; l--) {
+        if (l % 2) {
+            REQUIRE(cu.event_create(&events[l], 0) == 0);
+            REQUIRE(cu.event_record(events[l], stream) == 0);
+            CHECK_OK(kvstage_op_layers_ready(op, (uint32_t)l, 1, NULL, events[l]));
+        } else {
+            CHECK_OK(kvstage_op_layers_ready(op, (uint32_t)l, 1, stream, NULL));
+        }
+    }
+    CHECK_OK(kvstage_op_wait(op, 10000));
+    kvstage_op_free(op);
+    for (l = 0; l < LAYERS; l++)
+        if (events[l] != NULL) cu.event_destroy(events[l]);
+    cu.stream_destroy(stream);
+}
+
 int main(int argc, char **argv) {
     static const uint32_t SRC_PAGES[NPAGES] = {7, 2, 3, 11};
     static const uint32_t DST_PAGES[NPAGES] = {5, 14, 0, 1};
@@ -200,7 +231,12 @@ int main(int argc, char **argv) {
         !load(lib, "cuDevicePrimaryCtxRetain", &cu.retain, sizeof cu.retain) ||
         !load(lib, "cuCtxPushCurrent_v2", &cu.push, sizeof cu.push) ||
         !load(lib, "cuMemAlloc_v2", &cu.alloc, sizeof cu.alloc) || !load(lib, "cuMemFree_v2", &cu.free_, sizeof cu.free_) ||
-        !load(lib, "cuMemcpyHtoD_v2", &cu.htod, sizeof cu.htod) || !load(lib, "cuMemcpyDtoH_v2", &cu.dtoh, sizeof cu.dtoh))
+        !load(lib, "cuMemcpyHtoD_v2", &cu.htod, sizeof cu.htod) || !load(lib, "cuMemcpyDtoH_v2", &cu.dtoh, sizeof cu.dtoh) ||
+        !load(lib, "cuStreamCreate", &cu.stream_create, sizeof cu.stream_create) ||
+        !load(lib, "cuStreamDestroy_v2", &cu.stream_destroy, sizeof cu.stream_destroy) ||
+        !load(lib, "cuEventCreate", &cu.event_create, sizeof cu.event_create) ||
+        !load(lib, "cuEventRecord", &cu.event_record, sizeof cu.event_record) ||
+        !load(lib, "cuEventDestroy_v2", &cu.event_destroy, sizeof cu.event_destroy))
         return skip("libcuda.so.1 lacks a driver entry point");
     if (cu.init(0) != 0 || cu.count(&devices) != 0 || devices < 1) return skip("no CUDA device");
     REQUIRE(cu.retain(&ctx, 0) == 0);
@@ -240,7 +276,10 @@ int main(int argc, char **argv) {
             d.src_pages = SRC_PAGES + c * (CHUNK / PAGE);
             d.num_pages = CHUNK / PAGE;
             d.deadline_ms = 10000;
-            CHECK_OK(kvstage_transfer(session[r], &d));
+            if (c + 1 < (int)chunks)
+                CHECK_OK(kvstage_transfer(session[r], &d));
+            else
+                send_layerwise(session[r], &d);
         }
     }
     CHECK_OK(kvstage_room_wait(decode, ROOM, 10000));
