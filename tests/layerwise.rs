@@ -2,7 +2,8 @@
 //! starts before its layers are computed and the caller marks layers ready over time.
 //!
 //! - Layers marked in random order and in bursts with random delays, for MHA, MLA and pipeline
-//!   stage senders, over TCP and the same-host path: every decode pool holds the reference bytes.
+//!   stage senders, over TCP, the same-host path and (test builds: the soft fabric) RDMA: every
+//!   decode pool holds the reference bytes.
 //! - Over TCP the marked layers' bytes are in the decode ring before the last layer is marked
 //!   (the transfer streams; it does not wait for the whole chunk).
 //! - A layer never marked: the transfer ends by its deadline with `TIMEOUT`, the decode room fails
@@ -57,7 +58,14 @@ fn bursts(ids: &[u32], rng: &mut Rng) -> Vec<(u32, u32)> {
 }
 
 fn options(transport: TransportKind) -> EngineOptions {
-    EngineOptions { transport, ..EngineOptions::default() }
+    let o = EngineOptions { transport, ..EngineOptions::default() };
+    // RDMA: the soft fabric of test builds (both engines on it; no same-host path before it).
+    #[cfg(feature = "testing")]
+    if transport == TransportKind::Rdma {
+        let devices = kvstage::transport::rdma::parse_devices("softib0").unwrap();
+        return EngineOptions { rdma: kvstage::transport::rdma::RdmaOptions { devices, ..o.rdma }, same_host: false, ..o };
+    }
+    o
 }
 
 struct Decode {
@@ -107,7 +115,11 @@ fn stream(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: TransportKi
     d.engine.receiver().open_room(1, &dst_pages, PAGE * 3).unwrap();
     let prefills: Vec<Prefill> = srcs.iter().enumerate().map(|(i, s)| prefill(s.clone(), &pages, &d, transport, &format!("{name}-{i}"))).collect();
     for p in &prefills {
-        let want = if transport == TransportKind::Shm { LinkKind::Shm } else { LinkKind::Tcp };
+        let want = match transport {
+            TransportKind::Shm => LinkKind::Shm,
+            TransportKind::Rdma => LinkKind::Rdma,
+            _ => LinkKind::Tcp,
+        };
         assert_eq!(p.session.stats().link, want, "{name}: the transport in use");
     }
     let ops: Vec<Arc<Op>> = prefills.iter().map(|p| start(&p.session, 1, &pages, Duration::from_secs(20))).collect();
@@ -167,6 +179,18 @@ fn layers_marked_in_any_order_land_bit_exact_in_place_on_one_host() {
     for seed in [3u64, 11] {
         for (name, srcs, dst) in cases() {
             stream(name, &srcs, dst, TransportKind::Shm, seed);
+        }
+    }
+}
+
+/// By RDMA WRITE on the soft fabric of test builds (each batch in pieces, the immediate after the
+/// last; the decode side scatters once it arrived).
+#[cfg(feature = "testing")]
+#[test]
+fn layers_marked_in_any_order_land_bit_exact_by_rdma_write() {
+    for seed in [5u64, 13] {
+        for (name, srcs, dst) in cases() {
+            stream(name, &srcs, dst, TransportKind::Rdma, seed);
         }
     }
 }
