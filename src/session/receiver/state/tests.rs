@@ -562,10 +562,11 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Honest senders only (their next slab, their ready), the decode side opening rooms (a released
+/// Honest senders (their next slab, their ready), the decode side opening rooms (a released
 /// room's grant stays quarantined for an RDMA writer that never hears of it) and running scatters
 /// in any order: chunks get written whole, scattered layer by layer while other writes land, and
-/// completed (random sequences of [`op`] seldom get that far).
+/// completed (random sequences of [`op`] seldom get that far); now and then a connection goes, a
+/// scatter fails or a room is released in the middle of it.
 fn calm_op() -> impl Strategy<Value = Op> {
     let c = 0..CONNS;
     prop_oneof![
@@ -573,8 +574,12 @@ fn calm_op() -> impl Strategy<Value = Op> {
         6 => c.clone().prop_map(|c| Op::Allocate(c, ROOMS, 0)),
         16 => c.clone().prop_map(|c| Op::DataBegin(c, 0, 0, SLABS, false)),
         16 => any::<usize>().prop_map(|i| Op::DataEnd(i, true)),
-        6 => c.prop_map(|c| Op::Ready(c, ROOMS, 0, true)),
+        6 => c.clone().prop_map(|c| Op::Ready(c, ROOMS, 0, true)),
         8 => any::<usize>().prop_map(|i| Op::Scatter(i, true)),
+        // Now and then a failure or a release while other chunks are being written or scattered.
+        1 => c.prop_map(Op::Gone),
+        1 => any::<usize>().prop_map(|i| Op::Scatter(i, false)),
+        1 => (0..ROOMS).prop_map(Op::Release),
     ]
 }
 
@@ -655,6 +660,8 @@ struct Harness {
     /// Mappings that ended: a live connection's reports after that cannot be true, so its bytes
     /// count only from its ready on.
     unmapped: Vec<ConnId>,
+    /// The chunk events delivered so far, by (room generation, chunk): whether each was `OK`.
+    events: HashMap<(u64, u32), bool>,
 }
 
 fn writer_of(c: usize) -> u32 {
@@ -676,6 +683,7 @@ impl Harness {
             stale_mapping: None,
             checksummed,
             unmapped: Vec::new(),
+            events: HashMap::new(),
         }
     }
 
@@ -699,9 +707,23 @@ impl Harness {
         self.may_write.retain(|&(c, _, r, ch)| !(c == id && room.is_none_or(|x| x == r) && chunk.is_none_or(|x| x == ch)));
     }
 
+    /// Takes the step's effects: its scatter jobs, and its chunk events, checked against the model
+    /// updated for the step (the queue is drained as a listener would, so none is dropped): one
+    /// event per chunk, `OK` only for a chunk done in a live room, a failure only in
+    /// a failed room (none for a released one).
     fn collect(&mut self) {
         let fx = self.st.take_effects();
         self.scatters.extend(fx.scatter);
+        self.st.take_events(None, usize::MAX);
+        for e in fx.events {
+            let r = &self.rooms[&e.room];
+            let ok = e.status == Status::KVSTAGE_OK;
+            assert!(self.events.insert((r.gen, e.chunk), ok).is_none(), "a second event for room {} chunk {}: {e:?}", e.room, e.chunk);
+            match ok {
+                true => assert!(r.chunks[e.chunk as usize].phase == MPhase::Done && r.live(), "OK for room {} chunk {} ({:?}, failed {}, released {})", e.room, e.chunk, r.chunks[e.chunk as usize].phase, r.failed, r.released),
+                false => assert!(r.failed, "room {} chunk {} reported {:?} in a room that did not fail", e.room, e.chunk, e.status),
+            }
+        }
     }
 
     /// An honest sender's next step: the first live chunk where `id` holds writer `w`'s slot,
@@ -1157,6 +1179,18 @@ impl Harness {
             }
         }
         assert!(st.events.len() <= st.max_events);
+        // Every chunk that ended was reported: a failed room's chunks each once (those done
+        // before the failure as OK), a done chunk of a live room as OK.
+        for (id, m) in self.rooms.iter().filter(|(_, m)| !m.released) {
+            for (i, ch) in m.chunks.iter().enumerate() {
+                let seen = self.events.get(&(m.gen, i as u32));
+                match (m.failed, ch.phase) {
+                    (true, _) => assert!(seen.is_some(), "room {id} failed without reporting chunk {i}"),
+                    (false, MPhase::Done) => assert_eq!(seen, Some(&true), "room {id} chunk {i} done without its OK"),
+                    (false, _) => assert_eq!(seen, None, "room {id} chunk {i} reported before it ended"),
+                }
+            }
+        }
     }
 
     /// Ends everything: leases, scatters, connections; then every room is terminal, and once
@@ -1169,9 +1203,8 @@ impl Harness {
         for (_, l) in std::mem::take(&mut self.slices) {
             self.st.end_slice(l, false);
         }
-        while let Some(job) = self.scatters.pop() {
-            self.st.scatter_done(&job, Ok(()));
-            self.collect();
+        while !self.scatters.is_empty() {
+            self.step(Op::Scatter(self.scatters.len() - 1, true));
         }
         for c in 0..CONNS {
             self.kill(c);
