@@ -172,6 +172,9 @@ fn two_sessions_of_one_engine_write_at_once_from_their_own_staging_buffers() {
             });
         }
     });
+    // The buffers the two sessions wrote from are registered, each once, and stay so for reuse.
+    let registered = p.prefill[0].0.rdma().staging_registrations();
+    assert!((1..=2).contains(&registered), "{registered} staging registrations for two sessions' buffers");
 }
 
 #[test]
@@ -190,6 +193,7 @@ fn auto_downgrades_to_tcp_when_the_receiver_has_no_rdma_and_rdma_refuses() {
     let e = &p.prefill[0].0;
     assert_eq!(e.rdma().downgrades(), 1);
     assert!(e.rdma().last_downgrade().contains("the receiver does not serve RDMA: its transport is tcp"), "{}", e.rdma().last_downgrade());
+    assert_eq!(e.rdma().staging_registrations(), 0, "a TCP session's staging buffer was registered with the NIC");
     let p = pair(opts(TransportKind::Tcp, "", 1), opts(TransportKind::Rdma, "softib0", 1), 1);
     let Err(err) = p.prefill[0].0.connect(&p.decode.local_addr().to_string(), "required", None) else {
         panic!("transport rdma connected to a receiver without RDMA");

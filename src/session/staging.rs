@@ -13,14 +13,17 @@ use crate::copy::{CopyEngine, HostPin};
 use crate::error::{Error, Result, Status};
 use crate::transport::rdma::{Rdma, StagingRegistration};
 
-/// One staging buffer with, for device pools, its page lock and, once an RDMA session wrote from
-/// it, its registration with the engine's RDMA devices.
+/// One staging buffer with, for device pools, its page lock and, once an RDMA session took it,
+/// its registration with the engine's RDMA devices.
 struct Buffer {
     /// Held for their drops, which end the registration and the page lock before `bytes` is
     /// freed (declared first: dropped first).
     nic: Option<StagingRegistration>,
     _pin: Option<HostPin>,
     bytes: Vec<u8>,
+    /// Registering it with the RDMA devices failed once: not tried again (each write registers
+    /// its own range instead).
+    nic_refused: bool,
 }
 
 #[derive(Default)]
@@ -28,8 +31,17 @@ struct State {
     idle: Vec<Buffer>,
     /// Buffers lent out.
     lent: usize,
-    /// Bytes of every buffer, idle or lent.
+    /// Bytes of every buffer, idle, lent or being freed.
     total: u64,
+    /// Buffers evicted and being freed with the lock released (counted until they are gone).
+    freeing: usize,
+}
+
+impl State {
+    /// Buffers alive: idle, lent or being freed.
+    fn buffers(&self) -> usize {
+        self.idle.len() + self.lent + self.freeing
+    }
 }
 
 pub struct StagingPool {
@@ -46,18 +58,21 @@ pub struct StagingLease<'a> {
 }
 
 impl StagingLease<'_> {
-    /// Registers the whole buffer with the RDMA devices for the rest of its life, once (best
-    /// effort: an RDMA write from memory without a registration registers its range for itself,
-    /// and fails there with the cause if that fails too).
+    /// Registers the whole buffer with the RDMA devices until it is freed, once (best effort: an
+    /// RDMA write from memory without a registration registers its range for itself, and fails
+    /// there with the cause if that fails too; a failure here is logged once per buffer).
     pub fn register_with(&mut self, rdma: &Arc<Rdma>) {
         let b = self.buffer.as_mut().expect("a lease holds its buffer");
-        if b.nic.is_some() {
+        if b.nic.is_some() || b.nic_refused {
             return;
         }
-        b.nic = rdma.register_staging(b.bytes.as_mut_ptr(), b.bytes.len()).unwrap_or_else(|e| {
-            log::warn!("a send staging buffer of {} bytes could not be registered with the RDMA devices: {}", b.bytes.len(), e.chain());
-            None
-        });
+        match rdma.register_staging(b.bytes.as_mut_ptr(), b.bytes.len()) {
+            Ok(nic) => b.nic = nic,
+            Err(e) => {
+                b.nic_refused = true;
+                log::warn!("a send staging buffer of {} bytes could not be registered with the RDMA devices: {}", b.bytes.len(), e.chain());
+            }
+        }
     }
 
     /// The first `len` bytes of the buffer (it holds at least the size asked for).
@@ -96,9 +111,6 @@ impl StagingPool {
                 format!("a chunk share of {len} bytes exceeds the send staging pool of {} bytes", self.max_total),
             ));
         }
-        // Evicted buffers are freed (and deregistered) with the lock released: declared before
-        // the guard, dropped after it.
-        let mut evicted: Vec<Buffer> = Vec::new();
         let mut st = self.state.lock();
         loop {
             // The smallest idle buffer that is large enough.
@@ -108,17 +120,26 @@ impl StagingPool {
                 return Ok(StagingLease { pool: self, buffer: Some(b) });
             }
             // Make room: idle buffers that are too small go first.
-            while st.total + len > self.max_total || st.idle.len() + st.lent >= self.max_buffers {
+            let mut evicted = Vec::new();
+            while st.total + len > self.max_total || st.buffers() >= self.max_buffers {
                 let Some(i) = st.idle.iter().enumerate().min_by_key(|(_, b)| b.bytes.len()).map(|(i, _)| i) else { break };
-                let b = st.idle.swap_remove(i);
-                st.total -= b.bytes.len() as u64;
-                evicted.push(b);
+                evicted.push(st.idle.swap_remove(i));
+                st.freeing += 1;
             }
-            if st.total + len <= self.max_total && st.idle.len() + st.lent < self.max_buffers {
+            if !evicted.is_empty() {
+                // Freed (their registration and page lock ended) with the lock released; they
+                // count against the bounds until they are gone. Then look again.
+                let (bytes, n) = (evicted.iter().map(|b| b.bytes.len() as u64).sum::<u64>(), evicted.len());
+                MutexGuard::unlocked(&mut st, || drop(evicted));
+                st.total -= bytes;
+                st.freeing -= n;
+                self.returned.notify_all();
+                continue;
+            }
+            if st.total + len <= self.max_total && st.buffers() < self.max_buffers {
                 st.total += len;
                 st.lent += 1;
                 drop(st);
-                drop(evicted);
                 return match allocate(len, copy) {
                     Ok(b) => Ok(StagingLease { pool: self, buffer: Some(b) }),
                     Err(e) => {
@@ -128,11 +149,6 @@ impl StagingPool {
                         Err(e)
                     }
                 };
-            }
-            if !evicted.is_empty() {
-                // Freed before waiting (their bytes no longer count); then look again.
-                MutexGuard::unlocked(&mut st, || evicted.clear());
-                continue;
             }
             if op.is_canceled() {
                 return Err(Error::new(Status::KVSTAGE_E_CANCELED, "canceled while waiting for a send staging buffer"));
@@ -161,7 +177,7 @@ fn allocate(len: u64, copy: &Arc<dyn CopyEngine>) -> Result<Buffer> {
     bytes.resize(len as usize, 0);
     // Page-locked for device pools (faster device-to-host copies); best effort.
     let pin = copy.pin_host(bytes.as_mut_ptr(), bytes.len()).ok().flatten();
-    Ok(Buffer { nic: None, _pin: pin, bytes })
+    Ok(Buffer { nic: None, _pin: pin, bytes, nic_refused: false })
 }
 
 #[cfg(test)]
@@ -198,6 +214,24 @@ mod tests {
         assert_eq!(pool.usage(), (1, 900));
         drop(d);
         assert_eq!(pool.acquire(1001, &soon(), &op, &copy).err().unwrap().code(), Status::KVSTAGE_E_OUT_OF_MEMORY);
+    }
+
+    /// A chunk that evicts an idle buffer and still does not fit frees it and waits: the bytes
+    /// count until the buffer is gone, then no more (no double count, nothing kept).
+    #[test]
+    fn an_eviction_that_does_not_make_room_frees_the_buffer_and_waits() {
+        let pool = StagingPool::new(2, 1000);
+        let (op, copy) = (Op::new(Arc::new(NoWake)), engine());
+        let soon = || Deadline::after(Some(Duration::from_millis(50)));
+        let lent = pool.acquire(600, &soon(), &op, &copy).unwrap();
+        drop(pool.acquire(300, &soon(), &op, &copy).unwrap());
+        assert_eq!(pool.usage(), (1, 900));
+        let e = pool.acquire(500, &soon(), &op, &copy).err().expect("600 lent + 500 exceed 1000");
+        assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT);
+        assert_eq!(pool.usage(), (1, 600), "the idle buffer was evicted and freed");
+        drop(lent);
+        let _fits = pool.acquire(500, &soon(), &op, &copy).unwrap();
+        assert_eq!(pool.usage(), (1, 600), "the idle 600 is large enough: reused");
     }
 
     #[test]

@@ -172,17 +172,16 @@ impl SenderSession {
         Ok(req)
     }
 
-    /// A send staging buffer of at least `len` bytes from the engine's pool (the wait timed as the
-    /// allocation wait), registered with the RDMA devices when this session writes by RDMA.
+    /// A send staging buffer of at least `len` bytes from the engine's pool, registered with the
+    /// RDMA devices when this session writes by RDMA (both timed as the allocation wait).
     pub(super) fn staging_buffer(&self, len: u64, deadline: &Deadline, op: &Op, t: &mut TransferTimings) -> Result<StagingLease<'_>> {
         let phase = Instant::now();
-        let acquired = self.resources.staging.acquire(len, deadline, op, &self.resources.copy);
-        t.alloc_wait_ns = since(phase);
-        let mut lease = acquired?;
-        if self.link_kind == LinkKind::Rdma {
+        let mut acquired = self.resources.staging.acquire(len, deadline, op, &self.resources.copy);
+        if let (Ok(lease), LinkKind::Rdma) = (&mut acquired, self.link_kind) {
             lease.register_with(&self.resources.rdma);
         }
-        Ok(lease)
+        t.alloc_wait_ns = since(phase);
+        acquired
     }
 
     /// Gathers `plan` into the region at `dst` (a staging buffer, or this writer's granted

@@ -7,7 +7,8 @@
 //! overtake nor be separated from the data. Control frames (allocation, `Written`,
 //! `ChunkReady`, acks, watermarks) stay on TCP: the ring, control plane and deadlines are shared.
 //!
-//! Only the staging ring (receiver) and the send staging buffers (sender, each for its lifetime)
+//! Only the staging ring (receiver) and the send staging buffers (sender, each from the first RDMA
+//! session that takes it until it is freed)
 //! are registered, never a KV pool; the ring is registered for remote write as a whole (see README
 //! "RDMA" for the limits). A layer-wise region goes in plain RDMA WRITEs, one per marked batch's
 //! run of slabs, and its completion is a zero-length WRITE_WITH_IMM after all of them completed.
@@ -280,7 +281,7 @@ impl StagingKeys {
     }
 }
 
-/// A send staging buffer's registration with every device, for as long as the buffer lives.
+/// A send staging buffer's registration with every device, until the buffer is freed.
 /// Dropped before the buffer is freed, it leaves the lookup: memory allocated later at the same
 /// addresses is never read through the old regions, which pin the freed pages (the NIC would
 /// send their stale bytes).
@@ -307,8 +308,8 @@ pub struct Rdma {
     sessions: AtomicU64,
     last_downgrade: Mutex<String>,
     ring: Mutex<Option<Registration>>,
-    /// One registration per live send staging buffer: writes of several sessions from different
-    /// buffers never re-register one under another's work requests.
+    /// One registration per registered send staging buffer not yet freed: writes of several
+    /// sessions from different buffers never re-register one under another's work requests.
     staging: Mutex<Vec<Arc<Registration>>>,
     salt: u64,
 }
@@ -412,7 +413,7 @@ impl Rdma {
         Ok(Registration { addr: addr as usize, len, mrs })
     }
 
-    /// Registers a send staging buffer for its lifetime (`None` without a device); drop the
+    /// Registers a send staging buffer until it is freed (`None` without a device); drop the
     /// result before freeing the buffer.
     pub fn register_staging(self: &Arc<Self>, addr: *mut u8, len: usize) -> Result<Option<StagingRegistration>> {
         if !self.active() || len == 0 {
@@ -421,6 +422,11 @@ impl Rdma {
         let reg = Arc::new(self.register(addr, len, false)?);
         self.staging.lock().push(reg.clone());
         Ok(Some(StagingRegistration { rdma: self.clone(), reg }))
+    }
+
+    /// Send staging buffers registered now.
+    pub fn staging_registrations(&self) -> usize {
+        self.staging.lock().len()
     }
 
     /// lkeys (per device) for a write from `[addr, addr + len)`: its staging buffer's, or when the
