@@ -495,6 +495,21 @@ impl RdmaTransport {
     }
 }
 
+impl RdmaTransport {
+    /// Writes `data` to the range `header` (a `Message::Data`) names in the grant at
+    /// `grant_offset` (with `imm`: its write-with-immediate last), then reports it by `Written`.
+    fn write_reported(&self, grant_offset: u64, header: &Message, data: &[u8], imm: Option<u32>, deadline: &Deadline) -> Result<()> {
+        let &Message::Data { room, chunk, writer, offset, len } = header else {
+            return Err(Error::internal("an RDMA write needs a Data header"));
+        };
+        if len != data.len() as u64 {
+            return Err(Error::internal(format!("data header says {len} bytes, {} given", data.len())));
+        }
+        self.rdma_write(granted_at(grant_offset, offset)?, data, imm, deadline)?;
+        self.tcp.send(&Message::Written { room, chunk, writer, offset, len, imm: imm.unwrap_or(0) }, deadline)
+    }
+}
+
 impl Transport for RdmaTransport {
     fn send(&self, msg: &Message, deadline: &Deadline) -> Result<()> {
         self.tcp.send(msg, deadline)
@@ -505,31 +520,18 @@ impl Transport for RdmaTransport {
     }
 
     fn write_chunk_at(&self, grant_offset: u64, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
-        let (Message::Data { room, chunk, writer, offset, len }, Message::ChunkReady { req, .. }) = (header, ready) else {
-            return Err(Error::internal("write_chunk_at needs a Data header and a ChunkReady"));
+        let Message::ChunkReady { req, .. } = ready else {
+            return Err(Error::internal("write_chunk_at needs a ChunkReady"));
         };
-        if *len != data.len() as u64 {
-            return Err(Error::internal(format!("data header says {len} bytes, {} given", data.len())));
-        }
         // The imm is the ChunkReady's request id: the receiver waits for it before the ready.
-        self.rdma_write(granted_at(grant_offset, *offset)?, data, Some(*req as u32), deadline)?;
-        let written = Message::Written { room: *room, chunk: *chunk, writer: *writer, offset: *offset, len: *len, imm: *req as u32 };
-        self.tcp.send(&written, deadline)?;
+        self.write_reported(grant_offset, header, data, Some(*req as u32), deadline)?;
         self.tcp.send(ready, deadline)
     }
-
 
     /// A plain RDMA WRITE of the piece, completed before its report: the receiver counts the
     /// piece's bytes only once the region's immediate arrived ([`finish_pieces`](Transport::finish_pieces)).
     fn write_piece(&self, grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {
-        let &Message::Data { room, chunk, writer, offset, len } = header else {
-            return Err(Error::internal("write_piece needs a Data header"));
-        };
-        if len != data.len() as u64 {
-            return Err(Error::internal(format!("data header says {len} bytes, {} given", data.len())));
-        }
-        self.rdma_write(granted_at(grant_offset, offset)?, data, None, deadline)?;
-        self.tcp.send(&Message::Written { room, chunk, writer, offset, len, imm: 0 }, deadline)
+        self.write_reported(grant_offset, header, data, None, deadline)
     }
 
     /// Every piece's write completed (on every QP) before this returns from `write_piece`, so a
