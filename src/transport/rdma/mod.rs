@@ -8,9 +8,8 @@
 //! `ChunkReady`, acks, watermarks) stay on TCP: the ring, control plane and deadlines are shared.
 //!
 //! Only the staging ring (receiver) and the send staging buffers (sender, each from the first RDMA
-//! session that takes it until it is freed)
-//! are registered, never a KV pool; the ring is registered for remote write as a whole (see README
-//! "RDMA" for the limits). A layer-wise region goes in plain RDMA WRITEs, one per marked batch's
+//! session that takes it until it is freed) are registered, never a KV pool; the ring is
+//! registered for remote write as a whole (see README "RDMA" for the limits). A layer-wise region goes in plain RDMA WRITEs, one per marked batch's
 //! run of slabs, and its completion is a zero-length WRITE_WITH_IMM after all of them completed.
 //!
 //! Files: `attrs` (pure: attribute exchange, MTU, port diff, wc names), `split` (pure: WR planning),
