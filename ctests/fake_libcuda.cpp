@@ -7,13 +7,19 @@
 // fake cannot show is real concurrency, the PTX JIT and device speed.
 // Device memory is mapped PROT_NONE except while the fake itself copies or runs a kernel, so that
 // host code touching it (which on a GPU reads garbage or faults) crashes here too.
+// Each allocation is a memfd, so that CUDA IPC works between processes: a handle names the
+// exporting process and descriptor, and cuIpcOpenMemHandle maps /proc/<pid>/fd/<fd> (like CUDA,
+// it refuses a handle made by the opening process itself). KVSTAGE_FAKE_CUDA_NO_IPC=1 makes
+// cuIpcGetMemHandle fail as it does for memory legacy IPC cannot share (VMM allocations).
 //
 // Only for tests (ctests of label api run `kvstage-cuda check` and gpu_transfer against it).
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <vector>
@@ -39,13 +45,26 @@ enum : int {
     E_NOT_FOUND = 500,
     E_HOST_MEMORY_ALREADY_REGISTERED = 712,
     E_HOST_MEMORY_NOT_REGISTERED = 713,
+    E_NOT_SUPPORTED = 801,
 };
+
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle;
 
 namespace {
 struct Range {
     uintptr_t ptr;
     size_t bytes;
+    int fd = -1;         // the allocation's memfd (-1: opened from another process's handle)
+    bool opened = false; // mapped by cuIpcOpenMemHandle_v2
 };
+struct IpcPayload {
+    char magic[8];
+    int32_t pid, fd;
+    uint64_t bytes;
+};
+const char kIpcMagic[8] = {'k', 'v', 'f', 'a', 'k', 'e', 'i', 'p'};
 std::mutex g_mu;
 std::vector<Range> g_device, g_pinned;
 int g_ctx_token;
@@ -81,6 +100,8 @@ struct DeviceAccess {
 #define API extern "C" __attribute__((visibility("default")))
 
 int kvstage_fake_libcuda = 1;  // marker for tests
+// Bytes copied from host to device memory (tests check that a path writes device to device).
+unsigned long long kvstage_fake_htod_bytes = 0;
 
 API CUresult cuInit(unsigned) { return OK; }
 API CUresult cuDriverGetVersion(int *v) { return v ? (*v = 12080, OK) : E_INVALID_VALUE; }
@@ -166,27 +187,76 @@ API CUresult cuEventDestroy_v2(CUevent e) {
 API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) {
     if (p == nullptr || bytes == 0) return E_INVALID_VALUE;
     if (need_ctx()) return E_INVALID_CONTEXT;
-    void *m = mmap(nullptr, mapped_bytes(bytes), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) return E_OUT_OF_MEMORY;
+    const int fd = memfd_create("kvstage-fake-gpu", MFD_CLOEXEC);
+    if (fd < 0) return E_OUT_OF_MEMORY;
+    void *m = ftruncate(fd, (off_t)mapped_bytes(bytes)) == 0
+                  ? mmap(nullptr, mapped_bytes(bytes), PROT_NONE, MAP_SHARED, fd, 0)
+                  : MAP_FAILED;
+    if (m == MAP_FAILED) {
+        close(fd);
+        return E_OUT_OF_MEMORY;
+    }
     DeviceAccess device;
-    g_device.push_back({(uintptr_t)m, bytes});
+    g_device.push_back({(uintptr_t)m, bytes, fd, false});
     mprotect(m, mapped_bytes(bytes), PROT_READ | PROT_WRITE);
     std::memset(m, 0xCD, bytes);
     *p = (CUdeviceptr)(uintptr_t)m;
     return OK;
 }
-API CUresult cuMemFree_v2(CUdeviceptr p) {
+// Unmaps the range starting at `p` that `opened` says (an allocation, or an opened IPC handle).
+static CUresult release(CUdeviceptr p, bool opened) {
     std::lock_guard<std::mutex> g(g_mu);
     for (size_t i = 0; i < g_device.size(); ++i)
-        if (g_device[i].ptr == (uintptr_t)p) {
+        if (g_device[i].ptr == (uintptr_t)p && g_device[i].opened == opened) {
             munmap((void *)(uintptr_t)p, mapped_bytes(g_device[i].bytes));
+            if (g_device[i].fd >= 0) close(g_device[i].fd);
             g_device.erase(g_device.begin() + (long)i);
             return OK;
         }
     return E_INVALID_VALUE;
 }
+API CUresult cuMemFree_v2(CUdeviceptr p) { return release(p, false); }
+API CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
+    if (h == nullptr) return E_INVALID_VALUE;
+    const char *no_ipc = std::getenv("KVSTAGE_FAKE_CUDA_NO_IPC");
+    if (no_ipc != nullptr && std::strcmp(no_ipc, "1") == 0) return E_NOT_SUPPORTED;
+    std::lock_guard<std::mutex> g(g_mu);
+    for (const Range &r : g_device)
+        if (!r.opened && (uintptr_t)p >= r.ptr && (uintptr_t)p < r.ptr + r.bytes) {
+            IpcPayload payload;
+            std::memcpy(payload.magic, kIpcMagic, sizeof kIpcMagic);
+            payload.pid = (int32_t)getpid();
+            payload.fd = r.fd;
+            payload.bytes = r.bytes;
+            std::memset(h, 0, sizeof *h);
+            std::memcpy(h->reserved, &payload, sizeof payload);
+            return OK;
+        }
+    return E_INVALID_VALUE;
+}
+API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned) {
+    if (p == nullptr) return E_INVALID_VALUE;
+    if (need_ctx()) return E_INVALID_CONTEXT;
+    IpcPayload payload;
+    std::memcpy(&payload, h.reserved, sizeof payload);
+    if (std::memcmp(payload.magic, kIpcMagic, sizeof kIpcMagic) != 0) return E_INVALID_VALUE;
+    if (payload.pid == (int32_t)getpid()) return E_INVALID_CONTEXT;  // as CUDA: not in the exporting process
+    char path[64];
+    std::snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)payload.pid, (int)payload.fd);
+    const int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return E_INVALID_VALUE;
+    void *m = mmap(nullptr, mapped_bytes(payload.bytes), PROT_NONE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) return E_OUT_OF_MEMORY;
+    std::lock_guard<std::mutex> g(g_mu);
+    g_device.push_back({(uintptr_t)m, (size_t)payload.bytes, -1, true});
+    *p = (CUdeviceptr)(uintptr_t)m;
+    return OK;
+}
+API CUresult cuIpcCloseMemHandle(CUdeviceptr p) { return release(p, true); }
 API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream) {
     DeviceAccess device;
+    if (inside(g_device, (uintptr_t)dst) && !inside(g_device, (uintptr_t)src)) kvstage_fake_htod_bytes += n;
     std::memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
     return OK;
 }

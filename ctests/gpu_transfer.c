@@ -1,22 +1,28 @@
-/* Label gpu: a staged transfer between CUDA device pools over loopback TCP, in one process.
- * Prefill TP 2 (two engines, 2 KV heads each) -> decode TP 1 (4 KV heads), 3 layers, bf16,
+/* Label gpu: a staged transfer between CUDA device pools on one host (same-host path, transport
+ * AUTO). Prefill TP 2 (two engines, 2 KV heads each) -> decode TP 1 (4 KV heads), 3 layers, bf16,
  * 4-token pages, two chunks with pages out of order, the second sent layer-wise (each layer marked
- * after work on a CUDA stream, by a recorded event or by the stream). The decode pool is read back from the device
- * and compared byte for byte with a reference reshard of the prefill pools; pages outside the room
- * must be untouched. The device memory is allocated through libcuda itself (dlopen), as an
- * application would. Exit 77 without a CUDA device, unless KVSTAGE_REQUIRE_GPU=1.
+ * after work on a CUDA stream, by a recorded event or by the stream). The decode pool is read back
+ * from the device and compared byte for byte with a reference reshard of the prefill pools; pages
+ * outside the room must be untouched. The device memory is allocated through libcuda itself
+ * (dlopen), as an application would. Exit 77 without a CUDA device, unless KVSTAGE_REQUIRE_GPU=1.
  *
- * The decode staging ring (argv[1]): "host" (default, engine-owned host memory), "device"
- * (engine-allocated on device 0) or "caller-device" (device memory the test allocates). Device
- * rings run with integrity ALWAYS (the receiver reads each region back to check it), and first
- * check what must be refused: a device ring with a host pool (either registration order), an
- * engine-allocated device ring without a device, device memory through the host-only call, a
- * bad memory kind, and a sender that requires the same-host path (a device ring cannot be mapped);
- * an AUTO sender on this host downgrades to TCP and counts it. */
+ * The decode staging ring (argv[1]): "host" (default, engine-owned host memory, mapped by the
+ * senders), "device" (engine-allocated on device 0) or "caller-device" (device memory the test
+ * allocates), both in this process: the senders' gathers write the device ring at its address;
+ * "device-ipc": the decode engine runs in a second process (forked before CUDA starts) with an
+ * engine-allocated device ring, which the senders open through CUDA IPC. Device rings run with
+ * integrity ALWAYS (each side reads the regions back to check them), and first check what must be
+ * refused: a device ring with a host pool (either registration order), an engine-allocated device
+ * ring without a device, device memory through the host-only call, a bad memory kind, a sender
+ * with a host pool that requires the same-host path into a device ring, and (fake driver only) a
+ * device ring the driver cannot export: refused to a sender that requires the path, a counted
+ * downgrade to TCP for AUTO. */
 #define _POSIX_C_SOURCE 200809L
 
 #include <dlfcn.h>
 #include <stdint.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "kvstage_check.h"
 
@@ -127,7 +133,7 @@ static kvstage_staging_memory device_ring(void *memory, int32_t device, size_t b
 }
 
 /* What a device ring must refuse, on engines of their own. */
-static void check_refusals(pool *dst, pool *sender, void *device_memory) {
+static void check_refusals(pool *dst, pool *sender, void *device_memory, int fake_driver) {
     kvstage_engine *e = NULL, *shm_sender = NULL;
     kvstage_engine_options o;
     kvstage_staging_memory m = device_ring(NULL, 0, 1 << 16);
@@ -168,7 +174,8 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory) {
     CHECK_ERR(kvstage_engine_register_staging(e, device_memory, 1 << 16), KVSTAGE_E_INVALID_ARG, "is CUDA device memory");
     kvstage_engine_free(e);
 
-    /* A sender that requires the same-host path: the device ring cannot be mapped. */
+    /* A sender with a host pool that requires the same-host path: a device ring is written from
+     * device memory only. */
     e = engine_with(dst, KVSTAGE_INTEGRITY_OFF);
     m = device_ring(NULL, 0, 1 << 20);
     CHECK_OK(kvstage_engine_register_staging_memory(e, &m));
@@ -176,9 +183,28 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory) {
     REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
     o.transport = KVSTAGE_TRANSPORT_SHM;
     REQUIRE(kvstage_engine_new(&o, &shm_sender) == KVSTAGE_OK);
-    CHECK_OK(kvstage_engine_register_pool(shm_sender, &sender->layout));
-    CHECK_ERR(kvstage_session_connect(shm_sender, addr, "shm-required", 5000, &s), KVSTAGE_E_UNSUPPORTED, "same-node CUDA IPC is not implemented");
+    CHECK_OK(kvstage_engine_register_pool(shm_sender, &host));
+    CHECK_ERR(kvstage_session_connect(shm_sender, addr, "shm-host-pool", 5000, &s), KVSTAGE_E_UNSUPPORTED, "KV pool is host memory");
     kvstage_engine_free(shm_sender);
+    /* The driver cannot export the ring (as for VMM memory): SHM fails, AUTO goes by TCP, counted. */
+    if (fake_driver) {
+        kvstage_engine_stats st;
+        REQUIRE(setenv("KVSTAGE_FAKE_CUDA_NO_IPC", "1", 1) == 0);
+        REQUIRE(kvstage_engine_new(&o, &shm_sender) == KVSTAGE_OK);
+        CHECK_OK(kvstage_engine_register_pool(shm_sender, &sender->layout));
+        CHECK_ERR(kvstage_session_connect(shm_sender, addr, "shm-no-ipc", 5000, &s), KVSTAGE_E_UNSUPPORTED, "cannot be shared by CUDA IPC");
+        kvstage_engine_free(shm_sender);
+        shm_sender = engine_with(sender, KVSTAGE_INTEGRITY_OFF);
+        CHECK_OK(kvstage_session_connect(shm_sender, addr, "auto-no-ipc", 5000, &s));
+        memset(&st, 0, sizeof st);
+        st.struct_size = sizeof st;
+        CHECK_OK(kvstage_engine_stats_get(shm_sender, &st));
+        CHECK_INT(st.shm_sessions, 0);
+        CHECK_INT(st.shm_downgrades, 1);
+        kvstage_session_free(s);
+        kvstage_engine_free(shm_sender);
+        REQUIRE(unsetenv("KVSTAGE_FAKE_CUDA_NO_IPC") == 0);
+    }
     kvstage_engine_free(e);
     free(host_buffers);
 }
@@ -207,62 +233,47 @@ static void send_layerwise(kvstage_session *s, const kvstage_transfer_desc *d) {
     cu.stream_destroy(stream);
 }
 
-int main(int argc, char **argv) {
-    static const uint32_t SRC_PAGES[NPAGES] = {7, 2, 3, 11};
-    static const uint32_t DST_PAGES[NPAGES] = {5, 14, 0, 1};
-    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+/* Loads the driver entry points, makes device 0's primary context current: 0, or an exit code. */
+static int start_cuda(void **lib) {
     void *ctx = NULL;
     int devices = 0;
-    pool src[2], dst;
-    kvstage_engine *prefill[2], *decode;
-    kvstage_session *session[2];
-    char addr[64];
-    uint32_t chunks = 0;
-    uint8_t *got;
-    int r, c;
-    size_t b, pg, t;
-    const char *ring = argc > 1 ? argv[1] : "host";
-    const int device_ring_mode = strcmp(ring, "host") != 0;
-    unsigned long long caller_ring = 0;
-    kvstage_engine_stats st;
-
-    if (lib == NULL) return skip("no libcuda.so.1");
-    if (!load(lib, "cuInit", &cu.init, sizeof cu.init) || !load(lib, "cuDeviceGetCount", &cu.count, sizeof cu.count) ||
-        !load(lib, "cuDevicePrimaryCtxRetain", &cu.retain, sizeof cu.retain) ||
-        !load(lib, "cuCtxPushCurrent_v2", &cu.push, sizeof cu.push) ||
-        !load(lib, "cuMemAlloc_v2", &cu.alloc, sizeof cu.alloc) || !load(lib, "cuMemFree_v2", &cu.free_, sizeof cu.free_) ||
-        !load(lib, "cuMemcpyHtoD_v2", &cu.htod, sizeof cu.htod) || !load(lib, "cuMemcpyDtoH_v2", &cu.dtoh, sizeof cu.dtoh) ||
-        !load(lib, "cuStreamCreate", &cu.stream_create, sizeof cu.stream_create) ||
-        !load(lib, "cuStreamDestroy_v2", &cu.stream_destroy, sizeof cu.stream_destroy) ||
-        !load(lib, "cuEventCreate", &cu.event_create, sizeof cu.event_create) ||
-        !load(lib, "cuEventRecord", &cu.event_record, sizeof cu.event_record) ||
-        !load(lib, "cuEventDestroy_v2", &cu.event_destroy, sizeof cu.event_destroy))
+    *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (*lib == NULL) return skip("no libcuda.so.1");
+    if (!load(*lib, "cuInit", &cu.init, sizeof cu.init) || !load(*lib, "cuDeviceGetCount", &cu.count, sizeof cu.count) ||
+        !load(*lib, "cuDevicePrimaryCtxRetain", &cu.retain, sizeof cu.retain) ||
+        !load(*lib, "cuCtxPushCurrent_v2", &cu.push, sizeof cu.push) ||
+        !load(*lib, "cuMemAlloc_v2", &cu.alloc, sizeof cu.alloc) || !load(*lib, "cuMemFree_v2", &cu.free_, sizeof cu.free_) ||
+        !load(*lib, "cuMemcpyHtoD_v2", &cu.htod, sizeof cu.htod) || !load(*lib, "cuMemcpyDtoH_v2", &cu.dtoh, sizeof cu.dtoh) ||
+        !load(*lib, "cuStreamCreate", &cu.stream_create, sizeof cu.stream_create) ||
+        !load(*lib, "cuStreamDestroy_v2", &cu.stream_destroy, sizeof cu.stream_destroy) ||
+        !load(*lib, "cuEventCreate", &cu.event_create, sizeof cu.event_create) ||
+        !load(*lib, "cuEventRecord", &cu.event_record, sizeof cu.event_record) ||
+        !load(*lib, "cuEventDestroy_v2", &cu.event_destroy, sizeof cu.event_destroy))
         return skip("libcuda.so.1 lacks a driver entry point");
     if (cu.init(0) != 0 || cu.count(&devices) != 0 || devices < 1) return skip("no CUDA device");
     REQUIRE(cu.retain(&ctx, 0) == 0);
     REQUIRE(cu.push(ctx) == 0);
+    return 0;
+}
 
-    for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1);
-    pool_init(&dst, 0, 1, 99);
-    REQUIRE(strcmp(ring, "host") == 0 || strcmp(ring, "device") == 0 || strcmp(ring, "caller-device") == 0);
-    for (r = 0; r < 2; r++) prefill[r] = engine_with(&src[r], KVSTAGE_INTEGRITY_OFF);
-    decode = engine_with(&dst, device_ring_mode ? KVSTAGE_INTEGRITY_ALWAYS : KVSTAGE_INTEGRITY_OFF);
-    REQUIRE(*kv_failures() == 0);
-    if (!device_ring_mode) {
-        CHECK_OK(kvstage_engine_register_staging(decode, NULL, 1 << 20));
-    } else {
-        kvstage_staging_memory m;
-        REQUIRE(cu.alloc(&caller_ring, 1 << 20) == 0);
-        check_refusals(&dst, &src[0], (void *)(uintptr_t)caller_ring);
-        m = device_ring(strcmp(ring, "device") == 0 ? NULL : (void *)(uintptr_t)caller_ring, strcmp(ring, "device") == 0 ? 0 : -1, 1 << 20);
-        CHECK_OK(kvstage_engine_register_staging_memory(decode, &m));
-    }
-    printf("staging ring: %s\n", ring);
-    CHECK_OK(kvstage_room_open(decode, ROOM, DST_PAGES, NPAGES, CHUNK, &chunks));
-    CHECK_INT(chunks, NPAGES * PAGE / CHUNK);
-    CHECK_OK(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL));
+static const uint32_t SRC_PAGES[NPAGES] = {7, 2, 3, 11};
+static const uint32_t DST_PAGES[NPAGES] = {5, 14, 0, 1};
+
+/* Host-to-device bytes the fake driver copied (NULL on a real driver). */
+static unsigned long long *fake_htod_bytes;
+
+/* The prefill side: both ranks connect to `addr` and send every chunk of the room (the last one
+ * layer-wise); then each engine's same-host counters are checked, and with the fake driver that
+ * a device ring was written device to device (the gather in place: no host staging copied up). */
+static void send_room(pool src[2], const char *addr, uint32_t chunks, int ring_on_device) {
+    kvstage_engine *prefill[2];
+    kvstage_session *session[2];
+    kvstage_engine_stats st;
+    unsigned long long sent = 0, htod_before = fake_htod_bytes ? *fake_htod_bytes : 0;
+    int r, c;
     for (r = 0; r < 2; r++) {
         char id[32];
+        prefill[r] = engine_with(&src[r], KVSTAGE_INTEGRITY_OFF);
         snprintf(id, sizeof id, "gpu-p%d", r);
         CHECK_OK(kvstage_session_connect(prefill[r], addr, id, 5000, &session[r]));
     }
@@ -282,48 +293,154 @@ int main(int argc, char **argv) {
                 send_layerwise(session[r], &d);
         }
     }
-    CHECK_OK(kvstage_room_wait(decode, ROOM, 10000));
-
-    /* Reference reshard on the host mirrors: decode heads [2r, 2r+2) of page DST_PAGES[i] come from
-     * prefill rank r's page SRC_PAGES[i]; every other byte keeps its initial value. */
-    for (b = 0; b < 2 * LAYERS; b++)
-        for (pg = 0; pg < NPAGES; pg++)
-            for (t = 0; t < PAGE; t++)
-                for (r = 0; r < 2; r++) {
-                    const uint8_t *from = src[r].host + b * src[r].buffer + ((size_t)SRC_PAGES[pg] * PAGE + t) * src[r].slot;
-                    uint8_t *to = dst.host + b * dst.buffer + ((size_t)DST_PAGES[pg] * PAGE + t) * dst.slot + (size_t)r * src[r].slot;
-                    memcpy(to, from, src[r].slot);
-                }
-    got = (uint8_t *)malloc(2 * LAYERS * dst.buffer);
-    REQUIRE(got != NULL);
-    REQUIRE(cu.dtoh(got, dst.dev, 2 * LAYERS * dst.buffer) == 0);
-    for (b = 0; b < 2 * LAYERS * dst.buffer; b++)
-        if (got[b] != dst.host[b]) {
-            KV_FAIL_AT(__FILE__, __LINE__, "decode pool byte %lu (buffer %lu, token slot %lu) = %u, expected %u",
-                       (unsigned long)b, (unsigned long)(b / dst.buffer), (unsigned long)(b % dst.buffer / dst.slot),
-                       got[b], dst.host[b]);
-            break;
-        }
-    printf("decode pool verified: %lu bytes\n", (unsigned long)(2 * LAYERS * dst.buffer));
-
-    CHECK_OK(kvstage_room_release(decode, ROOM));
-    memset(&st, 0, sizeof st);
-    st.struct_size = sizeof st;
-    CHECK_OK(kvstage_engine_stats_get(decode, &st));
-    CHECK_INT(st.ring_live_allocations, 0);
     for (r = 0; r < 2; r++) {
+        char describe[256];
         memset(&st, 0, sizeof st);
         st.struct_size = sizeof st;
         CHECK_OK(kvstage_engine_stats_get(prefill[r], &st));
-        /* Same host: a host ring is mapped (shm); a device ring refuses it, counted, over TCP. */
-        CHECK_INT(st.shm_sessions, device_ring_mode ? 0 : 1);
-        CHECK_INT(st.shm_downgrades, device_ring_mode ? 1 : 0);
+        CHECK_INT(st.shm_sessions, 1);
+        CHECK_INT(st.shm_downgrades, 0);
+        sent += st.bytes_sent;
+        CHECK_OK(kvstage_engine_transport_describe(prefill[r], describe, sizeof describe, NULL));
+        printf("prefill %d: %s\n", r, describe);
+    }
+    if (fake_htod_bytes != NULL && ring_on_device) {
+        /* Only the copy plans' tables go up; a staged write would copy every byte sent. */
+        const unsigned long long up = *fake_htod_bytes - htod_before;
+        printf("host->device bytes while sending %llu: %llu\n", sent, up);
+        CHECK(sent > 0 && up < sent / 4);
     }
     for (r = 0; r < 2; r++) {
         kvstage_session_free(session[r]);
         kvstage_engine_free(prefill[r]);
     }
-    kvstage_engine_free(decode);
+}
+
+/* Reads the decode pool back and compares it with the reference reshard of the prefill mirrors:
+ * decode heads [2r, 2r+2) of page DST_PAGES[i] come from prefill rank r's page SRC_PAGES[i];
+ * every other byte keeps its initial value. */
+static void verify(pool src[2], pool *dst) {
+    size_t b, pg, t;
+    int r;
+    uint8_t *got = (uint8_t *)malloc(2 * LAYERS * dst->buffer);
+    REQUIRE(got != NULL);
+    for (b = 0; b < 2 * LAYERS; b++)
+        for (pg = 0; pg < NPAGES; pg++)
+            for (t = 0; t < PAGE; t++)
+                for (r = 0; r < 2; r++) {
+                    const uint8_t *from = src[r].host + b * src[r].buffer + ((size_t)SRC_PAGES[pg] * PAGE + t) * src[r].slot;
+                    uint8_t *to = dst->host + b * dst->buffer + ((size_t)DST_PAGES[pg] * PAGE + t) * dst->slot + (size_t)r * src[r].slot;
+                    memcpy(to, from, src[r].slot);
+                }
+    REQUIRE(cu.dtoh(got, dst->dev, 2 * LAYERS * dst->buffer) == 0);
+    for (b = 0; b < 2 * LAYERS * dst->buffer; b++)
+        if (got[b] != dst->host[b]) {
+            KV_FAIL_AT(__FILE__, __LINE__, "decode pool byte %lu (buffer %lu, token slot %lu) = %u, expected %u",
+                       (unsigned long)b, (unsigned long)(b / dst->buffer), (unsigned long)(b % dst->buffer / dst->slot),
+                       got[b], dst->host[b]);
+            break;
+        }
+    printf("decode pool verified: %lu bytes\n", (unsigned long)(2 * LAYERS * dst->buffer));
+    free(got);
+}
+
+/* The decode side up to a listening engine with its room open. */
+static kvstage_engine *open_decode(pool *dst, pool *src0, const char *ring, int fake_driver, unsigned long long *caller_ring,
+                                   char *addr, size_t addr_len, uint32_t *chunks) {
+    const int device_ring_mode = strcmp(ring, "host") != 0;
+    kvstage_engine *decode = engine_with(dst, device_ring_mode ? KVSTAGE_INTEGRITY_ALWAYS : KVSTAGE_INTEGRITY_OFF);
+    REQUIRE(*kv_failures() == 0);
+    if (!device_ring_mode) {
+        CHECK_OK(kvstage_engine_register_staging(decode, NULL, 1 << 20));
+    } else {
+        kvstage_staging_memory m;
+        const int engine_owned = strcmp(ring, "caller-device") != 0;
+        REQUIRE(cu.alloc(caller_ring, 1 << 20) == 0);
+        check_refusals(dst, src0, (void *)(uintptr_t)*caller_ring, fake_driver);
+        m = device_ring(engine_owned ? NULL : (void *)(uintptr_t)*caller_ring, engine_owned ? 0 : -1, 1 << 20);
+        CHECK_OK(kvstage_engine_register_staging_memory(decode, &m));
+    }
+    printf("staging ring: %s\n", ring);
+    CHECK_OK(kvstage_room_open(decode, ROOM, DST_PAGES, NPAGES, CHUNK, chunks));
+    CHECK_INT(*chunks, NPAGES * PAGE / CHUNK);
+    CHECK_OK(kvstage_engine_listen_address(decode, addr, addr_len, NULL));
+    return decode;
+}
+
+/* The decode side after the room: complete, verified, ring empty. */
+static void finish_decode(kvstage_engine *decode, pool src[2], pool *dst) {
+    kvstage_engine_stats st;
+    CHECK_OK(kvstage_room_wait(decode, ROOM, 10000));
+    verify(src, dst);
+    CHECK_OK(kvstage_room_release(decode, ROOM));
+    memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    CHECK_OK(kvstage_engine_stats_get(decode, &st));
+    CHECK_INT(st.ring_live_allocations, 0);
+    CHECK_INT(st.shm_sessions, 2);
+}
+
+int main(int argc, char **argv) {
+    void *lib = NULL;
+    pool src[2], dst;
+    kvstage_engine *decode;
+    char addr[64];
+    uint32_t chunks = 0;
+    int r, started;
+    const char *ring = argc > 1 ? argv[1] : "host";
+    const int two_processes = strcmp(ring, "device-ipc") == 0;
+    int fake_driver, to_prefill[2], to_decode[2];
+    pid_t decode_pid = 0;
+    unsigned long long caller_ring = 0;
+
+    REQUIRE(strcmp(ring, "host") == 0 || strcmp(ring, "device") == 0 || strcmp(ring, "caller-device") == 0 || two_processes);
+    /* Two processes: fork before CUDA starts (a CUDA context does not survive fork). The decode
+     * process sends its address (or "" when it skips) and waits until the prefill side is done
+     * with its ring before freeing it. */
+    if (two_processes) {
+        REQUIRE(pipe(to_prefill) == 0 && pipe(to_decode) == 0);
+        fflush(NULL);
+        decode_pid = fork();
+        REQUIRE(decode_pid >= 0);
+    }
+    started = start_cuda(&lib);
+    if (started != 0) {
+        if (two_processes && decode_pid == 0) REQUIRE(write(to_prefill[1], "", 1) == 1);
+        if (two_processes && decode_pid > 0) waitpid(decode_pid, NULL, 0);
+        return started;
+    }
+    fake_driver = dlsym(lib, "kvstage_fake_libcuda") != NULL;
+    fake_htod_bytes = (unsigned long long *)dlsym(lib, "kvstage_fake_htod_bytes");
+    for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1);
+    pool_init(&dst, 0, 1, 99);
+
+    if (!two_processes) {
+        decode = open_decode(&dst, &src[0], ring, fake_driver, &caller_ring, addr, sizeof addr, &chunks);
+        send_room(src, addr, chunks, strcmp(ring, "host") != 0);
+        finish_decode(decode, src, &dst);
+        kvstage_engine_free(decode);
+    } else if (decode_pid == 0) {
+        char done;
+        decode = open_decode(&dst, &src[0], "device", fake_driver, &caller_ring, addr, sizeof addr, &chunks);
+        REQUIRE(write(to_prefill[1], addr, strlen(addr) + 1) == (ssize_t)(strlen(addr) + 1));
+        finish_decode(decode, src, &dst);
+        REQUIRE(read(to_decode[0], &done, 1) == 1);
+        kvstage_engine_free(decode);
+    } else {
+        size_t got = 0;
+        int status = 0;
+        while (got < sizeof addr) {
+            ssize_t n = read(to_prefill[0], addr + got, 1);
+            REQUIRE(n == 1);
+            if (addr[got++] == 0) break;
+        }
+        REQUIRE(got > 1); /* the decode process did not skip: CUDA worked there too */
+        send_room(src, addr, NPAGES * PAGE / CHUNK, 1);
+        REQUIRE(write(to_decode[1], "", 1) == 1);
+        REQUIRE(waitpid(decode_pid, &status, 0) == decode_pid);
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        printf("decode process exited with %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    }
     for (r = 0; r < 2; r++) {
         cu.free_(src[r].dev);
         free(src[r].host);
@@ -331,6 +448,5 @@ int main(int argc, char **argv) {
     cu.free_(dst.dev);
     if (caller_ring) cu.free_(caller_ring);
     free(dst.host);
-    free(got);
-    return kv_finish("gpu_transfer");
+    return kv_finish(two_processes ? (decode_pid == 0 ? "gpu_transfer (decode process)" : "gpu_transfer (prefill process)") : "gpu_transfer");
 }

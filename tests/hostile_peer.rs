@@ -665,8 +665,8 @@ fn a_same_host_peer_is_held_to_its_grant_and_its_lease() {
     let (status, local, ring_len, reason) = answer(&mut raw);
     assert!(status == 0 && local, "{status} {local} {reason}");
     let lease = fdpass::accept_by(&listener, Instant::now() + Duration::from_secs(5)).unwrap();
-    let mut greeting = [0u8; fdpass::NONCE_BYTES + 8];
-    let fd = fdpass::recv_fd(&lease, &mut greeting).unwrap();
+    let mut greeting = [0u8; kvstage::transport::shm::GREETING_BYTES];
+    let fd = fdpass::recv_fd(&lease, &mut greeting).unwrap().expect("the ring's descriptor");
     assert_eq!(&greeting[..fdpass::NONCE_BYTES], &nonce[..]);
     let ring = memory::map_peer_ring(&fd, ring_len).unwrap();
     raw.send(&Message::ShmOffer { socket: name, nonce }).unwrap();

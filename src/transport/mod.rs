@@ -51,6 +51,12 @@ pub trait Transport: Send + Sync {
         None
     }
 
+    /// The memory of the ring [`in_place`](Self::in_place) hands out (host, or device memory a
+    /// gather of a CUDA pool on that device writes directly); `None` when it hands out nothing.
+    fn in_place_memory(&self) -> Option<crate::geometry::MemoryKind> {
+        None
+    }
+
     /// After an in-place write of the range `header` (a `Message::Data`) names: reports it, then
     /// `ready`, in that order.
     fn finish_in_place(&self, header: &Message, ready: &Message, deadline: &Deadline) -> Result<()> {

@@ -1,14 +1,40 @@
 //! Device memory as kvstage holds it: allocations of its own (device staging rings, tools and
-//! tests) and the caller's device memory it was handed (a caller-provided device ring), with the
-//! synchronous host↔device copies the CPU side needs to reach it.
+//! tests), the caller's device memory it was handed (a caller-provided device ring) and a peer
+//! process's device ring opened through CUDA IPC (same node), with the synchronous host↔device
+//! copies the CPU side needs to reach it.
 
 use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::driver::{cu, Device};
+use super::driver::{allocation_of, cu, device_of, has_symbol, Device};
 use super::{pool_device_of, Backend, CudaBackend, HostPin};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Status};
+
+/// Bytes of a CUDA IPC memory handle (`CUipcMemHandle`).
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+/// What a process needs to reach another's device memory on the same node: the IPC handle of the
+/// allocation holding it, the memory's offset in that allocation, and its address in the
+/// exporting process (usable as is only inside that very process: CUDA refuses to open a handle
+/// where it was made).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpcExport {
+    pub handle: [u8; IPC_HANDLE_BYTES],
+    pub offset: u64,
+    pub ptr: u64,
+}
+
+/// Who frees the memory.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Owner {
+    /// Allocated here: `cuMemFree` on drop.
+    Engine,
+    /// The caller's, or the exporting process's when it is this one: never freed here.
+    Caller,
+    /// Opened from a peer's IPC handle at this allocation base: `cuIpcCloseMemHandle` on drop.
+    Ipc(u64),
+}
 
 /// A range of device memory: allocated here (freed on drop) or borrowed from the caller. Its
 /// copies run on a stream of its own (non-blocking): never behind the application's work on the
@@ -18,7 +44,7 @@ pub struct DeviceMemory {
     pub bytes: usize,
     dev: Arc<Device>,
     stream: usize,
-    owned: bool,
+    owner: Owner,
 }
 
 // SAFETY: device addresses and CUDA streams may be used from any thread.
@@ -39,7 +65,7 @@ impl DeviceMemory {
             unsafe { sys::cuStreamDestroy_v2(stream as sys::CUstream) };
             return Err(e.context(format!("cannot allocate {bytes} bytes on CUDA device {ordinal}")));
         }
-        Ok(DeviceMemory { ptr: p, bytes, dev, stream, owned: true })
+        Ok(DeviceMemory { ptr: p, bytes, dev, stream, owner: Owner::Engine })
     }
 
     /// The caller's `bytes` at `ptr`, checked to be device memory of one device over the whole
@@ -53,7 +79,7 @@ impl DeviceMemory {
             backend.check_device_range(ptr, bytes as u64)?;
             super::driver::create_stream()
         })?;
-        Ok(DeviceMemory { ptr, bytes, dev: backend.dev, stream, owned: false })
+        Ok(DeviceMemory { ptr, bytes, dev: backend.dev, stream, owner: Owner::Caller })
     }
 
     pub fn ordinal(&self) -> i32 {
@@ -62,7 +88,70 @@ impl DeviceMemory {
 
     /// Whether this memory was allocated here (and is freed on drop).
     pub fn is_owned(&self) -> bool {
-        self.owned
+        self.owner == Owner::Engine
+    }
+
+    /// Exports this memory for a process on the same node ([`open_export`](Self::open_export)).
+    /// Fails (`KVSTAGE_E_UNSUPPORTED`) for memory legacy IPC cannot share, such as VMM
+    /// (`cuMemCreate`) allocations, and without the driver entry points.
+    pub fn export(&self) -> Result<IpcExport> {
+        if !has_symbol("cuIpcGetMemHandle") || !has_symbol("cuIpcOpenMemHandle_v2") || !has_symbol("cuIpcCloseMemHandle") {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the CUDA driver lacks the IPC entry points (cuIpcGetMemHandle)"));
+        }
+        let _g = self.dev.enter()?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+        // SAFETY: context current; the handle is written in full.
+        cu("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut handle, self.ptr) })
+            .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("device memory at {:#x} cannot be shared by CUDA IPC", self.ptr)))?;
+        let (base, _) = allocation_of(self.ptr).ok_or_else(|| Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the driver cannot name the allocation holding the ring"))?;
+        Ok(IpcExport { handle: handle.reserved.map(|b| b as u8), offset: self.ptr - base, ptr: self.ptr })
+    }
+
+    /// The `bytes` another process exported (`export`), reached from CUDA device `ordinal`:
+    /// `same_process` (the peer is this very process) borrows the address as is, else the handle
+    /// is opened (closed on drop). The memory must lie on `ordinal` (peer access between devices
+    /// is not set up here) and hold `bytes` past the offset; otherwise `KVSTAGE_E_UNSUPPORTED`
+    /// with the reason.
+    pub fn open_export(ordinal: i32, export: &IpcExport, bytes: usize, same_process: bool) -> Result<DeviceMemory> {
+        if same_process {
+            return DeviceMemory::borrow(Some(ordinal as u32), export.ptr, bytes, "the peer's device ring")
+                .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("the peer's device ring is not usable from CUDA device {ordinal}")));
+        }
+        if !has_symbol("cuIpcOpenMemHandle_v2") || !has_symbol("cuIpcCloseMemHandle") {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the CUDA driver lacks the IPC entry points (cuIpcOpenMemHandle_v2)"));
+        }
+        let dev = Device::open(ordinal)?;
+        let _g = dev.enter()?;
+        let handle = sys::CUipcMemHandle { reserved: export.handle.map(|b| b as _) };
+        let mut base: sys::CUdeviceptr = 0;
+        // SAFETY: context current; `base` is written on success.
+        cu("cuIpcOpenMemHandle_v2", unsafe {
+            sys::cuIpcOpenMemHandle_v2(&mut base, handle, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32)
+        })
+        .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, "cannot open the peer's CUDA IPC handle"))?;
+        let close = |why: String| {
+            // SAFETY: opened above, nothing uses it yet.
+            unsafe { sys::cuIpcCloseMemHandle(base) };
+            Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, why))
+        };
+        let held = allocation_of(base).map_or(0, |(b, size)| if b == base { size } else { 0 });
+        if export.offset.checked_add(bytes as u64).is_none_or(|end| end > held) {
+            return close(format!("the peer's allocation holds {held} bytes, not {bytes} at offset {}", export.offset));
+        }
+        match device_of(base) {
+            Some(o) if o == ordinal => {}
+            other => {
+                return close(format!(
+                    "the peer's device ring is on {}, the KV pool on device {ordinal}: peer access between devices is not used",
+                    other.map_or("an unknown device".to_owned(), |o| format!("device {o}"))
+                ))
+            }
+        }
+        let stream = match super::driver::create_stream() {
+            Ok(s) => s,
+            Err(e) => return close(e.chain()),
+        };
+        Ok(DeviceMemory { ptr: base + export.offset, bytes, dev, stream, owner: Owner::Ipc(base) })
     }
 
     /// Copies `src` to offset `at` (synchronous).
@@ -112,11 +201,18 @@ impl DeviceMemory {
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
         if let Ok(_g) = self.dev.enter() {
-            // SAFETY: our stream (every copy on it was synchronous) and, when owned, our allocation.
+            // SAFETY: our stream (every copy on it was synchronous) and, when owned, our allocation
+            // or our opening of a peer's.
             unsafe {
                 sys::cuStreamDestroy_v2(self.stream as sys::CUstream);
-                if self.owned {
-                    sys::cuMemFree_v2(self.ptr);
+                match self.owner {
+                    Owner::Engine => {
+                        sys::cuMemFree_v2(self.ptr);
+                    }
+                    Owner::Ipc(base) => {
+                        sys::cuIpcCloseMemHandle(base);
+                    }
+                    Owner::Caller => {}
                 }
             }
         }

@@ -13,6 +13,7 @@ use crate::copy::cuda::{DeviceMemory, HostPin};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{KvLayout, MemoryKind};
 use crate::transport::shm::memory::SharedRing;
+use crate::transport::shm::OfferedRing;
 
 /// Bytes of each pinned host buffer socket payloads land through on their way to a device ring.
 pub const DEVICE_BOUNCE_BYTES: usize = 4 << 20;
@@ -104,11 +105,20 @@ impl RingMemory {
         }
     }
 
-    /// The engine-owned ring a same-host sender can map (`None`: caller or device memory).
-    pub fn shareable(&self) -> Option<&SharedRing> {
+    /// What a same-host sender is handed to write this ring: the engine's memfd, or a device
+    /// ring's CUDA IPC export. `KVSTAGE_E_UNSUPPORTED` with the reason for caller host memory
+    /// (not shareable) and device memory legacy IPC cannot share.
+    pub fn offer(&self) -> Result<OfferedRing<'_>> {
         match &self.backing {
-            Backing::Shared(r) => Some(r),
-            _ => None,
+            Backing::Shared(r) => Ok(OfferedRing::Memfd(r.fd())),
+            Backing::Device(m, _) => m
+                .export()
+                .map(OfferedRing::Device)
+                .map_err(|e| e.context(format!("the receiver's staging ring ({}) cannot be shared with a process on this node", self.describe()))),
+            Backing::Caller => Err(Error::new(
+                Status::KVSTAGE_E_UNSUPPORTED,
+                "the receiver's staging ring is caller memory (register it with ptr = NULL to let the engine own a shareable one)",
+            )),
         }
     }
 

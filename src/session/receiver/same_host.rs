@@ -45,35 +45,25 @@ impl Receiver {
         let shm = self.shm.lock().clone();
         let answer = |status: Status, local: bool, ring_len: u64, reason: String| Message::ShmAnswer { status: status.code(), local, ring_len, reason };
         let memory = self.memory.lock().clone();
-        let refusal = if let Some(why) = shm.as_ref().map_or(Some("it serves no same-host sessions".to_owned()), |s| s.refusal()) {
-            Some((Status::KVSTAGE_E_UNSUPPORTED, format!("the receiver does not serve the same-host path: {why}")))
+        let offer = if let Some(why) = shm.as_ref().map_or(Some("it serves no same-host sessions".to_owned()), |s| s.refusal()) {
+            Err((Status::KVSTAGE_E_UNSUPPORTED, format!("the receiver does not serve the same-host path: {why}")))
         } else if self.with_state(|st| st.writes_in_place(id)) {
-            Some((Status::KVSTAGE_E_PROTOCOL, "a second same-host offer on one session".to_owned()))
+            Err((Status::KVSTAGE_E_PROTOCOL, "a second same-host offer on one session".to_owned()))
         } else {
             match memory.as_ref() {
-                None => Some((Status::KVSTAGE_E_STAGING_TOO_SMALL, "the receiver has no staging ring registered".to_owned())),
-                Some(m) if m.device().is_some() => Some((
-                    Status::KVSTAGE_E_UNSUPPORTED,
-                    format!("the receiver's staging ring is {}: same-node CUDA IPC is not implemented, device rings take TCP", m.describe()),
-                )),
-                Some(m) if m.shareable().is_none() => Some((
-                    Status::KVSTAGE_E_UNSUPPORTED,
-                    "the receiver's staging ring is caller memory (register it with ptr = NULL to let the engine own a shareable one)".to_owned(),
-                )),
-                Some(_) => None,
+                None => Err((Status::KVSTAGE_E_STAGING_TOO_SMALL, "the receiver has no staging ring registered".to_owned())),
+                Some(m) => m.offer().map(|o| (o, m.size() as u64)).map_err(|e| (e.code(), e.chain())),
             }
         };
-        let ring = memory.as_ref().and_then(|m| m.shareable().map(|r| (m, r)));
-        let passed = match (refusal, ring) {
-            (Some((code, why)), _) => {
+        let passed = match offer {
+            Err((code, why)) => {
                 // Still reached for, so that the sender learns whether it is on this host (a
                 // refusal then counts as a downgrade there, another host does not).
                 let local = shm::fdpass::connect_abstract(socket, shm::LOCAL_IO_TIMEOUT).is_ok();
                 log::debug!(session = session; "same-host offer of {peer} refused: {why}");
                 return answer(code, local, 0, why);
             }
-            (None, Some((m, r))) => shm::pass_ring(socket, nonce, r.fd(), m.size() as u64).map(|lease| (lease, m.size() as u64)),
-            (None, None) => unreachable!("a shareable ring was checked above"),
+            Ok((ring, ring_len)) => shm::pass_ring(socket, nonce, ring, ring_len).map(|lease| (lease, ring_len)),
         };
         let (lease, ring_len) = match passed {
             Ok(p) => p,
@@ -100,7 +90,8 @@ impl Receiver {
         if let Some(s) = &shm {
             s.count_session();
         }
-        log::info!(session = session; "session from {peer} writes in place through the same-host path ({ring_len}-byte ring)");
+        let ring = memory.as_ref().map_or_else(String::new, |m| m.describe());
+        log::info!(session = session; "session from {peer} writes in place through the same-host path ({ring_len}-byte ring, {ring})");
         answer(Status::KVSTAGE_OK, true, ring_len, String::new())
     }
 

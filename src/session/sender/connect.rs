@@ -77,7 +77,10 @@ impl SenderSession {
         // stream before its reader starts.
         let mut early = Vec::new();
         let peer = addr.to_string();
-        let (link, link_kind, downgraded) = match resources.shm.negotiate(&link, &mut reader, &peer, id, remote.ring_bytes, &deadline, &mut early)? {
+        // A receiver's device ring is written from the device of our pool (registered: it resolves).
+        let pool_device = (pool.memory == MemoryKind::Cuda).then(|| crate::copy::cuda::pool_device(&pool, None).ok()).flatten();
+        let shm = resources.shm.negotiate(&link, &mut reader, &peer, id, remote.ring_bytes, pool_device, &deadline, &mut early)?;
+        let (link, link_kind, downgraded) = match shm {
             Negotiated::Mapped(shm) => (shm, LinkKind::Shm, false),
             Negotiated::NotUsed { downgraded } => {
                 let plain = link.clone();

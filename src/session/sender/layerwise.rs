@@ -1,6 +1,6 @@
 //! Layer-wise writing of a granted region: each batch of layers the caller marks ready is gathered
 //! into its slabs' places and written at once (TCP: one `Data` frame per run of adjacent slabs;
-//! same host: in place, then a `Written` report; RDMA: a plain RDMA WRITE per run, then a
+//! same host: in place (host ring, or a device ring from a CUDA pool), then a `Written` report; RDMA: a plain RDMA WRITE per run, then a
 //! `Written` report), while later layers are still being computed. The ready goes after the last
 //! batch (over RDMA behind a zero-length write-with-immediate that follows every piece), so the
 //! receiver completes the chunk exactly as for a whole-chunk write.
@@ -28,9 +28,9 @@ impl SenderSession {
         let region_bytes = place.region_bytes;
         let ring_offset = place.grant_offset + place.region_offset;
         let mut missing: BTreeSet<u32> = plan.slabs.iter().map(|s| s.layer_id).collect();
-        // Same host, host pool: in place, the range taken per batch only (teardown waits for a
-        // gather in progress, not for the caller's compute).
-        let in_place = self.pool.memory == MemoryKind::Host && self.link.in_place(ring_offset, 0).is_some();
+        // Same host, a ring in the pool's kind of memory: in place, the range taken per batch only
+        // (teardown waits for a gather in progress, not for the caller's compute).
+        let in_place = self.writes_in_place();
         let mut staging = if in_place {
             None
         } else {
@@ -78,8 +78,7 @@ impl SenderSession {
                 let checksum = match self.integrity.covers(desc.room, desc.chunk) {
                     true => {
                         let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
-                        // SAFETY: this writer's range, gathered above; nothing else writes it.
-                        self.region_checksum(desc, unsafe { std::slice::from_raw_parts(range.as_mut_ptr(), region_bytes as usize) })
+                        Some(checksum(&range.to_host()?))
                     }
                     false => None,
                 };

@@ -141,16 +141,15 @@ impl SenderSession {
             return Ok(req);
         }
         let header = place.data(desc, 0, region_bytes);
-        // Same host, host pool: the gather writes straight into the granted range of the ring.
-        let in_place = match self.pool.memory {
-            MemoryKind::Host => self.link.in_place(grant_offset + region_offset, region_bytes),
-            _ => None,
-        };
-        if let Some(range) = in_place {
-            let mut range = range?;
+        // Same host, the ring in the pool's kind of memory (host; or device memory on the pool's
+        // device): the gather writes straight into the granted range of the ring.
+        if self.writes_in_place() {
+            let mut range = self.link.in_place(grant_offset + region_offset, region_bytes).expect("an in-place transport")?;
             self.gather(plan, range.as_mut_ptr(), desc.ready.as_deref(), t)?;
-            // SAFETY: the gather above filled the range, which nothing else writes.
-            let checksum = self.region_checksum(desc, unsafe { std::slice::from_raw_parts(range.as_mut_ptr(), region_bytes as usize) });
+            let checksum = match self.integrity.covers(desc.room, desc.chunk) {
+                true => Some(checksum(&range.to_host()?)),
+                false => None,
+            };
             drop(range);
             let phase = Instant::now();
             let wrote = self.link.finish_in_place(&header, &ready(checksum), deadline);
@@ -170,6 +169,12 @@ impl SenderSession {
         wrote?;
         self.metrics.sent(region_bytes);
         Ok(req)
+    }
+
+    /// Whether the gather writes straight into the receiver's ring: a same-host ring in the memory
+    /// kind of this engine's pool (a device ring is opened on the pool's device).
+    pub(super) fn writes_in_place(&self) -> bool {
+        self.link.in_place_memory() == Some(self.pool.memory)
     }
 
     /// A send staging buffer of at least `len` bytes from the engine's pool, registered with the

@@ -1,48 +1,122 @@
-//! The sender's same-host transport: the receiver's ring mapped into this process. The gather
-//! writes a chunk's bytes straight into the granted range ([`ShmTransport::in_place`]); a
-//! `Written` report and the `ChunkReady` then go over the control stream, in that order, so the
-//! receiver reads the completion only after the bytes are in its ring.
+//! The sender's same-host transport: the receiver's ring mapped into this process (a host ring's
+//! memfd) or opened on this process's GPU (a device ring, through CUDA IPC). The gather writes a
+//! chunk's bytes straight into the granted range ([`ShmTransport::in_place`]; a device gather
+//! returns after its stream completed); a `Written` report and the `ChunkReady` then go over the
+//! control stream, in that order, so the receiver reads the completion only after the bytes are
+//! in its ring.
 //!
 //! Teardown: [`Transport::shutdown`] waits for a gather in progress (it holds the mapping's read
 //! lock), unmaps the ring, then closes the local socket. The receiver keeps every range this
 //! session may write quarantined until that socket closes, so nothing writes into a range after
 //! it was granted to someone else.
 
+use std::borrow::Cow;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use super::memory::Mapping;
+use crate::copy::cuda::DeviceMemory;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
+use crate::geometry::MemoryKind;
 use crate::protocol::Message;
 use crate::transport::Transport;
 
-/// A granted range of the receiver's ring, mapped here; the mapping cannot go while it is held.
+/// The receiver's ring as this process reaches it.
+pub enum PeerRing {
+    /// A host ring: its memfd mapped here.
+    Host(Mapping),
+    /// A device ring: opened through CUDA IPC on the device of this process's KV pool (closed on
+    /// drop), or the very address when the receiver is this process.
+    Device(DeviceMemory),
+}
+
+impl PeerRing {
+    fn len(&self) -> usize {
+        match self {
+            PeerRing::Host(m) => m.len(),
+            PeerRing::Device(d) => d.bytes,
+        }
+    }
+
+    fn memory(&self) -> MemoryKind {
+        match self {
+            PeerRing::Host(_) => MemoryKind::Host,
+            PeerRing::Device(_) => MemoryKind::Cuda,
+        }
+    }
+}
+
+/// A granted range of the receiver's ring, reachable here (host or device addresses, see
+/// [`memory`](Self::memory)); the mapping cannot go while it is held.
 pub struct InPlace<'a> {
-    _mapping: RwLockReadGuard<'a, Option<Mapping>>,
-    ptr: *mut u8,
+    ring: RwLockReadGuard<'a, Option<PeerRing>>,
+    offset: u64,
+    len: u64,
 }
 
 impl InPlace<'_> {
+    fn ring(&self) -> &PeerRing {
+        self.ring.as_ref().expect("checked when the range was taken")
+    }
+
+    /// The range's first byte: a host address, or a device address for a device ring.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr
+        match self.ring() {
+            // SAFETY: checked to lie inside the mapping when the range was taken.
+            PeerRing::Host(m) => unsafe { m.ptr().add(self.offset as usize) },
+            PeerRing::Device(d) => (d.ptr + self.offset) as *mut u8,
+        }
+    }
+
+    pub fn memory(&self) -> MemoryKind {
+        self.ring().memory()
+    }
+
+    /// The range's bytes as the CPU sees them: borrowed from a host ring, copied back from a
+    /// device ring (one device→host crossing).
+    pub fn to_host(&mut self) -> Result<Cow<'_, [u8]>> {
+        let (offset, len) = (self.offset, self.len as usize);
+        match self.ring() {
+            // SAFETY: inside the mapping (checked), this writer's range, which nothing else writes.
+            PeerRing::Host(m) => Ok(Cow::Borrowed(unsafe { std::slice::from_raw_parts(m.ptr().add(offset as usize), len) })),
+            PeerRing::Device(d) => {
+                let mut out = vec![0u8; len];
+                d.read(offset as usize, &mut out)?;
+                Ok(Cow::Owned(out))
+            }
+        }
+    }
+
+    /// Copies `data` to the start of the range (host memcpy, or a host→device copy).
+    fn copy_from(&mut self, data: &[u8]) -> Result<()> {
+        debug_assert_eq!(data.len() as u64, self.len);
+        match self.ring() {
+            PeerRing::Host(_) => {
+                // SAFETY: `data.len()` bytes of this writer's range, which nothing else writes.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_mut_ptr(), data.len()) };
+                Ok(())
+            }
+            PeerRing::Device(d) => d.write(self.offset as usize, data),
+        }
     }
 }
 
 pub struct ShmTransport {
     tcp: Arc<dyn Transport>,
-    ring: RwLock<Option<Mapping>>,
+    ring: RwLock<Option<PeerRing>>,
     /// The local socket whose end tells the receiver this process no longer maps its ring.
     lease: Mutex<Option<UnixStream>>,
     ring_len: u64,
+    memory: MemoryKind,
 }
 
 impl ShmTransport {
-    pub fn new(tcp: Arc<dyn Transport>, ring: Mapping, lease: UnixStream) -> ShmTransport {
-        let ring_len = ring.len() as u64;
-        ShmTransport { tcp, ring: RwLock::new(Some(ring)), lease: Mutex::new(Some(lease)), ring_len }
+    pub fn new(tcp: Arc<dyn Transport>, ring: PeerRing, lease: UnixStream) -> ShmTransport {
+        let (ring_len, memory) = (ring.len() as u64, ring.memory());
+        ShmTransport { tcp, ring: RwLock::new(Some(ring)), lease: Mutex::new(Some(lease)), ring_len, memory }
     }
 
     /// The range `[ring_offset, +len)` of the receiver's ring, for a gather to write in place.
@@ -57,9 +131,7 @@ impl ShmTransport {
                 format!("granted range [{ring_offset}, +{len}) lies outside the receiver's {}-byte ring", m.len()),
             ));
         }
-        // SAFETY: checked to lie inside the mapping.
-        let ptr = unsafe { m.ptr().add(ring_offset as usize) };
-        Ok(InPlace { _mapping: guard, ptr })
+        Ok(InPlace { ring: guard, offset: ring_offset, len })
     }
 
     /// Copies `data` into the range `header` (a `Message::Data`) names in the grant at `grant_offset`.
@@ -68,10 +140,7 @@ impl ShmTransport {
             return Err(Error::internal(format!("a chunk write described by {header:?}")));
         };
         let start = grant_offset.checked_add(*offset).ok_or_else(|| Error::new(Status::KVSTAGE_E_PROTOCOL, "grant offset overflows"))?;
-        let mut range = self.range(start, data.len() as u64)?;
-        // SAFETY: `range` is `data.len()` bytes of this writer's region, which nothing else writes.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), range.as_mut_ptr(), data.len()) };
-        Ok(())
+        self.range(start, data.len() as u64)?.copy_from(data)
     }
 
     fn teardown(&self) {
@@ -116,6 +185,10 @@ impl Transport for ShmTransport {
         Some(self.range(ring_offset, len))
     }
 
+    fn in_place_memory(&self) -> Option<MemoryKind> {
+        Some(self.memory)
+    }
+
     fn finish_in_place(&self, header: &Message, ready: &Message, deadline: &Deadline) -> Result<()> {
         self.tcp.write_chunk(&written(header)?, &[], ready, deadline)
     }
@@ -134,7 +207,10 @@ impl Transport for ShmTransport {
             n if n >= 1 << 20 => format!("{} MiB", n >> 20),
             n => format!("{n} bytes"),
         };
-        format!("shm ({size} ring mapped) via {}", self.tcp.describe())
+        match self.memory {
+            MemoryKind::Host => format!("shm ({size} ring mapped) via {}", self.tcp.describe()),
+            MemoryKind::Cuda => format!("cuda-ipc ({size} device ring opened) via {}", self.tcp.describe()),
+        }
     }
 }
 

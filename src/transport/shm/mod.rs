@@ -7,11 +7,15 @@
 //! 1. the sender listens on a fresh abstract Unix socket and offers its name and a nonce
 //!    (`ShmOffer`);
 //! 2. the receiver connects to it — possible only from the same host and network namespace — and
-//!    sends the nonce, the ring's size and the ring's descriptor (`SCM_RIGHTS`), then answers on TCP
-//!    (`ShmAnswer`: `local` says whether it reached the socket, `status` whether it serves);
-//! 3. the sender checks the nonce, the descriptor (a memfd of that size, sealed against
-//!    shrinking) and maps it. The local socket stays open as the mapping's lease: its end tells
-//!    the receiver that this process can no longer write its ring.
+//!    sends the nonce, the ring's size and the ring itself: a host ring's descriptor
+//!    (`SCM_RIGHTS`), or a device ring's CUDA IPC export (handle, offset in its allocation,
+//!    address). Then it answers on TCP (`ShmAnswer`: `local` says whether it reached the socket,
+//!    `status` whether it serves);
+//! 3. the sender checks the nonce and the ring: a memfd of that size, sealed against shrinking,
+//!    which it maps; or device memory of that size on its KV pool's device, which it opens (or,
+//!    when the receiver is this very process, uses at its address). The local socket stays open
+//!    as the mapping's lease: its end tells the receiver that this process can no longer write
+//!    its ring.
 //!
 //! Files: `fdpass` (abstract sockets, descriptor passing), `memory` (sealed memfd, mappings),
 //! `link` (the sender's transport).
@@ -20,7 +24,7 @@ pub mod fdpass;
 mod link;
 pub mod memory;
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -28,15 +32,47 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-pub use self::link::{InPlace, ShmTransport};
+pub use self::link::{InPlace, PeerRing, ShmTransport};
 use self::fdpass::NONCE_BYTES;
+use crate::copy::cuda::{DeviceMemory, IpcExport, IPC_HANDLE_BYTES};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::protocol::{self, Message};
 use crate::transport::Transport;
 
-/// Bytes sent with the descriptor: the nonce, then the ring's size (u64 LE).
-const GREETING_BYTES: usize = NONCE_BYTES + 8;
+/// Bytes the receiver sends on the local socket: the nonce, the ring's size (u64 LE), the ring's
+/// kind ([`HOST_RING`], its descriptor attached; [`DEVICE_RING`]), then for a device ring its IPC
+/// export: offset in its allocation and address in the receiver (u64 LE each), the handle.
+pub const GREETING_BYTES: usize = NONCE_BYTES + 8 + 1 + 16 + IPC_HANDLE_BYTES;
+const HOST_RING: u8 = 0;
+const DEVICE_RING: u8 = 1;
+
+/// The ring a receiver passes to a same-host sender.
+pub enum OfferedRing<'a> {
+    /// A host ring: its sealed memfd.
+    Memfd(std::os::fd::BorrowedFd<'a>),
+    /// A CUDA device ring.
+    Device(IpcExport),
+}
+
+impl OfferedRing<'_> {
+    fn greeting(&self, nonce: &[u8], ring_len: u64) -> [u8; GREETING_BYTES] {
+        let mut g = [0u8; GREETING_BYTES];
+        g[..NONCE_BYTES].copy_from_slice(nonce);
+        g[NONCE_BYTES..NONCE_BYTES + 8].copy_from_slice(&ring_len.to_le_bytes());
+        let at = NONCE_BYTES + 8;
+        match self {
+            OfferedRing::Memfd(_) => g[at] = HOST_RING,
+            OfferedRing::Device(x) => {
+                g[at] = DEVICE_RING;
+                g[at + 1..at + 9].copy_from_slice(&x.offset.to_le_bytes());
+                g[at + 9..at + 17].copy_from_slice(&x.ptr.to_le_bytes());
+                g[at + 17..].copy_from_slice(&x.handle);
+            }
+        }
+        g
+    }
+}
 
 /// Local connections the sender accepts while looking for the receiver's (another local process
 /// that saw the socket's name may connect first; it cannot know the nonce).
@@ -110,6 +146,8 @@ impl Shm {
     /// Sender side, right after the handshake: offers the same-host path on `tcp` and reads the
     /// answer from `reader` (watermarks that arrive meanwhile go to `early`).
     /// `ring_bytes`: the ring size the receiver's hello announced (the ring it passes must be it).
+    /// `pool_device`: the CUDA device of this engine's KV pool (`None`: host memory), the only
+    /// device from which a receiver's device ring is written.
     #[allow(clippy::too_many_arguments)]
     pub fn negotiate(
         &self,
@@ -118,6 +156,7 @@ impl Shm {
         peer: &str,
         session: &str,
         ring_bytes: u64,
+        pool_device: Option<i32>,
         deadline: &Deadline,
         early: &mut Vec<Message>,
     ) -> Result<Negotiated> {
@@ -156,7 +195,7 @@ impl Shm {
             // huge sparse file, populated at our expense).
             Error::new(Status::KVSTAGE_E_PROTOCOL, format!("{peer} offers a ring of {ring_len} bytes, its hello said {ring_bytes}"))
         } else {
-            match map_offered_ring(&listener, &nonce, ring_len, deadline) {
+            match map_offered_ring(&listener, &nonce, ring_len, pool_device, deadline) {
                 Ok((ring, lease)) => {
                     self.count_session();
                     return Ok(Negotiated::Mapped(Arc::new(ShmTransport::new(tcp.clone(), ring, lease))));
@@ -186,9 +225,16 @@ impl Shm {
     }
 }
 
-/// Accepts the receiver's local connection (the one that knows `nonce`), receives the ring's
-/// descriptor and maps it. Returns the mapping and the lease socket.
-fn map_offered_ring(listener: &std::os::unix::net::UnixListener, nonce: &[u8], ring_len: u64, deadline: &Deadline) -> Result<(memory::Mapping, UnixStream)> {
+/// Accepts the receiver's local connection (the one that knows `nonce`), receives the ring and
+/// maps it (a host ring) or opens it on `pool_device` (a device ring). Returns the ring and the
+/// lease socket.
+fn map_offered_ring(
+    listener: &std::os::unix::net::UnixListener,
+    nonce: &[u8],
+    ring_len: u64,
+    pool_device: Option<i32>,
+    deadline: &Deadline,
+) -> Result<(PeerRing, UnixStream)> {
     let local = std::time::Instant::now() + LOCAL_IO_TIMEOUT;
     let until = deadline.instant().map_or(local, |d| d.min(local));
     for _ in 0..MAX_LOCAL_ACCEPTS {
@@ -202,11 +248,34 @@ fn map_offered_ring(listener: &std::os::unix::net::UnixListener, nonce: &[u8], r
         if differs != 0 {
             continue; // another local process: not the receiver that answered
         }
-        let sent_len = u64::from_le_bytes(greeting[NONCE_BYTES..].try_into().expect("8 bytes"));
+        let word = |at: usize| u64::from_le_bytes(greeting[at..at + 8].try_into().expect("8 bytes"));
+        let sent_len = word(NONCE_BYTES);
         if sent_len != ring_len {
             return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("ring of {sent_len} bytes on the local socket, {ring_len} on the control stream")));
         }
-        let ring = memory::map_peer_ring(&fd, ring_len)?;
+        let kind = NONCE_BYTES + 8;
+        let ring = match (greeting[kind], fd) {
+            (HOST_RING, Some(fd)) => PeerRing::Host(memory::map_peer_ring(&fd, ring_len)?),
+            (HOST_RING, None) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, "the peer sent no descriptor with its host ring")),
+            (DEVICE_RING, _) => {
+                let Some(ordinal) = pool_device else {
+                    return Err(Error::new(
+                        Status::KVSTAGE_E_UNSUPPORTED,
+                        "the receiver's staging ring is CUDA device memory and this engine's KV pool is host memory",
+                    ));
+                };
+                let export = IpcExport {
+                    offset: word(kind + 1),
+                    ptr: word(kind + 9),
+                    handle: greeting[kind + 17..].try_into().expect("the handle's bytes"),
+                };
+                // The kernel's word on who connected, not the peer's: only this very process may
+                // hand over a bare address.
+                let same_process = fdpass::peer_pid(&stream)? == std::process::id() as i32;
+                PeerRing::Device(DeviceMemory::open_export(ordinal, &export, ring_len as usize, same_process)?)
+            }
+            (other, _) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unknown staging ring kind {other} on the local socket"))),
+        };
         stream.set_read_timeout(None)?;
         return Ok((ring, stream));
     }
@@ -219,8 +288,9 @@ pub fn probe() -> Result<()> {
     let ring = memory::SharedRing::create(4096)?;
     let (name, listener) = fdpass::listen_abstract()?;
     let nonce = fdpass::random_bytes(NONCE_BYTES)?;
-    let _lease = pass_ring(&name, &nonce, ring.fd(), 4096).map_err(|(_, e)| e)?;
-    let (mapped, _stream) = map_offered_ring(&listener, &nonce, 4096, &Deadline::after(Some(LOCAL_IO_TIMEOUT)))?;
+    let _lease = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 4096).map_err(|(_, e)| e)?;
+    let (mapped, _stream) = map_offered_ring(&listener, &nonce, 4096, None, &Deadline::after(Some(LOCAL_IO_TIMEOUT)))?;
+    let PeerRing::Host(mapped) = mapped else { return Err(Error::internal("a host ring was opened as device memory")) };
     // SAFETY: both mappings are 4096 bytes and this function their only user.
     let seen = unsafe {
         mapped.ptr().add(100).write(0xa5);
@@ -241,10 +311,11 @@ fn socket_pid(socket: &str) -> Option<i32> {
 }
 
 /// Receiver side: connects to the sender's socket named in its offer and passes `ring` (its
-/// descriptor and size). Only to a kvstage sender's socket: the name must be one `listen_abstract`
-/// makes, and the process that listens on it must be the one the name says (so a peer cannot
-/// have the ring sent to any other local listener). `Err` says whether the socket was reached.
-pub fn pass_ring(socket: &str, nonce: &[u8], ring: std::os::fd::BorrowedFd<'_>, ring_len: u64) -> std::result::Result<UnixStream, (bool, Error)> {
+/// descriptor or IPC export, and its size). Only to a kvstage sender's socket: the name must be
+/// one `listen_abstract` makes, and the process that listens on it must be the one the name says
+/// (so a peer cannot have the ring sent to any other local listener). `Err` says whether the
+/// socket was reached.
+pub fn pass_ring(socket: &str, nonce: &[u8], ring: OfferedRing<'_>, ring_len: u64) -> std::result::Result<UnixStream, (bool, Error)> {
     if nonce.len() != NONCE_BYTES {
         return Err((false, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("a same-host offer with a {}-byte nonce", nonce.len()))));
     }
@@ -256,10 +327,12 @@ pub fn pass_ring(socket: &str, nonce: &[u8], ring: std::os::fd::BorrowedFd<'_>, 
     if listener_pid != pid {
         return Err((true, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("the socket @{socket} is held by process {listener_pid}, not {pid}"))));
     }
-    let mut greeting = [0u8; GREETING_BYTES];
-    greeting[..NONCE_BYTES].copy_from_slice(nonce);
-    greeting[NONCE_BYTES..].copy_from_slice(&ring_len.to_le_bytes());
-    fdpass::send_fd(&stream, ring, &greeting).map_err(|e| (true, e))?;
+    let greeting = ring.greeting(nonce, ring_len);
+    let sent = match ring {
+        OfferedRing::Memfd(fd) => fdpass::send_fd(&stream, fd, &greeting),
+        OfferedRing::Device(_) => (&stream).write_all(&greeting).map_err(|e| Error::new(Status::KVSTAGE_E_PEER_GONE, "sending the ring's IPC handle failed").with_source(e)),
+    };
+    sent.map_err(|e| (true, e))?;
     stream.set_read_timeout(None).map_err(|e| (true, e.into()))?;
     Ok(stream)
 }
@@ -280,9 +353,10 @@ mod tests {
         let nonce = fdpass::random_bytes(NONCE_BYTES).unwrap();
         // An intruder that read the name from /proc/net/unix: a descriptor, but not the nonce.
         let intruder = memory::SharedRing::create(8192).unwrap();
-        let _i = pass_ring(&name, &[0u8; NONCE_BYTES], intruder.fd(), 8192).unwrap();
-        let _r = pass_ring(&name, &nonce, ring.fd(), 8192).unwrap();
-        let (mapped, _lease) = map_offered_ring(&listener, &nonce, 8192, &Deadline::after(Some(LOCAL_IO_TIMEOUT))).unwrap();
+        let _i = pass_ring(&name, &[0u8; NONCE_BYTES], OfferedRing::Memfd(intruder.fd()), 8192).unwrap();
+        let _r = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 8192).unwrap();
+        let (mapped, _lease) = map_offered_ring(&listener, &nonce, 8192, None, &Deadline::after(Some(LOCAL_IO_TIMEOUT))).unwrap();
+        let PeerRing::Host(mapped) = mapped else { panic!("a host ring opened as device memory") };
         // SAFETY: 8 KiB mappings, used by this test only.
         unsafe {
             mapped.ptr().write(7);
@@ -297,13 +371,13 @@ mod tests {
         let ring = memory::SharedRing::create(4096).unwrap();
         let nonce = [3u8; NONCE_BYTES];
         // Not a sender's name: refused before connecting.
-        let (local, e) = pass_ring("some-other-service", &nonce, ring.fd(), 4096).unwrap_err();
+        let (local, e) = pass_ring("some-other-service", &nonce, OfferedRing::Memfd(ring.fd()), 4096).unwrap_err();
         assert!(!local && e.message().contains("not a kvstage sender's socket name"), "{}", e.chain());
         // A sender's name, but this process (not pid 1) listens on it.
         let name = format!("kvstage-shm-1-{}", fdpass::hex(&fdpass::random_bytes(8).unwrap()));
         let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
         let _listener = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
-        let (local, e) = pass_ring(&name, &nonce, ring.fd(), 4096).unwrap_err();
+        let (local, e) = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 4096).unwrap_err();
         assert!(local && e.message().contains(&format!("held by process {}, not 1", std::process::id())), "{}", e.chain());
     }
 
@@ -312,8 +386,10 @@ mod tests {
         let ring = memory::SharedRing::create(8192).unwrap();
         let (name, listener) = fdpass::listen_abstract().unwrap();
         let nonce = fdpass::random_bytes(NONCE_BYTES).unwrap();
-        let _r = pass_ring(&name, &nonce, ring.fd(), 8192).unwrap();
-        let e = map_offered_ring(&listener, &nonce, 4096, &Deadline::after(Some(LOCAL_IO_TIMEOUT))).unwrap_err();
+        let _r = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 8192).unwrap();
+        let Err(e) = map_offered_ring(&listener, &nonce, 4096, None, &Deadline::after(Some(LOCAL_IO_TIMEOUT))) else {
+            panic!("a ring of another size was mapped")
+        };
         assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
         assert!(e.message().contains("8192"), "{}", e.chain());
     }
