@@ -1,6 +1,7 @@
 //! Per-peer state machines: the sender side (prefill: allocate, gather, write) and the receiver
 //! side (decode: grant, receive, count writers, scatter, free), plus deadlines and operations.
 
+mod device_ring;
 pub mod layers;
 pub mod notify;
 pub mod op;

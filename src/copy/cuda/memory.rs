@@ -14,17 +14,6 @@ use crate::error::{Error, Result, Status};
 /// Bytes of a CUDA IPC memory handle (`CUipcMemHandle`).
 pub const IPC_HANDLE_BYTES: usize = 64;
 
-/// What a process needs to reach another's device memory on the same node: the IPC handle of the
-/// allocation holding it, the memory's offset in that allocation, and its address in the
-/// exporting process (usable as is only inside that very process: CUDA refuses to open a handle
-/// where it was made).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct IpcExport {
-    pub handle: [u8; IPC_HANDLE_BYTES],
-    pub offset: u64,
-    pub ptr: u64,
-}
-
 /// Who frees the memory.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Owner {
@@ -91,10 +80,11 @@ impl DeviceMemory {
         self.owner == Owner::Engine
     }
 
-    /// Exports this memory for a process on the same node ([`open_export`](Self::open_export)).
-    /// Fails (`KVSTAGE_E_UNSUPPORTED`) for memory legacy IPC cannot share, such as VMM
-    /// (`cuMemCreate`) allocations, and without the driver entry points.
-    pub fn export(&self) -> Result<IpcExport> {
+    /// Exports this memory for a process on the same node ([`open_export`](Self::open_export)):
+    /// the IPC handle of the allocation holding it and its offset there. Fails
+    /// (`KVSTAGE_E_UNSUPPORTED`) for memory legacy IPC cannot share, such as VMM (`cuMemCreate`)
+    /// allocations, and without the driver entry points.
+    pub fn export(&self) -> Result<([u8; IPC_HANDLE_BYTES], u64)> {
         if !has_symbol("cuIpcGetMemHandle") || !has_symbol("cuIpcOpenMemHandle_v2") || !has_symbol("cuIpcCloseMemHandle") {
             return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the CUDA driver lacks the IPC entry points (cuIpcGetMemHandle)"));
         }
@@ -104,17 +94,17 @@ impl DeviceMemory {
         cu("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut handle, self.ptr) })
             .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("device memory at {:#x} cannot be shared by CUDA IPC", self.ptr)))?;
         let (base, _) = allocation_of(self.ptr).ok_or_else(|| Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the driver cannot name the allocation holding the ring"))?;
-        Ok(IpcExport { handle: handle.reserved.map(|b| b as u8), offset: self.ptr - base, ptr: self.ptr })
+        Ok((handle.reserved.map(|b| b as u8), self.ptr - base))
     }
 
-    /// The `bytes` another process exported (`export`), reached from CUDA device `ordinal`:
-    /// `same_process` (the peer is this very process) borrows the address as is, else the handle
-    /// is opened (closed on drop). The memory must lie on `ordinal` (peer access between devices
-    /// is not set up here) and hold `bytes` past the offset; otherwise `KVSTAGE_E_UNSUPPORTED`
-    /// with the reason.
-    pub fn open_export(ordinal: i32, export: &IpcExport, bytes: usize, same_process: bool) -> Result<DeviceMemory> {
+    /// The `bytes` another process exported ([`export`](Self::export): `handle`, `offset`; `ptr`
+    /// is its address there), reached from CUDA device `ordinal`: `same_process` (the peer is
+    /// this very process) borrows `ptr` as is, else the handle is opened (closed on drop). The
+    /// memory must lie on `ordinal` (peer access between devices is not set up here) and hold
+    /// `bytes` past the offset; otherwise `KVSTAGE_E_UNSUPPORTED` with the reason.
+    pub fn open_export(ordinal: i32, handle: &[u8; IPC_HANDLE_BYTES], offset: u64, ptr: u64, bytes: usize, same_process: bool) -> Result<DeviceMemory> {
         if same_process {
-            return DeviceMemory::borrow(Some(ordinal as u32), export.ptr, bytes, "the peer's device ring")
+            return DeviceMemory::borrow(Some(ordinal as u32), ptr, bytes, "the peer's device ring")
                 .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("the peer's device ring is not usable from CUDA device {ordinal}")));
         }
         if !has_symbol("cuIpcOpenMemHandle_v2") || !has_symbol("cuIpcCloseMemHandle") {
@@ -122,7 +112,7 @@ impl DeviceMemory {
         }
         let dev = Device::open(ordinal)?;
         let _g = dev.enter()?;
-        let handle = sys::CUipcMemHandle { reserved: export.handle.map(|b| b as _) };
+        let handle = sys::CUipcMemHandle { reserved: handle.map(|b| b as _) };
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: context current; `base` is written on success.
         cu("cuIpcOpenMemHandle_v2", unsafe {
@@ -135,8 +125,8 @@ impl DeviceMemory {
             Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, why))
         };
         let held = allocation_of(base).map_or(0, |(b, size)| if b == base { size } else { 0 });
-        if export.offset.checked_add(bytes as u64).is_none_or(|end| end > held) {
-            return close(format!("the peer's allocation holds {held} bytes, not {bytes} at offset {}", export.offset));
+        if offset.checked_add(bytes as u64).is_none_or(|end| end > held) {
+            return close(format!("the peer's allocation holds {held} bytes, not {bytes} at offset {offset}"));
         }
         match device_of(base) {
             Some(o) if o == ordinal => {}
@@ -151,7 +141,7 @@ impl DeviceMemory {
             Ok(s) => s,
             Err(e) => return close(e.chain()),
         };
-        Ok(DeviceMemory { ptr: base + export.offset, bytes, dev, stream, owner: Owner::Ipc(base) })
+        Ok(DeviceMemory { ptr: base + offset, bytes, dev, stream, owner: Owner::Ipc(base) })
     }
 
     /// Copies `src` to offset `at` (synchronous).

@@ -111,8 +111,7 @@ impl RingMemory {
     pub fn offer(&self) -> Result<OfferedRing<'_>> {
         match &self.backing {
             Backing::Shared(r) => Ok(OfferedRing::Memfd(r.fd())),
-            Backing::Device(m, _) => m
-                .export()
+            Backing::Device(m, _) => crate::session::device_ring::export(m)
                 .map(OfferedRing::Device)
                 .map_err(|e| e.context(format!("the receiver's staging ring ({}) cannot be shared with a process on this node", self.describe()))),
             Backing::Caller => Err(Error::new(

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use super::memory::Mapping;
-use crate::copy::cuda::DeviceMemory;
+use super::DeviceRing;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::geometry::MemoryKind;
@@ -30,14 +30,14 @@ pub enum PeerRing {
     Host(Mapping),
     /// A device ring: opened through CUDA IPC on the device of this process's KV pool (closed on
     /// drop), or the very address when the receiver is this process.
-    Device(DeviceMemory),
+    Device(Box<dyn DeviceRing>),
 }
 
 impl PeerRing {
     fn len(&self) -> usize {
         match self {
             PeerRing::Host(m) => m.len(),
-            PeerRing::Device(d) => d.bytes,
+            PeerRing::Device(d) => d.bytes(),
         }
     }
 
@@ -67,7 +67,7 @@ impl InPlace<'_> {
         match self.ring() {
             // SAFETY: checked to lie inside the mapping when the range was taken.
             PeerRing::Host(m) => unsafe { m.ptr().add(self.offset as usize) },
-            PeerRing::Device(d) => (d.ptr + self.offset) as *mut u8,
+            PeerRing::Device(d) => (d.ptr() + self.offset) as *mut u8,
         }
     }
 

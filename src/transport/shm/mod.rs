@@ -34,11 +34,39 @@ use parking_lot::Mutex;
 
 pub use self::link::{InPlace, PeerRing, ShmTransport};
 use self::fdpass::NONCE_BYTES;
-use crate::copy::cuda::{DeviceMemory, IpcExport, IPC_HANDLE_BYTES};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::protocol::{self, Message};
 use crate::transport::Transport;
+
+/// Bytes of a CUDA IPC memory handle (`CUipcMemHandle`).
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+/// A device ring as its receiver exports it to another process on the node: the IPC handle of
+/// the allocation holding it, its offset in that allocation, and its address in the receiver
+/// (usable as is only inside that very process: CUDA refuses to open a handle where it was made).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceExport {
+    pub handle: [u8; IPC_HANDLE_BYTES],
+    pub offset: u64,
+    pub ptr: u64,
+}
+
+/// A receiver's device ring as a sender reaches it. The session layer, which owns CUDA, opens it
+/// (see [`OpenDevice`]) and closes it on drop.
+pub trait DeviceRing: Send + Sync {
+    /// The ring's first byte: a device address of this process.
+    fn ptr(&self) -> u64;
+    fn bytes(&self) -> usize;
+    /// Copies `dst.len()` bytes from offset `at` (device to host, synchronous).
+    fn read(&self, at: usize, dst: &mut [u8]) -> Result<()>;
+    /// Copies `src` to offset `at` (host to device, synchronous).
+    fn write(&self, at: usize, src: &[u8]) -> Result<()>;
+}
+
+/// Opens an exported device ring of `len` bytes on the device of this engine's KV pool;
+/// `same_process`: the receiver is this very process (its address is used as is).
+pub type OpenDevice<'a> = &'a dyn Fn(&DeviceExport, usize, bool) -> Result<Box<dyn DeviceRing>>;
 
 /// Bytes the receiver sends on the local socket: the nonce, the ring's size (u64 LE), the ring's
 /// kind ([`HOST_RING`], its descriptor attached; [`DEVICE_RING`]), then for a device ring its IPC
@@ -52,7 +80,7 @@ pub enum OfferedRing<'a> {
     /// A host ring: its sealed memfd.
     Memfd(std::os::fd::BorrowedFd<'a>),
     /// A CUDA device ring.
-    Device(IpcExport),
+    Device(DeviceExport),
 }
 
 impl OfferedRing<'_> {
@@ -146,8 +174,8 @@ impl Shm {
     /// Sender side, right after the handshake: offers the same-host path on `tcp` and reads the
     /// answer from `reader` (watermarks that arrive meanwhile go to `early`).
     /// `ring_bytes`: the ring size the receiver's hello announced (the ring it passes must be it).
-    /// `pool_device`: the CUDA device of this engine's KV pool (`None`: host memory), the only
-    /// device from which a receiver's device ring is written.
+    /// `open_device`: opens a receiver's device ring on the device of this engine's KV pool
+    /// (`None`: the pool is host memory, and a device ring is not written from it).
     #[allow(clippy::too_many_arguments)]
     pub fn negotiate(
         &self,
@@ -156,7 +184,7 @@ impl Shm {
         peer: &str,
         session: &str,
         ring_bytes: u64,
-        pool_device: Option<i32>,
+        open_device: Option<OpenDevice<'_>>,
         deadline: &Deadline,
         early: &mut Vec<Message>,
     ) -> Result<Negotiated> {
@@ -195,7 +223,7 @@ impl Shm {
             // huge sparse file, populated at our expense).
             Error::new(Status::KVSTAGE_E_PROTOCOL, format!("{peer} offers a ring of {ring_len} bytes, its hello said {ring_bytes}"))
         } else {
-            match map_offered_ring(&listener, &nonce, ring_len, pool_device, deadline) {
+            match map_offered_ring(&listener, &nonce, ring_len, open_device, deadline) {
                 Ok((ring, lease)) => {
                     self.count_session();
                     return Ok(Negotiated::Mapped(Arc::new(ShmTransport::new(tcp.clone(), ring, lease))));
@@ -226,13 +254,13 @@ impl Shm {
 }
 
 /// Accepts the receiver's local connection (the one that knows `nonce`), receives the ring and
-/// maps it (a host ring) or opens it on `pool_device` (a device ring). Returns the ring and the
+/// maps it (a host ring) or opens it with `open_device` (a device ring). Returns the ring and the
 /// lease socket.
 fn map_offered_ring(
     listener: &std::os::unix::net::UnixListener,
     nonce: &[u8],
     ring_len: u64,
-    pool_device: Option<i32>,
+    open_device: Option<OpenDevice<'_>>,
     deadline: &Deadline,
 ) -> Result<(PeerRing, UnixStream)> {
     let local = std::time::Instant::now() + LOCAL_IO_TIMEOUT;
@@ -258,13 +286,13 @@ fn map_offered_ring(
             (HOST_RING, Some(fd)) => PeerRing::Host(memory::map_peer_ring(&fd, ring_len)?),
             (HOST_RING, None) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, "the peer sent no descriptor with its host ring")),
             (DEVICE_RING, _) => {
-                let Some(ordinal) = pool_device else {
+                let Some(open_device) = open_device else {
                     return Err(Error::new(
                         Status::KVSTAGE_E_UNSUPPORTED,
                         "the receiver's staging ring is CUDA device memory and this engine's KV pool is host memory",
                     ));
                 };
-                let export = IpcExport {
+                let export = DeviceExport {
                     offset: word(kind + 1),
                     ptr: word(kind + 9),
                     handle: greeting[kind + 17..].try_into().expect("the handle's bytes"),
@@ -272,7 +300,11 @@ fn map_offered_ring(
                 // The kernel's word on who connected, not the peer's: only this very process may
                 // hand over a bare address.
                 let same_process = fdpass::peer_pid(&stream)? == std::process::id() as i32;
-                PeerRing::Device(DeviceMemory::open_export(ordinal, &export, ring_len as usize, same_process)?)
+                let ring = open_device(&export, ring_len as usize, same_process)?;
+                if ring.bytes() as u64 != ring_len {
+                    return Err(Error::internal(format!("a device ring of {} bytes was opened for {ring_len}", ring.bytes())));
+                }
+                PeerRing::Device(ring)
             }
             (other, _) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unknown staging ring kind {other} on the local socket"))),
         };
