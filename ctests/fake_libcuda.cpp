@@ -11,6 +11,9 @@
 // exporting process and descriptor, and cuIpcOpenMemHandle maps /proc/<pid>/fd/<fd> (like CUDA,
 // it refuses a handle made by the opening process itself). KVSTAGE_FAKE_CUDA_NO_IPC=1 makes
 // cuIpcGetMemHandle fail as it does for memory legacy IPC cannot share (VMM allocations).
+// cuMemGetHandleForAddressRange hands out the allocation's memfd as its dma-buf (whole
+// allocations only), which kvstage's soft RDMA fabric maps as a NIC would reach the memory;
+// KVSTAGE_FAKE_CUDA_NO_DMABUF=1 makes it fail as on a driver or GPU without dma-buf support.
 //
 // Only for tests (ctests of label api run `kvstage-cuda check` and gpu_transfer against it).
 #include <cstdint>
@@ -216,10 +219,27 @@ static CUresult release(CUdeviceptr p, bool opened) {
     return E_INVALID_VALUE;
 }
 API CUresult cuMemFree_v2(CUdeviceptr p) { return release(p, false); }
+static bool env_set(const char *name) {
+    const char *v = std::getenv(name);
+    return v != nullptr && std::strcmp(v, "1") == 0;
+}
+API CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t size, int type, unsigned long long flags) {
+    if (handle == nullptr || type != 1 /* DMA_BUF_FD */ || flags != 0) return E_INVALID_VALUE;
+    if (env_set("KVSTAGE_FAKE_CUDA_NO_DMABUF")) return E_NOT_SUPPORTED;
+    std::lock_guard<std::mutex> g(g_mu);
+    for (const Range &r : g_device)
+        if (!r.opened && r.ptr == (uintptr_t)p) {
+            if (size == 0 || size % (size_t)sysconf(_SC_PAGESIZE) != 0 || size > mapped_bytes(r.bytes)) return E_INVALID_VALUE;
+            const int fd = fcntl(r.fd, F_DUPFD_CLOEXEC, 0);
+            if (fd < 0) return E_OUT_OF_MEMORY;
+            *static_cast<int *>(handle) = fd;
+            return OK;
+        }
+    return E_INVALID_VALUE;
+}
 API CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p) {
     if (h == nullptr) return E_INVALID_VALUE;
-    const char *no_ipc = std::getenv("KVSTAGE_FAKE_CUDA_NO_IPC");
-    if (no_ipc != nullptr && std::strcmp(no_ipc, "1") == 0) return E_NOT_SUPPORTED;
+    if (env_set("KVSTAGE_FAKE_CUDA_NO_IPC")) return E_NOT_SUPPORTED;
     std::lock_guard<std::mutex> g(g_mu);
     for (const Range &r : g_device)
         if (!r.opened && (uintptr_t)p >= r.ptr && (uintptr_t)p < r.ptr + r.bytes) {

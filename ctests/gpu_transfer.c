@@ -10,13 +10,15 @@
  * senders), "device" (engine-allocated on device 0) or "caller-device" (device memory the test
  * allocates), both in this process: the senders' gathers write the device ring at its address;
  * "device-ipc": the decode engine runs in a second process (forked before CUDA starts) with an
- * engine-allocated device ring, which the senders open through CUDA IPC. Device rings run with
+ * engine-allocated device ring, which the senders open through CUDA IPC; "device-rdma": an
+ * engine-allocated device ring reached over RDMA on the soft fabric of test builds (prefill
+ * transport RDMA), registered through the fake driver's dma-buf (GPUDirect). Device rings run with
  * integrity ALWAYS (each side reads the regions back to check them), and first check what must be
  * refused: a device ring with a host pool (either registration order), an engine-allocated device
  * ring without a device, device memory through the host-only call, a bad memory kind, a sender
  * with a host pool that requires the same-host path into a device ring, and (fake driver only) a
- * device ring the driver cannot export: refused to a sender that requires the path, a counted
- * downgrade to TCP for AUTO. */
+ * device ring the driver cannot export (by IPC; as a dma-buf, in device-rdma): refused to a
+ * sender that requires the path, a counted downgrade to TCP for AUTO. */
 #define _POSIX_C_SOURCE 200809L
 
 #include <dlfcn.h>
@@ -110,15 +112,22 @@ static void pool_init(pool *p, uint32_t tp_rank, uint32_t tp_size, unsigned seed
     p->layout.cuda_device = 0;
 }
 
-static kvstage_engine *engine_with(pool *p, int integrity) {
+/* "device-rdma": every engine opens the soft RDMA fabric's device (test builds only). */
+static const char *soft_rdma;
+
+static kvstage_engine *engine_on(pool *p, int integrity, int transport) {
     kvstage_engine_options o;
     kvstage_engine *e = NULL;
     REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
     o.integrity = integrity;
+    o.transport = transport;
+    o.rdma_devices = soft_rdma;
     REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
     CHECK_OK(kvstage_engine_register_pool(e, &p->layout));
     return e;
 }
+
+static kvstage_engine *engine_with(pool *p, int integrity) { return engine_on(p, integrity, KVSTAGE_TRANSPORT_AUTO); }
 
 /* `got` is `want` and the last error's message or a cause contains `needle`. */
 
@@ -205,6 +214,35 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
         kvstage_engine_free(shm_sender);
         REQUIRE(unsetenv("KVSTAGE_FAKE_CUDA_NO_IPC") == 0);
     }
+    /* GPUDirect RDMA without a dma-buf (and without peer memory: the soft fabric cannot pin a
+     * device pointer): RDMA senders fail, AUTO ones (same host off) go by TCP, counted. */
+    if (fake_driver && soft_rdma != NULL) {
+        kvstage_engine_stats st;
+        /* A receiver of its own: the one above registered its ring with the NIC already. */
+        kvstage_engine_free(e);
+        e = engine_with(dst, KVSTAGE_INTEGRITY_OFF);
+        m = device_ring(NULL, 0, 1 << 20);
+        CHECK_OK(kvstage_engine_register_staging_memory(e, &m));
+        CHECK_OK(kvstage_engine_listen_address(e, addr, sizeof addr, NULL));
+        REQUIRE(setenv("KVSTAGE_FAKE_CUDA_NO_DMABUF", "1", 1) == 0);
+        shm_sender = engine_on(sender, KVSTAGE_INTEGRITY_OFF, KVSTAGE_TRANSPORT_RDMA);
+        CHECK_ERR(kvstage_session_connect(shm_sender, addr, "rdma-no-dmabuf", 5000, &s), KVSTAGE_E_UNSUPPORTED, "cannot be registered for GPUDirect RDMA");
+        kvstage_engine_free(shm_sender);
+        REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+        o.rdma_devices = soft_rdma;
+        o.same_host = KVSTAGE_SAME_HOST_OFF;
+        REQUIRE(kvstage_engine_new(&o, &shm_sender) == KVSTAGE_OK);
+        CHECK_OK(kvstage_engine_register_pool(shm_sender, &sender->layout));
+        CHECK_OK(kvstage_session_connect(shm_sender, addr, "auto-no-dmabuf", 5000, &s));
+        memset(&st, 0, sizeof st);
+        st.struct_size = sizeof st;
+        CHECK_OK(kvstage_engine_stats_get(shm_sender, &st));
+        CHECK_INT(st.rdma_sessions, 0);
+        CHECK_INT(st.rdma_downgrades, 1);
+        kvstage_session_free(s);
+        kvstage_engine_free(shm_sender);
+        REQUIRE(unsetenv("KVSTAGE_FAKE_CUDA_NO_DMABUF") == 0);
+    }
     kvstage_engine_free(e);
     free(host_buffers);
 }
@@ -273,7 +311,7 @@ static void send_room(pool src[2], const char *addr, uint32_t chunks, int ring_o
     int r, c;
     for (r = 0; r < 2; r++) {
         char id[32];
-        prefill[r] = engine_with(&src[r], KVSTAGE_INTEGRITY_OFF);
+        prefill[r] = engine_on(&src[r], KVSTAGE_INTEGRITY_OFF, soft_rdma ? KVSTAGE_TRANSPORT_RDMA : KVSTAGE_TRANSPORT_AUTO);
         snprintf(id, sizeof id, "gpu-p%d", r);
         CHECK_OK(kvstage_session_connect(prefill[r], addr, id, 5000, &session[r]));
     }
@@ -298,14 +336,16 @@ static void send_room(pool src[2], const char *addr, uint32_t chunks, int ring_o
         memset(&st, 0, sizeof st);
         st.struct_size = sizeof st;
         CHECK_OK(kvstage_engine_stats_get(prefill[r], &st));
-        CHECK_INT(st.shm_sessions, 1);
+        CHECK_INT(st.shm_sessions, soft_rdma ? 0 : 1);
+        CHECK_INT(st.rdma_sessions, soft_rdma ? 1 : 0);
         CHECK_INT(st.shm_downgrades, 0);
         sent += st.bytes_sent;
         CHECK_OK(kvstage_engine_transport_describe(prefill[r], describe, sizeof describe, NULL));
         printf("prefill %d: %s\n", r, describe);
     }
     if (fake_htod_bytes != NULL && ring_on_device) {
-        /* Only the copy plans' tables go up; a staged write would copy every byte sent. */
+        /* Only the copy plans' tables go up; a staged write (or TCP's bounce on the receiver)
+         * would copy every byte sent. */
         const unsigned long long up = *fake_htod_bytes - htod_before;
         printf("host->device bytes while sending %llu: %llu\n", sent, up);
         CHECK(sent > 0 && up < sent / 4);
@@ -377,7 +417,8 @@ static void finish_decode(kvstage_engine *decode, pool src[2], pool *dst) {
     st.struct_size = sizeof st;
     CHECK_OK(kvstage_engine_stats_get(decode, &st));
     CHECK_INT(st.ring_live_allocations, 0);
-    CHECK_INT(st.shm_sessions, 2);
+    CHECK_INT(st.shm_sessions, soft_rdma ? 0 : 2);
+    CHECK_INT(st.rdma_sessions, soft_rdma ? 2 : 0);
 }
 
 int main(int argc, char **argv) {
@@ -389,11 +430,12 @@ int main(int argc, char **argv) {
     int r, started;
     const char *ring = argc > 1 ? argv[1] : "host";
     const int two_processes = strcmp(ring, "device-ipc") == 0;
+    const int rdma = strcmp(ring, "device-rdma") == 0;
     int fake_driver, to_prefill[2], to_decode[2];
     pid_t decode_pid = 0;
     unsigned long long caller_ring = 0;
 
-    REQUIRE(strcmp(ring, "host") == 0 || strcmp(ring, "device") == 0 || strcmp(ring, "caller-device") == 0 || two_processes);
+    REQUIRE(strcmp(ring, "host") == 0 || strcmp(ring, "device") == 0 || strcmp(ring, "caller-device") == 0 || two_processes || rdma);
     /* Two processes: fork before CUDA starts (a CUDA context does not survive fork). The decode
      * process sends its address (or "" when it skips) and waits until the prefill side is done
      * with its ring before freeing it. */
@@ -411,6 +453,18 @@ int main(int argc, char **argv) {
     }
     fake_driver = dlsym(lib, "kvstage_fake_libcuda") != NULL;
     fake_htod_bytes = (unsigned long long *)dlsym(lib, "kvstage_fake_htod_bytes");
+    if (rdma) {
+        /* The soft fabric exists in test builds only. */
+        kvstage_engine *probe = NULL;
+        kvstage_engine_options o;
+        REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+        o.transport = KVSTAGE_TRANSPORT_RDMA;
+        o.rdma_devices = "softib0";
+        if (kvstage_engine_new(&o, &probe) != KVSTAGE_OK) return skip("no soft RDMA fabric (a build without the testing feature)");
+        kvstage_engine_free(probe);
+        soft_rdma = "softib0";
+        ring = "device";
+    }
     for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1);
     pool_init(&dst, 0, 1, 99);
 

@@ -97,6 +97,35 @@ impl DeviceMemory {
         Ok((handle.reserved.map(|b| b as u8), self.ptr - base))
     }
 
+    /// A dma-buf of the allocation holding this memory, for a NIC to register it
+    /// (`ibv_reg_dmabuf_mr`), and this memory's offset in it. The range is the whole allocation,
+    /// rounded up to host pages (as `cuMemGetHandleForAddressRange` asks). Fails
+    /// (`KVSTAGE_E_UNSUPPORTED`) where the driver or device cannot export dma-bufs.
+    pub fn dmabuf(&self) -> Result<(std::os::fd::OwnedFd, u64)> {
+        use std::os::fd::FromRawFd;
+        if !has_symbol("cuMemGetHandleForAddressRange") {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the CUDA driver lacks cuMemGetHandleForAddressRange (dma-buf export, CUDA 11.7+)"));
+        }
+        let _g = self.dev.enter()?;
+        let (base, size) = allocation_of(self.ptr).ok_or_else(|| Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the driver cannot name the allocation holding the memory"))?;
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: context current; the handle is an int for DMA_BUF_FD.
+        cu("cuMemGetHandleForAddressRange", unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                base,
+                size.next_multiple_of(page) as usize,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        })
+        .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("device memory at {:#x} cannot be exported as a dma-buf", self.ptr)))?;
+        // SAFETY: a fresh descriptor the driver handed us.
+        Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, self.ptr - base))
+    }
+
     /// The `bytes` another process exported ([`export`](Self::export): `handle`, `offset`; `ptr`
     /// is its address there), reached from CUDA device `ordinal`: `same_process` (the peer is
     /// this very process) borrows `ptr` as is, else the handle is opened (closed on drop). The

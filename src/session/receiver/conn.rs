@@ -288,16 +288,15 @@ impl Receiver {
                 Message::RdmaOffer(offer) => {
                     let ring = self.memory.lock().clone();
                     let rdma = self.rdma.lock().clone().unwrap_or_else(crate::transport::rdma::Rdma::off);
-                    let (answer, p) = match ring.as_ref().filter(|m| m.device().is_some()) {
-                        // GPUDirect registration of a device ring is not implemented: refused, so
-                        // that the sender downgrades to TCP (counted there) or fails (rdma only).
-                        Some(m) => {
-                            let why = format!("the receiver's staging ring is {}: GPUDirect RDMA registration is not implemented, device rings take TCP", m.describe());
-                            log::warn!(session = session; "refused the RDMA offer of {}: {why}", link.describe());
-                            (crate::protocol::RdmaOffer::refusal(Status::KVSTAGE_E_UNSUPPORTED, why), None)
-                        }
-                        None => rdma.accept(&offer, ring.as_ref().map(|m| (m.base(), m.size())), &link.describe(), session),
-                    };
+                    // A device ring is registered through its dma-buf (GPUDirect RDMA).
+                    let dmabuf = |m: &super::memory::RingMemory| m.dmabuf();
+                    let export = ring.as_ref().filter(|m| m.device().is_some()).map(|m| move || dmabuf(m));
+                    let nic_memory = ring.as_ref().map(|m| crate::transport::rdma::NicMemory {
+                        ptr: m.base(),
+                        len: m.size(),
+                        dmabuf: export.as_ref().map(|f| f as &dyn Fn() -> crate::Result<crate::transport::rdma::DmaBuf>),
+                    });
+                    let (answer, p) = rdma.accept(&offer, nic_memory, &link.describe(), session);
                     // The ring may have been replaced while the offer was served: its registration
                     // (and the address the answer carries) then describe dead memory.
                     let current = self.memory.lock().clone();

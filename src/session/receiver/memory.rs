@@ -121,6 +121,14 @@ impl RingMemory {
         }
     }
 
+    /// A device ring's dma-buf, for the NIC to register it (GPUDirect RDMA).
+    pub fn dmabuf(&self) -> Result<crate::transport::rdma::DmaBuf> {
+        match &self.backing {
+            Backing::Device(m, _) => m.dmabuf().map(|(fd, offset)| crate::transport::rdma::DmaBuf { fd, offset }),
+            _ => Err(Error::internal("a host ring has no dma-buf")),
+        }
+    }
+
     /// The CUDA device holding the ring (`None`: host memory).
     pub fn device(&self) -> Option<i32> {
         match &self.backing {

@@ -30,6 +30,7 @@ pub mod verbs;
 mod tests;
 
 use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -262,6 +263,23 @@ struct Registration {
     addr: usize,
     len: usize,
     mrs: Vec<Box<dyn MemoryRegion>>,
+    /// The dma-buf device memory was registered through (after `mrs`: it outlives them).
+    _dmabuf: Option<OwnedFd>,
+}
+
+/// Device memory exported for the NIC: a dma-buf and the memory's offset in it.
+pub struct DmaBuf {
+    pub fd: OwnedFd,
+    pub offset: u64,
+}
+
+/// Memory for the NIC to reach: host memory, or device memory with a way to export it as a
+/// dma-buf (GPUDirect RDMA).
+pub struct NicMemory<'a> {
+    pub ptr: *mut u8,
+    pub len: usize,
+    /// Device memory: its dma-buf export (called only when a registration is made).
+    pub dmabuf: Option<&'a dyn Fn() -> Result<DmaBuf>>,
 }
 
 impl Registration {
@@ -409,7 +427,52 @@ impl Rdma {
             // SAFETY: the caller keeps the memory allocated while the registration lives.
             mrs.push(unsafe { nic.dev.reg_mr(addr, len, remote_write) }?);
         }
-        Ok(Registration { addr: addr as usize, len, mrs })
+        Ok(Registration { addr: addr as usize, len, mrs, _dmabuf: None })
+    }
+
+    /// `memory` registered on every device: host memory as such; device memory through its
+    /// dma-buf (`ibv_reg_dmabuf_mr`, the address as IOVA), else as a plain pointer (which only a
+    /// peer-memory module such as nvidia-peermem makes work). Neither: `KVSTAGE_E_UNSUPPORTED`
+    /// naming both reasons.
+    fn register_memory(&self, memory: &NicMemory<'_>, remote_write: bool) -> Result<Registration> {
+        let Some(dmabuf) = memory.dmabuf else {
+            return self.register(memory.ptr, memory.len, remote_write);
+        };
+        let by_dmabuf = dmabuf().and_then(|buf| {
+            let mut mrs = Vec::new();
+            for nic in &self.nics {
+                // SAFETY: the dma-buf covers the memory and is kept with the registration.
+                mrs.push(unsafe { nic.dev.reg_dmabuf_mr(buf.fd.as_raw_fd(), buf.offset, memory.len, memory.ptr as u64, remote_write) }?);
+            }
+            Ok(Registration { addr: memory.ptr as usize, len: memory.len, mrs, _dmabuf: Some(buf.fd) })
+        });
+        let dmabuf_failed = match by_dmabuf {
+            Ok(reg) => {
+                log::info!("device memory at {:p} ({} bytes) registered with the RDMA devices through dma-buf", memory.ptr, memory.len);
+                return Ok(reg);
+            }
+            Err(e) => e,
+        };
+        match self.register(memory.ptr, memory.len, remote_write) {
+            Ok(reg) => {
+                log::info!(
+                    "device memory at {:p} ({} bytes) registered with the RDMA devices as a plain pointer (peer memory); dma-buf failed: {}",
+                    memory.ptr,
+                    memory.len,
+                    dmabuf_failed.chain()
+                );
+                Ok(reg)
+            }
+            Err(plain) => Err(Error::new(
+                Status::KVSTAGE_E_UNSUPPORTED,
+                format!(
+                    "device memory at {:p} cannot be registered for GPUDirect RDMA: by dma-buf: {}; as a plain pointer (needs a peer-memory module such as nvidia-peermem): {}",
+                    memory.ptr,
+                    dmabuf_failed.chain(),
+                    plain.chain()
+                ),
+            )),
+        }
     }
 
     /// Registers a send staging buffer until it is freed (`None` without a device); drop the
@@ -440,11 +503,11 @@ impl Rdma {
 
     /// rkeys (per device) of the receiver's ring, registered for remote write (kept until the
     /// ring is forgotten or a ring elsewhere is registered).
-    pub fn ring_keys(&self, addr: *mut u8, len: usize) -> Result<Vec<u32>> {
+    pub fn ring_keys(&self, ring: &NicMemory<'_>) -> Result<Vec<u32>> {
         let mut reg = self.ring.lock();
-        if !reg.as_ref().is_some_and(|r| r.covers(addr, len)) {
+        if !reg.as_ref().is_some_and(|r| r.covers(ring.ptr, ring.len)) {
             *reg = None; // deregister the old ring first
-            *reg = Some(self.register(addr, len, true)?);
+            *reg = Some(self.register_memory(ring, true)?);
         }
         Ok(reg.as_ref().expect("registered above").mrs.iter().map(|m| m.rkey()).collect())
     }
@@ -592,7 +655,7 @@ impl Rdma {
 
     /// Receiver side: answers a sender's offer. On success the returned peer holds the connected
     /// QPs (receives posted) whose immediates gate `ChunkReady`.
-    pub fn accept(self: &Arc<Self>, offer: &RdmaOffer, ring: Option<(*mut u8, usize)>, peer: &str, session: &str) -> (RdmaOffer, Option<RdmaPeer>) {
+    pub fn accept(self: &Arc<Self>, offer: &RdmaOffer, ring: Option<NicMemory<'_>>, peer: &str, session: &str) -> (RdmaOffer, Option<RdmaPeer>) {
         match self.try_accept(offer, ring, peer, session) {
             Ok((answer, p)) => {
                 self.sessions.fetch_add(1, Ordering::Relaxed);
@@ -614,7 +677,7 @@ impl Rdma {
         }
     }
 
-    fn try_accept(self: &Arc<Self>, offer: &RdmaOffer, ring: Option<(*mut u8, usize)>, peer: &str, session: &str) -> Result<(RdmaOffer, RdmaPeer)> {
+    fn try_accept(self: &Arc<Self>, offer: &RdmaOffer, ring: Option<NicMemory<'_>>, peer: &str, session: &str) -> Result<(RdmaOffer, RdmaPeer)> {
         if !self.active() {
             let why = match self.mode {
                 RdmaMode::Off => "its transport is tcp".to_owned(),
@@ -622,13 +685,14 @@ impl Rdma {
             };
             return Err(Error::new(Status::KVSTAGE_E_NO_DEVICE, format!("the receiver does not serve RDMA: {why}")));
         }
-        let Some((ring_ptr, ring_len)) = ring else {
+        let Some(ring) = ring else {
             return Err(Error::new(Status::KVSTAGE_E_STAGING_TOO_SMALL, "the receiver has no staging ring registered"));
         };
+        let (ring_ptr, ring_len) = (ring.ptr, ring.len);
         if offer.endpoints.is_empty() || offer.endpoints.len() > attrs::MAX_ENDPOINTS {
             return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("an offer of {} QPs", offer.endpoints.len())));
         }
-        let rkeys = self.ring_keys(ring_ptr, ring_len)?;
+        let rkeys = self.ring_keys(&ring)?;
         let notify = Arc::new(Notify::default());
         let arrivals = Arc::new(Arrivals::default());
         let mut slots = Vec::new();

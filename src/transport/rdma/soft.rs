@@ -4,6 +4,11 @@
 //! flush the rest). Two engines in one process reach each other through it, so CI runs the whole
 //! RDMA session path. It cannot show timing, real NIC ordering or the verbs library itself.
 //!
+//! Memory: host memory by address (`reg_mr`), which must be readable host memory as the kernel's
+//! page pinning requires (so a plain device pointer is refused: no peer-memory module here), and
+//! device memory by dma-buf (`reg_dmabuf_mr`): the fabric maps the dma-buf and reaches the memory
+//! through that mapping, by the IOVA the registration names, as a NIC does.
+//!
 //! Devices (selected only by naming them in `rdma_devices`): `softib0` (InfiniBand, MTU 4096,
 //! LID 1), `softib1` (InfiniBand, MTU 2048, LID 2), `softroce0` (Ethernet, MTU 1024, RoCE v2 GID
 //! ::ffff:10.0.0.1 at index 1), `softdown0` (InfiniBand, port DOWN).
@@ -26,9 +31,36 @@ pub fn serves(names: &[String]) -> bool {
 }
 
 struct SoftMr {
+    /// The addresses work requests use (the IOVA of a dma-buf registration).
     addr: u64,
     len: u64,
     remote_write: bool,
+    /// Where this process reaches `addr` (differs from it for a dma-buf's mapping).
+    host: u64,
+    /// A dma-buf mapping (address, length), unmapped with the region.
+    mapping: Option<(usize, usize)>,
+}
+
+impl SoftMr {
+    /// The host address of `[addr, +len)` when it lies inside the region.
+    fn reach(&self, addr: u64, len: u64) -> Option<u64> {
+        (addr >= self.addr && addr.checked_add(len)? <= self.addr + self.len).then(|| self.host + (addr - self.addr))
+    }
+}
+
+/// Whether every page of `[addr, +len)` is readable host memory of this process (what pinning
+/// user pages for a plain registration needs): `process_vm_readv` of one byte per page.
+fn pinnable(addr: *mut u8, len: usize) -> bool {
+    let page = 4096usize;
+    let mut probe = [0u8; 1];
+    let first = addr as usize / page * page;
+    (first..addr as usize + len.max(1)).step_by(page).all(|p| {
+        let at = p.max(addr as usize);
+        let local = libc::iovec { iov_base: probe.as_mut_ptr().cast(), iov_len: 1 };
+        let remote = libc::iovec { iov_base: at as *mut libc::c_void, iov_len: 1 };
+        // SAFETY: reads one byte of this process into `probe`; the kernel checks the address.
+        unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) == 1 }
+    })
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +100,12 @@ fn fabric() -> &'static Mutex<Fabric> {
 #[cfg(test)]
 pub fn registered(key: u32) -> bool {
     fabric().lock().mrs.contains_key(&key)
+}
+
+/// Where this process reaches `addr` through region `key` (unit tests of dma-buf registrations).
+#[cfg(test)]
+pub fn host_address(key: u32, addr: u64) -> Option<u64> {
+    fabric().lock().mrs.get(&key)?.reach(addr, 1)
 }
 
 impl Fabric {
@@ -158,14 +196,29 @@ impl Device for SoftDevice {
     }
 
     unsafe fn reg_mr(&self, addr: *mut u8, len: usize, remote_write: bool) -> Result<Box<dyn MemoryRegion>> {
+        if !pinnable(addr, len) {
+            return Err(Error::new(Status::KVSTAGE_E_RDMA, format!("ibv_reg_mr of {len} bytes at {addr:p} on {} failed", self.name))
+                .with_source(io::Error::from_raw_os_error(libc::EFAULT)));
+        }
         let mut f = fabric().lock();
         let key = f.id();
-        f.mrs.insert(key, SoftMr { addr: addr as u64, len: len as u64, remote_write });
+        f.mrs.insert(key, SoftMr { addr: addr as u64, len: len as u64, remote_write, host: addr as u64, mapping: None });
         Ok(Box::new(SoftMrHandle { key }))
     }
 
-    unsafe fn reg_dmabuf_mr(&self, _fd: i32, _offset: u64, _len: usize, _iova: u64, _rw: bool) -> Result<Box<dyn MemoryRegion>> {
-        Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the soft RDMA fabric has no dma-buf support"))
+    unsafe fn reg_dmabuf_mr(&self, fd: i32, offset: u64, len: usize, iova: u64, remote_write: bool) -> Result<Box<dyn MemoryRegion>> {
+        let fail = |e: io::Error| Error::new(Status::KVSTAGE_E_RDMA, format!("ibv_reg_dmabuf_mr of {len} bytes (fd {fd}) on {} failed", self.name)).with_source(e);
+        let span = (offset as usize).checked_add(len).ok_or_else(|| fail(io::Error::from_raw_os_error(libc::EINVAL)))?;
+        // SAFETY: a shared mapping of the caller's dma-buf; the kernel checks fd and size.
+        let map = unsafe { libc::mmap(std::ptr::null_mut(), span, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        if map == libc::MAP_FAILED {
+            return Err(fail(io::Error::last_os_error()));
+        }
+        let host = map as u64 + offset;
+        let mut f = fabric().lock();
+        let key = f.id();
+        f.mrs.insert(key, SoftMr { addr: iova, len: len as u64, remote_write, host, mapping: Some((map as usize, span)) });
+        Ok(Box::new(SoftMrHandle { key }))
     }
 
     fn create_qp(&self, caps: QpCaps) -> Result<(Box<dyn QueuePair>, Arc<dyn CompletionQueue>)> {
@@ -196,7 +249,11 @@ impl MemoryRegion for SoftMrHandle {
 
 impl Drop for SoftMrHandle {
     fn drop(&mut self) {
-        fabric().lock().mrs.remove(&self.key);
+        let mr = fabric().lock().mrs.remove(&self.key);
+        if let Some((map, span)) = mr.and_then(|m| m.mapping) {
+            // SAFETY: the fabric's own mapping, no longer reachable through any key.
+            unsafe { libc::munmap(map as *mut libc::c_void, span) };
+        }
     }
 }
 
@@ -315,18 +372,18 @@ impl QueuePair for SoftQp {
 /// Performs one WRITE on the fabric: the `ibv_wc_status` it completes with.
 fn execute(f: &Fabric, remote_qpn: u32, wr: &SendWr) -> u32 {
     let Some(local) = f.mrs.get(&wr.lkey) else { return 4 }; // IBV_WC_LOC_PROT_ERR
-    if wr.local_addr < local.addr || wr.local_addr + wr.len as u64 > local.addr + local.len {
-        return 4;
-    }
+    let Some(source) = local.reach(wr.local_addr, wr.len as u64) else { return 4 };
     let Some(remote_qp) = f.qps.get(&remote_qpn) else { return 12 }; // IBV_WC_RETRY_EXC_ERR
     let mut r = remote_qp.inner.lock();
     if !matches!(r.state, QpState::Rtr | QpState::Rts) {
         return 12;
     }
+    let mut target = 0;
     if wr.len > 0 {
         let Some(mr) = f.mrs.get(&wr.rkey) else { return 10 }; // IBV_WC_REM_ACCESS_ERR
-        if !mr.remote_write || wr.remote_addr < mr.addr || wr.remote_addr + wr.len as u64 > mr.addr + mr.len {
-            return 10;
+        match mr.reach(wr.remote_addr, wr.len as u64) {
+            Some(t) if mr.remote_write => target = t,
+            _ => return 10,
         }
     }
     if wr.imm.is_some() && r.recvs.is_empty() {
@@ -334,7 +391,7 @@ fn execute(f: &Fabric, remote_qpn: u32, wr: &SendWr) -> u32 {
     }
     if wr.len > 0 {
         // SAFETY: both ranges lie inside registered regions of this process (checked above).
-        unsafe { std::ptr::copy(wr.local_addr as *const u8, wr.remote_addr as *mut u8, wr.len as usize) };
+        unsafe { std::ptr::copy(source as *const u8, target as *mut u8, wr.len as usize) };
     }
     // The immediate's completion only after the data, as on a real RC QP.
     if let Some(imm) = wr.imm {

@@ -67,3 +67,50 @@ fn staging_buffers_keep_their_own_registration_for_their_lifetime() {
     // Without a device nothing is registered.
     assert!(Rdma::off().register_staging(b.as_mut_ptr(), b.len()).unwrap().is_none());
 }
+
+/// Device memory (here as the fake driver makes it: a memfd mapped PROT_NONE at the "device
+/// address") is registered through its dma-buf, the address as IOVA: the fabric reaches the memory
+/// through the dma-buf at the right offset. Without a dma-buf, a plain registration of the
+/// address fails as it does without a peer-memory module, and the error names both attempts; a
+/// pointer the NIC can pin (what peer memory makes of device memory) registers plainly.
+#[test]
+fn device_memory_registers_by_dmabuf_else_as_a_plain_pointer_else_not_at_all() {
+    use std::os::fd::FromRawFd;
+    const LEN: usize = 64 << 10;
+    let options = RdmaOptions { devices: parse_devices("softib0").unwrap(), ..RdmaOptions::default() };
+    let rdma = Rdma::open(RdmaMode::Required, options).unwrap();
+    // SAFETY: a fresh memfd and two mappings of it, unmapped at the end.
+    let (memfd, device, host) = unsafe {
+        let fd = libc::memfd_create(c"kvstage-test-device".as_ptr(), libc::MFD_CLOEXEC);
+        assert!(fd >= 0 && libc::ftruncate(fd, LEN as libc::off_t) == 0);
+        let device = libc::mmap(std::ptr::null_mut(), LEN, libc::PROT_NONE, libc::MAP_SHARED, fd, 0);
+        let host = libc::mmap(std::ptr::null_mut(), LEN, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+        assert!(device != libc::MAP_FAILED && host != libc::MAP_FAILED);
+        (OwnedFd::from_raw_fd(fd), device as *mut u8, host as *mut u8)
+    };
+    let ring = device.wrapping_add(4096);
+    let export = || Ok(DmaBuf { fd: memfd.try_clone()?, offset: 4096 });
+    let keys = rdma.ring_keys(&NicMemory { ptr: ring, len: LEN - 4096, dmabuf: Some(&export) }).unwrap();
+    let reached = soft::host_address(keys[0], ring as u64 + 10).expect("the IOVA lies in the region");
+    // SAFETY: the fabric's mapping of the memfd, 4096 + 10 bytes in; `host` maps the same file.
+    unsafe {
+        (reached as *mut u8).write(0x5a);
+        assert_eq!(host.add(4096 + 10).read(), 0x5a, "the fabric reaches the memory at the dma-buf's offset");
+    }
+    rdma.forget_ring();
+    assert!(!soft::registered(keys[0]));
+
+    let no_export = || Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "no dma-buf here"));
+    let e = rdma.ring_keys(&NicMemory { ptr: ring, len: LEN - 4096, dmabuf: Some(&no_export) }).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_UNSUPPORTED);
+    assert!(e.message().contains("no dma-buf here") && e.message().contains("peer-memory") && e.message().contains("ibv_reg_mr"), "{}", e.chain());
+    // Pinnable memory (peer memory's case): registered as a plain pointer.
+    let keys = rdma.ring_keys(&NicMemory { ptr: host, len: LEN, dmabuf: Some(&no_export) }).unwrap();
+    assert_eq!(soft::host_address(keys[0], host as u64 + 5), Some(host as u64 + 5));
+    rdma.forget_ring();
+    // SAFETY: the mappings made above, no longer registered.
+    unsafe {
+        libc::munmap(device.cast(), LEN);
+        libc::munmap(host.cast(), LEN);
+    }
+}
