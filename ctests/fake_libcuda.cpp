@@ -103,8 +103,8 @@ struct DeviceAccess {
 #define API extern "C" __attribute__((visibility("default")))
 
 int kvstage_fake_libcuda = 1;  // marker for tests
-// Bytes copied from host to device memory (tests check that a path writes device to device).
-unsigned long long kvstage_fake_htod_bytes = 0;
+// Bytes copied from host to device memory and back (tests check that a path stays on the device).
+unsigned long long kvstage_fake_htod_bytes = 0, kvstage_fake_dtoh_bytes = 0;
 
 API CUresult cuInit(unsigned) { return OK; }
 API CUresult cuDriverGetVersion(int *v) { return v ? (*v = 12080, OK) : E_INVALID_VALUE; }
@@ -276,7 +276,9 @@ API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned) {
 API CUresult cuIpcCloseMemHandle(CUdeviceptr p) { return release(p, true); }
 API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream) {
     DeviceAccess device;
-    if (inside(g_device, (uintptr_t)dst) && !inside(g_device, (uintptr_t)src)) kvstage_fake_htod_bytes += n;
+    const bool to_device = inside(g_device, (uintptr_t)dst), from_device = inside(g_device, (uintptr_t)src);
+    if (to_device && !from_device) kvstage_fake_htod_bytes += n;
+    if (from_device && !to_device) kvstage_fake_dtoh_bytes += n;
     std::memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
     return OK;
 }

@@ -12,7 +12,9 @@
  * "device-ipc": the decode engine runs in a second process (forked before CUDA starts) with an
  * engine-allocated device ring, which the senders open through CUDA IPC; "device-rdma": an
  * engine-allocated device ring reached over RDMA on the soft fabric of test builds (prefill
- * transport RDMA), registered through the fake driver's dma-buf (GPUDirect). Device rings run with
+ * transport RDMA), the ring and the senders' device staging buffers registered through the fake
+ * driver's dma-bufs (GPUDirect), without integrity checks so that no byte may cross to the host
+ * ("device-rdma-integrity": with them). Other device rings run with
  * integrity ALWAYS (each side reads the regions back to check them), and first check what must be
  * refused: a device ring with a host pool (either registration order), an engine-allocated device
  * ring without a device, device memory through the host-only call, a bad memory kind, a sender
@@ -141,6 +143,9 @@ static kvstage_staging_memory device_ring(void *memory, int32_t device, size_t b
     return m;
 }
 
+static const uint32_t SRC_PAGES[NPAGES] = {7, 2, 3, 11};
+static const uint32_t DST_PAGES[NPAGES] = {5, 14, 0, 1};
+
 /* What a device ring must refuse, on engines of their own. */
 static void check_refusals(pool *dst, pool *sender, void *device_memory, int fake_driver) {
     kvstage_engine *e = NULL, *shm_sender = NULL;
@@ -218,6 +223,9 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
      * device pointer): RDMA senders fail, AUTO ones (same host off) go by TCP, counted. */
     if (fake_driver && soft_rdma != NULL) {
         kvstage_engine_stats st;
+        kvstage_transfer_desc d;
+        char describe[1024];
+        uint32_t chunks = 0;
         /* A receiver of its own: the one above registered its ring with the NIC already. */
         kvstage_engine_free(e);
         e = engine_with(dst, KVSTAGE_INTEGRITY_OFF);
@@ -239,6 +247,26 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
         CHECK_OK(kvstage_engine_stats_get(shm_sender, &st));
         CHECK_INT(st.rdma_sessions, 0);
         CHECK_INT(st.rdma_downgrades, 1);
+        kvstage_session_free(s);
+        kvstage_engine_free(shm_sender);
+        /* Into a host ring the sender alone needs GPUDirect: without a dma-buf its chunk is staged
+         * in host memory instead, delivered, counted and said. */
+        kvstage_engine_free(e);
+        e = engine_with(dst, KVSTAGE_INTEGRITY_OFF);
+        CHECK_OK(kvstage_engine_register_staging(e, NULL, 1 << 20));
+        CHECK_OK(kvstage_engine_listen_address(e, addr, sizeof addr, NULL));
+        CHECK_OK(kvstage_room_open(e, ROOM, DST_PAGES, NPAGES, CHUNK, &chunks));
+        shm_sender = engine_on(sender, KVSTAGE_INTEGRITY_OFF, KVSTAGE_TRANSPORT_RDMA);
+        CHECK_OK(kvstage_session_connect(shm_sender, addr, "rdma-host-bounce", 5000, &s));
+        REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+        d.room = ROOM;
+        d.src_pages = SRC_PAGES;
+        d.num_pages = CHUNK / PAGE;
+        d.deadline_ms = 10000;
+        CHECK_OK(kvstage_transfer(s, &d));
+        CHECK_OK(kvstage_engine_transport_describe(shm_sender, describe, sizeof describe, NULL));
+        CHECK_CONTAINS(describe, "1 session(s) staging GPU data in host memory (no GPUDirect)");
+        CHECK_CONTAINS(describe, "cannot be registered for GPUDirect RDMA");
         kvstage_session_free(s);
         kvstage_engine_free(shm_sender);
         REQUIRE(unsetenv("KVSTAGE_FAKE_CUDA_NO_DMABUF") == 0);
@@ -294,11 +322,13 @@ static int start_cuda(void **lib) {
     return 0;
 }
 
-static const uint32_t SRC_PAGES[NPAGES] = {7, 2, 3, 11};
-static const uint32_t DST_PAGES[NPAGES] = {5, 14, 0, 1};
 
-/* Host-to-device bytes the fake driver copied (NULL on a real driver). */
-static unsigned long long *fake_htod_bytes;
+/* Bytes the fake driver copied host to device and back (NULL on a real driver). */
+static unsigned long long *fake_htod_bytes, *fake_dtoh_bytes;
+
+/* Integrity on device rings (each side reads the regions back to check them); "device-rdma"
+ * runs without it, so that no byte may cross to the host at all. */
+static int device_integrity = KVSTAGE_INTEGRITY_ALWAYS;
 
 /* The prefill side: both ranks connect to `addr` and send every chunk of the room (the last one
  * layer-wise); then each engine's same-host counters are checked, and with the fake driver that
@@ -308,6 +338,7 @@ static void send_room(pool src[2], const char *addr, uint32_t chunks, int ring_o
     kvstage_session *session[2];
     kvstage_engine_stats st;
     unsigned long long sent = 0, htod_before = fake_htod_bytes ? *fake_htod_bytes : 0;
+    unsigned long long dtoh_before = fake_dtoh_bytes ? *fake_dtoh_bytes : 0;
     int r, c;
     for (r = 0; r < 2; r++) {
         char id[32];
@@ -350,6 +381,13 @@ static void send_room(pool src[2], const char *addr, uint32_t chunks, int ring_o
         printf("host->device bytes while sending %llu: %llu\n", sent, up);
         CHECK(sent > 0 && up < sent / 4);
     }
+    if (fake_dtoh_bytes != NULL && ring_on_device && device_integrity == KVSTAGE_INTEGRITY_OFF) {
+        /* GPUDirect both ways: gathered into device staging, read by the NIC, written into the
+         * device ring; host staging would copy every byte down first. */
+        const unsigned long long down = *fake_dtoh_bytes - dtoh_before;
+        printf("device->host bytes while sending %llu: %llu\n", sent, down);
+        CHECK(down < sent / 4);
+    }
     for (r = 0; r < 2; r++) {
         kvstage_session_free(session[r]);
         kvstage_engine_free(prefill[r]);
@@ -388,7 +426,7 @@ static void verify(pool src[2], pool *dst) {
 static kvstage_engine *open_decode(pool *dst, pool *src0, const char *ring, int fake_driver, unsigned long long *caller_ring,
                                    char *addr, size_t addr_len, uint32_t *chunks) {
     const int device_ring_mode = strcmp(ring, "host") != 0;
-    kvstage_engine *decode = engine_with(dst, device_ring_mode ? KVSTAGE_INTEGRITY_ALWAYS : KVSTAGE_INTEGRITY_OFF);
+    kvstage_engine *decode = engine_with(dst, device_ring_mode ? device_integrity : KVSTAGE_INTEGRITY_OFF);
     REQUIRE(*kv_failures() == 0);
     if (!device_ring_mode) {
         CHECK_OK(kvstage_engine_register_staging(decode, NULL, 1 << 20));
@@ -430,7 +468,7 @@ int main(int argc, char **argv) {
     int r, started;
     const char *ring = argc > 1 ? argv[1] : "host";
     const int two_processes = strcmp(ring, "device-ipc") == 0;
-    const int rdma = strcmp(ring, "device-rdma") == 0;
+    const int rdma = strcmp(ring, "device-rdma") == 0 || strcmp(ring, "device-rdma-integrity") == 0;
     int fake_driver, to_prefill[2], to_decode[2];
     pid_t decode_pid = 0;
     unsigned long long caller_ring = 0;
@@ -453,6 +491,7 @@ int main(int argc, char **argv) {
     }
     fake_driver = dlsym(lib, "kvstage_fake_libcuda") != NULL;
     fake_htod_bytes = (unsigned long long *)dlsym(lib, "kvstage_fake_htod_bytes");
+    fake_dtoh_bytes = (unsigned long long *)dlsym(lib, "kvstage_fake_dtoh_bytes");
     if (rdma) {
         /* The soft fabric exists in test builds only. */
         kvstage_engine *probe = NULL;
@@ -463,6 +502,7 @@ int main(int argc, char **argv) {
         if (kvstage_engine_new(&o, &probe) != KVSTAGE_OK) return skip("no soft RDMA fabric (a build without the testing feature)");
         kvstage_engine_free(probe);
         soft_rdma = "softib0";
+        if (strcmp(ring, "device-rdma") == 0) device_integrity = KVSTAGE_INTEGRITY_OFF;
         ring = "device";
     }
     for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1);

@@ -76,6 +76,10 @@ pub unsafe extern "C" fn kvstage_engine_transport_describe(
             if n > 0 {
                 part.push_str(&format!("; {n} session(s) downgraded to tcp, last: {last}"));
             }
+            let (n, last) = rdma.host_bounces();
+            if n > 0 {
+                part.push_str(&format!("; {n} session(s) staging GPU data in host memory (no GPUDirect), last: {last}"));
+            }
             parts.push(part);
         }
         let text = parts.join("; other hosts: ");

@@ -1,6 +1,8 @@
 //! The engine's send staging buffers: a bounded pool (count and total bytes), so chunks of
 //! different sessions gather and write at the same time while memory stays bounded. A chunk waits
-//! for a buffer only until its deadline; no lock is held while a buffer is in use.
+//! for a buffer only until its deadline; no lock is held while a buffer is in use. Buffers are host
+//! memory, or device memory on a KV pool's device for sessions whose NIC reads GPU memory
+//! (GPUDirect RDMA): the gather kernels write them and the NIC reads them, no host crossing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,21 +11,52 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::op::Op;
 use super::Deadline;
+use crate::copy::cuda::DeviceMemory;
 use crate::copy::{CopyEngine, HostPin};
 use crate::error::{Error, Result, Status};
-use crate::transport::rdma::{Rdma, StagingRegistration};
+use crate::transport::rdma::{DmaBuf, NicMemory, Rdma, StagingRegistration};
 
-/// One staging buffer with, for device pools, its page lock and, once an RDMA session took it,
-/// its registration with the engine's RDMA devices.
+/// Where a staging buffer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StagingMemory {
+    Host,
+    /// Device memory of this CUDA device.
+    Device(i32),
+}
+
+enum Memory {
+    /// Page-locked for device pools (faster device-to-host copies), best effort; the pin is
+    /// declared first: it ends before the bytes are freed.
+    Host { _pin: Option<HostPin>, bytes: Vec<u8> },
+    Device(DeviceMemory),
+}
+
+/// One staging buffer with, once an RDMA session took it, its registration with the engine's
+/// RDMA devices.
 struct Buffer {
-    /// Held for their drops, which end the registration and the page lock before `bytes` is
-    /// freed (declared first: dropped first).
+    /// Held for its drop, which ends the registration before the memory is freed (declared
+    /// first: dropped first).
     nic: Option<StagingRegistration>,
-    _pin: Option<HostPin>,
-    bytes: Vec<u8>,
-    /// Registering it with the RDMA devices failed once: not tried again (each write registers
-    /// its own range instead).
+    memory: Memory,
+    /// Registering it with the RDMA devices failed once: not tried again (each write from host
+    /// memory registers its own range instead).
     nic_refused: bool,
+}
+
+impl Buffer {
+    fn len(&self) -> usize {
+        match &self.memory {
+            Memory::Host { bytes, .. } => bytes.len(),
+            Memory::Device(d) => d.bytes,
+        }
+    }
+
+    fn kind(&self) -> StagingMemory {
+        match &self.memory {
+            Memory::Host { .. } => StagingMemory::Host,
+            Memory::Device(d) => StagingMemory::Device(d.ordinal()),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -58,38 +91,101 @@ pub struct StagingLease<'a> {
 }
 
 impl StagingLease<'_> {
-    /// Registers the whole buffer with the RDMA devices until it is freed, once (best effort: an
-    /// RDMA write from memory without a registration registers its range for itself, and fails
-    /// there with the cause if that fails too; a failure here is logged once per buffer).
-    pub fn register_with(&mut self, rdma: &Arc<Rdma>) {
-        let b = self.buffer.as_mut().expect("a lease holds its buffer");
-        if b.nic.is_some() || b.nic_refused {
-            return;
+    fn buffer(&mut self) -> &mut Buffer {
+        self.buffer.as_mut().expect("a lease holds its buffer")
+    }
+
+    /// Registers the whole buffer with the RDMA devices until it is freed, once; device memory
+    /// through its dma-buf (GPUDirect). Best effort for host memory (an RDMA write from memory
+    /// without a registration registers its range for itself, and fails there with the cause if
+    /// that fails too; logged once per buffer). A failure is returned (`Ok`: registered, or no
+    /// device to register with), and not tried again for this buffer.
+    pub fn register_with(&mut self, rdma: &Arc<Rdma>) -> Result<()> {
+        let b = self.buffer();
+        if b.nic.is_some() {
+            return Ok(());
         }
-        match rdma.register_staging(b.bytes.as_mut_ptr(), b.bytes.len()) {
-            Ok(nic) => b.nic = nic,
+        if b.nic_refused {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "this staging buffer could not be registered with the RDMA devices before"));
+        }
+        let len = b.len();
+        let registered = match &mut b.memory {
+            Memory::Host { bytes, .. } => rdma.register_staging(&NicMemory { ptr: bytes.as_mut_ptr(), len, dmabuf: None }),
+            Memory::Device(d) => {
+                let export = || d.dmabuf().map(|(fd, offset)| DmaBuf { fd, offset });
+                rdma.register_staging(&NicMemory { ptr: d.ptr as *mut u8, len, dmabuf: Some(&export) })
+            }
+        };
+        match registered {
+            Ok(nic) => {
+                b.nic = nic;
+                Ok(())
+            }
             Err(e) => {
                 b.nic_refused = true;
-                log::warn!("a send staging buffer of {} bytes could not be registered with the RDMA devices: {}", b.bytes.len(), e.chain());
+                // A device buffer's failure is the session's to report (it stages in host memory).
+                if b.kind() == StagingMemory::Host {
+                    log::warn!("a send staging buffer of {len} bytes could not be registered with the RDMA devices: {}", e.chain());
+                }
+                Err(e)
             }
         }
     }
 
-    /// The first `len` bytes of the buffer (it holds at least the size asked for).
-    pub fn bytes(&mut self, len: usize) -> &mut [u8] {
-        &mut self.buffer.as_mut().expect("a lease holds its buffer").bytes[..len]
+    /// The first `len` bytes of a host buffer (it holds at least the size asked for).
+    pub fn bytes(&mut self, len: usize) -> Result<&mut [u8]> {
+        match &mut self.buffer().memory {
+            Memory::Host { bytes, .. } => Ok(&mut bytes[..len]),
+            Memory::Device(_) => Err(Error::internal("the CPU cannot reach a device staging buffer")),
+        }
+    }
+
+    /// The buffer's address: host or device memory (see [`memory`](Self::memory)).
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        match &mut self.buffer().memory {
+            Memory::Host { bytes, .. } => bytes.as_mut_ptr(),
+            Memory::Device(d) => d.ptr as *mut u8,
+        }
+    }
+
+    pub fn memory(&self) -> StagingMemory {
+        self.buffer.as_ref().expect("a lease holds its buffer").kind()
+    }
+
+    /// The first `len` bytes as the CPU sees them: borrowed from host memory, copied back from
+    /// device memory (one device→host crossing).
+    pub fn to_host(&mut self, len: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
+        match &mut self.buffer().memory {
+            Memory::Host { bytes, .. } => Ok(std::borrow::Cow::Borrowed(&bytes[..len])),
+            Memory::Device(d) => {
+                let mut out = vec![0u8; len];
+                d.read(0, &mut out)?;
+                Ok(std::borrow::Cow::Owned(out))
+            }
+        }
     }
 }
 
 impl Drop for StagingLease<'_> {
     fn drop(&mut self) {
-        if let Some(b) = self.buffer.take() {
-            let mut st = self.pool.state.lock();
-            st.lent -= 1;
-            st.idle.push(b);
+        let Some(b) = self.buffer.take() else { return };
+        let mut st = self.pool.state.lock();
+        st.lent -= 1;
+        if b.nic_refused && b.kind() != StagingMemory::Host {
+            // Device memory the NIC cannot read is of no use to anyone: freed (counted until it
+            // is gone, with the lock released), not kept.
+            st.freeing += 1;
+            let len = b.len() as u64;
+            MutexGuard::unlocked(&mut st, || drop(b));
+            st.total -= len;
+            st.freeing -= 1;
             drop(st);
-            self.pool.returned.notify_one();
+            self.pool.returned.notify_all();
+            return;
         }
+        st.idle.push(b);
+        drop(st);
+        self.pool.returned.notify_one();
     }
 }
 
@@ -101,10 +197,11 @@ impl StagingPool {
         StagingPool { state: Mutex::new(State::default()), returned: Condvar::new(), max_buffers: max_buffers.max(1), max_total }
     }
 
-    /// A buffer of at least `len` bytes, waiting for one to be returned until `deadline` (or the
-    /// operation is canceled). Buffers are kept for reuse and grown or replaced on demand within
-    /// the pool's bounds. `copy` page-locks new buffers for device pools (best effort).
-    pub fn acquire(&self, len: u64, deadline: &Deadline, op: &Op, copy: &Arc<dyn CopyEngine>) -> Result<StagingLease<'_>> {
+    /// A buffer of at least `len` bytes in `memory`, waiting for one to be returned until
+    /// `deadline` (or the operation is canceled). Buffers are kept for reuse and grown or replaced
+    /// on demand within the pool's bounds (host and device buffers count alike). `copy`
+    /// page-locks new host buffers for device pools (best effort).
+    pub fn acquire(&self, len: u64, memory: StagingMemory, deadline: &Deadline, op: &Op, copy: &Arc<dyn CopyEngine>) -> Result<StagingLease<'_>> {
         if len > self.max_total {
             return Err(Error::new(
                 Status::KVSTAGE_E_OUT_OF_MEMORY,
@@ -114,7 +211,8 @@ impl StagingPool {
         let mut st = self.state.lock();
         loop {
             // The smallest idle buffer that is large enough.
-            if let Some(i) = st.idle.iter().enumerate().filter(|(_, b)| b.bytes.len() as u64 >= len).min_by_key(|(_, b)| b.bytes.len()).map(|(i, _)| i) {
+            let fits = |b: &Buffer| b.len() as u64 >= len && b.kind() == memory;
+            if let Some(i) = st.idle.iter().enumerate().filter(|(_, b)| fits(b)).min_by_key(|(_, b)| b.len()).map(|(i, _)| i) {
                 let b = st.idle.swap_remove(i);
                 st.lent += 1;
                 return Ok(StagingLease { pool: self, buffer: Some(b) });
@@ -122,14 +220,14 @@ impl StagingPool {
             // Make room: idle buffers that are too small go first.
             let mut evicted = Vec::new();
             while st.total + len > self.max_total || st.buffers() >= self.max_buffers {
-                let Some(i) = st.idle.iter().enumerate().min_by_key(|(_, b)| b.bytes.len()).map(|(i, _)| i) else { break };
+                let Some(i) = st.idle.iter().enumerate().min_by_key(|(_, b)| b.len()).map(|(i, _)| i) else { break };
                 evicted.push(st.idle.swap_remove(i));
                 st.freeing += 1;
             }
             if !evicted.is_empty() {
                 // Freed (their registration and page lock ended) with the lock released; they
                 // count against the bounds until they are gone. Then look again.
-                let (bytes, n) = (evicted.iter().map(|b| b.bytes.len() as u64).sum::<u64>(), evicted.len());
+                let (bytes, n) = (evicted.iter().map(|b| b.len() as u64).sum::<u64>(), evicted.len());
                 MutexGuard::unlocked(&mut st, || drop(evicted));
                 st.total -= bytes;
                 st.freeing -= n;
@@ -140,7 +238,7 @@ impl StagingPool {
                 st.total += len;
                 st.lent += 1;
                 drop(st);
-                return match allocate(len, copy) {
+                return match allocate(len, memory, copy) {
                     Ok(b) => Ok(StagingLease { pool: self, buffer: Some(b) }),
                     Err(e) => {
                         let mut st = self.state.lock();
@@ -169,15 +267,21 @@ impl StagingPool {
     }
 }
 
-fn allocate(len: u64, copy: &Arc<dyn CopyEngine>) -> Result<Buffer> {
-    let mut bytes = Vec::new();
-    bytes
-        .try_reserve_exact(len as usize)
-        .map_err(|_| Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot allocate a send staging buffer of {len} bytes")))?;
-    bytes.resize(len as usize, 0);
-    // Page-locked for device pools (faster device-to-host copies); best effort.
-    let pin = copy.pin_host(bytes.as_mut_ptr(), bytes.len()).ok().flatten();
-    Ok(Buffer { nic: None, _pin: pin, bytes, nic_refused: false })
+fn allocate(len: u64, memory: StagingMemory, copy: &Arc<dyn CopyEngine>) -> Result<Buffer> {
+    let memory = match memory {
+        StagingMemory::Host => {
+            let mut bytes = Vec::new();
+            bytes
+                .try_reserve_exact(len as usize)
+                .map_err(|_| Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot allocate a send staging buffer of {len} bytes")))?;
+            bytes.resize(len as usize, 0);
+            // Page-locked for device pools (faster device-to-host copies); best effort.
+            let pin = copy.pin_host(bytes.as_mut_ptr(), bytes.len()).ok().flatten();
+            Memory::Host { _pin: pin, bytes }
+        }
+        StagingMemory::Device(ordinal) => Memory::Device(DeviceMemory::alloc(ordinal, len as usize)?),
+    };
+    Ok(Buffer { nic: None, memory, nic_refused: false })
 }
 
 #[cfg(test)]
@@ -200,20 +304,20 @@ mod tests {
         let pool = StagingPool::new(2, 1000);
         let (op, copy) = (Op::new(Arc::new(NoWake)), engine());
         let soon = || Deadline::after(Some(Duration::from_millis(50)));
-        let a = pool.acquire(400, &soon(), &op, &copy).unwrap();
-        let b = pool.acquire(400, &soon(), &op, &copy).unwrap();
-        let e = pool.acquire(100, &soon(), &op, &copy).err().expect("a third buffer exceeds the count");
+        let a = pool.acquire(400, StagingMemory::Host, &soon(), &op, &copy).unwrap();
+        let b = pool.acquire(400, StagingMemory::Host, &soon(), &op, &copy).unwrap();
+        let e = pool.acquire(100, StagingMemory::Host, &soon(), &op, &copy).err().expect("a third buffer exceeds the count");
         assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT);
         drop(a);
         // Reused, not reallocated: still 800 bytes held.
-        let c = pool.acquire(300, &soon(), &op, &copy).unwrap();
+        let c = pool.acquire(300, StagingMemory::Host, &soon(), &op, &copy).unwrap();
         assert_eq!(pool.usage(), (2, 800));
         drop((b, c));
         // A larger one replaces idle buffers within the byte bound.
-        let d = pool.acquire(900, &soon(), &op, &copy).unwrap();
+        let d = pool.acquire(900, StagingMemory::Host, &soon(), &op, &copy).unwrap();
         assert_eq!(pool.usage(), (1, 900));
         drop(d);
-        assert_eq!(pool.acquire(1001, &soon(), &op, &copy).err().unwrap().code(), Status::KVSTAGE_E_OUT_OF_MEMORY);
+        assert_eq!(pool.acquire(1001, StagingMemory::Host, &soon(), &op, &copy).err().unwrap().code(), Status::KVSTAGE_E_OUT_OF_MEMORY);
     }
 
     /// A chunk that evicts an idle buffer and still does not fit frees it and waits: the bytes
@@ -223,14 +327,14 @@ mod tests {
         let pool = StagingPool::new(2, 1000);
         let (op, copy) = (Op::new(Arc::new(NoWake)), engine());
         let soon = || Deadline::after(Some(Duration::from_millis(50)));
-        let lent = pool.acquire(600, &soon(), &op, &copy).unwrap();
-        drop(pool.acquire(300, &soon(), &op, &copy).unwrap());
+        let lent = pool.acquire(600, StagingMemory::Host, &soon(), &op, &copy).unwrap();
+        drop(pool.acquire(300, StagingMemory::Host, &soon(), &op, &copy).unwrap());
         assert_eq!(pool.usage(), (1, 900));
-        let e = pool.acquire(500, &soon(), &op, &copy).err().expect("600 lent + 500 exceed 1000");
+        let e = pool.acquire(500, StagingMemory::Host, &soon(), &op, &copy).err().expect("600 lent + 500 exceed 1000");
         assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT);
         assert_eq!(pool.usage(), (1, 600), "the idle buffer was evicted and freed");
         drop(lent);
-        let _fits = pool.acquire(500, &soon(), &op, &copy).unwrap();
+        let _fits = pool.acquire(500, StagingMemory::Host, &soon(), &op, &copy).unwrap();
         assert_eq!(pool.usage(), (1, 600), "the idle 600 is large enough: reused");
     }
 
@@ -238,17 +342,17 @@ mod tests {
     fn a_waiter_gets_the_buffer_returned_by_another_thread_or_sees_its_cancel() {
         let pool = Arc::new(StagingPool::new(1, 100));
         let (op, copy) = (Op::new(Arc::new(NoWake)), engine());
-        let held = pool.acquire(100, &Deadline::after(None), &op, &copy).unwrap();
+        let held = pool.acquire(100, StagingMemory::Host, &Deadline::after(None), &op, &copy).unwrap();
         std::thread::scope(|s| {
-            let waiter = s.spawn(|| pool.acquire(50, &Deadline::after(Some(Duration::from_secs(10))), &op, &copy).map(|_| ()));
+            let waiter = s.spawn(|| pool.acquire(50, StagingMemory::Host, &Deadline::after(Some(Duration::from_secs(10))), &op, &copy).map(|_| ()));
             std::thread::sleep(Duration::from_millis(50));
             drop(held);
             waiter.join().unwrap().unwrap();
         });
-        let _again = pool.acquire(100, &Deadline::after(None), &op, &copy).unwrap();
+        let _again = pool.acquire(100, StagingMemory::Host, &Deadline::after(None), &op, &copy).unwrap();
         let canceled = Op::new(Arc::new(NoWake));
         canceled.cancel();
-        let e = pool.acquire(10, &Deadline::after(None), &canceled, &copy).err().unwrap();
+        let e = pool.acquire(10, StagingMemory::Host, &Deadline::after(None), &canceled, &copy).err().unwrap();
         assert_eq!(e.code(), Status::KVSTAGE_E_CANCELED);
     }
 }

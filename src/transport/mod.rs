@@ -43,6 +43,20 @@ pub trait Transport: Send + Sync {
         self.send(ready, deadline)
     }
 
+    /// Whether [`write_device`](Self::write_device) works: the NIC reads device memory (RDMA).
+    fn writes_device_memory(&self) -> bool {
+        false
+    }
+
+    /// GPUDirect RDMA: as [`write_chunk_at`](Self::write_chunk_at) (with `ready`) or
+    /// [`write_piece`](Self::write_piece) (without), from the `len` bytes `header` (a
+    /// `Message::Data`) names at `src`: device memory registered with the NIC, which the CPU
+    /// never reads. Only where [`writes_device_memory`](Self::writes_device_memory).
+    fn write_device(&self, grant_offset: u64, header: &Message, src: u64, ready: Option<&Message>, deadline: &Deadline) -> Result<()> {
+        let _ = (grant_offset, header, src, ready, deadline);
+        Err(crate::error::Error::internal(format!("{} cannot write device memory", self.describe())))
+    }
+
     /// Same-host transports: the range `[ring_offset, +len)` of the receiver's ring, mapped in
     /// this process, for the gather to write in place; then [`finish_in_place`](Self::finish_in_place).
     /// `None`: this transport moves bytes from a staging buffer.

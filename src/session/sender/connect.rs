@@ -133,6 +133,8 @@ impl SenderSession {
             })
             .map_err(|e| Error::internal("cannot start the session reader thread").with_source(e))?;
         let integrity = options.integrity.stronger(Integrity::from_wire(remote.integrity));
+        // GPUDirect: a CUDA pool's chunks are staged in device memory the NIC reads.
+        let device_staging = pool_device.filter(|_| link_kind == LinkKind::Rdma && link.writes_device_memory());
         Ok(Arc::new(SenderSession {
             id: id.to_owned(),
             link,
@@ -150,6 +152,8 @@ impl SenderSession {
             metrics: SendMetrics { session: Arc::default(), engine: resources.counters.clone() },
             link_kind,
             downgraded,
+            device_staging,
+            gpudirect_refused: AtomicBool::new(false),
             resources,
         }))
     }

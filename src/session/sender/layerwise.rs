@@ -1,6 +1,7 @@
 //! Layer-wise writing of a granted region: each batch of layers the caller marks ready is gathered
 //! into its slabs' places and written at once (TCP: one `Data` frame per run of adjacent slabs;
-//! same host: in place (host ring, or a device ring from a CUDA pool), then a `Written` report; RDMA: a plain RDMA WRITE per run, then a
+//! same host: in place (host ring, or a device ring from a CUDA pool), then a `Written` report;
+//! RDMA from a CUDA pool with GPUDirect: gathered into device staging memory the NIC reads; RDMA: a plain RDMA WRITE per run, then a
 //! `Written` report), while later layers are still being computed. The ready goes after the last
 //! batch (over RDMA behind a zero-length write-with-immediate that follows every piece), so the
 //! receiver completes the chunk exactly as for a whole-chunk write.
@@ -8,6 +9,7 @@
 use std::collections::BTreeSet;
 
 use super::staged::Placement;
+use crate::session::staging::StagingMemory;
 use super::*;
 
 impl SenderSession {
@@ -60,12 +62,18 @@ impl SenderSession {
                         t.wire_ns += since(phase);
                     }
                     Some(buffer) => {
-                        let data = buffer.bytes(region_bytes as usize);
-                        self.gather(&part, data.as_mut_ptr(), batch.ready.as_ref(), t)?;
+                        let src = buffer.as_mut_ptr();
+                        self.gather(&part, src, batch.ready.as_ref(), t)?;
                         let phase = Instant::now();
                         for (at, len) in part.staging_ranges() {
-                            let piece = &data[at as usize..(at + len) as usize];
-                            self.link.write_piece(place.grant_offset, &place.data(desc, at, len), piece, deadline)?;
+                            let header = place.data(desc, at, len);
+                            match buffer.memory() {
+                                StagingMemory::Host => {
+                                    let piece = &buffer.bytes(region_bytes as usize)?[at as usize..(at + len) as usize];
+                                    self.link.write_piece(place.grant_offset, &header, piece, deadline)?;
+                                }
+                                StagingMemory::Device(_) => self.link.write_device(place.grant_offset, &header, src as u64 + at, None, deadline)?,
+                            }
                         }
                         t.wire_ns += since(phase);
                     }
@@ -75,19 +83,28 @@ impl SenderSession {
         let phase = Instant::now();
         let wrote = match staging.as_mut() {
             None => {
-                let checksum = match self.integrity.covers(desc.room, desc.chunk) {
-                    true => {
-                        let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
-                        Some(checksum(&range.to_host()?))
-                    }
-                    false => None,
-                };
+                let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
+                let checksum = self.region_checksum(desc, || range.to_host())?;
+                drop(range);
                 self.link.send(&ready(checksum), deadline)
             }
             Some(buffer) => {
-                let data = buffer.bytes(region_bytes as usize);
-                let checksum = self.region_checksum(desc, data);
-                self.link.finish_pieces(place.grant_offset, &place.data(desc, 0, region_bytes), data, &ready(checksum), deadline)
+                let checksum = self.region_checksum(desc, || buffer.to_host(region_bytes as usize))?;
+                let header = place.data(desc, 0, region_bytes);
+                match buffer.memory() {
+                    StagingMemory::Host => {
+                        self.link.finish_pieces(place.grant_offset, &header, buffer.bytes(region_bytes as usize)?, &ready(checksum), deadline)
+                    }
+                    // The zero-length write names the buffer (its registration), reads nothing.
+                    // SAFETY: an empty slice at a non-null address is never dereferenced.
+                    StagingMemory::Device(_) => self.link.finish_pieces(
+                        place.grant_offset,
+                        &header,
+                        unsafe { std::slice::from_raw_parts(buffer.as_mut_ptr(), 0) },
+                        &ready(checksum),
+                        deadline,
+                    ),
+                }
             }
         };
         t.wire_ns += since(phase);

@@ -155,6 +155,11 @@ pub struct SenderSession {
     /// downgrade, the session runs on a slower one.
     link_kind: LinkKind,
     downgraded: bool,
+    /// The CUDA device whose memory this session stages in (its NIC reads GPU memory and the
+    /// pool is there); `None`: host staging.
+    device_staging: Option<i32>,
+    /// Device staging memory could not be registered with the NIC: host staging from then on.
+    gpudirect_refused: AtomicBool,
 }
 
 impl SenderSession {

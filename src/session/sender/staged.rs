@@ -3,7 +3,7 @@
 //! the ready frame, then the arrival acknowledgement. Anything that fails after the grant aborts.
 
 use super::*;
-use crate::session::staging::StagingLease;
+use crate::session::staging::{StagingLease, StagingMemory};
 
 impl SenderSession {
     pub(super) fn staged(&self, desc: &TransferDesc, op: &Op, t: &mut TransferTimings) -> Result<Status> {
@@ -146,10 +146,7 @@ impl SenderSession {
         if self.writes_in_place() {
             let mut range = self.link.in_place(grant_offset + region_offset, region_bytes).expect("an in-place transport")?;
             self.gather(plan, range.as_mut_ptr(), desc.ready.as_deref(), t)?;
-            let checksum = match self.integrity.covers(desc.room, desc.chunk) {
-                true => Some(checksum(&range.to_host()?)),
-                false => None,
-            };
+            let checksum = self.region_checksum(desc, || range.to_host())?;
             drop(range);
             let phase = Instant::now();
             let wrote = self.link.finish_in_place(&header, &ready(checksum), deadline);
@@ -160,11 +157,14 @@ impl SenderSession {
         }
         // A buffer of the engine's pool, held for the gather and the write only.
         let mut staging = self.staging_buffer(region_bytes, deadline, op, t)?;
-        let data = staging.bytes(region_bytes as usize);
-        self.gather(plan, data.as_mut_ptr(), desc.ready.as_deref(), t)?;
-        let checksum = self.region_checksum(desc, data);
+        let src = staging.as_mut_ptr();
+        self.gather(plan, src, desc.ready.as_deref(), t)?;
+        let checksum = self.region_checksum(desc, || staging.to_host(region_bytes as usize))?;
         let phase = Instant::now();
-        let wrote = self.link.write_chunk_at(grant_offset, &header, data, &ready(checksum), deadline);
+        let wrote = match staging.memory() {
+            StagingMemory::Host => self.link.write_chunk_at(grant_offset, &header, staging.bytes(region_bytes as usize)?, &ready(checksum), deadline),
+            StagingMemory::Device(_) => self.link.write_device(grant_offset, &header, src as u64, Some(&ready(checksum)), deadline),
+        };
         t.wire_ns = since(phase);
         wrote?;
         self.metrics.sent(region_bytes);
@@ -177,16 +177,37 @@ impl SenderSession {
         self.link.in_place_memory() == Some(self.pool.memory)
     }
 
-    /// A send staging buffer of at least `len` bytes from the engine's pool, registered with the
-    /// RDMA devices when this session writes by RDMA (both timed as the allocation wait).
+    /// A send staging buffer of at least `len` bytes from the engine's pool: device memory on
+    /// the pool's device when this session's NIC reads GPU memory (registered through its
+    /// dma-buf; if that fails, counted once and host memory from then on), else host memory,
+    /// registered with the RDMA devices when this session writes by RDMA (all timed as the
+    /// allocation wait).
     pub(super) fn staging_buffer(&self, len: u64, deadline: &Deadline, op: &Op, t: &mut TransferTimings) -> Result<StagingLease<'_>> {
         let phase = Instant::now();
-        let mut acquired = self.resources.staging.acquire(len, deadline, op, &self.resources.copy);
-        if let (Ok(lease), LinkKind::Rdma) = (&mut acquired, self.link_kind) {
-            lease.register_with(&self.resources.rdma);
-        }
+        let acquired = self.staging_lease(len, deadline, op);
         t.alloc_wait_ns = since(phase);
         acquired
+    }
+
+    fn staging_lease(&self, len: u64, deadline: &Deadline, op: &Op) -> Result<StagingLease<'_>> {
+        let (pool, copy, rdma) = (&self.resources.staging, &self.resources.copy, &self.resources.rdma);
+        if let Some(ordinal) = self.device_staging.filter(|_| !self.gpudirect_refused.load(Ordering::Relaxed)) {
+            let mut lease = pool.acquire(len, StagingMemory::Device(ordinal), deadline, op, copy)?;
+            match lease.register_with(rdma) {
+                Ok(()) => return Ok(lease),
+                Err(e) => {
+                    if !self.gpudirect_refused.swap(true, Ordering::Relaxed) {
+                        rdma.host_bounce(&self.id, &e.chain());
+                    }
+                }
+            }
+        }
+        let mut lease = pool.acquire(len, StagingMemory::Host, deadline, op, copy)?;
+        if self.link_kind == LinkKind::Rdma {
+            // Best effort: a write from an unregistered buffer registers its range for itself.
+            let _ = lease.register_with(rdma);
+        }
+        Ok(lease)
     }
 
     /// Gathers `plan` into the region at `dst` (a staging buffer, or this writer's granted
@@ -200,9 +221,13 @@ impl SenderSession {
         gathered
     }
 
-    /// The checksum of a writer's gathered region when integrity covers the chunk.
-    pub(super) fn region_checksum(&self, desc: &TransferDesc, region: &[u8]) -> Option<u64> {
-        self.integrity.covers(desc.room, desc.chunk).then(|| checksum(region))
+    /// The checksum of a writer's gathered region when integrity covers the chunk; `region`
+    /// gives its bytes as the CPU sees them (read back from device memory), asked only then.
+    pub(super) fn region_checksum<'a>(&self, desc: &TransferDesc, region: impl FnOnce() -> Result<std::borrow::Cow<'a, [u8]>>) -> Result<Option<u64>> {
+        match self.integrity.covers(desc.room, desc.chunk) {
+            true => Ok(Some(checksum(&region()?))),
+            false => Ok(None),
+        }
     }
 }
 

@@ -352,23 +352,24 @@ impl RdmaTransport {
         self.tcp.shutdown();
     }
 
-    /// Writes `data` to `remote_offset` of the receiver's ring; with `imm`, the last work request
-    /// of QP 0 is a WRITE_WITH_IMM carrying it, after every other byte of `data`. Returns once
-    /// every work request completed.
-    pub fn rdma_write(&self, remote_offset: u64, data: &[u8], imm: Option<u32>, deadline: &Deadline) -> Result<()> {
+    /// Writes `len` bytes at `src` (registered host or device memory: the NIC reads it, never
+    /// the CPU) to `remote_offset` of the receiver's ring; with `imm`, the last work request of
+    /// QP 0 is a WRITE_WITH_IMM carrying it, after every other byte. Returns once every work
+    /// request completed.
+    pub fn rdma_write(&self, remote_offset: u64, src: u64, len: usize, imm: Option<u32>, deadline: &Deadline) -> Result<()> {
         let _g = self.write_lock.lock();
         if self.dead.load(Ordering::SeqCst) {
             return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, format!("{} was shut down", self.desc)));
         }
-        let end = remote_offset.checked_add(data.len() as u64);
+        let end = remote_offset.checked_add(len as u64);
         if end.is_none_or(|e| e > self.remote.len) {
             return Err(Error::new(
                 Status::KVSTAGE_E_PROTOCOL,
-                format!("write [{remote_offset}, +{}) outside the receiver's ring of {} bytes", data.len(), self.remote.len),
+                format!("write [{remote_offset}, +{len}) outside the receiver's ring of {} bytes", self.remote.len),
             ));
         }
-        let lkeys = self.rdma.staging_keys(data.as_ptr() as *mut u8, data.len())?;
-        let result = self.post_and_wait(remote_offset, data, imm, &lkeys, deadline);
+        let lkeys = self.rdma.staging_keys(src as *mut u8, len)?;
+        let result = self.post_and_wait(remote_offset, src, len, imm, &lkeys, deadline);
         if result.is_err() {
             self.kill();
             // Let the poller drain the flushed requests before the staging buffer is reused.
@@ -378,9 +379,9 @@ impl RdmaTransport {
         result
     }
 
-    fn post_and_wait(&self, remote_offset: u64, data: &[u8], imm: Option<u32>, lkeys: &StagingKeys, deadline: &Deadline) -> Result<()> {
+    fn post_and_wait(&self, remote_offset: u64, src: u64, len: usize, imm: Option<u32>, lkeys: &StagingKeys, deadline: &Deadline) -> Result<()> {
         let opts = self.rdma.options();
-        let plan = plan_writes(data.len() as u64, opts.wr_bytes, opts.signal_every, self.slots.len() as u32);
+        let plan = plan_writes(len as u64, opts.wr_bytes, opts.signal_every, self.slots.len() as u32);
         // Without an immediate the planned imm request is a plain write, posted with the others.
         let defer_imm = imm.is_some() && plan.imm_waits_for_others();
         let window = (self.rdma.send_depth() / opts.signal_every.max(1)).max(1) as u64;
@@ -415,7 +416,7 @@ impl RdmaTransport {
         let past_the_ring = if fault == WriteFault::PastTheRing { self.remote.len } else { 0 };
         let to_wr = |q: usize, w: &PlannedWr| SendWr {
             wr_id: self.next_wr.fetch_add(1, Ordering::Relaxed),
-            local_addr: data.as_ptr() as u64 + w.offset,
+            local_addr: src + w.offset,
             lkey: lkeys.lkey(self.slots[q].nic),
             len: w.len,
             remote_addr: self.remote.addr + remote_offset + w.offset + past_the_ring,
@@ -496,17 +497,31 @@ impl RdmaTransport {
 }
 
 impl RdmaTransport {
-    /// Writes `data` to the range `header` (a `Message::Data`) names in the grant at
+    /// Writes the bytes at `src` to the range `header` (a `Message::Data`) names in the grant at
     /// `grant_offset` (with `imm`: its write-with-immediate last), then reports it by `Written`.
-    fn write_reported(&self, grant_offset: u64, header: &Message, data: &[u8], imm: Option<u32>, deadline: &Deadline) -> Result<()> {
+    fn write_reported(&self, grant_offset: u64, header: &Message, src: u64, imm: Option<u32>, deadline: &Deadline) -> Result<()> {
         let &Message::Data { room, chunk, writer, offset, len } = header else {
             return Err(Error::internal("an RDMA write needs a Data header"));
         };
-        if len != data.len() as u64 {
-            return Err(Error::internal(format!("data header says {len} bytes, {} given", data.len())));
-        }
-        self.rdma_write(granted_at(grant_offset, offset)?, data, imm, deadline)?;
+        self.rdma_write(granted_at(grant_offset, offset)?, src, len as usize, imm, deadline)?;
         self.tcp.send(&Message::Written { room, chunk, writer, offset, len, imm: imm.unwrap_or(0) }, deadline)
+    }
+
+    /// `data`, checked to be the bytes `header` (a `Message::Data`) describes, as a NIC source.
+    fn host_source(header: &Message, data: &[u8]) -> Result<u64> {
+        match header {
+            Message::Data { len, .. } if *len == data.len() as u64 => Ok(data.as_ptr() as u64),
+            Message::Data { len, .. } => Err(Error::internal(format!("data header says {len} bytes, {} given", data.len()))),
+            _ => Err(Error::internal("an RDMA write needs a Data header")),
+        }
+    }
+
+    /// The immediate of a chunk's ready: its request id (the receiver waits for it before the ready).
+    fn ready_imm(ready: &Message) -> Result<u32> {
+        match ready {
+            Message::ChunkReady { req, .. } => Ok(*req as u32),
+            other => Err(Error::internal(format!("an RDMA chunk write ends with a ChunkReady, not {other:?}"))),
+        }
     }
 }
 
@@ -520,28 +535,38 @@ impl Transport for RdmaTransport {
     }
 
     fn write_chunk_at(&self, grant_offset: u64, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
-        let Message::ChunkReady { req, .. } = ready else {
-            return Err(Error::internal("write_chunk_at needs a ChunkReady"));
-        };
-        // The imm is the ChunkReady's request id: the receiver waits for it before the ready.
-        self.write_reported(grant_offset, header, data, Some(*req as u32), deadline)?;
-        self.tcp.send(ready, deadline)
+        self.write_device(grant_offset, header, Self::host_source(header, data)?, Some(ready), deadline)
     }
 
     /// A plain RDMA WRITE of the piece, completed before its report: the receiver counts the
     /// piece's bytes only once the region's immediate arrived ([`finish_pieces`](Transport::finish_pieces)).
     fn write_piece(&self, grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {
-        self.write_reported(grant_offset, header, data, None, deadline)
+        self.write_device(grant_offset, header, Self::host_source(header, data)?, None, deadline)
     }
 
     /// Every piece's write completed (on every QP) before this returns from `write_piece`, so a
     /// zero-length WRITE_WITH_IMM posted now follows all of them: the ready stays bound to data.
     fn finish_pieces(&self, grant_offset: u64, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
-        let (&Message::Data { offset, .. }, &Message::ChunkReady { req, .. }) = (header, ready) else {
-            return Err(Error::internal("finish_pieces needs a Data header and a ChunkReady"));
+        let &Message::Data { offset, .. } = header else {
+            return Err(Error::internal("finish_pieces needs a Data header"));
         };
-        self.rdma_write(granted_at(grant_offset, offset)?, &data[..0], Some(req as u32), deadline)?;
+        self.rdma_write(granted_at(grant_offset, offset)?, data.as_ptr() as u64, 0, Some(Self::ready_imm(ready)?), deadline)?;
         self.tcp.send(ready, deadline)
+    }
+
+    fn writes_device_memory(&self) -> bool {
+        true
+    }
+
+    /// The NIC reads `src` (host memory here too: the host entry points above come through this).
+    /// With `ready`, the imm is its request id, the receiver waits for it before the ready.
+    fn write_device(&self, grant_offset: u64, header: &Message, src: u64, ready: Option<&Message>, deadline: &Deadline) -> Result<()> {
+        let imm = ready.map(Self::ready_imm).transpose()?;
+        self.write_reported(grant_offset, header, src, imm, deadline)?;
+        match ready {
+            Some(r) => self.tcp.send(r, deadline),
+            None => Ok(()),
+        }
     }
 
     fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {

@@ -324,6 +324,10 @@ pub struct Rdma {
     downgrades: AtomicU64,
     sessions: AtomicU64,
     last_downgrade: Mutex<String>,
+    /// Sessions of CUDA pools that stage in host memory because device staging memory could not
+    /// be registered (no GPUDirect), and why the last one did.
+    host_bounces: AtomicU64,
+    last_host_bounce: Mutex<String>,
     ring: Mutex<Option<Registration>>,
     /// One registration per registered send staging buffer not yet freed: writes of several
     /// sessions from different buffers never re-register one under another's work requests.
@@ -348,6 +352,8 @@ impl Rdma {
             downgrades: AtomicU64::new(0),
             sessions: AtomicU64::new(0),
             last_downgrade: Mutex::new(String::new()),
+            host_bounces: AtomicU64::new(0),
+            last_host_bounce: Mutex::new(String::new()),
             ring: Mutex::new(None),
             staging: Mutex::new(Vec::new()),
             salt,
@@ -414,6 +420,20 @@ impl Rdma {
         *self.last_downgrade.lock() = format!("session {session} to {peer}: {why}");
     }
 
+    /// Session `session` stages its CUDA pool's chunks in host memory (a device→host crossing
+    /// before each write) because device staging memory could not be registered: counted,
+    /// remembered for `kvstage_engine_transport_describe` and logged (warn).
+    pub fn host_bounce(&self, session: &str, why: &str) {
+        log::warn!(session = session; "GPUDirect RDMA unavailable, the session stages GPU data in host memory: {why}");
+        self.host_bounces.fetch_add(1, Ordering::Relaxed);
+        *self.last_host_bounce.lock() = format!("session {session}: {why}");
+    }
+
+    /// Sessions counted by [`host_bounce`](Self::host_bounce), and the last one's reason.
+    pub fn host_bounces(&self) -> (u64, String) {
+        (self.host_bounces.load(Ordering::Relaxed), self.last_host_bounce.lock().clone())
+    }
+
     /// Send-queue depth of a sender QP.
     pub fn send_depth(&self) -> u32 {
         (self.options.signal_every * 4).clamp(16, 1024)
@@ -477,11 +497,11 @@ impl Rdma {
 
     /// Registers a send staging buffer until it is freed (`None` without a device); drop the
     /// result before freeing the buffer.
-    pub fn register_staging(self: &Arc<Self>, addr: *mut u8, len: usize) -> Result<Option<StagingRegistration>> {
-        if !self.active() || len == 0 {
+    pub fn register_staging(self: &Arc<Self>, memory: &NicMemory<'_>) -> Result<Option<StagingRegistration>> {
+        if !self.active() || memory.len == 0 {
             return Ok(None);
         }
-        let reg = Arc::new(self.register(addr, len, false)?);
+        let reg = Arc::new(self.register_memory(memory, false)?);
         self.staging.lock().push(reg.clone());
         Ok(Some(StagingRegistration { rdma: self.clone(), reg }))
     }

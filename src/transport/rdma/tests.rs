@@ -41,8 +41,9 @@ fn staging_buffers_keep_their_own_registration_for_their_lifetime() {
     let options = RdmaOptions { devices: parse_devices("softib0").unwrap(), ..RdmaOptions::default() };
     let rdma = Rdma::open(RdmaMode::Required, options).unwrap();
     let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 8192]);
-    let held_a = rdma.register_staging(a.as_mut_ptr(), a.len()).unwrap().expect("a device is open");
-    let held_b = rdma.register_staging(b.as_mut_ptr(), b.len()).unwrap().expect("a device is open");
+    let host = |m: &mut Vec<u8>| NicMemory { ptr: m.as_mut_ptr(), len: m.len(), dmabuf: None };
+    let held_a = rdma.register_staging(&host(&mut a)).unwrap().expect("a device is open");
+    let held_b = rdma.register_staging(&host(&mut b)).unwrap().expect("a device is open");
     let first_a = rdma.staging_keys(a[100..].as_mut_ptr(), 200).unwrap();
     let in_b = rdma.staging_keys(b.as_mut_ptr(), b.len()).unwrap();
     let again_a = rdma.staging_keys(a.as_mut_ptr(), a.len()).unwrap();
@@ -65,7 +66,7 @@ fn staging_buffers_keep_their_own_registration_for_their_lifetime() {
     drop(held_b);
     assert!(!soft::registered(key_b));
     // Without a device nothing is registered.
-    assert!(Rdma::off().register_staging(b.as_mut_ptr(), b.len()).unwrap().is_none());
+    assert!(Rdma::off().register_staging(&host(&mut b)).unwrap().is_none());
 }
 
 /// Device memory (here as the fake driver makes it: a memfd mapped PROT_NONE at the "device
