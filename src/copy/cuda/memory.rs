@@ -179,6 +179,25 @@ impl DeviceMemory {
         self.copy_sync(self.ptr + at as u64, src.as_ptr() as u64, src.len())
     }
 
+    /// Queues a copy of `src` to offset `at` on this memory's stream and returns at once (it
+    /// overlaps with whatever the caller does next; with pinned `src`, truly asynchronous).
+    ///
+    /// # Safety
+    /// `src` stays allocated and unchanged until [`sync`](Self::sync) returned.
+    pub unsafe fn write_queued(&self, at: usize, src: &[u8]) -> Result<()> {
+        self.check(at, src.len())?;
+        let _g = self.dev.enter()?;
+        // SAFETY: range checked; `src` outlives the copy (the caller's contract).
+        cu("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(self.ptr + at as u64, src.as_ptr() as u64, src.len(), self.stream as sys::CUstream) })
+    }
+
+    /// Waits for every copy queued on this memory's stream.
+    pub fn sync(&self) -> Result<()> {
+        let _g = self.dev.enter()?;
+        // SAFETY: our stream.
+        cu("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.stream as sys::CUstream) })
+    }
+
     /// Copies `dst.len()` bytes from offset `at` (synchronous).
     pub fn read(&self, at: usize, dst: &mut [u8]) -> Result<()> {
         self.check(at, dst.len())?;

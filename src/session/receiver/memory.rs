@@ -18,9 +18,9 @@ use crate::transport::shm::OfferedRing;
 /// Bytes of each pinned host buffer socket payloads land through on their way to a device ring.
 pub const DEVICE_BOUNCE_BYTES: usize = 4 << 20;
 
-/// Bounce buffers a device ring keeps between payloads (more are made while more connections
-/// land payloads at once, and freed afterwards): pinned memory held at rest is bounded by
-/// `BOUNCES_KEPT * DEVICE_BOUNCE_BYTES`.
+/// Bounce buffers a device ring keeps between payloads (each payload lands through two; more are
+/// made while more connections land payloads at once, and freed afterwards): pinned memory held
+/// at rest is bounded by `BOUNCES_KEPT * DEVICE_BOUNCE_BYTES`.
 const BOUNCES_KEPT: usize = 4;
 
 /// The bounce size: [`DEVICE_BOUNCE_BYTES`], or in test builds `KVSTAGE_TESTING_BOUNCE_BYTES` (so
@@ -187,7 +187,9 @@ impl RingMemory {
     }
 
     /// Lands `len` bytes at `offset` from `read` (which fills each slice it is given, in order):
-    /// directly for host memory, through a pinned bounce buffer for device memory.
+    /// directly for host memory; for device memory through two pinned bounce buffers in turn, so
+    /// that the copy of one piece to the device runs while `read` fills the other. Returns once
+    /// every byte is in the ring (also on failure, nothing is left queued).
     ///
     /// # Safety
     /// The caller holds a write lease on the range (see [`range`](Self::range)).
@@ -197,20 +199,31 @@ impl RingMemory {
             // SAFETY: inside the ring (checked) and leased to this writer (the caller's contract).
             return read(unsafe { std::slice::from_raw_parts_mut(p, len as usize) });
         };
-        let taken = idle.lock().pop();
-        let mut bounce = taken.unwrap_or_else(|| Bounce::new(mem));
-        let mut done = 0u64;
+        let take = || idle.lock().pop().unwrap_or_else(|| Bounce::new(mem));
+        let mut pair = [take(), take()];
+        let (mut done, mut piece) = (0u64, 0usize);
         let mut landed = Ok(());
         while done < len && landed.is_ok() {
-            let n = (len - done).min(bounce.buf.len() as u64) as usize;
-            landed = read(&mut bounce.buf[..n]).and_then(|()| mem.write((offset + done) as usize, &bounce.buf[..n]));
+            let bounce = &mut pair[piece % 2].buf;
+            let n = (len - done).min(bounce.len() as u64) as usize;
+            // From the third piece on, this buffer's previous copy may still run: wait for it.
+            landed = if piece >= 2 { mem.sync() } else { Ok(()) };
+            landed = landed.and_then(|()| read(&mut bounce[..n])).and_then(|()| {
+                // SAFETY: the buffer is not written again before the next sync (above, or below).
+                unsafe { mem.write_queued((offset + done) as usize, &bounce[..n]) }
+            });
             done += n as u64;
+            piece += 1;
         }
+        // The bytes are in the ring, and no copy still reads a bounce buffer, before either goes.
+        let synced = mem.sync();
         let mut idle = idle.lock();
-        if idle.len() < BOUNCES_KEPT {
-            idle.push(bounce);
+        for b in pair {
+            if idle.len() < BOUNCES_KEPT {
+                idle.push(b);
+            }
         }
-        landed
+        landed.and(synced)
     }
 
     /// The `len` bytes at `offset` as the CPU sees them: borrowed from host memory, copied back
