@@ -3,8 +3,10 @@
 // exactly the driver entry points kvstage calls (plus what the GPU tests use), so the CUDA engine's
 // driver-side code — presence and symbol checks, contexts, module loading, pointer attributes,
 // launches with the real parameter block, fences, pinning — runs on a machine without a GPU.
-// Streams execute every operation at once (in order), so stream order holds trivially; what the
-// fake cannot show is real concurrency, the PTX JIT and device speed.
+// Streams execute every operation at once (in order), except host-to-device copies queued on a
+// stream: those run only when that stream is synchronized, records an event or runs later work,
+// like a GPU that has not got to them yet, so code that refills the source or relies on the bytes
+// before then sees it. What the fake cannot show is real concurrency, the PTX JIT and device speed.
 // Device memory is mapped PROT_NONE except while the fake itself copies or runs a kernel, so that
 // host code touching it (which on a GPU reads garbage or faults) crashes here too.
 // Each allocation is a memfd, so that CUDA IPC works between processes: a handle names the
@@ -71,6 +73,13 @@ const char kIpcMagic[8] = {'k', 'v', 'f', 'a', 'k', 'e', 'i', 'p'};
 std::mutex g_mu;
 std::vector<Range> g_device, g_pinned;
 int g_ctx_token;
+// Host-to-device copies queued on a stream and not run yet, in order.
+struct QueuedCopy {
+    CUstream stream;
+    uintptr_t dst, src;
+    size_t n;
+};
+std::vector<QueuedCopy> g_queued;
 thread_local std::vector<CUcontext> t_ctx;
 int g_stream_count;
 
@@ -97,6 +106,17 @@ struct DeviceAccess {
     ~DeviceAccess() { protect_device(PROT_NONE); }
     DeviceAccess(const DeviceAccess &) = delete;
     DeviceAccess &operator=(const DeviceAccess &) = delete;
+    // Runs the copies queued on `stream` (its earlier work), in order.
+    void catch_up(CUstream stream) {
+        for (auto it = g_queued.begin(); it != g_queued.end();) {
+            if (it->stream == stream) {
+                std::memcpy((void *)it->dst, (const void *)it->src, it->n);
+                it = g_queued.erase(it);
+            } else {
+                ++it;
+            }
+        }
+    }
 };
 }  // namespace
 
@@ -166,8 +186,16 @@ API CUresult cuStreamCreate(CUstream *s, unsigned) {
     *s = reinterpret_cast<CUstream>((uintptr_t)0x1000 + 16 * (uintptr_t)++g_stream_count);
     return OK;
 }
-API CUresult cuStreamDestroy_v2(CUstream) { return OK; }
-API CUresult cuStreamSynchronize(CUstream) { return OK; }
+API CUresult cuStreamDestroy_v2(CUstream s) {
+    DeviceAccess device;
+    device.catch_up(s);
+    return OK;
+}
+API CUresult cuStreamSynchronize(CUstream s) {
+    DeviceAccess device;
+    device.catch_up(s);
+    return OK;
+}
 API CUresult cuStreamWaitEvent(CUstream, CUevent e, unsigned) { return e ? OK : E_INVALID_HANDLE; }
 API CUresult cuStreamGetCtx(CUstream s, CUcontext *c) {
     if (s == nullptr || c == nullptr) return E_INVALID_HANDLE;
@@ -180,7 +208,12 @@ API CUresult cuEventCreate(CUevent *e, unsigned) {
     *e = std::malloc(1);
     return OK;
 }
-API CUresult cuEventRecord(CUevent e, CUstream) { return e ? OK : E_INVALID_HANDLE; }
+API CUresult cuEventRecord(CUevent e, CUstream s) {
+    if (e == nullptr) return E_INVALID_HANDLE;
+    DeviceAccess device;
+    device.catch_up(s);
+    return OK;
+}
 API CUresult cuEventSynchronize(CUevent e) { return e ? OK : E_INVALID_HANDLE; }
 API CUresult cuEventDestroy_v2(CUevent e) {
     std::free(e);
@@ -274,11 +307,16 @@ API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned) {
     return OK;
 }
 API CUresult cuIpcCloseMemHandle(CUdeviceptr p) { return release(p, true); }
-API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream) {
+API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
     DeviceAccess device;
     const bool to_device = inside(g_device, (uintptr_t)dst), from_device = inside(g_device, (uintptr_t)src);
     if (to_device && !from_device) kvstage_fake_htod_bytes += n;
     if (from_device && !to_device) kvstage_fake_dtoh_bytes += n;
+    if (stream != nullptr && to_device && !from_device) {
+        g_queued.push_back({stream, (uintptr_t)dst, (uintptr_t)src, n});
+        return OK;
+    }
+    device.catch_up(stream);
     std::memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
     return OK;
 }
@@ -287,8 +325,9 @@ API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CU
 }
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) { return cuMemcpyHtoDAsync_v2(dst, src, n, nullptr); }
 API CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) { return cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst, src, n, nullptr); }
-API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream) {
+API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s) {
     DeviceAccess device;
+    device.catch_up(s);
     std::memset((void *)(uintptr_t)p, v, n);
     return OK;
 }
@@ -334,11 +373,12 @@ API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdevicept
     return E_NOT_FOUND;
 }
 API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                            unsigned smem, CUstream, void **params, void **extra) {
+                            unsigned smem, CUstream stream, void **params, void **extra) {
     if (f == nullptr || params == nullptr || extra != nullptr) return E_INVALID_VALUE;
     if (gz != 1 || bx != THREADS || by != 1 || bz != 1 || smem != 0 || gx == 0 || gy == 0) return E_INVALID_VALUE;
     if (need_ctx()) return E_INVALID_CONTEXT;
     DeviceAccess device;  // the emulator runs one launch at a time
+    device.catch_up(stream);
     return kvemu_launch(static_cast<const char *>(f), gx, gy, params[0]) == 0 ? OK : E_INVALID_VALUE;
 }
 API CUresult cuGetErrorName(CUresult e, const char **s) {
