@@ -368,7 +368,7 @@ static void send_room(pool src[2], const char *addr, uint32_t chunks, int ring_o
         }
     }
     for (r = 0; r < 2; r++) {
-        char describe[256];
+        char describe[1024];
         memset(&st, 0, sizeof st);
         st.struct_size = sizeof st;
         CHECK_OK(kvstage_engine_stats_get(prefill[r], &st));
@@ -378,6 +378,8 @@ static void send_room(pool src[2], const char *addr, uint32_t chunks, int ring_o
         sent += st.bytes_sent;
         CHECK_OK(kvstage_engine_transport_describe(prefill[r], describe, sizeof describe, NULL));
         printf("prefill %d: %s\n", r, describe);
+        /* GPUDirect was not given up for host staging. */
+        CHECK(strstr(describe, "staging GPU data in host memory") == NULL);
     }
     if (fake_htod_bytes != NULL && ring_on_device) {
         /* Only the copy plans' tables go up; a staged write (or TCP's bounce on the receiver,

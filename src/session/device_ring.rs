@@ -2,7 +2,7 @@
 //! ring's IPC export and writes through it without depending on CUDA itself.
 
 use crate::copy::cuda::DeviceMemory;
-use crate::error::Result;
+use crate::error::{Error, Result, Status};
 use crate::transport::shm::{DeviceExport, DeviceRing};
 
 impl DeviceRing for DeviceMemory {
@@ -17,15 +17,23 @@ impl DeviceRing for DeviceMemory {
     fn read(&self, at: usize, dst: &mut [u8]) -> Result<()> {
         DeviceMemory::read(self, at, dst)
     }
-
-    fn write(&self, at: usize, src: &[u8]) -> Result<()> {
-        DeviceMemory::write(self, at, src)
-    }
 }
 
-/// The export of a receiver's device ring for a same-host sender.
+/// The export of a receiver's device ring for a same-host sender. A peer that opens it reaches
+/// the whole allocation, so the caller's memory is exported only when the allocation is exactly
+/// the ring (not, say, a PyTorch allocator segment that also holds weights or KV).
 pub fn export(ring: &DeviceMemory) -> Result<DeviceExport> {
-    let (handle, offset) = ring.export()?;
+    let (handle, offset, allocation) = ring.export()?;
+    if !ring.is_owned() && (offset != 0 || allocation != ring.bytes as u64) {
+        return Err(Error::new(
+            Status::KVSTAGE_E_UNSUPPORTED,
+            format!(
+                "the caller's device ring is {} bytes at offset {offset} of a {allocation}-byte allocation: CUDA IPC would give a peer all of it \
+                 (register an allocation of exactly the ring's size, or let the engine allocate the ring)",
+                ring.bytes
+            ),
+        ));
+    }
     Ok(DeviceExport { handle, offset, ptr: ring.ptr })
 }
 

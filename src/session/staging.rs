@@ -189,6 +189,9 @@ impl Drop for StagingLease<'_> {
     }
 }
 
+/// Device staging buffers are allocated in multiples of this.
+const DEVICE_UNIT: u64 = 64 << 10;
+
 /// How often a waiting chunk looks at its cancel flag.
 const CANCEL_POLL: Duration = Duration::from_millis(20);
 
@@ -202,6 +205,12 @@ impl StagingPool {
     /// on demand within the pool's bounds (host and device buffers count alike). `copy`
     /// page-locks new host buffers for device pools (best effort).
     pub fn acquire(&self, len: u64, memory: StagingMemory, deadline: &Deadline, op: &Op, copy: &Arc<dyn CopyEngine>) -> Result<StagingLease<'_>> {
+        // Device buffers in whole units: a dma-buf export covers whole pages of the allocation
+        // (and the bounds count what is allocated).
+        let len = match memory {
+            StagingMemory::Host => len,
+            StagingMemory::Device(_) => len.next_multiple_of(DEVICE_UNIT),
+        };
         if len > self.max_total {
             return Err(Error::new(
                 Status::KVSTAGE_E_OUT_OF_MEMORY,

@@ -65,9 +65,9 @@ pub trait Transport: Send + Sync {
         None
     }
 
-    /// The memory of the ring [`in_place`](Self::in_place) hands out (host, or device memory a
-    /// gather of a CUDA pool on that device writes directly); `None` when it hands out nothing.
-    fn in_place_memory(&self) -> Option<crate::geometry::MemoryKind> {
+    /// The kind of ring [`in_place`](Self::in_place) hands out (host, or device memory a gather
+    /// of a CUDA pool on that device writes directly); `None` when it hands out nothing.
+    fn in_place_kind(&self) -> Option<shm::RingKind> {
         None
     }
 

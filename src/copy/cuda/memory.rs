@@ -81,10 +81,11 @@ impl DeviceMemory {
     }
 
     /// Exports this memory for a process on the same node ([`open_export`](Self::open_export)):
-    /// the IPC handle of the allocation holding it and its offset there. Fails
+    /// the IPC handle of the allocation holding it, its offset there and the allocation's size
+    /// (a peer that opens the handle reaches all of the allocation). Fails
     /// (`KVSTAGE_E_UNSUPPORTED`) for memory legacy IPC cannot share, such as VMM (`cuMemCreate`)
     /// allocations, and without the driver entry points.
-    pub fn export(&self) -> Result<([u8; IPC_HANDLE_BYTES], u64)> {
+    pub fn export(&self) -> Result<([u8; IPC_HANDLE_BYTES], u64, u64)> {
         if !has_symbol("cuIpcGetMemHandle") || !has_symbol("cuIpcOpenMemHandle_v2") || !has_symbol("cuIpcCloseMemHandle") {
             return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the CUDA driver lacks the IPC entry points (cuIpcGetMemHandle)"));
         }
@@ -93,8 +94,8 @@ impl DeviceMemory {
         // SAFETY: context current; the handle is written in full.
         cu("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut handle, self.ptr) })
             .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("device memory at {:#x} cannot be shared by CUDA IPC", self.ptr)))?;
-        let (base, _) = allocation_of(self.ptr).ok_or_else(|| Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the driver cannot name the allocation holding the ring"))?;
-        Ok((handle.reserved.map(|b| b as u8), self.ptr - base))
+        let (base, size) = allocation_of(self.ptr).ok_or_else(|| Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the driver cannot name the allocation holding the ring"))?;
+        Ok((handle.reserved.map(|b| b as u8), self.ptr - base, size))
     }
 
     /// A dma-buf of the allocation holding this memory, for a NIC to register it
@@ -122,6 +123,9 @@ impl DeviceMemory {
             )
         })
         .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("device memory at {:#x} cannot be exported as a dma-buf", self.ptr)))?;
+        if fd < 0 {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, format!("the driver exported device memory at {:#x} as descriptor {fd}", self.ptr)));
+        }
         // SAFETY: a fresh descriptor the driver handed us.
         Ok((unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }, self.ptr - base))
     }

@@ -30,7 +30,7 @@ mod emu;
 
 pub use driver::{available, driver, CudaError, DriverInfo, Kernel, KERNELS_PTX};
 pub use engine::{Backend, DeviceCopyEngine, DEFAULT_SCRATCH_BYTES};
-pub use memory::{DeviceMemory, IPC_HANDLE_BYTES};
+pub use memory::DeviceMemory;
 
 use driver::{cu, CtxGuard, Device, Event};
 

@@ -262,7 +262,8 @@ impl Receiver {
             r.forget_ring();
         }
         // Same-host peers map the old ring: their sessions end (they reconnect to map the new
-        // one). The old pages stay alive while mapped, so a late write lands in no one's memory.
+        // one). Their leases hold the old ring until they end (see `same_host`), so a late write
+        // lands in no one's memory.
         if !mapped.is_empty() {
             log::info!("staging ring replaced: closing {} same-host session(s) that map the old one", mapped.len());
             let peers = self.peers.lock();
@@ -450,6 +451,10 @@ impl Receiver {
         self.keeper_wake.notify_all();
         for p in self.peers.lock().values() {
             p.shutdown();
+        }
+        // The ring's memory region goes before its memory (freed with the receiver).
+        if let Some(r) = self.rdma.lock().as_ref() {
+            r.forget_ring();
         }
         self.leases.close_all();
     }

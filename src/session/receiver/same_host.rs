@@ -5,34 +5,57 @@
 //! TCP connection (a sender whose connection was cut still finishes a gather in progress). So the
 //! state keeps every range such a connection may write quarantined until the lease socket
 //! closes: the sender closes it after unmapping, and the kernel closes it when the process dies
-//! (after tearing down its address space).
+//! (after tearing down its address space). Each watch also holds the ring it passed: a memfd's
+//! pages outlive any mapping anyway, but a device ring must not be freed (or reused by the CUDA
+//! allocator) while a peer still has it open, so a replaced ring's memory goes only when its
+//! last lease ends.
 
 use std::collections::HashMap;
 use std::io::Read;
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use super::memory::RingMemory;
 use super::state::ConnId;
 use super::Receiver;
 use crate::error::Status;
 use crate::protocol::Message;
 use crate::transport::shm;
 
+/// How long an engine being freed waits for same-host peers of a device ring to close their
+/// leases (their sessions just ended) before it gives up on the ring's memory.
+const DEVICE_LEASE_DRAIN: Duration = Duration::from_secs(2);
+
+/// A watched lease: the socket, the thread watching it, whether its ring is device memory.
+type Watch = (UnixStream, JoinHandle<()>, bool);
+
 /// Lease sockets of same-host peers and the threads watching them.
 #[derive(Default)]
 pub struct Leases {
-    watched: Mutex<HashMap<ConnId, (UnixStream, JoinHandle<()>)>>,
+    watched: Mutex<HashMap<ConnId, Watch>>,
+    /// The engine is being freed and cut the leases still open: a device ring they hold is
+    /// leaked rather than freed under a peer that may still write it.
+    abandoned: AtomicBool,
 }
 
 impl Leases {
-    /// Ends every watch (engine shutdown): the quarantines they held end with the engine, whose
-    /// ring pages stay alive as long as any peer still maps them.
+    /// Ends every watch (engine shutdown). Host rings: the quarantines end with the engine, the
+    /// ring's pages stay alive as long as any peer still maps them. Device rings: the peers'
+    /// sessions were just closed, so their leases are given a moment to end; a ring still held
+    /// after that is leaked (logged), never freed under a writer.
     pub fn close_all(&self) {
+        let until = Instant::now() + DEVICE_LEASE_DRAIN;
+        while self.watched.lock().values().any(|(_, _, device)| *device) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.abandoned.store(true, Ordering::SeqCst);
         let watched: Vec<_> = self.watched.lock().drain().collect();
-        for (_, (stream, handle)) in watched {
+        for (_, (stream, handle, _)) in watched {
             let _ = stream.shutdown(std::net::Shutdown::Both);
             let _ = handle.join();
         }
@@ -81,7 +104,8 @@ impl Receiver {
         }
         self.with_state(|st| st.set_in_place(id, true));
         drop(current);
-        if let Err(e) = self.watch_lease(id, lease) {
+        let ring = memory.clone().expect("a ring was passed");
+        if let Err(e) = self.watch_lease(id, lease, ring) {
             // Without a watch the quarantine would never end: refuse (the lease closes, the sender
             // sees the socket end and unmaps).
             self.with_state(|st| st.unmapped(id));
@@ -95,9 +119,11 @@ impl Receiver {
         answer(Status::KVSTAGE_OK, true, ring_len, String::new())
     }
 
-    /// Watches `lease` until the peer closes it (unmapped, or its process ended).
-    fn watch_lease(self: &Arc<Self>, id: ConnId, lease: UnixStream) -> crate::Result<()> {
+    /// Watches `lease` until the peer closes it (unmapped, or its process ended), holding `ring`
+    /// (the ring it was passed) until then.
+    fn watch_lease(self: &Arc<Self>, id: ConnId, lease: UnixStream, ring: Arc<RingMemory>) -> crate::Result<()> {
         let watched = lease.try_clone()?;
+        let device = ring.device().is_some();
         let me = self.clone();
         // Locked before the thread starts, so its removal comes after this insertion.
         let mut leases = self.leases.watched.lock();
@@ -118,13 +144,20 @@ impl Receiver {
                 }
                 me.with_state(|st| st.unmapped(id));
                 me.leases.watched.lock().remove(&id);
+                if device && me.leases.abandoned.load(Ordering::SeqCst) {
+                    log::warn!(
+                        "engine freed while a same-host peer (connection {id}) may still write its {}: the ring is leaked, not freed under it",
+                        ring.describe()
+                    );
+                    std::mem::forget(ring);
+                }
             })
             .map_err(|e| crate::Error::internal("cannot start a lease watcher thread").with_source(e))?;
         // `close_all` may have run between this connection's offer and here (engine shutdown).
         if self.closing() {
             let _ = watched.shutdown(std::net::Shutdown::Both);
         }
-        leases.insert(id, (watched, handle));
+        leases.insert(id, (watched, handle, device));
         Ok(())
     }
 }

@@ -174,7 +174,8 @@ impl SenderSession {
     /// Whether the gather writes straight into the receiver's ring: a same-host ring in the memory
     /// kind of this engine's pool (a device ring is opened on the pool's device).
     pub(super) fn writes_in_place(&self) -> bool {
-        self.link.in_place_memory() == Some(self.pool.memory)
+        use crate::transport::shm::RingKind;
+        matches!((self.link.in_place_kind(), self.pool.memory), (Some(RingKind::Host), MemoryKind::Host) | (Some(RingKind::Device), MemoryKind::Cuda))
     }
 
     /// A send staging buffer of at least `len` bytes from the engine's pool: device memory on
@@ -192,9 +193,13 @@ impl SenderSession {
     fn staging_lease(&self, len: u64, deadline: &Deadline, op: &Op) -> Result<StagingLease<'_>> {
         let (pool, copy, rdma) = (&self.resources.staging, &self.resources.copy, &self.resources.rdma);
         if let Some(ordinal) = self.device_staging.filter(|_| !self.gpudirect_refused.load(Ordering::Relaxed)) {
-            let mut lease = pool.acquire(len, StagingMemory::Device(ordinal), deadline, op, copy)?;
-            match lease.register_with(rdma) {
-                Ok(()) => return Ok(lease),
+            // Device memory that cannot be had (a GPU full of KV) or registered: host staging.
+            let device = pool
+                .acquire(len, StagingMemory::Device(ordinal), deadline, op, copy)
+                .and_then(|mut lease| lease.register_with(rdma).map(|()| lease));
+            match device {
+                Ok(lease) => return Ok(lease),
+                Err(e) if matches!(e.code(), Status::KVSTAGE_E_TIMEOUT | Status::KVSTAGE_E_CANCELED | Status::KVSTAGE_E_PEER_GONE) => return Err(e),
                 Err(e) => {
                     if !self.gpudirect_refused.swap(true, Ordering::Relaxed) {
                         rdma.host_bounce(&self.id, &e.chain());

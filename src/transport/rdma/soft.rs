@@ -44,7 +44,7 @@ struct SoftMr {
 impl SoftMr {
     /// The host address of `[addr, +len)` when it lies inside the region.
     fn reach(&self, addr: u64, len: u64) -> Option<u64> {
-        (addr >= self.addr && addr.checked_add(len)? <= self.addr + self.len).then(|| self.host + (addr - self.addr))
+        (addr >= self.addr && addr.checked_add(len)? <= self.addr.checked_add(self.len)?).then(|| self.host + (addr - self.addr))
     }
 }
 
@@ -209,7 +209,17 @@ impl Device for SoftDevice {
     unsafe fn reg_dmabuf_mr(&self, fd: i32, offset: u64, len: usize, iova: u64, remote_write: bool) -> Result<Box<dyn MemoryRegion>> {
         let fail = |e: io::Error| Error::new(Status::KVSTAGE_E_RDMA, format!("ibv_reg_dmabuf_mr of {len} bytes (fd {fd}) on {} failed", self.name)).with_source(e);
         let span = (offset as usize).checked_add(len).ok_or_else(|| fail(io::Error::from_raw_os_error(libc::EINVAL)))?;
-        // SAFETY: a shared mapping of the caller's dma-buf; the kernel checks fd and size.
+        // The dma-buf must hold the range (mmap would map past its end, and an access there
+        // would fault with SIGBUS).
+        // SAFETY: fstat writes the all-zero stat it is given.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return Err(fail(io::Error::last_os_error()));
+        }
+        if (st.st_size as u64) < span as u64 {
+            return Err(fail(io::Error::from_raw_os_error(libc::EINVAL)));
+        }
+        // SAFETY: a shared mapping of the caller's dma-buf, checked above to hold the range.
         let map = unsafe { libc::mmap(std::ptr::null_mut(), span, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
         if map == libc::MAP_FAILED {
             return Err(fail(io::Error::last_os_error()));

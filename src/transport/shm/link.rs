@@ -17,10 +17,9 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use super::memory::Mapping;
-use super::DeviceRing;
+use super::{DeviceRing, RingKind};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
-use crate::geometry::MemoryKind;
 use crate::protocol::Message;
 use crate::transport::Transport;
 
@@ -41,16 +40,16 @@ impl PeerRing {
         }
     }
 
-    fn memory(&self) -> MemoryKind {
+    fn kind(&self) -> RingKind {
         match self {
-            PeerRing::Host(_) => MemoryKind::Host,
-            PeerRing::Device(_) => MemoryKind::Cuda,
+            PeerRing::Host(_) => RingKind::Host,
+            PeerRing::Device(_) => RingKind::Device,
         }
     }
 }
 
-/// A granted range of the receiver's ring, reachable here (host or device addresses, see
-/// [`memory`](Self::memory)); the mapping cannot go while it is held.
+/// A granted range of the receiver's ring, reachable here (host addresses, or device addresses
+/// for a device ring); the mapping cannot go while it is held.
 pub struct InPlace<'a> {
     ring: RwLockReadGuard<'a, Option<PeerRing>>,
     offset: u64,
@@ -71,10 +70,6 @@ impl InPlace<'_> {
         }
     }
 
-    pub fn memory(&self) -> MemoryKind {
-        self.ring().memory()
-    }
-
     /// The range's bytes as the CPU sees them: borrowed from a host ring, copied back from a
     /// device ring (one device→host crossing).
     pub fn to_host(&mut self) -> Result<Cow<'_, [u8]>> {
@@ -90,7 +85,8 @@ impl InPlace<'_> {
         }
     }
 
-    /// Copies `data` to the start of the range (host memcpy, or a host→device copy).
+    /// Copies `data` to the start of a host range. A device ring is only ever written in place,
+    /// by the gather kernels of a pool on its device (a host pool is refused it at the exchange).
     fn copy_from(&mut self, data: &[u8]) -> Result<()> {
         debug_assert_eq!(data.len() as u64, self.len);
         match self.ring() {
@@ -99,7 +95,7 @@ impl InPlace<'_> {
                 unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_mut_ptr(), data.len()) };
                 Ok(())
             }
-            PeerRing::Device(d) => d.write(self.offset as usize, data),
+            PeerRing::Device(_) => Err(Error::internal("host bytes copied into a device ring (it is written in place)")),
         }
     }
 }
@@ -110,13 +106,13 @@ pub struct ShmTransport {
     /// The local socket whose end tells the receiver this process no longer maps its ring.
     lease: Mutex<Option<UnixStream>>,
     ring_len: u64,
-    memory: MemoryKind,
+    kind: RingKind,
 }
 
 impl ShmTransport {
     pub fn new(tcp: Arc<dyn Transport>, ring: PeerRing, lease: UnixStream) -> ShmTransport {
-        let (ring_len, memory) = (ring.len() as u64, ring.memory());
-        ShmTransport { tcp, ring: RwLock::new(Some(ring)), lease: Mutex::new(Some(lease)), ring_len, memory }
+        let (ring_len, kind) = (ring.len() as u64, ring.kind());
+        ShmTransport { tcp, ring: RwLock::new(Some(ring)), lease: Mutex::new(Some(lease)), ring_len, kind }
     }
 
     /// The range `[ring_offset, +len)` of the receiver's ring, for a gather to write in place.
@@ -185,8 +181,8 @@ impl Transport for ShmTransport {
         Some(self.range(ring_offset, len))
     }
 
-    fn in_place_memory(&self) -> Option<MemoryKind> {
-        Some(self.memory)
+    fn in_place_kind(&self) -> Option<RingKind> {
+        Some(self.kind)
     }
 
     fn finish_in_place(&self, header: &Message, ready: &Message, deadline: &Deadline) -> Result<()> {
@@ -207,9 +203,9 @@ impl Transport for ShmTransport {
             n if n >= 1 << 20 => format!("{} MiB", n >> 20),
             n => format!("{n} bytes"),
         };
-        match self.memory {
-            MemoryKind::Host => format!("shm ({size} ring mapped) via {}", self.tcp.describe()),
-            MemoryKind::Cuda => format!("cuda-ipc ({size} device ring opened) via {}", self.tcp.describe()),
+        match self.kind {
+            RingKind::Host => format!("shm ({size} ring mapped) via {}", self.tcp.describe()),
+            RingKind::Device => format!("cuda-ipc ({size} device ring opened) via {}", self.tcp.describe()),
         }
     }
 }

@@ -60,8 +60,14 @@ pub trait DeviceRing: Send + Sync {
     fn bytes(&self) -> usize;
     /// Copies `dst.len()` bytes from offset `at` (device to host, synchronous).
     fn read(&self, at: usize, dst: &mut [u8]) -> Result<()>;
-    /// Copies `src` to offset `at` (host to device, synchronous).
-    fn write(&self, at: usize, src: &[u8]) -> Result<()>;
+}
+
+/// The kind of memory a same-host ring is (what a gather must be able to write).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingKind {
+    Host,
+    /// GPU memory, reached through CUDA IPC.
+    Device,
 }
 
 /// Opens an exported device ring of `len` bytes on the device of this engine's KV pool;
