@@ -76,7 +76,7 @@ fn staging_buffers_keep_their_own_registration_for_their_lifetime() {
 /// pointer the NIC can pin (what peer memory makes of device memory) registers plainly.
 #[test]
 fn device_memory_registers_by_dmabuf_else_as_a_plain_pointer_else_not_at_all() {
-    use std::os::fd::FromRawFd;
+    use std::os::fd::{FromRawFd, OwnedFd};
     const LEN: usize = 64 << 10;
     let options = RdmaOptions { devices: parse_devices("softib0").unwrap(), ..RdmaOptions::default() };
     let rdma = Rdma::open(RdmaMode::Required, options).unwrap();

@@ -21,6 +21,7 @@
 //! `link` (the sender's transport).
 
 pub mod fdpass;
+mod greeting;
 mod link;
 pub mod memory;
 
@@ -32,25 +33,13 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+pub use self::greeting::{DeviceExport, OfferedRing, GREETING_BYTES, IPC_HANDLE_BYTES};
 pub use self::link::{InPlace, PeerRing, ShmTransport};
 use self::fdpass::NONCE_BYTES;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::protocol::{self, Message};
 use crate::transport::Transport;
-
-/// Bytes of a CUDA IPC memory handle (`CUipcMemHandle`).
-pub const IPC_HANDLE_BYTES: usize = 64;
-
-/// A device ring as its receiver exports it to another process on the node: the IPC handle of
-/// the allocation holding it, its offset in that allocation, and its address in the receiver
-/// (usable as is only inside that very process: CUDA refuses to open a handle where it was made).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceExport {
-    pub handle: [u8; IPC_HANDLE_BYTES],
-    pub offset: u64,
-    pub ptr: u64,
-}
 
 /// A receiver's device ring as a sender reaches it. The session layer, which owns CUDA, opens it
 /// (see [`OpenDevice`]) and closes it on drop.
@@ -73,40 +62,6 @@ pub enum RingKind {
 /// Opens an exported device ring of `len` bytes on the device of this engine's KV pool;
 /// `same_process`: the receiver is this very process (its address is used as is).
 pub type OpenDevice<'a> = &'a dyn Fn(&DeviceExport, usize, bool) -> Result<Box<dyn DeviceRing>>;
-
-/// Bytes the receiver sends on the local socket: the nonce, the ring's size (u64 LE), the ring's
-/// kind ([`HOST_RING`], its descriptor attached; [`DEVICE_RING`]), then for a device ring its IPC
-/// export: offset in its allocation and address in the receiver (u64 LE each), the handle.
-pub const GREETING_BYTES: usize = NONCE_BYTES + 8 + 1 + 16 + IPC_HANDLE_BYTES;
-const HOST_RING: u8 = 0;
-const DEVICE_RING: u8 = 1;
-
-/// The ring a receiver passes to a same-host sender.
-pub enum OfferedRing<'a> {
-    /// A host ring: its sealed memfd.
-    Memfd(std::os::fd::BorrowedFd<'a>),
-    /// A CUDA device ring.
-    Device(DeviceExport),
-}
-
-impl OfferedRing<'_> {
-    fn greeting(&self, nonce: &[u8], ring_len: u64) -> [u8; GREETING_BYTES] {
-        let mut g = [0u8; GREETING_BYTES];
-        g[..NONCE_BYTES].copy_from_slice(nonce);
-        g[NONCE_BYTES..NONCE_BYTES + 8].copy_from_slice(&ring_len.to_le_bytes());
-        let at = NONCE_BYTES + 8;
-        match self {
-            OfferedRing::Memfd(_) => g[at] = HOST_RING,
-            OfferedRing::Device(x) => {
-                g[at] = DEVICE_RING;
-                g[at + 1..at + 9].copy_from_slice(&x.offset.to_le_bytes());
-                g[at + 9..at + 17].copy_from_slice(&x.ptr.to_le_bytes());
-                g[at + 17..].copy_from_slice(&x.handle);
-            }
-        }
-        g
-    }
-}
 
 /// Local connections the sender accepts while looking for the receiver's (another local process
 /// that saw the socket's name may connect first; it cannot know the nonce).
@@ -276,32 +231,27 @@ fn map_offered_ring(
         // Bounded by the exchange's end: a silent intruder cannot hold the handshake longer.
         let left = until.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_millis(1));
         stream.set_read_timeout(Some(left))?;
-        let mut greeting = [0u8; GREETING_BYTES];
-        let Ok(fd) = fdpass::recv_fd(&stream, &mut greeting) else { continue };
-        let differs = greeting[..NONCE_BYTES].iter().zip(nonce).fold(0u8, |d, (a, b)| d | (a ^ b));
-        if differs != 0 {
+        let mut bytes = [0u8; GREETING_BYTES];
+        let Ok(fd) = fdpass::recv_fd(&stream, &mut bytes) else { continue };
+        if !greeting::knows(&bytes, nonce) {
             continue; // another local process: not the receiver that answered
         }
-        let word = |at: usize| u64::from_le_bytes(greeting[at..at + 8].try_into().expect("8 bytes"));
-        let sent_len = word(NONCE_BYTES);
-        if sent_len != ring_len {
-            return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("ring of {sent_len} bytes on the local socket, {ring_len} on the control stream")));
+        let said = greeting::parse(&bytes)?;
+        if said.ring_len != ring_len {
+            return Err(Error::new(
+                Status::KVSTAGE_E_PROTOCOL,
+                format!("ring of {} bytes on the local socket, {ring_len} on the control stream", said.ring_len),
+            ));
         }
-        let kind = NONCE_BYTES + 8;
-        let ring = match (greeting[kind], fd) {
-            (HOST_RING, Some(fd)) => PeerRing::Host(memory::map_peer_ring(&fd, ring_len)?),
-            (HOST_RING, None) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, "the peer sent no descriptor with its host ring")),
-            (DEVICE_RING, _) => {
+        let ring = match (said.device, fd) {
+            (None, Some(fd)) => PeerRing::Host(memory::map_peer_ring(&fd, ring_len)?),
+            (None, None) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, "the peer sent no descriptor with its host ring")),
+            (Some(export), _) => {
                 let Some(open_device) = open_device else {
                     return Err(Error::new(
                         Status::KVSTAGE_E_UNSUPPORTED,
                         "the receiver's staging ring is CUDA device memory and this engine's KV pool is host memory",
                     ));
-                };
-                let export = DeviceExport {
-                    offset: word(kind + 1),
-                    ptr: word(kind + 9),
-                    handle: greeting[kind + 17..].try_into().expect("the handle's bytes"),
                 };
                 // The kernel's word on who connected, not the peer's: only this very process may
                 // hand over a bare address.
@@ -312,7 +262,6 @@ fn map_offered_ring(
                 }
                 PeerRing::Device(ring)
             }
-            (other, _) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unknown staging ring kind {other} on the local socket"))),
         };
         stream.set_read_timeout(None)?;
         return Ok((ring, stream));
