@@ -14,8 +14,8 @@ impl DeviceRing for DeviceMemory {
         self.bytes
     }
 
-    fn read(&self, at: usize, dst: &mut [u8]) -> Result<()> {
-        DeviceMemory::read(self, at, dst)
+    fn to_vec(&self, at: usize, len: usize) -> Result<Vec<u8>> {
+        DeviceMemory::to_vec(self, at, len)
     }
 }
 

@@ -157,11 +157,7 @@ impl StagingLease<'_> {
     pub fn to_host(&mut self, len: usize) -> Result<std::borrow::Cow<'_, [u8]>> {
         match &mut self.buffer().memory {
             Memory::Host { bytes, .. } => Ok(std::borrow::Cow::Borrowed(&bytes[..len])),
-            Memory::Device(d) => {
-                let mut out = vec![0u8; len];
-                d.read(0, &mut out)?;
-                Ok(std::borrow::Cow::Owned(out))
-            }
+            Memory::Device(d) => Ok(std::borrow::Cow::Owned(d.to_vec(0, len)?)),
         }
     }
 }

@@ -202,6 +202,17 @@ impl DeviceMemory {
         cu("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.stream as sys::CUstream) })
     }
 
+    /// The `len` bytes at offset `at` copied to a new host buffer (synchronous).
+    /// `KVSTAGE_E_OUT_OF_MEMORY` when the buffer cannot be had.
+    pub fn to_vec(&self, at: usize, len: usize) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        out.try_reserve_exact(len)
+            .map_err(|_| Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, format!("cannot allocate {len} bytes to read device memory back")))?;
+        out.resize(len, 0);
+        self.read(at, &mut out)?;
+        Ok(out)
+    }
+
     /// Copies `dst.len()` bytes from offset `at` (synchronous).
     pub fn read(&self, at: usize, dst: &mut [u8]) -> Result<()> {
         self.check(at, dst.len())?;

@@ -289,8 +289,7 @@ impl Receiver {
                     let ring = self.memory.lock().clone();
                     let rdma = self.rdma.lock().clone().unwrap_or_else(crate::transport::rdma::Rdma::off);
                     // A device ring is registered through its dma-buf (GPUDirect RDMA).
-                    let dmabuf = |m: &super::memory::RingMemory| m.dmabuf();
-                    let export = ring.as_ref().filter(|m| m.device().is_some()).map(|m| move || dmabuf(m));
+                    let export = ring.as_ref().filter(|m| m.device().is_some()).map(|m| move || m.dmabuf());
                     let nic_memory = ring.as_ref().map(|m| crate::transport::rdma::NicMemory {
                         ptr: m.base(),
                         len: m.size(),

@@ -234,11 +234,7 @@ impl RingMemory {
     pub unsafe fn read_back(&self, offset: u64, len: u64) -> Result<Cow<'_, [u8]>> {
         let p = self.range(offset, len)?;
         match &self.backing {
-            Backing::Device(mem, _) => {
-                let mut out = vec![0u8; len as usize];
-                mem.read(offset as usize, &mut out)?;
-                Ok(Cow::Owned(out))
-            }
+            Backing::Device(mem, _) => Ok(Cow::Owned(mem.to_vec(offset as usize, len as usize)?)),
             // SAFETY: inside the ring (checked); no writer (the caller's contract).
             _ => Ok(Cow::Borrowed(unsafe { std::slice::from_raw_parts(p, len as usize) })),
         }

@@ -109,7 +109,9 @@ fn control_buffer() -> (Vec<u64>, usize) {
     (vec![0u64; space.div_ceil(8)], space)
 }
 
-/// The pid of the process that created the listening socket `stream` is connected to.
+/// The pid of the process at the other end of `stream` (`SO_PEERCRED`, the kernel's word): for
+/// a connecting side, the process that created the listening socket; for an accepted stream,
+/// the process that connected.
 pub fn peer_pid(stream: &UnixStream) -> Result<i32> {
     // SAFETY: an all-zero ucred is valid; getsockopt writes at most `len` bytes into it.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };

@@ -77,11 +77,7 @@ impl InPlace<'_> {
         match self.ring() {
             // SAFETY: inside the mapping (checked), this writer's range, which nothing else writes.
             PeerRing::Host(m) => Ok(Cow::Borrowed(unsafe { std::slice::from_raw_parts(m.ptr().add(offset as usize), len) })),
-            PeerRing::Device(d) => {
-                let mut out = vec![0u8; len];
-                d.read(offset as usize, &mut out)?;
-                Ok(Cow::Owned(out))
-            }
+            PeerRing::Device(d) => Ok(Cow::Owned(d.to_vec(offset as usize, len)?)),
         }
     }
 

@@ -47,8 +47,8 @@ pub trait DeviceRing: Send + Sync {
     /// The ring's first byte: a device address of this process.
     fn ptr(&self) -> u64;
     fn bytes(&self) -> usize;
-    /// Copies `dst.len()` bytes from offset `at` (device to host, synchronous).
-    fn read(&self, at: usize, dst: &mut [u8]) -> Result<()>;
+    /// The `len` bytes at offset `at`, copied to the host (synchronous).
+    fn to_vec(&self, at: usize, len: usize) -> Result<Vec<u8>>;
 }
 
 /// The kind of memory a same-host ring is (what a gather must be able to write).
