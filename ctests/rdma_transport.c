@@ -244,8 +244,8 @@ static int mode_none(void) {
  * connect and the transfer, given `arg`) makes the write fail on the wire. The transfer fails with
  * KVSTAGE_E_RDMA naming `wc_status` in the chain, the session is dead, the decode room fails and the
  * ring holds nothing; then a new session delivers the chunk, verified. */
-static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, const char *id, const char *wc_status,
-                          void (*spoil)(kvstage_engine *dec, uintptr_t arg), uintptr_t arg) {
+static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, const char *id, int code,
+                          const char *wc_status, void (*spoil)(kvstage_engine *dec, uintptr_t arg), uintptr_t arg) {
     uint32_t src[NPAGES], dst[NPAGES];
     char addr[64], again[48];
     kvstage_session *s = NULL;
@@ -268,7 +268,7 @@ static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, po
     d.src_pages = src;
     d.num_pages = NPAGES;
     d.deadline_ms = 20000;
-    CHECK_INT(kvstage_transfer(s, &d), KVSTAGE_E_RDMA);
+    CHECK_INT(kvstage_transfer(s, &d), code);
     e = kvstage_error_last();
     print_error(id);
     for (c = 0; c < e->cause_count; c++) seen |= strstr(e->causes[c], wc_status) != NULL;
@@ -342,7 +342,7 @@ static int mode_loopback(void) {
     CHECK_INT(st.rdma_sessions, 1);
     CHECK_INT(st.ring_live_allocations, 0);
     CHECK_INT(transfer_and_verify(pre, dec, &pp, &dp, "loopback-layerwise", 1), 0);
-    spoiled_chunk(pre, dec, &pp, &dp, "before-reregister", "IBV_WC_REM_ACCESS_ERR", register_the_ring_again, 0);
+    spoiled_chunk(pre, dec, &pp, &dp, "before-reregister", KVSTAGE_E_RDMA, "IBV_WC_REM_ACCESS_ERR", register_the_ring_again, 0);
     kvstage_engine_free(pre);
     kvstage_engine_free(dec);
     free(pp.memory);
@@ -369,7 +369,8 @@ static int guards_intact(const uint8_t *ring, size_t ring_bytes, size_t guard) {
  * wire, with the receiver's ring in caller memory between two guard zones: a remote key the
  * receiver never issued and a range past the end of the registered ring (both refused by the
  * receiving side: IBV_WC_REM_ACCESS_ERR), and QP 0 moved to the error state once the first work
- * requests are posted (flushed: IBV_WC_WR_FLUSH_ERR). Exits 77 without a device unless
+ * requests are posted (flushed: IBV_WC_WR_FLUSH_ERR), and a ready whose write-with-immediate went
+ * as a plain write (refused after the receiver's wait, the connection closed). Exits 77 without a device unless
  * KVSTAGE_REQUIRE_RDMA=1. */
 static int mode_faults(void) {
     const char *require = getenv("KVSTAGE_REQUIRE_RDMA");
@@ -394,13 +395,17 @@ static int mode_faults(void) {
     REQUIRE(kvstage_engine_register_staging(dec, ring + GUARD, RING) == KVSTAGE_OK);
     pre = engine(KVSTAGE_TRANSPORT_RDMA, getenv("KVSTAGE_RDMA_DEVICES"), &pp, 0);
     REQUIRE(pre != NULL);
-    spoiled_chunk(pre, dec, &pp, &dp, "fault-1", "IBV_WC_REM_ACCESS_ERR", arm_fault, 1);
+    spoiled_chunk(pre, dec, &pp, &dp, "fault-1", KVSTAGE_E_RDMA, "IBV_WC_REM_ACCESS_ERR", arm_fault, 1);
     CHECK(guards_intact(ring, RING, GUARD));
-    spoiled_chunk(pre, dec, &pp, &dp, "fault-2", "IBV_WC_REM_ACCESS_ERR", arm_fault, 2);
+    spoiled_chunk(pre, dec, &pp, &dp, "fault-2", KVSTAGE_E_RDMA, "IBV_WC_REM_ACCESS_ERR", arm_fault, 2);
     CHECK(guards_intact(ring, RING, GUARD));
-    spoiled_chunk(pre, dec, &pp, &dp, "fault-3", "IBV_WC_WR_FLUSH_ERR", arm_fault, 3);
+    spoiled_chunk(pre, dec, &pp, &dp, "fault-3", KVSTAGE_E_RDMA, "IBV_WC_WR_FLUSH_ERR", arm_fault, 3);
     CHECK(guards_intact(ring, RING, GUARD));
-    CHECK_INT(kvstage_testing_rdma_fault(5), KVSTAGE_E_INVALID_ARG);
+    /* The ready arrives without its write-with-immediate: refused after the receiver's wait,
+     * the connection closed (its room fails at once), nothing of the chunk scattered. */
+    spoiled_chunk(pre, dec, &pp, &dp, "fault-5", KVSTAGE_E_PROTOCOL, "write-with-immediate did not arrive", arm_fault, 5);
+    CHECK(guards_intact(ring, RING, GUARD));
+    CHECK_INT(kvstage_testing_rdma_fault(6), KVSTAGE_E_INVALID_ARG);
     kvstage_engine_free(pre);
     kvstage_engine_free(dec);
     free(pp.memory);

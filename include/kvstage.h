@@ -679,7 +679,9 @@ enum kvstage_status kvstage_capabilities_get(struct kvstage_capabilities *out);
 // something wrong on the wire, to run the failure paths on real verbs: `fault` 1 = a remote key
 // the receiver never issued, 2 = the granted range moved past the end of the registered ring,
 // 3 = QP 0 moved to the error state once the chunk's first work requests are posted, 4 = the
-// writer stops for 10 s once they are posted (to kill the process mid-write); 0 disarms.
+// writer stops for 10 s once they are posted (to kill the process mid-write), 5 = the
+// write-with-immediate goes as a plain write (the ready arrives without its immediate); 0
+// disarms.
 enum kvstage_status kvstage_testing_rdma_fault(uint32_t fault);
 #endif
 

@@ -82,14 +82,16 @@ pub unsafe extern "C" fn kvstage_capabilities_get(out: *mut kvstage_capabilities
 /// something wrong on the wire, to run the failure paths on real verbs: `fault` 1 = a remote key
 /// the receiver never issued, 2 = the granted range moved past the end of the registered ring,
 /// 3 = QP 0 moved to the error state once the chunk's first work requests are posted, 4 = the
-/// writer stops for 10 s once they are posted (to kill the process mid-write); 0 disarms.
+/// writer stops for 10 s once they are posted (to kill the process mid-write), 5 = the
+/// write-with-immediate goes as a plain write (the ready arrives without its immediate); 0
+/// disarms.
 #[cfg(feature = "testing")]
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_testing_rdma_fault(fault: u32) -> Status {
     ffi_fn!(status {
         use crate::transport::rdma::fault::{arm, WriteFault};
         let armed = WriteFault::from_code(fault)
-            .ok_or_else(|| crate::error::Error::invalid_arg("fault", format!("{fault} is not 0..=4")))?;
+            .ok_or_else(|| crate::error::Error::invalid_arg("fault", format!("{fault} is not 0..=5")))?;
         arm(armed);
         Ok(Status::KVSTAGE_OK)
     })

@@ -244,6 +244,10 @@ impl Receiver {
                     // done): the ready frame, and over RDMA the write's completion after it (a
                     // failed wait scatters nothing, so the stamp is unused then).
                     let arrived = std::time::Instant::now();
+                    // A ready whose immediate never came: the peer's RDMA is broken or it lies
+                    // about its writes. Refused, and the connection ends after the reply (its
+                    // rooms fail now, not at their timeout).
+                    let broken = landed.is_err();
                     let (result, mut fx) = match landed {
                         Err(e) => (Err(e), Default::default()),
                         Ok(()) => self.ready(id, session, room, chunk, writer, checksum, integrity),
@@ -260,6 +264,9 @@ impl Receiver {
                     let sent = link.send(&reply, &reply_deadline());
                     self.apply(fx);
                     sent?;
+                    if broken {
+                        return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("a chunk ready (request {req}) came without its RDMA write-with-immediate on {}", link.describe())));
+                    }
                 }
                 Message::Slice { room, chunk, buffer, token, byte_offset, len } => {
                     match self.with_state(|st| st.begin_slice(id, room, chunk, buffer, token, byte_offset, len))? {

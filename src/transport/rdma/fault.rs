@@ -15,14 +15,23 @@ pub enum WriteFault {
     /// The writer stops for [`PAUSE`] once the chunk's first work requests are posted (a test
     /// kills the process meanwhile: a peer gone mid-write).
     PauseMidChunk,
+    /// The chunk's write-with-immediate goes as a plain write: its ready arrives without the
+    /// immediate that binds it to the data (a lying or broken peer).
+    NoImmediate,
 }
 
 /// How long [`WriteFault::PauseMidChunk`] holds the write.
 pub const PAUSE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl WriteFault {
-    const ALL: [WriteFault; 5] =
-        [WriteFault::None, WriteFault::BadRkey, WriteFault::PastTheRing, WriteFault::QpErrorMidChunk, WriteFault::PauseMidChunk];
+    const ALL: [WriteFault; 6] = [
+        WriteFault::None,
+        WriteFault::BadRkey,
+        WriteFault::PastTheRing,
+        WriteFault::QpErrorMidChunk,
+        WriteFault::PauseMidChunk,
+        WriteFault::NoImmediate,
+    ];
 
     /// The fault of code `code` (its position in the list above: 0 = none).
     pub fn from_code(code: u32) -> Option<WriteFault> {

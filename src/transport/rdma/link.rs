@@ -422,7 +422,7 @@ impl RdmaTransport {
             remote_addr: self.remote.addr + remote_offset + w.offset + past_the_ring,
             rkey: if fault == WriteFault::BadRkey { !self.remote.rkeys[q] } else { self.remote.rkeys[q] },
             signaled: w.signaled,
-            imm: imm.filter(|_| w.imm),
+            imm: imm.filter(|_| w.imm && fault != WriteFault::NoImmediate),
         };
         loop {
             let mut progressed = false;
