@@ -135,6 +135,14 @@ static kvstage_engine *engine_on(pool *p, int integrity, int transport) {
 
 static kvstage_engine *engine_with(pool *p, int integrity) { return engine_on(p, integrity, KVSTAGE_TRANSPORT_AUTO); }
 
+static kvstage_engine_stats stats_of(const kvstage_engine *e) {
+    kvstage_engine_stats st;
+    memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    CHECK_OK(kvstage_engine_stats_get(e, &st));
+    return st;
+}
+
 /* `got` is `want` and the last error's message or a cause contains `needle`. */
 
 static kvstage_staging_memory device_ring(void *memory, int32_t device, size_t bytes) {
@@ -214,9 +222,7 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
         kvstage_engine_free(shm_sender);
         shm_sender = engine_with(sender, KVSTAGE_INTEGRITY_OFF);
         CHECK_OK(kvstage_session_connect(shm_sender, addr, "auto-no-ipc", 5000, &s));
-        memset(&st, 0, sizeof st);
-        st.struct_size = sizeof st;
-        CHECK_OK(kvstage_engine_stats_get(shm_sender, &st));
+        st = stats_of(shm_sender);
         CHECK_INT(st.shm_sessions, 0);
         CHECK_INT(st.shm_downgrades, 1);
         kvstage_session_free(s);
@@ -246,9 +252,7 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
         REQUIRE(kvstage_engine_new(&o, &shm_sender) == KVSTAGE_OK);
         CHECK_OK(kvstage_engine_register_pool(shm_sender, &sender->layout));
         CHECK_OK(kvstage_session_connect(shm_sender, addr, "auto-no-dmabuf", 5000, &s));
-        memset(&st, 0, sizeof st);
-        st.struct_size = sizeof st;
-        CHECK_OK(kvstage_engine_stats_get(shm_sender, &st));
+        st = stats_of(shm_sender);
         CHECK_INT(st.rdma_sessions, 0);
         CHECK_INT(st.rdma_downgrades, 1);
         kvstage_session_free(s);
@@ -369,9 +373,7 @@ static void send_room(pool src[2], const char *addr, uint32_t chunks, int ring_o
     }
     for (r = 0; r < 2; r++) {
         char describe[1024];
-        memset(&st, 0, sizeof st);
-        st.struct_size = sizeof st;
-        CHECK_OK(kvstage_engine_stats_get(prefill[r], &st));
+        st = stats_of(prefill[r]);
         CHECK_INT(st.shm_sessions, soft_rdma || by_tcp ? 0 : 1);
         CHECK_INT(st.rdma_sessions, soft_rdma ? 1 : 0);
         CHECK_INT(st.shm_downgrades, 0);
@@ -458,9 +460,7 @@ static void finish_decode(kvstage_engine *decode, pool src[2], pool *dst) {
     CHECK_OK(kvstage_room_wait(decode, ROOM, 10000));
     verify(src, dst);
     CHECK_OK(kvstage_room_release(decode, ROOM));
-    memset(&st, 0, sizeof st);
-    st.struct_size = sizeof st;
-    CHECK_OK(kvstage_engine_stats_get(decode, &st));
+    st = stats_of(decode);
     CHECK_INT(st.ring_live_allocations, 0);
     CHECK_INT(st.shm_sessions, soft_rdma || by_tcp ? 0 : 2);
     CHECK_INT(st.rdma_sessions, soft_rdma ? 2 : 0);
