@@ -140,9 +140,12 @@ API CUresult cuDeviceGetName(char *name, int len, CUdevice) {
     name[len - 1] = 0;
     return OK;
 }
+static bool env_set(const char *name);
 API CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice) {
     if (v == nullptr) return E_INVALID_VALUE;
     *v = attr == 75 ? 9 : 0;  // compute capability 9.0
+    if (attr == 116) *v = 1;  // GPUDirect RDMA supported
+    if (attr == 124) *v = env_set("KVSTAGE_FAKE_CUDA_NO_DMABUF") ? 0 : 1;  // dma-buf export
     return OK;
 }
 API CUresult cuDevicePrimaryCtxRetain(CUcontext *c, CUdevice) { return c ? (*c = &g_ctx_token, OK) : E_INVALID_VALUE; }

@@ -25,4 +25,6 @@ fi
 tail -n1 "$work/out2/gpu-runner.log"
 grep -q ', 0 failed,' "$work/out2/gpu-runner.log" || { cat "$work/out2/gpu-runner.log"; exit 1; }
 [[ -s $work/out2/bench.json && -s $work/out2/doctor.txt ]]
+# The doctor says whether a NIC can reach the GPU's memory (the fake can: dma-buf and GPUDirect).
+grep -q 'dma-buf export: yes, GPUDirect RDMA: yes' "$work/out2/doctor.txt" || { cat "$work/out2/doctor.txt"; exit 1; }
 echo "gpu-runner dry runs: ok"

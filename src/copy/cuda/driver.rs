@@ -246,6 +246,10 @@ pub struct Device {
     pub ordinal: i32,
     pub name: String,
     pub compute_capability: (i32, i32),
+    /// The device exports memory as dma-bufs (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`) and
+    /// supports GPUDirect RDMA (`..._GPU_DIRECT_RDMA_SUPPORTED`): what a NIC needs to reach it.
+    pub dma_buf: bool,
+    pub gpudirect_rdma: bool,
     ctx: usize,
     functions: Vec<usize>,
     fence_stream: Mutex<usize>,
@@ -288,6 +292,12 @@ impl Device {
             use sys::CUdevice_attribute::*;
             cu("cuDeviceGetAttribute", sys::cuDeviceGetAttribute(&mut major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))?;
             cu("cuDeviceGetAttribute", sys::cuDeviceGetAttribute(&mut minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))?;
+            // Capabilities the doctor reports; an attribute this driver does not know reads as no.
+            let flag = |attr| {
+                let mut v = 0;
+                sys::cuDeviceGetAttribute(&mut v, attr, dev) == sys::CUresult::CUDA_SUCCESS && v != 0
+            };
+            let (dma_buf, gpudirect_rdma) = (flag(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED), flag(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED));
             let mut ctx: sys::CUcontext = std::ptr::null_mut();
             cu("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
             let ctx = ctx as usize;
@@ -301,7 +311,7 @@ impl Device {
                 functions[k.index()] = f as usize;
             }
             let fence_stream = create_stream()?;
-            Ok(Device { ordinal, name, compute_capability: (major, minor), ctx, functions, fence_stream: Mutex::new(fence_stream) })
+            Ok(Device { ordinal, name, compute_capability: (major, minor), dma_buf, gpudirect_rdma, ctx, functions, fence_stream: Mutex::new(fence_stream) })
         }
     }
 

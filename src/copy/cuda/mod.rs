@@ -357,6 +357,9 @@ pub struct DeviceReport {
     pub compute_capability: (i32, i32),
     /// `Ok` when the embedded PTX JIT-compiled and loaded; else the error chain.
     pub kernels: std::result::Result<(), String>,
+    /// Whether a NIC can reach the device's memory: dma-buf export, GPUDirect RDMA support.
+    pub dma_buf: bool,
+    pub gpudirect_rdma: bool,
 }
 
 /// The doctor's CUDA report.
@@ -382,8 +385,22 @@ pub fn report() -> CudaReport {
     };
     let devices = (0..info.devices)
         .map(|o| match Device::open(o) {
-            Ok(d) => DeviceReport { ordinal: o, name: d.name.clone(), compute_capability: d.compute_capability, kernels: Ok(()) },
-            Err(e) => DeviceReport { ordinal: o, name: String::new(), compute_capability: (0, 0), kernels: Err(e.chain()) },
+            Ok(d) => DeviceReport {
+                ordinal: o,
+                name: d.name.clone(),
+                compute_capability: d.compute_capability,
+                kernels: Ok(()),
+                dma_buf: d.dma_buf,
+                gpudirect_rdma: d.gpudirect_rdma,
+            },
+            Err(e) => DeviceReport {
+                ordinal: o,
+                name: String::new(),
+                compute_capability: (0, 0),
+                kernels: Err(e.chain()),
+                dma_buf: false,
+                gpudirect_rdma: false,
+            },
         })
         .collect();
     CudaReport { driver: Ok(info), devices, ptx }
@@ -400,8 +417,13 @@ impl std::fmt::Display for CudaReport {
             match &d.kernels {
                 Ok(()) => writeln!(
                     f,
-                    "cuda: device {}: {} (sm_{}{}), kernels load: yes",
-                    d.ordinal, d.name, d.compute_capability.0, d.compute_capability.1
+                    "cuda: device {}: {} (sm_{}{}), kernels load: yes, dma-buf export: {}, GPUDirect RDMA: {}",
+                    d.ordinal,
+                    d.name,
+                    d.compute_capability.0,
+                    d.compute_capability.1,
+                    if d.dma_buf { "yes" } else { "no" },
+                    if d.gpudirect_rdma { "yes" } else { "no" }
                 )?,
                 Err(e) => writeln!(f, "cuda: device {}: kernels load: NO: {e}", d.ordinal)?,
             }
