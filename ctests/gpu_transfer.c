@@ -274,6 +274,7 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
         CHECK_OK(kvstage_transfer(s, &d));
         CHECK_OK(kvstage_engine_transport_describe(shm_sender, describe, sizeof describe, NULL));
         CHECK_CONTAINS(describe, "1 session(s) staging GPU data in host memory (no GPUDirect)");
+        CHECK_INT(stats_of(shm_sender).rdma_host_staging_sessions, 1);
         CHECK_CONTAINS(describe, "cannot be registered for GPUDirect RDMA");
         kvstage_session_free(s);
         kvstage_engine_free(shm_sender);
@@ -382,6 +383,7 @@ static void send_room(pool src[2], const char *addr, uint32_t chunks, int ring_o
         printf("prefill %d: %s\n", r, describe);
         /* GPUDirect was not given up for host staging. */
         CHECK(strstr(describe, "staging GPU data in host memory") == NULL);
+        CHECK_INT(st.rdma_host_staging_sessions, 0);
     }
     if (fake_htod_bytes != NULL && ring_on_device) {
         /* Only the copy plans' tables go up; a staged write (or TCP's bounce on the receiver,

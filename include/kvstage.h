@@ -466,6 +466,11 @@ typedef struct kvstage_engine_stats {
     // it out, mapping failed); `kvstage_engine_transport_describe` says why. Peers on other
     // hosts and `same_host` OFF are not counted.
     uint64_t shm_downgrades;
+    // RDMA sessions this engine opened for a KV pool in GPU memory that stage its chunks in host
+    // memory (a device→host copy before each write) because their device staging memory could
+    // not be allocated or registered with the NIC (no GPUDirect RDMA);
+    // `kvstage_engine_transport_describe` says why.
+    uint64_t rdma_host_staging_sessions;
 } kvstage_engine_stats;
 
 // Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.

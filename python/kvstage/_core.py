@@ -582,6 +582,7 @@ class EngineStats(NamedTuple):
     ring_high_water_bytes: int = 0
     shm_sessions: int = 0
     shm_downgrades: int = 0
+    rdma_host_staging_sessions: int = 0
 
 
 class ChunkEvent(NamedTuple):

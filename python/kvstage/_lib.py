@@ -275,6 +275,7 @@ class kvstage_engine_stats(Structure):
         ("ring_high_water_bytes", c_uint64),
         ("shm_sessions", c_uint64),
         ("shm_downgrades", c_uint64),
+        ("rdma_host_staging_sessions", c_uint64),
     ]
 
 

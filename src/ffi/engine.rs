@@ -469,6 +469,11 @@ pub struct kvstage_engine_stats {
     /// it out, mapping failed); `kvstage_engine_transport_describe` says why. Peers on other
     /// hosts and `same_host` OFF are not counted.
     pub shm_downgrades: u64,
+    /// RDMA sessions this engine opened for a KV pool in GPU memory that stage its chunks in host
+    /// memory (a device→host copy before each write) because their device staging memory could
+    /// not be allocated or registered with the NIC (no GPUDirect RDMA);
+    /// `kvstage_engine_transport_describe` says why.
+    pub rdma_host_staging_sessions: u64,
 }
 
 /// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_engine_stats)`) with the
@@ -518,6 +523,7 @@ pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine,
             ring_high_water_bytes: r.receive.ring_high_water,
             shm_sessions: r.shm_sessions,
             shm_downgrades: r.shm_downgrades,
+            rdma_host_staging_sessions: r.rdma_host_staging_sessions,
         };
         unsafe { super::write_versioned(out, stats, "out") }?;
         Ok(Status::KVSTAGE_OK)
