@@ -3,6 +3,7 @@
 
 use crate::copy::cuda::DeviceMemory;
 use crate::error::{Error, Result, Status};
+use crate::transport::rdma::DmaBuf;
 use crate::transport::shm::{DeviceExport, DeviceRing};
 
 impl DeviceRing for DeviceMemory {
@@ -17,6 +18,11 @@ impl DeviceRing for DeviceMemory {
     fn to_vec(&self, at: usize, len: usize) -> Result<Vec<u8>> {
         DeviceMemory::to_vec(self, at, len)
     }
+}
+
+/// Device memory as a dma-buf for the NIC (GPUDirect RDMA): a ring or a send staging buffer.
+pub fn dmabuf(memory: &DeviceMemory) -> Result<DmaBuf> {
+    memory.dmabuf().map(|(fd, offset)| DmaBuf { fd, offset })
 }
 
 /// The export of a receiver's device ring for a same-host sender. A peer that opens it reaches

@@ -14,7 +14,7 @@ use super::Deadline;
 use crate::copy::cuda::DeviceMemory;
 use crate::copy::{CopyEngine, HostPin};
 use crate::error::{Error, Result, Status};
-use crate::transport::rdma::{DmaBuf, NicMemory, Rdma, StagingRegistration};
+use crate::transport::rdma::{NicMemory, Rdma, StagingRegistration};
 
 /// Where a staging buffer lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,7 +112,7 @@ impl StagingLease<'_> {
         let registered = match &mut b.memory {
             Memory::Host { bytes, .. } => rdma.register_staging(&NicMemory { ptr: bytes.as_mut_ptr(), len, dmabuf: None }),
             Memory::Device(d) => {
-                let export = || d.dmabuf().map(|(fd, offset)| DmaBuf { fd, offset });
+                let export = || crate::session::device_ring::dmabuf(d);
                 rdma.register_staging(&NicMemory { ptr: d.ptr as *mut u8, len, dmabuf: Some(&export) })
             }
         };

@@ -124,7 +124,7 @@ impl RingMemory {
     /// A device ring's dma-buf, for the NIC to register it (GPUDirect RDMA).
     pub fn dmabuf(&self) -> Result<crate::transport::rdma::DmaBuf> {
         match &self.backing {
-            Backing::Device(m, _) => m.dmabuf().map(|(fd, offset)| crate::transport::rdma::DmaBuf { fd, offset }),
+            Backing::Device(m, _) => crate::session::device_ring::dmabuf(m),
             _ => Err(Error::internal("a host ring has no dma-buf")),
         }
     }

@@ -62,18 +62,10 @@ impl SenderSession {
                         t.wire_ns += since(phase);
                     }
                     Some(buffer) => {
-                        let src = buffer.as_mut_ptr();
-                        self.gather(&part, src, batch.ready.as_ref(), t)?;
+                        self.gather(&part, buffer.as_mut_ptr(), batch.ready.as_ref(), t)?;
                         let phase = Instant::now();
-                        for (at, len) in part.staging_ranges() {
-                            let header = place.data(desc, at, len);
-                            match buffer.memory() {
-                                StagingMemory::Host => {
-                                    let piece = &buffer.bytes(region_bytes as usize)?[at as usize..(at + len) as usize];
-                                    self.link.write_piece(place.grant_offset, &header, piece, deadline)?;
-                                }
-                                StagingMemory::Device(_) => self.link.write_device(place.grant_offset, &header, src as u64 + at, None, deadline)?,
-                            }
+                        for piece in part.staging_ranges() {
+                            self.write_staged(buffer, place, desc, piece, None, deadline)?;
                         }
                         t.wire_ns += since(phase);
                     }
@@ -83,13 +75,14 @@ impl SenderSession {
         let phase = Instant::now();
         let wrote = match staging.as_mut() {
             None => {
-                let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
-                let checksum = self.region_checksum(desc, || range.to_host())?;
-                drop(range);
+                let checksum = self.region_checksum(desc, || {
+                    let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
+                    Ok(checksum(&range.to_host()?))
+                })?;
                 self.link.send(&ready(checksum), deadline)
             }
             Some(buffer) => {
-                let checksum = self.region_checksum(desc, || buffer.to_host(region_bytes as usize))?;
+                let checksum = self.region_checksum(desc, || Ok(checksum(&buffer.to_host(region_bytes as usize)?)))?;
                 let header = place.data(desc, 0, region_bytes);
                 match buffer.memory() {
                     StagingMemory::Host => {

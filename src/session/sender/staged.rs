@@ -146,7 +146,7 @@ impl SenderSession {
         if self.writes_in_place() {
             let mut range = self.link.in_place(grant_offset + region_offset, region_bytes).expect("an in-place transport")?;
             self.gather(plan, range.as_mut_ptr(), desc.ready.as_deref(), t)?;
-            let checksum = self.region_checksum(desc, || range.to_host())?;
+            let checksum = self.region_checksum(desc, || Ok(checksum(&range.to_host()?)))?;
             drop(range);
             let phase = Instant::now();
             let wrote = self.link.finish_in_place(&header, &ready(checksum), deadline);
@@ -157,14 +157,10 @@ impl SenderSession {
         }
         // A buffer of the engine's pool, held for the gather and the write only.
         let mut staging = self.staging_buffer(region_bytes, deadline, op, t)?;
-        let src = staging.as_mut_ptr();
-        self.gather(plan, src, desc.ready.as_deref(), t)?;
-        let checksum = self.region_checksum(desc, || staging.to_host(region_bytes as usize))?;
+        self.gather(plan, staging.as_mut_ptr(), desc.ready.as_deref(), t)?;
+        let checksum = self.region_checksum(desc, || Ok(checksum(&staging.to_host(region_bytes as usize)?)))?;
         let phase = Instant::now();
-        let wrote = match staging.memory() {
-            StagingMemory::Host => self.link.write_chunk_at(grant_offset, &header, staging.bytes(region_bytes as usize)?, &ready(checksum), deadline),
-            StagingMemory::Device(_) => self.link.write_device(grant_offset, &header, src as u64, Some(&ready(checksum)), deadline),
-        };
+        let wrote = self.write_staged(&mut staging, place, desc, (0, region_bytes), Some(&ready(checksum)), deadline);
         t.wire_ns = since(phase);
         wrote?;
         self.metrics.sent(region_bytes);
@@ -226,12 +222,31 @@ impl SenderSession {
         gathered
     }
 
-    /// The checksum of a writer's gathered region when integrity covers the chunk; `region`
-    /// gives its bytes as the CPU sees them (read back from device memory), asked only then.
-    pub(super) fn region_checksum<'a>(&self, desc: &TransferDesc, region: impl FnOnce() -> Result<std::borrow::Cow<'a, [u8]>>) -> Result<Option<u64>> {
-        match self.integrity.covers(desc.room, desc.chunk) {
-            true => Ok(Some(checksum(&region()?))),
-            false => Ok(None),
+    /// The checksum of a writer's gathered region when integrity covers the chunk; `sum`
+    /// computes it (reading device memory back when it must), called only then.
+    pub(super) fn region_checksum(&self, desc: &TransferDesc, sum: impl FnOnce() -> Result<u64>) -> Result<Option<u64>> {
+        self.integrity.covers(desc.room, desc.chunk).then(sum).transpose()
+    }
+
+    /// Writes `[at, +len)` of the region gathered in `staging` (whole, with its `ready`; or a
+    /// piece, without): host memory through the link's chunk or piece write, device memory by
+    /// the NIC reading it (GPUDirect).
+    pub(super) fn write_staged(
+        &self,
+        staging: &mut StagingLease<'_>,
+        place: &Placement,
+        desc: &TransferDesc,
+        (at, len): (u64, u64),
+        ready: Option<&Message>,
+        deadline: &Deadline,
+    ) -> Result<()> {
+        let header = place.data(desc, at, len);
+        match (staging.memory(), ready) {
+            (StagingMemory::Host, Some(ready)) => {
+                self.link.write_chunk_at(place.grant_offset, &header, &staging.bytes((at + len) as usize)?[at as usize..], ready, deadline)
+            }
+            (StagingMemory::Host, None) => self.link.write_piece(place.grant_offset, &header, &staging.bytes((at + len) as usize)?[at as usize..], deadline),
+            (StagingMemory::Device(_), ready) => self.link.write_device(place.grant_offset, &header, staging.as_mut_ptr() as u64 + at, ready, deadline),
         }
     }
 }
