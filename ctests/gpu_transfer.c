@@ -15,7 +15,9 @@
  * transport RDMA), the ring and the senders' device staging buffers registered through the fake
  * driver's dma-bufs (GPUDirect), without integrity checks so that no byte may cross to the host
  * ("device-rdma-integrity": with them); "device-tcp": an engine-allocated device ring reached by
- * TCP (prefill transport TCP), every byte landed through the receiver's pinned bounce. Device
+ * TCP (prefill transport TCP), every byte landed through the receiver's pinned bounce;
+ * "device-ipc-kill": as device-ipc, but the first prefill process is SIGKILLed in the middle of a
+ * chunk, and a second one sends the next room (see ipc_kill). Device
  * rings run with
  * integrity ALWAYS (each side reads the regions back to check them), and first check what must be
  * refused: a device ring with a host pool (either registration order), an engine-allocated device
@@ -26,8 +28,10 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include <dlfcn.h>
+#include <signal.h>
 #include <stdint.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kvstage_check.h"
@@ -342,7 +346,7 @@ static int device_integrity = KVSTAGE_INTEGRITY_ALWAYS;
 /* The prefill side: both ranks connect to `addr` and send every chunk of the room (the last one
  * layer-wise); then each engine's same-host counters are checked, and with the fake driver that
  * a device ring was written device to device (the gather in place: no host staging copied up). */
-static void send_room(pool src[2], const char *addr, uint32_t chunks, int ring_on_device) {
+static void send_room(pool src[2], uint64_t room, const char *addr, uint32_t chunks, int ring_on_device) {
     kvstage_engine *prefill[2];
     kvstage_session *session[2];
     kvstage_engine_stats st;
@@ -361,7 +365,7 @@ static void send_room(pool src[2], const char *addr, uint32_t chunks, int ring_o
         for (r = 0; r < 2; r++) {
             kvstage_transfer_desc d;
             REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
-            d.room = ROOM;
+            d.room = room;
             d.chunk_index = (uint32_t)c;
             d.src_pages = SRC_PAGES + c * (CHUNK / PAGE);
             d.num_pages = CHUNK / PAGE;
@@ -456,16 +460,144 @@ static kvstage_engine *open_decode(pool *dst, pool *src0, const char *ring, int 
     return decode;
 }
 
-/* The decode side after the room: complete, verified, ring empty. */
-static void finish_decode(kvstage_engine *decode, pool src[2], pool *dst) {
+/* The decode side after room `room`: complete, verified, ring empty; `sessions` same-host (or
+ * RDMA) sessions accepted so far. */
+static void finish_decode(kvstage_engine *decode, uint64_t room, pool src[2], pool *dst, uint64_t sessions) {
     kvstage_engine_stats st;
-    CHECK_OK(kvstage_room_wait(decode, ROOM, 10000));
+    CHECK_OK(kvstage_room_wait(decode, room, 10000));
     verify(src, dst);
-    CHECK_OK(kvstage_room_release(decode, ROOM));
+    CHECK_OK(kvstage_room_release(decode, room));
     st = stats_of(decode);
     CHECK_INT(st.ring_live_allocations, 0);
-    CHECK_INT(st.shm_sessions, soft_rdma || by_tcp ? 0 : 2);
-    CHECK_INT(st.rdma_sessions, soft_rdma ? 2 : 0);
+    CHECK_INT(st.shm_sessions, soft_rdma || by_tcp ? 0 : sessions);
+    CHECK_INT(st.rdma_sessions, soft_rdma ? sessions : 0);
+}
+
+static void sleep_ms(long ms) {
+    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+
+/* Reads exactly `n` bytes from a pipe (the peer process exiting early is a failure). */
+static void read_pipe(int fd, void *buf, size_t n, const char *what) {
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = read(fd, (char *)buf + got, n - got);
+        if (r <= 0) {
+            KV_FAIL_AT(__FILE__, __LINE__, "pipe closed while waiting for %s", what);
+            exit(kv_finish("gpu_transfer device-ipc-kill"));
+        }
+        got += (size_t)r;
+    }
+}
+
+/* "device-ipc-kill", a prefill process (`victim` or not): waits for the decode address on `in`
+ * (empty: the decode skipped), opens CUDA, and sends ROOM into the decode's device ring through
+ * CUDA IPC. The victim's pools hold other bytes than the reference; it sends chunk 0, starts the
+ * last chunk layer-wise, marks its first layer (the gather writes that piece into the granted
+ * range), says so on `out` and waits to be killed. The other one sends ROOM + 1 whole. */
+static int ipc_kill_prefill(int in, int out, int victim) {
+    void *lib = NULL;
+    pool src[2];
+    char addr[64];
+    kvstage_engine *prefill[2];
+    kvstage_session *session[2];
+    kvstage_op *op[2];
+    int r, started;
+    read_pipe(in, addr, sizeof addr, "the decode address");
+    if (addr[0] == 0) return 77;
+    started = start_cuda(&lib);
+    if (started != 0) return started;
+    for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1 + (victim ? 1000u : 0u));
+    if (!victim) {
+        send_room(src, ROOM + 1, addr, NPAGES * PAGE / CHUNK, 1);
+        return kv_finish("gpu_transfer device-ipc-kill (prefill process)");
+    }
+    for (r = 0; r < 2; r++) {
+        kvstage_transfer_desc d;
+        prefill[r] = engine_with(&src[r], KVSTAGE_INTEGRITY_OFF);
+        CHECK_OK(kvstage_session_connect(prefill[r], addr, r ? "gpu-victim1" : "gpu-victim0", 5000, &session[r]));
+        REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+        d.room = ROOM;
+        d.src_pages = SRC_PAGES;
+        d.num_pages = CHUNK / PAGE;
+        d.deadline_ms = 30000;
+        CHECK_OK(kvstage_transfer(session[r], &d));
+        d.chunk_index = 1;
+        d.src_pages = SRC_PAGES + CHUNK / PAGE;
+        CHECK_INT(kvstage_transfer_layerwise_async(session[r], &d, &op[r]), KVSTAGE_PENDING);
+        CHECK_OK(kvstage_op_layers_ready(op[r], 0, 1, NULL, NULL));
+    }
+    CHECK_INT(stats_of(prefill[0]).shm_sessions, 1);
+    REQUIRE(*kv_failures() == 0);
+    REQUIRE(write(out, "x", 1) == 1);
+    for (;;) pause(); /* killed by the decode process */
+}
+
+/* "device-ipc-kill", the decode process: a prefill process writing into the device ring through
+ * CUDA IPC is SIGKILLed in the middle of a chunk. The room fails (not by its timeout), the ring
+ * returns to empty, and the next room, from another process, lands exact (none of the dead
+ * writer's bytes). Both prefill processes are forked before CUDA starts here. */
+static int ipc_kill(void) {
+    int to_victim[2], to_heir[2], from_victim[2], status = 0, started, rc;
+    pid_t victim, heir;
+    void *lib = NULL;
+    pool src[2], dst;
+    kvstage_engine *decode;
+    kvstage_engine_stats st;
+    unsigned long long ring = 0;
+    char addr[64] = {0}, x = 0, why[512];
+    uint32_t chunks = 0;
+    int r, waited;
+    REQUIRE(pipe(to_victim) == 0 && pipe(to_heir) == 0 && pipe(from_victim) == 0);
+    fflush(NULL);
+    victim = fork();
+    REQUIRE(victim >= 0);
+    if (victim == 0) return ipc_kill_prefill(to_victim[0], from_victim[1], 1);
+    heir = fork();
+    REQUIRE(heir >= 0);
+    if (heir == 0) return ipc_kill_prefill(to_heir[0], -1, 0);
+    close(from_victim[1]);
+    started = start_cuda(&lib);
+    if (started != 0) {
+        REQUIRE(write(to_victim[1], addr, sizeof addr) == (ssize_t)sizeof addr);
+        REQUIRE(write(to_heir[1], addr, sizeof addr) == (ssize_t)sizeof addr);
+        waitpid(victim, NULL, 0);
+        waitpid(heir, NULL, 0);
+        return started;
+    }
+    for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1);
+    pool_init(&dst, 0, 1, 99);
+    decode = open_decode(&dst, &src[0], "device", dlsym(lib, "kvstage_fake_libcuda") != NULL, &ring, addr, sizeof addr, &chunks);
+    REQUIRE(write(to_victim[1], addr, sizeof addr) == (ssize_t)sizeof addr);
+    read_pipe(from_victim[0], &x, 1, "the victim's first layer");
+    st = stats_of(decode);
+    printf("victim marked its first layer of chunk 1: %llu live ring allocation(s), %llu chunk(s) received\n",
+           (unsigned long long)st.ring_live_allocations, (unsigned long long)st.chunks_received);
+    sleep_ms(20);
+    kill(victim, SIGKILL);
+    REQUIRE(waitpid(victim, NULL, 0) == victim);
+    rc = kvstage_room_wait(decode, ROOM, 10000);
+    snprintf(why, sizeof why, "%s", kvstage_error_last()->message); /* valid until the next call */
+    CHECK(rc < 0 && rc != KVSTAGE_E_TIMEOUT);
+    printf("room %d after its writer was killed: %s (%s)\n", ROOM, kvstage_status_name(rc), why);
+    for (waited = 0; stats_of(decode).ring_live_allocations != 0 && waited < 5000; waited += 10) sleep_ms(10);
+    CHECK_INT(stats_of(decode).ring_live_allocations, 0);
+    CHECK_OK(kvstage_room_release(decode, ROOM));
+    CHECK_OK(kvstage_room_open(decode, ROOM + 1, DST_PAGES, NPAGES, CHUNK, &chunks));
+    REQUIRE(write(to_heir[1], addr, sizeof addr) == (ssize_t)sizeof addr);
+    finish_decode(decode, ROOM + 1, src, &dst, 4);
+    REQUIRE(waitpid(heir, &status, 0) == heir);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    kvstage_engine_free(decode);
+    for (r = 0; r < 2; r++) {
+        cu.free_(src[r].dev);
+        free(src[r].host);
+    }
+    cu.free_(dst.dev);
+    cu.free_(ring);
+    free(dst.host);
+    return kv_finish("gpu_transfer device-ipc-kill (decode process)");
 }
 
 int main(int argc, char **argv) {
@@ -483,6 +615,7 @@ int main(int argc, char **argv) {
     pid_t decode_pid = 0;
     unsigned long long caller_ring = 0;
 
+    if (strcmp(ring, "device-ipc-kill") == 0) return ipc_kill();
     REQUIRE(strcmp(ring, "host") == 0 || strcmp(ring, "device") == 0 || strcmp(ring, "caller-device") == 0 || two_processes || rdma || by_tcp);
     if (by_tcp) ring = "device";
     /* Two processes: fork before CUDA starts (a CUDA context does not survive fork). The decode
@@ -521,14 +654,14 @@ int main(int argc, char **argv) {
 
     if (!two_processes) {
         decode = open_decode(&dst, &src[0], ring, fake_driver, &caller_ring, addr, sizeof addr, &chunks);
-        send_room(src, addr, chunks, strcmp(ring, "host") != 0);
-        finish_decode(decode, src, &dst);
+        send_room(src, ROOM, addr, chunks, strcmp(ring, "host") != 0);
+        finish_decode(decode, ROOM, src, &dst, 2);
         kvstage_engine_free(decode);
     } else if (decode_pid == 0) {
         char done;
         decode = open_decode(&dst, &src[0], "device", fake_driver, &caller_ring, addr, sizeof addr, &chunks);
         REQUIRE(write(to_prefill[1], addr, strlen(addr) + 1) == (ssize_t)(strlen(addr) + 1));
-        finish_decode(decode, src, &dst);
+        finish_decode(decode, ROOM, src, &dst, 2);
         REQUIRE(read(to_decode[0], &done, 1) == 1);
         kvstage_engine_free(decode);
     } else {
@@ -540,7 +673,7 @@ int main(int argc, char **argv) {
             if (addr[got++] == 0) break;
         }
         REQUIRE(got > 1); /* the decode process did not skip: CUDA worked there too */
-        send_room(src, addr, NPAGES * PAGE / CHUNK, 1);
+        send_room(src, ROOM, addr, NPAGES * PAGE / CHUNK, 1);
         REQUIRE(write(to_decode[1], "", 1) == 1);
         REQUIRE(waitpid(decode_pid, &status, 0) == decode_pid);
         CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);

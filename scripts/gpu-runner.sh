@@ -7,7 +7,9 @@
 # Steps, each under a timeout: nvidia-smi; kvstage-cuda doctor; every `gpu` ctest of the bundle
 # (kernels bit-exact vs the host engine, staged transfer between device pools, detection) plus the
 # stub-libcuda test; the gather/scatter benchmark vs device memcpy (ratios); the PyTorch
-# real-client check (P4->D2, P2->D4 through ctypes). With a GPU present KVSTAGE_REQUIRE_GPU=1, so a
+# real-client check (P4->D2, P2->D4 through ctypes; a layer-wise transfer whose layers are produced
+# on a slow stream); compute-sanitizer memcheck of the kernel check where the image has it
+# (sanitizer.txt). With a GPU present KVSTAGE_REQUIRE_GPU=1, so a
 # skip is a failure; without one everything skips and the script exits 0 (that is how it is
 # tested on CPU machines). KVSTAGE_BENCH_ARGS overrides the benchmark's arguments (default
 # "--iters 20"; a dry run against the fake libcuda uses "--tokens 64 --iters 1"). Ends with 'N passed, N failed, N skipped'; exit 1 when anything failed.
@@ -74,6 +76,17 @@ if [[ -n $py ]]; then
     result torch_check $?
 else
     echo "no python"; result torch_check 77
+fi
+
+# On a GPU, the kernels' memory accesses under compute-sanitizer (where the image has it): any
+# out-of-bounds or misaligned access of a gather or scatter is a failure.
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n1 || true)
+if [[ $gpus -gt 0 && -n $sanitizer ]]; then
+    note "compute-sanitizer memcheck: kvstage-cuda check"
+    timeout 150 "$sanitizer" --tool memcheck --error-exitcode 1 "$bundle/bin/kvstage-cuda" check >"$OUT/sanitizer.txt" 2>&1
+    rc=$?
+    tail -n 15 "$OUT/sanitizer.txt"
+    result sanitizer_memcheck $rc
 fi
 
 note "summary"

@@ -6,6 +6,12 @@ per TP rank), hands their data pointers to libkvstage, runs staged transfers ove
 (gather -> write -> scatter) for P4->D2 and P2->D4, and compares every decode rank's pool with a
 reshard computed in the array library itself (bit-exact, via the bf16 bit patterns).
 
+Then a layer-wise P2->D1 transfer whose layers are produced on a deliberately slow stream: each
+layer's K/V is written there after a spin kernel (torch.cuda._sleep) and marked ready at once, by
+an event recorded after the write (even layers) or by the stream itself (odd layers), long before
+the stream gets there. The pools held other bytes before, so a gather that read a layer before its
+ready point shows as a mismatch. (numpy: host pools written first, marked "now".)
+
   --backend torch   PyTorch CUDA tensors, memory_kind CUDA (the GPU runner); each case runs with a
                     host staging ring and with a device ring (engine-allocated on the same GPU)
   --backend numpy   host arrays, memory_kind HOST (a dry run of this script on any machine)
@@ -23,6 +29,7 @@ import random
 import sys
 
 KVSTAGE_OK = 0
+KVSTAGE_PENDING = 1
 MEMORY_HOST, MEMORY_CUDA = 0, 1
 H, D, LAYERS, PAGE, CAPACITY_PAGES = 8, 128, 4, 16, 64
 ROOM_BASE = 1000
@@ -89,6 +96,12 @@ class Lib:
         self.lib = C.CDLL(path)
         L = self.lib
         L.kvstage_error_last.restype = C.POINTER(Error)
+        for name in ("kvstage_transfer_layerwise_async", "kvstage_op_layers_ready", "kvstage_op_wait"):
+            getattr(L, name).restype = C.c_int
+        L.kvstage_transfer_layerwise_async.argtypes = [C.c_void_p, C.c_void_p, C.POINTER(C.c_void_p)]
+        L.kvstage_op_layers_ready.argtypes = [C.c_void_p, C.c_uint32, C.c_uint32, C.c_void_p, C.c_void_p]
+        L.kvstage_op_wait.argtypes = [C.c_void_p, C.c_uint64]
+        L.kvstage_op_free.argtypes = [C.c_void_p]
         for name in ("kvstage_engine_new", "kvstage_engine_register_pool", "kvstage_engine_register_staging",
                      "kvstage_engine_listen_address", "kvstage_kv_layout_init", "kvstage_transfer_desc_init",
                      "kvstage_session_connect", "kvstage_transfer", "kvstage_room_open", "kvstage_room_wait",
@@ -165,6 +178,18 @@ class Backend:
         if self.name == "torch":
             self.t.cuda.synchronize()
 
+    def zero(self, a):
+        if self.name == "torch":
+            a.zero_()
+        else:
+            a.fill(0)
+
+    def assign(self, dst, src):
+        if self.name == "torch":
+            dst.copy_(src)
+        else:
+            dst[...] = src
+
 
 class Rank:
     def __init__(self, lib, be, tp_rank, tp_size, seed):
@@ -204,15 +229,69 @@ def register_ring(lib, be, engine, ring):
     lib.check(lib.lib.kvstage_engine_register_staging_memory(engine, buf), "register_staging_memory (device ring)")
 
 
-def scenario(lib, be, src_tp, dst_tp, room, seed, ring):
+SPIN_CYCLES = 50_000_000  # about 25 ms of a GPU clock: far longer than marking every layer takes
+
+
+def send_layerwise(lib, be, prefill, pairs, room, src_arr, npages):
+    """One chunk of every page, layer-wise: each layer is written on a slow side stream and marked
+    ready at once (its event, or the stream). Returns how many marks were made before their
+    layer's bytes existed, and how many marks there were."""
+    truth = [([be.clone(a) for a in rk.k], [be.clone(a) for a in rk.v]) for rk in prefill]
+    for rk in prefill:
+        for a in rk.k + rk.v:
+            be.zero(a)
+    be.sync()
+    ops = {}
+    for p, d in pairs:
+        buf, desc = lib.struct(TransferDesc, "kvstage_transfer_desc_init")
+        desc.room, desc.chunk_index, desc.deadline_ms = room, 0, 20000
+        desc.src_pages, desc.num_pages = C.cast(src_arr, C.POINTER(C.c_uint32)), npages
+        op = C.c_void_p()
+        status = lib.lib.kvstage_transfer_layerwise_async(prefill[p].sessions[d], buf, C.byref(op))
+        if status != KVSTAGE_PENDING:
+            lib.check(status, f"transfer_layerwise_async P{p}->D{d}")
+            raise RuntimeError(f"transfer_layerwise_async P{p}->D{d} returned {status}, not PENDING")
+        ops.setdefault(p, []).append(op)
+    torch = be.name == "torch"
+    side = be.t.cuda.Stream() if torch else None
+    events, ahead, marks = [], 0, 0
+    for layer in range(LAYERS):
+        for p, rk in enumerate(prefill):
+            stream = event = None
+            if torch:
+                with be.t.cuda.stream(side):
+                    be.t.cuda._sleep(SPIN_CYCLES)
+                    be.assign(rk.k[layer], truth[p][0][layer])
+                    be.assign(rk.v[layer], truth[p][1][layer])
+                ev = be.t.cuda.Event()
+                ev.record(side)
+                events.append(ev)  # alive until the operations end
+                stream, event = (None, ev.cuda_event) if layer % 2 == 0 else (side.cuda_stream, None)
+            else:
+                be.assign(rk.k[layer], truth[p][0][layer])
+                be.assign(rk.v[layer], truth[p][1][layer])
+            for op in ops[p]:
+                lib.check(lib.lib.kvstage_op_layers_ready(op, layer, 1, stream, event), f"op_layers_ready layer {layer} P{p}")
+            marks += 1
+            if torch and not ev.query():
+                ahead += 1
+    for p in ops:
+        for op in ops[p]:
+            lib.check(lib.lib.kvstage_op_wait(op, 20000), f"op_wait P{p}")
+            lib.lib.kvstage_op_free(op)
+    be.sync()
+    return ahead, marks
+
+
+def scenario(lib, be, src_tp, dst_tp, room, seed, ring, layerwise=False):
     rnd = random.Random(seed)
     prefill = [Rank(lib, be, r, src_tp, seed * 100 + r) for r in range(src_tp)]
     decode = [Rank(lib, be, d, dst_tp, seed * 100 + 50 + d) for d in range(dst_tp)]
     before = [([be.clone(a) for a in d.k], [be.clone(a) for a in d.v]) for d in decode]
-    npages = 8  # 128 tokens: two chunks of 64
+    npages = 8  # 128 tokens: two chunks of 64 (layer-wise: one chunk of 128)
     src_pages = rnd.sample(range(CAPACITY_PAGES), npages)
     dst_pages = rnd.sample(range(CAPACITY_PAGES), npages)
-    chunk_tokens = 4 * PAGE
+    chunk_tokens = (npages if layerwise else 4) * PAGE
     chunks = C.c_uint32()
     dst_arr = (C.c_uint32 * npages)(*dst_pages)
     for d in decode:
@@ -234,7 +313,13 @@ def scenario(lib, be, src_tp, dst_tp, room, seed, ring):
                                                   10000, C.byref(s)), "session_connect")
         prefill[p].sessions[d] = s
     per_chunk = chunk_tokens // PAGE
-    for c in range(chunks.value):
+    if layerwise:
+        ahead, marks = send_layerwise(lib, be, prefill, pairs, room, src_arr, npages)
+        print(f"  layer-wise: {ahead} of {marks} layer marks made before their layer was written on the slow stream")
+        if be.name == "torch" and ahead != marks:
+            raise RuntimeError(f"only {ahead} of {marks} marks ran ahead of the stream: kvstage_op_layers_ready waited "
+                               "for the producer (or the spin was too short to test the ordering)")
+    for c in range(0 if layerwise else chunks.value):
         for p, d in pairs:
             buf, desc = lib.struct(TransferDesc, "kvstage_transfer_desc_init")
             desc.room, desc.chunk_index, desc.deadline_ms = room, c, 20000
@@ -291,10 +376,12 @@ def main():
     lib = Lib(args.lib)
     passed = failed = 0
     rings = ("host", "device") if args.backend == "torch" else ("host",)
-    cases = [(f"P{s}->D{d} {ring} ring", s, d, ring) for ring in rings for s, d in ((4, 2), (2, 4))]
-    for i, (name, src_tp, dst_tp, ring) in enumerate(cases):
+    cases = [(f"P{s}->D{d} {ring} ring", s, d, ring, False) for ring in rings for s, d in ((4, 2), (2, 4))]
+    cases += [(f"P2->D1 layer-wise, slow producer stream, {ring} ring", 2, 1, ring, True) for ring in rings]
+    for i, (name, src_tp, dst_tp, ring, layerwise) in enumerate(cases):
         try:
-            n = scenario(lib, be, src_tp, dst_tp, ROOM_BASE + 100 * i + src_tp * 10 + dst_tp, seed=src_tp * 7 + dst_tp, ring=ring)
+            n = scenario(lib, be, src_tp, dst_tp, ROOM_BASE + 100 * i + src_tp * 10 + dst_tp, seed=src_tp * 7 + dst_tp, ring=ring,
+                         layerwise=layerwise)
         except Exception as e:  # noqa: BLE001
             print(f"FAIL {name} ({args.backend}): {e}")
             failed += 1

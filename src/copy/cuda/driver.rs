@@ -250,6 +250,10 @@ pub struct Device {
     /// supports GPUDirect RDMA (`..._GPU_DIRECT_RDMA_SUPPORTED`): what a NIC needs to reach it.
     pub dma_buf: bool,
     pub gpudirect_rdma: bool,
+    /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING`: 0 none, 100 owner, 200 all devices
+    /// (whether the device's own kernels see a NIC's writes in order without a flush); -1 when the
+    /// driver does not know the attribute.
+    pub gpudirect_rdma_writes_ordering: i32,
     ctx: usize,
     functions: Vec<usize>,
     fence_stream: Mutex<usize>,
@@ -298,6 +302,10 @@ impl Device {
                 sys::cuDeviceGetAttribute(&mut v, attr, dev) == sys::CUresult::CUDA_SUCCESS && v != 0
             };
             let (dma_buf, gpudirect_rdma) = (flag(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED), flag(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED));
+            let mut ordering = 0;
+            if sys::cuDeviceGetAttribute(&mut ordering, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, dev) != sys::CUresult::CUDA_SUCCESS {
+                ordering = -1;
+            }
             let mut ctx: sys::CUcontext = std::ptr::null_mut();
             cu("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
             let ctx = ctx as usize;
@@ -311,7 +319,15 @@ impl Device {
                 functions[k.index()] = f as usize;
             }
             let fence_stream = create_stream()?;
-            Ok(Device { ordinal, name, compute_capability: (major, minor), dma_buf, gpudirect_rdma, ctx, functions, fence_stream: Mutex::new(fence_stream) })
+            Ok(Device {
+                ordinal,
+                name,
+                compute_capability: (major, minor),
+                dma_buf,
+                gpudirect_rdma,
+                gpudirect_rdma_writes_ordering: ordering,
+                ctx,
+                functions, fence_stream: Mutex::new(fence_stream) })
         }
     }
 

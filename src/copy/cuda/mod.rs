@@ -360,6 +360,8 @@ pub struct DeviceReport {
     /// Whether a NIC can reach the device's memory: dma-buf export, GPUDirect RDMA support.
     pub dma_buf: bool,
     pub gpudirect_rdma: bool,
+    /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING` (-1: unknown to the driver).
+    pub gpudirect_rdma_writes_ordering: i32,
 }
 
 /// The doctor's CUDA report.
@@ -392,6 +394,7 @@ pub fn report() -> CudaReport {
                 kernels: Ok(()),
                 dma_buf: d.dma_buf,
                 gpudirect_rdma: d.gpudirect_rdma,
+                gpudirect_rdma_writes_ordering: d.gpudirect_rdma_writes_ordering,
             },
             Err(e) => DeviceReport {
                 ordinal: o,
@@ -400,6 +403,7 @@ pub fn report() -> CudaReport {
                 kernels: Err(e.chain()),
                 dma_buf: false,
                 gpudirect_rdma: false,
+                gpudirect_rdma_writes_ordering: -1,
             },
         })
         .collect();
@@ -417,13 +421,20 @@ impl std::fmt::Display for CudaReport {
             match &d.kernels {
                 Ok(()) => writeln!(
                     f,
-                    "cuda: device {}: {} (sm_{}{}), kernels load: yes, dma-buf export: {}, GPUDirect RDMA: {}",
+                    "cuda: device {}: {} (sm_{}{}), kernels load: yes, dma-buf export: {}, GPUDirect RDMA: {}, RDMA writes ordering: {}",
                     d.ordinal,
                     d.name,
                     d.compute_capability.0,
                     d.compute_capability.1,
                     if d.dma_buf { "yes" } else { "no" },
-                    if d.gpudirect_rdma { "yes" } else { "no" }
+                    if d.gpudirect_rdma { "yes" } else { "no" },
+                    match d.gpudirect_rdma_writes_ordering {
+                        -1 => "unknown".to_string(),
+                        0 => "none (0: kernels need cuFlushGPUDirectRDMAWrites)".to_string(),
+                        100 => "owner (100)".to_string(),
+                        200 => "all devices (200)".to_string(),
+                        v => format!("{v}"),
+                    }
                 )?,
                 Err(e) => writeln!(f, "cuda: device {}: kernels load: NO: {e}", d.ordinal)?,
             }

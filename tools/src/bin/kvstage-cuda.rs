@@ -6,7 +6,8 @@
 //!                                     plans) with default, tiny-scratch and tiny-grid engines, and
 //!                                     the ready-fence ordering (stream and event)
 //!   kvstage-cuda bench [--device N] [--iters N] [--tokens N] [--json FILE]
-//!                                     gather/scatter of 70B- and MLA-shaped chunks (default 8192
+//!                                     gather/scatter of 70B- and MLA-shaped chunks, pages of 16 and
+//!                                     64 tokens (and 1 for 70B; default 8192
 //!                                     tokens, a multiple of 64) vs a
 //!                                     device memcpy of the same bytes (and vs device<->host copies
 //!                                     for host staging), median of N runs, ratios
@@ -233,13 +234,16 @@ fn bench(engine: &CudaCopyEngine, args: &BenchArgs) -> Result<()> {
     // 70B: 80 layers, 8 KV heads, D128, bf16. P4 -> D2: gather whole 512-byte slots, scatter into
     // half of 1024-byte slots. P2 -> D4: gather half slots.
     let m70 = |ps: u32, rank: u32, tp: u32| PoolShape::new(ModelKind::Mha, 8, 128, 2, ps, 80).with_tp(rank, tp);
-    let mla = PoolShape::new(ModelKind::Mla, 1, 576, 2, 64, 61);
+    // DeepSeek V3: 61 layers of one 576-element latent, replicated on every TP rank.
+    let mla = |ps: u32| PoolShape::new(ModelKind::Mla, 1, 576, 2, ps, 61);
     let cases: Vec<(&str, PoolShape, PoolShape, bool)> = vec![
         ("70B P4->D2 ps16 consecutive pages", m70(16, 0, 4), m70(16, 0, 2), false),
         ("70B P4->D2 ps16 random pages", m70(16, 0, 4), m70(16, 0, 2), true),
+        ("70B P4->D2 ps64 random pages", m70(64, 0, 4), m70(64, 0, 2), true),
         ("70B P4->D2 ps1 random pages", m70(1, 0, 4), m70(1, 0, 2), true),
         ("70B P2->D4 ps16 random pages", m70(16, 1, 2), m70(16, 3, 4), true),
-        ("DeepSeek MLA ps64 random pages", mla.clone(), mla, true),
+        ("DeepSeek MLA ps16 random pages", mla(16), mla(16), true),
+        ("DeepSeek MLA ps64 random pages", mla(64), mla(64), true),
     ];
     for (name, src, dst, random) in cases {
         let st = staging_layout(&src, &dst, tokens)?;
