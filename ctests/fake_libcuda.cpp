@@ -145,6 +145,7 @@ API CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice) {
     if (v == nullptr) return E_INVALID_VALUE;
     *v = attr == 75 ? 9 : 0;  // compute capability 9.0
     if (attr == 116) *v = 1;  // GPUDirect RDMA supported
+    if (attr == 118) *v = 100;  // GPUDirect RDMA writes ordering: owner, as an H200 (driver 580) reports
     if (attr == 124) *v = env_set("KVSTAGE_FAKE_CUDA_NO_DMABUF") ? 0 : 1;  // dma-buf export
     return OK;
 }
@@ -350,11 +351,18 @@ API CUresult cuMemHostUnregister(void *p) {
         }
     return E_HOST_MEMORY_NOT_REGISTERED;
 }
+// As the real driver: the singular call fails for memory it does not know (pageable host memory),
+// an API error that compute-sanitizer reports (counted here: kvstage must not probe that way); the
+// plural call answers it with memory type 0 and ordinal -2, and success.
+unsigned long long kvstage_fake_pointer_probe_errors = 0;
 API CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     if (data == nullptr) return E_INVALID_VALUE;
     std::lock_guard<std::mutex> g(g_mu);
     const bool dev = inside(g_device, (uintptr_t)p), pinned = inside(g_pinned, (uintptr_t)p);
-    if (!dev && !pinned) return E_INVALID_VALUE;  // unknown to the driver (pageable)
+    if (!dev && !pinned) {  // unknown to the driver (pageable)
+        ++kvstage_fake_pointer_probe_errors;
+        return E_INVALID_VALUE;
+    }
     if (attr == 2) {                              // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
         *static_cast<unsigned *>(data) = dev ? 2u : 1u;
         return OK;
@@ -364,6 +372,21 @@ API CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
         return OK;
     }
     return E_INVALID_VALUE;
+}
+API CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr p) {
+    if (attrs == nullptr || data == nullptr) return E_INVALID_VALUE;
+    std::lock_guard<std::mutex> g(g_mu);
+    const bool dev = inside(g_device, (uintptr_t)p), pinned = inside(g_pinned, (uintptr_t)p);
+    for (unsigned i = 0; i < n; ++i) {
+        if (data[i] == nullptr) return E_INVALID_VALUE;
+        if (attrs[i] == 2)  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+            *static_cast<unsigned *>(data[i]) = dev ? 2u : pinned ? 1u : 0u;
+        else if (attrs[i] == 9)  // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+            *static_cast<int *>(data[i]) = dev || pinned ? 0 : -2;
+        else
+            return E_INVALID_VALUE;
+    }
+    return OK;
 }
 API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
     std::lock_guard<std::mutex> g(g_mu);

@@ -338,6 +338,22 @@ static int start_cuda(void **lib) {
 
 /* Bytes the fake driver copied host to device and back (NULL on a real driver). */
 static unsigned long long *fake_htod_bytes, *fake_dtoh_bytes;
+/* Pointer probes the real driver answers with an error (NULL on a real driver). */
+static unsigned long long *fake_probe_errors;
+
+/* The fake driver's counters, once CUDA started. */
+static void find_fake_counters(void *lib) {
+    fake_htod_bytes = (unsigned long long *)dlsym(lib, "kvstage_fake_htod_bytes");
+    fake_dtoh_bytes = (unsigned long long *)dlsym(lib, "kvstage_fake_dtoh_bytes");
+    fake_probe_errors = (unsigned long long *)dlsym(lib, "kvstage_fake_pointer_probe_errors");
+}
+
+/* The end of a process of the test: no driver call answered with an error that compute-sanitizer
+ * would report (on an H200 it reported every host pointer probed by cuPointerGetAttribute). */
+static int finish(const char *name) {
+    if (fake_probe_errors != NULL) CHECK_INT(*fake_probe_errors, 0);
+    return kv_finish(name);
+}
 
 /* Integrity on device rings (each side reads the regions back to check them); "device-rdma"
  * runs without it, so that no byte may cross to the host at all. */
@@ -508,10 +524,11 @@ static int ipc_kill_prefill(int in, int out, int victim) {
     if (addr[0] == 0) return 77;
     started = start_cuda(&lib);
     if (started != 0) return started;
+    find_fake_counters(lib);
     for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1 + (victim ? 1000u : 0u));
     if (!victim) {
         send_room(src, ROOM + 1, addr, NPAGES * PAGE / CHUNK, 1);
-        return kv_finish("gpu_transfer device-ipc-kill (prefill process)");
+        return finish("gpu_transfer device-ipc-kill (prefill process)");
     }
     for (r = 0; r < 2; r++) {
         kvstage_transfer_desc d;
@@ -566,6 +583,7 @@ static int ipc_kill(void) {
         waitpid(heir, NULL, 0);
         return started;
     }
+    find_fake_counters(lib);
     for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1);
     pool_init(&dst, 0, 1, 99);
     decode = open_decode(&dst, &src[0], "device", dlsym(lib, "kvstage_fake_libcuda") != NULL, &ring, addr, sizeof addr, &chunks);
@@ -597,7 +615,7 @@ static int ipc_kill(void) {
     cu.free_(dst.dev);
     cu.free_(ring);
     free(dst.host);
-    return kv_finish("gpu_transfer device-ipc-kill (decode process)");
+    return finish("gpu_transfer device-ipc-kill (decode process)");
 }
 
 int main(int argc, char **argv) {
@@ -634,8 +652,7 @@ int main(int argc, char **argv) {
         return started;
     }
     fake_driver = dlsym(lib, "kvstage_fake_libcuda") != NULL;
-    fake_htod_bytes = (unsigned long long *)dlsym(lib, "kvstage_fake_htod_bytes");
-    fake_dtoh_bytes = (unsigned long long *)dlsym(lib, "kvstage_fake_dtoh_bytes");
+    find_fake_counters(lib);
     if (rdma) {
         /* The soft fabric exists in test builds only. */
         kvstage_engine *probe = NULL;
@@ -686,5 +703,5 @@ int main(int argc, char **argv) {
     cu.free_(dst.dev);
     if (caller_ring) cu.free_(caller_ring);
     free(dst.host);
-    return kv_finish(two_processes ? (decode_pid == 0 ? "gpu_transfer (decode process)" : "gpu_transfer (prefill process)") : "gpu_transfer");
+    return finish(two_processes ? (decode_pid == 0 ? "gpu_transfer (decode process)" : "gpu_transfer (prefill process)") : "gpu_transfer");
 }

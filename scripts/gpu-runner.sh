@@ -55,7 +55,9 @@ while IFS=$'\t' read -r name env cmd; do
     note "test $name: $cmd"
     vars=()
     if [[ $env != - ]]; then
-        IFS=';' read -r -a vars <<<"${env//STUB_DIR/$bundle/stub_cuda}"
+        # The stub libcuda goes first; the bundle's library must stay reachable (the test programs'
+        # RUNPATH names the build tree, which the runner does not have).
+        IFS=';' read -r -a vars <<<"${env//STUB_DIR/$bundle/stub_cuda:$LD_LIBRARY_PATH}"
     fi
     # shellcheck disable=SC2086 # cmd is a word list from tests.tsv
     (cd "$bundle" && timeout 180 env "${vars[@]}" $cmd)
@@ -78,15 +80,22 @@ else
     echo "no python"; result torch_check 77
 fi
 
-# On a GPU, the kernels' memory accesses under compute-sanitizer (where the image has it): any
-# out-of-bounds or misaligned access of a gather or scatter is a failure.
+# On a GPU, under compute-sanitizer memcheck (where the image has it): the kernel check, and
+# transfers through a device ring by TCP (pinned bounce, events) and by CUDA IPC from a second
+# process. A bad memory access of a kernel, or a driver call answered with an error, fails.
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n1 || true)
 if [[ $gpus -gt 0 && -n $sanitizer ]]; then
-    note "compute-sanitizer memcheck: kvstage-cuda check"
-    timeout 150 "$sanitizer" --tool memcheck --error-exitcode 1 "$bundle/bin/kvstage-cuda" check >"$OUT/sanitizer.txt" 2>&1
-    rc=$?
-    tail -n 15 "$OUT/sanitizer.txt"
-    result sanitizer_memcheck $rc
+    : >"$OUT/sanitizer.txt"
+    for cmd in "bin/kvstage-cuda check" "bin/gpu_transfer device-tcp" "bin/gpu_transfer device-ipc"; do
+        note "compute-sanitizer memcheck: $cmd"
+        # shellcheck disable=SC2086 # a word list
+        (cd "$bundle" && timeout 150 "$sanitizer" --tool memcheck --target-processes all --error-exitcode 1 $cmd) >"$OUT/sanitizer.part" 2>&1
+        rc=$?
+        cat "$OUT/sanitizer.part" >>"$OUT/sanitizer.txt"
+        grep '^=========' "$OUT/sanitizer.part" | tail -n 12
+        rm -f "$OUT/sanitizer.part"
+        result "memcheck ${cmd#bin/}" $rc
+    done
 fi
 
 note "summary"

@@ -1,6 +1,6 @@
-//! The CUDA driver, loaded at run time through cudarc (`dynamic-loading`): presence and symbol
-//! checks before the first call (cudarc panics on a missing library or symbol), `cuInit`, error
-//! mapping, primary contexts, the embedded kernels, and small owned handles.
+//! The CUDA driver, `libcuda.so.1` loaded at run time ([`api`]): presence and symbol checks
+//! before the first call, `cuInit`, error mapping, primary contexts, the embedded kernels, and
+//! small owned handles.
 //!
 //! Every driver call goes through [`cu`], which turns a failing `CUresult` into a kvstage
 //! [`Error`] of class CUDA whose cause names the call and the CUDA error (`CUDA_ERROR_NO_DEVICE
@@ -10,6 +10,8 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys;
+
+use super::api;
 use parking_lot::Mutex;
 
 use crate::error::{Error, ErrorClass, Result, Status};
@@ -48,7 +50,7 @@ const SYMBOLS: &[&str] = &[
     "cuMemcpyHtoDAsync_v2",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
-    "cuPointerGetAttribute",
+    "cuPointerGetAttributes",
     "cuLaunchKernel",
 ];
 
@@ -76,7 +78,7 @@ fn error_string(result: sys::CUresult) -> Option<String> {
     }
     let mut ptr: *const c_char = std::ptr::null();
     // SAFETY: the symbol exists; the driver returns a static string or an error.
-    let ok = unsafe { sys::cuGetErrorString(result, &mut ptr) } == sys::CUresult::CUDA_SUCCESS;
+    let ok = unsafe { api::cuGetErrorString(result, &mut ptr) } == sys::CUresult::CUDA_SUCCESS;
     // SAFETY: on success `ptr` is a NUL-terminated static string.
     (ok && !ptr.is_null()).then(|| unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned())
 }
@@ -130,15 +132,14 @@ static DRIVER: OnceLock<std::result::Result<DriverInfo, InitFailure>> = OnceLock
 /// `KVSTAGE_E_CUDA` for other `cuInit` failures.
 pub fn driver() -> Result<&'static DriverInfo> {
     let state = DRIVER.get_or_init(|| {
-        // SAFETY: dlopen probes of the library names cudarc would load.
-        if !unsafe { sys::is_culib_present() } {
+        if !api::present() {
             return Err(InitFailure::NoLibrary);
         }
         if !has_symbol("cuInit") {
             return Err(InitFailure::MissingSymbol("cuInit"));
         }
         // SAFETY: cuInit exists (checked above).
-        let r = unsafe { sys::cuInit(0) };
+        let r = unsafe { api::cuInit(0) };
         if r != sys::CUresult::CUDA_SUCCESS {
             return Err(InitFailure::Call("cuInit", r));
         }
@@ -149,12 +150,12 @@ pub fn driver() -> Result<&'static DriverInfo> {
         // SAFETY: every symbol used below was checked above.
         unsafe {
             let mut version: c_int = 0;
-            let r = sys::cuDriverGetVersion(&mut version);
+            let r = api::cuDriverGetVersion(&mut version);
             if r != sys::CUresult::CUDA_SUCCESS {
                 return Err(InitFailure::Call("cuDriverGetVersion", r));
             }
             let mut devices: c_int = 0;
-            let r = sys::cuDeviceGetCount(&mut devices);
+            let r = api::cuDeviceGetCount(&mut devices);
             if r != sys::CUresult::CUDA_SUCCESS {
                 return Err(InitFailure::Call("cuDeviceGetCount", r));
             }
@@ -201,7 +202,7 @@ pub struct CtxGuard(());
 impl CtxGuard {
     pub fn push(ctx: usize) -> Result<CtxGuard> {
         // SAFETY: `ctx` is a retained primary context; the driver was initialized.
-        cu("cuCtxPushCurrent_v2", unsafe { sys::cuCtxPushCurrent_v2(ctx as sys::CUcontext) })?;
+        cu("cuCtxPushCurrent_v2", unsafe { api::cuCtxPushCurrent_v2(ctx as sys::CUcontext) })?;
         Ok(CtxGuard(()))
     }
 }
@@ -210,7 +211,7 @@ impl Drop for CtxGuard {
     fn drop(&mut self) {
         let mut old: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: pops the context `push` made current.
-        unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
+        unsafe { api::cuCtxPopCurrent_v2(&mut old) };
     }
 }
 
@@ -288,26 +289,26 @@ impl Device {
         // SAFETY: the driver is initialized and every symbol was checked.
         unsafe {
             let mut dev: sys::CUdevice = 0;
-            cu("cuDeviceGet", sys::cuDeviceGet(&mut dev, ordinal))?;
+            cu("cuDeviceGet", api::cuDeviceGet(&mut dev, ordinal))?;
             let mut name = [0 as c_char; 256];
-            cu("cuDeviceGetName", sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, dev))?;
+            cu("cuDeviceGetName", api::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, dev))?;
             let name = CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
             let (mut major, mut minor) = (0, 0);
             use sys::CUdevice_attribute::*;
-            cu("cuDeviceGetAttribute", sys::cuDeviceGetAttribute(&mut major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))?;
-            cu("cuDeviceGetAttribute", sys::cuDeviceGetAttribute(&mut minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))?;
+            cu("cuDeviceGetAttribute", api::cuDeviceGetAttribute(&mut major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))?;
+            cu("cuDeviceGetAttribute", api::cuDeviceGetAttribute(&mut minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))?;
             // Capabilities the doctor reports; an attribute this driver does not know reads as no.
             let flag = |attr| {
                 let mut v = 0;
-                sys::cuDeviceGetAttribute(&mut v, attr, dev) == sys::CUresult::CUDA_SUCCESS && v != 0
+                api::cuDeviceGetAttribute(&mut v, attr, dev) == sys::CUresult::CUDA_SUCCESS && v != 0
             };
             let (dma_buf, gpudirect_rdma) = (flag(CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED), flag(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED));
             let mut ordering = 0;
-            if sys::cuDeviceGetAttribute(&mut ordering, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, dev) != sys::CUresult::CUDA_SUCCESS {
+            if api::cuDeviceGetAttribute(&mut ordering, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, dev) != sys::CUresult::CUDA_SUCCESS {
                 ordering = -1;
             }
             let mut ctx: sys::CUcontext = std::ptr::null_mut();
-            cu("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
+            cu("cuDevicePrimaryCtxRetain", api::cuDevicePrimaryCtxRetain(&mut ctx, dev))?;
             let ctx = ctx as usize;
             let _g = CtxGuard::push(ctx)?;
             let module = load_module()?;
@@ -315,7 +316,7 @@ impl Device {
             for k in Kernel::all() {
                 let cname = std::ffi::CString::new(k.name()).map_err(|_| Error::internal("kernel name holds NUL"))?;
                 let mut f: sys::CUfunction = std::ptr::null_mut();
-                cu("cuModuleGetFunction", sys::cuModuleGetFunction(&mut f, module, cname.as_ptr()))?;
+                cu("cuModuleGetFunction", api::cuModuleGetFunction(&mut f, module, cname.as_ptr()))?;
                 functions[k.index()] = f as usize;
             }
             let fence_stream = create_stream()?;
@@ -350,10 +351,10 @@ impl Device {
         let _g = self.enter()?;
         let stream = self.fence_stream.lock();
         // SAFETY: a live stream of this context; `event` is the caller's CUevent.
-        cu("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(*stream as sys::CUstream, event as sys::CUevent, 0) })?;
+        cu("cuStreamWaitEvent", unsafe { api::cuStreamWaitEvent(*stream as sys::CUstream, event as sys::CUevent, 0) })?;
         let ev = Event::new(self.ctx)?;
         // SAFETY: both handles live in this context.
-        cu("cuEventRecord", unsafe { sys::cuEventRecord(ev.raw as sys::CUevent, *stream as sys::CUstream) })?;
+        cu("cuEventRecord", unsafe { api::cuEventRecord(ev.raw as sys::CUevent, *stream as sys::CUstream) })?;
         Ok(ev)
     }
 }
@@ -366,7 +367,7 @@ unsafe fn load_module() -> Result<sys::CUmodule> {
     let mut module: sys::CUmodule = std::ptr::null_mut();
     // SAFETY: a NUL-terminated PTX image and two options with their values.
     let r = unsafe {
-        sys::cuModuleLoadDataEx(
+        api::cuModuleLoadDataEx(
             &mut module,
             KERNELS_PTX.as_ptr() as *const c_void,
             options.len() as c_uint,
@@ -390,7 +391,7 @@ unsafe fn load_module() -> Result<sys::CUmodule> {
 pub fn create_stream() -> Result<usize> {
     let mut s: sys::CUstream = std::ptr::null_mut();
     // SAFETY: a context is current (callers hold a CtxGuard).
-    cu("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint) })?;
+    cu("cuStreamCreate", unsafe { api::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint) })?;
     Ok(s as usize)
 }
 
@@ -405,7 +406,7 @@ impl Event {
     pub fn new(ctx: usize) -> Result<Event> {
         let mut ev: sys::CUevent = std::ptr::null_mut();
         // SAFETY: a context is current.
-        cu("cuEventCreate", unsafe { sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint) })?;
+        cu("cuEventCreate", unsafe { api::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint) })?;
         Ok(Event { raw: ev as usize, ctx })
     }
 
@@ -418,18 +419,24 @@ impl Drop for Event {
     fn drop(&mut self) {
         if let Ok(_g) = CtxGuard::push(self.ctx) {
             // SAFETY: our event, in its context.
-            unsafe { sys::cuEventDestroy_v2(self.raw as sys::CUevent) };
+            unsafe { api::cuEventDestroy_v2(self.raw as sys::CUevent) };
         }
     }
 }
 
-/// Attribute `attr` (a 4-byte value) of the memory at `ptr`; `None` when the driver does not
-/// know the address (plain pageable host memory, unmapped).
-pub fn pointer_attribute(ptr: u64, attr: sys::CUpointer_attribute) -> Option<u32> {
-    let mut v: u32 = 0;
-    // SAFETY: MEMORY_TYPE and DEVICE_ORDINAL write 4 bytes.
-    let r = unsafe { sys::cuPointerGetAttribute(&mut v as *mut u32 as *mut c_void, attr, ptr) };
-    (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
+/// `(CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)` of `ptr`: memory type
+/// 0 for memory the driver does not know (plain pageable host memory). `cuPointerGetAttributes`
+/// answers such a pointer with success, where `cuPointerGetAttribute` fails with
+/// `CUDA_ERROR_INVALID_VALUE`: on an H200, compute-sanitizer reported every such probe as an API
+/// error (86 in `kvstage-cuda check`), noise in the logs of an engine that runs under it.
+fn pointer_kind(ptr: u64) -> Option<(u32, i32)> {
+    use sys::CUpointer_attribute::*;
+    let (mut kind, mut ordinal): (u32, i32) = (0, -2);
+    let mut attrs = [CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL];
+    let mut data = [&mut kind as *mut u32 as *mut c_void, &mut ordinal as *mut i32 as *mut c_void];
+    // SAFETY: two attributes, each written to a 4-byte output.
+    let r = unsafe { api::cuPointerGetAttributes(2, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some((kind, ordinal))
 }
 
 /// The allocation holding device address `ptr`: (base, size); `None` when the driver cannot say.
@@ -439,16 +446,14 @@ pub fn allocation_of(ptr: u64) -> Option<(u64, u64)> {
     }
     let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
     // SAFETY: both outputs are valid; the caller's context is current.
-    let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+    let r = unsafe { api::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
     (r == sys::CUresult::CUDA_SUCCESS).then_some((base, size as u64))
 }
 
 /// The ordinal of the device owning `ptr` when `ptr` is device memory.
 pub fn device_of(ptr: u64) -> Option<i32> {
-    use sys::CUpointer_attribute::*;
-    let kind = pointer_attribute(ptr, CU_POINTER_ATTRIBUTE_MEMORY_TYPE)?;
-    if kind != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-        return None;
+    match pointer_kind(ptr)? {
+        (kind, ordinal) if kind == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 && ordinal >= 0 => Some(ordinal),
+        _ => None,
     }
-    pointer_attribute(ptr, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL).map(|o| o as i32)
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
+use super::api;
 use super::driver::{allocation_of, cu, device_of, has_symbol, Device};
 use super::{pool_device_of, Backend, CudaBackend, HostPin};
 use crate::error::{Error, Result, Status};
@@ -48,10 +49,10 @@ impl DeviceMemory {
         let stream = super::driver::create_stream()?;
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: context current.
-        let allocated = cu("cuMemAlloc_v2", unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(1)) });
+        let allocated = cu("cuMemAlloc_v2", unsafe { api::cuMemAlloc_v2(&mut p, bytes.max(1)) });
         if let Err(e) = allocated {
             // SAFETY: our stream, unused.
-            unsafe { sys::cuStreamDestroy_v2(stream as sys::CUstream) };
+            unsafe { api::cuStreamDestroy_v2(stream as sys::CUstream) };
             return Err(e.context(format!("cannot allocate {bytes} bytes on CUDA device {ordinal}")));
         }
         Ok(DeviceMemory { ptr: p, bytes, dev, stream, owner: Owner::Engine })
@@ -92,7 +93,7 @@ impl DeviceMemory {
         let _g = self.dev.enter()?;
         let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
         // SAFETY: context current; the handle is written in full.
-        cu("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut handle, self.ptr) })
+        cu("cuIpcGetMemHandle", unsafe { api::cuIpcGetMemHandle(&mut handle, self.ptr) })
             .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("device memory at {:#x} cannot be shared by CUDA IPC", self.ptr)))?;
         let (base, size) = allocation_of(self.ptr).ok_or_else(|| Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the driver cannot name the allocation holding the ring"))?;
         Ok((handle.reserved.map(|b| b as u8), self.ptr - base, size))
@@ -114,7 +115,7 @@ impl DeviceMemory {
         let mut fd: std::ffi::c_int = -1;
         // SAFETY: context current; the handle is an int for DMA_BUF_FD.
         cu("cuMemGetHandleForAddressRange", unsafe {
-            sys::cuMemGetHandleForAddressRange(
+            api::cuMemGetHandleForAddressRange(
                 (&mut fd as *mut std::ffi::c_int).cast(),
                 base,
                 size.next_multiple_of(page) as usize,
@@ -149,12 +150,12 @@ impl DeviceMemory {
         let mut base: sys::CUdeviceptr = 0;
         // SAFETY: context current; `base` is written on success.
         cu("cuIpcOpenMemHandle_v2", unsafe {
-            sys::cuIpcOpenMemHandle_v2(&mut base, handle, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32)
+            api::cuIpcOpenMemHandle_v2(&mut base, handle, sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32)
         })
         .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, "cannot open the peer's CUDA IPC handle"))?;
         let close = |why: String| {
             // SAFETY: opened above, nothing uses it yet.
-            unsafe { sys::cuIpcCloseMemHandle(base) };
+            unsafe { api::cuIpcCloseMemHandle(base) };
             Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, why))
         };
         let held = allocation_of(base).map_or(0, |(b, size)| if b == base { size } else { 0 });
@@ -192,14 +193,14 @@ impl DeviceMemory {
         self.check(at, src.len())?;
         let _g = self.dev.enter()?;
         // SAFETY: range checked; `src` outlives the copy (the caller's contract).
-        cu("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(self.ptr + at as u64, src.as_ptr() as u64, src.len(), self.stream as sys::CUstream) })
+        cu("cuMemcpyAsync", unsafe { api::cuMemcpyAsync(self.ptr + at as u64, src.as_ptr() as u64, src.len(), self.stream as sys::CUstream) })
     }
 
     /// Waits for every copy queued on this memory's stream.
     pub fn sync(&self) -> Result<()> {
         let _g = self.dev.enter()?;
         // SAFETY: our stream.
-        cu("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.stream as sys::CUstream) })
+        cu("cuStreamSynchronize", unsafe { api::cuStreamSynchronize(self.stream as sys::CUstream) })
     }
 
     /// The `len` bytes at offset `at` copied to a new host buffer (synchronous).
@@ -244,8 +245,8 @@ impl DeviceMemory {
         // SAFETY: both ranges checked by the callers; the stream is synchronized before returning
         // (also when the copy could not be queued, so that nothing queued outlives the call).
         unsafe {
-            let queued = cu("cuMemcpyAsync", sys::cuMemcpyAsync(dst, src, n, stream));
-            let synced = cu("cuStreamSynchronize", sys::cuStreamSynchronize(stream));
+            let queued = cu("cuMemcpyAsync", api::cuMemcpyAsync(dst, src, n, stream));
+            let synced = cu("cuStreamSynchronize", api::cuStreamSynchronize(stream));
             queued.and(synced)
         }
     }
@@ -257,13 +258,13 @@ impl Drop for DeviceMemory {
             // SAFETY: our stream (every copy on it was synchronous) and, when owned, our allocation
             // or our opening of a peer's.
             unsafe {
-                sys::cuStreamDestroy_v2(self.stream as sys::CUstream);
+                api::cuStreamDestroy_v2(self.stream as sys::CUstream);
                 match self.owner {
                     Owner::Engine => {
-                        sys::cuMemFree_v2(self.ptr);
+                        api::cuMemFree_v2(self.ptr);
                     }
                     Owner::Ipc(base) => {
-                        sys::cuIpcCloseMemHandle(base);
+                        api::cuIpcCloseMemHandle(base);
                     }
                     Owner::Caller => {}
                 }

@@ -19,6 +19,7 @@ use cudarc::driver::sys;
 use crate::error::{Error, ErrorClass, Result, Status};
 use crate::geometry::{KvLayout, MemoryKind};
 
+mod api;
 mod driver;
 mod engine;
 mod memory;
@@ -60,32 +61,32 @@ impl Backend for CudaBackend {
 
     unsafe fn destroy_stream(&self, stream: usize) {
         // SAFETY: the caller's contract.
-        unsafe { sys::cuStreamDestroy_v2(stream as sys::CUstream) };
+        unsafe { api::cuStreamDestroy_v2(stream as sys::CUstream) };
     }
 
     fn alloc(&self, bytes: u64) -> Result<u64> {
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: the device context is current (scoped).
-        cu("cuMemAlloc_v2", unsafe { sys::cuMemAlloc_v2(&mut p, bytes as usize) })
+        cu("cuMemAlloc_v2", unsafe { api::cuMemAlloc_v2(&mut p, bytes as usize) })
             .map_err(|e| e.context(format!("cannot allocate {bytes} bytes of device scratch on CUDA device {}", self.dev.ordinal)))?;
         Ok(p)
     }
 
     unsafe fn free(&self, ptr: u64) {
         // SAFETY: the caller's contract.
-        unsafe { sys::cuMemFree_v2(ptr) };
+        unsafe { api::cuMemFree_v2(ptr) };
     }
 
     unsafe fn copy(&self, stream: usize, dst: u64, src: u64, bytes: u64) -> Result<()> {
         // SAFETY: the caller's contract; unified addressing tells host from device memory.
-        cu("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, bytes as usize, stream as sys::CUstream) })
+        cu("cuMemcpyAsync", unsafe { api::cuMemcpyAsync(dst, src, bytes as usize, stream as sys::CUstream) })
     }
 
     unsafe fn launch(&self, stream: usize, kernel: Kernel, grid: (u32, u32), job: &KvJob) -> Result<()> {
         let mut params = [job as *const KvJob as *mut c_void];
         // SAFETY: the function takes one `struct KvJob` by value, which `params[0]` points to.
         let r = unsafe {
-            sys::cuLaunchKernel(
+            api::cuLaunchKernel(
                 self.dev.function(kernel) as sys::CUfunction,
                 grid.0,
                 grid.1,
@@ -104,12 +105,12 @@ impl Backend for CudaBackend {
 
     fn wait(&self, stream: usize, fence: &ReadyFence) -> Result<()> {
         // SAFETY: a live stream; the fence's event is live (owned or vouched for by the caller).
-        cu("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, fence.raw() as sys::CUevent, 0) })
+        cu("cuStreamWaitEvent", unsafe { api::cuStreamWaitEvent(stream as sys::CUstream, fence.raw() as sys::CUevent, 0) })
     }
 
     fn sync(&self, stream: usize) -> Result<()> {
         // SAFETY: a live stream.
-        cu("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream as sys::CUstream) })
+        cu("cuStreamSynchronize", unsafe { api::cuStreamSynchronize(stream as sys::CUstream) })
     }
 
     fn is_device(&self, ptr: u64) -> bool {
@@ -271,12 +272,12 @@ impl ReadyFence {
                 driver()?;
                 let mut ctx: sys::CUcontext = std::ptr::null_mut();
                 // SAFETY: the caller's stream handle.
-                cu("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(s as sys::CUstream, &mut ctx) })
+                cu("cuStreamGetCtx", unsafe { api::cuStreamGetCtx(s as sys::CUstream, &mut ctx) })
                     .map_err(|e| e.context("cannot use desc->cuda_stream"))?;
                 let _g = CtxGuard::push(ctx as usize)?;
                 let ev = Event::new(ctx as usize)?;
                 // SAFETY: our event and the caller's stream share the context.
-                cu("cuEventRecord", unsafe { sys::cuEventRecord(ev.raw as sys::CUevent, s as sys::CUstream) })
+                cu("cuEventRecord", unsafe { api::cuEventRecord(ev.raw as sys::CUevent, s as sys::CUstream) })
                     .map_err(|e| e.context("cannot record an event on desc->cuda_stream"))?;
                 Ok(Some(ReadyFence { raw: ev.raw, owned: Some(ev) }))
             }
@@ -301,7 +302,7 @@ impl ReadyFence {
             None => None,
         };
         // SAFETY: a live event.
-        cu("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.raw as sys::CUevent) })
+        cu("cuEventSynchronize", unsafe { api::cuEventSynchronize(self.raw as sys::CUevent) })
     }
 
     pub(crate) fn raw(&self) -> usize {
@@ -326,7 +327,7 @@ impl HostPin {
         let _g = dev.enter()?;
         // SAFETY: the caller vouches for `len` bytes at `ptr`.
         let r = unsafe {
-            sys::cuMemHostRegister_v2(ptr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE as std::ffi::c_uint)
+            api::cuMemHostRegister_v2(ptr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE as std::ffi::c_uint)
         };
         if r == sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
             return Ok(None);
@@ -344,7 +345,7 @@ impl Drop for HostPin {
     fn drop(&mut self) {
         if let Ok(_g) = CtxGuard::push(self.ctx) {
             // SAFETY: our registration.
-            unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
+            unsafe { api::cuMemHostUnregister(self.ptr as *mut c_void) };
         }
     }
 }
@@ -483,7 +484,7 @@ impl ToolStream {
             return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the CUDA driver lacks cuMemsetD8Async"));
         }
         // SAFETY: the caller names device memory of this device.
-        cu("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(ptr, byte, bytes, self.raw as sys::CUstream) })
+        cu("cuMemsetD8Async", unsafe { api::cuMemsetD8Async(ptr, byte, bytes, self.raw as sys::CUstream) })
     }
 
     /// Records a new event on the stream.
@@ -491,14 +492,14 @@ impl ToolStream {
         let _g = self.dev.enter()?;
         let ev = Event::new(self.dev.ctx())?;
         // SAFETY: both live in this context.
-        cu("cuEventRecord", unsafe { sys::cuEventRecord(ev.raw as sys::CUevent, self.raw as sys::CUstream) })?;
+        cu("cuEventRecord", unsafe { api::cuEventRecord(ev.raw as sys::CUevent, self.raw as sys::CUstream) })?;
         Ok(ToolEvent(ev))
     }
 
     pub fn sync(&self) -> Result<()> {
         let _g = self.dev.enter()?;
         // SAFETY: a live stream.
-        cu("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(self.raw as sys::CUstream) })
+        cu("cuStreamSynchronize", unsafe { api::cuStreamSynchronize(self.raw as sys::CUstream) })
     }
 }
 
@@ -507,8 +508,8 @@ impl Drop for ToolStream {
         if let Ok(_g) = self.dev.enter() {
             // SAFETY: our stream; synchronize first so no queued work refers to freed memory.
             unsafe {
-                sys::cuStreamSynchronize(self.raw as sys::CUstream);
-                sys::cuStreamDestroy_v2(self.raw as sys::CUstream);
+                api::cuStreamSynchronize(self.raw as sys::CUstream);
+                api::cuStreamDestroy_v2(self.raw as sys::CUstream);
             }
         }
     }
