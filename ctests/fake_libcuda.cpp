@@ -145,7 +145,9 @@ API CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice) {
     if (v == nullptr) return E_INVALID_VALUE;
     *v = attr == 75 ? 9 : 0;  // compute capability 9.0
     if (attr == 116) *v = 1;  // GPUDirect RDMA supported
-    if (attr == 118) *v = 100;  // GPUDirect RDMA writes ordering: owner, as an H200 (driver 580) reports
+    // GPUDirect RDMA writes ordering: owner, as an H200 (driver 580) reports; KVSTAGE_FAKE_CUDA_RDMA_UNORDERED
+    // makes it none (the device's kernels need cuFlushGPUDirectRDMAWrites to see a NIC's writes).
+    if (attr == 118) *v = env_set("KVSTAGE_FAKE_CUDA_RDMA_UNORDERED") ? 0 : 100;
     if (attr == 124) *v = env_set("KVSTAGE_FAKE_CUDA_NO_DMABUF") ? 0 : 1;  // dma-buf export
     return OK;
 }
@@ -355,6 +357,15 @@ API CUresult cuMemHostUnregister(void *p) {
 // an API error that compute-sanitizer reports (counted here: kvstage must not probe that way); the
 // plural call answers it with memory type 0 and ordinal -2, and success.
 unsigned long long kvstage_fake_pointer_probe_errors = 0;
+// cuFlushGPUDirectRDMAWrites calls (tests check one comes before device work reads a NIC's writes).
+unsigned long long kvstage_fake_rdma_flushes = 0;
+API CUresult cuFlushGPUDirectRDMAWrites(int target, int scope) {
+    if (target != 0 || (scope != 100 && scope != 200)) return E_INVALID_VALUE;
+    if (need_ctx()) return E_INVALID_CONTEXT;
+    std::lock_guard<std::mutex> g(g_mu);
+    ++kvstage_fake_rdma_flushes;
+    return OK;
+}
 API CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     if (data == nullptr) return E_INVALID_VALUE;
     std::lock_guard<std::mutex> g(g_mu);

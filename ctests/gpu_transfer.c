@@ -338,14 +338,16 @@ static int start_cuda(void **lib) {
 
 /* Bytes the fake driver copied host to device and back (NULL on a real driver). */
 static unsigned long long *fake_htod_bytes, *fake_dtoh_bytes;
-/* Pointer probes the real driver answers with an error (NULL on a real driver). */
-static unsigned long long *fake_probe_errors;
+/* Pointer probes the real driver answers with an error; GPUDirect RDMA flushes (NULL on a real
+ * driver). */
+static unsigned long long *fake_probe_errors, *fake_rdma_flushes;
 
 /* The fake driver's counters, once CUDA started. */
 static void find_fake_counters(void *lib) {
     fake_htod_bytes = (unsigned long long *)dlsym(lib, "kvstage_fake_htod_bytes");
     fake_dtoh_bytes = (unsigned long long *)dlsym(lib, "kvstage_fake_dtoh_bytes");
     fake_probe_errors = (unsigned long long *)dlsym(lib, "kvstage_fake_pointer_probe_errors");
+    fake_rdma_flushes = (unsigned long long *)dlsym(lib, "kvstage_fake_rdma_flushes");
 }
 
 /* The end of a process of the test: no driver call answered with an error that compute-sanitizer
@@ -487,6 +489,17 @@ static void finish_decode(kvstage_engine *decode, uint64_t room, pool src[2], po
     CHECK_INT(st.ring_live_allocations, 0);
     CHECK_INT(st.shm_sessions, soft_rdma || by_tcp ? 0 : sessions);
     CHECK_INT(st.rdma_sessions, soft_rdma ? sessions : 0);
+    /* A device that does not order a NIC's writes for its kernels (the fake, when told): every
+     * scatter of the RDMA-written ring (at least one a chunk) and every read-back flushes first.
+     * One that does (owner, as an H200): never. */
+    if (fake_rdma_flushes != NULL && soft_rdma != NULL) {
+        const uint64_t chunks = NPAGES * PAGE / CHUNK;
+        printf("GPUDirect RDMA flushes: %llu\n", *fake_rdma_flushes);
+        if (getenv("KVSTAGE_FAKE_CUDA_RDMA_UNORDERED") != NULL)
+            CHECK(*fake_rdma_flushes >= chunks * (device_integrity == KVSTAGE_INTEGRITY_OFF ? 1 : 2));
+        else
+            CHECK_INT(*fake_rdma_flushes, 0);
+    }
 }
 
 static void sleep_ms(long ms) {

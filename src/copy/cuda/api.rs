@@ -12,8 +12,8 @@ use std::ffi::{c_char, c_int, c_uchar, c_uint, c_ulonglong, c_void, CString};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUfunction, CUipcMemHandle, CUjit_option,
-    CUmemRangeHandleType, CUmodule, CUpointer_attribute, CUresult, CUstream,
+    CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUflushGPUDirectRDMAWritesScope, CUflushGPUDirectRDMAWritesTarget,
+    CUfunction, CUipcMemHandle, CUjit_option, CUmemRangeHandleType, CUmodule, CUpointer_attribute, CUresult, CUstream,
 };
 
 /// The driver library's handle, never closed (unloading an initialized driver is unsafe).
@@ -53,7 +53,7 @@ macro_rules! entry_points {
             ///
             /// # Safety
             /// As the CUDA driver API documents for it.
-            #[allow(non_snake_case)]
+            #[allow(non_snake_case, clippy::too_many_arguments)]
             pub unsafe fn $name($($arg: $ty),*) -> CUresult {
                 type Entry = unsafe extern "C" fn($($ty),*) -> CUresult;
                 static ADDRESS: OnceLock<usize> = OnceLock::new();
@@ -104,6 +104,7 @@ entry_points! {
     fn cuIpcGetMemHandle(handle: *mut CUipcMemHandle, ptr: CUdeviceptr);
     fn cuIpcOpenMemHandle_v2(ptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: c_uint);
     fn cuIpcCloseMemHandle(ptr: CUdeviceptr);
+    fn cuFlushGPUDirectRDMAWrites(target: CUflushGPUDirectRDMAWritesTarget, scope: CUflushGPUDirectRDMAWritesScope);
     fn cuLaunchKernel(
         function: CUfunction,
         grid_x: c_uint,

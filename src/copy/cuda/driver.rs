@@ -332,6 +332,24 @@ impl Device {
         }
     }
 
+    /// Makes NIC writes into this device's memory that the CPU saw complete (an RDMA
+    /// write-with-immediate, a peer's report of its writes) visible to work launched after this
+    /// call, where the device does not order them for its own kernels
+    /// (`GPU_DIRECT_RDMA_WRITES_ORDERING` below owner): `cuFlushGPUDirectRDMAWrites`. Returns
+    /// whether a flush was needed.
+    pub fn flush_rdma_writes(&self) -> Result<bool> {
+        if self.gpudirect_rdma_writes_ordering >= sys::CUGPUDirectRDMAWritesOrdering::CU_GPU_DIRECT_RDMA_WRITES_ORDERING_OWNER as i32 {
+            return Ok(false);
+        }
+        let _g = self.enter()?;
+        use sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER;
+        use sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX;
+        // SAFETY: the device's context is current; both arguments are valid enumerators.
+        let r = unsafe { api::cuFlushGPUDirectRDMAWrites(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER) };
+        cu("cuFlushGPUDirectRDMAWrites", r)?;
+        Ok(true)
+    }
+
     /// Makes the device's primary context current until the guard drops.
     pub fn enter(&self) -> Result<CtxGuard> {
         CtxGuard::push(self.ctx)

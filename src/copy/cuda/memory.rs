@@ -76,6 +76,11 @@ impl DeviceMemory {
         self.dev.ordinal
     }
 
+    /// Before device work reads bytes a NIC wrote here: see [`Device::flush_rdma_writes`].
+    pub fn flush_rdma_writes(&self) -> Result<bool> {
+        self.dev.flush_rdma_writes()
+    }
+
     /// Whether this memory was allocated here (and is freed on drop).
     pub fn is_owned(&self) -> bool {
         self.owner == Owner::Engine

@@ -319,6 +319,9 @@ impl Receiver {
                     };
                     if p.is_some() {
                         self.with_state(|st| st.set_in_place(id, false));
+                        if let Some(m) = &ring {
+                            m.mark_nic_writes();
+                        }
                     }
                     rdma_peer = p;
                     link.send(&Message::RdmaAnswer(answer), &reply_deadline())?;

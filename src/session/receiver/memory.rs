@@ -5,6 +5,7 @@
 //! check reads a region back.
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -59,6 +60,9 @@ pub struct RingMemory {
     ptr: *mut u8,
     len: usize,
     backing: Backing,
+    /// A NIC was given the ring (GPUDirect RDMA): device work that reads it flushes the NIC's
+    /// writes first where the device does not order them.
+    nic_writes: AtomicBool,
 }
 
 // SAFETY: the memory is only written inside grants the receiver's state handed to one writer (and
@@ -83,16 +87,16 @@ impl RingMemory {
                         format!("staging memory {p:p} is CUDA device memory but was registered as host memory (memory_kind HOST)"),
                     ));
                 }
-                Ok(RingMemory { ptr: p, len, backing: Backing::Caller })
+                Ok(RingMemory { ptr: p, len, backing: Backing::Caller, nic_writes: AtomicBool::new(false) })
             }
             (MemoryKind::Host, None) => {
                 let ring = SharedRing::create(len).map_err(|e| e.context(format!("cannot allocate a staging ring of {len} bytes")))?;
-                Ok(RingMemory { ptr: ring.ptr(), len, backing: Backing::Shared(ring) })
+                Ok(RingMemory { ptr: ring.ptr(), len, backing: Backing::Shared(ring), nic_writes: AtomicBool::new(false) })
             }
             (MemoryKind::Cuda, Some(p)) => {
                 let mem = DeviceMemory::borrow(spec.cuda_device, p as u64, len, "staging->cuda_device")
                     .map_err(|e| e.context(format!("staging memory {p:p} ({len} bytes) is not usable as a device ring")))?;
-                Ok(RingMemory { ptr: p, len, backing: Backing::Device(mem, Mutex::default()) })
+                Ok(RingMemory { ptr: p, len, backing: Backing::Device(mem, Mutex::default()), nic_writes: AtomicBool::new(false) })
             }
             (MemoryKind::Cuda, None) => {
                 let device = spec.cuda_device.ok_or_else(|| {
@@ -100,7 +104,7 @@ impl RingMemory {
                 })?;
                 let mem = DeviceMemory::alloc(device as i32, len)
                     .map_err(|e| e.context(format!("cannot allocate a staging ring of {len} bytes on CUDA device {device}")))?;
-                Ok(RingMemory { ptr: mem.ptr as *mut u8, len, backing: Backing::Device(mem, Mutex::default()) })
+                Ok(RingMemory { ptr: mem.ptr as *mut u8, len, backing: Backing::Device(mem, Mutex::default()), nic_writes: AtomicBool::new(false) })
             }
         }
     }
@@ -126,6 +130,21 @@ impl RingMemory {
         match &self.backing {
             Backing::Device(m, _) => crate::session::device_ring::dmabuf(m),
             _ => Err(Error::internal("a host ring has no dma-buf")),
+        }
+    }
+
+    /// A NIC writes the ring from now on (an RDMA peer was accepted).
+    pub fn mark_nic_writes(&self) {
+        self.nic_writes.store(true, Ordering::SeqCst);
+    }
+
+    /// Before device work reads the ring (a scatter, a checksum's read-back): a device ring that a
+    /// NIC writes, on a device that does not order those writes for its own kernels, is flushed
+    /// (`cuFlushGPUDirectRDMAWrites`; the CPU already saw the writes complete).
+    pub fn before_device_read(&self) -> Result<()> {
+        match &self.backing {
+            Backing::Device(mem, _) if self.nic_writes.load(Ordering::SeqCst) => mem.flush_rdma_writes().map(drop),
+            _ => Ok(()),
         }
     }
 
@@ -234,7 +253,10 @@ impl RingMemory {
     pub unsafe fn read_back(&self, offset: u64, len: u64) -> Result<Cow<'_, [u8]>> {
         let p = self.range(offset, len)?;
         match &self.backing {
-            Backing::Device(mem, _) => Ok(Cow::Owned(mem.to_vec(offset as usize, len as usize)?)),
+            Backing::Device(mem, _) => {
+                self.before_device_read()?;
+                Ok(Cow::Owned(mem.to_vec(offset as usize, len as usize)?))
+            }
             // SAFETY: inside the ring (checked); no writer (the caller's contract).
             _ => Ok(Cow::Borrowed(unsafe { std::slice::from_raw_parts(p, len as usize) })),
         }
