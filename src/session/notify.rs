@@ -6,11 +6,17 @@
 //! scatter thread) with no kvstage lock held, so it may call kvstage functions (poll operations,
 //! poll events); it must return quickly, must not free the engine that signals it, and must not
 //! wait (room release or wait, operation wait: they may need the very thread running it).
+//!
+//! Replacing or removing the callback returns only once no call of the old one runs (the caller
+//! may then free the old callback's code and data: Python drops its ctypes thunk), except the
+//! call that replaces it from inside itself.
 
+use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
-use parking_lot::RwLock;
+use parking_lot::{Condvar, Mutex};
 
 use super::receiver::ChunkEvent;
 use super::stats::TransferTimings;
@@ -28,9 +34,26 @@ pub enum Completion {
 
 pub type Callback = Arc<dyn Fn(&Completion) + Send + Sync>;
 
+/// The callback and the calls of it (and of the ones it replaced) still running.
+#[derive(Default)]
+struct Slot {
+    callback: Option<Callback>,
+    /// Bumped by every replacement: a call runs the callback of the generation it started with.
+    generation: u64,
+    /// Running calls by the generation of the callback they run.
+    running: BTreeMap<u64, usize>,
+}
+
+thread_local! {
+    /// The callback calls running on this thread: (the `Completions` they came from, generation).
+    static CALLING: RefCell<Vec<(usize, u64)>> = const { RefCell::new(Vec::new()) };
+}
+
 pub struct Completions {
     fd: OwnedFd,
-    callback: RwLock<Option<Callback>>,
+    slot: Mutex<Slot>,
+    /// Signalled whenever a call ends.
+    call_ended: Condvar,
 }
 
 impl Completions {
@@ -42,7 +65,7 @@ impl Completions {
                 .with_source(std::io::Error::last_os_error()));
         }
         // SAFETY: a fresh descriptor we own.
-        Ok(Completions { fd: unsafe { OwnedFd::from_raw_fd(fd) }, callback: RwLock::new(None) })
+        Ok(Completions { fd: unsafe { OwnedFd::from_raw_fd(fd) }, slot: Mutex::new(Slot::default()), call_ended: Condvar::new() })
     }
 
     /// Readable while completions are unread: read 8 bytes to reset it, then poll.
@@ -50,8 +73,23 @@ impl Completions {
         self.fd.as_raw_fd()
     }
 
+    /// Replaces the callback and returns once no call of the old one (or of any before it) runs,
+    /// so the caller may free what they used. Called from inside a callback of this engine, it
+    /// cannot wait for that call (it is its own caller): it waits for every other one, and the
+    /// calling callback continues after it returns.
     pub fn set_callback(&self, callback: Option<Callback>) {
-        *self.callback.write() = callback;
+        let me = self as *const Completions as usize;
+        let mut slot = self.slot.lock();
+        let old = slot.generation;
+        let replaced = std::mem::replace(&mut slot.callback, callback);
+        slot.generation += 1;
+        let mine = CALLING.with(|c| c.borrow().iter().filter(|(who, g)| *who == me && *g <= old).count());
+        while slot.running.range(..=old).map(|(_, n)| n).sum::<usize>() > mine {
+            self.call_ended.wait(&mut slot);
+        }
+        drop(slot);
+        // The old closure (and the caller's data it holds) is dropped outside the lock.
+        drop(replaced);
     }
 
     /// Counts `n` completions on the descriptor. Called where the completed state becomes
@@ -69,12 +107,35 @@ impl Completions {
     /// Runs the callback for `c`, with no lock held. A panicking callback is logged, not
     /// propagated: the completion it reports must still happen.
     pub fn call(&self, c: &Completion) {
-        let callback = self.callback.read().clone();
-        if let Some(cb) = callback {
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(c))).is_err() {
-                log::error!("the completion callback panicked on {c:?}");
+        let me = self as *const Completions as usize;
+        let (callback, generation) = {
+            let mut slot = self.slot.lock();
+            let Some(cb) = slot.callback.clone() else { return };
+            let g = slot.generation;
+            *slot.running.entry(g).or_default() += 1;
+            (cb, g)
+        };
+        CALLING.with(|calls| calls.borrow_mut().push((me, generation)));
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback(c))).is_err() {
+            log::error!("the completion callback panicked on {c:?}");
+        }
+        CALLING.with(|calls| {
+            let mut calls = calls.borrow_mut();
+            if let Some(i) = calls.iter().rposition(|&e| e == (me, generation)) {
+                calls.remove(i);
+            }
+        });
+        // The clone goes before the call counts as ended: the replacing thread may free the data.
+        drop(callback);
+        let mut slot = self.slot.lock();
+        if let Some(n) = slot.running.get_mut(&generation) {
+            *n -= 1;
+            if *n == 0 {
+                slot.running.remove(&generation);
             }
         }
+        drop(slot);
+        self.call_ended.notify_all();
     }
 
     /// Resets the counter; how many completions were signalled since the last drain.
@@ -114,5 +175,74 @@ mod tests {
         assert_eq!(c.drain(), 2);
         assert_eq!(seen.load(Ordering::SeqCst), 2);
         assert_eq!(c.drain(), 0);
+    }
+
+    fn op() -> Completion {
+        Completion::Op { tag: 1, status: Status::KVSTAGE_OK, timings: TransferTimings::default() }
+    }
+
+    /// A callback held inside its call: removing it must not return before the call did.
+    #[test]
+    fn removing_a_callback_waits_for_its_running_calls() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::mpsc;
+        let c = Arc::new(Completions::new().unwrap());
+        let (started_tx, started_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let release_rx = Arc::new(parking_lot::Mutex::new(release_rx));
+        let set_returned = Arc::new(AtomicBool::new(false));
+        let seen_at_end = Arc::new(AtomicBool::new(true));
+        let (r, s, e) = (release_rx.clone(), set_returned.clone(), seen_at_end.clone());
+        c.set_callback(Some(Arc::new(move |_c: &Completion| {
+            started_tx.send(()).unwrap();
+            r.lock().recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+            e.store(s.load(Ordering::SeqCst), Ordering::SeqCst);
+        })));
+        let caller = {
+            let c = c.clone();
+            std::thread::spawn(move || c.call(&op()))
+        };
+        started_rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap();
+        let remover = {
+            let (c, s) = (c.clone(), set_returned.clone());
+            std::thread::spawn(move || {
+                c.set_callback(None);
+                s.store(true, Ordering::SeqCst);
+            })
+        };
+        // Give an early return the chance to show (the assertion below never depends on it).
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(!set_returned.load(Ordering::SeqCst), "set_callback(None) returned while the old callback was still running");
+        release_tx.send(()).unwrap();
+        caller.join().unwrap();
+        remover.join().unwrap();
+        assert!(!seen_at_end.load(Ordering::SeqCst), "the callback saw set_callback return before it ended");
+        assert!(set_returned.load(Ordering::SeqCst));
+        c.call(&op()); // removed: nothing runs, nothing blocks
+    }
+
+    /// A callback that removes itself (the documented inside-the-callback case) does not wait for
+    /// its own call; a later set from outside finds nothing running.
+    #[test]
+    fn a_callback_may_remove_itself() {
+        let c = Arc::new(Completions::new().unwrap());
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (weak, n) = (Arc::downgrade(&c), calls.clone());
+        c.set_callback(Some(Arc::new(move |_c: &Completion| {
+            n.fetch_add(1, Ordering::SeqCst);
+            if let Some(c) = weak.upgrade() {
+                c.set_callback(None);
+            }
+        })));
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let c2 = c.clone();
+        std::thread::spawn(move || {
+            c2.call(&op());
+            c2.call(&op());
+            done_tx.send(()).unwrap();
+        });
+        done_rx.recv_timeout(std::time::Duration::from_secs(10)).expect("a callback that removes itself deadlocked");
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        c.set_callback(None);
     }
 }
