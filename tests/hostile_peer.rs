@@ -669,9 +669,24 @@ fn a_same_host_peer_is_held_to_its_grant_and_its_lease() {
     let fd = fdpass::recv_fd(&lease, &mut greeting).unwrap().expect("the ring's descriptor");
     assert_eq!(&greeting[..fdpass::NONCE_BYTES], &nonce[..]);
     let ring = memory::map_peer_ring(&fd, ring_len).unwrap();
-    raw.send(&Message::ShmOffer { socket: name, nonce }).unwrap();
+    raw.send(&Message::ShmOffer { socket: name, nonce: nonce.clone() }).unwrap();
     let (status, _, _, reason) = answer(&mut raw);
     assert!(status != 0 && reason.contains("second"), "{status} {reason}");
+    // A refused offer naming any other local listener: the engine never connects to it (no probe
+    // of local services), and says "not local".
+    use std::os::linux::net::SocketAddrExt;
+    let probe_name = format!("kvstage-probe-target-{}", std::process::id());
+    let probe = std::os::unix::net::UnixListener::bind_addr(&std::os::unix::net::SocketAddr::from_abstract_name(probe_name.as_bytes()).unwrap()).unwrap();
+    probe.set_nonblocking(true).unwrap();
+    raw.send(&Message::ShmOffer { socket: probe_name.clone(), nonce }).unwrap();
+    let (status, local, _, reason) = answer(&mut raw);
+    assert!(status != 0 && !local, "{status} {local} {reason}");
+    // The answer came after any connect: a connection would be waiting in the backlog now.
+    assert!(
+        matches!(probe.accept(), Err(ref e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the engine connected to @{probe_name}, a local socket a peer named in a refused offer"
+    );
+    drop(probe);
 
     // A grant, half written in place and reported; then a report past what it wrote ends the
     // session while the peer still maps the ring: its range stays out of the ring until the lease

@@ -52,3 +52,22 @@ fn a_vanished_peer_mid_write_is_an_error_not_a_signal() {
         }
     }
 }
+
+/// The same-host path's local socket: the receiver's greeting (a device ring's IPC export) and the
+/// ring's descriptor go to a sender that may have closed its end. An error, not a signal.
+#[test]
+fn a_closed_local_socket_is_an_error_not_a_signal() {
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+    use kvstage::transport::shm::fdpass;
+    // SAFETY: as above.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    drop(theirs);
+    let e = fdpass::send_all(&ours, &[7u8; 64]).expect_err("a write to a closed socket succeeded");
+    assert_eq!(e.raw_os_error(), Some(libc::EPIPE), "{e}");
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    drop(theirs);
+    let passed = ours.try_clone().unwrap();
+    assert!(fdpass::send_fd(&ours, passed.as_fd(), &[7u8; 64]).is_err());
+}

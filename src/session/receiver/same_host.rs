@@ -81,8 +81,9 @@ impl Receiver {
         let passed = match offer {
             Err((code, why)) => {
                 // Still reached for, so that the sender learns whether it is on this host (a
-                // refusal then counts as a downgrade there, another host does not).
-                let local = shm::fdpass::connect_abstract(socket, shm::LOCAL_IO_TIMEOUT).is_ok();
+                // refusal then counts as a downgrade there, another host does not); only a kvstage
+                // sender's socket held by the process it names, never any name a peer gives.
+                let local = shm::reach_sender(socket).is_ok();
                 log::debug!(session = session; "same-host offer of {peer} refused: {why}");
                 return answer(code, local, 0, why);
             }

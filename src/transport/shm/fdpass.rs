@@ -147,7 +147,7 @@ pub fn send_fd(stream: &UnixStream, fd: BorrowedFd<'_>, data: &[u8]) -> Result<(
         if sent >= 0 {
             if sent as usize != data.len() {
                 // The descriptor went with the first byte; the rest follows as plain data.
-                (&*stream).write_all(&data[sent as usize..])?;
+                send_all(stream, &data[sent as usize..]).map_err(|e| Error::new(Status::KVSTAGE_E_PEER_GONE, "sending the ring's descriptor failed").with_source(e))?;
             }
             return Ok(());
         }
@@ -156,6 +156,25 @@ pub fn send_fd(stream: &UnixStream, fd: BorrowedFd<'_>, data: &[u8]) -> Result<(
             return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "sending the ring's descriptor failed").with_source(e));
         }
     }
+}
+
+/// Writes all of `data` with `MSG_NOSIGNAL`: a peer that closed its end is an `EPIPE` error, never
+/// a SIGPIPE, which would kill a C or Python host keeping the default action (`UnixStream::write`
+/// raises it on the toolchains kvstage supports).
+pub fn send_all(stream: &UnixStream, mut data: &[u8]) -> std::io::Result<()> {
+    while !data.is_empty() {
+        // SAFETY: sends from a live slice on our socket.
+        let sent = unsafe { libc::send(stream.as_raw_fd(), data.as_ptr().cast(), data.len(), libc::MSG_NOSIGNAL) };
+        if sent < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        data = &data[sent as usize..];
+    }
+    Ok(())
 }
 
 /// Receives exactly `buf.len()` bytes and the descriptor attached to them, if any. Any further

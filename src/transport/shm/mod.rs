@@ -297,15 +297,11 @@ fn socket_pid(socket: &str) -> Option<i32> {
     pid.parse().ok()
 }
 
-/// Receiver side: connects to the sender's socket named in its offer and passes `ring` (its
-/// descriptor or IPC export, and its size). Only to a kvstage sender's socket: the name must be
-/// one `listen_abstract` makes, and the process that listens on it must be the one the name says
-/// (so a peer cannot have the ring sent to any other local listener). `Err` says whether the
-/// socket was reached.
-pub fn pass_ring(socket: &str, nonce: &[u8], ring: OfferedRing<'_>, ring_len: u64) -> std::result::Result<UnixStream, (bool, Error)> {
-    if nonce.len() != NONCE_BYTES {
-        return Err((false, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("a same-host offer with a {}-byte nonce", nonce.len()))));
-    }
+/// Receiver side: connects to the sender's socket named in an offer, only if it is a kvstage
+/// sender's socket: the name must be one `listen_abstract` makes, and the process that listens on
+/// it must be the one the name says (so a peer can neither have the ring sent to, nor make the
+/// receiver probe, any other local listener). `Err` says whether the socket was reached.
+pub fn reach_sender(socket: &str) -> std::result::Result<UnixStream, (bool, Error)> {
     let Some(pid) = socket_pid(socket) else {
         return Err((false, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("\"{}\" is not a kvstage sender's socket name", socket.escape_debug()))));
     };
@@ -314,10 +310,20 @@ pub fn pass_ring(socket: &str, nonce: &[u8], ring: OfferedRing<'_>, ring_len: u6
     if listener_pid != pid {
         return Err((true, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("the socket @{socket} is held by process {listener_pid}, not {pid}"))));
     }
+    Ok(stream)
+}
+
+/// Receiver side: passes `ring` (its descriptor or IPC export, and its size) to the sender's
+/// socket named in its offer ([`reach_sender`]). `Err` says whether the socket was reached.
+pub fn pass_ring(socket: &str, nonce: &[u8], ring: OfferedRing<'_>, ring_len: u64) -> std::result::Result<UnixStream, (bool, Error)> {
+    if nonce.len() != NONCE_BYTES {
+        return Err((false, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("a same-host offer with a {}-byte nonce", nonce.len()))));
+    }
+    let stream = reach_sender(socket)?;
     let greeting = ring.greeting(nonce, ring_len);
     let sent = match ring {
         OfferedRing::Memfd(fd) => fdpass::send_fd(&stream, fd, &greeting),
-        OfferedRing::Device(_) => (&stream).write_all(&greeting).map_err(|e| Error::new(Status::KVSTAGE_E_PEER_GONE, "sending the ring's IPC handle failed").with_source(e)),
+        OfferedRing::Device(_) => fdpass::send_all(&stream, &greeting).map_err(|e| Error::new(Status::KVSTAGE_E_PEER_GONE, "sending the ring's IPC handle failed").with_source(e)),
     };
     sent.map_err(|e| (true, e))?;
     stream.set_read_timeout(None).map_err(|e| (true, e.into()))?;
