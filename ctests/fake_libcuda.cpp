@@ -6,7 +6,13 @@
 // Streams execute every operation at once (in order), except host-to-device copies queued on a
 // stream: those run only when that stream is synchronized, records an event or runs later work,
 // like a GPU that has not got to them yet, so code that refills the source or relies on the bytes
-// before then sees it. What the fake cannot show is real concurrency, the PTX JIT and device speed.
+// before then sees it. Time on streams is modelled only as far as the ready points need it: a
+// stream can be held back (kvstage_fake_stream_delay, as a caller's long kernel would), an event
+// recorded on it fires when the stream gets there (cuEventQuery says CUDA_ERROR_NOT_READY until
+// then, cuEventSynchronize sleeps), a stream made to wait for an event is held back until it fires,
+// and work or a synchronize on a held-back stream blocks the calling thread until then (the work
+// itself still runs at once). What the fake cannot show is real concurrency, the PTX JIT and device
+// speed.
 // Device memory is mapped PROT_NONE except while the fake itself copies or runs a kernel, so that
 // host code touching it (which on a GPU reads garbage or faults) crashes here too.
 // Each allocation is a memfd, so that CUDA IPC works between processes: a handle names the
@@ -18,11 +24,15 @@
 // KVSTAGE_FAKE_CUDA_NO_DMABUF=1 makes it fail as on a driver or GPU without dma-buf support.
 //
 // Only for tests (ctests of label api run `kvstage-cuda check` and gpu_transfer against it).
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <thread>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -48,6 +58,7 @@ enum : int {
     E_INVALID_IMAGE = 200,
     E_INVALID_HANDLE = 400,
     E_NOT_FOUND = 500,
+    E_NOT_READY = 600,
     E_HOST_MEMORY_ALREADY_REGISTERED = 712,
     E_HOST_MEMORY_NOT_REGISTERED = 713,
     E_NOT_SUPPORTED = 801,
@@ -82,6 +93,26 @@ struct QueuedCopy {
 std::vector<QueuedCopy> g_queued;
 thread_local std::vector<CUcontext> t_ctx;
 int g_stream_count;
+using Clock = std::chrono::steady_clock;
+// When each held-back stream gets to work queued on it now (absent: at once).
+std::map<CUstream, Clock::time_point> g_stream_busy_until;
+// An event: when the work recorded before it is done.
+struct FakeEvent {
+    Clock::time_point fires;
+};
+Clock::time_point busy_until(CUstream s) {  // g_mu held
+    auto it = g_stream_busy_until.find(s);
+    return it == g_stream_busy_until.end() ? Clock::time_point{} : it->second;
+}
+// Blocks the caller until `s` got to the work it is about to queue (without the lock).
+void wait_for_stream(CUstream s) {
+    Clock::time_point until;
+    {
+        std::lock_guard<std::mutex> g(g_mu);
+        until = busy_until(s);
+    }
+    std::this_thread::sleep_until(until);
+}
 
 bool inside(const std::vector<Range> &list, uintptr_t p) {
     for (const Range &r : list)
@@ -195,14 +226,21 @@ API CUresult cuStreamCreate(CUstream *s, unsigned) {
 API CUresult cuStreamDestroy_v2(CUstream s) {
     DeviceAccess device;
     device.catch_up(s);
+    g_stream_busy_until.erase(s);
     return OK;
 }
 API CUresult cuStreamSynchronize(CUstream s) {
+    wait_for_stream(s);
     DeviceAccess device;
     device.catch_up(s);
     return OK;
 }
-API CUresult cuStreamWaitEvent(CUstream, CUevent e, unsigned) { return e ? OK : E_INVALID_HANDLE; }
+API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned) {
+    if (e == nullptr) return E_INVALID_HANDLE;
+    std::lock_guard<std::mutex> g(g_mu);
+    g_stream_busy_until[s] = std::max(busy_until(s), static_cast<FakeEvent *>(e)->fires);
+    return OK;
+}
 API CUresult cuStreamGetCtx(CUstream s, CUcontext *c) {
     if (s == nullptr || c == nullptr) return E_INVALID_HANDLE;
     *c = &g_ctx_token;
@@ -211,19 +249,39 @@ API CUresult cuStreamGetCtx(CUstream s, CUcontext *c) {
 API CUresult cuEventCreate(CUevent *e, unsigned) {
     if (e == nullptr) return E_INVALID_VALUE;
     if (need_ctx()) return E_INVALID_CONTEXT;
-    *e = std::malloc(1);
+    *e = new FakeEvent{Clock::now()};
     return OK;
 }
 API CUresult cuEventRecord(CUevent e, CUstream s) {
     if (e == nullptr) return E_INVALID_HANDLE;
     DeviceAccess device;
     device.catch_up(s);
+    static_cast<FakeEvent *>(e)->fires = std::max(Clock::now(), busy_until(s));
     return OK;
 }
-API CUresult cuEventSynchronize(CUevent e) { return e ? OK : E_INVALID_HANDLE; }
-API CUresult cuEventDestroy_v2(CUevent e) {
-    std::free(e);
+API CUresult cuEventQuery(CUevent e) {
+    if (e == nullptr) return E_INVALID_HANDLE;
+    std::lock_guard<std::mutex> g(g_mu);
+    return Clock::now() >= static_cast<FakeEvent *>(e)->fires ? OK : E_NOT_READY;
+}
+API CUresult cuEventSynchronize(CUevent e) {
+    if (e == nullptr) return E_INVALID_HANDLE;
+    Clock::time_point fires;
+    {
+        std::lock_guard<std::mutex> g(g_mu);
+        fires = static_cast<FakeEvent *>(e)->fires;
+    }
+    std::this_thread::sleep_until(fires);
     return OK;
+}
+API CUresult cuEventDestroy_v2(CUevent e) {
+    delete static_cast<FakeEvent *>(e);
+    return OK;
+}
+// Tests: holds `s` back for `ms` from now, as a long kernel the caller queued there would.
+API void kvstage_fake_stream_delay(CUstream s, unsigned ms) {
+    std::lock_guard<std::mutex> g(g_mu);
+    g_stream_busy_until[s] = std::max(busy_until(s), Clock::now() + std::chrono::milliseconds(ms));
 }
 
 API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) {
@@ -314,6 +372,7 @@ API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned) {
 }
 API CUresult cuIpcCloseMemHandle(CUdeviceptr p) { return release(p, true); }
 API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
+    if (stream != nullptr) wait_for_stream(stream);
     DeviceAccess device;
     const bool to_device = inside(g_device, (uintptr_t)dst), from_device = inside(g_device, (uintptr_t)src);
     if (to_device && !from_device) kvstage_fake_htod_bytes += n;
@@ -332,6 +391,7 @@ API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CU
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) { return cuMemcpyHtoDAsync_v2(dst, src, n, nullptr); }
 API CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) { return cuMemcpyAsync((CUdeviceptr)(uintptr_t)dst, src, n, nullptr); }
 API CUresult cuMemsetD8Async(CUdeviceptr p, unsigned char v, size_t n, CUstream s) {
+    wait_for_stream(s);
     DeviceAccess device;
     device.catch_up(s);
     std::memset((void *)(uintptr_t)p, v, n);
@@ -414,6 +474,7 @@ API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
     if (f == nullptr || params == nullptr || extra != nullptr) return E_INVALID_VALUE;
     if (gz != 1 || bx != THREADS || by != 1 || bz != 1 || smem != 0 || gx == 0 || gy == 0) return E_INVALID_VALUE;
     if (need_ctx()) return E_INVALID_CONTEXT;
+    wait_for_stream(stream);
     DeviceAccess device;  // the emulator runs one launch at a time
     device.catch_up(stream);
     return kvemu_launch(static_cast<const char *>(f), gx, gy, params[0]) == 0 ? OK : E_INVALID_VALUE;

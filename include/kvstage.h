@@ -630,7 +630,10 @@ typedef struct kvstage_transfer_desc {
     // recorded on it during the call), or NULL.
     void *cuda_stream;
     // CUDA pools: a recorded `CUevent` after which the chunk's KV is valid, or NULL. At most one
-    // of `cuda_stream` and `cuda_event` is set; both NULL: the KV is valid now.
+    // of `cuda_stream` and `cuda_event` is set; both NULL: the KV is valid now. The transfer
+    // waits for this point before it asks for ring space or takes a copy lane or staging buffer
+    // (so a chunk whose KV is late delays no other transfer), bounded by its deadline
+    // (`KVSTAGE_E_TIMEOUT` naming the ready point) and by a cancel.
     void *cuda_event;
     // The caller's value, handed back with this transfer's completion (asynchronous transfers).
     uint64_t user_tag;

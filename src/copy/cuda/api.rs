@@ -91,6 +91,7 @@ entry_points! {
     fn cuEventCreate(event: *mut CUevent, flags: c_uint);
     fn cuEventRecord(event: CUevent, stream: CUstream);
     fn cuEventSynchronize(event: CUevent);
+    fn cuEventQuery(event: CUevent);
     fn cuEventDestroy_v2(event: CUevent);
     fn cuMemAlloc_v2(ptr: *mut CUdeviceptr, bytes: usize);
     fn cuMemFree_v2(ptr: CUdeviceptr);

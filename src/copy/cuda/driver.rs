@@ -43,6 +43,7 @@ const SYMBOLS: &[&str] = &[
     "cuEventCreate",
     "cuEventRecord",
     "cuEventSynchronize",
+    "cuEventQuery",
     "cuEventDestroy_v2",
     "cuMemAlloc_v2",
     "cuMemFree_v2",

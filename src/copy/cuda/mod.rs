@@ -13,6 +13,7 @@
 
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::sys;
 
@@ -295,14 +296,43 @@ impl ReadyFence {
         }
     }
 
-    /// Blocks the calling thread until the fence fired (for host-memory pools).
+    /// Blocks the calling thread until the fence fired.
     pub fn wait_host(&self) -> Result<()> {
-        let _g = match &self.owned {
-            Some(ev) => Some(CtxGuard::push(ev.ctx())?),
-            None => None,
-        };
+        let _g = self.enter()?;
         // SAFETY: a live event.
         cu("cuEventSynchronize", unsafe { api::cuEventSynchronize(self.raw as sys::CUevent) })
+    }
+
+    /// Blocks the calling thread until the fence fired, `deadline` passed (`KVSTAGE_E_TIMEOUT`)
+    /// or `canceled` says so (`KVSTAGE_E_CANCELED`), holding nothing: a transfer whose KV is not
+    /// ready waits here, before it takes a ring grant, copy lane or staging buffer another
+    /// transfer may need. Polls the event, sleeping between polls (from 20 µs, doubling up to
+    /// 1 ms).
+    pub fn wait_until(&self, deadline: &crate::deadline::Deadline, canceled: impl Fn() -> bool) -> Result<()> {
+        let mut pause = Duration::from_micros(20);
+        loop {
+            let r = {
+                let _g = self.enter()?;
+                // SAFETY: a live event.
+                unsafe { api::cuEventQuery(self.raw as sys::CUevent) }
+            };
+            if r != sys::CUresult::CUDA_ERROR_NOT_READY {
+                return cu("cuEventQuery", r).map_err(|e| e.context("cannot wait for the KV's ready point"));
+            }
+            if deadline.expired() {
+                return Err(deadline.timeout_error("waiting for the KV's ready point (desc->cuda_stream or desc->cuda_event)"));
+            }
+            if canceled() {
+                return Err(Error::new(Status::KVSTAGE_E_CANCELED, "canceled while waiting for the KV's ready point"));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    }
+
+    /// The owned event's context made current (a caller's event needs none).
+    fn enter(&self) -> Result<Option<CtxGuard>> {
+        self.owned.as_ref().map(|ev| CtxGuard::push(ev.ctx())).transpose()
     }
 
     pub(crate) fn raw(&self) -> usize {

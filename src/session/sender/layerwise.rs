@@ -49,11 +49,9 @@ impl SenderSession {
                     None => {
                         // The batch's ready point first: teardown waits for the range, not for
                         // the caller's compute.
-                        if let Some(fence) = &batch.ready {
-                            fence.wait_host()?;
-                        }
+                        self.await_ready(batch.ready.as_ref(), deadline, op, t)?;
                         let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
-                        self.gather(&part, range.as_mut_ptr(), None, t)?;
+                        self.gather(&part, range.as_mut_ptr(), t)?;
                         drop(range);
                         let phase = Instant::now();
                         for (at, len) in part.staging_ranges() {
@@ -62,7 +60,8 @@ impl SenderSession {
                         t.wire_ns += since(phase);
                     }
                     Some(buffer) => {
-                        self.gather(&part, buffer.as_mut_ptr(), batch.ready.as_ref(), t)?;
+                        self.await_ready(batch.ready.as_ref(), deadline, op, t)?;
+                        self.gather(&part, buffer.as_mut_ptr(), t)?;
                         let phase = Instant::now();
                         for piece in part.staging_ranges() {
                             self.write_staged(buffer, place, desc, piece, None, deadline)?;

@@ -65,6 +65,11 @@ impl SenderSession {
             return Ok(Status::KVSTAGE_FALLBACK);
         }
         let plan = geometry::plan_gather(src, &desc.pages, &layout, &region)?;
+        // A whole chunk's KV ready first, so that waiting for the caller's compute holds no ring
+        // space, copy lane or staging buffer another transfer needs (layer-wise: per batch).
+        if desc.layers.is_none() {
+            self.await_ready(desc.ready.as_deref(), &deadline, op, t)?;
+        }
 
         let req = self.next_req.fetch_add(1, Ordering::Relaxed);
         // Watermark wait, part one: the allocation's round trip (part two: `wait_writable`).
@@ -145,7 +150,7 @@ impl SenderSession {
         // device): the gather writes straight into the granted range of the ring.
         if self.writes_in_place() {
             let mut range = self.link.in_place(grant_offset + region_offset, region_bytes).expect("an in-place transport")?;
-            self.gather(plan, range.as_mut_ptr(), desc.ready.as_deref(), t)?;
+            self.gather(plan, range.as_mut_ptr(), t)?;
             let checksum = self.region_checksum(desc, || Ok(checksum(&range.to_host()?)))?;
             drop(range);
             let phase = Instant::now();
@@ -157,7 +162,7 @@ impl SenderSession {
         }
         // A buffer of the engine's pool, held for the gather and the write only.
         let mut staging = self.staging_buffer(region_bytes, deadline, op, t)?;
-        self.gather(plan, staging.as_mut_ptr(), desc.ready.as_deref(), t)?;
+        self.gather(plan, staging.as_mut_ptr(), t)?;
         let checksum = self.region_checksum(desc, || Ok(checksum(&staging.to_host(region_bytes as usize)?)))?;
         let phase = Instant::now();
         let wrote = self.write_staged(&mut staging, place, desc, (0, region_bytes), Some(&ready(checksum)), deadline);
@@ -211,13 +216,24 @@ impl SenderSession {
         Ok(lease)
     }
 
+    /// Waits until the caller's ready point fired (by the deadline; see
+    /// [`ReadyFence::wait_until`](crate::copy::ReadyFence::wait_until)); timed as the gather phase.
+    pub(super) fn await_ready(&self, ready: Option<&crate::copy::ReadyFence>, deadline: &Deadline, op: &Op, t: &mut TransferTimings) -> Result<()> {
+        let Some(fence) = ready else { return Ok(()) };
+        let phase = Instant::now();
+        let fired = fence.wait_until(deadline, || op.is_canceled() || self.shared.state.lock().dead.is_some());
+        t.gather_ns += since(phase);
+        fired
+    }
+
     /// Gathers `plan` into the region at `dst` (a staging buffer, or this writer's granted
-    /// range of the ring), ordered after `ready`; timed as the gather phase.
-    pub(super) fn gather(&self, plan: &geometry::CopyPlan, dst: *mut u8, ready: Option<&crate::copy::ReadyFence>, t: &mut TransferTimings) -> Result<()> {
+    /// range of the ring), its ready point already passed ([`await_ready`](Self::await_ready));
+    /// timed as the gather phase.
+    pub(super) fn gather(&self, plan: &geometry::CopyPlan, dst: *mut u8, t: &mut TransferTimings) -> Result<()> {
         let phase = Instant::now();
         // SAFETY: the pool was validated at registration and its pages checked; `dst` holds the
         // plan's region.
-        let gathered = unsafe { self.resources.copy.gather_after(plan, &self.pool, dst, ready) };
+        let gathered = unsafe { self.resources.copy.gather(plan, &self.pool, dst) };
         t.gather_ns += since(phase);
         gathered
     }

@@ -2,7 +2,7 @@
 //! `SCM_RIGHTS`. An abstract name is reachable only from the same host and network namespace, so
 //! the descriptor arriving is the proof that both engines share a host.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
@@ -227,6 +227,7 @@ pub fn recv_fd(stream: &UnixStream, buf: &mut [u8]) -> Result<Option<OwnedFd>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
 
     #[test]
     fn a_descriptor_crosses_an_abstract_socket_with_its_bytes() {

@@ -25,7 +25,7 @@ mod greeting;
 mod link;
 pub mod memory;
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
