@@ -470,7 +470,7 @@ fn slab_writes_land_in_any_order_but_never_twice_or_past_the_region() {
         raw.send(&Message::Data { room, chunk: 0, writer: 1, offset: g.region + at, len: part.len() as u64 }).unwrap();
         raw.send_bytes(part).unwrap();
     }
-    raw.send(&Message::ChunkReady { req: 2, room, chunk: 0, writer: 1, checksum: Some(kvstage::session::sender::checksum(&bytes)) }).unwrap();
+    raw.send(&Message::ChunkReady { req: 2, room, chunk: 0, writer: 1, checksum: Some(kvstage::session::checksum(&bytes)) }).unwrap();
     match raw.reply(Duration::from_secs(5)) {
         Message::Arrived { req: 2, status: 0, .. } => {}
         other => panic!("a region written back to front was not accepted: {other:?}"),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::op::Waker;
+use super::wake::Waker;
 use crate::copy::ReadyFence;
 use crate::error::{Error, Result};
 use crate::geometry::KvLayout;

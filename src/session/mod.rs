@@ -2,6 +2,7 @@
 //! side (decode: grant, receive, count writers, scatter, free), plus deadlines and operations.
 
 mod device_ring;
+mod integrity;
 pub mod layers;
 pub mod notify;
 pub mod op;
@@ -9,55 +10,13 @@ pub mod receiver;
 pub mod sender;
 pub mod staging;
 pub mod stats;
+mod wake;
 pub mod workers;
 
 pub use crate::deadline::Deadline;
+pub use integrity::{checksum, Integrity, INTEGRITY_SAMPLE_PERIOD};
 use crate::error::{Error, Status};
 use crate::geometry::{self, HeadSlice, PoolShape};
-
-/// When chunks carry a checksum (xxh3-64 of the writer's staged bytes).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Integrity {
-    Off,
-    /// One chunk in [`INTEGRITY_SAMPLE_PERIOD`], chosen by (room, chunk): catches systematic
-    /// corruption at a small fraction of the cost.
-    Sampled,
-    Always,
-}
-
-pub const INTEGRITY_SAMPLE_PERIOD: u64 = 16;
-
-impl Integrity {
-    /// The policy's code in the hello (0 off, 1 sampled, 2 always); unknown codes read as always.
-    pub fn wire(self) -> u8 {
-        match self {
-            Integrity::Off => 0,
-            Integrity::Sampled => 1,
-            Integrity::Always => 2,
-        }
-    }
-
-    pub fn from_wire(code: u8) -> Integrity {
-        match code {
-            0 => Integrity::Off,
-            1 => Integrity::Sampled,
-            _ => Integrity::Always,
-        }
-    }
-
-    /// The stronger of two policies (each side may demand more checking, never less).
-    pub fn stronger(self, other: Integrity) -> Integrity {
-        Integrity::from_wire(self.wire().max(other.wire()))
-    }
-
-    pub fn covers(self, room: u64, chunk: u32) -> bool {
-        match self {
-            Integrity::Off => false,
-            Integrity::Always => true,
-            Integrity::Sampled => (room.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ chunk as u64).is_multiple_of(INTEGRITY_SAMPLE_PERIOD),
-        }
-    }
-}
 
 /// How a (prefill rank, decode rank) pair exchanges data; fixed for the life of a session.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

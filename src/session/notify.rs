@@ -18,7 +18,6 @@ use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
-use super::receiver::ChunkEvent;
 use super::stats::TransferTimings;
 use crate::error::{Error, Result, Status};
 
@@ -30,6 +29,17 @@ pub enum Completion {
     Op { tag: u64, status: Status, timings: TransferTimings },
     /// A decode chunk was scattered or failed.
     Chunk(ChunkEvent),
+}
+
+/// One completed or failed decode chunk, as reported to the decode caller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkEvent {
+    pub room: u64,
+    pub chunk: u32,
+    pub status: Status,
+    /// Staged chunks scattered OK: nanoseconds from the arrival of the chunk's last writer to the
+    /// end of its scatter (see [`ReceiveStats`](super::stats::ReceiveStats)); 0 otherwise.
+    pub scatter_ns: u64,
 }
 
 pub type Callback = Arc<dyn Fn(&Completion) + Send + Sync>;

@@ -7,15 +7,11 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 use super::layers::LayerGate;
+pub use super::wake::Waker;
 use super::notify::{Completion, Completions};
 use super::stats::TransferTimings;
 use super::Deadline;
 use crate::error::{Error, Result, Status};
-
-/// What wakes an operation blocked inside its session (so a cancel is seen at once).
-pub trait Waker: Send + Sync {
-    fn wake(&self);
-}
 
 pub struct Op {
     /// The terminal result (once finished) and the transfer's phase timings.

@@ -381,7 +381,7 @@ impl Receiver {
             Some(sent) => self.ring_memory().and_then(|mem| {
                 // SAFETY: the ready lease pins the writer's finished region; nothing writes it.
                 let bytes = unsafe { mem.read_back(lease.ring_offset, lease.len) }?;
-                let got = crate::session::sender::checksum(&bytes);
+                let got = crate::session::checksum(&bytes);
                 if got == sent {
                     Ok(())
                 } else {

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use super::op::{Op, Waker};
-use super::{pairing, Deadline, Integrity, Pairing};
+use super::{checksum, pairing, Deadline, Integrity, Pairing};
 use super::layers::LayerGate;
 use super::notify::Completions;
 use super::staging::StagingPool;
@@ -462,8 +462,3 @@ impl Drop for SenderSession {
     }
 }
 
-
-/// The integrity checksum of a writer's staged bytes (xxh3-64).
-pub fn checksum(data: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(data)
-}

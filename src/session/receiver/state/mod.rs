@@ -27,6 +27,7 @@ use crate::geometry::{self, PoolShape, StagingLayout};
 use crate::ring::{Grant, Ring, Watermark};
 use crate::session::receiver::coverage::Coverage;
 use crate::session::receiver::extents::Extents;
+pub use crate::session::notify::ChunkEvent;
 use crate::session::stats::ReceiveStats;
 use crate::session::{Integrity, Pairing};
 
@@ -51,17 +52,6 @@ pub struct ConnInfo {
     pub host_pool: bool,
     /// The stronger of both sides' policies: which of its chunks carry a checksum.
     pub integrity: Integrity,
-}
-
-/// One completed or failed chunk, as reported to the decode caller.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ChunkEvent {
-    pub room: u64,
-    pub chunk: u32,
-    pub status: Status,
-    /// Staged chunks scattered OK: nanoseconds from the arrival of the chunk's last writer to the
-    /// end of its scatter (see [`ReceiveStats`]); 0 otherwise.
-    pub scatter_ns: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,0 +1,52 @@
+//! Integrity checks of staged chunks, one definition for both sides: which chunks carry a
+//! checksum (the policy each side states in its hello), and the checksum itself.
+
+/// When chunks carry a checksum (xxh3-64 of the writer's staged bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Integrity {
+    Off,
+    /// One chunk in [`INTEGRITY_SAMPLE_PERIOD`], chosen by (room, chunk): catches systematic
+    /// corruption at a small fraction of the cost.
+    Sampled,
+    Always,
+}
+
+pub const INTEGRITY_SAMPLE_PERIOD: u64 = 16;
+
+impl Integrity {
+    /// The policy's code in the hello (0 off, 1 sampled, 2 always); unknown codes read as always.
+    pub fn wire(self) -> u8 {
+        match self {
+            Integrity::Off => 0,
+            Integrity::Sampled => 1,
+            Integrity::Always => 2,
+        }
+    }
+
+    pub fn from_wire(code: u8) -> Integrity {
+        match code {
+            0 => Integrity::Off,
+            1 => Integrity::Sampled,
+            _ => Integrity::Always,
+        }
+    }
+
+    /// The stronger of two policies (each side may demand more checking, never less).
+    pub fn stronger(self, other: Integrity) -> Integrity {
+        Integrity::from_wire(self.wire().max(other.wire()))
+    }
+
+    pub fn covers(self, room: u64, chunk: u32) -> bool {
+        match self {
+            Integrity::Off => false,
+            Integrity::Always => true,
+            Integrity::Sampled => (room.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ chunk as u64).is_multiple_of(INTEGRITY_SAMPLE_PERIOD),
+        }
+    }
+}
+
+/// The integrity checksum of a writer's staged bytes (xxh3-64): the sender computes it over the
+/// region it gathered, the receiver over the region that landed in its ring.
+pub fn checksum(data: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(data)
+}
