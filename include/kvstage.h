@@ -299,7 +299,8 @@ typedef struct kvstage_engine_options {
     // Sender connections the listener keeps at once (handshaking or serving); more are
     // answered with a refusal and closed (default 1024).
     uint32_t max_connections;
-    // Connections still in their handshake at once; more are refused (default 64).
+    // Connections still in their handshake at once (default 64); when all are taken, the oldest
+    // handshake of the source holding the most is cut to serve a new connection.
     uint32_t max_handshakes;
     // The whole handshake of an accepted connection must end within this (default 5000 ms).
     uint32_t handshake_timeout_ms;
@@ -408,7 +409,8 @@ typedef struct kvstage_engine_stats {
     uint64_t connections;
     // Failed `accept` calls (EMFILE, ENOMEM, …); the listener retries with backoff.
     uint64_t accept_errors;
-    // Connections refused by `max_connections` or `max_handshakes`.
+    // Connections refused by `max_connections` or `max_handshakes`, and handshakes cut to serve a
+    // newer connection.
     uint64_t connections_refused;
     // Handshakes that failed: malformed or oversized hello, unsupported protocol version,
     // wrong cluster token, geometry mismatch, deadline passed.
@@ -877,7 +879,8 @@ enum kvstage_status kvstage_session_room_grid(const struct kvstage_session *sess
 // Connects to the decode engine at `peer_address` ("127.0.0.1:5000") and runs the handshake
 // (versions, geometry fingerprints, pairing). A geometry disagreement fails with
 // `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field listed in the error's causes.
-// `timeout_ms` 0 = engine default. Writes `*out` only on success.
+// `timeout_ms` 0 = engine default; a receiver at its connection limits is asked again, backing
+// off, until then. Writes `*out` only on success.
 enum kvstage_status kvstage_session_connect(const struct kvstage_engine *engine, const char *peer_address, const char *session_id, uint64_t timeout_ms_, struct kvstage_session **out);
 
 // Closes a session. Operations still running, and calls in flight on other threads, keep it

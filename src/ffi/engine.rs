@@ -79,7 +79,8 @@ pub struct kvstage_engine_options {
     /// Sender connections the listener keeps at once (handshaking or serving); more are
     /// answered with a refusal and closed (default 1024).
     pub max_connections: u32,
-    /// Connections still in their handshake at once; more are refused (default 64).
+    /// Connections still in their handshake at once (default 64); when all are taken, the oldest
+    /// handshake of the source holding the most is cut to serve a new connection.
     pub max_handshakes: u32,
     /// The whole handshake of an accepted connection must end within this (default 5000 ms).
     pub handshake_timeout_ms: u32,
@@ -411,7 +412,8 @@ pub struct kvstage_engine_stats {
     pub connections: u64,
     /// Failed `accept` calls (EMFILE, ENOMEM, …); the listener retries with backoff.
     pub accept_errors: u64,
-    /// Connections refused by `max_connections` or `max_handshakes`.
+    /// Connections refused by `max_connections` or `max_handshakes`, and handshakes cut to serve a
+    /// newer connection.
     pub connections_refused: u64,
     /// Handshakes that failed: malformed or oversized hello, unsupported protocol version,
     /// wrong cluster token, geometry mismatch, deadline passed.

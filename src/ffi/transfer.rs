@@ -76,7 +76,8 @@ fn timeout_ms(ms: u64) -> Option<Option<Duration>> {
 /// Connects to the decode engine at `peer_address` ("127.0.0.1:5000") and runs the handshake
 /// (versions, geometry fingerprints, pairing). A geometry disagreement fails with
 /// `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field listed in the error's causes.
-/// `timeout_ms` 0 = engine default. Writes `*out` only on success.
+/// `timeout_ms` 0 = engine default; a receiver at its connection limits is asked again, backing
+/// off, until then. Writes `*out` only on success.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_session_connect(
     engine: *const kvstage_engine,

@@ -1,8 +1,10 @@
 //! The decode engine's listener: accepts senders within limits (connections, handshakes in
-//! progress), survives accept errors (EMFILE, ENOMEM) with backoff, and tracks every connection
-//! thread so the engine can shut them down and join them.
+//! progress: when those are all taken, the oldest handshake of the source holding the most is cut
+//! to serve a newcomer), survives accept errors (EMFILE, ENOMEM) with backoff, and tracks every
+//! connection thread so the engine can shut them down and join them.
 
-use std::net::{TcpListener, TcpStream};
+use std::collections::HashMap;
+use std::net::{IpAddr, TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -43,10 +45,63 @@ struct Tracked {
     thread: JoinHandle<()>,
 }
 
+/// A connection still in its handshake: where from, and its socket (to cut it).
+struct Handshake {
+    id: u64,
+    source: IpAddr,
+    closer: Arc<Mutex<Option<TcpStream>>>,
+}
+
 #[derive(Default)]
 struct Registry {
     conns: Vec<Tracked>,
-    handshaking: u32,
+    /// Connections in their handshake, oldest first.
+    handshaking: Vec<Handshake>,
+    /// Handshakes cut to make room whose threads have not ended yet (bounded like the others).
+    evicted: u32,
+    next_id: u64,
+}
+
+impl Registry {
+    /// Makes room for one more handshake when `max` are in progress: cuts the oldest handshake of
+    /// the source holding the most (one source's idle or half-open connections never lock out
+    /// the others, and a peer's fresh handshake outlives a flood's older ones). `None` when
+    /// nothing may be cut: `max` cut handshakes are still ending.
+    fn evict_for(&mut self, max: u32) -> Option<(IpAddr, usize)> {
+        if self.evicted >= max {
+            return None;
+        }
+        let mut by_source: HashMap<IpAddr, usize> = HashMap::new();
+        for h in &self.handshaking {
+            *by_source.entry(h.source).or_default() += 1;
+        }
+        // The biggest source; ties go to the one whose oldest handshake is oldest.
+        let (source, held) = self
+            .handshaking
+            .iter()
+            .map(|h| (h.source, by_source[&h.source]))
+            .fold(None, |best: Option<(IpAddr, usize)>, c| match best {
+                Some(b) if b.1 >= c.1 => Some(b),
+                _ => Some(c),
+            })?;
+        let at = self.handshaking.iter().position(|h| h.source == source)?;
+        let victim = self.handshaking.remove(at);
+        self.evicted += 1;
+        if let Some(s) = victim.closer.lock().as_ref() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        Some((source, held))
+    }
+
+    /// A handshake ended (answered, failed, or cut).
+    fn handshake_ended(&mut self, id: u64) {
+        match self.handshaking.iter().position(|h| h.id == id) {
+            Some(at) => {
+                self.handshaking.remove(at);
+            }
+            None => self.evicted = self.evicted.saturating_sub(1),
+        }
+    }
 }
 
 /// The accept loop and the connections it started.
@@ -82,13 +137,23 @@ impl Listener {
             backoff = ACCEPT_BACKOFF.0;
             let mut reg = self.registry.lock();
             reg.conns.retain(|t| !t.thread.is_finished());
-            let refused = if reg.conns.len() as u32 >= limits.max_connections {
-                Some(format!("too many connections (limit {})", limits.max_connections))
-            } else if reg.handshaking >= limits.max_handshakes {
-                Some(format!("too many handshakes in progress (limit {})", limits.max_handshakes))
-            } else {
-                None
-            };
+            let mut refused = None;
+            if reg.conns.len() as u32 >= limits.max_connections {
+                refused = Some(format!("too many connections (limit {})", limits.max_connections));
+            } else if reg.handshaking.len() as u32 >= limits.max_handshakes {
+                match reg.evict_for(limits.max_handshakes) {
+                    Some((source, held)) => {
+                        let n = receiver.counters.connections_refused.fetch_add(1, Ordering::Relaxed) + 1;
+                        if let Some(suppressed) = receiver.log_limits.refused.allow() {
+                            log::warn!(
+                                "{} handshakes in progress (the limit): cut the oldest of the {held} from {source} to serve {peer} ({n} refused or cut so far){suppressed}",
+                                limits.max_handshakes
+                            );
+                        }
+                    }
+                    None => refused = Some(format!("too many handshakes in progress (limit {})", limits.max_handshakes)),
+                }
+            }
             if let Some(why) = refused {
                 drop(reg);
                 let n = receiver.counters.connections_refused.fetch_add(1, Ordering::Relaxed) + 1;
@@ -111,17 +176,19 @@ impl Listener {
                 }
             };
             let closer = Arc::new(Mutex::new(Some(closer)));
-            reg.handshaking += 1;
+            let id = reg.next_id;
+            reg.next_id += 1;
+            reg.handshaking.push(Handshake { id, source: peer.ip(), closer: closer.clone() });
             let (r, registry, own_closer) = (receiver.clone(), self.registry.clone(), closer.clone());
             let spawned = std::thread::Builder::new().name("kvstage-recv".to_owned()).spawn(move || {
                 let hs_registry = registry.clone();
-                r.serve(stream, move || hs_registry.lock().handshaking -= 1);
+                r.serve(stream, move || hs_registry.lock().handshake_ended(id));
                 own_closer.lock().take();
             });
             match spawned {
                 Ok(thread) => reg.conns.push(Tracked { closer, thread }),
                 Err(e) => {
-                    reg.handshaking -= 1;
+                    reg.handshake_ended(id);
                     drop(reg);
                     receiver.counters.accept_errors.fetch_add(1, Ordering::Relaxed);
                     if let Some(suppressed) = receiver.log_limits.accept_errors.allow() {

@@ -3,10 +3,29 @@
 
 use super::*;
 
+/// First and longest pause before asking a busy receiver again (doubling in between).
+const BUSY_BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
+
 impl SenderSession {
     /// Connects to a decode engine and runs the handshake.
     pub fn connect(resources: Arc<SendResources>, addr: SocketAddr, id: &str, timeout: Duration) -> Result<Arc<SenderSession>> {
-        match Self::connect_inner(resources, addr, id, timeout) {
+        // A receiver at its connection or handshake limit is asked again, backing off, until the
+        // timeout: a moment of load (or a flood from elsewhere) is not a failed session.
+        let until = Instant::now() + timeout;
+        let mut pause = BUSY_BACKOFF.0;
+        let opened = loop {
+            let left = until.saturating_duration_since(Instant::now());
+            let mut busy = false;
+            match Self::connect_inner(resources.clone(), addr, id, left, &mut busy) {
+                Err(e) if busy && until.saturating_duration_since(Instant::now()) > pause => {
+                    log::debug!(target: LOG_TARGET, session = id; "{addr} is busy ({}); asking again in {pause:?}", e.chain());
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(BUSY_BACKOFF.1);
+                }
+                other => break other,
+            }
+        };
+        match opened {
             Ok(s) => {
                 // "tcp", or "rdma mlx5_0:1 (2 QPs)" (the control stream's address is `addr`).
                 let how = s.link.describe();
@@ -22,7 +41,8 @@ impl SenderSession {
         }
     }
 
-    fn connect_inner(resources: Arc<SendResources>, addr: SocketAddr, id: &str, timeout: Duration) -> Result<Arc<SenderSession>> {
+    /// One attempt; `busy` says whether the receiver refused it for load.
+    fn connect_inner(resources: Arc<SendResources>, addr: SocketAddr, id: &str, timeout: Duration, busy: &mut bool) -> Result<Arc<SenderSession>> {
         let pool = resources.pool.lock().clone().ok_or_else(|| {
             Error::invalid_arg("engine", "no KV pool registered (kvstage_engine_register_pool) before connecting")
         })?;
@@ -60,6 +80,8 @@ impl SenderSession {
         // own diff gives every field and the peer's status covers what only it can check.
         let refused = Status::from_code(remote.status).filter(|s| *s != Status::KVSTAGE_OK);
         if let Some(code) = refused.filter(|c| !matches!(c, Status::KVSTAGE_E_GEOMETRY_MISMATCH | Status::KVSTAGE_E_GEOMETRY_INVALID)) {
+            // The listener's limits are the one refusal with KVSTAGE_E_TRANSPORT.
+            *busy = code == Status::KVSTAGE_E_TRANSPORT;
             return Err(Error::new(code, format!("{addr} refused the session: {}", remote.reason)));
         }
         let theirs = Fingerprint::decode(&remote.fingerprint)?;
