@@ -1,6 +1,6 @@
 //! kvstage: staged KV-cache transfer for prefill/decode disaggregated LLM serving.
 //!
-//! Rooms (see the design notes): `error` → `geometry` → `copy` → `ring`/`protocol`/`transport` →
+//! Rooms (see the design notes): `error` (and `panics`, the library threads' panic boundary) → `geometry` → `copy` → `ring`/`protocol`/`transport` →
 //! `session` → `engine`, and `ffi`, the only `extern "C"` code. Every module but `error` and `ffi`
 //! is hidden from cbindgen (`cbindgen:ignore`): their C view lives in `ffi`.
 
@@ -14,6 +14,8 @@ pub mod dynlib;
 pub mod engine;
 pub mod error;
 pub mod ffi;
+/// cbindgen:ignore
+pub mod panics;
 /// cbindgen:ignore
 pub mod geometry;
 /// cbindgen:ignore

@@ -114,8 +114,17 @@ impl Listener {
         Listener { registry: Arc::new(Mutex::new(Registry::default())) }
     }
 
-    /// Runs the accept loop on the calling thread until `receiver.closing()`.
+    /// Runs the accept loop on the calling thread until `receiver.closing()`; a pass that panics
+    /// is counted and the loop goes on (new sessions must not stop being served).
     pub fn run(&self, listener: TcpListener, receiver: Arc<Receiver>) {
+        while !receiver.closing() {
+            if !crate::panics::contain("the accept thread", Some(&receiver.counters.panics), || self.accept_loop(&listener, &receiver)) {
+                std::thread::sleep(ACCEPT_BACKOFF.0);
+            }
+        }
+    }
+
+    fn accept_loop(&self, listener: &TcpListener, receiver: &Arc<Receiver>) {
         let limits = receiver.config().listener;
         let mut backoff = ACCEPT_BACKOFF.0;
         while !receiver.closing() {
@@ -135,6 +144,7 @@ impl Listener {
                 }
             };
             backoff = ACCEPT_BACKOFF.0;
+            crate::panics::point("accept");
             let mut reg = self.registry.lock();
             reg.conns.retain(|t| !t.thread.is_finished());
             let mut refused = None;
@@ -160,7 +170,7 @@ impl Listener {
                 if let Some(suppressed) = receiver.log_limits.refused.allow() {
                     log::warn!("refused a connection from {peer}: {why} ({n} refused so far){suppressed}");
                 }
-                refuse(&receiver, stream, &why);
+                refuse(receiver, stream, &why);
                 continue;
             }
             let closer = match stream.try_clone() {

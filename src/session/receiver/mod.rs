@@ -428,22 +428,36 @@ impl Receiver {
     /// state lock, so a stuck sender delays nobody's bookkeeping) and expires overdue rooms.
     pub fn run_keeper(&self) {
         while !self.closing.load(Ordering::SeqCst) {
-            let w = {
-                let mut pending = self.pending_watermark.lock();
-                if pending.is_none() {
-                    self.keeper_wake.wait_for(&mut pending, EXPIRY_TICK);
-                }
-                pending.take()
-            };
-            if let Some(w) = w {
-                let peers: Vec<Arc<dyn Transport>> = self.peers.lock().values().cloned().collect();
-                for p in peers {
-                    // A dead or stuck peer is cut off by its failed send; the others still get it.
-                    let _ = p.send(&crate::protocol::Message::Watermark(w), &reply_deadline());
-                }
+            if !crate::panics::contain("the keeper thread", Some(&self.counters.panics), || self.keeper_pass()) {
+                // Not hot: a pass that panics again waits a tick first.
+                std::thread::sleep(EXPIRY_TICK);
             }
-            self.with_state(|st| st.expire(Instant::now()));
         }
+    }
+
+    /// One pass of the keeper: the pending watermark, then expiry. The watermark stays pending
+    /// until it went out, so a pass that panics leaves it for the next.
+    fn keeper_pass(&self) {
+        let w = {
+            let mut pending = self.pending_watermark.lock();
+            if pending.is_none() {
+                self.keeper_wake.wait_for(&mut pending, EXPIRY_TICK);
+            }
+            *pending
+        };
+        crate::panics::point("keeper");
+        if let Some(w) = w {
+            let peers: Vec<Arc<dyn Transport>> = self.peers.lock().values().cloned().collect();
+            for p in peers {
+                // A dead or stuck peer is cut off by its failed send; the others still get it.
+                let _ = p.send(&crate::protocol::Message::Watermark(w), &reply_deadline());
+            }
+            let mut pending = self.pending_watermark.lock();
+            if *pending == Some(w) {
+                *pending = None;
+            }
+        }
+        self.with_state(|st| st.expire(Instant::now()));
     }
 
     /// Stops the keeper and shuts every accepted connection down (their threads then end).

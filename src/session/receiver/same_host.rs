@@ -131,18 +131,24 @@ impl Receiver {
         let handle = std::thread::Builder::new()
             .name(format!("kvstage-lease-{id}"))
             .spawn(move || {
-                let mut buf = [0u8; 64];
                 // The peer sends nothing; any byte is ignored. Only the end of the stream (or a
                 // dead socket) is the signal: a read interrupted by a signal (handlers installed
-                // without SA_RESTART, as CPython's are) must not end the quarantine.
-                loop {
-                    match (&lease).read(&mut buf) {
-                        Ok(0) => break,
-                        Ok(_) => {}
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                        Err(_) => break,
+                // without SA_RESTART, as CPython's are) must not end the quarantine, nor may a
+                // panic (the watch starts over: ending it early would free ranges the peer may
+                // still write).
+                let watch = || {
+                    let mut buf = [0u8; 64];
+                    loop {
+                        crate::panics::point("lease watcher");
+                        match (&lease).read(&mut buf) {
+                            Ok(0) => break,
+                            Ok(_) => {}
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                            Err(_) => break,
+                        }
                     }
-                }
+                };
+                while !crate::panics::contain("a lease watcher thread", Some(&me.counters.panics), watch) {}
                 me.with_state(|st| st.unmapped(id));
                 me.leases.watched.lock().remove(&id);
                 if device && me.leases.abandoned.load(Ordering::SeqCst) {

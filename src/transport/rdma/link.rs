@@ -253,17 +253,28 @@ impl Poller {
                 continue;
             }
             let mut any = false;
-            for slot in &live {
-                wcs.clear();
-                if let Err(e) = slot.cq.poll(&mut wcs) {
-                    // A CQ that cannot be polled: every waiter of this QP fails.
-                    slot.handle(&Wc { wr_id: 0, status: 21, kind: WcKind::Other(0), imm: 0, vendor_err: e.raw_os_error().unwrap_or(0) as u32 });
+            let polled = crate::panics::contain("the RDMA completion thread", None, || {
+                crate::panics::point("rdma completions");
+                for slot in &live {
+                    wcs.clear();
+                    if let Err(e) = slot.cq.poll(&mut wcs) {
+                        // A CQ that cannot be polled: every waiter of this QP fails.
+                        slot.handle(&Wc { wr_id: 0, status: 21, kind: WcKind::Other(0), imm: 0, vendor_err: e.raw_os_error().unwrap_or(0) as u32 });
+                    }
+                    for wc in &wcs {
+                        slot.handle(wc);
+                    }
+                    if !wcs.is_empty() {
+                        any = true;
+                        slot.notify.notify();
+                    }
                 }
-                for wc in &wcs {
-                    slot.handle(wc);
-                }
-                if !wcs.is_empty() {
-                    any = true;
+            });
+            if !polled {
+                // Completions taken off a queue may have been lost with the panic: their waiters
+                // fail now instead of at their deadlines, and the thread polls on for the others.
+                for slot in &live {
+                    slot.handle(&Wc { wr_id: 0, status: 21, kind: WcKind::Other(0), imm: 0, vendor_err: 0 });
                     slot.notify.notify();
                 }
             }
