@@ -756,3 +756,83 @@ fn a_same_host_peer_is_held_to_its_grant_and_its_lease() {
     drop((ring, fd, raw, listener));
     after_attack(&c, &base, "same-host peer");
 }
+
+/// A hostile receiver answers requests nobody made (10 000 replies with made-up request ids, and
+/// duplicates): the sender keeps none of them (dropped and counted), and its session stays alive.
+#[test]
+fn replies_to_requests_nobody_made_are_dropped_not_kept() {
+    use kvstage::engine::{EngineOptions, TransportKind};
+    let _serial = serial();
+    let shape = SMALL.shape(0, 2);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    const LIES: u64 = 10_000;
+    let decode_shape = SMALL.shape(0, 1);
+    let liar = std::thread::spawn(move || {
+        let (stream, _) = listener.accept().unwrap();
+        let mut raw = RawPeer { stream };
+        match raw.recv(Duration::from_secs(5)) {
+            Ok(Some(Message::Hello(_))) => {}
+            other => panic!("expected the sender's hello, got {other:?}"),
+        }
+        let Message::Hello(mut answer) = hello(&decode_shape, "liar", b"") else { unreachable!() };
+        answer.ring_bytes = 1 << 20;
+        raw.send(&Message::Hello(answer)).unwrap();
+        for i in 0..LIES {
+            let req = if i % 2 == 0 { i.wrapping_mul(0x9E37_79B9_7F4A_7C15) } else { 1 };
+            raw.send(&Message::AllocRsp { req, status: 0, round: 0, offset: 0, len: 64, region: 0, reason: String::new() }).unwrap();
+        }
+        raw
+    });
+    let prefill = Engine::new(EngineOptions { transport: TransportKind::Tcp, same_host: false, ..EngineOptions::default() }).unwrap();
+    let pool = HostPool::new(shape.clone(), 64);
+    prefill.register_pool(pool.layout.clone()).unwrap();
+    let session = prefill.connect(&addr.to_string(), "lied-to", Some(Duration::from_secs(5))).expect("handshake with the liar");
+    let raw = liar.join().unwrap();
+    assert!(
+        settle(Duration::from_secs(10), || session.replies_dropped() == LIES),
+        "{} of {LIES} replies to requests nobody made were dropped",
+        session.replies_dropped()
+    );
+    // Alive: a grid request still gets its (refused) answer path, not a dead session.
+    let grid = session.room_grid(7, Some(Duration::from_millis(200)));
+    assert_eq!(grid.err().map(|e| e.code()), Some(Status::KVSTAGE_E_TIMEOUT), "the session died under made-up replies");
+    drop(raw);
+}
+
+/// Same-host leases outlive their connections (until the peer unmaps), each a thread and a
+/// descriptor of the engine: a peer that opens sessions, takes their leases and drops the
+/// connections cannot hold more than `max_connections` of them.
+#[test]
+fn same_host_leases_are_bounded_like_connections() {
+    use kvstage::transport::shm::fdpass;
+    let _serial = serial();
+    const MAX: u32 = 3;
+    let mut options = decode_options(&SMALL);
+    options.transport = kvstage::engine::TransportKind::Auto;
+    options.listener = Limits { max_connections: MAX, ..Limits::default() };
+    let c = Cluster::new(SMALL, options, RingSpec::Owned(4 * SMALL.layout(0, 2).total_bytes as usize));
+    let base = prepare(&c);
+    let mut leases = Vec::new();
+    for i in 0..=MAX {
+        let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), &format!("lease-hoarder-{i}"), b"");
+        let (name, listener) = fdpass::listen_abstract().unwrap();
+        let nonce = fdpass::random_bytes(fdpass::NONCE_BYTES).unwrap();
+        raw.send(&Message::ShmOffer { socket: name, nonce }).unwrap();
+        let (status, reason) = match raw.reply(Duration::from_secs(5)) {
+            Message::ShmAnswer { status, reason, .. } => (status, reason),
+            other => panic!("expected a same-host answer, got {other:?}"),
+        };
+        if i < MAX {
+            assert_eq!(status, 0, "offer {i}: {reason}");
+            leases.push(fdpass::accept_by(&listener, Instant::now() + Duration::from_secs(5)).unwrap());
+        } else {
+            assert!(status != 0 && reason.contains("leases"), "offer {i} with {MAX} leases held: {status} {reason}");
+        }
+        drop(raw); // the connection goes, the lease stays
+    }
+    assert!(threads_named("kvstage-lease") <= MAX as usize, "{} lease watchers", threads_named("kvstage-lease"));
+    drop(leases);
+    assert!(settle(Duration::from_secs(10), || threads_named("kvstage-lease") == 0), "lease watchers outlived their leases");
+    after_attack(&c, &base, "lease hoarding");
+}

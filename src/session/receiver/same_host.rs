@@ -72,6 +72,12 @@ impl Receiver {
             Err((Status::KVSTAGE_E_UNSUPPORTED, format!("the receiver does not serve the same-host path: {why}")))
         } else if self.with_state(|st| st.writes_in_place(id)) {
             Err((Status::KVSTAGE_E_PROTOCOL, "a second same-host offer on one session".to_owned()))
+        } else if self.leases.watched.lock().len() as u32 >= self.config.listener.max_connections {
+            // A lease (a thread and a descriptor here) outlives its connection until the peer
+            // unmaps: bounded like the connections themselves.
+            self.counters.connections_refused.fetch_add(1, Ordering::Relaxed);
+            let held = self.config.listener.max_connections;
+            Err((Status::KVSTAGE_E_TRANSPORT, format!("{held} same-host leases are held already (max_connections)")))
         } else {
             match memory.as_ref() {
                 None => Err((Status::KVSTAGE_E_STAGING_TOO_SMALL, "the receiver has no staging ring registered".to_owned())),

@@ -129,7 +129,7 @@ impl SenderSession {
         }
         reader.set_read_timeout(None)?;
         let shared = Arc::new(Shared {
-            state: Mutex::new(State { watermark, replies: HashMap::new(), dead: None }),
+            state: Mutex::new(State { watermark, awaited: HashSet::new(), replies: HashMap::new(), replies_dropped: 0, dead: None }),
             cv: Condvar::new(),
         });
         let reader_shared = shared.clone();
@@ -200,8 +200,18 @@ fn read_replies(mut stream: TcpStream, shared: &Shared, session: &str, peer: &st
                     _ => unreachable!("matched above"),
                 };
                 let mut st = shared.state.lock();
-                st.replies.insert(req, msg);
-                shared.cv.notify_all();
+                if st.awaited.contains(&req) {
+                    st.replies.insert(req, msg);
+                    shared.cv.notify_all();
+                } else {
+                    // Late (its waiter gave up), duplicated, or made up: bounded by dropping it.
+                    st.replies_dropped += 1;
+                    let n = st.replies_dropped;
+                    drop(st);
+                    if n.is_power_of_two() {
+                        log::warn!(target: LOG_TARGET, session = session; "{n} replies from {peer} to requests nobody awaits dropped so far (request {req})");
+                    }
+                }
             }
             Ok(Some(other)) => break (Status::KVSTAGE_E_PROTOCOL, format!("unexpected frame from receiver: {other:?}")),
             Ok(None) => break (Status::KVSTAGE_E_PEER_GONE, "connection closed".to_owned()),

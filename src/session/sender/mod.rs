@@ -110,8 +110,28 @@ pub struct TransferDesc {
 
 struct State {
     watermark: Watermark,
+    /// Requests a caller still waits for (each a [`Pending`]); a reply to any other id is
+    /// dropped and counted, so a receiver cannot grow `replies` at will.
+    awaited: HashSet<u64>,
+    /// Replies to awaited requests not yet taken: at most one each.
     replies: HashMap<u64, Message>,
+    replies_dropped: u64,
     dead: Option<(Status, String)>,
+}
+
+/// A request id whose reply is awaited, from before its request goes out until the caller is
+/// done with it (on every path: its reply, if any, goes with it).
+pub(super) struct Pending<'a> {
+    session: &'a SenderSession,
+    pub req: u64,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        let mut st = self.session.shared.state.lock();
+        st.awaited.remove(&self.req);
+        st.replies.remove(&self.req);
+    }
 }
 
 struct Shared {
@@ -344,14 +364,14 @@ impl SenderSession {
             };
             (header, payload)
         });
-        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let pending = self.expect_reply();
         let phase = Instant::now();
-        let wrote = self.link.write_slices(&mut frames, &Message::SliceDone { req, room: desc.room, chunk: desc.chunk }, &deadline);
+        let wrote = self.link.write_slices(&mut frames, &Message::SliceDone { req: pending.req, room: desc.room, chunk: desc.chunk }, &deadline);
         t.wire_ns = since(phase);
         wrote?;
         self.metrics.sent(bytes);
         let phase = Instant::now();
-        let ack = self.wait_reply(req, &deadline, op, "waiting for the slice acknowledgement");
+        let ack = self.wait_reply(&pending, &deadline, op, "waiting for the slice acknowledgement");
         t.ack_ns = since(phase);
         match ack? {
             Message::Arrived { status: 0, .. } => Ok(Status::KVSTAGE_OK),
@@ -369,9 +389,9 @@ impl SenderSession {
     /// yet) or when `timeout` (`None`: no limit) passes.
     pub fn room_grid(&self, room: u64, timeout: Option<Duration>) -> Result<RoomGrid> {
         let deadline = Deadline::after(timeout);
-        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
-        self.link.send(&Message::GridReq { req, room }, &deadline)?;
-        match self.wait_reply(req, &deadline, &Op::new(self.waker()), "waiting for the room's chunk grid")? {
+        let pending = self.expect_reply();
+        self.link.send(&Message::GridReq { req: pending.req, room }, &deadline)?;
+        match self.wait_reply(&pending, &deadline, &Op::new(self.waker()), "waiting for the room's chunk grid")? {
             Message::GridRsp { status: 0, chunk_tokens, num_chunks, num_pages, .. } => Ok(RoomGrid { chunk_tokens, num_chunks, num_pages }),
             Message::GridRsp { status, reason, .. } => {
                 let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
@@ -400,7 +420,20 @@ impl SenderSession {
         Ok(())
     }
 
-    fn wait_reply(&self, req: u64, deadline: &Deadline, op: &Op, what: &str) -> Result<Message> {
+    /// A new request id, its reply awaited until the returned [`Pending`] drops.
+    pub(super) fn expect_reply(&self) -> Pending<'_> {
+        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        self.shared.state.lock().awaited.insert(req);
+        Pending { session: self, req }
+    }
+
+    /// Replies the receiver sent to requests nobody awaited (late, duplicated or made up).
+    pub fn replies_dropped(&self) -> u64 {
+        self.shared.state.lock().replies_dropped
+    }
+
+    fn wait_reply(&self, pending: &Pending<'_>, deadline: &Deadline, op: &Op, what: &str) -> Result<Message> {
+        let req = pending.req;
         let mut st = self.shared.state.lock();
         loop {
             if let Some(msg) = st.replies.remove(&req) {

@@ -71,17 +71,17 @@ impl SenderSession {
             self.await_ready(desc.ready.as_deref(), &deadline, op, t)?;
         }
 
-        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let alloc = self.expect_reply();
         // Watermark wait, part one: the allocation's round trip (part two: `wait_writable`).
         let asked = Instant::now();
         let sent = self.link.send(
-            &Message::AllocReq { req, room: desc.room, chunk: desc.chunk, writer, tokens, bytes: layout.total_bytes },
+            &Message::AllocReq { req: alloc.req, room: desc.room, chunk: desc.chunk, writer, tokens, bytes: layout.total_bytes },
             &deadline,
         );
         t.watermark_wait_ns = since(asked);
         sent?;
         // A grant may already be on its way: giving up here must release it too.
-        let reply = self.wait_reply(req, &deadline, op, "waiting for the allocation");
+        let reply = self.wait_reply(&alloc, &deadline, op, "waiting for the allocation");
         t.watermark_wait_ns = since(asked);
         let reply = reply.inspect_err(|e| self.abort(desc, e.message()))?;
         let (round, offset, region_offset) = match reply {
@@ -108,15 +108,15 @@ impl SenderSession {
         // From here on the receiver holds ring space for us: every failure aborts first.
         let place = Placement { round, grant_offset: offset, region_offset, region_bytes: region.bytes, writer };
         let written = self.write_granted(desc, op, &deadline, &plan, &place, t);
-        let req = match written {
-            Ok(req) => req,
+        let arrival = match written {
+            Ok(pending) => pending,
             Err(e) => {
                 self.abort(desc, e.message());
                 return Err(e);
             }
         };
         let written_at = Instant::now();
-        let ack = self.wait_reply(req, &deadline, op, "waiting for the arrival acknowledgement");
+        let ack = self.wait_reply(&arrival, &deadline, op, "waiting for the arrival acknowledgement");
         t.ack_ns = since(written_at);
         match ack {
             Ok(Message::Arrived { status: 0, .. }) => Ok(Status::KVSTAGE_OK),
@@ -132,18 +132,20 @@ impl SenderSession {
         }
     }
 
-    fn write_granted(&self, desc: &TransferDesc, op: &Op, deadline: &Deadline, plan: &geometry::CopyPlan, place: &Placement, t: &mut TransferTimings) -> Result<u64> {
+    /// Writes the granted region and its ready; the returned [`Pending`] awaits the arrival.
+    fn write_granted(&self, desc: &TransferDesc, op: &Op, deadline: &Deadline, plan: &geometry::CopyPlan, place: &Placement, t: &mut TransferTimings) -> Result<Pending<'_>> {
         let Placement { round, grant_offset, region_offset, region_bytes, writer } = *place;
         // Each phase is timed whether it succeeds or not (a timeout shows where it waited).
         let phase = Instant::now();
         let writable = self.wait_writable(round, place.end(), deadline, op);
         t.watermark_wait_ns += since(phase);
         writable?;
-        let req = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let pending = self.expect_reply();
+        let req = pending.req;
         let ready = |checksum| Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
         if let Some(gate) = &desc.layers {
             self.write_by_layers(desc, gate, op, deadline, plan, place, ready, t)?;
-            return Ok(req);
+            return Ok(pending);
         }
         let header = place.data(desc, 0, region_bytes);
         // Same host, the ring in the pool's kind of memory (host; or device memory on the pool's
@@ -158,7 +160,7 @@ impl SenderSession {
             t.wire_ns = since(phase);
             wrote?;
             self.metrics.sent(region_bytes);
-            return Ok(req);
+            return Ok(pending);
         }
         // A buffer of the engine's pool, held for the gather and the write only.
         let mut staging = self.staging_buffer(region_bytes, deadline, op, t)?;
@@ -169,7 +171,7 @@ impl SenderSession {
         t.wire_ns = since(phase);
         wrote?;
         self.metrics.sent(region_bytes);
-        Ok(req)
+        Ok(pending)
     }
 
     /// Whether the gather writes straight into the receiver's ring: a same-host ring in the memory

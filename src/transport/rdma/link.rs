@@ -193,9 +193,24 @@ impl Default for Arrivals {
     }
 }
 
+/// Writes-with-immediate a peer may have completed ahead of their chunk readies. A sender has one
+/// per transfer in flight; beyond this the peer is broken or hostile (each costs memory here), and
+/// its session fails rather than the set growing.
+const MAX_EARLY_IMMEDIATES: usize = 4096;
+
 impl Arrivals {
     fn arrive(&self, imm: u32) {
-        self.state.lock().0.insert(imm);
+        let mut s = self.state.lock();
+        if s.0.len() >= MAX_EARLY_IMMEDIATES && !s.0.contains(&imm) {
+            drop(s);
+            self.fail(Error::new(
+                Status::KVSTAGE_E_PROTOCOL,
+                format!("more than {MAX_EARLY_IMMEDIATES} writes-with-immediate arrived without their chunk readies"),
+            ));
+            return;
+        }
+        s.0.insert(imm);
+        drop(s);
         self.notify.notify();
     }
 
@@ -654,5 +669,29 @@ impl Drop for RdmaPeer {
         for s in &self.slots {
             s.to_error();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that completes writes-with-immediate without ever sending their readies cannot grow
+    /// the set without bound: past the limit its session fails, and every wait says why.
+    #[test]
+    fn early_immediates_are_bounded() {
+        let arrivals = Arc::new(Arrivals::default());
+        for imm in 0..MAX_EARLY_IMMEDIATES as u32 {
+            arrivals.arrive(imm);
+        }
+        arrivals.arrive(7); // a duplicate of one already held: no growth, still fine
+        let peer = RdmaPeer { slots: Vec::new(), arrivals: arrivals.clone(), desc: "test".into() };
+        peer.wait_imm(5, Duration::from_millis(10)).unwrap();
+        arrivals.arrive(1 << 30);
+        arrivals.arrive((1 << 30) + 1);
+        let e = peer.wait_imm((1 << 30) + 5, Duration::from_millis(10)).unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL, "{}", e.chain());
+        assert!(e.chain().contains("without their chunk readies"), "{}", e.chain());
+        assert!(arrivals.state.lock().0.len() <= MAX_EARLY_IMMEDIATES);
     }
 }
