@@ -265,3 +265,33 @@ fn this_host_without_a_device_reports_no_device_or_downgrades() {
     assert!(!p.prefill[0].0.rdma().active());
 }
 
+
+/// A transfer waits for another transfer's RDMA write on the same session only until its own
+/// deadline: the first write stalls mid-chunk (test fault, 10 s) holding the session's write lock;
+/// a second transfer with a 500 ms deadline ends with KVSTAGE_E_TIMEOUT naming that wait, instead
+/// of blocking behind the stall and failing later for another reason.
+#[test]
+fn a_write_stuck_on_the_session_delays_another_only_until_its_deadline() {
+    use kvstage::transport::rdma::fault::{self, WriteFault};
+    let unchecked = |o: EngineOptions| EngineOptions { integrity: Integrity::Off, ..o };
+    let p = pair(unchecked(opts(TransportKind::Rdma, "softib0", 1)), unchecked(opts(TransportKind::Rdma, "softib0", 1)), 1);
+    let pages: Vec<u32> = (0..PAGES).collect();
+    p.decode.receiver().open_room(21, &pages, PAGES * 16).unwrap();
+    p.decode.receiver().open_room(22, &pages, PAGES * 16).unwrap();
+    let s = p.prefill[0].0.connect(&p.decode.local_addr().to_string(), "write-lock", None).unwrap();
+    fault::arm(WriteFault::PauseMidChunk);
+    let stuck = s.transfer_async(TransferDesc { timeout: Some(Duration::from_secs(30)), ..desc(21) }, false, 0).unwrap();
+    // The stuck write holds the lock once it has posted its first requests.
+    let started = std::time::Instant::now();
+    while p.decode.receiver().ring_stats().1 == 0 && started.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let second = s.transfer(&TransferDesc { timeout: Some(Duration::from_millis(500)), ..desc(22) }, &Op::new(s.waker()));
+    let e = second.expect_err("a transfer behind a stuck write succeeded");
+    assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
+    assert!(e.chain().contains("waiting for another write"), "{}", e.chain());
+    let _ = stuck.wait(Some(Duration::from_secs(30)));
+    p.decode.receiver().release_room(21);
+    p.decode.receiver().release_room(22);
+}

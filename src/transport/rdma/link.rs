@@ -383,7 +383,13 @@ impl RdmaTransport {
     /// QP 0 is a WRITE_WITH_IMM carrying it, after every other byte. Returns once every work
     /// request completed.
     pub fn rdma_write(&self, remote_offset: u64, src: u64, len: usize, imm: Option<u32>, deadline: &Deadline) -> Result<()> {
-        let _g = self.write_lock.lock();
+        // Another transfer's write on this session goes first, bounded by this one's deadline.
+        let _g = match deadline.instant() {
+            Some(until) => self.write_lock.try_lock_until(until).ok_or_else(|| {
+                deadline.timeout_error(&format!("waiting for another write on {} to finish", self.desc)).with_session(&self.session)
+            })?,
+            None => self.write_lock.lock(),
+        };
         if self.dead.load(Ordering::SeqCst) {
             return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, format!("{} was shut down", self.desc)));
         }
