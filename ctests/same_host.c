@@ -10,7 +10,8 @@
  *      transport SHM is refused at connect with KVSTAGE_E_UNSUPPORTED and the reason in the chain;
  *   d. the prefill SIGKILLed while it writes 32 MiB chunks in place: the room fails, the ring
  *      returns to empty, the decode process's descriptors return to their count before the
- *      session (no lease socket left behind);
+ *      session (no lease socket left behind); again after the prefill forked a sleeping child
+ *      that holds its lease and session sockets open (the receiver watches the process itself);
  *   e. the decode SIGKILLed while the prefill writes: the transfer ends with an error (no crash,
  *      no hang), and once the session is freed no "kvstage-ring" mapping and no extra descriptor
  *      is left in the prefill;
@@ -639,9 +640,12 @@ static void test_caller_memory_ring(void) {
            text, message, chain);
 }
 
-/* d. The prefill process is SIGKILLed while it writes large chunks into the mapped ring. */
-static void test_sender_killed(void) {
-    enum { ROOM = 41 };
+/* d. The prefill process is SIGKILLed while it writes large chunks into the mapped ring. With
+ * `fork_child`, it first forked a child (no exec) that inherits its lease and session sockets and
+ * sleeps: the receiver must see the process end by itself (a pidfd), not wait for the sockets. */
+static void test_sender_killed(int fork_child) {
+    const uint64_t ROOM = fork_child ? 42 : 41;
+    pid_t kid = 0;
     int addr_pipe[2], note_pipe[2];
     REQUIRE(pipe(addr_pipe) == 0 && pipe(note_pipe) == 0);
     fflush(NULL);
@@ -658,7 +662,15 @@ static void test_sender_killed(void) {
         kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &src);
         kvstage_session *s = connect_or_fail(e, addr, "shm-dying-sender");
         char t = session_stats(s).transport == KVSTAGE_TRANSPORT_SHM ? 'S' : 'T';
+        if (fork_child) {
+            kid = fork(); /* inherits every descriptor, the lease and the session's socket too */
+            REQUIRE(kid >= 0);
+            if (kid == 0) {
+                for (;;) pause(); /* killed by the test at its end */
+            }
+        }
         REQUIRE(write(note_pipe[1], &t, 1) == 1);
+        REQUIRE(write(note_pipe[1], &kid, sizeof kid) == (ssize_t)sizeof kid);
         /* Every chunk but the last: the room still owes one whenever the kill lands. */
         for (uint32_t c = 0; c + 1 < LARGE_CHUNKS; ++c) {
             kvstage_transfer_desc desc = large_desc(ROOM, c, 20000);
@@ -688,6 +700,7 @@ static void test_sender_killed(void) {
     char t = 0, x = 0;
     read_exactly(note_pipe[0], &t, 1, ANSWER_MS, "sender's transport");
     CHECK(t == 'S');
+    read_exactly(note_pipe[0], &kid, sizeof kid, ANSWER_MS, "sender's child");
     read_exactly(note_pipe[0], &x, 1, ANSWER_MS, "sender's first chunk");
     CHECK(x == 'x');
     CHECK_INT(engine_stats(e).shm_sessions, 1);
@@ -718,10 +731,11 @@ static void test_sender_killed(void) {
     free(dst.memory);
     close(addr_pipe[1]);
     close(note_pipe[0]);
-    printf("same_host d [sender killed]: shm session, killed %u ms after its first 32 MiB chunk was acknowledged "
+    if (kid > 0) kill(kid, SIGKILL);
+    printf("same_host d [sender killed%s]: shm session, killed %u ms after its first 32 MiB chunk was acknowledged "
            "(%llu live allocation(s) just before the kill, %llu chunk(s) scattered); room wait -> %s (%s); "
            "ring_live_allocations back to 0; decode descriptors back to %d\n",
-           delay, (unsigned long long)live_at_kill, (unsigned long long)received, kvstage_status_name(rc), why, baseline);
+           fork_child ? ", its forked child holding the lease and session sockets" : "", delay, (unsigned long long)live_at_kill, (unsigned long long)received, kvstage_status_name(rc), why, baseline);
 }
 
 /* e. The decode process is SIGKILLed while the prefill writes into its ring. */
@@ -836,7 +850,8 @@ int main(void) {
     test_auto_uses_shm();
     test_same_host_off();
     test_caller_memory_ring();
-    test_sender_killed();
+    test_sender_killed(0);
+    test_sender_killed(1);
     test_receiver_killed();
     test_ring_registered_again();
     return kv_finish("same_host");

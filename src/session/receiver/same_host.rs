@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -59,6 +60,37 @@ impl Leases {
             let _ = stream.shutdown(std::net::Shutdown::Both);
             let _ = handle.join();
         }
+    }
+}
+
+/// What woke a lease watcher.
+enum LeaseEvent {
+    /// Bytes, the end of the stream, or an error: read the socket.
+    Readable,
+    /// A signal interrupted the wait.
+    Interrupted,
+    /// The peer process ended.
+    ProcessEnded,
+}
+
+/// Waits until `lease` is readable or `process` (a pidfd) ended.
+fn wait_lease(lease: &UnixStream, process: Option<&OwnedFd>) -> LeaseEvent {
+    let mut fds = [
+        libc::pollfd { fd: lease.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: process.map_or(-1, |p| p.as_raw_fd()), events: libc::POLLIN, revents: 0 },
+    ];
+    // SAFETY: two valid pollfd entries (a negative fd is ignored by poll).
+    let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+    if r < 0 {
+        return match std::io::Error::last_os_error().kind() {
+            std::io::ErrorKind::Interrupted => LeaseEvent::Interrupted,
+            _ => LeaseEvent::Readable, // the read reports the error
+        };
+    }
+    if fds[1].revents != 0 {
+        LeaseEvent::ProcessEnded
+    } else {
+        LeaseEvent::Readable
     }
 }
 
@@ -131,30 +163,52 @@ impl Receiver {
     fn watch_lease(self: &Arc<Self>, id: ConnId, lease: UnixStream, ring: Arc<RingMemory>) -> crate::Result<()> {
         let watched = lease.try_clone()?;
         let device = ring.device().is_some();
+        // The peer process (SO_PEERCRED: visible in this PID namespace, or the same-host path was
+        // not taken) is watched too, where the kernel offers pidfds.
+        let peer_pid = shm::fdpass::peer_pid(&lease).ok();
+        let process = peer_pid.and_then(shm::fdpass::pidfd_open);
+        let peer_died = AtomicBool::new(false);
         let me = self.clone();
         // Locked before the thread starts, so its removal comes after this insertion.
         let mut leases = self.leases.watched.lock();
         let handle = std::thread::Builder::new()
             .name(format!("kvstage-lease-{id}"))
             .spawn(move || {
-                // The peer sends nothing; any byte is ignored. Only the end of the stream (or a
-                // dead socket) is the signal: a read interrupted by a signal (handlers installed
-                // without SA_RESTART, as CPython's are) must not end the quarantine, nor may a
-                // panic (the watch starts over: ending it early would free ranges the peer may
-                // still write).
+                // The peer sends nothing; any byte is ignored. The end of the stream (or a dead
+                // socket) is the signal, or the end of the peer process itself: a sender that
+                // forked without exec left the lease (and its session's socket) open in the
+                // child, which never writes the ring (kvstage's threads do not survive a fork).
+                // A read interrupted by a signal (handlers installed without SA_RESTART, as
+                // CPython's are) must not end the quarantine, nor may a panic (the watch starts
+                // over: ending it early would free ranges the peer may still write).
                 let watch = || {
                     let mut buf = [0u8; 64];
                     loop {
                         crate::panics::point("lease watcher");
-                        match (&lease).read(&mut buf) {
-                            Ok(0) => break,
-                            Ok(_) => {}
-                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                            Err(_) => break,
+                        match wait_lease(&lease, process.as_ref()) {
+                            LeaseEvent::Readable => match (&lease).read(&mut buf) {
+                                Ok(0) => break,
+                                Ok(_) => {}
+                                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                                Err(_) => break,
+                            },
+                            LeaseEvent::Interrupted => {}
+                            LeaseEvent::ProcessEnded => {
+                                peer_died.store(true, Ordering::SeqCst);
+                                break;
+                            }
                         }
                     }
                 };
                 while !crate::panics::contain("a lease watcher thread", Some(&me.counters.panics), watch) {}
+                if peer_died.load(Ordering::SeqCst) {
+                    // Its session ends too (a forked child may hold the connection open): the
+                    // rooms it still owed fail now.
+                    log::info!("same-host peer process {} of connection {id} ended: its lease and session end", peer_pid.unwrap_or(0));
+                    if let Some(link) = me.peers.lock().get(&id) {
+                        link.shutdown();
+                    }
+                }
                 me.with_state(|st| st.unmapped(id));
                 me.leases.watched.lock().remove(&id);
                 if device && me.leases.abandoned.load(Ordering::SeqCst) {

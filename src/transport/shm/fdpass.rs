@@ -123,6 +123,15 @@ pub fn peer_pid(stream: &UnixStream) -> Result<i32> {
     Ok(cred.pid)
 }
 
+/// A descriptor that becomes readable when process `pid` ends (`pidfd_open`, Linux 5.3+); `None`
+/// where the kernel lacks it or the process is already gone.
+pub fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    // SAFETY: a fresh descriptor we own.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
 /// Sends `data` with `fd` attached (`SCM_RIGHTS`).
 pub fn send_fd(stream: &UnixStream, fd: BorrowedFd<'_>, data: &[u8]) -> Result<()> {
     let (mut control, space) = control_buffer();
