@@ -295,3 +295,31 @@ fn a_write_stuck_on_the_session_delays_another_only_until_its_deadline() {
     p.decode.receiver().release_room(21);
     p.decode.receiver().release_room(22);
 }
+
+/// RDMA setup that fails on the sender only, after the receiver accepted its offer (its QPs'
+/// transition to RTR, a test fault): both sides settle on TCP before the first grant, the
+/// transfer lands over TCP, and the sender counts the downgrade with its reason. Before, the
+/// receiver already treated the connection as RDMA and every chunk ready waited for an immediate
+/// that never came.
+#[test]
+fn a_sender_side_rdma_setup_failure_settles_both_sides_on_tcp() {
+    use kvstage::session::stats::LinkKind;
+    use kvstage::transport::rdma::fault;
+    let p = pair(opts(TransportKind::Auto, "softib0", 1), opts(TransportKind::Auto, "softib1", 1), 1);
+    let pages: Vec<u32> = (0..PAGES).collect();
+    p.decode.receiver().open_room(31, &pages, PAGES * 16).unwrap();
+    fault::arm_sender_rtr_failure();
+    let (e, _) = &p.prefill[0];
+    let s = e.connect(&p.decode.local_addr().to_string(), "rtr-fails-here", None).unwrap();
+    assert_eq!(s.stats().link, LinkKind::Tcp);
+    assert!(s.stats().downgraded);
+    assert_eq!((e.rdma().sessions(), e.rdma().downgrades()), (0, 1));
+    assert_eq!(p.decode.rdma().sessions(), 0, "the receiver counted an RDMA session the sender could not set up");
+    let started = std::time::Instant::now();
+    assert_eq!(s.transfer(&desc(31), &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
+    p.decode.receiver().wait_room(31, Some(Duration::from_secs(10))).unwrap();
+    let (bad, first) = p.dpool.verify(&pages, 0);
+    assert_eq!(bad, 0, "{first:?}");
+    eprintln!("transfer over tcp after the sender's RDMA setup failed: {:?}", started.elapsed());
+    p.decode.receiver().release_room(31);
+}

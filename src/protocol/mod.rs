@@ -22,7 +22,9 @@ pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// 3: an allocation reply says where the writer's region lies (regions follow the pipeline split);
 /// a sender can ask for a room's chunk grid.
 /// 4: the same-host exchange (`ShmOffer`, `ShmAnswer`); `Written` reports any in-place write.
-pub const PROTOCOL_VERSION: u16 = 4;
+/// 5: after an accepted RDMA offer the sender confirms (or refuses) its own QP setup with a second
+/// `RdmaOffer` before either side uses RDMA.
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.

@@ -134,6 +134,12 @@ impl RdmaOffer {
         RdmaOffer { version: OFFER_VERSION, status: code.code(), reason: reason.into(), endpoints: Vec::new(), ring_addr: 0, ring_len: 0 }
     }
 
+    /// The sender's confirmation, after an accepted offer, that its queue pairs reached RTS: the
+    /// receiver treats the session as RDMA from here on (a setup failure is sent as a refusal).
+    pub fn confirmation() -> RdmaOffer {
+        RdmaOffer { version: OFFER_VERSION, status: 0, reason: String::new(), endpoints: Vec::new(), ring_addr: 0, ring_len: 0 }
+    }
+
     /// Little-endian body (appended to `out`).
     pub fn encode(&self, out: &mut Enc) {
         out.u16(self.version).i32(self.status).str(&self.reason).u64(self.ring_addr).u64(self.ring_len);

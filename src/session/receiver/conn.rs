@@ -205,8 +205,10 @@ impl Receiver {
         let mut frames = 0u64;
         let pool = self.pool()?;
         let integrity = self.config.integrity;
-        // Set when the sender connected its RDMA queue pairs (its chunks then arrive by RDMA).
+        // Set when the sender confirmed its RDMA queue pairs (its chunks then arrive by RDMA);
+        // until then an accepted offer waits here with the ring it registered.
         let mut rdma_peer: Option<crate::transport::rdma::link::RdmaPeer> = None;
+        let mut rdma_accepted: Option<(crate::transport::rdma::link::RdmaPeer, Option<Arc<super::memory::RingMemory>>)> = None;
         while let Some(msg) = inbound.next_frame()? {
             frames += 1;
             if stop_after.is_some_and(|n| frames > n) {
@@ -292,6 +294,22 @@ impl Receiver {
                     };
                     link.send(&reply, &reply_deadline())?;
                 }
+                Message::RdmaOffer(confirm) if rdma_accepted.is_some() => {
+                    // The sender's word on its own QP setup: RDMA from here on, or TCP for good.
+                    let (peer, ring) = rdma_accepted.take().expect("checked");
+                    if confirm.status == 0 && confirm.endpoints.is_empty() {
+                        if let Some(r) = self.rdma.lock().as_ref() {
+                            r.confirmed(session, &peer.desc);
+                        }
+                        self.with_state(|st| st.set_in_place(id, false));
+                        if let Some(m) = &ring {
+                            m.mark_nic_writes();
+                        }
+                        rdma_peer = Some(peer);
+                    } else {
+                        log::info!(session = session; "the sender could not complete its RDMA setup; the session stays on tcp: {}", confirm.reason);
+                    }
+                }
                 Message::RdmaOffer(offer) => {
                     let ring = self.memory.lock().clone();
                     let rdma = self.rdma.lock().clone().unwrap_or_else(crate::transport::rdma::Rdma::off);
@@ -317,13 +335,7 @@ impl Receiver {
                     } else {
                         (answer, p)
                     };
-                    if p.is_some() {
-                        self.with_state(|st| st.set_in_place(id, false));
-                        if let Some(m) = &ring {
-                            m.mark_nic_writes();
-                        }
-                    }
-                    rdma_peer = p;
+                    rdma_accepted = p.map(|p| (p, ring));
                     link.send(&Message::RdmaAnswer(answer), &reply_deadline())?;
                 }
                 Message::ShmOffer { socket, nonce } => {

@@ -58,3 +58,23 @@ pub(super) fn take() -> WriteFault {
     #[cfg(not(feature = "testing"))]
     WriteFault::None
 }
+
+#[cfg(feature = "testing")]
+static SENDER_RTR_FAILS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Test builds: the next sender of this process fails its QPs' transition to RTR after the
+/// receiver accepted its offer (a setup failure on the sender's side only).
+#[cfg(feature = "testing")]
+pub fn arm_sender_rtr_failure() {
+    SENDER_RTR_FAILS.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Whether a sender-side RTR failure is armed (disarmed by the call).
+pub(super) fn take_sender_rtr_failure() -> bool {
+    #[cfg(feature = "testing")]
+    {
+        SENDER_RTR_FAILS.swap(false, std::sync::atomic::Ordering::SeqCst)
+    }
+    #[cfg(not(feature = "testing"))]
+    false
+}

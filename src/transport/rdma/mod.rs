@@ -508,9 +508,20 @@ impl Rdma {
                 format!("peer {peer} answered {} QPs for {} offered", answer.endpoints.len(), slots.len()),
             ));
         }
-        for (slot, remote) in slots.iter().zip(&answer.endpoints) {
-            Rdma::connect_slot(slot, remote, peer).map_err(|e| e.with_session(session))?;
-        }
+        let connected = slots.iter().zip(&answer.endpoints).try_for_each(|(slot, remote)| {
+            if fault::take_sender_rtr_failure() {
+                return Err(Error::new(Status::KVSTAGE_E_RDMA, format!("test fault: QP {:#x} failed its transition to RTR", slot.qpn)));
+            }
+            Rdma::connect_slot(slot, remote, peer).map_err(|e| e.with_session(session))
+        });
+        // Both sides settle the transport before the first grant: the receiver uses RDMA for this
+        // session only once it reads the confirmation, and stays on TCP after a refusal.
+        let confirm = match &connected {
+            Ok(()) => RdmaOffer::confirmation(),
+            Err(e) => RdmaOffer::refusal(e.code(), e.chain()),
+        };
+        tcp.send(&Message::RdmaOffer(confirm), deadline)?;
+        connected?;
         let remote = RemoteRing { addr: answer.ring_addr, len: answer.ring_len, rkeys: answer.endpoints.iter().map(|e| e.rkey).collect() };
         Ok(Arc::new(RdmaTransport::new(tcp.clone(), self.clone(), slots, remote, notify, session)))
     }
@@ -520,8 +531,7 @@ impl Rdma {
     pub fn accept(self: &Arc<Self>, offer: &RdmaOffer, ring: Option<NicMemory<'_>>, peer: &str, session: &str) -> (RdmaOffer, Option<RdmaPeer>) {
         match self.try_accept(offer, ring, peer, session) {
             Ok((answer, p)) => {
-                self.sessions.fetch_add(1, Ordering::Relaxed);
-                log::info!(session = session; "session from {peer} connected over rdma ({})", p.desc);
+                log::info!(session = session; "RDMA offer of {peer} accepted ({}); waiting for its confirmation", p.desc);
                 (answer, Some(p))
             }
             Err(e) => {
@@ -537,6 +547,12 @@ impl Rdma {
                 (RdmaOffer::refusal(e.code(), e.chain()), None)
             }
         }
+    }
+
+    /// Receiver side: the sender confirmed its QPs for `peer_desc`; the session runs on RDMA.
+    pub fn confirmed(&self, session: &str, peer_desc: &str) {
+        self.sessions.fetch_add(1, Ordering::Relaxed);
+        log::info!(session = session; "session connected over rdma ({peer_desc})");
     }
 
     fn try_accept(self: &Arc<Self>, offer: &RdmaOffer, ring: Option<NicMemory<'_>>, peer: &str, session: &str) -> Result<(RdmaOffer, RdmaPeer)> {
