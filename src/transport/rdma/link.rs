@@ -72,6 +72,10 @@ pub struct QpSlot {
     pub desc: Mutex<String>,
     pub session: Mutex<String>,
     signals: AtomicU64,
+    /// The newest work request posted on this QP, and the newest one completed (any status: a QP
+    /// in the error state completes every outstanding request, flushed): equal once drained.
+    last_posted_wr: AtomicU64,
+    last_done_wr: AtomicU64,
     failure: Mutex<Option<WcFailure>>,
     notify: Arc<Notify>,
     arrivals: Option<Arc<Arrivals>>,
@@ -98,6 +102,8 @@ impl QpSlot {
             local,
             psn,
             signals: AtomicU64::new(0),
+            last_posted_wr: AtomicU64::new(0),
+            last_done_wr: AtomicU64::new(0),
             failure: Mutex::new(None),
             notify,
             arrivals,
@@ -117,7 +123,16 @@ impl QpSlot {
         Some(wc_error(&f, &desc).with_session(&self.session.lock()))
     }
 
+    /// Every send work request posted on this QP completed (or was flushed).
+    fn drained(&self) -> bool {
+        self.last_done_wr.load(Ordering::SeqCst) >= self.last_posted_wr.load(Ordering::SeqCst)
+    }
+
     fn handle(&self, wc: &Wc) {
+        if wc.status != 0 || wc.kind == WcKind::Send {
+            // Send queues complete in order: this one and every request posted before it are done.
+            self.last_done_wr.fetch_max(wc.wr_id, Ordering::SeqCst);
+        }
         if wc.status != 0 {
             let mut f = self.failure.lock();
             // Keep the first real error; a flush (5) only when nothing better is known.
@@ -404,9 +419,13 @@ impl RdmaTransport {
         let result = self.post_and_wait(remote_offset, src, len, imm, &lkeys, deadline);
         if result.is_err() {
             self.kill();
-            // Let the poller drain the flushed requests before the staging buffer is reused.
+            // The QPs are in the error state: every outstanding request completes, flushed. Only
+            // then may the staging buffer the NIC reads be reused (bounded: a device that never
+            // reports them is logged).
             let dl = Deadline::after(Some(FLUSH_WAIT));
-            self.notify.wait_until(&dl, || false);
+            if !self.notify.wait_until(&dl, || self.slots.iter().all(|s| s.drained())) {
+                log::error!(session = self.session.as_str(); "work requests of a failed write on {} still outstanding after {FLUSH_WAIT:?}", self.desc);
+            }
         }
         result
     }
@@ -505,7 +524,11 @@ impl RdmaTransport {
             Error::new(Status::KVSTAGE_E_RDMA, format!("ibv_post_send of {} work requests on {desc} failed", wrs.len()))
                 .with_source(e)
                 .with_session(&self.session)
-        })
+        })?;
+        if let Some(newest) = wrs.iter().map(|w| w.wr_id).max() {
+            slot.last_posted_wr.fetch_max(newest, Ordering::SeqCst);
+        }
+        Ok(())
     }
 
     /// Waits until `done(slot, index)` holds for every slot, a completion failed, or the deadline.
