@@ -389,6 +389,7 @@ static int ipc_kill_prefill(int in, int out, int victim) {
     kvstage_session *session[2];
     kvstage_op *op[2];
     int r, started;
+    alarm(100); /* never outlives a decode process that failed early (the ctest's limit is 120 s) */
     read_pipe(in, addr, sizeof addr, "the decode address");
     if (addr[0] == 0) return 77;
     started = start_cuda(&lib);

@@ -659,9 +659,10 @@ enum kvstage_status kvstage_engine_completions_drain(const struct kvstage_engine
 // Sets (or with NULL removes) the engine's completion callback; see `kvstage_completion_fn` for
 // the thread it runs on and what it may do. Completions keep being signalled on the descriptor.
 // Returns only once no call of the previous callback is running (none starts afterwards), so its
-// code and `user_data` may be freed then. Called from inside a callback of this engine, it waits
-// for every other call of the previous callbacks but not for its own caller, which goes on
-// running after it returns (free nothing that caller still uses).
+// code and `user_data` may be freed then; do not hold a lock the callback takes while calling it.
+// Called from inside a completion callback (of any engine) it does not wait (callbacks replacing
+// each other's would wait for each other for ever): the previous callback may still be running
+// on other threads then, and its caller goes on after this returns.
 enum kvstage_status kvstage_engine_set_completion_callback(const struct kvstage_engine *engine, kvstage_completion_fn callback, void *user_data);
 
 // Decode side: as `kvstage_engine_poll_events` for one room only: moves up to `capacity` of

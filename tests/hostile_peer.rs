@@ -830,6 +830,7 @@ fn same_host_leases_are_bounded_like_connections() {
             assert!(status != 0 && reason.contains("leases"), "offer {i} with {MAX} leases held: {status} {reason}");
         }
         drop(raw); // the connection goes, the lease stays
+        quiesce(&c); // so the next one is not refused as a connection beyond the limit
     }
     assert!(threads_named("kvstage-lease") <= MAX as usize, "{} lease watchers", threads_named("kvstage-lease"));
     drop(leases);

@@ -37,6 +37,13 @@ fn opts(transport: TransportKind, devices: &str, qps: u32) -> EngineOptions {
     }
 }
 
+/// The injected faults are process-wide: one test of this file at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 struct Pair {
     decode: Engine,
     dpool: HostPool,
@@ -83,6 +90,7 @@ fn transfer_all(p: &Pair, room: u64, tag: &str) {
 
 #[test]
 fn staged_chunks_land_by_rdma_write_between_two_engines() {
+    let _serial = serial();
     // softib1 (MTU 2048) to softib0 (MTU 4096): path MTU 2048. Two prefill ranks write one ring.
     let p = pair(opts(TransportKind::Rdma, "softib0", 1), opts(TransportKind::Rdma, "softib1", 1), 2);
     transfer_all(&p, 1, "rdma");
@@ -102,6 +110,7 @@ fn staged_chunks_land_by_rdma_write_between_two_engines() {
 /// anyway); then every byte verified.
 #[test]
 fn a_layer_wise_chunk_streams_by_rdma_write_and_its_immediate_follows_the_last_layer() {
+    let _serial = serial();
     const CANARY: u8 = 0xA5;
     let region = staging_layout(&shape(0, 1), &shape(0, 1), PAGES * 16).unwrap().total_bytes as usize;
     let mut ring = vec![CANARY; region * 2];
@@ -151,6 +160,7 @@ fn a_layer_wise_chunk_streams_by_rdma_write_and_its_immediate_follows_the_last_l
 /// every byte is verified.
 #[test]
 fn two_sessions_of_one_engine_write_at_once_from_their_own_staging_buffers() {
+    let _serial = serial();
     let p = pair(opts(TransportKind::Rdma, "softib0", 1), opts(TransportKind::Rdma, "softib0", 2), 1);
     let addr = p.decode.local_addr().to_string();
     std::thread::scope(|scope| {
@@ -179,6 +189,7 @@ fn two_sessions_of_one_engine_write_at_once_from_their_own_staging_buffers() {
 
 #[test]
 fn a_chunk_is_striped_over_several_qps() {
+    let _serial = serial();
     let p = pair(opts(TransportKind::Rdma, "softib0", 2), opts(TransportKind::Rdma, "softib0", 3), 1);
     transfer_all(&p, 7, "striped");
     let p = pair(opts(TransportKind::Auto, "softib0", 1), opts(TransportKind::Auto, "softib0,softib1", 2), 1);
@@ -188,6 +199,7 @@ fn a_chunk_is_striped_over_several_qps() {
 
 #[test]
 fn auto_downgrades_to_tcp_when_the_receiver_has_no_rdma_and_rdma_refuses() {
+    let _serial = serial();
     let p = pair(opts(TransportKind::Tcp, "", 1), opts(TransportKind::Auto, "softib0", 1), 1);
     transfer_all(&p, 3, "auto");
     let e = &p.prefill[0].0;
@@ -205,6 +217,7 @@ fn auto_downgrades_to_tcp_when_the_receiver_has_no_rdma_and_rdma_refuses() {
 
 #[test]
 fn rtr_failure_names_the_disagreeing_attribute() {
+    let _serial = serial();
     // InfiniBand sender, RoCE receiver: the receiver's RTR fails and says why.
     let p = pair(opts(TransportKind::Rdma, "softroce0", 1), opts(TransportKind::Rdma, "softib0", 1), 1);
     let Err(err) = p.prefill[0].0.connect(&p.decode.local_addr().to_string(), "mixed", None) else {
@@ -224,6 +237,7 @@ fn rtr_failure_names_the_disagreeing_attribute() {
 
 #[test]
 fn a_failed_work_completion_names_status_qp_peer_and_session() {
+    let _serial = serial();
     let p = pair(opts(TransportKind::Rdma, "softib0", 1), opts(TransportKind::Rdma, "softib0", 1), 1);
     let (e, _) = &p.prefill[0];
     let s = e.connect(&p.decode.local_addr().to_string(), "stale-rkey", None).unwrap();
@@ -246,6 +260,7 @@ fn a_failed_work_completion_names_status_qp_peer_and_session() {
 
 #[test]
 fn this_host_without_a_device_reports_no_device_or_downgrades() {
+    let _serial = serial();
     // Only meaningful on a host without RDMA (CI); on a host with a device it checks nothing.
     if kvstage::dynlib::rdma_device_count() > 0 {
         return;
@@ -272,6 +287,7 @@ fn this_host_without_a_device_reports_no_device_or_downgrades() {
 /// of blocking behind the stall and failing later for another reason.
 #[test]
 fn a_write_stuck_on_the_session_delays_another_only_until_its_deadline() {
+    let _serial = serial();
     use kvstage::transport::rdma::fault::{self, WriteFault};
     let unchecked = |o: EngineOptions| EngineOptions { integrity: Integrity::Off, ..o };
     let p = pair(unchecked(opts(TransportKind::Rdma, "softib0", 1)), unchecked(opts(TransportKind::Rdma, "softib0", 1)), 1);
@@ -281,12 +297,12 @@ fn a_write_stuck_on_the_session_delays_another_only_until_its_deadline() {
     let s = p.prefill[0].0.connect(&p.decode.local_addr().to_string(), "write-lock", None).unwrap();
     fault::arm(WriteFault::PauseMidChunk);
     let stuck = s.transfer_async(TransferDesc { timeout: Some(Duration::from_secs(30)), ..desc(21) }, false, 0).unwrap();
-    // The stuck write holds the lock once it has posted its first requests.
+    // The stuck write took the fault (under the session's write lock, which it keeps for the pause).
     let started = std::time::Instant::now();
-    while p.decode.receiver().ring_stats().1 == 0 && started.elapsed() < Duration::from_secs(10) {
+    while fault::armed() && started.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(5));
     }
-    std::thread::sleep(Duration::from_millis(100));
+    assert!(!fault::armed(), "the first transfer never reached its write");
     let second = s.transfer(&TransferDesc { timeout: Some(Duration::from_millis(500)), ..desc(22) }, &Op::new(s.waker()));
     let e = second.expect_err("a transfer behind a stuck write succeeded");
     assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
@@ -303,6 +319,7 @@ fn a_write_stuck_on_the_session_delays_another_only_until_its_deadline() {
 /// that never came.
 #[test]
 fn a_sender_side_rdma_setup_failure_settles_both_sides_on_tcp() {
+    let _serial = serial();
     use kvstage::session::stats::LinkKind;
     use kvstage::transport::rdma::fault;
     let p = pair(opts(TransportKind::Auto, "softib0", 1), opts(TransportKind::Auto, "softib1", 1), 1);

@@ -842,8 +842,9 @@ class Engine(_Handle):
         runs on a library thread for every completion (keep it short; it must not close this
         engine). With ``metrics=True`` it also gets ``timings`` (a :class:`TransferTimings`, for
         operations) and ``scatter_ns`` (for chunks). ``None`` removes it. Returns once no call of
-        the previous callback runs any more (the library waits for them), except a call that made
-        this change from inside itself."""
+        the previous callback runs any more (the library waits for them; do not hold a lock the
+        callback takes meanwhile), except when called from inside a completion callback, which
+        never waits."""
         if callback is None:
             c_fn = _lib.kvstage_completion_fn()
         else:

@@ -8,8 +8,8 @@
 //! wait (room release or wait, operation wait: they may need the very thread running it).
 //!
 //! Replacing or removing the callback returns only once no call of the old one runs (the caller
-//! may then free the old callback's code and data: Python drops its ctypes thunk), except the
-//! call that replaces it from inside itself.
+//! may then free the old callback's code and data: Python drops its ctypes thunk), unless it is
+//! done from inside a completion callback, which never waits (see [`Completions::set_callback`]).
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -84,17 +84,17 @@ impl Completions {
     }
 
     /// Replaces the callback and returns once no call of the old one (or of any before it) runs,
-    /// so the caller may free what they used. Called from inside a callback of this engine, it
-    /// cannot wait for that call (it is its own caller): it waits for every other one, and the
-    /// calling callback continues after it returns.
+    /// so the caller may free what they used. Called from inside a completion callback (of any
+    /// engine) it does not wait: two callbacks replacing each other's callbacks, or their own on
+    /// two threads, would wait for each other for ever. The old callback may then still be
+    /// running on other threads (and the calling one goes on after this returns).
     pub fn set_callback(&self, callback: Option<Callback>) {
-        let me = self as *const Completions as usize;
         let mut slot = self.slot.lock();
         let old = slot.generation;
         let replaced = std::mem::replace(&mut slot.callback, callback);
         slot.generation += 1;
-        let mine = CALLING.with(|c| c.borrow().iter().filter(|(who, g)| *who == me && *g <= old).count());
-        while slot.running.range(..=old).map(|(_, n)| n).sum::<usize>() > mine {
+        let inside_a_callback = CALLING.with(|c| !c.borrow().is_empty());
+        while !inside_a_callback && slot.running.range(..=old).map(|(_, n)| n).sum::<usize>() > 0 {
             self.call_ended.wait(&mut slot);
         }
         drop(slot);
@@ -229,6 +229,33 @@ mod tests {
         assert!(!seen_at_end.load(Ordering::SeqCst), "the callback saw set_callback return before it ended");
         assert!(set_returned.load(Ordering::SeqCst));
         c.call(&op()); // removed: nothing runs, nothing blocks
+    }
+
+    /// Two threads inside callbacks each remove the callback (the one-shot pattern, with an
+    /// operation's and a chunk's completions overlapping): neither waits for the other.
+    #[test]
+    fn two_callbacks_removing_it_at_once_do_not_wait_for_each_other() {
+        use std::sync::Barrier;
+        let c = Arc::new(Completions::new().unwrap());
+        let both_inside = Arc::new(Barrier::new(2));
+        let (weak, b) = (Arc::downgrade(&c), both_inside.clone());
+        c.set_callback(Some(Arc::new(move |_c: &Completion| {
+            b.wait();
+            if let Some(c) = weak.upgrade() {
+                c.set_callback(None);
+            }
+        })));
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        for _ in 0..2 {
+            let (c, tx) = (c.clone(), done_tx.clone());
+            std::thread::spawn(move || {
+                c.call(&op());
+                tx.send(()).unwrap();
+            });
+        }
+        for _ in 0..2 {
+            done_rx.recv_timeout(std::time::Duration::from_secs(10)).expect("two callbacks removing the callback deadlocked");
+        }
     }
 
     /// A callback that removes itself (the documented inside-the-callback case) does not wait for

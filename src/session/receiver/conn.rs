@@ -132,7 +132,7 @@ impl Receiver {
             }
         };
         *session_id.borrow_mut() = hello.session.clone();
-        let info = self.handshake(&hello, &link, &deadline).inspect_err(|e| {
+        let info = self.handshake(&hello, &link, &deadline, handshake_done).inspect_err(|e| {
             self.counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
             // A sender of ours, misconfigured (token, geometry, version): an operator's matter.
             if let Some(suppressed) = self.log_limits.handshakes.allow() {
@@ -140,7 +140,6 @@ impl Receiver {
             }
             link.shutdown();
         })?;
-        handshake_done();
         let session = info.session.clone();
         log::info!(
             session = session.as_str();
@@ -158,7 +157,9 @@ impl Receiver {
     }
 
     /// Validates the hello and answers with ours.
-    fn handshake(&self, hello: &Hello, link: &Arc<dyn Transport>, deadline: &Deadline) -> Result<ConnInfo> {
+    /// `accepted` runs before an accepting answer goes out: from then on the connection no longer
+    /// counts as a handshake in progress (the listener would cut it to serve a newer one).
+    fn handshake(&self, hello: &Hello, link: &Arc<dyn Transport>, deadline: &Deadline, accepted: &mut dyn FnMut()) -> Result<ConnInfo> {
         let pool = self.pool();
         let token = &self.config.cluster_token;
         let (ring_bytes, _, watermark) = self.ring_stats();
@@ -196,6 +197,9 @@ impl Receiver {
             token: if status == Status::KVSTAGE_E_AUTH { Vec::new() } else { token.clone() },
             integrity: self.config.integrity.wire(),
         };
+        if checked.is_ok() {
+            accepted();
+        }
         link.send(&Message::Hello(answer), deadline)?;
         checked.map_err(|e| e.with_session(&hello.session))
     }
@@ -297,7 +301,14 @@ impl Receiver {
                 Message::RdmaOffer(confirm) if rdma_accepted.is_some() => {
                     // The sender's word on its own QP setup: RDMA from here on, or TCP for good.
                     let (peer, ring) = rdma_accepted.take().expect("checked");
-                    if confirm.status == 0 && confirm.endpoints.is_empty() {
+                    // The ring may have been replaced since the offer was answered: the peer's
+                    // registration then describes dead memory (it stays on TCP; the ring's new
+                    // registration serves its next session).
+                    let current = self.memory.lock().clone();
+                    let replaced = !super::memory::still_current(ring.as_ref(), current.as_ref());
+                    if replaced {
+                        log::info!(session = session; "the staging ring was registered again during the RDMA exchange; the session stays on tcp");
+                    } else if confirm.status == 0 && confirm.endpoints.is_empty() {
                         if let Some(r) = self.rdma.lock().as_ref() {
                             r.confirmed(session, &peer.desc);
                         }

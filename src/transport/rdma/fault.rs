@@ -49,6 +49,12 @@ pub fn arm(fault: WriteFault) {
     ARMED.store(code, std::sync::atomic::Ordering::SeqCst);
 }
 
+/// Test builds: whether the armed write fault is still waiting for its chunk.
+#[cfg(feature = "testing")]
+pub fn armed() -> bool {
+    ARMED.load(std::sync::atomic::Ordering::SeqCst) != 0
+}
+
 /// The armed fault, disarmed (one chunk only).
 pub(super) fn take() -> WriteFault {
     #[cfg(feature = "testing")]

@@ -283,9 +283,12 @@ impl Poller {
                 continue;
             }
             let mut any = false;
+            // The slot being polled: a panic fails that one's waiters only.
+            let mut at = 0usize;
             let polled = crate::panics::contain("the RDMA completion thread", None, || {
                 crate::panics::point("rdma completions");
-                for slot in &live {
+                for (i, slot) in live.iter().enumerate() {
+                    at = i;
                     wcs.clear();
                     if let Err(e) = slot.cq.poll(&mut wcs) {
                         // A CQ that cannot be polled: every waiter of this QP fails.
@@ -301,9 +304,9 @@ impl Poller {
                 }
             });
             if !polled {
-                // Completions taken off a queue may have been lost with the panic: their waiters
+                // Completions taken off that queue may have been lost with the panic: its waiters
                 // fail now instead of at their deadlines, and the thread polls on for the others.
-                for slot in &live {
+                if let Some(slot) = live.get(at) {
                     slot.handle(&Wc { wr_id: 0, status: 21, kind: WcKind::Other(0), imm: 0, vendor_err: 0 });
                     slot.notify.notify();
                 }
