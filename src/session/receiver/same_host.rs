@@ -73,22 +73,71 @@ enum LeaseEvent {
     ProcessEnded,
 }
 
-/// Waits until `lease` is readable or `process` (a pidfd) ended.
-fn wait_lease(lease: &UnixStream, process: Option<&OwnedFd>) -> LeaseEvent {
+/// How the peer process is watched: a pidfd (Linux 5.3+), else (an older kernel, valgrind) its
+/// `/proc` entry checked twice a second, the start time telling a reused pid apart.
+enum PeerProcess {
+    Pidfd(OwnedFd),
+    Proc { pid: i32, started: u64 },
+    Unknown,
+}
+
+impl PeerProcess {
+    fn watch(pid: Option<i32>) -> PeerProcess {
+        let Some(pid) = pid else { return PeerProcess::Unknown };
+        if let Some(fd) = shm::fdpass::pidfd_open(pid) {
+            return PeerProcess::Pidfd(fd);
+        }
+        match process_start(pid) {
+            Some(started) => PeerProcess::Proc { pid, started },
+            None => PeerProcess::Unknown,
+        }
+    }
+
+    /// The process ended (a `Proc` watch: gone, a zombie, or its pid reused).
+    fn ended(&self) -> bool {
+        match self {
+            PeerProcess::Proc { pid, started } => process_start(*pid) != Some(*started),
+            _ => false,
+        }
+    }
+}
+
+/// The start time (field 22 of `/proc/<pid>/stat`) of a live process; `None` when it is gone or
+/// a zombie (its address space torn down).
+fn process_start(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may hold spaces: the fields follow its last ')'.
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    let state = fields.next()?;
+    if state == "Z" || state == "X" {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
+}
+
+/// Waits until `lease` is readable or the peer `process` ended.
+fn wait_lease(lease: &UnixStream, process: &PeerProcess) -> LeaseEvent {
+    let (pidfd, timeout) = match process {
+        PeerProcess::Pidfd(fd) => (fd.as_raw_fd(), -1),
+        PeerProcess::Proc { .. } => (-1, 500),
+        PeerProcess::Unknown => (-1, -1),
+    };
     let mut fds = [
         libc::pollfd { fd: lease.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-        libc::pollfd { fd: process.map_or(-1, |p| p.as_raw_fd()), events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: pidfd, events: libc::POLLIN, revents: 0 },
     ];
     // SAFETY: two valid pollfd entries (a negative fd is ignored by poll).
-    let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+    let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
     if r < 0 {
         return match std::io::Error::last_os_error().kind() {
             std::io::ErrorKind::Interrupted => LeaseEvent::Interrupted,
             _ => LeaseEvent::Readable, // the read reports the error
         };
     }
-    if fds[1].revents != 0 {
+    if fds[1].revents != 0 || (r == 0 && process.ended()) {
         LeaseEvent::ProcessEnded
+    } else if r == 0 {
+        LeaseEvent::Interrupted // a timeout with the process alive: wait again
     } else {
         LeaseEvent::Readable
     }
@@ -164,9 +213,9 @@ impl Receiver {
         let watched = lease.try_clone()?;
         let device = ring.device().is_some();
         // The peer process (SO_PEERCRED: visible in this PID namespace, or the same-host path was
-        // not taken) is watched too, where the kernel offers pidfds.
+        // not taken) is watched too.
         let peer_pid = shm::fdpass::peer_pid(&lease).ok();
-        let process = peer_pid.and_then(shm::fdpass::pidfd_open);
+        let process = PeerProcess::watch(peer_pid);
         let peer_died = AtomicBool::new(false);
         let me = self.clone();
         // Locked before the thread starts, so its removal comes after this insertion.
@@ -185,7 +234,7 @@ impl Receiver {
                     let mut buf = [0u8; 64];
                     loop {
                         crate::panics::point("lease watcher");
-                        match wait_lease(&lease, process.as_ref()) {
+                        match wait_lease(&lease, &process) {
                             LeaseEvent::Readable => match (&lease).read(&mut buf) {
                                 Ok(0) => break,
                                 Ok(_) => {}
