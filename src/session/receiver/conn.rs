@@ -300,15 +300,11 @@ impl Receiver {
                 }
                 Message::RdmaOffer(confirm) if rdma_accepted.is_some() => {
                     // The sender's word on its own QP setup: RDMA from here on, or TCP for good.
+                    // A ring registered again since the offer leaves the peer with a dead memory
+                    // region: its first write fails loudly (remote access error), as for a ring
+                    // replaced under a running RDMA session; both sides must agree on RDMA here.
                     let (peer, ring) = rdma_accepted.take().expect("checked");
-                    // The ring may have been replaced since the offer was answered: the peer's
-                    // registration then describes dead memory (it stays on TCP; the ring's new
-                    // registration serves its next session).
-                    let current = self.memory.lock().clone();
-                    let replaced = !super::memory::still_current(ring.as_ref(), current.as_ref());
-                    if replaced {
-                        log::info!(session = session; "the staging ring was registered again during the RDMA exchange; the session stays on tcp");
-                    } else if confirm.status == 0 && confirm.endpoints.is_empty() {
+                    if confirm.status == 0 && confirm.endpoints.is_empty() {
                         if let Some(r) = self.rdma.lock().as_ref() {
                             r.confirmed(session, &peer.desc);
                         }
