@@ -11,7 +11,7 @@
 //! may then free the old callback's code and data: Python drops its ctypes thunk), unless it is
 //! done from inside a completion callback, which never waits (see [`Completions::set_callback`]).
 
-use std::cell::RefCell;
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
@@ -55,8 +55,8 @@ struct Slot {
 }
 
 thread_local! {
-    /// The callback calls running on this thread: (the `Completions` they came from, generation).
-    static CALLING: RefCell<Vec<(usize, u64)>> = const { RefCell::new(Vec::new()) };
+    /// Completion callbacks (of any engine) running on this thread, nested.
+    static CALLING: Cell<usize> = const { Cell::new(0) };
 }
 
 pub struct Completions {
@@ -93,7 +93,7 @@ impl Completions {
         let old = slot.generation;
         let replaced = std::mem::replace(&mut slot.callback, callback);
         slot.generation += 1;
-        let inside_a_callback = CALLING.with(|c| !c.borrow().is_empty());
+        let inside_a_callback = CALLING.get() > 0;
         while !inside_a_callback && slot.running.range(..=old).map(|(_, n)| n).sum::<usize>() > 0 {
             self.call_ended.wait(&mut slot);
         }
@@ -117,7 +117,6 @@ impl Completions {
     /// Runs the callback for `c`, with no lock held. A panicking callback is logged, not
     /// propagated: the completion it reports must still happen.
     pub fn call(&self, c: &Completion) {
-        let me = self as *const Completions as usize;
         let (callback, generation) = {
             let mut slot = self.slot.lock();
             let Some(cb) = slot.callback.clone() else { return };
@@ -125,16 +124,11 @@ impl Completions {
             *slot.running.entry(g).or_default() += 1;
             (cb, g)
         };
-        CALLING.with(|calls| calls.borrow_mut().push((me, generation)));
+        CALLING.set(CALLING.get() + 1);
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| callback(c))).is_err() {
             log::error!("the completion callback panicked on {c:?}");
         }
-        CALLING.with(|calls| {
-            let mut calls = calls.borrow_mut();
-            if let Some(i) = calls.iter().rposition(|&e| e == (me, generation)) {
-                calls.remove(i);
-            }
-        });
+        CALLING.set(CALLING.get() - 1);
         // The clone goes before the call counts as ended: the replacing thread may free the data.
         drop(callback);
         let mut slot = self.slot.lock();
