@@ -48,6 +48,10 @@ typedef enum kvstage_status {
     KVSTAGE_E_TIMEOUT = -20,
     // The operation was canceled by the caller or by a room release.
     KVSTAGE_E_CANCELED = -21,
+    // The transfer names an opening of its room that is not the open one: the decode side
+    // released the room it was meant for (and may have opened the id again for another request),
+    // or the room key is wrong. Nothing was written; the decode room is not affected.
+    KVSTAGE_E_STALE_ROOM = -22,
     // A transport-level failure (socket error, connection refused, short write).
     KVSTAGE_E_TRANSPORT = -30,
     // The peer disconnected or died.
@@ -639,6 +643,11 @@ typedef struct kvstage_transfer_desc {
     void *cuda_event;
     // The caller's value, handed back with this transfer's completion (asynchronous transfers).
     uint64_t user_tag;
+    // The key `kvstage_room_open` returned on the decode side for this opening of `room`
+    // (required: 0 is refused). A transfer naming an earlier opening of the room id (released,
+    // maybe reopened for another request) or a wrong key ends with `KVSTAGE_E_STALE_ROOM` and
+    // writes nothing.
+    uint64_t room_key;
 } kvstage_transfer_desc;
 
 #ifdef __cplusplus
@@ -871,11 +880,12 @@ enum kvstage_status kvstage_transfer_timings_last(struct kvstage_transfer_timing
 // Asks the decode rank of `session` for the chunk grid of `room` (open there): chunk `k` of a
 // transfer must carry the tokens `[k · chunk_tokens, min((k + 1) · chunk_tokens, num_pages ·
 // page_size))` of the room, so a prefill engine can cut its transfers on the decode side's grid
-// instead of guessing it. One round trip; `timeout_ms` 0 = the engine default. Errors: the room
-// is not open there (`KVSTAGE_E_INVALID_ARG`: not yet, or released; ask again once the decode
-// side opened it), it failed there (its error), the session is gone, the timeout passed. Fills
-// `*out` only on success.
-enum kvstage_status kvstage_session_room_grid(const struct kvstage_session *session, uint64_t room, uint64_t timeout_ms_, struct kvstage_room_grid *out);
+// instead of guessing it. `room_key`: the key `kvstage_room_open` returned for this opening of
+// the room. One round trip; `timeout_ms` 0 = the engine default. Errors: the room is not open
+// there (`KVSTAGE_E_INVALID_ARG`: not yet, or released; ask again once the decode side opened
+// it), `room_key` names another opening (`KVSTAGE_E_STALE_ROOM`), it failed there (its error),
+// the session is gone, the timeout passed. Fills `*out` only on success.
+enum kvstage_status kvstage_session_room_grid(const struct kvstage_session *session, uint64_t room, uint64_t room_key, uint64_t timeout_ms, struct kvstage_room_grid *out);
 
 // Connects to the decode engine at `peer_address` ("127.0.0.1:5000") and runs the handshake
 // (versions, geometry fingerprints, pairing). A geometry disagreement fails with
@@ -953,8 +963,12 @@ void kvstage_op_free(struct kvstage_op *op);
 // Decode side: opens room `room` whose new tokens land in `dst_pages` (the pages after the
 // decode-side cached prefix, in token order), cut into chunks of `chunk_tokens` tokens (0 =
 // engine default; rounded down to whole pages). `*num_chunks_out` (may be NULL) receives the
-// number of chunks the senders must deliver.
-enum kvstage_status kvstage_room_open(const struct kvstage_engine *engine, uint64_t room, const uint32_t *dst_pages, size_t num_pages, uint32_t chunk_tokens, uint32_t *num_chunks_out);
+// number of chunks the senders must deliver; `*room_key_out` (required) this opening's key: a
+// fresh, unguessable nonzero value each time the id is opened. Send it to the prefill ranks with
+// the room id and the pages (in the engine's own bootstrap message); their transfers name it in
+// `kvstage_transfer_desc.room_key`, and a transfer naming another opening (a request this id was
+// opened for before) is refused with `KVSTAGE_E_STALE_ROOM`, writing nothing.
+enum kvstage_status kvstage_room_open(const struct kvstage_engine *engine, uint64_t room, const uint32_t *dst_pages, size_t num_pages, uint32_t chunk_tokens, uint32_t *num_chunks_out, uint64_t *room_key_out);
 
 // Decode side: waits until every chunk of the room is in the KV pool (`KVSTAGE_OK`), the room
 // failed (its error: peer gone, canceled, ...) or `timeout_ms` passed (`KVSTAGE_E_TIMEOUT`;

@@ -42,6 +42,10 @@ pub enum Status {
     KVSTAGE_E_TIMEOUT = -20,
     /// The operation was canceled by the caller or by a room release.
     KVSTAGE_E_CANCELED = -21,
+    /// The transfer names an opening of its room that is not the open one: the decode side
+    /// released the room it was meant for (and may have opened the id again for another request),
+    /// or the room key is wrong. Nothing was written; the decode room is not affected.
+    KVSTAGE_E_STALE_ROOM = -22,
 
     /// A transport-level failure (socket error, connection refused, short write).
     KVSTAGE_E_TRANSPORT = -30,
@@ -71,7 +75,7 @@ pub enum Status {
 }
 
 impl Status {
-    const ALL: [Status; 23] = [
+    const ALL: [Status; 24] = [
         Status::KVSTAGE_OK,
         Status::KVSTAGE_PENDING,
         Status::KVSTAGE_FALLBACK,
@@ -84,6 +88,7 @@ impl Status {
         Status::KVSTAGE_E_OVERSIZED,
         Status::KVSTAGE_E_TIMEOUT,
         Status::KVSTAGE_E_CANCELED,
+        Status::KVSTAGE_E_STALE_ROOM,
         Status::KVSTAGE_E_TRANSPORT,
         Status::KVSTAGE_E_PEER_GONE,
         Status::KVSTAGE_E_PROTOCOL,
@@ -124,6 +129,7 @@ impl Status {
             Status::KVSTAGE_E_OVERSIZED => "KVSTAGE_E_OVERSIZED\0",
             Status::KVSTAGE_E_TIMEOUT => "KVSTAGE_E_TIMEOUT\0",
             Status::KVSTAGE_E_CANCELED => "KVSTAGE_E_CANCELED\0",
+            Status::KVSTAGE_E_STALE_ROOM => "KVSTAGE_E_STALE_ROOM\0",
             Status::KVSTAGE_E_TRANSPORT => "KVSTAGE_E_TRANSPORT\0",
             Status::KVSTAGE_E_PEER_GONE => "KVSTAGE_E_PEER_GONE\0",
             Status::KVSTAGE_E_PROTOCOL => "KVSTAGE_E_PROTOCOL\0",
@@ -153,7 +159,7 @@ impl Status {
             | KVSTAGE_E_GEOMETRY_INVALID
             | KVSTAGE_E_STAGING_TOO_SMALL
             | KVSTAGE_E_OVERSIZED => ErrorClass::KVSTAGE_CLASS_GEOMETRY,
-            KVSTAGE_E_TIMEOUT | KVSTAGE_E_CANCELED => ErrorClass::KVSTAGE_CLASS_TIMEOUT,
+            KVSTAGE_E_TIMEOUT | KVSTAGE_E_CANCELED | KVSTAGE_E_STALE_ROOM => ErrorClass::KVSTAGE_CLASS_TIMEOUT,
             KVSTAGE_E_TRANSPORT | KVSTAGE_E_PEER_GONE => ErrorClass::KVSTAGE_CLASS_TRANSPORT,
             KVSTAGE_E_PROTOCOL | KVSTAGE_E_INTEGRITY | KVSTAGE_E_AUTH => {
                 ErrorClass::KVSTAGE_CLASS_PROTOCOL

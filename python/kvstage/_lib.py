@@ -71,6 +71,7 @@ class Status(enum.IntEnum):
     E_OVERSIZED = -13
     E_TIMEOUT = -20
     E_CANCELED = -21
+    E_STALE_ROOM = -22
     E_TRANSPORT = -30
     E_PEER_GONE = -31
     E_PROTOCOL = -40

@@ -9,6 +9,7 @@ use super::{ffi_fn, out_arg, slice_arg, str_arg, versioned_struct, Borrowed, Han
 use crate::copy::ReadyFence;
 use crate::error::{Error, Result, Status};
 use crate::session::op::Op;
+use crate::protocol::RoomRef;
 use crate::session::sender::{RoomGrid, SenderSession, TransferDesc};
 
 /// A sender session: one (prefill rank → decode rank) peering. Thread-safe; transfers on one
@@ -47,21 +48,40 @@ pub struct kvstage_room_grid {
 /// Asks the decode rank of `session` for the chunk grid of `room` (open there): chunk `k` of a
 /// transfer must carry the tokens `[k · chunk_tokens, min((k + 1) · chunk_tokens, num_pages ·
 /// page_size))` of the room, so a prefill engine can cut its transfers on the decode side's grid
-/// instead of guessing it. One round trip; `timeout_ms` 0 = the engine default. Errors: the room
-/// is not open there (`KVSTAGE_E_INVALID_ARG`: not yet, or released; ask again once the decode
-/// side opened it), it failed there (its error), the session is gone, the timeout passed. Fills
-/// `*out` only on success.
+/// instead of guessing it. `room_key`: the key `kvstage_room_open` returned for this opening of
+/// the room. One round trip; `timeout_ms` 0 = the engine default. Errors: the room is not open
+/// there (`KVSTAGE_E_INVALID_ARG`: not yet, or released; ask again once the decode side opened
+/// it), `room_key` names another opening (`KVSTAGE_E_STALE_ROOM`), it failed there (its error),
+/// the session is gone, the timeout passed. Fills `*out` only on success.
 #[no_mangle]
-pub unsafe extern "C" fn kvstage_session_room_grid(session: *const kvstage_session, room: u64, timeout_ms_: u64, out: *mut kvstage_room_grid) -> Status {
+pub unsafe extern "C" fn kvstage_session_room_grid(
+    session: *const kvstage_session,
+    room: u64,
+    room_key: u64,
+    timeout_ms: u64,
+    out: *mut kvstage_room_grid,
+) -> Status {
     ffi_fn!(status {
         let session = unsafe { self::session(session) }?;
         let out = super::out_ptr(out, "out")?;
-        let timeout = timeout_ms(timeout_ms_).unwrap_or(session.default_timeout());
+        let room = room_ref(room, room_key, "room_key")?;
+        let timeout = self::timeout_ms(timeout_ms).unwrap_or(session.default_timeout());
         let RoomGrid { chunk_tokens, num_chunks, num_pages } = session.room_grid(room, timeout)?;
         let grid = kvstage_room_grid { struct_size: std::mem::size_of::<kvstage_room_grid>(), chunk_tokens, num_chunks, num_pages };
         unsafe { super::write_versioned(out, grid, "out") }?;
         Ok(Status::KVSTAGE_OK)
     })
+}
+
+/// A room as a sender names it; key 0 is never handed out (a caller that did not pass the key on).
+fn room_ref(room: u64, key: u64, field: &str) -> Result<RoomRef> {
+    if key == 0 {
+        return Err(Error::invalid_arg(
+            field,
+            format!("is 0 for room {room}: pass the key kvstage_room_open returned on the decode side for this opening of the room (send it with the room id through your bootstrap)"),
+        ));
+    }
+    Ok(RoomRef { id: room, key })
 }
 
 /// Milliseconds → timeout: 0 = the engine default, `KVSTAGE_DEADLINE_INFINITE` = none.
@@ -131,6 +151,11 @@ pub struct kvstage_transfer_desc {
     pub cuda_event: *mut std::ffi::c_void,
     /// The caller's value, handed back with this transfer's completion (asynchronous transfers).
     pub user_tag: u64,
+    /// The key `kvstage_room_open` returned on the decode side for this opening of `room`
+    /// (required: 0 is refused). A transfer naming an earlier opening of the room id (released,
+    /// maybe reopened for another request) or a wrong key ends with `KVSTAGE_E_STALE_ROOM` and
+    /// writes nothing.
+    pub room_key: u64,
 }
 
 impl Default for kvstage_transfer_desc {
@@ -145,6 +170,7 @@ impl Default for kvstage_transfer_desc {
             cuda_stream: std::ptr::null_mut(),
             cuda_event: std::ptr::null_mut(),
             user_tag: 0,
+            room_key: 0,
         }
     }
 }
@@ -160,12 +186,21 @@ pub unsafe extern "C" fn kvstage_transfer_desc_init(desc: *mut kvstage_transfer_
 
 /// Size of the first version of `kvstage_transfer_desc` (before the CUDA ready point).
 const TRANSFER_DESC_V1: usize = std::mem::offset_of!(kvstage_transfer_desc, cuda_stream);
+/// Size of the first version with `room_key`, which every transfer needs.
+const TRANSFER_DESC_KEYED: usize = std::mem::offset_of!(kvstage_transfer_desc, room_key) + std::mem::size_of::<u64>();
 
 /// Reads a descriptor. The CUDA ready point is captured here, on the caller's thread, so work the
 /// caller queues on its stream afterwards is not waited for.
 unsafe fn transfer_desc(session: &SenderSession, ptr: *const kvstage_transfer_desc) -> Result<TransferDesc> {
     let engine_default = session.default_timeout();
     let raw: kvstage_transfer_desc = unsafe { versioned_struct(ptr, "desc", TRANSFER_DESC_V1) }?;
+    if raw.struct_size < TRANSFER_DESC_KEYED {
+        return Err(Error::invalid_arg(
+            "desc->struct_size",
+            format!("{} predates `room_key` ({TRANSFER_DESC_KEYED} bytes and up): rebuild against this kvstage.h and set desc->room_key", raw.struct_size),
+        ));
+    }
+    let room = room_ref(raw.room, raw.room_key, "desc->room_key")?;
     let pages = unsafe { slice_arg(raw.src_pages, raw.num_pages, "desc->src_pages") }?;
     if pages.is_empty() {
         return Err(Error::invalid_arg("desc->num_pages", "0 (a chunk holds at least one page)"));
@@ -175,7 +210,7 @@ unsafe fn transfer_desc(session: &SenderSession, ptr: *const kvstage_transfer_de
     }
     let ready = ReadyFence::capture(session.pool(), raw.cuda_stream as usize, raw.cuda_event as usize)?;
     Ok(TransferDesc {
-        room: raw.room,
+        room,
         chunk: raw.chunk_index,
         pages: pages.to_vec(),
         timeout: timeout_ms(raw.deadline_ms).unwrap_or(engine_default),
@@ -349,7 +384,11 @@ pub unsafe extern "C" fn kvstage_op_free(op: *mut kvstage_op) {
 /// Decode side: opens room `room` whose new tokens land in `dst_pages` (the pages after the
 /// decode-side cached prefix, in token order), cut into chunks of `chunk_tokens` tokens (0 =
 /// engine default; rounded down to whole pages). `*num_chunks_out` (may be NULL) receives the
-/// number of chunks the senders must deliver.
+/// number of chunks the senders must deliver; `*room_key_out` (required) this opening's key: a
+/// fresh, unguessable nonzero value each time the id is opened. Send it to the prefill ranks with
+/// the room id and the pages (in the engine's own bootstrap message); their transfers name it in
+/// `kvstage_transfer_desc.room_key`, and a transfer naming another opening (a request this id was
+/// opened for before) is refused with `KVSTAGE_E_STALE_ROOM`, writing nothing.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_room_open(
     engine: *const kvstage_engine,
@@ -358,11 +397,14 @@ pub unsafe extern "C" fn kvstage_room_open(
     num_pages: usize,
     chunk_tokens: u32,
     num_chunks_out: *mut u32,
+    room_key_out: *mut u64,
 ) -> Status {
     ffi_fn!(status {
         let engine = unsafe { borrow_engine(engine, "engine") }?;
         let pages = unsafe { slice_arg(dst_pages, num_pages, "dst_pages") }?;
-        let n = engine.receiver().open_room(room, pages, chunk_tokens)?;
+        let key_out = out_arg(room_key_out, "room_key_out")?;
+        let (n, key) = engine.receiver().open_room(room, pages, chunk_tokens)?;
+        *key_out = key;
         if let Some(out) = unsafe { num_chunks_out.as_mut() } {
             *out = n;
         }

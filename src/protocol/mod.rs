@@ -24,7 +24,8 @@ pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// 4: the same-host exchange (`ShmOffer`, `ShmAnswer`); `Written` reports any in-place write.
 /// 5: after an accepted RDMA offer the sender confirms (or refuses) its own QP setup with a second
 /// `RdmaOffer` before either side uses RDMA.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// 6: every frame that names a room names its opening too ([`RoomRef`]: id and key).
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.
@@ -33,6 +34,26 @@ pub const MAX_HELLO_BODY: u32 = 64 << 10;
 const MAX_TEXT: usize = 16 << 10;
 /// Largest number of layers a shape on the wire may carry.
 const MAX_LAYERS: u32 = 4096;
+
+/// A room as a frame names it: the decode side's room id and the key of the opening the sender
+/// was given (`kvstage_room_open` returns a fresh, unguessable one each time the id is opened), so
+/// a frame meant for an earlier request under the same id, or a guess at another tenant's room,
+/// matches nothing. Displayed as the id alone: the key is a capability and stays out of logs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RoomRef {
+    pub id: u64,
+    pub key: u64,
+}
+
+impl std::fmt::Display for RoomRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.id.fmt(f)
+    }
+}
+
+fn decode_room(d: &mut Dec) -> Result<RoomRef> {
+    Ok(RoomRef { id: d.u64("room")?, key: d.u64("room_key")? })
+}
 
 /// One rank's view of the handshake.
 #[derive(Clone, Debug, PartialEq)]
@@ -57,24 +78,24 @@ pub struct Hello {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Message {
     Hello(Hello),
-    AllocReq { req: u64, room: u64, chunk: u32, writer: u32, tokens: u32, bytes: u64 },
+    AllocReq { req: u64, room: RoomRef, chunk: u32, writer: u32, tokens: u32, bytes: u64 },
     /// `status` 0 = granted `[offset, offset + len)` of ring round `round`, the writer's region at
     /// `region` bytes into it; otherwise a `Status` code with `reason`.
     AllocRsp { req: u64, status: i32, round: u64, offset: u64, len: u64, region: u64, reason: String },
     /// Header of a bulk write: `len` payload bytes follow, to land at `offset` within the allocation.
-    Data { room: u64, chunk: u32, writer: u32, offset: u64, len: u64 },
+    Data { room: RoomRef, chunk: u32, writer: u32, offset: u64, len: u64 },
     /// Completion of one writer's data for a chunk; sent after its `Data` frames in the same stream.
     /// `checksum`: xxh3-64 of the writer's region, when integrity checking covers this chunk.
-    ChunkReady { req: u64, room: u64, chunk: u32, writer: u32, checksum: Option<u64> },
+    ChunkReady { req: u64, room: RoomRef, chunk: u32, writer: u32, checksum: Option<u64> },
     /// Receiver's acknowledgement that a writer's data arrived (status 0) or was rejected.
     Arrived { req: u64, status: i32, reason: String },
     Watermark(Watermark),
     /// Abandon a chunk (or the whole room when `chunk == u32::MAX`).
-    Abort { room: u64, chunk: u32, reason: String },
+    Abort { room: RoomRef, chunk: u32, reason: String },
     /// Slice path: header of one per-token head-slice write; `len` payload bytes follow.
-    Slice { room: u64, chunk: u32, buffer: u32, token: u32, byte_offset: u32, len: u32 },
+    Slice { room: RoomRef, chunk: u32, buffer: u32, token: u32, byte_offset: u32, len: u32 },
     /// Slice path completion, acknowledged with `Arrived`.
-    SliceDone { req: u64, room: u64, chunk: u32 },
+    SliceDone { req: u64, room: RoomRef, chunk: u32 },
     /// RDMA: the sender's queue pairs and ports (after the handshake, before any transfer).
     RdmaOffer(RdmaOffer),
     /// RDMA: the receiver's queue pairs and registered ring, or why it cannot serve RDMA.
@@ -83,7 +104,7 @@ pub enum Message {
     /// same-host mapping of the ring (no payload follows); over RDMA `imm` is the immediate of the
     /// WRITE_WITH_IMM that completed them, 0 for a piece of a layer-wise region (whose immediate
     /// follows the last piece) and on the same-host path. Receivers do not rely on it.
-    Written { room: u64, chunk: u32, writer: u32, offset: u64, len: u64, imm: u32 },
+    Written { room: RoomRef, chunk: u32, writer: u32, offset: u64, len: u64, imm: u32 },
     /// Same host: the sender listens on the abstract Unix socket `socket` and asks for the ring's
     /// descriptor there, presented with `nonce`.
     ShmOffer { socket: String, nonce: Vec<u8> },
@@ -91,7 +112,7 @@ pub enum Message {
     /// `ring_len` bytes there; otherwise a `Status` code with `reason`.
     ShmAnswer { status: i32, local: bool, ring_len: u64, reason: String },
     /// The sender asks for the chunk grid of a room open on the receiver.
-    GridReq { req: u64, room: u64 },
+    GridReq { req: u64, room: RoomRef },
     /// `status` 0: the room's pages split into `num_chunks` chunks of `chunk_tokens` tokens (the
     /// last one may be shorter); otherwise a `Status` code with `reason`.
     GridRsp { req: u64, status: i32, chunk_tokens: u32, num_chunks: u32, num_pages: u32, reason: String },
@@ -183,16 +204,16 @@ impl Message {
                 e.bytes(&h.token).u8(h.integrity);
             }
             Message::AllocReq { req, room, chunk, writer, tokens, bytes } => {
-                e.u8(T_ALLOC_REQ).u64(*req).u64(*room).u32(*chunk).u32(*writer).u32(*tokens).u64(*bytes);
+                e.u8(T_ALLOC_REQ).u64(*req).u64(room.id).u64(room.key).u32(*chunk).u32(*writer).u32(*tokens).u64(*bytes);
             }
             Message::AllocRsp { req, status, round, offset, len, region, reason } => {
                 e.u8(T_ALLOC_RSP).u64(*req).i32(*status).u64(*round).u64(*offset).u64(*len).u64(*region).str(reason);
             }
             Message::Data { room, chunk, writer, offset, len } => {
-                e.u8(T_DATA).u64(*room).u32(*chunk).u32(*writer).u64(*offset).u64(*len);
+                e.u8(T_DATA).u64(room.id).u64(room.key).u32(*chunk).u32(*writer).u64(*offset).u64(*len);
             }
             Message::ChunkReady { req, room, chunk, writer, checksum } => {
-                e.u8(T_CHUNK_READY).u64(*req).u64(*room).u32(*chunk).u32(*writer);
+                e.u8(T_CHUNK_READY).u64(*req).u64(room.id).u64(room.key).u32(*chunk).u32(*writer);
                 match checksum {
                     Some(c) => e.u8(1).u64(*c),
                     None => e.u8(0),
@@ -205,13 +226,13 @@ impl Message {
                 e.u8(T_WATERMARK).u64(w.round).u64(w.offset);
             }
             Message::Abort { room, chunk, reason } => {
-                e.u8(T_ABORT).u64(*room).u32(*chunk).str(reason);
+                e.u8(T_ABORT).u64(room.id).u64(room.key).u32(*chunk).str(reason);
             }
             Message::Slice { room, chunk, buffer, token, byte_offset, len } => {
-                e.u8(T_SLICE).u64(*room).u32(*chunk).u32(*buffer).u32(*token).u32(*byte_offset).u32(*len);
+                e.u8(T_SLICE).u64(room.id).u64(room.key).u32(*chunk).u32(*buffer).u32(*token).u32(*byte_offset).u32(*len);
             }
             Message::SliceDone { req, room, chunk } => {
-                e.u8(T_SLICE_DONE).u64(*req).u64(*room).u32(*chunk);
+                e.u8(T_SLICE_DONE).u64(*req).u64(room.id).u64(room.key).u32(*chunk);
             }
             Message::RdmaOffer(o) => {
                 e.u8(T_RDMA_OFFER);
@@ -228,10 +249,10 @@ impl Message {
                 e.u8(T_SHM_ANSWER).i32(*status).u8(*local as u8).u64(*ring_len).str(reason);
             }
             Message::Written { room, chunk, writer, offset, len, imm } => {
-                e.u8(T_WRITTEN).u64(*room).u32(*chunk).u32(*writer).u64(*offset).u64(*len).u32(*imm);
+                e.u8(T_WRITTEN).u64(room.id).u64(room.key).u32(*chunk).u32(*writer).u64(*offset).u64(*len).u32(*imm);
             }
             Message::GridReq { req, room } => {
-                e.u8(T_GRID_REQ).u64(*req).u64(*room);
+                e.u8(T_GRID_REQ).u64(*req).u64(room.id).u64(room.key);
             }
             Message::GridRsp { req, status, chunk_tokens, num_chunks, num_pages, reason } => {
                 e.u8(T_GRID_RSP).u64(*req).i32(*status).u32(*chunk_tokens).u32(*num_chunks).u32(*num_pages).str(reason);
@@ -274,7 +295,7 @@ impl Message {
             }
             T_ALLOC_REQ => Message::AllocReq {
                 req: d.u64("req")?,
-                room: d.u64("room")?,
+                room: decode_room(&mut d)?,
                 chunk: d.u32("chunk")?,
                 writer: d.u32("writer")?,
                 tokens: d.u32("tokens")?,
@@ -290,7 +311,7 @@ impl Message {
                 reason: d.str("reason", MAX_TEXT)?,
             },
             T_DATA => Message::Data {
-                room: d.u64("room")?,
+                room: decode_room(&mut d)?,
                 chunk: d.u32("chunk")?,
                 writer: d.u32("writer")?,
                 offset: d.u64("offset")?,
@@ -298,7 +319,7 @@ impl Message {
             },
             T_CHUNK_READY => Message::ChunkReady {
                 req: d.u64("req")?,
-                room: d.u64("room")?,
+                room: decode_room(&mut d)?,
                 chunk: d.u32("chunk")?,
                 writer: d.u32("writer")?,
                 checksum: match d.u8("checksum flag")? {
@@ -309,16 +330,16 @@ impl Message {
             },
             T_ARRIVED => Message::Arrived { req: d.u64("req")?, status: d.i32("status")?, reason: d.str("reason", MAX_TEXT)? },
             T_WATERMARK => Message::Watermark(Watermark { round: d.u64("round")?, offset: d.u64("offset")? }),
-            T_ABORT => Message::Abort { room: d.u64("room")?, chunk: d.u32("chunk")?, reason: d.str("reason", MAX_TEXT)? },
+            T_ABORT => Message::Abort { room: decode_room(&mut d)?, chunk: d.u32("chunk")?, reason: d.str("reason", MAX_TEXT)? },
             T_SLICE => Message::Slice {
-                room: d.u64("room")?,
+                room: decode_room(&mut d)?,
                 chunk: d.u32("chunk")?,
                 buffer: d.u32("buffer")?,
                 token: d.u32("token")?,
                 byte_offset: d.u32("byte_offset")?,
                 len: d.u32("len")?,
             },
-            T_SLICE_DONE => Message::SliceDone { req: d.u64("req")?, room: d.u64("room")?, chunk: d.u32("chunk")? },
+            T_SLICE_DONE => Message::SliceDone { req: d.u64("req")?, room: decode_room(&mut d)?, chunk: d.u32("chunk")? },
             T_RDMA_OFFER => Message::RdmaOffer(RdmaOffer::decode(d.rest())?),
             T_RDMA_ANSWER => Message::RdmaAnswer(RdmaOffer::decode(d.rest())?),
             T_SHM_OFFER => Message::ShmOffer { socket: d.str("socket", MAX_TEXT)?, nonce: d.bytes("nonce", MAX_TEXT)? },
@@ -333,14 +354,14 @@ impl Message {
                 reason: d.str("reason", MAX_TEXT)?,
             },
             T_WRITTEN => Message::Written {
-                room: d.u64("room")?,
+                room: decode_room(&mut d)?,
                 chunk: d.u32("chunk")?,
                 writer: d.u32("writer")?,
                 offset: d.u64("offset")?,
                 len: d.u64("len")?,
                 imm: d.u32("imm")?,
             },
-            T_GRID_REQ => Message::GridReq { req: d.u64("req")?, room: d.u64("room")? },
+            T_GRID_REQ => Message::GridReq { req: d.u64("req")?, room: decode_room(&mut d)? },
             T_GRID_RSP => Message::GridRsp {
                 req: d.u64("req")?,
                 status: d.i32("status")?,
@@ -481,22 +502,22 @@ mod tests {
                 token: b"secret".to_vec(),
                 integrity: 2,
             }),
-            Message::AllocReq { req: 7, room: 9, chunk: 2, writer: 1, tokens: 64, bytes: 4096 },
+            Message::AllocReq { req: 7, room: RoomRef { id: 9, key: 0x5eed_9 }, chunk: 2, writer: 1, tokens: 64, bytes: 4096 },
             Message::AllocRsp { req: 7, status: -13, round: 1, offset: 2, len: 3, region: 4, reason: "too big".into() },
-            Message::Data { room: 1, chunk: 2, writer: 3, offset: 4, len: 5 },
-            Message::ChunkReady { req: 1, room: 2, chunk: 3, writer: 4, checksum: Some(0xfeed) },
-            Message::ChunkReady { req: 1, room: 2, chunk: 3, writer: 4, checksum: None },
+            Message::Data { room: RoomRef { id: 1, key: 0x5eed_1 }, chunk: 2, writer: 3, offset: 4, len: 5 },
+            Message::ChunkReady { req: 1, room: RoomRef { id: 2, key: 0x5eed_2 }, chunk: 3, writer: 4, checksum: Some(0xfeed) },
+            Message::ChunkReady { req: 1, room: RoomRef { id: 2, key: 0x5eed_2 }, chunk: 3, writer: 4, checksum: None },
             Message::Arrived { req: 1, status: 0, reason: String::new() },
             Message::Watermark(Watermark { round: 5, offset: 6 }),
-            Message::Abort { room: 1, chunk: u32::MAX, reason: "canceled".into() },
-            Message::Slice { room: 1, chunk: 0, buffer: 3, token: 17, byte_offset: 256, len: 512 },
-            Message::SliceDone { req: 4, room: 1, chunk: 0 },
+            Message::Abort { room: RoomRef { id: 1, key: 0x5eed_1 }, chunk: u32::MAX, reason: "canceled".into() },
+            Message::Slice { room: RoomRef { id: 1, key: 0x5eed_1 }, chunk: 0, buffer: 3, token: 17, byte_offset: 256, len: 512 },
+            Message::SliceDone { req: 4, room: RoomRef { id: 1, key: 0x5eed_1 }, chunk: 0 },
             Message::RdmaOffer(rdma_offer()),
             Message::RdmaAnswer(RdmaOffer::refusal(Status::KVSTAGE_E_NO_DEVICE, "no device")),
-            Message::Written { room: 1, chunk: 2, writer: 3, offset: 4, len: 5, imm: 6 },
+            Message::Written { room: RoomRef { id: 1, key: 0x5eed_1 }, chunk: 2, writer: 3, offset: 4, len: 5, imm: 6 },
             Message::ShmOffer { socket: "kvstage-shm-1-ab".into(), nonce: vec![7; 16] },
             Message::ShmAnswer { status: 0, local: true, ring_len: 1 << 20, reason: String::new() },
-            Message::GridReq { req: 7, room: 8 },
+            Message::GridReq { req: 7, room: RoomRef { id: 8, key: 0x5eed_8 } },
             Message::GridRsp { req: 9, status: 0, chunk_tokens: 64, num_chunks: 3, num_pages: 10, reason: String::new() },
         ]
     }

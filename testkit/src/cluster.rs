@@ -4,7 +4,8 @@
 //!
 //! Child commands (one line each, one reply line each):
 //! `room ID [K]` opens room ID on every decode rank (with K: only the first K pages of each chunk,
-//! in chunks of K pages, for runs that send partial chunks) · `wait ID` waits until it is scattered everywhere ·
+//! in chunks of K pages, for runs that send partial chunks) and answers `keys KEY0 KEY1 ...`, each
+//! decode rank's key of this opening (what an engine's bootstrap carries) · `wait ID` waits until it is scattered everywhere ·
 //! `verify ID` compares the decode pools with the reference · `release ID` · `raw BYTES [STREAMS]`
 //! accepts STREAMS (default 1) connections on the raw TCP listener, reads each until its sender
 //! shuts it down, acknowledges each, and answers `raw TOTAL` · `watch ID` reports room ID's end
@@ -26,6 +27,7 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
 use kvstage::geometry::{self, ModelKind};
+use kvstage::protocol::RoomRef;
 use kvstage::session::notify::Completion;
 use kvstage::session::op::Op;
 use kvstage::session::sender::{SenderSession, TransferDesc};
@@ -288,14 +290,16 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
         let per_chunk: Option<usize> = words.next().and_then(|w| w.parse().ok());
         let reply = match cmd {
             "room" => {
+                let mut keys = "keys".to_owned();
                 for (rd, (engine, _)) in ranks.iter().enumerate() {
                     let (pages, tokens) = match per_chunk {
                         Some(k) => (setup.decode_pages_limited(rd as u32, arg, k), k as u32 * setup.page_size),
                         None => (setup.decode_pages(rd as u32, arg), setup.chunk_tokens),
                     };
-                    engine.receiver().open_room(arg, &pages, tokens)?;
+                    let (_, key) = engine.receiver().open_room(arg, &pages, tokens)?;
+                    keys.push_str(&format!(" {key}"));
                 }
-                "ok".to_owned()
+                keys
             }
             "wait" => {
                 let mut status = "ok".to_owned();
@@ -500,6 +504,17 @@ impl DecodeChild {
         self.child.id()
     }
 
+    /// Opens room `room` on every decode rank (`per_chunk`: only the first pages of each chunk, see
+    /// the module doc) and returns each rank's key of the opening.
+    pub fn open_room(&mut self, room: u64, per_chunk: Option<usize>) -> Result<RoomKeys> {
+        let reply = self.command(&match per_chunk {
+            Some(k) => format!("room {room} {k}"),
+            None => format!("room {room}"),
+        })?;
+        let keys: Option<Vec<u64>> = reply.strip_prefix("keys ").map(|k| k.split_whitespace().map(str::parse).collect::<std::result::Result<_, _>>().ok()).flatten();
+        keys.map(|keys| RoomKeys { id: room, keys }).ok_or_else(|| Error::internal(format!("bad reply to room: '{reply}'")))
+    }
+
     /// Asks the child to report room `room`'s end through [`next_done`](Self::next_done).
     pub fn watch(&mut self, room: u64) -> Result<()> {
         self.command(&format!("watch {room}")).map(|_| ())
@@ -539,6 +554,20 @@ impl Drop for DecodeChild {
     }
 }
 
+/// A room opened on every decode rank: its id and each rank's key of the opening.
+#[derive(Clone, Debug)]
+pub struct RoomKeys {
+    pub id: u64,
+    pub keys: Vec<u64>,
+}
+
+impl RoomKeys {
+    /// The room as a sender to decode rank `rank` names it.
+    pub fn at(&self, rank: u32) -> RoomRef {
+        RoomRef { id: self.id, key: self.keys.get(rank as usize).copied().unwrap_or(0) }
+    }
+}
+
 /// The prefill side: one engine, filled pool and sessions per prefill rank.
 pub struct Prefill {
     pub ranks: Vec<PrefillRank>,
@@ -549,6 +578,8 @@ pub struct PrefillRank {
     pub engine: Engine,
     pub pool: HostPool,
     pub sessions: Vec<Arc<SenderSession>>,
+    /// The decode rank each session writes to.
+    pub targets: Vec<u32>,
 }
 
 impl Prefill {
@@ -565,17 +596,18 @@ impl Prefill {
             pool.fill(&setup.prefill_pages(rank), 0);
             engine.register_pool(pool.layout.clone())?;
             let mut sessions = Vec::new();
-            for rd in setup.targets(rank) {
+            let targets = setup.targets(rank);
+            for &rd in &targets {
                 sessions.push(engine.connect(&addrs[rd as usize], &format!("p{rank}-d{rd}"), None)?);
             }
-            ranks.push(PrefillRank { rank, engine, pool, sessions });
+            ranks.push(PrefillRank { rank, engine, pool, sessions, targets });
         }
         Ok(Prefill { ranks })
     }
 
     /// Sends every chunk of `room` from every prefill rank (one thread per rank). `pages_limit`
     /// sends only the first pages of each chunk (time-boxed slice runs). Returns the writes issued.
-    pub fn send_room(&self, setup: &Setup, room: u64, staged: bool, pages_limit: Option<usize>) -> Result<u64> {
+    pub fn send_room(&self, setup: &Setup, room: &RoomKeys, staged: bool, pages_limit: Option<usize>) -> Result<u64> {
         let grid = setup.grid_pages();
         let results: Vec<Result<u64>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
@@ -587,9 +619,9 @@ impl Prefill {
                         let mut writes = 0u64;
                         for (chunk, chunk_pages) in pages.chunks(grid).enumerate() {
                             let chunk_pages = &chunk_pages[..pages_limit.unwrap_or(usize::MAX).min(chunk_pages.len())];
-                            for session in &r.sessions {
+                            for (session, &rd) in r.sessions.iter().zip(&r.targets) {
                                 let desc = TransferDesc {
-                                    room,
+                                    room: room.at(rd),
                                     chunk: chunk as u32,
                                     pages: chunk_pages.to_vec(),
                                     timeout: Some(Duration::from_secs(600)),
@@ -616,17 +648,17 @@ impl Prefill {
     /// engines' transfer workers (`transfer_async`, staged path) and returns the operations at
     /// once, chunk by chunk in request order. `timeout` runs from now (queued time counts).
     /// `layer_wise`: each operation waits for its layers to be marked ready on its gate.
-    pub fn submit_room(&self, setup: &Setup, room: u64, timeout: Duration, layer_wise: bool) -> Result<Vec<Arc<Op>>> {
+    pub fn submit_room(&self, setup: &Setup, room: &RoomKeys, timeout: Duration, layer_wise: bool) -> Result<Vec<Arc<Op>>> {
         let grid = setup.grid_pages();
         let pages: Vec<Vec<u32>> = self.ranks.iter().map(|r| setup.prefill_pages(r.rank)).collect();
         let mut ops = Vec::new();
         for chunk in 0..setup.chunks() {
             for (r, rank_pages) in self.ranks.iter().zip(&pages) {
                 let Some(chunk_pages) = rank_pages.chunks(grid).nth(chunk) else { continue };
-                for session in &r.sessions {
+                for (session, &rd) in r.sessions.iter().zip(&r.targets) {
                     let layers = layer_wise.then(|| session.layer_gate());
-                    let desc = TransferDesc { room, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(timeout), layers, ..Default::default() };
-                    let tag = (room << 24) | ops.len() as u64;
+                    let desc = TransferDesc { room: room.at(rd), chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(timeout), layers, ..Default::default() };
+                    let tag = (room.id << 24) | ops.len() as u64;
                     ops.push(session.transfer_async(desc, false, tag)?);
                 }
             }

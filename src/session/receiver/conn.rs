@@ -12,7 +12,7 @@ use super::state::{ConnInfo, ConnId, Target};
 use super::{reply_deadline, Receiver};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{Fingerprint, ModelKind, PoolShape};
-use crate::protocol::{Hello, Message, PROTOCOL_VERSION};
+use crate::protocol::{Hello, Message, RoomRef, PROTOCOL_VERSION};
 use crate::ring::Watermark;
 use crate::session::{pairing, tokens_match, Deadline, Integrity};
 use crate::transport::faults::FaultyTransport;
@@ -379,7 +379,7 @@ impl Receiver {
         &self,
         id: ConnId,
         session: &str,
-        room: u64,
+        room: RoomRef,
         chunk: u32,
         writer: u32,
         checksum: Option<u64>,
@@ -392,7 +392,7 @@ impl Receiver {
             Err(e) => return (Err(e), Default::default()),
         };
         let verified = match checksum {
-            None if integrity.covers(room, chunk) => Err(Error::new(
+            None if integrity.covers(room.id, chunk) => Err(Error::new(
                 Status::KVSTAGE_E_INTEGRITY,
                 format!("room {room} chunk {chunk} writer {writer} arrived without the checksum this receiver requires"),
             )),

@@ -71,6 +71,18 @@ fn reply_deadline() -> Deadline {
     Deadline::after(Some(REPLY_DEADLINE))
 }
 
+/// A fresh opening key: 64 bits from the kernel's random source (never 0), so a holder of the
+/// cluster token cannot name another request's room without having been told its key.
+fn new_room_key() -> Result<u64> {
+    loop {
+        let bytes = crate::transport::shm::fdpass::random_bytes(8)?;
+        let key = u64::from_le_bytes(bytes.try_into().expect("8 bytes"));
+        if key != 0 {
+            return Ok(key);
+        }
+    }
+}
+
 /// Counters of the receiver (engine stats).
 #[derive(Default)]
 pub struct ReceiverCounters {
@@ -306,14 +318,16 @@ impl Receiver {
     }
 
     /// Opens a room: the decode pages that receive the request's new tokens (after the decode
-    /// side's cached prefix), split into chunks of `chunk_tokens` on the page grid.
-    pub fn open_room(&self, room: u64, pages: &[u32], chunk_tokens: u32) -> Result<u32> {
+    /// side's cached prefix), split into chunks of `chunk_tokens` on the page grid. Returns its
+    /// chunk count and the opening's key, which the senders of this request must name.
+    pub fn open_room(&self, room: u64, pages: &[u32], chunk_tokens: u32) -> Result<(u32, u64)> {
         let pool = self.pool()?;
         pool.check_pages(pages, "dst_pages")?;
         let chunk_tokens = if chunk_tokens == 0 { self.config.chunk_tokens } else { chunk_tokens };
         let grid_pages = (geometry::grid_tokens(chunk_tokens, pool.shape.page_size) / pool.shape.page_size) as usize;
         let expires = self.config.room_timeout.map(|t| Instant::now() + t);
-        self.with_state(|st| st.open_room(room, pages, grid_pages, expires))
+        let key = new_room_key()?;
+        self.with_state(|st| st.open_room(room, key, pages, grid_pages, expires)).map(|n| (n, key))
     }
 
     /// Waits until every chunk of `room` is scattered (OK), the room failed (its error) or the deadline.

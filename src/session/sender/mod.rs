@@ -31,7 +31,7 @@ use super::workers::Workers;
 use crate::copy::{CopyEngine, ReadyFence};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{self, Fingerprint, KvLayout, MemoryKind};
-use crate::protocol::{self, Hello, Message, PROTOCOL_VERSION};
+use crate::protocol::{self, Hello, Message, RoomRef, PROTOCOL_VERSION};
 use crate::ring::Watermark;
 use crate::transport::faults::FaultyTransport;
 use crate::transport::shm::Negotiated;
@@ -97,7 +97,8 @@ pub struct RoomGrid {
 /// One chunk to send: the prefill pages holding its tokens, in chunk order.
 #[derive(Clone, Debug, Default)]
 pub struct TransferDesc {
-    pub room: u64,
+    /// The decode room and the key of its opening the decode side handed out.
+    pub room: RoomRef,
     pub chunk: u32,
     pub pages: Vec<u32>,
     pub timeout: Option<Duration>,
@@ -165,10 +166,10 @@ pub struct SenderSession {
     peer: SocketAddr,
     /// A fallback to the slice path was logged (warn once per session, then debug).
     fallback_logged: AtomicBool,
-    /// (room, chunk) of the transfers running on this session: one at a time each, because the
-    /// receiver knows a writer's chunk by (connection, room, chunk) and an abort for one would end
-    /// the other's quarantine while it may still write in place.
-    running: Mutex<HashSet<(u64, u32)>>,
+    /// (room opening, chunk) of the transfers running on this session: one at a time each,
+    /// because the receiver knows a writer's chunk by (connection, room opening, chunk) and an
+    /// abort for one would end the other's quarantine while it may still write in place.
+    running: Mutex<HashSet<(RoomRef, u32)>>,
     /// This session's counters and the engine's.
     metrics: SendMetrics,
     /// How chunks move; `downgraded`: a faster path was asked for (auto) and counted as a
@@ -387,7 +388,7 @@ impl SenderSession {
     /// cover (pages `[k · chunk_tokens / page_size, …)` of the room, the last chunk possibly
     /// shorter). Fails as the receiver says (`KVSTAGE_E_INVALID_ARG` for a room it has not opened
     /// yet) or when `timeout` (`None`: no limit) passes.
-    pub fn room_grid(&self, room: u64, timeout: Option<Duration>) -> Result<RoomGrid> {
+    pub fn room_grid(&self, room: RoomRef, timeout: Option<Duration>) -> Result<RoomGrid> {
         let deadline = Deadline::after(timeout);
         let pending = self.expect_reply();
         self.link.send(&Message::GridReq { req: pending.req, room }, &deadline)?;
@@ -460,7 +461,7 @@ impl SenderSession {
 /// A (room, chunk) running on a session, released on drop.
 struct RunningChunk<'a> {
     session: &'a SenderSession,
-    key: (u64, u32),
+    key: (RoomRef, u32),
 }
 
 impl<'a> RunningChunk<'a> {

@@ -243,7 +243,7 @@ impl SenderSession {
     /// The checksum of a writer's gathered region when integrity covers the chunk; `sum`
     /// computes it (reading device memory back when it must), called only then.
     pub(super) fn region_checksum(&self, desc: &TransferDesc, sum: impl FnOnce() -> Result<u64>) -> Result<Option<u64>> {
-        self.integrity.covers(desc.room, desc.chunk).then(sum).transpose()
+        self.integrity.covers(desc.room.id, desc.chunk).then(sum).transpose()
     }
 
     /// Writes `[at, +len)` of the region gathered in `staging` (whole, with its `ready`; or a

@@ -96,9 +96,9 @@ fn run(s: &Setup, slice: bool) -> Result<bool, Error> {
         }
         let label = if staged { "staged path" } else { "slice path " };
         let bar = spinner(format!("{}: {bytes} bytes, then the decode pool check", label.trim_end()));
-        child.command(&format!("room {room}"))?;
+        let keys = child.open_room(room, None)?;
         let start = Instant::now();
-        let writes = prefill.send_room(s, room, staged, None)?;
+        let writes = prefill.send_room(s, &keys, staged, None)?;
         child.command(&format!("wait {room}"))?;
         let secs = start.elapsed().as_secs_f64();
         let (bad, first) = child.verify(room)?;

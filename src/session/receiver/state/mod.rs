@@ -17,6 +17,9 @@
 //!   arrived and every scatter of it ended;
 //! - a released room leaves only when no lease on its pages (slice reads, scatter) is left, and its
 //!   id can be opened again only then; stale leases name the room's generation, never a newer room;
+//! - every frame names the room's opening by its key: one naming another opening (a stale writer
+//!   of the request the id was opened for before, a guess) is refused, claims nothing, fails
+//!   nothing and does not end its session;
 //! - events are bounded (overflow is counted).
 
 use std::collections::{HashMap, VecDeque};
@@ -24,6 +27,7 @@ use std::time::Instant;
 
 use crate::error::{Error, FieldMismatch, Result, Status};
 use crate::geometry::{self, PoolShape, StagingLayout};
+use crate::protocol::RoomRef;
 use crate::ring::{Grant, Ring, Watermark};
 use crate::session::receiver::coverage::Coverage;
 use crate::session::receiver::extents::Extents;
@@ -121,6 +125,8 @@ pub struct Failure {
 #[derive(Clone, Debug)]
 struct Room {
     gen: u64,
+    /// The opening's key: frames naming another are refused.
+    key: u64,
     pages: Vec<u32>,
     grid_pages: usize,
     chunks: Vec<Chunk>,
@@ -157,7 +163,7 @@ impl Room {
 struct GrantState {
     grant: Grant,
     /// The chunk it was granted for (an RDMA writer's abort or ready names it).
-    room: u64,
+    room: RoomRef,
     chunk: u32,
     /// Payload reads (by connection) and scatters (`None`) using it right now.
     pins: Vec<Option<ConnId>>,
@@ -298,6 +304,17 @@ pub struct State {
 
 fn protocol(why: impl Into<String>) -> Error {
     Error::new(Status::KVSTAGE_E_PROTOCOL, why)
+}
+
+/// A frame or lease for an opening of `room` that is not the open one. The open one's key is not
+/// named: a guesser learns nothing.
+fn stale(room: u64) -> Error {
+    Error::new(
+        Status::KVSTAGE_E_STALE_ROOM,
+        format!(
+            "room {room}: the room key names an earlier or unknown opening of it, not the open one (the decode side released the room this transfer was for and may have opened the id again for another request; nothing was written)"
+        ),
+    )
 }
 
 fn mismatch(field: &str, ours: u32, theirs: u32) -> Option<FieldMismatch> {
@@ -548,9 +565,13 @@ impl State {
 
     // --- rooms -----------------------------------------------------------------------------------
 
-    /// Opens `room` over `pages`, `grid_pages` pages a chunk. A room id still open, or still being
-    /// released, is refused.
-    pub fn open_room(&mut self, room: u64, pages: &[u32], grid_pages: usize, expires: Option<Instant>) -> Result<u32> {
+    /// Opens `room` over `pages`, `grid_pages` pages a chunk, as the opening `key` (nonzero, unique
+    /// to this opening: frames must name it). A room id still open, or still being released, is
+    /// refused.
+    pub fn open_room(&mut self, room: u64, key: u64, pages: &[u32], grid_pages: usize, expires: Option<Instant>) -> Result<u32> {
+        if key == 0 {
+            return Err(Error::internal("room key 0 (keys are nonzero)"));
+        }
         if pages.is_empty() {
             return Err(Error::invalid_arg("num_pages", "0 (a room needs at least one page)"));
         }
@@ -578,6 +599,7 @@ impl State {
             room,
             Room {
                 gen,
+                key,
                 pages: pages.to_vec(),
                 grid_pages,
                 chunks: vec![chunk; num_chunks],
@@ -628,9 +650,9 @@ impl State {
     }
 
     /// The chunk grid of open `room` as `conn` sees it: (tokens per chunk, chunks, pages).
-    pub fn room_grid(&self, conn: ConnId, room: u64) -> Result<(u32, u32, u32)> {
+    pub fn room_grid(&self, conn: ConnId, room: RoomRef) -> Result<(u32, u32, u32)> {
         let page_size = self.conn(conn)?.dst.page_size;
-        if !self.rooms.contains_key(&room) {
+        if !self.rooms.contains_key(&room.id) {
             // Not opened yet (or long gone): the caller may ask again once the decode side opened it.
             return Err(Error::invalid_arg("room", format!("{room} is not open on the receiver (yet)")));
         }
@@ -751,15 +773,22 @@ impl State {
     }
 
     /// The room a frame names, when it can still take data; otherwise why not (no error for the
-    /// session: a late frame for a released, failed or reopened room is discarded).
-    fn live_room(&self, room: u64) -> std::result::Result<&Room, Error> {
-        match self.rooms.get(&room) {
+    /// session: a late frame for a released, failed or reopened room, or for another opening, is
+    /// discarded).
+    fn live_room(&self, at: RoomRef) -> std::result::Result<&Room, Error> {
+        match self.rooms.get(&at.id) {
+            Some(r) if r.key != at.key => Err(stale(at.id)),
             Some(r) if r.live() => Ok(r),
-            Some(r) => Err(match &r.failure {
-                Some(f) => Error::new(f.code, format!("room {room} failed: {}", f.why)),
-                None => Error::new(Status::KVSTAGE_E_CANCELED, format!("room {room} was released by the receiver")),
-            }),
-            None => Err(Error::new(Status::KVSTAGE_E_CANCELED, format!("room {room} is not open on the receiver"))),
+            _ => Err(self.closed(at.id)),
+        }
+    }
+
+    /// Why the room under id `room` takes no more data (failed, released, not open).
+    fn closed(&self, room: u64) -> Error {
+        match self.rooms.get(&room) {
+            Some(Room { failure: Some(f), .. }) => Error::new(f.code, format!("room {room} failed: {}", f.why)),
+            Some(_) => Error::new(Status::KVSTAGE_E_CANCELED, format!("room {room} was released by the receiver")),
+            None => Error::new(Status::KVSTAGE_E_CANCELED, format!("room {room} is not open on the receiver")),
         }
     }
 

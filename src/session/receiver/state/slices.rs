@@ -23,7 +23,7 @@ impl State {
     pub fn begin_slice(
         &mut self,
         conn: ConnId,
-        room: u64,
+        at: RoomRef,
         chunk: u32,
         buffer: u32,
         token: u32,
@@ -31,7 +31,8 @@ impl State {
         len: u32,
     ) -> Result<Target<SliceLease>> {
         let info = self.conn(conn)?.clone();
-        let r = match self.live_room(room) {
+        let room = at.id;
+        let r = match self.live_room(at) {
             Ok(r) => r,
             Err(e) => return Ok(Target::Discard(e)),
         };
@@ -119,11 +120,12 @@ impl State {
 
     /// A slice writer says its rows are complete: accepted only when every row it owes arrived.
     /// Errors are replied; a writer that owns the slot and is short fails the room.
-    pub fn slice_done(&mut self, conn: ConnId, room: u64, chunk: u32) -> Result<()> {
+    pub fn slice_done(&mut self, conn: ConnId, at: RoomRef, chunk: u32) -> Result<()> {
         let info = self.conn(conn)?;
         let session = info.session.clone();
         info.pairing.writer()?;
-        let r = self.live_room(room)?;
+        let room = at.id;
+        let r = self.live_room(at)?;
         let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("slices done for chunk {chunk} past room {room}")))?;
         if let Some(why) = slices_refused(info, c, room, chunk) {
             return Err(why);

@@ -8,7 +8,7 @@ impl State {
 
     /// An allocation request from `conn` for its region of (room, chunk): the grant and the
     /// region's offset within it. Errors are replied to the sender; none ends the session.
-    pub fn allocate(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, tokens: u32, bytes: u64) -> Result<(Grant, u64)> {
+    pub fn allocate(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, tokens: u32, bytes: u64) -> Result<(Grant, u64)> {
         let info = self.conn(conn)?.clone();
         let writer = info.pairing.writer()?;
         if claimed != writer {
@@ -16,9 +16,9 @@ impl State {
         }
         // A same-host writer would write a grant of the new ring into its mapping of the old one.
         self.check_mapping(conn)?;
-        self.live_room(room)?;
+        let room = self.live_room(at).map(|_| at.id)?;
         self.check_prefill(room, &info.src)?;
-        let r = self.live_room(room)?;
+        let r = self.live_room(at)?;
         let num_chunks = r.chunks.len();
         let c = r.chunks.get(chunk as usize).ok_or_else(|| {
             protocol(format!("chunk {chunk} is past room {room}'s {num_chunks} chunks (0 .. {})", num_chunks.saturating_sub(1)))
@@ -65,7 +65,7 @@ impl State {
                 let ring = self.ring.as_mut().ok_or_else(|| Error::new(Status::KVSTAGE_E_STAGING_TOO_SMALL, "no staging ring registered"))?;
                 let g = ring.assign(bytes).map_err(|e| Error::new(Status::KVSTAGE_E_OVERSIZED, e.to_string()))?;
                 self.metrics.ring_high_water = self.metrics.ring_high_water.max(ring.occupied());
-                self.grants.insert(g.id, GrantState { grant: g, room, chunk, pins: Vec::new(), remote_writers: Vec::new(), freeing: false });
+                self.grants.insert(g.id, GrantState { grant: g, room: at, chunk, pins: Vec::new(), remote_writers: Vec::new(), freeing: false });
                 g.id
             }
         };
@@ -88,8 +88,9 @@ impl State {
     /// Checks a staged write of `len` bytes at `offset` (allocation-relative) by `conn`. An `Err`
     /// ends the session (the frame lies about what this connection owns); a closed room's write
     /// is discarded.
-    pub fn begin_data(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<WriteLease>> {
-        let (grant, slot, offset) = match self.check_write(conn, room, chunk, claimed, offset, len)? {
+    pub fn begin_data(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<WriteLease>> {
+        let room = at.id;
+        let (grant, slot, offset) = match self.check_write(conn, at, chunk, claimed, offset, len)? {
             Target::Land(v) => v,
             Target::Discard(e) => return Ok(Target::Discard(e)),
         };
@@ -110,12 +111,13 @@ impl State {
     }
 
     /// Validates a write and returns (grant id, slot, allocation-relative offset).
-    fn check_write(&self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<(u64, u32, u64)>> {
+    fn check_write(&self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<(u64, u32, u64)>> {
         let writer = self.conn(conn)?.pairing.writer()?;
         if claimed != writer {
             return Err(protocol(format!("data for writer {claimed} from writer {writer}")));
         }
-        let r = match self.live_room(room) {
+        let room = at.id;
+        let r = match self.live_room(at) {
             Ok(r) => r,
             Err(e) => return Ok(Target::Discard(e)),
         };
@@ -164,11 +166,12 @@ impl State {
 
     /// An in-place write report (RDMA WRITE, same-host mapping): the bytes are already in the
     /// ring; count them if they were the connection's to write. `Err` ends the session.
-    pub fn written_in_place(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<()> {
+    pub fn written_in_place(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<()> {
         if !self.conn(conn)?.in_place {
             return Err(protocol("an in-place write report on a session that does not write in place"));
         }
-        if let Target::Land((_, index, _)) = self.check_write(conn, room, chunk, claimed, offset, len)? {
+        let room = at.id;
+        if let Target::Land((_, index, _)) = self.check_write(conn, at, chunk, claimed, offset, len)? {
             let gen = self.rooms[&room].gen;
             if let Some(slot) = self.slot_mut(room, gen, chunk, index, conn) {
                 slot.written.insert(offset, offset + len);
@@ -186,16 +189,17 @@ impl State {
     /// A writer says its region is complete. On success the region is pinned for the checksum
     /// check done outside the lock; [`State::finish_ready`] then counts the arrival. Errors are
     /// replied; a writer that owns the slot and lies about its bytes fails the room.
-    pub fn begin_ready(&mut self, conn: ConnId, room: u64, chunk: u32, claimed: u32) -> Result<ReadyLease> {
+    pub fn begin_ready(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32) -> Result<ReadyLease> {
         let info = self.conn(conn)?;
         let (writer, session) = (info.pairing.writer()?, info.session.clone());
         // An in-place writer that reports ready has finished writing (over RDMA its immediate
         // arrived first; a same-host writer sends the report after its gather returned).
-        self.release_remote_writer(conn, room, Some(chunk));
+        self.release_remote_writer(conn, at, Some(chunk));
         if claimed != writer {
             return Err(protocol(format!("ready for writer {claimed} from writer {writer}")));
         }
-        let r = self.live_room(room)?;
+        let room = at.id;
+        let r = self.live_room(at)?;
         let gen = r.gen;
         let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("ready for chunk {chunk} past room {room}")))?;
         let (Some(grant), Some(layout), Some((index, slot))) = (c.grant, c.layout.as_ref(), c.slot_of(conn)) else {
@@ -216,11 +220,10 @@ impl State {
     /// last writer the scatter of its remaining layers is queued (in the effects).
     pub fn finish_ready(&mut self, lease: ReadyLease, verified: Result<()>, session: &str) -> Result<()> {
         self.unpin(lease.grant, Some(lease.conn));
-        let live = self.rooms.get(&lease.room).is_some_and(|r| r.gen == lease.gen && r.live());
-        if !live {
-            return Err(self.live_room(lease.room).err().unwrap_or_else(|| {
-                Error::new(Status::KVSTAGE_E_CANCELED, format!("room {} was reopened", lease.room))
-            }));
+        match self.rooms.get(&lease.room) {
+            Some(r) if r.gen != lease.gen => return Err(stale(lease.room)),
+            Some(r) if r.live() => {}
+            _ => return Err(self.closed(lease.room)),
         }
         if let Err(e) = verified {
             self.fail_room(lease.room, e.code(), e.message().to_owned(), session);
@@ -243,12 +246,13 @@ impl State {
 
     /// A sender gives up on a chunk (`chunk == u32::MAX`: the whole room). Only a connection that
     /// holds a writer slot of it can fail the room; it also ends that writer's in-place quarantine.
-    pub fn abort(&mut self, conn: ConnId, room: u64, chunk: u32, reason: &str) {
+    pub fn abort(&mut self, conn: ConnId, at: RoomRef, chunk: u32, reason: &str) {
         let Some(info) = self.conns.get(&conn) else { return };
         let session = info.session.clone();
         let which = (chunk != u32::MAX).then_some(chunk);
-        self.release_remote_writer(conn, room, which);
-        let Some(r) = self.rooms.get(&room) else { return };
+        self.release_remote_writer(conn, at, which);
+        let room = at.id;
+        let Some(r) = self.rooms.get(&room).filter(|r| r.key == at.key) else { return };
         let holds = r
             .chunks
             .iter()
@@ -262,7 +266,7 @@ impl State {
 
     /// `conn` will not write (room, chunk) — every chunk of the room for `None` — in place any
     /// more: its quarantine of those grants ends.
-    fn release_remote_writer(&mut self, conn: ConnId, room: u64, chunk: Option<u32>) {
+    fn release_remote_writer(&mut self, conn: ConnId, room: RoomRef, chunk: Option<u32>) {
         self.end_quarantine(conn, |g| g.room == room && chunk.is_none_or(|c| g.chunk == c));
     }
 }

@@ -43,6 +43,16 @@ fn sizes_follow_the_staging_layout() {
     assert_eq!((layout.region_of(&src(0, 2)).unwrap().unwrap().bytes, layout.total_bytes), (REGION, CHUNK));
 }
 
+/// The key the unit tests open room `id` with (the model test draws its own).
+fn key(id: u64) -> u64 {
+    0x6b65_7900_0000_0000 | id
+}
+
+/// Room `id` as its senders name it.
+fn at(id: u64) -> RoomRef {
+    RoomRef { id, key: key(id) }
+}
+
 fn state(ring: u64) -> State {
     let mut st = State::new(64);
     st.register_ring(ring).unwrap();
@@ -58,6 +68,10 @@ fn land<L: std::fmt::Debug>(t: Result<Target<L>>) -> L {
 
 /// Writes writer `w`'s whole region of (room, chunk) for `conn` and reports it ready.
 fn deliver(st: &mut State, conn: ConnId, room: u64, chunk: u32, w: u32) -> Result<()> {
+    deliver_at(st, conn, at(room), chunk, w)
+}
+
+fn deliver_at(st: &mut State, conn: ConnId, room: RoomRef, chunk: u32, w: u32) -> Result<()> {
     let lease = land(st.begin_data(conn, room, chunk, w, w as u64 * REGION, REGION));
     st.end_data(lease, true);
     let r = st.begin_ready(conn, room, chunk, w)?;
@@ -68,21 +82,21 @@ fn deliver(st: &mut State, conn: ConnId, room: u64, chunk: u32, w: u32) -> Resul
 fn another_connection_cannot_write_or_complete_a_grant_it_does_not_hold() {
     let mut st = state(4096);
     let (a, b, intruder) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)), st.add_conn(info(0, 2, false)));
-    st.open_room(7, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 7, 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(7, key(7), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(7), 0, 0, TOKENS, CHUNK).unwrap();
     // The same prefill rank on another connection: no allocation, no data, no ready, no abort.
-    let e = st.allocate(intruder, 7, 0, 0, TOKENS, CHUNK).unwrap_err();
+    let e = st.allocate(intruder, at(7), 0, 0, TOKENS, CHUNK).unwrap_err();
     assert!(e.causes()[0].contains("carried by prefill rank (tp 0, pp 0) != remote claimed by"), "{:?}", e.causes());
-    let e = st.begin_data(intruder, 7, 0, 0, 0, REGION).unwrap_err();
+    let e = st.begin_data(intruder, at(7), 0, 0, 0, REGION).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
     assert!(e.message().contains("without this connection's allocation"), "{}", e.message());
-    assert!(st.begin_ready(intruder, 7, 0, 0).is_err());
-    st.abort(intruder, 7, 0, "mischief");
-    st.abort(intruder, 7, u32::MAX, "mischief");
+    assert!(st.begin_ready(intruder, at(7), 0, 0).is_err());
+    st.abort(intruder, at(7), 0, "mischief");
+    st.abort(intruder, at(7), u32::MAX, "mischief");
     assert!(!st.room_outcome(7).unwrap(), "an abort by a non-writer must not fail the room");
     // The real writers complete it.
     deliver(&mut st, a, 7, 0, 0).unwrap();
-    st.allocate(b, 7, 0, 1, TOKENS, CHUNK).unwrap();
+    st.allocate(b, at(7), 0, 1, TOKENS, CHUNK).unwrap();
     deliver(&mut st, b, 7, 0, 1).unwrap();
     assert_eq!(layers_of(&st.take_effects().scatter), [0, 1]);
 }
@@ -96,7 +110,7 @@ fn layers_of(jobs: &[ScatterJob]) -> Vec<u32> {
 
 /// Lands slab `slab` (K0, K1, V0, V1) of writer `w`'s region (placed at `region`).
 fn land_slab(st: &mut State, conn: ConnId, w: u32, region: u64, slab: u64) {
-    let lease = land(st.begin_data(conn, 9, 0, w, region + slab * SLAB, SLAB));
+    let lease = land(st.begin_data(conn, at(9), 0, w, region + slab * SLAB, SLAB));
     st.end_data(lease, true);
 }
 
@@ -106,13 +120,13 @@ fn land_slab(st: &mut State, conn: ConnId, w: u32, region: u64, slab: u64) {
 fn a_layer_scatters_once_every_writer_landed_its_slabs() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(9, &PAGES[..2], GRID, None).unwrap();
-    let (_, ra) = st.allocate(a, 9, 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(9, key(9), &PAGES[..2], GRID, None).unwrap();
+    let (_, ra) = st.allocate(a, at(9), 0, 0, TOKENS, CHUNK).unwrap();
     for slab in [0, 2] {
         land_slab(&mut st, a, 0, ra, slab);
     }
     assert!(st.take_effects().scatter.is_empty(), "writer 1 has not even claimed its region");
-    let (_, rb) = st.allocate(b, 9, 0, 1, TOKENS, CHUNK).unwrap();
+    let (_, rb) = st.allocate(b, at(9), 0, 1, TOKENS, CHUNK).unwrap();
     land_slab(&mut st, b, 1, rb, 2);
     assert!(st.take_effects().scatter.is_empty(), "layer 0's K slab of writer 1 is missing");
     land_slab(&mut st, b, 1, rb, 0);
@@ -126,7 +140,7 @@ fn a_layer_scatters_once_every_writer_landed_its_slabs() {
     jobs.extend(st.take_effects().scatter);
     assert_eq!(layers_of(&jobs), [0, 1]);
     for (conn, w) in [(a, 0), (b, 1)] {
-        let r = st.begin_ready(conn, 9, 0, w).unwrap();
+        let r = st.begin_ready(conn, at(9), 0, w).unwrap();
         st.finish_ready(r, Ok(()), "s").unwrap();
     }
     let last = st.take_effects().scatter;
@@ -151,11 +165,11 @@ fn checksummed_chunks_and_rdma_writers_hold_the_scatter_back() {
         // The second writer's policy decides: one checksummed writer holds the whole chunk.
         let a = st.add_conn(ConnInfo { integrity: Integrity::Off, ..info(0, 2, false) });
         let b = st.add_conn(ConnInfo { integrity, ..info(1, 2, rdma) });
-        st.open_room(9, &PAGES[..2], GRID, None).unwrap();
-        let (_, ra) = st.allocate(a, 9, 0, 0, TOKENS, CHUNK).unwrap();
-        let (_, rb) = st.allocate(b, 9, 0, 1, TOKENS, CHUNK).unwrap();
+        st.open_room(9, key(9), &PAGES[..2], GRID, None).unwrap();
+        let (_, ra) = st.allocate(a, at(9), 0, 0, TOKENS, CHUNK).unwrap();
+        let (_, rb) = st.allocate(b, at(9), 0, 1, TOKENS, CHUNK).unwrap();
         if rdma {
-            st.written_in_place(b, 9, 0, 1, rb, REGION).unwrap();
+            st.written_in_place(b, at(9), 0, 1, rb, REGION).unwrap();
         } else {
             land_slab(&mut st, b, 1, rb, 0);
             for slab in 1..4 {
@@ -166,12 +180,12 @@ fn checksummed_chunks_and_rdma_writers_hold_the_scatter_back() {
             land_slab(&mut st, a, 0, ra, slab);
         }
         assert!(st.take_effects().scatter.is_empty(), "checksummed {checksummed}, rdma {rdma}: scattered early");
-        let r = st.begin_ready(b, 9, 0, 1).unwrap();
+        let r = st.begin_ready(b, at(9), 0, 1).unwrap();
         st.finish_ready(r, Ok(()), "s").unwrap();
         let early = st.take_effects().scatter;
         // Once the RDMA writer arrived, its bytes count: the other writer's are all in.
         assert_eq!(layers_of(&early), if rdma { vec![0, 1] } else { vec![] }, "checksummed {checksummed}, rdma {rdma}");
-        let r = st.begin_ready(a, 9, 0, 0).unwrap();
+        let r = st.begin_ready(a, at(9), 0, 0).unwrap();
         st.finish_ready(r, Ok(()), "s").unwrap();
         let rest = st.take_effects().scatter;
         assert_eq!(layers_of(&rest), if rdma { vec![] } else { vec![0, 1] }, "checksummed {checksummed}, rdma {rdma}");
@@ -182,8 +196,8 @@ fn checksummed_chunks_and_rdma_writers_hold_the_scatter_back() {
 fn slab_writes_land_in_any_order_once_each_and_one_at_a_time() {
     let mut st = state(4096);
     let a = st.add_conn(info(0, 2, false));
-    st.open_room(7, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 7, 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(7, key(7), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(7), 0, 0, TOKENS, CHUNK).unwrap();
     let refused = |r: Result<Target<WriteLease>>, why: &str| {
         let e = r.unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
@@ -191,26 +205,26 @@ fn slab_writes_land_in_any_order_once_each_and_one_at_a_time() {
     };
     // The last quarter first, then a second write while it is still landing: refused, whatever
     // its range (the overlap check sees only landed bytes).
-    let last = land(st.begin_data(a, 7, 0, 0, 3 * REGION / 4, REGION / 4));
-    refused(st.begin_data(a, 7, 0, 0, 0, REGION / 4), "still landing");
+    let last = land(st.begin_data(a, at(7), 0, 0, 3 * REGION / 4, REGION / 4));
+    refused(st.begin_data(a, at(7), 0, 0, 0, REGION / 4), "still landing");
     st.end_data(last, true);
     // Past the region's end, or over landed bytes: refused.
-    refused(st.begin_data(a, 7, 0, 0, REGION - 1, 2), "outside this writer's region");
-    refused(st.begin_data(a, 7, 0, 0, 3 * REGION / 4 - 1, 2), "overlaps bytes already written");
-    let first = land(st.begin_data(a, 7, 0, 0, 0, REGION / 4));
+    refused(st.begin_data(a, at(7), 0, 0, REGION - 1, 2), "outside this writer's region");
+    refused(st.begin_data(a, at(7), 0, 0, 3 * REGION / 4 - 1, 2), "overlaps bytes already written");
+    let first = land(st.begin_data(a, at(7), 0, 0, 0, REGION / 4));
     st.end_data(first, true);
     // Ready with a hole in the middle fails the room; a fresh room fills the hole out of order.
-    assert!(st.begin_ready(a, 7, 0, 0).is_err());
+    assert!(st.begin_ready(a, at(7), 0, 0).is_err());
     assert!(st.room_outcome(7).is_err(), "a ready with a hole must fail the room");
     let b = st.add_conn(info(1, 2, false));
-    st.open_room(8, &PAGES, GRID, None).unwrap();
-    st.allocate(b, 8, 0, 1, TOKENS, CHUNK).unwrap();
+    st.open_room(8, key(8), &PAGES, GRID, None).unwrap();
+    st.allocate(b, at(8), 0, 1, TOKENS, CHUNK).unwrap();
     // Its region is the allocation's first (regions are placed in claim order).
-    for (at, len) in [(REGION / 2, REGION / 2), (0, 0), (0, REGION / 2)] {
-        let l = land(st.begin_data(b, 8, 0, 1, at, len));
+    for (off, len) in [(REGION / 2, REGION / 2), (0, 0), (0, REGION / 2)] {
+        let l = land(st.begin_data(b, at(8), 0, 1, off, len));
         st.end_data(l, true);
     }
-    let r = st.begin_ready(b, 8, 0, 1).expect("a region written back to front is complete");
+    let r = st.begin_ready(b, at(8), 0, 1).expect("a region written back to front is complete");
     st.finish_ready(r, Ok(()), "s").unwrap();
 }
 
@@ -228,13 +242,13 @@ fn regions_of_one_head_group_from_several_stages_complete_a_chunk_together() {
     let mut st = state(4 * CHUNK);
     let order = [(1, 1), (0, 0), (1, 0), (0, 1)];
     let conns: Vec<ConnId> = order.iter().map(|&(t, p)| st.add_conn(stage_info(t, p, vec![p]))).collect();
-    st.open_room(3, &PAGES[..2], GRID, None).unwrap();
+    st.open_room(3, key(3), &PAGES[..2], GRID, None).unwrap();
     for (i, (&c, &(t, _))) in conns.iter().zip(&order).enumerate() {
-        let (_, region) = st.allocate(c, 3, 0, t, TOKENS, CHUNK).unwrap();
+        let (_, region) = st.allocate(c, at(3), 0, t, TOKENS, CHUNK).unwrap();
         assert_eq!(region, i as u64 * QUARTER, "placed in request order");
-        let lease = land(st.begin_data(c, 3, 0, t, region, QUARTER));
+        let lease = land(st.begin_data(c, at(3), 0, t, region, QUARTER));
         st.end_data(lease, true);
-        let r = st.begin_ready(c, 3, 0, t).unwrap();
+        let r = st.begin_ready(c, at(3), 0, t).unwrap();
         st.finish_ready(r, Ok(()), "s").unwrap();
         let scattered = st.take_effects().scatter;
         assert_eq!(layers_of(&scattered), if i == 3 { vec![0, 1] } else { vec![] }, "after {} of 4 regions", i + 1);
@@ -250,12 +264,12 @@ fn an_overlapping_claim_fails_the_room_only_from_another_rank() {
     let first = st.add_conn(stage_info(0, 0, vec![0]));
     let twin = st.add_conn(stage_info(0, 0, vec![0]));
     let other_stage = st.add_conn(stage_info(0, 1, vec![0, 1]));
-    st.open_room(4, &PAGES[..2], GRID, None).unwrap();
-    st.allocate(first, 4, 0, 0, TOKENS, CHUNK).unwrap();
-    let e = st.allocate(twin, 4, 0, 0, TOKENS, CHUNK).unwrap_err();
+    st.open_room(4, key(4), &PAGES[..2], GRID, None).unwrap();
+    st.allocate(first, at(4), 0, 0, TOKENS, CHUNK).unwrap();
+    let e = st.allocate(twin, at(4), 0, 0, TOKENS, CHUNK).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
     assert!(!st.room_outcome(4).unwrap(), "a duplicate of a writer does not fail the room");
-    let e = st.allocate(other_stage, 4, 0, 0, TOKENS, CHUNK).unwrap_err();
+    let e = st.allocate(other_stage, at(4), 0, 0, TOKENS, CHUNK).unwrap_err();
     assert!(e.causes()[0].contains("layer 0 of head group 0"), "{:?}", e.causes());
     let failed = st.room_outcome(4).unwrap_err();
     assert_eq!(failed.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
@@ -268,10 +282,10 @@ fn an_overlapping_claim_fails_the_room_only_from_another_rank() {
 fn a_departed_writer_does_not_owe_a_chunk_another_connection_carries_for_it() {
     let mut st = state(4 * CHUNK);
     let (a, twin) = (st.add_conn(info(0, 2, false)), st.add_conn(info(0, 2, false)));
-    st.open_room(5, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 5, 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(5, key(5), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(5), 0, 0, TOKENS, CHUNK).unwrap();
     deliver(&mut st, a, 5, 0, 0).unwrap();
-    st.allocate(twin, 5, 1, 0, TOKENS, CHUNK).unwrap();
+    st.allocate(twin, at(5), 1, 0, TOKENS, CHUNK).unwrap();
     st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
     assert!(!st.room_outcome(5).unwrap(), "nothing a owed is missing");
     st.conn_gone(twin, Status::KVSTAGE_E_PEER_GONE, "closed");
@@ -282,59 +296,65 @@ fn a_departed_writer_does_not_owe_a_chunk_another_connection_carries_for_it() {
 fn a_release_during_a_payload_read_defers_the_free_and_discards_the_bytes() {
     let mut st = state(CHUNK);
     let a = st.add_conn(info(0, 2, false));
-    st.open_room(1, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
-    let lease = land(st.begin_data(a, 1, 0, 0, 0, REGION));
+    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
+    let lease = land(st.begin_data(a, at(1), 0, 0, 0, REGION));
     assert_eq!(st.release_room(1), Release::Done);
     // The grant is still live: nobody may get this range while the read writes into it.
     assert_eq!(st.ring_stats().1, 1);
-    st.open_room(1, &PAGES, GRID, None).unwrap();
+    let reopened = RoomRef { id: 1, key: key(1) + 1 };
+    st.open_room(1, reopened.key, &PAGES, GRID, None).unwrap();
     let b = st.add_conn(info(1, 2, false));
-    let (g, _) = st.allocate(b, 1, 0, 1, TOKENS, CHUNK).unwrap();
+    let (g, _) = st.allocate(b, reopened, 0, 1, TOKENS, CHUNK).unwrap();
     assert!(!st.watermark().permits(g.round, g.end()), "a new grant over a pinned range must wait for the watermark");
     assert!(st.register_ring(CHUNK).is_err(), "the ring cannot be replaced under a read");
     st.end_data(lease, true);
     assert!(st.watermark().permits(g.round, g.end()));
-    // The old lease's bytes did not count for the reopened room.
-    assert!(st.begin_data(a, 1, 0, 0, 0, REGION).unwrap_err().message().contains("without this connection's allocation"));
+    // The old lease's bytes did not count for the reopened room; the old opening's next write is
+    // discarded as stale (its session lives on), one naming the new opening has no allocation.
+    match st.begin_data(a, at(1), 0, 0, 0, REGION) {
+        Ok(Target::Discard(e)) => assert_eq!(e.code(), Status::KVSTAGE_E_STALE_ROOM, "{}", e.message()),
+        other => panic!("a stale writer's data must be discarded: {other:?}"),
+    }
+    assert!(st.begin_data(a, reopened, 0, 0, 0, REGION).unwrap_err().message().contains("without this connection's allocation"));
 }
 
 #[test]
 fn a_room_id_cannot_be_reopened_while_its_scatter_runs() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(5, &PAGES[..2], GRID, None).unwrap();
+    st.open_room(5, key(5), &PAGES[..2], GRID, None).unwrap();
     for (c, w) in [(a, 0), (b, 1)] {
-        st.allocate(c, 5, 0, w, TOKENS, CHUNK).unwrap();
+        st.allocate(c, at(5), 0, w, TOKENS, CHUNK).unwrap();
         deliver(&mut st, c, 5, 0, w).unwrap();
     }
     let jobs = st.take_effects().scatter;
     let Release::Draining { gen, .. } = st.release_room(5) else { panic!("a running scatter holds the pages") };
-    assert!(st.open_room(5, &PAGES, GRID, None).unwrap_err().message().contains("still being released"));
+    assert!(st.open_room(5, key(5), &PAGES, GRID, None).unwrap_err().message().contains("still being released"));
     for job in &jobs {
         assert!(st.draining(5, gen).is_some());
         st.scatter_done(job, Ok(()));
     }
     assert!(st.draining(5, gen).is_none());
     assert_eq!(st.ring_stats().1, 0);
-    st.open_room(5, &PAGES, GRID, None).unwrap();
+    st.open_room(5, key(5), &PAGES, GRID, None).unwrap();
 }
 
 #[test]
 fn a_new_ring_starts_its_own_high_water_mark() {
     let mut st = state(4 * CHUNK);
     let a = st.add_conn(info(0, 2, false));
-    st.open_room(1, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
-    st.allocate(a, 1, 1, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
+    st.allocate(a, at(1), 1, 0, TOKENS, CHUNK).unwrap();
     assert_eq!(st.metrics().ring_high_water, 2 * CHUNK);
     assert_eq!(st.release_room(1), Release::Done);
     assert_eq!(st.ring_stats().1, 0);
     // A smaller ring replaces it: the old mark would exceed the new ring's size.
     st.register_ring(CHUNK).unwrap();
     assert_eq!(st.metrics().ring_high_water, 0);
-    st.open_room(2, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 2, 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(2, key(2), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(2), 0, 0, TOKENS, CHUNK).unwrap();
     assert_eq!(st.metrics().ring_high_water, CHUNK);
 }
 
@@ -342,9 +362,9 @@ fn a_new_ring_starts_its_own_high_water_mark() {
 fn senders_of_one_room_must_share_the_prefill_geometry() {
     let mut st = state(1 << 20);
     let (tp2, tp4) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 4, false)));
-    st.open_room(1, &PAGES, GRID, None).unwrap();
-    st.allocate(tp2, 1, 0, 0, TOKENS, CHUNK).unwrap();
-    let e = st.allocate(tp4, 1, 0, 1, TOKENS, 512).unwrap_err();
+    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
+    st.allocate(tp2, at(1), 0, 0, TOKENS, CHUNK).unwrap();
+    let e = st.allocate(tp4, at(1), 0, 1, TOKENS, 512).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
     assert!(e.causes().iter().any(|c| c.contains("tp_size: local 2 != remote 4")), "{:?}", e.causes());
 }
@@ -353,40 +373,92 @@ fn senders_of_one_room_must_share_the_prefill_geometry() {
 fn a_refused_request_does_not_decide_the_rooms_prefill_geometry() {
     let mut st = state(1 << 20);
     let (tp4, tp2) = (st.add_conn(info(1, 4, false)), st.add_conn(info(0, 2, false)));
-    st.open_room(1, &PAGES, GRID, None).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
     // A stale request (a chunk past the room) from a sender of another TP size is refused...
-    assert_eq!(st.allocate(tp4, 1, 9, 1, TOKENS, 512).unwrap_err().code(), Status::KVSTAGE_E_PROTOCOL);
+    assert_eq!(st.allocate(tp4, at(1), 9, 1, TOKENS, 512).unwrap_err().code(), Status::KVSTAGE_E_PROTOCOL);
     // ...and the room's real writers are still accepted.
-    st.allocate(tp2, 1, 0, 0, TOKENS, CHUNK).unwrap();
-    assert_eq!(st.allocate(tp4, 1, 0, 1, TOKENS, 512).unwrap_err().code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+    st.allocate(tp2, at(1), 0, 0, TOKENS, CHUNK).unwrap();
+    assert_eq!(st.allocate(tp4, at(1), 0, 1, TOKENS, 512).unwrap_err().code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
 }
 
 #[test]
 fn late_frames_for_closed_rooms_are_discarded_not_fatal() {
     let mut st = state(4096);
     let a = st.add_conn(info(0, 2, false));
-    assert!(matches!(st.begin_data(a, 99, 0, 0, 0, 10), Ok(Target::Discard(_))));
-    assert!(matches!(st.begin_slice(a, 99, 0, 0, 0, 0, 32), Ok(Target::Discard(_))));
-    assert_eq!(st.begin_ready(a, 99, 0, 0).unwrap_err().code(), Status::KVSTAGE_E_CANCELED);
-    st.open_room(3, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 3, 0, 0, TOKENS, CHUNK).unwrap();
+    assert!(matches!(st.begin_data(a, at(99), 0, 0, 0, 10), Ok(Target::Discard(_))));
+    assert!(matches!(st.begin_slice(a, at(99), 0, 0, 0, 0, 32), Ok(Target::Discard(_))));
+    assert_eq!(st.begin_ready(a, at(99), 0, 0).unwrap_err().code(), Status::KVSTAGE_E_CANCELED);
+    st.open_room(3, key(3), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(3), 0, 0, TOKENS, CHUNK).unwrap();
     st.fail_room(3, Status::KVSTAGE_E_CANCELED, "test".into(), "");
-    assert!(matches!(st.begin_data(a, 3, 0, 0, 0, REGION), Ok(Target::Discard(_))));
+    assert!(matches!(st.begin_data(a, at(3), 0, 0, 0, REGION), Ok(Target::Discard(_))));
     assert_eq!(st.ring_stats().1, 0);
+}
+
+/// Decode opens room 7 for request A, A is canceled and the room released, 7 is opened again
+/// for request B: A's sender, still sending, gets nothing of B (no grant, no bytes, no arrival),
+/// cannot fail B and keeps its session; B completes with its own writers. A guesser holding the
+/// cluster token gets nothing either.
+#[test]
+fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
+    let mut st = state(4 * CHUNK);
+    let (stale, b0, b1, guesser) = (st.add_conn(info(0, 2, false)), st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)), st.add_conn(info(1, 2, false)));
+    let a = RoomRef { id: 7, key: 0xa };
+    st.open_room(7, a.key, &PAGES, GRID, None).unwrap();
+    st.allocate(stale, a, 0, 0, TOKENS, CHUNK).unwrap();
+    let half = land(st.begin_data(stale, a, 0, 0, 0, REGION / 2));
+    st.end_data(half, true);
+    assert_eq!(st.release_room(7), Release::Done);
+    let b = RoomRef { id: 7, key: 0xb };
+    st.open_room(7, b.key, &PAGES, GRID, None).unwrap();
+    let stale_code = |e: Error| e.code();
+    // A's sender goes on with A's key: chunk 0's rest, its ready, chunk 1's allocation, slices.
+    match st.begin_data(stale, a, 0, 0, REGION / 2, REGION / 2) {
+        Ok(Target::Discard(e)) => assert_eq!(e.code(), Status::KVSTAGE_E_STALE_ROOM),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(st.begin_ready(stale, a, 0, 0).map(|_| ()).map_err(stale_code), Err(Status::KVSTAGE_E_STALE_ROOM));
+    assert_eq!(st.allocate(stale, a, 1, 0, TOKENS, CHUNK).map(|_| ()).map_err(stale_code), Err(Status::KVSTAGE_E_STALE_ROOM));
+    assert!(matches!(st.begin_slice(stale, a, 1, 0, 0, 0, 32), Ok(Target::Discard(e)) if e.code() == Status::KVSTAGE_E_STALE_ROOM));
+    assert_eq!(st.slice_done(stale, a, 1).map_err(stale_code), Err(Status::KVSTAGE_E_STALE_ROOM));
+    assert_eq!(st.room_grid(stale, a).map(|_| ()).map_err(stale_code), Err(Status::KVSTAGE_E_STALE_ROOM));
+    st.abort(stale, a, u32::MAX, "A canceled");
+    // Guessed keys: refused the same way, and the reply does not tell the open key.
+    for guess in [0, 1, 0xa, 0xc, u64::MAX] {
+        let e = st.allocate(guesser, RoomRef { id: 7, key: guess }, 0, 1, TOKENS, CHUNK).map(|_| ()).unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_STALE_ROOM);
+        assert!(!e.message().contains("0xb") && !e.message().contains(" 11"), "{}", e.message());
+        st.abort(guesser, RoomRef { id: 7, key: guess }, u32::MAX, "mischief");
+    }
+    assert!(!st.room_outcome(7).unwrap(), "B neither failed nor completed by another opening's frames");
+    assert_eq!(st.ring_stats().1, 0, "nothing was granted for the stale or guessed frames");
+    // B's own writers: both chunks, both writers, each claim free for them.
+    for chunk in 0..2 {
+        for (conn, w) in [(b0, 0), (b1, 1)] {
+            st.allocate(conn, b, chunk, w, TOKENS, CHUNK).unwrap();
+            deliver_at(&mut st, conn, b, chunk, w).unwrap();
+        }
+    }
+    for job in st.take_effects().scatter {
+        st.scatter_done(&job, Ok(()));
+    }
+    assert!(st.room_outcome(7).unwrap(), "B completes with its own writers");
+    // A stale sender's session is still usable: it writes into B with B's key.
+    assert!(st.conns.contains_key(&stale));
 }
 
 #[test]
 fn rdma_grants_stay_quarantined_until_the_writer_is_done() {
     let mut st = state(CHUNK);
     let a = st.add_conn(info(0, 2, true));
-    st.open_room(1, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
     st.release_room(1);
     assert_eq!(st.ring_stats().1, 1, "the sender may still RDMA-write its grant");
-    st.abort(a, 1, 0, "gave up");
+    st.abort(a, at(1), 0, "gave up");
     assert_eq!(st.ring_stats().1, 0, "its abort ends the quarantine");
-    st.open_room(2, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 2, 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(2, key(2), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(2), 0, 0, TOKENS, CHUNK).unwrap();
     st.release_room(2);
     assert_eq!(st.ring_stats().1, 1);
     st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
@@ -399,19 +471,19 @@ fn a_mapped_writer_keeps_its_quarantine_past_its_connection_until_it_unmaps() {
     let mut st = state(CHUNK);
     let a = st.add_conn(info(0, 2, false));
     st.set_in_place(a, true);
-    st.open_room(1, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
     st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
     assert!(st.room_outcome(1).is_err(), "the room it owed fails");
     st.release_room(1);
     assert_eq!(st.ring_stats().1, 1, "it may still write through its mapping");
     let b = st.add_conn(info(0, 2, false));
-    st.open_room(2, &PAGES, GRID, None).unwrap();
-    let (_, region) = st.allocate(b, 2, 0, 0, TOKENS, CHUNK).unwrap();
-    assert!(st.begin_data(b, 2, 0, 0, region, REGION).is_err(), "the range is not writable by another meanwhile");
+    st.open_room(2, key(2), &PAGES, GRID, None).unwrap();
+    let (_, region) = st.allocate(b, at(2), 0, 0, TOKENS, CHUNK).unwrap();
+    assert!(st.begin_data(b, at(2), 0, 0, region, REGION).is_err(), "the range is not writable by another meanwhile");
     st.unmapped(a);
     assert_eq!(st.ring_stats().1, 1, "unmapped: nothing more can land, only the new grant is live");
-    assert!(matches!(st.begin_data(b, 2, 0, 0, region, REGION), Ok(Target::Land(_))));
+    assert!(matches!(st.begin_data(b, at(2), 0, 0, region, REGION), Ok(Target::Land(_))));
 
     // Mapping gone first (the process died), then the connection; and a ready writer's grant is
     // not held by its mapping at all.
@@ -419,8 +491,8 @@ fn a_mapped_writer_keeps_its_quarantine_past_its_connection_until_it_unmaps() {
     let a = st.add_conn(info(0, 2, false));
     st.set_in_place(a, true);
     assert_eq!(st.mapped_conns(), vec![a]);
-    st.open_room(1, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
     st.unmapped(a);
     st.release_room(1);
     assert_eq!(st.ring_stats().1, 0);
@@ -434,36 +506,36 @@ fn a_mapping_of_a_replaced_ring_gets_no_grant() {
     let a = st.add_conn(info(0, 2, false));
     st.set_in_place(a, true);
     st.register_ring(2 * CHUNK).unwrap();
-    st.open_room(1, &PAGES, GRID, None).unwrap();
-    let e = st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap_err();
+    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
+    let e = st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_PEER_GONE);
     assert!(e.message().contains("registered again"), "{}", e.chain());
     // A session that maps the new ring is served.
     let b = st.add_conn(info(0, 2, false));
     st.set_in_place(b, true);
-    st.allocate(b, 1, 0, 0, TOKENS, CHUNK).unwrap();
+    st.allocate(b, at(1), 0, 0, TOKENS, CHUNK).unwrap();
 }
 
 #[test]
 fn slices_complete_only_when_every_row_arrived_once() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(1, &PAGES[..2], GRID, None).unwrap();
+    st.open_room(1, key(1), &PAGES[..2], GRID, None).unwrap();
     let row = |w: u32| (w * 32, 32);
     let d = dst();
     let send = |st: &mut State, c, w: u32, buffer, token| {
         let (off, len) = row(w);
-        let l = land(st.begin_slice(c, 1, 0, buffer, token, off, len));
+        let l = land(st.begin_slice(c, at(1), 0, buffer, token, off, len));
         st.end_slice(l, true);
     };
     for t in 0..TOKENS {
         send(&mut st, a, 0, d.buffer_index(0, 0), t);
     }
-    let e = st.slice_done(a, 1, 0).unwrap_err();
+    let e = st.slice_done(a, at(1), 0).unwrap_err();
     assert!(e.message().contains("after 4 of 16 rows"), "{}", e.message());
     assert!(st.room_outcome(1).is_err(), "a writer short of rows fails the room");
     st.release_room(1);
-    st.open_room(1, &PAGES[..2], GRID, None).unwrap();
+    st.open_room(1, key(1), &PAGES[..2], GRID, None).unwrap();
     for (c, w) in [(a, 0), (b, 1)] {
         for buffer in 0..4 {
             for t in 0..TOKENS {
@@ -472,9 +544,9 @@ fn slices_complete_only_when_every_row_arrived_once() {
         }
     }
     let (off, len) = row(0);
-    assert!(st.begin_slice(a, 1, 0, 0, 0, off, len).unwrap_err().message().contains("written twice"));
-    st.slice_done(a, 1, 0).unwrap();
-    st.slice_done(b, 1, 0).unwrap();
+    assert!(st.begin_slice(a, at(1), 0, 0, 0, off, len).unwrap_err().message().contains("written twice"));
+    st.slice_done(a, at(1), 0).unwrap();
+    st.slice_done(b, at(1), 0).unwrap();
     assert!(st.room_outcome(1).unwrap());
 }
 
@@ -482,14 +554,14 @@ fn slices_complete_only_when_every_row_arrived_once() {
 fn one_chunk_cannot_mix_staged_and_slice_writers() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(1, &PAGES, GRID, None).unwrap();
-    st.allocate(a, 1, 0, 0, TOKENS, CHUNK).unwrap();
-    let Ok(Target::Discard(e)) = st.begin_slice(b, 1, 0, 0, 0, 32, 32) else { panic!("slice into a staged chunk") };
+    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
+    let Ok(Target::Discard(e)) = st.begin_slice(b, at(1), 0, 0, 0, 32, 32) else { panic!("slice into a staged chunk") };
     assert_eq!(e.code(), Status::KVSTAGE_E_UNSUPPORTED);
-    assert_eq!(st.slice_done(b, 1, 0).unwrap_err().code(), Status::KVSTAGE_E_UNSUPPORTED);
-    let l = land(st.begin_slice(b, 1, 1, 0, 0, 32, 32));
+    assert_eq!(st.slice_done(b, at(1), 0).unwrap_err().code(), Status::KVSTAGE_E_UNSUPPORTED);
+    let l = land(st.begin_slice(b, at(1), 1, 0, 0, 32, 32));
     st.end_slice(l, true);
-    assert_eq!(st.allocate(a, 1, 1, 0, TOKENS, CHUNK).unwrap_err().code(), Status::KVSTAGE_E_UNSUPPORTED);
+    assert_eq!(st.allocate(a, at(1), 1, 0, TOKENS, CHUNK).unwrap_err().code(), Status::KVSTAGE_E_UNSUPPORTED);
 }
 
 #[test]
@@ -497,12 +569,12 @@ fn events_are_bounded_and_rooms_expire() {
     let mut st = State::new(2);
     st.register_ring(4096).unwrap();
     let now = Instant::now();
-    st.open_room(1, &PAGES, GRID, Some(now + Duration::from_secs(1))).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, Some(now + Duration::from_secs(1))).unwrap();
     st.expire(now);
     assert!(!st.room_outcome(1).unwrap());
     st.expire(now + Duration::from_secs(2));
     assert_eq!(st.room_outcome(1).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
-    st.open_room(2, &PAGES, GRID, None).unwrap();
+    st.open_room(2, key(2), &PAGES, GRID, None).unwrap();
     st.fail_room(2, Status::KVSTAGE_E_CANCELED, "x".into(), "");
     assert_eq!(st.pending_events(), 2);
     assert_eq!(st.counters(), Counters { events_dropped: 2, rooms_expired: 1 });
@@ -538,7 +610,24 @@ enum Op {
     RegisterRing,
     /// The in-place writer's mapping of the ring ends (same host: its lease socket closed).
     Unmap,
+    /// A frame (`Frame`) naming the room by a key of another opening: an earlier one of the same
+    /// id (a stale writer) or, with the flag set or when there is none, a made-up key (a guess).
+    Stale(usize, u64, u32, Frame, bool),
 }
+
+/// Each frame that names a room.
+#[derive(Clone, Copy, Debug)]
+enum Frame {
+    Allocate,
+    Data,
+    Ready,
+    Abort,
+    Slice,
+    SliceDone,
+}
+
+/// Made-up keys: never issued (the harness issues small ones).
+const FORGED: u64 = 0xf0f0_0000_0000_0000;
 
 fn op() -> impl Strategy<Value = Op> {
     let c = 0..CONNS;
@@ -556,9 +645,21 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (any::<usize>(), prop::bool::weighted(0.95)).prop_map(|(i, ok)| Op::SliceEnd(i, ok)),
         1 => (c.clone(), r.clone(), ch.clone()).prop_map(|(c, r, ch)| Op::SliceDone(c, r, ch)),
         2 => (any::<usize>(), prop::bool::weighted(0.9)).prop_map(|(i, ok)| Op::Scatter(i, ok)),
-        1 => c.prop_map(Op::Gone),
+        1 => c.clone().prop_map(Op::Gone),
         1 => Just(Op::RegisterRing),
         1 => Just(Op::Unmap),
+        2 => (c, r, ch, frame(), prop::bool::weighted(0.3)).prop_map(|(c, r, ch, f, forged)| Op::Stale(c, r, ch, f, forged)),
+    ]
+}
+
+fn frame() -> impl Strategy<Value = Frame> {
+    prop_oneof![
+        Just(Frame::Allocate),
+        Just(Frame::Data),
+        Just(Frame::Ready),
+        Just(Frame::Abort),
+        Just(Frame::Slice),
+        Just(Frame::SliceDone),
     ]
 }
 
@@ -577,9 +678,11 @@ fn calm_op() -> impl Strategy<Value = Op> {
         6 => c.clone().prop_map(|c| Op::Ready(c, ROOMS, 0, true)),
         8 => any::<usize>().prop_map(|i| Op::Scatter(i, true)),
         // Now and then a failure or a release while other chunks are being written or scattered.
-        1 => c.prop_map(Op::Gone),
+        1 => c.clone().prop_map(Op::Gone),
         1 => any::<usize>().prop_map(|i| Op::Scatter(i, false)),
         1 => (0..ROOMS).prop_map(Op::Release),
+        // A stale writer of an earlier opening (or a guesser) while the current one is written.
+        1 => (c, 0..ROOMS, 0u32..2, frame()).prop_map(|(c, r, ch, f)| Op::Stale(c, r, ch, f, false)),
     ]
 }
 
@@ -648,9 +751,13 @@ struct Harness {
     /// Connection 3 writes in place; `mapped`: through a same-host mapping that outlives the
     /// connection (else RDMA: its writes end with it).
     mapped: bool,
-    /// Grants an in-place writer may still write into: (connection, grant, room, chunk). Its
+    /// Grants an in-place writer may still write into: (connection, grant, room key, chunk). Its
     /// connection may be gone while its mapping lives.
     may_write: Vec<(ConnId, u64, u64, u32)>,
+    /// Every key issued for each room id, oldest first (the last is the current or latest
+    /// opening's).
+    issued: HashMap<u64, Vec<u64>>,
+    next_key: u64,
     /// Connections whose mapping lives (the current one and any gone before unmapping).
     mappings: Vec<ConnId>,
     /// The live mapped connection maps a ring that was replaced since (no grant for it).
@@ -679,6 +786,8 @@ impl Harness {
             scatters: Vec::new(),
             mapped,
             may_write: Vec::new(),
+            issued: HashMap::new(),
+            next_key: 1,
             mappings: Vec::new(),
             stale_mapping: None,
             checksummed,
@@ -701,10 +810,16 @@ impl Harness {
         id
     }
 
-    /// `id` will not write (room, chunk) — every chunk for `None`, every room for `room` None —
-    /// in place any more.
-    fn done_writing(&mut self, id: ConnId, room: Option<u64>, chunk: Option<u32>) {
-        self.may_write.retain(|&(c, _, r, ch)| !(c == id && room.is_none_or(|x| x == r) && chunk.is_none_or(|x| x == ch)));
+    /// `id` will not write (room opening `key`, chunk) — every chunk for `None`, every opening for
+    /// `key` None — in place any more.
+    fn done_writing(&mut self, id: ConnId, key: Option<u64>, chunk: Option<u32>) {
+        self.may_write.retain(|&(c, _, k, ch)| !(c == id && key.is_none_or(|x| x == k) && chunk.is_none_or(|x| x == ch)));
+    }
+
+    /// Room `room` as an honest sender names it: the key of its latest opening (made up when it
+    /// was never opened).
+    fn honest(&self, room: u64) -> RoomRef {
+        RoomRef { id: room, key: self.issued.get(&room).and_then(|k| k.last()).copied().unwrap_or(FORGED) }
     }
 
     /// Takes the step's effects: its scatter jobs, and its chunk events, checked against the model
@@ -812,9 +927,12 @@ impl Harness {
     fn step(&mut self, op: Op) {
         match op {
             Op::Open(room, pages) => {
-                let result = self.st.open_room(room, &PAGES[..pages], GRID, None);
+                let key = self.next_key;
+                let result = self.st.open_room(room, key, &PAGES[..pages], GRID, None);
                 assert_eq!(result.is_ok(), !self.rooms.contains_key(&room), "open {room}: {result:?}");
                 if result.is_ok() {
+                    self.next_key += 1;
+                    self.issued.entry(room).or_default().push(key);
                     let gen = self.st.rooms[&room].gen;
                     let chunk = MChunk { phase: MPhase::Waiting, slices: None, slots: [None, None], grant: None, scattered: [false; 2] };
                     self.rooms.insert(room, MRoom { gen, chunks: vec![chunk; pages.div_ceil(GRID)], failed: false, released: false, leases: 0 });
@@ -845,7 +963,8 @@ impl Harness {
                     }
                     _ => (room, chunk),
                 };
-                let result = self.st.allocate(id, room, chunk, w, TOKENS, CHUNK);
+                let at = self.honest(room);
+                let result = self.st.allocate(id, at, chunk, w, TOKENS, CHUNK);
                 if self.stale_mapping == Some(id) {
                     assert_eq!(result.map(|_| ()).unwrap_err().code(), Status::KVSTAGE_E_PEER_GONE, "a grant for a mapping of a replaced ring");
                     return;
@@ -861,7 +980,7 @@ impl Harness {
                     ch.grant = Some(g);
                     ch.slots[w as usize] = Some(MSlot { conn: id, region, rdma: c == 3 && !self.mapped, ..MSlot::default() });
                     if c == 3 {
-                        self.may_write.push((id, g.id, room, chunk));
+                        self.may_write.push((id, g.id, at.key, chunk));
                     }
                 }
             }
@@ -889,10 +1008,11 @@ impl Harness {
                 let region = slot.map_or(w as u64 * REGION, |s| s.0);
                 let offset = region + if lie { REGION - SLAB + 1 } else { slab as u64 * SLAB };
                 let fresh = slot.is_some_and(|s| !s.2) && !lie;
+                let at = self.honest(room);
                 let result = if c == 3 {
-                    self.st.written_in_place(id, room, chunk, w, offset, SLAB).map(|()| None)
+                    self.st.written_in_place(id, at, chunk, w, offset, SLAB).map(|()| None)
                 } else {
-                    self.st.begin_data(id, room, chunk, w, offset, SLAB).map(Some)
+                    self.st.begin_data(id, at, chunk, w, offset, SLAB).map(Some)
                 };
                 let room_live = self.rooms.get(&room).is_some_and(|r| r.live());
                 match result {
@@ -945,8 +1065,9 @@ impl Harness {
                     },
                     _ => (room, chunk),
                 };
-                let result = self.st.begin_ready(id, room, chunk, w);
-                self.done_writing(id, Some(room), Some(chunk));
+                let at = self.honest(room);
+                let result = self.st.begin_ready(id, at, chunk, w);
+                self.done_writing(id, Some(at.key), Some(chunk));
                 let m = self.rooms.get_mut(&room).filter(|r| r.live());
                 let slot = m
                     .and_then(|r| r.chunks.get_mut(chunk as usize))
@@ -989,8 +1110,9 @@ impl Harness {
             }
             Op::Abort(c, room, chunk) => {
                 let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
-                self.st.abort(id, room, chunk, "test");
-                self.done_writing(id, Some(room), (chunk != u32::MAX).then_some(chunk));
+                let at = self.honest(room);
+                self.st.abort(id, at, chunk, "test");
+                self.done_writing(id, Some(at.key), (chunk != u32::MAX).then_some(chunk));
                 if let Some(r) = self.rooms.get_mut(&room).filter(|r| r.live() && !r.complete()) {
                     let holds = r.chunks.iter().enumerate().any(|(i, ch)| {
                         (chunk == u32::MAX || i as u32 == chunk) && ch.slots.iter().flatten().any(|s| s.conn == id)
@@ -1004,7 +1126,7 @@ impl Harness {
             Op::SliceBegin(c, room, chunk, buffer, token) => {
                 let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
                 let w = writer_of(c);
-                let result = self.st.begin_slice(id, room, chunk, buffer, token, w * 32, 32);
+                let result = self.st.begin_slice(id, self.honest(room), chunk, buffer, token, w * 32, 32);
                 let m = self.rooms.get(&room).filter(|r| r.live());
                 let ch = m.and_then(|r| r.chunks.get(chunk as usize));
                 match result {
@@ -1047,7 +1169,7 @@ impl Harness {
             Op::SliceDone(c, room, chunk) => {
                 let Some(id) = self.conns[c].filter(|_| !self.busy(c)) else { return };
                 let w = writer_of(c);
-                let result = self.st.slice_done(id, room, chunk);
+                let result = self.st.slice_done(id, self.honest(room), chunk);
                 let r = self.rooms.get_mut(&room).filter(|r| r.live());
                 let ch = r.and_then(|r| r.chunks.get_mut(chunk as usize));
                 match (result, ch) {
@@ -1105,6 +1227,7 @@ impl Harness {
                     self.collect();
                 }
             }
+            Op::Stale(c, room, chunk, frame, forged) => self.stale(c, room, chunk, frame, forged),
             Op::RegisterRing => {
                 let busy = self.st.ring_stats().1 > 0;
                 let result = self.st.register_ring(3 * CHUNK / 2 + 100);
@@ -1116,6 +1239,55 @@ impl Harness {
             }
         }
         self.check();
+    }
+
+    /// A frame naming `room` by another opening's key: refused as stale while the id is held,
+    /// never an error that ends the session, and nothing changes (the model stays as it is; a
+    /// ready or abort only ends its sender's quarantine of that opening's grants).
+    fn stale(&mut self, c: usize, room: u64, chunk: u32, frame: Frame, forged: bool) {
+        let id = self.conn(c);
+        if self.busy(c) {
+            return;
+        }
+        let w = writer_of(c);
+        let keys = self.issued.get(&room).cloned().unwrap_or_default();
+        // Keys of earlier openings: all issued but the latest (while the id is held, the open one).
+        let earlier = &keys[..keys.len().saturating_sub(1)];
+        let key = match earlier.len() {
+            n if n > 0 && !forged => earlier[chunk as usize % n],
+            _ => FORGED | self.next_key,
+        };
+        let at = RoomRef { id: room, key };
+        // A mapping of a replaced ring gets no grant whatever it names (checked first).
+        let held = self.rooms.contains_key(&room) && !(matches!(frame, Frame::Allocate) && self.stale_mapping == Some(id));
+        let refused = |e: &Error| {
+            assert_ne!(e.code(), Status::KVSTAGE_E_PROTOCOL, "{frame:?} with another opening's key ended the session: {}", e.message());
+            if held {
+                assert_eq!(e.code(), Status::KVSTAGE_E_STALE_ROOM, "{frame:?} with another opening's key: {}", e.message());
+            }
+        };
+        match frame {
+            Frame::Allocate => refused(&self.st.allocate(id, at, chunk, w, TOKENS, CHUNK).map(|_| ()).unwrap_err()),
+            Frame::Data if c == 3 => self.st.written_in_place(id, at, chunk, w, w as u64 * REGION, SLAB).unwrap(),
+            Frame::Data => match self.st.begin_data(id, at, chunk, w, w as u64 * REGION, SLAB) {
+                Ok(Target::Discard(e)) => refused(&e),
+                other => panic!("stale data: {other:?}"),
+            },
+            Frame::Ready => {
+                refused(&self.st.begin_ready(id, at, chunk, w).unwrap_err());
+                self.done_writing(id, Some(key), Some(chunk));
+            }
+            Frame::Abort => {
+                self.st.abort(id, at, chunk, "stale");
+                self.done_writing(id, Some(key), Some(chunk));
+            }
+            Frame::Slice => match self.st.begin_slice(id, at, chunk, 0, 0, w * 32, 32) {
+                Ok(Target::Discard(e)) => refused(&e),
+                other => panic!("a stale slice: {other:?}"),
+            },
+            Frame::SliceDone => refused(&self.st.slice_done(id, at, chunk).unwrap_err()),
+        }
+        self.collect();
     }
 
     /// Invariants that hold after every step.

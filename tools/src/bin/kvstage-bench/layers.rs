@@ -119,12 +119,12 @@ fn request(
     layer_wise: bool,
     verify: bool,
 ) -> Result<(f64, Option<Check>), Error> {
-    child.command(&format!("room {room}"))?;
+    let keys = child.open_room(room, None)?;
     child.watch(room)?;
     let t0 = Instant::now();
     let ready_at = |l: u32| t0 + layer * (l + 1);
     let ops = if layer_wise {
-        let ops = prefill.submit_room(&a.setup, room, TRANSFER_TIMEOUT, true)?;
+        let ops = prefill.submit_room(&a.setup, &keys, TRANSFER_TIMEOUT, true)?;
         for l in 0..layers {
             sleep_until(ready_at(l));
             for op in &ops {
@@ -134,7 +134,7 @@ fn request(
         ops
     } else {
         sleep_until(ready_at(layers - 1));
-        prefill.submit_room(&a.setup, room, TRANSFER_TIMEOUT, false)?
+        prefill.submit_room(&a.setup, &keys, TRANSFER_TIMEOUT, false)?
     };
     // Both kinds count from the moment the simulated prefill finished its last layer.
     let last_ready = ready_at(layers - 1);

@@ -240,10 +240,10 @@ fn staged_load(a: &Args, child: &mut DecodeChild, prefill: &Prefill, room: &mut 
     meter.start(child);
     let mut launch = |child: &mut DecodeChild, index: usize, room: &mut u64, in_flight: &mut HashMap<u64, InFlight>| -> Result<(), Error> {
         *room += 1;
-        child.command(&format!("room {room}"))?;
+        let keys = child.open_room(*room, None)?;
         child.watch(*room)?;
         let submitted = Instant::now();
-        let ops = prefill.submit_room(s, *room, TRANSFER_TIMEOUT, false)?;
+        let ops = prefill.submit_room(s, &keys, TRANSFER_TIMEOUT, false)?;
         ops_total += ops.len() as u64;
         in_flight.insert(*room, InFlight { index, submitted, ops });
         Ok(())
@@ -350,8 +350,8 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
     let slice = if full {
         // slice: a probe of one page per chunk gives the rate; then as many pages as fit the time box.
         room += 1;
-        child.command(&format!("room {room} 1"))?;
-        let (probe_secs, probe_writes) = time(|| prefill.send_room(s, room, false, Some(1)))?;
+        let keys = child.open_room(room, Some(1))?;
+        let (probe_secs, probe_writes) = time(|| prefill.send_room(s, &keys, false, Some(1)))?;
         child.command(&format!("release {room}"))?;
         let full_writes = s.room_slice_writes();
         let per_write = probe_secs / probe_writes.max(1) as f64;
@@ -359,9 +359,9 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
         let boxed = pages_fit < s.grid_pages();
         room += 1;
         // A time-boxed run sends the first pages of each chunk into a room of just those pages.
-        child.command(&if boxed { format!("room {room} {}", pages_fit.max(1)) } else { format!("room {room}") })?;
+        let keys = child.open_room(room, boxed.then_some(pages_fit.max(1)))?;
         let (slice_secs, slice_writes) = time(|| {
-            let w = prefill.send_room(s, room, false, boxed.then_some(pages_fit.max(1)))?;
+            let w = prefill.send_room(s, &keys, false, boxed.then_some(pages_fit.max(1)))?;
             child.command(&format!("wait {room}"))?;
             Ok(w)
         })?;

@@ -203,9 +203,9 @@ fn stuck_phase(a: &Args, stuck_rank: Option<u32>, silent: Option<u32>) -> Result
     let mut ops = HashMap::new();
     let submit = |i: usize, child: &mut DecodeChild, room: &mut u64, ops: &mut HashMap<u64, Arc<Op>>| -> Result<(), Error> {
         *room += 1;
-        child.command(&format!("room {room}"))?;
-        let (rs, _, session) = &sessions[i];
-        let desc = TransferDesc { room: *room, chunk: 0, pages: pages[*rs as usize].clone(), timeout: Some(timeout), ..Default::default() };
+        let keys = child.open_room(*room, None)?;
+        let (rs, rd, session) = &sessions[i];
+        let desc = TransferDesc { room: keys.at(*rd), chunk: 0, pages: pages[*rs as usize].clone(), timeout: Some(timeout), ..Default::default() };
         let op = session.transfer_async(desc, false, ((i as u64) << 40) | *room)?;
         ops.insert(*room, op);
         Ok(())
