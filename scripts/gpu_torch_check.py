@@ -58,7 +58,7 @@ class KvLayout(C.Structure):  # leading fields of kvstage_kv_layout (include/kvs
     ]
 
 
-class TransferDesc(C.Structure):  # leading fields of kvstage_transfer_desc
+class TransferDesc(C.Structure):  # kvstage_transfer_desc up to room_key
     _fields_ = [
         ("struct_size", C.c_size_t),
         ("room", C.c_uint64),
@@ -66,6 +66,10 @@ class TransferDesc(C.Structure):  # leading fields of kvstage_transfer_desc
         ("src_pages", C.POINTER(C.c_uint32)),
         ("num_pages", C.c_size_t),
         ("deadline_ms", C.c_uint64),
+        ("cuda_stream", C.c_void_p),
+        ("cuda_event", C.c_void_p),
+        ("user_tag", C.c_uint64),
+        ("room_key", C.c_uint64),
     ]
 
 
@@ -118,7 +122,7 @@ class Lib:
         L.kvstage_session_connect.argtypes = [C.c_void_p, C.c_char_p, C.c_char_p, C.c_uint64, C.POINTER(C.c_void_p)]
         L.kvstage_transfer.argtypes = [C.c_void_p, C.c_void_p]
         L.kvstage_room_open.argtypes = [C.c_void_p, C.c_uint64, C.POINTER(C.c_uint32), C.c_size_t, C.c_uint32,
-                                        C.POINTER(C.c_uint32)]
+                                        C.POINTER(C.c_uint32), C.POINTER(C.c_uint64)]
         L.kvstage_room_wait.argtypes = [C.c_void_p, C.c_uint64, C.c_uint64]
         L.kvstage_room_release.argtypes = [C.c_void_p, C.c_uint64]
         L.kvstage_engine_free.argtypes = [C.c_void_p]
@@ -232,7 +236,7 @@ def register_ring(lib, be, engine, ring):
 SPIN_CYCLES = 50_000_000  # about 25 ms of a GPU clock: far longer than marking every layer takes
 
 
-def send_layerwise(lib, be, prefill, pairs, room, src_arr, npages):
+def send_layerwise(lib, be, prefill, pairs, room, keys, src_arr, npages):
     """One chunk of every page, layer-wise: each layer is written on a slow side stream and marked
     ready at once (its event, or the stream). Returns how many marks were made before their
     layer's bytes existed, and how many marks there were."""
@@ -244,7 +248,7 @@ def send_layerwise(lib, be, prefill, pairs, room, src_arr, npages):
     ops = {}
     for p, d in pairs:
         buf, desc = lib.struct(TransferDesc, "kvstage_transfer_desc_init")
-        desc.room, desc.chunk_index, desc.deadline_ms = room, 0, 20000
+        desc.room, desc.room_key, desc.chunk_index, desc.deadline_ms = room, keys[d], 0, 20000
         desc.src_pages, desc.num_pages = C.cast(src_arr, C.POINTER(C.c_uint32)), npages
         op = C.c_void_p()
         status = lib.lib.kvstage_transfer_layerwise_async(prefill[p].sessions[d], buf, C.byref(op))
@@ -294,9 +298,12 @@ def scenario(lib, be, src_tp, dst_tp, room, seed, ring, layerwise=False):
     chunk_tokens = (npages if layerwise else 4) * PAGE
     chunks = C.c_uint32()
     dst_arr = (C.c_uint32 * npages)(*dst_pages)
+    keys = []  # each decode rank's key of the room's opening (what a bootstrap carries)
     for d in decode:
         register_ring(lib, be, d.engine, ring)
-        lib.check(lib.lib.kvstage_room_open(d.engine, room, dst_arr, npages, chunk_tokens, C.byref(chunks)), "room_open")
+        key = C.c_uint64()
+        lib.check(lib.lib.kvstage_room_open(d.engine, room, dst_arr, npages, chunk_tokens, C.byref(chunks), C.byref(key)), "room_open")
+        keys.append(key.value)
     be.sync()  # the pools' producer finished (a ready fence would order this on a stream)
     # Rank pairing: P>D: decode d is fed by prefill [d*r, (d+1)*r); P<D: prefill p feeds [p*r, (p+1)*r).
     pairs = []
@@ -314,7 +321,7 @@ def scenario(lib, be, src_tp, dst_tp, room, seed, ring, layerwise=False):
         prefill[p].sessions[d] = s
     per_chunk = chunk_tokens // PAGE
     if layerwise:
-        ahead, marks = send_layerwise(lib, be, prefill, pairs, room, src_arr, npages)
+        ahead, marks = send_layerwise(lib, be, prefill, pairs, room, keys, src_arr, npages)
         print(f"  layer-wise: {ahead} of {marks} layer marks made before their layer was written on the slow stream")
         if be.name == "torch" and ahead != marks:
             raise RuntimeError(f"only {ahead} of {marks} marks ran ahead of the stream: kvstage_op_layers_ready waited "
@@ -322,7 +329,7 @@ def scenario(lib, be, src_tp, dst_tp, room, seed, ring, layerwise=False):
     for c in range(0 if layerwise else chunks.value):
         for p, d in pairs:
             buf, desc = lib.struct(TransferDesc, "kvstage_transfer_desc_init")
-            desc.room, desc.chunk_index, desc.deadline_ms = room, c, 20000
+            desc.room, desc.room_key, desc.chunk_index, desc.deadline_ms = room, keys[d], c, 20000
             desc.src_pages = C.cast(C.byref(src_arr, 4 * c * per_chunk), C.POINTER(C.c_uint32))
             desc.num_pages = per_chunk
             lib.check(lib.lib.kvstage_transfer(prefill[p].sessions[d], buf), f"transfer chunk {c} P{p}->D{d}")

@@ -37,6 +37,7 @@ from ._core import (
     Room,
     Session,
     RoomGrid,
+    RoomOpening,
     SessionStats,
     StagingLayout,
     StagingWriter,
@@ -112,6 +113,7 @@ __all__ = [
     "StagingTransfer",
     # metrics
     "RoomGrid",
+    "RoomOpening",
     "SessionStats",
     "TransferTimings",
     "transfer_timings_last",

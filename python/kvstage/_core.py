@@ -507,6 +507,13 @@ def _fields_from_c(cls: Any, c: Any) -> Any:
     return cls(*values)
 
 
+class RoomOpening(NamedTuple):
+    """What ``kvstage_room_open`` returns: the room's chunk count and this opening's key."""
+
+    num_chunks: int
+    key: int
+
+
 class RoomGrid(NamedTuple):
     """``kvstage_room_grid``: a room's chunk grid on the decode side."""
 
@@ -760,17 +767,19 @@ class Engine(_Handle):
 
     # -- receiver side: rooms ---------------------------------------------------------------------
 
-    def room_open(self, room: int, dst_pages: Any, chunk_tokens: int = 0) -> int:
+    def room_open(self, room: int, dst_pages: Any, chunk_tokens: int = 0) -> RoomOpening:
         """``kvstage_room_open``: the room's new tokens land in ``dst_pages`` (token order), cut into
-        chunks of ``chunk_tokens`` (0 = engine default). Returns the number of chunks."""
+        chunks of ``chunk_tokens`` (0 = engine default). Returns the number of chunks and this
+        opening's key: send the key to the prefill ranks with the room id (in the engine's own
+        bootstrap message); their transfers pass it as ``room_key``."""
         keep, address, count = page_array(dst_pages, "dst_pages")
-        n = c_uint32()
+        n, key = c_uint32(), c_uint64()
         rc = self._lib.kvstage_room_open(
-            self._handle(), _u64(room, "room"), ctypes.cast(address, POINTER(c_uint32)), count, _u32(chunk_tokens, "chunk_tokens"), byref(n)
+            self._handle(), _u64(room, "room"), ctypes.cast(address, POINTER(c_uint32)), count, _u32(chunk_tokens, "chunk_tokens"), byref(n), byref(key)
         )
         del keep
         _check(self._lib, rc, "kvstage_room_open")
-        return n.value
+        return RoomOpening(n.value, key.value)
 
     def room_wait(self, room: int, timeout_ms: int = 0) -> None:
         """``kvstage_room_wait``: returns when every chunk of the room is in the pool; raises the
@@ -786,7 +795,7 @@ class Engine(_Handle):
 
     def room(self, room: int, dst_pages: Any, chunk_tokens: int = 0) -> "Room":
         """Opens a room as a context manager that releases it on exit."""
-        return Room(self, room, self.room_open(room, dst_pages, chunk_tokens))
+        return Room(self, room, *self.room_open(room, dst_pages, chunk_tokens))
 
     def poll_events(self, max_events: int = 256, room: Optional[int] = None) -> List[ChunkEvent]:
         """``kvstage_engine_poll_events`` (or ``kvstage_room_poll_events`` with ``room``): up to
@@ -889,10 +898,12 @@ class Engine(_Handle):
 class Room:
     """An open room (decode side); ``with engine.room(...) as room:`` releases it on exit."""
 
-    def __init__(self, engine: Engine, room: int, num_chunks: int):
+    def __init__(self, engine: Engine, room: int, num_chunks: int, key: int):
         self.engine = engine
         self.room = room
         self.num_chunks = num_chunks
+        #: This opening's key: the prefill ranks pass it as ``room_key``.
+        self.key = key
 
     def wait(self, timeout_ms: int = 0) -> None:
         self.engine.room_wait(self.room, timeout_ms)
@@ -927,11 +938,12 @@ def _cuda_handle(obj: Any, attr: str, what: str) -> Optional[int]:
     return raw or None
 
 
-def _desc(lib: Library, room: int, chunk_index: int, pages: Any, deadline_ms: int, tag: int = 0):
+def _desc(lib: Library, room: int, room_key: int, chunk_index: int, pages: Any, deadline_ms: int, tag: int = 0):
     keep, address, count = page_array(pages, "pages")
     d = _lib.kvstage_transfer_desc()
     _check(lib, lib.kvstage_transfer_desc_init(byref(d)), "kvstage_transfer_desc_init")
     d.room = _u64(room, "room")
+    d.room_key = _u64(room_key, "room_key")
     d.chunk_index = _u32(chunk_index, "chunk_index")
     d.src_pages = ctypes.cast(address, POINTER(c_uint32))
     d.num_pages = count
@@ -957,50 +969,55 @@ class Session(_Handle):
     def session_id(self) -> str:
         return self._session_id
 
-    def transfer(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0) -> Status:
+    def transfer(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, *, room_key: int) -> Status:
         """``kvstage_transfer``: the staged path for one chunk (``pages``: the prefill pages of the
-        chunk in token order). Returns ``Status.OK``, or ``Status.FALLBACK`` when staging is
-        impossible for this chunk (nothing was allocated; use :meth:`transfer_slices`)."""
-        d, keep = _desc(self._lib, room, chunk_index, pages, deadline_ms)
+        chunk in token order) into ``room``, opened on the decode side with the key ``room_key``
+        (what its ``room_open`` returned). Returns ``Status.OK``, or ``Status.FALLBACK`` when
+        staging is impossible for this chunk (nothing was allocated; use :meth:`transfer_slices`).
+        A key of another opening of the room raises :class:`TimeError` with ``E_STALE_ROOM``."""
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms)
         rc = self._lib.kvstage_transfer(self._handle(), byref(d))
         del keep
         return _check(self._lib, rc, "kvstage_transfer")
 
-    def transfer_slices(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0) -> Status:
+    def transfer_slices(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, *, room_key: int) -> Status:
         """``kvstage_transfer_slices``: the slice path for the same chunk (one write per token,
         layer and K/V); the fallback of :meth:`transfer`."""
-        d, keep = _desc(self._lib, room, chunk_index, pages, deadline_ms)
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms)
         rc = self._lib.kvstage_transfer_slices(self._handle(), byref(d))
         del keep
         return _check(self._lib, rc, "kvstage_transfer_slices")
 
-    def transfer_async(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, tag: int = 0) -> "Operation":
+    def transfer_async(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, tag: int = 0, *, room_key: int) -> "Operation":
         """``kvstage_transfer_async``: starts the staged path on the engine's transfer workers;
         ``tag`` comes back with its completion (callback)."""
-        d, keep = _desc(self._lib, room, chunk_index, pages, deadline_ms, tag)
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag)
         out = c_void_p()
         rc = self._lib.kvstage_transfer_async(self._handle(), byref(d), byref(out))
         del keep
         _check(self._lib, rc, "kvstage_transfer_async")
         return Operation(self, out.value)
 
-    def transfer_layerwise_async(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, tag: int = 0) -> "Operation":
+    def transfer_layerwise_async(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, tag: int = 0, *, room_key: int) -> "Operation":
         """``kvstage_transfer_layerwise_async``: starts the staged path for a chunk whose layers
         are still being computed; mark them with :meth:`Operation.layers_ready` (every layer of
         the pool before the deadline). The ring space is requested at once."""
-        d, keep = _desc(self._lib, room, chunk_index, pages, deadline_ms, tag)
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag)
         out = c_void_p()
         rc = self._lib.kvstage_transfer_layerwise_async(self._handle(), byref(d), byref(out))
         del keep
         _check(self._lib, rc, "kvstage_transfer_layerwise_async")
         return Operation(self, out.value)
 
-    def room_grid(self, room: int, timeout_ms: int = 0) -> RoomGrid:
-        """``kvstage_session_room_grid``: the chunk grid of ``room`` as the decode side opened it
-        (chunk ``k`` carries the room's tokens ``[k * chunk_tokens, ...)``); one round trip."""
+    def room_grid(self, room: int, timeout_ms: int = 0, *, room_key: int) -> RoomGrid:
+        """``kvstage_session_room_grid``: the chunk grid of ``room`` (the opening ``room_key``) as
+        the decode side opened it (chunk ``k`` carries the room's tokens
+        ``[k * chunk_tokens, ...)``); one round trip."""
         out = _lib.kvstage_room_grid()
         out.struct_size = ctypes.sizeof(out)
-        rc = self._lib.kvstage_session_room_grid(self._handle(), _u64(room, "room"), _u64(timeout_ms, "timeout_ms"), byref(out))
+        rc = self._lib.kvstage_session_room_grid(
+            self._handle(), _u64(room, "room"), _u64(room_key, "room_key"), _u64(timeout_ms, "timeout_ms"), byref(out)
+        )
         _check(self._lib, rc, "kvstage_session_room_grid")
         return RoomGrid(out.chunk_tokens, out.num_chunks, out.num_pages)
 

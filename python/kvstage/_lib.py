@@ -351,6 +351,7 @@ class kvstage_transfer_desc(Structure):
         ("cuda_stream", c_void_p),
         ("cuda_event", c_void_p),
         ("user_tag", c_uint64),
+        ("room_key", c_uint64),
     ]
 
 
@@ -431,7 +432,7 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     ),
     "kvstage_session_connect": (c_int, [c_void_p, c_char_p, c_char_p, c_uint64, _p(c_void_p)]),
     "kvstage_session_free": (None, [c_void_p]),
-    "kvstage_session_room_grid": (c_int, [c_void_p, c_uint64, c_uint64, _p(kvstage_room_grid)]),
+    "kvstage_session_room_grid": (c_int, [c_void_p, c_uint64, c_uint64, c_uint64, _p(kvstage_room_grid)]),
     "kvstage_transfer_desc_init": (c_int, [_p(kvstage_transfer_desc)]),
     "kvstage_transfer": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
     "kvstage_transfer_slices": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
@@ -442,7 +443,7 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_op_wait": (c_int, [c_void_p, c_uint64]),
     "kvstage_op_cancel": (c_int, [c_void_p]),
     "kvstage_op_free": (None, [c_void_p]),
-    "kvstage_room_open": (c_int, [c_void_p, c_uint64, _p(c_uint32), c_size_t, c_uint32, _p(c_uint32)]),
+    "kvstage_room_open": (c_int, [c_void_p, c_uint64, _p(c_uint32), c_size_t, c_uint32, _p(c_uint32), _p(c_uint64)]),
     "kvstage_room_wait": (c_int, [c_void_p, c_uint64, c_uint64]),
     "kvstage_room_release": (c_int, [c_void_p, c_uint64]),
     "kvstage_engine_poll_events": (c_int, [c_void_p, _p(kvstage_chunk_event), c_size_t, _p(c_size_t)]),

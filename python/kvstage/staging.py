@@ -9,8 +9,9 @@ Differences from a hand-rolled staged path, which is why ``target_info`` looks t
   ``dst_staging_size`` are accepted for signature compatibility (ints, or None) and not used.
 - Head slices, writer regions and the decode layout come from the session handshake, so
   ``target_info`` does not carry the decode TP rank, TP size or item length either. It names
-  where the chunk goes: the decode engine (``peer``), the request (``room``) and the chunk of the
-  room's chunk grid (``chunk_index``).
+  where the chunk goes: the decode engine (``peer``), the request (``room``, and ``room_key``, the
+  key that decode rank's :meth:`Engine.room_open` returned for this opening of the room) and the
+  chunk of the room's chunk grid (``chunk_index``).
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ class TransferTarget:
 
     ``peer``: the decode rank engine's address (its :attr:`Engine.listen_address`), used to connect
     the first time a ``session_id`` is seen; ``room``: the request's room id, opened on the decode
-    side with :meth:`Engine.room_open`; ``chunk_index``: the chunk within that room's chunk grid;
-    ``deadline_ms``: 0 = the engine default, ``DEADLINE_INFINITE`` = none.
+    side with :meth:`Engine.room_open`; ``room_key``: the key that call returned (it travels with
+    the room id and the decode pages in the engine's bootstrap); ``chunk_index``: the chunk within
+    that room's chunk grid; ``deadline_ms``: 0 = the engine default, ``DEADLINE_INFINITE`` = none.
 
     ``target_info`` may also be a mapping with these keys, or any object with these attributes
-    (an engine's own per-request record); only ``room`` is required once the session exists.
+    (an engine's own per-request record); ``room`` and ``room_key`` are required, ``peer`` the
+    first time a session id is seen.
     """
 
     room: int
+    room_key: int
     chunk_index: int = 0
     peer: Optional[str] = None
     deadline_ms: int = 0
@@ -57,8 +61,12 @@ def _target(info: Any) -> TransferTarget:
     room = _field(info, "room", None)
     if room is None:
         raise argument_error("target_info", f"has no `room` ({type(info).__name__})")
+    room_key = _field(info, "room_key", None)
+    if room_key is None:
+        raise argument_error("target_info", f"has no `room_key` for room {room} ({type(info).__name__}): pass the key the decode side's room_open returned")
     return TransferTarget(
         room=room,
+        room_key=room_key,
         chunk_index=_field(info, "chunk_index", 0),
         peer=_field(info, "peer", None),
         deadline_ms=_field(info, "deadline_ms", 0),
@@ -105,7 +113,7 @@ class StagingTransfer:
         session = self.session(session_id, target.peer)
         run = session.transfer if staged else session.transfer_slices
         try:
-            return run(target.room, target.chunk_index, prefill_kv_indices, target.deadline_ms)
+            return run(target.room, target.chunk_index, prefill_kv_indices, target.deadline_ms, room_key=target.room_key)
         except (TransportError, ProtocolError):
             self.close_session(session_id)
             raise
@@ -123,8 +131,8 @@ class StagingTransfer:
         ``prefill_kv_indices``: the prefill pool pages holding the chunk's tokens, in token order
         (a list, numpy array or tensor of ints). ``dst_staging_ptr``/``dst_staging_size``: unused
         (the receiver places the chunk in its own ring). ``target_info``: a
-        :class:`TransferTarget`, mapping or object with ``room``, ``chunk_index``, ``peer``,
-        ``deadline_ms``.
+        :class:`TransferTarget`, mapping or object with ``room``, ``room_key``, ``chunk_index``,
+        ``peer``, ``deadline_ms``.
         """
         for name, value in (("dst_staging_ptr", dst_staging_ptr), ("dst_staging_size", dst_staging_size)):
             if value is not None:

@@ -16,19 +16,19 @@ PAGES = 4  # one chunk of 16 tokens per room
 
 
 def _pair(rooms):
-    """A decode engine (pool, ring, the rooms open) and a prefill engine connected to it."""
+    """A decode engine (pool, ring, the rooms open), a prefill engine connected to it and each
+    room's key."""
     dpool, dlayout = kvref.make_pool(MODEL, 0, 1, 16)
     decode = kvstage.Engine()
     decode.register_pool(dlayout)
     decode.register_staging(4 << 20)
-    for room in rooms:
-        decode.room_open(room, list(range(PAGES)), chunk_tokens=PAGES * MODEL.page_size)
+    keys = {room: decode.room_open(room, list(range(PAGES)), chunk_tokens=PAGES * MODEL.page_size).key for room in rooms}
     ppool, playout = kvref.make_pool(MODEL, 0, 1, 16)
     kvref.fill_random(ppool, 7)
     prefill = kvstage.Engine(transfer_threads=2)
     prefill.register_pool(playout)
     session = prefill.connect(decode.listen_address, "completions")
-    return decode, dpool, prefill, ppool, session
+    return decode, dpool, prefill, ppool, session, keys
 
 
 def _expected(dpool, ppool):
@@ -37,9 +37,9 @@ def _expected(dpool, ppool):
 
 def test_asyncio_waits_on_the_completion_descriptor(lib):
     rooms = list(range(10, 30))
-    decode, dpool, prefill, ppool, session = _pair(rooms)
+    decode, dpool, prefill, ppool, session, keys = _pair(rooms)
     try:
-        ops = {room: session.transfer_async(room, 0, list(range(PAGES)), deadline_ms=20000, tag=room) for room in rooms}
+        ops = {room: session.transfer_async(room, 0, list(range(PAGES)), deadline_ms=20000, tag=room, room_key=keys[room]) for room in rooms}
 
         async def until_done():
             finished = 0
@@ -72,7 +72,7 @@ def test_asyncio_waits_on_the_completion_descriptor(lib):
 
 def test_callback_reports_every_operation_with_its_tag_and_room_events_filter(lib):
     rooms = [1, 2, 3]
-    decode, dpool, prefill, ppool, session = _pair(rooms)
+    decode, dpool, prefill, ppool, session, keys = _pair(rooms)
     seen, chunk_events = [], []
     done = threading.Event()
 
@@ -84,7 +84,7 @@ def test_callback_reports_every_operation_with_its_tag_and_room_events_filter(li
     decode.set_completion_callback(lambda kind, status, tag, room, chunk: chunk_events.append((room, chunk, status)))
     prefill.set_completion_callback(on_completion)
     try:
-        ops = [session.transfer_async(room, 0, list(range(PAGES)), deadline_ms=20000, tag=1000 + room) for room in rooms]
+        ops = [session.transfer_async(room, 0, list(range(PAGES)), deadline_ms=20000, tag=1000 + room, room_key=keys[room]) for room in rooms]
         assert done.wait(20), f"callbacks seen: {seen}"
         assert sorted(t for _, _, t in seen) == [1001, 1002, 1003]
         assert all(kind == 1 and status == kvstage.Status.OK for kind, status, _ in seen)
@@ -113,9 +113,9 @@ def test_layer_wise_transfer_lands_once_every_layer_is_marked(lib):
     """Layers marked out of order on a layer-wise operation: nothing completes while one is
     missing; then the decode pool holds the reference bytes. Marks are checked."""
     room = 40
-    decode, dpool, prefill, ppool, session = _pair([room])
+    decode, dpool, prefill, ppool, session, keys = _pair([room])
     try:
-        op = session.transfer_layerwise_async(room, 0, list(range(PAGES)), deadline_ms=20000)
+        op = session.transfer_layerwise_async(room, 0, list(range(PAGES)), deadline_ms=20000, room_key=keys[room])
         op.layers_ready(1)
         with pytest.raises(kvstage.ArgumentError, match="layer 1 was already marked ready"):
             op.layers_ready(1)

@@ -21,14 +21,17 @@ ROOM = 7
 
 
 def decode_engine(ring_bytes, model=MODEL, rooms=(ROOM,)):
+    """The decode engine, its pool and each room's key."""
     pool, layout = kvref.make_pool(model, 0, 1, CAPACITY)
     engine = kvstage.Engine(chunk_tokens=CHUNK_TOKENS)
     engine.register_pool(layout)
     if ring_bytes:
         engine.register_staging(ring_bytes)
+    keys = {}
     for room in rooms:
-        assert engine.room_open(room, PAGES, CHUNK_TOKENS) == 2
-    return engine, pool
+        num_chunks, keys[room] = engine.room_open(room, PAGES, CHUNK_TOKENS)
+        assert num_chunks == 2 and keys[room] != 0
+    return engine, pool, keys
 
 
 def prefill_engine(tp_rank=0, tp=2, model=MODEL, seed=1):
@@ -57,7 +60,7 @@ def chain_texts(e):
 
 def test_geometry_mismatch_raises_with_the_field_diff_in_the_cause_chain(lib):
     other = kvref.Model(layers=2, heads=2, head_dim=16, dtype_bytes=4, page_size=4)
-    dec, _ = decode_engine(1 << 16, model=other)
+    dec, _, keys = decode_engine(1 << 16, model=other)
     pre, _ = prefill_engine()
     with dec, pre:
         with pytest.raises(kvstage.GeometryError) as info:
@@ -79,7 +82,7 @@ def test_geometry_mismatch_raises_with_the_field_diff_in_the_cause_chain(lib):
 
         # The same failure through the drop-in: raised, not a fallback.
         st = kvstage.StagingTransfer(pre, connect_timeout_ms=5000)
-        target = kvstage.TransferTarget(room=ROOM, chunk_index=0, peer=dec.listen_address)
+        target = kvstage.TransferTarget(room=ROOM, room_key=keys[ROOM], chunk_index=0, peer=dec.listen_address)
         with pytest.raises(kvstage.GeometryError) as info:
             st.transfer("mismatch-2", chunk_pages(0), None, None, target)
         assert info.value.session == "mismatch-2"
@@ -104,7 +107,7 @@ def test_connection_refused_is_a_transport_error_with_the_session(lib):
 
 
 def test_fallback_returns_minus_one_and_the_slice_path_delivers(lib):
-    dec, dec_pool = decode_engine(512)  # a chunk needs 2048 bytes of ring
+    dec, dec_pool, keys = decode_engine(512)  # a chunk needs 2048 bytes of ring
     pre0, pool0 = prefill_engine(0, 2, seed=10)
     pre1, pool1 = prefill_engine(1, 2, seed=11)
     with dec, pre0, pre1:
@@ -112,11 +115,11 @@ def test_fallback_returns_minus_one_and_the_slice_path_delivers(lib):
         helpers = [kvstage.StagingTransfer(pre0), kvstage.StagingTransfer(pre1)]
         for chunk in range(2):
             for rs, st in enumerate(helpers):
-                target = {"room": ROOM, "chunk_index": chunk, "peer": addr}  # a mapping works too
+                target = {"room": ROOM, "room_key": keys[ROOM], "chunk_index": chunk, "peer": addr}  # a mapping works too
                 assert st.transfer(f"fallback/p{rs}", chunk_pages(chunk), 0, 0, target) == -1
                 assert st.transfer_slices(f"fallback/p{rs}", chunk_pages(chunk), target) == 0
         # The Session API says the same with a status.
-        assert helpers[0].session("fallback/p0").transfer(ROOM, 0, chunk_pages(0)) == Status.FALLBACK
+        assert helpers[0].session("fallback/p0").transfer(ROOM, 0, chunk_pages(0), room_key=keys[ROOM]) == Status.FALLBACK
         dec.room_wait(ROOM, timeout_ms=10000)
         assert dec.stats().ring_live_allocations == 0
         events = dec.poll_events()
@@ -130,22 +133,22 @@ def test_fallback_returns_minus_one_and_the_slice_path_delivers(lib):
 # --- deadlines, cancel, room errors ----------------------------------------------------------------
 
 
-def blocked(session, room, deadline_ms):
+def blocked(session, room, key, deadline_ms):
     """Writer 0 of 2 sends chunk 0 (which then holds the whole one-chunk ring, waiting for writer 1),
     so chunk 1 waits for ring space: an operation that blocks in back-pressure."""
-    assert session.transfer(room, 0, chunk_pages(0), deadline_ms=5000) == Status.OK
-    op = session.transfer_async(room, 1, chunk_pages(1), deadline_ms=deadline_ms)
+    assert session.transfer(room, 0, chunk_pages(0), deadline_ms=5000, room_key=key) == Status.OK
+    op = session.transfer_async(room, 1, chunk_pages(1), deadline_ms=deadline_ms, room_key=key)
     assert op.wait(200) == Status.PENDING
     assert op.poll() == Status.PENDING
     return op
 
 
 def test_deadline_and_cancel_raise_time_errors(lib):
-    dec, _ = decode_engine(2048, rooms=(ROOM, ROOM + 1))
+    dec, _, keys = decode_engine(2048, rooms=(ROOM, ROOM + 1))
     pre, _ = prefill_engine(0, 2)
     with dec, pre:
         session = pre.connect(dec.listen_address, "blocked-1")
-        with blocked(session, ROOM, 400) as op:
+        with blocked(session, ROOM, keys[ROOM], 400) as op:
             with pytest.raises(kvstage.TimeError) as info:
                 op.wait(5000)
             e = info.value
@@ -157,7 +160,7 @@ def test_deadline_and_cancel_raise_time_errors(lib):
         with pytest.raises(kvstage.TimeError) as info:  # the decode room failed with it
             dec.room_wait(ROOM, timeout_ms=2000)
 
-        op = blocked(session, ROOM + 1, 10000)
+        op = blocked(session, ROOM + 1, keys[ROOM + 1], 10000)
         op.cancel()
         with pytest.raises(kvstage.TimeError) as info:
             op.wait(2000)
@@ -169,7 +172,7 @@ def test_deadline_and_cancel_raise_time_errors(lib):
 
 
 def test_room_wait_times_out(lib):
-    dec, _ = decode_engine(4096)
+    dec, _, keys = decode_engine(4096)
     with dec:
         t0 = time.monotonic()
         with pytest.raises(kvstage.TimeError) as info:
@@ -177,20 +180,50 @@ def test_room_wait_times_out(lib):
         assert info.value.code == Status.E_TIMEOUT
         assert time.monotonic() - t0 < 5
         with dec.room(ROOM + 5, PAGES, CHUNK_TOKENS) as room:
-            assert room.num_chunks == 2
+            assert room.num_chunks == 2 and room.key != 0
         dec.room_release(ROOM + 5)  # idempotent
+
+
+def test_a_stale_room_key_writes_nothing_and_the_current_one_lands(lib):
+    """Room 7 is opened for request A, released (A canceled) and opened again for request B: a
+    transfer still naming A's opening gets ``E_STALE_ROOM`` and writes nothing; B's key lands."""
+    dec, dec_pool, keys = decode_engine(1 << 16)
+    pre0, pool0 = prefill_engine(0, 2, seed=20)
+    pre1, pool1 = prefill_engine(1, 2, seed=21)
+    with dec, pre0, pre1:
+        stale_key = keys[ROOM]
+        dec.room_release(ROOM)
+        _, key = dec.room_open(ROOM, PAGES, CHUNK_TOKENS)
+        assert key not in (0, stale_key)
+        sessions = [pre0.connect(dec.listen_address, "stale-p0"), pre1.connect(dec.listen_address, "stale-p1")]
+        with pytest.raises(kvstage.TimeError) as info:
+            sessions[0].transfer(ROOM, 0, chunk_pages(0), deadline_ms=5000, room_key=stale_key)
+        assert info.value.code == Status.E_STALE_ROOM and info.value.session == "stale-p0"
+        assert "room 7" in str(info.value) and str(key) not in str(info.value)
+        with pytest.raises(kvstage.ArgumentError) as info:
+            sessions[0].transfer(ROOM, 0, chunk_pages(0), room_key=0)
+        assert "desc->room_key" in info.value.message
+        assert np.all(dec_pool == 0), "a stale transfer wrote into the decode pool"
+        for chunk in range(2):
+            for s in sessions:  # the stale session goes on with the right key
+                assert s.transfer(ROOM, chunk, chunk_pages(chunk), deadline_ms=5000, room_key=key) == Status.OK
+        dec.room_wait(ROOM, timeout_ms=10000)
+        want = kvref.reference_reshard(MODEL, [pool0, pool1], [PAGES, PAGES], [np.zeros_like(dec_pool)], [PAGES])
+        assert not kvref.describe_difference(dec_pool, want[0])
+        for s in sessions:
+            s.close()
 
 
 # --- closed handles --------------------------------------------------------------------------------
 
 
 def test_closed_handles_raise(lib):
-    dec, _ = decode_engine(4096)
+    dec, _, keys = decode_engine(4096)
     pre, _ = prefill_engine(0, 2)
     with dec:
         with pre:
             session = pre.connect(dec.listen_address, "closing-1")
-            op = session.transfer_async(ROOM, 0, chunk_pages(0), deadline_ms=5000)
+            op = session.transfer_async(ROOM, 0, chunk_pages(0), deadline_ms=5000, room_key=keys[ROOM])
             assert op.wait(5000) == Status.OK
             op.close()
             op.close()  # idempotent
@@ -205,12 +238,12 @@ def test_closed_handles_raise(lib):
                 pass
             assert session.closed
             with pytest.raises(kvstage.ClosedHandleError) as info:
-                session.transfer(ROOM, 0, chunk_pages(0))
+                session.transfer(ROOM, 0, chunk_pages(0), room_key=keys[ROOM])
             assert "closed" in str(info.value) and isinstance(info.value, ValueError)
             other = pre.connect(dec.listen_address, "closing-2")
         assert pre.closed and other.closed  # closing an engine closes its sessions first
         for call in (lambda: pre.stats(), lambda: pre.listen_address, lambda: pre.connect("127.0.0.1:1", "x"),
-                     lambda: pre.poll_events(), lambda: pre.room_open(1, [0]), lambda: other.transfer_slices(ROOM, 0, [0])):
+                     lambda: pre.poll_events(), lambda: pre.room_open(1, [0]), lambda: other.transfer_slices(ROOM, 0, [0], room_key=keys[ROOM])):
             with pytest.raises(kvstage.ClosedHandleError):
                 call()
         with pytest.raises(kvstage.ClosedHandleError):

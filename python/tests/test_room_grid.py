@@ -21,19 +21,22 @@ def test_room_grid_and_a_wrong_guess(lib):
     prefill.register_pool(playout)
     session = prefill.connect(decode.listen_address, "grid")
     pages = list(range(10))
-    decode.room_open(3, pages, chunk_tokens=16)  # 4 pages a chunk: 4 + 4 + 2
+    key = decode.room_open(3, pages, chunk_tokens=16).key  # 4 pages a chunk: 4 + 4 + 2
     try:
-        grid = session.room_grid(3, timeout_ms=5000)
+        grid = session.room_grid(3, timeout_ms=5000, room_key=key)
         assert grid == kvstage.RoomGrid(chunk_tokens=16, num_chunks=3, num_pages=10)
         with pytest.raises(kvstage.KVStageError, match="not open on the receiver"):
-            session.room_grid(4, timeout_ms=5000)
+            session.room_grid(4, timeout_ms=5000, room_key=key)
+        with pytest.raises(kvstage.TimeError) as stale:
+            session.room_grid(3, timeout_ms=5000, room_key=key ^ 1)
+        assert stale.value.code == kvstage.Status.E_STALE_ROOM
         with pytest.raises(kvstage.GeometryError) as info:
-            session.transfer(3, 0, pages[:3], deadline_ms=5000)
+            session.transfer(3, 0, pages[:3], deadline_ms=5000, room_key=key)
         assert "sender has 12 tokens, receiver expects 16" in str(info.value.causes) + str(info.value)
         per_chunk = grid.chunk_tokens // MODEL.page_size
         for k in range(grid.num_chunks):
             chunk = pages[k * per_chunk:(k + 1) * per_chunk]
-            assert session.transfer(3, k, chunk, deadline_ms=20000) == kvstage.Status.OK
+            assert session.transfer(3, k, chunk, deadline_ms=20000, room_key=key) == kvstage.Status.OK
         decode.room_wait(3, 20000)
         assert (dpool[:, :, : 10 * MODEL.page_size] == ppool[:, :, : 10 * MODEL.page_size]).all()
     finally:

@@ -53,14 +53,14 @@ def test_counters_and_timings_after_a_known_sequence(lib):
     try:
         assert session.stats().transfers_ok == 0
         for room in (1, 2):
-            decode.room_open(room, pages, chunk_tokens=PAGES * MODEL.page_size)
-            assert session.transfer(room, 0, pages, deadline_ms=20000) == kvstage.Status.OK
+            key = decode.room_open(room, pages, chunk_tokens=PAGES * MODEL.page_size).key
+            assert session.transfer(room, 0, pages, deadline_ms=20000, room_key=key) == kvstage.Status.OK
             t = kvstage.transfer_timings_last()
             _full(t)
             assert t.queued_ns == 0
             decode.room_wait(room, 20000)
-        decode.room_open(3, pages, chunk_tokens=PAGES * MODEL.page_size)
-        op = session.transfer_async(3, 0, pages, deadline_ms=20000, tag=33)
+        key = decode.room_open(3, pages, chunk_tokens=PAGES * MODEL.page_size).key
+        op = session.transfer_async(3, 0, pages, deadline_ms=20000, tag=33, room_key=key)
         assert op.wait() == kvstage.Status.OK
         t = op.timings()
         _full(t)
@@ -69,8 +69,8 @@ def test_counters_and_timings_after_a_known_sequence(lib):
         assert completions == [(33, kvstage.Status.OK, t)]
         op.close()
         decode.room_wait(3, 20000)
-        # A fallback: 12 pages are more than the ring holds.
-        assert session.transfer(4, 0, list(range(12)), deadline_ms=20000) == kvstage.Status.FALLBACK
+        # A fallback: 12 pages are more than the ring holds (decided before the room is named: any key).
+        assert session.transfer(4, 0, list(range(12)), deadline_ms=20000, room_key=1) == kvstage.Status.FALLBACK
         assert kvstage.transfer_timings_last().gather_ns == 0
 
         s = session.stats()

@@ -105,14 +105,14 @@ CASES = {
 }
 
 
-def _send_staging_transfer(engines, pairs, prefill_pages, addrs, chunks, grid_pages):
+def _send_staging_transfer(engines, pairs, prefill_pages, addrs, keys, chunks, grid_pages):
     """The engine-shaped drop-in: transfer(session_id, indices, ptr, size, target) -> 0 / -1."""
     helpers = [kvstage.StagingTransfer(e) for e in engines]
     try:
         for c in range(chunks):
             for rs, rd in pairs:
                 pages = prefill_pages[rs][c * grid_pages : (c + 1) * grid_pages]
-                target = kvstage.TransferTarget(room=ROOM, chunk_index=c, peer=addrs[rd], deadline_ms=20000)
+                target = kvstage.TransferTarget(room=ROOM, room_key=keys[rd], chunk_index=c, peer=addrs[rd], deadline_ms=20000)
                 rc = helpers[rs].transfer(f"req-{ROOM}/p{rs}-d{rd}", pages, None, None, target)
                 assert rc == 0, f"chunk {c} p{rs}->d{rd} fell back"
         assert set(helpers[0].session_ids) == {f"req-{ROOM}/p0-d{rd}" for r, rd in pairs if r == 0}
@@ -121,7 +121,7 @@ def _send_staging_transfer(engines, pairs, prefill_pages, addrs, chunks, grid_pa
             h.close()
 
 
-def _send_async_threads(engines, pairs, prefill_pages, addrs, chunks, grid_pages):
+def _send_async_threads(engines, pairs, prefill_pages, addrs, keys, chunks, grid_pages):
     """One thread per prefill rank, each chunk as an Operation (transfer_async + wait)."""
     errors = []
 
@@ -130,7 +130,7 @@ def _send_async_threads(engines, pairs, prefill_pages, addrs, chunks, grid_pages
             sessions = {rd: engines[rs].connect(addrs[rd], f"req-{ROOM}/p{rs}-d{rd}") for r, rd in pairs if r == rs}
             for c in range(chunks):
                 pages = np.asarray(prefill_pages[rs][c * grid_pages : (c + 1) * grid_pages], dtype=np.int64)
-                ops = [s.transfer_async(ROOM, c, pages, deadline_ms=20000) for s in sessions.values()]
+                ops = [s.transfer_async(ROOM, c, pages, deadline_ms=20000, room_key=keys[rd]) for rd, s in sessions.items()]
                 for op in ops:
                     with op:
                         assert op.wait() == kvstage.Status.OK
@@ -170,7 +170,8 @@ def test_staged_transfer_between_two_processes(name, lib, child_env, tmp_path):
     )
     peer = Peer(cfg, child_env)
     try:
-        addrs = peer.line(timeout=30)["addrs"]
+        hello = peer.line(timeout=30)
+        addrs, keys = hello["addrs"], hello["keys"]
         assert len(addrs) == d_tp and all(a.startswith("127.0.0.1:") for a in addrs)
 
         engines, pools = [], []
@@ -185,7 +186,7 @@ def test_staged_transfer_between_two_processes(name, lib, child_env, tmp_path):
         assert {rd for _, rd in pairs} == set(range(d_tp))
 
         send = _send_staging_transfer if case["sender"] == "staging_transfer" else _send_async_threads
-        send(engines, pairs, prefill_pages, addrs, chunks, grid_pages)
+        send(engines, pairs, prefill_pages, addrs, keys, chunks, grid_pages)
         if case["transport"] == "shm":
             # Every session of every prefill rank wrote in place, none fell back to TCP.
             for rs, engine in enumerate(engines):
