@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use kvstage::geometry::Fingerprint;
-use kvstage::protocol::{read_frame, Hello, Message, PROTOCOL_VERSION};
+use kvstage::protocol::{read_frame, Hello, Message, RoomRef, PROTOCOL_VERSION};
 use kvstage::ring::Watermark;
 use kvstage::session::receiver::verify_peer;
 
@@ -67,22 +67,26 @@ fn hellos() -> Vec<(String, Hello)> {
 }
 
 fn messages() -> Vec<(String, Message)> {
+    // A room as a frame names it: id and the key of its opening.
+    const ROOM: RoomRef = RoomRef { id: 9, key: 0x6b65_7973_0000_0009 };
     let mut out: Vec<(String, Message)> = hellos().into_iter().map(|(n, h)| (format!("hello-{n}"), Message::Hello(h))).collect();
     out.extend([
-        ("alloc-req".into(), Message::AllocReq { req: 7, room: 9, chunk: 2, writer: 1, tokens: 64, bytes: 4096 }),
+        ("alloc-req".into(), Message::AllocReq { req: 7, room: ROOM, chunk: 2, writer: 1, tokens: 64, bytes: 4096 }),
         ("alloc-rsp-ok".into(), Message::AllocRsp { req: 7, status: 0, round: 1, offset: 8192, len: 4096, region: 2048, reason: String::new() }),
         ("alloc-rsp-refused".into(), Message::AllocRsp { req: 8, status: -13, round: 0, offset: 0, len: 0, region: 0, reason: "chunk larger than the ring".into() }),
-        ("data".into(), Message::Data { room: 9, chunk: 2, writer: 1, offset: 2048, len: 16 }),
-        ("chunk-ready".into(), Message::ChunkReady { req: 10, room: 9, chunk: 2, writer: 1, checksum: Some(0x0123_4567_89ab_cdef) }),
-        ("chunk-ready-unchecked".into(), Message::ChunkReady { req: 13, room: 9, chunk: 3, writer: 0, checksum: None }),
+        ("data".into(), Message::Data { room: ROOM, chunk: 2, writer: 1, offset: 2048, len: 16 }),
+        ("chunk-ready".into(), Message::ChunkReady { req: 10, room: ROOM, chunk: 2, writer: 1, checksum: Some(0x0123_4567_89ab_cdef) }),
+        ("chunk-ready-unchecked".into(), Message::ChunkReady { req: 13, room: ROOM, chunk: 3, writer: 0, checksum: None }),
         ("arrived".into(), Message::Arrived { req: 10, status: 0, reason: String::new() }),
         ("arrived-rejected".into(), Message::Arrived { req: 11, status: -40, reason: "ready for chunk 2 after 0 of 4096 bytes".into() }),
         ("watermark".into(), Message::Watermark(Watermark { round: 5, offset: 6 })),
-        ("abort-chunk".into(), Message::Abort { room: 9, chunk: 2, reason: "deadline passed".into() }),
-        ("abort-room".into(), Message::Abort { room: 9, chunk: u32::MAX, reason: "canceled".into() }),
-        ("slice".into(), Message::Slice { room: 9, chunk: 0, buffer: 3, token: 17, byte_offset: 256, len: 8 }),
-        ("slice-done".into(), Message::SliceDone { req: 12, room: 9, chunk: 0 }),
-        ("written".into(), Message::Written { room: 9, chunk: 2, writer: 1, offset: 2048, len: 4096, imm: 0 }),
+        ("abort-chunk".into(), Message::Abort { room: ROOM, chunk: 2, reason: "deadline passed".into() }),
+        ("abort-room".into(), Message::Abort { room: ROOM, chunk: u32::MAX, reason: "canceled".into() }),
+        ("slice".into(), Message::Slice { room: ROOM, chunk: 0, buffer: 3, token: 17, byte_offset: 256, len: 8 }),
+        ("slice-done".into(), Message::SliceDone { req: 12, room: ROOM, chunk: 0 }),
+        ("written".into(), Message::Written { room: ROOM, chunk: 2, writer: 1, offset: 2048, len: 4096, imm: 0 }),
+        ("grid-req".into(), Message::GridReq { req: 14, room: ROOM }),
+        ("grid-rsp".into(), Message::GridRsp { req: 14, status: 0, chunk_tokens: 64, num_chunks: 3, num_pages: 10, reason: String::new() }),
         ("shm-offer".into(), Message::ShmOffer { socket: "kvstage-shm-42-00112233445566778899aabb".into(), nonce: vec![0x5a; 16] }),
         ("shm-answer".into(), Message::ShmAnswer { status: 0, local: true, ring_len: 1 << 20, reason: String::new() }),
         ("shm-answer-refused".into(), Message::ShmAnswer { status: -5, local: true, ring_len: 0, reason: "caller memory".into() }),
