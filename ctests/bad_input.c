@@ -271,7 +271,9 @@ static void test_engine_calls(void) {
     /* Rooms before a pool is registered: the engine is not ready. */
     {
         const uint32_t pages[2] = {0, 1};
-        EXPECT(kvstage_room_open(e, 1, pages, 2, 0, NULL), KVSTAGE_E_INVALID_ARG, "`engine`");
+        uint64_t key = 0;
+        EXPECT(kvstage_room_open(e, 1, pages, 2, 0, NULL, &key), KVSTAGE_E_INVALID_ARG, "`engine`");
+        CHECK(key == 0);
     }
 
     REQUIRE(kvstage_engine_register_pool(e, &p.layout) == KVSTAGE_OK);
@@ -282,15 +284,23 @@ static void test_engine_calls(void) {
         const uint32_t pages[4] = {0, 1, 2, 3};
         const uint32_t outside[3] = {0, CAPACITY, 1};
         uint32_t chunks = 77;
-        EXPECT(kvstage_room_open(NULL, 1, pages, 4, 0, &chunks), KVSTAGE_E_INVALID_ARG, "`engine`");
-        EXPECT(kvstage_room_open(e, 1, NULL, 4, 0, &chunks), KVSTAGE_E_INVALID_ARG, "`dst_pages`");
-        EXPECT(kvstage_room_open(e, 1, pages, 0, 0, &chunks), KVSTAGE_E_INVALID_ARG, "`num_pages`");
-        EXPECT(kvstage_room_open(e, 1, NULL, 0, 0, &chunks), KVSTAGE_E_INVALID_ARG, "`num_pages`");
-        EXPECT(kvstage_room_open(e, 1, outside, 3, 0, &chunks), KVSTAGE_E_INVALID_ARG, "`dst_pages`");
+        uint64_t key = 77, again = 77;
+        EXPECT(kvstage_room_open(NULL, 1, pages, 4, 0, &chunks, &key), KVSTAGE_E_INVALID_ARG, "`engine`");
+        EXPECT(kvstage_room_open(e, 1, NULL, 4, 0, &chunks, &key), KVSTAGE_E_INVALID_ARG, "`dst_pages`");
+        EXPECT(kvstage_room_open(e, 1, pages, 0, 0, &chunks, &key), KVSTAGE_E_INVALID_ARG, "`num_pages`");
+        EXPECT(kvstage_room_open(e, 1, NULL, 0, 0, &chunks, &key), KVSTAGE_E_INVALID_ARG, "`num_pages`");
+        EXPECT(kvstage_room_open(e, 1, outside, 3, 0, &chunks, &key), KVSTAGE_E_INVALID_ARG, "`dst_pages`");
+        /* room_key_out is required (the key is the only way to name this opening), and a refused
+         * opening opens nothing: the room can be opened right after. */
+        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, &chunks, NULL), KVSTAGE_E_INVALID_ARG, "`room_key_out`");
+        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, NULL, NULL), KVSTAGE_E_INVALID_ARG, "`room_key_out`");
         CHECK_INT(chunks, 77);
-        /* num_chunks_out may be NULL. */
-        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, NULL), KVSTAGE_OK, NULL);
-        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, &chunks), KVSTAGE_E_INVALID_ARG, "`room`");
+        CHECK(key == 77);
+        /* num_chunks_out may be NULL; the key is never 0. */
+        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, NULL, &key), KVSTAGE_OK, NULL);
+        CHECK(key != 0 && key != 77);
+        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, &chunks, &again), KVSTAGE_E_INVALID_ARG, "`room`");
+        CHECK(again == 77);
         EXPECT(kvstage_room_wait(NULL, 1, 10), KVSTAGE_E_INVALID_ARG, "`engine`");
         EXPECT(kvstage_room_wait(e, 424242, 10), KVSTAGE_E_INVALID_ARG, "`room`");
         EXPECT(kvstage_room_wait(e, 1, 1), KVSTAGE_E_TIMEOUT, "room 1");
@@ -299,6 +309,10 @@ static void test_engine_calls(void) {
         /* Idempotent, and unknown rooms are fine. */
         EXPECT(kvstage_room_release(e, 1), KVSTAGE_OK, NULL);
         EXPECT(kvstage_room_release(e, 424242), KVSTAGE_OK, NULL);
+        /* Every opening of an id gets a fresh key. */
+        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, NULL, &again), KVSTAGE_OK, NULL);
+        CHECK(again != 0 && again != key);
+        EXPECT(kvstage_room_release(e, 1), KVSTAGE_OK, NULL);
     }
 
     kvstage_engine_free(e);
@@ -512,6 +526,30 @@ static void test_sessions(void) {
     d.num_pages = 2;
     d.deadline_ms = 2000;
 
+    /* Every transfer names the room's opening by its key: 0 (never handed out) is refused by
+     * every path before anything is sent. */
+    EXPECT(kvstage_transfer(s, &d), KVSTAGE_E_INVALID_ARG, "`desc->room_key`");
+    EXPECT(kvstage_transfer_slices(s, &d), KVSTAGE_E_INVALID_ARG, "`desc->room_key`");
+    EXPECT(kvstage_transfer_async(s, &d, &op), KVSTAGE_E_INVALID_ARG, "`desc->room_key`");
+    EXPECT(kvstage_transfer_layerwise_async(s, &d, &op), KVSTAGE_E_INVALID_ARG, "`desc->room_key`");
+    CHECK(op == SENTINEL_OP);
+    /* A descriptor from before `room_key` (a caller built against an older header): refused. */
+    d.room_key = 1;
+    d.struct_size = offsetof(kvstage_transfer_desc, room_key);
+    EXPECT(kvstage_transfer(s, &d), KVSTAGE_E_INVALID_ARG, "`desc->struct_size`");
+    d.struct_size = sizeof d;
+    /* The grid request names the opening too. */
+    {
+        kvstage_room_grid grid;
+        memset(&grid, 0, sizeof grid);
+        grid.struct_size = sizeof grid;
+        EXPECT(kvstage_session_room_grid(s, 1, 0, 2000, &grid), KVSTAGE_E_INVALID_ARG, "`room_key`");
+        CHECK_INT(grid.num_chunks, 0);
+    }
+
+    /* From here on a key (for a room the decode side never opened; only the arguments are
+     * checked until the real operation below). */
+    d.room_key = 1;
     EXPECT(kvstage_transfer(NULL, &d), KVSTAGE_E_INVALID_ARG, "`session`");
     EXPECT(kvstage_transfer(s, NULL), KVSTAGE_E_INVALID_ARG, "`desc`");
     EXPECT(kvstage_transfer_slices(NULL, &d), KVSTAGE_E_INVALID_ARG, "`session`");
@@ -626,6 +664,7 @@ static void test_poisoned(void) {
     size_t count = 0;
     char buf[64];
     const uint32_t pages[1] = {0};
+    uint64_t key = 0;
     pool p;
     pool_init(&p);
     stats.struct_size = sizeof stats;
@@ -639,7 +678,7 @@ static void test_poisoned(void) {
     POISONED(kvstage_engine_register_pool(e, NULL)); /* the handle is checked first */
     POISONED(kvstage_engine_register_staging(e, NULL, 4096));
     POISONED(kvstage_engine_stats_get(e, &stats));
-    POISONED(kvstage_room_open(e, 1, pages, 1, 0, NULL));
+    POISONED(kvstage_room_open(e, 1, pages, 1, 0, NULL, &key));
     POISONED(kvstage_room_wait(e, 1, 10));
     POISONED(kvstage_room_release(e, 1));
     POISONED(kvstage_engine_poll_events(e, events, 2, &count));

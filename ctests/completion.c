@@ -83,7 +83,13 @@ int main(void) {
     REQUIRE(kvstage_engine_register_staging(decode, NULL, 1 << 20) == KVSTAGE_OK);
     REQUIRE(kvstage_engine_new(NULL, &prefill) == KVSTAGE_OK);
     REQUIRE(kvstage_engine_register_pool(prefill, &pp.layout) == KVSTAGE_OK);
-    for (uint64_t room = 0; room < OPS; ++room) REQUIRE(kvstage_room_open(decode, room, PAGES, 4, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
+    /* Each opening's key, as the decode side's bootstrap would hand it to the prefill side. */
+    uint64_t keys[OPS + 2];
+    for (uint64_t room = 0; room < OPS; ++room) {
+        keys[room] = 0;
+        REQUIRE(kvstage_room_open(decode, room, PAGES, 4, CHUNK_TOKENS, NULL, &keys[room]) == KVSTAGE_OK);
+        REQUIRE(keys[room] != 0);
+    }
     char addr[64] = {0};
     REQUIRE(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL) == KVSTAGE_OK);
     kvstage_session *session = NULL;
@@ -94,13 +100,25 @@ int main(void) {
         kvstage_room_grid grid;
         memset(&grid, 0, sizeof grid);
         grid.struct_size = sizeof grid;
-        CHECK_OK(kvstage_session_room_grid(session, 0, 5000, &grid));
+        CHECK_OK(kvstage_session_room_grid(session, 0, keys[0], 5000, &grid));
         CHECK_INT(grid.chunk_tokens, CHUNK_TOKENS);
         CHECK_INT(grid.num_chunks, 1);
         CHECK_INT(grid.num_pages, 4);
-        CHECK_INT(kvstage_session_room_grid(session, 999, 5000, &grid), KVSTAGE_E_INVALID_ARG); /* not open (yet) */
+        CHECK_INT(kvstage_session_room_grid(session, 999, keys[0], 5000, &grid), KVSTAGE_E_INVALID_ARG); /* not open (yet) */
         CHECK_CONTAINS(kvstage_error_last()->message, "999 is not open on the receiver");
-        CHECK_INT(kvstage_session_room_grid(session, 0, 5000, NULL), KVSTAGE_E_INVALID_ARG);
+        CHECK_INT(kvstage_session_room_grid(session, 0, keys[0], 5000, NULL), KVSTAGE_E_INVALID_ARG);
+        /* An open room named with a key that is not its opening's: stale, and `out` untouched. */
+        uint64_t wrong_key = keys[0] + 1;
+        if (wrong_key == 0) wrong_key = 1;
+        memset(&grid, 0, sizeof grid);
+        grid.struct_size = sizeof grid;
+        CHECK_INT(kvstage_session_room_grid(session, 0, wrong_key, 5000, &grid), KVSTAGE_E_STALE_ROOM);
+        CHECK_INT(kvstage_error_last()->code, KVSTAGE_E_STALE_ROOM);
+        CHECK_INT(grid.num_chunks, 0);
+        CHECK_INT(grid.num_pages, 0);
+        /* The right key still works after that. */
+        CHECK_OK(kvstage_session_room_grid(session, 0, keys[0], 5000, &grid));
+        CHECK_INT(grid.num_chunks, 1);
     }
 
     seen prefill_seen, decode_seen;
@@ -129,6 +147,7 @@ int main(void) {
         d.num_pages = 4;
         d.deadline_ms = 20000;
         d.user_tag = i;
+        d.room_key = keys[i];
         ops[i] = NULL;
         CHECK_INT(kvstage_transfer_async(session, &d, &ops[i]), KVSTAGE_PENDING);
     }
@@ -199,10 +218,11 @@ int main(void) {
          * marked; the decode pool (cleared first) then holds the prefill pool's bytes again. */
         memset(dp.memory, 0, 2 * LAYERS * dp.buffer);
         const uint64_t room = OPS;
-        REQUIRE(kvstage_room_open(decode, room, PAGES, 4, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
+        REQUIRE(kvstage_room_open(decode, room, PAGES, 4, CHUNK_TOKENS, NULL, &keys[room]) == KVSTAGE_OK);
         kvstage_transfer_desc d;
         REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
         d.room = room;
+        d.room_key = keys[room];
         d.src_pages = PAGES;
         d.num_pages = 4;
         d.deadline_ms = 20000;
@@ -227,8 +247,9 @@ int main(void) {
         kvstage_op_free(op);
 
         /* Only a layer-wise operation takes marks. */
-        REQUIRE(kvstage_room_open(decode, room + 1, PAGES, 4, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
+        REQUIRE(kvstage_room_open(decode, room + 1, PAGES, 4, CHUNK_TOKENS, NULL, &keys[room + 1]) == KVSTAGE_OK);
         d.room = room + 1;
+        d.room_key = keys[room + 1];
         CHECK_INT(kvstage_transfer_async(session, &d, &op), KVSTAGE_PENDING);
         CHECK_ERR(kvstage_op_layers_ready(op, 0, 1, NULL, NULL), KVSTAGE_E_INVALID_ARG, "is not a layer-wise transfer");
         CHECK_OK(kvstage_op_wait(op, 20000));

@@ -23,10 +23,11 @@ static double now_ms(void) {
     return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
 }
 
-static kvstage_transfer_desc chunk_desc(uint32_t chunk, uint64_t deadline_ms) {
+static kvstage_transfer_desc chunk_desc(uint64_t room_key, uint32_t chunk, uint64_t deadline_ms) {
     kvstage_transfer_desc d;
     REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
     d.room = ROOM;
+    d.room_key = room_key;
     d.chunk_index = chunk;
     d.src_pages = SRC + chunk * (CHUNK / PAGE);
     d.num_pages = CHUNK / PAGE;
@@ -43,6 +44,7 @@ int main(void) {
     kvstage_transfer_desc da, db;
     char addr[64];
     uint32_t chunks = 0;
+    uint64_t room_key = 0;
     size_t b, pg, t;
     double started;
     uint8_t *got;
@@ -58,7 +60,7 @@ int main(void) {
     REQUIRE(kvstage_engine_new(NULL, &decode) == KVSTAGE_OK);
     CHECK_OK(kvstage_engine_register_pool(decode, &dst.layout));
     CHECK_OK(kvstage_engine_register_staging(decode, NULL, 1 << 20));
-    CHECK_OK(kvstage_room_open(decode, ROOM, DST, NPAGES, CHUNK, &chunks));
+    CHECK_OK(kvstage_room_open(decode, ROOM, DST, NPAGES, CHUNK, &chunks, &room_key));
     CHECK_INT(chunks, 2);
     CHECK_OK(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL));
     REQUIRE(kvstage_engine_new(NULL, &prefill) == KVSTAGE_OK);
@@ -71,12 +73,12 @@ int main(void) {
     delay(stream, 4000);
     REQUIRE(cu.event_create(&event, 0) == 0);
     REQUIRE(cu.event_record(event, stream) == 0);
-    da = chunk_desc(0, 20000);
+    da = chunk_desc(room_key, 0, 20000);
     da.cuda_event = event;
     CHECK_INT(kvstage_transfer_async(session, &da, &a), KVSTAGE_PENDING);
 
     /* B: ready now, 1 s to land; A is still waiting for its event when B is done. */
-    db = chunk_desc(1, 1000);
+    db = chunk_desc(room_key, 1, 1000);
     started = now_ms();
     rc = kvstage_transfer(session, &db);
     if (rc != KVSTAGE_OK) kv_print_last_error("transfer B, while A waits for its KV");

@@ -146,6 +146,7 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
         kvstage_transfer_desc d;
         char describe[1024];
         uint32_t chunks = 0;
+        uint64_t room_key = 0;
         /* A receiver of its own: the one above registered its ring with the NIC already. */
         kvstage_engine_free(e);
         e = engine_with(dst, KVSTAGE_INTEGRITY_OFF);
@@ -173,11 +174,12 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
         e = engine_with(dst, KVSTAGE_INTEGRITY_OFF);
         CHECK_OK(kvstage_engine_register_staging(e, NULL, 1 << 20));
         CHECK_OK(kvstage_engine_listen_address(e, addr, sizeof addr, NULL));
-        CHECK_OK(kvstage_room_open(e, ROOM, DST_PAGES, NPAGES, CHUNK, &chunks));
+        CHECK_OK(kvstage_room_open(e, ROOM, DST_PAGES, NPAGES, CHUNK, &chunks, &room_key));
         shm_sender = engine_on(sender, KVSTAGE_INTEGRITY_OFF, KVSTAGE_TRANSPORT_RDMA);
         CHECK_OK(kvstage_session_connect(shm_sender, addr, "rdma-host-bounce", 5000, &s));
         REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
         d.room = ROOM;
+        d.room_key = room_key;
         d.src_pages = SRC_PAGES;
         d.num_pages = CHUNK / PAGE;
         d.deadline_ms = 10000;
@@ -222,10 +224,10 @@ static void send_layerwise(kvstage_session *s, const kvstage_transfer_desc *d) {
  * runs without it, so that no byte may cross to the host at all. */
 static int device_integrity = KVSTAGE_INTEGRITY_ALWAYS;
 
-/* The prefill side: both ranks connect to `addr` and send every chunk of the room (the last one
- * layer-wise); then each engine's same-host counters are checked, and with the fake driver that
+/* The prefill side: both ranks connect to `addr` and send every chunk of the room (opened with
+ * key `room_key`; the last chunk layer-wise); then each engine's same-host counters are checked, and with the fake driver that
  * a device ring was written device to device (the gather in place: no host staging copied up). */
-static void send_room(pool src[2], uint64_t room, const char *addr, uint32_t chunks, int ring_on_device) {
+static void send_room(pool src[2], uint64_t room, uint64_t room_key, const char *addr, uint32_t chunks, int ring_on_device) {
     kvstage_engine *prefill[2];
     kvstage_session *session[2];
     kvstage_engine_stats st;
@@ -245,6 +247,7 @@ static void send_room(pool src[2], uint64_t room, const char *addr, uint32_t chu
             kvstage_transfer_desc d;
             REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
             d.room = room;
+            d.room_key = room_key;
             d.chunk_index = (uint32_t)c;
             d.src_pages = SRC_PAGES + c * (CHUNK / PAGE);
             d.num_pages = CHUNK / PAGE;
@@ -316,9 +319,10 @@ static void verify(pool src[2], pool *dst) {
     free(got);
 }
 
-/* The decode side up to a listening engine with its room open. */
+/* The decode side up to a listening engine with its room open (the opening's key in
+ * `*room_key`). */
 static kvstage_engine *open_decode(pool *dst, pool *src0, const char *ring, int fake_driver, unsigned long long *caller_ring,
-                                   char *addr, size_t addr_len, uint32_t *chunks) {
+                                   char *addr, size_t addr_len, uint32_t *chunks, uint64_t *room_key) {
     const int device_ring_mode = strcmp(ring, "host") != 0;
     kvstage_engine *decode = engine_with(dst, device_ring_mode ? device_integrity : KVSTAGE_INTEGRITY_OFF);
     REQUIRE(*kv_failures() == 0);
@@ -333,7 +337,7 @@ static kvstage_engine *open_decode(pool *dst, pool *src0, const char *ring, int 
         CHECK_OK(kvstage_engine_register_staging_memory(decode, &m));
     }
     printf("staging ring: %s\n", ring);
-    CHECK_OK(kvstage_room_open(decode, ROOM, DST_PAGES, NPAGES, CHUNK, chunks));
+    CHECK_OK(kvstage_room_open(decode, ROOM, DST_PAGES, NPAGES, CHUNK, chunks, room_key));
     CHECK_INT(*chunks, NPAGES * PAGE / CHUNK);
     CHECK_OK(kvstage_engine_listen_address(decode, addr, addr_len, NULL));
     return decode;
@@ -377,7 +381,7 @@ static void read_pipe(int fd, void *buf, size_t n, const char *what) {
 }
 
 /* "device-ipc-kill", a prefill process (`victim` or not): waits for the decode address on `in`
- * (empty: the decode skipped), opens CUDA, and sends ROOM into the decode's device ring through
+ * (empty: the decode skipped) and the key of the room it sends, opens CUDA, and sends ROOM into the decode's device ring through
  * CUDA IPC. The victim's pools hold other bytes than the reference; it sends chunk 0, starts the
  * last chunk layer-wise, marks its first layer (the gather writes that piece into the granted
  * range), says so on `out` and waits to be killed. The other one sends ROOM + 1 whole. */
@@ -388,16 +392,18 @@ static int ipc_kill_prefill(int in, int out, int victim) {
     kvstage_engine *prefill[2];
     kvstage_session *session[2];
     kvstage_op *op[2];
+    uint64_t room_key = 0;
     int r, started;
     alarm(100); /* never outlives a decode process that failed early (the ctest's limit is 120 s) */
     read_pipe(in, addr, sizeof addr, "the decode address");
     if (addr[0] == 0) return 77;
+    read_pipe(in, &room_key, sizeof room_key, "the room key");
     started = start_cuda(&lib);
     if (started != 0) return started;
     find_fake_counters(lib);
     for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1 + (victim ? 1000u : 0u));
     if (!victim) {
-        send_room(src, ROOM + 1, addr, NPAGES * PAGE / CHUNK, 1);
+        send_room(src, ROOM + 1, room_key, addr, NPAGES * PAGE / CHUNK, 1);
         return finish("gpu_transfer device-ipc-kill (prefill process)");
     }
     for (r = 0; r < 2; r++) {
@@ -406,6 +412,7 @@ static int ipc_kill_prefill(int in, int out, int victim) {
         CHECK_OK(kvstage_session_connect(prefill[r], addr, r ? "gpu-victim1" : "gpu-victim0", 5000, &session[r]));
         REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
         d.room = ROOM;
+        d.room_key = room_key;
         d.src_pages = SRC_PAGES;
         d.num_pages = CHUNK / PAGE;
         d.deadline_ms = 30000;
@@ -435,6 +442,7 @@ static int ipc_kill(void) {
     unsigned long long ring = 0;
     char addr[64] = {0}, x = 0, why[512];
     uint32_t chunks = 0;
+    uint64_t room_key = 0, next_key = 0;
     int r, waited;
     REQUIRE(pipe(to_victim) == 0 && pipe(to_heir) == 0 && pipe(from_victim) == 0);
     fflush(NULL);
@@ -456,8 +464,10 @@ static int ipc_kill(void) {
     find_fake_counters(lib);
     for (r = 0; r < 2; r++) pool_init(&src[r], (uint32_t)r, 2, 17u * (unsigned)r + 1);
     pool_init(&dst, 0, 1, 99);
-    decode = open_decode(&dst, &src[0], "device", dlsym(lib, "kvstage_fake_libcuda") != NULL, &ring, addr, sizeof addr, &chunks);
+    decode = open_decode(&dst, &src[0], "device", dlsym(lib, "kvstage_fake_libcuda") != NULL, &ring, addr, sizeof addr, &chunks,
+                         &room_key);
     REQUIRE(write(to_victim[1], addr, sizeof addr) == (ssize_t)sizeof addr);
+    REQUIRE(write(to_victim[1], &room_key, sizeof room_key) == (ssize_t)sizeof room_key);
     read_pipe(from_victim[0], &x, 1, "the victim's first layer");
     st = stats_of(decode);
     printf("victim marked its first layer of chunk 1: %llu live ring allocation(s), %llu chunk(s) received\n",
@@ -472,8 +482,9 @@ static int ipc_kill(void) {
     for (waited = 0; stats_of(decode).ring_live_allocations != 0 && waited < 5000; waited += 10) sleep_ms(10);
     CHECK_INT(stats_of(decode).ring_live_allocations, 0);
     CHECK_OK(kvstage_room_release(decode, ROOM));
-    CHECK_OK(kvstage_room_open(decode, ROOM + 1, DST_PAGES, NPAGES, CHUNK, &chunks));
+    CHECK_OK(kvstage_room_open(decode, ROOM + 1, DST_PAGES, NPAGES, CHUNK, &chunks, &next_key));
     REQUIRE(write(to_heir[1], addr, sizeof addr) == (ssize_t)sizeof addr);
+    REQUIRE(write(to_heir[1], &next_key, sizeof next_key) == (ssize_t)sizeof next_key);
     finish_decode(decode, ROOM + 1, src, &dst, 4);
     REQUIRE(waitpid(heir, &status, 0) == heir);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
@@ -494,6 +505,7 @@ int main(int argc, char **argv) {
     kvstage_engine *decode;
     char addr[64];
     uint32_t chunks = 0;
+    uint64_t room_key = 0;
     int r, started;
     const char *ring = argc > 1 ? argv[1] : "host";
     const int two_processes = strcmp(ring, "device-ipc") == 0;
@@ -507,7 +519,7 @@ int main(int argc, char **argv) {
     REQUIRE(strcmp(ring, "host") == 0 || strcmp(ring, "device") == 0 || strcmp(ring, "caller-device") == 0 || two_processes || rdma || by_tcp);
     if (by_tcp) ring = "device";
     /* Two processes: fork before CUDA starts (a CUDA context does not survive fork). The decode
-     * process sends its address (or "" when it skips) and waits until the prefill side is done
+     * process sends its address (or "" when it skips) and the room's key, and waits until the prefill side is done
      * with its ring before freeing it. */
     if (two_processes) {
         REQUIRE(pipe(to_prefill) == 0 && pipe(to_decode) == 0);
@@ -540,14 +552,15 @@ int main(int argc, char **argv) {
     pool_init(&dst, 0, 1, 99);
 
     if (!two_processes) {
-        decode = open_decode(&dst, &src[0], ring, fake_driver, &caller_ring, addr, sizeof addr, &chunks);
-        send_room(src, ROOM, addr, chunks, strcmp(ring, "host") != 0);
+        decode = open_decode(&dst, &src[0], ring, fake_driver, &caller_ring, addr, sizeof addr, &chunks, &room_key);
+        send_room(src, ROOM, room_key, addr, chunks, strcmp(ring, "host") != 0);
         finish_decode(decode, ROOM, src, &dst, 2);
         kvstage_engine_free(decode);
     } else if (decode_pid == 0) {
         char done;
-        decode = open_decode(&dst, &src[0], "device", fake_driver, &caller_ring, addr, sizeof addr, &chunks);
+        decode = open_decode(&dst, &src[0], "device", fake_driver, &caller_ring, addr, sizeof addr, &chunks, &room_key);
         REQUIRE(write(to_prefill[1], addr, strlen(addr) + 1) == (ssize_t)(strlen(addr) + 1));
+        REQUIRE(write(to_prefill[1], &room_key, sizeof room_key) == (ssize_t)sizeof room_key);
         finish_decode(decode, ROOM, src, &dst, 2);
         REQUIRE(read(to_decode[0], &done, 1) == 1);
         kvstage_engine_free(decode);
@@ -560,7 +573,9 @@ int main(int argc, char **argv) {
             if (addr[got++] == 0) break;
         }
         REQUIRE(got > 1); /* the decode process did not skip: CUDA worked there too */
-        send_room(src, ROOM, addr, NPAGES * PAGE / CHUNK, 1);
+        REQUIRE(read(to_prefill[0], &room_key, sizeof room_key) == (ssize_t)sizeof room_key);
+        REQUIRE(room_key != 0);
+        send_room(src, ROOM, room_key, addr, NPAGES * PAGE / CHUNK, 1);
         REQUIRE(write(to_decode[1], "", 1) == 1);
         REQUIRE(waitpid(decode_pid, &status, 0) == decode_pid);
         CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);

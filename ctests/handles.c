@@ -153,9 +153,13 @@ typedef struct world {
     char addr[64];
 } world;
 
-static void desc_for(kvstage_transfer_desc *d, uint64_t room, uint32_t chunk, uint64_t deadline_ms) {
+/* The key transfers name for rooms the decode side never opened (any nonzero value). */
+static const uint64_t NOT_OPEN_KEY = 1;
+
+static void desc_for(kvstage_transfer_desc *d, uint64_t room, uint64_t room_key, uint32_t chunk, uint64_t deadline_ms) {
     REQUIRE(kvstage_transfer_desc_init(d) == KVSTAGE_OK);
     d->room = room;
+    d->room_key = room_key;
     d->chunk_index = chunk;
     d->src_pages = SRC_PAGES;
     d->num_pages = 2;
@@ -180,7 +184,7 @@ static void world_init(world *w) {
     w->session = NULL;
     CHECK_OK(kvstage_session_connect(w->prefill, w->addr, "handles", 5000, &w->session));
     REQUIRE(w->session != NULL);
-    desc_for(&d, 9999, 0, 2000);
+    desc_for(&d, 9999, NOT_OPEN_KEY, 0, 2000);
     w->op = NULL;
     REQUIRE(kvstage_transfer_async(w->session, &d, &w->op) == KVSTAGE_PENDING);
     REQUIRE(w->op != NULL);
@@ -207,6 +211,7 @@ static void engine_exports(world *w, kvstage_engine *e, const char *needle) {
     char buf[64];
     size_t needed = 0, count = 0;
     uint32_t chunks = 0;
+    uint64_t key = 0;
     kvstage_engine_stats stats;
     kvstage_chunk_event events[4];
     kvstage_session *s = SENTINEL_SESSION;
@@ -219,7 +224,7 @@ static void engine_exports(world *w, kvstage_engine *e, const char *needle) {
     EXPECT_INVALID(kvstage_engine_transport_describe(e, buf, sizeof buf, &needed), "`engine`", needle);
     EXPECT_INVALID(kvstage_session_connect(e, w->addr, "wrong", 1000, &s), "`engine`", needle);
     CHECK(s == SENTINEL_SESSION);
-    EXPECT_INVALID(kvstage_room_open(e, 77, DST_PAGES, 2, CHUNK_TOKENS, &chunks), "`engine`", needle);
+    EXPECT_INVALID(kvstage_room_open(e, 77, DST_PAGES, 2, CHUNK_TOKENS, &chunks, &key), "`engine`", needle);
     EXPECT_INVALID(kvstage_room_wait(e, 77, 10), "`engine`", needle);
     EXPECT_INVALID(kvstage_room_release(e, 77), "`engine`", needle);
     EXPECT_INVALID(kvstage_engine_poll_events(e, events, 4, &count), "`engine`", needle);
@@ -233,7 +238,7 @@ static void engine_exports(world *w, kvstage_engine *e, const char *needle) {
 static void session_exports(kvstage_session *s, const char *needle) {
     kvstage_transfer_desc d;
     kvstage_op *op = SENTINEL_OP;
-    desc_for(&d, 5, 0, 1000);
+    desc_for(&d, 5, NOT_OPEN_KEY, 0, 1000);
     EXPECT_INVALID(kvstage_transfer(s, &d), "`session`", needle);
     EXPECT_INVALID(kvstage_transfer_slices(s, &d), "`session`", needle);
     EXPECT_INVALID(kvstage_transfer_async(s, &d, &op), "`session`", needle);
@@ -260,7 +265,7 @@ static void still_live(world *w) {
     {
         kvstage_transfer_desc d;
         kvstage_op *op = NULL;
-        desc_for(&d, 9998, 0, 2000);
+        desc_for(&d, 9998, NOT_OPEN_KEY, 0, 2000);
         CHECK_INT(kvstage_transfer_async(w->session, &d, &op), KVSTAGE_PENDING);
         REQUIRE(op != NULL);
         CHECK(kvstage_op_wait(op, 5000) < 0); /* room 9998 is not open either */
@@ -296,7 +301,7 @@ static void test_freed(world *w) {
     CHECK_INT(kvstage_error_last()->code, KVSTAGE_OK);
     CHECK_OK(kvstage_session_connect(w->prefill, w->addr, "handles-freed", 5000, &s));
     REQUIRE(s != NULL);
-    desc_for(&d, 9997, 0, 2000);
+    desc_for(&d, 9997, NOT_OPEN_KEY, 0, 2000);
     REQUIRE(kvstage_transfer_async(s, &d, &op) == KVSTAGE_PENDING);
     REQUIRE(op != NULL);
     kvstage_session_free(s); /* the running op keeps the session alive */
@@ -315,7 +320,7 @@ static void test_freed(world *w) {
     /* Addresses are never handed out again: freed handles stay dead while new ones are made. */
     for (i = 0; i < BATCH; ++i) {
         old[i] = NULL;
-        desc_for(&d, 9996, 0, 2000);
+        desc_for(&d, 9996, NOT_OPEN_KEY, 0, 2000);
         REQUIRE(kvstage_transfer_async(w->session, &d, &old[i]) == KVSTAGE_PENDING);
     }
     for (i = 0; i < BATCH; ++i) {
@@ -324,7 +329,7 @@ static void test_freed(world *w) {
     }
     for (i = 0; i < BATCH; ++i) {
         fresh[i] = NULL;
-        desc_for(&d, 9996, 0, 2000);
+        desc_for(&d, 9996, NOT_OPEN_KEY, 0, 2000);
         REQUIRE(kvstage_transfer_async(w->session, &d, &fresh[i]) == KVSTAGE_PENDING);
         for (j = 0; j < BATCH; ++j) CHECK(fresh[i] != old[j]);
         CHECK(fresh[i] != op);
@@ -437,10 +442,11 @@ static void test_free_engine_during_room_wait(world *w) {
         char addr[64];
         kvstage_session *s = NULL;
         uint32_t chunks = 0;
+        uint64_t key = 0;
         int rc, hit;
         r.engine = engine_with_pool(&w->dec);
         r.room = 10 + (uint64_t)i;
-        REQUIRE(kvstage_room_open(r.engine, r.room, DST_PAGES, 4, CHUNK_TOKENS, &chunks) == KVSTAGE_OK);
+        REQUIRE(kvstage_room_open(r.engine, r.room, DST_PAGES, 4, CHUNK_TOKENS, &chunks, &key) == KVSTAGE_OK);
         REQUIRE(kvstage_engine_listen_address(r.engine, addr, sizeof addr, NULL) == KVSTAGE_OK);
         hit = run_race(&r, DELAY(i));
         in_flight += hit;
@@ -462,18 +468,22 @@ static void test_free_engine_during_room_wait(world *w) {
 static void plug_ring(world *w) {
     kvstage_transfer_desc d;
     uint32_t chunks = 0;
-    REQUIRE(kvstage_room_open(w->decode, PLUG_ROOM, DST_PAGES, 4, CHUNK_TOKENS, &chunks) == KVSTAGE_OK);
+    uint64_t key = 0;
+    REQUIRE(kvstage_room_open(w->decode, PLUG_ROOM, DST_PAGES, 4, CHUNK_TOKENS, &chunks, &key) == KVSTAGE_OK);
     REQUIRE(chunks == 2);
-    desc_for(&d, PLUG_ROOM, 0, 5000);
+    desc_for(&d, PLUG_ROOM, key, 0, 5000);
     CHECK_OK(kvstage_transfer(w->session, &d)); /* writer 0 arrived; writer 1 never will */
     CHECK_INT(live_allocations(w->decode), 1);
 }
 
-/* Opens room `room` (one chunk) on the decode side for a chunk that will wait for the plug. */
-static void open_blocked_room(world *w, uint64_t room) {
+/* Opens room `room` (one chunk) on the decode side for a chunk that will wait for the plug;
+ * returns the opening's key. */
+static uint64_t open_blocked_room(world *w, uint64_t room) {
     uint32_t chunks = 0;
-    REQUIRE(kvstage_room_open(w->decode, room, DST_PAGES, 2, CHUNK_TOKENS, &chunks) == KVSTAGE_OK);
+    uint64_t key = 0;
+    REQUIRE(kvstage_room_open(w->decode, room, DST_PAGES, 2, CHUNK_TOKENS, &chunks, &key) == KVSTAGE_OK);
     REQUIRE(chunks == 1);
+    return key;
 }
 
 static void test_free_session_during_transfer(world *w) {
@@ -484,13 +494,13 @@ static void test_free_session_during_transfer(world *w) {
     r.kind = CALL_TRANSFER;
     for (i = 0; i < SESSION_ROUNDS; ++i) {
         char id[32];
-        uint64_t room = 600 + (uint64_t)i;
+        uint64_t room = 600 + (uint64_t)i, key;
         snprintf(id, sizeof id, "handles-race-%d", i);
-        open_blocked_room(w, room);
+        key = open_blocked_room(w, room);
         r.session = NULL;
         CHECK_OK(kvstage_session_connect(w->prefill, w->addr, id, 5000, &r.session));
         REQUIRE(r.session != NULL);
-        desc_for(&r.desc, room, 0, 300);
+        desc_for(&r.desc, room, key, 0, 300);
         in_flight += run_race(&r, DELAY(i + 3));
         CHECK_OK(kvstage_room_release(w->decode, room));
     }
@@ -509,8 +519,8 @@ static void test_free_op_during_op_wait(world *w) {
     for (i = 0; i < OP_ROUNDS; ++i) {
         kvstage_transfer_desc d;
         uint64_t room = 700 + (uint64_t)i;
-        open_blocked_room(w, room);
-        desc_for(&d, room, 0, 300);
+        uint64_t key = open_blocked_room(w, room);
+        desc_for(&d, room, key, 0, 300);
         r.op = NULL;
         REQUIRE(kvstage_transfer_async(w->session, &d, &r.op) == KVSTAGE_PENDING);
         REQUIRE(r.op != NULL);

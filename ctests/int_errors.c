@@ -112,7 +112,8 @@ static int causes_mention(const kvstage_error *err, const char *needle) {
 }
 
 /* A decode process (decode TP 1) with a ring of `ring_bytes` (0 = none) and rooms ROOM.. open. It
- * writes its address to `addr_fd`, then lives until `done_fd` closes (or it is killed). */
+ * writes its address and the rooms' keys (ROOM first) to `addr_fd`, then lives until `done_fd`
+ * closes (or it is killed). */
 static pid_t spawn_decode(uint32_t head_dim, uint32_t dtype, size_t ring_bytes, int *addr_fd, int *done_fd) {
     int addr_pipe[2], done_pipe[2];
     REQUIRE(pipe(addr_pipe) == 0 && pipe(done_pipe) == 0);
@@ -125,14 +126,16 @@ static pid_t spawn_decode(uint32_t head_dim, uint32_t dtype, size_t ring_bytes, 
         pool_init(&p, 0, 1, head_dim, dtype);
         kvstage_engine *e = engine_with_pool(&p);
         if (ring_bytes) REQUIRE(kvstage_engine_register_staging(e, NULL, ring_bytes) == KVSTAGE_OK);
+        uint64_t keys[ROOMS];
         for (uint64_t room = ROOM; room < ROOM + ROOMS; ++room) {
             uint32_t chunks = 0;
-            REQUIRE(kvstage_room_open(e, room, PAGES, 8, CHUNK_TOKENS, &chunks) == KVSTAGE_OK);
+            REQUIRE(kvstage_room_open(e, room, PAGES, 8, CHUNK_TOKENS, &chunks, &keys[room - ROOM]) == KVSTAGE_OK);
             REQUIRE(chunks == 2);
         }
         char addr[64] = {0}; /* all 64 bytes go through the pipe */
         REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
         REQUIRE(write(addr_pipe[1], addr, sizeof addr) == (ssize_t)sizeof addr);
+        REQUIRE(write(addr_pipe[1], keys, sizeof keys) == (ssize_t)sizeof keys);
         char c;
         while (read(done_pipe[0], &c, 1) > 0) {
         }
@@ -146,8 +149,10 @@ static pid_t spawn_decode(uint32_t head_dim, uint32_t dtype, size_t ring_bytes, 
     return pid;
 }
 
-static void read_addr(int fd, char *addr) {
+/* What spawn_decode's process wrote: its address and the keys of rooms ROOM.. (`keys[ROOMS]`). */
+static void read_addr(int fd, char *addr, uint64_t *keys) {
     REQUIRE(read(fd, addr, 64) == 64);
+    REQUIRE(read(fd, keys, ROOMS * sizeof *keys) == (ssize_t)(ROOMS * sizeof *keys));
     close(fd);
 }
 
@@ -182,7 +187,8 @@ static void test_geometry_mismatch(void) {
     int addr_fd, done_fd;
     pid_t pid = spawn_decode(16, 4, 1 << 16, &addr_fd, &done_fd);
     char addr[64];
-    read_addr(addr_fd, addr);
+    uint64_t keys[ROOMS];
+    read_addr(addr_fd, addr, keys);
     pool p;
     pool_init(&p, 0, 2, 8, 2);
     kvstage_engine *e = engine_with_pool(&p);
@@ -200,10 +206,11 @@ static void test_geometry_mismatch(void) {
     finish(pid, done_fd);
 }
 
-static kvstage_transfer_desc chunk_desc(uint64_t room, uint32_t chunk, uint64_t deadline_ms) {
+static kvstage_transfer_desc chunk_desc(uint64_t room, uint64_t room_key, uint32_t chunk, uint64_t deadline_ms) {
     kvstage_transfer_desc d;
     REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
     d.room = room;
+    d.room_key = room_key;
     d.chunk_index = chunk;
     d.src_pages = PAGES + 4 * chunk;
     d.num_pages = 4;
@@ -215,13 +222,14 @@ static void test_fallback_when_the_ring_is_too_small(void) {
     int addr_fd, done_fd;
     pid_t pid = spawn_decode(8, 2, 512, &addr_fd, &done_fd); /* one chunk needs 2048 bytes */
     char addr[64];
-    read_addr(addr_fd, addr);
+    uint64_t keys[ROOMS];
+    read_addr(addr_fd, addr, keys);
     pool p;
     pool_init(&p, 0, 2, 8, 2);
     kvstage_engine *e = engine_with_pool(&p);
     kvstage_session *s = NULL;
     s = connect_ok(e, addr, "fallback-1");
-    kvstage_transfer_desc d = chunk_desc(ROOM, 0, 0);
+    kvstage_transfer_desc d = chunk_desc(ROOM, keys[0], 0, 0);
     CHECK_INT(kvstage_transfer(s, &d), KVSTAGE_FALLBACK);
     /* The slice path still delivers the chunk. */
     CHECK_INT(kvstage_transfer_slices(s, &d), KVSTAGE_OK);
@@ -234,10 +242,10 @@ static void test_fallback_when_the_ring_is_too_small(void) {
 /* Writer 0 of 2 sends chunk 0 of `room` (which then waits for writer 1, holding the whole ring), so
  * chunk 1's grant waits for the watermark: the transfer blocks in back-pressure. A transfer that
  * fails after its grant aborts, which fails its room on the receiver and frees the ring. */
-static kvstage_op *blocked_transfer(kvstage_session *s, uint64_t room, uint64_t deadline_ms) {
-    kvstage_transfer_desc d0 = chunk_desc(room, 0, 5000);
+static kvstage_op *blocked_transfer(kvstage_session *s, uint64_t room, uint64_t room_key, uint64_t deadline_ms) {
+    kvstage_transfer_desc d0 = chunk_desc(room, room_key, 0, 5000);
     REQUIRE(kvstage_transfer(s, &d0) == KVSTAGE_OK);
-    kvstage_transfer_desc d1 = chunk_desc(room, 1, deadline_ms);
+    kvstage_transfer_desc d1 = chunk_desc(room, room_key, 1, deadline_ms);
     kvstage_op *op = NULL;
     REQUIRE(kvstage_transfer_async(s, &d1, &op) == KVSTAGE_PENDING);
     CHECK_INT(kvstage_op_wait(op, 200), KVSTAGE_PENDING);
@@ -248,7 +256,8 @@ static void test_deadline_cancel_and_decode_killed(void) {
     int addr_fd, done_fd;
     pid_t pid = spawn_decode(8, 2, 2048, &addr_fd, &done_fd);
     char addr[64];
-    read_addr(addr_fd, addr);
+    uint64_t keys[ROOMS];
+    read_addr(addr_fd, addr, keys);
     pool p;
     pool_init(&p, 0, 2, 8, 2);
     kvstage_engine *e = engine_with_pool(&p);
@@ -256,7 +265,7 @@ static void test_deadline_cancel_and_decode_killed(void) {
     s = connect_ok(e, addr, "blocked-1");
 
     /* Deadline: the blocked transfer ends with TIMEOUT, naming what it waited for. */
-    kvstage_op *op = blocked_transfer(s, ROOM, 400);
+    kvstage_op *op = blocked_transfer(s, ROOM, keys[0], 400);
     CHECK_INT(kvstage_op_wait(op, 5000), KVSTAGE_E_TIMEOUT);
     CHECK_CONTAINS(kvstage_error_last()->message, "room 7 chunk 1");
     CHECK(causes_mention(kvstage_error_last(), "watermark"));
@@ -264,7 +273,7 @@ static void test_deadline_cancel_and_decode_killed(void) {
     kvstage_op_free(op);
 
     /* Cancel: a blocked transfer in the next room ends with CANCELED at once. */
-    op = blocked_transfer(s, ROOM + 1, 10000);
+    op = blocked_transfer(s, ROOM + 1, keys[1], 10000);
     REQUIRE(kvstage_op_cancel(op) == KVSTAGE_OK);
     CHECK_INT(kvstage_op_wait(op, 2000), KVSTAGE_E_CANCELED);
     CHECK_INT(kvstage_op_poll(op), KVSTAGE_E_CANCELED);
@@ -273,7 +282,7 @@ static void test_deadline_cancel_and_decode_killed(void) {
     /* The decode process dies while a third transfer waits: PEER_GONE well before its deadline. */
     kvstage_session_free(s);
     s = connect_ok(e, addr, "blocked-2");
-    op = blocked_transfer(s, ROOM + 2, 30000);
+    op = blocked_transfer(s, ROOM + 2, keys[2], 30000);
     double t0 = now_s();
     kill(pid, SIGKILL);
     CHECK_INT(kvstage_op_wait(op, 5000), KVSTAGE_E_PEER_GONE);
@@ -302,13 +311,15 @@ static void test_prefill_killed(int mid_write) {
     REQUIRE(pid >= 0);
     if (pid == 0) {
         char addr[64];
+        uint64_t key = 0;
         REQUIRE(read(addr_pipe[0], addr, sizeof addr) == (ssize_t)sizeof addr);
+        REQUIRE(read(addr_pipe[0], &key, sizeof key) == (ssize_t)sizeof key);
         pool src;
         pool_init(&src, 0, 2, head_dim, 2);
         kvstage_engine *e = engine_with_pool_wr(&src, mid_write ? 4096 : 0);
         kvstage_session *s = NULL;
         s = connect_ok(e, addr, mid_write ? "dying-mid-write" : "dying-prefill");
-        kvstage_transfer_desc d = chunk_desc(ROOM, 0, 20000);
+        kvstage_transfer_desc d = chunk_desc(ROOM, key, 0, 20000);
         if (mid_write) {
 #if defined(KVSTAGE_TESTING)
             REQUIRE(kvstage_testing_rdma_fault(4) == KVSTAGE_OK);
@@ -323,10 +334,12 @@ static void test_prefill_killed(int mid_write) {
     }
     kvstage_engine *e = engine_with_pool(&p);
     REQUIRE(kvstage_engine_register_staging(e, NULL, mid_write ? 1u << 20 : 4096) == KVSTAGE_OK);
-    REQUIRE(kvstage_room_open(e, ROOM, PAGES, 8, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
+    uint64_t key = 0;
+    REQUIRE(kvstage_room_open(e, ROOM, PAGES, 8, CHUNK_TOKENS, NULL, &key) == KVSTAGE_OK);
     char addr[64] = {0};
     REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
     REQUIRE(write(addr_pipe[1], addr, sizeof addr) == (ssize_t)sizeof addr);
+    REQUIRE(write(addr_pipe[1], &key, sizeof key) == (ssize_t)sizeof key);
     char c;
     REQUIRE(read(sent_pipe[0], &c, 1) == 1);
     if (mid_write) {

@@ -102,7 +102,8 @@ static void scenario_expiry(int (*wait_until)(void)) {
     pool dp;
     pool_init(&dp);
     kvstage_engine *decode = engine(KVSTAGE_TRANSPORT_TCP, 300, &dp);
-    CHECK_OK(kvstage_room_open(decode, ROOM, pages, 4, 0, NULL));
+    uint64_t key = 0; /* nobody sends: the key goes nowhere */
+    CHECK_OK(kvstage_room_open(decode, ROOM, pages, 4, 0, NULL, &key));
     CHECK_INT(kvstage_room_wait(decode, ROOM, 10000), KVSTAGE_E_TIMEOUT);
     CHECK_CONTAINS(kvstage_error_last()->message, "deadline passed");
     for (int i = 0; wait_until != NULL && i < 500 && !wait_until(); ++i) sleep_ms(10);

@@ -158,7 +158,14 @@ static uint32_t shared_layers(const split *a, uint32_t sa, const split *b, uint3
     return n;
 }
 
-/* Decode stage `stage`: opens the room, sends its address on `addr_fd`, waits for the room, then
+/* What a decode stage tells the prefill processes, as an engine's bootstrap would: where to
+ * connect, and the key of its opening of the room (each decode stage has its own). */
+typedef struct bootstrap {
+    char addr[ADDR_LEN];
+    uint64_t room_key;
+} bootstrap;
+
+/* Decode stage `stage`: opens the room, sends its bootstrap on `addr_fd`, waits for the room, then
  * (once `done_fd` closes: every prefill process has exited, so late traffic is in) compares its
  * whole pool with the reference and its received bytes with each head and layer counted once. */
 static int decode_main(const scenario *sc, uint32_t stage, int addr_fd, int done_fd) {
@@ -168,11 +175,12 @@ static int decode_main(const scenario *sc, uint32_t stage, int addr_fd, int done
     kvstage_engine *e = engine_with(&p);
     REQUIRE(kvstage_engine_register_staging(e, NULL, 1 << 20) == KVSTAGE_OK);
     uint32_t chunks = 0;
-    REQUIRE(kvstage_room_open(e, ROOM, DECODE_PAGES, NPAGES, TOKENS, &chunks) == KVSTAGE_OK);
+    bootstrap boot;
+    memset(&boot, 0, sizeof boot); /* all of it goes through the pipe (atomic: < PIPE_BUF) */
+    REQUIRE(kvstage_room_open(e, ROOM, DECODE_PAGES, NPAGES, TOKENS, &chunks, &boot.room_key) == KVSTAGE_OK);
     CHECK_INT(chunks, 1);
-    char addr[ADDR_LEN] = {0}; /* all ADDR_LEN bytes go through the pipe (atomic: < PIPE_BUF) */
-    REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
-    REQUIRE(write(addr_fd, addr, sizeof addr) == (ssize_t)sizeof addr);
+    REQUIRE(kvstage_engine_listen_address(e, boot.addr, sizeof boot.addr, NULL) == KVSTAGE_OK);
+    REQUIRE(write(addr_fd, &boot, sizeof boot) == (ssize_t)sizeof boot);
     close(addr_fd);
 
     CHECK_OK(kvstage_room_wait(e, ROOM, ROOM_WAIT_MS));
@@ -212,7 +220,7 @@ static int decode_main(const scenario *sc, uint32_t stage, int addr_fd, int done
  * against the scenario) and transfers the chunk to each. A replica, which has no peers, connects
  * to every decode stage anyway, as a launcher that ignores the helper would: its transfers must
  * succeed and send nothing, or the decode side would count its heads twice. */
-static int prefill_main(const scenario *sc, uint32_t tp_rank, uint32_t stage, char addrs[][ADDR_LEN]) {
+static int prefill_main(const scenario *sc, uint32_t tp_rank, uint32_t stage, const bootstrap *boots) {
     kvstage_kv_layout l = shape(sc, tp_rank, sc->prefill_tp, &sc->prefill, stage);
     pool p;
     pool_alloc(&p, &l);
@@ -247,14 +255,15 @@ static int prefill_main(const scenario *sc, uint32_t tp_rank, uint32_t stage, ch
         char id[48];
         snprintf(id, sizeof id, "p%u.%u-d%u", (unsigned)stage, (unsigned)tp_rank, (unsigned)d);
         kvstage_session *s = NULL;
-        if (kvstage_session_connect(e, addrs[d], id, CONNECT_MS, &s) != KVSTAGE_OK) {
-            KV_FAIL_AT(__FILE__, __LINE__, "session %s to %s", id, addrs[d]);
+        if (kvstage_session_connect(e, boots[d].addr, id, CONNECT_MS, &s) != KVSTAGE_OK) {
+            KV_FAIL_AT(__FILE__, __LINE__, "session %s to %s", id, boots[d].addr);
             kv_print_last_error("kvstage_session_connect");
             continue;
         }
         kvstage_transfer_desc desc;
         REQUIRE(kvstage_transfer_desc_init(&desc) == KVSTAGE_OK);
         desc.room = ROOM;
+        desc.room_key = boots[d].room_key; /* decode stage d's opening */
         desc.chunk_index = 0;
         desc.src_pages = PREFILL_PAGES;
         desc.num_pages = NPAGES;
@@ -308,13 +317,13 @@ static void reap(const scenario *sc, child *kids, int n, double deadline) {
     }
 }
 
-/* One scenario: the decode processes first (their addresses are collected before any prefill
+/* One scenario: the decode processes first (their bootstraps are collected before any prefill
  * process exists, so those inherit them), then the prefill processes; the decode processes check
  * their pools once every prefill process is gone (the done pipe closes). */
 static void run(const scenario *sc) {
     double deadline = now_ms() + SCENARIO_MS;
     child decode[MAX_STAGES], prefill[MAX_STAGES * MAX_TP];
-    char addrs[MAX_STAGES][ADDR_LEN];
+    bootstrap boots[MAX_STAGES];
     int done[2], ready = 1, nd = 0, np = 0;
     REQUIRE(pipe(done) == 0);
     for (uint32_t d = 0; ready && d < sc->decode.stages; ++d, ++nd) {
@@ -333,7 +342,8 @@ static void run(const scenario *sc) {
         close(addr[1]);
         struct pollfd pfd = {addr[0], POLLIN, 0};
         int wait_ms = (int)(deadline - now_ms());
-        if (!(poll(&pfd, 1, wait_ms > 0 ? wait_ms : 0) == 1 && read(addr[0], addrs[d], ADDR_LEN) == ADDR_LEN)) {
+        if (!(poll(&pfd, 1, wait_ms > 0 ? wait_ms : 0) == 1 &&
+              read(addr[0], &boots[d], sizeof boots[d]) == (ssize_t)sizeof boots[d])) {
             KV_FAIL_AT(__FILE__, __LINE__, "[%s] decode stage %u sent no address", sc->name, (unsigned)d);
             ready = 0;
         }
@@ -348,7 +358,7 @@ static void run(const scenario *sc) {
             if (prefill[np].pid == 0) {
                 *kv_failures() = 0;
                 close(done[1]);
-                exit(prefill_main(sc, r, s, addrs));
+                exit(prefill_main(sc, r, s, boots));
             }
             snprintf(prefill[np].name, sizeof prefill[np].name, "prefill stage %u rank %u", (unsigned)s, (unsigned)r);
         }

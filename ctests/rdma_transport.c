@@ -70,6 +70,7 @@ static void print_error(const char *what) {
  * in reverse order, one RDMA WRITE per marked batch and the write-with-immediate after the last. */
 static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, const char *session_id, int layerwise) {
     uint32_t src[NPAGES], dst[NPAGES], chunks = 0;
+    uint64_t room_key = 0;
     char addr[64];
     kvstage_session *s = NULL;
     kvstage_transfer_desc d;
@@ -80,7 +81,7 @@ static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *p
         src[i] = (uint32_t)(NPAGES + i);
     }
     REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr, NULL) == KVSTAGE_OK);
-    CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, &chunks));
+    CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, &chunks, &room_key));
     CHECK_INT(chunks, 1);
     if (kvstage_session_connect(pre, addr, session_id, 10000, &s) != KVSTAGE_OK) {
         print_error("connect");
@@ -88,6 +89,7 @@ static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *p
     }
     REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
     d.room = ROOM;
+    d.room_key = room_key;
     d.chunk_index = 0;
     d.src_pages = src;
     d.num_pages = NPAGES;
@@ -247,6 +249,7 @@ static int mode_none(void) {
 static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, const char *id, int code,
                           const char *wc_status, void (*spoil)(kvstage_engine *dec, uintptr_t arg), uintptr_t arg) {
     uint32_t src[NPAGES], dst[NPAGES];
+    uint64_t room_key = 0;
     char addr[64], again[48];
     kvstage_session *s = NULL;
     kvstage_transfer_desc d;
@@ -261,9 +264,10 @@ static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, po
     REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr, NULL) == KVSTAGE_OK);
     REQUIRE(kvstage_session_connect(pre, addr, id, 10000, &s) == KVSTAGE_OK);
     spoil(dec, arg);
-    CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, NULL));
+    CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, NULL, &room_key));
     REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
     d.room = ROOM;
+    d.room_key = room_key;
     d.chunk_index = 0;
     d.src_pages = src;
     d.num_pages = NPAGES;

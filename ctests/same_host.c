@@ -285,12 +285,14 @@ static kvstage_session *connect_or_fail(kvstage_engine *e, const char *addr, con
     return s;
 }
 
-static int transfer_small(kvstage_session *s, uint64_t room) {
+/* `room_key`: the key the decode side's kvstage_room_open returned for the room (its answer). */
+static int transfer_small(kvstage_session *s, uint64_t room, uint64_t room_key) {
     static uint32_t src[SMALL_PAGES], dst[SMALL_PAGES];
     kvstage_transfer_desc d;
     small_pages(room, src, dst);
     REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
     d.room = room;
+    d.room_key = room_key;
     d.chunk_index = 0;
     d.src_pages = src;
     d.num_pages = SMALL_PAGES;
@@ -300,11 +302,12 @@ static int transfer_small(kvstage_session *s, uint64_t room) {
 
 static uint32_t g_large_src[LARGE_PAGES];
 
-static kvstage_transfer_desc large_desc(uint64_t room, uint32_t chunk, uint64_t deadline_ms) {
+static kvstage_transfer_desc large_desc(uint64_t room, uint64_t room_key, uint32_t chunk, uint64_t deadline_ms) {
     kvstage_transfer_desc d;
     for (uint32_t i = 0; i < LARGE_PAGES; ++i) g_large_src[i] = large_src(i);
     REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
     d.room = room;
+    d.room_key = room_key;
     d.chunk_index = chunk;
     d.src_pages = g_large_src;
     d.num_pages = LARGE_PAGES;
@@ -312,16 +315,18 @@ static kvstage_transfer_desc large_desc(uint64_t room, uint32_t chunk, uint64_t 
     return d;
 }
 
-/* Opens a large room: LARGE_CHUNKS chunks of every page. */
-static int open_large_room(kvstage_engine *e, uint64_t room, uint32_t *chunks) {
+/* Opens a large room: LARGE_CHUNKS chunks of every page; the opening's key in `*room_key`. */
+static int open_large_room(kvstage_engine *e, uint64_t room, uint32_t *chunks, uint64_t *room_key) {
     static uint32_t dst[LARGE_CHUNKS * LARGE_PAGES];
     for (uint32_t c = 0; c < LARGE_CHUNKS; ++c)
         for (uint32_t i = 0; i < LARGE_PAGES; ++i) dst[c * LARGE_PAGES + i] = large_dst(i);
-    return kvstage_room_open(e, room, dst, LARGE_CHUNKS * LARGE_PAGES, LARGE_PAGES * PAGE, chunks);
+    return kvstage_room_open(e, room, dst, LARGE_CHUNKS * LARGE_PAGES, LARGE_PAGES * PAGE, chunks, room_key);
 }
 
 /* ---- a decode process run by commands over a pipe ----------------------------------------- */
 
+/* OP_OPEN_SMALL and OP_OPEN_LARGE answer the number of chunks (v[0]) and the opening's room key
+ * (v[1]), which the prefill side's transfers name, as an engine's bootstrap would pass it on. */
 enum { OP_OPEN_SMALL = 1, OP_OPEN_LARGE, OP_WAIT, OP_VERIFY, OP_RELEASE, OP_STATS, OP_REGISTER_RING };
 
 typedef struct command {
@@ -380,18 +385,21 @@ static void decode_serve(int cmd_fd, int answer_fd, int caller_ring, size_t ring
         answer a;
         memset(&a, 0, sizeof a);
         uint32_t chunks = 0;
+        uint64_t key = 0;
         switch (c.op) {
         case OP_OPEN_SMALL: {
             uint32_t src[SMALL_PAGES], dst[SMALL_PAGES];
             small_pages(c.room, src, dst);
             memset(p.memory, 0, POOL_BYTES); /* VERIFY compares the whole pool */
-            a.status = kvstage_room_open(e, c.room, dst, SMALL_PAGES, SMALL_PAGES * PAGE, &chunks);
+            a.status = kvstage_room_open(e, c.room, dst, SMALL_PAGES, SMALL_PAGES * PAGE, &chunks, &key);
             a.v[0] = chunks;
+            a.v[1] = key;
             break;
         }
         case OP_OPEN_LARGE:
-            a.status = open_large_room(e, c.room, &chunks);
+            a.status = open_large_room(e, c.room, &chunks, &key);
             a.v[0] = chunks;
+            a.v[1] = key;
             break;
         case OP_WAIT:
             a.status = kvstage_room_wait(e, c.room, c.arg);
@@ -463,6 +471,14 @@ static answer ask(const decode_proc *d, int32_t op, uint64_t room, uint64_t arg)
     return a;
 }
 
+/* Opens `room` in the decode process (`op`: OP_OPEN_SMALL or OP_OPEN_LARGE); returns its key. */
+static uint64_t open_room(const decode_proc *d, int32_t op, uint64_t room) {
+    answer a = ask(d, op, room, 0);
+    CHECK_INT(a.status, KVSTAGE_OK);
+    CHECK(a.v[1] != 0);
+    return a.v[1];
+}
+
 /* Ends the decode process (its command pipe closes) and checks it exited with 0. */
 static void finish_decode(decode_proc *d) {
     int status = 0;
@@ -498,7 +514,7 @@ static void test_auto_uses_shm(void) {
     pool_init(&src);
     paint_prefill(&src);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &src);
-    CHECK_INT(ask(&d, OP_OPEN_SMALL, ROOM, 0).status, KVSTAGE_OK);
+    uint64_t key = open_room(&d, OP_OPEN_SMALL, ROOM);
     kvstage_session *s = connect_or_fail(e, d.addr, "shm-auto");
     kvstage_session_stats ss = session_stats(s);
     CHECK_INT(ss.transport, KVSTAGE_TRANSPORT_SHM);
@@ -519,7 +535,7 @@ static void test_auto_uses_shm(void) {
         printf("under valgrind: the forked child's mapping check is skipped (memcheck reports the parent's thread-locals "
                "as the child's leaks)\n");
     }
-    CHECK_OK(transfer_small(s, ROOM));
+    CHECK_OK(transfer_small(s, ROOM, key));
     check_small_room_landed(&d, ROOM);
     ss = session_stats(s);
     CHECK_INT(ss.bytes_sent, SMALL_CHUNK_BYTES);
@@ -555,12 +571,12 @@ static void test_same_host_off(void) {
     pool_init(&src);
     paint_prefill(&src);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_OFF, &src);
-    CHECK_INT(ask(&d, OP_OPEN_SMALL, ROOM, 0).status, KVSTAGE_OK);
+    uint64_t key = open_room(&d, OP_OPEN_SMALL, ROOM);
     kvstage_session *s = connect_or_fail(e, d.addr, "shm-off");
     kvstage_session_stats ss = session_stats(s);
     CHECK_INT(ss.transport, KVSTAGE_TRANSPORT_TCP);
     CHECK_INT(ring_mappings(NULL), 0);
-    CHECK_OK(transfer_small(s, ROOM));
+    CHECK_OK(transfer_small(s, ROOM, key));
     check_small_room_landed(&d, ROOM);
     kvstage_engine_stats es = engine_stats(e);
     CHECK_INT(es.shm_sessions, 0);
@@ -585,7 +601,7 @@ static void test_caller_memory_ring(void) {
     pool_init(&src);
     paint_prefill(&src);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &src);
-    CHECK_INT(ask(&d, OP_OPEN_SMALL, ROOM, 0).status, KVSTAGE_OK);
+    uint64_t key = open_room(&d, OP_OPEN_SMALL, ROOM);
     kvstage_session *s = connect_or_fail(e, d.addr, "shm-caller-ring");
     kvstage_session_stats ss = session_stats(s);
     CHECK_INT(ss.transport, KVSTAGE_TRANSPORT_TCP);
@@ -599,7 +615,7 @@ static void test_caller_memory_ring(void) {
     CHECK_CONTAINS(text, "same host");
     CHECK_CONTAINS(text, "caller memory");
     CHECK_CONTAINS(text, "shm-caller-ring");
-    CHECK_OK(transfer_small(s, ROOM)); /* over TCP, into the caller's ring */
+    CHECK_OK(transfer_small(s, ROOM, key)); /* over TCP, into the caller's ring */
     check_small_room_landed(&d, ROOM);
     CHECK_INT(ask(&d, OP_RELEASE, ROOM, 0).status, KVSTAGE_OK);
     kvstage_session_free(s);
@@ -655,7 +671,9 @@ static void test_sender_killed(int fork_child) {
         close(addr_pipe[1]);
         close(note_pipe[0]);
         char addr[ADDR_LEN];
+        uint64_t key = 0;
         REQUIRE(read(addr_pipe[0], addr, sizeof addr) == (ssize_t)sizeof addr);
+        REQUIRE(read(addr_pipe[0], &key, sizeof key) == (ssize_t)sizeof key);
         pool src;
         pool_init(&src);
         memset(src.memory, 0x5A, POOL_BYTES);
@@ -677,7 +695,7 @@ static void test_sender_killed(int fork_child) {
         REQUIRE(write(note_pipe[1], &kid, sizeof kid) == (ssize_t)sizeof kid);
         /* Every chunk but the last: the room still owes one whenever the kill lands. */
         for (uint32_t c = 0; c + 1 < LARGE_CHUNKS; ++c) {
-            kvstage_transfer_desc desc = large_desc(ROOM, c, 20000);
+            kvstage_transfer_desc desc = large_desc(ROOM, key, c, 20000);
             int rc = kvstage_transfer(s, &desc);
             if (rc != KVSTAGE_OK) {
                 kv_print_last_error("dying sender: kvstage_transfer");
@@ -695,12 +713,14 @@ static void test_sender_killed(int fork_child) {
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &dst);
     REQUIRE(kvstage_engine_register_staging(e, NULL, RING_LARGE) == KVSTAGE_OK);
     uint32_t chunks = 0;
-    REQUIRE(open_large_room(e, ROOM, &chunks) == KVSTAGE_OK);
+    uint64_t key = 0;
+    REQUIRE(open_large_room(e, ROOM, &chunks, &key) == KVSTAGE_OK);
     CHECK_INT(chunks, LARGE_CHUNKS);
     int baseline = fd_count();
     char addr[ADDR_LEN] = {0};
     REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
     REQUIRE(write(addr_pipe[1], addr, sizeof addr) == (ssize_t)sizeof addr);
+    REQUIRE(write(addr_pipe[1], &key, sizeof key) == (ssize_t)sizeof key);
     char t = 0, x = 0;
     read_exactly(note_pipe[0], &t, 1, ANSWER_MS, "sender's transport");
     CHECK(t == 'S');
@@ -746,7 +766,7 @@ static void test_sender_killed(int fork_child) {
 static void test_receiver_killed(void) {
     enum { ROOM = 51 };
     decode_proc d = spawn_decode(0, RING_LARGE);
-    CHECK_INT(ask(&d, OP_OPEN_LARGE, ROOM, 0).status, KVSTAGE_OK);
+    uint64_t key = open_room(&d, OP_OPEN_LARGE, ROOM);
     pool src;
     pool_init(&src);
     memset(src.memory, 0x5A, POOL_BYTES);
@@ -756,9 +776,9 @@ static void test_receiver_killed(void) {
     kvstage_session *s = connect_or_fail(e, d.addr, "shm-receiver-dies");
     CHECK_INT(session_stats(s).transport, KVSTAGE_TRANSPORT_SHM);
     CHECK_INT(ring_mappings(NULL), 1);
-    kvstage_transfer_desc d0 = large_desc(ROOM, 0, TRANSFER_MS);
+    kvstage_transfer_desc d0 = large_desc(ROOM, key, 0, TRANSFER_MS);
     CHECK_OK(kvstage_transfer(s, &d0));
-    kvstage_transfer_desc d1 = large_desc(ROOM, 1, 10000);
+    kvstage_transfer_desc d1 = large_desc(ROOM, key, 1, 10000);
     kvstage_op *op = NULL;
     REQUIRE(kvstage_transfer_async(s, &d1, &op) == KVSTAGE_PENDING);
     unsigned delay = (unsigned)(((unsigned)getpid() * 2654435761u) >> 16) % 10;
@@ -771,7 +791,7 @@ static void test_receiver_killed(void) {
     char why[512] = {0};
     if (rc == KVSTAGE_OK) {
         /* It finished before the kill: the next one runs against a dead receiver. */
-        kvstage_transfer_desc d2 = large_desc(ROOM, 2, 10000);
+        kvstage_transfer_desc d2 = large_desc(ROOM, key, 2, 10000);
         rc = kvstage_transfer(s, &d2);
     }
     snprintf(why, sizeof why, "%s", kvstage_error_last()->message);
@@ -803,28 +823,28 @@ static void test_ring_registered_again(void) {
     pool_init(&src);
     paint_prefill(&src);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &src);
-    CHECK_INT(ask(&d, OP_OPEN_SMALL, ROOM1, 0).status, KVSTAGE_OK);
+    uint64_t key1 = open_room(&d, OP_OPEN_SMALL, ROOM1);
     kvstage_session *old = connect_or_fail(e, d.addr, "shm-old-ring");
     CHECK_INT(session_stats(old).transport, KVSTAGE_TRANSPORT_SHM);
     uint64_t mapped = 0;
     CHECK_INT(ring_mappings(&mapped), 1);
     CHECK_INT(mapped, RING_SMALL);
-    CHECK_OK(transfer_small(old, ROOM1));
+    CHECK_OK(transfer_small(old, ROOM1, key1));
     check_small_room_landed(&d, ROOM1);
     CHECK_INT(ask(&d, OP_RELEASE, ROOM1, 0).status, KVSTAGE_OK);
 
     CHECK_INT(ask(&d, OP_REGISTER_RING, 0, RING_AGAIN).status, KVSTAGE_OK);
-    CHECK_INT(ask(&d, OP_OPEN_SMALL, ROOM2, 0).status, KVSTAGE_OK);
-    int stale = transfer_small(old, ROOM2);
+    uint64_t key2 = open_room(&d, OP_OPEN_SMALL, ROOM2);
+    int stale = transfer_small(old, ROOM2, key2);
     char why[512];
     snprintf(why, sizeof why, "%s", kvstage_error_last()->message);
     CHECK(stale < 0);
     CHECK_INT(ask(&d, OP_RELEASE, ROOM2, 0).status, KVSTAGE_OK);
 
-    CHECK_INT(ask(&d, OP_OPEN_SMALL, ROOM3, 0).status, KVSTAGE_OK);
+    uint64_t key3 = open_room(&d, OP_OPEN_SMALL, ROOM3);
     kvstage_session *fresh = connect_or_fail(e, d.addr, "shm-new-ring");
     CHECK_INT(session_stats(fresh).transport, KVSTAGE_TRANSPORT_SHM);
-    CHECK_OK(transfer_small(fresh, ROOM3));
+    CHECK_OK(transfer_small(fresh, ROOM3, key3));
     check_small_room_landed(&d, ROOM3);
     kvstage_session_free(old);
     mapped = 0;

@@ -89,10 +89,14 @@ static kvstage_session *connect_to(kvstage_engine *prefill, kvstage_engine *deco
     return s;
 }
 
-static kvstage_transfer_desc desc_for(uint64_t room, size_t pages, uint64_t tag) {
+/* The key transfers name for rooms the decode side never opened (any nonzero value). */
+static const uint64_t NOT_OPEN_KEY = 1;
+
+static kvstage_transfer_desc desc_for(uint64_t room, uint64_t room_key, size_t pages, uint64_t tag) {
     kvstage_transfer_desc d;
     REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
     d.room = room;
+    d.room_key = room_key;
     d.chunk_index = 0;
     d.src_pages = PAGES;
     d.num_pages = pages;
@@ -147,9 +151,10 @@ int main(void) {
     CHECK_INT(kvstage_transfer_timings_last(NULL), KVSTAGE_E_INVALID_ARG);
 
     /* 1. Three synchronous transfers. */
+    uint64_t keys[4] = {0, 0, 0, 0}; /* of decode rooms 0..3 */
     for (uint64_t room = 0; room < 3; ++room) {
-        REQUIRE(kvstage_room_open(decode, room, PAGES, 4, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
-        kvstage_transfer_desc d = desc_for(room, 4, 0);
+        REQUIRE(kvstage_room_open(decode, room, PAGES, 4, CHUNK_TOKENS, NULL, &keys[room]) == KVSTAGE_OK);
+        kvstage_transfer_desc d = desc_for(room, keys[room], 4, 0);
         CHECK_OK(kvstage_transfer(session, &d));
         t.struct_size = sizeof t;
         CHECK_OK(kvstage_transfer_timings_last(&t));
@@ -159,8 +164,8 @@ int main(void) {
     }
 
     /* 2. One asynchronous transfer: its getter and its completion agree. */
-    REQUIRE(kvstage_room_open(decode, 3, PAGES, 4, CHUNK_TOKENS, NULL) == KVSTAGE_OK);
-    kvstage_transfer_desc d = desc_for(3, 4, 9);
+    REQUIRE(kvstage_room_open(decode, 3, PAGES, 4, CHUNK_TOKENS, NULL, &keys[3]) == KVSTAGE_OK);
+    kvstage_transfer_desc d = desc_for(3, keys[3], 4, 9);
     kvstage_op *op = NULL;
     CHECK_INT(kvstage_transfer_async(session, &d, &op), KVSTAGE_PENDING);
     CHECK_OK(kvstage_op_wait(op, KVSTAGE_DEADLINE_INFINITE));
@@ -187,7 +192,7 @@ int main(void) {
     CHECK_OK(kvstage_room_wait(decode, 3, 20000));
 
     /* 3. A fallback: 8 pages (2 chunks of bytes) exceed the 1.5-chunk ring. */
-    d = desc_for(4, 8, 0);
+    d = desc_for(4, NOT_OPEN_KEY, 8, 0);
     CHECK_INT(kvstage_transfer(session, &d), KVSTAGE_FALLBACK);
     t.struct_size = sizeof t;
     CHECK_OK(kvstage_transfer_timings_last(&t));
@@ -195,7 +200,7 @@ int main(void) {
     CHECK_INT(t.watermark_wait_ns + t.alloc_wait_ns + t.gather_ns + t.wire_ns + t.ack_ns, 0);
 
     /* 4. A room that is not open on the receiver: KVSTAGE_E_CANCELED at the allocation. */
-    d = desc_for(50, 4, 0);
+    d = desc_for(50, NOT_OPEN_KEY, 4, 0);
     CHECK_INT(kvstage_transfer(session, &d), KVSTAGE_E_CANCELED);
     CHECK_OK(kvstage_transfer_timings_last(&t));
     CHECK(t.watermark_wait_ns > 0 && t.total_ns >= t.watermark_wait_ns);
@@ -204,7 +209,7 @@ int main(void) {
     /* Bad arguments: no transfer started, the last timings are zeros, nothing is counted (the
      * counters below are exact). A page outside the pool is one too, synchronous or not. */
     static const uint32_t OUTSIDE[1] = {CAPACITY};
-    d = desc_for(0, 1, 0);
+    d = desc_for(0, keys[0], 1, 0);
     d.src_pages = OUTSIDE;
     CHECK_INT(kvstage_transfer(session, &d), KVSTAGE_E_INVALID_ARG);
     t.struct_size = sizeof t;
@@ -219,7 +224,7 @@ int main(void) {
 
     /* 5. The peer is gone: its engine was freed. */
     kvstage_engine_free(gone);
-    d = desc_for(0, 4, 0);
+    d = desc_for(0, NOT_OPEN_KEY, 4, 0); /* never opened on `gone` */
     CHECK_INT(kvstage_transfer(doomed, &d), KVSTAGE_E_PEER_GONE);
 
     /* Session counters. */

@@ -38,8 +38,9 @@ const MAX_LAYERS: u32 = 4096;
 /// A room as a frame names it: the decode side's room id and the key of the opening the sender
 /// was given (`kvstage_room_open` returns a fresh, unguessable one each time the id is opened), so
 /// a frame meant for an earlier request under the same id, or a guess at another tenant's room,
-/// matches nothing. Displayed as the id alone: the key is a capability and stays out of logs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+/// matches nothing. Displayed (and debug-printed) without the key: it is a capability and stays
+/// out of logs and error messages.
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct RoomRef {
     pub id: u64,
     pub key: u64,
@@ -48,6 +49,12 @@ pub struct RoomRef {
 impl std::fmt::Display for RoomRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.id.fmt(f)
+    }
+}
+
+impl std::fmt::Debug for RoomRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RoomRef").field("id", &self.id).finish_non_exhaustive()
     }
 }
 
