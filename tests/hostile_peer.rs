@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvstage::engine::Engine;
-use kvstage::protocol::{Message, PROTOCOL_VERSION};
+use kvstage::protocol::{Message, RoomRef, PROTOCOL_VERSION};
 use kvstage::session::op::Op;
 use kvstage::session::receiver::listener::Limits;
 use kvstage::session::sender::TransferDesc;
@@ -384,16 +384,16 @@ fn mixed_tp_senders_to_one_room_are_refused_without_panic() {
     // TP 2 first: the TP 4 sender is refused, the room is unharmed and completes.
     let room = 77;
     let pages = c.room_pages(room, 1);
-    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+    let at = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
     let s2 = c.prefill[0].connect(&addr, "mixed-tp2-r0", None).expect("TP 2 rank 0 passes the handshake");
     let s4 = tp4.connect(&addr, "mixed-tp4-r1", None).expect("TP 4 rank 1 passes the handshake");
-    assert_eq!(s2.transfer(&desc(room), &Op::new(s2.waker())).unwrap(), Status::KVSTAGE_OK);
-    let e = s4.transfer(&desc(room), &Op::new(s4.waker())).unwrap_err();
+    assert_eq!(s2.transfer(&desc(at), &Op::new(s2.waker())).unwrap(), Status::KVSTAGE_OK);
+    let e = s4.transfer(&desc(at), &Op::new(s4.waker())).unwrap_err();
     eprintln!("mixed TP: {:?}: {}", e.code(), e.chain());
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
     assert!(e.causes().iter().any(|c| c.contains("tp_size")), "the causes do not name tp_size: {:?}", e.causes());
     let s2b = c.prefill[1].connect(&addr, "mixed-tp2-r1", None).unwrap();
-    assert_eq!(s2b.transfer(&desc(room), &Op::new(s2b.waker())).unwrap(), Status::KVSTAGE_OK);
+    assert_eq!(s2b.transfer(&desc(at), &Op::new(s2b.waker())).unwrap(), Status::KVSTAGE_OK);
     rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
     c.verify_room("mixed TP", room, &pages);
     rx.release_room(room);
@@ -402,9 +402,9 @@ fn mixed_tp_senders_to_one_room_are_refused_without_panic() {
     // TP 4 first: now the TP 2 sender is the one refused.
     let room = 78;
     let pages = c.room_pages(room, 1);
-    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
-    assert_eq!(s4.transfer(&desc(room), &Op::new(s4.waker())).unwrap(), Status::KVSTAGE_OK);
-    let e = s2.transfer(&desc(room), &Op::new(s2.waker())).unwrap_err();
+    let at = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
+    assert_eq!(s4.transfer(&desc(at), &Op::new(s4.waker())).unwrap(), Status::KVSTAGE_OK);
+    let e = s2.transfer(&desc(at), &Op::new(s2.waker())).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
     assert!(e.causes().iter().any(|c| c.contains("tp_size")), "{:?}", e.causes());
     assert!(rx.wait_room(room, Some(Duration::from_millis(200))).is_err_and(|e| e.code() == Status::KVSTAGE_E_TIMEOUT));
@@ -429,15 +429,16 @@ fn another_connections_writer_slot_cannot_be_written() {
     let w0 = layout.writers[0].clone();
     let room = 88;
     let pages = c.room_pages(room, 1);
-    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+    let at = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
     let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
-    let desc = TransferDesc { room, chunk: 0, pages: src, timeout: Some(Duration::from_secs(5)), ..Default::default() };
+    let desc = TransferDesc { room: at, chunk: 0, pages: src, timeout: Some(Duration::from_secs(5)), ..Default::default() };
     let s0 = c.prefill[0].connect(&addr, "legit-r0", None).unwrap();
     assert_eq!(s0.transfer(&desc, &Op::new(s0.waker())).unwrap(), Status::KVSTAGE_OK);
 
-    // A raw peer with a real handshake, claiming the same prefill rank (writer 0).
+    // A raw peer with a real handshake, claiming the same prefill rank (writer 0). It knows the
+    // room's key: the writer slot alone must keep it out.
     let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "impostor-r0", b"");
-    match raw.alloc(1, room, 0, 0, &layout) {
+    match raw.alloc(1, at, 0, 0, &layout) {
         Message::AllocRsp { status, reason, .. } => {
             assert_ne!(status, 0, "the impostor was granted another connection's writer slot");
             assert!(reason.contains("carried by prefill rank (tp 0, pp 0) != remote claimed by"), "{reason}");
@@ -445,9 +446,9 @@ fn another_connections_writer_slot_cannot_be_written() {
         other => panic!("{other:?}"),
     }
     // Writes anyway, into the legitimate writer's region.
-    let _ = raw.send(&Message::Data { room, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes });
+    let _ = raw.send(&Message::Data { room: at, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes });
     let _ = raw.send_bytes(&vec![0xEE; w0.bytes as usize]);
-    let _ = raw.send(&Message::ChunkReady { req: 2, room, chunk: 0, writer: 0, checksum: None });
+    let _ = raw.send(&Message::ChunkReady { req: 2, room: at, chunk: 0, writer: 0, checksum: None });
     let closed = raw.wait_closed(CLOSE_BOUND);
     eprintln!("impostor data: closed after {:?} ({}), frames {:?}", closed.after, closed.how, closed.frames);
     assert!(closed.after.is_some(), "the engine kept a connection that wrote another connection's slot");
@@ -457,7 +458,7 @@ fn another_connections_writer_slot_cannot_be_written() {
     );
     // A second impostor claims a writer index that is not its own.
     let (mut raw2, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "impostor-w1", b"");
-    let _ = raw2.send(&Message::Data { room, chunk: 0, writer: 1, offset: layout.writers[1].offset, len: 64 });
+    let _ = raw2.send(&Message::Data { room: at, chunk: 0, writer: 1, offset: layout.writers[1].offset, len: 64 });
     let _ = raw2.send_bytes(&[0xEE; 64]);
     let closed = raw2.wait_closed(CLOSE_BOUND);
     assert!(closed.after.is_some(), "the engine kept a connection that wrote a writer index not its own");
@@ -497,22 +498,22 @@ fn slab_writes_land_in_any_order_but_never_twice_or_past_the_region() {
     let bytes = region_bytes(&c, 1, &src);
     let half = bytes.len() as u64 / 2;
     let s0 = c.prefill[0].connect(&addr, "legit-r0", None).unwrap();
-    let send_rank0 = |room| {
+    let send_rank0 = |room: RoomRef| {
         let desc = TransferDesc { room, chunk: 0, pages: src.clone(), timeout: Some(Duration::from_secs(5)), ..Default::default() };
         assert_eq!(s0.transfer(&desc, &Op::new(s0.waker())).unwrap(), Status::KVSTAGE_OK);
     };
     // Writer 1 by hand: each half of its region in its own write, the second half first.
     let room = 90;
     let pages = c.room_pages(room, 1);
-    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
-    send_rank0(room);
+    let opened = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
+    send_rank0(opened);
     let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(1, 2), "slabs-reversed", b"");
-    let g = raw.alloc_granted(1, room, 0, 1, &layout);
+    let g = raw.alloc_granted(1, opened, 0, 1, &layout);
     for (at, part) in [(half, &bytes[half as usize..]), (0, &bytes[..half as usize])] {
-        raw.send(&Message::Data { room, chunk: 0, writer: 1, offset: g.region + at, len: part.len() as u64 }).unwrap();
+        raw.send(&Message::Data { room: opened, chunk: 0, writer: 1, offset: g.region + at, len: part.len() as u64 }).unwrap();
         raw.send_bytes(part).unwrap();
     }
-    raw.send(&Message::ChunkReady { req: 2, room, chunk: 0, writer: 1, checksum: Some(kvstage::session::checksum(&bytes)) }).unwrap();
+    raw.send(&Message::ChunkReady { req: 2, room: opened, chunk: 0, writer: 1, checksum: Some(kvstage::session::checksum(&bytes)) }).unwrap();
     match raw.reply(Duration::from_secs(5)) {
         Message::Arrived { req: 2, status: 0, .. } => {}
         other => panic!("a region written back to front was not accepted: {other:?}"),
@@ -527,14 +528,14 @@ fn slab_writes_land_in_any_order_but_never_twice_or_past_the_region() {
     for (label, second_at) in [("the same half twice", 0), ("one byte past the region", half + 1)] {
         let room = if second_at == 0 { 91 } else { 92 };
         let pages = c.room_pages(room, 1);
-        rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+        let opened = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
         let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(1, 2), label, b"");
-        let g = raw.alloc_granted(1, room, 0, 1, &layout);
+        let g = raw.alloc_granted(1, opened, 0, 1, &layout);
         for at in [0, second_at] {
-            let _ = raw.send(&Message::Data { room, chunk: 0, writer: 1, offset: g.region + at, len: half });
+            let _ = raw.send(&Message::Data { room: opened, chunk: 0, writer: 1, offset: g.region + at, len: half });
             let _ = raw.send_bytes(&bytes[..half as usize]);
         }
-        let _ = raw.send(&Message::ChunkReady { req: 2, room, chunk: 0, writer: 1, checksum: None });
+        let _ = raw.send(&Message::ChunkReady { req: 2, room: opened, chunk: 0, writer: 1, checksum: None });
         let closed = raw.wait_closed(CLOSE_BOUND);
         assert!(closed.after.is_some(), "[{label}] the engine kept the session");
         assert!(!closed.frames.iter().any(|m| matches!(m, Message::Arrived { req: 2, status: 0, .. })), "[{label}] the chunk was acknowledged");
@@ -557,15 +558,16 @@ fn abort_from_a_connection_that_never_wrote_does_not_fail_the_room() {
     let addr = c.addr().to_string();
     let room = 89;
     let pages = c.room_pages(room, 1);
-    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+    let at = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
     let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
-    let desc = TransferDesc { room, chunk: 0, pages: src, timeout: Some(Duration::from_secs(5)), ..Default::default() };
+    let desc = TransferDesc { room: at, chunk: 0, pages: src, timeout: Some(Duration::from_secs(5)), ..Default::default() };
     let s0 = c.prefill[0].connect(&addr, "legit-r0", None).unwrap();
     assert_eq!(s0.transfer(&desc, &Op::new(s0.waker())).unwrap(), Status::KVSTAGE_OK);
 
+    // The aborter knows the room's key: holding no slot alone must make its aborts harmless.
     let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "aborter", b"");
-    raw.send(&Message::Abort { room, chunk: u32::MAX, reason: "hostile whole-room abort".into() }).unwrap();
-    raw.send(&Message::Abort { room, chunk: 0, reason: "hostile chunk abort".into() }).unwrap();
+    raw.send(&Message::Abort { room: at, chunk: u32::MAX, reason: "hostile whole-room abort".into() }).unwrap();
+    raw.send(&Message::Abort { room: at, chunk: 0, reason: "hostile chunk abort".into() }).unwrap();
     raw.barrier(1, 0); // both aborts were processed
     match rx.wait_room(room, Some(Duration::from_millis(300))) {
         Err(e) if e.code() == Status::KVSTAGE_E_TIMEOUT => {}
@@ -591,29 +593,45 @@ fn late_frames_for_closed_rooms_keep_the_session() {
     let layout = SMALL.layout(0, 2);
     let w0 = layout.writers[0].clone();
     let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "late", b"");
-    let late = |raw: &mut RawPeer, room: u64, req: u64, what: &str| {
+    // The status of the refusal.
+    let late = |raw: &mut RawPeer, room: RoomRef, req: u64, what: &str| {
         raw.send(&Message::Data { room, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes }).unwrap();
         raw.send_bytes(&vec![0xEE; w0.bytes as usize]).unwrap();
         raw.send(&Message::ChunkReady { req, room, chunk: 0, writer: 0, checksum: None }).unwrap();
-        match raw.reply(Duration::from_secs(5)) {
+        let status = match raw.reply(Duration::from_secs(5)) {
             Message::Arrived { req: r, status, reason } if r == req => {
                 eprintln!("late frames, {what}: Arrived status {status}: {reason}");
                 assert_ne!(status, 0, "[{what}] late data acknowledged as arrived");
+                status
             }
             other => panic!("[{what}] expected Arrived {req}, got {other:?}"),
-        }
+        };
         raw.barrier(100 + req, 0);
+        status
     };
-    late(&mut raw, 4242, 1, "never opened");
+    late(&mut raw, RoomRef { id: 4242, key: 1 }, 1, "never opened");
     let pages = c.room_pages(4243, 1);
-    rx.open_room(4243, &pages, SMALL.chunk_tokens).unwrap();
+    let released = open_room(&c.decode, 4243, &pages, SMALL.chunk_tokens);
     rx.release_room(4243);
-    late(&mut raw, 4243, 2, "released");
+    late(&mut raw, released, 2, "released");
     // Granted to this connection, then released before its data came.
-    rx.open_room(4244, &pages, SMALL.chunk_tokens).unwrap();
-    raw.alloc_granted(3, 4244, 0, 0, &layout);
+    let granted = open_room(&c.decode, 4244, &pages, SMALL.chunk_tokens);
+    raw.alloc_granted(3, granted, 0, 0, &layout);
     release_bounded(&c.decode, 4244, Duration::from_secs(5));
-    late(&mut raw, 4244, 4, "released after the grant");
+    late(&mut raw, granted, 4, "released after the grant");
+    // Granted to this connection, released, and opened again for another request before its data
+    // came: the frames name the old opening (stale), and the new one is unharmed.
+    let stale = open_room(&c.decode, 4245, &pages, SMALL.chunk_tokens);
+    raw.alloc_granted(5, stale, 0, 0, &layout);
+    release_bounded(&c.decode, 4245, Duration::from_secs(5));
+    open_room(&c.decode, 4245, &pages, SMALL.chunk_tokens);
+    let status = late(&mut raw, stale, 6, "the room reopened since");
+    assert_eq!(status, Status::KVSTAGE_E_STALE_ROOM.code(), "frames of an earlier opening of a reopened room");
+    match rx.wait_room(4245, Some(Duration::from_millis(300))) {
+        Err(e) if e.code() == Status::KVSTAGE_E_TIMEOUT => {}
+        other => panic!("stale frames changed the reopened room: {other:?}"),
+    }
+    rx.release_room(4245);
     assert!(settle(Duration::from_secs(5), || rx.stats().ring_live == 0), "ring space leaked: {:?}", rx.stats());
     let (stray, first) = pool_scan_canary(&c.dpool, &all_pages(&c.dpool));
     assert_eq!(stray, 0, "late data reached the pool: {first:?}");
@@ -635,10 +653,10 @@ fn a_sender_stalled_inside_a_payload_cannot_hold_the_ring() {
     // A sender with a real handshake and a grant sends a data header and half its payload, then
     // goes silent (its socket stays open and its kernel keeps acknowledging).
     let room = 90;
-    rx.open_room(room, &c.room_pages(room, 1), SMALL.chunk_tokens).unwrap();
+    let at = open_room(&c.decode, room, &c.room_pages(room, 1), SMALL.chunk_tokens);
     let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "stalled-mid-payload", b"");
-    raw.alloc_granted(1, room, 0, 0, &layout);
-    raw.send(&Message::Data { room, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes }).unwrap();
+    raw.alloc_granted(1, at, 0, 0, &layout);
+    raw.send(&Message::Data { room: at, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes }).unwrap();
     raw.send_bytes(&vec![0xEE; w0.bytes as usize / 2]).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let took = release_bounded(&c.decode, room, Duration::from_secs(5));
@@ -735,14 +753,14 @@ fn a_same_host_peer_is_held_to_its_grant_and_its_lease() {
     // (the local socket) closes.
     let room = 92;
     let pages = c.room_pages(room, 1);
-    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
-    let g = raw.alloc_granted(2, room, 0, 0, &layout);
+    let at = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
+    let g = raw.alloc_granted(2, at, 0, 0, &layout);
     let half = w0.bytes / 2;
     // SAFETY: the granted region lies inside the mapped ring (checked by the engine's grant).
     unsafe { std::ptr::write_bytes(ring.ptr().add((g.offset + g.region) as usize), 0xEE, half as usize) };
-    raw.send(&Message::Written { room, chunk: 0, writer: 0, offset: g.region, len: half, imm: 0 }).unwrap();
+    raw.send(&Message::Written { room: at, chunk: 0, writer: 0, offset: g.region, len: half, imm: 0 }).unwrap();
     raw.barrier(3, 0);
-    raw.send(&Message::Written { room, chunk: 0, writer: 0, offset: g.region + w0.bytes, len: half, imm: 0 }).unwrap();
+    raw.send(&Message::Written { room: at, chunk: 0, writer: 0, offset: g.region + w0.bytes, len: half, imm: 0 }).unwrap();
     let closed = raw.wait_closed(CLOSE_BOUND);
     assert!(closed.after.is_some(), "the engine kept a session that reported bytes outside its region");
     assert!(settle(Duration::from_secs(5), || rx.stats().connections == 0));
@@ -795,7 +813,7 @@ fn replies_to_requests_nobody_made_are_dropped_not_kept() {
         session.replies_dropped()
     );
     // Alive: a grid request still gets its (refused) answer path, not a dead session.
-    let grid = session.room_grid(7, Some(Duration::from_millis(200)));
+    let grid = session.room_grid(RoomRef { id: 7, key: 1 }, Some(Duration::from_millis(200)));
     assert_eq!(grid.err().map(|e| e.code()), Some(Status::KVSTAGE_E_TIMEOUT), "the session died under made-up replies");
     drop(raw);
 }
@@ -836,4 +854,83 @@ fn same_host_leases_are_bounded_like_connections() {
     drop(leases);
     assert!(settle(Duration::from_secs(10), || threads_named("kvstage-lease") == 0), "lease watchers outlived their leases");
     after_attack(&c, &base, "lease hoarding");
+}
+
+/// Holding the cluster token is not enough to touch another request's room. A peer that knows the
+/// id of an open room (and the key of its earlier opening) but not its key sends every frame that
+/// names a room with stale and guessed keys: each is refused with `KVSTAGE_E_STALE_ROOM` (or read
+/// and discarded), no slot is claimed, no ring space granted, nothing fails, its session stays
+/// served; then the room's own senders complete it with exact bytes.
+#[test]
+fn stale_and_guessed_room_keys_claim_nothing() {
+    let _serial = serial();
+    let c = cluster(Limits::default());
+    let base = prepare(&c);
+    let rx = c.decode.receiver();
+    let layout = SMALL.layout(0, 2);
+    let w0 = layout.writers[0].clone();
+    let room = 97;
+    let pages = c.room_pages(room, 1);
+    // The id was opened before (a canceled request): the guesser knows that opening's key.
+    let stale = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
+    rx.release_room(room);
+    let open = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
+    assert_ne!(stale.key, open.key);
+    let mut keys: Vec<u64> = xorshift_bytes(0x6b65_7973, 8 * 2000).chunks(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect();
+    keys.extend([0, 1, u64::MAX, stale.key, open.key ^ 1, open.key.wrapping_add(1), open.key.rotate_left(1)]);
+    keys.retain(|&k| k != open.key);
+    let stale_code = Status::KVSTAGE_E_STALE_ROOM.code();
+    let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "guesser", b"");
+    for (i, &key) in keys.iter().enumerate() {
+        let (req, guess) = (10 + i as u64, RoomRef { id: room, key });
+        // An allocation or a grid request: refused, one round trip each.
+        let reply = match i % 2 {
+            0 => raw.alloc(req, guess, 0, 0, &layout),
+            _ => {
+                raw.send(&Message::GridReq { req, room: guess }).unwrap();
+                raw.reply(Duration::from_secs(5))
+            }
+        };
+        match reply {
+            Message::AllocRsp { req: r, status, ref reason, .. } | Message::GridRsp { req: r, status, ref reason, .. } if r == req => {
+                assert_eq!(status, stale_code, "key {key:#x}: {reason}");
+                assert!(!reason.contains(&open.key.to_string()) && !reason.contains(&format!("{:x}", open.key)), "the refusal tells the key: {reason}");
+            }
+            other => panic!("key {key:#x}: unexpected reply {other:?}"),
+        }
+        if i % 100 != 0 {
+            continue;
+        }
+        // Data and a slice (payloads read and discarded), a ready, a slice done, aborts.
+        raw.send(&Message::Data { room: guess, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes }).unwrap();
+        raw.send_bytes(&vec![0xEE; w0.bytes as usize]).unwrap();
+        raw.send(&Message::Slice { room: guess, chunk: 0, buffer: 0, token: 0, byte_offset: 0, len: 64 }).unwrap();
+        raw.send_bytes(&[0xEE; 64]).unwrap();
+        for ask in [Message::ChunkReady { req, room: guess, chunk: 0, writer: 0, checksum: None }, Message::SliceDone { req, room: guess, chunk: 0 }] {
+            raw.send(&ask).unwrap();
+            match raw.reply(Duration::from_secs(5)) {
+                Message::Arrived { req: r, status, reason } if r == req => assert_eq!(status, stale_code, "key {key:#x}: {reason}"),
+                other => panic!("key {key:#x}: unexpected reply {other:?}"),
+            }
+        }
+        raw.send(&Message::Abort { room: guess, chunk: u32::MAX, reason: "guessing".into() }).unwrap();
+        raw.send(&Message::Abort { room: guess, chunk: 0, reason: "guessing".into() }).unwrap();
+    }
+    raw.barrier(1, 0); // every frame was processed, the session is served
+    assert_eq!(rx.stats().ring_live, 0, "a guessed key got ring space");
+    match rx.wait_room(room, Some(Duration::from_millis(300))) {
+        Err(e) if e.code() == Status::KVSTAGE_E_TIMEOUT => {}
+        other => panic!("frames with guessed keys changed the room: {other:?}"),
+    }
+    let (stray, first) = pool_scan_canary(&c.dpool, &all_pages(&c.dpool));
+    assert_eq!(stray, 0, "a guessed key's bytes reached the pool: {first:?}");
+    // The room's own senders, with its key: every writer slot was still theirs.
+    c.send_room(open, &pages, "after guesses").unwrap_or_else(|e| panic!("{}", e.chain()));
+    rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
+    c.verify_room("after guesses", room, &pages);
+    rx.release_room(room);
+    pool_fill_canary(&c.dpool, &pages);
+    raw.barrier(2, 0);
+    drop(raw);
+    after_attack(&c, &base, "stale and guessed room keys");
 }

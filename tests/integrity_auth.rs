@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
+use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
 use kvstage_testkit::HostPool;
@@ -20,6 +21,8 @@ struct Pair {
     dpool: HostPool,
     prefill: Engine,
     ppool: HostPool,
+    /// Room 1 as the sender names it (opened by [`pair`]).
+    room: RoomRef,
 }
 
 fn pair(decode_opts: EngineOptions, prefill_opts: EngineOptions) -> Pair {
@@ -28,12 +31,12 @@ fn pair(decode_opts: EngineOptions, prefill_opts: EngineOptions) -> Pair {
     decode.register_pool(dpool.layout.clone()).unwrap();
     let bytes = staging_layout(&shape(0, 1), &dpool.layout.shape, 16).unwrap().total_bytes;
     decode.register_staging(None, bytes as usize * 2).unwrap();
-    decode.receiver().open_room(1, &[0, 1, 2, 3], 16).unwrap();
+    let (_, key) = decode.receiver().open_room(1, &[0, 1, 2, 3], 16).unwrap();
     let prefill = Engine::new(prefill_opts).unwrap();
     let mut ppool = HostPool::new(shape(0, 1), 8);
     ppool.fill(&[4, 5, 6, 7], 0);
     prefill.register_pool(ppool.layout.clone()).unwrap();
-    Pair { decode, dpool, prefill, ppool }
+    Pair { decode, dpool, prefill, ppool, room: RoomRef { id: 1, key } }
 }
 
 fn opts(integrity: Integrity, token: Option<&str>, faults: Option<Faults>) -> EngineOptions {
@@ -53,7 +56,7 @@ fn corrupted_chunk_is_an_integrity_error_with_both_checksums() {
     let faults = Faults { plan: FaultPlan { seed: 3, corrupt: 1000, ..FaultPlan::default() }, counters: Arc::new(FaultCounters::default()) };
     let p = pair(opts(Integrity::Off, None, None), opts(Integrity::Always, None, Some(faults.clone())));
     let s = p.prefill.connect(&p.decode.local_addr().to_string(), "integrity-1", None).unwrap();
-    let desc = TransferDesc { room: 1, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)), ..Default::default() };
+    let desc = TransferDesc { room: p.room, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)), ..Default::default() };
     let e = s.transfer(&desc, &Op::new(s.waker())).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_INTEGRITY, "{}", e.chain());
     assert_eq!(e.session(), Some("integrity-1"));
@@ -73,7 +76,7 @@ fn without_checksums_the_same_corruption_goes_unnoticed() {
     let faults = Faults { plan: FaultPlan { seed: 3, corrupt: 1000, ..FaultPlan::default() }, counters: Arc::new(FaultCounters::default()) };
     let p = pair(opts(Integrity::Off, None, None), opts(Integrity::Off, None, Some(faults)));
     let s = p.prefill.connect(&p.decode.local_addr().to_string(), "integrity-2", None).unwrap();
-    let desc = TransferDesc { room: 1, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)), ..Default::default() };
+    let desc = TransferDesc { room: p.room, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)), ..Default::default() };
     assert_eq!(s.transfer(&desc, &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
     p.decode.receiver().wait_room(1, Some(Duration::from_secs(2))).unwrap();
     let (bad, _) = p.dpool.verify(&[0, 1, 2, 3], 0);
@@ -94,7 +97,7 @@ fn cluster_token_must_match_on_both_sides() {
     }
     let p = pair(opts(Integrity::Always, Some("alpha"), None), opts(Integrity::Always, Some("alpha"), None));
     let s = p.prefill.connect(&p.decode.local_addr().to_string(), "auth-2", None).unwrap();
-    let desc = TransferDesc { room: 1, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)), ..Default::default() };
+    let desc = TransferDesc { room: p.room, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)), ..Default::default() };
     assert_eq!(s.transfer(&desc, &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
 }
 

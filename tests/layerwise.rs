@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
+use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
 use kvstage::session::sender::{SenderSession, TransferDesc};
 use kvstage::session::stats::LinkKind;
@@ -101,9 +102,9 @@ fn prefill(shape: PoolShape, pages: &[u32], to: &Decode, transport: TransportKin
 }
 
 /// Starts a layer-wise transfer of one chunk on `session`.
-fn start(session: &Arc<SenderSession>, room: u64, pages: &[u32], timeout: Duration) -> Arc<Op> {
+fn start(session: &Arc<SenderSession>, room: RoomRef, pages: &[u32], timeout: Duration) -> Arc<Op> {
     let desc = TransferDesc { room, pages: pages.to_vec(), timeout: Some(timeout), layers: Some(session.layer_gate()), ..Default::default() };
-    session.transfer_async(desc, false, room).unwrap()
+    session.transfer_async(desc, false, room.id).unwrap()
 }
 
 /// Every sender's layers marked in shuffled bursts with delays of 0–2 ms, the senders
@@ -112,7 +113,8 @@ fn stream(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: TransportKi
     let pages = [5u32, 2, 7];
     let dst_pages = [1u32, 9, 4];
     let d = decode(dst, transport, None);
-    d.engine.receiver().open_room(1, &dst_pages, PAGE * 3).unwrap();
+    let (_, key) = d.engine.receiver().open_room(1, &dst_pages, PAGE * 3).unwrap();
+    let room = RoomRef { id: 1, key };
     let prefills: Vec<Prefill> = srcs.iter().enumerate().map(|(i, s)| prefill(s.clone(), &pages, &d, transport, &format!("{name}-{i}"))).collect();
     for p in &prefills {
         let want = match transport {
@@ -122,7 +124,7 @@ fn stream(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: TransportKi
         };
         assert_eq!(p.session.stats().link, want, "{name}: the transport in use");
     }
-    let ops: Vec<Arc<Op>> = prefills.iter().map(|p| start(&p.session, 1, &pages, Duration::from_secs(20))).collect();
+    let ops: Vec<Arc<Op>> = prefills.iter().map(|p| start(&p.session, room, &pages, Duration::from_secs(20))).collect();
     let mut rng = Rng(seed);
     let mut marks: Vec<(usize, (u32, u32))> =
         prefills.iter().enumerate().flat_map(|(i, p)| bursts(&p.session.pool().shape.layer_ids, &mut rng).into_iter().map(move |b| (i, b))).collect();
@@ -207,9 +209,9 @@ fn marked_layers_leave_before_the_last_is_ready() {
     let mut ring = vec![CANARY; region * 2];
     let ring_ptr = ring.as_ptr() as usize;
     let d = decode(mha(), TransportKind::Tcp, Some(&mut ring));
-    d.engine.receiver().open_room(1, &pages, tokens).unwrap();
+    let (_, key) = d.engine.receiver().open_room(1, &pages, tokens).unwrap();
     let p = prefill(mha(), &pages, &d, TransportKind::Tcp, "streams");
-    let op = start(&p.session, 1, &pages, Duration::from_secs(20));
+    let op = start(&p.session, RoomRef { id: 1, key }, &pages, Duration::from_secs(20));
     let gate = op.layers().unwrap().clone();
     gate.mark(0, LAYERS - 1, None).unwrap();
     // (LAYERS-1)/LAYERS of the region; pattern bytes equal to the canary by chance are few.
@@ -251,11 +253,11 @@ fn a_layer_never_marked_ends_by_the_deadline_and_fails_the_room() {
     for transport in [TransportKind::Tcp, TransportKind::Shm] {
         let pages = [1u32, 2];
         let d = decode(mha(), transport, None);
-        d.engine.receiver().open_room(1, &pages, PAGE * 2).unwrap();
+        let (_, key) = d.engine.receiver().open_room(1, &pages, PAGE * 2).unwrap();
         let p = prefill(mha(), &pages, &d, transport, "never");
         let deadline = Duration::from_millis(400);
         let started = Instant::now();
-        let op = start(&p.session, 1, &pages, deadline);
+        let op = start(&p.session, RoomRef { id: 1, key }, &pages, deadline);
         op.layers().unwrap().mark(0, LAYERS - 1, None).unwrap();
         let err = op.wait(Some(Duration::from_secs(20))).unwrap_err();
         let took = started.elapsed();
@@ -283,7 +285,7 @@ fn the_slice_path_refuses_a_layer_gate() {
     let pages = [1u32];
     let d = decode(mha(), TransportKind::Tcp, None);
     let p = prefill(mha(), &pages, &d, TransportKind::Tcp, "args");
-    let desc = TransferDesc { room: 9, pages: pages.to_vec(), timeout: Some(Duration::from_secs(1)), layers: Some(p.session.layer_gate()), ..Default::default() };
+    let desc = TransferDesc { room: RoomRef { id: 9, key: 1 }, pages: pages.to_vec(), timeout: Some(Duration::from_secs(1)), layers: Some(p.session.layer_gate()), ..Default::default() };
     let Err(e) = p.session.transfer_async(desc.clone(), true, 0) else { panic!("a layer-wise slice transfer was queued") };
     assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", e.chain());
     let e = p.session.transfer_slices(&desc, &Op::new(p.session.waker())).unwrap_err();

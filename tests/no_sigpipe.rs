@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions};
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
+use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
 use kvstage_testkit::HostPool;
@@ -25,7 +26,7 @@ fn a_vanished_peer_mid_write_is_an_error_not_a_signal() {
         decode.register_pool(dpool.layout.clone()).unwrap();
         let chunk = staging_layout(&shape, &shape, chunk_tokens).unwrap().total_bytes;
         decode.register_staging(None, 2 * chunk as usize).unwrap();
-        decode.receiver().open_room(1, &pages, chunk_tokens).unwrap();
+        let (_, key) = decode.receiver().open_room(1, &pages, chunk_tokens).unwrap();
 
         let prefill = Engine::new(EngineOptions::default()).unwrap();
         let mut ppool = HostPool::new(shape.clone(), 64);
@@ -34,7 +35,7 @@ fn a_vanished_peer_mid_write_is_an_error_not_a_signal() {
         let session = prefill.connect(&decode.local_addr().to_string(), "sigpipe", None).unwrap();
         let chunk_pages = pages.clone();
         let sender = std::thread::spawn(move || {
-            let desc = TransferDesc { room: 1, chunk: 0, pages: chunk_pages, timeout: Some(Duration::from_secs(20)), ..Default::default() };
+            let desc = TransferDesc { room: RoomRef { id: 1, key }, chunk: 0, pages: chunk_pages, timeout: Some(Duration::from_secs(20)), ..Default::default() };
             let result = session.transfer(&desc, &Op::new(session.waker()));
             (result.map_err(|e| e.code()), prefill)
         });

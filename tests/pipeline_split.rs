@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions};
 use kvstage::geometry::{decode_peers, staging_layout, ModelKind, PoolShape};
+use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
 use kvstage::session::sender::{RoomGrid, SenderSession, TransferDesc};
 use kvstage::Status;
@@ -31,6 +32,8 @@ fn stages(tp: u32, split: &[Vec<u32>]) -> Vec<PoolShape> {
 struct Decode {
     engine: Engine,
     pool: HostPool,
+    /// The room [`decode`] opened, as its senders name it.
+    room: RoomRef,
 }
 
 fn decode(shape: PoolShape, room: u64, pages: &[u32], chunk_tokens: u32) -> Decode {
@@ -38,13 +41,15 @@ fn decode(shape: PoolShape, room: u64, pages: &[u32], chunk_tokens: u32) -> Deco
     let pool = HostPool::new(shape, 16);
     engine.register_pool(pool.layout.clone()).unwrap();
     engine.register_staging(None, 1 << 20).unwrap();
-    engine.receiver().open_room(room, pages, chunk_tokens).unwrap();
-    Decode { engine, pool }
+    let (_, key) = engine.receiver().open_room(room, pages, chunk_tokens).unwrap();
+    Decode { engine, pool, room: RoomRef { id: room, key } }
 }
 
 struct Prefill {
     // Field order: sessions close before their engine.
     sessions: Vec<std::sync::Arc<SenderSession>>,
+    /// For each session, the room of the decode rank it goes to.
+    rooms: Vec<RoomRef>,
     _engine: Engine,
     _pool: HostPool,
 }
@@ -57,18 +62,19 @@ fn prefill(shape: PoolShape, pages: &[u32], decodes: &[Decode]) -> Prefill {
     pool.fill(pages, 0);
     engine.register_pool(pool.layout.clone()).unwrap();
     let dst_stages: Vec<PoolShape> = decodes.iter().map(|d| d.pool.layout.shape.clone()).collect();
-    let sessions = decode_peers(&shape, &dst_stages)
+    let (sessions, rooms) = decode_peers(&shape, &dst_stages)
         .unwrap()
         .iter()
         .map(|p| {
             let id = format!("p{}-{}-d{}", shape.pp_rank, shape.tp_rank, p.pp_rank);
-            engine.connect(&decodes[p.pp_rank as usize].engine.local_addr().to_string(), &id, None).unwrap()
+            let d = &decodes[p.pp_rank as usize];
+            (engine.connect(&d.engine.local_addr().to_string(), &id, None).unwrap(), d.room)
         })
-        .collect();
-    Prefill { sessions, _engine: engine, _pool: pool }
+        .unzip();
+    Prefill { sessions, rooms, _engine: engine, _pool: pool }
 }
 
-fn send(session: &SenderSession, room: u64, chunk: u32, pages: &[u32]) -> kvstage::Result<Status> {
+fn send(session: &SenderSession, room: RoomRef, chunk: u32, pages: &[u32]) -> kvstage::Result<Status> {
     let desc = TransferDesc { room, chunk, pages: pages.to_vec(), timeout: Some(Duration::from_secs(10)), ..Default::default() };
     session.transfer(&desc, &Op::new(session.waker()))
 }
@@ -87,8 +93,8 @@ fn reshard(src_tp: u32, src_split: &[Vec<u32>], dst_split: &[Vec<u32>], order: &
         .collect();
     assert_eq!(order.len(), ranks.len());
     for &i in order {
-        for s in &ranks[i].sessions {
-            assert_eq!(send(s, 3, 0, &pages).unwrap_or_else(|e| panic!("rank {i}: {}", e.chain())), Status::KVSTAGE_OK);
+        for (s, &room) in ranks[i].sessions.iter().zip(&ranks[i].rooms) {
+            assert_eq!(send(s, room, 0, &pages).unwrap_or_else(|e| panic!("rank {i}: {}", e.chain())), Status::KVSTAGE_OK);
         }
     }
     for (q, d) in decodes.iter().enumerate() {
@@ -126,9 +132,9 @@ fn two_ranks_claiming_one_layer_are_refused_before_bytes_move() {
     let d = decode(base(), 4, &pages, tokens);
     let first = prefill(base().with_pp(0, 2, vec![0, 1, 2, 3]), &pages, std::slice::from_ref(&d));
     let overlapping = prefill(base().with_pp(1, 2, vec![3, 4, 5, 6]), &pages, std::slice::from_ref(&d));
-    assert_eq!(send(&first.sessions[0], 4, 0, &pages).unwrap(), Status::KVSTAGE_OK);
+    assert_eq!(send(&first.sessions[0], d.room, 0, &pages).unwrap(), Status::KVSTAGE_OK);
     let before = d.engine.stats().receive.bytes_received;
-    let e = send(&overlapping.sessions[0], 4, 0, &pages).unwrap_err();
+    let e = send(&overlapping.sessions[0], d.room, 0, &pages).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
     assert!(e.chain().contains("layer 3 of head group 0"), "{}", e.chain());
     assert!(e.chain().contains("carried by prefill rank (tp 0, pp 0) != remote claimed by prefill rank (tp 0, pp 1)"), "{}", e.chain());
@@ -147,21 +153,22 @@ fn the_prefill_side_learns_the_grid_and_a_wrong_chunk_is_refused_with_both_value
     let d = decode(base(), 6, &pages, 16);
     let p = prefill(base(), &pages, std::slice::from_ref(&d));
     let s = &p.sessions[0];
-    let grid = s.room_grid(6, Some(Duration::from_secs(5))).unwrap();
+    let grid = s.room_grid(d.room, Some(Duration::from_secs(5))).unwrap();
     assert_eq!(grid, RoomGrid { chunk_tokens: 16, num_chunks: 3, num_pages: 10 });
-    let e = s.room_grid(99, Some(Duration::from_secs(5))).unwrap_err();
+    let e = s.room_grid(RoomRef { id: 99, key: 1 }, Some(Duration::from_secs(5))).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", e.chain());
     assert!(e.chain().contains("99 is not open on the receiver (yet)"), "{}", e.chain());
     d.engine.receiver().release_room(6);
-    let e = s.room_grid(6, Some(Duration::from_secs(5))).unwrap_err();
+    let e = s.room_grid(d.room, Some(Duration::from_secs(5))).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "a released room is gone: {}", e.chain());
-    d.engine.receiver().open_room(6, &pages, 16).unwrap();
+    let (_, key) = d.engine.receiver().open_room(6, &pages, 16).unwrap();
+    let room = RoomRef { id: 6, key };
 
     // A sender guessing a grid of 3 pages: refused at allocation, nothing sent.
-    let e = send(s, 6, 0, &pages[..3]).unwrap_err();
+    let e = send(s, room, 0, &pages[..3]).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
     assert!(e.chain().contains("sender has 12 tokens, receiver expects 16 (its grid: 3 chunks of 16 tokens over 10 pages)"), "{}", e.chain());
-    let e = send(s, 6, 3, &pages[..2]).unwrap_err();
+    let e = send(s, room, 3, &pages[..2]).unwrap_err();
     assert!(e.chain().contains("chunk 3 is past room 6's 3 chunks (0 .. 2)"), "{}", e.chain());
     assert_eq!(s.stats().send.bytes_sent, 0);
     assert_eq!(d.engine.stats().receive.bytes_received, 0);
@@ -169,7 +176,7 @@ fn the_prefill_side_learns_the_grid_and_a_wrong_chunk_is_refused_with_both_value
     // Cut on the grid it learnt, the same sender delivers the room.
     let per_chunk = (grid.chunk_tokens / PAGE) as usize;
     for (k, chunk) in pages.chunks(per_chunk).enumerate() {
-        assert_eq!(send(s, 6, k as u32, chunk).unwrap_or_else(|e| panic!("chunk {k}: {}", e.chain())), Status::KVSTAGE_OK);
+        assert_eq!(send(s, room, k as u32, chunk).unwrap_or_else(|e| panic!("chunk {k}: {}", e.chain())), Status::KVSTAGE_OK);
     }
     d.engine.receiver().wait_room(6, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = d.pool.verify(&pages, 0);

@@ -55,11 +55,11 @@ fn a_stuck_decode_peer_costs_only_its_own_sessions() {
     let to_healthy = prefill.connect(&healthy.engine.local_addr().to_string(), "healthy", None).unwrap();
     let to_stuck = prefill.connect(&stuck.engine.local_addr().to_string(), "stuck", None).unwrap();
 
-    stuck.engine.receiver().open_room(1, &pages, chunk_tokens).unwrap();
+    let room = common::open_room(&stuck.engine, 1, &pages, chunk_tokens);
     let deadline = Duration::from_secs(2);
     let started = Instant::now();
     let stuck_op = to_stuck
-        .transfer_async(TransferDesc { room: 1, chunk: 0, pages: pages.clone(), timeout: Some(deadline), ..Default::default() }, false, 1)
+        .transfer_async(TransferDesc { room, chunk: 0, pages: pages.clone(), timeout: Some(deadline), ..Default::default() }, false, 1)
         .unwrap();
     let watcher = {
         let op = stuck_op.clone();
@@ -72,8 +72,8 @@ fn a_stuck_decode_peer_costs_only_its_own_sessions() {
     let mut healthy_rooms = 0;
     while started.elapsed() < deadline + Duration::from_millis(500) || healthy_rooms < 3 {
         let room = 100 + healthy_rooms;
-        healthy.engine.receiver().open_room(room, &pages, chunk_tokens).unwrap();
-        let desc = TransferDesc { room, chunk: 0, pages: pages.clone(), timeout: Some(Duration::from_secs(10)), ..Default::default() };
+        let at = common::open_room(&healthy.engine, room, &pages, chunk_tokens);
+        let desc = TransferDesc { room: at, chunk: 0, pages: pages.clone(), timeout: Some(Duration::from_secs(10)), ..Default::default() };
         let status = to_healthy.transfer(&desc, &Op::new(to_healthy.waker())).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
         assert_eq!(status, Status::KVSTAGE_OK);
         healthy.engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
@@ -111,10 +111,7 @@ fn hundreds_of_async_operations_run_on_a_fixed_set_of_threads() {
         .map(|(d, addr, id)| (d, prefill.connect(&addr, &id, None).unwrap()))
         .collect();
     const OPS: u64 = 400;
-    for room in 0..OPS {
-        let d = &decodes[(room % 2) as usize];
-        d.engine.receiver().open_room(room, &pages, 16).unwrap();
-    }
+    let opened: Vec<_> = (0..OPS).map(|room| common::open_room(&decodes[(room % 2) as usize].engine, room, &pages, 16)).collect();
     let before = threads();
     let mut ops = Vec::new();
     let mut most = before;
@@ -122,7 +119,7 @@ fn hundreds_of_async_operations_run_on_a_fixed_set_of_threads() {
         // Sessions 0,1 go to decode 0 and 2,3 to decode 1: room parity picks the decode engine.
         let (d, s) = &sessions[((room % 2) * 2 + (room / 2) % 2) as usize];
         assert_eq!(*d as u64, room % 2);
-        let desc = TransferDesc { room, chunk: 0, pages: pages.clone(), timeout: Some(Duration::from_secs(60)), ..Default::default() };
+        let desc = TransferDesc { room: opened[room as usize], chunk: 0, pages: pages.clone(), timeout: Some(Duration::from_secs(60)), ..Default::default() };
         ops.push(s.transfer_async(desc, false, room).unwrap());
         most = most.max(threads());
     }
@@ -158,13 +155,13 @@ fn a_chunk_runs_once_at_a_time_per_session() {
     let pages: Vec<u32> = (0..4).collect();
     let stuck_faults = Faults { plan: FaultPlan { stop_reading_after: Some(2), ..FaultPlan::default() }, counters: Arc::new(FaultCounters::default()) };
     let stuck = decode(&shape, 8, 2, 16, Some(stuck_faults.clone()));
-    stuck.engine.receiver().open_room(1, &pages, 16).unwrap();
+    let room = common::open_room(&stuck.engine, 1, &pages, 16);
     let prefill = Engine::new(EngineOptions::default()).unwrap();
     let mut ppool = HostPool::new(shape.clone(), 8);
     ppool.fill(&pages, 0);
     prefill.register_pool(ppool.layout.clone()).unwrap();
     let s = prefill.connect(&stuck.engine.local_addr().to_string(), "twice", None).unwrap();
-    let desc = |timeout| TransferDesc { room: 1, chunk: 0, pages: pages.clone(), timeout: Some(timeout), ..Default::default() };
+    let desc = |timeout| TransferDesc { room, chunk: 0, pages: pages.clone(), timeout: Some(timeout), ..Default::default() };
     let first = s.transfer_async(desc(Duration::from_secs(2)), false, 1).unwrap();
     // The decode peer stops reading at the first's allocation request: from then on the first
     // runs (it claimed the chunk before asking).

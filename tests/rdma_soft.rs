@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
+use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
 use kvstage::transport::rdma::{parse_devices, RdmaOptions};
@@ -71,15 +72,21 @@ fn pair(decode: EngineOptions, prefill: EngineOptions, prefill_tp: u32) -> Pair 
     Pair { decode: d, dpool, prefill }
 }
 
-fn desc(room: u64) -> TransferDesc {
+/// Opens `room` on the decode engine over `pages` (one chunk); the room as its senders name it.
+fn open(p: &Pair, room: u64, pages: &[u32]) -> RoomRef {
+    let (_, key) = p.decode.receiver().open_room(room, pages, PAGES * 16).unwrap();
+    RoomRef { id: room, key }
+}
+
+fn desc(room: RoomRef) -> TransferDesc {
     TransferDesc { room, chunk: 0, pages: (8..8 + PAGES).collect(), timeout: Some(Duration::from_secs(10)), ..Default::default() }
 }
 
 fn transfer_all(p: &Pair, room: u64, tag: &str) {
-    p.decode.receiver().open_room(room, &(0..PAGES).collect::<Vec<_>>(), PAGES * 16).unwrap();
+    let at = open(p, room, &(0..PAGES).collect::<Vec<_>>());
     for (i, (e, _)) in p.prefill.iter().enumerate() {
         let s = e.connect(&p.decode.local_addr().to_string(), &format!("{tag}-{i}"), None).unwrap();
-        assert_eq!(s.transfer(&desc(room), &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
+        assert_eq!(s.transfer(&desc(at), &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
     }
     p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = p.dpool.verify(&(0..PAGES).collect::<Vec<_>>(), 0);
@@ -120,10 +127,10 @@ fn a_layer_wise_chunk_streams_by_rdma_write_and_its_immediate_follows_the_last_l
     p.decode.register_staging(Some(ring.as_mut_ptr()), ring.len()).unwrap();
     let room = 11;
     let pages: Vec<u32> = (0..PAGES).collect();
-    p.decode.receiver().open_room(room, &pages, PAGES * 16).unwrap();
+    let at = open(&p, room, &pages);
     let s = p.prefill[0].0.connect(&p.decode.local_addr().to_string(), "layers", None).unwrap();
     assert_eq!(s.stats().link, kvstage::session::stats::LinkKind::Rdma);
-    let op = s.transfer_async(TransferDesc { layers: Some(s.layer_gate()), ..desc(room) }, false, 0).unwrap();
+    let op = s.transfer_async(TransferDesc { layers: Some(s.layer_gate()), ..desc(at) }, false, 0).unwrap();
     let gate = op.layers().unwrap().clone();
     for layer in (0..3).rev() {
         gate.mark(layer, 1, None).unwrap();
@@ -171,8 +178,8 @@ fn two_sessions_of_one_engine_write_at_once_from_their_own_staging_buffers() {
                 let dst: Vec<u32> = (t * PAGES..(t + 1) * PAGES).collect();
                 for i in 0..25u64 {
                     let room = 100 + u64::from(t) * 1000 + i;
-                    p.decode.receiver().open_room(room, &dst, PAGES * 16).unwrap();
-                    let status = s.transfer(&desc(room), &Op::new(s.waker())).unwrap_or_else(|e| panic!("session {t} chunk {i}: {}", e.chain()));
+                    let at = open(p, room, &dst);
+                    let status = s.transfer(&desc(at), &Op::new(s.waker())).unwrap_or_else(|e| panic!("session {t} chunk {i}: {}", e.chain()));
                     assert_eq!(status, Status::KVSTAGE_OK);
                     p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
                     let (bad, first) = p.dpool.verify(&dst, 0);
@@ -245,8 +252,8 @@ fn a_failed_work_completion_names_status_qp_peer_and_session() {
     // completes with a remote access error.
     let bytes = p.decode.receiver().ring_stats().0;
     p.decode.register_staging(None, bytes as usize).unwrap();
-    p.decode.receiver().open_room(5, &(0..PAGES).collect::<Vec<_>>(), PAGES * 16).unwrap();
-    let err = s.transfer(&desc(5), &Op::new(s.waker())).unwrap_err();
+    let at = open(&p, 5, &(0..PAGES).collect::<Vec<_>>());
+    let err = s.transfer(&desc(at), &Op::new(s.waker())).unwrap_err();
     let chain = err.chain();
     assert_eq!(err.code(), Status::KVSTAGE_E_RDMA, "{chain}");
     assert_eq!(err.session(), Some("stale-rkey"));
@@ -292,18 +299,17 @@ fn a_write_stuck_on_the_session_delays_another_only_until_its_deadline() {
     let unchecked = |o: EngineOptions| EngineOptions { integrity: Integrity::Off, ..o };
     let p = pair(unchecked(opts(TransportKind::Rdma, "softib0", 1)), unchecked(opts(TransportKind::Rdma, "softib0", 1)), 1);
     let pages: Vec<u32> = (0..PAGES).collect();
-    p.decode.receiver().open_room(21, &pages, PAGES * 16).unwrap();
-    p.decode.receiver().open_room(22, &pages, PAGES * 16).unwrap();
+    let (room_a, room_b) = (open(&p, 21, &pages), open(&p, 22, &pages));
     let s = p.prefill[0].0.connect(&p.decode.local_addr().to_string(), "write-lock", None).unwrap();
     fault::arm(WriteFault::PauseMidChunk);
-    let stuck = s.transfer_async(TransferDesc { timeout: Some(Duration::from_secs(30)), ..desc(21) }, false, 0).unwrap();
+    let stuck = s.transfer_async(TransferDesc { timeout: Some(Duration::from_secs(30)), ..desc(room_a) }, false, 0).unwrap();
     // The stuck write took the fault (under the session's write lock, which it keeps for the pause).
     let started = std::time::Instant::now();
     while fault::armed() && started.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(!fault::armed(), "the first transfer never reached its write");
-    let second = s.transfer(&TransferDesc { timeout: Some(Duration::from_millis(500)), ..desc(22) }, &Op::new(s.waker()));
+    let second = s.transfer(&TransferDesc { timeout: Some(Duration::from_millis(500)), ..desc(room_b) }, &Op::new(s.waker()));
     let e = second.expect_err("a transfer behind a stuck write succeeded");
     assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
     assert!(e.chain().contains("waiting for another write"), "{}", e.chain());
@@ -324,7 +330,7 @@ fn a_sender_side_rdma_setup_failure_settles_both_sides_on_tcp() {
     use kvstage::transport::rdma::fault;
     let p = pair(opts(TransportKind::Auto, "softib0", 1), opts(TransportKind::Auto, "softib1", 1), 1);
     let pages: Vec<u32> = (0..PAGES).collect();
-    p.decode.receiver().open_room(31, &pages, PAGES * 16).unwrap();
+    let at = open(&p, 31, &pages);
     fault::arm_sender_rtr_failure();
     let (e, _) = &p.prefill[0];
     let s = e.connect(&p.decode.local_addr().to_string(), "rtr-fails-here", None).unwrap();
@@ -333,7 +339,7 @@ fn a_sender_side_rdma_setup_failure_settles_both_sides_on_tcp() {
     assert_eq!((e.rdma().sessions(), e.rdma().downgrades()), (0, 1));
     assert_eq!(p.decode.rdma().sessions(), 0, "the receiver counted an RDMA session the sender could not set up");
     let started = std::time::Instant::now();
-    assert_eq!(s.transfer(&desc(31), &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
+    assert_eq!(s.transfer(&desc(at), &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
     p.decode.receiver().wait_room(31, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = p.dpool.verify(&pages, 0);
     assert_eq!(bad, 0, "{first:?}");

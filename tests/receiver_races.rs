@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvstage::protocol::Message;
+use kvstage::protocol::{Message, RoomRef};
 use kvstage::Status;
 
 const MARGIN: usize = 4096;
@@ -34,7 +34,7 @@ struct Stalled {
 const FIRST: u8 = 0xD1;
 const SECOND: u8 = 0xD2;
 
-fn stall_writer0(c: &Cluster, room: u64, session: &str) -> Stalled {
+fn stall_writer0(c: &Cluster, room: RoomRef, session: &str) -> Stalled {
     let layout = SMALL.layout(0, 2);
     let w0 = layout.writers[0].clone();
     let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), session, b"");
@@ -51,7 +51,7 @@ fn stall_writer0(c: &Cluster, room: u64, session: &str) -> Stalled {
 
 impl Stalled {
     /// The rest of the payload, then the writer's ready; the engine's answer (an `Arrived`).
-    fn finish(&mut self, req: u64, room: u64) -> Message {
+    fn finish(&mut self, req: u64, room: RoomRef) -> Message {
         let rest = self.region.len() - self.half;
         self.raw.send_bytes(&vec![SECOND; rest]).expect("the rest of the payload");
         self.raw.send(&Message::ChunkReady { req, room, chunk: 0, writer: 0, checksum: None }).unwrap();
@@ -85,8 +85,8 @@ fn release_during_a_payload_read_keeps_the_range_pinned_until_the_read_ends() {
     let c = Cluster::new(SMALL, decode_options(&SMALL), RingSpec::Caller(&ring));
     let rx = c.decode.receiver();
     let room = 1;
-    rx.open_room(room, &c.room_pages(room, 1), SMALL.chunk_tokens).unwrap();
-    let mut w = stall_writer0(&c, room, "stalled-w0");
+    let at = open_room(&c.decode, room, &c.room_pages(room, 1), SMALL.chunk_tokens);
+    let mut w = stall_writer0(&c, at, "stalled-w0");
     assert_eq!(rx.stats().ring_live, 1);
 
     let took = release_bounded(&c.decode, room, BOUND);
@@ -105,7 +105,8 @@ fn release_during_a_payload_read_keeps_the_range_pinned_until_the_read_ends() {
         // ring while the old range stays pinned by the stalled read.
         c.legit_transfer("reopened during a pinned read", Some(room), 1);
         assert_eq!(rx.stats().ring_live, 1, "the stalled read's range was freed before the read ended");
-        match w.finish(2, room) {
+        // The ready names the released opening (the room id is not open any more).
+        match w.finish(2, at) {
             Message::Arrived { req: 2, status, reason } => {
                 eprintln!("release during a payload read: late ready answered {status}: {reason}");
                 assert_ne!(status, 0, "a chunk of a released room was acknowledged");
@@ -132,14 +133,14 @@ fn co_writer_abort_during_a_payload_read() {
     let rx = c.decode.receiver();
     let layout = SMALL.layout(0, 2);
     let room = 2;
-    rx.open_room(room, &c.room_pages(room, 1), SMALL.chunk_tokens).unwrap();
+    let at = open_room(&c.decode, room, &c.room_pages(room, 1), SMALL.chunk_tokens);
     // Writer 1 (prefill TP 2 rank 1) takes its slot of the same chunk first.
     let (mut w1, _) = RawPeer::handshake(c.addr(), &SMALL.shape(1, 2), "co-writer-w1", b"");
-    let g1 = w1.alloc_granted(1, room, 0, 1, &layout);
-    let mut w0 = stall_writer0(&c, room, "stalled-w0");
+    let g1 = w1.alloc_granted(1, at, 0, 1, &layout);
+    let mut w0 = stall_writer0(&c, at, "stalled-w0");
     assert_eq!(g1.offset, w0.grant.offset, "both writers of a chunk share one allocation");
 
-    w1.send(&Message::Abort { room, chunk: 0, reason: "co-writer gives up".into() }).unwrap();
+    w1.send(&Message::Abort { room: at, chunk: 0, reason: "co-writer gives up".into() }).unwrap();
     w1.barrier(2, 1);
     let e = rx.wait_room(room, Some(BOUND)).unwrap_err();
     eprintln!("co-writer abort: room {room}: {:?}: {}", e.code(), e.chain());
@@ -152,7 +153,7 @@ fn co_writer_abort_during_a_payload_read() {
         w0.check_landed(&ring, false);
     } else {
         assert_eq!(live, 1, "the failed room's range must stay pinned by writer 0's read");
-        match w0.finish(3, room) {
+        match w0.finish(3, at) {
             Message::Arrived { req: 3, status, reason } => {
                 eprintln!("co-writer abort: writer 0's ready answered {status}: {reason}");
                 assert_ne!(status, 0, "a chunk of an aborted room was acknowledged");
@@ -182,8 +183,8 @@ fn register_staging_during_a_read_fails_until_the_room_is_drained() {
     let c = Cluster::new(SMALL, decode_options(&SMALL), RingSpec::Caller(&ring1));
     let rx = c.decode.receiver();
     let room = 3;
-    rx.open_room(room, &c.room_pages(room, 1), SMALL.chunk_tokens).unwrap();
-    let mut w = stall_writer0(&c, room, "stalled-w0");
+    let at = open_room(&c.decode, room, &c.room_pages(room, 1), SMALL.chunk_tokens);
+    let mut w = stall_writer0(&c, at, "stalled-w0");
 
     let e = c.decode.register_staging(Some(ring2.ptr()), ring2.len).unwrap_err();
     eprintln!("register_staging during a read: {:?}: {}", e.code(), e.chain());
@@ -195,7 +196,7 @@ fn register_staging_during_a_read_fails_until_the_room_is_drained() {
         // Released, but the read still pins its range: still refused.
         let e = c.decode.register_staging(Some(ring2.ptr()), ring2.len).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", e.chain());
-        match w.finish(2, room) {
+        match w.finish(2, at) {
             Message::Arrived { req: 2, status, .. } => assert_ne!(status, 0),
             other => panic!("expected Arrived 2, got {other:?}"),
         }
@@ -222,14 +223,14 @@ fn reopen_during_the_release_of_a_slice_read() {
     let rx = c.decode.receiver();
     let room = 4;
     let pages = c.room_pages(room, 1);
-    rx.open_room(room, &pages, SMALL.chunk_tokens).unwrap();
+    let at = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
     let layout = SMALL.layout(0, 2);
     let heads = layout.writers[0].heads;
     let head_bytes = SMALL.head_dim * 2;
     let row = heads.num_heads * head_bytes;
     let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "slice-w0", b"");
     // One token row of writer 0's heads, straight into the room's first page: half of it.
-    raw.send(&Message::Slice { room, chunk: 0, buffer: 0, token: 0, byte_offset: heads.dst_head_start * head_bytes, len: row }).unwrap();
+    raw.send(&Message::Slice { room: at, chunk: 0, buffer: 0, token: 0, byte_offset: heads.dst_head_start * head_bytes, len: row }).unwrap();
     raw.send_bytes(&vec![FIRST; row as usize / 2]).unwrap();
     std::thread::sleep(PAUSE);
 
@@ -294,14 +295,14 @@ fn reopen_during_a_scatter_waits_for_it() {
     let rx = c.decode.receiver();
     let room = 5;
     let pages = c.room_pages(room, 1);
-    rx.open_room(room, &pages, BIG.chunk_tokens).unwrap();
+    let mut at = open_room(&c.decode, room, &pages, BIG.chunk_tokens);
     const ROUNDS: usize = 12;
     let (mut hits, mut refusals) = (0, 0);
     let mut release_max = Duration::ZERO;
     for round in 0..ROUNDS {
         // Every writer's ready is acknowledged before the scatter is queued: when the last
         // transfer returns, the scatter is queued or running.
-        c.send_room(room, &pages, &format!("scatter-{round}")).unwrap_or_else(|e| panic!("round {round}: {}", e.chain()));
+        c.send_room(at, &pages, &format!("scatter-{round}")).unwrap_or_else(|e| panic!("round {round}: {}", e.chain()));
         let mut seen = 0;
         std::thread::scope(|s| {
             let releaser = s.spawn(|| release_bounded(&c.decode, room, BOUND));
@@ -309,7 +310,10 @@ fn reopen_during_a_scatter_waits_for_it() {
             loop {
                 assert!(start.elapsed() < BOUND * 2, "open_room never succeeded");
                 match rx.open_room(room, &pages, BIG.chunk_tokens) {
-                    Ok(_) => break,
+                    Ok((_, key)) => {
+                        at = RoomRef { id: room, key };
+                        break;
+                    }
                     Err(e) => {
                         assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", e.chain());
                         assert!(e.message().contains("still being released") || e.message().contains("already open"), "{}", e.chain());
@@ -334,7 +338,7 @@ fn reopen_during_a_scatter_waits_for_it() {
          longest release {release_max:?}"
     );
     // The reopened room takes a full transfer and verifies.
-    c.send_room(room, &pages, "final").unwrap();
+    c.send_room(at, &pages, "final").unwrap();
     rx.wait_room(room, Some(BOUND)).unwrap_or_else(|e| panic!("{}", e.chain()));
     c.verify_room("after the scatter races", room, &pages);
     rx.release_room(room);

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions};
 use kvstage::geometry::{decode_peers, staging_layout, ModelKind, PoolShape};
+use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
 use kvstage::Status;
@@ -25,7 +26,8 @@ fn each_replicated_head_crosses_the_wire_once() {
     decode.register_pool(dpool.layout.clone()).unwrap();
     let chunk_bytes = staging_layout(&base.clone().with_tp(0, prefill_tp), &dst_shape, tokens).unwrap().total_bytes;
     decode.register_staging(None, 2 * chunk_bytes as usize).unwrap();
-    decode.receiver().open_room(7, &pages, tokens).unwrap();
+    let (_, key) = decode.receiver().open_room(7, &pages, tokens).unwrap();
+    let room = RoomRef { id: 7, key };
     let addr = decode.local_addr().to_string();
 
     let mut prefill = Vec::new();
@@ -42,7 +44,7 @@ fn each_replicated_head_crosses_the_wire_once() {
         prefill.push((engine, pool, session));
     }
     for (rs, (_, _, session)) in prefill.iter().enumerate() {
-        let desc = TransferDesc { room: 7, chunk: 0, pages: pages.clone(), timeout: Some(Duration::from_secs(10)), ..Default::default() };
+        let desc = TransferDesc { room, chunk: 0, pages: pages.clone(), timeout: Some(Duration::from_secs(10)), ..Default::default() };
         let status = session.transfer(&desc, &Op::new(session.waker())).unwrap_or_else(|e| panic!("rank {rs}: {}", e.chain()));
         assert_eq!(status, Status::KVSTAGE_OK, "prefill rank {rs}");
     }

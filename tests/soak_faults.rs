@@ -102,7 +102,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     let alloc = kvstage::geometry::staging_layout(&src0, &dpool.layout.shape, CHUNK_TOKENS).unwrap().total_bytes;
     decode.register_staging(None, alloc as usize).unwrap();
     let dst_pages = kvstage_testkit::page_table(PAGES, 16, seed, false);
-    decode.receiver().open_room(ROOM, &dst_pages, CHUNK_TOKENS).unwrap();
+    let room = common::open_room(&decode, ROOM, &dst_pages, CHUNK_TOKENS);
     let addr = decode.local_addr().to_string();
 
     let prefill: Vec<(Engine, HostPool, Vec<u32>)> = (0..2)
@@ -131,7 +131,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
                     }
                     let Ok(session) = session else { return hangs };
                     for (chunk, chunk_pages) in pages.chunks(CHUNK_TOKENS as usize / PAGE as usize).enumerate() {
-                        let desc = TransferDesc { room: ROOM, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(OP_DEADLINE), ..Default::default() };
+                        let desc = TransferDesc { room, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(OP_DEADLINE), ..Default::default() };
                         let start = Instant::now();
                         let result = match layerwise(seed) {
                             false => session.transfer(&desc, &Op::new(session.waker())),

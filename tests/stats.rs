@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
+use kvstage::protocol::RoomRef;
 use kvstage::session::notify::Completion;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
@@ -39,7 +40,18 @@ fn decode(ring_chunks: u64, faults: Option<Faults>) -> (Engine, HostPool, u64) {
     (engine, pool, chunk)
 }
 
-fn desc(room: u64, pages: &[u32], timeout_ms: u64) -> TransferDesc {
+/// Opens `room` on `engine` over `pages` (one chunk); the room as its senders name it.
+fn open(engine: &Engine, room: u64, pages: &[u32]) -> RoomRef {
+    let (_, key) = engine.receiver().open_room(room, pages, CHUNK_PAGES * 16).unwrap();
+    RoomRef { id: room, key }
+}
+
+/// A room that is not open (any key).
+fn closed(room: u64) -> RoomRef {
+    RoomRef { id: room, key: 1 }
+}
+
+fn desc(room: RoomRef, pages: &[u32], timeout_ms: u64) -> TransferDesc {
     TransferDesc { room, chunk: 0, pages: pages.to_vec(), timeout: Some(Duration::from_millis(timeout_ms)), ..Default::default() }
 }
 
@@ -128,8 +140,8 @@ fn counters_and_timings_match_a_known_sequence() {
 
     // 1. Three synchronous transfers, each verified on the decode side.
     for room in 1..=3u64 {
-        healthy.receiver().open_room(room, &pages, CHUNK_PAGES * 16).unwrap();
-        let (r, t) = to_healthy.transfer_timed(&desc(room, &pages, 10_000), &Op::new(to_healthy.waker()));
+        let at = open(&healthy, room, &pages);
+        let (r, t) = to_healthy.transfer_timed(&desc(at, &pages, 10_000), &Op::new(to_healthy.waker()));
         assert_eq!(r.unwrap(), Status::KVSTAGE_OK);
         assert_full(&t, &format!("room {room}"));
         assert_eq!(t.queued_ns, 0, "a synchronous transfer is never queued");
@@ -139,8 +151,8 @@ fn counters_and_timings_match_a_known_sequence() {
     }
 
     // 2. One asynchronous transfer: queued first, the same timings in its completion.
-    healthy.receiver().open_room(4, &pages, CHUNK_PAGES * 16).unwrap();
-    let op = to_healthy.transfer_async(desc(4, &pages, 10_000), false, 44).unwrap();
+    let at = open(&healthy, 4, &pages);
+    let op = to_healthy.transfer_async(desc(at, &pages, 10_000), false, 44).unwrap();
     assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap(), Status::KVSTAGE_OK);
     let t = op.timings().expect("finished");
     assert_full(&t, "async");
@@ -158,13 +170,13 @@ fn counters_and_timings_match_a_known_sequence() {
 
     // 3. A fallback: a 12-page chunk does not fit the 2-chunk ring. Nothing but the total.
     let big: Vec<u32> = (0..12).collect();
-    let (r, t) = to_healthy.transfer_timed(&desc(5, &big, 10_000), &Op::new(to_healthy.waker()));
+    let (r, t) = to_healthy.transfer_timed(&desc(closed(5), &big, 10_000), &Op::new(to_healthy.waker()));
     assert_eq!(r.unwrap(), Status::KVSTAGE_FALLBACK);
     assert!(t.total_ns > 0);
     assert_eq!(TransferTimings { total_ns: 0, ..t }, TransferTimings::default(), "a fallback has no phases: {t:?}");
 
     // 4. Canceled: the room is not open on the receiver; refused at the allocation.
-    let (r, t) = to_healthy.transfer_timed(&desc(6, &pages, 10_000), &Op::new(to_healthy.waker()));
+    let (r, t) = to_healthy.transfer_timed(&desc(closed(6), &pages, 10_000), &Op::new(to_healthy.waker()));
     assert_eq!(r.unwrap_err().code(), Status::KVSTAGE_E_CANCELED);
     assert!(t.watermark_wait_ns > 0 && t.total_ns > 0, "{t:?}");
     assert_eq!((t.alloc_wait_ns, t.gather_ns, t.wire_ns, t.ack_ns), (0, 0, 0, 0), "{t:?}");
@@ -173,20 +185,20 @@ fn counters_and_timings_match_a_known_sequence() {
     // A bad argument (a page outside the pool) fails before the transfer starts: zero timings,
     // nothing counted (the counters below stay exact), no operation.
     let outside = [PAGES as u32];
-    let (r, t) = to_healthy.transfer_timed(&desc(6, &outside, 10_000), &Op::new(to_healthy.waker()));
+    let (r, t) = to_healthy.transfer_timed(&desc(closed(6), &outside, 10_000), &Op::new(to_healthy.waker()));
     assert_eq!(r.unwrap_err().code(), Status::KVSTAGE_E_INVALID_ARG);
     assert_eq!(t, TransferTimings::ZERO);
-    let (r, t) = to_healthy.transfer_slices_timed(&desc(6, &outside, 10_000), &Op::new(to_healthy.waker()));
+    let (r, t) = to_healthy.transfer_slices_timed(&desc(closed(6), &outside, 10_000), &Op::new(to_healthy.waker()));
     assert_eq!(r.unwrap_err().code(), Status::KVSTAGE_E_INVALID_ARG);
     assert_eq!(t, TransferTimings::ZERO);
-    let submitted = to_healthy.transfer_async(desc(6, &outside, 10_000), false, 66);
+    let submitted = to_healthy.transfer_async(desc(closed(6), &outside, 10_000), false, 66);
     assert_eq!(submitted.err().map(|e| e.code()), Some(Status::KVSTAGE_E_INVALID_ARG));
     assert_eq!(to_healthy.stats().send.in_flight, 0);
 
     // 5. Timeout: the stuck peer takes the data but never acknowledges it. In flight meanwhile.
-    stuck.receiver().open_room(7, &pages, CHUNK_PAGES * 16).unwrap();
+    let at = open(&stuck, 7, &pages);
     // The deadline leaves the in-flight checks seconds to run before the operation can end.
-    let op = to_stuck.transfer_async(desc(7, &pages, 3_000), false, 77).unwrap();
+    let op = to_stuck.transfer_async(desc(at, &pages, 3_000), false, 77).unwrap();
     assert_eq!(to_stuck.stats().send.in_flight, 1);
     assert_eq!(prefill.stats().send.in_flight, 1);
     let e = op.wait(Some(Duration::from_secs(20))).unwrap_err();
@@ -198,7 +210,7 @@ fn counters_and_timings_match_a_known_sequence() {
 
     // 6. Peer gone: the decode engine of the third session is freed.
     drop(doomed);
-    let (r, t) = to_doomed.transfer_timed(&desc(8, &pages, 10_000), &Op::new(to_doomed.waker()));
+    let (r, t) = to_doomed.transfer_timed(&desc(closed(8), &pages, 10_000), &Op::new(to_doomed.waker()));
     assert_eq!(r.unwrap_err().code(), Status::KVSTAGE_E_PEER_GONE);
     assert!(t.total_ns > 0);
     assert_ordered(&t, "peer gone");
@@ -253,8 +265,8 @@ fn the_slice_path_is_counted() {
     ppool.fill(&pages, 0);
     prefill.register_pool(ppool.layout.clone()).unwrap();
     let s = prefill.connect(&dec.local_addr().to_string(), "slices", None).unwrap();
-    dec.receiver().open_room(1, &pages, CHUNK_PAGES * 16).unwrap();
-    let (r, t) = s.transfer_slices_timed(&desc(1, &pages, 10_000), &Op::new(s.waker()));
+    let at = open(&dec, 1, &pages);
+    let (r, t) = s.transfer_slices_timed(&desc(at, &pages, 10_000), &Op::new(s.waker()));
     assert_eq!(r.unwrap(), Status::KVSTAGE_OK);
     dec.receiver().wait_room(1, Some(Duration::from_secs(10))).unwrap();
     assert_eq!(dpool.verify(&pages, 0).0, 0);

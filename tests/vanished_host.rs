@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use kvstage::engine::{Engine, EngineOptions};
 use kvstage::geometry::{ModelKind, PoolShape};
+use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
 use kvstage_testkit::HostPool;
@@ -437,6 +438,13 @@ fn noticed(peer: &mut Peer, prefix: &str, cut: Instant, what: &str, allowed: &[S
 
 const GONE: [Status; 2] = [Status::KVSTAGE_E_PEER_GONE, Status::KVSTAGE_E_TIMEOUT];
 
+/// `room ID` on the decode child; the key of that opening, which the prefill child's `send ID KEY`
+/// names.
+fn open_room(decode: &mut Peer, id: u64) -> u64 {
+    let line = decode.command(&format!("room {id}"), &format!("ok room {id} "));
+    line.split_whitespace().nth(3).and_then(|k| k.parse().ok()).unwrap_or_else(|| panic!("no room key in '{line}'"))
+}
+
 /// Decode child in A, prefill child in B, connected; rooms of `chunk_tokens` (one chunk).
 fn start(ns: &Netns, chunk_tokens: u32) -> (Peer, Peer) {
     let chunk = chunk_tokens.to_string();
@@ -463,15 +471,15 @@ fn watermark_wait() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let Some(ns) = setup("wm", 1) else { return };
     let (mut decode, mut prefill) = start(&ns, SMALL_CHUNK);
-    decode.command("room 1", "ok room 1");
-    decode.command("room 2", "ok room 2");
+    let key1 = open_room(&mut decode, 1);
+    let key2 = open_room(&mut decode, 2);
     // Room 1: writer 0 of 2 delivers; the chunk waits for writer 1, so its grant fills the ring.
-    prefill.send("send 1");
+    prefill.send(&format!("send 1 {key1}"));
     let (_, sent) = prefill.expect("sent 1", REPLY);
     assert_eq!(parse_outcome(&sent).0, "KVSTAGE_OK", "room 1, writer 0: {sent}");
     assert_eq!(stats(&mut decode), (1, 1), "room 1's grant must hold the ring");
     // Room 2: granted in the next round, the sender waits for the watermark that room 1 holds.
-    prefill.send("send 2");
+    prefill.send(&format!("send 2 {key2}"));
     let (live, _) = settle(&mut decode, REPLY, |(live, _)| live == 2);
     assert_eq!(live, 2, "room 2 was never granted");
     std::thread::sleep(Duration::from_millis(300));
@@ -524,8 +532,8 @@ fn payload_in_flight(tag: &str, subnet: u8, chunk_tokens: u32, how: Cut) {
         return;
     }
     let (mut decode, mut prefill) = start(&ns, chunk_tokens);
-    decode.command("room 1", "ok room 1");
-    prefill.send("send 1");
+    let key = open_room(&mut decode, 1);
+    prefill.send(&format!("send 1 {key}"));
     let (live, _) = settle(&mut decode, REPLY, |(live, _)| live == 1);
     assert_eq!(live, 1, "room 1 was never granted");
     // Past the allocation and the gather: the payload write is under way.
@@ -575,8 +583,8 @@ fn idle(tag: &str, subnet: u8, how: Cut) {
     assert_eq!(conns, 0, "the decode side still holds the connection {d:.2?} after the host vanished");
     assert!(d <= window, "the decode side noticed only {d:.2?} after the cut (window {window:?})");
     // The prefill side: a transfer started now must fail within the window (at once if its
-    // keepalive already noticed), not wait for its own deadline.
-    prefill.send("send 1");
+    // keepalive already noticed), not wait for its own deadline. (No room was opened: any key.)
+    prefill.send("send 1 1");
     let p = noticed(&mut prefill, "sent 1", cut, "prefill transfer after an idle cut", &GONE);
     eprintln!("idle session, {how:?}: prefill transfer failed {p:.2?} after the cut");
     let s = stats(&mut decode);
@@ -623,11 +631,12 @@ fn zz_child_role() {
     }
 }
 
-/// Commands on stdin: (command, argument); ends with stdin (the parent gone) or `quit`.
-fn commands() -> impl Iterator<Item = (String, String)> {
+/// Commands on stdin: (command, argument, second argument); ends with stdin (the parent gone) or
+/// `quit`.
+fn commands() -> impl Iterator<Item = (String, String, String)> {
     std::io::stdin().lock().lines().map_while(Result::ok).map(|line| {
         let mut w = line.split_whitespace();
-        (w.next().unwrap_or("").to_owned(), w.next().unwrap_or("").to_owned())
+        (w.next().unwrap_or("").to_owned(), w.next().unwrap_or("").to_owned(), w.next().unwrap_or("").to_owned())
     })
 }
 
@@ -640,14 +649,14 @@ fn decode_child() {
     engine.register_staging(None, chunk_alloc_bytes() as usize).expect("staging ring");
     say(format!("addr {}", engine.local_addr()));
     let mut waits = Vec::new();
-    for (cmd, arg) in commands() {
+    for (cmd, arg, _) in commands() {
         let id: u64 = arg.parse().unwrap_or(0);
         match cmd.as_str() {
             "room" => {
                 let n = chunk_pages();
                 let pages: Vec<u32> = ((id as u32 - 1) * n..id as u32 * n).collect();
                 match engine.receiver().open_room(id, &pages, chunk_tokens()) {
-                    Ok(_) => say(format!("ok room {id}")),
+                    Ok((_, key)) => say(format!("ok room {id} {key}")),
                     Err(e) => say(format!("error open_room {id}: {}", e.chain())),
                 }
             }
@@ -688,7 +697,7 @@ fn prefill_child() {
     say("started");
     let mut session = None;
     let mut sends = Vec::new();
-    for (cmd, arg) in commands() {
+    for (cmd, arg, key) in commands() {
         let id: u64 = arg.parse().unwrap_or(0);
         match cmd.as_str() {
             "connect" => match engine.connect(&arg, "vanish", Some(Duration::from_secs(10))) {
@@ -698,15 +707,20 @@ fn prefill_child() {
                 }
                 Err(e) => say(format!("error connect: {}", e.chain())),
             },
+            // `send ID KEY`: the room and the key of its opening (the decode child's `ok room ID KEY`).
             "send" => {
                 let Some(s) = session.clone() else {
                     say("error send before connect");
                     continue;
                 };
+                let Ok(key) = key.parse::<u64>() else {
+                    say(format!("error send {id} without the room's key"));
+                    continue;
+                };
                 let pages = pages.clone();
                 sends.push(std::thread::spawn(move || {
                     let s: Arc<kvstage::session::sender::SenderSession> = s;
-                    let desc = TransferDesc { room: id, chunk: 0, pages, timeout: Some(OP_TIMEOUT), ..Default::default() };
+                    let desc = TransferDesc { room: RoomRef { id, key }, chunk: 0, pages, timeout: Some(OP_TIMEOUT), ..Default::default() };
                     let start = Instant::now();
                     report("sent", id, start, s.transfer(&desc, &Op::new(s.waker())));
                 }));

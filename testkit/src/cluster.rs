@@ -511,7 +511,7 @@ impl DecodeChild {
             Some(k) => format!("room {room} {k}"),
             None => format!("room {room}"),
         })?;
-        let keys: Option<Vec<u64>> = reply.strip_prefix("keys ").map(|k| k.split_whitespace().map(str::parse).collect::<std::result::Result<_, _>>().ok()).flatten();
+        let keys: Option<Vec<u64>> = reply.strip_prefix("keys ").and_then(|k| k.split_whitespace().map(str::parse).collect::<std::result::Result<_, _>>().ok());
         keys.map(|keys| RoomKeys { id: room, keys }).ok_or_else(|| Error::internal(format!("bad reply to room: '{reply}'")))
     }
 

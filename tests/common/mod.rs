@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
 use kvstage::geometry::{staging_layout_stages, Fingerprint, ModelKind, PoolShape, StagingLayout};
-use kvstage::protocol::{self, Hello, Message, PROTOCOL_VERSION};
+use kvstage::protocol::{self, Hello, Message, RoomRef, PROTOCOL_VERSION};
 use kvstage::ring::Watermark;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
@@ -423,7 +423,7 @@ impl Cluster {
     }
 
     /// Sends `chunks` chunks from every prefill engine into `room` over `pages` (already opened).
-    pub fn send_room(&self, room: u64, pages: &[u32], label: &str) -> kvstage::Result<()> {
+    pub fn send_room(&self, room: RoomRef, pages: &[u32], label: &str) -> kvstage::Result<()> {
         let ppc = self.geo.pages_per_chunk();
         let sessions: Vec<_> = self
             .prefill
@@ -461,10 +461,10 @@ impl Cluster {
         let all = all_pages(&self.dpool);
         let (stray, first) = pool_scan_canary(&self.dpool, &all);
         assert_eq!(stray, 0, "[{label}] {stray} decode pool bytes changed before the transfer (stray writes): first at {first:?}");
-        let n = self.decode.receiver().open_room(room, &pages, self.geo.chunk_tokens).map_err(|e| format!("[{label}] open_room {room}: {}", e.chain()))?;
+        let (n, key) = self.decode.receiver().open_room(room, &pages, self.geo.chunk_tokens).map_err(|e| format!("[{label}] open_room {room}: {}", e.chain()))?;
         assert_eq!(n as usize, chunks);
         let outcome = self
-            .send_room(room, &pages, label)
+            .send_room(RoomRef { id: room, key }, &pages, label)
             .map_err(|e| format!("[{label}] legitimate transfer into room {room} failed: {:?}: {}", e.code(), e.chain()))
             .and_then(|()| {
                 self.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).map_err(|e| format!("[{label}] room {room} did not complete: {}", e.chain()))
@@ -581,7 +581,7 @@ impl RawPeer {
     /// Proves the session is alive and every earlier frame was processed: an allocation request for
     /// a room that is not open must be answered (refused) in order.
     pub fn barrier(&mut self, req: u64, writer: u32) -> Message {
-        self.send(&Message::AllocReq { req, room: u64::MAX - req, chunk: 0, writer, tokens: 1, bytes: 1 }).expect("send barrier");
+        self.send(&Message::AllocReq { req, room: RoomRef { id: u64::MAX - req, key: 1 }, chunk: 0, writer, tokens: 1, bytes: 1 }).expect("send barrier");
         match self.reply(Duration::from_secs(5)) {
             m @ Message::AllocRsp { req: r, status, .. } if r == req && status != 0 => m,
             other => panic!("raw peer barrier {req}: unexpected reply {other:?}"),
@@ -639,7 +639,7 @@ pub struct RawGrant {
 
 impl RawPeer {
     /// Asks for (room, chunk) as `writer` with the full chunk's allocation size; the reply.
-    pub fn alloc(&mut self, req: u64, room: u64, chunk: u32, writer: u32, layout: &StagingLayout) -> Message {
+    pub fn alloc(&mut self, req: u64, room: RoomRef, chunk: u32, writer: u32, layout: &StagingLayout) -> Message {
         let msg = Message::AllocReq { req, room, chunk, writer, tokens: layout.tokens, bytes: layout.total_bytes };
         self.send(&msg).expect("send alloc");
         match self.reply(Duration::from_secs(5)) {
@@ -649,7 +649,7 @@ impl RawPeer {
     }
 
     /// As [`alloc`](Self::alloc), panicking unless granted.
-    pub fn alloc_granted(&mut self, req: u64, room: u64, chunk: u32, writer: u32, layout: &StagingLayout) -> RawGrant {
+    pub fn alloc_granted(&mut self, req: u64, room: RoomRef, chunk: u32, writer: u32, layout: &StagingLayout) -> RawGrant {
         match self.alloc(req, room, chunk, writer, layout) {
             Message::AllocRsp { status: 0, round, offset, len, region, .. } => RawGrant { round, offset, len, region },
             other => panic!("raw peer: allocation of room {room} chunk {chunk} refused: {other:?}"),
@@ -678,4 +678,11 @@ pub fn bounded<T: Send>(what: &str, bound: Duration, f: impl FnOnce() -> T + Sen
 /// `release_room`, which must return within `bound`; how long it took.
 pub fn release_bounded(engine: &Engine, room: u64, bound: Duration) -> Duration {
     bounded(&format!("release_room({room})"), bound, || engine.receiver().release_room(room)).1
+}
+
+/// Opens `room` on the decode engine `engine` and returns it as its senders name it (id and the
+/// opening's key). Panics on failure.
+pub fn open_room(engine: &Engine, room: u64, pages: &[u32], chunk_tokens: u32) -> RoomRef {
+    let (_, key) = engine.receiver().open_room(room, pages, chunk_tokens).unwrap_or_else(|e| panic!("open_room {room}: {}", e.chain()));
+    RoomRef { id: room, key }
 }
