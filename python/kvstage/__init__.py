@@ -2,7 +2,7 @@
 
 Importing the package does not load the library; the first object or helper that needs it does
 (or :func:`load_library`, which also takes an explicit path). Lookup order: the ``path``
-argument, ``$KVSTAGE_LIBRARY``, a ``libkvstage.so.0.2`` next to this package, the system loader.
+argument, ``$KVSTAGE_LIBRARY``, a ``libkvstage.so.0.3`` next to this package, the system loader.
 The library's version must equal ``kvstage.__version__``. Once loaded, its log records go to the
 :mod:`logging` loggers ``kvstage.<target>`` (see :func:`route_logs_to_python`;
 ``KVSTAGE_PYTHON_LOGGING=0`` keeps the library's own stderr output).

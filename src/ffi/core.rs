@@ -6,7 +6,7 @@ use super::last_error::{self, kvstage_error};
 use super::{ffi_fn, out_ptr, write_versioned};
 use crate::error::Status;
 
-/// Version string of the library, e.g. "0.2.0".
+/// Version string of the library, e.g. "0.3.0".
 const VERSION_C: &str = concat!(env!("CARGO_PKG_VERSION"), "\0");
 
 /// The library's version as "MAJOR.MINOR.PATCH" (static storage).
