@@ -23,7 +23,8 @@ strip_copy() { # $1 source file, $2 destination: copy without debug info (smalle
 }
 
 # The library under its SONAME and plain name.
-real=$(cd "$build/lib" && ls libkvstage.so.*.*.* | head -n1)
+# The file the build's libkvstage.so link names (a build tree may hold an older version's too).
+real=$(basename "$(readlink -f "$build/lib/libkvstage.so")")
 strip_copy "$build/lib/$real" "$bundle/lib/$real"
 soname=$(readelf -d "$bundle/lib/$real" | sed -n 's/.*SONAME.*\[\(.*\)\]/\1/p')
 # Plain copies, no symbolic links (file transfers to the runner may drop links).
