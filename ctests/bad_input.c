@@ -236,9 +236,12 @@ static void test_engine_calls(void) {
     EXPECT(kvstage_engine_listen_address(e, buf, 0, NULL), KVSTAGE_E_INVALID_ARG, "`capacity`");
     EXPECT(kvstage_engine_listen_address(e, buf, 5, NULL), KVSTAGE_E_INVALID_ARG, "`capacity`");
     {
-        /* (buf, capacity, needed): NULL and 0 ask for the size; a big enough buffer gets the text. */
+        /* (buf, capacity, needed): NULL and 0 is a size query (OK, no error left); a big enough
+         * buffer gets the text. */
         size_t needed = 0;
-        EXPECT(kvstage_engine_listen_address(e, NULL, 0, &needed), KVSTAGE_E_INVALID_ARG, "`capacity`");
+        EXPECT(kvstage_engine_listen_address(e, NULL, 0, &needed), KVSTAGE_OK, NULL);
+        CHECK_INT(kvstage_error_last()->code, KVSTAGE_OK);
+        EXPECT(kvstage_engine_listen_address(e, NULL, 0, NULL), KVSTAGE_E_INVALID_ARG, "`needed`");
         CHECK(needed > sizeof "1.2.3.4:5" - 1 && needed <= sizeof buf);
         size_t again = 0;
         EXPECT(kvstage_engine_listen_address(e, buf, needed, &again), KVSTAGE_OK, NULL);
@@ -411,10 +414,8 @@ static void test_geometry(void) {
     kvstage_staging_writer writers[4];
     uint32_t n = 0;
     pool src, dst;
-    const kvstage_kv_layout *stages[1];
     pool_init(&src);
     pool_init(&dst);
-    stages[0] = &src.layout;
     /* Prefill TP 2 (one head each) feeding a decode TP 1 rank: 2 writers. */
     src.layout.tp_size = 2;
     src.layout.tp_rank = 1;
@@ -442,34 +443,34 @@ static void test_geometry(void) {
 
     st.struct_size = sizeof st;
     EXPECT(kvstage_staging_layout_compute(NULL, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`prefill_stages`");
-    EXPECT(kvstage_staging_layout_compute(stages, 0, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "is empty");
-    EXPECT(kvstage_staging_layout_compute(stages, 1, NULL, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`dst`");
-    EXPECT(kvstage_staging_layout_compute(stages, 1, &dst.layout, 8, NULL, writers, 4), KVSTAGE_E_INVALID_ARG, "`out`");
-    EXPECT(kvstage_staging_layout_compute(stages, 1, &dst.layout, 8, &st, NULL, 4), KVSTAGE_E_INVALID_ARG, "`writers`");
-    EXPECT(kvstage_staging_layout_compute(stages, 1, &dst.layout, 8, &st, writers, 1), KVSTAGE_E_INVALID_ARG,
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 0, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "is empty");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, NULL, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`dst`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, NULL, writers, 4), KVSTAGE_E_INVALID_ARG, "`out`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, NULL, 4), KVSTAGE_E_INVALID_ARG, "`writers`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 1), KVSTAGE_E_INVALID_ARG,
            "`writers_len`");
     CHECK_INT(st.num_writers, 2); /* still filled */
-    EXPECT(kvstage_staging_layout_compute(stages, 1, &dst.layout, 8, &st, NULL, 0), KVSTAGE_OK, NULL);
-    EXPECT(kvstage_staging_layout_compute(stages, 1, &dst.layout, 6, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`tokens`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, NULL, 0), KVSTAGE_OK, NULL);
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 6, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`tokens`");
     st.struct_size = 0;
-    EXPECT(kvstage_staging_layout_compute(stages, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
            "`out->struct_size`");
     st.struct_size = sizeof st;
     src.layout.struct_size = 0;
-    EXPECT(kvstage_staging_layout_compute(stages, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
            "`prefill_stages[0]->struct_size`");
     src.layout.struct_size = sizeof src.layout;
     dst.layout.tp_rank = 1;
-    EXPECT_CAUSE(kvstage_staging_layout_compute(stages, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_INVALID,
+    EXPECT_CAUSE(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_INVALID,
                  "`dst`", "`tp_rank`");
     dst.layout.tp_rank = 0;
     /* Only the shape is read: bases may be NULL. */
     src.layout.k_bases = NULL;
     src.layout.v_bases = NULL;
-    EXPECT(kvstage_staging_layout_compute(stages, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_OK, NULL);
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_OK, NULL);
     /* Geometry that disagrees (head_dim): a mismatch, one cause per field. */
     src.layout.head_dim = 16;
-    EXPECT_CAUSE(kvstage_staging_layout_compute(stages, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_MISMATCH,
+    EXPECT_CAUSE(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_MISMATCH,
                  "", "head_dim");
     free(src.memory);
     free(dst.memory);

@@ -85,9 +85,9 @@ int main(void) {
         kvstage_kv_layout src = layout(0, 4, 80), dst = layout(1, 2, 80);
         kvstage_staging_layout out;
         kvstage_staging_writer w[3], one[1];
-        const kvstage_kv_layout *stages[1];
+        kvstage_kv_layout stages[1]; /* a plain array of layouts (no pointers, no const to cast) */
         const kvstage_error *e;
-        stages[0] = &src;
+        stages[0] = src;
         memset(&out, 0, sizeof out);
         memset(w, 0, sizeof w);
         memset(one, 0, sizeof one);
@@ -131,7 +131,7 @@ int main(void) {
         /* Uneven pipeline stages: 4 + 3 layers (ids 0..3 and 4..6) into one decode rank of 7. */
         uint32_t first[4] = {0, 1, 2, 3}, second[3] = {4, 5, 6};
         kvstage_kv_layout s0 = layout(0, 1, 4), s1 = layout(0, 1, 3), dst = layout(0, 1, 7);
-        const kvstage_kv_layout *stages[2];
+        kvstage_kv_layout stages[2];
         kvstage_staging_layout out;
         kvstage_staging_writer w[2];
         s0.layer_ids = first;
@@ -139,8 +139,8 @@ int main(void) {
         s1.layer_ids = second;
         s1.pp_rank = 1;
         s1.pp_size = 2;
-        stages[0] = &s0;
-        stages[1] = &s1;
+        stages[0] = s0;
+        stages[1] = s1;
         memset(&out, 0, sizeof out);
         out.struct_size = sizeof out;
         CHECK_OK(kvstage_staging_layout_compute(stages, 2, &dst, 64, &out, w, 2));
@@ -152,7 +152,7 @@ int main(void) {
         CHECK_INT(w[1].offset, w[0].bytes);
         CHECK_INT(out.total_bytes, w[0].bytes + w[1].bytes);
         /* Stage 1 missing: layers 4..6 of the decode rank are held by nobody. */
-        s0.pp_size = 1;
+        stages[0].pp_size = 1;
         CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, 64, &out, w, 2), KVSTAGE_E_GEOMETRY_MISMATCH, "do not cover");
     }
     {
@@ -180,23 +180,27 @@ int main(void) {
         /* Pairing: prefill stages holding 4 and 3 of 7 layers (TP 2) into one decode stage (TP 1). */
         static const uint32_t first[4] = {0, 1, 2, 3}, second[3] = {4, 5, 6};
         kvstage_kv_layout p0 = layout(0, 2, 4), p1 = layout(1, 2, 3), d = layout(0, 1, 7);
-        const kvstage_kv_layout *prefill_stages[2], *decode_stages[1];
+        kvstage_kv_layout prefill_stages[2], decode_stages[1];
         kvstage_rank ranks[8];
         size_t count = 0;
         p0.pp_size = p1.pp_size = 2;
         p1.pp_rank = 1;
         p0.layer_ids = first;
         p1.layer_ids = second;
-        prefill_stages[0] = &p0;
-        prefill_stages[1] = &p1;
-        decode_stages[0] = &d;
+        prefill_stages[0] = p0;
+        prefill_stages[1] = p1;
+        decode_stages[0] = d;
         CHECK_OK(kvstage_pairing_decode_ranks(&p1, decode_stages, 1, ranks, 8, &count));
         CHECK_INT(count, 1);
         CHECK_INT(ranks[0].tp_rank, 0);
         CHECK_INT(ranks[0].pp_rank, 0);
-        /* The decode rank is written by both TP ranks of both stages; a NULL query asks the count. */
-        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, NULL, 0, &count), KVSTAGE_E_INVALID_ARG,
-                    "`capacity`");
+        /* The decode rank is written by both TP ranks of both stages; out NULL and capacity 0 is a
+         * count query: OK, the count set, no error left behind. */
+        CHECK_OK(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, NULL, 0, &count));
+        CHECK_INT(count, 4);
+        CHECK_INT(kvstage_error_last()->code, KVSTAGE_OK);
+        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, NULL, 0, NULL), KVSTAGE_E_INVALID_ARG, "`count`");
+        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, ranks, 1, &count), KVSTAGE_E_INVALID_ARG, "`capacity`");
         CHECK_INT(count, 4);
         CHECK_OK(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, ranks, count, &count));
         CHECK_INT(ranks[1].tp_rank, 1);
@@ -204,12 +208,18 @@ int main(void) {
         CHECK_INT(ranks[2].tp_rank, 0);
         CHECK_INT(ranks[2].pp_rank, 1);
         /* Stages out of order are named. */
-        prefill_stages[0] = &p1;
-        prefill_stages[1] = &p0;
+        prefill_stages[0] = p1;
+        prefill_stages[1] = p0;
         CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
                     "`prefill_stages[0]`");
         CHECK_ERROR(kvstage_pairing_decode_ranks(&p0, NULL, 1, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
                     "`decode_stages`");
+        /* Every stage must come from the same header: a differing struct_size is named. */
+        prefill_stages[0] = p0;
+        prefill_stages[1] = p1;
+        prefill_stages[1].struct_size += 8;
+        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
+                    "`prefill_stages[1].struct_size`");
         /* MLA: one designated TP writer per decode rank, whatever the TP sizes. */
         CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MLA, 1, 8, 2, 2, 1, &n));
         CHECK_INT(n, 2);
@@ -217,6 +227,21 @@ int main(void) {
         /* Prefill-side replication (TP 8, 4 KV heads) into TP 2: one writer per head group. */
         CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 4, 8, 2, 1, 1, &n));
         CHECK_INT(n, 2);
+        /* MLA has one latent head; PP sizes that do not divide need the stages' layouts. */
+        CHECK_ERROR(kvstage_writers_per_chunk(KVSTAGE_MODEL_MLA, 8, 8, 2, 1, 1, &n), KVSTAGE_E_INVALID_ARG, "`total_kv_heads`");
+        CHECK_ERROR(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 2, 2, 3, 2, &n), KVSTAGE_E_INVALID_ARG,
+                    "kvstage_staging_layout_compute");
+        {
+            /* The same replication pair by pair: prefill ranks 0 and 1 hold head 0 (one each);
+             * rank 0 sends it to decode rank 0, rank 1 sends nothing (the pairing helper leaves it
+             * out): an error naming the rank that sends. Rank 2 sends head 1. */
+            kvstage_head_slice hs;
+            CHECK_OK(kvstage_head_slice_compute(8, 2, 0, 0, 4, &hs));
+            CHECK_INT(hs.num_heads, 1);
+            CHECK_ERROR(kvstage_head_slice_compute(8, 2, 1, 0, 4, &hs), KVSTAGE_E_INVALID_ARG, "prefill rank 0 holds the same heads");
+            CHECK_OK(kvstage_head_slice_compute(8, 2, 2, 0, 4, &hs));
+            CHECK_INT(hs.dst_head_start, 1);
+        }
     }
     return kv_finish("geometry");
 }

@@ -169,13 +169,11 @@ static void desc_for(kvstage_transfer_desc *d, uint64_t room, uint64_t room_key,
 static void world_init(world *w) {
     kvstage_staging_layout st;
     kvstage_transfer_desc d;
-    const kvstage_kv_layout *stages[1];
     pool_init(&w->pre, 0, 2);
     pool_init(&w->dec, 0, 1);
     memset(&st, 0, sizeof st);
     st.struct_size = sizeof st;
-    stages[0] = &w->pre.layout;
-    REQUIRE(kvstage_staging_layout_compute(stages, 1, &w->dec.layout, CHUNK_TOKENS, &st, NULL, 0) == KVSTAGE_OK);
+    REQUIRE(kvstage_staging_layout_compute(&w->pre.layout, 1, &w->dec.layout, CHUNK_TOKENS, &st, NULL, 0) == KVSTAGE_OK);
     REQUIRE(st.num_writers == 2);
     w->decode = engine_with_pool(&w->dec);
     REQUIRE(kvstage_engine_register_staging(w->decode, NULL, (size_t)st.total_bytes) == KVSTAGE_OK);

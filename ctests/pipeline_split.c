@@ -227,12 +227,8 @@ static int prefill_main(const scenario *sc, uint32_t tp_rank, uint32_t stage, co
     paint(p.memory, &p.layout, PREFILL_PAGES, PREFILL_FILLER);
     kvstage_engine *e = engine_with(&p);
 
-    kvstage_kv_layout decode[MAX_STAGES];
-    const kvstage_kv_layout *decode_stages[MAX_STAGES];
-    for (uint32_t d = 0; d < sc->decode.stages; ++d) {
-        decode[d] = shape(sc, 0, 1, &sc->decode, d);
-        decode_stages[d] = &decode[d];
-    }
+    kvstage_kv_layout decode_stages[MAX_STAGES];
+    for (uint32_t d = 0; d < sc->decode.stages; ++d) decode_stages[d] = shape(sc, 0, 1, &sc->decode, d);
     kvstage_rank peers[MAX_STAGES];
     size_t count = 0;
     REQUIRE(kvstage_pairing_decode_ranks(&p.layout, decode_stages, sc->decode.stages, peers, MAX_STAGES, &count) ==

@@ -149,8 +149,7 @@ static int doctor_says_usable(void) {
     size_t needed = 0;
     char *json;
     int usable;
-    CHECK_INT(kvstage_doctor(NULL, 0, &needed, 1), KVSTAGE_E_INVALID_ARG);
-    CHECK_CONTAINS(kvstage_error_last()->message, "capacity");
+    CHECK_OK(kvstage_doctor(NULL, 0, &needed, 1)); /* a size query */
     REQUIRE(needed > 10);
     json = (char *)malloc(needed);
     REQUIRE(json != NULL);

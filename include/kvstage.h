@@ -342,7 +342,9 @@ typedef struct kvstage_kv_layout {
     // Token slots per page (1..=2^20).
     uint32_t page_size;
     // KV heads on this rank: max(1, global_heads / tp_size); 1 for MLA. 0 (the `_init` default)
-    // derives that value from `global_heads` and `tp_size`.
+    // derives that value from `global_heads` and `tp_size`; any other value is refused
+    // (`KVSTAGE_E_GEOMETRY_INVALID`, the cause naming both values): kvstage does not support
+    // padded or uneven head layouts, so the field only states what the caller expects.
     uint32_t local_heads;
     // KV heads of the model; 1 for MLA.
     uint32_t global_heads;
@@ -720,8 +722,9 @@ enum kvstage_status kvstage_testing_panic(const struct kvstage_engine *engine);
 // peer-memory support, whether libcuda loads and the GPU count, a verdict, and whether the same-host
 // (shared-memory) path works here. `json` 0: readable
 // text; 1: one JSON object. The report is written NUL-terminated into `buf`; `*needed` (may be
-// NULL) receives its size including the NUL, so a call with `capacity` 0 and `buf` NULL asks for
-// the size (it returns `KVSTAGE_E_INVALID_ARG` naming the sizes, as does any too-small buffer).
+// NULL) receives its size including the NUL. `buf` NULL with `capacity` 0 is a size query
+// (`KVSTAGE_OK`, `needed` required); a too small buffer is `KVSTAGE_E_INVALID_ARG` naming both
+// sizes.
 // Hosts without rdma-core or without a device get a clean "no RDMA" report, not an error.
 enum kvstage_status kvstage_doctor(char *buf, size_t capacity, size_t *needed, int32_t json);
 
@@ -746,8 +749,9 @@ enum kvstage_status kvstage_engine_new(const struct kvstage_engine_options *opti
 void kvstage_engine_free(struct kvstage_engine *engine);
 
 // Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated);
-// `*needed` (may be NULL) receives its size including the NUL. Too small a `capacity` (0 with
-// `buf` NULL asks for the size): `KVSTAGE_E_INVALID_ARG` naming both sizes.
+// `*needed` (may be NULL) receives its size including the NUL. `buf` NULL with `capacity` 0 is a
+// size query (`KVSTAGE_OK`, `needed` required); a too small buffer is `KVSTAGE_E_INVALID_ARG`
+// naming both sizes.
 enum kvstage_status kvstage_engine_listen_address(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
 
 // Registers this rank's KV pool (copied; the memory it points to must outlive the engine).
@@ -799,47 +803,57 @@ enum kvstage_status kvstage_kv_layout_validate(const struct kvstage_kv_layout *l
 // The head slice prefill rank `src_rank` (of `src_tp`) sends to decode rank `dst_rank` (of
 // `dst_tp`) for a model with `total_kv_heads` KV heads (MHA/GQA). `KVSTAGE_E_INVALID_ARG` naming
 // the argument for zero sizes, ranks not below their size, head counts that do not divide a TP
-// size, TP sizes that are not multiples of one another, or ranks that do not exchange data.
+// size, TP sizes that are not multiples of one another, or ranks that do not exchange data —
+// including a prefill rank whose heads another rank feeding the same decode rank holds too
+// (prefill-side replication: the first of them sends, the message names it), exactly the pairs
+// `kvstage_pairing_decode_ranks` leaves out. MLA: the latent is not head-sliced; decode rank `d`
+// is written by prefill TP rank `d % src_tp` alone (`kvstage_pairing_prefill_ranks`).
 enum kvstage_status kvstage_head_slice_compute(uint32_t src_tp, uint32_t dst_tp, uint32_t src_rank, uint32_t dst_rank, uint32_t total_kv_heads, struct kvstage_head_slice *out);
 
 // Writers per chunk on a decode rank with equal-sized pipeline stages: `tp_writers × pp_writers`
 // for MHA (`tp_writers` counts one writer per distinct head group: with prefill-side GQA
 // replication only one of the prefill ranks holding a head sends it), `pp_writers` for MLA (one
 // designated TP writer); `model_kind` is a `kvstage_model_kind`, `total_kv_heads` the model's
-// KV heads (1 for MLA). `kvstage_staging_layout_compute` reports the writers of any split exactly.
+// KV heads (1 for MLA: anything else is `KVSTAGE_E_INVALID_ARG`). With equal stages the PP
+// sizes must divide one another; for any other split (uneven stages, 3 into 2) the count depends
+// on the layers each stage holds: `kvstage_staging_layout_compute` takes the stages' layouts and
+// reports the writers of any split exactly.
 enum kvstage_status kvstage_writers_per_chunk(int32_t model_kind, uint32_t total_kv_heads, uint32_t src_tp, uint32_t dst_tp, uint32_t src_pp, uint32_t dst_pp, uint32_t *out);
 
 // The decode ranks prefill rank `prefill` must open sessions to, ordered by (pp_rank, tp_rank):
 // TP ranks by the head mapping (MLA: the decode ranks this rank is the designated writer of), PP
-// stages that hold at least one of its layers, whatever the split. `decode_stages` holds
-// `num_decode_stages` pointers to shape-only layouts, `decode_stages[j]` for decode stage `j`
-// (any TP rank: its `tp_size` and `layer_ids` are used; bases are ignored). The ranks go to
+// stages that hold at least one of its layers, whatever the split. `decode_stages` is an array of
+// `num_decode_stages` shape-only layouts (each filled by `kvstage_kv_layout_init`),
+// `decode_stages[j]` for decode stage `j` (any TP rank: its `tp_size` and `layer_ids` are used;
+// bases are ignored). The ranks go to
 // `out[capacity]`; `*count` (may be NULL) receives their number, also when `capacity` is too
-// small (`KVSTAGE_E_INVALID_ARG`), so a call with `out` NULL and `capacity` 0 asks for it.
+// small (`KVSTAGE_E_INVALID_ARG`). A call with `out` NULL and `capacity` 0 is a count query:
+// `KVSTAGE_OK` with `*count` set (0 when the rank exchanges nothing with that side).
 // Errors name the bad stage: out of order, TP sizes that differ, a layer held twice, fields both
 // sides must agree on (`KVSTAGE_E_GEOMETRY_MISMATCH`).
-enum kvstage_status kvstage_pairing_decode_ranks(const struct kvstage_kv_layout *prefill, const struct kvstage_kv_layout *const *decode_stages, size_t num_decode_stages, struct kvstage_rank *out, size_t capacity, size_t *count);
+enum kvstage_status kvstage_pairing_decode_ranks(const struct kvstage_kv_layout *prefill, const struct kvstage_kv_layout *decode_stages, size_t num_decode_stages, struct kvstage_rank *out, size_t capacity, size_t *count);
 
 // The prefill ranks that write to decode rank `decode` (the sessions it will accept), ordered by
 // (pp_rank, tp_rank): the inverse of `kvstage_pairing_decode_ranks`, with the same conventions;
 // `prefill_stages[j]` describes prefill stage `j`.
-enum kvstage_status kvstage_pairing_prefill_ranks(const struct kvstage_kv_layout *decode, const struct kvstage_kv_layout *const *prefill_stages, size_t num_prefill_stages, struct kvstage_rank *out, size_t capacity, size_t *count);
+enum kvstage_status kvstage_pairing_prefill_ranks(const struct kvstage_kv_layout *decode, const struct kvstage_kv_layout *prefill_stages, size_t num_prefill_stages, struct kvstage_rank *out, size_t capacity, size_t *count);
 
 // Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.
 enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_size, uint32_t *out);
 
 // Computes the staging layout of decode rank `dst` for a chunk of `tokens` tokens written by the
-// prefill side: `prefill_stages` holds `num_prefill_stages` pointers, `prefill_stages[j]` for
-// prefill stage `j` (any TP rank: its `tp_size` and `layer_ids` are used), as for
+// prefill side: `prefill_stages` is an array of `num_prefill_stages` layouts, `prefill_stages[j]`
+// for prefill stage `j` (any TP rank: its `tp_size` and `layer_ids` are used), as for
 // `kvstage_pairing_prefill_ranks`; stages may split the layers any way, together they must hold
 // every layer of `dst`. Only shape fields are read (bases may be NULL). Fills `*out` and
 // `writers[0 .. out->num_writers)` in (stage, head group) order; no memory is allocated. A
 // receiver places regions in the order their allocation requests arrive (each writer learns its
 // offset from the grant), so at run time offsets may differ from these; sizes and the total do
-// not. `writers` may be NULL with `writers_len` 0 to ask for the count only. When `writers_len`
-// is too small, `out` (with `num_writers`) is still filled and `KVSTAGE_E_INVALID_ARG` names
-// `writers_len`.
-enum kvstage_status kvstage_staging_layout_compute(const struct kvstage_kv_layout *const *prefill_stages, size_t num_prefill_stages, const struct kvstage_kv_layout *dst, uint32_t tokens, struct kvstage_staging_layout *out, struct kvstage_staging_writer *writers, size_t writers_len);
+// not: the offsets here hold when the regions' requests arrive in stage order, (stage, head
+// group). `writers` may be NULL with `writers_len` 0 to ask for the count only. When
+// `writers_len` is too small, `out` (with `num_writers`) is still filled and
+// `KVSTAGE_E_INVALID_ARG` names `writers_len`.
+enum kvstage_status kvstage_staging_layout_compute(const struct kvstage_kv_layout *prefill_stages, size_t num_prefill_stages, const struct kvstage_kv_layout *dst, uint32_t tokens, struct kvstage_staging_layout *out, struct kvstage_staging_writer *writers, size_t writers_len);
 
 // Sends kvstage's log records at or above `max_level` (a `kvstage_log_level` value) to
 // `callback` instead of stderr, with `user_data` handed back unchanged; `callback` NULL sends
@@ -892,7 +906,7 @@ enum kvstage_status kvstage_session_room_grid(const struct kvstage_session *sess
 // `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field listed in the error's causes.
 // `timeout_ms` 0 = engine default; a receiver at its connection limits is asked again, backing
 // off, until then. Writes `*out` only on success.
-enum kvstage_status kvstage_session_connect(const struct kvstage_engine *engine, const char *peer_address, const char *session_id, uint64_t timeout_ms_, struct kvstage_session **out);
+enum kvstage_status kvstage_session_connect(const struct kvstage_engine *engine, const char *peer_address, const char *session_id, uint64_t timeout_ms, struct kvstage_session **out);
 
 // Closes a session. Operations still running, and calls in flight on other threads, keep it
 // alive until they end; this returns at once. NULL is a no-op. Later calls with the pointer fail
@@ -923,8 +937,11 @@ enum kvstage_status kvstage_transfer_async(const struct kvstage_session *session
 // computing. The ring space is requested as soon as a transfer worker takes the operation; each
 // batch of layers marked with `kvstage_op_layers_ready` is gathered and written into its place
 // while later layers are computed, and the operation ends as a whole-chunk transfer does, once
-// every layer went. All of the pool's layers must be marked before `desc->deadline_ms`, or the
-// transfer ends with `KVSTAGE_E_TIMEOUT` and the decode room fails. `desc->cuda_stream` and
+// every layer it carries went: the pool's layers the session's decode rank holds (with a
+// pipeline split, those of its stage; marks of the pool's other layers are accepted and
+// skipped). Those layers must be marked before `desc->deadline_ms`, or the transfer ends with
+// `KVSTAGE_E_TIMEOUT` and the decode room fails. Marking every layer of the pool is always
+// enough. `desc->cuda_stream` and
 // `desc->cuda_event` must be NULL (`KVSTAGE_E_INVALID_ARG`: each batch names its own ready
 // point). Until its last layer went the transfer holds a transfer worker (a session runs at most
 // half of `transfer_threads` at once; later ones wait queued, their ring space not yet asked
@@ -949,7 +966,7 @@ enum kvstage_status kvstage_op_poll(const struct kvstage_op *op);
 
 // Waits up to `timeout_ms` (KVSTAGE_DEADLINE_INFINITE = until it ends); `KVSTAGE_PENDING` when it
 // is still running then. The operation's own deadline still bounds it.
-enum kvstage_status kvstage_op_wait(const struct kvstage_op *op, uint64_t timeout_ms_);
+enum kvstage_status kvstage_op_wait(const struct kvstage_op *op, uint64_t timeout_ms);
 
 // Asks the operation to stop; it ends with `KVSTAGE_E_CANCELED` unless it already finished.
 // Ring space it held on the receiver is released.
@@ -973,7 +990,7 @@ enum kvstage_status kvstage_room_open(const struct kvstage_engine *engine, uint6
 // Decode side: waits until every chunk of the room is in the KV pool (`KVSTAGE_OK`), the room
 // failed (its error: peer gone, canceled, ...) or `timeout_ms` passed (`KVSTAGE_E_TIMEOUT`;
 // 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none).
-enum kvstage_status kvstage_room_wait(const struct kvstage_engine *engine, uint64_t room, uint64_t timeout_ms_);
+enum kvstage_status kvstage_room_wait(const struct kvstage_engine *engine, uint64_t room, uint64_t timeout_ms);
 
 // Decode side: forgets the room and frees every ring allocation it still holds (on completion,
 // abort or failure). Idempotent; late data for it is discarded.

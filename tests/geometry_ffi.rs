@@ -81,7 +81,7 @@ fn layout(tp_rank: u32, tp: u32, layers: &[u32]) -> kvstage_kv_layout {
 fn staging_layout_fills_caller_storage_and_reports_the_count() {
     let layers: Vec<u32> = (0..80).collect();
     let (src, dst) = (layout(0, 4, &layers), layout(1, 2, &layers));
-    let stages = [&src as *const kvstage_kv_layout];
+    let stages = [src];
     let mut out = kvstage_staging_layout { struct_size: std::mem::size_of::<kvstage_staging_layout>(), ..Default::default() };
     // Count query.
     assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
@@ -123,7 +123,7 @@ fn staging_layout_fills_caller_storage_and_reports_the_count() {
     let mut s0 = layout(0, 4, &first);
     let mut s1 = layout(0, 4, &second);
     (s0.pp_rank, s0.pp_size, s1.pp_rank, s1.pp_size) = (0, 2, 1, 2);
-    let stages = [&s0 as *const kvstage_kv_layout, &s1];
+    let stages = [s0, s1];
     let mut w = [kvstage_staging_writer::default(); 4];
     assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 2, &dst, 8192, &mut out, w.as_mut_ptr(), 4) }, Status::KVSTAGE_OK);
     assert_eq!((out.num_writers, out.total_bytes), (4, 1280 << 20));
@@ -132,7 +132,7 @@ fn staging_layout_fills_caller_storage_and_reports_the_count() {
     assert_eq!(w[3].offset, 2 * 50 * slab + 30 * slab);
     // Stages that leave a decode layer out are refused, naming it.
     s0.pp_size = 1;
-    let stages = [&s0 as *const kvstage_kv_layout];
+    let stages = [s0];
     assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_GEOMETRY_MISMATCH);
     assert!(last_error().2[0].starts_with("decode layers: local [50, 51,"), "{:?}", last_error());
 }
@@ -143,7 +143,7 @@ fn staging_layout_errors_name_the_argument_and_field() {
     let (src, mut dst) = (layout(0, 4, &layers), layout(1, 2, &layers));
     let mut out = kvstage_staging_layout { struct_size: std::mem::size_of::<kvstage_staging_layout>(), ..Default::default() };
     let call = |src: &kvstage_kv_layout, dst: &kvstage_kv_layout, out: &mut kvstage_staging_layout| unsafe {
-        kvstage_staging_layout_compute(&(src as *const kvstage_kv_layout), 1, dst, 64, out, std::ptr::null_mut(), 0)
+        kvstage_staging_layout_compute(src, 1, dst, 64, out, std::ptr::null_mut(), 0)
     };
     dst.local_heads = 2;
     assert_eq!(call(&src, &dst, &mut out), Status::KVSTAGE_E_GEOMETRY_INVALID);
@@ -170,7 +170,7 @@ fn staging_layout_errors_name_the_argument_and_field() {
     assert_eq!(call(&src, &dst, &mut out), Status::KVSTAGE_OK);
     assert_eq!(unsafe { kvstage_staging_layout_compute(std::ptr::null(), 1, &dst, 64, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
     assert!(last_error().1.contains("`prefill_stages`: is NULL"), "{:?}", last_error());
-    assert_eq!(unsafe { kvstage_staging_layout_compute(&(&src as *const kvstage_kv_layout), 1, &dst, 60, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, 1, &dst, 60, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
     assert!(last_error().1.contains("`tokens`: 60 is not a multiple of page_size 16"));
     // A NULL layer list means layers 0..num_layers-1.
     dst.layer_ids = std::ptr::null();

@@ -321,9 +321,9 @@ def writers_per_chunk(src_tp: int, dst_tp: int, src_pp: int = 1, dst_pp: int = 1
 
 
 def _stage_array(stages: Sequence[KvLayout]):
-    """``const kvstage_kv_layout *const *`` over ``stages`` and what keeps it alive."""
+    """A ``kvstage_kv_layout`` array of ``stages`` and what keeps the memory it points to alive."""
     converted = [s._c() for s in stages]
-    array = (ctypes.POINTER(_lib.kvstage_kv_layout) * max(1, len(converted)))(*[ctypes.pointer(c) for c, _ in converted])
+    array = (_lib.kvstage_kv_layout * max(1, len(converted)))(*[c for c, _ in converted])
     return array, converted
 
 
@@ -332,10 +332,10 @@ def _pairing(fn: str, local: KvLayout, stages: Sequence[KvLayout]) -> List[Tuple
     clocal, _keep_local = local._c()
     array, keep = _stage_array(stages)
     count = c_size_t(0)
-    rc = getattr(lib, fn)(byref(clocal), array, len(keep), None, 0, byref(count))
-    if rc != 0 and count.value == 0:
-        _check(lib, rc, fn)
-    out = (_lib.kvstage_rank * max(1, count.value))()
+    _check(lib, getattr(lib, fn)(byref(clocal), array, len(keep), None, 0, byref(count)), fn)  # the count
+    if count.value == 0:
+        return []
+    out = (_lib.kvstage_rank * count.value)()
     _check(lib, getattr(lib, fn)(byref(clocal), array, len(keep), out, count.value, byref(count)), fn)
     return [(out[i].tp_rank, out[i].pp_rank) for i in range(count.value)]
 

@@ -419,16 +419,16 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_writers_per_chunk": (c_int, [c_int32, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, _p(c_uint32)]),
     "kvstage_pairing_decode_ranks": (
         c_int,
-        [_p(kvstage_kv_layout), _p(_p(kvstage_kv_layout)), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],
+        [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],
     ),
     "kvstage_pairing_prefill_ranks": (
         c_int,
-        [_p(kvstage_kv_layout), _p(_p(kvstage_kv_layout)), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],
+        [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],
     ),
     "kvstage_grid_tokens": (c_int, [c_uint32, c_uint32, _p(c_uint32)]),
     "kvstage_staging_layout_compute": (
         c_int,
-        [_p(_p(kvstage_kv_layout)), c_size_t, _p(kvstage_kv_layout), c_uint32, _p(kvstage_staging_layout), _p(kvstage_staging_writer), c_size_t],
+        [_p(kvstage_kv_layout), c_size_t, _p(kvstage_kv_layout), c_uint32, _p(kvstage_staging_layout), _p(kvstage_staging_writer), c_size_t],
     ),
     "kvstage_session_connect": (c_int, [c_void_p, c_char_p, c_char_p, c_uint64, _p(c_void_p)]),
     "kvstage_session_free": (None, [c_void_p]),

@@ -12,8 +12,9 @@ use crate::transport::shm::ShmMode;
 /// peer-memory support, whether libcuda loads and the GPU count, a verdict, and whether the same-host
 /// (shared-memory) path works here. `json` 0: readable
 /// text; 1: one JSON object. The report is written NUL-terminated into `buf`; `*needed` (may be
-/// NULL) receives its size including the NUL, so a call with `capacity` 0 and `buf` NULL asks for
-/// the size (it returns `KVSTAGE_E_INVALID_ARG` naming the sizes, as does any too-small buffer).
+/// NULL) receives its size including the NUL. `buf` NULL with `capacity` 0 is a size query
+/// (`KVSTAGE_OK`, `needed` required); a too small buffer is `KVSTAGE_E_INVALID_ARG` naming both
+/// sizes.
 /// Hosts without rdma-core or without a device get a clean "no RDMA" report, not an error.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_doctor(buf: *mut c_char, capacity: usize, needed: *mut usize, json: i32) -> Status {

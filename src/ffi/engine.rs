@@ -261,8 +261,9 @@ pub unsafe extern "C" fn kvstage_engine_free(engine: *mut kvstage_engine) {
 }
 
 /// Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated);
-/// `*needed` (may be NULL) receives its size including the NUL. Too small a `capacity` (0 with
-/// `buf` NULL asks for the size): `KVSTAGE_E_INVALID_ARG` naming both sizes.
+/// `*needed` (may be NULL) receives its size including the NUL. `buf` NULL with `capacity` 0 is a
+/// size query (`KVSTAGE_OK`, `needed` required); a too small buffer is `KVSTAGE_E_INVALID_ARG`
+/// naming both sizes.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_listen_address(
     engine: *const kvstage_engine,

@@ -39,7 +39,9 @@ pub struct kvstage_kv_layout {
     /// Token slots per page (1..=2^20).
     pub page_size: u32,
     /// KV heads on this rank: max(1, global_heads / tp_size); 1 for MLA. 0 (the `_init` default)
-    /// derives that value from `global_heads` and `tp_size`.
+    /// derives that value from `global_heads` and `tp_size`; any other value is refused
+    /// (`KVSTAGE_E_GEOMETRY_INVALID`, the cause naming both values): kvstage does not support
+    /// padded or uneven head layouts, so the field only states what the caller expects.
     pub local_heads: u32,
     /// KV heads of the model; 1 for MLA.
     pub global_heads: u32,
@@ -213,7 +215,11 @@ pub struct kvstage_head_slice {
 /// The head slice prefill rank `src_rank` (of `src_tp`) sends to decode rank `dst_rank` (of
 /// `dst_tp`) for a model with `total_kv_heads` KV heads (MHA/GQA). `KVSTAGE_E_INVALID_ARG` naming
 /// the argument for zero sizes, ranks not below their size, head counts that do not divide a TP
-/// size, TP sizes that are not multiples of one another, or ranks that do not exchange data.
+/// size, TP sizes that are not multiples of one another, or ranks that do not exchange data —
+/// including a prefill rank whose heads another rank feeding the same decode rank holds too
+/// (prefill-side replication: the first of them sends, the message names it), exactly the pairs
+/// `kvstage_pairing_decode_ranks` leaves out. MLA: the latent is not head-sliced; decode rank `d`
+/// is written by prefill TP rank `d % src_tp` alone (`kvstage_pairing_prefill_ranks`).
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_head_slice_compute(
     src_tp: u32,
@@ -226,6 +232,18 @@ pub unsafe extern "C" fn kvstage_head_slice_compute(
     ffi_fn!(status {
         let out = out_arg(out, "out")?;
         let hs = geometry::head_slice(src_tp, dst_tp, src_rank, dst_rank, total_kv_heads)?;
+        if !geometry::sends_its_heads(src_rank, dst_rank, src_tp, dst_tp, total_kv_heads) {
+            let rep = (src_tp / total_kv_heads).max(1);
+            let sender = geometry::prefill_ranks_for_decode(dst_rank, src_tp, dst_tp)?
+                .find(|&r| r / rep == src_rank / rep && geometry::sends_its_heads(r, dst_rank, src_tp, dst_tp, total_kv_heads))
+                .unwrap_or(src_rank);
+            return Err(Error::invalid_arg(
+                "src_rank",
+                format!(
+                    "prefill rank {src_rank} sends nothing to decode rank {dst_rank}: prefill rank {sender} holds the same heads and sends them (heads replicated across prefill ranks cross the wire once)"
+                ),
+            ));
+        }
         *out = kvstage_head_slice { src_head_start: hs.src_head_start, num_heads: hs.num_heads, dst_head_start: hs.dst_head_start };
         Ok(Status::KVSTAGE_OK)
     })
@@ -235,7 +253,10 @@ pub unsafe extern "C" fn kvstage_head_slice_compute(
 /// for MHA (`tp_writers` counts one writer per distinct head group: with prefill-side GQA
 /// replication only one of the prefill ranks holding a head sends it), `pp_writers` for MLA (one
 /// designated TP writer); `model_kind` is a `kvstage_model_kind`, `total_kv_heads` the model's
-/// KV heads (1 for MLA). `kvstage_staging_layout_compute` reports the writers of any split exactly.
+/// KV heads (1 for MLA: anything else is `KVSTAGE_E_INVALID_ARG`). With equal stages the PP
+/// sizes must divide one another; for any other split (uneven stages, 3 into 2) the count depends
+/// on the layers each stage holds: `kvstage_staging_layout_compute` takes the stages' layouts and
+/// reports the writers of any split exactly.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_writers_per_chunk(
     model_kind: i32,
@@ -249,6 +270,15 @@ pub unsafe extern "C" fn kvstage_writers_per_chunk(
     ffi_fn!(status {
         let out = out_arg(out, "out")?;
         let kind = model_kind_arg(model_kind, "model_kind")?;
+        if kind == ModelKind::Mla && total_kv_heads != 1 {
+            return Err(Error::invalid_arg("total_kv_heads", format!("{total_kv_heads} for MLA, whose latent is one head (pass 1)")));
+        }
+        if src_pp > 0 && dst_pp > 0 && !src_pp.is_multiple_of(dst_pp) && !dst_pp.is_multiple_of(src_pp) {
+            return Err(Error::invalid_arg(
+                "src_pp",
+                format!("{src_pp} and dst_pp {dst_pp} do not divide each other: the writers of such a split depend on the layers each stage holds (kvstage_staging_layout_compute takes the stages' layouts)"),
+            ));
+        }
         *out = geometry::writers_per_chunk(kind, total_kv_heads, src_tp, dst_tp, src_pp, dst_pp)?;
         Ok(Status::KVSTAGE_OK)
     })
@@ -262,18 +292,43 @@ pub struct kvstage_rank {
     pub pp_rank: u32,
 }
 
-/// Shapes of the other side's pipeline stages: `stages[j]` describes stage `j` (any TP rank of it).
-unsafe fn stage_shapes(stages: *const *const kvstage_kv_layout, count: usize, arg: &str) -> Result<Vec<PoolShape>> {
-    let ptrs = unsafe { slice_arg(stages, count, arg) }?;
-    ptrs.iter().enumerate().map(|(j, &p)| unsafe { pool_shape_from_c(p, &format!("{arg}[{j}]")) }).collect()
+/// Shapes of the other side's pipeline stages: an array of `count` layouts, `stages[j]` for stage
+/// `j` (any TP rank of it). Its stride is the first element's `struct_size`: every element comes
+/// from the same `kvstage_kv_layout_init`, so an array built against an older header is read as
+/// such.
+unsafe fn stage_shapes(stages: *const kvstage_kv_layout, count: usize, arg: &str) -> Result<Vec<PoolShape>> {
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    if stages.is_null() {
+        return Err(Error::invalid_arg(arg, format!("is NULL with {count} stages")));
+    }
+    // SAFETY: a non-NULL array holds `count` layouts, each starting with its `size_t struct_size`.
+    let stride = unsafe { *(stages as *const usize) };
+    (0..count)
+        .map(|j| {
+            let name = format!("{arg}[{j}]");
+            // SAFETY: as above; `versioned_struct` bounds the stride (>= the first version, <= 1 MiB)
+            // for element 0 before element 1 is reached.
+            let ptr = unsafe { (stages as *const u8).add(j * stride) } as *const kvstage_kv_layout;
+            let size = unsafe { *(ptr as *const usize) };
+            if size != stride {
+                return Err(Error::invalid_arg(
+                    &format!("{name}.struct_size"),
+                    format!("{size} differs from `{arg}[0].struct_size` {stride} (fill every stage with kvstage_kv_layout_init)"),
+                ));
+            }
+            unsafe { pool_shape_from_c(ptr, &name) }
+        })
+        .collect()
 }
 
 /// Writes `peers` into `out[capacity]`; `*count` (may be NULL) receives their number, also when
-/// `capacity` is too small (then `KVSTAGE_E_INVALID_ARG` naming both).
+/// `capacity` is too small (then `KVSTAGE_E_INVALID_ARG` naming both). `out` NULL with `capacity`
+/// 0 is a count query (`KVSTAGE_OK`).
 unsafe fn write_peers(peers: &[geometry::PeerRank], out: *mut kvstage_rank, capacity: usize, count: *mut usize) -> Result<Status> {
-    if !count.is_null() {
-        // SAFETY: a non-NULL `count` points to writable storage by contract.
-        unsafe { *count = peers.len() };
+    if unsafe { super::size_query(out, capacity, count, "count", peers.len()) }? {
+        return Ok(Status::KVSTAGE_OK);
     }
     if peers.len() > capacity {
         return Err(Error::invalid_arg("capacity", format!("{capacity} < {} ranks to report", peers.len())));
@@ -293,17 +348,19 @@ unsafe fn write_peers(peers: &[geometry::PeerRank], out: *mut kvstage_rank, capa
 
 /// The decode ranks prefill rank `prefill` must open sessions to, ordered by (pp_rank, tp_rank):
 /// TP ranks by the head mapping (MLA: the decode ranks this rank is the designated writer of), PP
-/// stages that hold at least one of its layers, whatever the split. `decode_stages` holds
-/// `num_decode_stages` pointers to shape-only layouts, `decode_stages[j]` for decode stage `j`
-/// (any TP rank: its `tp_size` and `layer_ids` are used; bases are ignored). The ranks go to
+/// stages that hold at least one of its layers, whatever the split. `decode_stages` is an array of
+/// `num_decode_stages` shape-only layouts (each filled by `kvstage_kv_layout_init`),
+/// `decode_stages[j]` for decode stage `j` (any TP rank: its `tp_size` and `layer_ids` are used;
+/// bases are ignored). The ranks go to
 /// `out[capacity]`; `*count` (may be NULL) receives their number, also when `capacity` is too
-/// small (`KVSTAGE_E_INVALID_ARG`), so a call with `out` NULL and `capacity` 0 asks for it.
+/// small (`KVSTAGE_E_INVALID_ARG`). A call with `out` NULL and `capacity` 0 is a count query:
+/// `KVSTAGE_OK` with `*count` set (0 when the rank exchanges nothing with that side).
 /// Errors name the bad stage: out of order, TP sizes that differ, a layer held twice, fields both
 /// sides must agree on (`KVSTAGE_E_GEOMETRY_MISMATCH`).
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_pairing_decode_ranks(
     prefill: *const kvstage_kv_layout,
-    decode_stages: *const *const kvstage_kv_layout,
+    decode_stages: *const kvstage_kv_layout,
     num_decode_stages: usize,
     out: *mut kvstage_rank,
     capacity: usize,
@@ -323,7 +380,7 @@ pub unsafe extern "C" fn kvstage_pairing_decode_ranks(
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_pairing_prefill_ranks(
     decode: *const kvstage_kv_layout,
-    prefill_stages: *const *const kvstage_kv_layout,
+    prefill_stages: *const kvstage_kv_layout,
     num_prefill_stages: usize,
     out: *mut kvstage_rank,
     capacity: usize,
@@ -396,19 +453,20 @@ pub struct kvstage_staging_writer {
 }
 
 /// Computes the staging layout of decode rank `dst` for a chunk of `tokens` tokens written by the
-/// prefill side: `prefill_stages` holds `num_prefill_stages` pointers, `prefill_stages[j]` for
-/// prefill stage `j` (any TP rank: its `tp_size` and `layer_ids` are used), as for
+/// prefill side: `prefill_stages` is an array of `num_prefill_stages` layouts, `prefill_stages[j]`
+/// for prefill stage `j` (any TP rank: its `tp_size` and `layer_ids` are used), as for
 /// `kvstage_pairing_prefill_ranks`; stages may split the layers any way, together they must hold
 /// every layer of `dst`. Only shape fields are read (bases may be NULL). Fills `*out` and
 /// `writers[0 .. out->num_writers)` in (stage, head group) order; no memory is allocated. A
 /// receiver places regions in the order their allocation requests arrive (each writer learns its
 /// offset from the grant), so at run time offsets may differ from these; sizes and the total do
-/// not. `writers` may be NULL with `writers_len` 0 to ask for the count only. When `writers_len`
-/// is too small, `out` (with `num_writers`) is still filled and `KVSTAGE_E_INVALID_ARG` names
-/// `writers_len`.
+/// not: the offsets here hold when the regions' requests arrive in stage order, (stage, head
+/// group). `writers` may be NULL with `writers_len` 0 to ask for the count only. When
+/// `writers_len` is too small, `out` (with `num_writers`) is still filled and
+/// `KVSTAGE_E_INVALID_ARG` names `writers_len`.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_staging_layout_compute(
-    prefill_stages: *const *const kvstage_kv_layout,
+    prefill_stages: *const kvstage_kv_layout,
     num_prefill_stages: usize,
     dst: *const kvstage_kv_layout,
     tokens: u32,

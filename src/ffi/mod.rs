@@ -334,13 +334,12 @@ pub unsafe fn slice_arg<'a, T>(ptr: *const T, len: usize, arg: &str) -> Result<&
 
 /// The one convention of string outputs `(buf, capacity, needed)`: copies `text` NUL-terminated
 /// into `buf` of `capacity` bytes; `*needed` (when not NULL) gets the size including the NUL, also
-/// when the buffer is too small (then `KVSTAGE_E_INVALID_ARG` naming both sizes), so a call with
-/// `buf` NULL and `capacity` 0 asks for the size.
+/// when the buffer is too small (then `KVSTAGE_E_INVALID_ARG` naming both sizes). A call with
+/// `buf` NULL and `capacity` 0 is a size query: `KVSTAGE_OK` with `*needed` set.
 pub unsafe fn write_text(text: &str, buf: *mut c_char, capacity: usize, needed: *mut usize) -> Result<Status> {
     let size = text.len() + 1;
-    if !needed.is_null() {
-        // SAFETY: a non-NULL `needed` points to writable storage by contract.
-        unsafe { *needed = size };
+    if unsafe { size_query(buf, capacity, needed, "needed", size) }? {
+        return Ok(Status::KVSTAGE_OK);
     }
     if size > capacity {
         return Err(Error::invalid_arg("capacity", format!("{capacity} < {size} bytes needed")));
@@ -354,6 +353,22 @@ pub unsafe fn write_text(text: &str, buf: *mut c_char, capacity: usize, needed: 
         *buf.add(text.len()) = 0;
     }
     Ok(Status::KVSTAGE_OK)
+}
+
+/// Stores `size` in `*needed` (when not NULL); `Ok(true)` when the call is a size query (`out`
+/// NULL, `capacity` 0: nothing more to do). A size query without `needed` asks for nothing.
+pub unsafe fn size_query<T>(out: *mut T, capacity: usize, needed: *mut usize, needed_arg: &str, size: usize) -> Result<bool> {
+    if !needed.is_null() {
+        // SAFETY: a non-NULL `needed` points to writable storage by contract.
+        unsafe { *needed = size };
+    }
+    if out.is_null() && capacity == 0 && size > 0 {
+        if needed.is_null() {
+            return Err(Error::invalid_arg(needed_arg, "is NULL in a size query (output NULL, capacity 0)"));
+        }
+        return Ok(true);
+    }
+    Ok(false)
 }
 
 /// Reads a versioned options struct whose first field is `struct_size`: fields the caller's

@@ -65,7 +65,7 @@ pub unsafe extern "C" fn kvstage_session_room_grid(
         let session = unsafe { self::session(session) }?;
         let out = super::out_ptr(out, "out")?;
         let room = room_ref(room, room_key, "room_key")?;
-        let timeout = self::timeout_ms(timeout_ms).unwrap_or(session.default_timeout());
+        let timeout = timeout_from_ms(timeout_ms).unwrap_or(session.default_timeout());
         let RoomGrid { chunk_tokens, num_chunks, num_pages } = session.room_grid(room, timeout)?;
         let grid = kvstage_room_grid { struct_size: std::mem::size_of::<kvstage_room_grid>(), chunk_tokens, num_chunks, num_pages };
         unsafe { super::write_versioned(out, grid, "out") }?;
@@ -85,7 +85,7 @@ fn room_ref(room: u64, key: u64, field: &str) -> Result<RoomRef> {
 }
 
 /// Milliseconds → timeout: 0 = the engine default, `KVSTAGE_DEADLINE_INFINITE` = none.
-fn timeout_ms(ms: u64) -> Option<Option<Duration>> {
+fn timeout_from_ms(ms: u64) -> Option<Option<Duration>> {
     match ms {
         0 => None,
         KVSTAGE_DEADLINE_INFINITE => Some(None),
@@ -103,7 +103,7 @@ pub unsafe extern "C" fn kvstage_session_connect(
     engine: *const kvstage_engine,
     peer_address: *const c_char,
     session_id: *const c_char,
-    timeout_ms_: u64,
+    timeout_ms: u64,
     out: *mut *mut kvstage_session,
 ) -> Status {
     ffi_fn!(status {
@@ -111,7 +111,7 @@ pub unsafe extern "C" fn kvstage_session_connect(
         let addr = unsafe { str_arg(peer_address, "peer_address") }?;
         let id = unsafe { str_arg(session_id, "session_id") }?;
         let out = out_arg(out, "out")?;
-        let timeout = engine.timeout(timeout_ms(timeout_ms_));
+        let timeout = engine.timeout(timeout_from_ms(timeout_ms));
         let session = engine.connect(addr, id, timeout)?;
         *out = Handle::into_raw(session)?;
         Ok(Status::KVSTAGE_OK)
@@ -213,7 +213,7 @@ unsafe fn transfer_desc(session: &SenderSession, ptr: *const kvstage_transfer_de
         room,
         chunk: raw.chunk_index,
         pages: pages.to_vec(),
-        timeout: timeout_ms(raw.deadline_ms).unwrap_or(engine_default),
+        timeout: timeout_from_ms(raw.deadline_ms).unwrap_or(engine_default),
         ready: ready.map(Arc::new),
         layers: None,
     })
@@ -288,8 +288,11 @@ pub unsafe extern "C" fn kvstage_transfer_async(
 /// computing. The ring space is requested as soon as a transfer worker takes the operation; each
 /// batch of layers marked with `kvstage_op_layers_ready` is gathered and written into its place
 /// while later layers are computed, and the operation ends as a whole-chunk transfer does, once
-/// every layer went. All of the pool's layers must be marked before `desc->deadline_ms`, or the
-/// transfer ends with `KVSTAGE_E_TIMEOUT` and the decode room fails. `desc->cuda_stream` and
+/// every layer it carries went: the pool's layers the session's decode rank holds (with a
+/// pipeline split, those of its stage; marks of the pool's other layers are accepted and
+/// skipped). Those layers must be marked before `desc->deadline_ms`, or the transfer ends with
+/// `KVSTAGE_E_TIMEOUT` and the decode room fails. Marking every layer of the pool is always
+/// enough. `desc->cuda_stream` and
 /// `desc->cuda_event` must be NULL (`KVSTAGE_E_INVALID_ARG`: each batch names its own ready
 /// point). Until its last layer went the transfer holds a transfer worker (a session runs at most
 /// half of `transfer_threads` at once; later ones wait queued, their ring space not yet asked
@@ -355,10 +358,10 @@ pub unsafe extern "C" fn kvstage_op_poll(op: *const kvstage_op) -> Status {
 /// Waits up to `timeout_ms` (KVSTAGE_DEADLINE_INFINITE = until it ends); `KVSTAGE_PENDING` when it
 /// is still running then. The operation's own deadline still bounds it.
 #[no_mangle]
-pub unsafe extern "C" fn kvstage_op_wait(op: *const kvstage_op, timeout_ms_: u64) -> Status {
+pub unsafe extern "C" fn kvstage_op_wait(op: *const kvstage_op, timeout_ms: u64) -> Status {
     ffi_fn!(status {
         let op = unsafe { self::op(op) }?;
-        let timeout = if timeout_ms_ == KVSTAGE_DEADLINE_INFINITE { None } else { Some(Duration::from_millis(timeout_ms_)) };
+        let timeout = if timeout_ms == KVSTAGE_DEADLINE_INFINITE { None } else { Some(Duration::from_millis(timeout_ms)) };
         op.wait(timeout)
     })
 }
@@ -416,10 +419,10 @@ pub unsafe extern "C" fn kvstage_room_open(
 /// failed (its error: peer gone, canceled, ...) or `timeout_ms` passed (`KVSTAGE_E_TIMEOUT`;
 /// 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none).
 #[no_mangle]
-pub unsafe extern "C" fn kvstage_room_wait(engine: *const kvstage_engine, room: u64, timeout_ms_: u64) -> Status {
+pub unsafe extern "C" fn kvstage_room_wait(engine: *const kvstage_engine, room: u64, timeout_ms: u64) -> Status {
     ffi_fn!(status {
         let engine = unsafe { borrow_engine(engine, "engine") }?;
-        engine.receiver().wait_room(room, engine.timeout(timeout_ms(timeout_ms_)))
+        engine.receiver().wait_room(room, engine.timeout(timeout_from_ms(timeout_ms)))
     })
 }
 

@@ -337,6 +337,8 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
     // staged: requests end to end, until the decode side has scattered everything.
     let mut room = 0u64;
     let (mut staged, last) = staged_load(a, &mut child, &prefill, &mut room, &bar)?;
+    // Every library thread of the run exists now (the engines' workers, the sessions' readers).
+    sampler.sample();
     raw_runs(&mut child, a.reps - before)?;
     drop(buf);
     // Verified after the timed runs, not inside them.

@@ -16,13 +16,29 @@ pub struct ThreadPeak {
     pub samples: u64,
 }
 
-/// Samples /proc/self/task every few milliseconds on its own thread until dropped.
+/// Samples /proc/self/task every few milliseconds on its own thread until dropped, and whenever
+/// the bench calls [`ThreadSampler::sample`] at a point where the library's threads exist (a
+/// sampler thread alone can miss a short run on a busy machine).
 pub struct ThreadSampler {
     stop: Arc<AtomicBool>,
-    total: Arc<AtomicUsize>,
-    kvstage: Arc<AtomicUsize>,
-    samples: Arc<AtomicU64>,
+    peak: Arc<Peak>,
     handle: Option<JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct Peak {
+    total: AtomicUsize,
+    kvstage: AtomicUsize,
+    samples: AtomicU64,
+}
+
+impl Peak {
+    fn record(&self) {
+        let (t, k) = count_threads();
+        self.total.fetch_max(t, Ordering::Relaxed);
+        self.kvstage.fetch_max(k, Ordering::Relaxed);
+        self.samples.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(20);
@@ -42,21 +58,12 @@ fn count_threads() -> (usize, usize) {
 
 impl ThreadSampler {
     pub fn start() -> ThreadSampler {
-        let mut me = ThreadSampler {
-            stop: Arc::new(AtomicBool::new(false)),
-            total: Arc::new(AtomicUsize::new(0)),
-            kvstage: Arc::new(AtomicUsize::new(0)),
-            samples: Arc::new(AtomicU64::new(0)),
-            handle: None,
-        };
-        let (stop, total, kvstage, samples) = (me.stop.clone(), me.total.clone(), me.kvstage.clone(), me.samples.clone());
+        let mut me = ThreadSampler { stop: Arc::new(AtomicBool::new(false)), peak: Arc::default(), handle: None };
+        let (stop, peak) = (me.stop.clone(), me.peak.clone());
         me.handle = std::thread::Builder::new()
             .name("bench-threads".into())
             .spawn(move || loop {
-                let (t, k) = count_threads();
-                total.fetch_max(t, Ordering::Relaxed);
-                kvstage.fetch_max(k, Ordering::Relaxed);
-                samples.fetch_add(1, Ordering::Relaxed);
+                peak.record();
                 if stop.load(Ordering::Relaxed) {
                     return;
                 }
@@ -66,11 +73,16 @@ impl ThreadSampler {
         me
     }
 
+    /// Takes a sample now, on the calling thread.
+    pub fn sample(&self) {
+        self.peak.record();
+    }
+
     fn peak(&self) -> ThreadPeak {
         ThreadPeak {
-            total: self.total.load(Ordering::Relaxed),
-            kvstage: self.kvstage.load(Ordering::Relaxed),
-            samples: self.samples.load(Ordering::Relaxed),
+            total: self.peak.total.load(Ordering::Relaxed),
+            kvstage: self.peak.kvstage.load(Ordering::Relaxed),
+            samples: self.peak.samples.load(Ordering::Relaxed),
         }
     }
 
