@@ -421,6 +421,31 @@ static void test_geometry(void) {
     src.layout.tp_rank = 1;
     src.layout.local_heads = 1;
 
+    {
+        static const uint32_t groups[1] = {8};
+        kvstage_state_item item;
+        kvstage_byte_range r[4];
+        size_t count = 0;
+        EXPECT(kvstage_state_item_init(NULL), KVSTAGE_E_INVALID_ARG, "`item`");
+        REQUIRE(kvstage_state_item_init(&item) == KVSTAGE_OK);
+        EXPECT(kvstage_state_slice_compute(NULL, 2, 1, 0, 0, r, 4, &count), KVSTAGE_E_INVALID_ARG, "`item`");
+        item.num_groups = 1; /* group_dims still NULL */
+        EXPECT(kvstage_state_slice_compute(&item, 2, 1, 0, 0, r, 4, &count), KVSTAGE_E_INVALID_ARG, "`item->group_dims`");
+        item.group_dims = groups;
+        item.replicated = 2;
+        EXPECT(kvstage_state_slice_compute(&item, 2, 1, 0, 0, r, 4, &count), KVSTAGE_E_INVALID_ARG, "`item->replicated`");
+        item.replicated = 0;
+        item.outer = 0;
+        EXPECT(kvstage_state_slice_compute(&item, 2, 1, 0, 0, r, 4, &count), KVSTAGE_E_INVALID_ARG, "`outer`");
+        item.outer = 1;
+        EXPECT(kvstage_state_slice_compute(&item, 0, 1, 0, 0, r, 4, &count), KVSTAGE_E_INVALID_ARG, "`src_tp`");
+        EXPECT(kvstage_state_slice_compute(&item, 2, 1, 2, 0, r, 4, &count), KVSTAGE_E_INVALID_ARG, "`src_rank`");
+        EXPECT(kvstage_state_slice_compute(&item, 2, 1, 0, 1, r, 4, &count), KVSTAGE_E_INVALID_ARG, "`dst_rank`");
+        EXPECT(kvstage_state_slice_compute(&item, 2, 1, 0, 0, NULL, 4, &count), KVSTAGE_E_INVALID_ARG, "`out`");
+        EXPECT(kvstage_state_slice_compute(&item, 2, 1, 0, 0, NULL, 0, NULL), KVSTAGE_E_INVALID_ARG, "`count`");
+        item.struct_size = 0;
+        EXPECT(kvstage_state_slice_compute(&item, 2, 1, 0, 0, r, 4, &count), KVSTAGE_E_INVALID_ARG, "`item->struct_size`");
+    }
     EXPECT(kvstage_head_slice_compute(2, 1, 0, 0, 8, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
     EXPECT(kvstage_head_slice_compute(0, 1, 0, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_tp`");
     EXPECT(kvstage_head_slice_compute(2, 0, 0, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_tp`");

@@ -243,5 +243,47 @@ int main(void) {
             CHECK_INT(hs.dst_head_start, 1);
         }
     }
+    {
+        /* A conv state of 4 rows, groups key, key, value (8, 8, 16 elements of 2 bytes), prefill
+         * TP 2 into decode TP 1: prefill rank 1 holds elements 4..8, 12..16 and 24..32 of each
+         * row, 3 ranges a row (adjacent ones merged), its share lands at those places. */
+        static const uint32_t groups[3] = {8, 8, 16};
+        kvstage_state_item item;
+        kvstage_byte_range r[16];
+        size_t count = 0;
+        CHECK_OK(kvstage_state_item_init(&item));
+        item.outer = 4;
+        item.dtype_bytes = 2;
+        item.group_dims = groups;
+        item.num_groups = 3;
+        CHECK_OK(kvstage_state_slice_compute(&item, 2, 1, 1, 0, NULL, 0, &count)); /* count query */
+        CHECK_INT(count, 12);
+        CHECK_ERROR(kvstage_state_slice_compute(&item, 2, 1, 1, 0, r, 4, &count), KVSTAGE_E_INVALID_ARG, "`capacity`");
+        CHECK_OK(kvstage_state_slice_compute(&item, 2, 1, 1, 0, r, 16, &count));
+        CHECK_INT(r[0].src_offset, 0);
+        CHECK_INT(r[0].dst_offset, 8);
+        CHECK_INT(r[0].len, 8);
+        CHECK_INT(r[2].src_offset, 16);
+        CHECK_INT(r[2].dst_offset, 48);
+        CHECK_INT(r[2].len, 16);
+        CHECK_INT(r[3].dst_offset, 64 + 8); /* row 1 of the decode slot (32 elements a row) */
+        /* Equal TP: the whole slot in one range; prefill 2 into decode 4: rank 0 has nothing for 3. */
+        CHECK_OK(kvstage_state_slice_compute(&item, 2, 2, 1, 1, r, 16, &count));
+        CHECK_INT(count, 1);
+        CHECK_INT(r[0].len, 4 * 16 * 2);
+        CHECK_OK(kvstage_state_slice_compute(&item, 2, 4, 0, 3, r, 16, &count));
+        CHECK_INT(count, 0);
+        /* Replicated (an SSM state kept whole): once, from prefill rank dst % src_tp. */
+        item.replicated = 1;
+        CHECK_OK(kvstage_state_slice_compute(&item, 4, 8, 1, 5, r, 16, &count));
+        CHECK_INT(count, 1);
+        CHECK_INT(r[0].len, 4 * 32 * 2);
+        CHECK_OK(kvstage_state_slice_compute(&item, 4, 8, 0, 5, r, 16, &count));
+        CHECK_INT(count, 0);
+        /* A group that does not split among the ranks is named with both values. */
+        item.replicated = 0;
+        CHECK_ERROR(kvstage_state_slice_compute(&item, 16, 1, 0, 0, r, 16, &count), KVSTAGE_E_INVALID_ARG, "`group_dims[0]`");
+        CHECK_CONTAINS(kvstage_error_last()->message, "8 elements do not split among src_tp 16");
+    }
     return kv_finish("geometry");
 }

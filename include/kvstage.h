@@ -567,6 +567,29 @@ typedef struct kvstage_log_record {
 //   leave it (that would cross kvstage's frames, which is undefined behavior).
 typedef void (*kvstage_log_fn)(void *user_data, const struct kvstage_log_record *record);
 
+// One state item (one slot of one layer): `outer` rows of `sum(group_dims)` elements of
+// `dtype_bytes` each. Sharded (`replicated` 0), each TP rank holds, per row, its share of every
+// group, groups back to back: rank `r` of `tp` holds elements `[r·g/tp, (r+1)·g/tp)` of a group of
+// `g` (a conv state's key, key and value groups each sharded on their own; one group: the whole
+// row). Replicated (`replicated` 1): whole on every rank. Fill with `kvstage_state_item_init`.
+typedef struct kvstage_state_item {
+    size_t struct_size;
+    uint32_t outer;
+    uint32_t dtype_bytes;
+    // Global elements of each group of a row, `num_groups` entries.
+    const uint32_t *group_dims;
+    size_t num_groups;
+    // 1: the item is whole on every rank (nothing to shard); 0: sharded by groups.
+    int32_t replicated;
+} kvstage_state_item;
+
+// `len` bytes at `src_offset` of the prefill rank's slot go to `dst_offset` of the decode rank's.
+typedef struct kvstage_byte_range {
+    uint64_t src_offset;
+    uint64_t dst_offset;
+    uint64_t len;
+} kvstage_byte_range;
+
 // Counters of one sender session (a snapshot). Transfers are counted once they end; a transfer
 // is one chunk (`kvstage_transfer`, `kvstage_transfer_slices` or `kvstage_transfer_async`).
 // The snapshot is not atomic across counters: each is read on its own while transfers may be
@@ -875,6 +898,22 @@ enum kvstage_status kvstage_log_set_callback(kvstage_log_fn callback, void *user
 // sinks without staging a failure.
 enum kvstage_status kvstage_testing_log(int32_t level, const char *session, const char *message);
 #endif
+
+// Fills `item` with defaults (sets `struct_size`; one row, 2-byte elements, sharded; set
+// `group_dims` and `num_groups`).
+enum kvstage_status kvstage_state_item_init(struct kvstage_state_item *item);
+
+// Which bytes of prefill rank `src_rank`'s slot (of `src_tp` ranks) go where in decode rank
+// `dst_rank`'s slot (of `dst_tp`) for `item`: byte ranges in row order, adjacent ones merged,
+// into `out[capacity]`; `*count` receives their number, also when `capacity` is too small
+// (`KVSTAGE_E_INVALID_ARG`); `out` NULL with `capacity` 0 is a count query. No range: the two
+// ranks share no element (`KVSTAGE_OK`, count 0). A decode slot is assembled from every prefill
+// rank's ranges (prefill TP larger) or cut from one rank's (smaller); a replicated item comes
+// whole from prefill rank `dst_rank % src_tp` alone. Slot sizes: `outer · Σ(group_dims) /
+// tp · dtype_bytes` (sharded), `outer · Σ(group_dims) · dtype_bytes` (replicated).
+// `KVSTAGE_E_INVALID_ARG` names the field: a group that does not split among either side's TP
+// ranks (both values), ranks not below their TP size, zero sizes.
+enum kvstage_status kvstage_state_slice_compute(const struct kvstage_state_item *item, uint32_t src_tp, uint32_t dst_tp, uint32_t src_rank, uint32_t dst_rank, struct kvstage_byte_range *out, size_t capacity, size_t *count);
 
 // Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_session_stats)`) with the
 // session's counters; a smaller, older `struct_size` gets the fields it holds.

@@ -44,6 +44,8 @@ from ._core import (
     capabilities,
     grid_tokens,
     head_slice,
+    state_slice,
+    ByteRange,
     staging_layout,
     transfer_timings_last,
     TransferTimings,
@@ -120,6 +122,8 @@ __all__ = [
     "TransferTarget",
     # geometry
     "head_slice",
+    "state_slice",
+    "ByteRange",
     "HeadSlice",
     "staging_layout",
     "StagingLayout",

@@ -320,6 +320,38 @@ def writers_per_chunk(src_tp: int, dst_tp: int, src_pp: int = 1, dst_pp: int = 1
     return out.value
 
 
+class ByteRange(NamedTuple):
+    """``kvstage_byte_range``: ``length`` bytes at ``src_offset`` of the prefill slot go to
+    ``dst_offset`` of the decode slot."""
+
+    src_offset: int
+    dst_offset: int
+    length: int
+
+
+def state_slice(
+    group_dims: Sequence[int], src_tp: int, dst_tp: int, src_rank: int, dst_rank: int, *, outer: int = 1, dtype_bytes: int = 2, replicated: bool = False
+) -> List[ByteRange]:
+    """``kvstage_state_slice_compute``: which bytes of prefill rank ``src_rank``'s state slot go
+    where in decode rank ``dst_rank``'s, for an item of ``outer`` rows of ``sum(group_dims)``
+    elements (each group sharded on its own across TP; ``replicated``: whole on every rank, sent
+    from prefill rank ``dst_rank % src_tp`` alone). An empty list: the two ranks share nothing."""
+    lib = get_library()
+    dims = (c_uint32 * max(1, len(group_dims)))(*[_u32(g, "group_dims") for g in group_dims])
+    item = _lib.kvstage_state_item()
+    _check(lib, lib.kvstage_state_item_init(byref(item)), "kvstage_state_item_init")
+    item.outer, item.dtype_bytes = _u32(outer, "outer"), _u32(dtype_bytes, "dtype_bytes")
+    item.group_dims, item.num_groups, item.replicated = ctypes.cast(dims, POINTER(c_uint32)), len(group_dims), int(bool(replicated))
+    ranks = [_u32(v, n) for v, n in ((src_tp, "src_tp"), (dst_tp, "dst_tp"), (src_rank, "src_rank"), (dst_rank, "dst_rank"))]
+    count = c_size_t(0)
+    _check(lib, lib.kvstage_state_slice_compute(byref(item), *ranks, None, 0, byref(count)), "kvstage_state_slice_compute")
+    if count.value == 0:
+        return []
+    out = (_lib.kvstage_byte_range * count.value)()
+    _check(lib, lib.kvstage_state_slice_compute(byref(item), *ranks, out, count.value, byref(count)), "kvstage_state_slice_compute")
+    return [ByteRange(r.src_offset, r.dst_offset, r.len) for r in out[: count.value]]
+
+
 def _stage_array(stages: Sequence[KvLayout]):
     """A ``kvstage_kv_layout`` array of ``stages`` and what keeps the memory it points to alive."""
     converted = [s._c() for s in stages]

@@ -304,6 +304,21 @@ class kvstage_head_slice(Structure):
     _fields_ = [("src_head_start", c_uint32), ("num_heads", c_uint32), ("dst_head_start", c_uint32)]
 
 
+class kvstage_state_item(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("outer", c_uint32),
+        ("dtype_bytes", c_uint32),
+        ("group_dims", POINTER(c_uint32)),
+        ("num_groups", c_size_t),
+        ("replicated", c_int32),
+    ]
+
+
+class kvstage_byte_range(Structure):
+    _fields_ = [("src_offset", c_uint64), ("dst_offset", c_uint64), ("len", c_uint64)]
+
+
 class kvstage_staging_layout(Structure):
     _fields_ = [
         ("struct_size", c_size_t),
@@ -417,6 +432,11 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_kv_layout_validate": (c_int, [_p(kvstage_kv_layout)]),
     "kvstage_head_slice_compute": (c_int, [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_head_slice)]),
     "kvstage_writers_per_chunk": (c_int, [c_int32, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, _p(c_uint32)]),
+    "kvstage_state_item_init": (c_int, [_p(kvstage_state_item)]),
+    "kvstage_state_slice_compute": (
+        c_int,
+        [_p(kvstage_state_item), c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_byte_range), c_size_t, _p(c_size_t)],
+    ),
     "kvstage_pairing_decode_ranks": (
         c_int,
         [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],

@@ -1,5 +1,6 @@
 """The geometry helpers against hand-written expectations."""
 
+import numpy as np
 import pytest
 
 import kvref
@@ -101,3 +102,38 @@ def test_pairing_uneven_stages(lib):
     assert forward == backward
     with pytest.raises(kvstage.ArgumentError, match=r"prefill_stages\[1\].*holds layer 2, which stage 0 holds too"):
         kvstage.pairing_prefill_ranks(decode[0], [prefill[0], _stage(2, 1, 3, [2, 3]), prefill[2]])
+
+
+def _shard(item, groups, tp, rank):
+    """Rank `rank` of `tp`'s slot of a sharded state item (numpy): its share of every group of every row."""
+    parts, start = [], 0
+    for g in groups:
+        share = g // tp
+        parts.append(item[:, start + rank * share : start + (rank + 1) * share])
+        start += g
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+
+@pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2), (4, 2), (2, 4), (8, 8), (16, 1), (1, 16)])
+def test_state_slice_assembles_and_cuts_conv_state_slots(lib, src_tp, dst_tp):
+    """A Mamba-like conv state (rows of key, key, value groups, each sharded on its own): every
+    decode slot assembled from the prefill slots by the plan equals numpy's own shard of it."""
+    groups, outer = [16, 16, 32], 3
+    rng = np.random.default_rng(src_tp * 100 + dst_tp)
+    item = rng.integers(0, 1 << 16, size=(outer, sum(groups)), dtype=np.uint16)
+    prefill = [_shard(item, groups, src_tp, r).view(np.uint8).ravel() for r in range(src_tp)]
+    for rd in range(dst_tp):
+        want = _shard(item, groups, dst_tp, rd).view(np.uint8).ravel()
+        got = np.zeros_like(want)
+        for rs in range(src_tp):
+            for r in kvstage.state_slice(groups, src_tp, dst_tp, rs, rd, outer=outer, dtype_bytes=2):
+                got[r.dst_offset : r.dst_offset + r.length] = prefill[rs][r.src_offset : r.src_offset + r.length]
+        assert np.array_equal(got, want), f"decode rank {rd}"
+
+
+def test_state_slice_replicated_and_errors(lib):
+    ranges = kvstage.state_slice([128], 4, 2, 1, 1, outer=2, dtype_bytes=4, replicated=True)
+    assert ranges == [kvstage.ByteRange(0, 0, 2 * 128 * 4)]
+    assert kvstage.state_slice([128], 4, 2, 0, 1, outer=2, dtype_bytes=4, replicated=True) == []
+    with pytest.raises(kvstage.ArgumentError, match=r"group_dims\[1\]"):
+        kvstage.state_slice([16, 6], 4, 2, 0, 0)

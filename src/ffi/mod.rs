@@ -26,6 +26,7 @@ pub mod engine;
 pub mod geometry;
 pub mod last_error;
 pub mod log;
+pub mod state;
 pub mod stats;
 pub mod transfer;
 

@@ -15,6 +15,7 @@ mod pairing;
 pub mod plan;
 mod slice;
 mod staging;
+mod state;
 
 pub use fingerprint::{Fingerprint, FINGERPRINT_VERSION};
 pub use grid::{chunk_count, grid_tokens, split_grid, GridPiece, DEFAULT_CHUNK_TOKENS};
@@ -27,6 +28,7 @@ pub use pairing::{decode_peers, prefill_peers, PeerRank};
 pub use plan::{plan_chunk, plan_gather, plan_scatter, CopyPlan, CopyRun, Segment, Slab};
 pub use slice::{slice_plan, SliceOp};
 pub use staging::{staging_layout, staging_layout_stages, StagingLayout, WriterRegion};
+pub use state::{state_slice, ByteRange, StateItem};
 
 /// Upper bounds that keep every size computation far from overflow (and reject garbage early).
 pub(crate) mod limits {
