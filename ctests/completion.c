@@ -104,8 +104,8 @@ int main(void) {
         CHECK_INT(grid.chunk_tokens, CHUNK_TOKENS);
         CHECK_INT(grid.num_chunks, 1);
         CHECK_INT(grid.num_pages, 4);
-        CHECK_INT(kvstage_session_room_grid(session, 999, keys[0], 5000, &grid), KVSTAGE_E_INVALID_ARG); /* not open (yet) */
-        CHECK_CONTAINS(kvstage_error_last()->message, "999 is not open on the receiver");
+        CHECK_INT(kvstage_session_room_grid(session, 999, keys[0], 5000, &grid), KVSTAGE_E_STALE_ROOM); /* not open */
+        CHECK_CONTAINS(kvstage_error_last()->message, "room 999: the room key names no open opening");
         CHECK_INT(kvstage_session_room_grid(session, 0, keys[0], 5000, NULL), KVSTAGE_E_INVALID_ARG);
         /* An open room named with a key that is not its opening's: stale, and `out` untouched. */
         uint64_t wrong_key = keys[0] + 1;

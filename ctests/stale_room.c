@@ -144,6 +144,7 @@ static int decode_main(FILE *in, FILE *out) {
         if (n == 0) usleep(10000);
     }
     REQUIRE(n == 1 && ev[0].chunk_index == 0 && ev[0].status == KVSTAGE_OK);
+    CHECK(ev[0].room_key == key_a); /* the event names its opening */
     CHECK_OK(kvstage_room_release(e, ROOM));
     /* What the pool holds before B opens: outside B's pages nothing may change from here on. */
     uint8_t *before = (uint8_t *)malloc(2 * LAYERS * p.buffer);

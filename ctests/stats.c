@@ -199,9 +199,9 @@ int main(void) {
     CHECK(t.total_ns > 0);
     CHECK_INT(t.watermark_wait_ns + t.alloc_wait_ns + t.gather_ns + t.wire_ns + t.ack_ns, 0);
 
-    /* 4. A room that is not open on the receiver: KVSTAGE_E_CANCELED at the allocation. */
+    /* 4. A room that is not open on the receiver: KVSTAGE_E_STALE_ROOM at the allocation. */
     d = desc_for(50, NOT_OPEN_KEY, 4, 0);
-    CHECK_INT(kvstage_transfer(session, &d), KVSTAGE_E_CANCELED);
+    CHECK_INT(kvstage_transfer(session, &d), KVSTAGE_E_STALE_ROOM);
     CHECK_OK(kvstage_transfer_timings_last(&t));
     CHECK(t.watermark_wait_ns > 0 && t.total_ns >= t.watermark_wait_ns);
     CHECK_INT(t.gather_ns + t.wire_ns, 0);

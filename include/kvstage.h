@@ -219,6 +219,9 @@ typedef struct kvstage_completion {
     // chunk's last writer to the end of its scatter (see `kvstage_engine_stats.scatter_ns_sum`);
     // 0 otherwise.
     uint64_t scatter_ns;
+    // `KVSTAGE_COMPLETION_CHUNK`: the key of the room's opening the chunk belongs to (a callback
+    // running after the room was released and its id opened again tells the events apart).
+    uint64_t room_key;
 } kvstage_completion;
 
 // Called once per completion, on a library thread (a transfer worker, a receiver connection
@@ -238,6 +241,8 @@ typedef struct kvstage_chunk_event {
     uint64_t room;
     uint32_t chunk_index;
     enum kvstage_status status;
+    // The key of the room's opening the chunk belongs to (`kvstage_room_open`'s `room_key_out`).
+    uint64_t room_key;
 } kvstage_chunk_event;
 
 // Details of the last failed kvstage call on this thread.
@@ -617,8 +622,9 @@ typedef struct kvstage_session_stats {
     uint64_t transfers_failed;
     // Failed with `KVSTAGE_E_TIMEOUT`.
     uint64_t transfers_timeout;
-    // Failed with `KVSTAGE_E_CANCELED` (the operation canceled, the session or engine freed, the
-    // receiver released the room or does not have it open, a sender aborted the chunk).
+    // Failed with `KVSTAGE_E_CANCELED` (the operation canceled, the session or engine freed, a
+    // sender aborted the chunk) or `KVSTAGE_E_STALE_ROOM` (the receiver released the room or does
+    // not have that opening open).
     uint64_t transfers_canceled;
     // Failed with `KVSTAGE_E_PEER_GONE`.
     uint64_t transfers_peer_gone;
@@ -669,9 +675,9 @@ typedef struct kvstage_transfer_desc {
     // The caller's value, handed back with this transfer's completion (asynchronous transfers).
     uint64_t user_tag;
     // The key `kvstage_room_open` returned on the decode side for this opening of `room`
-    // (required: 0 is refused). A transfer naming an earlier opening of the room id (released,
-    // maybe reopened for another request) or a wrong key ends with `KVSTAGE_E_STALE_ROOM` and
-    // writes nothing.
+    // (required: 0 is refused). A transfer naming an opening that is not open (the room was
+    // released, maybe reopened for another request) or a wrong key ends with
+    // `KVSTAGE_E_STALE_ROOM` and writes nothing.
     uint64_t room_key;
 } kvstage_transfer_desc;
 
@@ -935,9 +941,8 @@ enum kvstage_status kvstage_transfer_timings_last(struct kvstage_transfer_timing
 // page_size))` of the room, so a prefill engine can cut its transfers on the decode side's grid
 // instead of guessing it. `room_key`: the key `kvstage_room_open` returned for this opening of
 // the room. One round trip; `timeout_ms` 0 = the engine default. Errors: the room is not open
-// there (`KVSTAGE_E_INVALID_ARG`: not yet, or released; ask again once the decode side opened
-// it), `room_key` names another opening (`KVSTAGE_E_STALE_ROOM`), it failed there (its error),
-// the session is gone, the timeout passed. Fills `*out` only on success.
+// there under that key (`KVSTAGE_E_STALE_ROOM`: released, or another opening), it failed there
+// (its error), the session is gone, the timeout passed. Fills `*out` only on success.
 enum kvstage_status kvstage_session_room_grid(const struct kvstage_session *session, uint64_t room, uint64_t room_key, uint64_t timeout_ms, struct kvstage_room_grid *out);
 
 // Connects to the decode engine at `peer_address` ("127.0.0.1:5000") and runs the handshake
@@ -1028,11 +1033,15 @@ enum kvstage_status kvstage_room_open(const struct kvstage_engine *engine, uint6
 
 // Decode side: waits until every chunk of the room is in the KV pool (`KVSTAGE_OK`), the room
 // failed (its error: peer gone, canceled, ...) or `timeout_ms` passed (`KVSTAGE_E_TIMEOUT`;
-// 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none).
+// 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none). The wait is bound to the room's opening
+// open when it starts: released meanwhile (and maybe opened again for another request), it ends
+// with `KVSTAGE_E_CANCELED`.
 enum kvstage_status kvstage_room_wait(const struct kvstage_engine *engine, uint64_t room, uint64_t timeout_ms);
 
 // Decode side: forgets the room and frees every ring allocation it still holds (on completion,
-// abort or failure). Idempotent; late data for it is discarded.
+// abort or failure). Idempotent until the id is opened again: it releases whatever opening is
+// open under the id, so release each request's room once (a late second release after the id
+// was reopened releases the next request's room). Late data for it is discarded.
 enum kvstage_status kvstage_room_release(const struct kvstage_engine *engine, uint64_t room);
 
 // Decode side: moves up to `capacity` chunk events into `events` and their number into

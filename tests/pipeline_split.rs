@@ -156,11 +156,11 @@ fn the_prefill_side_learns_the_grid_and_a_wrong_chunk_is_refused_with_both_value
     let grid = s.room_grid(d.room, Some(Duration::from_secs(5))).unwrap();
     assert_eq!(grid, RoomGrid { chunk_tokens: 16, num_chunks: 3, num_pages: 10 });
     let e = s.room_grid(RoomRef { id: 99, key: 1 }, Some(Duration::from_secs(5))).unwrap_err();
-    assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", e.chain());
-    assert!(e.chain().contains("99 is not open on the receiver (yet)"), "{}", e.chain());
+    assert_eq!(e.code(), Status::KVSTAGE_E_STALE_ROOM, "{}", e.chain());
+    assert!(e.chain().contains("room 99: the room key names no open opening"), "{}", e.chain());
     d.engine.receiver().release_room(6);
     let e = s.room_grid(d.room, Some(Duration::from_secs(5))).unwrap_err();
-    assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "a released room is gone: {}", e.chain());
+    assert_eq!(e.code(), Status::KVSTAGE_E_STALE_ROOM, "a released room is gone: {}", e.chain());
     let (_, key) = d.engine.receiver().open_room(6, &pages, 16).unwrap();
     let room = RoomRef { id: 6, key };
 

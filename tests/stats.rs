@@ -175,9 +175,9 @@ fn counters_and_timings_match_a_known_sequence() {
     assert!(t.total_ns > 0);
     assert_eq!(TransferTimings { total_ns: 0, ..t }, TransferTimings::default(), "a fallback has no phases: {t:?}");
 
-    // 4. Canceled: the room is not open on the receiver; refused at the allocation.
+    // 4. Stale: the room is not open on the receiver; refused at the allocation.
     let (r, t) = to_healthy.transfer_timed(&desc(closed(6), &pages, 10_000), &Op::new(to_healthy.waker()));
-    assert_eq!(r.unwrap_err().code(), Status::KVSTAGE_E_CANCELED);
+    assert_eq!(r.unwrap_err().code(), Status::KVSTAGE_E_STALE_ROOM);
     assert!(t.watermark_wait_ns > 0 && t.total_ns > 0, "{t:?}");
     assert_eq!((t.alloc_wait_ns, t.gather_ns, t.wire_ns, t.ack_ns), (0, 0, 0, 0), "{t:?}");
     assert_ordered(&t, "canceled");

@@ -545,6 +545,9 @@ class RoomOpening(NamedTuple):
     num_chunks: int
     key: int
 
+    def __repr__(self) -> str:  # the key is a capability: kept out of logs
+        return f"RoomOpening(num_chunks={self.num_chunks}, key=<hidden>)"
+
 
 class RoomGrid(NamedTuple):
     """``kvstage_room_grid``: a room's chunk grid on the decode side."""
@@ -630,10 +633,16 @@ class ChunkEvent(NamedTuple):
     room: int
     chunk_index: int
     status: Union[Status, int]
+    #: The key of the room's opening the chunk belongs to (tells a released request's late event
+    #: apart from the next request's under the same room id).
+    room_key: int = 0
 
     @property
     def ok(self) -> bool:
         return self.status == Status.OK
+
+    def __repr__(self) -> str:  # the key is a capability: kept out of logs
+        return f"ChunkEvent(room={self.room}, chunk_index={self.chunk_index}, status={self.status!r})"
 
 
 def _status(code: int) -> Union[Status, int]:
@@ -842,7 +851,7 @@ class Engine(_Handle):
         else:
             rc = self._lib.kvstage_room_poll_events(self._handle(), _u64(room, "room"), events, max_events, byref(count))
             _check(self._lib, rc, "kvstage_room_poll_events")
-        return [ChunkEvent(e.room, e.chunk_index, _status(e.status)) for e in events[: count.value]]
+        return [ChunkEvent(e.room, e.chunk_index, _status(e.status), e.room_key) for e in events[: count.value]]
 
     # -- completions ------------------------------------------------------------------------------
 
@@ -936,12 +945,20 @@ class Room:
         self.num_chunks = num_chunks
         #: This opening's key: the prefill ranks pass it as ``room_key``.
         self.key = key
+        self._released = False
 
     def wait(self, timeout_ms: int = 0) -> None:
         self.engine.room_wait(self.room, timeout_ms)
 
     def release(self) -> None:
-        self.engine.room_release(self.room)
+        """Releases this opening once: a second call (or the ``with`` block's exit after an
+        explicit release) does nothing, so it never releases the id's next opening."""
+        if not self._released:
+            self._released = True
+            self.engine.room_release(self.room)
+
+    def __repr__(self) -> str:  # the key is a capability: kept out of logs
+        return f"<kvstage.Room {self.room} ({self.num_chunks} chunks){' released' if self._released else ''}>"
 
     def __enter__(self) -> "Room":
         return self

@@ -380,6 +380,7 @@ class kvstage_completion(Structure):
         ("chunk_index", c_uint32),
         ("timings", kvstage_transfer_timings),
         ("scatter_ns", c_uint64),
+        ("room_key", c_uint64),
     ]
 
 
@@ -402,7 +403,7 @@ kvstage_log_fn = ctypes.CFUNCTYPE(None, c_void_p, POINTER(kvstage_log_record))
 
 
 class kvstage_chunk_event(Structure):
-    _fields_ = [("room", c_uint64), ("chunk_index", c_uint32), ("status", c_int)]
+    _fields_ = [("room", c_uint64), ("chunk_index", c_uint32), ("status", c_int), ("room_key", c_uint64)]
 
 
 # --- prototypes ------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ Differences from a hand-rolled staged path, which is why ``target_info`` looks t
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 from ._core import Engine, Session, _u64
@@ -43,7 +43,7 @@ class TransferTarget:
     """
 
     room: int
-    room_key: int
+    room_key: int = field(repr=False)  # a capability: kept out of logs
     chunk_index: int = 0
     peer: Optional[str] = None
     deadline_ms: int = 0

@@ -210,8 +210,42 @@ def test_a_stale_room_key_writes_nothing_and_the_current_one_lands(lib):
         dec.room_wait(ROOM, timeout_ms=10000)
         want = kvref.reference_reshard(MODEL, [pool0, pool1], [PAGES, PAGES], [np.zeros_like(dec_pool)], [PAGES])
         assert not kvref.describe_difference(dec_pool, want[0])
+        events = dec.poll_events()
+        assert sorted(e.chunk_index for e in events) == [0, 1] and all(e.ok and e.room_key == key for e in events)
         for s in sessions:
             s.close()
+
+
+def test_room_wait_and_release_are_bound_to_their_opening(lib):
+    """A wait on request A's opening ends when A is released, not on B's opening of the same id;
+    A's Room released twice (explicitly, then by its with block) leaves B open; events carry their
+    opening's key."""
+    dec, _, keys = decode_engine(4096, rooms=())
+    with dec:
+        a = dec.room(ROOM, PAGES, CHUNK_TOKENS)
+        errors = []
+
+        def wait():
+            try:
+                a.wait(timeout_ms=10000)
+            except kvstage.KVStageError as e:
+                errors.append(e)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.2)
+        with a:
+            a.release()
+            b = dec.room(ROOM, PAGES, CHUNK_TOKENS)
+            assert b.key != a.key and str(b.key) not in repr(b)
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert errors and errors[0].code == Status.E_CANCELED, errors
+        assert "released" in errors[0].message
+        with pytest.raises(kvstage.TimeError) as info:  # B is still open: its wait times out
+            b.wait(timeout_ms=100)
+        assert info.value.code == Status.E_TIMEOUT
+        b.release()
 
 
 # --- closed handles --------------------------------------------------------------------------------

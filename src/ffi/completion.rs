@@ -41,6 +41,9 @@ pub struct kvstage_completion {
     /// chunk's last writer to the end of its scatter (see `kvstage_engine_stats.scatter_ns_sum`);
     /// 0 otherwise.
     pub scatter_ns: u64,
+    /// `KVSTAGE_COMPLETION_CHUNK`: the key of the room's opening the chunk belongs to (a callback
+    /// running after the room was released and its id opened again tells the events apart).
+    pub room_key: u64,
 }
 
 /// Called once per completion, on a library thread (a transfer worker, a receiver connection
@@ -81,6 +84,7 @@ fn to_c(c: &Completion) -> kvstage_completion {
             ..Default::default()
         },
         scatter_ns: 0,
+        room_key: 0,
     };
     match c {
         Completion::Op { tag, status, timings } => {
@@ -88,9 +92,10 @@ fn to_c(c: &Completion) -> kvstage_completion {
             out.status = *status;
             out.timings = super::stats::timings_to_c(timings);
         }
-        Completion::Chunk(ChunkEvent { room, chunk, status, scatter_ns }) => {
+        Completion::Chunk(ChunkEvent { room, key, chunk, status, scatter_ns }) => {
             out.kind = kvstage_completion_kind::KVSTAGE_COMPLETION_CHUNK as i32;
             out.room = *room;
+            out.room_key = *key;
             out.chunk_index = *chunk;
             out.status = *status;
             out.scatter_ns = *scatter_ns;
@@ -163,7 +168,7 @@ pub(crate) fn write_events(taken: &[ChunkEvent], events: *mut kvstage_chunk_even
     }
     for (i, e) in taken.iter().take(capacity).enumerate() {
         // SAFETY: `capacity` writable elements by contract; `i < capacity`.
-        unsafe { *events.add(i) = kvstage_chunk_event { room: e.room, chunk_index: e.chunk, status: e.status } };
+        unsafe { *events.add(i) = kvstage_chunk_event { room: e.room, chunk_index: e.chunk, status: e.status, room_key: e.key } };
     }
     *count = taken.len().min(capacity);
     Ok(())

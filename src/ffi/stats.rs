@@ -78,8 +78,9 @@ pub struct kvstage_session_stats {
     pub transfers_failed: u64,
     /// Failed with `KVSTAGE_E_TIMEOUT`.
     pub transfers_timeout: u64,
-    /// Failed with `KVSTAGE_E_CANCELED` (the operation canceled, the session or engine freed, the
-    /// receiver released the room or does not have it open, a sender aborted the chunk).
+    /// Failed with `KVSTAGE_E_CANCELED` (the operation canceled, the session or engine freed, a
+    /// sender aborted the chunk) or `KVSTAGE_E_STALE_ROOM` (the receiver released the room or does
+    /// not have that opening open).
     pub transfers_canceled: u64,
     /// Failed with `KVSTAGE_E_PEER_GONE`.
     pub transfers_peer_gone: u64,

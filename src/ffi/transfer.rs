@@ -50,9 +50,8 @@ pub struct kvstage_room_grid {
 /// page_size))` of the room, so a prefill engine can cut its transfers on the decode side's grid
 /// instead of guessing it. `room_key`: the key `kvstage_room_open` returned for this opening of
 /// the room. One round trip; `timeout_ms` 0 = the engine default. Errors: the room is not open
-/// there (`KVSTAGE_E_INVALID_ARG`: not yet, or released; ask again once the decode side opened
-/// it), `room_key` names another opening (`KVSTAGE_E_STALE_ROOM`), it failed there (its error),
-/// the session is gone, the timeout passed. Fills `*out` only on success.
+/// there under that key (`KVSTAGE_E_STALE_ROOM`: released, or another opening), it failed there
+/// (its error), the session is gone, the timeout passed. Fills `*out` only on success.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_session_room_grid(
     session: *const kvstage_session,
@@ -152,9 +151,9 @@ pub struct kvstage_transfer_desc {
     /// The caller's value, handed back with this transfer's completion (asynchronous transfers).
     pub user_tag: u64,
     /// The key `kvstage_room_open` returned on the decode side for this opening of `room`
-    /// (required: 0 is refused). A transfer naming an earlier opening of the room id (released,
-    /// maybe reopened for another request) or a wrong key ends with `KVSTAGE_E_STALE_ROOM` and
-    /// writes nothing.
+    /// (required: 0 is refused). A transfer naming an opening that is not open (the room was
+    /// released, maybe reopened for another request) or a wrong key ends with
+    /// `KVSTAGE_E_STALE_ROOM` and writes nothing.
     pub room_key: u64,
 }
 
@@ -417,7 +416,9 @@ pub unsafe extern "C" fn kvstage_room_open(
 
 /// Decode side: waits until every chunk of the room is in the KV pool (`KVSTAGE_OK`), the room
 /// failed (its error: peer gone, canceled, ...) or `timeout_ms` passed (`KVSTAGE_E_TIMEOUT`;
-/// 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none).
+/// 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none). The wait is bound to the room's opening
+/// open when it starts: released meanwhile (and maybe opened again for another request), it ends
+/// with `KVSTAGE_E_CANCELED`.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_room_wait(engine: *const kvstage_engine, room: u64, timeout_ms: u64) -> Status {
     ffi_fn!(status {
@@ -427,7 +428,9 @@ pub unsafe extern "C" fn kvstage_room_wait(engine: *const kvstage_engine, room: 
 }
 
 /// Decode side: forgets the room and frees every ring allocation it still holds (on completion,
-/// abort or failure). Idempotent; late data for it is discarded.
+/// abort or failure). Idempotent until the id is opened again: it releases whatever opening is
+/// open under the id, so release each request's room once (a late second release after the id
+/// was reopened releases the next request's room). Late data for it is discarded.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_room_release(engine: *const kvstage_engine, room: u64) -> Status {
     ffi_fn!(status {
@@ -443,6 +446,8 @@ pub struct kvstage_chunk_event {
     pub room: u64,
     pub chunk_index: u32,
     pub status: Status,
+    /// The key of the room's opening the chunk belongs to (`kvstage_room_open`'s `room_key_out`).
+    pub room_key: u64,
 }
 
 /// Decode side: moves up to `capacity` chunk events into `events` and their number into

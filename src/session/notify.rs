@@ -35,6 +35,9 @@ pub enum Completion {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkEvent {
     pub room: u64,
+    /// The key of the room's opening the chunk belongs to (a room id reopened for another request
+    /// gets another key): tells a late event of an earlier opening apart.
+    pub key: u64,
     pub chunk: u32,
     pub status: Status,
     /// Staged chunks scattered OK: nanoseconds from the arrival of the chunk's last writer to the
@@ -173,7 +176,7 @@ mod tests {
         })));
         c.count(2);
         c.call(&Completion::Op { tag: 7, status: Status::KVSTAGE_OK, timings: TransferTimings::default() });
-        c.call(&Completion::Chunk(ChunkEvent { room: 1, chunk: 0, status: Status::KVSTAGE_OK, scatter_ns: 0 }));
+        c.call(&Completion::Chunk(ChunkEvent { room: 1, key: 1, chunk: 0, status: Status::KVSTAGE_OK, scatter_ns: 0 }));
         // SAFETY: as above.
         assert_eq!(unsafe { libc::poll(&mut pfd, 1, 1000) }, 1);
         assert_eq!(c.drain(), 2);

@@ -95,8 +95,8 @@ pub struct SendStats {
     pub transfers_ok: u64,
     /// Transfers answered `KVSTAGE_FALLBACK` (nothing was allocated or sent).
     pub transfers_fallback: u64,
-    /// Failed transfers, by code: `KVSTAGE_E_TIMEOUT`, `KVSTAGE_E_CANCELED`, `KVSTAGE_E_PEER_GONE`
-    /// and every other error.
+    /// Failed transfers, by code: `KVSTAGE_E_TIMEOUT`, `KVSTAGE_E_CANCELED` (with
+    /// `KVSTAGE_E_STALE_ROOM`), `KVSTAGE_E_PEER_GONE` and every other error.
     pub transfers_timeout: u64,
     pub transfers_canceled: u64,
     pub transfers_peer_gone: u64,
@@ -180,7 +180,8 @@ impl SendMetrics {
                 Ok(_) => &c.ok,
                 Err(e) => match e.code() {
                     Status::KVSTAGE_E_TIMEOUT => &c.timeout,
-                    Status::KVSTAGE_E_CANCELED => &c.canceled,
+                    // The request is gone either way: canceled here, or its room released there.
+                    Status::KVSTAGE_E_CANCELED | Status::KVSTAGE_E_STALE_ROOM => &c.canceled,
                     Status::KVSTAGE_E_PEER_GONE => &c.peer_gone,
                     _ => &c.other,
                 },

@@ -334,7 +334,15 @@ impl Receiver {
     pub fn wait_room(&self, room: u64, timeout: Option<Duration>) -> Result<Status> {
         let deadline = Deadline::after(timeout);
         let mut st = self.state.lock();
+        // Bound to the opening seen now: one released (and opened again) meanwhile is not waited for.
+        let opening = st.opening(room);
         loop {
+            if st.opening(room) != opening {
+                return Err(Error::new(
+                    Status::KVSTAGE_E_CANCELED,
+                    format!("room {room} was released while waiting for it (its id may be open again for another request)"),
+                ));
+            }
             if st.room_outcome(room)? {
                 return Ok(Status::KVSTAGE_OK);
             }

@@ -386,8 +386,8 @@ impl SenderSession {
 
     /// The chunk grid of `room` as the receiver opened it: what chunk `k` of a transfer must
     /// cover (pages `[k · chunk_tokens / page_size, …)` of the room, the last chunk possibly
-    /// shorter). Fails as the receiver says (`KVSTAGE_E_INVALID_ARG` for a room it has not opened
-    /// yet) or when `timeout` (`None`: no limit) passes.
+    /// shorter). Fails as the receiver says (`KVSTAGE_E_STALE_ROOM` for an opening it does not have
+    /// open) or when `timeout` (`None`: no limit) passes.
     pub fn room_grid(&self, room: RoomRef, timeout: Option<Duration>) -> Result<RoomGrid> {
         let deadline = Deadline::after(timeout);
         let pending = self.expect_reply();

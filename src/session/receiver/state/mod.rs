@@ -306,13 +306,14 @@ fn protocol(why: impl Into<String>) -> Error {
     Error::new(Status::KVSTAGE_E_PROTOCOL, why)
 }
 
-/// A frame or lease for an opening of `room` that is not the open one. The open one's key is not
-/// named: a guesser learns nothing.
+/// A frame or lease for an opening of `room` that is not open (released, maybe opened again for
+/// another request, or a key never issued). Whether the id is open now, and its key, are not
+/// said: a guesser learns nothing.
 fn stale(room: u64) -> Error {
     Error::new(
         Status::KVSTAGE_E_STALE_ROOM,
         format!(
-            "room {room}: the room key names an earlier or unknown opening of it, not the open one (the decode side released the room this transfer was for and may have opened the id again for another request; nothing was written)"
+            "room {room}: the room key names no open opening of it (the decode side released the room this transfer was for, or the key is wrong; nothing was written)"
         ),
     )
 }
@@ -616,7 +617,7 @@ impl State {
     /// `Ok(true)`: every chunk scattered; `Ok(false)`: still in progress; `Err`: failed or unknown.
     pub fn room_outcome(&self, room: u64) -> Result<bool> {
         match self.rooms.get(&room) {
-            Some(r) if r.released => Err(Error::invalid_arg("room", format!("{room} was released"))),
+            Some(r) if r.released => Err(Error::new(Status::KVSTAGE_E_CANCELED, format!("room {room} was released"))),
             Some(r) => match &r.failure {
                 Some(f) => Err(Error::new(f.code, format!("room {room} failed: {}", f.why)).with_session(&f.session)),
                 None => Ok(r.complete()),
@@ -652,10 +653,6 @@ impl State {
     /// The chunk grid of open `room` as `conn` sees it: (tokens per chunk, chunks, pages).
     pub fn room_grid(&self, conn: ConnId, room: RoomRef) -> Result<(u32, u32, u32)> {
         let page_size = self.conn(conn)?.dst.page_size;
-        if !self.rooms.contains_key(&room.id) {
-            // Not opened yet (or long gone): the caller may ask again once the decode side opened it.
-            return Err(Error::invalid_arg("room", format!("{room} is not open on the receiver (yet)")));
-        }
         let r = self.live_room(room)?;
         Ok((r.grid_pages as u32 * page_size, r.chunks.len() as u32, r.pages.len() as u32))
     }
@@ -714,7 +711,7 @@ impl State {
                 grants.extend(c.grant.take());
             }
             if c.phase != Phase::Done {
-                events.push(ChunkEvent { room, chunk: i as u32, status: code, scatter_ns: 0 });
+                events.push(ChunkEvent { room, key: r.key, chunk: i as u32, status: code, scatter_ns: 0 });
             }
         }
         for id in grants {
@@ -777,19 +774,24 @@ impl State {
     /// discarded).
     fn live_room(&self, at: RoomRef) -> std::result::Result<&Room, Error> {
         match self.rooms.get(&at.id) {
-            Some(r) if r.key != at.key => Err(stale(at.id)),
-            Some(r) if r.live() => Ok(r),
-            _ => Err(self.closed(at.id)),
+            Some(r) if r.key == at.key && r.live() => Ok(r),
+            Some(r) if r.key == at.key => Err(self.closed(at.id)),
+            _ => Err(stale(at.id)),
         }
     }
 
-    /// Why the room under id `room` takes no more data (failed, released, not open).
+    /// Why the open room under id `room` takes no more data: its failure (the other senders of
+    /// the request fail fast with the same code), or its release.
     fn closed(&self, room: u64) -> Error {
         match self.rooms.get(&room) {
             Some(Room { failure: Some(f), .. }) => Error::new(f.code, format!("room {room} failed: {}", f.why)),
-            Some(_) => Error::new(Status::KVSTAGE_E_CANCELED, format!("room {room} was released by the receiver")),
-            None => Error::new(Status::KVSTAGE_E_CANCELED, format!("room {room} is not open on the receiver")),
+            _ => stale(room),
         }
+    }
+
+    /// The generation of the opening of `room` now (a wait bound to one opening compares it).
+    pub fn opening(&self, room: u64) -> Option<u64> {
+        self.rooms.get(&room).map(|r| r.gen)
     }
 
     /// Checks that a writer of this room shares the prefill geometry of the room's first writer.

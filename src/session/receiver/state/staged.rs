@@ -221,9 +221,9 @@ impl State {
     pub fn finish_ready(&mut self, lease: ReadyLease, verified: Result<()>, session: &str) -> Result<()> {
         self.unpin(lease.grant, Some(lease.conn));
         match self.rooms.get(&lease.room) {
-            Some(r) if r.gen != lease.gen => return Err(stale(lease.room)),
-            Some(r) if r.live() => {}
-            _ => return Err(self.closed(lease.room)),
+            Some(r) if r.gen == lease.gen && r.live() => {}
+            Some(r) if r.gen == lease.gen => return Err(self.closed(lease.room)),
+            _ => return Err(stale(lease.room)),
         }
         if let Err(e) = verified {
             self.fail_room(lease.room, e.code(), e.message().to_owned(), session);
