@@ -55,6 +55,7 @@ int main(void) {
     CHECK_INT(defaults.max_events, 65536);
     CHECK_INT(defaults.dead_peer_timeout_ms, 15000);
     CHECK_INT(defaults.room_timeout_ms, 300000);
+    CHECK_INT(defaults.stall_warn_ms, 0); /* a quarter of each operation's deadline */
 
     /* Valid engines. */
     CHECK_OK(kvstage_engine_new(&defaults, &engine));

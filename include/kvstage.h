@@ -334,6 +334,11 @@ typedef struct kvstage_engine_options {
     // A `kvstage_same_host` value: whether transport AUTO uses the same-host path (default AUTO;
     // OFF with transport SHM is an error).
     int32_t same_host;
+    // A transfer that waits this long without progress (for its allocation, the receiver's
+    // watermark, the acknowledgement, or layers to be marked ready) logs one WARN line naming the
+    // room, the chunk and what it waits on, once per wait. 0 (default): a quarter of the
+    // operation's deadline (10 s without one); KVSTAGE_DEADLINE_INFINITE: never.
+    uint64_t stall_warn_ms;
 } kvstage_engine_options;
 
 // One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.

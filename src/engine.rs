@@ -21,6 +21,7 @@ use crate::session::receiver::listener::{Limits, Listener};
 use crate::session::receiver::{Receiver, ReceiverConfig, RingMemory, RingSpec, ScatterJob};
 use crate::session::notify::Completions;
 use crate::session::sender::{SendResources, SenderConfig, SenderSession};
+pub use crate::session::sender::StallWarn;
 use crate::session::staging::StagingPool;
 use crate::session::workers::Workers;
 
@@ -69,6 +70,9 @@ pub struct EngineOptions {
     pub room_timeout: Option<Duration>,
     /// Chunk events kept for polling; more are dropped and counted.
     pub max_events: u32,
+    /// When a transfer waiting without progress (grant, watermark, acknowledgement, layers) is
+    /// reported: one WARN line per wait naming the request and what it waits on.
+    pub stall_warn: StallWarn,
 }
 
 pub use crate::session::{Integrity, INTEGRITY_SAMPLE_PERIOD};
@@ -104,6 +108,7 @@ impl Default for EngineOptions {
             dead_peer_timeout: Some(DEFAULT_DEAD_PEER_TIMEOUT),
             room_timeout: Some(DEFAULT_ROOM_TIMEOUT),
             max_events: DEFAULT_MAX_EVENTS,
+            stall_warn: StallWarn::default(),
         }
     }
 }
@@ -252,6 +257,7 @@ impl Engine {
                 default_deadline: options.default_deadline,
                 dead_peer_timeout: options.dead_peer_timeout,
                 faults: options.faults.clone(),
+                stall_warn: options.stall_warn,
             },
             rdma: rdma.clone(),
             shm: shm.clone(),

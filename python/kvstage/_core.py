@@ -684,6 +684,7 @@ class Engine(_Handle):
         send_staging_total_bytes: Optional[int] = None,
         transfer_threads: Optional[int] = None,
         same_host: Optional[bool] = None,
+        stall_warn_ms: Optional[int] = None,
         library: Optional[Library] = None,
     ):
         lib = library or get_library()
@@ -718,6 +719,7 @@ class Engine(_Handle):
             ("send_staging_buffers", send_staging_buffers, _u32),
             ("send_staging_total_bytes", send_staging_total_bytes, _u64),
             ("transfer_threads", transfer_threads, _u32),
+            ("stall_warn_ms", stall_warn_ms, _u64),
         ):
             if value is not None:
                 setattr(opts, name, conv(value, name))

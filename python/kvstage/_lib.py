@@ -189,6 +189,7 @@ class kvstage_engine_options(Structure):
         ("transfer_threads", c_uint32),
         ("send_staging_total_bytes", c_uint64),
         ("same_host", c_int32),
+        ("stall_warn_ms", c_uint64),
     ]
 
 

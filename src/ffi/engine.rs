@@ -3,7 +3,7 @@
 use std::ffi::c_char;
 
 use super::{ffi_fn, out_arg, str_arg, versioned_struct, write_text, Borrowed, Handle};
-use crate::engine::{Engine, EngineOptions, Integrity, TransportKind};
+use crate::engine::{Engine, EngineOptions, Integrity, StallWarn, TransportKind};
 use crate::error::{Error, Result, Status};
 use crate::session::receiver::RingSpec;
 
@@ -105,6 +105,11 @@ pub struct kvstage_engine_options {
     /// A `kvstage_same_host` value: whether transport AUTO uses the same-host path (default AUTO;
     /// OFF with transport SHM is an error).
     pub same_host: i32,
+    /// A transfer that waits this long without progress (for its allocation, the receiver's
+    /// watermark, the acknowledgement, or layers to be marked ready) logs one WARN line naming the
+    /// room, the chunk and what it waits on, once per wait. 0 (default): a quarter of the
+    /// operation's deadline (10 s without one); KVSTAGE_DEADLINE_INFINITE: never.
+    pub stall_warn_ms: u64,
 }
 
 /// Per-chunk integrity checking (xxh3-64 of each writer's staged bytes).
@@ -150,6 +155,7 @@ impl Default for kvstage_engine_options {
             transfer_threads: d.transfer_threads,
             send_staging_total_bytes: d.send_staging_total_bytes,
             same_host: if d.same_host { kvstage_same_host::KVSTAGE_SAME_HOST_AUTO } else { kvstage_same_host::KVSTAGE_SAME_HOST_OFF } as i32,
+            stall_warn_ms: 0,
         }
     }
 }
@@ -220,6 +226,11 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
         0 => true,
         1 => false,
         other => return Err(Error::invalid_arg("options->same_host", format!("{other} is not a kvstage_same_host value"))),
+    };
+    opts.stall_warn = match raw.stall_warn_ms {
+        0 => StallWarn::QuarterOfDeadline,
+        KVSTAGE_DEADLINE_INFINITE => StallWarn::Never,
+        ms => StallWarn::After(std::time::Duration::from_millis(ms)),
     };
     Ok(opts)
 }

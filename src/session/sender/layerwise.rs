@@ -26,6 +26,7 @@ impl SenderSession {
         place: &Placement,
         ready: impl Fn(Option<u64>) -> Message,
         t: &mut TransferTimings,
+        stall: &mut Stall,
     ) -> Result<()> {
         let region_bytes = place.region_bytes;
         let ring_offset = place.grant_offset + place.region_offset;
@@ -39,7 +40,7 @@ impl SenderSession {
             Some(self.staging_buffer(region_bytes, deadline, op, t)?)
         };
         while !missing.is_empty() {
-            for batch in self.wait_layers(gate, deadline, op)? {
+            for batch in self.wait_layers(gate, deadline, op, &missing, stall)? {
                 let layers: Vec<u32> = batch.layers.iter().copied().filter(|l| missing.remove(l)).collect();
                 if layers.is_empty() {
                     continue;
@@ -106,17 +107,25 @@ impl SenderSession {
     }
 
     /// Blocks until the caller marked more layers (or the deadline, a cancel, the session's end).
-    fn wait_layers(&self, gate: &LayerGate, deadline: &Deadline, op: &Op) -> Result<Vec<crate::session::layers::LayerBatch>> {
+    fn wait_layers(&self, gate: &LayerGate, deadline: &Deadline, op: &Op, missing: &BTreeSet<u32>, stall: &mut Stall) -> Result<Vec<crate::session::layers::LayerBatch>> {
         // The gate is read under the session lock: a mark lands either before the read or wakes
         // the wait below (marking wakes the session after its own lock is released).
         let mut st = self.shared.state.lock();
+        stall.progress();
         loop {
             let batches = gate.take();
             if !batches.is_empty() {
                 return Ok(batches);
             }
             self.check_alive(&st, deadline, op, "waiting for the caller to mark the chunk's layers ready")?;
-            deadline.wait(&self.shared.cv, &mut st);
+            stall.wait(deadline, &self.shared.cv, &mut st, |_| {
+                let shown: Vec<String> = missing.iter().take(16).map(u32::to_string).collect();
+                let more = if missing.len() > 16 { format!(" and {} more", missing.len() - 16) } else { String::new() };
+                format!(
+                    "waiting for the caller to mark layers ready (kvstage_op_layers_ready): layers {}{more} of this chunk are not marked",
+                    shown.join(", ")
+                )
+            });
         }
     }
 }

@@ -10,7 +10,11 @@
 
 mod connect;
 mod layerwise;
+mod stall;
 mod staged;
+
+pub use stall::StallWarn;
+use stall::Stall;
 
 use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpStream};
@@ -53,6 +57,8 @@ pub struct SenderConfig {
     pub dead_peer_timeout: Option<Duration>,
     /// Test only: faults injected into this side's connections.
     pub faults: Option<crate::transport::faults::Faults>,
+    /// When a transfer waiting without progress is reported (one WARN per wait).
+    pub stall_warn: StallWarn,
 }
 
 /// Engine-wide resources every sender session uses.
@@ -372,7 +378,7 @@ impl SenderSession {
         wrote?;
         self.metrics.sent(bytes);
         let phase = Instant::now();
-        let ack = self.wait_reply(&pending, &deadline, op, "waiting for the slice acknowledgement");
+        let ack = self.wait_reply(&pending, &deadline, op, "waiting for the slice acknowledgement", None);
         t.ack_ns = since(phase);
         match ack? {
             Message::Arrived { status: 0, .. } => Ok(Status::KVSTAGE_OK),
@@ -392,7 +398,7 @@ impl SenderSession {
         let deadline = Deadline::after(timeout);
         let pending = self.expect_reply();
         self.link.send(&Message::GridReq { req: pending.req, room }, &deadline)?;
-        match self.wait_reply(&pending, &deadline, &Op::new(self.waker()), "waiting for the room's chunk grid")? {
+        match self.wait_reply(&pending, &deadline, &Op::new(self.waker()), "waiting for the room's chunk grid", None)? {
             Message::GridRsp { status: 0, chunk_tokens, num_chunks, num_pages, .. } => Ok(RoomGrid { chunk_tokens, num_chunks, num_pages }),
             Message::GridRsp { status, reason, .. } => {
                 let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
@@ -433,27 +439,44 @@ impl SenderSession {
         self.shared.state.lock().replies_dropped
     }
 
-    fn wait_reply(&self, pending: &Pending<'_>, deadline: &Deadline, op: &Op, what: &str) -> Result<Message> {
+    /// Waits for the reply to `pending`; a transfer's wait (`stall`) that makes no progress for
+    /// long is reported once.
+    fn wait_reply(&self, pending: &Pending<'_>, deadline: &Deadline, op: &Op, what: &str, mut stall: Option<&mut Stall>) -> Result<Message> {
         let req = pending.req;
         let mut st = self.shared.state.lock();
+        if let Some(s) = stall.as_deref_mut() {
+            s.progress();
+        }
         loop {
             if let Some(msg) = st.replies.remove(&req) {
                 return Ok(msg);
             }
             self.check_alive(&st, deadline, op, what)?;
-            deadline.wait(&self.shared.cv, &mut st);
+            match stall.as_deref_mut() {
+                Some(s) => s.wait(deadline, &self.shared.cv, &mut st, |_| format!("{what} from the receiver ({})", self.link.describe())),
+                None => {
+                    deadline.wait(&self.shared.cv, &mut st);
+                }
+            }
         }
     }
 
     /// Back-pressure: blocks (without spinning) until the receiver's watermark allows the write.
-    fn wait_writable(&self, round: u64, end: u64, deadline: &Deadline, op: &Op) -> Result<()> {
+    fn wait_writable(&self, round: u64, end: u64, deadline: &Deadline, op: &Op, stall: &mut Stall) -> Result<()> {
         let mut st = self.shared.state.lock();
+        stall.progress();
         loop {
             if st.watermark.permits(round, end) {
                 return Ok(());
             }
             self.check_alive(&st, deadline, op, &format!("waiting for the receiver's watermark (round {round})"))?;
-            deadline.wait(&self.shared.cv, &mut st);
+            stall.wait(deadline, &self.shared.cv, &mut st, |st| {
+                let w = st.watermark;
+                format!(
+                    "waiting for the receiver's watermark: this grant ends at offset {end} of ring round {round}, the watermark is at round {} offset {} (an older allocation on the receiver still holds that ring space)",
+                    w.round, w.offset
+                )
+            });
         }
     }
 }

@@ -81,7 +81,8 @@ impl SenderSession {
         t.watermark_wait_ns = since(asked);
         sent?;
         // A grant may already be on its way: giving up here must release it too.
-        let reply = self.wait_reply(&alloc, &deadline, op, "waiting for the allocation");
+        let mut stall = Stall::new(&self.id, desc, self.resources.options.stall_warn);
+        let reply = self.wait_reply(&alloc, &deadline, op, "waiting for the allocation", Some(&mut stall));
         t.watermark_wait_ns = since(asked);
         let reply = reply.inspect_err(|e| self.abort(desc, e.message()))?;
         let (round, offset, region_offset) = match reply {
@@ -107,7 +108,7 @@ impl SenderSession {
         };
         // From here on the receiver holds ring space for us: every failure aborts first.
         let place = Placement { round, grant_offset: offset, region_offset, region_bytes: region.bytes, writer };
-        let written = self.write_granted(desc, op, &deadline, &plan, &place, t);
+        let written = self.write_granted(desc, op, &deadline, &plan, &place, t, &mut stall);
         let arrival = match written {
             Ok(pending) => pending,
             Err(e) => {
@@ -116,7 +117,7 @@ impl SenderSession {
             }
         };
         let written_at = Instant::now();
-        let ack = self.wait_reply(&arrival, &deadline, op, "waiting for the arrival acknowledgement");
+        let ack = self.wait_reply(&arrival, &deadline, op, "waiting for the arrival acknowledgement", Some(&mut stall));
         t.ack_ns = since(written_at);
         match ack {
             Ok(Message::Arrived { status: 0, .. }) => Ok(Status::KVSTAGE_OK),
@@ -133,18 +134,28 @@ impl SenderSession {
     }
 
     /// Writes the granted region and its ready; the returned [`Pending`] awaits the arrival.
-    fn write_granted(&self, desc: &TransferDesc, op: &Op, deadline: &Deadline, plan: &geometry::CopyPlan, place: &Placement, t: &mut TransferTimings) -> Result<Pending<'_>> {
+    #[allow(clippy::too_many_arguments)]
+    fn write_granted(
+        &self,
+        desc: &TransferDesc,
+        op: &Op,
+        deadline: &Deadline,
+        plan: &geometry::CopyPlan,
+        place: &Placement,
+        t: &mut TransferTimings,
+        stall: &mut Stall,
+    ) -> Result<Pending<'_>> {
         let Placement { round, grant_offset, region_offset, region_bytes, writer } = *place;
         // Each phase is timed whether it succeeds or not (a timeout shows where it waited).
         let phase = Instant::now();
-        let writable = self.wait_writable(round, place.end(), deadline, op);
+        let writable = self.wait_writable(round, place.end(), deadline, op, stall);
         t.watermark_wait_ns += since(phase);
         writable?;
         let pending = self.expect_reply();
         let req = pending.req;
         let ready = |checksum| Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
         if let Some(gate) = &desc.layers {
-            self.write_by_layers(desc, gate, op, deadline, plan, place, ready, t)?;
+            self.write_by_layers(desc, gate, op, deadline, plan, place, ready, t, stall)?;
             return Ok(pending);
         }
         let header = place.data(desc, 0, region_bytes);

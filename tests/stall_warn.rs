@@ -1,0 +1,117 @@
+//! Stuck is reported, not only timed out: a transfer that waits without progress logs one WARN
+//! line, once per wait, naming its session, room and chunk and what it waits on — in the stuck
+//! situations a sender can meet: the receiver's watermark held by an older allocation nobody
+//! finishes, a receiver that never answers the allocation (a peer that stopped reading), and a
+//! layer-wise transfer whose last layer is never marked ready. No timing is asserted beyond the
+//! transfers' own deadlines.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use common::*;
+use kvstage::engine::logging;
+use kvstage::engine::{Engine, EngineOptions, StallWarn};
+use kvstage::session::op::Op;
+use kvstage::transport::faults::{FaultCounters, FaultPlan, Faults};
+use kvstage::session::sender::TransferDesc;
+use kvstage::Status;
+use kvstage_testkit::HostPool;
+
+/// Every WARN line of `session` logged while `f` runs: (session, message).
+fn warnings_during<T>(f: impl FnOnce() -> T) -> (T, Vec<(String, String)>) {
+    let lines: Arc<Mutex<Vec<(String, String)>>> = Arc::default();
+    let sink = lines.clone();
+    logging::set_callback(Some((
+        Box::new(move |l: &logging::Line<'_>| sink.lock().push((l.session.to_owned(), l.message.to_owned()))),
+        log::LevelFilter::Warn,
+    )))
+    .unwrap();
+    let out = f();
+    logging::set_callback(None).unwrap();
+    let lines = lines.lock().clone();
+    (out, lines)
+}
+
+/// A prefill engine (rank `rank` of TP 2 of `geo`) whose stalls are reported after 300 ms.
+fn prefill(geo: &Geometry, rank: u32) -> (Engine, HostPool) {
+    let engine = Engine::new(EngineOptions { stall_warn: StallWarn::After(Duration::from_millis(300)), ..prefill_options() }).unwrap();
+    let mut pool = HostPool::new(geo.shape(rank, 2), geo.pool_pages);
+    pool.fill(&(0..geo.pool_pages as u32).collect::<Vec<_>>(), 0);
+    engine.register_pool(pool.layout.clone()).unwrap();
+    (engine, pool)
+}
+
+fn stalls<'a>(lines: &'a [(String, String)], session: &str) -> Vec<&'a str> {
+    lines.iter().filter(|(s, m)| s == session && m.contains("no progress for")).map(|(_, m)| m.as_str()).collect()
+}
+
+#[test]
+fn a_watermark_held_by_an_unfinished_allocation_is_reported_once() {
+    let _serial = serial();
+    // A ring of one chunk: a granted chunk nobody finishes holds the watermark for every later one.
+    let ring = SMALL.layout(0, 2).total_bytes as usize;
+    let c = Cluster::new(SMALL, decode_options(&SMALL), RingSpec::Owned(ring));
+    let held = open_room(&c.decode, 61, &c.room_pages(61, 1), SMALL.chunk_tokens);
+    let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "holder", b"");
+    raw.alloc_granted(1, held, 0, 0, &SMALL.layout(0, 2));
+    let room = open_room(&c.decode, 62, &c.room_pages(62, 1), SMALL.chunk_tokens);
+    let (engine, _pool) = prefill(&SMALL, 0);
+    let s = engine.connect(&c.addr().to_string(), "stalled-watermark", None).unwrap();
+    let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
+    let desc = TransferDesc { room, chunk: 0, pages: src, timeout: Some(Duration::from_secs(2)), ..Default::default() };
+    let (result, lines) = warnings_during(|| s.transfer(&desc, &Op::new(s.waker())));
+    assert_eq!(result.unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
+    let reported = stalls(&lines, "stalled-watermark");
+    assert_eq!(reported.len(), 1, "one report per stalled wait: {lines:?}");
+    let line = reported[0];
+    assert!(line.starts_with("room 62 chunk 0: no progress for"), "{line}");
+    assert!(line.contains("waiting for the receiver's watermark") && line.contains("an older allocation on the receiver still holds"), "{line}");
+    assert!(!line.contains(&held.key.to_string()) && !line.contains(&room.key.to_string()), "a key in the log: {line}");
+    drop(raw);
+}
+
+#[test]
+fn an_allocation_never_answered_is_reported_once() {
+    let _serial = serial();
+    // The receiver stops reading this session's frames (test fault): the allocation is never answered.
+    let mut options = decode_options(&SMALL);
+    options.faults = Some(Faults { plan: FaultPlan { stop_reading_after: Some(0), ..FaultPlan::default() }, counters: Arc::new(FaultCounters::default()) });
+    let c = Cluster::new(SMALL, options, RingSpec::Owned(4 * SMALL.layout(0, 2).total_bytes as usize));
+    let room = open_room(&c.decode, 63, &c.room_pages(63, 1), SMALL.chunk_tokens);
+    let (engine, _pool) = prefill(&SMALL, 0);
+    let s = engine.connect(&c.addr().to_string(), "stalled-reader", None).unwrap();
+    let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
+    let desc = TransferDesc { room, chunk: 0, pages: src, timeout: Some(Duration::from_secs(2)), ..Default::default() };
+    let (result, lines) = warnings_during(|| s.transfer(&desc, &Op::new(s.waker())));
+    assert_eq!(result.unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
+    let reported = stalls(&lines, "stalled-reader");
+    assert_eq!(reported.len(), 1, "{lines:?}");
+    assert!(reported[0].starts_with("room 63 chunk 0: no progress for") && reported[0].contains("waiting for the allocation from the receiver"), "{}", reported[0]);
+}
+
+#[test]
+fn a_layer_never_marked_ready_is_reported_once_naming_it() {
+    let _serial = serial();
+    let c = Cluster::new(SMALL, decode_options(&SMALL), RingSpec::Owned(4 * SMALL.layout(0, 2).total_bytes as usize));
+    let room = open_room(&c.decode, 64, &c.room_pages(64, 1), SMALL.chunk_tokens);
+    let (engine, _pool) = prefill(&SMALL, 0);
+    let s = engine.connect(&c.addr().to_string(), "stalled-layers", None).unwrap();
+    let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
+    let gate = s.layer_gate();
+    let desc = TransferDesc { room, chunk: 0, pages: src, timeout: Some(Duration::from_secs(2)), layers: Some(gate.clone()), ..Default::default() };
+    let ((), lines) = warnings_during(|| {
+        let op = s.transfer_async(desc, false, 0).unwrap();
+        // Every layer but the last (the pool's layer ids are 0..layers).
+        let layers = SMALL.shape(0, 2).layer_ids.len() as u32;
+        gate.mark(0, layers - 1, None).unwrap();
+        assert_eq!(op.wait(None).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
+    });
+    let reported = stalls(&lines, "stalled-layers");
+    let last = SMALL.shape(0, 2).layer_ids.len() - 1;
+    assert_eq!(reported.len(), 1, "{lines:?}");
+    assert!(reported[0].contains(&format!("layers {last} of this chunk are not marked")), "{}", reported[0]);
+}
