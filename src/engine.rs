@@ -272,6 +272,11 @@ impl Engine {
             listener: options.listener,
             dead_peer_timeout: options.dead_peer_timeout,
             faults: options.faults.clone(),
+            stall_after: match options.stall_warn {
+                StallWarn::QuarterOfDeadline => Some(options.room_timeout.map_or(Duration::from_secs(10), |t| t / 4)),
+                StallWarn::After(d) => Some(d),
+                StallWarn::Never => None,
+            },
         };
         let receiver = Arc::new(Receiver::new(pool.clone(), copy, config, completions.clone()));
         receiver.set_rdma(rdma.clone());

@@ -54,7 +54,8 @@ fn a_watermark_held_by_an_unfinished_allocation_is_reported_once() {
     let _serial = serial();
     // A ring of one chunk: a granted chunk nobody finishes holds the watermark for every later one.
     let ring = SMALL.layout(0, 2).total_bytes as usize;
-    let c = Cluster::new(SMALL, decode_options(&SMALL), RingSpec::Owned(ring));
+    let decode = EngineOptions { stall_warn: StallWarn::After(Duration::from_millis(300)), ..decode_options(&SMALL) };
+    let c = Cluster::new(SMALL, decode, RingSpec::Owned(ring));
     let held = open_room(&c.decode, 61, &c.room_pages(61, 1), SMALL.chunk_tokens);
     let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "holder", b"");
     raw.alloc_granted(1, held, 0, 0, &SMALL.layout(0, 2));
@@ -71,6 +72,12 @@ fn a_watermark_held_by_an_unfinished_allocation_is_reported_once() {
     assert!(line.starts_with("room 62 chunk 0: no progress for"), "{line}");
     assert!(line.contains("waiting for the receiver's watermark") && line.contains("an older allocation on the receiver still holds"), "{line}");
     assert!(!line.contains(&held.key.to_string()) && !line.contains(&room.key.to_string()), "a key in the log: {line}");
+    // The decode side names the culprit: the allocation that holds the ring and who owes it.
+    let culprit: Vec<&str> = lines.iter().filter(|(s, m)| s.is_empty() && m.starts_with("room 61 chunk 0:")).map(|(_, m)| m.as_str()).collect();
+    assert_eq!(culprit.len(), 1, "one decode-side report of the allocation holding the ring: {lines:?}");
+    let c0 = culprit[0];
+    assert!(c0.contains("holds ring round") && c0.contains("session holder (prefill tp 0 pp 0): 0 of 8192 bytes landed, not ready"), "{c0}");
+    assert!(c0.contains("claimed by no writer yet"), "the other prefill rank never asked: {c0}");
     drop(raw);
 }
 

@@ -54,6 +54,9 @@ pub struct ReceiverConfig {
     pub dead_peer_timeout: Option<Duration>,
     /// Test only: faults injected into this side's connections.
     pub faults: Option<Faults>,
+    /// A chunk holding ring space this long without completing is reported (one WARN naming what
+    /// it waits for); `None`: never.
+    pub stall_after: Option<Duration>,
 }
 
 /// Bound on a reply or broadcast to one sender: its reader drains them at once, so a full socket
@@ -156,6 +159,8 @@ pub struct Receiver {
     pub log_limits: LogLimits,
     /// Chunk events are signalled here too (eventfd, callback).
     completions: Arc<Completions>,
+    /// Waiting grants the keeper has seen: when first, and whether their stall was reported.
+    stalls: Mutex<HashMap<u64, (Instant, bool)>>,
 }
 
 impl Receiver {
@@ -178,6 +183,7 @@ impl Receiver {
             leases: same_host::Leases::default(),
             counters: ReceiverCounters::default(),
             log_limits: LogLimits::default(),
+            stalls: Mutex::new(HashMap::new()),
         }
     }
 
@@ -480,6 +486,35 @@ impl Receiver {
             }
         }
         self.with_state(|st| st.expire(Instant::now()));
+        self.report_stalls();
+    }
+
+    /// Reports, once each, the chunks that have held ring space for `stall_after` without
+    /// completing: what they wait for (writers and their progress), in one WARN line.
+    fn report_stalls(&self) {
+        let Some(after) = self.config.stall_after else { return };
+        let now = Instant::now();
+        let waiting = self.state.lock().waiting_grants();
+        let due: Vec<u64> = {
+            let mut seen = self.stalls.lock();
+            seen.retain(|id, _| waiting.contains(id));
+            waiting
+                .iter()
+                .filter(|id| {
+                    let (since, reported) = seen.entry(**id).or_insert((now, false));
+                    let due = !*reported && now.duration_since(*since) >= after;
+                    *reported |= due;
+                    due
+                })
+                .copied()
+                .collect()
+        };
+        for id in due {
+            let report = self.state.lock().grant_report(id);
+            if let Some(report) = report {
+                log::warn!("{report} (no progress in the {:.1} s since the grant)", after.as_secs_f64());
+            }
+        }
     }
 
     /// Stops the keeper and shuts every accepted connection down (their threads then end).

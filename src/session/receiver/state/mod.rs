@@ -37,6 +37,7 @@ use crate::session::{Integrity, Pairing};
 
 mod slices;
 mod staged;
+mod stalls;
 mod streaming;
 
 pub type ConnId = u64;
