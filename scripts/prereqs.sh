@@ -6,7 +6,7 @@
 #   scripts/prereqs.sh build    cargo, cmake >= 3.25, a C compiler, libclang-dev, pkg-config
 #                               (sideway's rdma-core bindings run cmake and bindgen at build time)
 #   scripts/prereqs.sh test     build + g++, valgrind, iproute2, clang-14, libasan, libibverbs,
-#                               qemu-system-x86, python3 with numpy, pytest and venv, ptxas from PyPI
+#                               qemu-system-x86, python3 with numpy, pytest, prometheus_client and venv, ptxas from PyPI
 set -euo pipefail
 mode=${1:-build}
 [[ $mode == build || $mode == test ]] || { echo "usage: $0 build|test" >&2; exit 2; }
@@ -87,9 +87,9 @@ if [[ $mode == test ]]; then
   }
   python3 -m pip --version >/dev/null 2>&1 || die "python3 has no pip: apt-get install python3-pip"
   # The Python binding's tests (ctest label python).
-  if ! python3 -c 'import numpy, pytest' >/dev/null 2>&1; then
-    say "installing numpy and pytest for python3"
-    pip_install numpy pytest
+  if ! python3 -c 'import numpy, pytest, prometheus_client' >/dev/null 2>&1; then
+    say "installing numpy, pytest and prometheus_client for python3"
+    pip_install numpy pytest prometheus_client
   fi
   # ptxas (NVIDIA's PyPI wheel; no GPU needed) checks the embedded PTX for sm_80 and sm_90.
   if ! python3 -c 'import nvidia.cuda_nvcc' >/dev/null 2>&1; then

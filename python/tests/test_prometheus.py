@@ -1,0 +1,80 @@
+"""kvstage.prometheus: an engine's counters and gauges read at scrape time, and phase histograms
+fed by the completion callback and by synchronous transfers (skipped without prometheus_client)."""
+
+import threading
+
+import pytest
+
+import kvref
+import kvstage
+
+prometheus_client = pytest.importorskip("prometheus_client")
+import kvstage.prometheus  # noqa: E402 - after the skip
+
+MODEL = kvref.Model(layers=2, heads=4, head_dim=8, dtype_bytes=2, page_size=4)
+PAGES = 4
+CHUNK_BYTES = PAGES * MODEL.page_size * MODEL.heads * MODEL.head_dim * MODEL.dtype_bytes * 2 * MODEL.layers
+
+
+def test_counters_gauges_and_phase_histograms(lib):
+    registry = prometheus_client.CollectorRegistry()
+    dpool, dlayout = kvref.make_pool(MODEL, 0, 1, 16)
+    decode = kvstage.Engine(transport="tcp")
+    decode.register_pool(dlayout)
+    decode.register_staging(CHUNK_BYTES * 2)
+    ppool, playout = kvref.make_pool(MODEL, 0, 1, 16)
+    kvref.fill_random(ppool, 3)
+    prefill = kvstage.Engine(transport="tcp")
+    prefill.register_pool(playout)
+    kvstage.prometheus.register(decode, registry, name="decode")
+    phases = kvstage.prometheus.register(prefill, registry, name="prefill")
+    decode_phases = kvstage.prometheus.PhaseHistograms("decode", registry)
+    done = threading.Event()
+
+    def on_completion(*args):
+        phases.on_completion(*args)
+        done.set()
+
+    prefill.set_completion_callback(on_completion, metrics=True)
+    decode.set_completion_callback(decode_phases.on_completion, metrics=True)
+    value = registry.get_sample_value
+    pages = list(range(PAGES))
+    try:
+        session = prefill.connect(decode.listen_address, "prom")
+        key = decode.room_open(1, pages, chunk_tokens=PAGES * MODEL.page_size).key
+        op = session.transfer_async(1, 0, pages, deadline_ms=20000, room_key=key)
+        assert op.wait() == kvstage.Status.OK and done.wait(20)
+        op.close()
+        decode.room_wait(1, 20000)
+        key = decode.room_open(2, pages, chunk_tokens=PAGES * MODEL.page_size).key
+        assert session.transfer(2, 0, pages, deadline_ms=20000, room_key=key) == kvstage.Status.OK
+        phases.observe(kvstage.transfer_timings_last())
+        decode.room_wait(2, 20000)
+        # A fallback (more pages than the ring holds) and a stale key (a room that is not open).
+        assert session.transfer(3, 0, list(range(12)), deadline_ms=20000, room_key=1) == kvstage.Status.FALLBACK
+        with pytest.raises(kvstage.TimeError):
+            session.transfer(4, 0, pages, deadline_ms=20000, room_key=1)
+
+        assert value("kvstage_transfers_total", {"engine": "prefill", "outcome": "ok"}) == 2
+        assert value("kvstage_transfers_total", {"engine": "prefill", "outcome": "fallback"}) == 1
+        assert value("kvstage_transfers_total", {"engine": "prefill", "outcome": "canceled"}) == 1
+        assert value("kvstage_bytes_sent_total", {"engine": "prefill"}) == 2 * CHUNK_BYTES
+        assert value("kvstage_chunks_received_total", {"engine": "decode"}) == 2
+        assert value("kvstage_ring_capacity_bytes", {"engine": "decode"}) == CHUNK_BYTES * 2
+        assert value("kvstage_rooms_expired_total", {"engine": "decode"}) == 0
+        # One asynchronous completion and one synchronous transfer, every phase of both observed.
+        assert value("kvstage_transfer_phase_seconds_count", {"engine": "prefill", "phase": "total"}) == 2
+        assert value("kvstage_transfer_phase_seconds_count", {"engine": "prefill", "phase": "gather"}) == 2
+        assert value("kvstage_transfer_phase_seconds_count", {"engine": "prefill", "phase": "queued"}) == 1  # sync: no queue
+        assert value("kvstage_scatter_seconds_count", {"engine": "decode"}) == 2
+        # Text exposition works (what a Prometheus server scrapes).
+        text = prometheus_client.generate_latest(registry).decode()
+        assert 'kvstage_transfers_total{engine="prefill",outcome="ok"} 2.0' in text
+        session.close()
+    finally:
+        prefill.set_completion_callback(None)
+        decode.set_completion_callback(None)
+        prefill.close()
+        decode.close()
+    # A closed engine yields no samples (its collector stays registered).
+    assert value("kvstage_transfers_total", {"engine": "prefill", "outcome": "ok"}) is None
