@@ -327,23 +327,8 @@ unsafe fn stage_shapes(stages: *const kvstage_kv_layout, count: usize, arg: &str
 /// `capacity` is too small (then `KVSTAGE_E_INVALID_ARG` naming both). `out` NULL with `capacity`
 /// 0 is a count query (`KVSTAGE_OK`).
 unsafe fn write_peers(peers: &[geometry::PeerRank], out: *mut kvstage_rank, capacity: usize, count: *mut usize) -> Result<Status> {
-    if unsafe { super::size_query(out, capacity, count, "count", peers.len()) }? {
-        return Ok(Status::KVSTAGE_OK);
-    }
-    if peers.len() > capacity {
-        return Err(Error::invalid_arg("capacity", format!("{capacity} < {} ranks to report", peers.len())));
-    }
-    if peers.is_empty() {
-        return Ok(Status::KVSTAGE_OK);
-    }
-    if out.is_null() {
-        return Err(Error::invalid_arg("out", format!("is NULL with capacity {capacity}")));
-    }
-    for (i, p) in peers.iter().enumerate() {
-        // SAFETY: `capacity >= peers.len()` writable entries at `out` by contract.
-        unsafe { *out.add(i) = kvstage_rank { tp_rank: p.tp_rank, pp_rank: p.pp_rank } };
-    }
-    Ok(Status::KVSTAGE_OK)
+    let ranks: Vec<kvstage_rank> = peers.iter().map(|p| kvstage_rank { tp_rank: p.tp_rank, pp_rank: p.pp_rank }).collect();
+    unsafe { super::write_array(&ranks, out, capacity, count, "ranks") }
 }
 
 /// The decode ranks prefill rank `prefill` must open sessions to, ordered by (pp_rank, tp_rank):

@@ -372,6 +372,27 @@ pub unsafe fn size_query<T>(out: *mut T, capacity: usize, needed: *mut usize, ne
     Ok(false)
 }
 
+/// The one convention of array outputs `(out, capacity, count)`: writes `items` into
+/// `out[capacity]`; `*count` (may be NULL) receives their number, also when `capacity` is too
+/// small (`KVSTAGE_E_INVALID_ARG` naming both); `out` NULL with `capacity` 0 is a count query.
+pub unsafe fn write_array<T: Copy>(items: &[T], out: *mut T, capacity: usize, count: *mut usize, what: &str) -> Result<Status> {
+    if unsafe { size_query(out, capacity, count, "count", items.len()) }? {
+        return Ok(Status::KVSTAGE_OK);
+    }
+    if items.len() > capacity {
+        return Err(Error::invalid_arg("capacity", format!("{capacity} < {} {what} to report", items.len())));
+    }
+    if items.is_empty() {
+        return Ok(Status::KVSTAGE_OK);
+    }
+    if out.is_null() {
+        return Err(Error::invalid_arg("out", format!("is NULL with capacity {capacity}")));
+    }
+    // SAFETY: `capacity >= items.len()` writable entries at `out` by contract.
+    unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), out, items.len()) };
+    Ok(Status::KVSTAGE_OK)
+}
+
 /// Reads a versioned options struct whose first field is `struct_size`: fields the caller's
 /// (older, smaller) struct lacks keep their defaults; a size below the first version is an error.
 pub unsafe fn versioned_struct<T: Copy + Default>(ptr: *const T, arg: &str, min_size: usize) -> Result<T> {

@@ -1,7 +1,7 @@
 //! Per-request state items (Mamba/GDN conv and SSM states) under a TP change: the pure plan of
 //! which bytes of a prefill rank's slot go where in a decode rank's slot.
 
-use super::{ffi_fn, out_arg, size_query, slice_arg, versioned_struct};
+use super::{ffi_fn, out_arg, slice_arg, versioned_struct, write_array};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{self, StateItem};
 
@@ -89,23 +89,10 @@ pub unsafe extern "C" fn kvstage_state_slice_compute(
 ) -> Status {
     ffi_fn!(status {
         let item = unsafe { state_item(item) }?;
-        let ranges = geometry::state_slice(&item, src_tp, dst_tp, src_rank, dst_rank)?;
-        if unsafe { size_query(out, capacity, count, "count", ranges.len()) }? {
-            return Ok(Status::KVSTAGE_OK);
-        }
-        if ranges.len() > capacity {
-            return Err(Error::invalid_arg("capacity", format!("{capacity} < {} ranges to report", ranges.len())));
-        }
-        if ranges.is_empty() {
-            return Ok(Status::KVSTAGE_OK);
-        }
-        if out.is_null() {
-            return Err(Error::invalid_arg("out", format!("is NULL with capacity {capacity}")));
-        }
-        for (i, r) in ranges.iter().enumerate() {
-            // SAFETY: `capacity >= ranges.len()` writable entries at `out` by contract.
-            unsafe { *out.add(i) = kvstage_byte_range { src_offset: r.src, dst_offset: r.dst, len: r.len } };
-        }
-        Ok(Status::KVSTAGE_OK)
+        let ranges: Vec<kvstage_byte_range> = geometry::state_slice(&item, src_tp, dst_tp, src_rank, dst_rank)?
+            .iter()
+            .map(|r| kvstage_byte_range { src_offset: r.src, dst_offset: r.dst, len: r.len })
+            .collect();
+        unsafe { write_array(&ranges, out, capacity, count, "ranges") }
     })
 }

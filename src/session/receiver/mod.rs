@@ -497,7 +497,8 @@ impl Receiver {
         let waiting = self.state.lock().waiting_grants();
         let due: Vec<u64> = {
             let mut seen = self.stalls.lock();
-            seen.retain(|id, _| waiting.contains(id));
+            let live: std::collections::HashSet<u64> = waiting.iter().copied().collect();
+            seen.retain(|id, _| live.contains(id));
             waiting
                 .iter()
                 .filter(|id| {
