@@ -465,6 +465,15 @@ static void test_geometry(void) {
 
     EXPECT(kvstage_grid_tokens(16, 4, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
     EXPECT(kvstage_grid_tokens(16, 0, &n), KVSTAGE_E_INVALID_ARG, "`page_size`");
+    {
+        kvstage_chunk_span sp = {sizeof sp};
+        EXPECT(kvstage_chunk_span(100, 0, 16, 16, 64, 0, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
+        EXPECT(kvstage_chunk_span(100, 0, 0, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`src_page_size`");
+        EXPECT(kvstage_chunk_span(100, 0, 16, 0, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`dst_page_size`");
+        EXPECT(kvstage_chunk_span(100, 112, 16, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "leaves none");
+        sp.struct_size = 0;
+        EXPECT(kvstage_chunk_span(100, 0, 16, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`out->struct_size`");
+    }
 
     st.struct_size = sizeof st;
     EXPECT(kvstage_staging_layout_compute(NULL, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`prefill_stages`");

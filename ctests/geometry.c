@@ -81,6 +81,28 @@ int main(void) {
     CHECK_ERROR(kvstage_grid_tokens(8192, 0, &n), KVSTAGE_E_INVALID_ARG, "`page_size`");
 
     {
+        /* Prefill pages of 64, decode pages of 16, 16 tokens cached on the decode side, chunks of
+           128: chunk 1 is request tokens 144..272, from slot 16 of prefill page 2 on. */
+        kvstage_chunk_span sp;
+        memset(&sp, 0, sizeof sp);
+        sp.struct_size = sizeof sp;
+        CHECK_OK(kvstage_chunk_span(300, 16, 64, 16, 128, 1, &sp));
+        CHECK_INT(sp.num_chunks, 3);
+        CHECK_INT(sp.first_token, 144);
+        CHECK_INT(sp.num_tokens, 128);
+        CHECK_INT(sp.src_first_page, 2);
+        CHECK_INT(sp.src_num_pages, 3);
+        CHECK_INT(sp.src_token_offset, 16);
+        CHECK_INT(sp.dst_first_page, 8);
+        CHECK_INT(sp.dst_num_pages, 8);
+        CHECK_OK(kvstage_chunk_span(300, 16, 64, 16, 128, 2, &sp));
+        CHECK_INT(sp.num_tokens, 28);
+        CHECK_INT(sp.dst_num_pages, 2);
+        CHECK_ERROR(kvstage_chunk_span(300, 8, 64, 16, 128, 0, &sp), KVSTAGE_E_INVALID_ARG, "not whole decode pages");
+        CHECK_ERROR(kvstage_chunk_span(300, 16, 64, 16, 128, 3, &sp), KVSTAGE_E_INVALID_ARG, "`chunk_index`: 3 is past");
+    }
+
+    {
         /* 70B-shaped, P4->D2, 8192 tokens: 2 writers of 640 MiB. */
         kvstage_kv_layout src = layout(0, 4, 80), dst = layout(1, 2, 80);
         kvstage_staging_layout out;

@@ -545,6 +545,29 @@ typedef struct kvstage_staging_writer {
     uint32_t dst_head_start;
 } kvstage_staging_writer;
 
+// Where one chunk of a request lies on both sides (`kvstage_chunk_span`). Set `struct_size`
+// before the call.
+typedef struct kvstage_chunk_span {
+    size_t struct_size;
+    // Chunks of the request (the room's chunk count).
+    uint32_t num_chunks;
+    // Tokens of this chunk: the chunk grid's, the request's last chunk possibly fewer.
+    uint32_t num_tokens;
+    // The chunk's first request token (`decode_prefix_tokens + chunk_index · grid tokens`).
+    uint64_t first_token;
+    // Prefill side: `src_pages` of the transfer are pages `[src_first_page, src_first_page +
+    // src_num_pages)` of the request's prefill page list (page `k` holds request tokens
+    // `[k · src_page_size, …)`); `src_token_offset` and `num_tokens` go into the descriptor as
+    // they are.
+    uint64_t src_first_page;
+    uint32_t src_num_pages;
+    uint32_t src_token_offset;
+    // Decode side: pages `[dst_first_page, dst_first_page + dst_num_pages)` of the room's page
+    // list (the pages after the decode side's cached prefix).
+    uint64_t dst_first_page;
+    uint32_t dst_num_pages;
+} kvstage_chunk_span;
+
 // One log record, as handed to a `kvstage_log_fn`. Every pointer is valid during the call only.
 typedef struct kvstage_log_record {
     // `sizeof(kvstage_log_record)` of the library (fields are only ever appended).
@@ -684,6 +707,15 @@ typedef struct kvstage_transfer_desc {
     // released, maybe reopened for another request) or a wrong key ends with
     // `KVSTAGE_E_STALE_ROOM` and writes nothing.
     uint64_t room_key;
+    // Slots of `src_pages[0]` before the chunk's first token (below the prefill page size): where
+    // the decode side's cached prefix (whole *decode* pages) or the previous chunk ends inside a
+    // prefill page. `kvstage_chunk_span` computes it.
+    uint32_t src_token_offset;
+    // Tokens of the chunk; 0: every slot of `src_pages` from `src_token_offset` on. The pages
+    // must hold exactly these tokens (the last one in the last page). Each chunk carries the
+    // decode room's chunk-grid tokens but the room's last, which may end inside a decode page
+    // (where the request ends).
+    uint32_t num_tokens;
 } kvstage_transfer_desc;
 
 #ifdef __cplusplus
@@ -750,6 +782,28 @@ enum kvstage_status kvstage_testing_rdma_fault(uint32_t fault);
 // to prove that a panic becomes `KVSTAGE_E_PANIC` and poisons the handle.
 enum kvstage_status kvstage_testing_panic(const struct kvstage_engine *engine);
 #endif
+
+// Decode side: room `room` as a JSON document (NUL-terminated) in `buf`: its state, failure,
+// and per chunk its phase (`not_started`, `waiting_for_watermark` with the older allocation it
+// waits behind, `granted`, `writing`, `waiting_for_writers`, `scattering`, `done`, `failed`), its
+// ring allocation, each writer's session, prefill rank and bytes landed, the slabs no writer
+// claimed. `*needed` (may be NULL) receives its size with the NUL; `buf` NULL with `capacity` 0
+// is a size query. The document changes as the room moves: query and fill in a loop until the
+// fill succeeds. `KVSTAGE_E_INVALID_ARG` when no room of that id is open.
+enum kvstage_status kvstage_room_describe(const struct kvstage_engine *engine, uint64_t room, char *buf, size_t capacity, size_t *needed);
+
+// The whole engine as a JSON document, as `kvstage_room_describe`: its transport, the decode
+// side's staging ring (live allocations oldest first, with their rooms and chunks), accepted
+// connections and rooms (state and chunks done), and the sessions it opened (transport, bytes
+// sent, the chunks running, why one is dead).
+enum kvstage_status kvstage_engine_describe(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
+
+// Prefill side: an operation as a JSON document, as `kvstage_room_describe`: its session, room
+// and chunk, its phase (`queued`, `waiting_for_ready_point`, `waiting_for_allocation`,
+// `waiting_for_watermark`, `waiting_for_staging_buffer`, `gathering`, `writing`,
+// `waiting_for_layers`, `waiting_for_acknowledgement`, `done`, `failed`), what the phase waits
+// on, the time in it, the deadline left, its status and error.
+enum kvstage_status kvstage_op_describe(const struct kvstage_op *op, char *buf, size_t capacity, size_t *needed);
 
 // Reports what this host offers kvstage: whether libibverbs loads, the RDMA devices and their
 // ports (state, active and max MTU, link layer, LID, GID table size), dma-buf registration and
@@ -872,9 +926,6 @@ enum kvstage_status kvstage_pairing_decode_ranks(const struct kvstage_kv_layout 
 // `prefill_stages[j]` describes prefill stage `j`.
 enum kvstage_status kvstage_pairing_prefill_ranks(const struct kvstage_kv_layout *decode, const struct kvstage_kv_layout *prefill_stages, size_t num_prefill_stages, struct kvstage_rank *out, size_t capacity, size_t *count);
 
-// Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.
-enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_size, uint32_t *out);
-
 // Computes the staging layout of decode rank `dst` for a chunk of `tokens` tokens written by the
 // prefill side: `prefill_stages` is an array of `num_prefill_stages` layouts, `prefill_stages[j]`
 // for prefill stage `j` (any TP rank: its `tp_size` and `layer_ids` are used), as for
@@ -888,6 +939,18 @@ enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_siz
 // `writers_len` is too small, `out` (with `num_writers`) is still filled and
 // `KVSTAGE_E_INVALID_ARG` names `writers_len`.
 enum kvstage_status kvstage_staging_layout_compute(const struct kvstage_kv_layout *prefill_stages, size_t num_prefill_stages, const struct kvstage_kv_layout *dst, uint32_t tokens, struct kvstage_staging_layout *out, struct kvstage_staging_writer *writers, size_t writers_len);
+
+// Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.
+enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_size, uint32_t *out);
+
+// Chunk `chunk_index` of a request of `total_tokens` tokens whose first `decode_prefix_tokens`
+// the decode side already holds (whole decode pages), on the decode room's chunk grid
+// (`kvstage_grid_tokens(chunk_tokens, dst_page_size)` tokens a chunk; pass the room's
+// `chunk_tokens`, or what `kvstage_session_room_grid` reports), with prefill pages of
+// `src_page_size` and decode pages of `dst_page_size` tokens. Pure: no engine, no I/O.
+// `KVSTAGE_E_INVALID_ARG` names the bad argument: a page size of 0, a prefix that is not whole
+// decode pages or leaves nothing to send, a chunk past the request's `num_chunks`.
+enum kvstage_status kvstage_chunk_span(uint64_t total_tokens, uint64_t decode_prefix_tokens, uint32_t src_page_size, uint32_t dst_page_size, uint32_t chunk_tokens, uint32_t chunk_index, struct kvstage_chunk_span *out);
 
 // Sends kvstage's log records at or above `max_level` (a `kvstage_log_level` value) to
 // `callback` instead of stderr, with `user_data` handed back unchanged; `callback` NULL sends

@@ -1,5 +1,6 @@
 //! The top-level object: options, registrations, worker threads, stats, logging ([`logging`]).
 
+pub mod describe;
 pub mod logging;
 pub mod stats;
 

@@ -4,12 +4,13 @@
 //! written here, per element, from first principles (which global heads a rank holds), sharing no
 //! code with the engine. The staging allocation itself is also compared byte for byte with the
 //! layout src/geometry/staging.rs documents, and the slice path is checked against the same reference.
-//! Pipeline stages split the layers at random on both sides (uneven, interleaved), and writers
-//! reach the decode rank in random order (regions are placed in arrival order).
+//! Pipeline stages split the layers at random on both sides (uneven, interleaved), writers reach
+//! the decode rank in random order (regions are placed in arrival order), the two sides' page
+//! sizes differ, the chunk starts inside a prefill page and may end inside a decode page.
 
 use kvstage::copy::{CopyEngine, HostCopyEngine};
 use kvstage::geometry::{
-    head_slice, plan_gather, plan_scatter, slice_plan, staging_layout, HeadSlice, KvLayout, MemoryKind, ModelKind, PoolShape,
+    head_slice, plan_gather, plan_scatter, slice_plan, staging_layout, HeadSlice, KvLayout, MemoryKind, ModelKind, PageSpan, PoolShape,
 };
 use proptest::prelude::*;
 
@@ -53,7 +54,12 @@ struct Cfg {
     heads: u32,
     head_dim: u32,
     dtype: u32,
-    page_size: u32,
+    src_page_size: u32,
+    dst_page_size: u32,
+    /// The chunk: tokens `[first_token, first_token + tokens)` of `src_pages` (list token `t` in
+    /// slot `t mod ps` of `src_pages[t / ps]`), tokens `[0, tokens)` of `dst_pages`.
+    first_token: u32,
+    tokens: u32,
     src_tp: u32,
     dst_tp: u32,
     /// Layer ids of each pipeline stage (every layer in exactly one stage of each side).
@@ -73,12 +79,15 @@ impl std::fmt::Debug for Cfg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{:?} H={} D={} b={} ps={} P{}x{:?}->D{}x{:?} arrival={} cap={} src={:?} dst={:?} threads={} streaming={}",
+            "{:?} H={} D={} b={} ps={}->{} tokens {}+{} P{}x{:?}->D{}x{:?} arrival={} cap={} src={:?} dst={:?} threads={} streaming={}",
             self.kind,
             self.heads,
             self.head_dim,
             self.dtype,
-            self.page_size,
+            self.src_page_size,
+            self.dst_page_size,
+            self.first_token,
+            self.tokens,
             self.src_tp,
             self.src_split,
             self.dst_tp,
@@ -105,10 +114,10 @@ fn local_heads(c: &Cfg, tp: u32) -> u32 {
     }
 }
 
-fn shape(c: &Cfg, tp_rank: u32, tp: u32, pp_rank: usize, split: &[Vec<u32>]) -> PoolShape {
+fn shape(c: &Cfg, page_size: u32, tp_rank: u32, tp: u32, pp_rank: usize, split: &[Vec<u32>]) -> PoolShape {
     PoolShape {
         kind: c.kind,
-        page_size: c.page_size,
+        page_size,
         local_heads: local_heads(c, tp),
         global_heads: c.heads,
         head_dim: c.head_dim,
@@ -139,7 +148,7 @@ struct Pool {
 
 fn new_pool(c: &Cfg, shape: PoolShape, fill: impl Fn(usize) -> u8) -> Pool {
     let slot_bytes = (shape.local_heads * c.head_dim * c.dtype) as usize;
-    let buffer_bytes = c.capacity as usize * c.page_size as usize * slot_bytes;
+    let buffer_bytes = c.capacity as usize * shape.page_size as usize * slot_bytes;
     let nbuf = buffers_per_layer(c) as usize * shape.layer_ids.len();
     let mut mem: Vec<u8> = (0..buffer_bytes * nbuf).map(fill).collect();
     let base = mem.as_mut_ptr() as usize;
@@ -153,21 +162,31 @@ fn new_pool(c: &Cfg, shape: PoolShape, fill: impl Fn(usize) -> u8) -> Pool {
 }
 
 /// Expected content of a pool of TP rank `tp_rank` holding `layers` after the transfer, byte by
-/// byte: slots of `pages[i]` hold sequence tokens i·ps.. with this rank's global heads; every
-/// other byte keeps `filler`.
-fn expected_pool(c: &Cfg, tp_rank: u32, tp: u32, layers: &[u32], pages: &[u32], filler: &dyn Fn(usize) -> u8) -> Vec<u8> {
+/// byte: slot `t` of `pages[i]` holds sequence token `token_of(i·ps + t)` (none: it keeps
+/// `filler`) with this rank's global heads; every other byte keeps `filler`.
+#[allow(clippy::too_many_arguments)]
+fn expected_pool(
+    c: &Cfg,
+    page_size: u32,
+    tp_rank: u32,
+    tp: u32,
+    layers: &[u32],
+    pages: &[u32],
+    token_of: &dyn Fn(u64) -> Option<u64>,
+    filler: &dyn Fn(usize) -> u8,
+) -> Vec<u8> {
     let heads = global_heads_of(c.kind, tp_rank, tp, c.heads);
     let slot = heads.len() * (c.head_dim * c.dtype) as usize;
-    let buffer = c.capacity as usize * c.page_size as usize * slot;
+    let buffer = c.capacity as usize * page_size as usize * slot;
     let nbuf = buffers_per_layer(c) as usize * layers.len();
     let mut out: Vec<u8> = (0..buffer * nbuf).map(filler).collect();
     for kv in 0..buffers_per_layer(c) {
         for (li, &layer) in layers.iter().enumerate() {
             let b = kv as usize * layers.len() + li;
             for (i, &page) in pages.iter().enumerate() {
-                for t in 0..c.page_size {
-                    let token = i as u64 * c.page_size as u64 + t as u64;
-                    let slot_idx = page as usize * c.page_size as usize + t as usize;
+                for t in 0..page_size {
+                    let Some(token) = token_of(i as u64 * page_size as u64 + t as u64) else { continue };
+                    let slot_idx = page as usize * page_size as usize + t as usize;
                     for (hl, &g) in heads.iter().enumerate() {
                         for e in 0..c.head_dim {
                             for y in 0..c.dtype {
@@ -228,12 +247,12 @@ fn expected_regions(c: &Cfg, d: u32, q: usize, arrivals: &[(u32, usize)]) -> Vec
 /// the regions back to back in arrival order, each `[K_l … | V_l …]` over its layers, a slab per
 /// (buffer, layer) of tokens × heads × elements.
 fn expected_staging(c: &Cfg, d: u32, q: usize, arrivals: &[(u32, usize)]) -> Vec<u8> {
-    let tokens = c.dst_pages.len() as u64 * c.page_size as u64;
+    let tokens = c.first_token as u64..c.first_token as u64 + c.tokens as u64;
     let mut out = Vec::new();
     for (_, block, heads) in expected_regions(c, d, q, arrivals) {
         for kv in 0..buffers_per_layer(c) {
             for &layer in &block {
-                for tok in 0..tokens {
+                for tok in tokens.clone() {
                     for &g in &heads {
                         for e in 0..c.head_dim {
                             for y in 0..c.dtype {
@@ -258,19 +277,23 @@ fn run(c: &Cfg) -> Result<(), TestCaseError> {
     let mut prefill = Vec::new();
     for j in 0..c.src_split.len() {
         for r in 0..c.src_tp {
-            let s = shape(c, r, c.src_tp, j, &c.src_split);
+            let s = shape(c, c.src_page_size, r, c.src_tp, j, &c.src_split);
             let tag = 1000 + (j as u32 * c.src_tp + r) as u64;
-            let want = expected_pool(c, r, c.src_tp, &c.src_split[j], &c.src_pages, &|p| noise(tag, p));
+            let want = expected_pool(c, c.src_page_size, r, c.src_tp, &c.src_split[j], &c.src_pages, &Some, &|p| noise(tag, p));
             let mut pool = new_pool(c, s, |_| 0);
             pool.mem.copy_from_slice(&want);
             prefill.push(pool);
         }
     }
     let any_src = prefill[0].layout.shape.clone();
-    let tokens = c.dst_pages.len() as u32 * c.page_size;
+    let tokens = c.tokens;
+    let src_span = PageSpan { pages: &c.src_pages, first_token: c.first_token, tokens: tokens as u64 };
+    let dst_span = PageSpan { pages: &c.dst_pages, first_token: 0, tokens: tokens as u64 };
+    // Decode slot `j` of the chunk's pages holds list token `first_token + j` of the prefill pages.
+    let dst_token = |j: u64| (j < tokens as u64).then_some(c.first_token as u64 + j);
     for q in 0..c.dst_split.len() {
         for d in 0..c.dst_tp {
-            let dst_shape = shape(c, d, c.dst_tp, q, &c.dst_split);
+            let dst_shape = shape(c, c.dst_page_size, d, c.dst_tp, q, &c.dst_split);
             let tag = 5000 + (q as u32 * c.dst_tp + d) as u64;
             let mut st = staging_layout(&any_src, &dst_shape, tokens).map_err(|e| TestCaseError::fail(e.chain()))?;
             // Prefill ranks reach the decode rank in a random order; each one that writes here
@@ -290,7 +313,7 @@ fn run(c: &Cfg) -> Result<(), TestCaseError> {
                 }
                 let w = st.place(&src.layout.shape).map_err(|e| TestCaseError::fail(e.chain()))?;
                 let region = st.writers[w as usize].clone();
-                let plan = plan_gather(&src.layout, &c.src_pages, &st, &region).map_err(|e| TestCaseError::fail(e.chain()))?;
+                let plan = plan_gather(&src.layout, &c.src_pages, c.first_token, &st, &region).map_err(|e| TestCaseError::fail(e.chain()))?;
                 let mut buf = vec![0u8; plan.staging_bytes as usize];
                 unsafe { engine.gather(&plan, &src.layout, buf.as_mut_ptr()) }.map_err(|e| TestCaseError::fail(e.chain()))?;
                 let at = plan.region_offset as usize;
@@ -302,7 +325,7 @@ fn run(c: &Cfg) -> Result<(), TestCaseError> {
                     ModelKind::Mla => HeadSlice::MLA,
                     ModelKind::Mha => head_slice(s.tp_size, c.dst_tp, s.tp_rank, d, c.heads).map_err(|e| TestCaseError::fail(e.chain()))?,
                 };
-                let ops = slice_plan(s, &dst_shape, &hs, &c.src_pages, &c.dst_pages).map_err(|e| TestCaseError::fail(e.chain()))?;
+                let ops = slice_plan(s, &dst_shape, &hs, &src_span, &dst_span).map_err(|e| TestCaseError::fail(e.chain()))?;
                 let common = s.layer_ids.iter().filter(|l| dst_shape.layer_ids.contains(l)).count();
                 prop_assert_eq!(ops.len(), buffers_per_layer(c) as usize * common * tokens as usize);
                 for op in &ops {
@@ -332,7 +355,7 @@ fn run(c: &Cfg) -> Result<(), TestCaseError> {
                 let region = unsafe { alloc.as_ptr().add(plan.region_offset as usize) };
                 unsafe { engine.scatter(&plan, &pool.layout, region) }.map_err(|e| TestCaseError::fail(e.chain()))?;
             }
-            let want = expected_pool(c, d, c.dst_tp, &c.dst_split[q], &c.dst_pages, &|p| noise(tag, p));
+            let want = expected_pool(c, c.dst_page_size, d, c.dst_tp, &c.dst_split[q], &c.dst_pages, &dst_token, &|p| noise(tag, p));
             for (what, got) in [("staged", &pool.mem), ("slice path", &slice_pool.mem)] {
                 if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
                     let (buf, off) = (i / pool.buffer_bytes, i % pool.buffer_bytes);
@@ -389,23 +412,28 @@ fn split_strategy(layers: Vec<u32>) -> impl Strategy<Value = Vec<Vec<u32>>> {
 fn cfg() -> impl Strategy<Value = Cfg> {
     let tp = prop::sample::select(vec![1u32, 2, 4, 8, 16]);
     let kind = prop_oneof![4 => Just(ModelKind::Mha), 1 => Just(ModelKind::Mla)];
+    let page_size = prop::sample::select(vec![1u32, 4, 16, 64]);
     (
         kind,
         prop::sample::select(vec![1u32, 2, 4, 8, 32]),
         (tp.clone(), tp),
         prop::sample::subsequence((0u32..8).collect::<Vec<_>>(), 1..=6).prop_flat_map(|layers| (split_strategy(layers.clone()), split_strategy(layers))),
-        prop::sample::select(vec![1u32, 4, 16, 64]),
+        (page_size.clone(), page_size),
         prop::sample::select(vec![1u32, 2, 4]),
         prop::sample::select(vec![1u32, 2, 3, 8]),
         (1u32..=3, any::<bool>(), any::<u64>()),
     )
-        .prop_flat_map(|(kind, heads, (src_tp, dst_tp), (src_split, dst_split), page_size, dtype, head_dim, (threads, streaming, arrival_seed))| {
-            // Fewer pages for big pages and big heads keep each case small.
-            let max_pages: u32 = if page_size == 64 { 3 } else { 5 };
-            (1..=max_pages, 0u32..4).prop_flat_map(move |(n, extra)| {
-                let cap = n + extra;
+        .prop_flat_map(|(kind, heads, (src_tp, dst_tp), (src_split, dst_split), (src_ps, dst_ps), dtype, head_dim, (threads, streaming, arrival_seed))| {
+            // Fewer pages for big pages keep each case small. The chunk fills its decode pages
+            // but possibly the last one's tail (a request's last chunk), and starts anywhere in
+            // the first prefill page.
+            let max_pages: u32 = if dst_ps == 64 { 3 } else { 5 };
+            (1..=max_pages, 0..dst_ps, 0..src_ps, 0u32..4).prop_flat_map(move |(n, short, first_token, extra)| {
+                let tokens = n * dst_ps - short;
+                let src_n = (first_token + tokens).div_ceil(src_ps);
+                let (src_cap, dst_cap) = (src_n + extra, n + extra);
                 let (src_split, dst_split) = (src_split.clone(), dst_split.clone());
-                (pages(n, cap), pages(n, cap + 1)).prop_map(move |(src_pages, dst_pages)| {
+                (pages(src_n, src_cap), pages(n, dst_cap + 1)).prop_map(move |(src_pages, dst_pages)| {
                     let (heads, head_dim) = match kind {
                         ModelKind::Mha => (heads, head_dim),
                         ModelKind::Mla => (1, head_dim * 3), // latent width
@@ -415,13 +443,16 @@ fn cfg() -> impl Strategy<Value = Cfg> {
                         heads,
                         head_dim,
                         dtype,
-                        page_size,
+                        src_page_size: src_ps,
+                        dst_page_size: dst_ps,
+                        first_token,
+                        tokens,
                         src_tp,
                         dst_tp,
                         src_split: src_split.clone(),
                         dst_split: dst_split.clone(),
                         arrival_seed,
-                        capacity: cap + 1,
+                        capacity: src_cap.max(dst_cap) + 1,
                         src_pages,
                         dst_pages,
                         threads,
@@ -449,7 +480,10 @@ fn fixed(kind: ModelKind, heads: u32, src_tp: u32, dst_tp: u32, page_size: u32, 
         heads,
         head_dim: if kind == ModelKind::Mla { 9 } else { 4 },
         dtype: 2,
-        page_size,
+        src_page_size: page_size,
+        dst_page_size: page_size,
+        first_token: 0,
+        tokens: dst_pages.len() as u32 * page_size,
         src_tp,
         dst_tp,
         src_split: vec![vec![0, 1, 3]],

@@ -479,7 +479,7 @@ fn region_bytes(c: &Cluster, rank: usize, pages: &[u32]) -> Vec<u8> {
     use kvstage::copy::{CopyEngine, HostCopyEngine};
     let layout = SMALL.layout(rank as u32, 2);
     let region = &layout.writers[rank];
-    let plan = kvstage::geometry::plan_gather(&c.ppools[rank].layout, pages, &layout, region).unwrap();
+    let plan = kvstage::geometry::plan_gather(&c.ppools[rank].layout, pages, 0, &layout, region).unwrap();
     let mut bytes = vec![0u8; region.bytes as usize];
     // SAFETY: the pool outlives the call and `bytes` holds the region.
     unsafe { HostCopyEngine::new(1).gather(&plan, &c.ppools[rank].layout, bytes.as_mut_ptr()) }.unwrap();

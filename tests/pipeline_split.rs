@@ -167,7 +167,7 @@ fn the_prefill_side_learns_the_grid_and_a_wrong_chunk_is_refused_with_both_value
     // A sender guessing a grid of 3 pages: refused at allocation, nothing sent.
     let e = send(s, room, 0, &pages[..3]).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
-    assert!(e.chain().contains("sender has 12 tokens, receiver expects 16 (its grid: 3 chunks of 16 tokens over 10 pages)"), "{}", e.chain());
+    assert!(e.chain().contains("sender has 12 tokens, receiver expects 16 (its grid: 3 chunks of 16 tokens over 10 pages of 4)"), "{}", e.chain());
     let e = send(s, room, 3, &pages[..2]).unwrap_err();
     assert!(e.chain().contains("chunk 3 is past room 6's 3 chunks (0 .. 2)"), "{}", e.chain());
     assert_eq!(s.stats().send.bytes_sent, 0);

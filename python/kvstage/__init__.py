@@ -29,6 +29,7 @@ from ._buffers import BufferInfo, buffer_address, buffer_info
 from ._core import (
     Capabilities,
     ChunkEvent,
+    ChunkSpan,
     Engine,
     EngineStats,
     HeadSlice,
@@ -42,6 +43,7 @@ from ._core import (
     StagingLayout,
     StagingWriter,
     capabilities,
+    chunk_span,
     grid_tokens,
     head_slice,
     state_slice,
@@ -132,6 +134,8 @@ __all__ = [
     "pairing_decode_ranks",
     "pairing_prefill_ranks",
     "grid_tokens",
+    "chunk_span",
+    "ChunkSpan",
     # buffers
     "buffer_info",
     "buffer_address",

@@ -39,6 +39,8 @@ __all__ = [
     "TransferTimings",
     "capabilities",
     "grid_tokens",
+    "chunk_span",
+    "ChunkSpan",
     "head_slice",
     "staging_layout",
     "transfer_timings_last",
@@ -391,6 +393,52 @@ def grid_tokens(chunk_tokens: int, page_size: int) -> int:
     rc = lib.kvstage_grid_tokens(_u32(chunk_tokens, "chunk_tokens"), _u32(page_size, "page_size"), byref(out))
     _check(lib, rc, "kvstage_grid_tokens")
     return out.value
+
+
+class ChunkSpan(NamedTuple):
+    """``kvstage_chunk_span``: where one chunk of a request lies on both sides."""
+
+    #: Chunks of the request (the room's chunk count).
+    num_chunks: int
+    #: The chunk carries request tokens ``[first_token, first_token + num_tokens)``.
+    first_token: int
+    num_tokens: int
+    #: Prefill: pages ``[src_first_page, src_first_page + src_num_pages)`` of the request's page
+    #: list, the chunk starting ``src_token_offset`` slots into the first (pass both on to the
+    #: transfer with ``num_tokens``).
+    src_first_page: int
+    src_num_pages: int
+    src_token_offset: int
+    #: Decode: pages ``[dst_first_page, dst_first_page + dst_num_pages)`` of the room's pages.
+    dst_first_page: int
+    dst_num_pages: int
+
+    def src_pages(self, request_pages: Any) -> Any:
+        """The transfer's ``pages``: this chunk's slice of the request's prefill page list."""
+        return request_pages[self.src_first_page : self.src_first_page + self.src_num_pages]
+
+
+def chunk_span(total_tokens: int, decode_prefix_tokens: int, src_page_size: int, dst_page_size: int, chunk_tokens: int, chunk_index: int) -> ChunkSpan:
+    """``kvstage_chunk_span``: chunk ``chunk_index`` of a request of ``total_tokens`` tokens whose
+    first ``decode_prefix_tokens`` (whole decode pages) the decode side holds, on the room's chunk
+    grid of ``chunk_tokens``, prefill pages of ``src_page_size`` and decode pages of
+    ``dst_page_size`` tokens. Raises :class:`ArgumentError` naming a bad argument."""
+    lib = get_library()
+    out = _lib.kvstage_chunk_span()
+    out.struct_size = ctypes.sizeof(out)
+    rc = lib.kvstage_chunk_span(
+        _u64(total_tokens, "total_tokens"),
+        _u64(decode_prefix_tokens, "decode_prefix_tokens"),
+        _u32(src_page_size, "src_page_size"),
+        _u32(dst_page_size, "dst_page_size"),
+        _u32(chunk_tokens, "chunk_tokens"),
+        _u32(chunk_index, "chunk_index"),
+        byref(out),
+    )
+    _check(lib, rc, "kvstage_chunk_span")
+    return ChunkSpan(
+        out.num_chunks, out.first_token, out.num_tokens, out.src_first_page, out.src_num_pages, out.src_token_offset, out.dst_first_page, out.dst_num_pages
+    )
 
 
 class StagingWriter(NamedTuple):
@@ -989,7 +1037,7 @@ def _cuda_handle(obj: Any, attr: str, what: str) -> Optional[int]:
     return raw or None
 
 
-def _desc(lib: Library, room: int, room_key: int, chunk_index: int, pages: Any, deadline_ms: int, tag: int = 0):
+def _desc(lib: Library, room: int, room_key: int, chunk_index: int, pages: Any, deadline_ms: int, tag: int, src_token_offset: int, num_tokens: int):
     keep, address, count = page_array(pages, "pages")
     d = _lib.kvstage_transfer_desc()
     _check(lib, lib.kvstage_transfer_desc_init(byref(d)), "kvstage_transfer_desc_init")
@@ -1000,6 +1048,8 @@ def _desc(lib: Library, room: int, room_key: int, chunk_index: int, pages: Any, 
     d.num_pages = count
     d.deadline_ms = _u64(deadline_ms, "deadline_ms")
     d.user_tag = _u64(tag, "tag")
+    d.src_token_offset = _u32(src_token_offset, "src_token_offset")
+    d.num_tokens = _u32(num_tokens, "num_tokens")
     return d, keep
 
 
@@ -1020,40 +1070,69 @@ class Session(_Handle):
     def session_id(self) -> str:
         return self._session_id
 
-    def transfer(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, *, room_key: int) -> Status:
+    def transfer(
+        self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, *, room_key: int, src_token_offset: int = 0, num_tokens: int = 0
+    ) -> Status:
         """``kvstage_transfer``: the staged path for one chunk (``pages``: the prefill pages of the
         chunk in token order) into ``room``, opened on the decode side with the key ``room_key``
         (what its ``room_open`` returned). Returns ``Status.OK``, or ``Status.FALLBACK`` when
         staging is impossible for this chunk (nothing was allocated; use :meth:`transfer_slices`).
-        A key of another opening of the room raises :class:`TimeError` with ``E_STALE_ROOM``."""
-        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms)
+        A key of another opening of the room raises :class:`TimeError` with ``E_STALE_ROOM``.
+        ``src_token_offset`` and ``num_tokens``: where the chunk starts in ``pages[0]`` and how
+        many tokens it holds (0: all the pages hold from there), as :func:`chunk_span` says when
+        the prefill and decode page sizes differ or a prefix ends inside a prefill page."""
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, 0, src_token_offset, num_tokens)
         rc = self._lib.kvstage_transfer(self._handle(), byref(d))
         del keep
         return _check(self._lib, rc, "kvstage_transfer")
 
-    def transfer_slices(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, *, room_key: int) -> Status:
+    def transfer_slices(
+        self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, *, room_key: int, src_token_offset: int = 0, num_tokens: int = 0
+    ) -> Status:
         """``kvstage_transfer_slices``: the slice path for the same chunk (one write per token,
-        layer and K/V); the fallback of :meth:`transfer`."""
-        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms)
+        layer and K/V); the fallback of :meth:`transfer`. It moves whole decode pages only."""
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, 0, src_token_offset, num_tokens)
         rc = self._lib.kvstage_transfer_slices(self._handle(), byref(d))
         del keep
         return _check(self._lib, rc, "kvstage_transfer_slices")
 
-    def transfer_async(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, tag: int = 0, *, room_key: int) -> "Operation":
+    def transfer_async(
+        self,
+        room: int,
+        chunk_index: int,
+        pages: Any,
+        deadline_ms: int = 0,
+        tag: int = 0,
+        *,
+        room_key: int,
+        src_token_offset: int = 0,
+        num_tokens: int = 0,
+    ) -> "Operation":
         """``kvstage_transfer_async``: starts the staged path on the engine's transfer workers;
         ``tag`` comes back with its completion (callback)."""
-        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag)
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag, src_token_offset, num_tokens)
         out = c_void_p()
         rc = self._lib.kvstage_transfer_async(self._handle(), byref(d), byref(out))
         del keep
         _check(self._lib, rc, "kvstage_transfer_async")
         return Operation(self, out.value)
 
-    def transfer_layerwise_async(self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, tag: int = 0, *, room_key: int) -> "Operation":
+    def transfer_layerwise_async(
+        self,
+        room: int,
+        chunk_index: int,
+        pages: Any,
+        deadline_ms: int = 0,
+        tag: int = 0,
+        *,
+        room_key: int,
+        src_token_offset: int = 0,
+        num_tokens: int = 0,
+    ) -> "Operation":
         """``kvstage_transfer_layerwise_async``: starts the staged path for a chunk whose layers
         are still being computed; mark them with :meth:`Operation.layers_ready` (every layer of
         the pool before the deadline). The ring space is requested at once."""
-        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag)
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag, src_token_offset, num_tokens)
         out = c_void_p()
         rc = self._lib.kvstage_transfer_layerwise_async(self._handle(), byref(d), byref(out))
         del keep

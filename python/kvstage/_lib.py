@@ -368,6 +368,22 @@ class kvstage_transfer_desc(Structure):
         ("cuda_event", c_void_p),
         ("user_tag", c_uint64),
         ("room_key", c_uint64),
+        ("src_token_offset", c_uint32),
+        ("num_tokens", c_uint32),
+    ]
+
+
+class kvstage_chunk_span(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("num_chunks", c_uint32),
+        ("num_tokens", c_uint32),
+        ("first_token", c_uint64),
+        ("src_first_page", c_uint64),
+        ("src_num_pages", c_uint32),
+        ("src_token_offset", c_uint32),
+        ("dst_first_page", c_uint64),
+        ("dst_num_pages", c_uint32),
     ]
 
 
@@ -448,6 +464,7 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
         [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],
     ),
     "kvstage_grid_tokens": (c_int, [c_uint32, c_uint32, _p(c_uint32)]),
+    "kvstage_chunk_span": (c_int, [c_uint64, c_uint64, c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_chunk_span)]),
     "kvstage_staging_layout_compute": (
         c_int,
         [_p(kvstage_kv_layout), c_size_t, _p(kvstage_kv_layout), c_uint32, _p(kvstage_staging_layout), _p(kvstage_staging_writer), c_size_t],

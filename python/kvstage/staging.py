@@ -35,7 +35,10 @@ class TransferTarget:
     the first time a ``session_id`` is seen; ``room``: the request's room id, opened on the decode
     side with :meth:`Engine.room_open`; ``room_key``: the key that call returned (it travels with
     the room id and the decode pages in the engine's bootstrap); ``chunk_index``: the chunk within
-    that room's chunk grid; ``deadline_ms``: 0 = the engine default, ``DEADLINE_INFINITE`` = none.
+    that room's chunk grid; ``deadline_ms``: 0 = the engine default, ``DEADLINE_INFINITE`` = none;
+    ``src_token_offset`` and ``num_tokens``: where the chunk starts in its first prefill page and
+    its token count (0: every slot of the pages from there), from :func:`chunk_span` when the two
+    sides' page sizes differ or the decode prefix ends inside a prefill page.
 
     ``target_info`` may also be a mapping with these keys, or any object with these attributes
     (an engine's own per-request record); ``room`` and ``room_key`` are required, ``peer`` the
@@ -47,6 +50,8 @@ class TransferTarget:
     chunk_index: int = 0
     peer: Optional[str] = None
     deadline_ms: int = 0
+    src_token_offset: int = 0
+    num_tokens: int = 0
 
 
 def _field(info: Any, name: str, default: Any) -> Any:
@@ -70,6 +75,8 @@ def _target(info: Any) -> TransferTarget:
         chunk_index=_field(info, "chunk_index", 0),
         peer=_field(info, "peer", None),
         deadline_ms=_field(info, "deadline_ms", 0),
+        src_token_offset=_field(info, "src_token_offset", 0),
+        num_tokens=_field(info, "num_tokens", 0),
     )
 
 
@@ -113,7 +120,15 @@ class StagingTransfer:
         session = self.session(session_id, target.peer)
         run = session.transfer if staged else session.transfer_slices
         try:
-            return run(target.room, target.chunk_index, prefill_kv_indices, target.deadline_ms, room_key=target.room_key)
+            return run(
+                target.room,
+                target.chunk_index,
+                prefill_kv_indices,
+                target.deadline_ms,
+                room_key=target.room_key,
+                src_token_offset=target.src_token_offset,
+                num_tokens=target.num_tokens,
+            )
         except (TransportError, ProtocolError):
             self.close_session(session_id)
             raise

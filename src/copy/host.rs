@@ -572,7 +572,7 @@ mod tests {
         let mut buf = vec![0u8; w.bytes as usize];
         for (threads, streaming) in [(1, 0), (3, 0), (2, u64::MAX)] {
             let eng = HostCopyEngine::new(threads).with_min_parallel_bytes(0).with_streaming_min_bytes(streaming);
-            let g = plan_gather(&src_shape, &sp, &st, w).unwrap();
+            let g = plan_gather(&src_shape, &sp, 0, &st, w).unwrap();
             unsafe { eng.gather(&g, &src.layout, buf.as_mut_ptr()) }.unwrap();
             let s = plan_scatter(&dst_shape, &dp, &st, w).unwrap();
             unsafe { eng.scatter(&s, &dst.layout, buf.as_ptr()) }.unwrap();
@@ -601,18 +601,18 @@ mod tests {
         let st = staging_layout(&shape, &shape, 4).unwrap();
         let eng = HostCopyEngine::new(2);
         let mut buf = vec![0u8; st.total_bytes as usize];
-        let g = plan_gather(&shape, &[1, 2], &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
+        let g = plan_gather(&shape, &[1, 2], 0, &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
         let e = unsafe { eng.gather(&g, &p.layout, buf.as_mut_ptr()) }.unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
         assert!(e.message().contains("pool tokens 2..6 (pages 1..) lie outside the pool's 2 pages"), "{}", e.message());
-        let mut g = plan_gather(&shape, &[1, 0], &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
+        let mut g = plan_gather(&shape, &[1, 0], 0, &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
         g.staging_bytes -= 1;
         let e = unsafe { eng.gather(&g, &p.layout, buf.as_mut_ptr()) }.unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_STAGING_TOO_SMALL);
-        let mut g = plan_gather(&shape, &[1, 0], &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
+        let mut g = plan_gather(&shape, &[1, 0], 0, &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
         g.slabs[1].buffer = 2;
         assert_eq!(unsafe { eng.gather(&g, &p.layout, buf.as_mut_ptr()) }.unwrap_err().code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
-        let g = plan_gather(&shape, &[1, 0], &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
+        let g = plan_gather(&shape, &[1, 0], 0, &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
         let e = unsafe { eng.gather(&g, &p.layout, std::ptr::null_mut()) }.unwrap_err();
         assert!(e.message().contains("`staging`: is NULL"));
         let mut cuda = p.layout.clone();
@@ -725,7 +725,7 @@ mod tests {
         let tokens = pages_n as u32 * src_shape.page_size;
         let st = staging_layout(src_shape, dst_shape, tokens).unwrap();
         let w = &st.region_of(src_shape).unwrap().unwrap();
-        let g = plan_gather(src_shape, &rng.pages(pages_n, CAPACITY), &st, w).unwrap();
+        let g = plan_gather(src_shape, &rng.pages(pages_n, CAPACITY), 0, &st, w).unwrap();
         let s = plan_scatter(dst_shape, &rng.pages(pages_n, CAPACITY), &st, w).unwrap();
         let bytes = w.bytes as usize;
         let (mut buf, mut want) = (vec![0u8; bytes], vec![0u8; bytes]);
@@ -784,7 +784,7 @@ mod tests {
         let tokens = 16 * pair.0.page_size;
         let st = staging_layout(&pair.0, &pair.1, tokens).unwrap();
         let w = &st.region_of(&pair.0).unwrap().unwrap();
-        let g = plan_gather(&pair.0, &Rng(7).pages(16, CAPACITY), &st, w).unwrap();
+        let g = plan_gather(&pair.0, &Rng(7).pages(16, CAPACITY), 0, &st, w).unwrap();
         let mut want = vec![0u8; w.bytes as usize];
         unsafe { naive(&g, &src.layout, want.as_mut_ptr(), Dir::Gather) };
 
@@ -893,7 +893,7 @@ mod tests {
         let src = pool(pair.0.clone(), CAPACITY as u64, |i| (i % 241) as u8);
         let st = staging_layout(&pair.0, &pair.1, 8 * pair.0.page_size).unwrap();
         let w = &st.region_of(&pair.0).unwrap().unwrap();
-        let g = plan_gather(&pair.0, &Rng(3).pages(8, CAPACITY), &st, w).unwrap();
+        let g = plan_gather(&pair.0, &Rng(3).pages(8, CAPACITY), 0, &st, w).unwrap();
         let mut buf = vec![0u8; w.bytes as usize];
         let text = |p: Box<dyn Any + Send>| crate::error::panic_text(&*p);
 

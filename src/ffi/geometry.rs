@@ -379,19 +379,6 @@ pub unsafe extern "C" fn kvstage_pairing_prefill_ranks(
     })
 }
 
-/// Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.
-#[no_mangle]
-pub unsafe extern "C" fn kvstage_grid_tokens(chunk_tokens: u32, page_size: u32, out: *mut u32) -> Status {
-    ffi_fn!(status {
-        let out = out_arg(out, "out")?;
-        if page_size == 0 {
-            return Err(Error::invalid_arg("page_size", "is 0"));
-        }
-        *out = geometry::grid_tokens(chunk_tokens, page_size);
-        Ok(Status::KVSTAGE_OK)
-    })
-}
-
 /// Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
 /// call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` (into the
 /// decode rank's layers the writer holds, ascending) starts at

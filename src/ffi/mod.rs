@@ -21,9 +21,11 @@ use crate::error::{Error, Result, Status};
 
 pub mod completion;
 pub mod core;
+pub mod describe;
 pub mod doctor;
 pub mod engine;
 pub mod geometry;
+pub mod grid;
 pub mod last_error;
 pub mod log;
 pub mod state;

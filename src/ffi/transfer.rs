@@ -155,6 +155,15 @@ pub struct kvstage_transfer_desc {
     /// released, maybe reopened for another request) or a wrong key ends with
     /// `KVSTAGE_E_STALE_ROOM` and writes nothing.
     pub room_key: u64,
+    /// Slots of `src_pages[0]` before the chunk's first token (below the prefill page size): where
+    /// the decode side's cached prefix (whole *decode* pages) or the previous chunk ends inside a
+    /// prefill page. `kvstage_chunk_span` computes it.
+    pub src_token_offset: u32,
+    /// Tokens of the chunk; 0: every slot of `src_pages` from `src_token_offset` on. The pages
+    /// must hold exactly these tokens (the last one in the last page). Each chunk carries the
+    /// decode room's chunk-grid tokens but the room's last, which may end inside a decode page
+    /// (where the request ends).
+    pub num_tokens: u32,
 }
 
 impl Default for kvstage_transfer_desc {
@@ -170,6 +179,8 @@ impl Default for kvstage_transfer_desc {
             cuda_event: std::ptr::null_mut(),
             user_tag: 0,
             room_key: 0,
+            src_token_offset: 0,
+            num_tokens: 0,
         }
     }
 }
@@ -212,6 +223,8 @@ unsafe fn transfer_desc(session: &SenderSession, ptr: *const kvstage_transfer_de
         room,
         chunk: raw.chunk_index,
         pages: pages.to_vec(),
+        src_token_offset: raw.src_token_offset,
+        num_tokens: raw.num_tokens,
         timeout: timeout_from_ms(raw.deadline_ms).unwrap_or(engine_default),
         ready: ready.map(Arc::new),
         layers: None,

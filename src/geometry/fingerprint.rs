@@ -32,8 +32,8 @@ impl Fingerprint {
     }
 
     /// Fields on which `self` (local) and `remote` disagree, with both values: model kind, global
-    /// heads, head_dim, dtype bytes, page_size, and the layer ids when neither side has pipeline
-    /// stages (each then holds the whole model). Ranks, TP and PP sizes, and how each side splits
+    /// heads, head_dim, dtype bytes, and the layer ids when neither side has pipeline stages (each
+    /// then holds the whole model). Ranks, TP and PP sizes, page sizes, and how each side splits
     /// its layers among its stages may differ.
     pub fn diff(&self, remote: &Fingerprint) -> Vec<FieldMismatch> {
         let (a, b) = (&self.shape, &remote.shape);

@@ -121,6 +121,82 @@ pub fn chunk_count(total_tokens: u64, decode_prefix_tokens: u64, page_size: u32,
     u32::try_from(n).map_err(|_| Error::invalid_arg("total_tokens", format!("{total_tokens} tokens make {n} chunks, beyond u32")))
 }
 
+/// Where chunk `chunk` of a request lies on both sides: what the decode side's room and the
+/// prefill side's transfer descriptor must name ([`chunk_span`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ChunkSpan {
+    /// Chunks of the request (the room's chunk count).
+    pub num_chunks: u32,
+    /// The chunk carries request tokens `[first_token, first_token + num_tokens)`.
+    pub first_token: u64,
+    pub num_tokens: u32,
+    /// Prefill side: pages `[src_first_page, src_first_page + src_num_pages)` of the request's
+    /// page list (page `k` holds request tokens `[k·src_page_size, …)`), the first token
+    /// `src_token_offset` slots into the first of them.
+    pub src_first_page: u64,
+    pub src_num_pages: u32,
+    pub src_token_offset: u32,
+    /// Decode side: pages `[dst_first_page, dst_first_page + dst_num_pages)` of the room's page
+    /// list (the pages after the decode side's cached prefix).
+    pub dst_first_page: u64,
+    pub dst_num_pages: u32,
+}
+
+/// Chunk `chunk` of a request of `total_tokens` tokens whose first `decode_prefix_tokens` the
+/// decode side already holds (whole decode pages), on the decode side's chunk grid
+/// (`grid_tokens(chunk_tokens, dst_page_size)` tokens per chunk, the last one shorter), with
+/// prefill pages of `src_page_size` and decode pages of `dst_page_size` tokens.
+///
+/// Errors (`KVSTAGE_E_INVALID_ARG`, naming the argument): a page size of 0, a prefix that is not
+/// whole decode pages or leaves nothing to send, a chunk index past the request's chunks.
+pub fn chunk_span(
+    total_tokens: u64,
+    decode_prefix_tokens: u64,
+    src_page_size: u32,
+    dst_page_size: u32,
+    chunk_tokens: u32,
+    chunk: u32,
+) -> Result<ChunkSpan> {
+    for (name, size) in [("src_page_size", src_page_size), ("dst_page_size", dst_page_size)] {
+        if size == 0 {
+            return Err(Error::invalid_arg(name, "is 0"));
+        }
+    }
+    if !decode_prefix_tokens.is_multiple_of(dst_page_size as u64) {
+        return Err(Error::invalid_arg(
+            "decode_prefix_tokens",
+            format!("{decode_prefix_tokens} is not whole decode pages (dst_page_size {dst_page_size}): the decode side caches whole pages"),
+        ));
+    }
+    if decode_prefix_tokens >= total_tokens {
+        return Err(Error::invalid_arg(
+            "decode_prefix_tokens",
+            format!("{decode_prefix_tokens} leaves none of the request's {total_tokens} tokens to send"),
+        ));
+    }
+    let num_chunks = chunk_count(total_tokens, decode_prefix_tokens, dst_page_size, chunk_tokens)?;
+    if chunk >= num_chunks {
+        return Err(Error::invalid_arg("chunk_index", format!("{chunk} is past the request's {num_chunks} chunks")));
+    }
+    let grid = grid_tokens(chunk_tokens, dst_page_size) as u64;
+    let first = decode_prefix_tokens + chunk as u64 * grid;
+    let end = total_tokens.min(first + grid);
+    let (sps, dps) = (src_page_size as u64, dst_page_size as u64);
+    let src_first_page = first / sps;
+    let dst_first_page = (first - decode_prefix_tokens) / dps;
+    Ok(ChunkSpan {
+        num_chunks,
+        first_token: first,
+        num_tokens: (end - first) as u32, // at most one grid of u32 tokens
+        src_first_page,
+        src_num_pages: u32::try_from(end.div_ceil(sps) - src_first_page)
+            .map_err(|_| Error::invalid_arg("src_page_size", format!("{src_page_size} makes more than 2^32 pages per chunk")))?,
+        src_token_offset: (first % sps) as u32,
+        dst_first_page,
+        dst_num_pages: ((end - decode_prefix_tokens).div_ceil(dps) - dst_first_page) as u32,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,6 +246,42 @@ mod tests {
         assert!(e.message().contains("`page_size`"));
         let e = split_grid(0, usize::MAX, 1, 0, 1).unwrap_err();
         assert!(e.message().contains("beyond u32"), "{}", e.message());
+    }
+
+    #[test]
+    fn chunk_spans_for_every_page_size_pair() {
+        let span = |total, prefix, sps, dps, ct, c| chunk_span(total, prefix, sps, dps, ct, c).unwrap();
+        // Prefill pages of 64, decode pages of 16, decode prefix 16: the chunk starts 16 slots into
+        // prefill page 0; 100 tokens end 4 slots into decode page 5 of the room.
+        assert_eq!(span(100, 16, 64, 16, 8192, 0), ChunkSpan {
+            num_chunks: 1,
+            first_token: 16,
+            num_tokens: 84,
+            src_first_page: 0,
+            src_num_pages: 2,
+            src_token_offset: 16,
+            dst_first_page: 0,
+            dst_num_pages: 6,
+        });
+        // Prefill 16, decode 64, prefix 64, chunks of 128: chunk 1 is tokens 192..300.
+        assert_eq!(span(300, 64, 16, 64, 128, 1), ChunkSpan {
+            num_chunks: 2,
+            first_token: 192,
+            num_tokens: 108,
+            src_first_page: 12,
+            src_num_pages: 7,
+            src_token_offset: 0,
+            dst_first_page: 2,
+            dst_num_pages: 2,
+        });
+        // Chunks that end inside prefill pages: prefill 48, decode 16, grid 32.
+        let c = span(200, 0, 48, 16, 32, 2);
+        assert_eq!((c.first_token, c.num_tokens, c.src_first_page, c.src_num_pages, c.src_token_offset), (64, 32, 1, 1, 16));
+        let e = |r: Result<ChunkSpan>| r.unwrap_err().message().to_owned();
+        assert!(e(chunk_span(100, 8, 64, 16, 8192, 0)).contains("`decode_prefix_tokens`: 8 is not whole decode pages"));
+        assert!(e(chunk_span(64, 64, 64, 16, 8192, 0)).contains("leaves none of the request's 64 tokens"));
+        assert!(e(chunk_span(100, 0, 64, 16, 64, 2)).contains("`chunk_index`: 2 is past the request's 2 chunks"));
+        assert!(e(chunk_span(100, 0, 0, 16, 64, 0)).contains("`src_page_size`: is 0"));
     }
 
     #[test]

@@ -14,11 +14,12 @@ mod heads;
 mod pairing;
 pub mod plan;
 mod slice;
+mod span;
 mod staging;
 mod state;
 
 pub use fingerprint::{Fingerprint, FINGERPRINT_VERSION};
-pub use grid::{chunk_count, grid_tokens, split_grid, GridPiece, DEFAULT_CHUNK_TOKENS};
+pub use grid::{chunk_count, chunk_span, grid_tokens, split_grid, ChunkSpan, GridPiece, DEFAULT_CHUNK_TOKENS};
 pub use heads::{
     decode_pp_ranks_for_prefill, decode_ranks_for_prefill, head_slice, mla_source_rank, pp_writers,
     prefill_pp_ranks_for_decode, prefill_ranks_for_decode, sends_its_heads, tp_writers, writers_per_chunk,
@@ -27,6 +28,7 @@ pub use heads::{
 pub use pairing::{decode_peers, prefill_peers, PeerRank};
 pub use plan::{plan_chunk, plan_gather, plan_scatter, CopyPlan, CopyRun, Segment, Slab};
 pub use slice::{slice_plan, SliceOp};
+pub use span::PageSpan;
 pub use staging::{staging_layout, staging_layout_stages, StagingLayout, WriterRegion};
 pub use state::{state_slice, ByteRange, StateItem};
 
@@ -117,7 +119,9 @@ fn mismatch(field: &str, local: impl ToString, remote: impl ToString) -> FieldMi
     FieldMismatch { field: field.to_owned(), local: local.to_string(), remote: remote.to_string() }
 }
 
-/// Fields both sides of a transfer must agree on (not ranks, TP or PP sizes, nor layer ids).
+/// Fields both sides of a transfer must agree on (not ranks, TP or PP sizes, layer ids nor page
+/// sizes: the staging buffer is token-major, so the gather follows prefill pages and the scatter
+/// decode pages).
 pub(crate) fn agreed_field_mismatches(local: &PoolShape, remote: &PoolShape) -> Vec<FieldMismatch> {
     let mut out = Vec::new();
     if local.kind != remote.kind {
@@ -131,9 +135,6 @@ pub(crate) fn agreed_field_mismatches(local: &PoolShape, remote: &PoolShape) -> 
     }
     if local.dtype_bytes != remote.dtype_bytes {
         out.push(mismatch("dtype_bytes", local.dtype_bytes, remote.dtype_bytes));
-    }
-    if local.page_size != remote.page_size {
-        out.push(mismatch("page_size", local.page_size, remote.page_size));
     }
     out
 }

@@ -14,6 +14,7 @@
 //! single copy of `tokens · row_bytes` bytes. The factored form keeps the plan small (a 70B chunk of
 //! 8192 random single-token pages is 8192 segments + 160 slabs, not 1.3 M descriptors).
 
+use super::span::PageSpan;
 use super::{mismatch_error, PoolShape, StagingLayout, WriterRegion};
 use crate::error::{Error, FieldMismatch, Result};
 
@@ -124,29 +125,13 @@ impl CopyPlan {
     }
 }
 
-/// Merges a page list into runs of consecutive pool tokens (pages `p, p+1, …` become one segment).
-fn segments(pages: &[u32], page_size: u32) -> Vec<Segment> {
-    let ps = page_size as u64;
-    let mut out: Vec<Segment> = Vec::new();
-    let mut staging = 0u64;
-    let mut prev: Option<u32> = None;
-    for &p in pages {
-        match (prev, out.last_mut()) {
-            (Some(q), Some(seg)) if q.checked_add(1) == Some(p) => seg.tokens += ps,
-            _ => out.push(Segment { pool_token: p as u64 * ps, staging_token: staging, tokens: ps }),
-        }
-        staging += ps;
-        prev = Some(p);
-    }
-    out
-}
-
 /// Plans the copy between `pool` (a [`PoolShape`] or a [`super::KvLayout`]) and `region` of `staging` for one chunk: heads
-/// `[head_start, head_start + num_heads)` of every token of `pages` (in chunk order), every layer
-/// the writer carries (mapped to the pool's buffer indices), K slabs then V slabs.
+/// `[head_start, head_start + num_heads)` of the chunk's `staging.tokens` tokens, which start
+/// `first_token` slots into `pages[0]` and run on through `pages` (in chunk order), every layer the
+/// writer carries (mapped to the pool's buffer indices), K slabs then V slabs.
 ///
-/// Errors: heads outside the pool or disagreeing with the layout, a page
-/// count that does not match the chunk (`KVSTAGE_E_INVALID_ARG`); a pool whose agreed fields differ
+/// Errors: heads outside the pool or disagreeing with the layout, pages that do not hold exactly
+/// the chunk's tokens (`KVSTAGE_E_INVALID_ARG`); a pool whose agreed fields differ
 /// from the layout or that lacks one of the writer's layers (`KVSTAGE_E_GEOMETRY_MISMATCH`). Page
 /// indices are checked against the pool capacity by the engine that executes the plan.
 pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
@@ -154,6 +139,7 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
     head_start: u32,
     num_heads: u32,
     pages: &[u32],
+    first_token: u32,
     staging: &StagingLayout,
     region: &WriterRegion,
 ) -> Result<CopyPlan> {
@@ -183,13 +169,8 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
             format!("heads {head_start}..{} exceed the pool's {} local heads", head_start as u64 + num_heads as u64, pool.local_heads),
         ));
     }
-    let tokens = pages.len() as u64 * pool.page_size as u64;
-    if tokens != staging.tokens as u64 {
-        return Err(Error::invalid_arg(
-            "pages",
-            format!("{} pages × page_size {} = {tokens} tokens != the chunk's {} tokens", pages.len(), pool.page_size, staging.tokens),
-        ));
-    }
+    let span = PageSpan { pages, first_token, tokens: staging.tokens as u64 };
+    span.check(pool.page_size, "pages", "first_token")?;
     let pool_layers = pool.layer_count();
     let mut layer_idx = Vec::with_capacity(region.layer_ids.len());
     for &id in &region.layer_ids {
@@ -219,22 +200,31 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
         pool_token_bytes: pool.token_bytes(),
         pool_head_offset: head_start as u64 * pool.head_bytes(),
         row_bytes: staging.row_bytes,
-        tokens,
+        tokens: span.tokens,
         slabs,
-        segments: segments(pages, pool.page_size),
+        segments: span.segments(pool.page_size),
         region_offset: region.offset,
         staging_bytes: region.bytes,
     })
 }
 
-/// The sender's plan: pool → `region`, using the region's source heads.
-pub fn plan_gather<P: AsRef<PoolShape> + ?Sized>(pool: &P, pages: &[u32], staging: &StagingLayout, region: &WriterRegion) -> Result<CopyPlan> {
-    plan_chunk(pool, region.heads.src_head_start, staging.num_heads, pages, staging, region)
+/// The sender's plan: pool → `region`, using the region's source heads. The chunk may start
+/// `first_token` slots into `pages[0]` (where the decode side's cached prefix, or the previous
+/// chunk, ends inside a prefill page).
+pub fn plan_gather<P: AsRef<PoolShape> + ?Sized>(
+    pool: &P,
+    pages: &[u32],
+    first_token: u32,
+    staging: &StagingLayout,
+    region: &WriterRegion,
+) -> Result<CopyPlan> {
+    plan_chunk(pool, region.heads.src_head_start, staging.num_heads, pages, first_token, staging, region)
 }
 
-/// The receiver's plan: `region` → pool, using the region's destination heads.
+/// The receiver's plan: `region` → pool, using the region's destination heads. Decode chunks
+/// start on a decode page (the grid's base, the cached prefix, is whole decode pages).
 pub fn plan_scatter<P: AsRef<PoolShape> + ?Sized>(pool: &P, pages: &[u32], staging: &StagingLayout, region: &WriterRegion) -> Result<CopyPlan> {
-    plan_chunk(pool, region.heads.dst_head_start, staging.num_heads, pages, staging, region)
+    plan_chunk(pool, region.heads.dst_head_start, staging.num_heads, pages, 0, staging, region)
 }
 
 #[cfg(test)]
@@ -256,7 +246,7 @@ mod tests {
         let dst = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 6);
         let st = staging_layout(&src, &dst, 32).unwrap();
         let w = st.region_of(&src).unwrap().unwrap();
-        let whole = plan_gather(&src, &[3, 1], &st, &w).unwrap();
+        let whole = plan_gather(&src, &[3, 1], 0, &st, &w).unwrap();
         assert_eq!(whole.staging_ranges(), vec![(0, whole.staging_bytes)]);
         for parts in [vec![vec![0, 1, 2, 3, 4, 5]], vec![vec![5], vec![0, 2], vec![1, 3, 4]], vec![vec![4, 5], vec![0, 1, 2, 3]]] {
             let mut covered: Vec<(u64, u64)> = Vec::new();
@@ -283,7 +273,7 @@ mod tests {
         let st = staging_layout_stages(std::slice::from_ref(&src), &dst, 5 * 16).unwrap();
         let w = &st.writers[st.writer_for(&src).unwrap().unwrap() as usize];
         let pages = [7, 8, 9, 2, 3];
-        let g = plan_gather(&src, &pages, &st, w).unwrap();
+        let g = plan_gather(&src, &pages, 0, &st, w).unwrap();
         assert!(g.contiguous());
         assert_eq!(g.segments, vec![
             Segment { pool_token: 7 * 16, staging_token: 0, tokens: 48 },
@@ -327,25 +317,27 @@ mod tests {
         let w = &st.region_of(&src).unwrap().unwrap();
         let mut foreign = w.clone();
         foreign.offset = st.total_bytes - w.bytes + 1;
-        let e = plan_chunk(&src, 0, 2, &[1, 2], &st, &foreign).unwrap_err();
+        let e = plan_chunk(&src, 0, 2, &[1, 2], 0, &st, &foreign).unwrap_err();
         assert!(e.message().contains("`region`") && e.message().contains("is not a region of this layout"), "{}", e.message());
-        let e = plan_chunk(&src, 0, 2, &[1, 2, 3], &st, w).unwrap_err();
-        assert!(e.message().contains("`pages`: 3 pages × page_size 16 = 48 tokens != the chunk's 32 tokens"));
-        let e = plan_chunk(&src, 1, 2, &[1, 2], &st, w).unwrap_err();
+        let e = plan_chunk(&src, 0, 2, &[1, 2, 3], 0, &st, w).unwrap_err();
+        assert!(e.message().contains("`pages`: holds 3 pages, the tokens 0..32 of its pages (page_size 16) need 2"), "{}", e.message());
+        let e = plan_chunk(&src, 0, 2, &[1, 2], 16, &st, w).unwrap_err();
+        assert!(e.message().contains("`first_token`: 16 is not inside the first page"), "{}", e.message());
+        let e = plan_chunk(&src, 1, 2, &[1, 2], 0, &st, w).unwrap_err();
         assert!(e.message().contains("`head_start`: heads 1..3 exceed the pool's 2 local heads"), "{}", e.message());
-        let e = plan_chunk(&dst, 0, 1, &[1, 2], &st, w).unwrap_err();
+        let e = plan_chunk(&dst, 0, 1, &[1, 2], 0, &st, w).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
         assert!(e.message().contains("`num_heads`: 1 != the layout's 2 heads per row"), "{}", e.message());
         let mut other = src.clone();
         other.dtype_bytes = 4;
-        let e = plan_chunk(&other, 0, 2, &[1, 2], &st, w).unwrap_err();
+        let e = plan_chunk(&other, 0, 2, &[1, 2], 0, &st, w).unwrap_err();
         assert_eq!(e.causes(), vec!["dtype_bytes: local 4 != remote 2"]);
         let fewer = src.clone().with_pp(0, 1, vec![0, 2]);
-        let e = plan_chunk(&fewer, 0, 2, &[1, 2], &st, w).unwrap_err();
+        let e = plan_chunk(&fewer, 0, 2, &[1, 2], 0, &st, w).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
         assert!(e.causes()[0].starts_with("layer 1 of the region of prefill rank (tp 3, pp 0): local absent"), "{:?}", e.causes());
         let mut bad = src.clone();
         bad.page_size = 0;
-        assert_eq!(plan_chunk(&bad, 0, 2, &[1, 2], &st, w).unwrap_err().code(), Status::KVSTAGE_E_GEOMETRY_INVALID);
+        assert_eq!(plan_chunk(&bad, 0, 2, &[1, 2], 0, &st, w).unwrap_err().code(), Status::KVSTAGE_E_GEOMETRY_INVALID);
     }
 }

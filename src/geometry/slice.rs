@@ -2,6 +2,7 @@
 //! the explicit fallback when staging is impossible and as the benchmark baseline.
 
 use super::heads::HeadSlice;
+use super::span::PageSpan;
 use super::{agreed_field_mismatches, mismatch_error, PoolShape};
 use crate::error::{Error, FieldMismatch, Result};
 
@@ -18,20 +19,20 @@ pub struct SliceOp {
 
 /// Every write the slice path issues from prefill pool `src` to decode pool `dst` for the heads of
 /// `hs`: for each buffer kind (K, V; or the MLA latent), each layer both pools hold, each token of
-/// `src_pages` / `dst_pages` (paired in order). MHA yields `2 · L · T` ops, MLA `L · T`. No
-/// coalescing: this is the per-token list a naive transfer would issue.
-pub fn slice_plan(src: &PoolShape, dst: &PoolShape, hs: &HeadSlice, src_pages: &[u32], dst_pages: &[u32]) -> Result<Vec<SliceOp>> {
+/// `src_span` / `dst_span` (paired in order; the two sides' page sizes may differ). MHA yields
+/// `2 · L · T` ops, MLA `L · T`. No coalescing: this is the per-token list a naive transfer would
+/// issue.
+pub fn slice_plan(src: &PoolShape, dst: &PoolShape, hs: &HeadSlice, src_span: &PageSpan, dst_span: &PageSpan) -> Result<Vec<SliceOp>> {
     src.validate().map_err(|e| e.context("prefill (src) pool shape"))?;
     dst.validate().map_err(|e| e.context("decode (dst) pool shape"))?;
     let list = agreed_field_mismatches(src, dst);
     if !list.is_empty() {
         return Err(mismatch_error("prefill and decode pools", list));
     }
-    if src_pages.len() != dst_pages.len() {
-        return Err(Error::invalid_arg(
-            "dst_pages",
-            format!("holds {} pages, src_pages {}", dst_pages.len(), src_pages.len()),
-        ));
+    src_span.check(src.page_size, "src_pages", "src_first_token")?;
+    dst_span.check(dst.page_size, "dst_pages", "dst_first_token")?;
+    if src_span.tokens != dst_span.tokens {
+        return Err(Error::invalid_arg("dst_pages", format!("span {} tokens, the source span {}", dst_span.tokens, src_span.tokens)));
     }
     let n = hs.num_heads as u64;
     if n == 0 {
@@ -65,24 +66,26 @@ pub fn slice_plan(src: &PoolShape, dst: &PoolShape, hs: &HeadSlice, src_pages: &
             }],
         ));
     }
-    let ps = src.page_size as u64;
     let (stb, dtb, hb) = (src.token_bytes(), dst.token_bytes(), src.head_bytes());
     let len = n * hb;
-    let per_buffer = layers.len() * src_pages.len() * ps as usize;
+    // Pool slot of span token `t`.
+    let slot = |span: &PageSpan, ps: u32, t: u64| {
+        let at = span.first_token as u64 + t;
+        span.pages[(at / ps as u64) as usize] as u64 * ps as u64 + at % ps as u64
+    };
+    let per_buffer = layers.len() * src_span.tokens as usize;
     let mut ops = Vec::with_capacity(per_buffer * src.buffers_per_layer() as usize);
     for kv in 0..src.buffers_per_layer() {
         for &(si, di) in &layers {
             let (sb, db) = (src.buffer_index(kv, si), dst.buffer_index(kv, di));
-            for (&sp, &dp) in src_pages.iter().zip(dst_pages) {
-                for t in 0..ps {
-                    ops.push(SliceOp {
-                        src_buffer: sb,
-                        src_offset: (sp as u64 * ps + t) * stb + hs.src_head_start as u64 * hb,
-                        dst_buffer: db,
-                        dst_offset: (dp as u64 * ps + t) * dtb + hs.dst_head_start as u64 * hb,
-                        len,
-                    });
-                }
+            for t in 0..src_span.tokens {
+                ops.push(SliceOp {
+                    src_buffer: sb,
+                    src_offset: slot(src_span, src.page_size, t) * stb + hs.src_head_start as u64 * hb,
+                    dst_buffer: db,
+                    dst_offset: slot(dst_span, dst.page_size, t) * dtb + hs.dst_head_start as u64 * hb,
+                    len,
+                });
             }
         }
     }
@@ -101,7 +104,7 @@ mod tests {
         let (src, dst) = (base.clone().with_tp(1, 4), base.with_tp(0, 2));
         let hs = head_slice(4, 2, 1, 0, 8).unwrap();
         let pages: Vec<u32> = (0..8192).collect();
-        let ops = slice_plan(&src, &dst, &hs, &pages, &pages).unwrap();
+        let ops = slice_plan(&src, &dst, &hs, &PageSpan::whole(&pages, 1), &PageSpan::whole(&pages, 1)).unwrap();
         // GEOMETRY.md: 70B, P4→D2, 8192-token chunk: 1,310,720 writes of 512 B per pair.
         assert_eq!(ops.len(), 1_310_720);
         assert!(ops.iter().all(|o| o.len == 512));
@@ -112,9 +115,16 @@ mod tests {
     #[test]
     fn mla_and_paged() {
         let mla = PoolShape::new(ModelKind::Mla, 1, 576, 2, 4, 3);
-        let ops = slice_plan(&mla.clone().with_tp(1, 2), &mla.with_tp(0, 4), &HeadSlice::MLA, &[5, 2], &[0, 9]).unwrap();
+        let ops = slice_plan(&mla.clone().with_tp(1, 2), &mla.clone().with_tp(0, 4), &HeadSlice::MLA, &PageSpan::whole(&[5, 2], 4), &PageSpan::whole(&[0, 9], 4)).unwrap();
         assert_eq!(ops.len(), 3 * 2 * 4);
         assert_eq!(ops[5], SliceOp { src_buffer: 0, src_offset: (2 * 4 + 1) * 1152, dst_buffer: 0, dst_offset: (9 * 4 + 1) * 1152, len: 1152 });
+        // Prefill pages of 4 from slot 3, decode pages of 2: token 2 is slot 1 of page 2 there and
+        // slot 0 of decode page 9.
+        let mut big = mla.clone();
+        big.page_size = 2;
+        let ops = slice_plan(&mla, &big, &HeadSlice::MLA, &PageSpan { pages: &[5, 2], first_token: 3, tokens: 3 }, &PageSpan { pages: &[0, 9], first_token: 0, tokens: 3 }).unwrap();
+        assert_eq!(ops.len(), 3 * 3);
+        assert_eq!(ops[2], SliceOp { src_buffer: 0, src_offset: (2 * 4 + 1) * 1152, dst_buffer: 0, dst_offset: (9 * 2) * 1152, len: 1152 });
     }
 
     #[test]
@@ -122,17 +132,21 @@ mod tests {
         let base = PoolShape::new(ModelKind::Mha, 8, 64, 2, 1, 2);
         let (src, dst) = (base.clone().with_tp(1, 4), base.clone().with_tp(0, 2));
         let hs = HeadSlice { src_head_start: 0, num_heads: 2, dst_head_start: 2 };
-        assert!(slice_plan(&src, &dst, &hs, &[1], &[1, 2]).unwrap_err().message().contains("`dst_pages`: holds 2 pages, src_pages 1"));
-        let e = slice_plan(&src, &dst, &HeadSlice { dst_head_start: 3, ..hs }, &[1], &[1]).unwrap_err();
+        let one = PageSpan::whole(&[1], 1);
+        let e = slice_plan(&src, &dst, &hs, &one, &PageSpan::whole(&[1, 2], 1)).unwrap_err();
+        assert!(e.message().contains("`dst_pages`: span 2 tokens, the source span 1"), "{}", e.message());
+        let e = slice_plan(&src, &dst, &hs, &PageSpan { pages: &[1], first_token: 1, tokens: 1 }, &one).unwrap_err();
+        assert!(e.message().contains("`src_first_token`: 1 is not inside the first page"), "{}", e.message());
+        let e = slice_plan(&src, &dst, &HeadSlice { dst_head_start: 3, ..hs }, &one, &one).unwrap_err();
         assert!(e.message().contains("destination heads 3..5 exceed the decode pool's 4 local heads"));
-        let e = slice_plan(&src, &dst, &HeadSlice { src_head_start: 1, ..hs }, &[1], &[1]).unwrap_err();
+        let e = slice_plan(&src, &dst, &HeadSlice { src_head_start: 1, ..hs }, &one, &one).unwrap_err();
         assert!(e.message().contains("source heads 1..3 exceed"));
-        let e = slice_plan(&src, &dst, &HeadSlice { num_heads: 0, ..hs }, &[1], &[1]).unwrap_err();
+        let e = slice_plan(&src, &dst, &HeadSlice { num_heads: 0, ..hs }, &one, &one).unwrap_err();
         assert!(e.message().contains("num_heads is 0"));
-        let e = slice_plan(&src, &dst.clone().with_pp(0, 1, vec![7]), &hs, &[1], &[1]).unwrap_err();
+        let e = slice_plan(&src, &dst.clone().with_pp(0, 1, vec![7]), &hs, &one, &one).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
         let mut d = dst.clone();
-        d.page_size = 4;
-        assert_eq!(slice_plan(&src, &d, &hs, &[1], &[1]).unwrap_err().causes(), vec!["page_size: local 1 != remote 4"]);
+        d.dtype_bytes = 4;
+        assert_eq!(slice_plan(&src, &d, &hs, &one, &one).unwrap_err().causes(), vec!["dtype_bytes: local 2 != remote 4"]);
     }
 }

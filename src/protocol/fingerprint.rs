@@ -130,11 +130,12 @@ mod tests {
         assert!(a.diff(&b).is_empty());
         a.check(&b).unwrap();
         let mut c = b.shape.clone();
-        c.page_size = 64;
+        c.page_size = 64; // page sizes may differ: the staging buffer is token-major
+        c.head_dim = 64;
         c.layer_ids = (0..40).collect();
         let c = Fingerprint::of(&c);
         let list: Vec<String> = a.diff(&c).iter().map(|m| m.to_string()).collect();
-        assert_eq!(list, ["page_size: local 16 != remote 64", "layer_ids: local [(0, 80)] != remote [(0, 40)]"]);
+        assert_eq!(list, ["head_dim: local 128 != remote 64", "layer_ids: local [(0, 80)] != remote [(0, 40)]"]);
         let e = a.check(&c).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
         assert_eq!(e.causes().len(), 2);

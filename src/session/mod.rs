@@ -51,6 +51,11 @@ impl Pairing {
     }
 }
 
+/// Layout version of the describe documents (`kvstage_room_describe`, `kvstage_op_describe`,
+/// `kvstage_engine_describe`; README "Troubleshooting"): raised when a field changes meaning or
+/// goes away (fields may be added without it).
+pub const DESCRIBE_VERSION: u32 = 1;
+
 /// The pairing of prefill rank `src` with decode rank `dst`; an error when that prefill rank does
 /// not feed that decode rank at all (another TP group, or a stage holding none of its layers).
 pub fn pairing(src: &PoolShape, dst: &PoolShape) -> crate::Result<Pairing> {

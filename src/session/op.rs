@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
@@ -13,9 +13,29 @@ use super::stats::TransferTimings;
 use super::Deadline;
 use crate::error::{Error, Result, Status};
 
+/// Where a running transfer is (`kvstage_op_describe`): set by the transfer as it goes.
+#[derive(Clone, Debug)]
+pub struct Progress {
+    /// The session, room and chunk (once the transfer started).
+    pub session: String,
+    pub room: u64,
+    pub chunk: u32,
+    pub path: &'static str,
+    /// `queued`, `waiting_for_ready_point`, `waiting_for_allocation`, `waiting_for_watermark`,
+    /// `waiting_for_staging_buffer`, `gathering`, `writing`, `waiting_for_layers`,
+    /// `waiting_for_acknowledgement`, then `done` or `failed`.
+    pub phase: &'static str,
+    /// What the phase waits on, in words (the grant and the receiver's watermark, the receiver's
+    /// address, the unmarked layers).
+    pub waits_on: String,
+    pub since: Instant,
+    pub deadline: Option<Instant>,
+}
+
 pub struct Op {
     /// The terminal result (once finished) and the transfer's phase timings.
     result: Mutex<(Option<Result<Status>>, TransferTimings)>,
+    progress: Mutex<Option<Progress>>,
     done: Condvar,
     canceled: AtomicBool,
     waker: Arc<dyn Waker>,
@@ -27,7 +47,15 @@ pub struct Op {
 
 impl Op {
     pub fn new(waker: Arc<dyn Waker>) -> Arc<Op> {
-        Arc::new(Op { result: Mutex::new((None, TransferTimings::default())), done: Condvar::new(), canceled: AtomicBool::new(false), waker, notify: None, layers: None })
+        Arc::new(Op {
+            result: Mutex::new((None, TransferTimings::default())),
+            progress: Mutex::new(None),
+            done: Condvar::new(),
+            canceled: AtomicBool::new(false),
+            waker,
+            notify: None,
+            layers: None,
+        })
     }
 
     /// An operation whose end is signalled on `completions` with the caller's `tag`; `layers`:
@@ -35,6 +63,7 @@ impl Op {
     pub fn notifying(waker: Arc<dyn Waker>, completions: Arc<Completions>, tag: u64, layers: Option<Arc<LayerGate>>) -> Arc<Op> {
         Arc::new(Op {
             result: Mutex::new((None, TransferTimings::default())),
+            progress: Mutex::new(None),
             done: Condvar::new(),
             canceled: AtomicBool::new(false),
             waker,
@@ -46,6 +75,29 @@ impl Op {
     /// The gate of a layer-wise transfer (`None` for any other operation).
     pub fn layers(&self) -> Option<&Arc<LayerGate>> {
         self.layers.as_ref()
+    }
+
+    /// The transfer of (`session`, `room`, `chunk`) by `path` starts (or is queued) in `phase`.
+    pub fn start(&self, session: &str, room: u64, chunk: u32, path: &'static str, phase: &'static str, deadline: Option<Instant>) {
+        *self.progress.lock() =
+            Some(Progress { session: session.to_owned(), room, chunk, path, phase, waits_on: String::new(), since: Instant::now(), deadline });
+    }
+
+    /// The transfer enters `phase`, waiting on what `waits_on` says (empty: its own work).
+    pub fn enter(&self, phase: &'static str, waits_on: impl FnOnce() -> String) {
+        if let Some(p) = self.progress.lock().as_mut().filter(|p| p.phase != phase) {
+            (p.phase, p.waits_on, p.since) = (phase, waits_on(), Instant::now());
+        }
+    }
+
+    /// Where the transfer is, once it started; its phase is `done` or `failed` once it ended.
+    pub fn progress(&self) -> Option<Progress> {
+        let mut p = self.progress.lock().clone()?;
+        if let Some(result) = &self.result.lock().0 {
+            p.phase = if result.is_ok() { "done" } else { "failed" };
+            p.waits_on.clear();
+        }
+        Some(p)
     }
 
     pub fn is_canceled(&self) -> bool {

@@ -100,6 +100,16 @@ impl HostPool {
 
     /// As [`verify`](Self::verify), for the model layers `checked` selects only.
     pub fn verify_layers(&self, pages: &[u32], first_token: u64, checked: impl Fn(u32) -> bool) -> (u64, Option<String>) {
+        self.verify_where(pages, first_token, u64::MAX, checked)
+    }
+
+    /// As [`verify`](Self::verify) for the first `count` slots of `pages` (a request that ends
+    /// inside its last page); the slots after them must still hold zeros (as a fresh pool does).
+    pub fn verify_tokens(&self, pages: &[u32], first_token: u64, count: u64) -> (u64, Option<String>) {
+        self.verify_where(pages, first_token, count, |_| true)
+    }
+
+    fn verify_where(&self, pages: &[u32], first_token: u64, count: u64, checked: impl Fn(u32) -> bool) -> (u64, Option<String>) {
         let s = &self.layout.shape;
         let head_bytes = (s.head_dim * s.dtype_bytes) as usize;
         let mut expected = vec![0u8; head_bytes];
@@ -109,16 +119,22 @@ impl HostPool {
                 let buffer = kv as usize * s.layer_ids.len() + layer_idx;
                 for (i, &page) in pages.iter().enumerate() {
                     for t in 0..s.page_size as u64 {
-                        let token = first_token + i as u64 * s.page_size as u64 + t;
+                        let index = i as u64 * s.page_size as u64 + t;
+                        let token = first_token + index;
                         let slot = &self.memory[self.slot(buffer, page as u64 * s.page_size as u64 + t)];
                         for lh in 0..s.local_heads {
                             let g = global_head(s, lh);
-                            pattern(layer, kv, token, g, &mut expected);
+                            if index < count {
+                                pattern(layer, kv, token, g, &mut expected);
+                            } else {
+                                expected.fill(0);
+                            }
                             let got = &slot[lh as usize * head_bytes..][..head_bytes];
                             let diff = got.iter().zip(&expected).filter(|(a, b)| a != b).count() as u64;
                             if diff > 0 && first.is_none() {
+                                let past = if index < count { "" } else { " (past the last token: must be untouched)" };
                                 first = Some(format!(
-                                    "layer {layer} kv {kv} token {token} local head {lh} (global {g}) page {page}: {diff} bytes differ"
+                                    "layer {layer} kv {kv} token {token} local head {lh} (global {g}) page {page}{past}: {diff} bytes differ"
                                 ));
                             }
                             bad += diff;

@@ -245,7 +245,7 @@ fn engine_refuses_host_pools_and_foreign_memory() {
     let mut host = vec![0u8; 1024];
     let layout = KvLayout { shape: shape.clone(), capacity_pages: 4, memory: MemoryKind::Host, bases: vec![host.as_mut_ptr() as usize, host.as_mut_ptr() as usize + 512] };
     let st = staging_layout(&shape, &shape, 4).unwrap();
-    let g = plan_gather(&shape, &[1, 0], &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
+    let g = plan_gather(&shape, &[1, 0], 0, &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
     let mut buf = vec![0u8; st.total_bytes as usize];
     let e = unsafe { engine.gather(&g, &layout, buf.as_mut_ptr()) }.unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_UNSUPPORTED);
@@ -258,7 +258,7 @@ fn engine_refuses_host_pools_and_foreign_memory() {
     let dev = Backend::alloc(engine.backend(), 1024).unwrap() as usize;
     let cuda = KvLayout { bases: vec![dev, dev + 512], ..cuda };
     engine.check_pool(&cuda).unwrap();
-    let far = plan_gather(&shape, &[1, 3], &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
+    let far = plan_gather(&shape, &[1, 3], 0, &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
     let mut small = cuda.clone();
     small.capacity_pages = 2;
     let e = unsafe { engine.gather(&far, &small, buf.as_mut_ptr()) }.unwrap_err();

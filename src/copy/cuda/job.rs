@@ -150,7 +150,7 @@ mod tests {
         let st = staging_layout(&src, &dst, 5 * 16).unwrap();
         let w = &st.region_of(&src).unwrap().unwrap();
         let pages = [7, 8, 9, 2, 3];
-        (plan_gather(&src, &pages, &st, w).unwrap(), plan_scatter(&dst, &pages, &st, w).unwrap())
+        (plan_gather(&src, &pages, 0, &st, w).unwrap(), plan_scatter(&dst, &pages, &st, w).unwrap())
     }
 
     #[test]

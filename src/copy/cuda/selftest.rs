@@ -175,7 +175,7 @@ pub fn run_case<B: Backend>(engine: &DeviceCopyEngine<B>, mem: &dyn TestMemory, 
 
     // Gather.
     let src = make_pool(mem, &case.src, case.capacity_pages, case.misalign, &mut rng)?;
-    let g = plan_gather(&case.src, &case.src_pages, &st, region)?;
+    let g = plan_gather(&case.src, &case.src_pages, 0, &st, region)?;
     let mut want = vec![0u8; region.bytes as usize];
     // SAFETY: the mirror holds every buffer; `want` is the writer region.
     unsafe { host_engine.gather(&g, &src.host, want.as_mut_ptr()) }?;

@@ -8,6 +8,7 @@
 
 mod conn;
 mod coverage;
+mod describe;
 mod extents;
 pub mod listener;
 mod memory;

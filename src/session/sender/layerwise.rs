@@ -110,6 +110,7 @@ impl SenderSession {
     fn wait_layers(&self, gate: &LayerGate, deadline: &Deadline, op: &Op, missing: &BTreeSet<u32>, stall: &mut Stall) -> Result<Vec<crate::session::layers::LayerBatch>> {
         // The gate is read under the session lock: a mark lands either before the read or wakes
         // the wait below (marking wakes the session after its own lock is released).
+        op.enter("waiting_for_layers", || format!("layers {missing:?} of the chunk are not marked ready (kvstage_op_layers_ready)"));
         let mut st = self.shared.state.lock();
         stall.progress();
         loop {

@@ -9,6 +9,7 @@
 //! path); this file: the session, its waits, the slice path and asynchronous operations.
 
 mod connect;
+pub mod describe;
 mod layerwise;
 mod stall;
 mod staged;
@@ -107,12 +108,34 @@ pub struct TransferDesc {
     pub room: RoomRef,
     pub chunk: u32,
     pub pages: Vec<u32>,
+    /// Slots of `pages[0]` before the chunk's first token: where the decode side's cached prefix
+    /// (whole decode pages) or the previous chunk ends inside a prefill page.
+    pub src_token_offset: u32,
+    /// Tokens of the chunk; 0: every slot of `pages` from `src_token_offset` on.
+    pub num_tokens: u32,
     pub timeout: Option<Duration>,
     /// CUDA pools: the producer's ready point; the gather is ordered after it.
     pub ready: Option<Arc<ReadyFence>>,
     /// Layer-wise sending: the chunk's layers become ready over time, marked on this gate (each
     /// batch with its own ready point, so `ready` must be `None`).
     pub layers: Option<Arc<LayerGate>>,
+}
+
+impl TransferDesc {
+    /// The chunk's tokens in `pages` (pages of `page_size` slots), checked to be held exactly by
+    /// them (`KVSTAGE_E_INVALID_ARG` naming the descriptor's field).
+    pub fn span(&self, page_size: u32) -> Result<geometry::PageSpan<'_>> {
+        let tokens = match self.num_tokens {
+            0 => (self.pages.len() as u64 * page_size as u64).saturating_sub(self.src_token_offset as u64),
+            n => n as u64,
+        };
+        let span = geometry::PageSpan { pages: &self.pages, first_token: self.src_token_offset, tokens };
+        span.check(page_size, "desc->src_pages", "desc->src_token_offset")?;
+        if tokens > u32::MAX as u64 {
+            return Err(Error::invalid_arg("desc->num_pages", format!("the chunk holds {tokens} tokens, more than a chunk may (2^32 - 1)")));
+        }
+        Ok(span)
+    }
 }
 
 struct State {
@@ -236,12 +259,12 @@ impl SenderSession {
     /// [`transfer`](Self::transfer), with the transfer's phase timings (zeros when an argument is
     /// bad: the transfer never started and is not counted).
     pub fn transfer_timed(&self, desc: &TransferDesc, op: &Op) -> (Result<Status>, TransferTimings) {
-        self.counted(desc, false, |t| self.staged(desc, op, t))
+        self.counted(desc, op, false, |t| self.staged(desc, op, t))
     }
 
     /// [`transfer_slices`](Self::transfer_slices), with the transfer's phase timings.
     pub fn transfer_slices_timed(&self, desc: &TransferDesc, op: &Op) -> (Result<Status>, TransferTimings) {
-        self.counted(desc, true, |t| self.slices(desc, op, t))
+        self.counted(desc, op, true, |t| self.slices(desc, op, t))
     }
 
     /// A gate for a layer-wise transfer on this session ([`TransferDesc::layers`]).
@@ -257,12 +280,24 @@ impl SenderSession {
         if desc.layers.is_some() && desc.ready.is_some() {
             return Err(Error::invalid_arg("desc->cuda_event", "is set on a layer-wise transfer (each layer batch carries its own ready point)").with_session(&self.id));
         }
+        let span = desc.span(self.pool.shape.page_size).map_err(|e| e.with_session(&self.id))?;
+        let dst_page = self.remote.shape.page_size as u64;
+        if slices && !span.tokens.is_multiple_of(dst_page) {
+            return Err(Error::new(
+                Status::KVSTAGE_E_UNSUPPORTED,
+                format!(
+                    "the slice path moves whole decode pages: the chunk's {} tokens are not a multiple of the decode page size {dst_page} (send it staged)",
+                    span.tokens
+                ),
+            )
+            .with_session(&self.id));
+        }
         self.pool.check_pages(&desc.pages, "desc->src_pages").map_err(|e| e.with_session(&self.id))
     }
 
     /// Runs a synchronous transfer: in flight meanwhile, timed, its result counted (a panic as
     /// `KVSTAGE_E_PANIC`, then it goes on unwinding).
-    fn counted(&self, desc: &TransferDesc, slices: bool, f: impl FnOnce(&mut TransferTimings) -> Result<Status>) -> (Result<Status>, TransferTimings) {
+    fn counted(&self, desc: &TransferDesc, op: &Op, slices: bool, f: impl FnOnce(&mut TransferTimings) -> Result<Status>) -> (Result<Status>, TransferTimings) {
         if let Err(e) = self.check_args(desc, slices) {
             return (Err(e), TransferTimings::ZERO);
         }
@@ -271,6 +306,7 @@ impl SenderSession {
             Err(e) => return (Err(e), TransferTimings::ZERO),
         };
         let started = Instant::now();
+        op.start(&self.id, desc.room.id, desc.chunk, if slices { "slices" } else { "staged" }, "starting", desc.timeout.map(|t| started + t));
         let _in_flight = self.metrics.start();
         let mut t = TransferTimings::default();
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut t)));
@@ -295,6 +331,7 @@ impl SenderSession {
         let op = Op::notifying(self.waker(), self.resources.completions.clone(), tag, desc.layers.clone());
         let (session, worker_op) = (self.clone(), op.clone());
         let queued = Instant::now();
+        op.start(&self.id, desc.room.id, desc.chunk, if slices { "slices" } else { "staged" }, "queued", desc.timeout.map(|t| queued + t));
         // In flight from now until the worker finished it (or the submission failed).
         let in_flight = self.metrics.start();
         self.resources.workers.submit(self.key, move || {
@@ -353,8 +390,9 @@ impl SenderSession {
         let hs = self.pair.heads;
         // Destination pages 0..n make every decode offset chunk-relative: the receiver resolves
         // (buffer, token within chunk, byte within the token slot) against its own room pages.
-        let chunk_pages: Vec<u32> = (0..desc.pages.len() as u32).collect();
-        let ops = geometry::slice_plan(src, dst, &hs, &desc.pages, &chunk_pages)?;
+        let span = desc.span(src.page_size)?;
+        let chunk_pages: Vec<u32> = (0..span.tokens.div_ceil(dst.page_size as u64) as u32).collect();
+        let ops = geometry::slice_plan(src, dst, &hs, &span, &geometry::PageSpan { pages: &chunk_pages, first_token: 0, tokens: span.tokens })?;
         let dst_token_bytes = dst.token_bytes();
         let bytes: u64 = ops.iter().map(|o| o.len).sum();
         let mut frames = ops.iter().map(|o| {
@@ -372,11 +410,13 @@ impl SenderSession {
             (header, payload)
         });
         let pending = self.expect_reply();
+        op.enter("writing", String::new);
         let phase = Instant::now();
         let wrote = self.link.write_slices(&mut frames, &Message::SliceDone { req: pending.req, room: desc.room, chunk: desc.chunk }, &deadline);
         t.wire_ns = since(phase);
         wrote?;
         self.metrics.sent(bytes);
+        op.enter("waiting_for_acknowledgement", || format!("the receiver {}", self.link.describe()));
         let phase = Instant::now();
         let ack = self.wait_reply(&pending, &deadline, op, "waiting for the slice acknowledgement", None);
         t.ack_ns = since(phase);
@@ -464,6 +504,15 @@ impl SenderSession {
     /// Back-pressure: blocks (without spinning) until the receiver's watermark allows the write.
     fn wait_writable(&self, round: u64, end: u64, deadline: &Deadline, op: &Op, stall: &mut Stall) -> Result<()> {
         let mut st = self.shared.state.lock();
+        if !st.watermark.permits(round, end) {
+            let w = st.watermark;
+            op.enter("waiting_for_watermark", || {
+                format!(
+                    "this grant ends at offset {end} of the receiver's ring round {round}; its watermark was at round {} offset {} (an older allocation there still holds the space)",
+                    w.round, w.offset
+                )
+            });
+        }
         stall.progress();
         loop {
             if st.watermark.permits(round, end) {

@@ -43,7 +43,8 @@ impl SenderSession {
         let deadline = Deadline::after(desc.timeout);
         let src = &self.pool.shape;
         let dst = &self.remote.shape;
-        let tokens = desc.pages.len() as u32 * src.page_size;
+        let span = desc.span(src.page_size)?;
+        let tokens = span.tokens as u32; // bounded by `span`
         let layout = geometry::staging_layout(src, dst, tokens)?;
         let Some(writer) = self.pair.writer else {
             return Ok(Status::KVSTAGE_OK); // another prefill rank sends these heads
@@ -64,13 +65,14 @@ impl SenderSession {
             self.log_fallback(desc, &why);
             return Ok(Status::KVSTAGE_FALLBACK);
         }
-        let plan = geometry::plan_gather(src, &desc.pages, &layout, &region)?;
+        let plan = geometry::plan_gather(src, &desc.pages, span.first_token, &layout, &region)?;
         // A whole chunk's KV ready first, so that waiting for the caller's compute holds no ring
         // space, copy lane or staging buffer another transfer needs (layer-wise: per batch).
         if desc.layers.is_none() {
             self.await_ready(desc.ready.as_deref(), &deadline, op, t)?;
         }
 
+        op.enter("waiting_for_allocation", || format!("the receiver {} to grant {} bytes of its ring", self.link.describe(), layout.total_bytes));
         let alloc = self.expect_reply();
         // Watermark wait, part one: the allocation's round trip (part two: `wait_writable`).
         let asked = Instant::now();
@@ -117,6 +119,7 @@ impl SenderSession {
             }
         };
         let written_at = Instant::now();
+        op.enter("waiting_for_acknowledgement", || format!("the receiver {} to acknowledge the chunk's arrival", self.link.describe()));
         let ack = self.wait_reply(&arrival, &deadline, op, "waiting for the arrival acknowledgement", Some(&mut stall));
         t.ack_ns = since(written_at);
         match ack {
@@ -163,9 +166,11 @@ impl SenderSession {
         // device): the gather writes straight into the granted range of the ring.
         if self.writes_in_place() {
             let mut range = self.link.in_place(grant_offset + region_offset, region_bytes).expect("an in-place transport")?;
+            op.enter("gathering", String::new);
             self.gather(plan, range.as_mut_ptr(), t)?;
             let checksum = self.region_checksum(desc, || Ok(checksum(&range.to_host()?)))?;
             drop(range);
+            op.enter("writing", String::new);
             let phase = Instant::now();
             let wrote = self.link.finish_in_place(&header, &ready(checksum), deadline);
             t.wire_ns = since(phase);
@@ -175,8 +180,10 @@ impl SenderSession {
         }
         // A buffer of the engine's pool, held for the gather and the write only.
         let mut staging = self.staging_buffer(region_bytes, deadline, op, t)?;
+        op.enter("gathering", String::new);
         self.gather(plan, staging.as_mut_ptr(), t)?;
         let checksum = self.region_checksum(desc, || Ok(checksum(&staging.to_host(region_bytes as usize)?)))?;
+        op.enter("writing", String::new);
         let phase = Instant::now();
         let wrote = self.write_staged(&mut staging, place, desc, (0, region_bytes), Some(&ready(checksum)), deadline);
         t.wire_ns = since(phase);
@@ -198,6 +205,7 @@ impl SenderSession {
     /// registered with the RDMA devices when this session writes by RDMA (all timed as the
     /// allocation wait).
     pub(super) fn staging_buffer(&self, len: u64, deadline: &Deadline, op: &Op, t: &mut TransferTimings) -> Result<StagingLease<'_>> {
+        op.enter("waiting_for_staging_buffer", || format!("a send staging buffer of {len} bytes from the engine's pool (send_staging_buffers)"));
         let phase = Instant::now();
         let acquired = self.staging_lease(len, deadline, op);
         t.alloc_wait_ns = since(phase);
@@ -233,6 +241,7 @@ impl SenderSession {
     /// [`ReadyFence::wait_until`](crate::copy::ReadyFence::wait_until)); timed as the gather phase.
     pub(super) fn await_ready(&self, ready: Option<&crate::copy::ReadyFence>, deadline: &Deadline, op: &Op, t: &mut TransferTimings) -> Result<()> {
         let Some(fence) = ready else { return Ok(()) };
+        op.enter("waiting_for_ready_point", || "the caller's CUDA ready point (desc->cuda_stream / cuda_event)".to_owned());
         let phase = Instant::now();
         let fired = fence.wait_until(deadline, || op.is_canceled() || self.shared.state.lock().dead.is_some());
         t.gather_ns += since(phase);

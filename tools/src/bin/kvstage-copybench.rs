@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use kvstage::copy::{CopyEngine, HostCopyEngine};
-use kvstage::geometry::{plan_gather, plan_scatter, slice_plan, staging_layout, KvLayout, MemoryKind, ModelKind, PoolShape};
+use kvstage::geometry::{plan_gather, plan_scatter, slice_plan, staging_layout, KvLayout, MemoryKind, ModelKind, PageSpan, PoolShape};
 use serde::Serialize;
 
 /// Gather/scatter throughput of the host copy engine on a 70B-shaped chunk, next to a
@@ -193,7 +193,7 @@ fn main() {
                 _ => (random_pages(pages_n, capacity, &mut rng), random_pages(pages_n, capacity, &mut rng)),
             };
             let t = Instant::now();
-            let g = plan_gather(&src_pool, &src_pages, &st, w).expect("gather plan");
+            let g = plan_gather(&src_pool, &src_pages, 0, &st, w).expect("gather plan");
             let s = plan_scatter(&dst_pool, &dst_pages, &st, w).expect("scatter plan");
             let plan_time = t.elapsed();
             let mut times = [Vec::new(), Vec::new(), Vec::new()];
@@ -237,7 +237,7 @@ fn main() {
             let dst_pages: Vec<u32> = (3..3 + pages_n as u32).collect();
             let hs = w.heads;
             let t = Instant::now();
-            let ops = slice_plan(&src_shape, &dst_shape, &hs, &src_pages, &dst_pages).expect("slice plan");
+            let ops = slice_plan(&src_shape, &dst_shape, &hs, &PageSpan::whole(&src_pages, src_shape.page_size), &PageSpan::whole(&dst_pages, dst_shape.page_size)).expect("slice plan");
             let plan_time = t.elapsed();
             let mut times = Vec::new();
             let mut mtimes = Vec::new();

@@ -156,7 +156,7 @@ fn fences(engine: &CudaCopyEngine, device: i32) -> Result<()> {
     let st = staging_layout(&shape, &shape, 128 * 64)?;
     let pages: Vec<u32> = (0..128).map(|p| p * 4 % capacity as u32).collect();
     let region = st.region_of(&shape)?.ok_or_else(|| Error::internal("a TP 1 rank writes every layer"))?;
-    let plan = plan_gather(&shape, &pages, &st, &region)?;
+    let plan = plan_gather(&shape, &pages, 0, &st, &region)?;
     let bytes = pool.layout.buffer_bytes() as usize * pool.layout.bases.len();
     let producer = ToolStream::new(device)?;
     let mut staging = vec![0u8; plan.staging_bytes as usize];
@@ -266,7 +266,7 @@ fn bench(engine: &CudaCopyEngine, args: &BenchArgs) -> Result<()> {
         };
         let sp = device_pool(dev, &src, capacity)?;
         let dp = device_pool(dev, &dst, capacity)?;
-        let g = plan_gather(&src, &pages, &st, w)?;
+        let g = plan_gather(&src, &pages, 0, &st, w)?;
         let s = plan_scatter(&dst, &pages, &st, w)?;
         let region = w.bytes as usize;
         let staging = DeviceMemory::alloc(dev, region)?;

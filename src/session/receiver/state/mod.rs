@@ -32,9 +32,11 @@ use crate::ring::{Grant, Ring, Watermark};
 use crate::session::receiver::coverage::Coverage;
 use crate::session::receiver::extents::Extents;
 pub use crate::session::notify::ChunkEvent;
+pub use describe::{ReceiverDescription, RoomDescription};
 use crate::session::stats::ReceiveStats;
 use crate::session::{Integrity, Pairing};
 
+mod describe;
 mod slices;
 mod staged;
 mod stalls;

@@ -23,15 +23,27 @@ impl State {
         let c = r.chunks.get(chunk as usize).ok_or_else(|| {
             protocol(format!("chunk {chunk} is past room {room}'s {num_chunks} chunks (0 .. {})", num_chunks.saturating_sub(1)))
         })?;
-        let expected_tokens = r.chunk_pages(chunk).len() as u32 * info.dst.page_size;
-        if tokens != expected_tokens {
+        // A chunk fills its decode pages; the room's last may end inside its last page (the
+        // request ends there), never before it.
+        let ps = info.dst.page_size;
+        let slots = r.chunk_pages(chunk).len() as u32 * ps;
+        let last = chunk as usize + 1 == num_chunks;
+        let fits = tokens == slots || (last && tokens < slots && tokens > slots - ps);
+        if !fits {
+            let accepted = if last && ps > 1 { format!("{}..={slots}", slots - ps + 1) } else { slots.to_string() };
             return Err(Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
                 format!(
-                    "chunk {chunk} of room {room}: sender has {tokens} tokens, receiver expects {expected_tokens} (its grid: {num_chunks} chunks of {} tokens over {} pages)",
-                    r.grid_pages as u32 * info.dst.page_size,
+                    "chunk {chunk} of room {room}: sender has {tokens} tokens, receiver expects {accepted} (its grid: {num_chunks} chunks of {} tokens over {} pages of {ps})",
+                    r.grid_pages as u32 * ps,
                     r.pages.len()
                 ),
+            ));
+        }
+        if let Some(first) = c.layout.as_ref().filter(|l| l.tokens != tokens) {
+            return Err(Error::new(
+                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+                format!("chunk {chunk} of room {room}: this writer has {tokens} tokens, the chunk's first writer {}", first.tokens),
             ));
         }
         match c.mode {

@@ -434,7 +434,7 @@ fn copies(a: &Args, prefill: &Prefill, bar: &ProgressBar) -> Result<(Section, Se
             for pages in s.prefill_pages(r.rank).chunks(grid) {
                 let layout = geometry::staging_layout(&r.pool.layout.shape, &dst_shape, (pages.len() as u32) * s.page_size)?;
                 let Some(region) = layout.region_of(&r.pool.layout.shape)? else { continue };
-                let plan = geometry::plan_gather(&r.pool.layout.shape, pages, &layout, &region)?;
+                let plan = geometry::plan_gather(&r.pool.layout.shape, pages, 0, &layout, &region)?;
                 staging.resize(staging.len().max(region.bytes as usize), 0);
                 plans.push((r.rank as usize, plan));
             }

@@ -1,0 +1,198 @@
+//! Prefill and decode pools with different page sizes, over real loopback TCP and over the
+//! same-host path (engines in this process): a whole request moved chunk by chunk as `chunk_span` places it, with and without a
+//! decode-side cached prefix, TP changing on top, every byte of every decode page compared with
+//! the testkit's reference (request token, global head, layer), the slots after the request's last
+//! token untouched. Then what a sender cannot do: a chunk of the wrong size, pages that do not hold
+//! the chunk, the slice path for a chunk that ends inside a decode page.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvstage::engine::{Engine, EngineOptions, TransportKind};
+use kvstage::geometry::{chunk_span, decode_ranks_for_prefill, ModelKind, PoolShape};
+use kvstage::protocol::RoomRef;
+use kvstage::session::op::Op;
+use kvstage::session::sender::{SenderSession, TransferDesc};
+use kvstage::Status;
+use kvstage_testkit::{page_table, HostPool};
+
+const LAYERS: u32 = 3;
+const HEADS: u32 = 4;
+const CAPACITY: u64 = 48;
+const ROOM: u64 = 11;
+const CHUNK_TOKENS: u32 = 128;
+
+fn shape(page_size: u32, rank: u32, tp: u32) -> PoolShape {
+    PoolShape::new(ModelKind::Mha, HEADS, 8, 2, page_size, LAYERS).with_tp(rank, tp)
+}
+
+struct Decode {
+    engine: Engine,
+    pool: HostPool,
+    pages: Vec<u32>,
+    room: RoomRef,
+}
+
+struct Prefill {
+    sessions: Vec<(u32, Arc<SenderSession>)>,
+    _engine: Engine,
+    _pool: HostPool,
+}
+
+fn engine(transport: TransportKind) -> Engine {
+    Engine::new(EngineOptions { transport, ..EngineOptions::default() }).unwrap()
+}
+
+/// Decode ranks with pages of `dps`, each with room `ROOM` open over the pages after `prefix`.
+fn decodes(transport: TransportKind, dps: u32, tp: u32, total: u64, prefix: u64) -> Vec<Decode> {
+    (0..tp)
+        .map(|r| {
+            let engine = engine(transport);
+            let pool = HostPool::new(shape(dps, r, tp), CAPACITY);
+            engine.register_pool(pool.layout.clone()).unwrap();
+            engine.register_staging(None, 1 << 20).unwrap();
+            let pages = page_table((total - prefix).div_ceil(dps as u64) as usize, CAPACITY, 7 + r as u64, true);
+            let (_, key) = engine.receiver().open_room(ROOM, &pages, CHUNK_TOKENS).unwrap();
+            Decode { engine, pool, pages, room: RoomRef { id: ROOM, key } }
+        })
+        .collect()
+}
+
+/// Prefill ranks with pages of `sps` holding the whole request (prefix included) in `pages`.
+fn prefills(transport: TransportKind, sps: u32, tp: u32, pages: &[u32], decodes: &[Decode]) -> Vec<Prefill> {
+    (0..tp)
+        .map(|r| {
+            let engine = engine(transport);
+            let mut pool = HostPool::new(shape(sps, r, tp), CAPACITY);
+            pool.fill(pages, 0);
+            engine.register_pool(pool.layout.clone()).unwrap();
+            let sessions = decode_ranks_for_prefill(r, tp, decodes.len() as u32)
+                .unwrap()
+                .map(|d| (d, engine.connect(&decodes[d as usize].engine.local_addr().to_string(), &format!("p{r}-d{d}"), None).unwrap()))
+                .collect();
+            Prefill { sessions, _engine: engine, _pool: pool }
+        })
+        .collect()
+}
+
+fn send(session: &SenderSession, desc: &TransferDesc, slices: bool) -> kvstage::Result<Status> {
+    let op = Op::new(session.waker());
+    if slices {
+        session.transfer_slices(desc, &op)
+    } else {
+        session.transfer(desc, &op)
+    }
+}
+
+/// Chunk `chunk` of the request as `chunk_span` places it, from the prefill page list `pages`.
+fn desc(room: RoomRef, pages: &[u32], total: u64, prefix: u64, sps: u32, dps: u32, chunk: u32) -> TransferDesc {
+    let span = chunk_span(total, prefix, sps, dps, CHUNK_TOKENS, chunk).unwrap();
+    let first = span.src_first_page as usize;
+    TransferDesc {
+        room,
+        chunk,
+        pages: pages[first..first + span.src_num_pages as usize].to_vec(),
+        src_token_offset: span.src_token_offset,
+        num_tokens: span.num_tokens,
+        timeout: Some(Duration::from_secs(10)),
+        ..Default::default()
+    }
+}
+
+/// Moves a request of `total` tokens from prefill TP `src_tp` (pages of `sps`) to decode TP
+/// `dst_tp` (pages of `dps`) whose first `prefix` tokens the decode side holds, over TCP and over
+/// the same-host path.
+fn request(sps: u32, dps: u32, src_tp: u32, dst_tp: u32, total: u64, prefix: u64) {
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        request_over(transport, sps, dps, src_tp, dst_tp, total, prefix);
+    }
+}
+
+fn request_over(transport: TransportKind, sps: u32, dps: u32, src_tp: u32, dst_tp: u32, total: u64, prefix: u64) {
+    let what = format!("{transport:?}: P{src_tp} ps {sps} -> D{dst_tp} ps {dps}, {total} tokens, decode prefix {prefix}");
+    let d = decodes(transport, dps, dst_tp, total, prefix);
+    let src_pages = page_table(total.div_ceil(sps as u64) as usize, CAPACITY, 3, false);
+    let p = prefills(transport, sps, src_tp, &src_pages, &d);
+    let chunks = chunk_span(total, prefix, sps, dps, CHUNK_TOKENS, 0).unwrap().num_chunks;
+    assert!(chunks > 1, "{what}: the case should take several chunks");
+    // Chunks out of order: each lands where the span says, whatever came before.
+    for chunk in (0..chunks).rev() {
+        for rank in &p {
+            for (dr, s) in &rank.sessions {
+                let desc = desc(d[*dr as usize].room, &src_pages, total, prefix, sps, dps, chunk);
+                let sent = send(s, &desc, false).unwrap_or_else(|e| panic!("{what}: chunk {chunk}: {}", e.chain()));
+                assert_eq!(sent, Status::KVSTAGE_OK, "{what}: chunk {chunk}");
+            }
+        }
+    }
+    for (r, dec) in d.iter().enumerate() {
+        dec.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{what}: decode {r}: {}", e.chain()));
+        let (bad, first) = dec.pool.verify_tokens(&dec.pages, prefix, total - prefix);
+        assert_eq!(bad, 0, "{what}: decode rank {r}: {first:?}");
+    }
+}
+
+#[test]
+fn small_prefill_pages_into_large_decode_pages() {
+    request(16, 64, 1, 1, 300, 0);
+    request(16, 64, 1, 1, 300, 64);
+    request(16, 64, 2, 1, 300, 64); // TP 2 -> 1
+    request(16, 64, 1, 2, 260, 0); // TP 1 -> 2
+}
+
+#[test]
+fn large_prefill_pages_into_small_decode_pages() {
+    request(64, 16, 1, 1, 300, 0);
+    // The decode prefix ends inside the first prefill page: every chunk starts 16 slots into one.
+    request(64, 16, 1, 1, 300, 16);
+    request(64, 16, 1, 1, 300, 64);
+    request(64, 16, 2, 1, 290, 16); // TP 2 -> 1
+    request(64, 16, 1, 2, 300, 16); // TP 1 -> 2
+}
+
+#[test]
+fn a_chunk_of_the_wrong_size_or_pages_that_do_not_hold_it_are_refused() {
+    let (sps, dps, total, prefix) = (64, 16, 300, 16);
+    let d = decodes(TransportKind::Tcp, dps, 1, total, prefix);
+    let src_pages = page_table(total.div_ceil(sps as u64) as usize, CAPACITY, 3, false);
+    let p = prefills(TransportKind::Tcp, sps, 1, &src_pages, &d);
+    let s = &p[0].sessions[0].1;
+    let room = d[0].room;
+    let good = desc(room, &src_pages, total, prefix, sps, dps, 0);
+
+    // Pages that do not hold the chunk: the sender says which field, nothing is sent.
+    let mut more = good.clone();
+    more.pages.push(src_pages[4]);
+    let e = send(s, &more, false).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", e.chain());
+    assert!(e.message().contains("`desc->src_pages`: holds 4 pages, the tokens 16..144 of its pages (page_size 64) need 3"), "{}", e.chain());
+    let e = send(s, &TransferDesc { src_token_offset: 64, ..good.clone() }, false).unwrap_err();
+    assert!(e.message().contains("`desc->src_token_offset`: 64 is not inside the first page"), "{}", e.chain());
+
+    // A chunk that is not the room's last must fill its decode pages: the receiver refuses 127
+    // tokens with both values, and the room goes on.
+    let short = TransferDesc { num_tokens: 127, ..good.clone() };
+    let e = send(s, &short, false).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
+    assert!(e.chain().contains("sender has 127 tokens, receiver expects 128"), "{}", e.chain());
+    // The last chunk (tokens 272..300: 28 of its 2 decode pages' 32 slots) may end inside its
+    // last page, never before it.
+    let last = desc(room, &src_pages, total, prefix, sps, dps, 2);
+    assert_eq!(last.num_tokens, 28);
+    let e = send(s, &TransferDesc { num_tokens: 16, ..last.clone() }, false).unwrap_err();
+    assert!(e.chain().contains("sender has 16 tokens, receiver expects 17..=32"), "{}", e.chain());
+
+    // The slice path moves whole decode pages only.
+    let e = send(s, &last, true).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_UNSUPPORTED, "{}", e.chain());
+    assert!(e.message().contains("28 tokens are not a multiple of the decode page size 16"), "{}", e.chain());
+
+    // Chunks 0 and 1 by the slice path, the last staged: the request lands whole.
+    for chunk in 0..2 {
+        assert_eq!(send(s, &desc(room, &src_pages, total, prefix, sps, dps, chunk), true).unwrap(), Status::KVSTAGE_OK);
+    }
+    assert_eq!(send(s, &last, false).unwrap(), Status::KVSTAGE_OK);
+    d[0].engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+    let (bad, first) = d[0].pool.verify_tokens(&d[0].pages, prefix, total - prefix);
+    assert_eq!(bad, 0, "{first:?}");
+}
