@@ -2,8 +2,10 @@
 //! line, once per wait, naming its session, room and chunk and what it waits on — in the stuck
 //! situations a sender can meet: the receiver's watermark held by an older allocation nobody
 //! finishes, a receiver that never answers the allocation (a peer that stopped reading), and a
-//! layer-wise transfer whose last layer is never marked ready. No timing is asserted beyond the
-//! transfers' own deadlines.
+//! layer-wise transfer whose last layer is never marked ready. While each one is stuck, the
+//! describe documents say the same from both sides: the operation's phase and what it waits on,
+//! the decode room's chunk phase and its culprit. No timing is asserted beyond the transfers' own
+//! deadlines (the documents are polled until the stuck phase shows, within the deadline).
 
 mod common;
 
@@ -16,6 +18,7 @@ use common::*;
 use kvstage::engine::logging;
 use kvstage::engine::{Engine, EngineOptions, StallWarn};
 use kvstage::session::op::Op;
+use kvstage::session::sender::describe::{describe_op, OpDescription};
 use kvstage::transport::faults::{FaultCounters, FaultPlan, Faults};
 use kvstage::session::sender::TransferDesc;
 use kvstage::Status;
@@ -45,6 +48,21 @@ fn prefill(geo: &Geometry, rank: u32) -> (Engine, HostPool) {
     (engine, pool)
 }
 
+/// The operation's document once it reached `phase` (polled; `None` if it never does while it runs).
+fn op_in_phase(op: &Op, phase: &str) -> Option<OpDescription> {
+    let mut seen = None;
+    settle(Duration::from_secs(2), || {
+        seen = describe_op(op).filter(|d| d.phase == phase);
+        seen.is_some()
+    });
+    seen
+}
+
+/// Room `room`'s document on `engine`, parsed.
+fn room_doc(engine: &Engine, room: u64) -> serde_json::Value {
+    serde_json::to_value(engine.receiver().describe_room(room).unwrap()).unwrap()
+}
+
 fn stalls<'a>(lines: &'a [(String, String)], session: &str) -> Vec<&'a str> {
     lines.iter().filter(|(s, m)| s == session && m.contains("no progress for")).map(|(_, m)| m.as_str()).collect()
 }
@@ -64,7 +82,29 @@ fn a_watermark_held_by_an_unfinished_allocation_is_reported_once() {
     let s = engine.connect(&c.addr().to_string(), "stalled-watermark", None).unwrap();
     let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
     let desc = TransferDesc { room, chunk: 0, pages: src, timeout: Some(Duration::from_secs(2)), ..Default::default() };
-    let (result, lines) = warnings_during(|| s.transfer(&desc, &Op::new(s.waker())));
+    let (result, lines) = warnings_during(|| {
+        let op = s.transfer_async(desc, false, 0).unwrap();
+        // While stuck: the operation waits for the watermark, the decode room's chunk waits
+        // behind room 61's allocation, which waits for writers (one never asked).
+        let d = op_in_phase(&op, "waiting_for_watermark").expect("the operation reaches the watermark wait");
+        assert!((d.session.as_str(), d.room, d.chunk, d.status) == ("stalled-watermark", 62, 0, "KVSTAGE_PENDING"), "{d:?}");
+        assert!(d.waits_on.contains("an older allocation there still holds the space") && d.deadline_left_ms.is_some(), "{d:?}");
+        let blocked = room_doc(&c.decode, 62);
+        let chunk = &blocked["chunks"][0];
+        assert_eq!(chunk["phase"], "waiting_for_watermark", "{blocked}");
+        assert_eq!(chunk["grant"]["waits_behind"], serde_json::json!({"room": 61, "chunk": 0}), "{blocked}");
+        let holder = room_doc(&c.decode, 61);
+        let chunk = &holder["chunks"][0];
+        assert_eq!((chunk["phase"].as_str(), chunk["grant"]["ring_position"].as_u64()), (Some("granted"), Some(0)), "{holder}");
+        assert_eq!(chunk["writers"][0]["session"], "holder", "{holder}");
+        assert_eq!((chunk["writers"][0]["landed"].as_u64(), chunk["writers"][0]["ready"].as_bool()), (Some(0), Some(false)), "{holder}");
+        assert!(chunk["unclaimed_slabs"].as_u64().unwrap() > 0, "the other prefill rank never asked: {holder}");
+        let engine_doc = serde_json::to_value(c.decode.describe()).unwrap();
+        assert_eq!(engine_doc["receiver"]["ring"]["allocations"][0]["room"], 61, "{engine_doc}");
+        let prefill_doc = serde_json::to_value(engine.describe()).unwrap();
+        assert_eq!(prefill_doc["sessions"][0]["running"], serde_json::json!([{"room": 62, "chunk": 0}]), "{prefill_doc}");
+        op.wait(None)
+    });
     assert_eq!(result.unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
     let reported = stalls(&lines, "stalled-watermark");
     assert_eq!(reported.len(), 1, "one report per stalled wait: {lines:?}");
@@ -93,7 +133,17 @@ fn an_allocation_never_answered_is_reported_once() {
     let s = engine.connect(&c.addr().to_string(), "stalled-reader", None).unwrap();
     let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
     let desc = TransferDesc { room, chunk: 0, pages: src, timeout: Some(Duration::from_secs(2)), ..Default::default() };
-    let (result, lines) = warnings_during(|| s.transfer(&desc, &Op::new(s.waker())));
+    let (result, lines) = warnings_during(|| {
+        let op = s.transfer_async(desc, false, 0).unwrap();
+        let d = op_in_phase(&op, "waiting_for_allocation").expect("the operation waits for its allocation");
+        assert!(d.waits_on.contains(&c.addr().to_string()), "names the receiver: {d:?}");
+        // The receiver never read the request: nobody asked for the chunk there.
+        assert_eq!(room_doc(&c.decode, 63)["chunks"][0]["phase"], "not_started");
+        let r = op.wait(None);
+        let ended = describe_op(&op).unwrap();
+        assert_eq!((ended.phase, ended.status, ended.deadline_left_ms), ("failed", "KVSTAGE_E_TIMEOUT", None), "{ended:?}");
+        r
+    });
     assert_eq!(result.unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
     let reported = stalls(&lines, "stalled-reader");
     assert_eq!(reported.len(), 1, "{lines:?}");
@@ -115,6 +165,14 @@ fn a_layer_never_marked_ready_is_reported_once_naming_it() {
         // Every layer but the last (the pool's layer ids are 0..layers).
         let layers = SMALL.shape(0, 2).layer_ids.len() as u32;
         gate.mark(0, layers - 1, None).unwrap();
+        let d = op_in_phase(&op, "waiting_for_layers").expect("the operation waits for the last layer");
+        assert!(d.waits_on.contains(&format!("layers {} of the chunk are not marked", layers - 1)), "{d:?}");
+        // The decode side has the marked layers' bytes, not the writer's ready.
+        let doc = room_doc(&c.decode, 64);
+        let chunk = &doc["chunks"][0];
+        assert_eq!(chunk["phase"], "writing", "{doc}");
+        let w = &chunk["writers"][0];
+        assert!(w["landed"].as_u64().unwrap() < w["expected"].as_u64().unwrap() && !w["ready"].as_bool().unwrap(), "{doc}");
         assert_eq!(op.wait(None).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
     });
     let reported = stalls(&lines, "stalled-layers");

@@ -46,6 +46,7 @@ impl SenderSession {
                     continue;
                 }
                 let part = plan.for_layers(|l| layers.binary_search(&l).is_ok());
+                op.enter("writing", String::new);
                 match staging.as_mut() {
                     None => {
                         // The batch's ready point first: teardown waits for the range, not for
@@ -110,7 +111,7 @@ impl SenderSession {
     fn wait_layers(&self, gate: &LayerGate, deadline: &Deadline, op: &Op, missing: &BTreeSet<u32>, stall: &mut Stall) -> Result<Vec<crate::session::layers::LayerBatch>> {
         // The gate is read under the session lock: a mark lands either before the read or wakes
         // the wait below (marking wakes the session after its own lock is released).
-        op.enter("waiting_for_layers", || format!("layers {missing:?} of the chunk are not marked ready (kvstage_op_layers_ready)"));
+        op.enter("waiting_for_layers", || format!("layers {} of the chunk are not marked ready (kvstage_op_layers_ready)", layer_list(missing)));
         let mut st = self.shared.state.lock();
         stall.progress();
         loop {
@@ -120,13 +121,15 @@ impl SenderSession {
             }
             self.check_alive(&st, deadline, op, "waiting for the caller to mark the chunk's layers ready")?;
             stall.wait(deadline, &self.shared.cv, &mut st, |_| {
-                let shown: Vec<String> = missing.iter().take(16).map(u32::to_string).collect();
-                let more = if missing.len() > 16 { format!(" and {} more", missing.len() - 16) } else { String::new() };
-                format!(
-                    "waiting for the caller to mark layers ready (kvstage_op_layers_ready): layers {}{more} of this chunk are not marked",
-                    shown.join(", ")
-                )
+                format!("waiting for the caller to mark layers ready (kvstage_op_layers_ready): layers {} of this chunk are not marked", layer_list(missing))
             });
         }
     }
+}
+
+/// "3, 5, 7" (the first 16, then "and N more").
+fn layer_list(layers: &BTreeSet<u32>) -> String {
+    let shown: Vec<String> = layers.iter().take(16).map(u32::to_string).collect();
+    let more = if layers.len() > 16 { format!(" and {} more", layers.len() - 16) } else { String::new() };
+    format!("{}{more}", shown.join(", "))
 }

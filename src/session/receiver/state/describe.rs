@@ -163,17 +163,10 @@ fn chunk_phase(r: &Room, c: &Chunk, blocked: bool) -> &'static str {
         _ if r.failure.is_some() => "failed",
         Phase::Scattering => "scattering",
         Phase::Waiting if c.slots.is_empty() => "not_started",
+        Phase::Waiting if c.slots.iter().any(|s| s.arrived) => "waiting_for_writers",
         Phase::Waiting if blocked => "waiting_for_watermark",
-        Phase::Waiting => {
-            let landed = c.slots.iter().any(|s| s.arrived || s.written.total() > 0 || s.coverage.as_ref().is_some_and(|v| v.progress().0 > 0));
-            if c.slots.iter().any(|s| s.arrived) {
-                "waiting_for_writers"
-            } else if landed {
-                "writing"
-            } else {
-                "granted"
-            }
-        }
+        Phase::Waiting if c.slots.iter().any(|s| s.written.total() > 0 || s.coverage.as_ref().is_some_and(|v| v.progress().0 > 0)) => "writing",
+        Phase::Waiting => "granted",
     }
 }
 

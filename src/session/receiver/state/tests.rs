@@ -1360,6 +1360,7 @@ impl Harness {
                 }
             }
         }
+        self.check_describe();
         assert!(st.events.len() <= st.max_events);
         // Every chunk that ended was reported: a failed room's chunks each once (those done
         // before the failure as OK), a done chunk of a live room as OK.
@@ -1373,6 +1374,79 @@ impl Harness {
                 }
             }
         }
+    }
+
+    /// The describe documents, parsed back from their JSON, against the model: every room's state,
+    /// every chunk's phase, writers and readiness; a chunk said to wait for the watermark names
+    /// the oldest allocation of the ring, and its own grant lies past the watermark; the ring's
+    /// allocations oldest first.
+    fn check_describe(&self) {
+        let st = &self.st;
+        let now = Instant::now();
+        let ring = st.ring.as_ref().unwrap();
+        let oldest = ring.live().next().map(|g| {
+            let gs = &st.grants[&g.id];
+            (gs.room.id, gs.chunk as u64)
+        });
+        for (id, m) in &self.rooms {
+            let doc: serde_json::Value = serde_json::from_str(&serde_json::to_string(&st.describe_room(*id, 4, now).expect("an open room is described")).unwrap()).unwrap();
+            let state = doc["state"].as_str().unwrap();
+            let want = if m.released {
+                "releasing"
+            } else if m.failed {
+                "failed"
+            } else if m.complete() {
+                "complete"
+            } else {
+                "open"
+            };
+            assert_eq!(state, want, "room {id}: {doc}");
+            assert_eq!(doc["failure"].is_null(), !m.failed, "room {id}: {doc}");
+            let chunks = doc["chunks"].as_array().unwrap();
+            assert_eq!(chunks.len(), m.chunks.len());
+            for (i, (c, mc)) in chunks.iter().zip(&m.chunks).enumerate() {
+                let phase = c["phase"].as_str().unwrap();
+                let slots: Vec<&MSlot> = mc.slots.iter().flatten().collect();
+                match mc.phase {
+                    MPhase::Done => assert_eq!(phase, "done", "room {id} chunk {i}: {c}"),
+                    _ if m.failed => assert_eq!(phase, "failed", "room {id} chunk {i}: {c}"),
+                    MPhase::Scattering => assert_eq!(phase, "scattering", "room {id} chunk {i}: {c}"),
+                    MPhase::Waiting if slots.is_empty() => assert_eq!(phase, "not_started", "room {id} chunk {i}: {c}"),
+                    MPhase::Waiting => {
+                        assert!(["waiting_for_watermark", "granted", "writing", "waiting_for_writers"].contains(&phase), "room {id} chunk {i}: {c}");
+                        let writers = c["writers"].as_array().unwrap();
+                        assert_eq!(writers.len(), slots.len(), "room {id} chunk {i}: {c}");
+                        let ready = writers.iter().filter(|w| w["ready"].as_bool().unwrap()).count();
+                        assert_eq!(ready, slots.iter().filter(|s| s.arrived).count(), "room {id} chunk {i}: {c}");
+                        let grant = st.rooms[id].chunks[i].grant.and_then(|g| st.grants.get(&g)).map(|g| g.grant);
+                        let blocked = grant.is_some_and(|g| !ring.watermark().permits(g.round, g.end()));
+                        let want = if ready > 0 {
+                            Some("waiting_for_writers")
+                        } else if blocked {
+                            Some("waiting_for_watermark")
+                        } else {
+                            None
+                        };
+                        match want {
+                            Some(w) => assert_eq!(phase, w, "room {id} chunk {i}: {c}"),
+                            None => assert!(["granted", "writing"].contains(&phase), "room {id} chunk {i}: {c}"),
+                        }
+                        if phase == "waiting_for_watermark" {
+                            let g = &c["grant"];
+                            let behind = &g["waits_behind"];
+                            assert_eq!(Some((behind["room"].as_u64().unwrap(), behind["chunk"].as_u64().unwrap())), oldest, "room {id} chunk {i}: {c}");
+                            let end = g["offset"].as_u64().unwrap() + g["bytes"].as_u64().unwrap();
+                            assert!(!ring.watermark().permits(g["round"].as_u64().unwrap(), end), "room {id} chunk {i}: {c}");
+                        }
+                    }
+                }
+            }
+        }
+        let doc: serde_json::Value = serde_json::from_str(&serde_json::to_string(&st.describe()).unwrap()).unwrap();
+        let allocations: Vec<u64> = doc["ring"]["allocations"].as_array().unwrap().iter().map(|a| a["round"].as_u64().unwrap() << 32 | a["offset"].as_u64().unwrap()).collect();
+        let live: Vec<u64> = ring.live().map(|g| g.round << 32 | g.offset).collect();
+        assert_eq!(allocations, live, "the ring's allocations, oldest first: {doc}");
+        assert_eq!(doc["rooms"].as_array().unwrap().len(), self.rooms.len());
     }
 
     /// Ends everything: leases, scatters, connections; then every room is terminal, and once
