@@ -6,8 +6,10 @@
 # latencies, raw TCP streams, the library's thread peak) are present and consistent; then the
 # same-host path: --transport shm, and auto, must report every session (params.links, staged.link)
 # on shm with the staged bytes verified; the default (tcp) reports tcp; then --layer-ms: both
-# kinds' exposed times are present and positive and both kinds' decode bytes were verified.
-# No timing is asserted. Usage: check_bench.sh <kvstage-bench>
+# kinds' exposed times are present and positive and both kinds' decode bytes were verified; then
+# --stuck-peer: the report holds the stuck request as both sides describe it (its operation still
+# pending in a waiting phase, the stuck decode rank's room open with that chunk not done) and the
+# prefill side logged the stall. No timing is asserted. Usage: check_bench.sh <kvstage-bench>
 set -euo pipefail
 bench=$1
 out=$(mktemp -d)
@@ -24,6 +26,20 @@ tiny=(--layers 2 --kv-heads 4 --head-dim 16 --dtype-bytes 2 --prefill-tp 2 --dec
 "$bench" "${tiny[@]}" --transport auto --inflight 2 --json "$out/auto.json" >/dev/null
 # Layer-wise against whole-chunk sending behind a simulated prefill (1 ms per layer).
 "$bench" "${tiny[@]}" --layer-ms 1 --json "$out/layers.json" >/dev/null
+# A decode rank that stops reading (prefill TP 1 feeds decode ranks 0 and 1).
+"$bench" --layers 2 --kv-heads 4 --head-dim 16 --dtype-bytes 2 --prefill-tp 1 --decode-tp 2 --page-size 4 \
+  --tokens 64 --chunk-tokens 32 --stuck-peer --stuck-seconds 1 --inflight 1 --json "$out/stuck.json" >/dev/null 2>"$out/stuck.err"
+grep -q "no progress for" "$out/stuck.err" || { echo "bench_json: --stuck-peer logged no stall report" >&2; exit 1; }
+python3 - "$out/stuck.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+stuck = report["stuck_request"]
+op, room = stuck["op"], stuck["decode_room"]
+assert op["status"] == "KVSTAGE_PENDING" and op["phase"].startswith("waiting_for_") and op["waits_on"], op
+assert op["room"] == room["room"] == stuck["room"] and op["session"].endswith("-d%d" % report["stuck_peer"]["stuck_decode_rank"]), stuck
+assert room["state"] == "open" and room["chunks"][op["chunk"]]["phase"] != "done", room
+print("bench_json: --stuck-peer describes the stuck request from both sides:", op["phase"], "/", room["chunks"][op["chunk"]]["phase"])
+PY
 python3 - "$out/bench.json" "$out/load.json" "$out/sweep.json" "$out/boxed.json" "$out/shm.json" "$out/auto.json" "$out/layers.json" <<'PY'
 import json, sys
 

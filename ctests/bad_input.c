@@ -248,6 +248,16 @@ static void test_engine_calls(void) {
         CHECK(again == needed && strlen(buf) + 1 == needed);
     }
 
+    {
+        size_t needed = 0;
+        EXPECT(kvstage_engine_describe(NULL, buf, sizeof buf, NULL), KVSTAGE_E_INVALID_ARG, "`engine`");
+        EXPECT(kvstage_engine_describe(e, NULL, 0, NULL), KVSTAGE_E_INVALID_ARG, "`needed`");
+        EXPECT(kvstage_engine_describe(e, buf, 4, &needed), KVSTAGE_E_INVALID_ARG, "`capacity`");
+        CHECK(needed > 4);
+        EXPECT(kvstage_room_describe(e, 5, NULL, 0, &needed), KVSTAGE_E_INVALID_ARG, "5 is not open");
+        EXPECT(kvstage_op_describe(NULL, buf, sizeof buf, NULL), KVSTAGE_E_INVALID_ARG, "`op`");
+    }
+
     EXPECT(kvstage_engine_stats_get(NULL, &stats), KVSTAGE_E_INVALID_ARG, "`engine`");
     EXPECT(kvstage_engine_stats_get(e, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
     stats.struct_size = 0;
@@ -466,13 +476,15 @@ static void test_geometry(void) {
     EXPECT(kvstage_grid_tokens(16, 4, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
     EXPECT(kvstage_grid_tokens(16, 0, &n), KVSTAGE_E_INVALID_ARG, "`page_size`");
     {
-        kvstage_chunk_span sp = {sizeof sp};
-        EXPECT(kvstage_chunk_span(100, 0, 16, 16, 64, 0, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
-        EXPECT(kvstage_chunk_span(100, 0, 0, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`src_page_size`");
-        EXPECT(kvstage_chunk_span(100, 0, 16, 0, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`dst_page_size`");
-        EXPECT(kvstage_chunk_span(100, 112, 16, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "leaves none");
+        kvstage_chunk_span sp;
+        memset(&sp, 0, sizeof sp);
+        sp.struct_size = sizeof sp;
+        EXPECT(kvstage_chunk_span_compute(100, 0, 16, 16, 64, 0, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
+        EXPECT(kvstage_chunk_span_compute(100, 0, 0, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`src_page_size`");
+        EXPECT(kvstage_chunk_span_compute(100, 0, 16, 0, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`dst_page_size`");
+        EXPECT(kvstage_chunk_span_compute(100, 112, 16, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "leaves none");
         sp.struct_size = 0;
-        EXPECT(kvstage_chunk_span(100, 0, 16, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`out->struct_size`");
+        EXPECT(kvstage_chunk_span_compute(100, 0, 16, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`out->struct_size`");
     }
 
     st.struct_size = sizeof st;

@@ -86,7 +86,7 @@ int main(void) {
         kvstage_chunk_span sp;
         memset(&sp, 0, sizeof sp);
         sp.struct_size = sizeof sp;
-        CHECK_OK(kvstage_chunk_span(300, 16, 64, 16, 128, 1, &sp));
+        CHECK_OK(kvstage_chunk_span_compute(300, 16, 64, 16, 128, 1, &sp));
         CHECK_INT(sp.num_chunks, 3);
         CHECK_INT(sp.first_token, 144);
         CHECK_INT(sp.num_tokens, 128);
@@ -95,11 +95,11 @@ int main(void) {
         CHECK_INT(sp.src_token_offset, 16);
         CHECK_INT(sp.dst_first_page, 8);
         CHECK_INT(sp.dst_num_pages, 8);
-        CHECK_OK(kvstage_chunk_span(300, 16, 64, 16, 128, 2, &sp));
+        CHECK_OK(kvstage_chunk_span_compute(300, 16, 64, 16, 128, 2, &sp));
         CHECK_INT(sp.num_tokens, 28);
         CHECK_INT(sp.dst_num_pages, 2);
-        CHECK_ERROR(kvstage_chunk_span(300, 8, 64, 16, 128, 0, &sp), KVSTAGE_E_INVALID_ARG, "not whole decode pages");
-        CHECK_ERROR(kvstage_chunk_span(300, 16, 64, 16, 128, 3, &sp), KVSTAGE_E_INVALID_ARG, "`chunk_index`: 3 is past");
+        CHECK_ERROR(kvstage_chunk_span_compute(300, 8, 64, 16, 128, 0, &sp), KVSTAGE_E_INVALID_ARG, "not whole decode pages");
+        CHECK_ERROR(kvstage_chunk_span_compute(300, 16, 64, 16, 128, 3, &sp), KVSTAGE_E_INVALID_ARG, "`chunk_index`: 3 is past");
     }
 
     {

@@ -188,8 +188,25 @@ int main(void) {
     CHECK_INT(ps.bad, 0);
     CHECK(memcmp(&ps.op_timings, &ot, sizeof ot) == 0);
     pthread_mutex_unlock(&ps.lock);
+    {
+        /* Where it is, as JSON: a size query, then the document (done, its room and session). */
+        size_t needed = 0;
+        char doc[4096];
+        CHECK_OK(kvstage_op_describe(op, NULL, 0, &needed));
+        CHECK(needed > 1 && needed <= sizeof doc);
+        CHECK_OK(kvstage_op_describe(op, doc, sizeof doc, &needed));
+        CHECK(strstr(doc, "\"phase\":\"done\"") != NULL && strstr(doc, "\"room\":3") != NULL);
+        CHECK(strstr(doc, "\"status\":\"KVSTAGE_OK\"") != NULL);
+    }
     kvstage_op_free(op);
     CHECK_OK(kvstage_room_wait(decode, 3, 20000));
+    {
+        char doc[8192];
+        CHECK_OK(kvstage_room_describe(decode, 3, doc, sizeof doc, NULL));
+        CHECK(strstr(doc, "\"state\":\"complete\"") != NULL && strstr(doc, "\"phase\":\"done\"") != NULL);
+        CHECK_OK(kvstage_engine_describe(decode, doc, sizeof doc, NULL));
+        CHECK(strstr(doc, "\"receiver\":") != NULL && strstr(doc, "\"version\":1") != NULL);
+    }
 
     /* 3. A fallback: 8 pages (2 chunks of bytes) exceed the 1.5-chunk ring. */
     d = desc_for(4, NOT_OPEN_KEY, 8, 0);

@@ -545,7 +545,7 @@ typedef struct kvstage_staging_writer {
     uint32_t dst_head_start;
 } kvstage_staging_writer;
 
-// Where one chunk of a request lies on both sides (`kvstage_chunk_span`). Set `struct_size`
+// Where one chunk of a request lies on both sides (`kvstage_chunk_span_compute`). Set `struct_size`
 // before the call.
 typedef struct kvstage_chunk_span {
     size_t struct_size;
@@ -709,7 +709,7 @@ typedef struct kvstage_transfer_desc {
     uint64_t room_key;
     // Slots of `src_pages[0]` before the chunk's first token (below the prefill page size): where
     // the decode side's cached prefix (whole *decode* pages) or the previous chunk ends inside a
-    // prefill page. `kvstage_chunk_span` computes it.
+    // prefill page. `kvstage_chunk_span_compute` computes it.
     uint32_t src_token_offset;
     // Tokens of the chunk; 0: every slot of `src_pages` from `src_token_offset` on. The pages
     // must hold exactly these tokens (the last one in the last page). Each chunk carries the
@@ -950,7 +950,7 @@ enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_siz
 // `src_page_size` and decode pages of `dst_page_size` tokens. Pure: no engine, no I/O.
 // `KVSTAGE_E_INVALID_ARG` names the bad argument: a page size of 0, a prefix that is not whole
 // decode pages or leaves nothing to send, a chunk past the request's `num_chunks`.
-enum kvstage_status kvstage_chunk_span(uint64_t total_tokens, uint64_t decode_prefix_tokens, uint32_t src_page_size, uint32_t dst_page_size, uint32_t chunk_tokens, uint32_t chunk_index, struct kvstage_chunk_span *out);
+enum kvstage_status kvstage_chunk_span_compute(uint64_t total_tokens, uint64_t decode_prefix_tokens, uint32_t src_page_size, uint32_t dst_page_size, uint32_t chunk_tokens, uint32_t chunk_index, struct kvstage_chunk_span *out);
 
 // Sends kvstage's log records at or above `max_level` (a `kvstage_log_level` value) to
 // `callback` instead of stderr, with `user_data` handed back unchanged; `callback` NULL sends

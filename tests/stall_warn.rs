@@ -116,8 +116,11 @@ fn a_watermark_held_by_an_unfinished_allocation_is_reported_once() {
     let culprit: Vec<&str> = lines.iter().filter(|(s, m)| s.is_empty() && m.starts_with("room 61 chunk 0:")).map(|(_, m)| m.as_str()).collect();
     assert_eq!(culprit.len(), 1, "one decode-side report of the allocation holding the ring: {lines:?}");
     let c0 = culprit[0];
-    assert!(c0.contains("holds ring round") && c0.contains("session holder (prefill tp 0 pp 0): 0 of 8192 bytes landed, not ready"), "{c0}");
+    assert!(c0.contains("its allocation of ring round 0") && c0.contains("holds it until the chunk completes") && c0.contains("session holder (prefill tp 0 pp 0): 0 of 8192 bytes landed, not ready"), "{c0}");
     assert!(c0.contains("claimed by no writer yet"), "the other prefill rank never asked: {c0}");
+    // The blocked chunk's own report says what it waits behind, not that it holds the ring.
+    let blocked: Vec<&str> = lines.iter().filter(|(s, m)| s.is_empty() && m.starts_with("room 62 chunk 0:")).map(|(_, m)| m.as_str()).collect();
+    assert!(blocked.len() == 1 && blocked[0].contains("waits behind room 61 chunk 0 (the ring's oldest allocation) for the watermark"), "{lines:?}");
     drop(raw);
 }
 

@@ -4,6 +4,7 @@ operation; the geometry helpers as functions."""
 from __future__ import annotations
 
 import ctypes
+import json
 import threading
 import weakref
 from ctypes import POINTER, byref, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
@@ -419,14 +420,14 @@ class ChunkSpan(NamedTuple):
 
 
 def chunk_span(total_tokens: int, decode_prefix_tokens: int, src_page_size: int, dst_page_size: int, chunk_tokens: int, chunk_index: int) -> ChunkSpan:
-    """``kvstage_chunk_span``: chunk ``chunk_index`` of a request of ``total_tokens`` tokens whose
+    """``kvstage_chunk_span_compute``: chunk ``chunk_index`` of a request of ``total_tokens`` tokens whose
     first ``decode_prefix_tokens`` (whole decode pages) the decode side holds, on the room's chunk
     grid of ``chunk_tokens``, prefill pages of ``src_page_size`` and decode pages of
     ``dst_page_size`` tokens. Raises :class:`ArgumentError` naming a bad argument."""
     lib = get_library()
     out = _lib.kvstage_chunk_span()
     out.struct_size = ctypes.sizeof(out)
-    rc = lib.kvstage_chunk_span(
+    rc = lib.kvstage_chunk_span_compute(
         _u64(total_tokens, "total_tokens"),
         _u64(decode_prefix_tokens, "decode_prefix_tokens"),
         _u32(src_page_size, "src_page_size"),
@@ -435,7 +436,7 @@ def chunk_span(total_tokens: int, decode_prefix_tokens: int, src_page_size: int,
         _u32(chunk_index, "chunk_index"),
         byref(out),
     )
-    _check(lib, rc, "kvstage_chunk_span")
+    _check(lib, rc, "kvstage_chunk_span_compute")
     return ChunkSpan(
         out.num_chunks, out.first_token, out.num_tokens, out.src_first_page, out.src_num_pages, out.src_token_offset, out.dst_first_page, out.dst_num_pages
     )
@@ -789,6 +790,17 @@ class Engine(_Handle):
         _check(self._lib, rc, "kvstage_engine_listen_address")
         return buf.value.decode("utf-8")
 
+    def describe(self) -> dict:
+        """``kvstage_engine_describe``: the engine as a dict (transport, the decode side's ring
+        with its live allocations oldest first, connections and rooms, the sessions it opened with
+        the chunks they are sending); README "Troubleshooting" has the schema."""
+        return _describe(self._lib, "kvstage_engine_describe", self._handle())
+
+    def room_describe(self, room: int) -> dict:
+        """``kvstage_room_describe``: decode room ``room`` as a dict: its state and, per chunk,
+        its phase, ring allocation (and the older one it waits behind), writers and bytes landed."""
+        return _describe(self._lib, "kvstage_room_describe", self._handle(), _u64(room, "room"))
+
     def stats(self) -> EngineStats:
         out = _lib.kvstage_engine_stats()
         out.struct_size = ctypes.sizeof(out)
@@ -1037,6 +1049,20 @@ def _cuda_handle(obj: Any, attr: str, what: str) -> Optional[int]:
     return raw or None
 
 
+def _describe(lib: Library, fn: str, *args: Any) -> dict:
+    """A describe document: size query, then fill (again while it grows between the two)."""
+    call = getattr(lib, fn)
+    needed = c_size_t(0)
+    for _ in range(8):
+        _check(lib, call(*args, None, 0, byref(needed)), fn)
+        buf = ctypes.create_string_buffer(needed.value + 4096)
+        rc = call(*args, buf, len(buf), byref(needed))
+        if rc == 0:
+            return json.loads(buf.value.decode("utf-8"))
+    _check(lib, rc, fn)
+    raise AssertionError("unreachable: a failed fill raises")
+
+
 def _desc(lib: Library, room: int, room_key: int, chunk_index: int, pages: Any, deadline_ms: int, tag: int, src_token_offset: int, num_tokens: int):
     keep, address, count = page_array(pages, "pages")
     d = _lib.kvstage_transfer_desc()
@@ -1189,6 +1215,13 @@ class Operation(_Handle):
         bounds it). Returns ``Status.PENDING`` if it is still running, else as :meth:`poll`."""
         rc = self._lib.kvstage_op_wait(self._handle(), _u64(timeout_ms, "timeout_ms"))
         return _check(self._lib, rc, "kvstage_op_wait")
+
+    def describe(self) -> dict:
+        """``kvstage_op_describe``: where the transfer is, as a dict: ``phase`` (``queued``,
+        ``waiting_for_allocation``, ``waiting_for_watermark``, ``gathering``, ``writing``,
+        ``waiting_for_layers``, ``waiting_for_acknowledgement``, ``done``, ``failed``, ...),
+        ``waits_on``, ``in_phase_ms``, ``deadline_left_ms``, ``status``, ``error``."""
+        return _describe(self._lib, "kvstage_op_describe", self._handle())
 
     def cancel(self) -> None:
         """Asks the operation to stop; it ends with ``E_CANCELED`` unless it already finished."""

@@ -445,6 +445,9 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_engine_stats_get": (c_int, [c_void_p, _p(kvstage_engine_stats)]),
     "kvstage_session_stats_get": (c_int, [c_void_p, _p(kvstage_session_stats)]),
     "kvstage_op_timings_get": (c_int, [c_void_p, _p(kvstage_transfer_timings)]),
+    "kvstage_room_describe": (c_int, [c_void_p, c_uint64, c_char_p, c_size_t, _p(c_size_t)]),
+    "kvstage_engine_describe": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
+    "kvstage_op_describe": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
     "kvstage_transfer_timings_last": (c_int, [_p(kvstage_transfer_timings)]),
     "kvstage_kv_layout_init": (c_int, [_p(kvstage_kv_layout)]),
     "kvstage_kv_layout_validate": (c_int, [_p(kvstage_kv_layout)]),
@@ -464,7 +467,7 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
         [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],
     ),
     "kvstage_grid_tokens": (c_int, [c_uint32, c_uint32, _p(c_uint32)]),
-    "kvstage_chunk_span": (c_int, [c_uint64, c_uint64, c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_chunk_span)]),
+    "kvstage_chunk_span_compute": (c_int, [c_uint64, c_uint64, c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_chunk_span)]),
     "kvstage_staging_layout_compute": (
         c_int,
         [_p(kvstage_kv_layout), c_size_t, _p(kvstage_kv_layout), c_uint32, _p(kvstage_staging_layout), _p(kvstage_staging_writer), c_size_t],

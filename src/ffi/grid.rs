@@ -18,7 +18,7 @@ pub unsafe extern "C" fn kvstage_grid_tokens(chunk_tokens: u32, page_size: u32, 
     })
 }
 
-/// Where one chunk of a request lies on both sides (`kvstage_chunk_span`). Set `struct_size`
+/// Where one chunk of a request lies on both sides (`kvstage_chunk_span_compute`). Set `struct_size`
 /// before the call.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -51,7 +51,7 @@ pub struct kvstage_chunk_span {
 /// `KVSTAGE_E_INVALID_ARG` names the bad argument: a page size of 0, a prefix that is not whole
 /// decode pages or leaves nothing to send, a chunk past the request's `num_chunks`.
 #[no_mangle]
-pub unsafe extern "C" fn kvstage_chunk_span(
+pub unsafe extern "C" fn kvstage_chunk_span_compute(
     total_tokens: u64,
     decode_prefix_tokens: u64,
     src_page_size: u32,

@@ -157,7 +157,7 @@ pub struct kvstage_transfer_desc {
     pub room_key: u64,
     /// Slots of `src_pages[0]` before the chunk's first token (below the prefill page size): where
     /// the decode side's cached prefix (whole *decode* pages) or the previous chunk ends inside a
-    /// prefill page. `kvstage_chunk_span` computes it.
+    /// prefill page. `kvstage_chunk_span_compute` computes it.
     pub src_token_offset: u32,
     /// Tokens of the chunk; 0: every slot of `src_pages` from `src_token_offset` on. The pages
     /// must hold exactly these tokens (the last one in the last page). Each chunk carries the

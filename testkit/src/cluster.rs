@@ -332,6 +332,15 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
                 }
                 format!("verified {bad} {}", first.unwrap_or_default())
             }
+            "describe" => {
+                // `describe ROOM RANK`: that decode rank's document of the room, on one line.
+                let rank = per_chunk.unwrap_or(0);
+                let engine = &ranks.get(rank).ok_or_else(|| Error::invalid_arg("rank", format!("{rank} is not a decode rank here")))?.0;
+                match engine.receiver().describe_room(arg) {
+                    Ok(doc) => format!("describe {}", serde_json::to_string(&doc).map_err(|e| Error::internal("describe").with_source(e))?),
+                    Err(e) => format!("error {}", e.chain()),
+                }
+            }
             "release" => {
                 for (engine, _) in &ranks {
                     engine.receiver().release_room(arg);
@@ -513,6 +522,12 @@ impl DecodeChild {
         })?;
         let keys: Option<Vec<u64>> = reply.strip_prefix("keys ").and_then(|k| k.split_whitespace().map(str::parse).collect::<std::result::Result<_, _>>().ok());
         keys.map(|keys| RoomKeys { id: room, keys }).ok_or_else(|| Error::internal(format!("bad reply to room: '{reply}'")))
+    }
+
+    /// Decode rank `rank`'s describe document of room `room` (JSON, `kvstage_room_describe`).
+    pub fn describe_room(&mut self, room: u64, rank: u32) -> Result<String> {
+        let reply = self.command(&format!("describe {room} {rank}"))?;
+        reply.strip_prefix("describe ").map(str::to_owned).ok_or_else(|| Error::internal(format!("bad reply to describe: '{reply}'")))
     }
 
     /// Asks the child to report room `room`'s end through [`next_done`](Self::next_done).

@@ -171,7 +171,7 @@ fn chunk_phase(r: &Room, c: &Chunk, blocked: bool) -> &'static str {
 }
 
 impl State {
-    fn grant_description(&self, id: u64) -> Option<GrantDescription> {
+    pub(super) fn grant_description(&self, id: u64) -> Option<GrantDescription> {
         let g = self.grants.get(&id)?;
         let ring = self.ring.as_ref()?;
         let ring_position = ring.live().position(|l| l.id == id)?;

@@ -43,8 +43,12 @@ impl State {
                 writers.push(format!("{} of {owed} (head group, layer) slabs claimed by no writer yet (a prefill rank that never asked)", owed - carried));
             }
         }
+        let holds = match self.grant_description(id).and_then(|d| d.waits_behind) {
+            Some(o) => format!("waits behind room {} chunk {} (the ring's oldest allocation) for the watermark", o.room, o.chunk),
+            None => "holds it until the chunk completes (later allocations of the ring wait behind it)".to_owned(),
+        };
         Some(format!(
-            "room {} chunk {}: its allocation holds ring round {} [{}, {}) until the chunk completes (later allocations of the ring wait behind it); writers: {}",
+            "room {} chunk {}: its allocation of ring round {} [{}, {}) {holds}; writers: {}",
             g.room.id,
             g.chunk,
             g.grant.round,

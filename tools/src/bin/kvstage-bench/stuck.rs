@@ -1,13 +1,16 @@
 //! `--stuck-peer`: what a decode peer that stops reading costs the other sessions of its
-//! prefill engine.
+//! prefill engine, and how the stuck request looks from both sides (its operation's and its
+//! decode room's describe documents; the prefill side's stall WARN goes to stderr).
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use kvstage::engine::{EngineOptions, StallWarn};
 use kvstage::geometry;
 use kvstage::session::notify::Completion;
+use kvstage::session::sender::describe::describe_op;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
 use kvstage::{Error, Status};
@@ -47,13 +50,13 @@ pub fn stuck_peer(a: &Args) -> Result<(String, StuckJson), Error> {
     let stuck_rank = *s.targets(victim).last().expect("more than one target");
     let bar = kvstage_tools::progress(3);
     bar.set_message("healthy");
-    let healthy = stuck_phase(a, None, None)?;
+    let (healthy, _) = stuck_phase(a, None, None)?;
     bar.inc(1);
     bar.set_message("silent peer");
-    let idle = stuck_phase(a, None, Some(stuck_rank))?;
+    let (idle, _) = stuck_phase(a, None, Some(stuck_rank))?;
     bar.inc(1);
     bar.set_message("stuck peer");
-    let stuck = stuck_phase(a, Some(stuck_rank), None)?;
+    let (stuck, described) = stuck_phase(a, Some(stuck_rank), None)?;
     bar.finish_and_clear();
     let mut text = String::new();
     let _ = writeln!(
@@ -112,7 +115,15 @@ pub fn stuck_peer(a: &Args) -> Result<(String, StuckJson), Error> {
         worst_sibling * 100.0,
         if met { "met" } else { "missed" }
     );
+    if let Some(d) = &described {
+        let _ = writeln!(
+            text,
+            "the oldest stuck request (room {}), as its prefill operation describes itself (kvstage_op_describe):\n{}\nand as the stuck decode rank describes its room (kvstage_room_describe):\n{}",
+            d.room, d.op, d.decode_room
+        );
+    }
     let json = StuckJson {
+        stuck_request: described,
         stuck_peer: StuckPeer {
             stuck_decode_rank: stuck_rank,
             prefill_rank: victim,
@@ -130,6 +141,16 @@ pub fn stuck_peer(a: &Args) -> Result<(String, StuckJson), Error> {
 #[derive(Serialize)]
 pub struct StuckJson {
     stuck_peer: StuckPeer,
+    /// The oldest request still in flight to the stuck rank at the end of the stuck window.
+    stuck_request: Option<StuckRequest>,
+}
+
+/// A stuck request as both sides describe it.
+#[derive(Serialize)]
+struct StuckRequest {
+    room: u64,
+    op: serde_json::Value,
+    decode_room: serde_json::Value,
 }
 
 #[derive(Serialize)]
@@ -170,10 +191,12 @@ fn chunk_share(s: &Setup, rs: u32, rd: u32) -> Result<u64, Error> {
 
 /// One phase of `--stuck-peer`: every session's transfers that ended inside the window. With
 /// `silent`, the sessions to that decode rank send nothing (the baseline without the peer's load).
-fn stuck_phase(a: &Args, stuck_rank: Option<u32>, silent: Option<u32>) -> Result<Vec<SessionRate>, Error> {
+fn stuck_phase(a: &Args, stuck_rank: Option<u32>, silent: Option<u32>) -> Result<(Vec<SessionRate>, Option<StuckRequest>), Error> {
     let s = &a.setup;
     let mut child = spawn_child(a, stuck_rank)?;
-    let prefill = Prefill::connect_with(s, &child.addrs, &prefill_options(a))?;
+    // Stalls are reported inside the window.
+    let options = EngineOptions { stall_warn: StallWarn::After(Duration::from_secs_f64(a.stuck_seconds / 2.0)), ..prefill_options(a) };
+    let prefill = Prefill::connect_with(s, &child.addrs, &options)?;
     // Every session: (prefill rank, decode rank, session).
     let mut sessions = Vec::new();
     for r in &prefill.ranks {
@@ -201,13 +224,13 @@ fn stuck_phase(a: &Args, stuck_rank: Option<u32>, silent: Option<u32>) -> Result
     let timeout = Duration::from_secs_f64(a.stuck_seconds * 3.0 + 30.0);
     let mut room = 0u64;
     let mut ops = HashMap::new();
-    let submit = |i: usize, child: &mut DecodeChild, room: &mut u64, ops: &mut HashMap<u64, Arc<Op>>| -> Result<(), Error> {
+    let submit = |i: usize, child: &mut DecodeChild, room: &mut u64, ops: &mut HashMap<u64, (usize, Arc<Op>)>| -> Result<(), Error> {
         *room += 1;
         let keys = child.open_room(*room, None)?;
         let (rs, rd, session) = &sessions[i];
         let desc = TransferDesc { room: keys.at(*rd), chunk: 0, pages: pages[*rs as usize].clone(), timeout: Some(timeout), ..Default::default() };
         let op = session.transfer_async(desc, false, ((i as u64) << 40) | *room)?;
-        ops.insert(*room, op);
+        ops.insert(*room, (i, op));
         Ok(())
     };
     for i in (0..sessions.len()).filter(|&i| Some(sessions[i].1) != silent) {
@@ -232,10 +255,31 @@ fn stuck_phase(a: &Args, stuck_rank: Option<u32>, silent: Option<u32>) -> Result
         }
         submit(i, &mut child, &mut room, &mut ops)?;
     }
+    let described = match stuck_rank {
+        Some(sr) => describe_stuck(&mut child, &sessions, &ops, sr)?,
+        None => None,
+    };
     // Teardown: the prefill engines end their sessions (the stuck transfers fail at once).
     drop(prefill);
     drop(ops);
     child.quit()?;
-    Ok(rates)
+    Ok((rates, described))
+}
+
+/// The oldest request in flight to decode rank `stuck`, described by its operation and by that
+/// decode rank.
+fn describe_stuck(
+    child: &mut DecodeChild,
+    sessions: &[(u32, u32, Arc<kvstage::session::sender::SenderSession>)],
+    ops: &HashMap<u64, (usize, Arc<Op>)>,
+    stuck: u32,
+) -> Result<Option<StuckRequest>, Error> {
+    let Some((&room, (_, op))) = ops.iter().filter(|(_, (i, _))| sessions[*i].1 == stuck).min_by_key(|(room, _)| **room) else {
+        return Ok(None);
+    };
+    let json = |text: &str| serde_json::from_str(text).map_err(|e| Error::internal("a describe document does not parse").with_source(e));
+    let op = describe_op(op).map(|d| serde_json::to_value(d).expect("serializable")).unwrap_or_default();
+    let decode_room = json(&child.describe_room(room, stuck)?)?;
+    Ok(Some(StuckRequest { room, op, decode_room }))
 }
 
