@@ -3,14 +3,18 @@
 //! decode-side cached prefix, TP changing on top, every byte of every decode page compared with
 //! the testkit's reference (request token, global head, layer), the slots after the request's last
 //! token untouched. Then what a sender cannot do: a chunk of the wrong size, pages that do not hold
-//! the chunk, the slice path for a chunk that ends inside a decode page.
+//! the chunk, the slice path for a chunk that ends inside a decode page; and what a lying peer
+//! cannot do with the token count of its allocation request.
+
+mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
-use kvstage::geometry::{chunk_span, decode_ranks_for_prefill, ModelKind, PoolShape};
-use kvstage::protocol::RoomRef;
+use common::{open_room, Cluster, RawPeer, RingSpec, SMALL};
+use kvstage::geometry::{chunk_span, decode_ranks_for_prefill, staging_layout, ModelKind, PoolShape};
+use kvstage::protocol::{Message, RoomRef};
 use kvstage::session::op::Op;
 use kvstage::session::sender::{SenderSession, TransferDesc};
 use kvstage::Status;
@@ -195,4 +199,36 @@ fn a_chunk_of_the_wrong_size_or_pages_that_do_not_hold_it_are_refused() {
     d[0].engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = d[0].pool.verify_tokens(&d[0].pages, prefix, total - prefix);
     assert_eq!(bad, 0, "{first:?}");
+}
+
+/// A hand-written peer's allocation requests for a room of 6 pages of 4 (chunks of 4 and 2 pages):
+/// the token count must fill a chunk's pages, the last chunk's may end inside its last page but
+/// no earlier, and both writers of a chunk must agree; a refusal claims nothing and the room goes
+/// on.
+#[test]
+fn a_lying_token_count_claims_nothing() {
+    let c = Cluster::new(SMALL, common::decode_options(&SMALL), RingSpec::Owned(1 << 20));
+    let pages = c.room_pages(71, 2)[..6].to_vec();
+    let room = open_room(&c.decode, 71, &pages, SMALL.chunk_tokens);
+    let (mut w0, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "liar-0", b"");
+    let (mut w1, _) = RawPeer::handshake(c.addr(), &SMALL.shape(1, 2), "liar-1", b"");
+    let layout = |rank: u32, tokens: u32| staging_layout(&SMALL.shape(rank, 2), &SMALL.shape(0, 1), tokens).unwrap();
+    let refused = |m: Message, what: &str| match m {
+        Message::AllocRsp { status, reason, .. } => {
+            assert_eq!(status, Status::KVSTAGE_E_GEOMETRY_MISMATCH.code(), "{reason}");
+            assert!(reason.contains(what), "{reason}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    refused(w0.alloc(1, room, 0, 0, &layout(0, 15)), "sender has 15 tokens, receiver expects 16");
+    refused(w0.alloc(2, room, 1, 0, &layout(0, 4)), "sender has 4 tokens, receiver expects 5..=8");
+    refused(w0.alloc(3, room, 1, 0, &layout(0, 9)), "sender has 9 tokens, receiver expects 5..=8");
+    let first = w0.alloc_granted(4, room, 1, 0, &layout(0, 7));
+    refused(w1.alloc(5, room, 1, 1, &layout(1, 8)), "this writer has 8 tokens, the chunk's first writer 7");
+    let second = w1.alloc_granted(6, room, 1, 1, &layout(1, 7));
+    assert_eq!((first.round, first.offset, first.len), (second.round, second.offset, second.len), "one allocation for the chunk");
+    assert_ne!(first.region, second.region);
+    let doc = serde_json::to_value(c.decode.receiver().describe_room(71).unwrap()).unwrap();
+    assert_eq!((doc["state"].as_str(), doc["chunks"][1]["tokens"].as_u64()), (Some("open"), Some(7)), "{doc}");
+    assert_eq!(doc["chunks"][1]["writers"].as_array().unwrap().len(), 2, "{doc}");
 }
