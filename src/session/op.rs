@@ -47,27 +47,23 @@ pub struct Op {
 
 impl Op {
     pub fn new(waker: Arc<dyn Waker>) -> Arc<Op> {
-        Arc::new(Op {
-            result: Mutex::new((None, TransferTimings::default())),
-            progress: Mutex::new(None),
-            done: Condvar::new(),
-            canceled: AtomicBool::new(false),
-            waker,
-            notify: None,
-            layers: None,
-        })
+        Op::with(waker, None, None)
     }
 
     /// An operation whose end is signalled on `completions` with the caller's `tag`; `layers`:
     /// a layer-wise transfer's gate.
     pub fn notifying(waker: Arc<dyn Waker>, completions: Arc<Completions>, tag: u64, layers: Option<Arc<LayerGate>>) -> Arc<Op> {
+        Op::with(waker, Some((completions, tag)), layers)
+    }
+
+    fn with(waker: Arc<dyn Waker>, notify: Option<(Arc<Completions>, u64)>, layers: Option<Arc<LayerGate>>) -> Arc<Op> {
         Arc::new(Op {
             result: Mutex::new((None, TransferTimings::default())),
             progress: Mutex::new(None),
             done: Condvar::new(),
             canceled: AtomicBool::new(false),
             waker,
-            notify: Some((completions, tag)),
+            notify,
             layers,
         })
     }
