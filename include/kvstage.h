@@ -799,10 +799,11 @@ enum kvstage_status kvstage_room_describe(const struct kvstage_engine *engine, u
 enum kvstage_status kvstage_engine_describe(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
 
 // Prefill side: an operation as a JSON document, as `kvstage_room_describe`: its session, room
-// and chunk, its phase (`queued`, `waiting_for_ready_point`, `waiting_for_allocation`,
-// `waiting_for_watermark`, `waiting_for_staging_buffer`, `gathering`, `writing`,
-// `waiting_for_layers`, `waiting_for_acknowledgement`, `done`, `failed`), what the phase waits
-// on, the time in it, the deadline left, its status and error.
+// and chunk, its phase (`queued` when asynchronous or `starting` when synchronous,
+// `waiting_for_ready_point`, `waiting_for_allocation`, `waiting_for_watermark`,
+// `waiting_for_staging_buffer`, `gathering`, `writing`, `waiting_for_layers`,
+// `waiting_for_acknowledgement`, `done`, `failed`), what the phase waits on, the time in it, the
+// deadline left, its status and error.
 enum kvstage_status kvstage_op_describe(const struct kvstage_op *op, char *buf, size_t capacity, size_t *needed);
 
 // Reports what this host offers kvstage: whether libibverbs loads, the RDMA devices and their
@@ -947,7 +948,8 @@ enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_siz
 // the decode side already holds (whole decode pages), on the decode room's chunk grid
 // (`kvstage_grid_tokens(chunk_tokens, dst_page_size)` tokens a chunk; pass the room's
 // `chunk_tokens`, or what `kvstage_session_room_grid` reports), with prefill pages of
-// `src_page_size` and decode pages of `dst_page_size` tokens. Pure: no engine, no I/O.
+// `src_page_size` and decode pages of `dst_page_size` tokens (`chunk_tokens` 0 is refused: unlike
+// `kvstage_room_open`, this function cannot know the engine's default). Pure: no engine, no I/O.
 // `KVSTAGE_E_INVALID_ARG` names the bad argument: a page size of 0, a prefix that is not whole
 // decode pages or leaves nothing to send, a chunk past the request's `num_chunks`.
 enum kvstage_status kvstage_chunk_span_compute(uint64_t total_tokens, uint64_t decode_prefix_tokens, uint32_t src_page_size, uint32_t dst_page_size, uint32_t chunk_tokens, uint32_t chunk_index, struct kvstage_chunk_span *out);
@@ -1006,8 +1008,9 @@ enum kvstage_status kvstage_transfer_timings_last(struct kvstage_transfer_timing
 
 // Asks the decode rank of `session` for the chunk grid of `room` (open there): chunk `k` of a
 // transfer must carry the tokens `[k · chunk_tokens, min((k + 1) · chunk_tokens, num_pages ·
-// page_size))` of the room, so a prefill engine can cut its transfers on the decode side's grid
-// instead of guessing it. `room_key`: the key `kvstage_room_open` returned for this opening of
+// page_size))` of the room (the last chunk may end earlier, inside its last decode page, where the
+// request ends), so a prefill engine can cut its transfers on the decode side's grid instead of
+// guessing it. `room_key`: the key `kvstage_room_open` returned for this opening of
 // the room. One round trip; `timeout_ms` 0 = the engine default. Errors: the room is not open
 // there under that key (`KVSTAGE_E_STALE_ROOM`: released, or another opening), it failed there
 // (its error), the session is gone, the timeout passed. Fills `*out` only on success.

@@ -1217,7 +1217,7 @@ class Operation(_Handle):
         return _check(self._lib, rc, "kvstage_op_wait")
 
     def describe(self) -> dict:
-        """``kvstage_op_describe``: where the transfer is, as a dict: ``phase`` (``queued``,
+        """``kvstage_op_describe``: where the transfer is, as a dict: ``phase`` (``queued``, ``starting``,
         ``waiting_for_allocation``, ``waiting_for_watermark``, ``gathering``, ``writing``,
         ``waiting_for_layers``, ``waiting_for_acknowledgement``, ``done``, ``failed``, ...),
         ``waits_on``, ``in_phase_ms``, ``deadline_left_ms``, ``status``, ``error``."""

@@ -49,10 +49,11 @@ pub unsafe extern "C" fn kvstage_engine_describe(engine: *const kvstage_engine, 
 }
 
 /// Prefill side: an operation as a JSON document, as `kvstage_room_describe`: its session, room
-/// and chunk, its phase (`queued`, `waiting_for_ready_point`, `waiting_for_allocation`,
-/// `waiting_for_watermark`, `waiting_for_staging_buffer`, `gathering`, `writing`,
-/// `waiting_for_layers`, `waiting_for_acknowledgement`, `done`, `failed`), what the phase waits
-/// on, the time in it, the deadline left, its status and error.
+/// and chunk, its phase (`queued` when asynchronous or `starting` when synchronous,
+/// `waiting_for_ready_point`, `waiting_for_allocation`, `waiting_for_watermark`,
+/// `waiting_for_staging_buffer`, `gathering`, `writing`, `waiting_for_layers`,
+/// `waiting_for_acknowledgement`, `done`, `failed`), what the phase waits on, the time in it, the
+/// deadline left, its status and error.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_op_describe(op: *const kvstage_op, buf: *mut c_char, capacity: usize, needed: *mut usize) -> Status {
     ffi_fn!(status {

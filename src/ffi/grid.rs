@@ -47,7 +47,8 @@ pub struct kvstage_chunk_span {
 /// the decode side already holds (whole decode pages), on the decode room's chunk grid
 /// (`kvstage_grid_tokens(chunk_tokens, dst_page_size)` tokens a chunk; pass the room's
 /// `chunk_tokens`, or what `kvstage_session_room_grid` reports), with prefill pages of
-/// `src_page_size` and decode pages of `dst_page_size` tokens. Pure: no engine, no I/O.
+/// `src_page_size` and decode pages of `dst_page_size` tokens (`chunk_tokens` 0 is refused: unlike
+/// `kvstage_room_open`, this function cannot know the engine's default). Pure: no engine, no I/O.
 /// `KVSTAGE_E_INVALID_ARG` names the bad argument: a page size of 0, a prefix that is not whole
 /// decode pages or leaves nothing to send, a chunk past the request's `num_chunks`.
 #[no_mangle]

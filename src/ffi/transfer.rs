@@ -47,8 +47,9 @@ pub struct kvstage_room_grid {
 
 /// Asks the decode rank of `session` for the chunk grid of `room` (open there): chunk `k` of a
 /// transfer must carry the tokens `[k · chunk_tokens, min((k + 1) · chunk_tokens, num_pages ·
-/// page_size))` of the room, so a prefill engine can cut its transfers on the decode side's grid
-/// instead of guessing it. `room_key`: the key `kvstage_room_open` returned for this opening of
+/// page_size))` of the room (the last chunk may end earlier, inside its last decode page, where the
+/// request ends), so a prefill engine can cut its transfers on the decode side's grid instead of
+/// guessing it. `room_key`: the key `kvstage_room_open` returned for this opening of
 /// the room. One round trip; `timeout_ms` 0 = the engine default. Errors: the room is not open
 /// there under that key (`KVSTAGE_E_STALE_ROOM`: released, or another opening), it failed there
 /// (its error), the session is gone, the timeout passed. Fills `*out` only on success.

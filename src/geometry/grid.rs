@@ -162,6 +162,10 @@ pub fn chunk_span(
             return Err(Error::invalid_arg(name, "is 0"));
         }
     }
+    if chunk_tokens == 0 {
+        // Not the engine default `kvstage_room_open` takes it for: this function cannot know it.
+        return Err(Error::invalid_arg("chunk_tokens", "is 0: pass the room's chunk tokens (kvstage_session_room_grid reports them)"));
+    }
     if !decode_prefix_tokens.is_multiple_of(dst_page_size as u64) {
         return Err(Error::invalid_arg(
             "decode_prefix_tokens",
@@ -180,7 +184,7 @@ pub fn chunk_span(
     }
     let grid = grid_tokens(chunk_tokens, dst_page_size) as u64;
     let first = decode_prefix_tokens + chunk as u64 * grid;
-    let end = total_tokens.min(first + grid);
+    let end = total_tokens.min(first.saturating_add(grid));
     let (sps, dps) = (src_page_size as u64, dst_page_size as u64);
     let src_first_page = first / sps;
     let dst_first_page = (first - decode_prefix_tokens) / dps;
@@ -282,6 +286,10 @@ mod tests {
         assert!(e(chunk_span(64, 64, 64, 16, 8192, 0)).contains("leaves none of the request's 64 tokens"));
         assert!(e(chunk_span(100, 0, 64, 16, 64, 2)).contains("`chunk_index`: 2 is past the request's 2 chunks"));
         assert!(e(chunk_span(100, 0, 0, 16, 64, 0)).contains("`src_page_size`: is 0"));
+        assert!(e(chunk_span(100, 0, 16, 16, 0, 0)).contains("`chunk_tokens`: is 0: pass the room's chunk tokens"));
+        // Near the end of u64: no overflow, the last chunk ends with the request.
+        let last = span(u64::MAX, u64::MAX - 99, 1, 4, 64, 1);
+        assert_eq!((last.first_token, last.num_tokens, last.src_num_pages, last.dst_num_pages), (u64::MAX - 35, 35, 35, 9));
     }
 
     #[test]

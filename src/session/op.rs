@@ -21,7 +21,8 @@ pub struct Progress {
     pub room: u64,
     pub chunk: u32,
     pub path: &'static str,
-    /// `queued`, `waiting_for_ready_point`, `waiting_for_allocation`, `waiting_for_watermark`,
+    /// `queued` (asynchronous) or `starting` (synchronous), `waiting_for_ready_point`,
+    /// `waiting_for_allocation`, `waiting_for_watermark`,
     /// `waiting_for_staging_buffer`, `gathering`, `writing`, `waiting_for_layers`,
     /// `waiting_for_acknowledgement`, then `done` or `failed`.
     pub phase: &'static str,
@@ -86,14 +87,16 @@ impl Op {
         }
     }
 
-    /// Where the transfer is, once it started; its phase is `done` or `failed` once it ended.
-    pub fn progress(&self) -> Option<Progress> {
+    /// Where the transfer is, once it started, with its result read at the same moment (`None`
+    /// while it runs); its phase is `done` or `failed` once it ended.
+    pub fn progress(&self) -> Option<(Progress, Option<Result<Status>>)> {
         let mut p = self.progress.lock().clone()?;
-        if let Some(result) = &self.result.lock().0 {
-            p.phase = if result.is_ok() { "done" } else { "failed" };
+        let result = self.result.lock().0.as_ref().map(clone_result);
+        if let Some(r) = &result {
+            p.phase = if r.is_ok() { "done" } else { "failed" };
             p.waits_on.clear();
         }
-        Some(p)
+        Some((p, result))
     }
 
     pub fn is_canceled(&self) -> bool {

@@ -6,6 +6,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::SenderSession;
+use crate::error::Status;
 use crate::session::op::Op;
 
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
@@ -73,13 +74,14 @@ impl SenderSession {
 
 /// `op` as it stands, `None` before its transfer started.
 pub fn describe_op(op: &Op) -> Option<OpDescription> {
-    let p = op.progress()?;
+    let (p, result) = op.progress()?;
     let now = Instant::now();
-    let (status, error) = match op.poll() {
-        Ok(s) => (s.name(), None),
-        Err(e) => (e.code().name(), Some(e.chain())),
+    let running = result.is_none();
+    let (status, error) = match result {
+        None => (Status::KVSTAGE_PENDING.name(), None),
+        Some(Ok(s)) => (s.name(), None),
+        Some(Err(e)) => (e.code().name(), Some(e.chain())),
     };
-    let running = error.is_none() && status == "KVSTAGE_PENDING";
     Some(OpDescription {
         version: crate::session::DESCRIBE_VERSION,
         session: p.session,

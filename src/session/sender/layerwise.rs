@@ -46,12 +46,12 @@ impl SenderSession {
                     continue;
                 }
                 let part = plan.for_layers(|l| layers.binary_search(&l).is_ok());
-                op.enter("writing", String::new);
                 match staging.as_mut() {
                     None => {
                         // The batch's ready point first: teardown waits for the range, not for
                         // the caller's compute.
                         self.await_ready(batch.ready.as_ref(), deadline, op, t)?;
+                        op.enter("writing", String::new);
                         let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
                         self.gather(&part, range.as_mut_ptr(), t)?;
                         drop(range);
@@ -63,6 +63,7 @@ impl SenderSession {
                     }
                     Some(buffer) => {
                         self.await_ready(batch.ready.as_ref(), deadline, op, t)?;
+                        op.enter("writing", String::new);
                         self.gather(&part, buffer.as_mut_ptr(), t)?;
                         let phase = Instant::now();
                         for piece in part.staging_ranges() {
@@ -73,6 +74,7 @@ impl SenderSession {
                 }
             }
         }
+        op.enter("writing", String::new);
         let phase = Instant::now();
         let wrote = match staging.as_mut() {
             None => {

@@ -26,7 +26,7 @@ pub struct GrantDescription {
     pub bytes: u64,
     /// Position among the ring's live allocations, 0 = the oldest.
     pub ring_position: usize,
-    /// The oldest live allocation, when this one may not be written yet (it lies past the
+    /// The oldest live allocation, when no writer of this one may write yet (it starts past the
     /// receiver's watermark): its writers wait for that chunk to complete.
     pub waits_behind: Option<ChunkRef>,
 }
@@ -175,7 +175,9 @@ impl State {
         let g = self.grants.get(&id)?;
         let ring = self.ring.as_ref()?;
         let ring_position = ring.live().position(|l| l.id == id)?;
-        let blocked = !ring.watermark().permits(g.grant.round, g.grant.end());
+        // Each writer is held until its own region may be written; no writer can start while
+        // the grant's first byte may not be.
+        let blocked = !ring.watermark().permits(g.grant.round, g.grant.offset + 1);
         let waits_behind = ring
             .live()
             .next()

@@ -40,12 +40,6 @@ impl State {
                 ),
             ));
         }
-        if let Some(first) = c.layout.as_ref().filter(|l| l.tokens != tokens) {
-            return Err(Error::new(
-                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
-                format!("chunk {chunk} of room {room}: this writer has {tokens} tokens, the chunk's first writer {}", first.tokens),
-            ));
-        }
         match c.mode {
             Mode::Slices => {
                 return Err(Error::new(
@@ -57,6 +51,12 @@ impl State {
                 return Err(protocol(format!("chunk {chunk} of room {room} is already complete")));
             }
             _ => {}
+        }
+        if let Some(first) = c.layout.as_ref().filter(|l| l.tokens != tokens) {
+            return Err(Error::new(
+                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+                format!("chunk {chunk} of room {room}: this writer has {tokens} tokens, the chunk's first writer {}", first.tokens),
+            ));
         }
         if c.slot_of(conn).is_some() {
             return Err(protocol(format!("writer {writer} requested chunk {chunk} twice")));
