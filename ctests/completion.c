@@ -61,6 +61,9 @@ static void on_completion(void *user_data, const kvstage_completion *c) {
     pthread_mutex_lock(&s->lock);
     if (c->struct_size != sizeof *c) s->bad++;
     if (c->kind == KVSTAGE_COMPLETION_OP) {
+        char want[32];
+        snprintf(want, sizeof want, "req-%llu", (unsigned long long)c->tag);
+        if (strcmp(c->trace_id, want) != 0) s->bad++; /* the request's trace id comes back */
         if (c->status != KVSTAGE_OK || c->tag >= OPS) s->bad++;
         else s->tags |= (uint64_t)1 << c->tag;
         s->ops++;
@@ -148,6 +151,9 @@ int main(void) {
         d.deadline_ms = 20000;
         d.user_tag = i;
         d.room_key = keys[i];
+        char trace[32];
+        snprintf(trace, sizeof trace, "req-%llu", (unsigned long long)i);
+        d.trace_id = trace; /* copied by the call */
         ops[i] = NULL;
         CHECK_INT(kvstage_transfer_async(session, &d, &ops[i]), KVSTAGE_PENDING);
     }
@@ -185,6 +191,7 @@ int main(void) {
     CHECK_OK(kvstage_room_poll_events(decode, 5, ev, 4, &count));
     CHECK_INT(count, 1);
     CHECK_INT(ev[0].room, 5);
+    CHECK(strcmp(ev[0].trace_id, "req-5") == 0); /* the decode room took the writer's id */
     CHECK_INT(kvstage_room_poll_events(decode, 5, NULL, 4, &count), KVSTAGE_E_INVALID_ARG);
     CHECK_OK(kvstage_room_poll_events(decode, 5, ev, 4, &count));
     CHECK_INT(count, 0);

@@ -71,7 +71,7 @@ fn messages() -> Vec<(String, Message)> {
     const ROOM: RoomRef = RoomRef { id: 9, key: 0x6b65_7973_0000_0009 };
     let mut out: Vec<(String, Message)> = hellos().into_iter().map(|(n, h)| (format!("hello-{n}"), Message::Hello(h))).collect();
     out.extend([
-        ("alloc-req".into(), Message::AllocReq { req: 7, room: ROOM, chunk: 2, writer: 1, tokens: 64, bytes: 4096 }),
+        ("alloc-req".into(), Message::AllocReq { req: 7, room: ROOM, chunk: 2, writer: 1, tokens: 64, bytes: 4096, trace: "req-7".into() }),
         ("alloc-rsp-ok".into(), Message::AllocRsp { req: 7, status: 0, round: 1, offset: 8192, len: 4096, region: 2048, reason: String::new() }),
         ("alloc-rsp-refused".into(), Message::AllocRsp { req: 8, status: -13, round: 0, offset: 0, len: 0, region: 0, reason: "chunk larger than the ring".into() }),
         ("data".into(), Message::Data { room: ROOM, chunk: 2, writer: 1, offset: 2048, len: 16 }),

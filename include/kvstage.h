@@ -19,6 +19,9 @@
 // Default chunk size in tokens of the chunk grid.
 #define KVSTAGE_DEFAULT_CHUNK_TOKENS 8192
 
+// Bytes of a trace id field: the longest trace id (64 bytes) and its NUL.
+#define KVSTAGE_TRACE_ID_SIZE 65
+
 // Status codes returned by every `kvstage_*` function that can fail.
 //
 // `0` is success, positive values are informational, negative values are errors grouped by family
@@ -222,6 +225,8 @@ typedef struct kvstage_completion {
     // `KVSTAGE_COMPLETION_CHUNK`: the key of the room's opening the chunk belongs to (a callback
     // running after the room was released and its id opened again tells the events apart).
     uint64_t room_key;
+    // The request's trace id, NUL-terminated (see `kvstage_transfer_desc.trace_id`).
+    char trace_id[KVSTAGE_TRACE_ID_SIZE];
 } kvstage_completion;
 
 // Called once per completion, on a library thread (a transfer worker, a receiver connection
@@ -243,6 +248,8 @@ typedef struct kvstage_chunk_event {
     enum kvstage_status status;
     // The key of the room's opening the chunk belongs to (`kvstage_room_open`'s `room_key_out`).
     uint64_t room_key;
+    // The request's trace id, NUL-terminated (see `kvstage_transfer_desc.trace_id`).
+    char trace_id[KVSTAGE_TRACE_ID_SIZE];
 } kvstage_chunk_event;
 
 // Details of the last failed kvstage call on this thread.
@@ -716,6 +723,12 @@ typedef struct kvstage_transfer_desc {
     // decode room's chunk-grid tokens but the room's last, which may end inside a decode page
     // (where the request ends).
     uint32_t num_tokens;
+    // The request's trace id, NUL-terminated (copied): the engine's own request id, at most 64
+    // bytes of letters, digits and `. _ - : / @ + #`. It goes in front of every log line about the
+    // request on both sides, and into the describe documents and completions; the decode room
+    // takes the first one a writer names. NULL: both sides derive one from the room's opening
+    // (`<room>#<4 hex digits>`).
+    const char *trace_id;
 } kvstage_transfer_desc;
 
 #ifdef __cplusplus

@@ -934,3 +934,36 @@ fn stale_and_guessed_room_keys_claim_nothing() {
     drop(raw);
     after_attack(&c, &base, "stale and guessed room keys");
 }
+
+/// The trace id of an allocation request is a remote-supplied string that ends up in the decode
+/// side's log lines: one that could forge a line (a newline) or grow without bound is refused,
+/// claims nothing and leaves the session usable; the room takes the first valid id a writer names
+/// and keeps it (a second writer cannot rename the request).
+#[test]
+fn a_lying_trace_id_is_refused_and_the_first_one_named_stays() {
+    let c = Cluster::new(SMALL, decode_options(&SMALL), RingSpec::Owned(1 << 20));
+    let room = open_room(&c.decode, 81, &c.room_pages(81, 1), SMALL.chunk_tokens);
+    let (mut w0, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "trace-0", b"");
+    let (mut w1, _) = RawPeer::handshake(c.addr(), &SMALL.shape(1, 2), "trace-1", b"");
+    let layout = SMALL.layout(0, 2);
+    let ask = |raw: &mut RawPeer, req: u64, writer: u32, trace: &str| {
+        let msg = Message::AllocReq { req, room, chunk: 0, writer, tokens: layout.tokens, bytes: layout.total_bytes, trace: trace.into() };
+        raw.send(&msg).unwrap();
+        raw.reply(Duration::from_secs(5))
+    };
+    for (req, bad) in [(1, "req-81\n2026-12-05T00:00:00Z ERROR forged"), (2, "x y"), (3, "é")] {
+        match ask(&mut w0, req, 0, bad) {
+            Message::AllocRsp { status, reason, .. } => {
+                assert_eq!(status, Status::KVSTAGE_E_PROTOCOL.code(), "{reason}");
+                assert!(reason.contains("trace id") && !reason.contains('\n'), "{reason}");
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+    }
+    let trace = |c: &Cluster| c.decode.receiver().describe_room(81).unwrap().trace;
+    assert_eq!(trace(&c), kvstage::protocol::trace::derived_trace(room), "a refused id names nothing");
+    assert!(matches!(ask(&mut w0, 4, 0, "req-81"), Message::AllocRsp { status: 0, .. }));
+    assert!(matches!(ask(&mut w1, 5, 1, "someone-else"), Message::AllocRsp { status: 0, .. }));
+    assert_eq!(trace(&c), "req-81");
+    assert!(c.decode.receiver().describe_room(81).unwrap().chunks[0].writers.len() == 2);
+}

@@ -81,17 +81,19 @@ fn a_watermark_held_by_an_unfinished_allocation_is_reported_once() {
     let (engine, _pool) = prefill(&SMALL, 0);
     let s = engine.connect(&c.addr().to_string(), "stalled-watermark", None).unwrap();
     let src: Vec<u32> = (0..SMALL.pages_per_chunk() as u32).collect();
-    let desc = TransferDesc { room, chunk: 0, pages: src, timeout: Some(Duration::from_secs(2)), ..Default::default() };
+    // The engine's own request id, as the trace id both sides put in front of the request's lines.
+    let desc = TransferDesc { room, chunk: 0, pages: src, timeout: Some(Duration::from_secs(2)), trace: Some("req-62".into()), ..Default::default() };
     let (result, lines) = warnings_during(|| {
         let op = s.transfer_async(desc, false, 0).unwrap();
         // While stuck: the operation waits for the watermark, the decode room's chunk waits
         // behind room 61's allocation, which waits for writers (one never asked).
         let d = op_in_phase(&op, "waiting_for_watermark").expect("the operation reaches the watermark wait");
-        assert!((d.session.as_str(), d.room, d.chunk, d.status) == ("stalled-watermark", 62, 0, "KVSTAGE_PENDING"), "{d:?}");
+        assert!((d.session.as_str(), d.trace.as_str(), d.room, d.chunk, d.status) == ("stalled-watermark", "req-62", 62, 0, "KVSTAGE_PENDING"), "{d:?}");
         assert!(d.waits_on.contains("an older allocation there still holds the space") && d.deadline_left_ms.is_some(), "{d:?}");
         let blocked = room_doc(&c.decode, 62);
         let chunk = &blocked["chunks"][0];
         assert_eq!(chunk["phase"], "waiting_for_watermark", "{blocked}");
+        assert_eq!(blocked["trace"], "req-62", "the decode room took the writer's trace id: {blocked}");
         assert_eq!(chunk["grant"]["waits_behind"], serde_json::json!({"room": 61, "chunk": 0}), "{blocked}");
         let holder = room_doc(&c.decode, 61);
         let chunk = &holder["chunks"][0];
@@ -109,17 +111,20 @@ fn a_watermark_held_by_an_unfinished_allocation_is_reported_once() {
     let reported = stalls(&lines, "stalled-watermark");
     assert_eq!(reported.len(), 1, "one report per stalled wait: {lines:?}");
     let line = reported[0];
-    assert!(line.starts_with("room 62 chunk 0: no progress for"), "{line}");
+    assert!(line.starts_with("[req-62] room 62 chunk 0: no progress for"), "{line}");
     assert!(line.contains("waiting for the receiver's watermark") && line.contains("an older allocation on the receiver still holds"), "{line}");
     assert!(!line.contains(&held.key.to_string()) && !line.contains(&room.key.to_string()), "a key in the log: {line}");
     // The decode side names the culprit: the allocation that holds the ring and who owes it.
-    let culprit: Vec<&str> = lines.iter().filter(|(s, m)| s.is_empty() && m.starts_with("room 61 chunk 0:")).map(|(_, m)| m.as_str()).collect();
+    // The raw holder named no trace id: its room's is derived from the opening.
+    let derived = format!("[{}] room 61 chunk 0:", kvstage::protocol::trace::derived_trace(held));
+    let culprit: Vec<&str> = lines.iter().filter(|(s, m)| s.is_empty() && m.starts_with(&derived)).map(|(_, m)| m.as_str()).collect();
     assert_eq!(culprit.len(), 1, "one decode-side report of the allocation holding the ring: {lines:?}");
     let c0 = culprit[0];
     assert!(c0.contains("its allocation of ring round 0") && c0.contains("holds it until the chunk completes") && c0.contains("session holder (prefill tp 0 pp 0): 0 of 8192 bytes landed, not ready"), "{c0}");
     assert!(c0.contains("claimed by no writer yet"), "the other prefill rank never asked: {c0}");
     // The blocked chunk's own report says what it waits behind, not that it holds the ring.
-    let blocked: Vec<&str> = lines.iter().filter(|(s, m)| s.is_empty() && m.starts_with("room 62 chunk 0:")).map(|(_, m)| m.as_str()).collect();
+    // One grep for the request's id finds both sides' lines about it.
+    let blocked: Vec<&str> = lines.iter().filter(|(s, m)| s.is_empty() && m.starts_with("[req-62] room 62 chunk 0:")).map(|(_, m)| m.as_str()).collect();
     assert!(blocked.len() == 1 && blocked[0].contains("waits behind room 61 chunk 0 (the ring's oldest allocation) for the watermark"), "{lines:?}");
     drop(raw);
 }
@@ -150,7 +155,8 @@ fn an_allocation_never_answered_is_reported_once() {
     assert_eq!(result.unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
     let reported = stalls(&lines, "stalled-reader");
     assert_eq!(reported.len(), 1, "{lines:?}");
-    assert!(reported[0].starts_with("room 63 chunk 0: no progress for") && reported[0].contains("waiting for the allocation from the receiver"), "{}", reported[0]);
+    let derived = kvstage::protocol::trace::derived_trace(room);
+    assert!(reported[0].starts_with(&format!("[{derived}] room 63 chunk 0: no progress for")) && reported[0].contains("waiting for the allocation from the receiver"), "{}", reported[0]);
 }
 
 #[test]

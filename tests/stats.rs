@@ -160,7 +160,7 @@ fn counters_and_timings_match_a_known_sequence() {
     // The callback runs right after the waiters wake.
     let signalled = eventually(|| {
         completions.lock().iter().find_map(|c| match c {
-            Completion::Op { tag: 44, status, timings } => Some((*status, *timings)),
+            Completion::Op { tag: 44, status, timings, .. } => Some((*status, *timings)),
             _ => None,
         })
     });

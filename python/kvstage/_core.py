@@ -685,6 +685,8 @@ class ChunkEvent(NamedTuple):
     #: The key of the room's opening the chunk belongs to (tells a released request's late event
     #: apart from the next request's under the same room id).
     room_key: int = 0
+    #: The request's trace id (the prefill caller's ``trace_id``, else derived from the opening).
+    trace: str = ""
 
     @property
     def ok(self) -> bool:
@@ -913,7 +915,7 @@ class Engine(_Handle):
         else:
             rc = self._lib.kvstage_room_poll_events(self._handle(), _u64(room, "room"), events, max_events, byref(count))
             _check(self._lib, rc, "kvstage_room_poll_events")
-        return [ChunkEvent(e.room, e.chunk_index, _status(e.status), e.room_key) for e in events[: count.value]]
+        return [ChunkEvent(e.room, e.chunk_index, _status(e.status), e.room_key, e.trace_id.decode("ascii")) for e in events[: count.value]]
 
     # -- completions ------------------------------------------------------------------------------
 
@@ -949,11 +951,12 @@ class Engine(_Handle):
             finally:
                 loop.remove_reader(fd)
 
-    def set_completion_callback(self, callback: Optional[Any], metrics: bool = False) -> None:
+    def set_completion_callback(self, callback: Optional[Any], metrics: bool = False, trace: bool = False) -> None:
         """``kvstage_engine_set_completion_callback``: ``callback(kind, status, tag, room, chunk)``
         runs on a library thread for every completion (keep it short; it must not close this
         engine). With ``metrics=True`` it also gets ``timings`` (a :class:`TransferTimings`, for
-        operations) and ``scatter_ns`` (for chunks). ``None`` removes it. Returns once no call of
+        operations) and ``scatter_ns`` (for chunks); with ``trace=True`` the keyword ``trace`` (the
+        request's trace id). ``None`` removes it. Returns once no call of
         the previous callback runs any more (the library waits for them; do not hold a lock the
         callback takes meanwhile), except when called from inside a completion callback, which
         never waits."""
@@ -963,12 +966,13 @@ class Engine(_Handle):
 
             def trampoline(_user: Any, c: Any) -> None:
                 v = c.contents
+                extra = {"trace": v.trace_id.decode("ascii")} if trace else {}
                 try:
                     if metrics:
                         timings = TransferTimings._from_c(v.timings)
-                        callback(v.kind, _status(v.status), v.tag, v.room, v.chunk_index, timings, v.scatter_ns)
+                        callback(v.kind, _status(v.status), v.tag, v.room, v.chunk_index, timings, v.scatter_ns, **extra)
                         return
-                    callback(v.kind, _status(v.status), v.tag, v.room, v.chunk_index)
+                    callback(v.kind, _status(v.status), v.tag, v.room, v.chunk_index, **extra)
                 except Exception:  # never unwind into the library's thread
                     import traceback
 
@@ -1063,7 +1067,7 @@ def _describe(lib: Library, fn: str, *args: Any) -> dict:
     raise AssertionError("unreachable: a failed fill raises")
 
 
-def _desc(lib: Library, room: int, room_key: int, chunk_index: int, pages: Any, deadline_ms: int, tag: int, src_token_offset: int, num_tokens: int):
+def _desc(lib: Library, room: int, room_key: int, chunk_index: int, pages: Any, deadline_ms: int, tag: int, src_token_offset: int, num_tokens: int, trace_id: Optional[str] = None):
     keep, address, count = page_array(pages, "pages")
     d = _lib.kvstage_transfer_desc()
     _check(lib, lib.kvstage_transfer_desc_init(byref(d)), "kvstage_transfer_desc_init")
@@ -1076,6 +1080,10 @@ def _desc(lib: Library, room: int, room_key: int, chunk_index: int, pages: Any, 
     d.user_tag = _u64(tag, "tag")
     d.src_token_offset = _u32(src_token_offset, "src_token_offset")
     d.num_tokens = _u32(num_tokens, "num_tokens")
+    if trace_id is not None:
+        encoded = trace_id.encode("utf-8")
+        d.trace_id = encoded
+        keep = (keep, encoded)
     return d, keep
 
 
@@ -1097,7 +1105,8 @@ class Session(_Handle):
         return self._session_id
 
     def transfer(
-        self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, *, room_key: int, src_token_offset: int = 0, num_tokens: int = 0
+        self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, *, room_key: int, src_token_offset: int = 0, num_tokens: int = 0,
+        trace_id: Optional[str] = None,
     ) -> Status:
         """``kvstage_transfer``: the staged path for one chunk (``pages``: the prefill pages of the
         chunk in token order) into ``room``, opened on the decode side with the key ``room_key``
@@ -1106,18 +1115,21 @@ class Session(_Handle):
         A key of another opening of the room raises :class:`TimeError` with ``E_STALE_ROOM``.
         ``src_token_offset`` and ``num_tokens``: where the chunk starts in ``pages[0]`` and how
         many tokens it holds (0: all the pages hold from there), as :func:`chunk_span` says when
-        the prefill and decode page sizes differ or a prefix ends inside a prefill page."""
-        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, 0, src_token_offset, num_tokens)
+        the prefill and decode page sizes differ or a prefix ends inside a prefill page.
+        ``trace_id``: the request's id in both sides' log lines, describe documents and
+        completions (your engine's request id; default: derived from the room's opening)."""
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, 0, src_token_offset, num_tokens, trace_id)
         rc = self._lib.kvstage_transfer(self._handle(), byref(d))
         del keep
         return _check(self._lib, rc, "kvstage_transfer")
 
     def transfer_slices(
-        self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, *, room_key: int, src_token_offset: int = 0, num_tokens: int = 0
+        self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, *, room_key: int, src_token_offset: int = 0, num_tokens: int = 0,
+        trace_id: Optional[str] = None,
     ) -> Status:
         """``kvstage_transfer_slices``: the slice path for the same chunk (one write per token,
         layer and K/V); the fallback of :meth:`transfer`. It moves whole decode pages only."""
-        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, 0, src_token_offset, num_tokens)
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, 0, src_token_offset, num_tokens, trace_id)
         rc = self._lib.kvstage_transfer_slices(self._handle(), byref(d))
         del keep
         return _check(self._lib, rc, "kvstage_transfer_slices")
@@ -1133,10 +1145,11 @@ class Session(_Handle):
         room_key: int,
         src_token_offset: int = 0,
         num_tokens: int = 0,
+        trace_id: Optional[str] = None,
     ) -> "Operation":
         """``kvstage_transfer_async``: starts the staged path on the engine's transfer workers;
         ``tag`` comes back with its completion (callback)."""
-        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag, src_token_offset, num_tokens)
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag, src_token_offset, num_tokens, trace_id)
         out = c_void_p()
         rc = self._lib.kvstage_transfer_async(self._handle(), byref(d), byref(out))
         del keep
@@ -1154,11 +1167,12 @@ class Session(_Handle):
         room_key: int,
         src_token_offset: int = 0,
         num_tokens: int = 0,
+        trace_id: Optional[str] = None,
     ) -> "Operation":
         """``kvstage_transfer_layerwise_async``: starts the staged path for a chunk whose layers
         are still being computed; mark them with :meth:`Operation.layers_ready` (every layer of
         the pool before the deadline). The ring space is requested at once."""
-        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag, src_token_offset, num_tokens)
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag, src_token_offset, num_tokens, trace_id)
         out = c_void_p()
         rc = self._lib.kvstage_transfer_layerwise_async(self._handle(), byref(d), byref(out))
         del keep

@@ -370,6 +370,7 @@ class kvstage_transfer_desc(Structure):
         ("room_key", c_uint64),
         ("src_token_offset", c_uint32),
         ("num_tokens", c_uint32),
+        ("trace_id", ctypes.c_char_p),
     ]
 
 
@@ -398,6 +399,7 @@ class kvstage_completion(Structure):
         ("timings", kvstage_transfer_timings),
         ("scatter_ns", c_uint64),
         ("room_key", c_uint64),
+        ("trace_id", ctypes.c_char * 65),
     ]
 
 
@@ -420,7 +422,7 @@ kvstage_log_fn = ctypes.CFUNCTYPE(None, c_void_p, POINTER(kvstage_log_record))
 
 
 class kvstage_chunk_event(Structure):
-    _fields_ = [("room", c_uint64), ("chunk_index", c_uint32), ("status", c_int), ("room_key", c_uint64)]
+    _fields_ = [("room", c_uint64), ("chunk_index", c_uint32), ("status", c_int), ("room_key", c_uint64), ("trace_id", ctypes.c_char * 65)]
 
 
 # --- prototypes ------------------------------------------------------------------------------------

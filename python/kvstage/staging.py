@@ -38,7 +38,8 @@ class TransferTarget:
     that room's chunk grid; ``deadline_ms``: 0 = the engine default, ``DEADLINE_INFINITE`` = none;
     ``src_token_offset`` and ``num_tokens``: where the chunk starts in its first prefill page and
     its token count (0: every slot of the pages from there), from :func:`chunk_span` when the two
-    sides' page sizes differ or the decode prefix ends inside a prefill page.
+    sides' page sizes differ or the decode prefix ends inside a prefill page; ``trace_id``: the
+    request's id in both sides' log lines (default: derived from the room's opening).
 
     ``target_info`` may also be a mapping with these keys, or any object with these attributes
     (an engine's own per-request record); ``room`` and ``room_key`` are required, ``peer`` the
@@ -52,6 +53,7 @@ class TransferTarget:
     deadline_ms: int = 0
     src_token_offset: int = 0
     num_tokens: int = 0
+    trace_id: Optional[str] = None
 
 
 def _field(info: Any, name: str, default: Any) -> Any:
@@ -77,6 +79,7 @@ def _target(info: Any) -> TransferTarget:
         deadline_ms=_field(info, "deadline_ms", 0),
         src_token_offset=_field(info, "src_token_offset", 0),
         num_tokens=_field(info, "num_tokens", 0),
+        trace_id=_field(info, "trace_id", None),
     )
 
 
@@ -128,6 +131,7 @@ class StagingTransfer:
                 room_key=target.room_key,
                 src_token_offset=target.src_token_offset,
                 num_tokens=target.num_tokens,
+                trace_id=target.trace_id,
             )
         except (TransportError, ProtocolError):
             self.close_session(session_id)

@@ -1,5 +1,6 @@
 """Where is this request, from Python: a layer-wise transfer whose layers are never marked is
-stuck; the operation's document says it waits for layers (naming them), the decode room's says
+stuck; with the engine's request id as its trace id, the operation's document says it waits for
+layers (naming them), the decode room's says
 the chunk is granted with its writer's progress, the engines' name the ring allocation and the
 running chunk; once canceled the operation says failed. Both engines live in this process."""
 
@@ -34,14 +35,14 @@ def test_a_stuck_layerwise_transfer_described_from_both_sides(lib):
     session = prefill.connect(decode.listen_address, "described")
     key = decode.room_open(9, [0, 1, 2, 3], chunk_tokens=16).key
     try:
-        op = session.transfer_layerwise_async(9, 0, [4, 5, 6, 7], deadline_ms=20000, room_key=key)
+        op = session.transfer_layerwise_async(9, 0, [4, 5, 6, 7], deadline_ms=20000, room_key=key, trace_id="req-9/p0")
         doc = _until(lambda: (lambda d: d if d["phase"] == "waiting_for_layers" else None)(op.describe()), "the op waits for layers")
-        assert (doc["session"], doc["room"], doc["chunk"], doc["status"]) == ("described", 9, 0, "KVSTAGE_PENDING")
+        assert (doc["session"], doc["trace"], doc["room"], doc["chunk"], doc["status"]) == ("described", "req-9/p0", 9, 0, "KVSTAGE_PENDING")
         assert "layers 0, 1, 2 of the chunk are not marked ready" in doc["waits_on"]
         assert 0 < doc["deadline_left_ms"] <= 20000 and doc["version"] == 1
 
         room = decode.room_describe(9)
-        assert (room["state"], room["num_chunks"], room["chunks_done"]) == ("open", 1, 0)
+        assert (room["state"], room["trace"], room["num_chunks"], room["chunks_done"]) == ("open", "req-9/p0", 1, 0)
         chunk = room["chunks"][0]
         assert chunk["phase"] == "granted" and chunk["grant"]["ring_position"] == 0
         assert [(w["session"], w["landed"], w["ready"]) for w in chunk["writers"]] == [("described", 0, False)]
@@ -59,6 +60,8 @@ def test_a_stuck_layerwise_transfer_described_from_both_sides(lib):
         assert ended["error"]
         failed = _until(lambda: (lambda d: d if d["state"] == "failed" else None)(decode.room_describe(9)), "the room fails")
         assert failed["failure"]["code"] == "KVSTAGE_E_CANCELED" and failed["chunks"][0]["phase"] == "failed"
+        # The failed chunk's event carries the request's trace id.
+        assert [(e.room, e.trace, e.ok) for e in decode.poll_events()] == [(9, "req-9/p0", False)]
         with pytest.raises(kvstage.ArgumentError, match="room.*77 is not open"):
             decode.room_describe(77)
     finally:

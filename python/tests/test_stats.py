@@ -122,6 +122,13 @@ def _header_struct(text: str, name: str, known: dict) -> type:
         if not decl:
             continue
         ctype, field = decl.rsplit(" ", 1)
+        array = re.fullmatch(r"(\w+)\[(\w+)\]", field)
+        if array:  # char trace_id[KVSTAGE_TRACE_ID_SIZE]
+            size = re.search(r"#define %s (\d+)" % array.group(2), text) if not array.group(2).isdigit() else None
+            n = int(size.group(1)) if size else int(array.group(2))
+            assert ctype == "char", f"{name}.{field}: arrays of {ctype} not mapped"
+            fields.append((array.group(1), ctypes.c_char * n))
+            continue
         if ctype.startswith("struct "):
             fields.append((field, known[ctype[len("struct ") :]]))
         else:
@@ -137,7 +144,7 @@ def test_ctypes_structs_match_the_header():
     with open(HEADER, encoding="utf-8") as f:
         text = re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S))
     known: dict = {}
-    for name in ("kvstage_transfer_timings", "kvstage_engine_stats", "kvstage_session_stats", "kvstage_completion"):
+    for name in ("kvstage_transfer_timings", "kvstage_engine_stats", "kvstage_session_stats", "kvstage_completion", "kvstage_chunk_event", "kvstage_chunk_span"):
         want = known[name] = _header_struct(text, name, known)
         got = getattr(_lib, name)
         assert [f[0] for f in got._fields_] == [f[0] for f in want._fields_], name

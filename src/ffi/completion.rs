@@ -4,7 +4,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use super::engine::{borrow as borrow_engine, kvstage_engine};
-use super::transfer::kvstage_chunk_event;
+use super::transfer::{kvstage_chunk_event, trace_c, KVSTAGE_TRACE_ID_SIZE};
 use super::{ffi_fn, out_arg};
 use crate::error::{Error, Result, Status};
 use crate::session::notify::Completion;
@@ -44,6 +44,8 @@ pub struct kvstage_completion {
     /// `KVSTAGE_COMPLETION_CHUNK`: the key of the room's opening the chunk belongs to (a callback
     /// running after the room was released and its id opened again tells the events apart).
     pub room_key: u64,
+    /// The request's trace id, NUL-terminated (see `kvstage_transfer_desc.trace_id`).
+    pub trace_id: [std::ffi::c_char; KVSTAGE_TRACE_ID_SIZE],
 }
 
 /// Called once per completion, on a library thread (a transfer worker, a receiver connection
@@ -85,14 +87,17 @@ fn to_c(c: &Completion) -> kvstage_completion {
         },
         scatter_ns: 0,
         room_key: 0,
+        trace_id: [0; KVSTAGE_TRACE_ID_SIZE],
     };
     match c {
-        Completion::Op { tag, status, timings } => {
+        Completion::Op { tag, status, timings, trace } => {
             out.tag = *tag;
             out.status = *status;
             out.timings = super::stats::timings_to_c(timings);
+            out.trace_id = trace_c(trace);
         }
-        Completion::Chunk(ChunkEvent { room, key, chunk, status, scatter_ns }) => {
+        Completion::Chunk(ChunkEvent { room, key, chunk, status, trace, scatter_ns }) => {
+            out.trace_id = trace_c(trace);
             out.kind = kvstage_completion_kind::KVSTAGE_COMPLETION_CHUNK as i32;
             out.room = *room;
             out.room_key = *key;
@@ -168,7 +173,8 @@ pub(crate) fn write_events(taken: &[ChunkEvent], events: *mut kvstage_chunk_even
     }
     for (i, e) in taken.iter().take(capacity).enumerate() {
         // SAFETY: `capacity` writable elements by contract; `i < capacity`.
-        unsafe { *events.add(i) = kvstage_chunk_event { room: e.room, chunk_index: e.chunk, status: e.status, room_key: e.key } };
+        let event = kvstage_chunk_event { room: e.room, chunk_index: e.chunk, status: e.status, room_key: e.key, trace_id: trace_c(&e.trace) };
+        unsafe { *events.add(i) = event };
     }
     *count = taken.len().min(capacity);
     Ok(())

@@ -165,6 +165,12 @@ pub struct kvstage_transfer_desc {
     /// decode room's chunk-grid tokens but the room's last, which may end inside a decode page
     /// (where the request ends).
     pub num_tokens: u32,
+    /// The request's trace id, NUL-terminated (copied): the engine's own request id, at most 64
+    /// bytes of letters, digits and `. _ - : / @ + #`. It goes in front of every log line about the
+    /// request on both sides, and into the describe documents and completions; the decode room
+    /// takes the first one a writer names. NULL: both sides derive one from the room's opening
+    /// (`<room>#<4 hex digits>`).
+    pub trace_id: *const std::ffi::c_char,
 }
 
 impl Default for kvstage_transfer_desc {
@@ -182,6 +188,7 @@ impl Default for kvstage_transfer_desc {
             room_key: 0,
             src_token_offset: 0,
             num_tokens: 0,
+            trace_id: std::ptr::null(),
         }
     }
 }
@@ -226,6 +233,10 @@ unsafe fn transfer_desc(session: &SenderSession, ptr: *const kvstage_transfer_de
         pages: pages.to_vec(),
         src_token_offset: raw.src_token_offset,
         num_tokens: raw.num_tokens,
+        trace: match raw.trace_id.is_null() {
+            true => None,
+            false => Some(unsafe { str_arg(raw.trace_id, "desc->trace_id") }?.to_owned()),
+        },
         timeout: timeout_from_ms(raw.deadline_ms).unwrap_or(engine_default),
         ready: ready.map(Arc::new),
         layers: None,
@@ -462,6 +473,20 @@ pub struct kvstage_chunk_event {
     pub status: Status,
     /// The key of the room's opening the chunk belongs to (`kvstage_room_open`'s `room_key_out`).
     pub room_key: u64,
+    /// The request's trace id, NUL-terminated (see `kvstage_transfer_desc.trace_id`).
+    pub trace_id: [std::ffi::c_char; KVSTAGE_TRACE_ID_SIZE],
+}
+
+/// Bytes of a trace id field: the longest trace id (64 bytes) and its NUL.
+pub const KVSTAGE_TRACE_ID_SIZE: usize = 65;
+
+/// `trace` as a NUL-terminated fixed array (trace ids are checked to fit; a longer one is cut).
+pub(crate) fn trace_c(trace: &str) -> [std::ffi::c_char; KVSTAGE_TRACE_ID_SIZE] {
+    let mut out = [0; KVSTAGE_TRACE_ID_SIZE];
+    for (o, b) in out.iter_mut().zip(trace.bytes().take(KVSTAGE_TRACE_ID_SIZE - 1)) {
+        *o = b as std::ffi::c_char;
+    }
+    out
 }
 
 /// Decode side: moves up to `capacity` chunk events into `events` and their number into

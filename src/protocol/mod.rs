@@ -16,6 +16,7 @@ use codec::{Dec, Enc};
 pub mod codec;
 pub mod fingerprint;
 pub mod rdma_offer;
+pub mod trace;
 
 pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// 2: the hello carries the integrity policy; late frames for closed rooms are discarded.
@@ -25,7 +26,8 @@ pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// 5: after an accepted RDMA offer the sender confirms (or refuses) its own QP setup with a second
 /// `RdmaOffer` before either side uses RDMA.
 /// 6: every frame that names a room names its opening too ([`RoomRef`]: id and key).
-pub const PROTOCOL_VERSION: u16 = 6;
+/// 7: an allocation request carries the request's trace id (the caller's; empty: derived).
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.
@@ -85,7 +87,7 @@ pub struct Hello {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Message {
     Hello(Hello),
-    AllocReq { req: u64, room: RoomRef, chunk: u32, writer: u32, tokens: u32, bytes: u64 },
+    AllocReq { req: u64, room: RoomRef, chunk: u32, writer: u32, tokens: u32, bytes: u64, trace: String },
     /// `status` 0 = granted `[offset, offset + len)` of ring round `round`, the writer's region at
     /// `region` bytes into it; otherwise a `Status` code with `reason`.
     AllocRsp { req: u64, status: i32, round: u64, offset: u64, len: u64, region: u64, reason: String },
@@ -210,8 +212,8 @@ impl Message {
                 e.u64(h.ring_bytes).u64(h.watermark.round).u64(h.watermark.offset).i32(h.status).str(&h.reason);
                 e.bytes(&h.token).u8(h.integrity);
             }
-            Message::AllocReq { req, room, chunk, writer, tokens, bytes } => {
-                e.u8(T_ALLOC_REQ).u64(*req).u64(room.id).u64(room.key).u32(*chunk).u32(*writer).u32(*tokens).u64(*bytes);
+            Message::AllocReq { req, room, chunk, writer, tokens, bytes, trace } => {
+                e.u8(T_ALLOC_REQ).u64(*req).u64(room.id).u64(room.key).u32(*chunk).u32(*writer).u32(*tokens).u64(*bytes).str(trace);
             }
             Message::AllocRsp { req, status, round, offset, len, region, reason } => {
                 e.u8(T_ALLOC_RSP).u64(*req).i32(*status).u64(*round).u64(*offset).u64(*len).u64(*region).str(reason);
@@ -307,6 +309,7 @@ impl Message {
                 writer: d.u32("writer")?,
                 tokens: d.u32("tokens")?,
                 bytes: d.u64("bytes")?,
+                trace: d.str("trace", trace::MAX_TRACE)?,
             },
             T_ALLOC_RSP => Message::AllocRsp {
                 req: d.u64("req")?,
@@ -509,7 +512,7 @@ mod tests {
                 token: b"secret".to_vec(),
                 integrity: 2,
             }),
-            Message::AllocReq { req: 7, room: RoomRef { id: 9, key: 0x5eed_0009 }, chunk: 2, writer: 1, tokens: 64, bytes: 4096 },
+            Message::AllocReq { req: 7, room: RoomRef { id: 9, key: 0x5eed_0009 }, chunk: 2, writer: 1, tokens: 64, bytes: 4096, trace: "req-9".into() },
             Message::AllocRsp { req: 7, status: -13, round: 1, offset: 2, len: 3, region: 4, reason: "too big".into() },
             Message::Data { room: RoomRef { id: 1, key: 0x5eed_0001 }, chunk: 2, writer: 3, offset: 4, len: 5 },
             Message::ChunkReady { req: 1, room: RoomRef { id: 2, key: 0x5eed_0002 }, chunk: 3, writer: 4, checksum: Some(0xfeed) },

@@ -25,8 +25,8 @@ use crate::error::{Error, Result, Status};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Completion {
     /// An asynchronous operation ended with `status`; `tag` is the caller's, from its descriptor;
-    /// `timings` are its phase timings.
-    Op { tag: u64, status: Status, timings: TransferTimings },
+    /// `timings` are its phase timings; `trace` the request's trace id.
+    Op { tag: u64, status: Status, timings: TransferTimings, trace: Arc<str> },
     /// A decode chunk was scattered or failed.
     Chunk(ChunkEvent),
 }
@@ -40,6 +40,8 @@ pub struct ChunkEvent {
     pub key: u64,
     pub chunk: u32,
     pub status: Status,
+    /// The request's trace id (the prefill caller's, once a writer named it; else derived).
+    pub trace: Arc<str>,
     /// Staged chunks scattered OK: nanoseconds from the arrival of the chunk's last writer to the
     /// end of its scatter (see [`ReceiveStats`](super::stats::ReceiveStats)); 0 otherwise.
     pub scatter_ns: u64,
@@ -175,8 +177,8 @@ mod tests {
             s.fetch_add(1, Ordering::SeqCst);
         })));
         c.count(2);
-        c.call(&Completion::Op { tag: 7, status: Status::KVSTAGE_OK, timings: TransferTimings::default() });
-        c.call(&Completion::Chunk(ChunkEvent { room: 1, key: 1, chunk: 0, status: Status::KVSTAGE_OK, scatter_ns: 0 }));
+        c.call(&Completion::Op { tag: 7, status: Status::KVSTAGE_OK, timings: TransferTimings::default(), trace: "7#0000".into() });
+        c.call(&Completion::Chunk(ChunkEvent { room: 1, key: 1, chunk: 0, status: Status::KVSTAGE_OK, trace: "1#0000".into(), scatter_ns: 0 }));
         // SAFETY: as above.
         assert_eq!(unsafe { libc::poll(&mut pfd, 1, 1000) }, 1);
         assert_eq!(c.drain(), 2);
@@ -185,7 +187,7 @@ mod tests {
     }
 
     fn op() -> Completion {
-        Completion::Op { tag: 1, status: Status::KVSTAGE_OK, timings: TransferTimings::default() }
+        Completion::Op { tag: 1, status: Status::KVSTAGE_OK, timings: TransferTimings::default(), trace: "1#0000".into() }
     }
 
     /// A callback held inside its call: removing it must not return before the call did.

@@ -16,8 +16,9 @@ use crate::error::{Error, Result, Status};
 /// Where a running transfer is (`kvstage_op_describe`): set by the transfer as it goes.
 #[derive(Clone, Debug)]
 pub struct Progress {
-    /// The session, room and chunk (once the transfer started).
+    /// The session, room and chunk (once the transfer started), and the request's trace id.
     pub session: String,
+    pub trace: String,
     pub room: u64,
     pub chunk: u32,
     pub path: &'static str,
@@ -74,10 +75,12 @@ impl Op {
         self.layers.as_ref()
     }
 
-    /// The transfer of (`session`, `room`, `chunk`) by `path` starts (or is queued) in `phase`.
-    pub fn start(&self, session: &str, room: u64, chunk: u32, path: &'static str, phase: &'static str, deadline: Option<Instant>) {
-        *self.progress.lock() =
-            Some(Progress { session: session.to_owned(), room, chunk, path, phase, waits_on: String::new(), since: Instant::now(), deadline });
+    /// The transfer of (`session`, `room`, `chunk`; request `trace`) by `path` starts (or is
+    /// queued) in `phase`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(&self, session: &str, trace: String, room: u64, chunk: u32, path: &'static str, phase: &'static str, deadline: Option<Instant>) {
+        let since = Instant::now();
+        *self.progress.lock() = Some(Progress { session: session.to_owned(), trace, room, chunk, path, phase, waits_on: String::new(), since, deadline });
     }
 
     /// The transfer enters `phase`, waiting on what `waits_on` says (empty: its own work).
@@ -123,7 +126,8 @@ impl Op {
         // publishes it): whoever sees the end (poll, wait, the eventfd) finds the callback done
         // and the end counted. During its own callback the operation still polls PENDING.
         if let Some((completions, tag)) = &self.notify {
-            completions.call(&Completion::Op { tag: *tag, status, timings });
+            let trace = self.progress.lock().as_ref().map(|p| p.trace.clone()).unwrap_or_default();
+            completions.call(&Completion::Op { tag: *tag, status, timings, trace: trace.into() });
         }
         let mut slot = self.result.lock();
         *slot = (Some(result), timings);

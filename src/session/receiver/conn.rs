@@ -219,8 +219,14 @@ impl Receiver {
                 return self.stall(link);
             }
             match msg {
-                Message::AllocReq { req, room, chunk, writer, tokens, bytes } => {
-                    let rsp = match self.with_state(|st| st.allocate(id, room, chunk, writer, tokens, bytes)) {
+                Message::AllocReq { req, room, chunk, writer, tokens, bytes, trace } => {
+                    let allocated = self.with_state(|st| {
+                        if !trace.is_empty() {
+                            st.name_trace(room, &trace)?;
+                        }
+                        st.allocate(id, room, chunk, writer, tokens, bytes)
+                    });
+                    let rsp = match allocated {
                         Ok((g, region)) => {
                             Message::AllocRsp { req, status: 0, round: g.round, offset: g.offset, len: g.len, region, reason: String::new() }
                         }

@@ -233,9 +233,9 @@ impl Receiver {
             let code = f.code.name();
             let session = f.session.as_str();
             if matches!(f.code, Status::KVSTAGE_E_PANIC | Status::KVSTAGE_E_INTERNAL | Status::KVSTAGE_E_CUDA | Status::KVSTAGE_E_RDMA) {
-                log::error!(session = session; "room {room} failed ({code}): {}", f.why);
+                log::error!(session = session; "[{}] room {room} failed ({code}): {}", f.trace, f.why);
             } else {
-                log::warn!(session = session; "room {room} failed ({code}): {}", f.why);
+                log::warn!(session = session; "[{}] room {room} failed ({code}): {}", f.trace, f.why);
             }
         }
         if fx.events_dropped > 0 {

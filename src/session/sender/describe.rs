@@ -36,6 +36,8 @@ pub struct SessionDescription {
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct OpDescription {
     pub version: u32,
+    /// The request's trace id (the caller's, or derived from the room's opening).
+    pub trace: String,
     pub session: String,
     pub room: u64,
     pub chunk: u32,
@@ -84,6 +86,7 @@ pub fn describe_op(op: &Op) -> Option<OpDescription> {
     };
     Some(OpDescription {
         version: crate::session::DESCRIBE_VERSION,
+        trace: p.trace,
         session: p.session,
         room: p.room,
         chunk: p.chunk,

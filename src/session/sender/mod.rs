@@ -113,6 +113,8 @@ pub struct TransferDesc {
     pub src_token_offset: u32,
     /// Tokens of the chunk; 0: every slot of `pages` from `src_token_offset` on.
     pub num_tokens: u32,
+    /// The request's trace id (the engine's request id); `None`: derived from the room's opening.
+    pub trace: Option<String>,
     pub timeout: Option<Duration>,
     /// CUDA pools: the producer's ready point; the gather is ordered after it.
     pub ready: Option<Arc<ReadyFence>>,
@@ -122,6 +124,12 @@ pub struct TransferDesc {
 }
 
 impl TransferDesc {
+    /// The trace id in front of this request's log lines on both sides: the caller's, or the one
+    /// both sides derive from the room's opening.
+    pub fn trace_id(&self) -> String {
+        self.trace.clone().unwrap_or_else(|| protocol::trace::derived_trace(self.room))
+    }
+
     /// The chunk's tokens in `pages` (pages of `page_size` slots), checked to be held exactly by
     /// them (`KVSTAGE_E_INVALID_ARG` naming the descriptor's field).
     pub fn span(&self, page_size: u32) -> Result<geometry::PageSpan<'_>> {
@@ -280,6 +288,9 @@ impl SenderSession {
         if desc.layers.is_some() && desc.ready.is_some() {
             return Err(Error::invalid_arg("desc->cuda_event", "is set on a layer-wise transfer (each layer batch carries its own ready point)").with_session(&self.id));
         }
+        if let Some(why) = desc.trace.as_deref().and_then(|t| protocol::trace::check_trace(t).err()) {
+            return Err(Error::invalid_arg("desc->trace_id", why).with_session(&self.id));
+        }
         let span = desc.span(self.pool.shape.page_size).map_err(|e| e.with_session(&self.id))?;
         let dst_page = self.remote.shape.page_size as u64;
         if slices && !span.tokens.is_multiple_of(dst_page) {
@@ -306,7 +317,7 @@ impl SenderSession {
             Err(e) => return (Err(e), TransferTimings::ZERO),
         };
         let started = Instant::now();
-        op.start(&self.id, desc.room.id, desc.chunk, if slices { "slices" } else { "staged" }, "starting", desc.timeout.map(|t| started + t));
+        op.start(&self.id, desc.trace_id(), desc.room.id, desc.chunk, if slices { "slices" } else { "staged" }, "starting", desc.timeout.map(|t| started + t));
         let _in_flight = self.metrics.start();
         let mut t = TransferTimings::default();
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut t)));
@@ -331,7 +342,7 @@ impl SenderSession {
         let op = Op::notifying(self.waker(), self.resources.completions.clone(), tag, desc.layers.clone());
         let (session, worker_op) = (self.clone(), op.clone());
         let queued = Instant::now();
-        op.start(&self.id, desc.room.id, desc.chunk, if slices { "slices" } else { "staged" }, "queued", desc.timeout.map(|t| queued + t));
+        op.start(&self.id, desc.trace_id(), desc.room.id, desc.chunk, if slices { "slices" } else { "staged" }, "queued", desc.timeout.map(|t| queued + t));
         // In flight from now until the worker finished it (or the submission failed).
         let in_flight = self.metrics.start();
         self.resources.workers.submit(self.key, move || {
@@ -351,7 +362,7 @@ impl SenderSession {
             }))
             .unwrap_or_else(|p| {
                 let e = Error::from_panic("the transfer worker panicked", &*p).with_session(session.id());
-                log::error!(session = session.id(); "room {} chunk {}: {}", desc.room, desc.chunk, e.chain());
+                log::error!(session = session.id(); "[{}] room {} chunk {}: {}", desc.trace_id(), desc.room, desc.chunk, e.chain());
                 Err(e)
             });
             timings.finish_total(queued);

@@ -20,8 +20,8 @@ impl SenderSession {
         let id = self.id.as_str();
         match result {
             Ok(Status::KVSTAGE_FALLBACK) => {}
-            Ok(_) => log::trace!(target: LOG_TARGET, session = id; "{path} transfer of room {} chunk {} done", desc.room, desc.chunk),
-            Err(e) => log::debug!(target: LOG_TARGET, session = id; "{}", e.chain()),
+            Ok(_) => log::trace!(target: LOG_TARGET, session = id; "[{}] {path} transfer of room {} chunk {} done", desc.trace_id(), desc.room, desc.chunk),
+            Err(e) => log::debug!(target: LOG_TARGET, session = id; "[{}] {}", desc.trace_id(), e.chain()),
         }
     }
 
@@ -29,10 +29,11 @@ impl SenderSession {
     pub(super) fn log_fallback(&self, desc: &TransferDesc, why: &str) {
         let id = self.id.as_str();
         if self.fallback_logged.swap(true, Ordering::Relaxed) {
-            log::debug!(target: LOG_TARGET, session = id; "room {} chunk {}: staged path unavailable, KVSTAGE_FALLBACK: {why}", desc.room, desc.chunk);
+            log::debug!(target: LOG_TARGET, session = id; "[{}] room {} chunk {}: staged path unavailable, KVSTAGE_FALLBACK: {why}", desc.trace_id(), desc.room, desc.chunk);
         } else {
             log::warn!(target: LOG_TARGET, session = id;
-                "staged path unavailable for room {} chunk {}, KVSTAGE_FALLBACK (the caller may use the slice path): {why} (logged once per session)",
+                "[{}] staged path unavailable for room {} chunk {}, KVSTAGE_FALLBACK (the caller may use the slice path): {why} (logged once per session)",
+                desc.trace_id(),
                 desc.room,
                 desc.chunk
             );
@@ -77,7 +78,15 @@ impl SenderSession {
         // Watermark wait, part one: the allocation's round trip (part two: `wait_writable`).
         let asked = Instant::now();
         let sent = self.link.send(
-            &Message::AllocReq { req: alloc.req, room: desc.room, chunk: desc.chunk, writer, tokens, bytes: layout.total_bytes },
+            &Message::AllocReq {
+                req: alloc.req,
+                room: desc.room,
+                chunk: desc.chunk,
+                writer,
+                tokens,
+                bytes: layout.total_bytes,
+                trace: desc.trace.clone().unwrap_or_default(),
+            },
             &deadline,
         );
         t.watermark_wait_ns = since(asked);

@@ -47,7 +47,7 @@ impl Stall {
     pub(crate) fn new(session: &str, desc: &TransferDesc, warn: StallWarn) -> Stall {
         Stall {
             session: session.to_owned(),
-            request: format!("room {} chunk {}", desc.room, desc.chunk),
+            request: format!("[{}] room {} chunk {}", desc.trace_id(), desc.room, desc.chunk),
             after: warn.threshold(desc.timeout),
             since: Instant::now(),
             warned: false,

@@ -75,6 +75,8 @@ pub struct ChunkDescription {
 pub struct RoomDescription {
     pub version: u32,
     pub room: u64,
+    /// The request's trace id (the first writer's, else derived from the opening).
+    pub trace: String,
     /// `open`, `complete`, `failed` or `releasing` (released, waiting for leases on its pages).
     pub state: &'static str,
     pub failure: Option<FailureDescription>,
@@ -126,6 +128,7 @@ pub struct ConnectionDescription {
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct RoomSummary {
     pub room: u64,
+    pub trace: String,
     pub state: &'static str,
     pub chunks_done: usize,
     pub num_chunks: usize,
@@ -237,6 +240,7 @@ impl State {
         RoomDescription {
             version: crate::session::DESCRIBE_VERSION,
             room: id,
+            trace: r.trace.clone(),
             state: room_state(r),
             failure: failure_description(r),
             pages: r.pages.len(),
@@ -303,6 +307,7 @@ impl State {
                 let r = &self.rooms[id];
                 RoomSummary {
                     room: *id,
+                    trace: r.trace.clone(),
                     state: room_state(r),
                     chunks_done: r.chunks.iter().filter(|c| c.phase == Phase::Done).count(),
                     num_chunks: r.chunks.len(),

@@ -123,6 +123,8 @@ pub struct Failure {
     pub code: Status,
     pub why: String,
     pub session: String,
+    /// The room's trace id when it failed.
+    pub trace: String,
 }
 
 #[derive(Clone, Debug)]
@@ -130,6 +132,9 @@ struct Room {
     gen: u64,
     /// The opening's key: frames naming another are refused.
     key: u64,
+    /// The request's trace id: derived from the opening, or the first writer's (`name_trace`).
+    trace: String,
+    trace_named: bool,
     pages: Vec<u32>,
     grid_pages: usize,
     chunks: Vec<Chunk>,
@@ -604,6 +609,8 @@ impl State {
             Room {
                 gen,
                 key,
+                trace: crate::protocol::trace::derived_trace(RoomRef { id: room, key }),
+                trace_named: false,
                 pages: pages.to_vec(),
                 grid_pages,
                 chunks: vec![chunk; num_chunks],
@@ -651,6 +658,19 @@ impl State {
             }
             placed => placed,
         }
+    }
+
+    /// A writer names the request's trace id (its allocation request carries the prefill
+    /// caller's): the room takes the first one named, in place of the derived id. A malformed one
+    /// is refused (`KVSTAGE_E_PROTOCOL`); an opening that is not open is `KVSTAGE_E_STALE_ROOM`.
+    pub fn name_trace(&mut self, at: RoomRef, trace: &str) -> Result<()> {
+        self.live_room(at)?;
+        crate::protocol::trace::check_trace(trace).map_err(|why| protocol(format!("trace id {trace:?}: {why}")))?;
+        let r = self.rooms.get_mut(&at.id).expect("live");
+        if !r.trace_named {
+            (r.trace, r.trace_named) = (trace.to_owned(), true);
+        }
+        Ok(())
     }
 
     /// The chunk grid of open `room` as `conn` sees it: (tokens per chunk, chunks, pages).
@@ -704,7 +724,7 @@ impl State {
         if !r.live() || r.complete() {
             return;
         }
-        let failure = Failure { code, why, session: session.to_owned() };
+        let failure = Failure { code, why, session: session.to_owned(), trace: r.trace.clone() };
         self.fx.failed.push((room, failure.clone()));
         r.failure = Some(failure);
         let mut grants = Vec::new();
@@ -714,7 +734,7 @@ impl State {
                 grants.extend(c.grant.take());
             }
             if c.phase != Phase::Done {
-                events.push(ChunkEvent { room, key: r.key, chunk: i as u32, status: code, scatter_ns: 0 });
+                events.push(ChunkEvent { room, key: r.key, chunk: i as u32, status: code, trace: r.trace.as_str().into(), scatter_ns: 0 });
             }
         }
         for id in grants {

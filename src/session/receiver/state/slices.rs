@@ -148,7 +148,8 @@ impl State {
         if c.all_arrived() {
             c.phase = Phase::Done;
             self.metrics.chunks_received += 1;
-            self.push_event(ChunkEvent { room, key: at.key, chunk, status: Status::KVSTAGE_OK, scatter_ns: 0 });
+            let trace = r.trace.as_str().into();
+            self.push_event(ChunkEvent { room, key: at.key, chunk, status: Status::KVSTAGE_OK, trace, scatter_ns: 0 });
             self.fx.changed = true;
         }
         Ok(())

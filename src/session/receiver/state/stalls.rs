@@ -48,7 +48,8 @@ impl State {
             None => "holds it until the chunk completes (later allocations of the ring wait behind it)".to_owned(),
         };
         Some(format!(
-            "room {} chunk {}: its allocation of ring round {} [{}, {}) {holds}; writers: {}",
+            "[{}] room {} chunk {}: its allocation of ring round {} [{}, {}) {holds}; writers: {}",
+            r.trace,
             g.room.id,
             g.chunk,
             g.grant.round,

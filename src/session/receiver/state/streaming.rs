@@ -137,8 +137,8 @@ impl State {
                         m.scatter_ns_sum += scatter_ns;
                         m.scatter_ns_max = m.scatter_ns_max.max(scatter_ns);
                     }
-                    let key = self.rooms.get(&job.room).map_or(0, |r| r.key);
-                    self.push_event(ChunkEvent { room: job.room, key, chunk: job.chunk, status: Status::KVSTAGE_OK, scatter_ns });
+                    let (key, trace) = self.rooms.get(&job.room).map_or((0, "".into()), |r| (r.key, r.trace.as_str().into()));
+                    self.push_event(ChunkEvent { room: job.room, key, chunk: job.chunk, status: Status::KVSTAGE_OK, trace, scatter_ns });
                 }
             }
             self.drain_check(job.room);
