@@ -299,7 +299,9 @@ static void stderr_checks(const char *self) {
     CHECK_INT(count_lines(out, NULL), 3);
     CHECK_INT(count_lines(out, "  WARN kvstage::transport::shm: session log-downgrade: same-host path not used"), 1);
     CHECK_INT(count_lines(out, "  WARN kvstage::transport::rdma: session log-downgrade: downgraded from rdma to tcp"), 1);
-    CHECK_INT(count_lines(out, "  WARN kvstage::session::receiver: room 7 failed (KVSTAGE_E_TIMEOUT): "), 1);
+    /* The room's line is led by its trace id (derived from its opening: no sender named one). */
+    CHECK_INT(count_lines(out, "  WARN kvstage::session::receiver: [7#"), 1);
+    CHECK_INT(count_lines(out, "] room 7 failed (KVSTAGE_E_TIMEOUT): "), 1);
     /* 2026-12-03T10:15:42.123Z */
     CHECK(strlen(out) > 24 && out[4] == '-' && out[10] == 'T' && out[19] == '.' && out[23] == 'Z' && out[24] == ' ');
 
