@@ -35,8 +35,15 @@ def test_counters_gauges_and_phase_histograms(lib):
         phases.on_completion(*args)
         done.set()
 
+    # A decode chunk's callback runs just after its room completes: count them to wait for both.
+    decoded = threading.Semaphore(0)
+
+    def on_decode(*args):
+        decode_phases.on_completion(*args)
+        decoded.release()
+
     prefill.set_completion_callback(on_completion, metrics=True)
-    decode.set_completion_callback(decode_phases.on_completion, metrics=True)
+    decode.set_completion_callback(on_decode, metrics=True)
     value = registry.get_sample_value
     pages = list(range(PAGES))
     try:
@@ -66,6 +73,7 @@ def test_counters_gauges_and_phase_histograms(lib):
         assert value("kvstage_transfer_phase_seconds_count", {"engine": "prefill", "phase": "total"}) == 2
         assert value("kvstage_transfer_phase_seconds_count", {"engine": "prefill", "phase": "gather"}) == 2
         assert value("kvstage_transfer_phase_seconds_count", {"engine": "prefill", "phase": "queued"}) == 1  # sync: no queue
+        assert decoded.acquire(timeout=20) and decoded.acquire(timeout=20), "both chunks' callbacks ran"
         assert value("kvstage_scatter_seconds_count", {"engine": "decode"}) == 2
         # Text exposition works (what a Prometheus server scrapes).
         text = prometheus_client.generate_latest(registry).decode()
