@@ -83,8 +83,21 @@ impl StagingLayout {
     /// Whether the placed regions carry every (TP writer, decode layer): the chunk is complete
     /// once each of them arrived.
     pub fn complete(&self) -> bool {
-        let carried: u64 = self.writers.iter().map(|w| w.layers as u64).sum();
-        carried == self.tp_writers() as u64 * self.dst.layer_count() as u64
+        self.carried_slabs() == self.owed_slabs()
+    }
+
+    fn carried_slabs(&self) -> u64 {
+        self.writers.iter().map(|w| w.layers as u64).sum()
+    }
+
+    /// (head group, layer) pairs of the decode rank no placed region carries yet.
+    pub fn unclaimed_slabs(&self) -> u64 {
+        self.owed_slabs().saturating_sub(self.carried_slabs())
+    }
+
+    /// (head group, layer) pairs of the decode rank: each arrives once per chunk.
+    pub fn owed_slabs(&self) -> u64 {
+        self.tp_writers() as u64 * self.dst.layer_count() as u64
     }
 
     /// Checks that prefill rank `src` shares the agreed fields and the TP/PP sizes of the layout

@@ -213,10 +213,7 @@ impl State {
                 });
             }
         }
-        let unclaimed_slabs = c.layout.as_ref().map_or(0, |l| {
-            let carried: u64 = l.writers.iter().map(|w| w.layers as u64).sum();
-            (l.tp_writers() as u64 * l.dst.layer_count() as u64).saturating_sub(carried)
-        });
+        let unclaimed_slabs = c.layout.as_ref().map_or(0, StagingLayout::unclaimed_slabs);
         ChunkDescription {
             index: index as u32,
             phase: chunk_phase(r, c, blocked),

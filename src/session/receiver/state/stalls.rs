@@ -38,9 +38,11 @@ impl State {
                 writers.push(format!("session {session} (prefill tp {} pp {}): {state}", w.src_tp_rank, w.src_pp_rank));
             }
             if !layout.complete() {
-                let carried: u64 = layout.writers.iter().map(|w| w.layers as u64).sum();
-                let owed = layout.tp_writers() as u64 * layout.dst.layer_count() as u64;
-                writers.push(format!("{} of {owed} (head group, layer) slabs claimed by no writer yet (a prefill rank that never asked)", owed - carried));
+                writers.push(format!(
+                    "{} of {} (head group, layer) slabs claimed by no writer yet (a prefill rank that never asked)",
+                    layout.unclaimed_slabs(),
+                    layout.owed_slabs()
+                ));
             }
         }
         let holds = match self.grant_description(id).and_then(|d| d.waits_behind) {
