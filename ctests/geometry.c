@@ -295,12 +295,12 @@ int main(void) {
         CHECK_INT(r[0].len, 4 * 16 * 2);
         CHECK_OK(kvstage_state_slice_compute(&item, 2, 4, 0, 3, r, 16, &count));
         CHECK_INT(count, 0);
-        /* Replicated (an SSM state kept whole): once, from prefill rank dst % src_tp. */
+        /* Replicated (an SSM state kept whole): once, from prefill rank dst * src_tp / dst_tp. */
         item.replicated = 1;
-        CHECK_OK(kvstage_state_slice_compute(&item, 4, 8, 1, 5, r, 16, &count));
+        CHECK_OK(kvstage_state_slice_compute(&item, 4, 8, 2, 5, r, 16, &count));
         CHECK_INT(count, 1);
         CHECK_INT(r[0].len, 4 * 32 * 2);
-        CHECK_OK(kvstage_state_slice_compute(&item, 4, 8, 0, 5, r, 16, &count));
+        CHECK_OK(kvstage_state_slice_compute(&item, 4, 8, 1, 5, r, 16, &count));
         CHECK_INT(count, 0);
         /* A group that does not split among the ranks is named with both values. */
         item.replicated = 0;

@@ -132,8 +132,9 @@ def test_state_slice_assembles_and_cuts_conv_state_slots(lib, src_tp, dst_tp):
 
 
 def test_state_slice_replicated_and_errors(lib):
-    ranges = kvstage.state_slice([128], 4, 2, 1, 1, outer=2, dtype_bytes=4, replicated=True)
+    # Decode rank 1 of 2 is fed by prefill ranks 2 and 3 of 4: the first of them sends the replica.
+    ranges = kvstage.state_slice([128], 4, 2, 2, 1, outer=2, dtype_bytes=4, replicated=True)
     assert ranges == [kvstage.ByteRange(0, 0, 2 * 128 * 4)]
-    assert kvstage.state_slice([128], 4, 2, 0, 1, outer=2, dtype_bytes=4, replicated=True) == []
+    assert kvstage.state_slice([128], 4, 2, 1, 1, outer=2, dtype_bytes=4, replicated=True) == []
     with pytest.raises(kvstage.ArgumentError, match=r"group_dims\[1\]"):
         kvstage.state_slice([16, 6], 4, 2, 0, 0)

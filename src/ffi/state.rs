@@ -72,7 +72,7 @@ unsafe fn state_item(ptr: *const kvstage_state_item) -> Result<StateItem> {
 /// (`KVSTAGE_E_INVALID_ARG`); `out` NULL with `capacity` 0 is a count query. No range: the two
 /// ranks share no element (`KVSTAGE_OK`, count 0). A decode slot is assembled from every prefill
 /// rank's ranges (prefill TP larger) or cut from one rank's (smaller); a replicated item comes
-/// whole from prefill rank `dst_rank % src_tp` alone. Slot sizes: `outer · Σ(group_dims) /
+/// whole from prefill rank `dst_rank · src_tp / dst_tp` (rounded down) alone. Slot sizes: `outer · Σ(group_dims) /
 /// tp · dtype_bytes` (sharded), `outer · Σ(group_dims) · dtype_bytes` (replicated).
 /// `KVSTAGE_E_INVALID_ARG` names the field: a group that does not split among either side's TP
 /// ranks (both values), ranks not below their TP size, zero sizes.

@@ -4,8 +4,9 @@
 //! An item is `outer` rows of `dim` elements. Sharded, each TP rank holds a contiguous share of
 //! every row: `dim` may be a concatenation of groups (a conv state's key, key, value) each sharded
 //! on its own, so rank `r` of `tp` holds, per row, `[r·g/tp, (r+1)·g/tp)` of every group `g`,
-//! groups back to back. A replicated item is whole on every rank and goes once, from prefill TP
-//! rank `d mod prefill_tp` to decode rank `d` (as MLA's latent).
+//! groups back to back. A replicated item is whole on every rank and goes once, to decode rank `d`
+//! from prefill TP rank `⌊d · prefill_tp / decode_tp⌋`: the first prefill rank feeding `d` (the
+//! one that sends its first head group, with which a request's parts travel).
 
 use crate::error::{Error, Result};
 
@@ -88,6 +89,11 @@ impl StateItem {
     }
 }
 
+/// The prefill rank that sends a replicated item to decode rank `dst_rank`.
+fn replica_source(src_tp: u32, dst_tp: u32, dst_rank: u32) -> u32 {
+    (dst_rank as u64 * src_tp as u64 / dst_tp as u64) as u32
+}
+
 /// What prefill rank `src_rank` of `src_tp` sends of its slot into decode rank `dst_rank`'s slot
 /// (of `dst_tp`): byte ranges in row order, adjacent ones merged. Empty when the two ranks share
 /// no element (a sharded item whose shares do not overlap, or a replicated item this prefill rank
@@ -98,7 +104,7 @@ pub fn state_slice(item: &StateItem, src_tp: u32, dst_tp: u32, src_rank: u32, ds
     item.validate(src_tp, dst_tp)?;
     let b = item.dtype_bytes as u64;
     if item.replicated {
-        if dst_rank % src_tp != src_rank {
+        if replica_source(src_tp, dst_tp, dst_rank) != src_rank {
             return Ok(Vec::new());
         }
         return Ok(vec![ByteRange { src: 0, dst: 0, len: item.slot_bytes(1) }]);
@@ -159,7 +165,8 @@ mod tests {
         };
         let b = item.dtype_bytes as u64;
         let mut pairs = Vec::new();
-        let sends_replica = dst_rank % src_tp == src_rank;
+        // The first prefill rank whose share of a sharded item overlaps the decode rank's.
+        let sends_replica = (0..src_tp).find(|&r| r * dst_tp + dst_tp > dst_rank * src_tp) == Some(src_rank);
         for row in 0..item.outer as u64 {
             for e in 0..dim {
                 let (sr, si) = place(e, src_tp);
@@ -240,8 +247,9 @@ mod tests {
     #[test]
     fn a_replicated_item_goes_once_and_bad_shapes_name_the_field() {
         let ssm = StateItem { outer: 2, groups: vec![6], dtype_bytes: 4, replicated: true };
-        assert_eq!(state_slice(&ssm, 4, 8, 1, 5).unwrap(), vec![ByteRange { src: 0, dst: 0, len: 48 }]);
-        assert!(state_slice(&ssm, 4, 8, 0, 5).unwrap().is_empty());
+        assert_eq!(state_slice(&ssm, 4, 8, 2, 5).unwrap(), vec![ByteRange { src: 0, dst: 0, len: 48 }]);
+        assert!(state_slice(&ssm, 4, 8, 1, 5).unwrap().is_empty());
+        assert_eq!(state_slice(&ssm, 8, 2, 4, 1).unwrap().len(), 1);
         let odd = StateItem { outer: 2, groups: vec![8, 6], dtype_bytes: 2, replicated: false };
         let e = state_slice(&odd, 4, 2, 0, 0).unwrap_err();
         assert!(e.message().contains("group_dims[1]") && e.message().contains("6 elements") && e.message().contains("src_tp 4"), "{}", e.message());
