@@ -25,6 +25,22 @@ pub fn local_shapes() -> Vec<PoolShape> {
     ]
 }
 
+/// Components a rank may register (request parts besides the KV): what sender seeds carry, so the
+/// fuzzer reaches the component diff and the state-carried check.
+pub fn local_components() -> Vec<geometry::ComponentSpec> {
+    use geometry::{ComponentKind, ComponentSpec, StateItem};
+    vec![
+        ComponentSpec { name: "output_ids".into(), kind: ComponentKind::Aux { row_bytes: 64 }, layer_ids: vec![], page_size: 0 },
+        ComponentSpec {
+            name: "conv".into(),
+            kind: ComponentKind::State { item: StateItem { outer: 3, groups: vec![16, 16, 32], dtype_bytes: 2, replicated: false } },
+            layer_ids: vec![0, 24],
+            page_size: 0,
+        },
+        ComponentSpec { name: "swa".into(), kind: ComponentKind::Pool { unit_bytes: 256, head_sliced: true }, layer_ids: vec![1, 25], page_size: 8 },
+    ]
+}
+
 /// Peers of `local_shapes()` that pass the handshake (other TP degree, other PP split), and one
 /// that pairs with none of them.
 pub fn peer_shapes() -> Vec<PoolShape> {
@@ -88,9 +104,10 @@ pub fn handshake(data: &[u8]) -> bool {
             return false;
         }
     };
-    for ours in local_shapes() {
-        // Receiver: the peer is a prefill rank writing to us.
-        if verify_peer(&ours, &hello).is_ok() {
+    for (ours, components) in local_shapes().into_iter().flat_map(|s| [(s.clone(), Vec::new()), (s, hello.components.clone())]) {
+        // Receiver: the peer is a prefill rank writing to us (with or without our components).
+        if verify_peer(&ours, &components, &hello).is_ok() {
+            assert_eq!(components, hello.components, "a handshake passed with different components");
             let layout = geometry::staging_layout(&hello.shape, &ours, ours.page_size)
                 .expect("an accepted peer has a staging layout");
             let p = pairing(&hello.shape, &ours).expect("an accepted peer is paired");

@@ -41,6 +41,7 @@ fn hellos() -> Vec<(String, Hello)> {
                 reason: String::new(),
                 token: if i % 2 == 0 { Vec::new() } else { b"cluster-secret".to_vec() },
                 integrity: (i % 3) as u8,
+                components: if i % 2 == 0 { checks::local_components() } else { Vec::new() },
             },
         ));
     }
@@ -60,6 +61,7 @@ fn hellos() -> Vec<(String, Hello)> {
                 reason: if i % 2 == 0 { String::new() } else { "geometry mismatch (1 field): head_dim".into() },
                 token: Vec::new(),
                 integrity: 1,
+                components: Vec::new(),
             },
         ));
     }
@@ -71,7 +73,8 @@ fn messages() -> Vec<(String, Message)> {
     const ROOM: RoomRef = RoomRef { id: 9, key: 0x6b65_7973_0000_0009 };
     let mut out: Vec<(String, Message)> = hellos().into_iter().map(|(n, h)| (format!("hello-{n}"), Message::Hello(h))).collect();
     out.extend([
-        ("alloc-req".into(), Message::AllocReq { req: 7, room: ROOM, chunk: 2, writer: 1, tokens: 64, bytes: 4096, trace: "req-7".into() }),
+        ("alloc-req".into(), Message::AllocReq { req: 7, room: ROOM, chunk: 2, writer: 1, tokens: 64, bytes: 4096, trace: "req-7".into(), pool_tokens: None }),
+        ("alloc-req-parts".into(), Message::AllocReq { req: 9, room: ROOM, chunk: 3, writer: 0, tokens: 17, bytes: 8192, trace: String::new(), pool_tokens: Some(vec![40, 8]) }),
         ("alloc-rsp-ok".into(), Message::AllocRsp { req: 7, status: 0, round: 1, offset: 8192, len: 4096, region: 2048, reason: String::new() }),
         ("alloc-rsp-refused".into(), Message::AllocRsp { req: 8, status: -13, round: 0, offset: 0, len: 0, region: 0, reason: "chunk larger than the ring".into() }),
         ("data".into(), Message::Data { room: ROOM, chunk: 2, writer: 1, offset: 2048, len: 16 }),
@@ -133,7 +136,7 @@ fn main() {
         assert!(checks::handshake(&frame[5..]), "{name}");
         // Seeds reach past the fingerprint check: every sender hello but the last pairs with a
         // local shape (the last mismatches all of them).
-        let pairs = checks::local_shapes().iter().any(|ours| verify_peer(ours, &hello).is_ok());
+        let pairs = checks::local_shapes().iter().any(|ours| verify_peer(ours, &hello.components, &hello).is_ok());
         assert_eq!(pairs, name != format!("sender-{}", checks::peer_shapes().len() - 1) || name.starts_with("receiver"), "{name}");
         write(&hs_dir, &name, &frame[5..]);
     }

@@ -623,6 +623,59 @@ typedef struct kvstage_state_item {
     int32_t replicated;
 } kvstage_state_item;
 
+// One component of a rank. Fill with `kvstage_component_init`, then set the fields. Host memory.
+//
+// Buffers: AUX `bases[0]` holds `num_items` rows of `item_bytes`; STATE `bases[i]` (layer
+// `layer_ids[i]`) holds `num_items` slots of this rank's share of `state`; POOL `bases[i]` holds
+// `num_items` pages of `page_size` token slots of `item_bytes · local KV heads` (head-sliced) or
+// `item_bytes` bytes.
+typedef struct kvstage_component {
+    size_t struct_size;
+    // Its name, NUL-terminated, 1..=64 printable ASCII characters, unique on the rank: both sides
+    // register the same components in the same order (the handshake compares them).
+    const char *name;
+    // A `kvstage_component_kind` value.
+    int32_t kind;
+    // AUX: bytes of a row; POOL: bytes per head per token (head-sliced) or per token.
+    uint64_t item_bytes;
+    // Rows (AUX), slots (STATE) or pages (POOL) each buffer holds.
+    uint64_t num_items;
+    // STATE: the item's shape (global sizes; this rank holds its TP share).
+    const struct kvstage_state_item *state;
+    // POOL: token slots per page (the two sides may differ).
+    uint32_t page_size;
+    // POOL: 1 = head-sliced like the KV, 0 = whole on every rank (sent once).
+    int32_t head_sliced;
+    // STATE and POOL: the model layers held on this rank, strictly increasing (AUX: none).
+    const uint32_t *layer_ids;
+    size_t num_layers;
+    // One buffer address per layer (AUX: one).
+    const uint64_t *bases;
+    size_t num_bases;
+} kvstage_component;
+
+// Tokens `[first_token, first_token + num_tokens)` of an extra pool's page list for one request
+// (a sliding window: the window's pages; both sides name the same token count).
+typedef struct kvstage_pool_span {
+    const uint32_t *pages;
+    size_t num_pages;
+    // Slots of `pages[0]` before the first token.
+    uint32_t first_token;
+    uint32_t num_tokens;
+} kvstage_pool_span;
+
+// What one side names of a request besides its KV pages: the aux row (of every aux buffer), one
+// slot per state component and one span per pool component, in registration order. Fill with
+// `kvstage_request_parts_init`.
+typedef struct kvstage_request_parts {
+    size_t struct_size;
+    uint64_t aux_row;
+    const uint64_t *state_slots;
+    size_t num_state_slots;
+    const struct kvstage_pool_span *pool_spans;
+    size_t num_pool_spans;
+} kvstage_request_parts;
+
 // `len` bytes at `src_offset` of the prefill rank's slot go to `dst_offset` of the decode rank's.
 typedef struct kvstage_byte_range {
     uint64_t src_offset;
@@ -729,6 +782,10 @@ typedef struct kvstage_transfer_desc {
     // takes the first one a writer names. NULL: both sides derive one from the room's opening
     // (`<room>#<4 hex digits>`).
     const char *trace_id;
+    // The request's parts besides the KV on this rank (aux row, state slots, extra pools'
+    // pages), or NULL: set on the transfer of the room's last chunk when the decode room names
+    // parts (`kvstage_room_open_parts`). Staged whole-chunk transfers only.
+    const struct kvstage_request_parts *parts;
 } kvstage_transfer_desc;
 
 #ifdef __cplusplus
@@ -988,6 +1045,26 @@ enum kvstage_status kvstage_log_set_callback(kvstage_log_fn callback, void *user
 enum kvstage_status kvstage_testing_log(int32_t level, const char *session, const char *message);
 #endif
 
+// Fills `component` with defaults (sets `struct_size`).
+enum kvstage_status kvstage_component_init(struct kvstage_component *component);
+
+// Fills `parts` with defaults (sets `struct_size`).
+enum kvstage_status kvstage_request_parts_init(struct kvstage_request_parts *parts);
+
+// Registers the rank's components (host memory), once, after its KV pool and before its
+// sessions connect or are accepted (a session carries the components registered when it
+// connected; the handshake refuses components that differ from the peer's with
+// `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field in the causes). `KVSTAGE_E_INVALID_ARG`
+// names the bad field (`components[i].field`) and its value.
+enum kvstage_status kvstage_engine_register_components(const struct kvstage_engine *engine, const struct kvstage_component *components, size_t num_components);
+
+// Decode side: `kvstage_room_open` for a request that also moves parts besides its KV pages:
+// `parts` names its aux row, state slots and extra pools' pages on this rank (NULL: KV only).
+// They travel with the room's last chunk; the room completes only once its KV, pools and state
+// are in place and then its aux rows are written. Errors as `kvstage_room_open`, and
+// `KVSTAGE_E_INVALID_ARG` naming the field of `parts` outside its component (both values).
+enum kvstage_status kvstage_room_open_parts(const struct kvstage_engine *engine, uint64_t room, const uint32_t *dst_pages, size_t num_pages, uint32_t chunk_tokens, const struct kvstage_request_parts *parts, uint32_t *num_chunks_out, uint64_t *room_key_out);
+
 // Fills `item` with defaults (sets `struct_size`; one row, 2-byte elements, sharded; set
 // `group_dims` and `num_groups`).
 enum kvstage_status kvstage_state_item_init(struct kvstage_state_item *item);
@@ -998,7 +1075,7 @@ enum kvstage_status kvstage_state_item_init(struct kvstage_state_item *item);
 // (`KVSTAGE_E_INVALID_ARG`); `out` NULL with `capacity` 0 is a count query. No range: the two
 // ranks share no element (`KVSTAGE_OK`, count 0). A decode slot is assembled from every prefill
 // rank's ranges (prefill TP larger) or cut from one rank's (smaller); a replicated item comes
-// whole from prefill rank `dst_rank % src_tp` alone. Slot sizes: `outer · Σ(group_dims) /
+// whole from prefill rank `dst_rank · src_tp / dst_tp` (rounded down) alone. Slot sizes: `outer · Σ(group_dims) /
 // tp · dtype_bytes` (sharded), `outer · Σ(group_dims) · dtype_bytes` (replicated).
 // `KVSTAGE_E_INVALID_ARG` names the field: a group that does not split among either side's TP
 // ranks (both values), ranks not below their TP size, zero sizes.

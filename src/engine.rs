@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::copy::{AnyCopyEngine, CopyEngine};
+use crate::copy::{AnyCopyEngine, Component, Components, CopyEngine};
 use crate::error::{Error, Result};
-use crate::geometry::{KvLayout, MemoryKind};
+use crate::geometry::{ComponentKind, ComponentSpec, KvLayout, MemoryKind};
 use crate::transport::faults::Faults;
 use crate::transport::rdma::{Rdma, RdmaMode, RdmaOptions};
 use crate::transport::shm::{Shm, ShmMode};
@@ -205,6 +205,7 @@ pub struct Engine {
     options: EngineOptions,
     local_addr: SocketAddr,
     pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
+    components: Arc<Mutex<Option<Arc<Components>>>>,
     send: Arc<SendResources>,
     receiver: Arc<Receiver>,
     listener: TcpListener,
@@ -244,9 +245,11 @@ impl Engine {
         // Host pools: memcpy threads; CUDA pools: the CUDA engine of the pool's device (see copy::any).
         let copy: Arc<dyn CopyEngine> = Arc::new(AnyCopyEngine::new(options.worker_threads));
         let pool = Arc::new(Mutex::new(None));
+        let components = Arc::new(Mutex::new(None));
         let completions = Arc::new(Completions::new()?);
         let send = Arc::new(SendResources {
             pool: pool.clone(),
+            components: components.clone(),
             copy: copy.clone(),
             staging: StagingPool::new(options.send_staging_buffers as usize, options.send_staging_total_bytes),
             workers: Workers::new(options.transfer_threads as usize, (options.transfer_threads as usize).div_ceil(2))?,
@@ -279,7 +282,7 @@ impl Engine {
                 StallWarn::Never => None,
             },
         };
-        let receiver = Arc::new(Receiver::new(pool.clone(), copy, config, completions.clone()));
+        let receiver = Arc::new(Receiver::new(pool.clone(), components.clone(), copy, config, completions.clone()));
         receiver.set_rdma(rdma.clone());
         receiver.set_shm(shm.clone());
         let (tx, rx) = crossbeam_channel::unbounded::<ScatterJob>();
@@ -301,6 +304,7 @@ impl Engine {
             options,
             local_addr,
             pool,
+            components,
             send,
             receiver,
             listener,
@@ -341,6 +345,29 @@ impl Engine {
         }
         self.receiver.check_pool_fits_ring(&layout)?;
         *pool = Some(Arc::new(layout));
+        Ok(())
+    }
+
+    /// Registers the rank's components (aux buffers, state, extra paged pools: the parts of a
+    /// request besides its KV), once, after the KV pool: each item's size on this rank follows
+    /// from the pool's TP size and heads. Sessions carry the components registered when they
+    /// connected (register before connecting or accepting sessions).
+    pub fn register_components(&self, list: Vec<(ComponentSpec, u64, Vec<usize>)>) -> Result<()> {
+        let pool = self.pool.lock().clone().ok_or_else(|| Error::invalid_arg("engine", "register the KV pool (kvstage_engine_register_pool) before the components"))?;
+        let mut registered = self.components.lock();
+        if registered.is_some() {
+            return Err(Error::invalid_arg("components", "components are already registered on this engine"));
+        }
+        let shape = &pool.shape;
+        let mut out = Vec::with_capacity(list.len());
+        for (i, (spec, items, bases)) in list.into_iter().enumerate() {
+            if let ComponentKind::State { item } = &spec.kind {
+                item.validate(shape.tp_size, 1).map_err(|e| e.context(format!("components[{i}] ({}) on this rank of TP {}", spec.name, shape.tp_size)))?;
+            }
+            let item_bytes = spec.item_bytes(shape.tp_size, shape.local_heads);
+            out.push(Component { spec, items, item_bytes, bases });
+        }
+        *registered = Some(Arc::new(Components::new(out)?));
         Ok(())
     }
 

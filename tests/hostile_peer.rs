@@ -947,7 +947,7 @@ fn a_lying_trace_id_is_refused_and_the_first_one_named_stays() {
     let (mut w1, _) = RawPeer::handshake(c.addr(), &SMALL.shape(1, 2), "trace-1", b"");
     let layout = SMALL.layout(0, 2);
     let ask = |raw: &mut RawPeer, req: u64, writer: u32, trace: &str| {
-        let msg = Message::AllocReq { req, room, chunk: 0, writer, tokens: layout.tokens, bytes: layout.total_bytes, trace: trace.into() };
+        let msg = Message::AllocReq { req, room, chunk: 0, writer, tokens: layout.tokens, bytes: layout.total_bytes, trace: trace.into(), pool_tokens: None };
         raw.send(&msg).unwrap();
         raw.reply(Duration::from_secs(5))
     };

@@ -10,10 +10,12 @@ use crate::geometry::{CopyPlan, KvLayout};
 mod any;
 pub mod cuda;
 mod host;
+mod parts;
 
 pub use any::{check_pool, engine_for, AnyCopyEngine};
 pub use cuda::{CudaCopyEngine, HostPin, ReadyFence};
 pub use host::HostCopyEngine;
+pub use parts::{Component, Components};
 
 /// Gather (pool → staging) and scatter (staging → pool) of one plan.
 pub trait CopyEngine: Send + Sync {

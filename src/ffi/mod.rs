@@ -28,6 +28,7 @@ pub mod geometry;
 pub mod grid;
 pub mod last_error;
 pub mod log;
+pub mod parts;
 pub mod state;
 pub mod stats;
 pub mod transfer;

@@ -55,7 +55,7 @@ pub unsafe extern "C" fn kvstage_state_item_init(item: *mut kvstage_state_item) 
     })
 }
 
-unsafe fn state_item(ptr: *const kvstage_state_item) -> Result<StateItem> {
+pub(super) unsafe fn state_item(ptr: *const kvstage_state_item) -> Result<StateItem> {
     let raw: kvstage_state_item = unsafe { versioned_struct(ptr, "item", std::mem::size_of::<kvstage_state_item>()) }?;
     let groups = unsafe { slice_arg(raw.group_dims, raw.num_groups, "item->group_dims") }?;
     let replicated = match raw.replicated {

@@ -171,6 +171,10 @@ pub struct kvstage_transfer_desc {
     /// takes the first one a writer names. NULL: both sides derive one from the room's opening
     /// (`<room>#<4 hex digits>`).
     pub trace_id: *const std::ffi::c_char,
+    /// The request's parts besides the KV on this rank (aux row, state slots, extra pools'
+    /// pages), or NULL: set on the transfer of the room's last chunk when the decode room names
+    /// parts (`kvstage_room_open_parts`). Staged whole-chunk transfers only.
+    pub parts: *const super::parts::kvstage_request_parts,
 }
 
 impl Default for kvstage_transfer_desc {
@@ -189,6 +193,7 @@ impl Default for kvstage_transfer_desc {
             src_token_offset: 0,
             num_tokens: 0,
             trace_id: std::ptr::null(),
+            parts: std::ptr::null(),
         }
     }
 }
@@ -240,6 +245,7 @@ unsafe fn transfer_desc(session: &SenderSession, ptr: *const kvstage_transfer_de
         timeout: timeout_from_ms(raw.deadline_ms).unwrap_or(engine_default),
         ready: ready.map(Arc::new),
         layers: None,
+        parts: unsafe { super::parts::request_parts(raw.parts, "desc->parts") }?.map(Arc::new),
     })
 }
 
@@ -426,17 +432,29 @@ pub unsafe extern "C" fn kvstage_room_open(
     num_chunks_out: *mut u32,
     room_key_out: *mut u64,
 ) -> Status {
-    ffi_fn!(status {
-        let engine = unsafe { borrow_engine(engine, "engine") }?;
-        let pages = unsafe { slice_arg(dst_pages, num_pages, "dst_pages") }?;
-        let key_out = out_arg(room_key_out, "room_key_out")?;
-        let (n, key) = engine.receiver().open_room(room, pages, chunk_tokens)?;
-        *key_out = key;
-        if let Some(out) = unsafe { num_chunks_out.as_mut() } {
-            *out = n;
-        }
-        Ok(Status::KVSTAGE_OK)
-    })
+    ffi_fn!(status { unsafe { open_room(engine, room, (dst_pages, num_pages), chunk_tokens, std::ptr::null(), num_chunks_out, room_key_out) } })
+}
+
+/// `kvstage_room_open` and `kvstage_room_open_parts`.
+pub(super) unsafe fn open_room(
+    engine: *const kvstage_engine,
+    room: u64,
+    (dst_pages, num_pages): (*const u32, usize),
+    chunk_tokens: u32,
+    parts: *const super::parts::kvstage_request_parts,
+    num_chunks_out: *mut u32,
+    room_key_out: *mut u64,
+) -> Result<Status> {
+    let engine = unsafe { borrow_engine(engine, "engine") }?;
+    let pages = unsafe { slice_arg(dst_pages, num_pages, "dst_pages") }?;
+    let key_out = out_arg(room_key_out, "room_key_out")?;
+    let parts = unsafe { super::parts::request_parts(parts, "parts") }?;
+    let (n, key) = engine.receiver().open_room_parts(room, pages, chunk_tokens, parts)?;
+    *key_out = key;
+    if let Some(out) = unsafe { num_chunks_out.as_mut() } {
+        *out = n;
+    }
+    Ok(Status::KVSTAGE_OK)
 }
 
 /// Decode side: waits until every chunk of the room is in the KV pool (`KVSTAGE_OK`), the room

@@ -16,8 +16,8 @@ pub mod plan;
 mod slice;
 mod span;
 mod staging;
-mod parts;
-mod state;
+pub mod parts;
+pub mod state;
 
 pub use fingerprint::{Fingerprint, FINGERPRINT_VERSION};
 pub use grid::{chunk_count, chunk_span, grid_tokens, split_grid, ChunkSpan, GridPiece, DEFAULT_CHUNK_TOKENS};

@@ -15,7 +15,7 @@
 //! row.
 
 use super::state::{state_slice, ByteRange, StateItem};
-use super::{HeadSlice, StagingLayout};
+use super::{HeadSlice, StagingLayout, WriterRegion};
 use crate::error::{Error, FieldMismatch, Result, Status};
 
 /// Longest component name.
@@ -250,6 +250,18 @@ pub fn tail_parts(sides: &TailSides<'_>, layout: &StagingLayout, tp_writer: u32,
         }
     }
     Ok(out)
+}
+
+/// What `region`'s writer carries of a request's parts, and what the whole allocation owes: its
+/// head group's share of the component layers its stage holds, and the aux rows when it is head
+/// group 0 carrying the decode rank's first KV layer. `(owed, tail)`.
+pub fn writer_tail(sides: &TailSides<'_>, layout: &StagingLayout, region: &WriterRegion) -> Result<(u64, Vec<TailPart>)> {
+    let mut owed = 0;
+    for t in 0..layout.tp_writers() {
+        owed += tail_bytes(&tail_parts(sides, layout, t, None, t == 0)?);
+    }
+    let carries_aux = region.tp_writer == 0 && region.layer_ids.first() == layout.dst.layer_ids.first();
+    Ok((owed, tail_parts(sides, layout, region.tp_writer, Some(sides.src), carries_aux)?))
 }
 
 fn push(out: &mut Vec<TailPart>, offset: &mut u64, component: usize, layer_id: u32, bytes: u64, copy: PartCopy) {

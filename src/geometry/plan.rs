@@ -146,7 +146,7 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
     let pool = pool.as_ref();
     pool.validate()?;
     let sized = region.layers as usize == region.layer_ids.len()
-        && staging.slab_bytes.checked_mul(region.layers as u64 * staging.buffers_per_layer as u64) == Some(region.bytes);
+        && staging.slab_bytes.checked_mul(region.layers as u64 * staging.buffers_per_layer as u64) == Some(region.kv_bytes());
     if !sized || region.offset.checked_add(region.bytes).is_none_or(|end| end > staging.total_bytes) {
         return Err(Error::invalid_arg(
             "region",
@@ -204,7 +204,7 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
         slabs,
         segments: span.segments(pool.page_size),
         region_offset: region.offset,
-        staging_bytes: region.bytes,
+        staging_bytes: region.kv_bytes(),
     })
 }
 

@@ -15,6 +15,7 @@
 
 use super::heads::{head_slice, mla_source_rank, prefill_ranks_for_decode, sends_its_heads, HeadSlice};
 use super::pairing::check_stages;
+use super::parts::{tail_bytes, TailPart};
 use super::{agreed_field_mismatches, mismatch_error, ModelKind, PoolShape};
 use crate::error::{Error, FieldMismatch, Result, Status};
 
@@ -23,7 +24,7 @@ use crate::error::{Error, FieldMismatch, Result, Status};
 pub struct WriterRegion {
     /// Byte offset of the region within the allocation (0 until placed).
     pub offset: u64,
-    /// Region size: `tokens · row_bytes · layers · buffers_per_layer`.
+    /// Region size: `tokens · row_bytes · layers · buffers_per_layer`, plus the tail.
     pub bytes: u64,
     /// Layers carried (`layer_ids.len()`).
     pub layers: u32,
@@ -36,6 +37,16 @@ pub struct WriterRegion {
     pub tp_writer: u32,
     /// Heads it carries: source heads for its gather, destination heads for the scatter.
     pub heads: HeadSlice,
+    /// The request parts it carries after its KV slabs (the room's last chunk only; offsets
+    /// relative to the tail's start, [`WriterRegion::kv_bytes`] into the region).
+    pub tail: Vec<TailPart>,
+}
+
+impl WriterRegion {
+    /// Bytes of its KV slabs (the region without its tail).
+    pub fn kv_bytes(&self) -> u64 {
+        self.bytes - tail_bytes(&self.tail)
+    }
 }
 
 /// Layout of one staging allocation on one decode rank for a chunk of `tokens` tokens.
@@ -44,8 +55,11 @@ pub struct StagingLayout {
     /// Regions placed so far, back to back from offset 0: by [`StagingLayout::place`] (the
     /// receiver, in allocation order) or all of them by [`staging_layout_stages`].
     pub writers: Vec<WriterRegion>,
-    /// Bytes of the whole allocation: `tp_writers · layers · buffers_per_layer · slab_bytes`.
+    /// Bytes of the whole allocation: `tp_writers · layers · buffers_per_layer · slab_bytes`,
+    /// plus `tail_total`.
     pub total_bytes: u64,
+    /// Bytes of request parts the allocation owes besides the KV (every region's tail together).
+    pub tail_total: u64,
     pub tokens: u32,
     /// Bytes of one token's head slice: `n · D · b`.
     pub row_bytes: u64,
@@ -83,7 +97,25 @@ impl StagingLayout {
     /// Whether the placed regions carry every (TP writer, decode layer): the chunk is complete
     /// once each of them arrived.
     pub fn complete(&self) -> bool {
-        self.carried_slabs() == self.owed_slabs()
+        self.carried_slabs() == self.owed_slabs() && self.carried_tail() == self.tail_total
+    }
+
+    /// Bytes of request parts the placed regions carry.
+    pub fn carried_tail(&self) -> u64 {
+        self.writers.iter().map(|w| tail_bytes(&w.tail)).sum()
+    }
+
+    /// Every (head group, layer) is claimed but the placed regions carry less of the request's
+    /// parts than the allocation owes (a component layer no prefill stage sent): `(carried, owed)`.
+    pub fn tail_short(&self) -> Option<(u64, u64)> {
+        (self.carried_slabs() == self.owed_slabs() && self.carried_tail() != self.tail_total).then(|| (self.carried_tail(), self.tail_total))
+    }
+
+    /// The layout with `bytes` of request parts owed besides the KV.
+    pub fn with_tail_total(mut self, bytes: u64) -> StagingLayout {
+        self.total_bytes += bytes;
+        self.tail_total = bytes;
+        self
     }
 
     fn carried_slabs(&self) -> u64 {
@@ -139,6 +171,7 @@ impl StagingLayout {
             src_pp_rank: src.pp_rank,
             tp_writer: t as u32,
             heads: self.tp_ranks[t].1,
+            tail: Vec::new(),
         }))
     }
 
@@ -161,6 +194,12 @@ impl StagingLayout {
     /// (`KVSTAGE_E_GEOMETRY_MISMATCH`) or carries a (TP writer, layer) a placed region carries
     /// already (`KVSTAGE_E_GEOMETRY_MISMATCH` naming the layer and both ranks: [`Self::overlap`]).
     pub fn place(&mut self, src: &PoolShape) -> Result<u32> {
+        self.place_with_tail(src, Vec::new())
+    }
+
+    /// As [`Self::place`] for a region that carries `tail` after its KV slabs; also refused when a
+    /// placed region of the same head group carries one of its (component, layer) parts.
+    pub fn place_with_tail(&mut self, src: &PoolShape, tail: Vec<TailPart>) -> Result<u32> {
         let Some(mut region) = self.region_of(src)? else {
             return Err(Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
@@ -180,6 +219,19 @@ impl StagingLayout {
                 }],
             ));
         }
+        let same_group = self.writers.iter().filter(|w| w.tp_writer == region.tp_writer);
+        if let Some((other, part)) = same_group.flat_map(|w| w.tail.iter().map(move |p| (w, p))).find(|(_, p)| tail.iter().any(|q| (q.component, q.layer_id) == (p.component, p.layer_id))) {
+            return Err(mismatch_error(
+                "pipeline stages overlap",
+                vec![FieldMismatch {
+                    field: format!("component {} layer {} of head group {}", part.component, part.layer_id, region.tp_writer),
+                    local: format!("carried by prefill rank (tp {}, pp {})", other.src_tp_rank, other.src_pp_rank),
+                    remote: format!("claimed by prefill rank (tp {}, pp {})", src.tp_rank, src.pp_rank),
+                }],
+            ));
+        }
+        region.bytes += tail_bytes(&tail);
+        region.tail = tail;
         region.offset = self.writers.iter().map(|w| w.bytes).sum();
         // Disjoint (head group, layer) cells always fit; checked anyway, since writes are bounded
         // by the grant only through the regions.
@@ -247,6 +299,7 @@ pub fn staging_layout(src: &PoolShape, dst: &PoolShape, tokens: u32) -> Result<S
     Ok(StagingLayout {
         writers: Vec::new(),
         total_bytes,
+        tail_total: 0,
         tokens,
         row_bytes,
         slab_bytes,

@@ -15,6 +15,7 @@ use codec::{Dec, Enc};
 
 pub mod codec;
 pub mod fingerprint;
+mod parts;
 pub mod rdma_offer;
 pub mod trace;
 
@@ -27,7 +28,9 @@ pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// `RdmaOffer` before either side uses RDMA.
 /// 6: every frame that names a room names its opening too ([`RoomRef`]: id and key).
 /// 7: an allocation request carries the request's trace id (the caller's; empty: derived).
-pub const PROTOCOL_VERSION: u16 = 7;
+/// 8: a hello carries the rank's components (aux, state, extra pools); an allocation request says
+/// whether the writer sends request parts, and each pool span's token count.
+pub const PROTOCOL_VERSION: u16 = 8;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.
@@ -82,12 +85,16 @@ pub struct Hello {
     pub token: Vec<u8>,
     /// This side's integrity policy (0 off, 1 sampled, 2 always); the stronger one applies.
     pub integrity: u8,
+    /// The rank's registered components (request parts besides the KV), in registration order.
+    pub components: Vec<crate::geometry::ComponentSpec>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Message {
     Hello(Hello),
-    AllocReq { req: u64, room: RoomRef, chunk: u32, writer: u32, tokens: u32, bytes: u64, trace: String },
+    /// `pool_tokens`: `Some` when the writer's region carries request parts (the room's last
+    /// chunk), with the token count of each extra pool span it sends.
+    AllocReq { req: u64, room: RoomRef, chunk: u32, writer: u32, tokens: u32, bytes: u64, trace: String, pool_tokens: Option<Vec<u32>> },
     /// `status` 0 = granted `[offset, offset + len)` of ring round `round`, the writer's region at
     /// `region` bytes into it; otherwise a `Status` code with `reason`.
     AllocRsp { req: u64, status: i32, round: u64, offset: u64, len: u64, region: u64, reason: String },
@@ -211,9 +218,11 @@ impl Message {
                 encode_shape(&mut e, &h.shape);
                 e.u64(h.ring_bytes).u64(h.watermark.round).u64(h.watermark.offset).i32(h.status).str(&h.reason);
                 e.bytes(&h.token).u8(h.integrity);
+                parts::encode_components(&mut e, &h.components);
             }
-            Message::AllocReq { req, room, chunk, writer, tokens, bytes, trace } => {
+            Message::AllocReq { req, room, chunk, writer, tokens, bytes, trace, pool_tokens } => {
                 e.u8(T_ALLOC_REQ).u64(*req).u64(room.id).u64(room.key).u32(*chunk).u32(*writer).u32(*tokens).u64(*bytes).str(trace);
+                parts::encode_pool_tokens(&mut e, pool_tokens);
             }
             Message::AllocRsp { req, status, round, offset, len, region, reason } => {
                 e.u8(T_ALLOC_RSP).u64(*req).i32(*status).u64(*round).u64(*offset).u64(*len).u64(*region).str(reason);
@@ -300,6 +309,7 @@ impl Message {
                     reason: d.str("reason", MAX_TEXT)?,
                     token: d.bytes("token", MAX_TEXT)?,
                     integrity: d.u8("integrity")?,
+                    components: parts::decode_components(&mut d)?,
                 })
             }
             T_ALLOC_REQ => Message::AllocReq {
@@ -310,6 +320,7 @@ impl Message {
                 tokens: d.u32("tokens")?,
                 bytes: d.u64("bytes")?,
                 trace: d.str("trace", trace::MAX_TRACE)?,
+                pool_tokens: parts::decode_pool_tokens(&mut d)?,
             },
             T_ALLOC_RSP => Message::AllocRsp {
                 req: d.u64("req")?,
@@ -497,6 +508,20 @@ mod tests {
         }
     }
 
+    fn sample_components() -> Vec<crate::geometry::ComponentSpec> {
+        use crate::geometry::{ComponentKind, ComponentSpec, StateItem};
+        vec![
+            ComponentSpec { name: "output_ids".into(), kind: ComponentKind::Aux { row_bytes: 64 }, layer_ids: vec![], page_size: 0 },
+            ComponentSpec {
+                name: "conv".into(),
+                kind: ComponentKind::State { item: StateItem { outer: 3, groups: vec![8, 8, 16], dtype_bytes: 2, replicated: false } },
+                layer_ids: vec![0, 2],
+                page_size: 0,
+            },
+            ComponentSpec { name: "swa".into(), kind: ComponentKind::Pool { unit_bytes: 32, head_sliced: true }, layer_ids: vec![1], page_size: 16 },
+        ]
+    }
+
     fn samples() -> Vec<Message> {
         vec![
             Message::Hello(Hello {
@@ -511,8 +536,10 @@ mod tests {
                 reason: String::new(),
                 token: b"secret".to_vec(),
                 integrity: 2,
+                components: sample_components(),
             }),
-            Message::AllocReq { req: 7, room: RoomRef { id: 9, key: 0x5eed_0009 }, chunk: 2, writer: 1, tokens: 64, bytes: 4096, trace: "req-9".into() },
+            Message::AllocReq { req: 7, room: RoomRef { id: 9, key: 0x5eed_0009 }, chunk: 2, writer: 1, tokens: 64, bytes: 4096, trace: "req-9".into(), pool_tokens: None },
+            Message::AllocReq { req: 8, room: RoomRef { id: 9, key: 0x5eed_0009 }, chunk: 3, writer: 0, tokens: 9, bytes: 4096, trace: String::new(), pool_tokens: Some(vec![9, 4]) },
             Message::AllocRsp { req: 7, status: -13, round: 1, offset: 2, len: 3, region: 4, reason: "too big".into() },
             Message::Data { room: RoomRef { id: 1, key: 0x5eed_0001 }, chunk: 2, writer: 3, offset: 4, len: 5 },
             Message::ChunkReady { req: 1, room: RoomRef { id: 2, key: 0x5eed_0002 }, chunk: 3, writer: 4, checksum: Some(0xfeed) },

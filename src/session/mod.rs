@@ -80,6 +80,21 @@ pub fn pairing(src: &PoolShape, dst: &PoolShape) -> crate::Result<Pairing> {
     ))
 }
 
+/// Checks the two sides' components at the handshake (`ours` registered here, `theirs` in the
+/// peer's hello): the same components, field by field (`KVSTAGE_E_GEOMETRY_MISMATCH` listing every
+/// differing field; layer ids only when neither side has pipeline stages), and a decode rank's
+/// state held by the prefill ranks that send it KV (`KVSTAGE_E_UNSUPPORTED`).
+pub fn check_components(src: &PoolShape, dst: &PoolShape, ours: &[geometry::ComponentSpec], theirs: &[geometry::ComponentSpec]) -> crate::Result<()> {
+    let list = geometry::parts::component_mismatches(ours, theirs, src.pp_size == 1 && dst.pp_size == 1);
+    if !list.is_empty() {
+        return Err(geometry::mismatch_error("request parts: the two sides registered different components", list));
+    }
+    if !ours.is_empty() {
+        geometry::parts::check_state_carried(ours, &geometry::staging_layout(src, dst, 1)?)?;
+    }
+    Ok(())
+}
+
 /// Rate sense for records a peer (or a port scanner) can cause at will: the first record goes
 /// out, then at most one per `period`; the ones held back in between are counted and the next
 /// record says how many.

@@ -491,6 +491,11 @@ impl Cluster {
 
 /// A hello as a prefill rank of `shape` would send it.
 pub fn hello(shape: &PoolShape, session: &str, token: &[u8]) -> Message {
+    hello_with(shape, session, token, Vec::new())
+}
+
+/// [`hello`] from a rank that registered `components`.
+pub fn hello_with(shape: &PoolShape, session: &str, token: &[u8], components: Vec<kvstage::geometry::ComponentSpec>) -> Message {
     Message::Hello(Hello {
         protocol_version: PROTOCOL_VERSION,
         library_version: kvstage::version_number(),
@@ -503,6 +508,7 @@ pub fn hello(shape: &PoolShape, session: &str, token: &[u8]) -> Message {
         reason: String::new(),
         token: token.to_vec(),
         integrity: Integrity::Off.wire(),
+        components,
     })
 }
 
@@ -581,7 +587,7 @@ impl RawPeer {
     /// Proves the session is alive and every earlier frame was processed: an allocation request for
     /// a room that is not open must be answered (refused) in order.
     pub fn barrier(&mut self, req: u64, writer: u32) -> Message {
-        self.send(&Message::AllocReq { req, room: RoomRef { id: u64::MAX - req, key: 1 }, chunk: 0, writer, tokens: 1, bytes: 1, trace: String::new() }).expect("send barrier");
+        self.send(&Message::AllocReq { req, room: RoomRef { id: u64::MAX - req, key: 1 }, chunk: 0, writer, tokens: 1, bytes: 1, trace: String::new(), pool_tokens: None }).expect("send barrier");
         match self.reply(Duration::from_secs(5)) {
             m @ Message::AllocRsp { req: r, status, .. } if r == req && status != 0 => m,
             other => panic!("raw peer barrier {req}: unexpected reply {other:?}"),
@@ -640,7 +646,7 @@ pub struct RawGrant {
 impl RawPeer {
     /// Asks for (room, chunk) as `writer` with the full chunk's allocation size; the reply.
     pub fn alloc(&mut self, req: u64, room: RoomRef, chunk: u32, writer: u32, layout: &StagingLayout) -> Message {
-        let msg = Message::AllocReq { req, room, chunk, writer, tokens: layout.tokens, bytes: layout.total_bytes, trace: String::new() };
+        let msg = Message::AllocReq { req, room, chunk, writer, tokens: layout.tokens, bytes: layout.total_bytes, trace: String::new(), pool_tokens: None };
         self.send(&msg).expect("send alloc");
         match self.reply(Duration::from_secs(5)) {
             m @ Message::AllocRsp { req: r, .. } if r == req => m,

@@ -11,7 +11,7 @@ use std::time::Duration;
 use super::state::{ConnInfo, ConnId, Target};
 use super::{reply_deadline, Receiver};
 use crate::error::{Error, Result, Status};
-use crate::geometry::{Fingerprint, ModelKind, PoolShape};
+use crate::geometry::{ComponentSpec, Fingerprint, ModelKind, PoolShape};
 use crate::protocol::{Hello, Message, RoomRef, PROTOCOL_VERSION};
 use crate::ring::Watermark;
 use crate::session::{pairing, tokens_match, Deadline, Integrity};
@@ -39,14 +39,18 @@ pub fn refusal(receiver: &Receiver, session: &str, status: Status, reason: &str)
         reason: reason.to_owned(),
         token: Vec::new(),
         integrity: receiver.config.integrity.wire(),
+        components: receiver.component_specs(),
     })
 }
 
-/// Checks a sender's hello against our shape (fingerprint diff, pairing); its pairing.
-pub fn verify_peer(ours: &PoolShape, hello: &Hello) -> Result<crate::session::Pairing> {
+/// Checks a sender's hello against our shape and components (fingerprint diff, pairing,
+/// component diff); its pairing.
+pub fn verify_peer(ours: &PoolShape, components: &[ComponentSpec], hello: &Hello) -> Result<crate::session::Pairing> {
     let theirs = Fingerprint::decode(&hello.fingerprint)?;
     Fingerprint::of(ours).check(&theirs)?;
-    pairing(&hello.shape, ours)
+    let pair = pairing(&hello.shape, ours)?;
+    crate::session::check_components(&hello.shape, ours, components, &hello.components)?;
+    Ok(pair)
 }
 
 impl Receiver {
@@ -161,13 +165,14 @@ impl Receiver {
     /// counts as a handshake in progress (the listener would cut it to serve a newer one).
     fn handshake(&self, hello: &Hello, link: &Arc<dyn Transport>, deadline: &Deadline, accepted: &mut dyn FnMut()) -> Result<ConnInfo> {
         let pool = self.pool();
+        let components = self.component_specs();
         let token = &self.config.cluster_token;
         let (ring_bytes, _, watermark) = self.ring_stats();
         let checked = if !tokens_match(token, &hello.token) {
             Err(Error::new(Status::KVSTAGE_E_AUTH, "the sender did not present this cluster's token"))
         } else {
             pool.as_ref().map_err(|e| Error::new(e.code(), e.message())).and_then(|pool| {
-                let pair = verify_peer(&pool.shape, hello)?;
+                let pair = verify_peer(&pool.shape, &components, hello)?;
                 Ok(ConnInfo {
                     session: hello.session.clone(),
                     src: hello.shape.clone(),
@@ -176,6 +181,8 @@ impl Receiver {
                     in_place: false,
                     host_pool: pool.memory == crate::geometry::MemoryKind::Host,
                     integrity: self.config.integrity.stronger(Integrity::from_wire(hello.integrity)),
+                    src_components: Arc::new(hello.components.clone()),
+                    dst_components: Arc::new(components.clone()),
                 })
             })
         };
@@ -196,6 +203,7 @@ impl Receiver {
             reason,
             token: if status == Status::KVSTAGE_E_AUTH { Vec::new() } else { token.clone() },
             integrity: self.config.integrity.wire(),
+            components,
         };
         if checked.is_ok() {
             accepted();
@@ -219,12 +227,12 @@ impl Receiver {
                 return self.stall(link);
             }
             match msg {
-                Message::AllocReq { req, room, chunk, writer, tokens, bytes, trace } => {
+                Message::AllocReq { req, room, chunk, writer, tokens, bytes, trace, pool_tokens } => {
                     let allocated = self.with_state(|st| {
                         if !trace.is_empty() {
                             st.name_trace(room, &trace)?;
                         }
-                        st.allocate(id, room, chunk, writer, tokens, bytes)
+                        st.allocate(id, room, chunk, writer, tokens, bytes, pool_tokens.as_deref())
                     });
                     let rsp = match allocated {
                         Ok((g, region)) => {

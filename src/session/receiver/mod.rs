@@ -26,13 +26,13 @@ use parking_lot::{Condvar, Mutex};
 pub use conn::verify_peer;
 pub use memory::{RingMemory, RingSpec};
 pub use state::{ChunkEvent, ConnId, ScatterJob};
-use state::{Effects, Release, State};
+use state::{AuxRows, AuxWrite, Effects, Release, RoomParts, State};
 
 use super::notify::{Completion, Completions};
 use super::{Deadline, Integrity, LogLimiter};
-use crate::copy::CopyEngine;
+use crate::copy::{Components, CopyEngine};
 use crate::error::{Error, Result, Status};
-use crate::geometry::{self, KvLayout};
+use crate::geometry::{self, ComponentSpec, KvLayout, RequestParts};
 use crate::ring::Watermark;
 use crate::transport::faults::Faults;
 use crate::transport::Transport;
@@ -143,6 +143,8 @@ pub struct Receiver {
     changed: Condvar,
     memory: Mutex<Option<Arc<RingMemory>>>,
     pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
+    /// The engine's components (request parts besides the KV), once registered.
+    components: Arc<Mutex<Option<Arc<Components>>>>,
     copy: Arc<dyn CopyEngine>,
     scatter_tx: Mutex<Option<Sender<ScatterJob>>>,
     config: ReceiverConfig,
@@ -165,8 +167,15 @@ pub struct Receiver {
 }
 
 impl Receiver {
-    pub fn new(pool: Arc<Mutex<Option<Arc<KvLayout>>>>, copy: Arc<dyn CopyEngine>, config: ReceiverConfig, completions: Arc<Completions>) -> Receiver {
+    pub fn new(
+        pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
+        components: Arc<Mutex<Option<Arc<Components>>>>,
+        copy: Arc<dyn CopyEngine>,
+        config: ReceiverConfig,
+        completions: Arc<Completions>,
+    ) -> Receiver {
         Receiver {
+            components,
             completions,
             state: Mutex::new(State::new(config.max_events)),
             changed: Condvar::new(),
@@ -260,9 +269,26 @@ impl Receiver {
         if fx.changed {
             self.changed.notify_all();
         }
+        for write in fx.aux {
+            let written = self.write_aux(&write);
+            self.with_state(|st| st.aux_done(&write, written));
+        }
         for e in fx.events {
             self.completions.call(&Completion::Chunk(e));
         }
+    }
+
+    /// The components' specs as the handshake shows them (none before registration).
+    pub fn component_specs(&self) -> Vec<ComponentSpec> {
+        self.components.lock().as_ref().map(|c| c.specs()).unwrap_or_default()
+    }
+
+    /// Writes a room's aux rows into the aux buffers (its lease holds the room's release).
+    fn write_aux(&self, write: &AuxWrite) -> Result<()> {
+        crate::panics::point("aux write");
+        // SAFETY: the request's parts were checked at the room's opening; the rows were copied
+        // out of the ring with their offsets rebased into `bytes`.
+        unsafe { write.parts.components.scatter(&write.parts.request, &write.rows.parts, write.rows.bytes.as_ptr()) }
     }
 
     pub fn register_ring(&self, memory: RingMemory) -> Result<()> {
@@ -328,13 +354,30 @@ impl Receiver {
     /// side's cached prefix), split into chunks of `chunk_tokens` on the page grid. Returns its
     /// chunk count and the opening's key, which the senders of this request must name.
     pub fn open_room(&self, room: u64, pages: &[u32], chunk_tokens: u32) -> Result<(u32, u64)> {
+        self.open_room_parts(room, pages, chunk_tokens, None)
+    }
+
+    /// [`Self::open_room`] for a request that moves `parts` besides its KV pages (aux row, state
+    /// slots, extra pools' pages), checked against the registered components.
+    pub fn open_room_parts(&self, room: u64, pages: &[u32], chunk_tokens: u32, parts: Option<RequestParts>) -> Result<(u32, u64)> {
         let pool = self.pool()?;
         pool.check_pages(pages, "dst_pages")?;
+        let parts = match parts {
+            None => None,
+            Some(request) => {
+                let components = self.components.lock().clone().unwrap_or_default();
+                components.check_parts(&request, "parts")?;
+                if self.memory.lock().as_ref().is_some_and(|m| m.device().is_some()) {
+                    return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "request parts need a host staging ring (this engine's ring is device memory)"));
+                }
+                Some(Arc::new(RoomParts { request, components }))
+            }
+        };
         let chunk_tokens = if chunk_tokens == 0 { self.config.chunk_tokens } else { chunk_tokens };
         let grid_pages = (geometry::grid_tokens(chunk_tokens, pool.shape.page_size) / pool.shape.page_size) as usize;
         let expires = self.config.room_timeout.map(|t| Instant::now() + t);
         let key = new_room_key()?;
-        self.with_state(|st| st.open_room(room, key, pages, grid_pages, expires)).map(|n| (n, key))
+        self.with_state(|st| st.open_room(room, key, pages, grid_pages, expires, parts)).map(|n| (n, key))
     }
 
     /// Waits until every chunk of `room` is scattered (OK), the room failed (its error) or the deadline.
@@ -431,10 +474,40 @@ impl Receiver {
         self.with_state(|st| st.scatter_done(&job, result));
     }
 
-    fn scatter(&self, job: &ScatterJob) -> Result<()> {
-        if job.layers.is_empty() {
-            return Ok(());
+    fn scatter(&self, job: &ScatterJob) -> Result<Option<AuxRows>> {
+        if !job.layers.is_empty() {
+            self.scatter_kv(job)?;
         }
+        job.parts.as_ref().map(|parts| self.scatter_parts(job, parts)).transpose()
+    }
+
+    /// The request's parts in the regions' tails of the room's last chunk: state and pools go
+    /// to their components now, the aux rows are copied out (written once the room is in place).
+    fn scatter_parts(&self, job: &ScatterJob, parts: &RoomParts) -> Result<AuxRows> {
+        let mem = self.ring_memory()?;
+        if mem.device().is_some() {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "request parts need a host staging ring (this engine's ring is device memory)"));
+        }
+        let mut aux = AuxRows::default();
+        for region in &job.layout.writers {
+            let (now, later): (Vec<_>, Vec<_>) = region.tail.iter().cloned().partition(|p| p.copy != geometry::PartCopy::Row);
+            let tail = mem.range(job.ring_offset + region.offset + region.kv_bytes(), region.bytes - region.kv_bytes())?;
+            // SAFETY: the grant is pinned for this scatter and every writer arrived (checksum
+            // verified where one covers the chunk); `range` checked the tail lies in the ring;
+            // the parts were checked against the components at the room's opening.
+            unsafe { parts.components.scatter(&parts.request, &now, tail)? };
+            for mut p in later {
+                let at = p.offset as usize;
+                // SAFETY: as above; the part lies in the tail.
+                aux.bytes.extend_from_slice(unsafe { std::slice::from_raw_parts(tail.add(at), p.bytes as usize) });
+                p.offset = (aux.bytes.len() - p.bytes as usize) as u64;
+                aux.parts.push(p);
+            }
+        }
+        Ok(aux)
+    }
+
+    fn scatter_kv(&self, job: &ScatterJob) -> Result<()> {
         let pool = self.pool()?;
         let mem = self.ring_memory()?;
         mem.before_device_read()?;

@@ -46,6 +46,7 @@ impl SenderSession {
         let pool = resources.pool.lock().clone().ok_or_else(|| {
             Error::invalid_arg("engine", "no KV pool registered (kvstage_engine_register_pool) before connecting")
         })?;
+        let components = resources.components.lock().clone().unwrap_or_default();
         let deadline = Deadline::after(Some(timeout));
         let stream = tcp::connect(addr, timeout, resources.options.dead_peer_timeout)?;
         stream.set_read_timeout(Some(timeout))?;
@@ -68,6 +69,7 @@ impl SenderSession {
             reason: String::new(),
             token: token.clone(),
             integrity: options.integrity.wire(),
+            components: components.specs(),
         };
         link.send(&Message::Hello(ours), &deadline)?;
         let remote = match protocol::read_frame(&mut reader) {
@@ -87,6 +89,7 @@ impl SenderSession {
         let theirs = Fingerprint::decode(&remote.fingerprint)?;
         Fingerprint::of(&pool.shape).check(&theirs)?;
         let pair = pairing(&pool.shape, &remote.shape)?;
+        crate::session::check_components(&pool.shape, &remote.shape, &components.specs(), &remote.components)?;
         if remote.status != 0 {
             let code = Status::from_code(remote.status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
             return Err(Error::new(code, format!("{addr} refused the session: {}", remote.reason)));
@@ -163,6 +166,7 @@ impl SenderSession {
             remote,
             pair,
             pool,
+            components,
             shared,
             next_req: AtomicU64::new(1),
             reader: Mutex::new(Some(handle)),

@@ -65,6 +65,8 @@ pub struct SenderConfig {
 /// Engine-wide resources every sender session uses.
 pub struct SendResources {
     pub pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
+    /// The engine's components (request parts besides the KV), once registered.
+    pub components: Arc<Mutex<Option<Arc<crate::copy::Components>>>>,
     pub copy: Arc<dyn CopyEngine>,
     /// Send staging buffers, bounded in count and bytes, reused across chunks.
     pub staging: StagingPool,
@@ -121,6 +123,9 @@ pub struct TransferDesc {
     /// Layer-wise sending: the chunk's layers become ready over time, marked on this gate (each
     /// batch with its own ready point, so `ready` must be `None`).
     pub layers: Option<Arc<LayerGate>>,
+    /// The request's parts besides the KV (aux row, state slots, extra pools' pages), sent with
+    /// the room's last chunk.
+    pub parts: Option<Arc<geometry::RequestParts>>,
 }
 
 impl TransferDesc {
@@ -192,6 +197,8 @@ pub struct SenderSession {
     pair: Pairing,
     resources: Arc<SendResources>,
     pool: Arc<KvLayout>,
+    /// The engine's components when the session connected (matched with the peer's then).
+    components: Arc<crate::copy::Components>,
     shared: Arc<Shared>,
     next_req: AtomicU64,
     reader: Mutex<Option<JoinHandle<()>>>,
@@ -287,6 +294,13 @@ impl SenderSession {
         }
         if desc.layers.is_some() && desc.ready.is_some() {
             return Err(Error::invalid_arg("desc->cuda_event", "is set on a layer-wise transfer (each layer batch carries its own ready point)").with_session(&self.id));
+        }
+        if let Some(parts) = &desc.parts {
+            let path = if slices { Some("the slice path") } else { desc.layers.as_ref().map(|_| "a layer-wise transfer") };
+            if let Some(path) = path {
+                return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, format!("request parts (desc->parts) travel with a whole staged chunk, not by {path}")).with_session(&self.id));
+            }
+            self.components.check_parts(parts, "desc->parts").map_err(|e| e.with_session(&self.id))?;
         }
         if let Some(why) = desc.trace.as_deref().and_then(|t| protocol::trace::check_trace(t).err()) {
             return Err(Error::invalid_arg("desc->trace_id", why).with_session(&self.id));

@@ -3,6 +3,7 @@
 //! the ready frame, then the arrival acknowledgement. Anything that fails after the grant aborts.
 
 use super::*;
+use crate::geometry::{StagingLayout, TailPart, TailSides, WriterRegion};
 use crate::session::staging::{StagingLease, StagingMemory};
 
 impl SenderSession {
@@ -51,6 +52,7 @@ impl SenderSession {
             return Ok(Status::KVSTAGE_OK); // another prefill rank sends these heads
         };
         let region = layout.region_of(src)?.ok_or_else(|| Error::internal("a paired writer has no region"))?;
+        let (layout, region) = self.with_parts(desc, layout, region)?;
         // Fallback is decided here, before anything is allocated on either side.
         let staging_limit = self.resources.options.send_staging_bytes;
         let fallback = if self.remote.ring_bytes == 0 {
@@ -86,6 +88,7 @@ impl SenderSession {
                 tokens,
                 bytes: layout.total_bytes,
                 trace: desc.trace.clone().unwrap_or_default(),
+                pool_tokens: desc.parts.as_ref().map(|p| p.pool_tokens()),
             },
             &deadline,
         );
@@ -119,7 +122,7 @@ impl SenderSession {
         };
         // From here on the receiver holds ring space for us: every failure aborts first.
         let place = Placement { round, grant_offset: offset, region_offset, region_bytes: region.bytes, writer };
-        let written = self.write_granted(desc, op, &deadline, &plan, &place, t, &mut stall);
+        let written = self.write_granted(desc, op, &deadline, (&plan, &region.tail), &place, t, &mut stall);
         let arrival = match written {
             Ok(pending) => pending,
             Err(e) => {
@@ -152,7 +155,7 @@ impl SenderSession {
         desc: &TransferDesc,
         op: &Op,
         deadline: &Deadline,
-        plan: &geometry::CopyPlan,
+        (plan, tail): (&geometry::CopyPlan, &[TailPart]),
         place: &Placement,
         t: &mut TransferTimings,
         stall: &mut Stall,
@@ -177,6 +180,7 @@ impl SenderSession {
             let mut range = self.link.in_place(grant_offset + region_offset, region_bytes).expect("an in-place transport")?;
             op.enter("gathering", String::new);
             self.gather(plan, range.as_mut_ptr(), t)?;
+            self.gather_tail(desc, tail, range.as_mut_ptr(), region_bytes, t)?;
             let checksum = self.region_checksum(desc, || Ok(checksum(&range.to_host()?)))?;
             drop(range);
             op.enter("writing", String::new);
@@ -191,6 +195,10 @@ impl SenderSession {
         let mut staging = self.staging_buffer(region_bytes, deadline, op, t)?;
         op.enter("gathering", String::new);
         self.gather(plan, staging.as_mut_ptr(), t)?;
+        if !tail.is_empty() && staging.memory() != StagingMemory::Host {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "request parts need host staging (this session stages in device memory)"));
+        }
+        self.gather_tail(desc, tail, staging.as_mut_ptr(), region_bytes, t)?;
         let checksum = self.region_checksum(desc, || Ok(checksum(&staging.to_host(region_bytes as usize)?)))?;
         op.enter("writing", String::new);
         let phase = Instant::now();
@@ -265,6 +273,44 @@ impl SenderSession {
         // SAFETY: the pool was validated at registration and its pages checked; `dst` holds the
         // plan's region.
         let gathered = unsafe { self.resources.copy.gather(plan, &self.pool, dst) };
+        t.gather_ns += since(phase);
+        gathered
+    }
+
+    /// `layout` and this writer's `region` with the request's parts when `desc` carries them (the
+    /// room's last chunk): what the allocation owes besides the KV, and this writer's tail.
+    fn with_parts(&self, desc: &TransferDesc, layout: StagingLayout, mut region: WriterRegion) -> Result<(StagingLayout, WriterRegion)> {
+        let Some(parts) = &desc.parts else { return Ok((layout, region)) };
+        if self.pool.memory == MemoryKind::Cuda && self.writes_in_place() {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "request parts need host staging (this session gathers into the receiver's device ring)"));
+        }
+        let (src, dst) = (&self.pool.shape, &self.remote.shape);
+        let (tokens, specs) = (parts.pool_tokens(), self.components.specs());
+        let sides = TailSides {
+            src: &specs,
+            dst: &self.remote.components,
+            src_tp: src.tp_size,
+            dst_tp: dst.tp_size,
+            dst_rank: dst.tp_rank,
+            src_local_heads: src.local_heads,
+            dst_local_heads: dst.local_heads,
+            pool_tokens: &tokens,
+        };
+        let (owed, tail) = geometry::parts::writer_tail(&sides, &layout, &region)?;
+        region.bytes += geometry::parts::tail_bytes(&tail);
+        region.tail = tail;
+        Ok((layout.with_tail_total(owed), region))
+    }
+
+    /// Gathers the request's parts `tail` into the end of the region at `region_at` (host
+    /// memory, `region_bytes` long); timed as the gather phase.
+    fn gather_tail(&self, desc: &TransferDesc, tail: &[TailPart], region_at: *mut u8, region_bytes: u64, t: &mut TransferTimings) -> Result<()> {
+        let Some(parts) = desc.parts.as_deref().filter(|_| !tail.is_empty()) else { return Ok(()) };
+        let phase = Instant::now();
+        let kv_bytes = region_bytes - geometry::parts::tail_bytes(tail);
+        // SAFETY: the region at `region_at` is host memory of `region_bytes` bytes (checked by the
+        // callers), the tail its last bytes; the parts were checked against the components.
+        let gathered = unsafe { self.components.gather(parts, tail, region_at.add(kv_bytes as usize)) };
         t.gather_ns += since(phase);
         gathered
     }

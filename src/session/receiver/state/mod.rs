@@ -23,20 +23,24 @@
 //! - events are bounded (overflow is counted).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::{Error, FieldMismatch, Result, Status};
-use crate::geometry::{self, PoolShape, StagingLayout};
+use crate::geometry::{self, ComponentSpec, PoolShape, StagingLayout};
 use crate::protocol::RoomRef;
 use crate::ring::{Grant, Ring, Watermark};
 use crate::session::receiver::coverage::Coverage;
 use crate::session::receiver::extents::Extents;
 pub use crate::session::notify::ChunkEvent;
 pub use describe::{ReceiverDescription, RoomDescription};
+pub use parts::{AuxRows, AuxWrite, RoomParts};
+use parts::Aux;
 use crate::session::stats::ReceiveStats;
 use crate::session::{Integrity, Pairing};
 
 mod describe;
+mod parts;
 mod slices;
 mod staged;
 mod stalls;
@@ -59,6 +63,9 @@ pub struct ConnInfo {
     pub host_pool: bool,
     /// The stronger of both sides' policies: which of its chunks carry a checksum.
     pub integrity: Integrity,
+    /// Both sides' components at the handshake (matched then).
+    pub src_components: Arc<Vec<ComponentSpec>>,
+    pub dst_components: Arc<Vec<ComponentSpec>>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -145,6 +152,11 @@ struct Room {
     /// Leases on the room's pool pages: slice reads by connection, and running scatters.
     page_leases: Vec<Option<ConnId>>,
     expires: Option<Instant>,
+    /// What the room names besides its KV pages (travels with its last chunk).
+    parts: Option<Arc<RoomParts>>,
+    aux: Aux,
+    /// The event of the chunk that completed the room's KV, held until its aux rows are written.
+    held_event: Option<ChunkEvent>,
 }
 
 impl Room {
@@ -153,8 +165,9 @@ impl Room {
         &self.pages[start..(start + self.grid_pages).min(self.pages.len())]
     }
 
+    /// Every chunk scattered and the aux rows (if any) written.
     fn complete(&self) -> bool {
-        self.chunks.iter().all(|c| c.phase == Phase::Done)
+        self.chunks.iter().all(|c| c.phase == Phase::Done) && self.aux.settled()
     }
 
     fn live(&self) -> bool {
@@ -247,6 +260,8 @@ pub struct ScatterJob {
     pub arrived: Option<Instant>,
     /// When the scatter ended (set by the scatter thread before `scatter_done`).
     pub finished: Option<Instant>,
+    /// The room's parts, on the last scatter of a chunk whose regions carry them.
+    pub parts: Option<Arc<RoomParts>>,
 }
 
 /// What a data frame's target turned out to be.
@@ -273,6 +288,8 @@ pub struct Effects {
     pub failed: Vec<(u64, Failure)>,
     /// Chunk events this call dropped because the queue was full (for the log).
     pub events_dropped: u64,
+    /// Aux rows to write (rooms whose everything else is in place).
+    pub aux: Vec<AuxWrite>,
 }
 
 /// Outcome of releasing a room.
@@ -577,7 +594,7 @@ impl State {
     /// Opens `room` over `pages`, `grid_pages` pages a chunk, as the opening `key` (nonzero, unique
     /// to this opening: frames must name it). A room id still open, or still being released, is
     /// refused.
-    pub fn open_room(&mut self, room: u64, key: u64, pages: &[u32], grid_pages: usize, expires: Option<Instant>) -> Result<u32> {
+    pub fn open_room(&mut self, room: u64, key: u64, pages: &[u32], grid_pages: usize, expires: Option<Instant>, parts: Option<Arc<RoomParts>>) -> Result<u32> {
         if key == 0 {
             return Err(Error::internal("room key 0 (keys are nonzero)"));
         }
@@ -619,6 +636,9 @@ impl State {
                 prefill: None,
                 page_leases: Vec::new(),
                 expires,
+                aux: Aux::for_room(parts.as_deref()),
+                parts,
+                held_event: None,
             },
         );
         Ok(num_chunks as u32)
@@ -647,11 +667,11 @@ impl State {
     /// the room goes on); a *different* prefill rank claiming a layer of the same heads means the
     /// two sides disagree on the pipeline split and either copy may be the wrong layer, so the room
     /// fails as well.
-    fn claim(&mut self, room: u64, layout: &mut StagingLayout, info: &ConnInfo) -> Result<u32> {
+    fn claim(&mut self, room: u64, layout: &mut StagingLayout, info: &ConnInfo, tail: Vec<geometry::TailPart>) -> Result<u32> {
         let clash = layout.region_of(&info.src)?.and_then(|r| {
             layout.overlap(&r).map(|(other, _)| (other.src_tp_rank, other.src_pp_rank) != (info.src.tp_rank, info.src.pp_rank))
         });
-        match layout.place(&info.src) {
+        match layout.place_with_tail(&info.src, tail) {
             Err(e) if clash == Some(true) => {
                 self.fail_room(room, e.code(), e.chain(), &info.session);
                 Err(e)

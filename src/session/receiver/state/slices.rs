@@ -3,7 +3,14 @@
 use super::*;
 
 /// Why slices for this chunk cannot be taken (the stream stays in sync: they are discarded).
-fn slices_refused(info: &ConnInfo, c: &Chunk, room: u64, chunk: u32) -> Option<Error> {
+fn slices_refused(info: &ConnInfo, r: &Room, room: u64, chunk: u32) -> Option<Error> {
+    let c = &r.chunks[chunk as usize];
+    if r.parts.is_some() && chunk as usize + 1 == r.chunks.len() {
+        return Some(Error::new(
+            Status::KVSTAGE_E_UNSUPPORTED,
+            format!("chunk {chunk} of room {room} carries the request's parts (aux, state, pools), which travel by the staged path only"),
+        ));
+    }
     if !info.host_pool {
         return Some(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the slice path writes the KV pool from the CPU: host pools only"));
     }
@@ -38,7 +45,7 @@ impl State {
         };
         let gen = r.gen;
         let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("slice for chunk {chunk} past room {room}")))?;
-        if let Some(why) = slices_refused(&info, c, room, chunk) {
+        if let Some(why) = slices_refused(&info, r, room, chunk) {
             return Ok(Target::Discard(why));
         }
         if c.phase != Phase::Waiting {
@@ -74,7 +81,7 @@ impl State {
             None => {
                 // The connection's first slice of the chunk claims its layers for its head group.
                 let mut layout = Self::chunk_layout(c, &info, tokens)?;
-                let region = self.claim(room, &mut layout, &info)?;
+                let region = self.claim(room, &mut layout, &info, Vec::new())?;
                 Some((layout, region))
             }
         };
@@ -127,7 +134,7 @@ impl State {
         let room = at.id;
         let r = self.live_room(at)?;
         let c = r.chunks.get(chunk as usize).ok_or_else(|| protocol(format!("slices done for chunk {chunk} past room {room}")))?;
-        if let Some(why) = slices_refused(info, c, room, chunk) {
+        if let Some(why) = slices_refused(info, r, room, chunk) {
             return Err(why);
         }
         let Some((index, slot)) = c.slot_of(conn) else {

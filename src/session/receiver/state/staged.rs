@@ -8,7 +8,10 @@ impl State {
 
     /// An allocation request from `conn` for its region of (room, chunk): the grant and the
     /// region's offset within it. Errors are replied to the sender; none ends the session.
-    pub fn allocate(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, tokens: u32, bytes: u64) -> Result<(Grant, u64)> {
+    /// `pool_tokens`: `Some` when the writer's region carries the request's parts (see
+    /// [`State::check_parts`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn allocate(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, tokens: u32, bytes: u64, pool_tokens: Option<&[u32]>) -> Result<(Grant, u64)> {
         let info = self.conn(conn)?.clone();
         let writer = info.pairing.writer()?;
         if claimed != writer {
@@ -61,14 +64,35 @@ impl State {
         if c.slot_of(conn).is_some() {
             return Err(protocol(format!("writer {writer} requested chunk {chunk} twice")));
         }
+        let first_writer = c.layout.is_none();
         let mut layout = Self::chunk_layout(c, &info, tokens)?;
+        let parts = self.check_parts(room, chunk, &info, pool_tokens)?;
+        let mut tail = Vec::new();
+        if let Some(p) = parts.as_deref() {
+            let (owed, carried) = Self::writer_tail(&layout, &info, p)?;
+            if first_writer {
+                layout = layout.with_tail_total(owed);
+            }
+            tail = carried;
+        }
         if bytes != layout.total_bytes {
+            let of_parts = if layout.tail_total > 0 { format!(" ({} of them request parts)", layout.tail_total) } else { String::new() };
             return Err(Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
-                format!("allocation size {bytes} != expected {} for chunk {chunk}", layout.total_bytes),
+                format!("allocation size {bytes} != expected {}{of_parts} for chunk {chunk}", layout.total_bytes),
             ));
         }
-        let region = self.claim(room, &mut layout, &info)?;
+        let region = self.claim(room, &mut layout, &info, tail)?;
+        if let Some((carried, owed)) = layout.tail_short() {
+            let e = Error::new(
+                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+                format!(
+                    "chunk {chunk} of room {room}: its writers carry {carried} of the {owed} bytes of request parts the room's components owe (a component layer is held by no prefill stage that sends this decode rank KV)"
+                ),
+            );
+            self.fail_room(room, e.code(), e.message().to_owned(), &info.session);
+            return Err(e);
+        }
         let region_offset = layout.writers[region as usize].offset;
         let existing = self.rooms[&room].chunks[chunk as usize].grant;
         let id = match existing {

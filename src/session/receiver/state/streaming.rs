@@ -94,6 +94,7 @@ impl State {
             last,
             arrived: None,
             finished: None,
+            parts: r.parts.clone().filter(|_| last && c.layout.as_ref().is_some_and(|l| l.tail_total > 0)),
         };
         r.page_leases.push(None);
         self.grants.get_mut(&grant).expect("live").pins.push(None);
@@ -102,16 +103,19 @@ impl State {
 
     /// A scatter of `job` ended: the chunk is done when its writers all arrived and it was the
     /// chunk's last scatter (or the room failed); the grant goes back once nothing uses it.
-    pub fn scatter_done(&mut self, job: &ScatterJob, result: Result<()>) {
+    /// A scatter that carried the room's parts hands back the aux rows it copied out.
+    pub fn scatter_done(&mut self, job: &ScatterJob, result: Result<Option<AuxRows>>) {
         let mut retire = true;
         if let Some(r) = self.rooms.get_mut(&job.room).filter(|r| r.gen == job.gen) {
             if let Some(pos) = r.page_leases.iter().position(|l| l.is_none()) {
                 r.page_leases.swap_remove(pos);
             }
             let ok = result.is_ok();
-            if let Err(e) = result {
+            match result {
                 // While the chunk is not done, the room failure reports it as failed.
-                self.fail_room(job.room, e.code(), e.chain(), e.session().unwrap_or(""));
+                Err(e) => self.fail_room(job.room, e.code(), e.chain(), e.session().unwrap_or("")),
+                Ok(Some(rows)) => self.hold_aux(job.room, rows),
+                Ok(None) => {}
             }
             let r = self.rooms.get_mut(&job.room).expect("present");
             let live = r.live();
@@ -138,7 +142,15 @@ impl State {
                         m.scatter_ns_max = m.scatter_ns_max.max(scatter_ns);
                     }
                     let (key, trace) = self.rooms.get(&job.room).map_or((0, "".into()), |r| (r.key, r.trace.as_str().into()));
-                    self.push_event(ChunkEvent { room: job.room, key, chunk: job.chunk, status: Status::KVSTAGE_OK, trace, scatter_ns });
+                    let event = ChunkEvent { room: job.room, key, chunk: job.chunk, status: Status::KVSTAGE_OK, trace, scatter_ns };
+                    // The chunk that completes the room's KV waits for its aux rows.
+                    if self.release_aux(job.room) {
+                        if let Some(r) = self.rooms.get_mut(&job.room) {
+                            r.held_event = Some(event);
+                        }
+                    } else {
+                        self.push_event(event);
+                    }
                 }
             }
             self.drain_check(job.room);

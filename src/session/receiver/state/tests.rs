@@ -23,7 +23,7 @@ fn src(r: u32, tp: u32) -> PoolShape {
 
 fn info(r: u32, tp: u32, rdma: bool) -> ConnInfo {
     let (s, d) = (src(r, tp), dst());
-    ConnInfo { session: format!("s{r}"), pairing: pairing(&s, &d).unwrap(), src: s, dst: d, in_place: rdma, host_pool: true, integrity: Integrity::Off }
+    ConnInfo { session: format!("s{r}"), pairing: pairing(&s, &d).unwrap(), src: s, dst: d, in_place: rdma, host_pool: true, integrity: Integrity::Off, src_components: Default::default(), dst_components: Default::default() }
 }
 
 /// Room of 4 pages, chunks of 2 pages (4 tokens): each writer region is 4 tokens × 4 heads × 4
@@ -82,10 +82,10 @@ fn deliver_at(st: &mut State, conn: ConnId, room: RoomRef, chunk: u32, w: u32) -
 fn another_connection_cannot_write_or_complete_a_grant_it_does_not_hold() {
     let mut st = state(4096);
     let (a, b, intruder) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)), st.add_conn(info(0, 2, false)));
-    st.open_room(7, key(7), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(7), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(7, key(7), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(7), 0, 0, TOKENS, CHUNK, None).unwrap();
     // The same prefill rank on another connection: no allocation, no data, no ready, no abort.
-    let e = st.allocate(intruder, at(7), 0, 0, TOKENS, CHUNK).unwrap_err();
+    let e = st.allocate(intruder, at(7), 0, 0, TOKENS, CHUNK, None).unwrap_err();
     assert!(e.causes()[0].contains("carried by prefill rank (tp 0, pp 0) != remote claimed by"), "{:?}", e.causes());
     let e = st.begin_data(intruder, at(7), 0, 0, 0, REGION).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
@@ -96,7 +96,7 @@ fn another_connection_cannot_write_or_complete_a_grant_it_does_not_hold() {
     assert!(!st.room_outcome(7).unwrap(), "an abort by a non-writer must not fail the room");
     // The real writers complete it.
     deliver(&mut st, a, 7, 0, 0).unwrap();
-    st.allocate(b, at(7), 0, 1, TOKENS, CHUNK).unwrap();
+    st.allocate(b, at(7), 0, 1, TOKENS, CHUNK, None).unwrap();
     deliver(&mut st, b, 7, 0, 1).unwrap();
     assert_eq!(layers_of(&st.take_effects().scatter), [0, 1]);
 }
@@ -120,13 +120,13 @@ fn land_slab(st: &mut State, conn: ConnId, w: u32, region: u64, slab: u64) {
 fn a_layer_scatters_once_every_writer_landed_its_slabs() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(9, key(9), &PAGES[..2], GRID, None).unwrap();
-    let (_, ra) = st.allocate(a, at(9), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(9, key(9), &PAGES[..2], GRID, None, None).unwrap();
+    let (_, ra) = st.allocate(a, at(9), 0, 0, TOKENS, CHUNK, None).unwrap();
     for slab in [0, 2] {
         land_slab(&mut st, a, 0, ra, slab);
     }
     assert!(st.take_effects().scatter.is_empty(), "writer 1 has not even claimed its region");
-    let (_, rb) = st.allocate(b, at(9), 0, 1, TOKENS, CHUNK).unwrap();
+    let (_, rb) = st.allocate(b, at(9), 0, 1, TOKENS, CHUNK, None).unwrap();
     land_slab(&mut st, b, 1, rb, 2);
     assert!(st.take_effects().scatter.is_empty(), "layer 0's K slab of writer 1 is missing");
     land_slab(&mut st, b, 1, rb, 0);
@@ -149,7 +149,7 @@ fn a_layer_scatters_once_every_writer_landed_its_slabs() {
     jobs.extend(last);
     while let Some(job) = jobs.pop() {
         assert!(!st.room_outcome(9).unwrap(), "done with {} scatters still running", jobs.len() + 1);
-        st.scatter_done(&job, Ok(()));
+        st.scatter_done(&job, Ok(None));
     }
     assert!(st.room_outcome(9).unwrap());
     assert_eq!(st.ring_stats().1, 0);
@@ -165,9 +165,9 @@ fn checksummed_chunks_and_rdma_writers_hold_the_scatter_back() {
         // The second writer's policy decides: one checksummed writer holds the whole chunk.
         let a = st.add_conn(ConnInfo { integrity: Integrity::Off, ..info(0, 2, false) });
         let b = st.add_conn(ConnInfo { integrity, ..info(1, 2, rdma) });
-        st.open_room(9, key(9), &PAGES[..2], GRID, None).unwrap();
-        let (_, ra) = st.allocate(a, at(9), 0, 0, TOKENS, CHUNK).unwrap();
-        let (_, rb) = st.allocate(b, at(9), 0, 1, TOKENS, CHUNK).unwrap();
+        st.open_room(9, key(9), &PAGES[..2], GRID, None, None).unwrap();
+        let (_, ra) = st.allocate(a, at(9), 0, 0, TOKENS, CHUNK, None).unwrap();
+        let (_, rb) = st.allocate(b, at(9), 0, 1, TOKENS, CHUNK, None).unwrap();
         if rdma {
             st.written_in_place(b, at(9), 0, 1, rb, REGION).unwrap();
         } else {
@@ -196,8 +196,8 @@ fn checksummed_chunks_and_rdma_writers_hold_the_scatter_back() {
 fn slab_writes_land_in_any_order_once_each_and_one_at_a_time() {
     let mut st = state(4096);
     let a = st.add_conn(info(0, 2, false));
-    st.open_room(7, key(7), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(7), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(7, key(7), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(7), 0, 0, TOKENS, CHUNK, None).unwrap();
     let refused = |r: Result<Target<WriteLease>>, why: &str| {
         let e = r.unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
@@ -217,8 +217,8 @@ fn slab_writes_land_in_any_order_once_each_and_one_at_a_time() {
     assert!(st.begin_ready(a, at(7), 0, 0).is_err());
     assert!(st.room_outcome(7).is_err(), "a ready with a hole must fail the room");
     let b = st.add_conn(info(1, 2, false));
-    st.open_room(8, key(8), &PAGES, GRID, None).unwrap();
-    st.allocate(b, at(8), 0, 1, TOKENS, CHUNK).unwrap();
+    st.open_room(8, key(8), &PAGES, GRID, None, None).unwrap();
+    st.allocate(b, at(8), 0, 1, TOKENS, CHUNK, None).unwrap();
     // Its region is the allocation's first (regions are placed in claim order).
     for (off, len) in [(REGION / 2, REGION / 2), (0, 0), (0, REGION / 2)] {
         let l = land(st.begin_data(b, at(8), 0, 1, off, len));
@@ -231,7 +231,7 @@ fn slab_writes_land_in_any_order_once_each_and_one_at_a_time() {
 fn stage_info(tp_rank: u32, pp_rank: u32, layers: Vec<u32>) -> ConnInfo {
     let (s, d) = (src(tp_rank, 2).with_pp(pp_rank, 2, layers), dst());
     let session = format!("tp{tp_rank}-pp{pp_rank}");
-    ConnInfo { session, pairing: pairing(&s, &d).unwrap(), src: s, dst: d, in_place: false, host_pool: true, integrity: Integrity::Off }
+    ConnInfo { session, pairing: pairing(&s, &d).unwrap(), src: s, dst: d, in_place: false, host_pool: true, integrity: Integrity::Off, src_components: Default::default(), dst_components: Default::default() }
 }
 
 /// Prefill TP 2 × PP 2 (one layer per stage) into the decode rank's two layers: four regions of a
@@ -242,9 +242,9 @@ fn regions_of_one_head_group_from_several_stages_complete_a_chunk_together() {
     let mut st = state(4 * CHUNK);
     let order = [(1, 1), (0, 0), (1, 0), (0, 1)];
     let conns: Vec<ConnId> = order.iter().map(|&(t, p)| st.add_conn(stage_info(t, p, vec![p]))).collect();
-    st.open_room(3, key(3), &PAGES[..2], GRID, None).unwrap();
+    st.open_room(3, key(3), &PAGES[..2], GRID, None, None).unwrap();
     for (i, (&c, &(t, _))) in conns.iter().zip(&order).enumerate() {
-        let (_, region) = st.allocate(c, at(3), 0, t, TOKENS, CHUNK).unwrap();
+        let (_, region) = st.allocate(c, at(3), 0, t, TOKENS, CHUNK, None).unwrap();
         assert_eq!(region, i as u64 * QUARTER, "placed in request order");
         let lease = land(st.begin_data(c, at(3), 0, t, region, QUARTER));
         st.end_data(lease, true);
@@ -264,12 +264,12 @@ fn an_overlapping_claim_fails_the_room_only_from_another_rank() {
     let first = st.add_conn(stage_info(0, 0, vec![0]));
     let twin = st.add_conn(stage_info(0, 0, vec![0]));
     let other_stage = st.add_conn(stage_info(0, 1, vec![0, 1]));
-    st.open_room(4, key(4), &PAGES[..2], GRID, None).unwrap();
-    st.allocate(first, at(4), 0, 0, TOKENS, CHUNK).unwrap();
-    let e = st.allocate(twin, at(4), 0, 0, TOKENS, CHUNK).unwrap_err();
+    st.open_room(4, key(4), &PAGES[..2], GRID, None, None).unwrap();
+    st.allocate(first, at(4), 0, 0, TOKENS, CHUNK, None).unwrap();
+    let e = st.allocate(twin, at(4), 0, 0, TOKENS, CHUNK, None).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
     assert!(!st.room_outcome(4).unwrap(), "a duplicate of a writer does not fail the room");
-    let e = st.allocate(other_stage, at(4), 0, 0, TOKENS, CHUNK).unwrap_err();
+    let e = st.allocate(other_stage, at(4), 0, 0, TOKENS, CHUNK, None).unwrap_err();
     assert!(e.causes()[0].contains("layer 0 of head group 0"), "{:?}", e.causes());
     let failed = st.room_outcome(4).unwrap_err();
     assert_eq!(failed.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
@@ -282,10 +282,10 @@ fn an_overlapping_claim_fails_the_room_only_from_another_rank() {
 fn a_departed_writer_does_not_owe_a_chunk_another_connection_carries_for_it() {
     let mut st = state(4 * CHUNK);
     let (a, twin) = (st.add_conn(info(0, 2, false)), st.add_conn(info(0, 2, false)));
-    st.open_room(5, key(5), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(5), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(5, key(5), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(5), 0, 0, TOKENS, CHUNK, None).unwrap();
     deliver(&mut st, a, 5, 0, 0).unwrap();
-    st.allocate(twin, at(5), 1, 0, TOKENS, CHUNK).unwrap();
+    st.allocate(twin, at(5), 1, 0, TOKENS, CHUNK, None).unwrap();
     st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
     assert!(!st.room_outcome(5).unwrap(), "nothing a owed is missing");
     st.conn_gone(twin, Status::KVSTAGE_E_PEER_GONE, "closed");
@@ -296,16 +296,16 @@ fn a_departed_writer_does_not_owe_a_chunk_another_connection_carries_for_it() {
 fn a_release_during_a_payload_read_defers_the_free_and_discards_the_bytes() {
     let mut st = state(CHUNK);
     let a = st.add_conn(info(0, 2, false));
-    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     let lease = land(st.begin_data(a, at(1), 0, 0, 0, REGION));
     assert_eq!(st.release_room(1), Release::Done);
     // The grant is still live: nobody may get this range while the read writes into it.
     assert_eq!(st.ring_stats().1, 1);
     let reopened = RoomRef { id: 1, key: key(1) + 1 };
-    st.open_room(1, reopened.key, &PAGES, GRID, None).unwrap();
+    st.open_room(1, reopened.key, &PAGES, GRID, None, None).unwrap();
     let b = st.add_conn(info(1, 2, false));
-    let (g, _) = st.allocate(b, reopened, 0, 1, TOKENS, CHUNK).unwrap();
+    let (g, _) = st.allocate(b, reopened, 0, 1, TOKENS, CHUNK, None).unwrap();
     assert!(!st.watermark().permits(g.round, g.end()), "a new grant over a pinned range must wait for the watermark");
     assert!(st.register_ring(CHUNK).is_err(), "the ring cannot be replaced under a read");
     st.end_data(lease, true);
@@ -323,38 +323,38 @@ fn a_release_during_a_payload_read_defers_the_free_and_discards_the_bytes() {
 fn a_room_id_cannot_be_reopened_while_its_scatter_runs() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(5, key(5), &PAGES[..2], GRID, None).unwrap();
+    st.open_room(5, key(5), &PAGES[..2], GRID, None, None).unwrap();
     for (c, w) in [(a, 0), (b, 1)] {
-        st.allocate(c, at(5), 0, w, TOKENS, CHUNK).unwrap();
+        st.allocate(c, at(5), 0, w, TOKENS, CHUNK, None).unwrap();
         deliver(&mut st, c, 5, 0, w).unwrap();
     }
     let jobs = st.take_effects().scatter;
     let Release::Draining { gen, .. } = st.release_room(5) else { panic!("a running scatter holds the pages") };
-    assert!(st.open_room(5, key(5), &PAGES, GRID, None).unwrap_err().message().contains("still being released"));
+    assert!(st.open_room(5, key(5), &PAGES, GRID, None, None).unwrap_err().message().contains("still being released"));
     for job in &jobs {
         assert!(st.draining(5, gen).is_some());
-        st.scatter_done(job, Ok(()));
+        st.scatter_done(job, Ok(None));
     }
     assert!(st.draining(5, gen).is_none());
     assert_eq!(st.ring_stats().1, 0);
-    st.open_room(5, key(5), &PAGES, GRID, None).unwrap();
+    st.open_room(5, key(5), &PAGES, GRID, None, None).unwrap();
 }
 
 #[test]
 fn a_new_ring_starts_its_own_high_water_mark() {
     let mut st = state(4 * CHUNK);
     let a = st.add_conn(info(0, 2, false));
-    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
-    st.allocate(a, at(1), 1, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
+    st.allocate(a, at(1), 1, 0, TOKENS, CHUNK, None).unwrap();
     assert_eq!(st.metrics().ring_high_water, 2 * CHUNK);
     assert_eq!(st.release_room(1), Release::Done);
     assert_eq!(st.ring_stats().1, 0);
     // A smaller ring replaces it: the old mark would exceed the new ring's size.
     st.register_ring(CHUNK).unwrap();
     assert_eq!(st.metrics().ring_high_water, 0);
-    st.open_room(2, key(2), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(2), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(2, key(2), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(2), 0, 0, TOKENS, CHUNK, None).unwrap();
     assert_eq!(st.metrics().ring_high_water, CHUNK);
 }
 
@@ -362,9 +362,9 @@ fn a_new_ring_starts_its_own_high_water_mark() {
 fn senders_of_one_room_must_share_the_prefill_geometry() {
     let mut st = state(1 << 20);
     let (tp2, tp4) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 4, false)));
-    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
-    st.allocate(tp2, at(1), 0, 0, TOKENS, CHUNK).unwrap();
-    let e = st.allocate(tp4, at(1), 0, 1, TOKENS, 512).unwrap_err();
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.allocate(tp2, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
+    let e = st.allocate(tp4, at(1), 0, 1, TOKENS, 512, None).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
     assert!(e.causes().iter().any(|c| c.contains("tp_size: local 2 != remote 4")), "{:?}", e.causes());
 }
@@ -373,12 +373,12 @@ fn senders_of_one_room_must_share_the_prefill_geometry() {
 fn a_refused_request_does_not_decide_the_rooms_prefill_geometry() {
     let mut st = state(1 << 20);
     let (tp4, tp2) = (st.add_conn(info(1, 4, false)), st.add_conn(info(0, 2, false)));
-    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
     // A stale request (a chunk past the room) from a sender of another TP size is refused...
-    assert_eq!(st.allocate(tp4, at(1), 9, 1, TOKENS, 512).unwrap_err().code(), Status::KVSTAGE_E_PROTOCOL);
+    assert_eq!(st.allocate(tp4, at(1), 9, 1, TOKENS, 512, None).unwrap_err().code(), Status::KVSTAGE_E_PROTOCOL);
     // ...and the room's real writers are still accepted.
-    st.allocate(tp2, at(1), 0, 0, TOKENS, CHUNK).unwrap();
-    assert_eq!(st.allocate(tp4, at(1), 0, 1, TOKENS, 512).unwrap_err().code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+    st.allocate(tp2, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
+    assert_eq!(st.allocate(tp4, at(1), 0, 1, TOKENS, 512, None).unwrap_err().code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
 }
 
 #[test]
@@ -388,8 +388,8 @@ fn late_frames_for_closed_rooms_are_discarded_not_fatal() {
     assert!(matches!(st.begin_data(a, at(99), 0, 0, 0, 10), Ok(Target::Discard(_))));
     assert!(matches!(st.begin_slice(a, at(99), 0, 0, 0, 0, 32), Ok(Target::Discard(_))));
     assert_eq!(st.begin_ready(a, at(99), 0, 0).unwrap_err().code(), Status::KVSTAGE_E_STALE_ROOM);
-    st.open_room(3, key(3), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(3), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(3, key(3), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(3), 0, 0, TOKENS, CHUNK, None).unwrap();
     st.fail_room(3, Status::KVSTAGE_E_CANCELED, "test".into(), "");
     assert!(matches!(st.begin_data(a, at(3), 0, 0, 0, REGION), Ok(Target::Discard(_))));
     assert_eq!(st.ring_stats().1, 0);
@@ -404,13 +404,13 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
     let mut st = state(4 * CHUNK);
     let (stale, b0, b1, guesser) = (st.add_conn(info(0, 2, false)), st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)), st.add_conn(info(1, 2, false)));
     let a = RoomRef { id: 7, key: 0xa };
-    st.open_room(7, a.key, &PAGES, GRID, None).unwrap();
-    st.allocate(stale, a, 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(7, a.key, &PAGES, GRID, None, None).unwrap();
+    st.allocate(stale, a, 0, 0, TOKENS, CHUNK, None).unwrap();
     let half = land(st.begin_data(stale, a, 0, 0, 0, REGION / 2));
     st.end_data(half, true);
     assert_eq!(st.release_room(7), Release::Done);
     let b = RoomRef { id: 7, key: 0xb };
-    st.open_room(7, b.key, &PAGES, GRID, None).unwrap();
+    st.open_room(7, b.key, &PAGES, GRID, None, None).unwrap();
     let stale_code = |e: Error| e.code();
     // A's sender goes on with A's key: chunk 0's rest, its ready, chunk 1's allocation, slices.
     match st.begin_data(stale, a, 0, 0, REGION / 2, REGION / 2) {
@@ -418,20 +418,20 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
         other => panic!("{other:?}"),
     }
     assert_eq!(st.begin_ready(stale, a, 0, 0).map(|_| ()).map_err(stale_code), Err(Status::KVSTAGE_E_STALE_ROOM));
-    assert_eq!(st.allocate(stale, a, 1, 0, TOKENS, CHUNK).map(|_| ()).map_err(stale_code), Err(Status::KVSTAGE_E_STALE_ROOM));
+    assert_eq!(st.allocate(stale, a, 1, 0, TOKENS, CHUNK, None).map(|_| ()).map_err(stale_code), Err(Status::KVSTAGE_E_STALE_ROOM));
     assert!(matches!(st.begin_slice(stale, a, 1, 0, 0, 0, 32), Ok(Target::Discard(e)) if e.code() == Status::KVSTAGE_E_STALE_ROOM));
     assert_eq!(st.slice_done(stale, a, 1).map_err(stale_code), Err(Status::KVSTAGE_E_STALE_ROOM));
     assert_eq!(st.room_grid(stale, a).map(|_| ()).map_err(stale_code), Err(Status::KVSTAGE_E_STALE_ROOM));
     st.abort(stale, a, u32::MAX, "A canceled");
     // A connection that holds a writer slot in B, aborting with A's key (its late abort of A):
     // B goes on.
-    st.allocate(b0, b, 0, 0, TOKENS, CHUNK).unwrap();
+    st.allocate(b0, b, 0, 0, TOKENS, CHUNK, None).unwrap();
     st.abort(b0, a, u32::MAX, "A canceled, late");
     st.abort(b0, a, 0, "A canceled, late");
     assert!(!st.room_outcome(7).unwrap(), "an abort naming A failed B");
     // Guessed keys: refused the same way, and the reply does not tell the open key.
     for guess in [0, 1, 0xa, 0xc, u64::MAX] {
-        let e = st.allocate(guesser, RoomRef { id: 7, key: guess }, 0, 1, TOKENS, CHUNK).map(|_| ()).unwrap_err();
+        let e = st.allocate(guesser, RoomRef { id: 7, key: guess }, 0, 1, TOKENS, CHUNK, None).map(|_| ()).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_STALE_ROOM);
         assert!(!e.message().contains("0xb") && !e.message().contains(" 11"), "{}", e.message());
         st.abort(guesser, RoomRef { id: 7, key: guess }, u32::MAX, "mischief");
@@ -442,13 +442,13 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
     for chunk in 0..2 {
         for (conn, w) in [(b0, 0), (b1, 1)] {
             if (chunk, w) != (0, 0) {
-                st.allocate(conn, b, chunk, w, TOKENS, CHUNK).unwrap();
+                st.allocate(conn, b, chunk, w, TOKENS, CHUNK, None).unwrap();
             }
             deliver_at(&mut st, conn, b, chunk, w).unwrap();
         }
     }
     for job in st.take_effects().scatter {
-        st.scatter_done(&job, Ok(()));
+        st.scatter_done(&job, Ok(None));
     }
     assert!(st.room_outcome(7).unwrap(), "B completes with its own writers");
     // A stale sender's session is still usable: it writes into B with B's key.
@@ -459,14 +459,14 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
 fn rdma_grants_stay_quarantined_until_the_writer_is_done() {
     let mut st = state(CHUNK);
     let a = st.add_conn(info(0, 2, true));
-    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     st.release_room(1);
     assert_eq!(st.ring_stats().1, 1, "the sender may still RDMA-write its grant");
     st.abort(a, at(1), 0, "gave up");
     assert_eq!(st.ring_stats().1, 0, "its abort ends the quarantine");
-    st.open_room(2, key(2), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(2), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(2, key(2), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(2), 0, 0, TOKENS, CHUNK, None).unwrap();
     st.release_room(2);
     assert_eq!(st.ring_stats().1, 1);
     st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
@@ -479,15 +479,15 @@ fn a_mapped_writer_keeps_its_quarantine_past_its_connection_until_it_unmaps() {
     let mut st = state(CHUNK);
     let a = st.add_conn(info(0, 2, false));
     st.set_in_place(a, true);
-    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
     assert!(st.room_outcome(1).is_err(), "the room it owed fails");
     st.release_room(1);
     assert_eq!(st.ring_stats().1, 1, "it may still write through its mapping");
     let b = st.add_conn(info(0, 2, false));
-    st.open_room(2, key(2), &PAGES, GRID, None).unwrap();
-    let (_, region) = st.allocate(b, at(2), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(2, key(2), &PAGES, GRID, None, None).unwrap();
+    let (_, region) = st.allocate(b, at(2), 0, 0, TOKENS, CHUNK, None).unwrap();
     assert!(st.begin_data(b, at(2), 0, 0, region, REGION).is_err(), "the range is not writable by another meanwhile");
     st.unmapped(a);
     assert_eq!(st.ring_stats().1, 1, "unmapped: nothing more can land, only the new grant is live");
@@ -499,8 +499,8 @@ fn a_mapped_writer_keeps_its_quarantine_past_its_connection_until_it_unmaps() {
     let a = st.add_conn(info(0, 2, false));
     st.set_in_place(a, true);
     assert_eq!(st.mapped_conns(), vec![a]);
-    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     st.unmapped(a);
     st.release_room(1);
     assert_eq!(st.ring_stats().1, 0);
@@ -514,21 +514,21 @@ fn a_mapping_of_a_replaced_ring_gets_no_grant() {
     let a = st.add_conn(info(0, 2, false));
     st.set_in_place(a, true);
     st.register_ring(2 * CHUNK).unwrap();
-    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
-    let e = st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap_err();
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    let e = st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_PEER_GONE);
     assert!(e.message().contains("registered again"), "{}", e.chain());
     // A session that maps the new ring is served.
     let b = st.add_conn(info(0, 2, false));
     st.set_in_place(b, true);
-    st.allocate(b, at(1), 0, 0, TOKENS, CHUNK).unwrap();
+    st.allocate(b, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
 }
 
 #[test]
 fn slices_complete_only_when_every_row_arrived_once() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(1, key(1), &PAGES[..2], GRID, None).unwrap();
+    st.open_room(1, key(1), &PAGES[..2], GRID, None, None).unwrap();
     let row = |w: u32| (w * 32, 32);
     let d = dst();
     let send = |st: &mut State, c, w: u32, buffer, token| {
@@ -543,7 +543,7 @@ fn slices_complete_only_when_every_row_arrived_once() {
     assert!(e.message().contains("after 4 of 16 rows"), "{}", e.message());
     assert!(st.room_outcome(1).is_err(), "a writer short of rows fails the room");
     st.release_room(1);
-    st.open_room(1, key(1), &PAGES[..2], GRID, None).unwrap();
+    st.open_room(1, key(1), &PAGES[..2], GRID, None, None).unwrap();
     for (c, w) in [(a, 0), (b, 1)] {
         for buffer in 0..4 {
             for t in 0..TOKENS {
@@ -562,14 +562,14 @@ fn slices_complete_only_when_every_row_arrived_once() {
 fn one_chunk_cannot_mix_staged_and_slice_writers() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(1, key(1), &PAGES, GRID, None).unwrap();
-    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     let Ok(Target::Discard(e)) = st.begin_slice(b, at(1), 0, 0, 0, 32, 32) else { panic!("slice into a staged chunk") };
     assert_eq!(e.code(), Status::KVSTAGE_E_UNSUPPORTED);
     assert_eq!(st.slice_done(b, at(1), 0).unwrap_err().code(), Status::KVSTAGE_E_UNSUPPORTED);
     let l = land(st.begin_slice(b, at(1), 1, 0, 0, 32, 32));
     st.end_slice(l, true);
-    assert_eq!(st.allocate(a, at(1), 1, 0, TOKENS, CHUNK).unwrap_err().code(), Status::KVSTAGE_E_UNSUPPORTED);
+    assert_eq!(st.allocate(a, at(1), 1, 0, TOKENS, CHUNK, None).unwrap_err().code(), Status::KVSTAGE_E_UNSUPPORTED);
 }
 
 #[test]
@@ -577,12 +577,12 @@ fn events_are_bounded_and_rooms_expire() {
     let mut st = State::new(2);
     st.register_ring(4096).unwrap();
     let now = Instant::now();
-    st.open_room(1, key(1), &PAGES, GRID, Some(now + Duration::from_secs(1))).unwrap();
+    st.open_room(1, key(1), &PAGES, GRID, Some(now + Duration::from_secs(1)), None).unwrap();
     st.expire(now);
     assert!(!st.room_outcome(1).unwrap());
     st.expire(now + Duration::from_secs(2));
     assert_eq!(st.room_outcome(1).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
-    st.open_room(2, key(2), &PAGES, GRID, None).unwrap();
+    st.open_room(2, key(2), &PAGES, GRID, None, None).unwrap();
     st.fail_room(2, Status::KVSTAGE_E_CANCELED, "x".into(), "");
     assert_eq!(st.pending_events(), 2);
     assert_eq!(st.counters(), Counters { events_dropped: 2, rooms_expired: 1 });
@@ -936,7 +936,7 @@ impl Harness {
         match op {
             Op::Open(room, pages) => {
                 let key = self.next_key;
-                let result = self.st.open_room(room, key, &PAGES[..pages], GRID, None);
+                let result = self.st.open_room(room, key, &PAGES[..pages], GRID, None, None);
                 assert_eq!(result.is_ok(), !self.rooms.contains_key(&room), "open {room}: {result:?}");
                 if result.is_ok() {
                     self.next_key += 1;
@@ -972,7 +972,7 @@ impl Harness {
                     _ => (room, chunk),
                 };
                 let at = self.honest(room);
-                let result = self.st.allocate(id, at, chunk, w, TOKENS, CHUNK);
+                let result = self.st.allocate(id, at, chunk, w, TOKENS, CHUNK, None);
                 if self.stale_mapping == Some(id) {
                     assert_eq!(result.map(|_| ()).unwrap_err().code(), Status::KVSTAGE_E_PEER_GONE, "a grant for a mapping of a replaced ring");
                     return;
@@ -1207,7 +1207,7 @@ impl Harness {
                 }
                 let job = self.scatters.remove(i % self.scatters.len());
                 let result = if ok { Ok(()) } else { Err(Error::new(Status::KVSTAGE_E_CUDA, "scatter failed")) };
-                self.st.scatter_done(&job, result);
+                self.st.scatter_done(&job, result.map(|()| None));
                 let more = self.scatters.iter().any(|j| (j.gen, j.chunk) == (job.gen, job.chunk));
                 if let Some(r) = self.rooms.get_mut(&job.room).filter(|r| r.gen == job.gen) {
                     if !ok && r.live() && !r.complete() {
@@ -1275,7 +1275,7 @@ impl Harness {
             }
         };
         match frame {
-            Frame::Allocate => refused(&self.st.allocate(id, at, chunk, w, TOKENS, CHUNK).map(|_| ()).unwrap_err()),
+            Frame::Allocate => refused(&self.st.allocate(id, at, chunk, w, TOKENS, CHUNK, None).map(|_| ()).unwrap_err()),
             Frame::Data if c == 3 => self.st.written_in_place(id, at, chunk, w, w as u64 * REGION, SLAB).unwrap(),
             Frame::Data => match self.st.begin_data(id, at, chunk, w, w as u64 * REGION, SLAB) {
                 Ok(Target::Discard(e)) => refused(&e),

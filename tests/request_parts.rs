@@ -1,0 +1,328 @@
+//! Whole requests: KV plus aux rows (three buffers of different row sizes), a conv-like state of
+//! three groups and an SSM-like state (sharded by TP), a replicated state and a sliding-window pool
+//! with its own page size, moved in one room over real loopback TCP and the same-host path
+//! (engines in this process), prefill TP 4 → decode TP 2 and 2 → 4. Every byte of every decode
+//! component is compared with a reference computed element by element from each element's global
+//! identity (written here, independently of the planner), and the bytes around the request's
+//! items stay untouched. Then what a sender or a lying peer cannot do with the new fields.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::RawPeer;
+use kvstage::engine::{Engine, EngineOptions, TransportKind};
+use kvstage::geometry::{decode_ranks_for_prefill, ComponentKind, ComponentSpec, ModelKind, PoolShape, PoolSpan, RequestParts, StateItem};
+use kvstage::protocol::{Message, RoomRef};
+use kvstage::session::op::Op;
+use kvstage::session::sender::{SenderSession, TransferDesc};
+use kvstage::Status;
+use kvstage_testkit::{page_table, HostPool};
+
+const HEADS: u32 = 4;
+const KV_PAGE: u32 = 16;
+const CAPACITY: u64 = 16;
+const TOTAL: u64 = 100;
+const CHUNK_TOKENS: u32 = 32;
+const ROOM: u64 = 5;
+/// The window pool: its own page size, the request's last `WINDOW` tokens.
+const WINDOW_PAGE: u32 = 8;
+const WINDOW: u32 = 40;
+const ITEMS: u64 = 6;
+
+fn shape(rank: u32, tp: u32) -> PoolShape {
+    PoolShape::new(ModelKind::Mha, HEADS, 8, 2, KV_PAGE, 4).with_tp(rank, tp)
+}
+
+/// The components both sides register (sglang-shaped: three metadata buffers, a Mamba conv state
+/// of key/key/value groups and an SSM state on layers 0 and 2, a replicated state on layer 1, a
+/// sliding-window pool on layers 1 and 3).
+fn specs() -> Vec<ComponentSpec> {
+    let state = |outer, groups: Vec<u32>, dtype_bytes, replicated| ComponentKind::State { item: StateItem { outer, groups, dtype_bytes, replicated } };
+    let spec = |name: &str, kind, layer_ids: Vec<u32>, page_size| ComponentSpec { name: name.into(), kind, layer_ids, page_size };
+    vec![
+        spec("output_ids", ComponentKind::Aux { row_bytes: 64 }, vec![], 0),
+        spec("conv", state(3, vec![8, 8, 16], 2, false), vec![0, 2], 0),
+        spec("top_logprobs", ComponentKind::Aux { row_bytes: 512 }, vec![], 0),
+        spec("ssm", state(2, vec![32], 4, false), vec![0, 2], 0),
+        spec("rep", state(2, vec![6], 2, true), vec![1], 0),
+        spec("swa", ComponentKind::Pool { unit_bytes: 16, head_sliced: true }, vec![1, 3], WINDOW_PAGE),
+        spec("hidden", ComponentKind::Aux { row_bytes: 200 }, vec![], 0),
+    ]
+}
+
+/// The reference byte of an element, from its global identity only.
+fn value(parts: &[u64]) -> u8 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for p in parts {
+        h = (h ^ p).wrapping_mul(0x0100_0000_01b3);
+    }
+    (h >> 29) as u8 | 1
+}
+
+/// One rank's component memory: per component, per layer, a buffer.
+struct Memory {
+    buffers: Vec<Vec<Vec<u8>>>,
+    /// Bytes of one item per component on this rank.
+    item_bytes: Vec<u64>,
+    rank: u32,
+    tp: u32,
+}
+
+/// Global element of local element `i` of a state row on rank `rank` of `tp`.
+fn global_element(item: &StateItem, rank: u32, tp: u32, i: u64) -> u64 {
+    if item.replicated {
+        return i;
+    }
+    let (mut local, mut global) = (0u64, 0u64);
+    for &g in &item.groups {
+        let share = (g / tp) as u64;
+        if i < local + share {
+            return global + rank as u64 * share + (i - local);
+        }
+        local += share;
+        global += g as u64;
+    }
+    unreachable!("element {i} past the row")
+}
+
+impl Memory {
+    fn new(rank: u32, tp: u32) -> Memory {
+        let local_heads = HEADS / tp;
+        let mut buffers = Vec::new();
+        let mut item_bytes = Vec::new();
+        for s in specs() {
+            let ib = s.item_bytes(tp, local_heads);
+            let per_layer = match s.kind {
+                ComponentKind::Pool { .. } => ITEMS * WINDOW_PAGE as u64 * ib,
+                _ => ITEMS * ib,
+            };
+            buffers.push((0..s.layer_ids.len().max(1)).map(|_| vec![0u8; per_layer as usize]).collect());
+            item_bytes.push(ib);
+        }
+        Memory { buffers, item_bytes, rank, tp }
+    }
+
+    fn register(&self, engine: &Engine) -> kvstage::Result<()> {
+        let list = specs()
+            .into_iter()
+            .zip(&self.buffers)
+            .map(|(s, bufs)| (s, ITEMS, bufs.iter().map(|b| b.as_ptr() as usize).collect()))
+            .collect();
+        engine.register_components(list)
+    }
+
+    /// What each byte of the request's items holds: `(component, layer index, byte offset in the
+    /// layer's buffer, value)` for aux row `row`, state slots `slots`, window span `window`
+    /// (request tokens `TOTAL - WINDOW ..`).
+    fn expected(&self, row: u64, slots: &[u64], window: &PoolSpan) -> Vec<(usize, usize, usize, u8)> {
+        let mut out = Vec::new();
+        let mut state = 0;
+        for (c, s) in specs().iter().enumerate() {
+            let ib = self.item_bytes[c];
+            match &s.kind {
+                ComponentKind::Aux { row_bytes } => {
+                    for b in 0..*row_bytes {
+                        out.push((c, 0, (row * ib + b) as usize, value(&[c as u64, b])));
+                    }
+                }
+                ComponentKind::State { item } => {
+                    let slot = slots[state];
+                    state += 1;
+                    let row_elems = item.local_dim(self.tp);
+                    for (li, &layer) in s.layer_ids.iter().enumerate() {
+                        for r in 0..item.outer as u64 {
+                            for i in 0..row_elems {
+                                let e = global_element(item, self.rank, self.tp, i);
+                                for b in 0..item.dtype_bytes as u64 {
+                                    let at = slot * ib + ((r * row_elems + i) * item.dtype_bytes as u64 + b);
+                                    out.push((c, li, at as usize, value(&[c as u64, layer as u64, r, e, b])));
+                                }
+                            }
+                        }
+                    }
+                }
+                ComponentKind::Pool { unit_bytes, .. } => {
+                    let local_heads = (HEADS / self.tp) as u64;
+                    for (li, &layer) in s.layer_ids.iter().enumerate() {
+                        for j in 0..window.tokens as u64 {
+                            let t = window.first_token as u64 + j;
+                            let slot = window.pages[(t / WINDOW_PAGE as u64) as usize] as u64 * WINDOW_PAGE as u64 + t % WINDOW_PAGE as u64;
+                            for h in 0..local_heads {
+                                let head = self.rank as u64 * local_heads + h;
+                                for b in 0..*unit_bytes {
+                                    let token = TOTAL - WINDOW as u64 + j;
+                                    out.push((c, li, (slot * ib + h * unit_bytes + b) as usize, value(&[c as u64, layer as u64, token, head, b])));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn fill(&mut self, row: u64, slots: &[u64], window: &PoolSpan) {
+        for (c, li, at, v) in self.expected(row, slots, window) {
+            self.buffers[c][li][at] = v;
+        }
+    }
+
+    /// Bytes that differ from the reference, the first of them described; every byte outside the
+    /// request's items must still be 0.
+    fn verify(&self, row: u64, slots: &[u64], window: &PoolSpan) -> (usize, Option<String>) {
+        let mut want: Vec<Vec<Vec<u8>>> = self.buffers.iter().map(|c| c.iter().map(|b| vec![0u8; b.len()]).collect()).collect();
+        for (c, li, at, v) in self.expected(row, slots, window) {
+            want[c][li][at] = v;
+        }
+        let names = specs();
+        let mut bad = 0;
+        let mut first = None;
+        for (c, layers) in self.buffers.iter().enumerate() {
+            for (li, got) in layers.iter().enumerate() {
+                for (at, (g, w)) in got.iter().zip(&want[c][li]).enumerate() {
+                    if g != w {
+                        bad += 1;
+                        first.get_or_insert_with(|| format!("{} layer index {li} byte {at}: {g} != {w}", names[c].name));
+                    }
+                }
+            }
+        }
+        (bad, first)
+    }
+}
+
+fn engine(transport: TransportKind) -> Engine {
+    Engine::new(EngineOptions { transport, ..EngineOptions::default() }).unwrap()
+}
+
+struct Decode {
+    engine: Engine,
+    pool: HostPool,
+    memory: Memory,
+    pages: Vec<u32>,
+    parts: RequestParts,
+    room: RoomRef,
+}
+
+fn decode_parts(rank: u32) -> RequestParts {
+    // Each side names its own row, slots and window pages (the decode window starts on a page).
+    let pages = page_table(WINDOW.div_ceil(WINDOW_PAGE) as usize, ITEMS, 11 + rank as u64, true);
+    RequestParts { aux_row: 4, state_slots: vec![1, 5, 2], pools: vec![PoolSpan { pages, first_token: 0, tokens: WINDOW }] }
+}
+
+fn prefill_parts() -> RequestParts {
+    // The window is the request's last 40 tokens: 4 slots into its first prefill page.
+    let first_token = ((TOTAL - WINDOW as u64) % WINDOW_PAGE as u64) as u32;
+    let pages = vec![5, 0, 3, 2, 4, 1];
+    RequestParts { aux_row: 2, state_slots: vec![3, 0, 4], pools: vec![PoolSpan { pages, first_token, tokens: WINDOW }] }
+}
+
+fn decodes(transport: TransportKind, tp: u32) -> Vec<Decode> {
+    (0..tp)
+        .map(|r| {
+            let engine = engine(transport);
+            let pool = HostPool::new(shape(r, tp), CAPACITY);
+            engine.register_pool(pool.layout.clone()).unwrap();
+            let memory = Memory::new(r, tp);
+            memory.register(&engine).unwrap();
+            engine.register_staging(None, 1 << 20).unwrap();
+            let pages = page_table(TOTAL.div_ceil(KV_PAGE as u64) as usize, CAPACITY, 7 + r as u64, true);
+            let parts = decode_parts(r);
+            let (_, key) = engine.receiver().open_room_parts(ROOM, &pages, CHUNK_TOKENS, Some(parts.clone())).unwrap();
+            Decode { engine, pool, memory, pages, parts, room: RoomRef { id: ROOM, key } }
+        })
+        .collect()
+}
+
+struct Prefill {
+    sessions: Vec<(u32, Arc<SenderSession>)>,
+    _engine: Engine,
+    _pool: HostPool,
+    _memory: Memory,
+}
+
+fn prefills(transport: TransportKind, tp: u32, pages: &[u32], decodes: &[Decode]) -> Vec<Prefill> {
+    (0..tp)
+        .map(|r| {
+            let engine = engine(transport);
+            let mut pool = HostPool::new(shape(r, tp), CAPACITY);
+            pool.fill(pages, 0);
+            engine.register_pool(pool.layout.clone()).unwrap();
+            let mut memory = Memory::new(r, tp);
+            let parts = prefill_parts();
+            memory.fill(parts.aux_row, &parts.state_slots, &parts.pools[0]);
+            memory.register(&engine).unwrap();
+            let sessions = decode_ranks_for_prefill(r, tp, decodes.len() as u32)
+                .unwrap()
+                .map(|d| (d, engine.connect(&decodes[d as usize].engine.local_addr().to_string(), &format!("p{r}-d{d}"), None).unwrap()))
+                .collect();
+            Prefill { sessions, _engine: engine, _pool: pool, _memory: memory }
+        })
+        .collect()
+}
+
+fn send(session: &SenderSession, desc: &TransferDesc) -> kvstage::Result<Status> {
+    session.transfer(desc, &Op::new(session.waker()))
+}
+
+/// Chunk `chunk` (of 32 tokens on 16-token pages, the last of 4 tokens) with the request's parts
+/// when it is the last.
+fn desc(room: RoomRef, pages: &[u32], chunk: u32) -> TransferDesc {
+    let (first, tokens) = (chunk as u64 * CHUNK_TOKENS as u64, (TOTAL - chunk as u64 * CHUNK_TOKENS as u64).min(CHUNK_TOKENS as u64));
+    let page = (first / KV_PAGE as u64) as usize;
+    TransferDesc {
+        room,
+        chunk,
+        pages: pages[page..page + tokens.div_ceil(KV_PAGE as u64) as usize].to_vec(),
+        num_tokens: tokens as u32,
+        timeout: Some(Duration::from_secs(10)),
+        parts: (chunk == last_chunk()).then(|| Arc::new(prefill_parts())),
+        ..Default::default()
+    }
+}
+
+fn last_chunk() -> u32 {
+    (TOTAL.div_ceil(CHUNK_TOKENS as u64) - 1) as u32
+}
+
+fn request(transport: TransportKind, src_tp: u32, dst_tp: u32) {
+    let what = format!("{transport:?}: P{src_tp} -> D{dst_tp}");
+    let d = decodes(transport, dst_tp);
+    let src_pages = page_table(TOTAL.div_ceil(KV_PAGE as u64) as usize, CAPACITY, 3, false);
+    let p = prefills(transport, src_tp, &src_pages, &d);
+    // The last chunk (with the parts) first: the room completes only with every chunk, and its
+    // aux rows are written after the rest.
+    for chunk in (0..=last_chunk()).rev() {
+        for rank in &p {
+            for (dr, s) in &rank.sessions {
+                let sent = send(s, &desc(d[*dr as usize].room, &src_pages, chunk)).unwrap_or_else(|e| panic!("{what}: chunk {chunk}: {}", e.chain()));
+                assert_eq!(sent, Status::KVSTAGE_OK, "{what}: chunk {chunk}");
+            }
+        }
+        if chunk == last_chunk() {
+            for dec in &d {
+                let aux = dec.memory.buffers[0][0][(dec.parts.aux_row * 64) as usize];
+                assert_eq!(aux, 0, "{what}: an aux row was written before the room's other chunks");
+            }
+        }
+    }
+    for (r, dec) in d.iter().enumerate() {
+        dec.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{what}: decode {r}: {}", e.chain()));
+        let (bad, first) = dec.pool.verify_tokens(&dec.pages, 0, TOTAL);
+        assert_eq!(bad, 0, "{what}: decode rank {r} KV: {first:?}");
+        let (bad, first) = dec.memory.verify(dec.parts.aux_row, &dec.parts.state_slots, &dec.parts.pools[0]);
+        assert_eq!(bad, 0, "{what}: decode rank {r} parts: {first:?}");
+    }
+}
+
+#[test]
+fn a_whole_request_lands_over_tcp_and_the_same_host_path() {
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        request(transport, 4, 2);
+        request(transport, 2, 4);
+        request(transport, 2, 2);
+    }
+}
