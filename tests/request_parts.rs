@@ -326,3 +326,113 @@ fn a_whole_request_lands_over_tcp_and_the_same_host_path() {
         request(transport, 2, 2);
     }
 }
+
+/// One prefill rank, one decode rank over TCP, the room open with parts.
+fn pair() -> (Vec<Decode>, Vec<Prefill>, Vec<u32>) {
+    let d = decodes(TransportKind::Tcp, 1);
+    let src_pages = page_table(TOTAL.div_ceil(KV_PAGE as u64) as usize, CAPACITY, 3, false);
+    let p = prefills(TransportKind::Tcp, 1, &src_pages, &d);
+    (d, p, src_pages)
+}
+
+fn refused(s: &SenderSession, desc: &TransferDesc, code: Status, text: &str) {
+    let e = send(s, desc).unwrap_err();
+    assert_eq!(e.code(), code, "{}", e.chain());
+    assert!(e.chain().contains(text), "expected {text:?} in: {}", e.chain());
+}
+
+#[test]
+fn parts_go_with_the_last_chunk_only_and_every_field_is_checked() {
+    let (d, p, src_pages) = pair();
+    let s = &p[0].sessions[0].1;
+    let room = d[0].room;
+    let last = desc(room, &src_pages, last_chunk());
+    // Parts on another chunk, and a last chunk without the parts the room names: refused by the
+    // receiver with the reason; the room goes on.
+    let early = TransferDesc { parts: last.parts.clone(), ..desc(room, &src_pages, 0) };
+    refused(s, &early, Status::KVSTAGE_E_GEOMETRY_MISMATCH, "request parts travel with the room's last chunk (3), not with chunk 0");
+    refused(s, &TransferDesc { parts: None, ..last.clone() }, Status::KVSTAGE_E_GEOMETRY_MISMATCH, "this writer does not send with the last chunk");
+    // Caller mistakes are named field by field before anything is sent.
+    let mut bad = prefill_parts();
+    bad.state_slots[1] = ITEMS;
+    refused(s, &TransferDesc { parts: Some(Arc::new(bad)), ..last.clone() }, Status::KVSTAGE_E_INVALID_ARG, "`desc->parts.state_slots[1]`: 6 is outside state component \"ssm\"'s 6 slots");
+    let mut bad = prefill_parts();
+    bad.pools[0].tokens = 48;
+    refused(s, &TransferDesc { parts: Some(Arc::new(bad)), ..last.clone() }, Status::KVSTAGE_E_INVALID_ARG, "`desc->parts.pool_spans[0].pages`: holds 6 pages, the tokens 4..52 of its pages (page_size 8) need 7");
+    let mut bad = prefill_parts();
+    bad.state_slots.pop();
+    refused(s, &TransferDesc { parts: Some(Arc::new(bad)), ..last.clone() }, Status::KVSTAGE_E_INVALID_ARG, "`desc->parts.num_state_slots`: 2 != 3");
+    // A window of another length than the room's: both values and the pool named.
+    let mut shorter = prefill_parts();
+    shorter.pools[0] = PoolSpan { pages: shorter.pools[0].pages[1..].to_vec(), first_token: 0, tokens: WINDOW - 4 };
+    refused(s, &TransferDesc { parts: Some(Arc::new(shorter)), ..last.clone() }, Status::KVSTAGE_E_GEOMETRY_MISMATCH, "pool \"swa\": the sender sends 36 tokens, the room's span holds 40");
+    // The room still completes with the right transfers.
+    for chunk in 0..=last_chunk() {
+        assert_eq!(send(s, &desc(room, &src_pages, chunk)).unwrap(), Status::KVSTAGE_OK);
+    }
+    d[0].engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+    let (bad, first) = d[0].memory.verify(d[0].parts.aux_row, &d[0].parts.state_slots, &d[0].parts.pools[0]);
+    assert_eq!(bad, 0, "{first:?}");
+    // A room opened for the KV alone takes no parts.
+    let (_, key) = d[0].engine.receiver().open_room(ROOM + 1, &d[0].pages, CHUNK_TOKENS).unwrap();
+    let plain = RoomRef { id: ROOM + 1, key };
+    refused(s, &desc(plain, &src_pages, last_chunk()), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "the room does not name (open it with kvstage_room_open_parts)");
+    // A decode room naming a slot outside its component is refused at the opening.
+    let mut outside = decode_parts(0);
+    outside.aux_row = ITEMS + 3;
+    let e = d[0].engine.receiver().open_room_parts(ROOM + 2, &d[0].pages, CHUNK_TOKENS, Some(outside)).unwrap_err();
+    assert!(e.message().contains("`parts.aux_row`: 9 is outside aux buffer \"output_ids\"'s 6 rows"), "{}", e.chain());
+}
+
+#[test]
+fn ranks_with_different_components_are_refused_at_the_handshake() {
+    let d = decodes(TransportKind::Tcp, 1);
+    let engine = engine(TransportKind::Tcp);
+    let pool = HostPool::new(shape(0, 1), CAPACITY);
+    engine.register_pool(pool.layout.clone()).unwrap();
+    let memory = Memory::new(0, 1);
+    let mut list: Vec<_> = specs().into_iter().zip(&memory.buffers).map(|(s, b)| (s, ITEMS, b.iter().map(|b| b.as_ptr() as usize).collect())).collect();
+    list[5].0.kind = ComponentKind::Pool { unit_bytes: 16, head_sliced: false };
+    list[1].0.name = "conv_state".into();
+    engine.register_components(list).unwrap();
+    let Err(e) = engine.connect(&d[0].engine.local_addr().to_string(), "p0-d0", None) else { panic!("connected with different components") };
+    assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
+    for field in ["components[1].name: local \"conv_state\"", "components[5] (swa).head_sliced"] {
+        assert!(e.chain().contains(field.split(':').next().unwrap()), "{field} missing in {}", e.chain());
+    }
+}
+
+/// A lying peer (a raw connection that passed the handshake with the right components) cannot
+/// make the room take parts it does not name, a window of another length, a pool list of another
+/// size, or an allocation that leaves the parts out.
+#[test]
+fn a_lying_peer_cannot_bend_the_parts() {
+    let d = decodes(TransportKind::Tcp, 1);
+    let addr = d[0].engine.local_addr();
+    let mut peer = RawPeer::connect(addr);
+    peer.send(&common::hello_with(&shape(0, 1), "liar", &[], specs())).unwrap();
+    assert!(matches!(peer.reply(Duration::from_secs(5)), Message::Hello(h) if h.status == 0));
+    let layout = kvstage::geometry::staging_layout(&shape(0, 1), &shape(0, 1), (TOTAL % CHUNK_TOKENS as u64) as u32).unwrap();
+    let mut ask = |req: u64, room: RoomRef, chunk: u32, bytes: u64, pool_tokens: Option<Vec<u32>>| {
+        let tokens = if chunk == last_chunk() { layout.tokens } else { CHUNK_TOKENS };
+        peer.send(&Message::AllocReq { req, room, chunk, writer: 0, tokens, bytes, trace: String::new(), pool_tokens }).unwrap();
+        match peer.reply(Duration::from_secs(5)) {
+            Message::AllocRsp { req: r, status, reason, .. } if r == req => (status, reason),
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    let room = d[0].room;
+    let (status, reason) = ask(1, room, last_chunk(), layout.total_bytes, Some(vec![WINDOW + 1]));
+    assert_eq!(status, Status::KVSTAGE_E_GEOMETRY_MISMATCH.code());
+    assert!(reason.contains("pool \"swa\": the sender sends 41 tokens, the room's span holds 40"), "{reason}");
+    let (_, reason) = ask(2, room, last_chunk(), layout.total_bytes, Some(vec![WINDOW, WINDOW]));
+    assert!(reason.contains("the sender names 2 pool spans, the room 1"), "{reason}");
+    // The KV alone in the last chunk's allocation: the size must include the parts.
+    let (_, reason) = ask(3, room, last_chunk(), layout.total_bytes, Some(vec![WINDOW]));
+    assert!(reason.contains(&format!("allocation size {} != expected", layout.total_bytes)) && reason.contains("of them request parts"), "{reason}");
+    let (_, reason) = ask(4, room, 1, layout.total_bytes, Some(vec![WINDOW]));
+    assert!(reason.contains("request parts travel with the room's last chunk"), "{reason}");
+    // Nothing of it failed the room: the decode side still waits for its chunks.
+    let e = d[0].engine.receiver().wait_room(ROOM, Some(Duration::from_millis(100))).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
+}
