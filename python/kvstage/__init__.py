@@ -87,9 +87,18 @@ from .errors import (
 )
 from ._logging import TRACE, route_logs_to_python, route_logs_to_stderr
 from .staging import StagingTransfer, TransferTarget
+from . import parts
+from .parts import AuxBuffer, PoolComponent, PoolSpan, RequestParts, StateComponent
 
 __all__ = [
     "__version__",
+    # whole requests
+    "parts",
+    "AuxBuffer",
+    "StateComponent",
+    "PoolComponent",
+    "PoolSpan",
+    "RequestParts",
     # library
     "load_library",
     "get_library",

@@ -338,7 +338,8 @@ def state_slice(
     """``kvstage_state_slice_compute``: which bytes of prefill rank ``src_rank``'s state slot go
     where in decode rank ``dst_rank``'s, for an item of ``outer`` rows of ``sum(group_dims)``
     elements (each group sharded on its own across TP; ``replicated``: whole on every rank, sent
-    from prefill rank ``dst_rank % src_tp`` alone). An empty list: the two ranks share nothing."""
+    from prefill rank ``dst_rank * src_tp // dst_tp`` alone). An empty list: the two ranks share
+    nothing."""
     lib = get_library()
     dims = (c_uint32 * max(1, len(group_dims)))(*[_u32(g, "group_dims") for g in group_dims])
     item = _lib.kvstage_state_item()
@@ -779,6 +780,7 @@ class Engine(_Handle):
         super().__init__(lib, out.value)
         self._pool: Optional[KvLayout] = None
         self._staging: List[Any] = []
+        self._components: list = []
         self._callback: Any = None
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
 
@@ -821,6 +823,19 @@ class Engine(_Handle):
         c, _keep = layout._c()
         _check(self._lib, self._lib.kvstage_engine_register_pool(self._handle(), byref(c)), "kvstage_engine_register_pool")
         self._pool = layout
+
+    def register_components(self, components: Sequence[Any]) -> None:
+        """``kvstage_engine_register_components``: this rank's request parts besides the KV
+        (:class:`kvstage.parts.AuxBuffer`, :class:`~kvstage.parts.StateComponent`,
+        :class:`~kvstage.parts.PoolComponent`; host memory), once, after :meth:`register_pool` and
+        before sessions connect. Both sides register the same components in the same order (the
+        handshake compares them field by field). The engine keeps the buffers referenced."""
+        from .parts import components_c
+
+        array, keep = components_c(self._lib, components)
+        rc = self._lib.kvstage_engine_register_components(self._handle(), array, len(components))
+        _check(self._lib, rc, "kvstage_engine_register_components")
+        self._components = keep
 
     def register_staging(self, size: int, memory: Any = None, device: Optional[int] = None) -> None:
         """Registers the decode-side staging ring of ``size`` bytes
@@ -872,18 +887,24 @@ class Engine(_Handle):
 
     # -- receiver side: rooms ---------------------------------------------------------------------
 
-    def room_open(self, room: int, dst_pages: Any, chunk_tokens: int = 0) -> RoomOpening:
+    def room_open(self, room: int, dst_pages: Any, chunk_tokens: int = 0, *, parts: Any = None) -> RoomOpening:
         """``kvstage_room_open``: the room's new tokens land in ``dst_pages`` (token order), cut into
         chunks of ``chunk_tokens`` (0 = engine default). Returns the number of chunks and this
         opening's key: send the key to the prefill ranks with the room id (in the engine's own
-        bootstrap message); their transfers pass it as ``room_key``."""
+        bootstrap message); their transfers pass it as ``room_key``. ``parts``
+        (:class:`kvstage.parts.RequestParts`): the request's aux row, state slots and extra pools'
+        pages on this rank (``kvstage_room_open_parts``); the room then completes only once they
+        are in place too, the aux rows written last."""
+        from .parts import request_parts_c
+
         keep, address, count = page_array(dst_pages, "dst_pages")
+        c_parts, keep_parts = request_parts_c(self._lib, parts)
         n, key = c_uint32(), c_uint64()
-        rc = self._lib.kvstage_room_open(
-            self._handle(), _u64(room, "room"), ctypes.cast(address, POINTER(c_uint32)), count, _u32(chunk_tokens, "chunk_tokens"), byref(n), byref(key)
+        rc = self._lib.kvstage_room_open_parts(
+            self._handle(), _u64(room, "room"), ctypes.cast(address, POINTER(c_uint32)), count, _u32(chunk_tokens, "chunk_tokens"), c_parts, byref(n), byref(key)
         )
-        del keep
-        _check(self._lib, rc, "kvstage_room_open")
+        del keep, keep_parts
+        _check(self._lib, rc, "kvstage_room_open_parts" if parts is not None else "kvstage_room_open")
         return RoomOpening(n.value, key.value)
 
     def room_wait(self, room: int, timeout_ms: int = 0) -> None:
@@ -898,9 +919,9 @@ class Engine(_Handle):
         rc = self._lib.kvstage_room_release(self._handle(), _u64(room, "room"))
         _check(self._lib, rc, "kvstage_room_release")
 
-    def room(self, room: int, dst_pages: Any, chunk_tokens: int = 0) -> "Room":
+    def room(self, room: int, dst_pages: Any, chunk_tokens: int = 0, *, parts: Any = None) -> "Room":
         """Opens a room as a context manager that releases it on exit."""
-        return Room(self, room, *self.room_open(room, dst_pages, chunk_tokens))
+        return Room(self, room, *self.room_open(room, dst_pages, chunk_tokens, parts=parts))
 
     def poll_events(self, max_events: int = 256, room: Optional[int] = None) -> List[ChunkEvent]:
         """``kvstage_engine_poll_events`` (or ``kvstage_room_poll_events`` with ``room``): up to
@@ -1067,7 +1088,10 @@ def _describe(lib: Library, fn: str, *args: Any) -> dict:
     raise AssertionError("unreachable: a failed fill raises")
 
 
-def _desc(lib: Library, room: int, room_key: int, chunk_index: int, pages: Any, deadline_ms: int, tag: int, src_token_offset: int, num_tokens: int, trace_id: Optional[str] = None):
+def _desc(
+    lib: Library, room: int, room_key: int, chunk_index: int, pages: Any, deadline_ms: int, tag: int, src_token_offset: int, num_tokens: int,
+    trace_id: Optional[str] = None, parts: Any = None,
+):
     keep, address, count = page_array(pages, "pages")
     d = _lib.kvstage_transfer_desc()
     _check(lib, lib.kvstage_transfer_desc_init(byref(d)), "kvstage_transfer_desc_init")
@@ -1084,6 +1108,11 @@ def _desc(lib: Library, room: int, room_key: int, chunk_index: int, pages: Any, 
         encoded = trace_id.encode("utf-8")
         d.trace_id = encoded
         keep = (keep, encoded)
+    if parts is not None:
+        from .parts import request_parts_c
+
+        d.parts, keep_parts = request_parts_c(lib, parts)
+        keep = (keep, keep_parts)
     return d, keep
 
 
@@ -1106,7 +1135,7 @@ class Session(_Handle):
 
     def transfer(
         self, room: int, chunk_index: int, pages: Any, deadline_ms: int = 0, *, room_key: int, src_token_offset: int = 0, num_tokens: int = 0,
-        trace_id: Optional[str] = None,
+        trace_id: Optional[str] = None, parts: Any = None,
     ) -> Status:
         """``kvstage_transfer``: the staged path for one chunk (``pages``: the prefill pages of the
         chunk in token order) into ``room``, opened on the decode side with the key ``room_key``
@@ -1117,8 +1146,10 @@ class Session(_Handle):
         many tokens it holds (0: all the pages hold from there), as :func:`chunk_span` says when
         the prefill and decode page sizes differ or a prefix ends inside a prefill page.
         ``trace_id``: the request's id in both sides' log lines, describe documents and
-        completions (your engine's request id; default: derived from the room's opening)."""
-        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, 0, src_token_offset, num_tokens, trace_id)
+        completions (your engine's request id; default: derived from the room's opening).
+        ``parts`` (:class:`kvstage.parts.RequestParts`, the room's last chunk only): this rank's aux
+        row, state slots and extra pools' pages of the request, sent in the same write."""
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, 0, src_token_offset, num_tokens, trace_id, parts)
         rc = self._lib.kvstage_transfer(self._handle(), byref(d))
         del keep
         return _check(self._lib, rc, "kvstage_transfer")
@@ -1146,10 +1177,11 @@ class Session(_Handle):
         src_token_offset: int = 0,
         num_tokens: int = 0,
         trace_id: Optional[str] = None,
+        parts: Any = None,
     ) -> "Operation":
         """``kvstage_transfer_async``: starts the staged path on the engine's transfer workers;
-        ``tag`` comes back with its completion (callback)."""
-        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag, src_token_offset, num_tokens, trace_id)
+        ``tag`` comes back with its completion (callback). ``parts``: as for :meth:`transfer`."""
+        d, keep = _desc(self._lib, room, room_key, chunk_index, pages, deadline_ms, tag, src_token_offset, num_tokens, trace_id, parts)
         out = c_void_p()
         rc = self._lib.kvstage_transfer_async(self._handle(), byref(d), byref(out))
         del keep

@@ -356,6 +356,43 @@ class kvstage_staging_writer(Structure):
     ]
 
 
+class kvstage_component(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("name", ctypes.c_char_p),
+        ("kind", c_int32),
+        ("item_bytes", c_uint64),
+        ("num_items", c_uint64),
+        ("state", POINTER(kvstage_state_item)),
+        ("page_size", c_uint32),
+        ("head_sliced", c_int32),
+        ("layer_ids", POINTER(c_uint32)),
+        ("num_layers", c_size_t),
+        ("bases", POINTER(c_uint64)),
+        ("num_bases", c_size_t),
+    ]
+
+
+class kvstage_pool_span(Structure):
+    _fields_ = [
+        ("pages", POINTER(c_uint32)),
+        ("num_pages", c_size_t),
+        ("first_token", c_uint32),
+        ("num_tokens", c_uint32),
+    ]
+
+
+class kvstage_request_parts(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("aux_row", c_uint64),
+        ("state_slots", POINTER(c_uint64)),
+        ("num_state_slots", c_size_t),
+        ("pool_spans", POINTER(kvstage_pool_span)),
+        ("num_pool_spans", c_size_t),
+    ]
+
+
 class kvstage_transfer_desc(Structure):
     _fields_ = [
         ("struct_size", c_size_t),
@@ -371,6 +408,7 @@ class kvstage_transfer_desc(Structure):
         ("src_token_offset", c_uint32),
         ("num_tokens", c_uint32),
         ("trace_id", ctypes.c_char_p),
+        ("parts", POINTER(kvstage_request_parts)),
     ]
 
 
@@ -488,6 +526,10 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_op_cancel": (c_int, [c_void_p]),
     "kvstage_op_free": (None, [c_void_p]),
     "kvstage_room_open": (c_int, [c_void_p, c_uint64, _p(c_uint32), c_size_t, c_uint32, _p(c_uint32), _p(c_uint64)]),
+    "kvstage_room_open_parts": (c_int, [c_void_p, c_uint64, _p(c_uint32), c_size_t, c_uint32, _p(kvstage_request_parts), _p(c_uint32), _p(c_uint64)]),
+    "kvstage_component_init": (c_int, [_p(kvstage_component)]),
+    "kvstage_request_parts_init": (c_int, [_p(kvstage_request_parts)]),
+    "kvstage_engine_register_components": (c_int, [c_void_p, _p(kvstage_component), c_size_t]),
     "kvstage_room_wait": (c_int, [c_void_p, c_uint64, c_uint64]),
     "kvstage_room_release": (c_int, [c_void_p, c_uint64]),
     "kvstage_engine_poll_events": (c_int, [c_void_p, _p(kvstage_chunk_event), c_size_t, _p(c_size_t)]),
@@ -511,6 +553,8 @@ _SIZED_BY_INIT = (
     ("kvstage_kv_layout", kvstage_kv_layout, "kvstage_kv_layout_init"),
     ("kvstage_staging_memory", kvstage_staging_memory, "kvstage_staging_memory_init"),
     ("kvstage_transfer_desc", kvstage_transfer_desc, "kvstage_transfer_desc_init"),
+    ("kvstage_component", kvstage_component, "kvstage_component_init"),
+    ("kvstage_request_parts", kvstage_request_parts, "kvstage_request_parts_init"),
 )
 
 
