@@ -168,6 +168,21 @@ typedef enum kvstage_log_level {
     KVSTAGE_LOG_TRACE = 5,
 } kvstage_log_level;
 
+// What a component holds (`kvstage_component.kind`).
+typedef enum kvstage_component_kind {
+    // Metadata rows (sglang's `MetadataBuffers`: output ids, cached-token counts, logprobs,
+    // draft hidden states, ...): one row of `item_bytes` per request, the row index each side's
+    // own. Written into the decode buffers last, once everything else of the room is in place.
+    KVSTAGE_COMPONENT_AUX = 0,
+    // Per-request state (Mamba/GDN conv and SSM states): one slot per request per layer, shaped
+    // and sharded as `state` says.
+    KVSTAGE_COMPONENT_STATE = 1,
+    // An extra paged pool (a sliding window's KV, an indexer's key pages): `item_bytes` per head
+    // per token, head-sliced like the KV (`head_sliced` 1), or per token, whole on every rank
+    // (`head_sliced` 0).
+    KVSTAGE_COMPONENT_POOL = 2,
+} kvstage_component_kind;
+
 // An engine: listener, peers, registrations and worker threads. Thread-safe.
 typedef struct kvstage_engine kvstage_engine;
 
