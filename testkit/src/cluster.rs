@@ -33,6 +33,7 @@ use kvstage::session::op::Op;
 use kvstage::session::sender::{SenderSession, TransferDesc};
 use kvstage::{Error, Result, Status};
 
+use crate::parts::PartsMemory;
 use crate::{page_table, HostPool, Model};
 
 /// Everything both processes must agree on; passed to the child as command-line flags.
@@ -50,6 +51,10 @@ pub struct Setup {
     pub ring_chunks: u32,
     /// Transport of every engine, on both sides.
     pub transport: TransportKind,
+    /// Request parts besides the KV ([`crate::parts`]): aux buffers (one row each per request)
+    /// and bytes of state per request (0: none).
+    pub aux_rows: u32,
+    pub state_bytes: u64,
 }
 
 impl Setup {
@@ -148,10 +153,17 @@ impl Setup {
             ("--chunk-tokens", self.chunk_tokens.to_string()),
             ("--ring-chunks", self.ring_chunks.to_string()),
             ("--transport", transport_name(self.transport).to_string()),
+            ("--aux-rows", self.aux_rows.to_string()),
+            ("--state-bytes", self.state_bytes.to_string()),
         ]
         .into_iter()
         .flat_map(|(k, v)| [k.to_string(), v])
         .collect()
+    }
+
+    /// The request's parts when `chunk` is the room's last (they travel with it).
+    pub fn last_chunk_parts(&self, room: u64, chunk: usize) -> Option<Arc<kvstage::geometry::RequestParts>> {
+        (chunk + 1 == self.chunks()).then(|| self.request_parts(room)).flatten().map(Arc::new)
     }
 
     pub fn check(&self) -> std::result::Result<(), String> {
@@ -268,20 +280,23 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
         let chunk = setup.grid_pages() as u32 * setup.page_size;
         let per_chunk = geometry::staging_layout(&src, &pool.layout.shape, chunk)?.total_bytes;
         engine.register_staging(None, (per_chunk * setup.ring_chunks as u64) as usize)?;
+        let parts = setup.has_parts().then(|| PartsMemory::register(setup, &engine, rd, setup.decode_tp, false)).transpose()?;
         let w = watch.clone();
         engine.completions().set_callback(Some(Arc::new(move |c: &Completion| {
             if let Completion::Chunk(e) = c {
                 w.chunk(e.room, e.status);
             }
         })));
-        ranks.push((engine, pool));
+        ranks.push((engine, pool, parts));
     }
     let raw = TcpListener::bind("127.0.0.1:0")?;
-    let addrs: Vec<String> = ranks.iter().map(|(e, _)| e.local_addr().to_string()).collect();
+    let addrs: Vec<String> = ranks.iter().map(|(e, _, _)| e.local_addr().to_string()).collect();
     let mut out = std::io::stdout();
     writeln!(out, "ADDRS {} RAW {}", addrs.join(" "), raw.local_addr()?).map_err(io_err("stdout"))?;
     out.flush().map_err(io_err("stdout"))?;
     let mut raw_bufs: Vec<Vec<u8>> = Vec::new();
+    // Rooms opened with request parts (their items are verified too).
+    let mut parted = std::collections::HashSet::new();
     for line in std::io::stdin().lock().lines() {
         let line = line.map_err(io_err("stdin"))?;
         let mut words = line.split_whitespace();
@@ -291,19 +306,23 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
         let reply = match cmd {
             "room" => {
                 let mut keys = "keys".to_owned();
-                for (rd, (engine, _)) in ranks.iter().enumerate() {
-                    let (pages, tokens) = match per_chunk {
-                        Some(k) => (setup.decode_pages_limited(rd as u32, arg, k), k as u32 * setup.page_size),
-                        None => (setup.decode_pages(rd as u32, arg), setup.chunk_tokens),
+                for (rd, (engine, _, _)) in ranks.iter().enumerate() {
+                    // A room of partial chunks (slice runs) carries the KV alone.
+                    let (pages, tokens, parts) = match per_chunk {
+                        Some(k) => (setup.decode_pages_limited(rd as u32, arg, k), k as u32 * setup.page_size, None),
+                        None => (setup.decode_pages(rd as u32, arg), setup.chunk_tokens, setup.request_parts(arg)),
                     };
-                    let (_, key) = engine.receiver().open_room(arg, &pages, tokens)?;
+                    if parts.is_some() {
+                        parted.insert(arg);
+                    }
+                    let (_, key) = engine.receiver().open_room_parts(arg, &pages, tokens, parts)?;
                     keys.push_str(&format!(" {key}"));
                 }
                 keys
             }
             "wait" => {
                 let mut status = "ok".to_owned();
-                for (engine, _) in &ranks {
+                for (engine, _, _) in &ranks {
                     if let Err(e) = engine.receiver().wait_room(arg, Some(Duration::from_secs(600))) {
                         status = format!("error {}", e.chain());
                     }
@@ -318,17 +337,22 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
             "next" => match watch.next(Duration::from_secs(600)) {
                 Some((room, at, None)) => format!("done {room} {}", at.elapsed().as_nanos()),
                 Some((room, _, Some(why))) => {
-                    let progress: Vec<String> = ranks.iter().map(|(e, _)| e.receiver().wait_room(room, Some(Duration::ZERO)).err().map(|e| e.chain()).unwrap_or_default()).collect();
+                    let progress: Vec<String> = ranks.iter().map(|(e, _, _)| e.receiver().wait_room(room, Some(Duration::ZERO)).err().map(|e| e.chain()).unwrap_or_default()).collect();
                     format!("error room {room} failed: {why} ({})", progress.join("; "))
                 }
                 None => "error no watched room ended (none in flight, or none within 600 s)".to_owned(),
             },
             "verify" => {
                 let (mut bad, mut first) = (0, None);
-                for (rd, (_, pool)) in ranks.iter().enumerate() {
+                for (rd, (_, pool, parts)) in ranks.iter_mut().enumerate() {
                     let (b, f) = pool.verify(&setup.decode_pages(rd as u32, arg), 0);
                     bad += b;
                     first = first.or(f);
+                    if let Some(parts) = parts.as_mut().filter(|_| parted.contains(&arg)) {
+                        let (b, f) = parts.verify(arg % 2);
+                        bad += b;
+                        first = first.or(f);
+                    }
                 }
                 format!("verified {bad} {}", first.unwrap_or_default())
             }
@@ -342,7 +366,8 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
                 }
             }
             "release" => {
-                for (engine, _) in &ranks {
+                parted.remove(&arg);
+                for (engine, _, _) in &ranks {
                     engine.receiver().release_room(arg);
                 }
                 "ok".to_owned()
@@ -595,6 +620,8 @@ pub struct PrefillRank {
     pub sessions: Vec<Arc<SenderSession>>,
     /// The decode rank each session writes to.
     pub targets: Vec<u32>,
+    /// Its request parts' memory (registered with the engine), when the setup has parts.
+    pub parts: Option<PartsMemory>,
 }
 
 impl Prefill {
@@ -610,12 +637,13 @@ impl Prefill {
             let mut pool = HostPool::new(setup.model.shape(setup.page_size, rank, setup.prefill_tp), setup.capacity());
             pool.fill(&setup.prefill_pages(rank), 0);
             engine.register_pool(pool.layout.clone())?;
+            let parts = setup.has_parts().then(|| PartsMemory::register(setup, &engine, rank, setup.prefill_tp, true)).transpose()?;
             let mut sessions = Vec::new();
             let targets = setup.targets(rank);
             for &rd in &targets {
                 sessions.push(engine.connect(&addrs[rd as usize], &format!("p{rank}-d{rd}"), None)?);
             }
-            ranks.push(PrefillRank { rank, engine, pool, sessions, targets });
+            ranks.push(PrefillRank { rank, engine, pool, sessions, targets, parts });
         }
         Ok(Prefill { ranks })
     }
@@ -640,6 +668,7 @@ impl Prefill {
                                     chunk: chunk as u32,
                                     pages: chunk_pages.to_vec(),
                                     timeout: Some(Duration::from_secs(600)),
+                                    parts: setup.last_chunk_parts(room.id, chunk).filter(|_| staged && pages_limit.is_none()),
                                     ..Default::default()
                                 };
                                 let op = Op::new(session.waker());
@@ -672,7 +701,8 @@ impl Prefill {
                 let Some(chunk_pages) = rank_pages.chunks(grid).nth(chunk) else { continue };
                 for (session, &rd) in r.sessions.iter().zip(&r.targets) {
                     let layers = layer_wise.then(|| session.layer_gate());
-                    let desc = TransferDesc { room: room.at(rd), chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(timeout), layers, ..Default::default() };
+                    let parts = setup.last_chunk_parts(room.id, chunk);
+                    let desc = TransferDesc { room: room.at(rd), chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(timeout), layers, parts, ..Default::default() };
                     let tag = (room.id << 24) | ops.len() as u64;
                     ops.push(session.transfer_async(desc, false, tag)?);
                 }

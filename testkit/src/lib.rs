@@ -194,3 +194,4 @@ pub fn page_table(n: usize, capacity: u64, seed: u64, runs: bool) -> Vec<u32> {
 }
 
 pub mod cluster;
+pub mod parts;

@@ -74,6 +74,13 @@ pub struct SetupArgs {
     /// else RDMA where both sides can, else TCP.
     #[arg(long, value_enum, default_value = "tcp")]
     pub transport: Transport,
+    /// Aux buffers (metadata rows of 64 to 512 bytes) each request also moves, one row each.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub aux_rows: u32,
+    /// Bytes of per-request state (one state component over every layer, sharded by TP) each
+    /// request also moves.
+    #[arg(long, value_name = "BYTES", default_value_t = 0)]
+    pub state_bytes: u64,
 }
 
 /// `--transport`.
@@ -134,6 +141,8 @@ impl SetupArgs {
                 Transport::Shm => TransportKind::Shm,
                 Transport::Auto => TransportKind::Auto,
             },
+            aux_rows: self.aux_rows,
+            state_bytes: self.state_bytes,
         };
         setup.check()?;
         Ok(setup)

@@ -10,7 +10,7 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use kvstage::Error;
+use kvstage::{Error, Status};
 use kvstage_testkit::cluster::{DecodeChild, Prefill};
 use serde::Serialize;
 
@@ -45,6 +45,9 @@ struct Exposed {
 /// so that both see the same machine).
 pub fn layer_stream(a: &Args, layer_ms: f64) -> Result<(String, LayersJson), Error> {
     let s = &a.setup;
+    if s.has_parts() {
+        return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "--layer-ms: request parts travel with whole chunks (drop --aux-rows and --state-bytes)"));
+    }
     let mut child = spawn_child(a, None)?;
     let prefill = Prefill::connect_with(s, &child.addrs, &prefill_options(a))?;
     let link = kvstage_tools::Links::of(&prefill).common();

@@ -121,6 +121,9 @@ enum Sweep {
     Tp,
     /// 1, 2, 4, ... up to --inflight (16 when it is not given): staged and raw TCP only.
     Inflight,
+    /// The same request without and with request parts (--aux-rows and --state-bytes; 10 aux
+    /// rows and 4 MiB of state when neither is given): what they add to its latency.
+    Parts,
 }
 
 impl Sweep {
@@ -130,6 +133,7 @@ impl Sweep {
             Sweep::PageSize => "page-size",
             Sweep::Tp => "tp",
             Sweep::Inflight => "inflight",
+            Sweep::Parts => "parts",
         }
     }
 }
@@ -360,8 +364,9 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
         let pages_fit = ((a.slice_seconds / per_write) / (full_writes as f64 / s.pages() as f64)).floor() as usize;
         let boxed = pages_fit < s.grid_pages();
         room += 1;
-        // A time-boxed run sends the first pages of each chunk into a room of just those pages.
-        let keys = child.open_room(room, boxed.then_some(pages_fit.max(1)))?;
+        // A time-boxed run sends the first pages of each chunk into a room of just those pages; a
+        // room of partial chunks carries the KV alone (request parts travel staged only).
+        let keys = child.open_room(room, Some(if boxed { pages_fit.max(1) } else { s.grid_pages() }))?;
         let (slice_secs, slice_writes) = time(|| {
             let w = prefill.send_room(s, &keys, false, boxed.then_some(pages_fit.max(1)))?;
             child.command(&format!("wait {room}"))?;
@@ -499,6 +504,13 @@ fn sweep_points(a: &Args, what: Sweep) -> Vec<(String, Args)> {
                 .map(|n| (n.to_string(), Args { inflight: n, ..a.clone() }))
                 .collect()
         }
+        Sweep::Parts => {
+            let (aux_rows, state_bytes) = if base.has_parts() { (base.aux_rows, base.state_bytes) } else { (10, 4 << 20) };
+            vec![
+                ("none".to_owned(), with(Setup { aux_rows: 0, state_bytes: 0, ..base.clone() })),
+                ("with".to_owned(), with(Setup { aux_rows, state_bytes, ..base.clone() })),
+            ]
+        }
         Sweep::Tp => [(1u32, 1u32), (2, 1), (4, 2), (2, 4), (8, 2)]
             .iter()
             .map(|&(p, d)| (format!("P{p}-D{d}"), with(Setup { prefill_tp: p, decode_tp: d, ..base.clone() })))
@@ -534,6 +546,7 @@ fn run(a: &Args) -> Result<bool, Error> {
     let what_name = what.name();
     let mut json = Vec::new();
     let mut rows = Vec::new();
+    let mut medians = Vec::new();
     let mut ok = true;
     // The load does not change the copy-only sections: an inflight sweep measures them not at all.
     let full = what != Sweep::Inflight;
@@ -546,6 +559,7 @@ fn run(a: &Args) -> Result<bool, Error> {
         ok &= r.ok();
         json.push(report_json(&point, &r));
         let st = &r.staged.section;
+        medians.push(st.median());
         rows.push(format!(
             "{label:>9} {:>6} {:>11.3} {:>11.3} {:>8} {:>11.2} {:>10.4} {:>10.4} {:>8.2} {:>9} {:>9}",
             r.links.common(),
@@ -568,6 +582,9 @@ fn run(a: &Args) -> Result<bool, Error> {
     );
     for row in rows {
         println!("{row}");
+    }
+    if let (Sweep::Parts, &[none, with]) = (what, &medians[..]) {
+        println!("request parts add {:+.1} % to the request's median latency (p50 {with:.4} s against {none:.4} s)", (ratio(with, none) - 1.0) * 100.0);
     }
     if let Some(path) = &a.json {
         kvstage_tools::write_json(path, &json)?;

@@ -333,6 +333,10 @@ struct Params {
     /// What each sender session ended up on, in session order (prefill rank, then decode rank).
     links: Vec<&'static str>,
     memory: &'static str,
+    /// Aux buffers and state bytes each request also moves, and the bytes of those parts per request (all decode ranks).
+    aux_rows: u32,
+    state_bytes: u64,
+    part_bytes: u64,
 }
 
 #[derive(Serialize)]
@@ -404,6 +408,9 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
             transport: kvstage_testkit::cluster::transport_name(s.transport),
             links: r.links.names(),
             memory: "host",
+            aux_rows: s.aux_rows,
+            state_bytes: s.state_bytes,
+            part_bytes: if s.has_parts() { s.room_part_bytes() } else { 0 },
         },
         staged: st.section.json(StagedJson {
             requests: st.timed_requests,
