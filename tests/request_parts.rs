@@ -304,6 +304,14 @@ fn request(transport: TransportKind, src_tp: u32, dst_tp: u32) {
         }
         if chunk == last_chunk() {
             for dec in &d {
+                // The last chunk's scatter copies the aux rows out and holds them (bounded wait:
+                // the scatter runs after the arrival was acknowledged).
+                let held = (0..500).any(|_| {
+                    let doc = dec.engine.receiver().describe_room(ROOM).unwrap();
+                    std::thread::sleep(Duration::from_millis(10));
+                    doc.aux_rows == Some("held")
+                });
+                assert!(held, "{what}: the aux rows never went to 'held'");
                 let aux = dec.memory.buffers[0][0][(dec.parts.aux_row * 64) as usize];
                 assert_eq!(aux, 0, "{what}: an aux row was written before the room's other chunks");
             }
@@ -315,6 +323,7 @@ fn request(transport: TransportKind, src_tp: u32, dst_tp: u32) {
         assert_eq!(bad, 0, "{what}: decode rank {r} KV: {first:?}");
         let (bad, first) = dec.memory.verify(dec.parts.aux_row, &dec.parts.state_slots, &dec.parts.pools[0]);
         assert_eq!(bad, 0, "{what}: decode rank {r} parts: {first:?}");
+        assert_eq!(dec.engine.receiver().describe_room(ROOM).unwrap().aux_rows, Some("written"));
     }
 }
 

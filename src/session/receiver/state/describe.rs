@@ -88,6 +88,11 @@ pub struct RoomDescription {
     pub expires_in_ms: Option<u64>,
     pub chunks: Vec<ChunkDescription>,
     pub chunks_omitted: usize,
+    /// Where the room's aux rows are (rooms that name request parts with aux rows): `owed` (the
+    /// last chunk has not brought them), `held` (until every chunk is in place), `writing`,
+    /// `written`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aux_rows: Option<&'static str>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -245,6 +250,7 @@ impl State {
             chunks_done: r.chunks.iter().filter(|c| c.phase == Phase::Done).count(),
             num_chunks: r.chunks.len(),
             expires_in_ms: r.expires.map(|e| e.saturating_duration_since(now).as_millis() as u64),
+            aux_rows: r.aux.describe(),
             chunks,
             chunks_omitted: r.chunks.len().saturating_sub(MAX_DESCRIBED_CHUNKS),
         }

@@ -60,6 +60,17 @@ impl Aux {
         }
     }
 
+    /// For the room's describe document.
+    pub(super) fn describe(&self) -> Option<&'static str> {
+        match self {
+            Aux::None => None,
+            Aux::Owed => Some("owed"),
+            Aux::Held(_) => Some("held"),
+            Aux::Writing => Some("writing"),
+            Aux::Written => Some("written"),
+        }
+    }
+
     pub(super) fn settled(&self) -> bool {
         matches!(self, Aux::None | Aux::Written)
     }
