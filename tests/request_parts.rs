@@ -324,6 +324,10 @@ fn request(transport: TransportKind, src_tp: u32, dst_tp: u32) {
         let (bad, first) = dec.memory.verify(dec.parts.aux_row, &dec.parts.state_slots, &dec.parts.pools[0]);
         assert_eq!(bad, 0, "{what}: decode rank {r} parts: {first:?}");
         assert_eq!(dec.engine.receiver().describe_room(ROOM).unwrap().aux_rows, Some("written"));
+        // One OK event per chunk, the last of them once the aux rows are written.
+        let events = dec.engine.receiver().take_room_events(ROOM, 64);
+        assert_eq!(events.len() as u32, last_chunk() + 1, "{what}: decode rank {r} events {events:?}");
+        assert!(events.iter().all(|e| e.status == Status::KVSTAGE_OK), "{what}: {events:?}");
     }
 }
 
@@ -444,4 +448,27 @@ fn a_lying_peer_cannot_bend_the_parts() {
     // Nothing of it failed the room: the decode side still waits for its chunks.
     let e = d[0].engine.receiver().wait_room(ROOM, Some(Duration::from_millis(100))).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
+}
+
+/// The room's last chunk (with the parts) staged first, the others by the slice path afterwards:
+/// the chunk that completes the room's KV is a slice-path one, and the room still writes its aux
+/// rows, completes, and reports every chunk.
+#[test]
+fn a_room_completed_by_the_slice_path_writes_its_aux_rows() {
+    let (d, p, src_pages) = pair();
+    let s = &p[0].sessions[0].1;
+    let room = d[0].room;
+    assert_eq!(send(s, &desc(room, &src_pages, last_chunk())).unwrap(), Status::KVSTAGE_OK);
+    // Parts never take the slice path.
+    let e = s.transfer_slices(&desc(room, &src_pages, last_chunk()), &Op::new(s.waker())).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_UNSUPPORTED, "{}", e.chain());
+    for chunk in 0..last_chunk() {
+        let status = s.transfer_slices(&TransferDesc { parts: None, ..desc(room, &src_pages, chunk) }, &Op::new(s.waker())).unwrap();
+        assert_eq!(status, Status::KVSTAGE_OK);
+    }
+    d[0].engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+    let (bad, first) = d[0].memory.verify(d[0].parts.aux_row, &d[0].parts.state_slots, &d[0].parts.pools[0]);
+    assert_eq!(bad, 0, "{first:?}");
+    let events = d[0].engine.receiver().take_room_events(ROOM, 64);
+    assert_eq!(events.len() as u32, last_chunk() + 1, "{events:?}");
 }

@@ -11,6 +11,10 @@
 //! payload is a success with wrong bytes by design), so the decode side's per-layer scatter runs
 //! under every other fault.
 //!
+//! Half the whole-chunk seeds move the whole request (request parts: an aux row and a state slot
+//! per layer, sharded P2 -> D1, with the last chunk): a room reported complete holds exactly the
+//! reference parts too, its aux row included.
+//!
 //! After all seeds, no thread and no file descriptor is left behind.
 //!
 //! `KVSTAGE_SOAK_SEEDS` sets the number of seeds (default 1000).
@@ -23,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use common::{fd_count, thread_count};
 use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
-use kvstage::geometry::{ModelKind, PoolShape};
+use kvstage::geometry::{ComponentKind, ComponentSpec, ModelKind, PoolShape, RequestParts, StateItem};
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
 use kvstage_testkit::HostPool;
@@ -47,6 +51,8 @@ fn shape(rank: u32, tp: u32) -> PoolShape {
 struct Tally {
     seeds: AtomicU64,
     completed: AtomicU64,
+    /// Of them, rooms that moved request parts.
+    completed_with_parts: AtomicU64,
     failed: AtomicU64,
     hangs: AtomicU64,
     corrupt_successes: AtomicU64,
@@ -92,27 +98,100 @@ fn options(seed: u64, faults: Option<Faults>) -> EngineOptions {
     }
 }
 
+/// Whether `seed` moves request parts with its last chunk (whole-chunk seeds only).
+fn with_parts(seed: u64) -> bool {
+    !layerwise(seed) && (seed / 72).is_multiple_of(2)
+}
+
+const AUX_ROW: u64 = 32;
+const STATE_ELEMS: u32 = 8;
+
+fn part_specs() -> Vec<ComponentSpec> {
+    let item = StateItem { outer: 1, groups: vec![STATE_ELEMS], dtype_bytes: 2, replicated: false };
+    vec![
+        ComponentSpec { name: "aux".into(), kind: ComponentKind::Aux { row_bytes: AUX_ROW }, layer_ids: vec![], page_size: 0 },
+        ComponentSpec { name: "state".into(), kind: ComponentKind::State { item }, layer_ids: vec![0, 1], page_size: 0 },
+    ]
+}
+
+/// The reference of a request's parts as rank `rank` of `tp` holds them: the aux row, then per
+/// layer the state slot (global element `e`, byte `k`).
+fn parts_reference(rank: u32, tp: u32) -> (Vec<u8>, Vec<Vec<u8>>) {
+    let aux = (0..AUX_ROW).map(|b| (b * 7 + 3) as u8 | 1).collect();
+    let share = STATE_ELEMS / tp;
+    let state = (0..LAYERS)
+        .map(|l| (0..share * 2).map(|i| ((rank * share + i / 2) * 31 + (i % 2) * 5 + l * 11) as u8 | 1).collect())
+        .collect();
+    (aux, state)
+}
+
+/// One rank's component memory: two aux rows, two state slots per layer.
+struct PartsMemory {
+    aux: Vec<u8>,
+    state: Vec<Vec<u8>>,
+}
+
+impl PartsMemory {
+    /// Registers it with `engine`; `fill`: slot and row 1 hold the reference (prefill).
+    fn register(engine: &Engine, rank: u32, tp: u32, fill: bool) -> PartsMemory {
+        let slot = (STATE_ELEMS / tp * 2) as usize;
+        let mut m = PartsMemory { aux: vec![0; 2 * AUX_ROW as usize], state: vec![vec![0; 2 * slot]; LAYERS as usize] };
+        if fill {
+            let (aux, state) = parts_reference(rank, tp);
+            m.aux[AUX_ROW as usize..].copy_from_slice(&aux);
+            for (buf, want) in m.state.iter_mut().zip(state) {
+                buf[slot..].copy_from_slice(&want);
+            }
+        }
+        let bases = vec![vec![m.aux.as_ptr() as usize], m.state.iter().map(|b| b.as_ptr() as usize).collect()];
+        engine.register_components(part_specs().into_iter().zip(bases).map(|(s, b)| (s, 2, b)).collect()).unwrap();
+        m
+    }
+
+    /// Whether row and slot 0 (the decode side's) hold the reference of a whole decode slot.
+    fn holds_reference(&self) -> bool {
+        let (aux, _) = parts_reference(0, 1);
+        let state = parts_reference(0, 1).1;
+        let slot = (STATE_ELEMS * 2) as usize;
+        self.aux[..AUX_ROW as usize] == aux[..] && self.state.iter().zip(&state).all(|(b, w)| b[..slot] == w[..])
+    }
+}
+
+fn parts(slot: u64) -> RequestParts {
+    RequestParts { aux_row: slot, state_slots: vec![slot], pools: vec![] }
+}
+
 fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     let (plan, on_decode) = plan_for(seed);
+    let parted = with_parts(seed);
     let faults = Faults { plan, counters: counters.clone() };
     let decode = Engine::new(options(seed, on_decode.then(|| faults.clone()))).expect("decode engine");
     let dpool = HostPool::new(shape(0, 1), 16);
     decode.register_pool(dpool.layout.clone()).unwrap();
+    let dparts = parted.then(|| PartsMemory::register(&decode, 0, 1, false));
     let src0 = shape(0, 2);
     let alloc = kvstage::geometry::staging_layout(&src0, &dpool.layout.shape, CHUNK_TOKENS).unwrap().total_bytes;
-    decode.register_staging(None, alloc as usize).unwrap();
+    // A chunk, and the last one's request parts (a few bytes: still not two chunks).
+    decode.register_staging(None, alloc as usize + if parted { 4096 } else { 0 }).unwrap();
     let dst_pages = kvstage_testkit::page_table(PAGES, 16, seed, false);
-    let room = common::open_room(&decode, ROOM, &dst_pages, CHUNK_TOKENS);
+    let room = match parted {
+        false => common::open_room(&decode, ROOM, &dst_pages, CHUNK_TOKENS),
+        true => {
+            let (_, key) = decode.receiver().open_room_parts(ROOM, &dst_pages, CHUNK_TOKENS, Some(parts(0))).unwrap();
+            kvstage::protocol::RoomRef { id: ROOM, key }
+        }
+    };
     let addr = decode.local_addr().to_string();
 
-    let prefill: Vec<(Engine, HostPool, Vec<u32>)> = (0..2)
+    let prefill: Vec<(Engine, HostPool, Vec<u32>, Option<PartsMemory>)> = (0..2)
         .map(|rank| {
             let engine = Engine::new(options(seed, (!on_decode).then(|| faults.clone()))).expect("prefill engine");
             let mut pool = HostPool::new(shape(rank, 2), 16);
             let pages = kvstage_testkit::page_table(PAGES, 16, seed * 7 + rank as u64, seed.is_multiple_of(3));
             pool.fill(&pages, 0);
             engine.register_pool(pool.layout.clone()).unwrap();
-            (engine, pool, pages)
+            let memory = parted.then(|| PartsMemory::register(&engine, rank, 2, true));
+            (engine, pool, pages, memory)
         })
         .collect();
 
@@ -120,7 +199,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
         let handles: Vec<_> = prefill
             .iter()
             .enumerate()
-            .map(|(rank, (engine, _, pages))| {
+            .map(|(rank, (engine, _, pages, _))| {
                 let addr = addr.clone();
                 s.spawn(move || {
                     let mut hangs = 0;
@@ -131,7 +210,9 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
                     }
                     let Ok(session) = session else { return hangs };
                     for (chunk, chunk_pages) in pages.chunks(CHUNK_TOKENS as usize / PAGE as usize).enumerate() {
-                        let desc = TransferDesc { room, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(OP_DEADLINE), ..Default::default() };
+                        let last = (chunk + 1) * (CHUNK_TOKENS / PAGE) as usize >= PAGES;
+                        let parts = (parted && last).then(|| Arc::new(parts(1)));
+                        let desc = TransferDesc { room, chunk: chunk as u32, pages: chunk_pages.to_vec(), timeout: Some(OP_DEADLINE), parts, ..Default::default() };
                         let start = Instant::now();
                         let result = match layerwise(seed) {
                             false => session.transfer(&desc, &Op::new(session.waker())),
@@ -165,7 +246,12 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     match outcome {
         Ok(_) => {
             tally.completed.fetch_add(1, Ordering::Relaxed);
+            tally.completed_with_parts.fetch_add(parted as u64, Ordering::Relaxed);
             let (bad, first) = dpool.verify(&dst_pages, 0);
+            if dparts.as_ref().is_some_and(|m| !m.holds_reference()) {
+                eprintln!("seed {seed}: room complete with wrong request parts");
+                tally.corrupt_successes.fetch_add(1, Ordering::Relaxed);
+            }
             if bad != 0 {
                 eprintln!("seed {seed}: room complete with {bad} wrong bytes: {first:?}");
                 tally.corrupt_successes.fetch_add(1, Ordering::Relaxed);
@@ -236,11 +322,12 @@ fn soak_every_seed_ends_cleanly() {
     let (fds_after, threads_after) = (fd_count(), thread_count());
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
     eprintln!(
-        "soak: {} seeds in {:.1} s: {} rooms complete and verified, {} failed cleanly; hangs {}, corrupt successes {}, \
+        "soak: {} seeds in {:.1} s: {} rooms complete and verified ({} with request parts), {} failed cleanly; hangs {}, corrupt successes {}, \
          leaked ring allocations {}; faults injected: {:?}; fds {fds_before}->{fds_after}, threads {threads_before}->{threads_after}",
         g(&tally.seeds),
         started.elapsed().as_secs_f64(),
         g(&tally.completed),
+        g(&tally.completed_with_parts),
         g(&tally.failed),
         g(&tally.hangs),
         g(&tally.corrupt_successes),
@@ -254,6 +341,7 @@ fn soak_every_seed_ends_cleanly() {
     assert!(fds_after <= fds_before, "file descriptors leaked: {fds_before} -> {fds_after}");
     assert!(threads_after <= threads_before, "threads leaked: {threads_before} -> {threads_after}");
     assert!(g(&tally.completed) > seeds / 10, "too few clean runs: the harness itself may be broken");
+    assert!(g(&tally.completed_with_parts) > seeds / 40, "too few clean runs with request parts");
     for (kind, n) in counters.snapshot() {
         assert!(n > 0, "no fault of kind {kind} was injected");
     }

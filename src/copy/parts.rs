@@ -5,6 +5,9 @@
 use crate::error::{Error, Result};
 use crate::geometry::{ComponentKind, ComponentSpec, PageSpan, PartCopy, RequestParts, TailPart};
 
+/// Most layer ids all components together hold (the hello that carries them is bounded).
+const MAX_LAYER_IDS: usize = 8192;
+
 /// One registered component: its spec, how many items (rows, slots, pages) it holds, the bytes of
 /// one item on this rank (a row, a slot, a token slot) and a base address per layer (aux: one).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -47,6 +50,10 @@ impl Components {
     pub fn new(list: Vec<Component>) -> Result<Components> {
         if list.len() > crate::geometry::parts::MAX_COMPONENTS {
             return Err(Error::invalid_arg("num_components", format!("{} is above {}", list.len(), crate::geometry::parts::MAX_COMPONENTS)));
+        }
+        let layer_ids: usize = list.iter().map(|c| c.spec.layer_ids.len()).sum();
+        if layer_ids > MAX_LAYER_IDS {
+            return Err(Error::invalid_arg("components", format!("name {layer_ids} layer ids in all, more than {MAX_LAYER_IDS} (the handshake carries them)")));
         }
         let mut spans = Vec::new();
         for (i, c) in list.iter().enumerate() {

@@ -14,6 +14,8 @@ use crate::error::{Error, Result};
 /// ranges, before merging).
 pub const MAX_OUTER: u32 = 1 << 20;
 pub const MAX_GROUPS: usize = 64;
+/// Largest item (all ranks' shares together).
+pub const MAX_SLOT_BYTES: u64 = 1 << 40;
 
 /// The shape of one state item (one slot of one layer), the same on both sides but for the TP
 /// rank's share.
@@ -57,6 +59,10 @@ impl StateItem {
         }
         if self.groups.is_empty() || self.groups.len() > MAX_GROUPS {
             return Err(Error::invalid_arg("num_groups", format!("{} is outside 1..={MAX_GROUPS}", self.groups.len())));
+        }
+        let elements: u64 = self.groups.iter().map(|&g| g as u64).sum();
+        if self.outer as u64 * elements * self.dtype_bytes as u64 > MAX_SLOT_BYTES {
+            return Err(Error::invalid_arg("outer", format!("{} rows of {elements} elements of {} bytes exceed {MAX_SLOT_BYTES} bytes", self.outer, self.dtype_bytes)));
         }
         for (i, &g) in self.groups.iter().enumerate() {
             if g == 0 {

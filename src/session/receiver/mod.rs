@@ -270,7 +270,10 @@ impl Receiver {
             self.changed.notify_all();
         }
         for write in fx.aux {
-            let written = self.write_aux(&write);
+            let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.write_aux(&write))).unwrap_or_else(|p| {
+                self.counters.panics.fetch_add(1, Ordering::Relaxed);
+                Err(Error::from_panic(format!("writing the aux rows of room {} panicked", write.room), &*p))
+            });
             self.with_state(|st| st.aux_done(&write, written));
         }
         for e in fx.events {

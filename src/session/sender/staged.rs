@@ -64,6 +64,13 @@ impl SenderSession {
         } else {
             None
         };
+        if let Some(why) = fallback.as_ref().filter(|_| desc.parts.is_some()) {
+            // The slice path carries the KV alone: a chunk with the request's parts has no fallback.
+            return Err(Error::new(
+                Status::KVSTAGE_E_STAGING_TOO_SMALL,
+                format!("the room's last chunk with the request's parts ({} bytes of them) cannot be staged: {why}; request parts have no slice fallback (size the decode ring and send_staging_bytes for the last chunk with its parts)", layout.tail_total),
+            ));
+        }
         if let Some(why) = fallback {
             self.log_fallback(desc, &why);
             return Ok(Status::KVSTAGE_FALLBACK);
@@ -281,8 +288,8 @@ impl SenderSession {
     /// room's last chunk): what the allocation owes besides the KV, and this writer's tail.
     fn with_parts(&self, desc: &TransferDesc, layout: StagingLayout, mut region: WriterRegion) -> Result<(StagingLayout, WriterRegion)> {
         let Some(parts) = &desc.parts else { return Ok((layout, region)) };
-        if self.pool.memory == MemoryKind::Cuda && self.writes_in_place() {
-            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "request parts need host staging (this session gathers into the receiver's device ring)"));
+        if self.pool.memory == MemoryKind::Cuda && (self.writes_in_place() || self.device_staging.is_some()) {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "request parts need host staging (this session stages in device memory: GPUDirect, or the receiver's device ring)"));
         }
         let (src, dst) = (&self.pool.shape, &self.remote.shape);
         let (tokens, specs) = (parts.pool_tokens(), self.components.specs());

@@ -757,6 +757,8 @@ impl State {
                 events.push(ChunkEvent { room, key: r.key, chunk: i as u32, status: code, trace: r.trace.as_str().into(), scatter_ns: 0 });
             }
         }
+        // The chunk held for the aux rows is not done either.
+        events.extend(r.held_event.take().map(|e| ChunkEvent { status: code, scatter_ns: 0, ..e }));
         for id in grants {
             self.retire_grant(id);
         }

@@ -149,27 +149,40 @@ impl State {
         }
     }
 
-    /// Every chunk of a live `room` is done: its aux rows go out (a lease holds the room's
-    /// release until they are written). `true` when the room waits for them.
-    pub(super) fn release_aux(&mut self, room: u64) -> bool {
+    /// A chunk of `room` is done: its event goes out, unless it completed the room's KV and the
+    /// room's aux rows are still to be written (they go out now): then it is held until they are.
+    pub(super) fn chunk_done_event(&mut self, event: ChunkEvent) {
+        if self.release_aux(event.room) {
+            if let Some(r) = self.rooms.get_mut(&event.room) {
+                r.held_event = Some(event);
+                return;
+            }
+        }
+        self.push_event(event);
+    }
+
+    /// Every chunk of a live `room` is done and its aux rows are not written: they go out (a
+    /// lease holds the room's release until they are written). `true` when the room now waits
+    /// for them.
+    fn release_aux(&mut self, room: u64) -> bool {
         let Some(r) = self.rooms.get_mut(&room) else { return false };
         if r.aux.settled() || !r.live() || !r.chunks.iter().all(|c| c.phase == Phase::Done) {
-            return !r.aux.settled();
+            return false;
         }
-        let rows = match std::mem::replace(&mut r.aux, Aux::Writing) {
-            Aux::Held(rows) => rows,
-            Aux::Writing => return true,
-            _ => {
-                r.aux = Aux::Owed;
-                let (code, why) = (Status::KVSTAGE_E_INTERNAL, "every chunk is done but the aux rows never arrived".to_owned());
-                self.fail_room(room, code, why, "");
-                return true;
+        match std::mem::replace(&mut r.aux, Aux::Writing) {
+            Aux::Held(rows) => {
+                r.page_leases.push(None);
+                let parts = r.parts.clone().expect("aux rows belong to a room with parts");
+                self.fx.aux.push(AuxWrite { room, gen: r.gen, parts, rows });
+                true
             }
-        };
-        r.page_leases.push(None);
-        let parts = r.parts.clone().expect("aux rows belong to a room with parts");
-        self.fx.aux.push(AuxWrite { room, gen: r.gen, parts, rows });
-        true
+            Aux::Writing => true,
+            other => {
+                r.aux = other;
+                self.fail_room(room, Status::KVSTAGE_E_INTERNAL, "every chunk is done but the aux rows never arrived".to_owned(), "");
+                false
+            }
+        }
     }
 
     /// The aux rows of (`room`, `gen`) were written (or not): the room completes (or fails), and
@@ -179,30 +192,21 @@ impl State {
         if let Some(pos) = r.page_leases.iter().position(|l| l.is_none()) {
             r.page_leases.swap_remove(pos);
         }
-        let held = r.held_event.take();
         match result {
             Ok(()) if r.live() => {
                 r.aux = Aux::Written;
-                self.push_event_opt(held);
+                if let Some(e) = r.held_event.take() {
+                    self.push_event(e);
+                }
             }
+            // Failed or released meanwhile: its failure reported the held event.
             Ok(()) => {}
             Err(e) => {
                 r.aux = Aux::Owed;
                 self.fail_room(write.room, e.code(), format!("writing the aux rows failed: {}", e.chain()), "");
-                if let Some(mut ev) = held {
-                    ev.status = e.code();
-                    ev.scatter_ns = 0;
-                    self.push_event(ev);
-                }
             }
         }
         self.drain_check(write.room);
         self.fx.changed = true;
-    }
-
-    fn push_event_opt(&mut self, e: Option<ChunkEvent>) {
-        if let Some(e) = e {
-            self.push_event(e);
-        }
     }
 }

@@ -142,15 +142,7 @@ impl State {
                         m.scatter_ns_max = m.scatter_ns_max.max(scatter_ns);
                     }
                     let (key, trace) = self.rooms.get(&job.room).map_or((0, "".into()), |r| (r.key, r.trace.as_str().into()));
-                    let event = ChunkEvent { room: job.room, key, chunk: job.chunk, status: Status::KVSTAGE_OK, trace, scatter_ns };
-                    // The chunk that completes the room's KV waits for its aux rows.
-                    if self.release_aux(job.room) {
-                        if let Some(r) = self.rooms.get_mut(&job.room) {
-                            r.held_event = Some(event);
-                        }
-                    } else {
-                        self.push_event(event);
-                    }
+                    self.chunk_done_event(ChunkEvent { room: job.room, key, chunk: job.chunk, status: Status::KVSTAGE_OK, trace, scatter_ns });
                 }
             }
             self.drain_check(job.room);
