@@ -23,7 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvstage_check.h"
+#include "fork_ranks.h"
 
 enum { HEAD_DIM = 16, DTYPE = 2, ROW = HEAD_DIM * DTYPE, PAGE = 4, CAPACITY = 8, NPAGES = 3, TOKENS = NPAGES * PAGE };
 enum { ROOM = 1, MAX_LAYERS = 8, MAX_STAGES = 3, MAX_TP = 4, ADDR_LEN = 64 };
@@ -70,12 +70,6 @@ static uint8_t pattern(uint32_t layer, uint32_t kv, uint32_t head, uint32_t toke
 }
 
 static uint32_t heads_per_rank(uint32_t heads, uint32_t tp) { return heads / tp ? heads / tp : 1; }
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
 
 /* The layout of TP rank `tp_rank` of `tp`, stage `stage` of `s`, without buffers (a shape). */
 static kvstage_kv_layout shape(const scenario *sc, uint32_t tp_rank, uint32_t tp, const split *s, uint32_t stage) {
@@ -281,38 +275,6 @@ static int prefill_main(const scenario *sc, uint32_t tp_rank, uint32_t stage, co
     return kv_finish(name);
 }
 
-typedef struct child {
-    pid_t pid;
-    char name[48];
-} child;
-
-/* Waits for the children until `deadline` (then kills the rest); a failure for each child that
- * did not exit with 0. */
-static void reap(const scenario *sc, child *kids, int n, double deadline) {
-    int left = n;
-    while (left > 0 && now_ms() < deadline) {
-        for (int i = 0; i < n; ++i) {
-            int status = 0;
-            if (kids[i].pid <= 0 || waitpid(kids[i].pid, &status, WNOHANG) != kids[i].pid) continue;
-            if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-                KV_FAIL_AT(__FILE__, __LINE__, "[%s] %s: %s %d", sc->name, kids[i].name,
-                           WIFEXITED(status) ? "exit code" : "signal",
-                           WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
-            kids[i].pid = 0;
-            --left;
-        }
-        struct timespec ten_ms = {0, 10 * 1000 * 1000};
-        nanosleep(&ten_ms, NULL);
-    }
-    for (int i = 0; i < n; ++i) {
-        if (kids[i].pid <= 0) continue;
-        kill(kids[i].pid, SIGKILL);
-        waitpid(kids[i].pid, NULL, 0);
-        KV_FAIL_AT(__FILE__, __LINE__, "[%s] %s: still running after %d ms, killed", sc->name, kids[i].name, SCENARIO_MS);
-        kids[i].pid = 0;
-    }
-}
-
 /* One scenario: the decode processes first (their bootstraps are collected before any prefill
  * process exists, so those inherit them), then the prefill processes; the decode processes check
  * their pools once every prefill process is gone (the done pipe closes). */
@@ -358,9 +320,9 @@ static void run(const scenario *sc) {
             }
             snprintf(prefill[np].name, sizeof prefill[np].name, "prefill stage %u rank %u", (unsigned)s, (unsigned)r);
         }
-    reap(sc, prefill, np, deadline);
+    reap(sc->name, prefill, np, deadline, SCENARIO_MS);
     close(done[1]);
-    reap(sc, decode, nd, deadline);
+    reap(sc->name, decode, nd, deadline, SCENARIO_MS);
 }
 
 int main(void) {

@@ -19,7 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvstage_check.h"
+#include "fork_ranks.h"
 
 enum { HEADS = 4, HEAD_DIM = 16, DTYPE = 2, ROW = HEAD_DIM * DTYPE, LAYERS = 4, PAGE = 4, CAPACITY = 8 };
 enum { TOTAL = 22, CHUNK = 16, NPAGES = (TOTAL + PAGE - 1) / PAGE, ROOM = 3, ITEMS = 4, MAX_TP = 4, ADDR_LEN = 64 };
@@ -69,12 +69,6 @@ static uint8_t pattern(uint32_t what, uint32_t layer, uint32_t a, uint32_t b, ui
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
     x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
     return (uint8_t)(x ^ (x >> 31)) | 1;
-}
-
-static double now_ms(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
 /* Elements of one state row on a rank of `tp`; the global element of local element `i`. */
@@ -324,34 +318,6 @@ static int prefill_main(const scenario *sc, uint32_t p, const bootstrap *boots) 
     return kv_finish(name);
 }
 
-typedef struct child {
-    pid_t pid;
-    char name[48];
-} child;
-
-static void reap(const scenario *sc, child *kids, int n, double deadline) {
-    int left = n;
-    while (left > 0 && now_ms() < deadline) {
-        for (int i = 0; i < n; ++i) {
-            int status = 0;
-            if (kids[i].pid <= 0 || waitpid(kids[i].pid, &status, WNOHANG) != kids[i].pid) continue;
-            if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-                KV_FAIL_AT(__FILE__, __LINE__, "[%s] %s: %s %d", sc->name, kids[i].name, WIFEXITED(status) ? "exit code" : "signal",
-                           WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
-            kids[i].pid = 0;
-            --left;
-        }
-        struct timespec ten_ms = {0, 10 * 1000 * 1000};
-        nanosleep(&ten_ms, NULL);
-    }
-    for (int i = 0; i < n; ++i) {
-        if (kids[i].pid <= 0) continue;
-        kill(kids[i].pid, SIGKILL);
-        waitpid(kids[i].pid, NULL, 0);
-        KV_FAIL_AT(__FILE__, __LINE__, "[%s] %s: still running after %d ms, killed", sc->name, kids[i].name, SCENARIO_MS);
-    }
-}
-
 static void run(const scenario *sc) {
     double deadline = now_ms() + SCENARIO_MS;
     child decode[MAX_TP], prefill[MAX_TP];
@@ -392,9 +358,9 @@ static void run(const scenario *sc) {
         }
         snprintf(prefill[np].name, sizeof prefill[np].name, "prefill rank %u", (unsigned)p);
     }
-    reap(sc, prefill, np, deadline);
+    reap(sc->name, prefill, np, deadline, SCENARIO_MS);
     close(done[1]);
-    reap(sc, decode, nd, deadline);
+    reap(sc->name, decode, nd, deadline, SCENARIO_MS);
 }
 
 int main(void) {
