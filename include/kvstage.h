@@ -661,7 +661,8 @@ typedef struct kvstage_component {
     uint32_t page_size;
     // POOL: 1 = head-sliced like the KV, 0 = whole on every rank (sent once).
     int32_t head_sliced;
-    // STATE and POOL: the model layers held on this rank, strictly increasing (AUX: none).
+    // STATE and POOL: the model layers held on this rank, strictly increasing (AUX: none; a
+    // pipeline stage may hold none of a component's layers, and registers it all the same).
     const uint32_t *layer_ids;
     size_t num_layers;
     // One buffer address per layer (AUX: one).

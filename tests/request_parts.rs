@@ -63,6 +63,8 @@ fn value(parts: &[u64]) -> u8 {
 
 /// One rank's component memory: per component, per layer, a buffer.
 struct Memory {
+    /// The components as this rank registers them (a pipeline stage: only its layers).
+    specs: Vec<ComponentSpec>,
     buffers: Vec<Vec<Vec<u8>>>,
     /// Bytes of one item per component on this rank.
     item_bytes: Vec<u64>,
@@ -89,24 +91,36 @@ fn global_element(item: &StateItem, rank: u32, tp: u32, i: u64) -> u64 {
 
 impl Memory {
     fn new(rank: u32, tp: u32) -> Memory {
+        Self::of_stage(rank, tp, &[0, 1, 2, 3])
+    }
+
+    /// The memory of rank `rank` of `tp` of the pipeline stage holding `layers`.
+    fn of_stage(rank: u32, tp: u32, layers: &[u32]) -> Memory {
         let local_heads = HEADS / tp;
         let mut buffers = Vec::new();
         let mut item_bytes = Vec::new();
-        for s in specs() {
+        let mut specs = specs();
+        for s in &mut specs {
+            s.layer_ids.retain(|l| layers.contains(l));
+        }
+        for s in &specs {
             let ib = s.item_bytes(tp, local_heads);
             let per_layer = match s.kind {
                 ComponentKind::Pool { .. } => ITEMS * WINDOW_PAGE as u64 * ib,
                 _ => ITEMS * ib,
             };
-            buffers.push((0..s.layer_ids.len().max(1)).map(|_| vec![0u8; per_layer as usize]).collect());
+            let buffers_of = if matches!(s.kind, ComponentKind::Aux { .. }) { 1 } else { s.layer_ids.len() };
+            buffers.push((0..buffers_of).map(|_| vec![0u8; per_layer as usize]).collect());
             item_bytes.push(ib);
         }
-        Memory { buffers, item_bytes, rank, tp }
+        Memory { specs, buffers, item_bytes, rank, tp }
     }
 
     fn register(&self, engine: &Engine) -> kvstage::Result<()> {
-        let list = specs()
-            .into_iter()
+        let list = self
+            .specs
+            .iter()
+            .cloned()
             .zip(&self.buffers)
             .map(|(s, bufs)| (s, ITEMS, bufs.iter().map(|b| b.as_ptr() as usize).collect()))
             .collect();
@@ -119,7 +133,7 @@ impl Memory {
     fn expected(&self, row: u64, slots: &[u64], window: &PoolSpan) -> Vec<(usize, usize, usize, u8)> {
         let mut out = Vec::new();
         let mut state = 0;
-        for (c, s) in specs().iter().enumerate() {
+        for (c, s) in self.specs.iter().enumerate() {
             let ib = self.item_bytes[c];
             match &s.kind {
                 ComponentKind::Aux { row_bytes } => {
@@ -177,7 +191,7 @@ impl Memory {
         for (c, li, at, v) in self.expected(row, slots, window) {
             want[c][li][at] = v;
         }
-        let names = specs();
+        let names = &self.specs;
         let mut bad = 0;
         let mut first = None;
         for (c, layers) in self.buffers.iter().enumerate() {
@@ -471,4 +485,42 @@ fn a_room_completed_by_the_slice_path_writes_its_aux_rows() {
     assert_eq!(bad, 0, "{first:?}");
     let events = d[0].engine.receiver().take_room_events(ROOM, 64);
     assert_eq!(events.len() as u32, last_chunk() + 1, "{events:?}");
+}
+
+/// Prefill TP 2 × PP 2 (layers 0-1 and 2-3) into decode TP 1: each stage sends the component
+/// layers it holds (state on layers 0 and 2, the window on 1 and 3: one of each per stage), the
+/// aux rows come once (from the stage holding the decode rank's first layer), every byte lands.
+#[test]
+fn pipeline_stages_each_send_the_component_layers_they_hold() {
+    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        let d = decodes(transport, 1);
+        let src_pages = page_table(TOTAL.div_ceil(KV_PAGE as u64) as usize, CAPACITY, 3, false);
+        let mut ranks = Vec::new();
+        for (stage, layers) in [vec![0u32, 1], vec![2, 3]].into_iter().enumerate() {
+            for r in 0..2 {
+                let engine = engine(transport);
+                let mut pool = HostPool::new(shape(r, 2).with_pp(stage as u32, 2, layers.clone()), CAPACITY);
+                pool.fill(&src_pages, 0);
+                engine.register_pool(pool.layout.clone()).unwrap();
+                let mut memory = Memory::of_stage(r, 2, &layers);
+                let parts = prefill_parts();
+                memory.fill(parts.aux_row, &parts.state_slots, &parts.pools[0]);
+                memory.register(&engine).unwrap();
+                let session = engine.connect(&d[0].engine.local_addr().to_string(), &format!("p{stage}.{r}"), None).unwrap();
+                ranks.push((engine, pool, memory, session));
+            }
+        }
+        for chunk in (0..=last_chunk()).rev() {
+            for (_, _, _, s) in &ranks {
+                let sent = send(s, &desc(d[0].room, &src_pages, chunk)).unwrap_or_else(|e| panic!("{transport:?} chunk {chunk}: {}", e.chain()));
+                assert_eq!(sent, Status::KVSTAGE_OK);
+            }
+        }
+        let dec = &d[0];
+        dec.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+        let (bad, first) = dec.pool.verify_tokens(&dec.pages, 0, TOTAL);
+        assert_eq!(bad, 0, "{transport:?} KV: {first:?}");
+        let (bad, first) = dec.memory.verify(dec.parts.aux_row, &dec.parts.state_slots, &dec.parts.pools[0]);
+        assert_eq!(bad, 0, "{transport:?} parts: {first:?}");
+    }
 }

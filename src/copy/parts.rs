@@ -65,7 +65,7 @@ impl Components {
             if c.items == 0 {
                 return Err(Error::invalid_arg(&format!("{at}.num_items"), "is 0"));
             }
-            let want = c.spec.layer_ids.len().max(1);
+            let want = if matches!(c.spec.kind, ComponentKind::Aux { .. }) { 1 } else { c.spec.layer_ids.len() };
             if c.bases.len() != want {
                 return Err(Error::invalid_arg(&format!("{at}.bases"), format!("holds {} addresses, the component needs {want} (one per layer)", c.bases.len())));
             }

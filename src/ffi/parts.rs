@@ -49,7 +49,8 @@ pub struct kvstage_component {
     pub page_size: u32,
     /// POOL: 1 = head-sliced like the KV, 0 = whole on every rank (sent once).
     pub head_sliced: i32,
-    /// STATE and POOL: the model layers held on this rank, strictly increasing (AUX: none).
+    /// STATE and POOL: the model layers held on this rank, strictly increasing (AUX: none; a
+    /// pipeline stage may hold none of a component's layers, and registers it all the same).
     pub layer_ids: *const u32,
     pub num_layers: usize,
     /// One buffer address per layer (AUX: one).

@@ -50,7 +50,8 @@ impl ComponentKind {
 pub struct ComponentSpec {
     pub name: String,
     pub kind: ComponentKind,
-    /// Model layers it holds on this rank (aux: none), strictly increasing.
+    /// Model layers it holds on this rank, strictly increasing (aux: none; a pipeline stage may
+    /// hold none of a component's layers).
     pub layer_ids: Vec<u32>,
     /// Pools: this side's page size (the two sides may differ).
     pub page_size: u32,
@@ -63,10 +64,10 @@ impl ComponentSpec {
         if self.name.is_empty() || self.name.len() > MAX_NAME || !self.name.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(Error::invalid_arg(&field("name"), format!("{:?} is not 1..={MAX_NAME} printable ASCII characters", self.name)));
         }
-        let layered = !matches!(self.kind, ComponentKind::Aux { .. });
-        if layered == self.layer_ids.is_empty() {
-            let want = if layered { "at least one layer" } else { "no layers" };
-            return Err(Error::invalid_arg(&field("layer_ids"), format!("holds {} ids; a {} component has {want}", self.layer_ids.len(), self.kind.name())));
+        // A pipeline stage may hold none of a component's layers (it registers it all the same:
+        // both sides list the same components).
+        if matches!(self.kind, ComponentKind::Aux { .. }) && !self.layer_ids.is_empty() {
+            return Err(Error::invalid_arg(&field("layer_ids"), format!("holds {} ids; an aux component has no layers", self.layer_ids.len())));
         }
         if self.layer_ids.len() > 4096 || self.layer_ids.windows(2).any(|w| w[1] <= w[0]) {
             return Err(Error::invalid_arg(&field("layer_ids"), "must be strictly increasing, at most 4096"));
