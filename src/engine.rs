@@ -365,7 +365,7 @@ impl Engine {
                 item.validate(shape.tp_size, 1).map_err(|e| e.context(format!("components[{i}] ({}) on this rank of TP {}", spec.name, shape.tp_size)))?;
             }
             let item_bytes = spec.item_bytes(shape.tp_size, shape.local_heads);
-            out.push(Component { spec, items, item_bytes, bases });
+            out.push(Component::new(spec, items, item_bytes, bases));
         }
         *registered = Some(Arc::new(Components::new(out)?));
         Ok(())

@@ -18,14 +18,13 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _lib
 from ._buffers import buffer_info, page_array
-from .errors import argument_error
 
 AUX, STATE, POOL = 0, 1, 2
 
 
 class AuxBuffer(NamedTuple):
     """A metadata buffer: ``rows`` rows of ``row_bytes`` (one per request; each side picks its own
-    row). ``buffer``: an int address, a numpy array or a torch tensor (host memory)."""
+    row). ``buffer``: an int address, a numpy array or a torch tensor (host or CUDA memory)."""
 
     name: str
     buffer: Any
@@ -120,10 +119,9 @@ def components_c(lib: Any, components: Sequence[Any]) -> Tuple[Any, list]:
             c.layer_ids, c.num_layers = ctypes.cast(ids, POINTER(c_uint32)), len(comp.layer_ids)
             keep.append(ids)
         infos = [buffer_info(b, f"{label}.buffers[{k}]", writable=True) for k, b in enumerate(buffers)]
-        for k, info in enumerate(infos):
-            if info.memory is not None and info.memory.name != "HOST":
-                raise argument_error(f"{label}.buffers[{k}]", "is device memory; components are host memory")
-            keep.append(info.keepalive)
+        # Host or CUDA memory (numpy arrays, torch tensors on either side): the library asks the
+        # driver which.
+        keep += [info.keepalive for info in infos]
         bases = _ids([info.address for info in infos], c_uint64)
         c.bases, c.num_bases = ctypes.cast(bases, POINTER(c_uint64)), len(infos)
         keep.append(bases)

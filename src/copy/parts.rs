@@ -1,7 +1,11 @@
 //! A rank's registered components (aux buffers, state slots, extra paged pools) and the copies of
 //! a request's parts between them and a region's tail ([`crate::geometry::parts`] plans which
-//! bytes). Host memory.
+//! bytes). Host memory, or CUDA device memory (each buffer of a component one or the other, told
+//! by the driver: a device buffer is copied to and from with synchronous copies).
 
+use std::sync::Arc;
+
+use super::cuda::DeviceMemory;
 use crate::error::{Error, Result};
 use crate::geometry::{ComponentKind, ComponentSpec, PageSpan, PartCopy, RequestParts, TailPart};
 
@@ -10,15 +14,32 @@ const MAX_LAYER_IDS: usize = 8192;
 
 /// One registered component: its spec, how many items (rows, slots, pages) it holds, the bytes of
 /// one item on this rank (a row, a slot, a token slot) and a base address per layer (aux: one).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Component {
     pub spec: ComponentSpec,
     pub items: u64,
     pub item_bytes: u64,
     pub bases: Vec<usize>,
+    /// The buffers as CUDA device memory (one per base), when they are; empty: host memory.
+    device: DeviceBuffers,
+}
+
+/// A component's device buffers (borrowed: the caller keeps them alive).
+#[derive(Clone, Default)]
+struct DeviceBuffers(Vec<Arc<DeviceMemory>>);
+
+impl std::fmt::Debug for DeviceBuffers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} device buffer(s)", self.0.len())
+    }
 }
 
 impl Component {
+    /// A component over host or device buffers (checked by [`Components::new`]).
+    pub fn new(spec: ComponentSpec, items: u64, item_bytes: u64, bases: Vec<usize>) -> Component {
+        Component { spec, items, item_bytes, bases, device: DeviceBuffers::default() }
+    }
+
     /// Bytes of one layer's buffer.
     fn buffer_bytes(&self) -> u64 {
         let per_item = match self.spec.kind {
@@ -28,17 +49,40 @@ impl Component {
         self.items.saturating_mul(per_item)
     }
 
-    fn base(&self, layer_id: u32) -> Result<usize> {
-        let index = match self.spec.kind {
-            ComponentKind::Aux { .. } => 0,
-            _ => self.spec.layer_ids.binary_search(&layer_id).map_err(|_| Error::internal(format!("component {:?} holds no layer {layer_id}", self.spec.name)))?,
-        };
-        Ok(self.bases[index])
+    /// The index of the buffer of `layer_id` (aux: the one buffer).
+    fn buffer(&self, layer_id: u32) -> Result<usize> {
+        match self.spec.kind {
+            ComponentKind::Aux { .. } => Ok(0),
+            _ => self.spec.layer_ids.binary_search(&layer_id).map_err(|_| Error::internal(format!("component {:?} holds no layer {layer_id}", self.spec.name))),
+        }
+    }
+
+    /// Copies `len` bytes between byte `offset` of buffer `buffer` and `tail` (`to_tail`: from
+    /// the buffer).
+    ///
+    /// # Safety
+    /// `tail` valid for `len` bytes; the range lies in the buffer (the plan keeps it there).
+    unsafe fn copy(&self, buffer: usize, offset: u64, tail: *mut u8, len: usize, to_tail: bool) -> Result<()> {
+        if let Some(d) = self.device.0.get(buffer) {
+            // SAFETY: the caller's contract.
+            let tail = unsafe { std::slice::from_raw_parts_mut(tail, len) };
+            return if to_tail { d.read(offset as usize, tail) } else { d.write(offset as usize, tail) };
+        }
+        let at = (self.bases[buffer] as u64 + offset) as *mut u8;
+        // SAFETY: the caller's contract; component memory and the tail never overlap.
+        unsafe {
+            if to_tail {
+                std::ptr::copy_nonoverlapping(at, tail, len)
+            } else {
+                std::ptr::copy_nonoverlapping(tail, at, len)
+            }
+        }
+        Ok(())
     }
 }
 
 /// Every component of a rank, in registration order.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub struct Components {
     pub list: Vec<Component>,
 }
@@ -85,7 +129,26 @@ impl Components {
                 return Err(Error::invalid_arg(&pair[1].2, format!("[{:#x}, {:#x}) overlaps {} [{:#x}, {:#x})", pair[1].0, pair[1].1, pair[0].2, pair[0].0, pair[0].1)));
             }
         }
+        let mut list = list;
+        for (i, c) in list.iter_mut().enumerate() {
+            c.device = Self::device_buffers(c, i)?;
+        }
         Ok(Components { list })
+    }
+
+    /// `c`'s buffers as device memory when the driver says they are (all of them, over each
+    /// buffer's whole size, on one device each); empty for host memory.
+    fn device_buffers(c: &Component, i: usize) -> Result<DeviceBuffers> {
+        let on_device: Vec<bool> = c.bases.iter().map(|&b| super::cuda::is_device_pointer(b as u64)).collect();
+        if !on_device.iter().any(|&d| d) {
+            return Ok(DeviceBuffers::default());
+        }
+        if let Some(k) = on_device.iter().position(|&d| !d) {
+            return Err(Error::invalid_arg(&format!("components[{i}].bases[{k}]"), "is host memory where the component's other buffers are CUDA device memory"));
+        }
+        let bytes = c.buffer_bytes() as usize;
+        let buffers = c.bases.iter().enumerate().map(|(k, &b)| DeviceMemory::borrow(None, b as u64, bytes, &format!("components[{i}].bases[{k}]")).map(Arc::new));
+        Ok(DeviceBuffers(buffers.collect::<Result<_>>()?))
     }
 
     pub fn specs(&self) -> Vec<ComponentSpec> {
@@ -166,26 +229,26 @@ impl Components {
         }
     }
 
-    /// Runs each of `tail`'s parts between this rank's memory and the tail at `tail_at`: `copy(
-    /// memory, tail, len)` pointers; `prefill` picks the source side of the plan's offsets.
+    /// Runs each of `tail`'s parts between this rank's memory and the tail at `tail_at`
+    /// (`prefill`: from the memory into the tail, with the plan's prefill offsets; else back).
     ///
     /// # Safety
     /// `tail_at` valid for `tail_bytes(tail)` bytes; `parts` checked ([`Self::check_parts`]) and
     /// every component's memory live as registered.
-    unsafe fn each(&self, parts: &RequestParts, tail: &[TailPart], tail_at: *mut u8, prefill: bool, mut copy: impl FnMut(*mut u8, *mut u8, usize)) -> Result<()> {
+    unsafe fn each(&self, parts: &RequestParts, tail: &[TailPart], tail_at: *mut u8, prefill: bool) -> Result<()> {
         for part in tail {
             let c = self.list.get(part.component as usize).ok_or_else(|| Error::internal(format!("part of component {}", part.component)))?;
-            let base = c.base(part.layer_id)? as u64;
-            let at = |offset: u64| (base + offset) as *mut u8;
+            let buffer = c.buffer(part.layer_id)?;
             let tail_part = tail_at.wrapping_add(part.offset as usize);
             let (item, span) = self.named(parts, part.component as usize);
+            // SAFETY (every copy): the plan keeps each range inside its item and the tail.
             match &part.copy {
-                PartCopy::Row => copy(at(item * c.item_bytes), tail_part, part.bytes as usize),
+                PartCopy::Row => unsafe { c.copy(buffer, item * c.item_bytes, tail_part, part.bytes as usize, prefill)? },
                 PartCopy::Ranges(ranges) => {
                     let mut packed = 0usize;
                     for r in ranges {
                         let within = if prefill { r.src } else { r.dst };
-                        copy(at(item * c.item_bytes + within), tail_part.wrapping_add(packed), r.len as usize);
+                        unsafe { c.copy(buffer, item * c.item_bytes + within, tail_part.wrapping_add(packed), r.len as usize, prefill)? };
                         packed += r.len as usize;
                     }
                 }
@@ -195,11 +258,12 @@ impl Components {
                     for seg in span.segments(c.spec.page_size) {
                         let packed = tail_part.wrapping_add((seg.staging_token * row_bytes) as usize);
                         if *row_bytes == c.item_bytes {
-                            copy(at(seg.pool_token * c.item_bytes), packed, (seg.tokens * row_bytes) as usize);
+                            unsafe { c.copy(buffer, seg.pool_token * c.item_bytes, packed, (seg.tokens * row_bytes) as usize, prefill)? };
                             continue;
                         }
                         for t in 0..seg.tokens {
-                            copy(at((seg.pool_token + t) * c.item_bytes + within), packed.wrapping_add((t * row_bytes) as usize), *row_bytes as usize);
+                            let at = (seg.pool_token + t) * c.item_bytes + within;
+                            unsafe { c.copy(buffer, at, packed.wrapping_add((t * row_bytes) as usize), *row_bytes as usize, prefill)? };
                         }
                     }
                 }
@@ -213,8 +277,8 @@ impl Components {
     /// # Safety
     /// As for [`Self::each`], `dst` writable and not overlapping component memory.
     pub unsafe fn gather(&self, parts: &RequestParts, tail: &[TailPart], dst: *mut u8) -> Result<()> {
-        // SAFETY: the caller's contract; the plan keeps every copy inside its item and the tail.
-        unsafe { self.each(parts, tail, dst, true, |mem, tail, len| std::ptr::copy_nonoverlapping(mem, tail, len)) }
+        // SAFETY: the caller's contract.
+        unsafe { self.each(parts, tail, dst, true) }
     }
 
     /// Decode side: copies `tail`'s parts from the tail at `src` into the request's items.
@@ -222,7 +286,7 @@ impl Components {
     /// # Safety
     /// As for [`Self::each`], `src` readable and not overlapping component memory.
     pub unsafe fn scatter(&self, parts: &RequestParts, tail: &[TailPart], src: *const u8) -> Result<()> {
-        // SAFETY: as for `gather`, the other way.
-        unsafe { self.each(parts, tail, src as *mut u8, false, |mem, tail, len| std::ptr::copy_nonoverlapping(tail, mem, len)) }
+        // SAFETY: as for `gather`, the other way (`each` only reads the tail then).
+        unsafe { self.each(parts, tail, src as *mut u8, false) }
     }
 }

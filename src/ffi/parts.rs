@@ -24,7 +24,9 @@ pub enum kvstage_component_kind {
     KVSTAGE_COMPONENT_POOL = 2,
 }
 
-/// One component of a rank. Fill with `kvstage_component_init`, then set the fields. Host memory.
+/// One component of a rank. Fill with `kvstage_component_init`, then set the fields. Host or CUDA
+/// device memory (the driver tells which; all of a component's buffers one or the other; device
+/// buffers are moved with synchronous copies, fine for the small parts of a request).
 ///
 /// Buffers: AUX `bases[0]` holds `num_items` rows of `item_bytes`; STATE `bases[i]` (layer
 /// `layer_ids[i]`) holds `num_items` slots of this rank's share of `state`; POOL `bases[i]` holds
