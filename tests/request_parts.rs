@@ -96,7 +96,7 @@ impl Memory {
 
     /// The memory of rank `rank` of `tp` of the pipeline stage holding `layers`.
     fn of_stage(rank: u32, tp: u32, layers: &[u32]) -> Memory {
-        let local_heads = HEADS / tp;
+        let local_heads = (HEADS / tp).max(1);
         let mut buffers = Vec::new();
         let mut item_bytes = Vec::new();
         let mut specs = specs();
@@ -158,13 +158,15 @@ impl Memory {
                     }
                 }
                 ComponentKind::Pool { unit_bytes, .. } => {
-                    let local_heads = (HEADS / self.tp) as u64;
+                    // A rank holds max(1, H / tp) heads from head rank·H/tp (replicas share one).
+                    let local_heads = (HEADS / self.tp).max(1) as u64;
+                    let first_head = (self.rank * HEADS / self.tp) as u64;
                     for (li, &layer) in s.layer_ids.iter().enumerate() {
                         for j in 0..window.tokens as u64 {
                             let t = window.first_token as u64 + j;
                             let slot = window.pages[(t / WINDOW_PAGE as u64) as usize] as u64 * WINDOW_PAGE as u64 + t % WINDOW_PAGE as u64;
                             for h in 0..local_heads {
-                                let head = self.rank as u64 * local_heads + h;
+                                let head = first_head + h;
                                 for b in 0..*unit_bytes {
                                     let token = TOTAL - WINDOW as u64 + j;
                                     out.push((c, li, (slot * ib + h * unit_bytes + b) as usize, value(&[c as u64, layer as u64, token, head, b])));
@@ -348,6 +350,9 @@ fn request(transport: TransportKind, src_tp: u32, dst_tp: u32) {
 #[test]
 fn a_whole_request_lands_over_tcp_and_the_same_host_path() {
     for transport in [TransportKind::Tcp, TransportKind::Shm] {
+        // Prefill TP 8 over 4 KV heads: ranks that replicate a head send their state shares alone.
+        request(transport, 8, 2);
+        request(transport, 8, 4);
         request(transport, 4, 2);
         request(transport, 2, 4);
         request(transport, 2, 2);

@@ -194,17 +194,50 @@ pub struct TailSides<'a> {
     pub pool_tokens: &'a [u32],
 }
 
+/// A prefill TP rank that carries request parts into a decode rank's last chunk: a KV writer
+/// (head group `Some(index)`, with its heads) or, for MHA, a rank that replicates the heads another
+/// rank sends (`None`: it carries its state shares only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Carrier {
+    pub src_rank: u32,
+    pub head_group: Option<u32>,
+    pub heads: HeadSlice,
+}
+
+/// Every prefill TP rank that may carry parts into `layout`'s decode rank: its KV writers in head
+/// group order, then (MHA) the ranks that replicate their heads.
+pub fn carriers(layout: &StagingLayout) -> Result<Vec<Carrier>> {
+    let mut out: Vec<Carrier> = layout.tp_ranks.iter().enumerate().map(|(t, &(src_rank, heads))| Carrier { src_rank, head_group: Some(t as u32), heads }).collect();
+    if layout.kind == super::ModelKind::Mha {
+        for rank in super::prefill_ranks_for_decode(layout.dst.tp_rank, layout.src_tp, layout.dst.tp_size)? {
+            if !out.iter().any(|c| c.src_rank == rank) {
+                let heads = super::head_slice(layout.src_tp, layout.dst.tp_size, rank, layout.dst.tp_rank, layout.dst.global_heads)?;
+                out.push(Carrier { src_rank: rank, head_group: None, heads });
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// The parts head group `tp_writer` of `layout` carries: layers of `stage` (the writer's
 /// component layers; `None`: every decode layer, for the allocation's total), aux rows when
 /// `carries_aux`.
 pub fn tail_parts(sides: &TailSides<'_>, layout: &StagingLayout, tp_writer: u32, stage: Option<&[ComponentSpec]>, carries_aux: bool) -> Result<Vec<TailPart>> {
-    if sides.pool_tokens.len() != sides.dst.iter().filter(|c| matches!(c.kind, ComponentKind::Pool { .. })).count() {
-        return Err(Error::internal("pool token counts do not match the pool components"));
-    }
     let (src_rank, heads): (u32, HeadSlice) = *layout
         .tp_ranks
         .get(tp_writer as usize)
         .ok_or_else(|| Error::internal(format!("head group {tp_writer} of {}", layout.tp_writers())))?;
+    carrier_parts(sides, &Carrier { src_rank, head_group: Some(tp_writer), heads }, stage, carries_aux)
+}
+
+/// The parts `carrier` carries (see [`tail_parts`]): a replica of a head group carries its state
+/// shares only (its heads and the replicated items are its writer's to send).
+pub fn carrier_parts(sides: &TailSides<'_>, carrier: &Carrier, stage: Option<&[ComponentSpec]>, carries_aux: bool) -> Result<Vec<TailPart>> {
+    if sides.pool_tokens.len() != sides.dst.iter().filter(|c| matches!(c.kind, ComponentKind::Pool { .. })).count() {
+        return Err(Error::internal("pool token counts do not match the pool components"));
+    }
+    let (src_rank, heads) = (carrier.src_rank, carrier.heads);
+    let writer = carrier.head_group.is_some();
     let mut out = Vec::new();
     let mut offset = 0u64;
     let mut pools = 0usize;
@@ -218,7 +251,7 @@ pub fn tail_parts(sides: &TailSides<'_>, layout: &StagingLayout, tp_writer: u32,
         };
         let (per_layer, copy) = match &dst.kind {
             ComponentKind::Aux { row_bytes } => {
-                if carries_aux {
+                if carries_aux && writer {
                     push(&mut out, &mut offset, i, u32::MAX, *row_bytes, PartCopy::Row);
                 }
                 continue;
@@ -231,12 +264,13 @@ pub fn tail_parts(sides: &TailSides<'_>, layout: &StagingLayout, tp_writer: u32,
                 let tokens = sides.pool_tokens[pools] as u64;
                 pools += 1;
                 let copy = match head_sliced {
+                    _ if !writer => continue,
                     true => PartCopy::Rows {
                         row_bytes: heads.num_heads as u64 * unit_bytes,
                         src_at: heads.src_head_start as u64 * unit_bytes,
                         dst_at: heads.dst_head_start as u64 * unit_bytes,
                     },
-                    false if tp_writer == 0 => PartCopy::Rows { row_bytes: *unit_bytes, src_at: 0, dst_at: 0 },
+                    false if carrier.head_group == Some(0) => PartCopy::Rows { row_bytes: *unit_bytes, src_at: 0, dst_at: 0 },
                     false => continue,
                 };
                 let PartCopy::Rows { row_bytes, .. } = copy else { unreachable!() };
@@ -257,12 +291,30 @@ pub fn tail_parts(sides: &TailSides<'_>, layout: &StagingLayout, tp_writer: u32,
 /// head group's share of the component layers its stage holds, and the aux rows when it is head
 /// group 0 carrying the decode rank's first KV layer. `(owed, tail)`.
 pub fn writer_tail(sides: &TailSides<'_>, layout: &StagingLayout, region: &WriterRegion) -> Result<(u64, Vec<TailPart>)> {
-    let mut owed = 0;
-    for t in 0..layout.tp_writers() {
-        owed += tail_bytes(&tail_parts(sides, layout, t, None, t == 0)?);
-    }
     let carries_aux = region.tp_writer == 0 && region.layer_ids.first() == layout.dst.layer_ids.first();
-    Ok((owed, tail_parts(sides, layout, region.tp_writer, Some(sides.src), carries_aux)?))
+    Ok((owed_tail(sides, layout)?, tail_parts(sides, layout, region.tp_writer, Some(sides.src), carries_aux)?))
+}
+
+/// What prefill rank `src_rank`, a replica of heads another rank sends, carries of a request's
+/// parts (its state shares of the component layers its stage holds), and what the allocation
+/// owes: `(owed, tail)`; an empty tail when it carries nothing.
+pub fn replica_tail(sides: &TailSides<'_>, layout: &StagingLayout, src_rank: u32) -> Result<(u64, Vec<TailPart>)> {
+    let carrier = carriers(layout)?.into_iter().find(|c| c.src_rank == src_rank && c.head_group.is_none());
+    let tail = match carrier {
+        Some(c) => carrier_parts(sides, &c, Some(sides.src), false)?,
+        None => Vec::new(),
+    };
+    Ok((owed_tail(sides, layout)?, tail))
+}
+
+/// Bytes of request parts a decode rank's last chunk owes: every carrier's parts of every
+/// component layer, the aux rows once.
+fn owed_tail(sides: &TailSides<'_>, layout: &StagingLayout) -> Result<u64> {
+    let mut owed = 0;
+    for c in carriers(layout)? {
+        owed += tail_bytes(&carrier_parts(sides, &c, None, c.head_group == Some(0))?);
+    }
+    Ok(owed)
 }
 
 fn push(out: &mut Vec<TailPart>, offset: &mut u64, component: usize, layer_id: u32, bytes: u64, copy: PartCopy) {
@@ -275,24 +327,25 @@ pub fn tail_bytes(parts: &[TailPart]) -> u64 {
     parts.iter().map(|p| p.bytes).sum()
 }
 
-/// Checks that the writers of `layout` (one prefill rank per head group) hold every byte of the
-/// decode rank's state slots: a share held only by a prefill rank that sends no KV to this decode
-/// rank (one replicating KV heads another rank sends, or an MLA rank not designated) cannot
-/// travel, since request parts travel with the KV (`KVSTAGE_E_UNSUPPORTED` naming the component).
+/// Checks that the carriers of `layout` (its KV writers and, MHA, the ranks replicating their heads)
+/// hold every byte of the decode rank's state slots: a share held only by a prefill rank that is
+/// neither (an MLA rank not designated) cannot travel (`KVSTAGE_E_UNSUPPORTED` naming the
+/// component).
 pub fn check_state_carried(components: &[ComponentSpec], layout: &StagingLayout) -> Result<()> {
     let (src_tp, dst_tp, dst_rank) = (layout.src_tp, layout.dst.tp_size, layout.dst.tp_rank);
+    let carriers = carriers(layout)?;
     for c in components {
         let ComponentKind::State { item } = &c.kind else { continue };
         let mut carried = 0u64;
-        for (rank, _) in &layout.tp_ranks {
-            carried += state_slice(item, src_tp, dst_tp, *rank, dst_rank)?.iter().map(|r| r.len).sum::<u64>();
+        for k in &carriers {
+            carried += state_slice(item, src_tp, dst_tp, k.src_rank, dst_rank)?.iter().map(|r| r.len).sum::<u64>();
         }
         if carried != item.slot_bytes(dst_tp) {
-            let writers: Vec<u32> = layout.tp_ranks.iter().map(|(r, _)| *r).collect();
+            let writers: Vec<u32> = carriers.iter().map(|k| k.src_rank).collect();
             return Err(Error::new(
                 Status::KVSTAGE_E_UNSUPPORTED,
                 format!(
-                    "state component {:?}: the prefill ranks that send KV to decode rank {dst_rank} (TP {src_tp} ranks {writers:?}) hold {carried} of its {}-byte slot; the rest lies on prefill ranks that send it no KV (they replicate KV heads another rank sends), and request parts travel with the KV",
+                    "state component {:?}: the prefill ranks that feed decode rank {dst_rank} (TP {src_tp} ranks {writers:?}) hold {carried} of its {}-byte slot; the rest lies on prefill ranks that are not paired with it (MLA ranks other than the designated one)",
                     c.name,
                     item.slot_bytes(dst_tp)
                 ),
@@ -342,6 +395,36 @@ mod tests {
     }
 
     #[test]
+    fn replicas_of_a_head_group_carry_their_state_shares_only() {
+        // Prefill TP 8 over 2 KV heads into decode TP 2: decode rank 0's head comes from rank 0;
+        // ranks 1..4 replicate it and hold conv shares of decode rank 0's slot.
+        let src = PoolShape::new(ModelKind::Mha, 2, 16, 2, 16, 4).with_tp(0, 8);
+        let dst = PoolShape::new(ModelKind::Mha, 2, 16, 2, 16, 4).with_tp(0, 2);
+        let layout = staging_layout(&src, &dst, 16).unwrap();
+        let c = carriers(&layout).unwrap();
+        assert_eq!(c.iter().map(|c| (c.src_rank, c.head_group)).collect::<Vec<_>>(), vec![(0, Some(0)), (1, None), (2, None), (3, None)]);
+        let specs = vec![
+            ComponentSpec {
+                name: "conv".into(),
+                kind: ComponentKind::State { item: StateItem { outer: 1, groups: vec![16], dtype_bytes: 2, replicated: false } },
+                layer_ids: vec![0],
+                page_size: 0,
+            },
+            ComponentSpec { name: "swa".into(), kind: ComponentKind::Pool { unit_bytes: 4, head_sliced: true }, layer_ids: vec![0], page_size: 16 },
+            ComponentSpec { name: "aux".into(), kind: ComponentKind::Aux { row_bytes: 8 }, layer_ids: vec![], page_size: 0 },
+        ];
+        let sides = TailSides { src: &specs, dst: &specs, src_tp: 8, dst_tp: 2, dst_rank: 0, src_local_heads: 1, dst_local_heads: 1, pool_tokens: &[5] };
+        let parts: Vec<Vec<TailPart>> = c.iter().map(|k| carrier_parts(&sides, k, None, true).unwrap()).collect();
+        // Every carrier: its 2-element conv share (4 bytes); the writer also the window (5 tokens
+        // of its head) and the aux row.
+        assert_eq!(parts.iter().map(|p| tail_bytes(p)).collect::<Vec<_>>(), vec![4 + 5 * 4 + 8, 4, 4, 4]);
+        assert!(parts[1..].iter().all(|p| p.len() == 1 && matches!(p[0].copy, PartCopy::Ranges(_))));
+        // Together they cover the decode slot exactly.
+        let covered: u64 = parts.iter().flatten().filter(|p| p.component == 0).map(|p| p.bytes).sum();
+        assert_eq!(covered, 16 / 2 * 2);
+    }
+
+    #[test]
     fn mismatches_name_the_component_and_field() {
         let mut other = specs(vec![0, 1]);
         other[2].kind = ComponentKind::Pool { unit_bytes: 16, head_sliced: true };
@@ -355,18 +438,23 @@ mod tests {
     }
 
     #[test]
-    fn state_held_by_a_replica_is_refused() {
+    fn state_on_ranks_that_feed_no_kv_is_refused() {
         let s = specs(vec![0]);
-        // Prefill TP 8 with 2 KV heads: rank 0 sends decode rank 0's head, ranks 1..4 replicate
-        // it but hold their own conv shares.
-        let layout = |heads: u32| {
+        // MHA, prefill TP 8 with 2 KV heads: ranks 1..4 replicate rank 0's head and carry their
+        // conv shares themselves.
+        let mha = |heads: u32| {
             let src = PoolShape::new(ModelKind::Mha, heads, 16, 2, 16, 1).with_tp(0, 8);
             staging_layout(&src, &PoolShape::new(ModelKind::Mha, heads, 16, 2, 16, 1).with_tp(0, 2), 16).unwrap()
         };
-        let e = check_state_carried(&s, &layout(2)).unwrap_err();
+        assert!(check_state_carried(&s, &mha(2)).is_ok());
+        assert!(check_state_carried(&s, &mha(8)).is_ok());
+        // MLA, prefill TP 2 into decode TP 4: decode rank 1's latent comes from rank 1, its conv
+        // share lies on rank 0, which is not paired with it.
+        let src = PoolShape::new(ModelKind::Mla, 1, 576, 2, 16, 1).with_tp(1, 2);
+        let mla = staging_layout(&src, &PoolShape::new(ModelKind::Mla, 1, 576, 2, 16, 1).with_tp(1, 4), 16).unwrap();
+        let e = check_state_carried(&s, &mla).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_UNSUPPORTED);
-        assert!(e.message().contains("\"conv\"") && e.message().contains("hold 24 of its 96-byte slot"), "{}", e.message());
-        assert!(check_state_carried(&s[..1], &layout(2)).is_ok());
-        assert!(check_state_carried(&s, &layout(8)).is_ok());
+        assert!(e.message().contains("\"conv\"") && e.message().contains("hold 0 of its 48-byte slot"), "{}", e.message());
+        assert!(check_state_carried(&s[..1], &mla).is_ok());
     }
 }

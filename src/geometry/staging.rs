@@ -19,6 +19,10 @@ use super::parts::{tail_bytes, TailPart};
 use super::{agreed_field_mismatches, mismatch_error, ModelKind, PoolShape};
 use crate::error::{Error, FieldMismatch, Result, Status};
 
+/// [`WriterRegion::tp_writer`] of a region of request parts only (a rank replicating heads
+/// another rank sends; see [`StagingLayout::place_tail_only`]).
+pub const TAIL_ONLY: u32 = u32::MAX;
+
 /// One writer's region of a staging allocation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WriterRegion {
@@ -200,7 +204,31 @@ impl StagingLayout {
     /// As [`Self::place`] for a region that carries `tail` after its KV slabs; also refused when a
     /// placed region of the same head group carries one of its (component, layer) parts.
     pub fn place_with_tail(&mut self, src: &PoolShape, tail: Vec<TailPart>) -> Result<u32> {
-        let Some(mut region) = self.region_of(src)? else {
+        let region = self.region_of(src)?;
+        self.place_region(src, region, tail)
+    }
+
+    /// Places a region of request parts only: prefill rank `src` replicates the heads another
+    /// rank sends (it carries no KV here) and carries `tail` (its state shares).
+    pub fn place_tail_only(&mut self, src: &PoolShape, tail: Vec<TailPart>) -> Result<u32> {
+        self.check_src(src)?;
+        let heads = self.tp_ranks.first().map(|(_, h)| *h).unwrap_or(HeadSlice::MLA);
+        let region = WriterRegion {
+            offset: 0,
+            bytes: 0,
+            layers: 0,
+            layer_ids: Vec::new(),
+            src_tp_rank: src.tp_rank,
+            src_pp_rank: src.pp_rank,
+            tp_writer: TAIL_ONLY,
+            heads,
+            tail: Vec::new(),
+        };
+        self.place_region(src, Some(region), tail)
+    }
+
+    fn place_region(&mut self, src: &PoolShape, region: Option<WriterRegion>, tail: Vec<TailPart>) -> Result<u32> {
+        let Some(mut region) = region else {
             return Err(Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
                 format!(
@@ -219,12 +247,14 @@ impl StagingLayout {
                 }],
             ));
         }
-        let same_group = self.writers.iter().filter(|w| w.tp_writer == region.tp_writer);
-        if let Some((other, part)) = same_group.flat_map(|w| w.tail.iter().map(move |p| (w, p))).find(|(_, p)| tail.iter().any(|q| (q.component, q.layer_id) == (p.component, p.layer_id))) {
+        // A (component, layer) share is carried once per prefill TP rank: two stages of one rank
+        // claiming the same one disagree on the split.
+        let same_rank = self.writers.iter().filter(|w| w.src_tp_rank == region.src_tp_rank);
+        if let Some((other, part)) = same_rank.flat_map(|w| w.tail.iter().map(move |p| (w, p))).find(|(_, p)| tail.iter().any(|q| (q.component, q.layer_id) == (p.component, p.layer_id))) {
             return Err(mismatch_error(
                 "pipeline stages overlap",
                 vec![FieldMismatch {
-                    field: format!("component {} layer {} of head group {}", part.component, part.layer_id, region.tp_writer),
+                    field: format!("component {} layer {} of prefill TP rank {}", part.component, part.layer_id, region.src_tp_rank),
                     local: format!("carried by prefill rank (tp {}, pp {})", other.src_tp_rank, other.src_pp_rank),
                     remote: format!("claimed by prefill rank (tp {}, pp {})", src.tp_rank, src.pp_rank),
                 }],

@@ -42,6 +42,12 @@ impl Pairing {
         })
     }
 
+    /// The writer id its frames name: its head group, or [`geometry::TAIL_ONLY`] for a replica
+    /// (which writes only a region of request parts, its state shares, in a room's last chunk).
+    pub fn frame_writer(&self) -> u32 {
+        self.writer.unwrap_or(geometry::TAIL_ONLY)
+    }
+
     /// "head group 1 of 2", or "no writer (its heads are sent by another prefill rank) of 2".
     pub fn describe(&self) -> String {
         match self.writer {

@@ -514,7 +514,7 @@ impl Receiver {
         let pool = self.pool()?;
         let mem = self.ring_memory()?;
         mem.before_device_read()?;
-        for region in &job.layout.writers {
+        for region in job.layout.writers.iter().filter(|r| r.layers > 0) {
             let plan = geometry::plan_scatter(&pool.shape, &job.pages, &job.layout, region)?.for_layers(|l| job.layers.contains(&l));
             if plan.slabs.is_empty() {
                 continue;

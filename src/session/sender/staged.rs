@@ -48,11 +48,18 @@ impl SenderSession {
         let span = desc.span(src.page_size)?;
         let tokens = span.tokens as u32; // bounded by `span`
         let layout = geometry::staging_layout(src, dst, tokens)?;
-        let Some(writer) = self.pair.writer else {
-            return Ok(Status::KVSTAGE_OK); // another prefill rank sends these heads
+        let writer = self.pair.frame_writer();
+        let region = match self.pair.writer {
+            Some(_) => layout.region_of(src)?.ok_or_else(|| Error::internal("a paired writer has no region"))?,
+            // Another prefill rank sends these heads: a replica writes only its share of the
+            // request's parts, with the last chunk.
+            None if desc.parts.is_none() => return Ok(Status::KVSTAGE_OK),
+            None => WriterRegion { tp_writer: geometry::TAIL_ONLY, layers: 0, bytes: 0, layer_ids: Vec::new(), offset: 0, src_tp_rank: src.tp_rank, src_pp_rank: src.pp_rank, heads: self.pair.heads, tail: Vec::new() },
         };
-        let region = layout.region_of(src)?.ok_or_else(|| Error::internal("a paired writer has no region"))?;
         let (layout, region) = self.with_parts(desc, layout, region)?;
+        if region.bytes == 0 {
+            return Ok(Status::KVSTAGE_OK); // a replica without a share of the parts
+        }
         // Fallback is decided here, before anything is allocated on either side.
         let staging_limit = self.resources.options.send_staging_bytes;
         let fallback = if self.remote.ring_bytes == 0 {
@@ -75,7 +82,7 @@ impl SenderSession {
             self.log_fallback(desc, &why);
             return Ok(Status::KVSTAGE_FALLBACK);
         }
-        let plan = geometry::plan_gather(src, &desc.pages, span.first_token, &layout, &region)?;
+        let plan = (region.layers > 0).then(|| geometry::plan_gather(src, &desc.pages, span.first_token, &layout, &region)).transpose()?;
         // A whole chunk's KV ready first, so that waiting for the caller's compute holds no ring
         // space, copy lane or staging buffer another transfer needs (layer-wise: per batch).
         if desc.layers.is_none() {
@@ -129,7 +136,7 @@ impl SenderSession {
         };
         // From here on the receiver holds ring space for us: every failure aborts first.
         let place = Placement { round, grant_offset: offset, region_offset, region_bytes: region.bytes, writer };
-        let written = self.write_granted(desc, op, &deadline, (&plan, &region.tail), &place, t, &mut stall);
+        let written = self.write_granted(desc, op, &deadline, (plan.as_ref(), &region.tail), &place, t, &mut stall);
         let arrival = match written {
             Ok(pending) => pending,
             Err(e) => {
@@ -162,7 +169,7 @@ impl SenderSession {
         desc: &TransferDesc,
         op: &Op,
         deadline: &Deadline,
-        (plan, tail): (&geometry::CopyPlan, &[TailPart]),
+        (plan, tail): (Option<&geometry::CopyPlan>, &[TailPart]),
         place: &Placement,
         t: &mut TransferTimings,
         stall: &mut Stall,
@@ -176,7 +183,7 @@ impl SenderSession {
         let pending = self.expect_reply();
         let req = pending.req;
         let ready = |checksum| Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
-        if let Some(gate) = &desc.layers {
+        if let (Some(gate), Some(plan)) = (&desc.layers, plan) {
             self.write_by_layers(desc, gate, op, deadline, plan, place, ready, t, stall)?;
             return Ok(pending);
         }
@@ -186,7 +193,9 @@ impl SenderSession {
         if self.writes_in_place() {
             let mut range = self.link.in_place(grant_offset + region_offset, region_bytes).expect("an in-place transport")?;
             op.enter("gathering", String::new);
-            self.gather(plan, range.as_mut_ptr(), t)?;
+            if let Some(plan) = plan {
+                self.gather(plan, range.as_mut_ptr(), t)?;
+            }
             self.gather_tail(desc, tail, range.as_mut_ptr(), region_bytes, t)?;
             let checksum = self.region_checksum(desc, || Ok(checksum(&range.to_host()?)))?;
             drop(range);
@@ -201,7 +210,9 @@ impl SenderSession {
         // A buffer of the engine's pool, held for the gather and the write only.
         let mut staging = self.staging_buffer(region_bytes, deadline, op, t)?;
         op.enter("gathering", String::new);
-        self.gather(plan, staging.as_mut_ptr(), t)?;
+        if let Some(plan) = plan {
+            self.gather(plan, staging.as_mut_ptr(), t)?;
+        }
         if !tail.is_empty() && staging.memory() != StagingMemory::Host {
             return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "request parts need host staging (this session stages in device memory)"));
         }
@@ -303,7 +314,10 @@ impl SenderSession {
             dst_local_heads: dst.local_heads,
             pool_tokens: &tokens,
         };
-        let (owed, tail) = geometry::parts::writer_tail(&sides, &layout, &region)?;
+        let (owed, tail) = match self.pair.writer {
+            Some(_) => geometry::parts::writer_tail(&sides, &layout, &region)?,
+            None => geometry::parts::replica_tail(&sides, &layout, src.tp_rank)?,
+        };
         region.bytes += geometry::parts::tail_bytes(&tail);
         region.tail = tail;
         Ok((layout.with_tail_total(owed), region))

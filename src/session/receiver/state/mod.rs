@@ -541,15 +541,15 @@ impl State {
     /// still maps the ring (then [`State::unmapped`] ends them).
     pub fn conn_gone(&mut self, conn: ConnId, code: Status, reason: &str) {
         let Some(info) = self.conns.remove(&conn) else { return };
-        if info.pairing.writer.is_none() {
-            return;
-        }
+        // A replica of heads another rank sends owes only the parts it claimed to carry.
+        let replica = info.pairing.writer.is_none();
         let wrote = |c: &Chunk| c.slot_of(conn).is_some();
         // A chunk it has no slot in is owed unless other connections carry all of its layers.
         let owes = |c: &Chunk| {
             c.phase == Phase::Waiting
                 && match (c.slot_of(conn), &c.layout) {
                     (Some((_, s)), _) => !s.arrived,
+                    (None, _) if replica => false,
                     (None, None) => true,
                     (None, Some(l)) => l.region_of(&info.src).ok().flatten().is_none_or(|r| !l.carries(&r)),
                 }
@@ -671,7 +671,11 @@ impl State {
         let clash = layout.region_of(&info.src)?.and_then(|r| {
             layout.overlap(&r).map(|(other, _)| (other.src_tp_rank, other.src_pp_rank) != (info.src.tp_rank, info.src.pp_rank))
         });
-        match layout.place_with_tail(&info.src, tail) {
+        let placed = match info.pairing.writer {
+            Some(_) => layout.place_with_tail(&info.src, tail),
+            None => layout.place_tail_only(&info.src, tail),
+        };
+        match placed {
             Err(e) if clash == Some(true) => {
                 self.fail_room(room, e.code(), e.chain(), &info.session);
                 Err(e)

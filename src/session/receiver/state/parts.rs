@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::copy::Components;
-use crate::geometry::parts::writer_tail;
+use crate::geometry::parts::{replica_tail, writer_tail};
 use crate::geometry::{RequestParts, TailPart, TailSides};
 
 /// What a room names of its request besides the KV pages, and the components they lie in.
@@ -135,9 +135,12 @@ impl State {
     /// What `info`'s region carries of `parts`, and what the whole allocation owes (see
     /// [`writer_tail`]): `(owed, tail)`.
     pub(super) fn writer_tail(layout: &StagingLayout, info: &ConnInfo, parts: &RoomParts) -> Result<(u64, Vec<TailPart>)> {
-        let Some(region) = layout.region_of(&info.src)? else { return Ok((0, Vec::new())) };
         let tokens = parts.request.pool_tokens();
-        writer_tail(&Self::sides(info, &tokens), layout, &region)
+        let sides = Self::sides(info, &tokens);
+        match layout.region_of(&info.src)? {
+            Some(region) => writer_tail(&sides, layout, &region),
+            None => replica_tail(&sides, layout, info.src.tp_rank),
+        }
     }
 
     /// The last chunk of `room` scattered and left its aux rows: held until every chunk is done.

@@ -13,7 +13,7 @@ impl State {
     #[allow(clippy::too_many_arguments)]
     pub fn allocate(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, tokens: u32, bytes: u64, pool_tokens: Option<&[u32]>) -> Result<(Grant, u64)> {
         let info = self.conn(conn)?.clone();
-        let writer = info.pairing.writer()?;
+        let writer = info.pairing.frame_writer();
         if claimed != writer {
             return Err(protocol(format!("writer {claimed} claimed, this session is writer {writer}")));
         }
@@ -67,6 +67,10 @@ impl State {
         let first_writer = c.layout.is_none();
         let mut layout = Self::chunk_layout(c, &info, tokens)?;
         let parts = self.check_parts(room, chunk, &info, pool_tokens)?;
+        // A replica of heads another rank sends writes only its share of the request's parts.
+        if info.pairing.writer.is_none() && parts.is_none() {
+            info.pairing.writer()?;
+        }
         let mut tail = Vec::new();
         if let Some(p) = parts.as_deref() {
             let (owed, carried) = Self::writer_tail(&layout, &info, p)?;
@@ -82,8 +86,14 @@ impl State {
                 format!("allocation size {bytes} != expected {}{of_parts} for chunk {chunk}", layout.total_bytes),
             ));
         }
+        if info.pairing.writer.is_none() && tail.is_empty() {
+            return Err(protocol(format!("chunk {chunk} of room {room}: this replica carries no share of the request's parts")));
+        }
         let region = self.claim(room, &mut layout, &info, tail)?;
-        if let Some((carried, owed)) = layout.tail_short() {
+        // With every KV writer placed, a short tail is final, unless ranks replicating their heads
+        // are still to bring their state shares.
+        let replicas_owe = layout.tail_total > 0 && geometry::parts::carriers(&layout)?.iter().any(|c| c.head_group.is_none());
+        if let Some((carried, owed)) = layout.tail_short().filter(|_| !replicas_owe) {
             let e = Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
                 format!(
@@ -148,7 +158,7 @@ impl State {
 
     /// Validates a write and returns (grant id, slot, allocation-relative offset).
     fn check_write(&self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, offset: u64, len: u64) -> Result<Target<(u64, u32, u64)>> {
-        let writer = self.conn(conn)?.pairing.writer()?;
+        let writer = self.conn(conn)?.pairing.frame_writer();
         if claimed != writer {
             return Err(protocol(format!("data for writer {claimed} from writer {writer}")));
         }
@@ -227,7 +237,7 @@ impl State {
     /// replied; a writer that owns the slot and lies about its bytes fails the room.
     pub fn begin_ready(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32) -> Result<ReadyLease> {
         let info = self.conn(conn)?;
-        let (writer, session) = (info.pairing.writer()?, info.session.clone());
+        let (writer, session) = (info.pairing.frame_writer(), info.session.clone());
         // An in-place writer that reports ready has finished writing (over RDMA its immediate
         // arrived first; a same-host writer sends the report after its gather returned).
         self.release_remote_writer(conn, at, Some(chunk));
