@@ -188,8 +188,6 @@ pub struct TailSides<'a> {
     pub src_tp: u32,
     pub dst_tp: u32,
     pub dst_rank: u32,
-    pub src_local_heads: u32,
-    pub dst_local_heads: u32,
     /// Tokens of each pool component for this request (both sides named the same).
     pub pool_tokens: &'a [u32],
 }
@@ -379,7 +377,7 @@ mod tests {
         let dst = PoolShape::new(ModelKind::Mha, 8, 16, 2, 64, 4).with_tp(0, 2);
         let layout = staging_layout(&src, &dst, 100).unwrap();
         let (s, d) = (specs(vec![0, 2]), specs(vec![0, 2]));
-        let sides = TailSides { src: &s, dst: &d, src_tp: 4, dst_tp: 2, dst_rank: 0, src_local_heads: 2, dst_local_heads: 4, pool_tokens: &[40] };
+        let sides = TailSides { src: &s, dst: &d, src_tp: 4, dst_tp: 2, dst_rank: 0, pool_tokens: &[40] };
         let w0 = tail_parts(&sides, &layout, 0, Some(&s), true).unwrap();
         let w1 = tail_parts(&sides, &layout, 1, Some(&s), false).unwrap();
         let aux = 64;
@@ -413,7 +411,7 @@ mod tests {
             ComponentSpec { name: "swa".into(), kind: ComponentKind::Pool { unit_bytes: 4, head_sliced: true }, layer_ids: vec![0], page_size: 16 },
             ComponentSpec { name: "aux".into(), kind: ComponentKind::Aux { row_bytes: 8 }, layer_ids: vec![], page_size: 0 },
         ];
-        let sides = TailSides { src: &specs, dst: &specs, src_tp: 8, dst_tp: 2, dst_rank: 0, src_local_heads: 1, dst_local_heads: 1, pool_tokens: &[5] };
+        let sides = TailSides { src: &specs, dst: &specs, src_tp: 8, dst_tp: 2, dst_rank: 0, pool_tokens: &[5] };
         let parts: Vec<Vec<TailPart>> = c.iter().map(|k| carrier_parts(&sides, k, None, true).unwrap()).collect();
         // Every carrier: its 2-element conv share (4 bytes); the writer also the window (5 tokens
         // of its head) and the aux row.

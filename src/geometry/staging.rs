@@ -47,6 +47,22 @@ pub struct WriterRegion {
 }
 
 impl WriterRegion {
+    /// The (unplaced, still empty) region of request parts alone of prefill rank `src`, which
+    /// replicates `heads` another rank sends ([`TAIL_ONLY`]).
+    pub fn tail_only(src: &PoolShape, heads: HeadSlice) -> WriterRegion {
+        WriterRegion {
+            offset: 0,
+            bytes: 0,
+            layers: 0,
+            layer_ids: Vec::new(),
+            src_tp_rank: src.tp_rank,
+            src_pp_rank: src.pp_rank,
+            tp_writer: TAIL_ONLY,
+            heads,
+            tail: Vec::new(),
+        }
+    }
+
     /// Bytes of its KV slabs (the region without its tail).
     pub fn kv_bytes(&self) -> u64 {
         self.bytes - tail_bytes(&self.tail)
@@ -213,18 +229,7 @@ impl StagingLayout {
     pub fn place_tail_only(&mut self, src: &PoolShape, tail: Vec<TailPart>) -> Result<u32> {
         self.check_src(src)?;
         let heads = self.tp_ranks.first().map(|(_, h)| *h).unwrap_or(HeadSlice::MLA);
-        let region = WriterRegion {
-            offset: 0,
-            bytes: 0,
-            layers: 0,
-            layer_ids: Vec::new(),
-            src_tp_rank: src.tp_rank,
-            src_pp_rank: src.pp_rank,
-            tp_writer: TAIL_ONLY,
-            heads,
-            tail: Vec::new(),
-        };
-        self.place_region(src, Some(region), tail)
+        self.place_region(src, Some(WriterRegion::tail_only(src, heads)), tail)
     }
 
     fn place_region(&mut self, src: &PoolShape, region: Option<WriterRegion>, tail: Vec<TailPart>) -> Result<u32> {

@@ -54,7 +54,7 @@ impl SenderSession {
             // Another prefill rank sends these heads: a replica writes only its share of the
             // request's parts, with the last chunk.
             None if desc.parts.is_none() => return Ok(Status::KVSTAGE_OK),
-            None => WriterRegion { tp_writer: geometry::TAIL_ONLY, layers: 0, bytes: 0, layer_ids: Vec::new(), offset: 0, src_tp_rank: src.tp_rank, src_pp_rank: src.pp_rank, heads: self.pair.heads, tail: Vec::new() },
+            None => WriterRegion::tail_only(src, self.pair.heads),
         };
         let (layout, region) = self.with_parts(desc, layout, region)?;
         if region.bytes == 0 {
@@ -310,8 +310,6 @@ impl SenderSession {
             src_tp: src.tp_size,
             dst_tp: dst.tp_size,
             dst_rank: dst.tp_rank,
-            src_local_heads: src.local_heads,
-            dst_local_heads: dst.local_heads,
             pool_tokens: &tokens,
         };
         let (owed, tail) = match self.pair.writer {

@@ -126,8 +126,6 @@ impl State {
             src_tp: info.src.tp_size,
             dst_tp: info.dst.tp_size,
             dst_rank: info.dst.tp_rank,
-            src_local_heads: info.src.local_heads,
-            dst_local_heads: info.dst.local_heads,
             pool_tokens: tokens,
         }
     }
