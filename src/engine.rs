@@ -50,6 +50,10 @@ pub struct EngineOptions {
     pub send_staging_buffers: u32,
     /// Bytes all send staging buffers may hold together.
     pub send_staging_total_bytes: u64,
+    /// A whole chunk's share gathered into host staging goes out in pieces of about this many
+    /// bytes (whole slabs), each written while the next is gathered, when it makes two pieces or
+    /// more; `0`: gathered whole, then written at once.
+    pub send_piece_bytes: u64,
     /// Threads running asynchronous transfers (a session uses at most half of them at once).
     pub transfer_threads: u32,
     /// Shared secret both sides must present in the handshake (`None`: no authentication).
@@ -83,6 +87,9 @@ pub const DEFAULT_CHUNK_TOKENS: u32 = 8192;
 pub const DEFAULT_SEND_STAGING_BYTES: u64 = 1 << 30;
 pub const DEFAULT_SEND_STAGING_BUFFERS: u32 = 4;
 pub const DEFAULT_SEND_STAGING_TOTAL_BYTES: u64 = 4 << 30;
+/// Large enough that a piece's frame and wakeup cost nothing next to its copy, small enough that
+/// the first piece's gather (the part not hidden behind the wire) is short.
+pub const DEFAULT_SEND_PIECE_BYTES: u64 = 4 << 20;
 pub const DEFAULT_TRANSFER_THREADS: u32 = 4;
 pub const DEFAULT_DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(15);
 pub const DEFAULT_ROOM_TIMEOUT: Duration = Duration::from_secs(300);
@@ -99,6 +106,7 @@ impl Default for EngineOptions {
             send_staging_bytes: DEFAULT_SEND_STAGING_BYTES,
             send_staging_buffers: DEFAULT_SEND_STAGING_BUFFERS,
             send_staging_total_bytes: DEFAULT_SEND_STAGING_TOTAL_BYTES,
+            send_piece_bytes: DEFAULT_SEND_PIECE_BYTES,
             transfer_threads: DEFAULT_TRANSFER_THREADS,
             cluster_token: None,
             integrity: Integrity::Sampled,
@@ -256,6 +264,7 @@ impl Engine {
             completions: completions.clone(),
             options: SenderConfig {
                 send_staging_bytes: options.send_staging_bytes,
+                send_piece_bytes: options.send_piece_bytes,
                 cluster_token: options.cluster_token.clone().unwrap_or_default().into_bytes(),
                 integrity: options.integrity,
                 default_deadline: options.default_deadline,

@@ -92,6 +92,17 @@ impl CopyPlan {
         CopyPlan { slabs: self.slabs.iter().filter(|s| ready(s.layer_id)).copied().collect(), ..self.clone() }
     }
 
+    /// The plan cut into consecutive pieces of whole slabs in region order, each at least
+    /// `piece_bytes` long but the last: a sender writes piece `k` while it gathers piece `k + 1`.
+    /// Each piece's region range is contiguous when the plan's slabs tile the region.
+    pub fn pieces(&self, piece_bytes: u64) -> Vec<CopyPlan> {
+        let slab = self.tokens * self.row_bytes;
+        let per_piece = piece_bytes.div_ceil(slab.max(1)).max(1) as usize;
+        let mut slabs = self.slabs.clone();
+        slabs.sort_by_key(|s| s.staging_offset);
+        slabs.chunks(per_piece).map(|group| CopyPlan { slabs: group.to_vec(), ..self.clone() }).collect()
+    }
+
     /// Byte ranges `(offset, len)` of the region the plan writes, in region order, adjacent
     /// slabs merged: what a layer-wise sender reports as written.
     pub fn staging_ranges(&self) -> Vec<(u64, u64)> {
@@ -236,6 +247,37 @@ mod tests {
     fn shapes() -> (PoolShape, PoolShape) {
         let base = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 3);
         (base.clone().with_tp(3, 4), base.with_tp(1, 2))
+    }
+
+    /// Pieces keep every slab once, in region order, each piece one contiguous range of at least
+    /// the bytes asked but the last, together the whole region.
+    #[test]
+    fn pieces_tile_the_region_in_order() {
+        let src = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 6).with_tp(0, 2);
+        let dst = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 6);
+        let st = staging_layout(&src, &dst, 32).unwrap();
+        let w = st.region_of(&src).unwrap().unwrap();
+        let whole = plan_gather(&src, &[3, 1], 0, &st, &w).unwrap();
+        let slab = whole.tokens * whole.row_bytes;
+        for piece_bytes in [1, slab - 1, slab, slab + 1, 5 * slab, 12 * slab, 100 * slab] {
+            let pieces = whole.pieces(piece_bytes);
+            let mut next = 0;
+            for (i, p) in pieces.iter().enumerate() {
+                let ranges = p.staging_ranges();
+                assert_eq!(ranges.len(), 1, "piece {i} of {piece_bytes}-byte pieces is one range");
+                assert_eq!(ranges[0].0, next, "piece {i} follows the one before");
+                next += ranges[0].1;
+                if i + 1 < pieces.len() {
+                    assert!(p.bytes() >= piece_bytes && p.bytes() < piece_bytes + slab, "piece {i}: {} bytes for {piece_bytes}", p.bytes());
+                }
+            }
+            assert_eq!(next, whole.staging_bytes, "{piece_bytes}-byte pieces cover the region");
+            let mut slabs: Vec<Slab> = pieces.iter().flat_map(|p| p.slabs.iter().copied()).collect();
+            slabs.sort_by_key(|s| s.staging_offset);
+            let mut expected = whole.slabs.clone();
+            expected.sort_by_key(|s| s.staging_offset);
+            assert_eq!(slabs, expected, "every slab once");
+        }
     }
 
     /// Any partition of the writer's layers splits the plan into parts whose ranges tile the

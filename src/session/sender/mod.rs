@@ -11,6 +11,7 @@
 mod connect;
 pub mod describe;
 mod layerwise;
+mod pipelined;
 mod stall;
 mod staged;
 
@@ -48,6 +49,8 @@ use crate::transport::Transport;
 pub struct SenderConfig {
     /// Largest send staging buffer (one writer's share of a chunk); larger chunks fall back.
     pub send_staging_bytes: u64,
+    /// Pieces of a whole chunk's write from host staging (`0`: one write after the whole gather).
+    pub send_piece_bytes: u64,
     /// Secret presented in the handshake (empty: none).
     pub cluster_token: Vec<u8>,
     /// This side's integrity policy; the stronger of both sides' applies.

@@ -209,6 +209,11 @@ impl SenderSession {
         }
         // A buffer of the engine's pool, held for the gather and the write only.
         let mut staging = self.staging_buffer(region_bytes, deadline, op, t)?;
+        if let Some(plan) = plan.filter(|&p| self.pipelines(Some(p), &staging)) {
+            self.write_pipelined(desc, (plan, tail), &mut staging, place, ready, deadline, op, t)?;
+            self.metrics.sent(region_bytes);
+            return Ok(pending);
+        }
         op.enter("gathering", String::new);
         if let Some(plan) = plan {
             self.gather(plan, staging.as_mut_ptr(), t)?;
@@ -323,7 +328,7 @@ impl SenderSession {
 
     /// Gathers the request's parts `tail` into the end of the region at `region_at` (host
     /// memory, `region_bytes` long); timed as the gather phase.
-    fn gather_tail(&self, desc: &TransferDesc, tail: &[TailPart], region_at: *mut u8, region_bytes: u64, t: &mut TransferTimings) -> Result<()> {
+    pub(super) fn gather_tail(&self, desc: &TransferDesc, tail: &[TailPart], region_at: *mut u8, region_bytes: u64, t: &mut TransferTimings) -> Result<()> {
         let Some(parts) = desc.parts.as_deref().filter(|_| !tail.is_empty()) else { return Ok(()) };
         let phase = Instant::now();
         let kv_bytes = region_bytes - geometry::parts::tail_bytes(tail);

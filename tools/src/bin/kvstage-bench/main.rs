@@ -78,6 +78,10 @@ struct Cli {
     /// Send staging buffers of each prefill engine [default: the library's].
     #[arg(long, value_name = "N")]
     staging_buffers: Option<u32>,
+    /// Pieces of a chunk's write from a staging buffer, each gathered while the one before is
+    /// written; 0: the whole gather, then one write [default: the library's].
+    #[arg(long, value_name = "BYTES")]
+    piece_bytes: Option<u64>,
     /// Memory of the pools (only host in this tool).
     #[arg(long, value_parser = ["host"], default_value = "host")]
     memory: String,
@@ -157,6 +161,7 @@ struct Args {
     /// Prefill engine options (default: the library's defaults).
     transfer_threads: Option<u32>,
     staging_buffers: Option<u32>,
+    piece_bytes: Option<u64>,
     stuck_peer: bool,
     stuck_seconds: f64,
     layer_ms: Option<f64>,
@@ -182,6 +187,7 @@ impl Args {
             raw_streams: cli.raw_streams.map(|r| r.clamp(1, 256)),
             transfer_threads: cli.transfer_threads.map(|t| t.clamp(1, 256)),
             staging_buffers: cli.staging_buffers.map(|b| b.max(1)),
+            piece_bytes: cli.piece_bytes,
             stuck_peer: cli.stuck_peer,
             stuck_seconds: cli.stuck_seconds.max(0.5),
             layer_ms: cli.layer_ms.map(|ms| ms.max(0.0)),
@@ -209,6 +215,9 @@ fn prefill_options(a: &Args) -> EngineOptions {
     }
     if let Some(b) = a.staging_buffers {
         o.send_staging_buffers = b;
+    }
+    if let Some(b) = a.piece_bytes {
+        o.send_piece_bytes = b;
     }
     o
 }
@@ -240,8 +249,11 @@ fn staged_load(a: &Args, child: &mut DecodeChild, prefill: &Prefill, room: &mut 
     let mut submitted = 0usize;
     let mut ops_total = 0u64;
     let first_submission = Instant::now();
+    // CPU is measured over the timed requests: not the warmup's first use of buffers and rings.
     let mut meter = CpuMeter::new();
-    meter.start(child);
+    if warmup == 0 {
+        meter.start(child);
+    }
     let mut launch = |child: &mut DecodeChild, index: usize, room: &mut u64, in_flight: &mut HashMap<u64, InFlight>| -> Result<(), Error> {
         *room += 1;
         let keys = child.open_room(*room, None)?;
@@ -270,6 +282,11 @@ fn staged_load(a: &Args, child: &mut DecodeChild, prefill: &Prefill, room: &mut 
         }
         latencies[f.index] = at.saturating_duration_since(f.submitted).as_secs_f64();
         completions.push(at);
+        if completions.len() == warmup {
+            meter.start(child);
+        } else if completions.len() == warmup + timed {
+            meter.stop(child);
+        }
         step(bar, "staged");
         if submitted < total {
             launch(child, submitted, room, &mut in_flight)?;
@@ -287,9 +304,8 @@ fn staged_load(a: &Args, child: &mut DecodeChild, prefill: &Prefill, room: &mut 
     let window = completions[warmup + timed - 1].saturating_duration_since(from).as_secs_f64();
     let samples: Vec<f64> = latencies[warmup..warmup + timed].to_vec();
     let rate = (n > 1 && window > 0.0).then(|| bytes as f64 * timed as f64 / window / 1e9);
-    meter.stop(child);
-    let (cpu, busy, idle) = meter.result();
-    let section = Section { bytes, samples, inflight: n as u32, rate, cpu: Some(cpu / total as f64), cores: Some((busy, idle)) };
+    let (cpu, busy, idle) = meter.result(timed);
+    let section = Section { bytes, samples, inflight: n as u32, rate, cpu: Some(cpu), cores: Some((busy, idle)) };
     Ok((Load { section, warmup_requests: warmup as u32, timed_requests: timed as u32, window, ops: ops_total, check: Check::NotChecked }, last))
 }
 
@@ -386,8 +402,8 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
         None
     };
 
-    let (raw_cpu, busy, idle) = raw_meter.result();
-    raw_tcp.cpu = Some(raw_cpu / a.reps.max(1) as f64);
+    let (raw_cpu, busy, idle) = raw_meter.result(a.reps as usize);
+    raw_tcp.cpu = Some(raw_cpu);
     raw_tcp.cores = Some((busy, idle));
 
     let fixed = match slice {

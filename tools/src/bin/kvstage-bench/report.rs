@@ -3,7 +3,7 @@
 use kvstage_tools::Links;
 use serde::Serialize;
 
-use crate::sys::{ThreadPeak, SAMPLE_EVERY};
+use crate::sys::{CpuParts, ThreadPeak, SAMPLE_EVERY};
 use crate::{prefill_options, Args};
 
 #[derive(Clone, Debug, Default)]
@@ -15,7 +15,7 @@ pub struct Section {
     /// Measured aggregate rate (GB/s) where it is not `bytes / median` (requests overlapping).
     pub rate: Option<f64>,
     /// CPU time (user + system, this process and the decode process) per request, in seconds.
-    pub cpu: Option<f64>,
+    pub cpu: Option<CpuParts>,
     /// While the samples were taken: cores these two processes kept busy on average, and the
     /// share of the machine's CPU time that was idle.
     pub cores: Option<(f64, f64)>,
@@ -24,6 +24,10 @@ pub struct Section {
 impl Section {
     pub fn new(bytes: u64) -> Section {
         Section { bytes, samples: Vec::new(), inflight: 1, rate: None, cpu: None, cores: None }
+    }
+    /// CPU seconds per request, both processes (0 when not measured).
+    pub fn cpu_total(&self) -> f64 {
+        self.cpu.as_ref().map_or(0.0, CpuParts::total)
     }
     fn quantile(&self, q: f64) -> f64 {
         let mut s = self.samples.clone();
@@ -62,7 +66,8 @@ impl Section {
             inflight: self.inflight,
             latency_p50_s: self.median(),
             latency_p99_s: self.p99(),
-            cpu_s_per_request: self.cpu,
+            cpu_s_per_request: self.cpu.as_ref().map(CpuParts::total),
+            cpu_s_per_request_parts: self.cpu.clone(),
             cores_busy: self.cores.map(|c| c.0),
             machine_idle: self.cores.map(|c| c.1),
             extra,
@@ -220,7 +225,7 @@ pub fn print_report(a: &Args, r: &Report) {
         ratio(st.section.p99(), st.section.median())
     );
     println!("raw_tcp: {} streams at once, the same bytes between them", r.raw_streams);
-    let (sc, rc) = (st.section.cpu.unwrap_or(0.0), r.raw_tcp.cpu.unwrap_or(0.0));
+    let (sc, rc) = (st.section.cpu_total(), r.raw_tcp.cpu_total());
     let ((sb, si), (rb, ri)) = (st.section.cores.unwrap_or_default(), r.raw_tcp.cores.unwrap_or_default());
     println!(
         "cpu per request (both processes, user + system): staged {sc:.3} s, raw_tcp {rc:.3} s ({:.2}x); cores busy: staged {sb:.2}, raw_tcp {rb:.2}; machine idle: staged {:.0}%, raw_tcp {:.0}%",
@@ -228,6 +233,9 @@ pub fn print_report(a: &Args, r: &Report) {
         si * 100.0,
         ri * 100.0
     );
+    if let Some(parts) = &st.section.cpu {
+        println!("staged cpu per request by thread: prefill {}; decode {}", by_thread(&parts.prefill), by_thread(&parts.decode));
+    }
     if let Some(f) = &r.fixed {
         println!(
             "slice path: {} writes per request at {:.0} writes/s{}",
@@ -250,6 +258,14 @@ pub fn print_report(a: &Args, r: &Report) {
     println!("verified (decode bytes compared with the reference): staged {}{slice}", r.staged.check.text());
 }
 
+/// "0.412 s (kvstage-xfer 0.300, kvstage-copy 0.080, ...)", the largest first.
+fn by_thread(p: &crate::sys::ProcessParts) -> String {
+    let mut groups: Vec<(&String, &f64)> = p.threads.iter().filter(|(_, s)| **s >= 0.0005).collect();
+    groups.sort_by(|a, b| b.1.total_cmp(a.1));
+    let list: Vec<String> = groups.iter().map(|(g, s)| format!("{g} {s:.3}")).collect();
+    format!("{:.3} s ({})", p.total, list.join(", "))
+}
+
 /// One section in the JSON report.
 #[derive(Serialize)]
 struct SectionJson<E> {
@@ -262,6 +278,9 @@ struct SectionJson<E> {
     latency_p99_s: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     cpu_s_per_request: Option<f64>,
+    /// The same by process (prefill, decode) and in each by thread group.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cpu_s_per_request_parts: Option<CpuParts>,
     #[serde(skip_serializing_if = "Option::is_none")]
     cores_busy: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -328,6 +347,8 @@ struct Params {
     raw_streams: u32,
     transfer_threads: u32,
     send_staging_buffers: u32,
+    /// Pieces of a chunk's write from a staging buffer (0: one write after the whole gather).
+    send_piece_bytes: u64,
     /// What `--transport` asked.
     transport: &'static str,
     /// What each sender session ended up on, in session order (prefill rank, then decode rank).
@@ -405,6 +426,7 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
             raw_streams: r.raw_streams,
             transfer_threads: o.transfer_threads,
             send_staging_buffers: o.send_staging_buffers,
+            send_piece_bytes: o.send_piece_bytes,
             transport: kvstage_testkit::cluster::transport_name(s.transport),
             links: r.links.names(),
             memory: "host",
@@ -439,7 +461,7 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
         ratios: Ratios {
             staged_over_raw_tcp: ratio(staged, r.raw_tcp.gbps()),
             staged_p99_over_p50: ratio(st.section.p99(), st.section.median()),
-            staged_cpu_over_raw_tcp_cpu: ratio(st.section.cpu.unwrap_or(0.0), r.raw_tcp.cpu.unwrap_or(0.0)),
+            staged_cpu_over_raw_tcp_cpu: ratio(st.section.cpu_total(), r.raw_tcp.cpu_total()),
             staged_over_slice: f.map(|f| ratio(staged, f.slice.section.gbps())),
             staged_over_memcpy: f.map(|f| ratio(staged, f.memcpy.gbps())),
             gather_over_memcpy: f.map(|f| ratio(f.gather.gbps(), f.memcpy.gbps())),

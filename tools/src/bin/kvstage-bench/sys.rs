@@ -1,6 +1,7 @@
 //! What the bench reads from /proc: this process's threads (sampled on a thread of its own) and
 //! CPU time, of this process, the decode process and the whole machine.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -105,21 +106,101 @@ impl Drop for ThreadSampler {
     }
 }
 
-/// CPU time (user + system, seconds) process `pid` has used so far, all its threads.
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
-    // Fields after the parenthesised name: state is field 3, utime 14 and stime 15.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+/// Seconds of user + system time in a `/proc/.../stat` line (fields after the parenthesised
+/// name: state is field 3, utime 14 and stime 15), with the name.
+fn stat_cpu(stat: &str) -> Option<(&str, f64)> {
+    let (head, rest) = stat.rsplit_once(')')?;
+    let name = head.split_once('(')?.1;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     let ticks = |i: usize| fields.get(i - 3).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    (ticks(14) + ticks(15)) / hz
+    Some((name, (ticks(14) + ticks(15)) / hz))
 }
 
-/// CPU time of this process and the decode process together.
-fn cpu_both(child: &DecodeChild) -> f64 {
-    cpu_seconds(std::process::id()) + cpu_seconds(child.pid())
+/// CPU time of one process so far: all its threads (also those that ended), and each live thread
+/// by id with its name.
+#[derive(Clone, Debug, Default)]
+struct ProcessCpu {
+    total: f64,
+    threads: HashMap<u32, (String, f64)>,
+}
+
+impl ProcessCpu {
+    fn read(pid: u32) -> ProcessCpu {
+        let total = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|s| stat_cpu(&s).map(|(_, t)| t)).unwrap_or(0.0);
+        let mut threads = HashMap::new();
+        for entry in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+            let Some(tid) = entry.file_name().to_str().and_then(|t| t.parse::<u32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+            if let Some((name, secs)) = stat_cpu(&stat) {
+                // The main thread goes by the process's name: called `main` whatever that is.
+                let group = if tid == pid { "main".to_owned() } else { thread_group(name) };
+                threads.insert(tid, (group, secs));
+            }
+        }
+        ProcessCpu { total, threads }
+    }
+
+    /// CPU time spent since `before`, by thread group; what threads that ended meanwhile used is
+    /// `exited`.
+    fn since(&self, before: &ProcessCpu) -> ProcessParts {
+        let mut by_group: BTreeMap<String, f64> = BTreeMap::new();
+        for (tid, (group, secs)) in &self.threads {
+            let earlier = before.threads.get(tid).map_or(0.0, |(_, s)| *s);
+            *by_group.entry(group.clone()).or_default() += (secs - earlier).max(0.0);
+        }
+        let total = (self.total - before.total).max(0.0);
+        let counted: f64 = by_group.values().sum();
+        if total - counted > 0.0 {
+            by_group.insert("exited".to_owned(), total - counted);
+        }
+        ProcessParts { total, threads: by_group }
+    }
+}
+
+/// A thread name without its instance suffix: `kvstage-xfer-1` and `kvstage-send-p0` count as
+/// `kvstage-xfer` and `kvstage-send`, `bench-raw-3` as `bench-raw`.
+fn thread_group(name: &str) -> String {
+    match name.rsplit_once('-') {
+        Some((group, _)) if group.contains('-') => group.to_owned(),
+        _ => name.to_owned(),
+    }
+}
+
+/// CPU seconds of one process over a measurement, and by thread group (`kvstage-*`: the
+/// library's; `main` and `bench-*`: the bench's own; `exited`: threads gone before the end).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct ProcessParts {
+    pub total: f64,
+    pub threads: BTreeMap<String, f64>,
+}
+
+impl ProcessParts {
+    fn add(&mut self, other: &ProcessParts) {
+        self.total += other.total;
+        for (g, s) in &other.threads {
+            *self.threads.entry(g.clone()).or_default() += s;
+        }
+    }
+
+    /// Every figure divided by `n`.
+    fn per(&self, n: f64) -> ProcessParts {
+        ProcessParts { total: self.total / n, threads: self.threads.iter().map(|(g, s)| (g.clone(), s / n)).collect() }
+    }
+}
+
+/// CPU use of the two processes over a measurement: the prefill (this one) and the decode process.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct CpuParts {
+    pub prefill: ProcessParts,
+    pub decode: ProcessParts,
+}
+
+impl CpuParts {
+    pub fn total(&self) -> f64 {
+        self.prefill.total + self.decode.total
+    }
 }
 
 /// The machine's CPU time so far (all cores, clock ticks): (idle including I/O wait, total).
@@ -132,34 +213,83 @@ fn machine_ticks() -> (u64, u64) {
     (v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0), total)
 }
 
-/// CPU use over a stretch of time: these two processes' CPU seconds, and the machine's ticks.
+/// CPU use over stretches of time: these two processes' CPU seconds (by thread group), and the
+/// machine's ticks.
 pub struct CpuMeter {
-    ours: f64,
+    ours: (ProcessCpu, ProcessCpu),
     machine: (u64, u64),
     wall: Instant,
     /// Accumulated: our CPU seconds, wall seconds, machine idle ticks, machine ticks.
-    sum: (f64, f64, u64, u64),
+    sum: (CpuParts, f64, u64, u64),
+}
+
+/// A snapshot of (this process, the decode process).
+fn cpu_both(child: &DecodeChild) -> (ProcessCpu, ProcessCpu) {
+    (ProcessCpu::read(std::process::id()), ProcessCpu::read(child.pid()))
 }
 
 impl CpuMeter {
     pub fn new() -> CpuMeter {
-        CpuMeter { ours: 0.0, machine: (0, 0), wall: Instant::now(), sum: (0.0, 0.0, 0, 0) }
+        CpuMeter { ours: Default::default(), machine: (0, 0), wall: Instant::now(), sum: (CpuParts::default(), 0.0, 0, 0) }
     }
     pub fn start(&mut self, child: &DecodeChild) {
         (self.ours, self.machine, self.wall) = (cpu_both(child), machine_ticks(), Instant::now());
     }
     pub fn stop(&mut self, child: &DecodeChild) {
         let (idle, total) = machine_ticks();
-        self.sum.0 += cpu_both(child) - self.ours;
+        let (prefill, decode) = cpu_both(child);
+        self.sum.0.prefill.add(&prefill.since(&self.ours.0));
+        self.sum.0.decode.add(&decode.since(&self.ours.1));
         self.sum.1 += self.wall.elapsed().as_secs_f64();
         self.sum.2 += idle.saturating_sub(self.machine.0);
         self.sum.3 += total.saturating_sub(self.machine.1);
     }
-    /// (CPU seconds, cores busy on average, machine idle share).
-    pub fn result(&self) -> (f64, f64, f64) {
-        let busy = if self.sum.1 > 0.0 { self.sum.0 / self.sum.1 } else { 0.0 };
+    /// (CPU seconds per request of the `requests` measured, by process and thread group; cores
+    /// busy on average; machine idle share).
+    pub fn result(&self, requests: usize) -> (CpuParts, f64, f64) {
+        let busy = if self.sum.1 > 0.0 { self.sum.0.total() / self.sum.1 } else { 0.0 };
         let idle = if self.sum.3 > 0 { self.sum.2 as f64 / self.sum.3 as f64 } else { 0.0 };
-        (self.sum.0, busy, idle)
+        let n = requests.max(1) as f64;
+        (CpuParts { prefill: self.sum.0.prefill.per(n), decode: self.sum.0.decode.per(n) }, busy, idle)
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thread_groups_drop_the_instance_suffix() {
+        for (name, group) in [
+            ("kvstage-xfer-12", "kvstage-xfer"),
+            ("kvstage-send-p0", "kvstage-send"),
+            ("kvstage-recv", "kvstage-recv"),
+            ("kvstage-scatter", "kvstage-scatter"),
+            ("bench-raw-3", "bench-raw"),
+            ("bench-main", "bench-main"),
+        ] {
+            assert_eq!(thread_group(name), group, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_stat_line_with_spaces_and_parentheses_in_the_name() {
+        // comm may hold anything, ')' included: the fields follow the last ')'.
+        let line = "42 (a) b) c) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 1 0";
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        let (name, secs) = stat_cpu(line).unwrap();
+        assert_eq!(name, "a) b) c");
+        assert!((secs - 300.0 / hz).abs() < 1e-9, "{secs}");
+    }
+
+    #[test]
+    fn threads_that_ended_are_counted_as_exited() {
+        let before = ProcessCpu { total: 1.0, threads: HashMap::from([(1, ("main".into(), 0.5)), (2, ("kvstage-xfer".into(), 0.5))]) };
+        let after = ProcessCpu { total: 4.0, threads: HashMap::from([(1, ("main".into(), 1.0)), (3, ("kvstage-xfer".into(), 1.5))]) };
+        let parts = after.since(&before);
+        assert_eq!(parts.total, 3.0);
+        assert_eq!(parts.threads["main"], 0.5);
+        assert_eq!(parts.threads["kvstage-xfer"], 1.5);
+        assert_eq!(parts.threads["exited"], 1.0);
+    }
+}
