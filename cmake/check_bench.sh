@@ -2,7 +2,8 @@
 # ctest bench_json: runs kvstage-bench on a tiny geometry with --json and checks that the report
 # parses, has every section with positive figures, and says the decode bytes were verified (staged
 # always; slice unless time-boxed, whose bytes are not checked); then
-# the same at load (--inflight 4) and a short inflight sweep: the load fields (inflight, request
+# the same at load (--inflight 4), a short inflight sweep and a transport sweep (tcp with each
+# chunk written in pieces, shm): the CPU per request adds up by process and thread group; the load fields (inflight, request
 # latencies, raw TCP streams, the library's thread peak) are present and consistent; then the
 # same-host path: --transport shm, and auto, must report every session (params.links, staged.link)
 # on shm with the staged bytes verified; the default (tcp) reports tcp; then --layer-ms: both
@@ -19,6 +20,8 @@ tiny=(--layers 2 --kv-heads 4 --head-dim 16 --dtype-bytes 2 --prefill-tp 2 --dec
 "$bench" "${tiny[@]}" --json "$out/bench.json"
 "$bench" "${tiny[@]}" --inflight 4 --json "$out/load.json"
 "$bench" "${tiny[@]}" --sweep inflight --inflight 2 --json "$out/sweep.json" >/dev/null
+# Every byte mover in one run, each chunk written in pieces of one slab where it is staged (tcp).
+"$bench" "${tiny[@]}" --sweep transport --piece-bytes 1 --json "$out/transports.json" >/dev/null
 # A slice run time-boxed to nothing (the last --slice-seconds wins): one page per chunk is sent.
 "$bench" "${tiny[@]}" --slice-seconds 0 --json "$out/boxed.json" >/dev/null
 # The same-host path, required and chosen by auto (both processes are on this host).
@@ -40,11 +43,21 @@ assert op["room"] == room["room"] == stuck["room"] and op["session"].endswith("-
 assert room["state"] == "open" and room["chunks"][op["chunk"]]["phase"] != "done", room
 print("bench_json: --stuck-peer describes the stuck request from both sides:", op["phase"], "/", room["chunks"][op["chunk"]]["phase"])
 PY
-python3 - "$out/bench.json" "$out/load.json" "$out/sweep.json" "$out/boxed.json" "$out/shm.json" "$out/auto.json" "$out/layers.json" <<'PY'
+python3 - "$out/bench.json" "$out/load.json" "$out/sweep.json" "$out/boxed.json" "$out/shm.json" "$out/auto.json" "$out/layers.json" "$out/transports.json" <<'PY'
 import json, sys
 
+def check_cpu(name, section):
+    """CPU per request: both processes' totals add up to the section's figure, each process's
+    thread groups to its total."""
+    parts = section["cpu_s_per_request_parts"]
+    total = parts["prefill"]["total"] + parts["decode"]["total"]
+    assert abs(total - section["cpu_s_per_request"]) < 1e-9, f"{name}: process totals {total} != {section['cpu_s_per_request']}"
+    for side in ("prefill", "decode"):
+        p = parts[side]
+        assert p["total"] >= 0 and abs(sum(p["threads"].values()) - p["total"]) < 1e-9, f"{name}.{side}: threads {p['threads']} != total {p['total']}"
+
 def check(report, inflight, full=True):
-    sections = ("staged", "slice", "raw_tcp", "memcpy", "gather", "scatter") if full else ("staged", "raw_tcp")
+    sections = ("staged", "slice", "raw_tcp", "raw_tcp_memory", "memcpy", "gather", "scatter") if full else ("staged", "raw_tcp", "raw_tcp_memory")
     for name in sections:
         section = report[name]
         for key in ("bytes", "seconds_median", "seconds_p99", "gbps", "latency_p50_s", "latency_p99_s"):
@@ -55,8 +68,10 @@ def check(report, inflight, full=True):
     staged = report["staged"]
     assert staged["requests"] >= max(report["params"]["reps"], 2 * inflight), f"staged.requests = {staged['requests']}"
     assert staged["operations"] > 0 and staged["request_gbps"] > 0
-    assert report["raw_tcp"]["streams"] == report["params"]["sessions"] == 2, "raw TCP uses one stream per session"
-    ratios = ("staged_over_raw_tcp", "staged_p99_over_p50") + (("staged_over_slice", "gather_over_memcpy") if full else ())
+    assert report["raw_tcp"]["streams"] == report["raw_tcp_memory"]["streams"] == report["params"]["sessions"] == 2, "raw TCP uses one stream per session"
+    for name in ("staged", "raw_tcp", "raw_tcp_memory"):
+        check_cpu(name, report[name])
+    ratios = ("staged_over_raw_tcp", "staged_over_raw_tcp_memory", "staged_p99_over_p50") + (("staged_over_slice", "gather_over_memcpy") if full else ())
     for key in ratios:
         assert report["ratios"][key] > 0, f"ratios.{key} is not positive"
     threads = report["threads"]
@@ -95,13 +110,19 @@ check(shm, 1)
 auto = json.load(open(sys.argv[6]))
 assert auto["params"]["transport"] == "auto"
 check(auto, 2)
+transports = json.load(open(sys.argv[8]))
+assert [p["params"]["transport"] for p in transports] == ["tcp", "shm"], "the transport sweep runs tcp, shm"
+for point in transports:
+    assert point["params"]["send_piece_bytes"] == 1
+    check(point, 1, full=False)
 layers = json.load(open(sys.argv[7]))
 exposed = layers["exposed"]
 assert layers["layers"] == 2 and layers["layer_ms"] == 1 and layers["reps"] == 2, layers
 assert exposed["whole_s"] > 0 and exposed["layerwise_s"] > 0 and exposed["ratio"] > 0, exposed
 assert len(exposed["whole_samples"]) == len(exposed["layerwise_samples"]) == 2, exposed
 assert layers["verified_whole"] is True and layers["verified_layerwise"] is True, layers
-print("bench_json: all sections present and positive, verified; at load (inflight 4) and in an inflight sweep too;"
+print("bench_json: all sections present and positive, verified, CPU per process and thread adding up; at load (inflight 4),"
+      " in an inflight sweep and a transport sweep (tcp in one-slab pieces, shm) too;"
       " a time-boxed slice run says it was not verified; --transport shm and auto ran the staged section over shm, verified;"
       " --layer-ms reports both exposed times, both kinds verified")
 PY

@@ -34,6 +34,10 @@ use kvstage::session::sender::{SenderSession, TransferDesc};
 use kvstage::{Error, Result, Status};
 
 use crate::parts::PartsMemory;
+
+/// Bytes of one raw TCP write, and of a raw stream's receive buffer unless it receives into
+/// memory as large as the stream.
+pub const RAW_BUFFER: usize = 8 << 20;
 use crate::{page_table, HostPool, Model};
 
 /// Everything both processes must agree on; passed to the child as command-line flags.
@@ -235,16 +239,20 @@ impl Watch {
     }
 }
 
-/// Receives one raw stream until its sender shuts it down, then acknowledges it.
+/// Receives one raw stream until its sender shuts it down, then acknowledges it: into `buf` from
+/// its start on, again from its start whenever it is full.
 fn raw_receive(mut stream: TcpStream, buf: &mut [u8]) -> Result<u64> {
     kvstage::transport::tcp::tune(&stream, None)?;
-    let mut got = 0u64;
+    let (mut got, mut at) = (0u64, 0usize);
     loop {
-        let n = stream.read(buf).map_err(io_err("raw receive"))?;
+        if at == buf.len() {
+            at = 0;
+        }
+        let n = stream.read(&mut buf[at..]).map_err(io_err("raw receive"))?;
         if n == 0 {
             break;
         }
-        got += n as u64;
+        (got, at) = (got + n as u64, at + n);
     }
     stream.write_all(b"k").map_err(io_err("raw ack"))?;
     Ok(got)
@@ -374,8 +382,16 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
             }
             "raw" => {
                 let streams = per_chunk.unwrap_or(1).max(1);
-                while raw_bufs.len() < streams {
-                    raw_bufs.push(vec![0x11u8; 8 << 20]);
+                // Each stream's receive buffer: RAW_BUFFER (cache-warm), or as large as the stream
+                // (`raw BYTES STREAMS memory`: every byte lands at its own address).
+                let len = match words.next() {
+                    Some("memory") => (arg as usize).div_ceil(streams).max(1),
+                    _ => RAW_BUFFER,
+                };
+                raw_bufs.resize_with(streams.max(raw_bufs.len()), Vec::new);
+                for b in &mut raw_bufs[..streams] {
+                    // Touched before the timed run: its page faults are not the wire's.
+                    b.resize(len, 0x11);
                 }
                 let mut conns = Vec::new();
                 for _ in 0..streams {
@@ -474,14 +490,17 @@ impl DecodeChild {
 
     /// Times a plain TCP stream of `bytes` from this process to the child (the wire baseline).
     pub fn raw_tcp(&mut self, bytes: u64, buf: &[u8]) -> Result<Duration> {
-        self.raw_tcp_streams(bytes, 1, buf)
+        self.raw_tcp_streams(bytes, 1, buf, false)
     }
 
     /// Times `streams` plain TCP streams from this process to the child, all at once, carrying
     /// `bytes` between them (split evenly), until the child has read every byte of every stream.
-    pub fn raw_tcp_streams(&mut self, bytes: u64, streams: u32, buf: &[u8]) -> Result<Duration> {
+    /// Stream `i` sends from `buf` at `i × share` on (wrapping round): a buffer as large as `bytes`
+    /// sends every byte from its own address; `memory` has the child receive each stream into a
+    /// buffer as large as it too (else into [`RAW_BUFFER`] bytes, again and again).
+    pub fn raw_tcp_streams(&mut self, bytes: u64, streams: u32, buf: &[u8], memory: bool) -> Result<Duration> {
         let streams = streams.max(1);
-        writeln!(self.stdin, "raw {bytes} {streams}").map_err(io_err("writing to the decode process"))?;
+        writeln!(self.stdin, "raw {bytes} {streams}{}", if memory { " memory" } else { "" }).map_err(io_err("writing to the decode process"))?;
         self.stdin.flush().map_err(io_err("writing to the decode process"))?;
         let addr = self.raw_addr.parse().map_err(|_| Error::internal("raw address"))?;
         let mut conns = Vec::new();
@@ -497,13 +516,15 @@ impl DecodeChild {
             for (i, mut stream) in conns.into_iter().enumerate() {
                 let gate = &gate;
                 let left = share(i as u64) as usize;
+                let from = (i as u64 * (bytes / streams as u64)) as usize % buf.len();
                 let h = std::thread::Builder::new().name(format!("bench-raw-{i}")).spawn_scoped(s, move || -> Result<()> {
                     drop(gate.read());
-                    let mut left = left;
+                    let (mut left, mut at) = (left, from);
                     while left > 0 {
-                        let n = left.min(buf.len());
-                        stream.write_all(&buf[..n]).map_err(io_err("raw send"))?;
+                        let n = left.min(buf.len() - at).min(RAW_BUFFER);
+                        stream.write_all(&buf[at..at + n]).map_err(io_err("raw send"))?;
                         left -= n;
+                        at = (at + n) % buf.len();
                     }
                     stream.shutdown(Shutdown::Write).map_err(io_err("raw shutdown"))?;
                     let mut ack = [0u8; 1];

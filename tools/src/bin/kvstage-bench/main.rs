@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use indicatif::ProgressBar;
 use kvstage::copy::{CopyEngine, HostCopyEngine};
-use kvstage::engine::EngineOptions;
+use kvstage::engine::{EngineOptions, TransportKind};
 use kvstage::geometry;
 use kvstage::session::op::Op;
 use kvstage::{Error, Status};
@@ -128,6 +128,9 @@ enum Sweep {
     /// The same request without and with request parts (--aux-rows and --state-bytes; 10 aux
     /// rows and 4 MiB of state when neither is given): what they add to its latency.
     Parts,
+    /// The byte movers between these two processes: tcp, then shm (the same-host ring): staged
+    /// and raw TCP only.
+    Transport,
 }
 
 impl Sweep {
@@ -138,6 +141,7 @@ impl Sweep {
             Sweep::Tp => "tp",
             Sweep::Inflight => "inflight",
             Sweep::Parts => "parts",
+            Sweep::Transport => "transport",
         }
     }
 }
@@ -337,18 +341,23 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
 
     // raw_tcp: the same byte count over as many plain streams as there are sessions, at once;
     // half the runs just before the staged requests and half just after, so that both see the
-    // same machine (other processes' load drifts).
+    // same machine (other processes' load drifts). raw_tcp sends from one 8 MiB buffer and
+    // receives into 8 MiB per stream (cache-warm); raw_tcp_memory sends every byte from its own
+    // address and receives it into its own (memory to memory, as a transfer of KV does).
     let raw_streams = a.raw_streams.unwrap_or(s.sessions() as u32).max(1);
-    let buf = vec![0x5au8; 8 << 20];
-    let mut raw_tcp = Section::new(bytes);
-    let mut raw_meter = CpuMeter::new();
+    let warm = vec![0x5au8; kvstage_testkit::cluster::RAW_BUFFER];
+    let memory = vec![0x5au8; bytes as usize];
+    let (mut raw_tcp, mut raw_memory) = (Section::new(bytes), Section::new(bytes));
+    let (mut raw_meter, mut memory_meter) = (CpuMeter::new(), CpuMeter::new());
     let mut raw_runs = |child: &mut DecodeChild, runs: u32| -> Result<(), Error> {
-        raw_meter.start(child);
         for _ in 0..runs {
-            raw_tcp.samples.push(child.raw_tcp_streams(bytes, raw_streams, &buf)?.as_secs_f64());
+            for (section, meter, buf, whole) in [(&mut raw_tcp, &mut raw_meter, &warm, false), (&mut raw_memory, &mut memory_meter, &memory, true)] {
+                meter.start(child);
+                section.samples.push(child.raw_tcp_streams(bytes, raw_streams, buf, whole)?.as_secs_f64());
+                meter.stop(child);
+            }
             step(&bar, "raw_tcp");
         }
-        raw_meter.stop(child);
         Ok(())
     };
     let before = a.reps.div_ceil(2);
@@ -360,7 +369,7 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
     // Every library thread of the run exists now (the engines' workers, the sessions' readers).
     sampler.sample();
     raw_runs(&mut child, a.reps - before)?;
-    drop(buf);
+    drop((warm, memory));
     // Verified after the timed runs, not inside them.
     let (bad, first) = child.verify(last)?;
     if bad > 0 {
@@ -402,9 +411,11 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
         None
     };
 
-    let (raw_cpu, busy, idle) = raw_meter.result(a.reps as usize);
-    raw_tcp.cpu = Some(raw_cpu);
-    raw_tcp.cores = Some((busy, idle));
+    for (section, meter) in [(&mut raw_tcp, &raw_meter), (&mut raw_memory, &memory_meter)] {
+        let (cpu, busy, idle) = meter.result(a.reps as usize);
+        section.cpu = Some(cpu);
+        section.cores = Some((busy, idle));
+    }
 
     let fixed = match slice {
         None => None,
@@ -417,7 +428,7 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
     child.quit()?;
     let threads = sampler.finish();
     bar.finish_and_clear();
-    Ok(Report { staged, raw_tcp, raw_streams, fixed, threads, links })
+    Ok(Report { staged, raw_tcp, raw_memory, raw_streams, fixed, threads, links })
 }
 
 /// memcpy, gather and scatter of one request's bytes in this process.
@@ -527,6 +538,10 @@ fn sweep_points(a: &Args, what: Sweep) -> Vec<(String, Args)> {
                 ("with".to_owned(), with(Setup { aux_rows, state_bytes, ..base.clone() })),
             ]
         }
+        Sweep::Transport => [("tcp", TransportKind::Tcp), ("shm", TransportKind::Shm)]
+            .into_iter()
+            .map(|(name, transport)| (name.to_owned(), with(Setup { transport, ..base.clone() })))
+            .collect(),
         Sweep::Tp => [(1u32, 1u32), (2, 1), (4, 2), (2, 4), (8, 2)]
             .iter()
             .map(|&(p, d)| (format!("P{p}-D{d}"), with(Setup { prefill_tp: p, decode_tp: d, ..base.clone() })))
@@ -565,7 +580,7 @@ fn run(a: &Args) -> Result<bool, Error> {
     let mut medians = Vec::new();
     let mut ok = true;
     // The load does not change the copy-only sections: an inflight sweep measures them not at all.
-    let full = what != Sweep::Inflight;
+    let full = !matches!(what, Sweep::Inflight | Sweep::Transport);
     let points = sweep_points(a, what);
     let count = points.len();
     for (i, (label, point)) in points.into_iter().enumerate() {
@@ -577,12 +592,14 @@ fn run(a: &Args) -> Result<bool, Error> {
         let st = &r.staged.section;
         medians.push(st.median());
         rows.push(format!(
-            "{label:>9} {:>6} {:>11.3} {:>11.3} {:>8} {:>11.2} {:>10.4} {:>10.4} {:>8.2} {:>9} {:>9}",
+            "{label:>9} {:>6} {:>11.3} {:>11.3} {:>11.3} {:>8} {:>11.2} {:>11.2} {:>10.4} {:>10.4} {:>8.2} {:>9} {:>9}",
             r.links.common(),
             st.gbps(),
             r.raw_tcp.gbps(),
+            r.raw_memory.gbps(),
             r.raw_streams,
             ratio(st.gbps(), r.raw_tcp.gbps()),
+            ratio(st.gbps(), r.raw_memory.gbps()),
             st.median(),
             st.p99(),
             ratio(st.p99(), st.median()),
@@ -592,9 +609,9 @@ fn run(a: &Args) -> Result<bool, Error> {
     }
     println!("\n== summary by {what_name}");
     println!(
-        "{what_name:>9} {:>6} {:>11} {:>11} {:>8} {:>11} {:>10} {:>10} {:>8} {:>9} {:>9}",
+        "{what_name:>9} {:>6} {:>11} {:>11} {:>11} {:>8} {:>11} {:>11} {:>10} {:>10} {:>8} {:>9} {:>9}",
         "link",
-        "staged GB/s", "raw GB/s", "streams", "staged/raw", "p50 s", "p99 s", "p99/p50", "kvstage-*", "threads"
+        "staged GB/s", "raw GB/s", "rawmem GB/s", "streams", "staged/raw", "staged/mem", "p50 s", "p99 s", "p99/p50", "kvstage-*", "threads"
     );
     for row in rows {
         println!("{row}");

@@ -139,6 +139,8 @@ pub struct Fixed {
 pub struct Report {
     pub staged: Load,
     pub raw_tcp: Section,
+    /// The same streams memory to memory: every byte sent from and received at its own address.
+    pub raw_memory: Section,
     pub raw_streams: u32,
     pub fixed: Option<Fixed>,
     pub threads: ThreadPeak,
@@ -201,6 +203,7 @@ pub fn print_report(a: &Args, r: &Report) {
         row("slice", &f.slice.section);
     }
     row("raw_tcp", &r.raw_tcp);
+    row("raw_mem", &r.raw_memory);
     if let Some(f) = &r.fixed {
         row("memcpy", &f.memcpy);
         row("gather", &f.gather);
@@ -224,7 +227,10 @@ pub fn print_report(a: &Args, r: &Report) {
         st.section.p99(),
         ratio(st.section.p99(), st.section.median())
     );
-    println!("raw_tcp: {} streams at once, the same bytes between them", r.raw_streams);
+    println!(
+        "raw_tcp: {} streams at once, the same bytes between them, from one 8 MiB buffer (cache-warm); raw_mem: the same streams memory to memory (each byte from and into its own address)",
+        r.raw_streams
+    );
     let (sc, rc) = (st.section.cpu_total(), r.raw_tcp.cpu_total());
     let ((sb, si), (rb, ri)) = (st.section.cores.unwrap_or_default(), r.raw_tcp.cores.unwrap_or_default());
     println!(
@@ -233,6 +239,8 @@ pub fn print_report(a: &Args, r: &Report) {
         si * 100.0,
         ri * 100.0
     );
+    let mc = r.raw_memory.cpu_total();
+    println!("raw_mem: {:.3} GB/s, cpu per request {mc:.3} s; staged/raw_mem {:.2}x, cpu {:.2}x", r.raw_memory.gbps(), ratio(st.section.gbps(), r.raw_memory.gbps()), ratio(sc, mc));
     if let Some(parts) = &st.section.cpu {
         println!("staged cpu per request by thread: prefill {}; decode {}", by_thread(&parts.prefill), by_thread(&parts.decode));
     }
@@ -365,6 +373,8 @@ struct Ratios {
     staged_over_raw_tcp: f64,
     staged_p99_over_p50: f64,
     staged_cpu_over_raw_tcp_cpu: f64,
+    staged_over_raw_tcp_memory: f64,
+    staged_cpu_over_raw_tcp_memory_cpu: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     staged_over_slice: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -389,6 +399,7 @@ pub struct ReportJson {
     #[serde(skip_serializing_if = "Option::is_none")]
     slice: Option<SectionJson<SliceJson>>,
     raw_tcp: SectionJson<RawJson>,
+    raw_tcp_memory: SectionJson<RawJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
     memcpy: Option<SectionJson<Plain>>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -455,6 +466,7 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
             })
         }),
         raw_tcp: r.raw_tcp.json(RawJson { streams: r.raw_streams }),
+        raw_tcp_memory: r.raw_memory.json(RawJson { streams: r.raw_streams }),
         memcpy: f.map(|f| f.memcpy.json(Plain {})),
         gather: f.map(|f| f.gather.json(Plain {})),
         scatter: f.map(|f| f.scatter.json(Plain {})),
@@ -462,6 +474,8 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
             staged_over_raw_tcp: ratio(staged, r.raw_tcp.gbps()),
             staged_p99_over_p50: ratio(st.section.p99(), st.section.median()),
             staged_cpu_over_raw_tcp_cpu: ratio(st.section.cpu_total(), r.raw_tcp.cpu_total()),
+            staged_over_raw_tcp_memory: ratio(staged, r.raw_memory.gbps()),
+            staged_cpu_over_raw_tcp_memory_cpu: ratio(st.section.cpu_total(), r.raw_memory.cpu_total()),
             staged_over_slice: f.map(|f| ratio(staged, f.slice.section.gbps())),
             staged_over_memcpy: f.map(|f| ratio(staged, f.memcpy.gbps())),
             gather_over_memcpy: f.map(|f| ratio(f.gather.gbps(), f.memcpy.gbps())),

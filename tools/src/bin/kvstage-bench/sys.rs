@@ -142,20 +142,22 @@ impl ProcessCpu {
         ProcessCpu { total, threads }
     }
 
-    /// CPU time spent since `before`, by thread group; what threads that ended meanwhile used is
-    /// `exited`.
+    /// CPU time spent since `before`, by thread group (those that used any); what threads that
+    /// ended meanwhile used is `exited`.
     fn since(&self, before: &ProcessCpu) -> ProcessParts {
         let mut by_group: BTreeMap<String, f64> = BTreeMap::new();
         for (tid, (group, secs)) in &self.threads {
             let earlier = before.threads.get(tid).map_or(0.0, |(_, s)| *s);
             *by_group.entry(group.clone()).or_default() += (secs - earlier).max(0.0);
         }
-        let total = (self.total - before.total).max(0.0);
+        // The process's figure and its threads' are read one after the other: the larger wins.
         let counted: f64 = by_group.values().sum();
-        if total - counted > 0.0 {
-            by_group.insert("exited".to_owned(), total - counted);
+        let exited = (self.total - before.total) - counted;
+        if exited > 0.0 {
+            by_group.insert("exited".to_owned(), exited);
         }
-        ProcessParts { total, threads: by_group }
+        by_group.retain(|_, secs| *secs > 0.0);
+        ProcessParts { total: by_group.values().sum(), threads: by_group }
     }
 }
 
