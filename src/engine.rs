@@ -54,6 +54,10 @@ pub struct EngineOptions {
     /// bytes (whole slabs), each written while the next is gathered, when it makes two pieces or
     /// more; `0`: gathered whole, then written at once.
     pub send_piece_bytes: u64,
+    /// Over TCP, a whole chunk of a host pool is written straight from the pool's rows (vectored
+    /// writes: the kernel's copy into the socket is the only one); `false`: gathered into a
+    /// staging buffer first.
+    pub send_from_pool: bool,
     /// Threads running asynchronous transfers (a session uses at most half of them at once).
     pub transfer_threads: u32,
     /// Shared secret both sides must present in the handshake (`None`: no authentication).
@@ -107,6 +111,7 @@ impl Default for EngineOptions {
             send_staging_buffers: DEFAULT_SEND_STAGING_BUFFERS,
             send_staging_total_bytes: DEFAULT_SEND_STAGING_TOTAL_BYTES,
             send_piece_bytes: DEFAULT_SEND_PIECE_BYTES,
+            send_from_pool: true,
             transfer_threads: DEFAULT_TRANSFER_THREADS,
             cluster_token: None,
             integrity: Integrity::Sampled,
@@ -265,6 +270,7 @@ impl Engine {
             options: SenderConfig {
                 send_staging_bytes: options.send_staging_bytes,
                 send_piece_bytes: options.send_piece_bytes,
+                send_from_pool: options.send_from_pool,
                 cluster_token: options.cluster_token.clone().unwrap_or_default().into_bytes(),
                 integrity: options.integrity,
                 default_deadline: options.default_deadline,

@@ -11,8 +11,9 @@
 //! payload is a success with wrong bytes by design), so the decode side's per-layer scatter runs
 //! under every other fault.
 //!
-//! Half the whole-chunk seeds write each chunk from its staging buffer in pieces of one slab (each
-//! gathered while the one before is written), the other half in one write.
+//! Whole-chunk seeds over TCP write each chunk in one of three ways, a third of them each: straight
+//! from the pool's rows, gathered into a staging buffer then one write, or gathered in pieces of
+//! one slab, each written while the next is gathered.
 //!
 //! Half the whole-chunk seeds move the whole request (request parts: an aux row and a state slot
 //! per layer, sharded P2 -> D1, with the last chunk): a room reported complete holds exactly the
@@ -56,8 +57,9 @@ struct Tally {
     completed: AtomicU64,
     /// Of them, rooms that moved request parts.
     completed_with_parts: AtomicU64,
-    /// Of them, rooms whose chunks went out in pieces over TCP.
-    completed_pipelined: AtomicU64,
+    /// Of them, whole-chunk rooms over TCP by how their chunks went out: from the pool, staged
+    /// in one write, staged in pieces.
+    completed_by_write: [AtomicU64; 3],
     failed: AtomicU64,
     hangs: AtomicU64,
     corrupt_successes: AtomicU64,
@@ -99,16 +101,26 @@ fn options(seed: u64, faults: Option<Faults>) -> EngineOptions {
         integrity: if layerwise(seed) && plan_for(seed).0.corrupt == 0 { Integrity::Off } else { Integrity::Always },
         faults,
         transport: if (seed / 18).is_multiple_of(2) { TransportKind::Tcp } else { TransportKind::Auto },
-        // A staged write from a staging buffer in pieces of one slab: each gathered while the one
-        // before is written.
-        send_piece_bytes: if pipelined(seed) { 1 } else { 0 },
+        send_from_pool: write_kind(seed) == WriteKind::FromPool,
+        send_piece_bytes: if write_kind(seed) == WriteKind::Pieces { 1 } else { 0 },
         ..EngineOptions::default()
     }
 }
 
-/// Whether `seed`'s whole-chunk writes from a staging buffer (TCP) go out in pieces.
-fn pipelined(seed: u64) -> bool {
-    !layerwise(seed) && (seed / 144).is_multiple_of(2)
+/// How a whole chunk goes out over TCP.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum WriteKind {
+    /// Straight from the pool's rows (the default).
+    FromPool,
+    /// Gathered into a staging buffer, then one write.
+    Staged,
+    /// Gathered into a staging buffer in pieces of one slab, each written while the next is
+    /// gathered.
+    Pieces,
+}
+
+fn write_kind(seed: u64) -> WriteKind {
+    [WriteKind::FromPool, WriteKind::Staged, WriteKind::Pieces][((seed / 144) % 3) as usize]
 }
 
 /// Whether `seed` moves request parts with its last chunk (whole-chunk seeds only).
@@ -260,8 +272,9 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
         Ok(_) => {
             tally.completed.fetch_add(1, Ordering::Relaxed);
             tally.completed_with_parts.fetch_add(parted as u64, Ordering::Relaxed);
-            let over_tcp = (seed / 18).is_multiple_of(2);
-            tally.completed_pipelined.fetch_add((pipelined(seed) && over_tcp) as u64, Ordering::Relaxed);
+            if !layerwise(seed) && (seed / 18).is_multiple_of(2) {
+                tally.completed_by_write[write_kind(seed) as usize].fetch_add(1, Ordering::Relaxed);
+            }
             let (bad, first) = dpool.verify(&dst_pages, 0);
             if dparts.as_ref().is_some_and(|m| !m.holds_reference()) {
                 eprintln!("seed {seed}: room complete with wrong request parts");
@@ -337,13 +350,15 @@ fn soak_every_seed_ends_cleanly() {
     let (fds_after, threads_after) = (fd_count(), thread_count());
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
     eprintln!(
-        "soak: {} seeds in {:.1} s: {} rooms complete and verified ({} with request parts, {} sent in pieces over tcp), {} failed cleanly; hangs {}, corrupt successes {}, \
+        "soak: {} seeds in {:.1} s: {} rooms complete and verified ({} with request parts; whole chunks over tcp: {} from the pool, {} staged, {} staged in pieces), {} failed cleanly; hangs {}, corrupt successes {}, \
          leaked ring allocations {}; faults injected: {:?}; fds {fds_before}->{fds_after}, threads {threads_before}->{threads_after}",
         g(&tally.seeds),
         started.elapsed().as_secs_f64(),
         g(&tally.completed),
         g(&tally.completed_with_parts),
-        g(&tally.completed_pipelined),
+        g(&tally.completed_by_write[0]),
+        g(&tally.completed_by_write[1]),
+        g(&tally.completed_by_write[2]),
         g(&tally.failed),
         g(&tally.hangs),
         g(&tally.corrupt_successes),
@@ -358,7 +373,9 @@ fn soak_every_seed_ends_cleanly() {
     assert!(threads_after <= threads_before, "threads leaked: {threads_before} -> {threads_after}");
     assert!(g(&tally.completed) > seeds / 10, "too few clean runs: the harness itself may be broken");
     assert!(g(&tally.completed_with_parts) > seeds / 40, "too few clean runs with request parts");
-    assert!(g(&tally.completed_pipelined) > seeds / 40, "too few clean runs sent in pieces");
+    for (kind, n) in ["from the pool", "staged", "staged in pieces"].iter().zip(&tally.completed_by_write) {
+        assert!(g(n) > seeds / 80, "too few clean whole-chunk runs over tcp {kind}");
+    }
     for (kind, n) in counters.snapshot() {
         assert!(n > 0, "no fault of kind {kind} was injected");
     }

@@ -198,6 +198,16 @@ impl Transport for FaultyTransport {
         self.faulty_data(data, |d| self.inner.write_piece(grant_offset, header, d, deadline))
     }
 
+    fn streams_from_memory(&self) -> bool {
+        self.inner.streams_from_memory()
+    }
+
+    /// The parts gathered into one payload, which the faults then treat as any other.
+    fn write_chunk_from(&self, header: &Message, parts: &mut dyn Iterator<Item = &[u8]>, ready: &Message, deadline: &Deadline) -> Result<()> {
+        let data: Vec<u8> = parts.flatten().copied().collect();
+        self.faulty_data(&data, |d| self.inner.write_chunk(header, d, ready, deadline))
+    }
+
     fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {
         self.next_frame()?;
         self.inner.write_slices(ops, done, deadline)

@@ -249,6 +249,9 @@ impl Write for DeadlineWriter<'_> {
     }
 }
 
+/// Slices one `sendmsg` takes at most (Linux `UIO_MAXIOV`).
+const IOV_MAX: usize = 1024;
+
 fn write_all_vectored(w: &mut impl Write, mut parts: &mut [IoSlice<'_>]) -> std::io::Result<()> {
     IoSlice::advance_slices(&mut parts, 0);
     while !parts.is_empty() {
@@ -272,6 +275,36 @@ impl Transport for TcpTransport {
         let (head, tail) = (header.encode(), ready.encode());
         // Written straight from the caller's staging buffer: no copy between gather and socket.
         self.write(deadline, |w| write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(data), IoSlice::new(&tail)]))
+    }
+
+    fn streams_from_memory(&self) -> bool {
+        true
+    }
+
+    fn write_chunk_from(&self, header: &Message, parts: &mut dyn Iterator<Item = &[u8]>, ready: &Message, deadline: &Deadline) -> Result<()> {
+        let (head, tail) = (header.encode(), ready.encode());
+        self.write(deadline, |w| {
+            // Batches of at most IOV_MAX slices per sendmsg (the kernel refuses longer vectors).
+            let mut batch: Vec<IoSlice<'_>> = Vec::with_capacity(IOV_MAX);
+            batch.push(IoSlice::new(&head));
+            loop {
+                let mut last = false;
+                while batch.len() < IOV_MAX && !last {
+                    match parts.next() {
+                        Some(part) => batch.push(IoSlice::new(part)),
+                        None => last = true,
+                    }
+                }
+                if last {
+                    batch.push(IoSlice::new(&tail));
+                }
+                write_all_vectored(w, &mut batch)?;
+                if last {
+                    return Ok(());
+                }
+                batch.clear();
+            }
+        })
     }
 
     fn write_piece(&self, _grant_offset: u64, header: &Message, data: &[u8], deadline: &Deadline) -> Result<()> {

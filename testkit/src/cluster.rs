@@ -302,7 +302,8 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
     let mut out = std::io::stdout();
     writeln!(out, "ADDRS {} RAW {}", addrs.join(" "), raw.local_addr()?).map_err(io_err("stdout"))?;
     out.flush().map_err(io_err("stdout"))?;
-    let mut raw_bufs: Vec<Vec<u8>> = Vec::new();
+    // Raw TCP receive buffers: cache-warm, and as large as each stream.
+    let (mut raw_bufs, mut raw_memory): (Vec<Vec<u8>>, Vec<Vec<u8>>) = (Vec::new(), Vec::new());
     // Rooms opened with request parts (their items are verified too).
     let mut parted = std::collections::HashSet::new();
     for line in std::io::stdin().lock().lines() {
@@ -384,14 +385,17 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
                 let streams = per_chunk.unwrap_or(1).max(1);
                 // Each stream's receive buffer: RAW_BUFFER (cache-warm), or as large as the stream
                 // (`raw BYTES STREAMS memory`: every byte lands at its own address).
-                let len = match words.next() {
-                    Some("memory") => (arg as usize).div_ceil(streams).max(1),
-                    _ => RAW_BUFFER,
+                let (bufs, len) = match words.next() {
+                    Some("memory") => (&mut raw_memory, (arg as usize).div_ceil(streams).max(1)),
+                    _ => (&mut raw_bufs, RAW_BUFFER),
                 };
-                raw_bufs.resize_with(streams.max(raw_bufs.len()), Vec::new);
-                for b in &mut raw_bufs[..streams] {
-                    // Touched before the timed run: its page faults are not the wire's.
-                    b.resize(len, 0x11);
+                bufs.resize_with(streams.max(bufs.len()), Vec::new);
+                for b in &mut bufs[..streams] {
+                    // Allocated and touched once, before the first timed run: its page faults
+                    // and fill are not the wire's.
+                    if b.len() != len {
+                        *b = vec![0x11; len];
+                    }
                 }
                 let mut conns = Vec::new();
                 for _ in 0..streams {
@@ -400,7 +404,7 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
                 let results: Vec<Result<u64>> = std::thread::scope(|s| {
                     let handles: Vec<_> = conns
                         .into_iter()
-                        .zip(raw_bufs.iter_mut())
+                        .zip(bufs.iter_mut())
                         .map(|(c, buf)| s.spawn(move || raw_receive(c, buf)))
                         .collect();
                     handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("raw receiver panicked")))).collect()

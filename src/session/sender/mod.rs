@@ -9,6 +9,7 @@
 //! path); this file: the session, its waits, the slice path and asynchronous operations.
 
 mod connect;
+mod from_pool;
 pub mod describe;
 mod layerwise;
 mod pipelined;
@@ -51,6 +52,8 @@ pub struct SenderConfig {
     pub send_staging_bytes: u64,
     /// Pieces of a whole chunk's write from host staging (`0`: one write after the whole gather).
     pub send_piece_bytes: u64,
+    /// A whole chunk of a host pool goes over TCP straight from the pool, without staging.
+    pub send_from_pool: bool,
     /// Secret presented in the handshake (empty: none).
     pub cluster_token: Vec<u8>,
     /// This side's integrity policy; the stronger of both sides' applies.

@@ -196,7 +196,7 @@ impl SenderSession {
             if let Some(plan) = plan {
                 self.gather(plan, range.as_mut_ptr(), t)?;
             }
-            self.gather_tail(desc, tail, range.as_mut_ptr(), region_bytes, t)?;
+            self.gather_tail(desc, tail, Self::tail_at(range.as_mut_ptr(), region_bytes, tail), t)?;
             let checksum = self.region_checksum(desc, || Ok(checksum(&range.to_host()?)))?;
             drop(range);
             op.enter("writing", String::new);
@@ -207,10 +207,16 @@ impl SenderSession {
             self.metrics.sent(region_bytes);
             return Ok(pending);
         }
+        // Over TCP from a host pool: the rows themselves are written, nothing is staged.
+        if let Some(plan) = plan.filter(|p| self.writes_from_pool(p)) {
+            self.write_from_pool(desc, (plan, tail), place, ready, deadline, op, t)?;
+            self.metrics.sent(region_bytes);
+            return Ok(pending);
+        }
         // A buffer of the engine's pool, held for the gather and the write only.
         let mut staging = self.staging_buffer(region_bytes, deadline, op, t)?;
-        if let Some(plan) = plan.filter(|&p| self.pipelines(Some(p), &staging)) {
-            self.write_pipelined(desc, (plan, tail), &mut staging, place, ready, deadline, op, t)?;
+        if let Some(pieces) = self.pipeline_pieces(plan, &staging) {
+            self.write_pipelined(desc, (&pieces, tail), &mut staging, place, ready, deadline, op, t)?;
             self.metrics.sent(region_bytes);
             return Ok(pending);
         }
@@ -221,7 +227,7 @@ impl SenderSession {
         if !tail.is_empty() && staging.memory() != StagingMemory::Host {
             return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "request parts need host staging (this session stages in device memory)"));
         }
-        self.gather_tail(desc, tail, staging.as_mut_ptr(), region_bytes, t)?;
+        self.gather_tail(desc, tail, Self::tail_at(staging.as_mut_ptr(), region_bytes, tail), t)?;
         let checksum = self.region_checksum(desc, || Ok(checksum(&staging.to_host(region_bytes as usize)?)))?;
         op.enter("writing", String::new);
         let phase = Instant::now();
@@ -326,17 +332,22 @@ impl SenderSession {
         Ok((layout.with_tail_total(owed), region))
     }
 
-    /// Gathers the request's parts `tail` into the end of the region at `region_at` (host
-    /// memory, `region_bytes` long); timed as the gather phase.
-    pub(super) fn gather_tail(&self, desc: &TransferDesc, tail: &[TailPart], region_at: *mut u8, region_bytes: u64, t: &mut TransferTimings) -> Result<()> {
+    /// Gathers the request's parts `tail` to `tail_at` (host memory of `tail_bytes(tail)` bytes:
+    /// the end of a region, or a buffer of their own); timed as the gather phase.
+    pub(super) fn gather_tail(&self, desc: &TransferDesc, tail: &[TailPart], tail_at: *mut u8, t: &mut TransferTimings) -> Result<()> {
         let Some(parts) = desc.parts.as_deref().filter(|_| !tail.is_empty()) else { return Ok(()) };
         let phase = Instant::now();
-        let kv_bytes = region_bytes - geometry::parts::tail_bytes(tail);
-        // SAFETY: the region at `region_at` is host memory of `region_bytes` bytes (checked by the
-        // callers), the tail its last bytes; the parts were checked against the components.
-        let gathered = unsafe { self.components.gather(parts, tail, region_at.add(kv_bytes as usize)) };
+        // SAFETY: `tail_at` holds the tail's bytes (checked by the callers); the parts were
+        // checked against the components.
+        let gathered = unsafe { self.components.gather(parts, tail, tail_at) };
         t.gather_ns += since(phase);
         gathered
+    }
+
+    /// Where the request's parts `tail` go in the host region at `region_at` of `region_bytes`:
+    /// its last bytes.
+    pub(super) fn tail_at(region_at: *mut u8, region_bytes: u64, tail: &[TailPart]) -> *mut u8 {
+        region_at.wrapping_add((region_bytes - geometry::parts::tail_bytes(tail)) as usize)
     }
 
     /// The checksum of a writer's gathered region when integrity covers the chunk; `sum`

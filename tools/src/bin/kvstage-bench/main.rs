@@ -82,6 +82,10 @@ struct Cli {
     /// written; 0: the whole gather, then one write [default: the library's].
     #[arg(long, value_name = "BYTES")]
     piece_bytes: Option<u64>,
+    /// Over TCP, gather each chunk into a staging buffer first instead of writing the pool's rows
+    /// straight to the socket.
+    #[arg(long)]
+    no_send_from_pool: bool,
     /// Memory of the pools (only host in this tool).
     #[arg(long, value_parser = ["host"], default_value = "host")]
     memory: String,
@@ -166,6 +170,7 @@ struct Args {
     transfer_threads: Option<u32>,
     staging_buffers: Option<u32>,
     piece_bytes: Option<u64>,
+    no_send_from_pool: bool,
     stuck_peer: bool,
     stuck_seconds: f64,
     layer_ms: Option<f64>,
@@ -192,6 +197,7 @@ impl Args {
             transfer_threads: cli.transfer_threads.map(|t| t.clamp(1, 256)),
             staging_buffers: cli.staging_buffers.map(|b| b.max(1)),
             piece_bytes: cli.piece_bytes,
+            no_send_from_pool: cli.no_send_from_pool,
             stuck_peer: cli.stuck_peer,
             stuck_seconds: cli.stuck_seconds.max(0.5),
             layer_ms: cli.layer_ms.map(|ms| ms.max(0.0)),
@@ -223,6 +229,7 @@ fn prefill_options(a: &Args) -> EngineOptions {
     if let Some(b) = a.piece_bytes {
         o.send_piece_bytes = b;
     }
+    o.send_from_pool &= !a.no_send_from_pool;
     o
 }
 
@@ -360,6 +367,10 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
         }
         Ok(())
     };
+    // Untimed, once each: the child's receive buffers are allocated and touched here.
+    for (buf, whole) in [(&warm, false), (&memory, true)] {
+        child.raw_tcp_streams(bytes, raw_streams, buf, whole)?;
+    }
     let before = a.reps.div_ceil(2);
     raw_runs(&mut child, before)?;
 

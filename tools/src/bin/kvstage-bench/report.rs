@@ -357,6 +357,8 @@ struct Params {
     send_staging_buffers: u32,
     /// Pieces of a chunk's write from a staging buffer (0: one write after the whole gather).
     send_piece_bytes: u64,
+    /// Over TCP, chunks written straight from the pool's rows (no staging copy).
+    send_from_pool: bool,
     /// What `--transport` asked.
     transport: &'static str,
     /// What each sender session ended up on, in session order (prefill rank, then decode rank).
@@ -438,6 +440,7 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
             transfer_threads: o.transfer_threads,
             send_staging_buffers: o.send_staging_buffers,
             send_piece_bytes: o.send_piece_bytes,
+            send_from_pool: o.send_from_pool,
             transport: kvstage_testkit::cluster::transport_name(s.transport),
             links: r.links.names(),
             memory: "host",
