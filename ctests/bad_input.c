@@ -195,6 +195,8 @@ static void test_global_and_options(void) {
     BAD_OPTION(dead_peer_timeout_ms, 999, "`options->dead_peer_timeout_ms`");
     BAD_OPTION(dead_peer_timeout_ms, 0, "`options->dead_peer_timeout_ms`");
     BAD_OPTION(room_timeout_ms, 0, "`options->room_timeout_ms`");
+    BAD_OPTION(send_from_pool, 2, "`options->send_from_pool`");
+    BAD_OPTION(send_from_pool, -1, "`options->send_from_pool`");
 #undef BAD_OPTION
 
     /* RDMA is a valid value: without a usable device NO_DEVICE (not INVALID_ARG), out untouched. */

@@ -181,6 +181,13 @@ static kvstage_engine *engine_of(rank *r) {
     kvstage_engine_options o;
     REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
     o.transport = g_transport;
+    /* KVSTAGE_TEST_PIECE_BYTES: every chunk gathered into a staging buffer (also over TCP) and
+     * written in pieces of that many bytes, each while the next is gathered. */
+    const char *pieces = getenv("KVSTAGE_TEST_PIECE_BYTES");
+    if (pieces != NULL && pieces[0] != 0) {
+        o.send_from_pool = 0;
+        o.send_piece_bytes = strtoull(pieces, NULL, 10);
+    }
     kvstage_engine *e = NULL;
     REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
     kvstage_kv_layout l;

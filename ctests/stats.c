@@ -76,6 +76,9 @@ static kvstage_engine *tcp_engine(void) {
     kvstage_engine_options o;
     REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
     o.transport = KVSTAGE_TRANSPORT_TCP;
+    /* Through a send staging buffer, so that every phase happens (from the pool, the default
+     * over TCP, there is no wait for a buffer: alloc_wait_ns is 0). */
+    o.send_from_pool = 0;
     kvstage_engine *e = NULL;
     REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
     return e;

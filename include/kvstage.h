@@ -206,10 +206,12 @@ typedef struct kvstage_transfer_timings {
     // until the receiver's watermark lets the granted range be written (its ring is full).
     uint64_t watermark_wait_ns;
     // Waiting for a send staging buffer of the engine (all in use by other chunks), or
-    // allocating a new one.
+    // allocating a new one; 0 over TCP from a host pool (no buffer).
     uint64_t alloc_wait_ns;
     // Gathering the chunk's pages into the staging buffer (for CUDA pools the wait for the
-    // producer's ready point included), plus the integrity checksum when the chunk carries one.
+    // producer's ready point included), plus the integrity checksum when the chunk carries one;
+    // written in pieces, the time the write waited for a piece's gather; over TCP from a host
+    // pool, the request's parts and the checksum only.
     uint64_t gather_ns;
     // The bulk write of the gathered bytes and the ready frame (slice path: all slice writes).
     uint64_t wire_ns;
@@ -361,6 +363,14 @@ typedef struct kvstage_engine_options {
     // room, the chunk and what it waits on, once per wait. 0 (default): a quarter of the
     // operation's deadline (10 s without one); KVSTAGE_DEADLINE_INFINITE: never.
     uint64_t stall_warn_ms;
+    // A whole chunk goes out in pieces of about this many bytes (whole layers' slabs): from a
+    // host send staging buffer (RDMA, a CUDA pool, or `send_from_pool` 0) each written while the
+    // next is gathered, when that makes two pieces or more; from the pool over TCP with the
+    // session's stream free between them. 0 = one write (after the whole gather). Default 4 MiB.
+    uint64_t send_piece_bytes;
+    // 1 (default): over TCP, a whole chunk of a host pool is written straight from the pool's
+    // rows, without a staging buffer or a gather copy; 0: gathered into a staging buffer first.
+    int32_t send_from_pool;
 } kvstage_engine_options;
 
 // One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.

@@ -50,9 +50,10 @@ pub struct EngineOptions {
     pub send_staging_buffers: u32,
     /// Bytes all send staging buffers may hold together.
     pub send_staging_total_bytes: u64,
-    /// A whole chunk's share gathered into host staging goes out in pieces of about this many
-    /// bytes (whole slabs), each written while the next is gathered, when it makes two pieces or
-    /// more; `0`: gathered whole, then written at once.
+    /// A whole chunk goes out in pieces of about this many bytes (whole slabs): from host
+    /// staging each written while the next is gathered, when it makes two pieces or more; from
+    /// the pool over TCP with the session's stream free between them. `0`: one write (after the
+    /// whole gather).
     pub send_piece_bytes: u64,
     /// Over TCP, a whole chunk of a host pool is written straight from the pool's rows (vectored
     /// writes: the kernel's copy into the socket is the only one); `false`: gathered into a

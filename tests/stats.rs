@@ -113,7 +113,8 @@ fn counters_and_timings_match_a_known_sequence() {
     let (stuck, _spool, _) = decode(2, Some(stuck_faults));
     let (doomed, _dpool, _) = decode(2, None);
 
-    let prefill = tcp(None);
+    // Gathering into staging buffers, so that every phase happens (`a_chunk_from_the_pool_has_no_staging_phases`).
+    let prefill = Engine::new(EngineOptions { transport: TransportKind::Tcp, send_from_pool: false, ..EngineOptions::default() }).unwrap();
     let mut ppool = HostPool::new(shape(), PAGES);
     let all: Vec<u32> = (0..PAGES as u32).collect();
     ppool.fill(&all, 0);
@@ -253,6 +254,27 @@ fn counters_and_timings_match_a_known_sequence() {
     .expect("four chunk completions");
     assert!(scattered.iter().all(|&ns| ns > 0 && ns <= d.receive.scatter_ns_max), "{scattered:?}");
     assert_eq!(scattered.iter().sum::<u64>(), d.receive.scatter_ns_sum);
+}
+
+/// Over TCP from a host pool (the default) a chunk takes no staging buffer: no wait for one, and
+/// the gather phase is the checksum's (every chunk checksummed here); the bytes land exact.
+#[test]
+fn a_chunk_from_the_pool_has_no_staging_phases() {
+    let (dec, dpool, _) = decode(2, None);
+    let prefill = Engine::new(EngineOptions { transport: TransportKind::Tcp, integrity: kvstage::engine::Integrity::Always, ..EngineOptions::default() }).unwrap();
+    let mut ppool = HostPool::new(shape(), PAGES);
+    let pages: Vec<u32> = (0..CHUNK_PAGES).collect();
+    ppool.fill(&pages, 0);
+    prefill.register_pool(ppool.layout.clone()).unwrap();
+    let s = prefill.connect(&dec.local_addr().to_string(), "from-pool", None).unwrap();
+    let at = open(&dec, 1, &pages);
+    let (r, t) = s.transfer_timed(&desc(at, &pages, 10_000), &Op::new(s.waker()));
+    assert_eq!(r.unwrap(), Status::KVSTAGE_OK);
+    dec.receiver().wait_room(1, Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(dpool.verify(&pages, 0).0, 0);
+    assert_eq!(t.alloc_wait_ns, 0, "no staging buffer: {t:?}");
+    assert!(t.watermark_wait_ns > 0 && t.gather_ns > 0 && t.wire_ns > 0 && t.ack_ns > 0, "{t:?}");
+    assert_ordered(&t, "from the pool");
 }
 
 /// The slice path is counted too: its payload bytes, one chunk, wire and acknowledgement only.

@@ -737,6 +737,8 @@ class Engine(_Handle):
         transfer_threads: Optional[int] = None,
         same_host: Optional[bool] = None,
         stall_warn_ms: Optional[int] = None,
+        send_piece_bytes: Optional[int] = None,
+        send_from_pool: Optional[bool] = None,
         library: Optional[Library] = None,
     ):
         lib = library or get_library()
@@ -761,6 +763,8 @@ class Engine(_Handle):
         if same_host is not None:
             # kvstage_same_host: AUTO (0) lets transport AUTO take the same-host path, OFF (1) never.
             opts.same_host = 0 if same_host else 1
+        if send_from_pool is not None:
+            opts.send_from_pool = 1 if send_from_pool else 0
         for name, value, conv in (
             ("max_connections", max_connections, _u32),
             ("max_handshakes", max_handshakes, _u32),
@@ -772,6 +776,7 @@ class Engine(_Handle):
             ("send_staging_total_bytes", send_staging_total_bytes, _u64),
             ("transfer_threads", transfer_threads, _u32),
             ("stall_warn_ms", stall_warn_ms, _u64),
+            ("send_piece_bytes", send_piece_bytes, _u64),
         ):
             if value is not None:
                 setattr(opts, name, conv(value, name))

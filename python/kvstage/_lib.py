@@ -190,6 +190,8 @@ class kvstage_engine_options(Structure):
         ("send_staging_total_bytes", c_uint64),
         ("same_host", c_int32),
         ("stall_warn_ms", c_uint64),
+        ("send_piece_bytes", c_uint64),
+        ("send_from_pool", c_int32),
     ]
 
 

@@ -33,7 +33,9 @@ def test_counters_and_timings_after_a_known_sequence(lib):
     decode.register_staging(ring)
     ppool, playout = kvref.make_pool(MODEL, 0, 1, 16)
     kvref.fill_random(ppool, 11)
-    prefill = kvstage.Engine(transport="tcp")
+    # Through a send staging buffer, so that every phase happens (from the pool, the default
+    # over TCP, there is no wait for a buffer: alloc_wait_ns is 0).
+    prefill = kvstage.Engine(transport="tcp", send_from_pool=False)
     prefill.register_pool(playout)
     session = prefill.connect(decode.listen_address, "stats")
     completions, chunks = [], []

@@ -96,6 +96,14 @@ CASES = {
         prefill_tp=2, decode_tp=4, tokens=96, chunk_tokens=32, capacity_pages=160,
         ring_chunks=2, ring_memory="numpy", sender="async_threads", transport="tcp",
     ),
+    # The same over TCP with each chunk gathered into a staging buffer and written in pieces of
+    # one slab (by default TCP writes straight from the pool's rows).
+    "P2-D4-pieces": dict(
+        model=kvref.Model(layers=2, heads=8, head_dim=8, dtype_bytes=4, page_size=1),
+        prefill_tp=2, decode_tp=4, tokens=96, chunk_tokens=32, capacity_pages=160,
+        ring_chunks=2, ring_memory="numpy", sender="async_threads", transport="tcp",
+        engine_options=dict(send_from_pool=False, send_piece_bytes=1),
+    ),
     # P1 -> D4 with two KV heads: each head replicated on two decode ranks; bytearray rings.
     "P1-D4-replicated": dict(
         model=kvref.Model(layers=2, heads=2, head_dim=8, dtype_bytes=1, page_size=4),
@@ -178,7 +186,7 @@ def test_staged_transfer_between_two_processes(name, lib, child_env, tmp_path):
         for rs in range(p_tp):
             pool, layout = kvref.make_pool(model, rs, p_tp, capacity)
             kvref.fill_random(pool, seed=1000 + rs)
-            engine = kvstage.Engine("127.0.0.1:0", transport=case["transport"])
+            engine = kvstage.Engine("127.0.0.1:0", transport=case["transport"], **case.get("engine_options", {}))
             engine.register_pool(layout)
             engines.append(engine)
             pools.append(pool)

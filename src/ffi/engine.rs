@@ -110,6 +110,14 @@ pub struct kvstage_engine_options {
     /// room, the chunk and what it waits on, once per wait. 0 (default): a quarter of the
     /// operation's deadline (10 s without one); KVSTAGE_DEADLINE_INFINITE: never.
     pub stall_warn_ms: u64,
+    /// A whole chunk goes out in pieces of about this many bytes (whole layers' slabs): from a
+    /// host send staging buffer (RDMA, a CUDA pool, or `send_from_pool` 0) each written while the
+    /// next is gathered, when that makes two pieces or more; from the pool over TCP with the
+    /// session's stream free between them. 0 = one write (after the whole gather). Default 4 MiB.
+    pub send_piece_bytes: u64,
+    /// 1 (default): over TCP, a whole chunk of a host pool is written straight from the pool's
+    /// rows, without a staging buffer or a gather copy; 0: gathered into a staging buffer first.
+    pub send_from_pool: i32,
 }
 
 /// Per-chunk integrity checking (xxh3-64 of each writer's staged bytes).
@@ -156,6 +164,8 @@ impl Default for kvstage_engine_options {
             send_staging_total_bytes: d.send_staging_total_bytes,
             same_host: if d.same_host { kvstage_same_host::KVSTAGE_SAME_HOST_AUTO } else { kvstage_same_host::KVSTAGE_SAME_HOST_OFF } as i32,
             stall_warn_ms: 0,
+            send_piece_bytes: d.send_piece_bytes,
+            send_from_pool: i32::from(d.send_from_pool),
         }
     }
 }
@@ -231,6 +241,12 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
         0 => StallWarn::QuarterOfDeadline,
         KVSTAGE_DEADLINE_INFINITE => StallWarn::Never,
         ms => StallWarn::After(std::time::Duration::from_millis(ms)),
+    };
+    opts.send_piece_bytes = raw.send_piece_bytes;
+    opts.send_from_pool = match raw.send_from_pool {
+        0 => false,
+        1 => true,
+        other => return Err(Error::invalid_arg("options->send_from_pool", format!("{other} is neither 0 nor 1"))),
     };
     Ok(opts)
 }

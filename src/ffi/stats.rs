@@ -23,10 +23,12 @@ pub struct kvstage_transfer_timings {
     /// until the receiver's watermark lets the granted range be written (its ring is full).
     pub watermark_wait_ns: u64,
     /// Waiting for a send staging buffer of the engine (all in use by other chunks), or
-    /// allocating a new one.
+    /// allocating a new one; 0 over TCP from a host pool (no buffer).
     pub alloc_wait_ns: u64,
     /// Gathering the chunk's pages into the staging buffer (for CUDA pools the wait for the
-    /// producer's ready point included), plus the integrity checksum when the chunk carries one.
+    /// producer's ready point included), plus the integrity checksum when the chunk carries one;
+    /// written in pieces, the time the write waited for a piece's gather; over TCP from a host
+    /// pool, the request's parts and the checksum only.
     pub gather_ns: u64,
     /// The bulk write of the gathered bytes and the ready frame (slice path: all slice writes).
     pub wire_ns: u64,

@@ -22,10 +22,13 @@ pub struct TransferTimings {
     /// The allocation request's round trip to the receiver (the grant), plus waiting until the
     /// receiver's watermark lets the granted range be written (back-pressure of its ring).
     pub watermark_wait_ns: u64,
-    /// Waiting for a send staging buffer of the engine's pool (and allocating it when new).
+    /// Waiting for a send staging buffer of the engine's pool (and allocating it when new); 0
+    /// over TCP from a host pool (no buffer).
     pub alloc_wait_ns: u64,
     /// Gathering the chunk's KV pages into the staging buffer (the CUDA wait for the producer's
-    /// ready point included), plus the integrity checksum when the chunk carries one.
+    /// ready point included), plus the integrity checksum when the chunk carries one; written in
+    /// pieces, the time the write waited for a piece's gather; over TCP from a host pool, the
+    /// request's parts and the checksum only.
     pub gather_ns: u64,
     /// The bulk write of the gathered bytes and its ready frame (slice path: every slice write).
     pub wire_ns: u64,

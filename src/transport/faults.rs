@@ -203,9 +203,9 @@ impl Transport for FaultyTransport {
     }
 
     /// The parts gathered into one payload, which the faults then treat as any other.
-    fn write_chunk_from(&self, header: &Message, parts: &mut dyn Iterator<Item = &[u8]>, ready: &Message, deadline: &Deadline) -> Result<()> {
+    fn write_piece_from(&self, header: &Message, parts: &mut dyn Iterator<Item = &[u8]>, deadline: &Deadline) -> Result<()> {
         let data: Vec<u8> = parts.flatten().copied().collect();
-        self.faulty_data(&data, |d| self.inner.write_chunk(header, d, ready, deadline))
+        self.faulty_data(&data, |d| self.inner.write_piece(0, header, d, deadline))
     }
 
     fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {

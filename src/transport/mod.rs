@@ -31,17 +31,18 @@ pub trait Transport: Send + Sync {
         self.write_chunk(header, data, ready, deadline)
     }
 
-    /// Whether [`write_chunk_from`](Self::write_chunk_from) works: a stream transport that
+    /// Whether [`write_piece_from`](Self::write_piece_from) works: a stream transport that
     /// copies from the caller's memory itself (TCP), so the sender needs no staging copy.
     fn streams_from_memory(&self) -> bool {
         false
     }
 
-    /// As `write_chunk`, the payload given as `parts`: slices in order, together the length
-    /// `header` (a `Message::Data`) names, written straight from where they are (the sender's
-    /// pool rows). Only where [`streams_from_memory`](Self::streams_from_memory).
-    fn write_chunk_from(&self, header: &Message, parts: &mut dyn Iterator<Item = &[u8]>, ready: &Message, deadline: &Deadline) -> Result<()> {
-        let _ = (header, parts, ready, deadline);
+    /// As [`write_piece`](Self::write_piece), the payload given as `parts`: slices in order,
+    /// together the length `header` (a `Message::Data`) names, written straight from where they
+    /// are (the sender's pool rows); the ready follows by [`finish_pieces`](Self::finish_pieces).
+    /// Only where [`streams_from_memory`](Self::streams_from_memory).
+    fn write_piece_from(&self, header: &Message, parts: &mut dyn Iterator<Item = &[u8]>, deadline: &Deadline) -> Result<()> {
+        let _ = (header, parts, deadline);
         Err(crate::error::Error::internal(format!("{} cannot write from the caller's memory", self.describe())))
     }
 

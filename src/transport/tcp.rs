@@ -281,8 +281,12 @@ impl Transport for TcpTransport {
         true
     }
 
-    fn write_chunk_from(&self, header: &Message, parts: &mut dyn Iterator<Item = &[u8]>, ready: &Message, deadline: &Deadline) -> Result<()> {
-        let (head, tail) = (header.encode(), ready.encode());
+    fn write_piece_from(&self, header: &Message, parts: &mut dyn Iterator<Item = &[u8]>, deadline: &Deadline) -> Result<()> {
+        let head = header.encode();
+        let &Message::Data { len, .. } = header else {
+            return Err(Error::internal("write_piece_from needs a Data header"));
+        };
+        let mut written = 0u64;
         self.write(deadline, |w| {
             // Batches of at most IOV_MAX slices per sendmsg (the kernel refuses longer vectors).
             let mut batch: Vec<IoSlice<'_>> = Vec::with_capacity(IOV_MAX);
@@ -291,12 +295,16 @@ impl Transport for TcpTransport {
                 let mut last = false;
                 while batch.len() < IOV_MAX && !last {
                     match parts.next() {
-                        Some(part) => batch.push(IoSlice::new(part)),
+                        Some(part) => {
+                            written += part.len() as u64;
+                            batch.push(IoSlice::new(part));
+                        }
                         None => last = true,
                     }
                 }
-                if last {
-                    batch.push(IoSlice::new(&tail));
+                if last && written != len {
+                    // The frame would not match its header: the stream is cut (by `write`).
+                    return Err(std::io::Error::other(format!("a piece of {written} bytes under a header of {len}")));
                 }
                 write_all_vectored(w, &mut batch)?;
                 if last {
@@ -328,5 +336,52 @@ impl Transport for TcpTransport {
 
     fn describe(&self) -> String {
         format!("tcp {}", self.peer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::RoomRef;
+
+    /// Pieces from memory of any slice count (across the 1024-slice batches, empty slices among
+    /// them) arrive byte for byte behind their header through a small send buffer and a slow
+    /// reader; a piece shorter than its header cuts the stream instead of desynchronizing it.
+    #[test]
+    fn pieces_from_memory_arrive_whole_in_order() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let sender = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let _ = socket2::SockRef::from(&sender).set_send_buffer_size(4096);
+        let link = TcpTransport::new(sender).unwrap();
+        let (receiver, _) = listener.accept().unwrap();
+        let counts = [0usize, 1, 1022, 1023, 1024, 1025, 2046, 2047, 2048, 3001];
+        let piece = |n: usize| -> Vec<Vec<u8>> { (0..n).map(|i| vec![(i % 251) as u8; i % 7]).collect() };
+        let reader = std::thread::spawn(move || {
+            let mut inbound = Inbound::new(receiver, None);
+            for n in counts {
+                let Some(Message::Data { len, .. }) = inbound.next_frame().unwrap() else { panic!("a Data frame") };
+                let mut got = vec![0u8; len as usize];
+                std::thread::sleep(Duration::from_millis(2));
+                inbound.payload_into(&mut got).unwrap();
+                assert_eq!(got, piece(n).concat(), "{n} slices");
+            }
+            // The short piece: the stream ends, at the latest inside its payload.
+            match inbound.next_frame() {
+                Ok(None) | Err(_) => {}
+                Ok(Some(Message::Data { len, .. })) => assert!(inbound.payload_into(&mut vec![0u8; len as usize]).is_err(), "a short piece ends the stream"),
+                Ok(Some(other)) => panic!("after the pieces: {other:?}"),
+            }
+        });
+        let deadline = Deadline::after(Some(Duration::from_secs(10)));
+        let header = |len: usize| Message::Data { room: RoomRef { id: 1, key: 1 }, chunk: 0, writer: 0, offset: 0, len: len as u64 };
+        for n in counts {
+            let slices = piece(n);
+            let len = slices.iter().map(Vec::len).sum();
+            link.write_piece_from(&header(len), &mut slices.iter().map(Vec::as_slice), &deadline).unwrap();
+        }
+        let short = piece(10);
+        let err = link.write_piece_from(&header(1000), &mut short.iter().map(Vec::as_slice), &deadline).unwrap_err();
+        assert!(err.chain().contains("under a header of 1000"), "{}", err.chain());
+        reader.join().unwrap();
     }
 }

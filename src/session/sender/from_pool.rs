@@ -15,7 +15,8 @@ impl SenderSession {
         self.resources.options.send_from_pool && self.pool.memory == MemoryKind::Host && self.link.streams_from_memory() && tiles_in_order(plan)
     }
 
-    /// Writes the region of `place`: `plan`'s pool rows, then `tail` gathered, then `ready`.
+    /// Writes the region of `place`: `plan`'s pool rows in pieces of `send_piece_bytes` (the
+    /// session's stream is free between them), then `tail` gathered, then `ready`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn write_from_pool(
         &self,
@@ -28,26 +29,39 @@ impl SenderSession {
         t: &mut TransferTimings,
     ) -> Result<()> {
         crate::copy::check_plan(plan, &self.pool)?;
+        op.enter("gathering", String::new);
         let mut parts = vec![0u8; geometry::parts::tail_bytes(tail) as usize];
         self.gather_tail(desc, tail, parts.as_mut_ptr(), t)?;
-        let phase = Instant::now();
         let checksum = self.region_checksum(desc, || {
+            let phase = Instant::now();
             let mut sum = xxhash_rust::xxh3::Xxh3::new();
             // SAFETY: the plan was checked against the host pool above.
             for row in unsafe { pool_rows(plan, &self.pool) } {
                 sum.update(row);
             }
             sum.update(&parts);
+            t.gather_ns += since(phase);
             Ok(sum.digest())
-        });
-        t.gather_ns += since(phase);
-        let checksum = checksum?;
+        })?;
         op.enter("writing", String::new);
         let phase = Instant::now();
-        // SAFETY: as above; the pool's pages stay the caller's to keep until the transfer ends.
-        let rows = unsafe { pool_rows(plan, &self.pool) };
-        let mut payload = rows.chain(Some(&parts[..]).filter(|p| !p.is_empty()));
-        let wrote = self.link.write_chunk_from(&place.data(desc, 0, place.region_bytes), &mut payload, &ready(checksum), deadline);
+        let wrote = (|| {
+            let piece_bytes = self.resources.options.send_piece_bytes;
+            let pieces = if piece_bytes > 0 { plan.pieces(piece_bytes) } else { vec![plan.clone()] };
+            for piece in &pieces {
+                let Some(&(at, len)) = piece.staging_ranges().first() else { continue };
+                // SAFETY: as above (a piece is the plan with some of its slabs); the pool's pages
+                // stay the caller's to keep until the transfer ends.
+                let mut rows = unsafe { pool_rows(piece, &self.pool) };
+                self.link.write_piece_from(&place.data(desc, at, len), &mut rows, deadline)?;
+            }
+            let kv_bytes = place.region_bytes - parts.len() as u64;
+            if !parts.is_empty() {
+                self.link.write_piece(place.grant_offset, &place.data(desc, kv_bytes, parts.len() as u64), &parts, deadline)?;
+            }
+            // A stream transport's ready needs no bytes (only RDMA's names its buffer).
+            self.link.finish_pieces(place.grant_offset, &place.data(desc, 0, place.region_bytes), &[], &ready(checksum), deadline)
+        })();
         t.wire_ns = since(phase);
         wrote
     }
@@ -72,15 +86,16 @@ unsafe fn pool_rows<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iterator
     let mut slabs = plan.slabs.clone();
     slabs.sort_by_key(|s| s.staging_offset);
     let contiguous = plan.contiguous();
-    let rows = slabs.into_iter().flat_map(move |slab| {
-        plan.segments.iter().flat_map(move |seg| {
+    // Merged within a slab only: rows of one buffer, never across two allocations.
+    slabs.into_iter().flat_map(move |slab| {
+        let rows = plan.segments.iter().flat_map(move |seg| {
             let first = pool.bases[slab.buffer as usize] + (seg.pool_token * plan.pool_token_bytes + plan.pool_head_offset) as usize;
             let (count, len) = if contiguous { (1, seg.tokens * plan.row_bytes) } else { (seg.tokens, plan.row_bytes) };
             (0..count).map(move |i| (first + (i * plan.pool_token_bytes) as usize, len as usize))
-        })
-    });
-    // SAFETY: every row lies inside its pool buffer (the caller's contract).
-    Adjacent { rows, pending: None }.map(|(at, len)| unsafe { std::slice::from_raw_parts(at as *const u8, len) })
+        });
+        // SAFETY: every row lies inside its pool buffer (the caller's contract).
+        Adjacent { rows, pending: None }.map(|(at, len)| unsafe { std::slice::from_raw_parts(at as *const u8, len) })
+    })
 }
 
 /// Merges `(address, length)` ranges that follow each other in memory.
