@@ -372,7 +372,10 @@ static void run(const scenario *sc) {
 
 int main(void) {
     g_transport = kv_test_transport(KVSTAGE_TRANSPORT_TCP);
-    printf("request_parts: transport %s\n", kv_transport_name(g_transport));
+    const char *pieces = getenv("KVSTAGE_TEST_PIECE_BYTES");
+    printf("request_parts: transport %s%s%s\n", kv_transport_name(g_transport),
+           pieces != NULL && pieces[0] != 0 ? ", every chunk gathered into staging and written in pieces of at least bytes: " : "",
+           pieces != NULL && pieces[0] != 0 ? pieces : "");
     fflush(stdout);
     for (size_t i = 0; i < sizeof SCENARIOS / sizeof SCENARIOS[0]; ++i) {
         int before = *kv_failures();
