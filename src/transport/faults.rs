@@ -125,6 +125,11 @@ impl FaultyTransport {
     /// One data write through `write` (a whole chunk or a piece), with this frame's faults.
     fn faulty_data(&self, data: &[u8], write: impl Fn(&[u8]) -> Result<()>) -> Result<()> {
         let f = self.next_frame()?;
+        self.with_dice(&f, data, write)
+    }
+
+    /// `data` written through `write` with the faults `f` rolled for its frame.
+    fn with_dice(&self, f: &Dice, data: &[u8], write: impl Fn(&[u8]) -> Result<()>) -> Result<()> {
         let c = &self.faults.counters;
         if f.truncate && !data.is_empty() {
             // The stream ends inside the payload, as when the sender dies mid-write.
@@ -202,10 +207,16 @@ impl Transport for FaultyTransport {
         self.inner.streams_from_memory()
     }
 
-    /// The parts gathered into one payload, which the faults then treat as any other.
+    /// Straight through the inner transport's writer from memory, unless this frame's payload
+    /// is to be corrupted or truncated: then its parts are gathered into one payload, which the
+    /// faults treat as any other.
     fn write_piece_from(&self, header: &Message, parts: &mut dyn Iterator<Item = &[u8]>, deadline: &Deadline) -> Result<()> {
+        let f = self.next_frame()?;
+        if !f.truncate && !f.corrupt {
+            return self.inner.write_piece_from(header, parts, deadline);
+        }
         let data: Vec<u8> = parts.flatten().copied().collect();
-        self.faulty_data(&data, |d| self.inner.write_piece(0, header, d, deadline))
+        self.with_dice(&f, &data, |d| self.inner.write_piece(0, header, d, deadline))
     }
 
     fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {
