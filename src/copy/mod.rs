@@ -11,6 +11,7 @@ mod any;
 pub mod cuda;
 mod host;
 mod parts;
+pub mod rows;
 
 pub use any::{check_pool, engine_for, AnyCopyEngine};
 pub use cuda::{CudaCopyEngine, HostPin, ReadyFence};

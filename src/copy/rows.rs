@@ -1,0 +1,134 @@
+//! A copy plan's pool rows as memory ranges in region order: what a stream transport writes
+//! straight from a host pool (the sender) or reads straight into one (the receiver) instead of
+//! copying through a staging region.
+
+use crate::geometry::{CopyPlan, KvLayout};
+
+/// Whether the plan's slabs, in region order, lie back to back from the region's start (then its
+/// rows in that order are the region's KV bytes).
+pub fn tiles_in_order(plan: &CopyPlan) -> bool {
+    let slab = plan.tokens * plan.row_bytes;
+    let mut offsets: Vec<u64> = plan.slabs.iter().map(|s| s.staging_offset).collect();
+    offsets.sort_unstable();
+    offsets.iter().enumerate().all(|(i, &at)| at == i as u64 * slab)
+}
+
+/// `(address, length)` of the plan's pool rows in region order (slabs by region offset, then the
+/// segments' tokens), rows adjacent in memory merged within a slab (never across two buffers).
+/// Addresses are computed, not dereferenced: a plan checked against the pool
+/// ([`super::check_plan`]) keeps every range inside its buffer.
+pub fn pool_ranges<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iterator<Item = (usize, usize)> + 'a {
+    let mut slabs = plan.slabs.clone();
+    slabs.sort_by_key(|s| s.staging_offset);
+    let contiguous = plan.contiguous();
+    slabs.into_iter().flat_map(move |slab| {
+        let rows = plan.segments.iter().flat_map(move |seg| {
+            let first = pool.bases[slab.buffer as usize] + (seg.pool_token * plan.pool_token_bytes + plan.pool_head_offset) as usize;
+            let (count, len) = if contiguous { (1, seg.tokens * plan.row_bytes) } else { (seg.tokens, plan.row_bytes) };
+            (0..count).map(move |i| (first + (i * plan.pool_token_bytes) as usize, len as usize))
+        });
+        Adjacent { rows, pending: None }
+    })
+}
+
+/// The bytes `[skip, skip + take)` of `ranges` taken as one sequence: the ranges that hold them,
+/// the first and last trimmed.
+pub fn window(ranges: impl Iterator<Item = (usize, usize)>, skip: u64, take: u64) -> impl Iterator<Item = (usize, usize)> {
+    let (mut at, end) = (0u64, skip + take);
+    ranges
+        .map_while(move |(addr, len)| {
+            let (start, stop) = (at, at + len as u64);
+            at = stop;
+            (start < end).then_some((addr, start, stop))
+        })
+        .filter(move |&(_, _, stop)| stop > skip)
+        .map(move |(addr, start, stop)| {
+            let from = skip.max(start);
+            let to = end.min(stop);
+            (addr + (from - start) as usize, (to - from) as usize)
+        })
+        .filter(|&(_, len)| len > 0)
+}
+
+/// Merges `(address, length)` ranges that follow each other in memory.
+struct Adjacent<I> {
+    rows: I,
+    pending: Option<(usize, usize)>,
+}
+
+impl<I: Iterator<Item = (usize, usize)>> Iterator for Adjacent<I> {
+    type Item = (usize, usize);
+
+    fn next(&mut self) -> Option<(usize, usize)> {
+        loop {
+            match (self.pending, self.rows.next()) {
+                (None, None) => return None,
+                (Some(p), None) => {
+                    self.pending = None;
+                    return Some(p);
+                }
+                (None, Some(r)) => self.pending = Some(r),
+                (Some((at, len)), Some((next, n))) if at + len == next => self.pending = Some((at, len + n)),
+                (Some(p), Some(r)) => {
+                    self.pending = Some(r);
+                    return Some(p);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::copy::CopyEngine;
+    use crate::geometry::{plan_gather, staging_layout, MemoryKind, ModelKind, PoolShape};
+
+    #[test]
+    fn adjacent_ranges_merge_and_others_do_not() {
+        let merged: Vec<_> = Adjacent { rows: [(0, 4), (4, 4), (10, 2), (12, 1), (20, 5)].into_iter(), pending: None }.collect();
+        assert_eq!(merged, vec![(0, 8), (10, 3), (20, 5)]);
+        assert_eq!(Adjacent { rows: std::iter::empty(), pending: None }.count(), 0);
+    }
+
+    /// Every window of a sequence of ranges holds exactly the bytes at those positions of their
+    /// concatenation (checked against the positions one by one).
+    #[test]
+    fn windows_hold_exactly_their_bytes() {
+        let ranges = [(100usize, 3usize), (200, 1), (300, 5), (400, 2)];
+        let flat: Vec<usize> = ranges.iter().flat_map(|&(a, n)| a..a + n).collect();
+        for skip in 0..=flat.len() as u64 {
+            for take in 0..=flat.len() as u64 - skip {
+                let got: Vec<usize> = window(ranges.into_iter(), skip, take).flat_map(|(a, n)| a..a + n).collect();
+                assert_eq!(got, flat[skip as usize..(skip + take) as usize], "skip {skip} take {take}");
+                assert!(window(ranges.into_iter(), skip, take).all(|(_, n)| n > 0), "no empty ranges");
+            }
+        }
+    }
+
+    /// The pool ranges, concatenated, are the bytes the host gather writes into the region: whole
+    /// slots (P2 -> D1) and head slices of them (P1 -> D2, either decode rank), pages out of
+    /// order, a start inside the first page.
+    #[test]
+    fn pool_ranges_are_the_gathered_region() {
+        let shape = PoolShape::new(ModelKind::Mha, 4, 8, 2, 4, 3);
+        for (src, dst) in [(shape.clone().with_tp(1, 2), shape.clone()), (shape.clone(), shape.clone().with_tp(0, 2)), (shape.clone(), shape.clone().with_tp(1, 2))] {
+            let pages = 6u64;
+            let buffer_bytes = (pages * src.page_bytes()) as usize;
+            let mut memory: Vec<Vec<u8>> = (0..6).map(|b| (0..buffer_bytes).map(|i| (i * 7 + b * 131) as u8).collect()).collect();
+            let pool = KvLayout { shape: src.clone(), capacity_pages: pages, memory: MemoryKind::Host, bases: memory.iter_mut().map(|m| m.as_mut_ptr() as usize).collect() };
+            let st = staging_layout(&src, &dst, 14).unwrap();
+            let region = st.region_of(&src).unwrap().unwrap();
+            let plan = plan_gather(&src, &[4, 1, 3, 0], 1, &st, &region).unwrap();
+            crate::copy::check_plan(&plan, &pool).unwrap();
+            assert_eq!(plan.contiguous(), src.tp_size == 2, "{src:?} -> {dst:?}");
+            assert!(tiles_in_order(&plan));
+            let mut gathered = vec![0u8; plan.staging_bytes as usize];
+            // SAFETY: the plan was checked against the pool; the buffer holds the region.
+            unsafe { crate::copy::HostCopyEngine::new(1).gather(&plan, &pool, gathered.as_mut_ptr()) }.unwrap();
+            // SAFETY: the ranges lie inside the pool's buffers (checked plan), alive here.
+            let streamed: Vec<u8> = pool_ranges(&plan, &pool).flat_map(|(a, n)| unsafe { std::slice::from_raw_parts(a as *const u8, n) }.to_vec()).collect();
+            assert_eq!(streamed, gathered, "{src:?} -> {dst:?}");
+        }
+    }
+}
