@@ -1,6 +1,5 @@
 //! A copy plan's pool rows as memory ranges in region order: what a stream transport writes
-//! straight from a host pool (the sender) or reads straight into one (the receiver) instead of
-//! copying through a staging region.
+//! straight from a host pool instead of copying it through a staging region first.
 
 use crate::geometry::{CopyPlan, KvLayout};
 
@@ -29,25 +28,6 @@ pub fn pool_ranges<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iterator<
         });
         Adjacent { rows, pending: None }
     })
-}
-
-/// The bytes `[skip, skip + take)` of `ranges` taken as one sequence: the ranges that hold them,
-/// the first and last trimmed.
-pub fn window(ranges: impl Iterator<Item = (usize, usize)>, skip: u64, take: u64) -> impl Iterator<Item = (usize, usize)> {
-    let (mut at, end) = (0u64, skip + take);
-    ranges
-        .map_while(move |(addr, len)| {
-            let (start, stop) = (at, at + len as u64);
-            at = stop;
-            (start < end).then_some((addr, start, stop))
-        })
-        .filter(move |&(_, _, stop)| stop > skip)
-        .map(move |(addr, start, stop)| {
-            let from = skip.max(start);
-            let to = end.min(stop);
-            (addr + (from - start) as usize, (to - from) as usize)
-        })
-        .filter(|&(_, len)| len > 0)
 }
 
 /// Merges `(address, length)` ranges that follow each other in memory.
@@ -89,21 +69,6 @@ mod tests {
         let merged: Vec<_> = Adjacent { rows: [(0, 4), (4, 4), (10, 2), (12, 1), (20, 5)].into_iter(), pending: None }.collect();
         assert_eq!(merged, vec![(0, 8), (10, 3), (20, 5)]);
         assert_eq!(Adjacent { rows: std::iter::empty(), pending: None }.count(), 0);
-    }
-
-    /// Every window of a sequence of ranges holds exactly the bytes at those positions of their
-    /// concatenation (checked against the positions one by one).
-    #[test]
-    fn windows_hold_exactly_their_bytes() {
-        let ranges = [(100usize, 3usize), (200, 1), (300, 5), (400, 2)];
-        let flat: Vec<usize> = ranges.iter().flat_map(|&(a, n)| a..a + n).collect();
-        for skip in 0..=flat.len() as u64 {
-            for take in 0..=flat.len() as u64 - skip {
-                let got: Vec<usize> = window(ranges.into_iter(), skip, take).flat_map(|(a, n)| a..a + n).collect();
-                assert_eq!(got, flat[skip as usize..(skip + take) as usize], "skip {skip} take {take}");
-                assert!(window(ranges.into_iter(), skip, take).all(|(_, n)| n > 0), "no empty ranges");
-            }
-        }
     }
 
     /// The pool ranges, concatenated, are the bytes the host gather writes into the region: whole
