@@ -73,10 +73,11 @@ fn messages() -> Vec<(String, Message)> {
     const ROOM: RoomRef = RoomRef { id: 9, key: 0x6b65_7973_0000_0009 };
     let mut out: Vec<(String, Message)> = hellos().into_iter().map(|(n, h)| (format!("hello-{n}"), Message::Hello(h))).collect();
     out.extend([
-        ("alloc-req".into(), Message::AllocReq { req: 7, room: ROOM, chunk: 2, writer: 1, tokens: 64, bytes: 4096, trace: "req-7".into(), pool_tokens: None }),
-        ("alloc-req-parts".into(), Message::AllocReq { req: 9, room: ROOM, chunk: 3, writer: 0, tokens: 17, bytes: 8192, trace: String::new(), pool_tokens: Some(vec![40, 8]) }),
-        ("alloc-rsp-ok".into(), Message::AllocRsp { req: 7, status: 0, round: 1, offset: 8192, len: 4096, region: 2048, reason: String::new() }),
-        ("alloc-rsp-refused".into(), Message::AllocRsp { req: 8, status: -13, round: 0, offset: 0, len: 0, region: 0, reason: "chunk larger than the ring".into() }),
+        ("alloc-req".into(), Message::AllocReq { req: 7, room: ROOM, chunk: 2, writer: 1, tokens: 64, bytes: 4096, trace: "req-7".into(), pool_tokens: None, direct: false }),
+        ("alloc-req-parts".into(), Message::AllocReq { req: 9, room: ROOM, chunk: 3, writer: 0, tokens: 17, bytes: 8192, trace: String::new(), pool_tokens: Some(vec![40, 8]), direct: false }),
+        ("alloc-rsp-ok".into(), Message::AllocRsp { req: 7, status: 0, round: 1, offset: 8192, len: 4096, region: 2048, reason: String::new(), pages: Vec::new() }),
+        ("alloc-rsp-direct".into(), Message::AllocRsp { req: 9, status: 0, round: 1, offset: 8192, len: 4096, region: 0, reason: String::new(), pages: vec![7, 2, 11] }),
+        ("alloc-rsp-refused".into(), Message::AllocRsp { req: 8, status: -13, round: 0, offset: 0, len: 0, region: 0, reason: "chunk larger than the ring".into(), pages: Vec::new() }),
         ("data".into(), Message::Data { room: ROOM, chunk: 2, writer: 1, offset: 2048, len: 16 }),
         ("chunk-ready".into(), Message::ChunkReady { req: 10, room: ROOM, chunk: 2, writer: 1, checksum: Some(0x0123_4567_89ab_cdef) }),
         ("chunk-ready-unchecked".into(), Message::ChunkReady { req: 13, room: ROOM, chunk: 3, writer: 0, checksum: None }),
@@ -90,7 +91,7 @@ fn messages() -> Vec<(String, Message)> {
         ("written".into(), Message::Written { room: ROOM, chunk: 2, writer: 1, offset: 2048, len: 4096, imm: 0 }),
         ("grid-req".into(), Message::GridReq { req: 14, room: ROOM }),
         ("grid-rsp".into(), Message::GridRsp { req: 14, status: 0, chunk_tokens: 64, num_chunks: 3, num_pages: 10, reason: String::new() }),
-        ("shm-offer".into(), Message::ShmOffer { socket: "kvstage-shm-42-00112233445566778899aabb".into(), nonce: vec![0x5a; 16] }),
+        ("shm-offer".into(), Message::ShmOffer { socket: "kvstage-shm-42-00112233445566778899aabb".into(), nonce: vec![0x5a; 16], direct: false }),
         ("shm-answer".into(), Message::ShmAnswer { status: 0, local: true, ring_len: 1 << 20, reason: String::new() }),
         ("shm-answer-refused".into(), Message::ShmAnswer { status: -5, local: true, ring_len: 0, reason: "caller memory".into() }),
     ]);

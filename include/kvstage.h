@@ -371,6 +371,11 @@ typedef struct kvstage_engine_options {
     // 1 (default): over TCP, a whole chunk of a host pool is written straight from the pool's
     // rows, without a staging buffer or a gather copy; 0: gathered into a staging buffer first.
     int32_t send_from_pool;
+    // 1 (default): same-host sessions use direct mode where both sides allow it (both KV pools
+    // host memory, the decode pool in memory of `kvstage_shared_alloc`): each chunk is copied
+    // from prefill page to decode page in one pass, without the decode ring and its scatter;
+    // 0: never (the ring path). Either side can rule it out.
+    int32_t same_host_direct;
 } kvstage_engine_options;
 
 // One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.

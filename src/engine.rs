@@ -71,6 +71,10 @@ pub struct EngineOptions {
     pub rdma: RdmaOptions,
     /// Transport auto: use the same-host path when the peer is on this host (`false`: never).
     pub same_host: bool,
+    /// Same-host sessions: direct mode where both sides allow it (the decode pool in memory of
+    /// `kvstage_shared_alloc`, both pools host memory): chunks are copied from prefill page to
+    /// decode page in one pass, without the ring and the scatter. `false`: never (the ring path).
+    pub same_host_direct: bool,
     /// Listener bounds: connections, handshakes in progress, handshake deadline.
     pub listener: Limits,
     /// A peer that stops answering is declared gone after about this long (keepalive and
@@ -119,6 +123,7 @@ impl Default for EngineOptions {
             faults: None,
             rdma: RdmaOptions::default(),
             same_host: true,
+            same_host_direct: true,
             listener: Limits::default(),
             dead_peer_timeout: Some(DEFAULT_DEAD_PEER_TIMEOUT),
             room_timeout: Some(DEFAULT_ROOM_TIMEOUT),
@@ -244,11 +249,12 @@ impl Engine {
             TransportKind::Auto => RdmaMode::Auto,
             TransportKind::Rdma => RdmaMode::Required,
         };
-        let shm = Shm::new(match options.transport {
+        let shm_mode = match options.transport {
             TransportKind::Auto if options.same_host => ShmMode::Auto,
             TransportKind::Shm => ShmMode::Required,
             _ => ShmMode::Off,
-        });
+        };
+        let shm = Shm::new(shm_mode, options.same_host_direct);
         let rdma = Rdma::open(rdma_mode, options.rdma.clone())?;
         if rdma_mode == RdmaMode::Auto && !rdma.active() {
             log::info!("transport auto: no usable RDMA device, sessions will use tcp ({})", rdma.unavailable_reason());

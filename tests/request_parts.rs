@@ -447,7 +447,7 @@ fn a_lying_peer_cannot_bend_the_parts() {
     let layout = kvstage::geometry::staging_layout(&shape(0, 1), &shape(0, 1), (TOTAL % CHUNK_TOKENS as u64) as u32).unwrap();
     let mut ask = |req: u64, room: RoomRef, chunk: u32, bytes: u64, pool_tokens: Option<Vec<u32>>| {
         let tokens = if chunk == last_chunk() { layout.tokens } else { CHUNK_TOKENS };
-        peer.send(&Message::AllocReq { req, room, chunk, writer: 0, tokens, bytes, trace: String::new(), pool_tokens }).unwrap();
+        peer.send(&Message::AllocReq { req, room, chunk, writer: 0, tokens, bytes, trace: String::new(), pool_tokens, direct: false }).unwrap();
         match peer.reply(Duration::from_secs(5)) {
             Message::AllocRsp { req: r, status, reason, .. } if r == req => (status, reason),
             other => panic!("unexpected {other:?}"),

@@ -1,6 +1,8 @@
 //! A copy plan's pool rows as memory ranges in region order: what a stream transport writes
-//! straight from a host pool instead of copying it through a staging region first.
+//! straight from a host pool instead of copying it through a staging region first, and what
+//! direct mode copies from one pool's rows to another's.
 
+use crate::error::{Error, Result};
 use crate::geometry::{CopyPlan, KvLayout};
 
 /// Whether the plan's slabs, in region order, lie back to back from the region's start (then its
@@ -28,6 +30,44 @@ pub fn pool_ranges<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iterator<
         });
         Adjacent { rows, pending: None }
     })
+}
+
+/// The plan's pool rows in region order as slices.
+///
+/// # Safety
+/// `plan` was checked against `pool` ([`super::check_plan`]), a pool of host memory whose rows
+/// nobody writes while the slices live.
+pub unsafe fn pool_rows<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iterator<Item = &'a [u8]> + 'a {
+    // SAFETY: every range lies inside its pool buffer (the caller's contract).
+    pool_ranges(plan, pool).map(|(at, len)| unsafe { std::slice::from_raw_parts(at as *const u8, len) })
+}
+
+/// Direct mode's one pass: copies the region `src` gathers from `src_pool` straight to where
+/// `dst` scatters it in `dst_pool`, walking both plans' rows in region order together (the head
+/// remap is in the two plans: each side's head slice of its token slots).
+///
+/// # Safety
+/// Both plans were checked against their pools ([`super::check_plan`]), host memory that does
+/// not overlap; nobody else writes `dst`'s rows or reads them as done while this runs.
+pub unsafe fn copy_across(src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
+    if src.bytes() != dst.bytes() || !tiles_in_order(src) || !tiles_in_order(dst) {
+        return Err(Error::internal(format!("a direct copy of {} bytes of rows into {} bytes of rows", src.bytes(), dst.bytes())));
+    }
+    let mut from = pool_ranges(src, src_pool);
+    let mut left: Option<(usize, usize)> = None;
+    for (mut to, mut len) in pool_ranges(dst, dst_pool) {
+        while len > 0 {
+            let (at, n) = left.take().or_else(|| from.next()).ok_or_else(|| Error::internal("a direct copy's source rows ended early"))?;
+            let k = n.min(len);
+            // SAFETY: both ranges lie in their pools (checked plans), which do not overlap.
+            unsafe { std::ptr::copy_nonoverlapping(at as *const u8, to as *mut u8, k) };
+            (to, len) = (to + k, len - k);
+            if k < n {
+                left = Some((at + k, n - k));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Merges `(address, length)` ranges that follow each other in memory.

@@ -118,6 +118,11 @@ pub struct kvstage_engine_options {
     /// 1 (default): over TCP, a whole chunk of a host pool is written straight from the pool's
     /// rows, without a staging buffer or a gather copy; 0: gathered into a staging buffer first.
     pub send_from_pool: i32,
+    /// 1 (default): same-host sessions use direct mode where both sides allow it (both KV pools
+    /// host memory, the decode pool in memory of `kvstage_shared_alloc`): each chunk is copied
+    /// from prefill page to decode page in one pass, without the decode ring and its scatter;
+    /// 0: never (the ring path). Either side can rule it out.
+    pub same_host_direct: i32,
 }
 
 /// Per-chunk integrity checking (xxh3-64 of each writer's staged bytes).
@@ -166,6 +171,7 @@ impl Default for kvstage_engine_options {
             stall_warn_ms: 0,
             send_piece_bytes: d.send_piece_bytes,
             send_from_pool: i32::from(d.send_from_pool),
+            same_host_direct: i32::from(d.same_host_direct),
         }
     }
 }
@@ -247,6 +253,11 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
         0 => false,
         1 => true,
         other => return Err(Error::invalid_arg("options->send_from_pool", format!("{other} is neither 0 nor 1"))),
+    };
+    opts.same_host_direct = match raw.same_host_direct {
+        0 => false,
+        1 => true,
+        other => return Err(Error::invalid_arg("options->same_host_direct", format!("{other} is neither 0 nor 1"))),
     };
     Ok(opts)
 }

@@ -30,11 +30,16 @@ pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// 7: an allocation request carries the request's trace id (the caller's; empty: derived).
 /// 8: a hello carries the rank's components (aux, state, extra pools); an allocation request says
 /// whether the writer sends request parts, and each pool span's token count.
-pub const PROTOCOL_VERSION: u16 = 8;
+/// 9: direct mode on one host: a same-host offer says whether the sender maps the decode pool, an
+/// allocation request whether the writer writes that pool directly, and a grant for it carries
+/// the chunk's decode pages.
+pub const PROTOCOL_VERSION: u16 = 9;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.
 pub const MAX_HELLO_BODY: u32 = 64 << 10;
+/// Largest number of decode pages a direct grant may name.
+pub const MAX_GRANT_PAGES: u32 = 1 << 16;
 /// Largest string or byte field of a frame (session id, reason, fingerprint, token).
 const MAX_TEXT: usize = 16 << 10;
 /// Largest number of layers a shape on the wire may carry.
@@ -94,10 +99,14 @@ pub enum Message {
     Hello(Hello),
     /// `pool_tokens`: `Some` when the writer's region carries request parts (the room's last
     /// chunk), with the token count of each extra pool span it sends.
-    AllocReq { req: u64, room: RoomRef, chunk: u32, writer: u32, tokens: u32, bytes: u64, trace: String, pool_tokens: Option<Vec<u32>> },
+    /// `direct`: the writer maps the decode pool and can write this region's KV straight into its
+    /// pages (same host).
+    AllocReq { req: u64, room: RoomRef, chunk: u32, writer: u32, tokens: u32, bytes: u64, trace: String, pool_tokens: Option<Vec<u32>>, direct: bool },
     /// `status` 0 = granted `[offset, offset + len)` of ring round `round`, the writer's region at
     /// `region` bytes into it; otherwise a `Status` code with `reason`.
-    AllocRsp { req: u64, status: i32, round: u64, offset: u64, len: u64, region: u64, reason: String },
+    /// `pages`: not empty when the writer is to write its region's KV directly into these decode
+    /// pages (the chunk's, in order) instead of the ring range (which stays granted).
+    AllocRsp { req: u64, status: i32, round: u64, offset: u64, len: u64, region: u64, reason: String, pages: Vec<u32> },
     /// Header of a bulk write: `len` payload bytes follow, to land at `offset` within the allocation.
     Data { room: RoomRef, chunk: u32, writer: u32, offset: u64, len: u64 },
     /// Completion of one writer's data for a chunk; sent after its `Data` frames in the same stream.
@@ -123,7 +132,8 @@ pub enum Message {
     Written { room: RoomRef, chunk: u32, writer: u32, offset: u64, len: u64, imm: u32 },
     /// Same host: the sender listens on the abstract Unix socket `socket` and asks for the ring's
     /// descriptor there, presented with `nonce`.
-    ShmOffer { socket: String, nonce: Vec<u8> },
+    /// `direct`: the sender would also map the decode pool (direct mode).
+    ShmOffer { socket: String, nonce: Vec<u8>, direct: bool },
     /// Same host: `local` = the receiver reached the socket; `status` 0 = it passed its ring of
     /// `ring_len` bytes there; otherwise a `Status` code with `reason`.
     ShmAnswer { status: i32, local: bool, ring_len: u64, reason: String },
@@ -220,12 +230,14 @@ impl Message {
                 e.bytes(&h.token).u8(h.integrity);
                 parts::encode_components(&mut e, &h.components);
             }
-            Message::AllocReq { req, room, chunk, writer, tokens, bytes, trace, pool_tokens } => {
+            Message::AllocReq { req, room, chunk, writer, tokens, bytes, trace, pool_tokens, direct } => {
                 e.u8(T_ALLOC_REQ).u64(*req).u64(room.id).u64(room.key).u32(*chunk).u32(*writer).u32(*tokens).u64(*bytes).str(trace);
                 parts::encode_pool_tokens(&mut e, pool_tokens);
+                e.u8(*direct as u8);
             }
-            Message::AllocRsp { req, status, round, offset, len, region, reason } => {
+            Message::AllocRsp { req, status, round, offset, len, region, reason, pages } => {
                 e.u8(T_ALLOC_RSP).u64(*req).i32(*status).u64(*round).u64(*offset).u64(*len).u64(*region).str(reason);
+                parts::encode_u32s(&mut e, pages);
             }
             Message::Data { room, chunk, writer, offset, len } => {
                 e.u8(T_DATA).u64(room.id).u64(room.key).u32(*chunk).u32(*writer).u64(*offset).u64(*len);
@@ -260,8 +272,8 @@ impl Message {
                 e.u8(T_RDMA_ANSWER);
                 o.encode(&mut e);
             }
-            Message::ShmOffer { socket, nonce } => {
-                e.u8(T_SHM_OFFER).str(socket).bytes(nonce);
+            Message::ShmOffer { socket, nonce, direct } => {
+                e.u8(T_SHM_OFFER).str(socket).bytes(nonce).u8(*direct as u8);
             }
             Message::ShmAnswer { status, local, ring_len, reason } => {
                 e.u8(T_SHM_ANSWER).i32(*status).u8(*local as u8).u64(*ring_len).str(reason);
@@ -321,6 +333,7 @@ impl Message {
                 bytes: d.u64("bytes")?,
                 trace: d.str("trace", trace::MAX_TRACE)?,
                 pool_tokens: parts::decode_pool_tokens(&mut d)?,
+                direct: parts::flag(&mut d, "direct")?,
             },
             T_ALLOC_RSP => Message::AllocRsp {
                 req: d.u64("req")?,
@@ -330,6 +343,7 @@ impl Message {
                 len: d.u64("len")?,
                 region: d.u64("region")?,
                 reason: d.str("reason", MAX_TEXT)?,
+                pages: parts::decode_u32s(&mut d, "pages", MAX_GRANT_PAGES)?,
             },
             T_DATA => Message::Data {
                 room: decode_room(&mut d)?,
@@ -363,7 +377,7 @@ impl Message {
             T_SLICE_DONE => Message::SliceDone { req: d.u64("req")?, room: decode_room(&mut d)?, chunk: d.u32("chunk")? },
             T_RDMA_OFFER => Message::RdmaOffer(RdmaOffer::decode(d.rest())?),
             T_RDMA_ANSWER => Message::RdmaAnswer(RdmaOffer::decode(d.rest())?),
-            T_SHM_OFFER => Message::ShmOffer { socket: d.str("socket", MAX_TEXT)?, nonce: d.bytes("nonce", MAX_TEXT)? },
+            T_SHM_OFFER => Message::ShmOffer { socket: d.str("socket", MAX_TEXT)?, nonce: d.bytes("nonce", MAX_TEXT)?, direct: parts::flag(&mut d, "direct")? },
             T_SHM_ANSWER => Message::ShmAnswer {
                 status: d.i32("status")?,
                 local: match d.u8("local")? {
@@ -538,9 +552,10 @@ mod tests {
                 integrity: 2,
                 components: sample_components(),
             }),
-            Message::AllocReq { req: 7, room: RoomRef { id: 9, key: 0x5eed_0009 }, chunk: 2, writer: 1, tokens: 64, bytes: 4096, trace: "req-9".into(), pool_tokens: None },
-            Message::AllocReq { req: 8, room: RoomRef { id: 9, key: 0x5eed_0009 }, chunk: 3, writer: 0, tokens: 9, bytes: 4096, trace: String::new(), pool_tokens: Some(vec![9, 4]) },
-            Message::AllocRsp { req: 7, status: -13, round: 1, offset: 2, len: 3, region: 4, reason: "too big".into() },
+            Message::AllocReq { req: 7, room: RoomRef { id: 9, key: 0x5eed_0009 }, chunk: 2, writer: 1, tokens: 64, bytes: 4096, trace: "req-9".into(), pool_tokens: None, direct: false },
+            Message::AllocReq { req: 8, room: RoomRef { id: 9, key: 0x5eed_0009 }, chunk: 3, writer: 0, tokens: 9, bytes: 4096, trace: String::new(), pool_tokens: Some(vec![9, 4]), direct: true },
+            Message::AllocRsp { req: 7, status: -13, round: 1, offset: 2, len: 3, region: 4, reason: "too big".into(), pages: Vec::new() },
+            Message::AllocRsp { req: 8, status: 0, round: 1, offset: 2, len: 3, region: 4, reason: String::new(), pages: vec![9, 3, 4] },
             Message::Data { room: RoomRef { id: 1, key: 0x5eed_0001 }, chunk: 2, writer: 3, offset: 4, len: 5 },
             Message::ChunkReady { req: 1, room: RoomRef { id: 2, key: 0x5eed_0002 }, chunk: 3, writer: 4, checksum: Some(0xfeed) },
             Message::ChunkReady { req: 1, room: RoomRef { id: 2, key: 0x5eed_0002 }, chunk: 3, writer: 4, checksum: None },
@@ -552,7 +567,8 @@ mod tests {
             Message::RdmaOffer(rdma_offer()),
             Message::RdmaAnswer(RdmaOffer::refusal(Status::KVSTAGE_E_NO_DEVICE, "no device")),
             Message::Written { room: RoomRef { id: 1, key: 0x5eed_0001 }, chunk: 2, writer: 3, offset: 4, len: 5, imm: 6 },
-            Message::ShmOffer { socket: "kvstage-shm-1-ab".into(), nonce: vec![7; 16] },
+            Message::ShmOffer { socket: "kvstage-shm-1-ab".into(), nonce: vec![7; 16], direct: false },
+            Message::ShmOffer { socket: "kvstage-shm-1-ab".into(), nonce: vec![7; 16], direct: true },
             Message::ShmAnswer { status: 0, local: true, ring_len: 1 << 20, reason: String::new() },
             Message::GridReq { req: 7, room: RoomRef { id: 8, key: 0x5eed_0008 } },
             Message::GridRsp { req: 9, status: 0, chunk_tokens: 64, num_chunks: 3, num_pages: 10, reason: String::new() },

@@ -33,7 +33,7 @@ pub fn encode_components(e: &mut Enc, list: &[ComponentSpec]) {
     }
 }
 
-fn flag(d: &mut Dec, field: &str) -> Result<bool> {
+pub fn flag(d: &mut Dec, field: &str) -> Result<bool> {
     match d.u8(field)? {
         0 => Ok(false),
         1 => Ok(true),
@@ -81,10 +81,8 @@ pub fn encode_pool_tokens(e: &mut Enc, tokens: &Option<Vec<u32>>) {
             e.u8(0);
         }
         Some(v) => {
-            e.u8(1).u32(v.len() as u32);
-            for &t in v {
-                e.u32(t);
-            }
+            e.u8(1);
+            encode_u32s(e, v);
         }
     }
 }
@@ -93,6 +91,19 @@ pub fn decode_pool_tokens(d: &mut Dec) -> Result<Option<Vec<u32>>> {
     if !flag(d, "parts flag")? {
         return Ok(None);
     }
-    let n = count(d, "num_pool_tokens", MAX_COMPONENTS as u32)?;
-    Ok(Some((0..n).map(|_| d.u32("pool_tokens")).collect::<Result<Vec<_>>>()?))
+    decode_u32s(d, "pool_tokens", MAX_COMPONENTS as u32).map(Some)
+}
+
+/// A list of u32: its length, then its items.
+pub fn encode_u32s(e: &mut Enc, list: &[u32]) {
+    e.u32(list.len() as u32);
+    for &v in list {
+        e.u32(v);
+    }
+}
+
+/// A list of at most `max` u32 (the count checked before anything is allocated).
+pub fn decode_u32s(d: &mut Dec, field: &str, max: u32) -> Result<Vec<u32>> {
+    let n = count(d, &format!("number of {field}"), max)?;
+    (0..n).map(|_| d.u32(field)).collect()
 }

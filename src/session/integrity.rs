@@ -50,3 +50,12 @@ impl Integrity {
 pub fn checksum(data: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(data)
 }
+
+/// [`checksum`] of the concatenation of `parts` (a region's rows where they lie in a pool).
+pub fn checksum_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
+    let mut sum = xxhash_rust::xxh3::Xxh3::new();
+    for part in parts {
+        sum.update(part);
+    }
+    sum.digest()
+}

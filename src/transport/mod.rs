@@ -80,6 +80,18 @@ pub trait Transport: Send + Sync {
         None
     }
 
+    /// Direct mode: whether the receiver's KV pool is mapped here ([`direct_pool`](Self::direct_pool)).
+    fn maps_pool(&self) -> bool {
+        false
+    }
+
+    /// Direct mode: the receiver's KV pool mapped in this process, for a chunk granted directly
+    /// to be copied from this side's pages into the decode pages its grant names; then
+    /// [`finish_in_place`](Self::finish_in_place). `None`: the pool is not mapped here.
+    fn direct_pool(&self) -> Option<Result<shm::DirectPool<'_>>> {
+        None
+    }
+
     /// The kind of ring [`in_place`](Self::in_place) hands out (host, or device memory a gather
     /// of a CUDA pool on that device writes directly); `None` when it hands out nothing.
     fn in_place_kind(&self) -> Option<shm::RingKind> {

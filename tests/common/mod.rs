@@ -587,7 +587,7 @@ impl RawPeer {
     /// Proves the session is alive and every earlier frame was processed: an allocation request for
     /// a room that is not open must be answered (refused) in order.
     pub fn barrier(&mut self, req: u64, writer: u32) -> Message {
-        self.send(&Message::AllocReq { req, room: RoomRef { id: u64::MAX - req, key: 1 }, chunk: 0, writer, tokens: 1, bytes: 1, trace: String::new(), pool_tokens: None }).expect("send barrier");
+        self.send(&Message::AllocReq { req, room: RoomRef { id: u64::MAX - req, key: 1 }, chunk: 0, writer, tokens: 1, bytes: 1, trace: String::new(), pool_tokens: None, direct: false }).expect("send barrier");
         match self.reply(Duration::from_secs(5)) {
             m @ Message::AllocRsp { req: r, status, .. } if r == req && status != 0 => m,
             other => panic!("raw peer barrier {req}: unexpected reply {other:?}"),
@@ -646,7 +646,7 @@ pub struct RawGrant {
 impl RawPeer {
     /// Asks for (room, chunk) as `writer` with the full chunk's allocation size; the reply.
     pub fn alloc(&mut self, req: u64, room: RoomRef, chunk: u32, writer: u32, layout: &StagingLayout) -> Message {
-        let msg = Message::AllocReq { req, room, chunk, writer, tokens: layout.tokens, bytes: layout.total_bytes, trace: String::new(), pool_tokens: None };
+        let msg = Message::AllocReq { req, room, chunk, writer, tokens: layout.tokens, bytes: layout.total_bytes, trace: String::new(), pool_tokens: None, direct: false };
         self.send(&msg).expect("send alloc");
         match self.reply(Duration::from_secs(5)) {
             m @ Message::AllocRsp { req: r, .. } if r == req => m,

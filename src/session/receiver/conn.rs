@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::state::{ConnInfo, ConnId, Target};
+use super::state::{ConnInfo, ConnId, Granted, ReadyLease, Target};
 use super::{reply_deadline, Receiver};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{ComponentSpec, Fingerprint, ModelKind, PoolShape};
@@ -180,6 +180,7 @@ impl Receiver {
                     pairing: pair,
                     in_place: false,
                     host_pool: pool.memory == crate::geometry::MemoryKind::Host,
+                    direct: false,
                     integrity: self.config.integrity.stronger(Integrity::from_wire(hello.integrity)),
                     src_components: Arc::new(hello.components.clone()),
                     dst_components: Arc::new(components.clone()),
@@ -227,18 +228,18 @@ impl Receiver {
                 return self.stall(link);
             }
             match msg {
-                Message::AllocReq { req, room, chunk, writer, tokens, bytes, trace, pool_tokens } => {
+                Message::AllocReq { req, room, chunk, writer, tokens, bytes, trace, pool_tokens, direct } => {
                     let allocated = self.with_state(|st| {
                         if !trace.is_empty() {
                             st.name_trace(room, &trace)?;
                         }
-                        st.allocate(id, room, chunk, writer, tokens, bytes, pool_tokens.as_deref())
+                        st.grant(id, room, chunk, writer, tokens, bytes, pool_tokens.as_deref(), direct)
                     });
                     let rsp = match allocated {
-                        Ok((g, region)) => {
-                            Message::AllocRsp { req, status: 0, round: g.round, offset: g.offset, len: g.len, region, reason: String::new() }
+                        Ok(Granted { grant: g, region, pages }) => {
+                            Message::AllocRsp { req, status: 0, round: g.round, offset: g.offset, len: g.len, region, reason: String::new(), pages }
                         }
-                        Err(e) => Message::AllocRsp { req, status: e.code().code(), round: 0, offset: 0, len: 0, region: 0, reason: e.chain() },
+                        Err(e) => Message::AllocRsp { req, status: e.code().code(), round: 0, offset: 0, len: 0, region: 0, reason: e.chain(), pages: Vec::new() },
                     };
                     link.send(&rsp, &reply_deadline())?;
                 }
@@ -359,8 +360,8 @@ impl Receiver {
                     rdma_accepted = p.map(|p| (p, ring));
                     link.send(&Message::RdmaAnswer(answer), &reply_deadline())?;
                 }
-                Message::ShmOffer { socket, nonce } => {
-                    let answer = self.serve_same_host(id, &socket, &nonce, session, &link.describe());
+                Message::ShmOffer { socket, nonce, direct } => {
+                    let answer = self.serve_same_host(id, &socket, &nonce, direct, session, &link.describe());
                     link.send(&answer, &reply_deadline())?;
                 }
                 Message::Written { room, chunk, writer, offset, len, imm: _ } => {
@@ -411,10 +412,7 @@ impl Receiver {
                 format!("room {room} chunk {chunk} writer {writer} arrived without the checksum this receiver requires"),
             )),
             None => Ok(()),
-            Some(sent) => self.ring_memory().and_then(|mem| {
-                // SAFETY: the ready lease pins the writer's finished region; nothing writes it.
-                let bytes = unsafe { mem.read_back(lease.ring_offset, lease.len) }?;
-                let got = crate::session::checksum(&bytes);
+            Some(sent) => self.region_checksum(&lease).and_then(|got| {
                 if got == sent {
                     Ok(())
                 } else {
@@ -425,8 +423,30 @@ impl Receiver {
                 }
             }),
         };
+        let direct = lease.direct.is_some();
         let (result, fx) = self.with_state_deferred(|st| st.finish_ready(lease, verified, session));
+        if let (Ok(()), true, Some(shm)) = (&result, direct, self.shm.lock().as_ref()) {
+            shm.count_direct_chunk();
+        }
         (result.map_err(|e| e.with_session(session)), fx)
+    }
+
+    /// The checksum of a writer's finished region: read back from the ring, or for a direct
+    /// writer from the pool's rows the region's KV went to (in region order).
+    fn region_checksum(&self, lease: &ReadyLease) -> Result<u64> {
+        let Some(direct) = &lease.direct else {
+            let mem = self.ring_memory()?;
+            // SAFETY: the ready lease pins the writer's finished region; nothing writes it.
+            let bytes = unsafe { mem.read_back(lease.ring_offset, lease.len) }?;
+            return Ok(crate::session::checksum(&bytes));
+        };
+        let pool = self.pool()?;
+        let plan = crate::geometry::plan_scatter(&pool.shape, &direct.pages, &direct.layout, &direct.layout.writers[direct.region as usize])?;
+        crate::copy::check_plan(&plan, &pool)?;
+        // SAFETY: the plan was checked against the host pool (direct mode needs one); the rows
+        // are the room's pages, which stay in the pool while the room is open (a release during
+        // the read makes the result unused: the lease is stale then).
+        Ok(crate::session::checksum_parts(unsafe { crate::copy::rows::pool_rows(&plan, &pool) }))
     }
 
     /// Test fault "a peer that stops reading": the connection stays open, unread, until the

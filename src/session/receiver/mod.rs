@@ -514,7 +514,9 @@ impl Receiver {
         let pool = self.pool()?;
         let mem = self.ring_memory()?;
         mem.before_device_read()?;
-        for region in job.layout.writers.iter().filter(|r| r.layers > 0) {
+        // A direct writer's region is in the pool already (its ring range was never written).
+        let scattered = job.layout.writers.iter().enumerate().filter(|(i, r)| r.layers > 0 && !job.direct.contains(&(*i as u32)));
+        for (_, region) in scattered {
             let plan = geometry::plan_scatter(&pool.shape, &job.pages, &job.layout, region)?.for_layers(|l| job.layers.contains(&l));
             if plan.slabs.is_empty() {
                 continue;

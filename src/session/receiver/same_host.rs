@@ -144,8 +144,9 @@ fn wait_lease(lease: &UnixStream, process: &PeerProcess) -> LeaseEvent {
 }
 
 impl Receiver {
-    /// Answers a same-host offer of connection `id`.
-    pub(super) fn serve_same_host(self: &Arc<Self>, id: ConnId, socket: &str, nonce: &[u8], session: &str, peer: &str) -> Message {
+    /// Answers a same-host offer of connection `id`; `direct`: the sender asks for the KV pool
+    /// too (direct mode), passed when this engine allows it and the pool is shareable.
+    pub(super) fn serve_same_host(self: &Arc<Self>, id: ConnId, socket: &str, nonce: &[u8], direct: bool, session: &str, peer: &str) -> Message {
         let shm = self.shm.lock().clone();
         let answer = |status: Status, local: bool, ring_len: u64, reason: String| Message::ShmAnswer { status: status.code(), local, ring_len, reason };
         let memory = self.memory.lock().clone();
@@ -174,9 +175,12 @@ impl Receiver {
                 log::debug!(session = session; "same-host offer of {peer} refused: {why}");
                 return answer(code, local, 0, why);
             }
-            Ok((ring, ring_len)) => shm::pass_ring(socket, nonce, ring, ring_len).map(|lease| (lease, ring_len)),
+            Ok((ring, ring_len)) => {
+                let share = self.pool_share(direct, shm.as_deref(), session);
+                shm::pass_ring(socket, nonce, ring, ring_len, share.as_ref()).map(|lease| (lease, ring_len, share.is_some()))
+            }
         };
-        let (lease, ring_len) = match passed {
+        let (lease, ring_len, direct) = match passed {
             Ok(p) => p,
             Err((local, e)) => {
                 log::debug!(session = session; "same-host offer of {peer} not served: {}", e.chain());
@@ -190,7 +194,12 @@ impl Receiver {
         if !super::memory::still_current(memory.as_ref(), current.as_ref()) {
             return answer(Status::KVSTAGE_E_PEER_GONE, true, 0, "the staging ring was registered again during the exchange; reconnect".to_owned());
         }
-        self.with_state(|st| st.set_in_place(id, true));
+        self.with_state(|st| {
+            st.set_in_place(id, true);
+            if direct {
+                st.set_direct(id);
+            }
+        });
         drop(current);
         let ring = memory.clone().expect("a ring was passed");
         if let Err(e) = self.watch_lease(id, lease, ring) {
@@ -201,10 +210,24 @@ impl Receiver {
         }
         if let Some(s) = &shm {
             s.count_session();
+            if direct {
+                s.count_direct_session();
+            }
         }
         let ring = memory.as_ref().map_or_else(String::new, |m| m.describe());
-        log::info!(session = session; "session from {peer} writes in place through the same-host path ({ring_len}-byte ring, {ring})");
+        let pool = if direct { ", and the KV pool directly" } else { "" };
+        log::info!(session = session; "session from {peer} writes in place through the same-host path ({ring_len}-byte ring, {ring}){pool}");
         answer(Status::KVSTAGE_OK, true, ring_len, String::new())
+    }
+
+    /// The KV pool's share for a sender that asked for direct mode (`wanted`), when this engine
+    /// allows it and the pool lies in shared allocations; `None` otherwise (the ring path).
+    fn pool_share(&self, wanted: bool, shm: Option<&shm::Shm>, session: &str) -> Option<shm::pool::PoolShare> {
+        if !wanted || !shm.is_some_and(shm::Shm::direct) {
+            return None;
+        }
+        let share = self.pool().map_err(|e| e.chain()).and_then(|pool| shm::pool::PoolShare::of(&pool));
+        share.inspect_err(|why| log::debug!(session = session; "direct mode not offered: {why}")).ok()
     }
 
     /// Watches `lease` until the peer closes it (unmapped, or its process ended), holding `ring`

@@ -7,7 +7,7 @@
 use super::staged::Placement;
 use super::*;
 use crate::copy::rows;
-use crate::geometry::{CopyPlan, KvLayout, TailPart};
+use crate::geometry::{CopyPlan, TailPart};
 
 impl SenderSession {
     /// Whether `plan` goes out from the pool: allowed (`send_from_pool`), a host pool, a link
@@ -35,14 +35,10 @@ impl SenderSession {
         self.gather_tail(desc, tail, parts.as_mut_ptr(), t)?;
         let checksum = self.region_checksum(desc, || {
             let phase = Instant::now();
-            let mut sum = xxhash_rust::xxh3::Xxh3::new();
             // SAFETY: the plan was checked against the host pool above.
-            for row in unsafe { pool_rows(plan, &self.pool) } {
-                sum.update(row);
-            }
-            sum.update(&parts);
+            let sum = crate::session::checksum_parts(unsafe { rows::pool_rows(plan, &self.pool) }.chain([parts.as_slice()]));
             t.gather_ns += since(phase);
-            Ok(sum.digest())
+            Ok(sum)
         })?;
         op.enter("writing", String::new);
         let phase = Instant::now();
@@ -53,7 +49,7 @@ impl SenderSession {
                 let Some(&(at, len)) = piece.staging_ranges().first() else { continue };
                 // SAFETY: as above (a piece is the plan with some of its slabs); the pool's pages
                 // stay the caller's to keep until the transfer ends.
-                let mut rows = unsafe { pool_rows(piece, &self.pool) };
+                let mut rows = unsafe { rows::pool_rows(piece, &self.pool) };
                 self.link.write_piece_from(&place.data(desc, at, len), &mut rows, deadline)?;
             }
             let kv_bytes = place.region_bytes - parts.len() as u64;
@@ -66,14 +62,4 @@ impl SenderSession {
         t.wire_ns = since(phase);
         wrote
     }
-}
-
-/// The plan's pool rows in region order as slices.
-///
-/// # Safety
-/// `plan` was checked against `pool` ([`crate::copy::check_plan`]), a pool of host memory whose
-/// rows nobody writes while the slices live.
-unsafe fn pool_rows<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iterator<Item = &'a [u8]> + 'a {
-    // SAFETY: every range lies inside its pool buffer (the caller's contract).
-    rows::pool_ranges(plan, pool).map(|(at, len)| unsafe { std::slice::from_raw_parts(at as *const u8, len) })
 }

@@ -9,6 +9,7 @@
 //! path); this file: the session, its waits, the slice path and asynchronous operations.
 
 mod connect;
+mod direct;
 mod from_pool;
 pub mod describe;
 mod layerwise;

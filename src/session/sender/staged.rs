@@ -89,6 +89,7 @@ impl SenderSession {
             self.await_ready(desc.ready.as_deref(), &deadline, op, t)?;
         }
 
+        let direct = self.may_write_direct(desc, plan.as_ref(), &region);
         op.enter("waiting_for_allocation", || format!("the receiver {} to grant {} bytes of its ring", self.link.describe(), layout.total_bytes));
         let alloc = self.expect_reply();
         // Watermark wait, part one: the allocation's round trip (part two: `wait_writable`).
@@ -103,6 +104,7 @@ impl SenderSession {
                 bytes: layout.total_bytes,
                 trace: desc.trace.clone().unwrap_or_default(),
                 pool_tokens: desc.parts.as_ref().map(|p| p.pool_tokens()),
+                direct,
             },
             &deadline,
         );
@@ -113,13 +115,18 @@ impl SenderSession {
         let reply = self.wait_reply(&alloc, &deadline, op, "waiting for the allocation", Some(&mut stall));
         t.watermark_wait_ns = since(asked);
         let reply = reply.inspect_err(|e| self.abort(desc, e.message()))?;
-        let (round, offset, region_offset) = match reply {
-            Message::AllocRsp { status: 0, round, offset, len, region: at, .. }
+        let (round, offset, region_offset, pages) = match reply {
+            Message::AllocRsp { status: 0, round, offset, len, region: at, pages, .. }
                 if len == layout.total_bytes
                     && at.checked_add(region.bytes).is_some_and(|end| end <= len)
-                    && offset.checked_add(len).is_some() =>
+                    && offset.checked_add(len).is_some()
+                    && (direct || pages.is_empty()) =>
             {
-                (round, offset, at)
+                (round, offset, at, pages)
+            }
+            Message::AllocRsp { status: 0, pages, .. } if !pages.is_empty() && !direct => {
+                self.abort(desc, "direct grant not asked for");
+                return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("the receiver granted {} decode pages to write directly, this writer did not ask to", pages.len())));
             }
             Message::AllocRsp { status: 0, offset, len, region: at, .. } => {
                 self.abort(desc, "granted size differs");
@@ -136,7 +143,8 @@ impl SenderSession {
         };
         // From here on the receiver holds ring space for us: every failure aborts first.
         let place = Placement { round, grant_offset: offset, region_offset, region_bytes: region.bytes, writer };
-        let written = self.write_granted(desc, op, &deadline, (plan.as_ref(), &region.tail), &place, t, &mut stall);
+        let direct = (!pages.is_empty()).then_some((&layout, &region, pages.as_slice()));
+        let written = self.write_granted(desc, op, &deadline, (plan.as_ref(), &region.tail), direct, &place, t, &mut stall);
         let arrival = match written {
             Ok(pending) => pending,
             Err(e) => {
@@ -163,6 +171,9 @@ impl SenderSession {
     }
 
     /// Writes the granted region and its ready; the returned [`Pending`] awaits the arrival.
+    /// `direct`: the grant names decode pages for this writer's region (of that layout) to be
+    /// written directly; its ring range stays granted (and bounds the chunks in flight) though
+    /// nothing is written there.
     #[allow(clippy::too_many_arguments)]
     fn write_granted(
         &self,
@@ -170,6 +181,7 @@ impl SenderSession {
         op: &Op,
         deadline: &Deadline,
         (plan, tail): (Option<&geometry::CopyPlan>, &[TailPart]),
+        direct: Option<(&StagingLayout, &WriterRegion, &[u32])>,
         place: &Placement,
         t: &mut TransferTimings,
         stall: &mut Stall,
@@ -183,6 +195,11 @@ impl SenderSession {
         let pending = self.expect_reply();
         let req = pending.req;
         let ready = |checksum| Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
+        if let (Some((layout, region, pages)), Some(plan)) = (direct, plan) {
+            self.write_direct(desc, (plan, layout, region), pages, place, ready, deadline, op, t)?;
+            self.metrics.sent(region_bytes);
+            return Ok(pending);
+        }
         if let (Some(gate), Some(plan)) = (&desc.layers, plan) {
             self.write_by_layers(desc, gate, op, deadline, plan, place, ready, t, stall)?;
             return Ok(pending);

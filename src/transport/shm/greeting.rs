@@ -1,6 +1,7 @@
 //! What a receiver sends a same-host sender on the local socket: the nonce of the sender's offer,
-//! the ring's size and kind, and for a device ring its CUDA IPC export (a host ring's memfd goes
-//! as the attached descriptor). Fixed size, little-endian.
+//! the ring's size and kind, for a device ring its CUDA IPC export (a host ring's memfd goes
+//! as the attached descriptor), and how many files of the decode pool follow (direct mode; see
+//! `pool`). Fixed size, little-endian.
 
 use std::os::fd::BorrowedFd;
 
@@ -21,8 +22,10 @@ pub struct DeviceExport {
 }
 
 /// The nonce, the ring's size (u64), its kind ([`HOST_RING`], [`DEVICE_RING`]), then for a device
-/// ring the export's offset and address (u64 each) and handle; zeros for a host ring.
-pub const GREETING_BYTES: usize = NONCE_BYTES + 8 + 1 + 16 + IPC_HANDLE_BYTES;
+/// ring the export's offset and address (u64 each) and handle, zeros for a host ring; then the
+/// number of the decode pool's files that follow (u32; 0: no direct mode).
+pub const GREETING_BYTES: usize = NONCE_BYTES + 8 + 1 + 16 + IPC_HANDLE_BYTES + 4;
+const POOL_FILES_AT: usize = GREETING_BYTES - 4;
 const HOST_RING: u8 = 0;
 const DEVICE_RING: u8 = 1;
 const KIND_AT: usize = NONCE_BYTES + 8;
@@ -37,7 +40,7 @@ pub enum OfferedRing<'a> {
 
 impl OfferedRing<'_> {
     /// The greeting that goes with this ring on the local socket.
-    pub(super) fn greeting(&self, nonce: &[u8], ring_len: u64) -> [u8; GREETING_BYTES] {
+    pub(super) fn greeting(&self, nonce: &[u8], ring_len: u64, pool_files: u32) -> [u8; GREETING_BYTES] {
         let mut g = [0u8; GREETING_BYTES];
         g[..NONCE_BYTES].copy_from_slice(nonce);
         g[NONCE_BYTES..KIND_AT].copy_from_slice(&ring_len.to_le_bytes());
@@ -47,9 +50,10 @@ impl OfferedRing<'_> {
                 g[KIND_AT] = DEVICE_RING;
                 g[KIND_AT + 1..KIND_AT + 9].copy_from_slice(&x.offset.to_le_bytes());
                 g[KIND_AT + 9..KIND_AT + 17].copy_from_slice(&x.ptr.to_le_bytes());
-                g[KIND_AT + 17..].copy_from_slice(&x.handle);
+                g[KIND_AT + 17..POOL_FILES_AT].copy_from_slice(&x.handle);
             }
         }
+        g[POOL_FILES_AT..].copy_from_slice(&pool_files.to_le_bytes());
         g
     }
 }
@@ -65,6 +69,8 @@ pub(super) struct Greeted {
     pub ring_len: u64,
     /// A device ring's export; `None`: a host ring (its descriptor attached).
     pub device: Option<DeviceExport>,
+    /// Files of the decode pool that follow the greeting (0: none).
+    pub pool_files: u32,
 }
 
 /// Decodes a greeting (its nonce checked by [`knows`]). An unknown ring kind is a protocol error.
@@ -75,11 +81,12 @@ pub(super) fn parse(g: &[u8; GREETING_BYTES]) -> Result<Greeted> {
         DEVICE_RING => Some(DeviceExport {
             offset: word(KIND_AT + 1),
             ptr: word(KIND_AT + 9),
-            handle: g[KIND_AT + 17..].try_into().expect("the handle's bytes"),
+            handle: g[KIND_AT + 17..POOL_FILES_AT].try_into().expect("the handle's bytes"),
         }),
         other => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unknown staging ring kind {other} on the local socket"))),
     };
-    Ok(Greeted { ring_len: word(NONCE_BYTES), device })
+    let pool_files = u32::from_le_bytes(g[POOL_FILES_AT..].try_into().expect("4 bytes"));
+    Ok(Greeted { ring_len: word(NONCE_BYTES), device, pool_files })
 }
 
 #[cfg(test)]
@@ -90,12 +97,12 @@ mod tests {
     fn greetings_round_trip_and_unknown_kinds_are_refused() {
         let nonce = [7u8; NONCE_BYTES];
         let export = DeviceExport { handle: [0xab; IPC_HANDLE_BYTES], offset: 4096, ptr: 0x7f00_0000_1000 };
-        let g = OfferedRing::Device(export).greeting(&nonce, 1 << 20);
+        let g = OfferedRing::Device(export).greeting(&nonce, 1 << 20, 0);
         assert!(knows(&g, &nonce) && !knows(&g, &[8u8; NONCE_BYTES]) && !knows(&g, &nonce[1..]));
-        assert_eq!(parse(&g).unwrap(), Greeted { ring_len: 1 << 20, device: Some(export) });
+        assert_eq!(parse(&g).unwrap(), Greeted { ring_len: 1 << 20, device: Some(export), pool_files: 0 });
         let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let g = OfferedRing::Memfd(std::os::fd::AsFd::as_fd(&a)).greeting(&nonce, 4096);
-        assert_eq!(parse(&g).unwrap(), Greeted { ring_len: 4096, device: None });
+        let g = OfferedRing::Memfd(std::os::fd::AsFd::as_fd(&a)).greeting(&nonce, 4096, 3);
+        assert_eq!(parse(&g).unwrap(), Greeted { ring_len: 4096, device: None, pool_files: 3 });
         let mut bad = g;
         bad[KIND_AT] = 9;
         assert_eq!(parse(&bad).unwrap_err().code(), Status::KVSTAGE_E_PROTOCOL);

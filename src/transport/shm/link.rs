@@ -5,8 +5,11 @@
 //! control stream, in that order, so the receiver reads the completion only after the bytes are
 //! in its ring.
 //!
-//! Teardown: [`Transport::shutdown`] waits for a gather in progress (it holds the mapping's read
-//! lock), unmaps the ring, then closes the local socket. The receiver keeps every range this
+//! In direct mode the receiver's KV pool is mapped too ([`ShmTransport::direct_pool`]): a chunk
+//! granted directly is copied from this pool's pages into the decode pages the grant names.
+//!
+//! Teardown: [`Transport::shutdown`] waits for a gather or direct copy in progress (it holds the
+//! mappings' read lock), unmaps the ring and the pool, then closes the local socket. The receiver keeps every range this
 //! session may write quarantined until that socket closes, so nothing writes into a range after
 //! it was granted to someone else.
 
@@ -17,6 +20,7 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use super::memory::Mapping;
+use super::pool::PeerPool;
 use super::{DeviceRing, RingKind};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
@@ -48,17 +52,35 @@ impl PeerRing {
     }
 }
 
+/// What this process maps of the receiver: its ring, and its KV pool in direct mode.
+struct Mapped {
+    ring: PeerRing,
+    pool: Option<PeerPool>,
+}
+
 /// A granted range of the receiver's ring, reachable here (host addresses, or device addresses
 /// for a device ring); the mapping cannot go while it is held.
 pub struct InPlace<'a> {
-    ring: RwLockReadGuard<'a, Option<PeerRing>>,
+    ring: RwLockReadGuard<'a, Option<Mapped>>,
     offset: u64,
     len: u64,
 }
 
+/// The receiver's KV pool as mapped here (direct mode); the mapping cannot go while it is held.
+pub struct DirectPool<'a> {
+    mapped: RwLockReadGuard<'a, Option<Mapped>>,
+}
+
+impl DirectPool<'_> {
+    /// The receiver's pool at this process's addresses (its shape, capacity, buffers).
+    pub fn layout(&self) -> &crate::geometry::KvLayout {
+        &self.mapped.as_ref().and_then(|m| m.pool.as_ref()).expect("checked when the pool was taken").layout
+    }
+}
+
 impl InPlace<'_> {
     fn ring(&self) -> &PeerRing {
-        self.ring.as_ref().expect("checked when the range was taken")
+        &self.ring.as_ref().expect("checked when the range was taken").ring
     }
 
     /// The range's first byte: a host address, or a device address for a device ring.
@@ -98,23 +120,34 @@ impl InPlace<'_> {
 
 pub struct ShmTransport {
     tcp: Arc<dyn Transport>,
-    ring: RwLock<Option<PeerRing>>,
+    ring: RwLock<Option<Mapped>>,
     /// The local socket whose end tells the receiver this process no longer maps its ring.
     lease: Mutex<Option<UnixStream>>,
     ring_len: u64,
     kind: RingKind,
+    maps_pool: bool,
 }
 
 impl ShmTransport {
-    pub fn new(tcp: Arc<dyn Transport>, ring: PeerRing, lease: UnixStream) -> ShmTransport {
-        let (ring_len, kind) = (ring.len() as u64, ring.kind());
-        ShmTransport { tcp, ring: RwLock::new(Some(ring)), lease: Mutex::new(Some(lease)), ring_len, kind }
+    pub fn new(tcp: Arc<dyn Transport>, ring: PeerRing, pool: Option<PeerPool>, lease: UnixStream) -> ShmTransport {
+        let (ring_len, kind, maps_pool) = (ring.len() as u64, ring.kind(), pool.is_some());
+        ShmTransport { tcp, ring: RwLock::new(Some(Mapped { ring, pool })), lease: Mutex::new(Some(lease)), ring_len, kind, maps_pool }
+    }
+
+    /// The receiver's KV pool (direct mode), held mapped while the guard lives.
+    pub fn pool(&self) -> Result<DirectPool<'_>> {
+        let mapped = self.ring.read();
+        match mapped.as_ref() {
+            None => Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "the session's mapping of the receiver's pool was torn down")),
+            Some(m) if m.pool.is_none() => Err(Error::internal("a direct write on a session that does not map the receiver's pool")),
+            Some(_) => Ok(DirectPool { mapped }),
+        }
     }
 
     /// The range `[ring_offset, +len)` of the receiver's ring, for a gather to write in place.
     pub fn range(&self, ring_offset: u64, len: u64) -> Result<InPlace<'_>> {
         let guard = self.ring.read();
-        let Some(m) = guard.as_ref() else {
+        let Some(m) = guard.as_ref().map(|m| &m.ring) else {
             return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "the session's mapping of the receiver's ring was torn down"));
         };
         if ring_offset.checked_add(len).is_none_or(|end| end > m.len() as u64) {
@@ -181,6 +214,14 @@ impl Transport for ShmTransport {
         Some(self.kind)
     }
 
+    fn maps_pool(&self) -> bool {
+        self.maps_pool
+    }
+
+    fn direct_pool(&self) -> Option<Result<DirectPool<'_>>> {
+        self.maps_pool.then(|| self.pool())
+    }
+
     fn finish_in_place(&self, header: &Message, ready: &Message, deadline: &Deadline) -> Result<()> {
         self.tcp.write_chunk(&written(header)?, &[], ready, deadline)
     }
@@ -200,6 +241,7 @@ impl Transport for ShmTransport {
             n => format!("{n} bytes"),
         };
         match self.kind {
+            RingKind::Host if self.maps_pool => format!("shm direct ({size} ring and the decode pool mapped) via {}", self.tcp.describe()),
             RingKind::Host => format!("shm ({size} ring mapped) via {}", self.tcp.describe()),
             RingKind::Device => format!("cuda-ipc ({size} device ring opened) via {}", self.tcp.describe()),
         }

@@ -17,13 +17,19 @@
 //!    as the mapping's lease: its end tells the receiver that this process can no longer write
 //!    its ring.
 //!
+//! Direct mode (host pools): when the sender asks for it and the receiver's KV pool lies in memory
+//! of `kvstage_shared_alloc`, the receiver also passes the pool's memfds and where each buffer
+//! lies in them; the sender maps them under the same lease, and chunks the receiver grants
+//! directly are copied from prefill page to decode page in one pass (no ring, no scatter).
+//!
 //! Files: `fdpass` (abstract sockets, descriptor passing), `memory` (sealed memfd, mappings),
-//! `link` (the sender's transport).
+//! `pool` (shared allocations, the pool's share), `link` (the sender's transport).
 
 pub mod fdpass;
 mod greeting;
 mod link;
 pub mod memory;
+pub mod pool;
 
 use std::io::Read;
 use std::os::unix::net::UnixStream;
@@ -34,10 +40,12 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 pub use self::greeting::{DeviceExport, OfferedRing, GREETING_BYTES, IPC_HANDLE_BYTES};
-pub use self::link::{InPlace, PeerRing, ShmTransport};
+pub use self::link::{DirectPool, InPlace, PeerRing, ShmTransport};
+use self::pool::{PeerPool, PoolShare};
 use self::fdpass::NONCE_BYTES;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
+use crate::geometry::PoolShape;
 use crate::protocol::{self, Message};
 use crate::transport::Transport;
 
@@ -84,7 +92,11 @@ pub enum ShmMode {
 /// The same-host side of an engine: its mode and counters.
 pub struct Shm {
     mode: ShmMode,
+    /// Direct mode allowed (option `same_host_direct`).
+    direct: bool,
     sessions: AtomicU64,
+    direct_sessions: AtomicU64,
+    direct_chunks: AtomicU64,
     downgrades: AtomicU64,
     last_downgrade: Mutex<String>,
 }
@@ -99,8 +111,40 @@ pub enum Negotiated {
 }
 
 impl Shm {
-    pub fn new(mode: ShmMode) -> Arc<Shm> {
-        Arc::new(Shm { mode, sessions: AtomicU64::new(0), downgrades: AtomicU64::new(0), last_downgrade: Mutex::new(String::new()) })
+    pub fn new(mode: ShmMode, direct: bool) -> Arc<Shm> {
+        Arc::new(Shm {
+            mode,
+            direct,
+            sessions: AtomicU64::new(0),
+            direct_sessions: AtomicU64::new(0),
+            direct_chunks: AtomicU64::new(0),
+            downgrades: AtomicU64::new(0),
+            last_downgrade: Mutex::new(String::new()),
+        })
+    }
+
+    /// Whether this engine uses direct mode where its peer allows it.
+    pub fn direct(&self) -> bool {
+        self.direct && self.mode != ShmMode::Off
+    }
+
+    /// Same-host sessions in direct mode (the sender maps the decode pool), opened or accepted.
+    pub fn direct_sessions(&self) -> u64 {
+        self.direct_sessions.load(Ordering::Relaxed)
+    }
+
+    /// Chunk regions written straight into a decode pool: by this engine (sender) or into its
+    /// pool (receiver).
+    pub fn direct_chunks(&self) -> u64 {
+        self.direct_chunks.load(Ordering::Relaxed)
+    }
+
+    pub fn count_direct_session(&self) {
+        self.direct_sessions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn count_direct_chunk(&self) {
+        self.direct_chunks.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn mode(&self) -> ShmMode {
@@ -137,6 +181,8 @@ impl Shm {
     /// `ring_bytes`: the ring size the receiver's hello announced (the ring it passes must be it).
     /// `open_device`: opens a receiver's device ring on the device of this engine's KV pool
     /// (`None`: the pool is host memory, and a device ring is not written from it).
+    /// `direct`: the receiver's pool shape, when this sender would map its pool (direct mode:
+    /// this engine allows it and its own pool is host memory).
     #[allow(clippy::too_many_arguments)]
     pub fn negotiate(
         &self,
@@ -146,6 +192,7 @@ impl Shm {
         session: &str,
         ring_bytes: u64,
         open_device: Option<OpenDevice<'_>>,
+        direct: Option<&PoolShape>,
         deadline: &Deadline,
         early: &mut Vec<Message>,
     ) -> Result<Negotiated> {
@@ -157,7 +204,8 @@ impl Shm {
             Ok(l) => l,
             Err(e) => return self.refused(e.context("cannot offer the same-host path"), session, peer),
         };
-        tcp.send(&Message::ShmOffer { socket: name, nonce: nonce.clone() }, deadline)?;
+        let direct = direct.filter(|_| self.direct());
+        tcp.send(&Message::ShmOffer { socket: name, nonce: nonce.clone(), direct: direct.is_some() }, deadline)?;
         let (status, local, ring_len, reason) = loop {
             match protocol::read_frame(reader) {
                 Ok(Some(Message::ShmAnswer { status, local, ring_len, reason })) => break (status, local, ring_len, reason),
@@ -184,10 +232,13 @@ impl Shm {
             // huge sparse file, populated at our expense).
             Error::new(Status::KVSTAGE_E_PROTOCOL, format!("{peer} offers a ring of {ring_len} bytes, its hello said {ring_bytes}"))
         } else {
-            match map_offered_ring(&listener, &nonce, ring_len, open_device, deadline) {
-                Ok((ring, lease)) => {
+            match map_offered_ring(&listener, &nonce, ring_len, open_device, direct, deadline) {
+                Ok((ring, pool, lease)) => {
                     self.count_session();
-                    return Ok(Negotiated::Mapped(Arc::new(ShmTransport::new(tcp.clone(), ring, lease))));
+                    if pool.is_some() {
+                        self.count_direct_session();
+                    }
+                    return Ok(Negotiated::Mapped(Arc::new(ShmTransport::new(tcp.clone(), ring, pool, lease))));
                 }
                 Err(e) => e.context(format!("mapping the staging ring of {peer} failed")),
             }
@@ -215,15 +266,16 @@ impl Shm {
 }
 
 /// Accepts the receiver's local connection (the one that knows `nonce`), receives the ring and
-/// maps it (a host ring) or opens it with `open_device` (a device ring). Returns the ring and the
-/// lease socket.
+/// maps it (a host ring) or opens it with `open_device` (a device ring), and the decode pool of
+/// shape `direct` when the receiver passes it. Returns the ring, the pool and the lease socket.
 fn map_offered_ring(
     listener: &std::os::unix::net::UnixListener,
     nonce: &[u8],
     ring_len: u64,
     open_device: Option<OpenDevice<'_>>,
+    direct: Option<&PoolShape>,
     deadline: &Deadline,
-) -> Result<(PeerRing, UnixStream)> {
+) -> Result<(PeerRing, Option<PeerPool>, UnixStream)> {
     let local = std::time::Instant::now() + LOCAL_IO_TIMEOUT;
     let until = deadline.instant().map_or(local, |d| d.min(local));
     for _ in 0..MAX_LOCAL_ACCEPTS {
@@ -263,8 +315,13 @@ fn map_offered_ring(
                 PeerRing::Device(ring)
             }
         };
+        let pool = match (said.pool_files, direct) {
+            (0, _) => None,
+            (files, Some(shape)) => Some(pool::map_peer_pool(&stream, files, shape)?),
+            (files, None) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("the peer passes {files} pool files this sender did not ask for"))),
+        };
         stream.set_read_timeout(None)?;
-        return Ok((ring, stream));
+        return Ok((ring, pool, stream));
     }
     Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("no local connection in {MAX_LOCAL_ACCEPTS} presented the session's nonce")))
 }
@@ -275,8 +332,8 @@ pub fn probe() -> Result<()> {
     let ring = memory::SharedRing::create(4096)?;
     let (name, listener) = fdpass::listen_abstract()?;
     let nonce = fdpass::random_bytes(NONCE_BYTES)?;
-    let _lease = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 4096).map_err(|(_, e)| e)?;
-    let (mapped, _stream) = map_offered_ring(&listener, &nonce, 4096, None, &Deadline::after(Some(LOCAL_IO_TIMEOUT)))?;
+    let _lease = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 4096, None).map_err(|(_, e)| e)?;
+    let (mapped, _, _stream) = map_offered_ring(&listener, &nonce, 4096, None, None, &Deadline::after(Some(LOCAL_IO_TIMEOUT)))?;
     let PeerRing::Host(mapped) = mapped else { return Err(Error::internal("a host ring was opened as device memory")) };
     // SAFETY: both mappings are 4096 bytes and this function their only user.
     let seen = unsafe {
@@ -314,18 +371,19 @@ pub fn reach_sender(socket: &str) -> std::result::Result<UnixStream, (bool, Erro
 }
 
 /// Receiver side: passes `ring` (its descriptor or IPC export, and its size) to the sender's
-/// socket named in its offer ([`reach_sender`]). `Err` says whether the socket was reached.
-pub fn pass_ring(socket: &str, nonce: &[u8], ring: OfferedRing<'_>, ring_len: u64) -> std::result::Result<UnixStream, (bool, Error)> {
+/// socket named in its offer ([`reach_sender`]), then the decode pool's `share` for direct mode.
+/// `Err` says whether the socket was reached.
+pub fn pass_ring(socket: &str, nonce: &[u8], ring: OfferedRing<'_>, ring_len: u64, share: Option<&PoolShare>) -> std::result::Result<UnixStream, (bool, Error)> {
     if nonce.len() != NONCE_BYTES {
         return Err((false, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("a same-host offer with a {}-byte nonce", nonce.len()))));
     }
     let stream = reach_sender(socket)?;
-    let greeting = ring.greeting(nonce, ring_len);
+    let greeting = ring.greeting(nonce, ring_len, share.map_or(0, PoolShare::file_count));
     let sent = match ring {
         OfferedRing::Memfd(fd) => fdpass::send_fd(&stream, fd, &greeting),
         OfferedRing::Device(_) => fdpass::send_all(&stream, &greeting).map_err(|e| Error::new(Status::KVSTAGE_E_PEER_GONE, "sending the ring's IPC handle failed").with_source(e)),
     };
-    sent.map_err(|e| (true, e))?;
+    sent.and_then(|()| share.map_or(Ok(()), |s| s.send(&stream))).map_err(|e| (true, e))?;
     stream.set_read_timeout(None).map_err(|e| (true, e.into()))?;
     Ok(stream)
 }
@@ -346,9 +404,9 @@ mod tests {
         let nonce = fdpass::random_bytes(NONCE_BYTES).unwrap();
         // An intruder that read the name from /proc/net/unix: a descriptor, but not the nonce.
         let intruder = memory::SharedRing::create(8192).unwrap();
-        let _i = pass_ring(&name, &[0u8; NONCE_BYTES], OfferedRing::Memfd(intruder.fd()), 8192).unwrap();
-        let _r = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 8192).unwrap();
-        let (mapped, _lease) = map_offered_ring(&listener, &nonce, 8192, None, &Deadline::after(Some(LOCAL_IO_TIMEOUT))).unwrap();
+        let _i = pass_ring(&name, &[0u8; NONCE_BYTES], OfferedRing::Memfd(intruder.fd()), 8192, None).unwrap();
+        let _r = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 8192, None).unwrap();
+        let (mapped, _, _lease) = map_offered_ring(&listener, &nonce, 8192, None, None, &Deadline::after(Some(LOCAL_IO_TIMEOUT))).unwrap();
         let PeerRing::Host(mapped) = mapped else { panic!("a host ring opened as device memory") };
         // SAFETY: 8 KiB mappings, used by this test only.
         unsafe {
@@ -364,13 +422,13 @@ mod tests {
         let ring = memory::SharedRing::create(4096).unwrap();
         let nonce = [3u8; NONCE_BYTES];
         // Not a sender's name: refused before connecting.
-        let (local, e) = pass_ring("some-other-service", &nonce, OfferedRing::Memfd(ring.fd()), 4096).unwrap_err();
+        let (local, e) = pass_ring("some-other-service", &nonce, OfferedRing::Memfd(ring.fd()), 4096, None).unwrap_err();
         assert!(!local && e.message().contains("not a kvstage sender's socket name"), "{}", e.chain());
         // A sender's name, but this process (not pid 1) listens on it.
         let name = format!("kvstage-shm-1-{}", fdpass::hex(&fdpass::random_bytes(8).unwrap()));
         let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
         let _listener = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
-        let (local, e) = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 4096).unwrap_err();
+        let (local, e) = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 4096, None).unwrap_err();
         assert!(local && e.message().contains(&format!("held by process {}, not 1", std::process::id())), "{}", e.chain());
     }
 
@@ -379,8 +437,8 @@ mod tests {
         let ring = memory::SharedRing::create(8192).unwrap();
         let (name, listener) = fdpass::listen_abstract().unwrap();
         let nonce = fdpass::random_bytes(NONCE_BYTES).unwrap();
-        let _r = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 8192).unwrap();
-        let Err(e) = map_offered_ring(&listener, &nonce, 4096, None, &Deadline::after(Some(LOCAL_IO_TIMEOUT))) else {
+        let _r = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 8192, None).unwrap();
+        let Err(e) = map_offered_ring(&listener, &nonce, 4096, None, None, &Deadline::after(Some(LOCAL_IO_TIMEOUT))) else {
             panic!("a ring of another size was mapped")
         };
         assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);

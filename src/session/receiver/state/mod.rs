@@ -61,6 +61,9 @@ pub struct ConnInfo {
     pub in_place: bool,
     /// Our pool is host memory (the slice path writes it from the CPU: host pools only).
     pub host_pool: bool,
+    /// The peer maps our KV pool (direct mode, same host): it may be granted chunks to write
+    /// straight into their pages.
+    pub direct: bool,
     /// The stronger of both sides' policies: which of its chunks carry a checksum.
     pub integrity: Integrity,
     /// Both sides' components at the handshake (matched then).
@@ -94,6 +97,9 @@ struct Slot {
     /// Slice path: rows landed.
     coverage: Option<Coverage>,
     arrived: bool,
+    /// Its region's KV is written straight into the pool's pages (direct mode): nothing of it is
+    /// scattered from the ring.
+    direct: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -151,6 +157,9 @@ struct Room {
     prefill: Option<PoolShape>,
     /// Leases on the room's pool pages: slice reads by connection, and running scatters.
     page_leases: Vec<Option<ConnId>>,
+    /// Direct writers granted (connection, chunk) that may still write the room's pages: the
+    /// room leaves only when they reported ready or aborted, or their mapping ended.
+    direct_writers: Vec<(ConnId, u32)>,
     expires: Option<Instant>,
     /// What the room names besides its KV pages (travels with its last chunk).
     parts: Option<Arc<RoomParts>>,
@@ -172,6 +181,11 @@ impl Room {
 
     fn live(&self) -> bool {
         !self.released && self.failure.is_none()
+    }
+
+    /// Connections that hold the room's pages: slice readers and direct writers.
+    fn holders(&self) -> Vec<ConnId> {
+        self.page_leases.iter().flatten().copied().chain(self.direct_writers.iter().map(|&(w, _)| w)).collect()
     }
 
     fn done_text(&self) -> String {
@@ -222,6 +236,26 @@ pub struct ReadyLease {
     slot: u32,
     pub ring_offset: u64,
     pub len: u64,
+    /// A direct writer's region: its bytes are in the pool's pages, not in the ring.
+    pub direct: Option<DirectRegion>,
+}
+
+/// Where a direct writer's region lies in the pool: the chunk's pages, its layout and the
+/// region's index in it (what a checksum of it reads).
+#[derive(Debug)]
+pub struct DirectRegion {
+    pub pages: Vec<u32>,
+    pub layout: StagingLayout,
+    pub region: u32,
+}
+
+/// An allocation granted: the grant, the writer's region offset in it, and for a direct writer
+/// the chunk's decode pages (empty: through the ring).
+#[derive(Debug)]
+pub struct Granted {
+    pub grant: Grant,
+    pub region: u64,
+    pub pages: Vec<u32>,
 }
 
 /// Where one slice payload lands in the pool: buffer, token slot and byte within the slot.
@@ -262,6 +296,8 @@ pub struct ScatterJob {
     pub finished: Option<Instant>,
     /// The room's parts, on the last scatter of a chunk whose regions carry them.
     pub parts: Option<Arc<RoomParts>>,
+    /// Regions (indices in the layout) written straight into the pool: not scattered.
+    pub direct: Vec<u32>,
 }
 
 /// What a data frame's target turned out to be.
@@ -488,6 +524,13 @@ impl State {
         }
     }
 
+    /// `conn`'s peer maps our KV pool too (direct mode): it may ask for direct grants.
+    pub fn set_direct(&mut self, conn: ConnId) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.direct = true;
+        }
+    }
+
     /// Whether `conn` was set to write in place (RDMA, or a same-host mapping, now or before).
     pub fn writes_in_place(&self, conn: ConnId) -> bool {
         self.conns.get(&conn).is_some_and(|c| c.in_place)
@@ -516,6 +559,19 @@ impl State {
             return;
         }
         self.end_quarantine(conn, |_| true);
+        self.end_direct_writes(conn);
+    }
+
+    /// `conn`'s peer can no longer write any room's pages directly.
+    fn end_direct_writes(&mut self, conn: ConnId) {
+        let held: Vec<u64> = self.rooms.iter().filter(|(_, r)| r.direct_writers.iter().any(|&(w, _)| w == conn)).map(|(id, _)| *id).collect();
+        for room in held {
+            if let Some(r) = self.rooms.get_mut(&room) {
+                r.direct_writers.retain(|&(w, _)| w != conn);
+            }
+            self.drain_check(room);
+        }
+        self.fx.changed = true;
     }
 
     /// `conn` can no longer write in place into the grants `of` selects: their quarantine by it
@@ -573,6 +629,7 @@ impl State {
         }
         if !self.mapped.contains_key(&conn) {
             self.end_quarantine(conn, |_| true);
+            self.end_direct_writes(conn);
         }
         let leased: Vec<u64> =
             self.rooms.iter().filter(|(_, r)| r.page_leases.contains(&Some(conn))).map(|(id, _)| *id).collect();
@@ -635,6 +692,7 @@ impl State {
                 released: false,
                 prefill: None,
                 page_leases: Vec::new(),
+                direct_writers: Vec::new(),
                 expires,
                 aux: Aux::for_room(parts.as_deref()),
                 parts,
@@ -726,7 +784,7 @@ impl State {
     /// Whether the release of (`room`, `gen`) is still waiting for leases.
     pub fn draining(&self, room: u64, gen: u64) -> Option<Vec<ConnId>> {
         let r = self.rooms.get(&room).filter(|r| r.gen == gen && r.released)?;
-        Some(r.page_leases.iter().flatten().copied().collect())
+        Some(r.holders())
     }
 
     fn drain_check(&mut self, room: u64) -> Release {
@@ -734,12 +792,12 @@ impl State {
         if !r.released {
             return Release::Done;
         }
-        if r.page_leases.is_empty() {
+        if r.page_leases.is_empty() && r.direct_writers.is_empty() {
             self.rooms.remove(&room);
             self.fx.changed = true;
             return Release::Done;
         }
-        Release::Draining { gen: r.gen, holders: r.page_leases.iter().flatten().copied().collect() }
+        Release::Draining { gen: r.gen, holders: r.holders() }
     }
 
     /// Fails a live room: its ring space goes back, every unfinished chunk is reported failed.

@@ -6,12 +6,22 @@ use crate::session::receiver::extents::MAX_RANGES;
 
 impl State {
 
+    /// [`State::grant`] for a writer that writes through the ring.
+    #[cfg(test)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn allocate(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, tokens: u32, bytes: u64, pool_tokens: Option<&[u32]>) -> Result<(Grant, u64)> {
+        self.grant(conn, at, chunk, claimed, tokens, bytes, pool_tokens, false).map(|g| (g.grant, g.region))
+    }
+
     /// An allocation request from `conn` for its region of (room, chunk): the grant and the
     /// region's offset within it. Errors are replied to the sender; none ends the session.
     /// `pool_tokens`: `Some` when the writer's region carries the request's parts (see
-    /// [`State::check_parts`]).
+    /// [`State::check_parts`]). `direct`: the writer asks to write its region's KV straight into
+    /// the pool's pages (it maps the pool): granted for a region without request parts on a
+    /// connection set up for it, with the chunk's pages; the room's release then waits for the
+    /// writer (its ready, abort, or the end of its mapping).
     #[allow(clippy::too_many_arguments)]
-    pub fn allocate(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, tokens: u32, bytes: u64, pool_tokens: Option<&[u32]>) -> Result<(Grant, u64)> {
+    pub fn grant(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, tokens: u32, bytes: u64, pool_tokens: Option<&[u32]>, direct: bool) -> Result<Granted> {
         let info = self.conn(conn)?.clone();
         let writer = info.pairing.frame_writer();
         if claimed != writer {
@@ -120,15 +130,23 @@ impl State {
             self.grants.get_mut(&id).expect("live grant").remote_writers.push(conn);
         }
         let grant = self.grants[&id].grant;
-        let c = &mut self.rooms.get_mut(&room).expect("checked").chunks[chunk as usize];
+        let direct = direct && info.direct && info.host_pool && layout.writers[region as usize].tail.is_empty() && layout.writers[region as usize].layers > 0;
+        let r = self.rooms.get_mut(&room).expect("checked");
+        let pages = if direct {
+            r.direct_writers.push((conn, chunk));
+            r.chunk_pages(chunk).to_vec()
+        } else {
+            Vec::new()
+        };
+        let c = &mut r.chunks[chunk as usize];
         c.grant = Some(id);
         c.layers_taken.resize(layout.dst.layer_count() as usize, false);
         c.layout = Some(layout);
         c.mode = Mode::Staged;
-        c.slots.push(Slot { conn, region, written: Extents::default(), coverage: None, arrived: false });
+        c.slots.push(Slot { conn, region, written: Extents::default(), coverage: None, arrived: false, direct });
         // The claim that completes the layout releases the layers other writers already landed.
         self.scatter_landed(room, chunk);
-        Ok((grant, region_offset))
+        Ok(Granted { grant, region: region_offset, pages })
     }
 
     /// Checks a staged write of `len` bytes at `offset` (allocation-relative) by `conn`. An `Err`
@@ -239,7 +257,8 @@ impl State {
         let info = self.conn(conn)?;
         let (writer, session) = (info.pairing.frame_writer(), info.session.clone());
         // An in-place writer that reports ready has finished writing (over RDMA its immediate
-        // arrived first; a same-host writer sends the report after its gather returned).
+        // arrived first; a same-host writer sends the report after its gather or direct copy
+        // returned).
         self.release_remote_writer(conn, at, Some(chunk));
         if claimed != writer {
             return Err(protocol(format!("ready for writer {claimed} from writer {writer}")));
@@ -258,8 +277,9 @@ impl State {
             return Err(protocol(why));
         }
         let (ring_offset, len) = (self.grants[&grant].grant.offset + region.offset, region.bytes);
+        let direct = slot.direct.then(|| DirectRegion { pages: r.chunk_pages(chunk).to_vec(), layout: layout.clone(), region: slot.region });
         self.grants.get_mut(&grant).expect("live").pins.push(Some(conn));
-        Ok(ReadyLease { conn, grant, room, gen, chunk, slot: index, ring_offset, len })
+        Ok(ReadyLease { conn, grant, room, gen, chunk, slot: index, ring_offset, len, direct })
     }
 
     /// Counts the arrival checked by `verified` (the checksum result); when it was the chunk's
@@ -311,8 +331,12 @@ impl State {
     }
 
     /// `conn` will not write (room, chunk) — every chunk of the room for `None` — in place any
-    /// more: its quarantine of those grants ends.
+    /// more: its quarantine of those grants ends, and its hold on the room's pages.
     fn release_remote_writer(&mut self, conn: ConnId, room: RoomRef, chunk: Option<u32>) {
         self.end_quarantine(conn, |g| g.room == room && chunk.is_none_or(|c| g.chunk == c));
+        if let Some(r) = self.rooms.get_mut(&room.id).filter(|r| r.key == room.key) {
+            r.direct_writers.retain(|&(w, c)| w != conn || chunk.is_some_and(|k| k != c));
+            self.drain_check(room.id);
+        }
     }
 }
