@@ -48,11 +48,13 @@ fn engine(transport: TransportKind) -> Engine {
 }
 
 /// Decode ranks with pages of `dps`, each with room `ROOM` open over the pages after `prefix`.
-fn decodes(transport: TransportKind, dps: u32, tp: u32, total: u64, prefix: u64) -> Vec<Decode> {
+/// Over the same-host path `direct` puts the pools in shared memory (the senders write them
+/// directly).
+fn decodes_with(transport: TransportKind, dps: u32, tp: u32, total: u64, prefix: u64, direct: bool) -> Vec<Decode> {
     (0..tp)
         .map(|r| {
             let engine = engine(transport);
-            let pool = HostPool::new(shape(dps, r, tp), CAPACITY);
+            let pool = if direct { HostPool::shared(shape(dps, r, tp), CAPACITY) } else { HostPool::new(shape(dps, r, tp), CAPACITY) };
             engine.register_pool(pool.layout.clone()).unwrap();
             engine.register_staging(None, 1 << 20).unwrap();
             let pages = page_table((total - prefix).div_ceil(dps as u64) as usize, CAPACITY, 7 + r as u64, true);
@@ -60,6 +62,10 @@ fn decodes(transport: TransportKind, dps: u32, tp: u32, total: u64, prefix: u64)
             Decode { engine, pool, pages, room: RoomRef { id: ROOM, key } }
         })
         .collect()
+}
+
+fn decodes(transport: TransportKind, dps: u32, tp: u32, total: u64, prefix: u64) -> Vec<Decode> {
+    decodes_with(transport, dps, tp, total, prefix, false)
 }
 
 /// Prefill ranks with pages of `sps` holding the whole request (prefix included) in `pages`.
@@ -105,16 +111,17 @@ fn desc(room: RoomRef, pages: &[u32], total: u64, prefix: u64, sps: u32, dps: u3
 
 /// Moves a request of `total` tokens from prefill TP `src_tp` (pages of `sps`) to decode TP
 /// `dst_tp` (pages of `dps`) whose first `prefix` tokens the decode side holds, over TCP and over
-/// the same-host path.
+/// the same-host path through the ring and directly into the decode pool.
 fn request(sps: u32, dps: u32, src_tp: u32, dst_tp: u32, total: u64, prefix: u64) {
-    for transport in [TransportKind::Tcp, TransportKind::Shm] {
-        request_over(transport, sps, dps, src_tp, dst_tp, total, prefix);
+    for (transport, direct) in [(TransportKind::Tcp, false), (TransportKind::Shm, false), (TransportKind::Shm, true)] {
+        request_over(transport, direct, sps, dps, src_tp, dst_tp, total, prefix);
     }
 }
 
-fn request_over(transport: TransportKind, sps: u32, dps: u32, src_tp: u32, dst_tp: u32, total: u64, prefix: u64) {
-    let what = format!("{transport:?}: P{src_tp} ps {sps} -> D{dst_tp} ps {dps}, {total} tokens, decode prefix {prefix}");
-    let d = decodes(transport, dps, dst_tp, total, prefix);
+#[allow(clippy::too_many_arguments)]
+fn request_over(transport: TransportKind, direct: bool, sps: u32, dps: u32, src_tp: u32, dst_tp: u32, total: u64, prefix: u64) {
+    let what = format!("{transport:?} (direct {direct}): P{src_tp} ps {sps} -> D{dst_tp} ps {dps}, {total} tokens, decode prefix {prefix}");
+    let d = decodes_with(transport, dps, dst_tp, total, prefix, direct);
     let src_pages = page_table(total.div_ceil(sps as u64) as usize, CAPACITY, 3, false);
     let p = prefills(transport, sps, src_tp, &src_pages, &d);
     let chunks = chunk_span(total, prefix, sps, dps, CHUNK_TOKENS, 0).unwrap().num_chunks;
@@ -133,6 +140,10 @@ fn request_over(transport: TransportKind, sps: u32, dps: u32, src_tp: u32, dst_t
         dec.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{what}: decode {r}: {}", e.chain()));
         let (bad, first) = dec.pool.verify_tokens(&dec.pages, prefix, total - prefix);
         assert_eq!(bad, 0, "{what}: decode rank {r}: {first:?}");
+        // Every region of every chunk went the way asked: into the pool directly, or none did.
+        let sessions = p.iter().flat_map(|rank| rank.sessions.iter()).filter(|(dr, _)| *dr as usize == r).count() as u64;
+        let direct_chunks = dec.engine.shm().direct_chunks();
+        assert_eq!(direct_chunks, if direct { chunks as u64 * sessions } else { 0 }, "{what}: decode rank {r}: regions received directly");
     }
 }
 

@@ -37,19 +37,72 @@ impl Model {
     }
 }
 
+/// A pool's memory: the heap, or an allocation a same-host sender can map (direct mode).
+enum PoolMemory {
+    Heap(Vec<u8>),
+    Shared(*mut u8, usize),
+}
+
+impl std::ops::Deref for PoolMemory {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            PoolMemory::Heap(v) => v,
+            // SAFETY: a live allocation of `len` bytes, owned by this value.
+            PoolMemory::Shared(ptr, len) => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+        }
+    }
+}
+
+impl std::ops::DerefMut for PoolMemory {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            PoolMemory::Heap(v) => v,
+            // SAFETY: as above, borrowed mutably through this value.
+            PoolMemory::Shared(ptr, len) => unsafe { std::slice::from_raw_parts_mut(*ptr, *len) },
+        }
+    }
+}
+
+impl Drop for PoolMemory {
+    fn drop(&mut self) {
+        if let PoolMemory::Shared(ptr, _) = self {
+            let _ = kvstage::transport::shm::pool::free(*ptr);
+        }
+    }
+}
+
+// SAFETY: plain memory owned by the pool.
+unsafe impl Send for PoolMemory {}
+unsafe impl Sync for PoolMemory {}
+
 /// One rank's KV pool in host memory (one allocation, buffers side by side).
 pub struct HostPool {
-    memory: Vec<u8>,
+    memory: PoolMemory,
     pub layout: KvLayout,
 }
 
 impl HostPool {
     pub fn new(shape: PoolShape, capacity_pages: u64) -> HostPool {
+        Self::with_memory(shape, capacity_pages, false)
+    }
+
+    /// A pool in memory of `kvstage_shared_alloc`: a same-host sender can write it directly.
+    pub fn shared(shape: PoolShape, capacity_pages: u64) -> HostPool {
+        Self::with_memory(shape, capacity_pages, true)
+    }
+
+    fn with_memory(shape: PoolShape, capacity_pages: u64, shared: bool) -> HostPool {
         let buffer = (capacity_pages * shape.page_size as u64 * shape.token_bytes()) as usize;
         let count = (shape.buffers_per_layer() as usize) * shape.layer_ids.len();
+        let mut memory = if shared {
+            let len = buffer * count;
+            PoolMemory::Shared(kvstage::transport::shm::pool::alloc(len).expect("a shared pool allocation"), len)
+        } else {
+            PoolMemory::Heap(vec![0u8; buffer * count])
+        };
         // Written, not just calloc'd: a real pool is resident, and first-touch page faults would
         // otherwise be measured as copy time.
-        let mut memory = vec![0u8; buffer * count];
         for i in (0..memory.len()).step_by(4096) {
             // SAFETY: in bounds; volatile so the store into calloc'd (known-zero) memory stays.
             unsafe { std::ptr::write_volatile(memory.as_mut_ptr().add(i), 0) };
