@@ -526,6 +526,12 @@ typedef struct kvstage_engine_stats {
     // not be allocated or registered with the NIC (no GPUDirect RDMA);
     // `kvstage_engine_transport_describe` says why.
     uint64_t rdma_host_staging_sessions;
+    // Same-host sessions in direct mode (the prefill maps the decode pool), opened or accepted
+    // by this engine.
+    uint64_t shm_direct_sessions;
+    // Chunk regions copied straight from prefill pages into decode pages (direct mode): written
+    // by this engine (prefill) plus received into its pool (decode).
+    uint64_t shm_direct_chunks;
 } kvstage_engine_stats;
 
 // Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
@@ -920,8 +926,8 @@ enum kvstage_status kvstage_op_describe(const struct kvstage_op *op, char *buf, 
 // Hosts without rdma-core or without a device get a clean "no RDMA" report, not an error.
 enum kvstage_status kvstage_doctor(char *buf, size_t capacity, size_t *needed, int32_t json);
 
-// Describes the engine's transport in one line: the same-host path (mode, sessions, the last
-// downgrade), then "rdma: mlx5_0:1 (InfiniBand, MTU 4096), ..." or why RDMA is not used and the
+// Describes the engine's transport in one line: the same-host path (mode, sessions, those in
+// direct mode and their chunk regions copied page to page, the last downgrade), then "rdma: mlx5_0:1 (InfiniBand, MTU 4096), ..." or why RDMA is not used and the
 // last downgrade of a session to TCP. Same buffer rules as `kvstage_doctor`.
 enum kvstage_status kvstage_engine_transport_describe(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
 
@@ -1097,6 +1103,21 @@ enum kvstage_status kvstage_engine_register_components(const struct kvstage_engi
 // are in place and then its aux rows are written. Errors as `kvstage_room_open`, and
 // `KVSTAGE_E_INVALID_ARG` naming the field of `parts` outside its component (both values).
 enum kvstage_status kvstage_room_open_parts(const struct kvstage_engine *engine, uint64_t room, const uint32_t *dst_pages, size_t num_pages, uint32_t chunk_tokens, const struct kvstage_request_parts *parts, uint32_t *num_chunks_out, uint64_t *room_key_out);
+
+// Allocates `bytes` of zeroed, resident host memory that a same-host sender can map (a sealed
+// memfd mapped here; page-aligned): a decode rank whose KV pool buffers all lie in such
+// allocations serves direct mode, where a same-host prefill copies each chunk from its pages
+// straight into the decode pages (no ring, no scatter). `*out` receives the address. Errors:
+// `KVSTAGE_E_INVALID_ARG` for 0 bytes or a NULL `out`, `KVSTAGE_E_OUT_OF_MEMORY` when the
+// memory cannot be had (the cause names the OS error). Free with `kvstage_shared_free`, after
+// the engine whose pool it holds was freed.
+enum kvstage_status kvstage_shared_alloc(size_t bytes, void **out);
+
+// Frees an allocation of `kvstage_shared_alloc` (`ptr` as it returned it). A same-host sender
+// that still maps it keeps the pages until it unmaps; this process no longer has them.
+// `KVSTAGE_E_INVALID_ARG` for any other pointer (NULL, an address inside an allocation, or one
+// freed already).
+enum kvstage_status kvstage_shared_free(void *ptr);
 
 // Fills `item` with defaults (sets `struct_size`; one row, 2-byte elements, sharded; set
 // `group_dims` and `num_groups`).

@@ -87,6 +87,7 @@ from .errors import (
 )
 from ._logging import TRACE, route_logs_to_python, route_logs_to_stderr
 from .staging import StagingTransfer, TransferTarget
+from .shared import SharedMemory
 from . import parts
 from .parts import AuxBuffer, PoolComponent, PoolSpan, RequestParts, StateComponent
 
@@ -117,6 +118,7 @@ __all__ = [
     "status_name",
     # objects
     "Engine",
+    "SharedMemory",
     "EngineStats",
     "ChunkEvent",
     "Room",

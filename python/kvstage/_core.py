@@ -675,6 +675,8 @@ class EngineStats(NamedTuple):
     shm_sessions: int = 0
     shm_downgrades: int = 0
     rdma_host_staging_sessions: int = 0
+    shm_direct_sessions: int = 0
+    shm_direct_chunks: int = 0
 
 
 class ChunkEvent(NamedTuple):
@@ -739,6 +741,7 @@ class Engine(_Handle):
         stall_warn_ms: Optional[int] = None,
         send_piece_bytes: Optional[int] = None,
         send_from_pool: Optional[bool] = None,
+        same_host_direct: Optional[bool] = None,
         library: Optional[Library] = None,
     ):
         lib = library or get_library()
@@ -765,6 +768,8 @@ class Engine(_Handle):
             opts.same_host = 0 if same_host else 1
         if send_from_pool is not None:
             opts.send_from_pool = 1 if send_from_pool else 0
+        if same_host_direct is not None:
+            opts.same_host_direct = 1 if same_host_direct else 0
         for name, value, conv in (
             ("max_connections", max_connections, _u32),
             ("max_handshakes", max_handshakes, _u32),
@@ -804,6 +809,11 @@ class Engine(_Handle):
         with its live allocations oldest first, connections and rooms, the sessions it opened with
         the chunks they are sending); README "Troubleshooting" has the schema."""
         return _describe(self._lib, "kvstage_engine_describe", self._handle())
+
+    def transport_describe(self) -> str:
+        """``kvstage_engine_transport_describe``: the engine's transport in one line (the same-host
+        path with its sessions, those in direct mode and their chunks, RDMA, the last downgrades)."""
+        return _text(self._lib, "kvstage_engine_transport_describe", self._handle())
 
     def room_describe(self, room: int) -> dict:
         """``kvstage_room_describe``: decode room ``room`` as a dict: its state and, per chunk,
@@ -1080,7 +1090,12 @@ def _cuda_handle(obj: Any, attr: str, what: str) -> Optional[int]:
 
 
 def _describe(lib: Library, fn: str, *args: Any) -> dict:
-    """A describe document: size query, then fill (again while it grows between the two)."""
+    """A describe document (JSON) as a dict."""
+    return json.loads(_text(lib, fn, *args))
+
+
+def _text(lib: Library, fn: str, *args: Any) -> str:
+    """A text the library writes: size query, then fill (again while it grows between the two)."""
     call = getattr(lib, fn)
     needed = c_size_t(0)
     for _ in range(8):
@@ -1088,7 +1103,7 @@ def _describe(lib: Library, fn: str, *args: Any) -> dict:
         buf = ctypes.create_string_buffer(needed.value + 4096)
         rc = call(*args, buf, len(buf), byref(needed))
         if rc == 0:
-            return json.loads(buf.value.decode("utf-8"))
+            return buf.value.decode("utf-8")
     _check(lib, rc, fn)
     raise AssertionError("unreachable: a failed fill raises")
 

@@ -192,6 +192,7 @@ class kvstage_engine_options(Structure):
         ("stall_warn_ms", c_uint64),
         ("send_piece_bytes", c_uint64),
         ("send_from_pool", c_int32),
+        ("same_host_direct", c_int32),
     ]
 
 
@@ -280,6 +281,8 @@ class kvstage_engine_stats(Structure):
         ("shm_sessions", c_uint64),
         ("shm_downgrades", c_uint64),
         ("rdma_host_staging_sessions", c_uint64),
+        ("shm_direct_sessions", c_uint64),
+        ("shm_direct_chunks", c_uint64),
     ]
 
 
@@ -481,6 +484,8 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_engine_free": (None, [c_void_p]),
     "kvstage_engine_listen_address": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
     "kvstage_engine_register_pool": (c_int, [c_void_p, _p(kvstage_kv_layout)]),
+    "kvstage_shared_alloc": (c_int, [c_size_t, _p(c_void_p)]),
+    "kvstage_shared_free": (c_int, [c_void_p]),
     "kvstage_engine_register_staging": (c_int, [c_void_p, c_void_p, c_size_t]),
     "kvstage_staging_memory_init": (c_int, [_p(kvstage_staging_memory)]),
     "kvstage_engine_register_staging_memory": (c_int, [c_void_p, _p(kvstage_staging_memory)]),
@@ -489,6 +494,7 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_op_timings_get": (c_int, [c_void_p, _p(kvstage_transfer_timings)]),
     "kvstage_room_describe": (c_int, [c_void_p, c_uint64, c_char_p, c_size_t, _p(c_size_t)]),
     "kvstage_engine_describe": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
+    "kvstage_engine_transport_describe": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
     "kvstage_op_describe": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
     "kvstage_transfer_timings_last": (c_int, [_p(kvstage_transfer_timings)]),
     "kvstage_kv_layout_init": (c_int, [_p(kvstage_kv_layout)]),

@@ -46,12 +46,15 @@ class Model:
         )
 
 
-def make_pool(model: Model, tp_rank: int, tp: int, capacity_pages: int):
+def make_pool(model: Model, tp_rank: int, tp: int, capacity_pages: int, memory=None):
     """A zeroed pool ``[kv, layer, slot, local head, head_dim]`` and its layout (K = pool[0][l],
-    V = pool[1][l], each a contiguous numpy array)."""
-    pool = np.zeros(
-        (2, model.layers, capacity_pages * model.page_size, model.local_heads(tp), model.head_dim), dtype=model.dtype
-    )
+    V = pool[1][l], each a contiguous numpy array); in ``memory`` (a :class:`kvstage.SharedMemory`
+    of the pool's size) when given."""
+    shape = (2, model.layers, capacity_pages * model.page_size, model.local_heads(tp), model.head_dim)
+    if memory is None:
+        pool = np.zeros(shape, dtype=model.dtype)
+    else:
+        pool = np.frombuffer(memory.memoryview(), dtype=model.dtype).reshape(shape)
     layout = kvstage.KvLayout(
         head_dim=model.head_dim,
         global_heads=model.heads,
@@ -65,6 +68,11 @@ def make_pool(model: Model, tp_rank: int, tp: int, capacity_pages: int):
     )
     assert layout.capacity_pages == capacity_pages
     return pool, layout
+
+
+def pool_bytes(model: Model, tp: int, capacity_pages: int) -> int:
+    """Bytes of the pool ``make_pool`` makes."""
+    return 2 * model.layers * capacity_pages * model.page_size * model.local_heads(tp) * model.head_dim * model.dtype_bytes
 
 
 def fill_random(pool: np.ndarray, seed: int) -> None:

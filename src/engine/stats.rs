@@ -17,6 +17,8 @@ pub struct EngineStats {
     pub rdma_sessions: u64,
     pub shm_sessions: u64,
     pub shm_downgrades: u64,
+    pub shm_direct_sessions: u64,
+    pub shm_direct_chunks: u64,
     /// RDMA sessions of CUDA pools staging in host memory (GPUDirect unavailable).
     pub rdma_host_staging_sessions: u64,
     /// Sender connections accepted and past their handshake, now.
@@ -47,6 +49,8 @@ impl Engine {
             rdma_sessions: self.rdma.sessions(),
             shm_sessions: self.shm.sessions(),
             shm_downgrades: self.shm.downgrades(),
+            shm_direct_sessions: self.shm.direct_sessions(),
+            shm_direct_chunks: self.shm.direct_chunks(),
             rdma_host_staging_sessions: self.rdma.host_bounces().0,
             connections: r.connections,
             accept_errors: r.accept_errors,

@@ -29,8 +29,8 @@ pub unsafe extern "C" fn kvstage_doctor(buf: *mut c_char, capacity: usize, neede
     })
 }
 
-/// Describes the engine's transport in one line: the same-host path (mode, sessions, the last
-/// downgrade), then "rdma: mlx5_0:1 (InfiniBand, MTU 4096), ..." or why RDMA is not used and the
+/// Describes the engine's transport in one line: the same-host path (mode, sessions, those in
+/// direct mode and their chunk regions copied page to page, the last downgrade), then "rdma: mlx5_0:1 (InfiniBand, MTU 4096), ..." or why RDMA is not used and the
 /// last downgrade of a session to TCP. Same buffer rules as `kvstage_doctor`.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_transport_describe(
@@ -52,6 +52,11 @@ pub unsafe extern "C" fn kvstage_engine_transport_describe(
         };
         if let Some(what) = same_host {
             let mut part = format!("{what}, {} session(s)", shm.sessions());
+            if !shm.direct() {
+                part.push_str(", direct mode off (same_host_direct 0)");
+            } else if shm.direct_sessions() > 0 {
+                part.push_str(&format!(", {} direct (decode pool mapped, {} chunk region(s) copied page to page)", shm.direct_sessions(), shm.direct_chunks()));
+            }
             let n = shm.downgrades();
             if n > 0 {
                 part.push_str(&format!(", {n} same-host session(s) not on shm, last: {}", shm.last_downgrade()));

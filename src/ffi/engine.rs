@@ -515,6 +515,12 @@ pub struct kvstage_engine_stats {
     /// not be allocated or registered with the NIC (no GPUDirect RDMA);
     /// `kvstage_engine_transport_describe` says why.
     pub rdma_host_staging_sessions: u64,
+    /// Same-host sessions in direct mode (the prefill maps the decode pool), opened or accepted
+    /// by this engine.
+    pub shm_direct_sessions: u64,
+    /// Chunk regions copied straight from prefill pages into decode pages (direct mode): written
+    /// by this engine (prefill) plus received into its pool (decode).
+    pub shm_direct_chunks: u64,
 }
 
 /// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_engine_stats)`) with the
@@ -565,6 +571,8 @@ pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine,
             shm_sessions: r.shm_sessions,
             shm_downgrades: r.shm_downgrades,
             rdma_host_staging_sessions: r.rdma_host_staging_sessions,
+            shm_direct_sessions: r.shm_direct_sessions,
+            shm_direct_chunks: r.shm_direct_chunks,
         };
         unsafe { super::write_versioned(out, stats, "out") }?;
         Ok(Status::KVSTAGE_OK)

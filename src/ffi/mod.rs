@@ -29,6 +29,7 @@ pub mod grid;
 pub mod last_error;
 pub mod log;
 pub mod parts;
+pub mod shared;
 pub mod state;
 pub mod stats;
 pub mod transfer;

@@ -59,6 +59,7 @@ fn holding(at: usize, len: u64) -> Option<(OwnedFd, u64, u64)> {
 }
 
 /// A decode pool that lies in shared allocations, as a same-host sender maps it.
+#[derive(Debug)]
 pub struct PoolShare {
     /// Each file once, with its size.
     files: Vec<(OwnedFd, u64)>,
@@ -122,6 +123,7 @@ impl PoolShare {
 
 /// The receiver's KV pool mapped in this process: its layout (addresses of this process) and the
 /// mappings that hold it.
+#[derive(Debug)]
 pub struct PeerPool {
     pub layout: KvLayout,
     _maps: Vec<Mapping>,
@@ -207,7 +209,7 @@ mod tests {
         let plain = KvLayout { bases: (0..6).map(|i| other.as_mut_ptr() as usize + i * buffer).collect(), ..pool.clone() };
         assert!(PoolShare::of(&plain).unwrap_err().contains("pool buffer 0"));
         // A buffer running past its allocation has no share either.
-        let past = KvLayout { bases: vec![b as usize + 65; 6], ..pool };
+        let past = KvLayout { bases: vec![b as usize + buffer + 65; 6], ..pool };
         assert!(PoolShare::of(&past).is_err());
         drop(peer);
         free(a).unwrap();

@@ -1,0 +1,39 @@
+"""Host memory a same-host prefill can map: where a decode rank puts its KV pool for direct mode.
+
+A decode rank whose KV pool buffers all lie in :class:`SharedMemory` serves *direct mode*: a
+prefill on the same host copies each chunk from its own pages straight into the decode pages
+(one pass, no staging ring, no scatter). Anything else stays on the ring path."""
+
+import ctypes
+from ctypes import byref, c_void_p
+from typing import Optional
+
+from ._core import _check, _Handle
+from ._lib import Library, get_library
+
+
+class SharedMemory(_Handle):
+    """``nbytes`` of zeroed, resident host memory from ``kvstage_shared_alloc``.
+
+    Keep it alive (and do not :meth:`close` it) while an engine's pool lies in it: free the engine
+    first. ``memoryview()`` exposes it to numpy (``numpy.frombuffer(m.memoryview(), dtype)``) or
+    torch (``torch.frombuffer(m.memoryview(), dtype=torch.bfloat16)``)."""
+
+    _kind = "shared memory"
+    _free_fn = "kvstage_shared_free"
+
+    def __init__(self, nbytes: int, library: Optional[Library] = None):
+        lib = library or get_library()
+        out = c_void_p()
+        _check(lib, lib.kvstage_shared_alloc(int(nbytes), byref(out)), "kvstage_shared_alloc")
+        super().__init__(lib, int(out.value))
+        self.nbytes = int(nbytes)
+
+    @property
+    def address(self) -> int:
+        """The first byte's address (what a :class:`KvLayout` buffer names)."""
+        return self._handle()
+
+    def memoryview(self) -> memoryview:
+        """The memory as a writable, flat byte view (valid until :meth:`close`)."""
+        return memoryview((ctypes.c_uint8 * self.nbytes).from_address(self._handle())).cast("B")
