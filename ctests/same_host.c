@@ -19,6 +19,12 @@
  *      transfer fails, a new session maps the new ring and delivers, and once the old session is
  *      freed the prefill maps exactly one ring, the new one.
  *
+ * With KVSTAGE_TEST_DIRECT=1 (ctest same_host_direct) every decode pool lies in memory of
+ * kvstage_shared_alloc, so the same-host sessions run in direct mode: the prefill copies each chunk
+ * from its pages into the decode pages (no ring write, no scatter), and every case above holds
+ * with the prefill mapping the decode pool too (a maps "kvstage-pool" while the session lives,
+ * counts the chunk as direct on both sides, and unmaps the pool with the ring).
+ *
  * Every wait is bounded; nothing asserts how long something took (deadlines are only bounds). */
 #define _POSIX_C_SOURCE 200809L
 
@@ -63,6 +69,7 @@ static void sleep_ms(unsigned ms) {
 
 typedef struct pool {
     uint8_t *memory;
+    int shared; /* in memory of kvstage_shared_alloc */
     uint64_t k[LAYERS], v[LAYERS];
     kvstage_kv_layout layout;
 } pool;
@@ -70,8 +77,21 @@ typedef struct pool {
 #define BUFFER_BYTES ((size_t)SLOTS * ROW)
 #define POOL_BYTES (2 * LAYERS * BUFFER_BYTES)
 
-static void pool_init(pool *p) {
-    p->memory = (uint8_t *)calloc(2 * LAYERS, BUFFER_BYTES);
+/* ctest same_host_direct: decode pools in shared memory, so same-host sessions go direct. */
+static int direct_mode(void) {
+    const char *v = getenv("KVSTAGE_TEST_DIRECT");
+    return v != NULL && strcmp(v, "1") == 0;
+}
+
+static void pool_init_in(pool *p, int shared) {
+    p->shared = shared;
+    if (shared) {
+        void *memory = NULL;
+        REQUIRE(kvstage_shared_alloc(POOL_BYTES, &memory) == KVSTAGE_OK);
+        p->memory = (uint8_t *)memory;
+    } else {
+        p->memory = (uint8_t *)calloc(2 * LAYERS, BUFFER_BYTES);
+    }
     REQUIRE(p->memory != NULL);
     for (int l = 0; l < LAYERS; ++l) {
         p->k[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l) * BUFFER_BYTES);
@@ -92,6 +112,23 @@ static void pool_init(pool *p) {
     p->layout.k_bases = p->k;
     p->layout.v_bases = p->v;
     p->layout.capacity_pages = CAPACITY;
+}
+
+/* A prefill pool (the heap). */
+static void pool_init(pool *p) {
+    pool_init_in(p, 0);
+}
+
+/* A decode pool: shared memory in direct mode. */
+static void decode_pool_init(pool *p) {
+    pool_init_in(p, direct_mode());
+}
+
+static void pool_free(pool *p) {
+    if (p->shared)
+        CHECK_OK(kvstage_shared_free(p->memory));
+    else
+        free(p->memory);
 }
 
 /* splitmix64: the reference, independent of any kvstage code. */
@@ -177,14 +214,15 @@ static int fd_count(void) {
 
 /* Mappings of a "kvstage-ring" memfd in this process; `*bytes` (may be NULL) receives the size of
  * the last one. */
-static int ring_mappings(uint64_t *bytes) {
+/* Mappings of this process whose line names `name` (a memfd's name); `*bytes`: the last one's size. */
+static int mappings_of(const char *name, uint64_t *bytes) {
     FILE *f = fopen("/proc/self/maps", "r");
     REQUIRE(f != NULL);
     char *line = NULL;
     size_t cap = 0;
     int n = 0;
     while (getline(&line, &cap, f) > 0) {
-        if (strstr(line, "kvstage-ring") == NULL) continue;
+        if (strstr(line, name) == NULL) continue;
         unsigned long long start = 0, end = 0;
         if (sscanf(line, "%llx-%llx", &start, &end) == 2 && bytes) *bytes = end - start;
         ++n;
@@ -192,6 +230,15 @@ static int ring_mappings(uint64_t *bytes) {
     free(line);
     fclose(f);
     return n;
+}
+
+static int ring_mappings(uint64_t *bytes) {
+    return mappings_of("kvstage-ring", bytes);
+}
+
+/* Decode pools mapped here (direct mode). */
+static int pool_mappings(void) {
+    return mappings_of("kvstage-pool", NULL);
 }
 
 static void print_ring_mappings(const char *what) {
@@ -369,7 +416,7 @@ static void read_exactly(int fd, void *buf, size_t len, int timeout_ms, const ch
 
 static void decode_serve(int cmd_fd, int answer_fd, int caller_ring, size_t ring_bytes) {
     pool p;
-    pool_init(&p);
+    decode_pool_init(&p);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &p);
     void *caller = NULL;
     if (caller_ring) {
@@ -431,7 +478,7 @@ static void decode_serve(int cmd_fd, int answer_fd, int caller_ring, size_t ring
     }
     kvstage_engine_free(e);
     free(caller);
-    free(p.memory);
+    pool_free(&p);
 }
 
 /* Forks a decode process (transport AUTO, a ring of `ring_bytes`: engine-owned, or caller memory
@@ -543,6 +590,10 @@ static void test_auto_uses_shm(void) {
     kvstage_engine_stats es = engine_stats(e);
     CHECK_INT(es.shm_sessions, 1);
     CHECK_INT(es.shm_downgrades, 0);
+    int direct = direct_mode();
+    CHECK_INT(es.shm_direct_sessions, direct);
+    CHECK_INT(es.shm_direct_chunks, direct); /* the one chunk, copied page to page */
+    CHECK_INT(pool_mappings(), direct);      /* the decode pool (one allocation), mapped here */
     answer a = ask(&d, OP_STATS, 0, 0);
     CHECK_INT(a.v[0], 1); /* decode shm_sessions */
     CHECK_INT(a.v[1], 0); /* decode shm_downgrades */
@@ -551,16 +602,18 @@ static void test_auto_uses_shm(void) {
     char text[1024] = {0};
     CHECK_OK(kvstage_engine_transport_describe(e, text, sizeof text, NULL));
     CHECK_CONTAINS(text, "same host: shm (auto), 1 session");
+    if (direct) CHECK_CONTAINS(text, "1 direct (decode pool mapped, 1 chunk region(s) copied page to page)");
     CHECK_INT(ask(&d, OP_RELEASE, ROOM, 0).status, KVSTAGE_OK);
     kvstage_session_free(s);
     CHECK_INT(settle_ring_mappings(0, NULL), 0);
+    CHECK_INT(pool_mappings(), 0); /* unmapped with the ring */
     kvstage_engine_free(e);
-    free(src.memory);
+    pool_free(&src);
     finish_decode(&d);
-    printf("same_host a [auto]: session transport shm, not downgraded, the decode ring mapped here (%llu bytes); "
+    printf("same_host a [auto%s]: session transport shm, not downgraded, the decode ring mapped here (%llu bytes); "
            "%llu bytes sent, every decode byte equals the reference; shm_sessions 1 on both engines; describe: %s; "
-           "no ring mapping left after session_free\n",
-           (unsigned long long)mapped, (unsigned long long)SMALL_CHUNK_BYTES, text);
+           "no ring or pool mapping left after session_free\n",
+           direct ? ", direct" : "", (unsigned long long)mapped, (unsigned long long)SMALL_CHUNK_BYTES, text);
 }
 
 /* b. same_host OFF on the prefill: TCP, and that is no downgrade. */
@@ -587,7 +640,7 @@ static void test_same_host_off(void) {
     CHECK_INT(ask(&d, OP_RELEASE, ROOM, 0).status, KVSTAGE_OK);
     kvstage_session_free(s);
     kvstage_engine_free(e);
-    free(src.memory);
+    pool_free(&src);
     finish_decode(&d);
     printf("same_host b [same_host OFF]: session transport tcp, no ring mapped, shm_downgrades 0, shm_sessions 0 on "
            "both engines, every decode byte equals the reference\n");
@@ -649,7 +702,7 @@ static void test_caller_memory_ring(void) {
     answer a = ask(&d, OP_STATS, 0, 0);
     CHECK_INT(a.v[0], 0);
     kvstage_engine_free(forced);
-    free(src.memory);
+    pool_free(&src);
     finish_decode(&d);
     printf("same_host c [caller-memory ring]: auto -> tcp, downgraded 1, shm_downgrades 1, bytes verified; describe: "
            "%s\n  transport shm -> KVSTAGE_E_UNSUPPORTED: %s; causes: %s\n",
@@ -709,7 +762,7 @@ static void test_sender_killed(int fork_child) {
     close(addr_pipe[0]);
     close(note_pipe[1]);
     pool dst;
-    pool_init(&dst);
+    decode_pool_init(&dst);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &dst);
     REQUIRE(kvstage_engine_register_staging(e, NULL, RING_LARGE) == KVSTAGE_OK);
     uint32_t chunks = 0;
@@ -752,7 +805,7 @@ static void test_sender_killed(int fork_child) {
     CHECK_OK(kvstage_room_release(e, ROOM));
     kvstage_engine_free(e);
     CHECK_INT(settle_ring_mappings(0, NULL), 0); /* the decode's own ring is gone with its engine */
-    free(dst.memory);
+    pool_free(&dst);
     close(addr_pipe[1]);
     close(note_pipe[0]);
     if (kid > 0) kill(kid, SIGKILL);
@@ -802,11 +855,12 @@ static void test_receiver_killed(void) {
     int maps = settle_ring_mappings(0, &left);
     CHECK_INT(maps, 0);
     if (maps != 0) print_ring_mappings("prefill after session_free");
+    CHECK_INT(pool_mappings(), 0); /* direct mode: the dead decode's pool is unmapped too */
     int fds = settle_fd_count(baseline);
     CHECK_INT(fds, baseline);
     if (fds != baseline) print_fds("prefill after session_free");
     kvstage_engine_free(e);
-    free(src.memory);
+    pool_free(&src);
     close(d.cmd_fd);
     close(d.answer_fd);
     printf("same_host e [receiver killed]: shm session; the transfer in flight at the kill -> %s%s, failed with %s "
@@ -859,8 +913,9 @@ static void test_ring_registered_again(void) {
     CHECK_INT(ask(&d, OP_RELEASE, ROOM3, 0).status, KVSTAGE_OK);
     kvstage_session_free(fresh);
     CHECK_INT(settle_ring_mappings(0, NULL), 0);
+    CHECK_INT(pool_mappings(), 0);
     kvstage_engine_free(e);
-    free(src.memory);
+    pool_free(&src);
     finish_decode(&d);
     printf("same_host f [ring registered again]: the old session's next transfer -> %s (%s); a new session over shm "
            "delivered every byte; after freeing the old session one kvstage-ring mapping, of the new ring's %llu "

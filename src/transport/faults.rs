@@ -29,6 +29,9 @@ pub struct FaultPlan {
     pub cut_at_frame: Option<u64>,
     /// Receiver only: stop reading after `n` frames (a stalled peer).
     pub stop_reading_after: Option<u64>,
+    /// Sender only: hold the decode pool's mapping this long before each direct copy (a slow
+    /// direct writer, still writing when its room is released).
+    pub direct_pause_ms: u32,
 }
 
 /// How many faults of each kind were injected (shared by every wrapper built from one plan).

@@ -39,6 +39,9 @@ impl SenderSession {
         crate::copy::check_plan(plan, &self.pool)?;
         op.enter("gathering", String::new);
         let phase = Instant::now();
+        if let Some(pause) = self.resources.options.faults.as_ref().map(|f| f.plan.direct_pause_ms).filter(|&ms| ms > 0) {
+            std::thread::sleep(Duration::from_millis(pause.into()));
+        }
         // SAFETY: both plans were checked against their pools, host memory of two processes'
         // pools (never the same pages); the grant gives this writer these rows of the decode pages
         // until its ready, and the mapping stays while `pool` is held.

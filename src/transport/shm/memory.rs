@@ -64,9 +64,15 @@ pub struct SharedRing {
 }
 
 impl SharedRing {
+    /// A staging ring (its mappings show as `memfd:kvstage-ring`).
     pub fn create(len: usize) -> Result<SharedRing> {
+        Self::create_named(c"kvstage-ring", len)
+    }
+
+    /// Shared memory named `name` in the process's mappings (`memfd:<name>`).
+    pub fn create_named(name: &std::ffi::CStr, len: usize) -> Result<SharedRing> {
         // SAFETY: a NUL-terminated name and flags.
-        let raw = unsafe { libc::memfd_create(c"kvstage-ring".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if raw < 0 {
             return Err(Error::new(Status::KVSTAGE_E_OUT_OF_MEMORY, "memfd_create failed").with_source(std::io::Error::last_os_error()));
         }

@@ -28,12 +28,12 @@ const TABLE_ENTRY_BYTES: usize = 12;
 static ALLOCATIONS: Mutex<BTreeMap<usize, SharedRing>> = Mutex::new(BTreeMap::new());
 
 /// `bytes` of zeroed host memory, resident and shareable with a same-host sender (a sealed memfd
-/// mapped here); freed by [`free`].
+/// mapped here, `memfd:kvstage-pool` in the process's mappings); freed by [`free`].
 pub fn alloc(bytes: usize) -> Result<*mut u8> {
     if bytes == 0 {
         return Err(Error::invalid_arg("bytes", "0 (nothing to allocate)"));
     }
-    let memory = SharedRing::create(bytes)?;
+    let memory = SharedRing::create_named(c"kvstage-pool", bytes)?;
     let ptr = memory.ptr();
     ALLOCATIONS.lock().insert(ptr as usize, memory);
     Ok(ptr)
