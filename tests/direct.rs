@@ -1,0 +1,122 @@
+//! Direct mode on one host (engines in this process, the same-host path): the decode pool lies in
+//! shared memory and the prefill copies each chunk from its pages straight into the decode pages.
+//! What the mapped pool must never allow: a writer still copying when its room is released writes
+//! into pages the caller got back (the release waits for it), and a receiver that names pages
+//! outside its pool gets nothing written there (the sender refuses the grant).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{pool_fill_canary, pool_scan_canary};
+use kvstage::engine::{Engine, EngineOptions, TransportKind};
+use kvstage::geometry::{ModelKind, PoolShape};
+use kvstage::protocol::RoomRef;
+use kvstage::session::op::Op;
+use kvstage::session::sender::{SenderSession, TransferDesc};
+use kvstage::transport::faults::{FaultCounters, FaultPlan, Faults};
+use kvstage::Status;
+use kvstage_testkit::{page_table, HostPool};
+
+const CAPACITY: u64 = 32;
+const ROOM: u64 = 5;
+const PAGES: usize = 8;
+
+fn shape(rank: u32, tp: u32) -> PoolShape {
+    PoolShape::new(ModelKind::Mha, 4, 16, 2, 16, 3).with_tp(rank, tp)
+}
+
+struct Decode {
+    engine: Engine,
+    pool: HostPool,
+    pages: Vec<u32>,
+}
+
+/// A decode rank (TP 1) whose pool lies in shared memory, with room `ROOM` open over `PAGES` pages.
+fn decode() -> (Decode, RoomRef) {
+    let engine = Engine::new(EngineOptions { transport: TransportKind::Shm, ..EngineOptions::default() }).unwrap();
+    let pool = HostPool::shared(shape(0, 1), CAPACITY);
+    engine.register_pool(pool.layout.clone()).unwrap();
+    engine.register_staging(None, 1 << 20).unwrap();
+    let pages = page_table(PAGES, CAPACITY, 9, true);
+    let (_, key) = engine.receiver().open_room(ROOM, &pages, (PAGES * 16) as u32).unwrap();
+    (Decode { engine, pool, pages }, RoomRef { id: ROOM, key })
+}
+
+/// A prefill rank (TP 1) whose pool holds the reference pattern, connected to `to`.
+fn prefill(to: &Engine, plan: FaultPlan) -> (Engine, HostPool, Arc<SenderSession>, Vec<u32>) {
+    let faults = Faults { plan, counters: Arc::new(FaultCounters::default()) };
+    let engine = Engine::new(EngineOptions { transport: TransportKind::Shm, faults: Some(faults), ..EngineOptions::default() }).unwrap();
+    let mut pool = HostPool::new(shape(0, 1), CAPACITY);
+    let pages = page_table(PAGES, CAPACITY, 4, false);
+    pool.fill(&pages, 0);
+    engine.register_pool(pool.layout.clone()).unwrap();
+    let session = engine.connect(&to.local_addr().to_string(), "direct", None).unwrap();
+    (engine, pool, session, pages)
+}
+
+fn chunk(room: RoomRef, pages: &[u32]) -> TransferDesc {
+    TransferDesc { room, chunk: 0, pages: pages.to_vec(), timeout: Some(Duration::from_secs(20)), ..Default::default() }
+}
+
+/// A writer pauses 1.5 s holding the decode pool's mapping before it copies; the room is released
+/// 0.3 s in. The release returns only once that writer can no longer write (here: its session cut
+/// after the release's grace, its copy finished, its mapping gone), so pages the caller refills
+/// right after the release keep what it wrote. The room id then opens again for another request,
+/// which lands whole. Without the release's hold on direct writers, the copy lands 1.2 s after the
+/// release returned, over the caller's bytes.
+#[test]
+fn a_release_waits_for_a_direct_writer_still_copying() {
+    let (d, room) = decode();
+    let (_pe, _pp, session, src_pages) = prefill(&d.engine, FaultPlan { direct_pause_ms: 1500, ..FaultPlan::default() });
+    let writer = {
+        let session = session.clone();
+        let desc = chunk(room, &src_pages);
+        std::thread::spawn(move || session.transfer(&desc, &Op::new(session.waker())))
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    d.engine.receiver().release_room(ROOM);
+    pool_fill_canary(&d.pool, &d.pages);
+    let sent = writer.join().unwrap();
+    assert!(sent.is_err(), "a transfer into a released room succeeded: {sent:?}");
+    std::thread::sleep(Duration::from_millis(300));
+    let (bad, first) = pool_scan_canary(&d.pool, &d.pages);
+    assert_eq!(bad, 0, "{bad} bytes of the released room's pages changed after the release returned (first: {first:?})");
+
+    let (_, key) = d.engine.receiver().open_room(ROOM, &d.pages, (PAGES * 16) as u32).unwrap();
+    let (_pe2, _pp2, fresh, src_pages) = prefill(&d.engine, FaultPlan::default());
+    let status = fresh.transfer(&chunk(RoomRef { id: ROOM, key }, &src_pages), &Op::new(fresh.waker())).unwrap();
+    assert_eq!(status, Status::KVSTAGE_OK);
+    d.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+    let (bad, first) = d.pool.verify(&d.pages, 0);
+    assert_eq!(bad, 0, "{first:?}");
+    assert!(d.engine.shm().direct_chunks() >= 1, "the second request went directly");
+}
+
+/// A writer that finishes its copy within the release's grace (0.3 s pause, released 0.1 s in):
+/// the release waits for its report, nothing after it changes the pages, and the session is not
+/// cut (its other rooms go on): the same session delivers the next request.
+#[test]
+fn a_release_within_the_grace_waits_for_the_report_and_keeps_the_session() {
+    let (d, room) = decode();
+    let (_pe, _pp, session, src_pages) = prefill(&d.engine, FaultPlan { direct_pause_ms: 300, ..FaultPlan::default() });
+    let writer = {
+        let session = session.clone();
+        let desc = chunk(room, &src_pages);
+        std::thread::spawn(move || session.transfer(&desc, &Op::new(session.waker())))
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    d.engine.receiver().release_room(ROOM);
+    pool_fill_canary(&d.pool, &d.pages);
+    let sent = writer.join().unwrap();
+    assert!(sent.is_err(), "a transfer into a released room succeeded: {sent:?}");
+    let (bad, first) = pool_scan_canary(&d.pool, &d.pages);
+    assert_eq!(bad, 0, "{bad} bytes changed after the release returned (first: {first:?})");
+    let (_, key) = d.engine.receiver().open_room(ROOM + 1, &d.pages, (PAGES * 16) as u32).unwrap();
+    let status = session.transfer(&chunk(RoomRef { id: ROOM + 1, key }, &src_pages), &Op::new(session.waker())).unwrap();
+    assert_eq!(status, Status::KVSTAGE_OK, "the session was cut");
+    d.engine.receiver().wait_room(ROOM + 1, Some(Duration::from_secs(10))).unwrap();
+    let (bad, first) = d.pool.verify(&d.pages, 0);
+    assert_eq!(bad, 0, "{first:?}");
+}
