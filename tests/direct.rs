@@ -120,3 +120,57 @@ fn a_release_within_the_grace_waits_for_the_report_and_keeps_the_session() {
     let (bad, first) = d.pool.verify(&d.pages, 0);
     assert_eq!(bad, 0, "{first:?}");
 }
+
+/// A receiver that plays direct mode and lies: it passes its ring and a pool of `CAPACITY` pages,
+/// then grants decode pages past that pool (a chunk would run over the end of its mapping), or
+/// fewer pages than the chunk fills. The sender refuses the grant without writing anything (the
+/// receiver's pool and ring stay zero), aborts the chunk, and says why.
+#[test]
+fn a_receiver_granting_pages_outside_its_pool_gets_nothing_written() {
+    use common::{hello, RawPeer};
+    use kvstage::protocol::Message;
+    use kvstage::transport::shm::{self, memory::SharedRing, OfferedRing};
+    for (lie, pages) in [("past the pool", vec![CAPACITY as u32 + 3; PAGES]), ("too few", vec![1u32; PAGES - 1])] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let liar = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut raw = RawPeer { stream };
+            assert!(matches!(raw.recv(Duration::from_secs(5)), Ok(Some(Message::Hello(_)))));
+            let Message::Hello(mut answer) = hello(&shape(0, 1), "liar", b"") else { unreachable!() };
+            answer.ring_bytes = 1 << 20;
+            raw.send(&Message::Hello(answer)).unwrap();
+            let (socket, nonce) = match raw.reply(Duration::from_secs(5)) {
+                Message::ShmOffer { socket, nonce, direct: true } => (socket, nonce),
+                other => panic!("expected a same-host offer asking for the pool, got {other:?}"),
+            };
+            let ring = SharedRing::create(1 << 20).unwrap();
+            let pool = HostPool::shared(shape(0, 1), CAPACITY);
+            let share = shm::pool::PoolShare::of(&pool.layout).unwrap();
+            let lease = shm::pass_ring(&socket, &nonce, OfferedRing::Memfd(ring.fd()), 1 << 20, Some(&share)).unwrap();
+            raw.send(&Message::ShmAnswer { status: 0, local: true, ring_len: 1 << 20, reason: String::new() }).unwrap();
+            let (req, bytes) = match raw.reply(Duration::from_secs(5)) {
+                Message::AllocReq { req, bytes, direct: true, .. } => (req, bytes),
+                other => panic!("expected a direct allocation request, got {other:?}"),
+            };
+            raw.send(&Message::AllocRsp { req, status: 0, round: 0, offset: 0, len: bytes, region: 0, reason: String::new(), pages }).unwrap();
+            let abort = raw.reply(Duration::from_secs(5));
+            assert!(matches!(abort, Message::Abort { .. }), "expected the sender to abort the chunk, got {abort:?}");
+            // SAFETY: both mappings live here; the sender's session is over (it aborted).
+            let written = pool.bytes_nonzero() + unsafe { std::slice::from_raw_parts(ring.ptr(), ring.len()) }.iter().filter(|&&b| b != 0).count();
+            drop(lease);
+            written
+        });
+        let engine = Engine::new(EngineOptions { transport: TransportKind::Shm, ..EngineOptions::default() }).unwrap();
+        let mut pool = HostPool::new(shape(0, 1), CAPACITY);
+        let src_pages = page_table(PAGES, CAPACITY, 4, false);
+        pool.fill(&src_pages, 0);
+        engine.register_pool(pool.layout.clone()).unwrap();
+        let session = engine.connect(&addr.to_string(), "lied-to", Some(Duration::from_secs(5))).expect("handshake with the liar");
+        let e = session.transfer(&chunk(RoomRef { id: 3, key: 1 }, &src_pages), &Op::new(session.waker())).unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL, "{lie}: {}", e.chain());
+        assert!(e.chain().contains("granted decode pages that do not hold this chunk"), "{lie}: {}", e.chain());
+        assert_eq!(liar.join().unwrap(), 0, "{lie}: bytes were written into the liar's pool or ring");
+        assert_eq!(engine.shm().direct_chunks(), 0, "{lie}");
+    }
+}

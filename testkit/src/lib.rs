@@ -116,6 +116,11 @@ impl HostPool {
         self.memory.len()
     }
 
+    /// Bytes of the pool that are not zero (a fresh pool has none).
+    pub fn bytes_nonzero(&self) -> usize {
+        self.memory.iter().filter(|&&b| b != 0).count()
+    }
+
     /// Byte range of token slot `slot` of buffer `buffer`.
     fn slot(&self, buffer: usize, slot: u64) -> std::ops::Range<usize> {
         let tb = self.layout.shape.token_bytes() as usize;

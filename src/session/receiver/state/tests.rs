@@ -508,6 +508,59 @@ fn a_mapped_writer_keeps_its_quarantine_past_its_connection_until_it_unmaps() {
     assert!(st.mapped_conns().is_empty());
 }
 
+/// A connection set up for direct mode that asks for it gets the chunk's pages, and its region
+/// is never scattered from the ring; one that is not set up, or does not ask, gets a ring grant.
+#[test]
+fn direct_grants_name_the_chunks_pages_and_their_regions_are_not_scattered() {
+    let mut st = state(4 * CHUNK);
+    let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
+    st.set_in_place(a, true);
+    st.set_direct(a);
+    st.set_in_place(b, true);
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    let g = st.grant(a, at(1), 1, 0, TOKENS, CHUNK, None, true).unwrap();
+    assert_eq!(g.pages, PAGES[2..4], "chunk 1's pages");
+    let g = st.grant(b, at(1), 1, 1, TOKENS, CHUNK, None, true).unwrap();
+    assert!(g.pages.is_empty(), "a session that does not map the pool writes through the ring");
+    let g = st.grant(a, at(1), 0, 0, TOKENS, CHUNK, None, false).unwrap();
+    assert!(g.pages.is_empty(), "not asked for");
+    st.take_effects();
+    for (conn, w) in [(a, 0), (b, 1)] {
+        st.written_in_place(conn, at(1), 1, w, w as u64 * REGION, REGION).unwrap();
+        let r = st.begin_ready(conn, at(1), 1, w).unwrap();
+        assert_eq!(r.direct.is_some(), conn == a, "the ready of writer {w} says where its bytes are");
+        st.finish_ready(r, Ok(()), "s").unwrap();
+    }
+    let jobs = st.take_effects().scatter;
+    assert!(!jobs.is_empty() && jobs.iter().all(|j| j.direct == [0]), "writer 0's region is left out of every scatter: {jobs:?}");
+}
+
+/// A direct writer holds the room's pages: its release drains until the writer reported ready,
+/// aborted, or its mapping ended (never by its connection alone: it may still copy).
+#[test]
+fn a_direct_writer_holds_its_rooms_pages_until_it_reports_or_unmaps() {
+    for end in ["ready", "abort", "unmapped"] {
+        let mut st = state(4 * CHUNK);
+        let a = st.add_conn(info(0, 2, false));
+        st.set_in_place(a, true);
+        st.set_direct(a);
+        st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+        assert!(!st.grant(a, at(1), 0, 0, TOKENS, CHUNK, None, true).unwrap().pages.is_empty());
+        assert_eq!(st.release_room(1), Release::Draining { gen: st.rooms[&1].gen, holders: vec![a] }, "{end}");
+        match end {
+            // A report after the release: refused, but the writer is done with the pages.
+            "ready" => assert!(st.begin_ready(a, at(1), 0, 0).is_err()),
+            "abort" => st.abort(a, at(1), 0, "gave up"),
+            _ => {
+                st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
+                assert!(st.draining(1, st.rooms[&1].gen).is_some(), "the connection's end does not stop a copy in progress");
+                st.unmapped(a);
+            }
+        }
+        assert!(!st.rooms.contains_key(&1), "{end}: the room left once its writer could no longer write");
+    }
+}
+
 #[test]
 fn a_mapping_of_a_replaced_ring_gets_no_grant() {
     let mut st = state(CHUNK);
@@ -759,6 +812,9 @@ struct Harness {
     /// Connection 3 writes in place; `mapped`: through a same-host mapping that outlives the
     /// connection (else RDMA: its writes end with it).
     mapped: bool,
+    /// With `mapped`: connection 3 maps the pool too and asks for direct grants (its chunks go
+    /// straight into the room's pages, which it holds while it may still write them).
+    direct: bool,
     /// Grants an in-place writer may still write into: (connection, grant, room key, chunk). Its
     /// connection may be gone while its mapping lives.
     may_write: Vec<(ConnId, u64, u64, u32)>,
@@ -784,7 +840,7 @@ fn writer_of(c: usize) -> u32 {
 }
 
 impl Harness {
-    fn new(mapped: bool, checksummed: bool) -> Harness {
+    fn new(mapped: bool, checksummed: bool, direct: bool) -> Harness {
         Harness {
             st: state(3 * CHUNK / 2 + 100),
             rooms: HashMap::new(),
@@ -793,6 +849,7 @@ impl Harness {
             slices: Vec::new(),
             scatters: Vec::new(),
             mapped,
+            direct: direct && mapped,
             may_write: Vec::new(),
             issued: HashMap::new(),
             next_key: 1,
@@ -813,6 +870,9 @@ impl Harness {
         if c == 3 && self.mapped {
             self.st.set_in_place(id, true);
             self.mappings.push(id);
+            if self.direct {
+                self.st.set_direct(id);
+            }
         }
         self.conns[c] = Some(id);
         id
@@ -822,6 +882,8 @@ impl Harness {
     /// `key` None — in place any more.
     fn done_writing(&mut self, id: ConnId, key: Option<u64>, chunk: Option<u32>) {
         self.may_write.retain(|&(c, _, k, ch)| !(c == id && key.is_none_or(|x| x == k) && chunk.is_none_or(|x| x == ch)));
+        // A released room a direct writer held may leave now.
+        self.recount_leases();
     }
 
     /// Room `room` as an honest sender names it: the key of its latest opening (made up when it
@@ -926,6 +988,12 @@ impl Harness {
                 r.leases += 1;
             }
         }
+        // A direct writer that may still write a room's pages holds them.
+        for &(_, _, key, _) in self.may_write.iter().filter(|_| self.direct) {
+            if let Some((_, r)) = self.rooms.iter_mut().find(|(id, _)| self.issued.get(id).and_then(|k| k.last()) == Some(&key)) {
+                r.leases += 1;
+            }
+        }
         let drained: Vec<u64> = self.rooms.iter().filter(|(_, r)| r.released && r.leases == 0).map(|(id, _)| *id).collect();
         for id in drained {
             self.rooms.remove(&id);
@@ -972,7 +1040,12 @@ impl Harness {
                     _ => (room, chunk),
                 };
                 let at = self.honest(room);
-                let result = self.st.allocate(id, at, chunk, w, TOKENS, CHUNK, None);
+                let direct = c == 3 && self.direct;
+                let result = self.st.grant(id, at, chunk, w, TOKENS, CHUNK, None, direct);
+                if let Ok(g) = &result {
+                    assert_eq!(g.pages.is_empty(), !direct, "a direct grant exactly when asked on a direct session");
+                }
+                let result = result.map(|g| (g.grant, g.region));
                 if self.stale_mapping == Some(id) {
                     assert_eq!(result.map(|_| ()).unwrap_err().code(), Status::KVSTAGE_E_PEER_GONE, "a grant for a mapping of a replaced ring");
                     return;
@@ -1312,9 +1385,12 @@ impl Harness {
             assert!(live.contains_key(&j.grant), "a scatter reads grant {} that was returned to the ring", j.grant);
         }
         // Nothing an in-place writer may still write (through a live mapping, past its
-        // connection too) is back in the ring.
+        // connection too) is back in the ring, nor, written directly, back with the caller.
         for &(c, g, room, chunk) in &self.may_write {
             assert!(live.contains_key(&g), "grant {g} of room {room} chunk {chunk} returned while connection {c} may still write it");
+            if self.direct {
+                assert!(st.rooms.values().any(|r| r.key == room), "the pages of room opening {room} returned while direct writer {c} may still write chunk {chunk}");
+            }
         }
         // Writable grants never overlap.
         let wm = ring.watermark();
@@ -1500,9 +1576,10 @@ proptest! {
     fn model_random_sequences_keep_every_invariant(
         mapped in any::<bool>(),
         checksummed in prop::bool::weighted(0.2),
+        direct in any::<bool>(),
         ops in prop_oneof![2 => proptest::collection::vec(op(), 1..80), 1 => proptest::collection::vec(calm_op(), 50..300)],
     ) {
-        let mut h = Harness::new(mapped, checksummed);
+        let mut h = Harness::new(mapped, checksummed, direct);
         for op in ops {
             h.step(op);
         }
