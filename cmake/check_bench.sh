@@ -3,10 +3,11 @@
 # parses, has every section with positive figures, and says the decode bytes were verified (staged
 # always; slice unless time-boxed, whose bytes are not checked); then
 # the same at load (--inflight 4), a short inflight sweep and a transport sweep (tcp with each
-# chunk written in pieces, shm): the CPU per request adds up by process and thread group; the load fields (inflight, request
+# chunk written in pieces, shm through the ring, shm direct): the CPU per request adds up by process and thread group; the load fields (inflight, request
 # latencies, raw TCP streams, the library's thread peak) are present and consistent; then the
 # same-host path: --transport shm, and auto, must report every session (params.links, staged.link)
-# on shm with the staged bytes verified; the default (tcp) reports tcp; then --layer-ms: both
+# on shm with the staged bytes verified, in direct mode unless --no-direct (staged.path, and chunks
+# counted as direct exactly then); the default (tcp) reports tcp; then --layer-ms: both
 # kinds' exposed times are present and positive and both kinds' decode bytes were verified; then
 # --stuck-peer: the report holds the stuck request as both sides describe it (its operation still
 # pending in a waiting phase, the stuck decode rank's room open with that chunk not done) and the
@@ -91,6 +92,9 @@ def check(report, inflight, full=True):
     assert report["params"]["links"] == [link] * report["params"]["sessions"], f"params.links = {report['params']['links']}"
     assert staged["link"] == link and staged["downgraded_sessions"] == 0, \
         f"staged: link {staged['link']!r}, {staged['downgraded_sessions']} downgraded ({staged.get('shm_downgrade')})"
+    path = link if link == "tcp" else ("shm-direct" if report["params"]["direct"] else "shm-ring")
+    assert staged["path"] == path and (staged["direct_chunks"] > 0) == (path == "shm-direct"), \
+        f"staged: path {staged['path']!r} with {staged['direct_chunks']} direct chunks, expected {path}"
     if full:
         assert report["slice"]["link"] == "tcp", "slice writes go on the TCP control streams"
         assert report["ratios"]["staged_over_memcpy"] > 0, "ratios.staged_over_memcpy is not positive"
@@ -111,7 +115,8 @@ auto = json.load(open(sys.argv[6]))
 assert auto["params"]["transport"] == "auto"
 check(auto, 2)
 transports = json.load(open(sys.argv[8]))
-assert [p["params"]["transport"] for p in transports] == ["tcp", "shm"], "the transport sweep runs tcp, shm"
+assert [(p["params"]["transport"], p["staged"]["path"]) for p in transports] == [("tcp", "tcp"), ("shm", "shm-ring"), ("shm", "shm-direct")], \
+    "the transport sweep runs tcp, shm through the ring, shm direct"
 for point in transports:
     assert point["params"]["send_piece_bytes"] == 1
     check(point, 1, full=False)
@@ -122,7 +127,7 @@ assert exposed["whole_s"] > 0 and exposed["layerwise_s"] > 0 and exposed["ratio"
 assert len(exposed["whole_samples"]) == len(exposed["layerwise_samples"]) == 2, exposed
 assert layers["verified_whole"] is True and layers["verified_layerwise"] is True, layers
 print("bench_json: all sections present and positive, verified, CPU per process and thread adding up; at load (inflight 4),"
-      " in an inflight sweep and a transport sweep (tcp in one-slab pieces, shm) too;"
+      " in an inflight sweep and a transport sweep (tcp in one-slab pieces, shm ring, shm direct) too;"
       " a time-boxed slice run says it was not verified; --transport shm and auto ran the staged section over shm, verified;"
       " --layer-ms reports both exposed times, both kinds verified")
 PY

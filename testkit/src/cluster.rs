@@ -59,6 +59,9 @@ pub struct Setup {
     /// and bytes of state per request (0: none).
     pub aux_rows: u32,
     pub state_bytes: u64,
+    /// Direct mode for same-host sessions: the decode pools lie in shared memory and both sides
+    /// allow it (`false`: every chunk through the decode ring).
+    pub direct: bool,
 }
 
 impl Setup {
@@ -97,7 +100,7 @@ impl Setup {
     }
 
     pub fn options(&self) -> EngineOptions {
-        EngineOptions { chunk_tokens: self.chunk_tokens, transport: self.transport, ..EngineOptions::default() }
+        EngineOptions { chunk_tokens: self.chunk_tokens, transport: self.transport, same_host_direct: self.direct, ..EngineOptions::default() }
     }
 
     /// Which decode ranks prefill rank `rs` writes to (the library's pairing helper: a replica of
@@ -162,6 +165,7 @@ impl Setup {
         ]
         .into_iter()
         .flat_map(|(k, v)| [k.to_string(), v])
+        .chain((!self.direct).then(|| "--no-direct".to_owned()))
         .collect()
     }
 
@@ -282,7 +286,8 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
             options.faults = Some(kvstage::transport::faults::Faults { plan, counters: Default::default() });
         }
         let engine = Engine::new(options)?;
-        let pool = HostPool::new(setup.model.shape(setup.page_size, rd, setup.decode_tp), setup.capacity());
+        let shape = setup.model.shape(setup.page_size, rd, setup.decode_tp);
+        let pool = if setup.direct { HostPool::shared(shape, setup.capacity()) } else { HostPool::new(shape, setup.capacity()) };
         engine.register_pool(pool.layout.clone())?;
         let src = setup.model.shape(setup.page_size, 0, setup.prefill_tp);
         let chunk = setup.grid_pages() as u32 * setup.page_size;

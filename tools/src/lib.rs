@@ -81,6 +81,11 @@ pub struct SetupArgs {
     /// request also moves.
     #[arg(long, value_name = "BYTES", default_value_t = 0)]
     pub state_bytes: u64,
+    /// Same-host sessions through the decode ring (gather, ring, scatter) instead of direct mode,
+    /// where the prefill copies each chunk from its pages into the decode pool's pages (the
+    /// decode pools then lie in shared memory).
+    #[arg(long)]
+    pub no_direct: bool,
 }
 
 /// `--transport`.
@@ -143,6 +148,7 @@ impl SetupArgs {
             },
             aux_rows: self.aux_rows,
             state_bytes: self.state_bytes,
+            direct: !self.no_direct,
         };
         setup.check()?;
         Ok(setup)
@@ -215,6 +221,10 @@ pub struct Links {
     pub downgraded: usize,
     /// The prefill engines' last same-host downgrade (why `auto` did not take shm), if any.
     pub shm_downgrade: Option<String>,
+    /// Sessions in direct mode (the prefill maps the decode pool) and the chunk regions they
+    /// copied page to page, over the prefill engines.
+    pub direct_sessions: u64,
+    pub direct_chunks: u64,
 }
 
 impl Links {
@@ -226,12 +236,26 @@ impl Links {
                 links.sessions.push((session.id().to_owned(), stats.link));
                 links.downgraded += usize::from(stats.downgraded);
             }
-            let why = r.engine.shm().last_downgrade();
+            let shm = r.engine.shm();
+            let why = shm.last_downgrade();
             if !why.is_empty() {
                 links.shm_downgrade = Some(why);
             }
+            links.direct_sessions += shm.direct_sessions();
+            links.direct_chunks += shm.direct_chunks();
         }
         links
+    }
+
+    /// How the staged chunks went: `shm-direct` (every session copies page to page), `shm-ring`
+    /// (through the decode ring), else the common link (`tcp`, `rdma`, `mixed`).
+    pub fn path(&self) -> &'static str {
+        match self.common() {
+            "shm" if self.direct_sessions == self.sessions.len() as u64 => "shm-direct",
+            "shm" if self.direct_sessions == 0 => "shm-ring",
+            "shm" => "mixed",
+            link => link,
+        }
     }
 
     /// Each session's link name, in session order.
@@ -253,7 +277,8 @@ impl Links {
         !self.sessions.is_empty() && self.sessions.iter().all(|(_, l)| *l == link)
     }
 
-    /// `shm (4 sessions)`, or `shm (2 sessions), tcp (2 sessions)`.
+    /// `shm (4 sessions)`, or `shm (2 sessions), tcp (2 sessions)`; `, 4 direct` when same-host
+    /// sessions copy page to page.
     pub fn summary(&self) -> String {
         let mut parts = Vec::new();
         for link in [LinkKind::Shm, LinkKind::Rdma, LinkKind::Tcp] {
@@ -261,6 +286,9 @@ impl Links {
             if n > 0 {
                 parts.push(format!("{} ({n} session{})", link_name(link), if n == 1 { "" } else { "s" }));
             }
+        }
+        if self.direct_sessions > 0 {
+            parts.push(format!("{} direct (decode pool mapped)", self.direct_sessions));
         }
         if parts.is_empty() {
             "no sessions".to_owned()

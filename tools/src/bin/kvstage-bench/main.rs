@@ -132,8 +132,8 @@ enum Sweep {
     /// The same request without and with request parts (--aux-rows and --state-bytes; 10 aux
     /// rows and 4 MiB of state when neither is given): what they add to its latency.
     Parts,
-    /// The byte movers between these two processes: tcp, then shm (the same-host ring): staged
-    /// and raw TCP only.
+    /// The byte movers between these two processes: tcp, shm-ring (gather into the mapped decode
+    /// ring, then scatter), shm-direct (prefill page to decode page): staged and raw TCP only.
     Transport,
 }
 
@@ -338,8 +338,6 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
     let s = &a.setup;
     let mut child = spawn_child(a, None)?;
     let prefill = Prefill::connect_with(s, &child.addrs, &prefill_options(a))?;
-    // What the sessions ended up on (with --transport auto: what the engines chose).
-    let links = Links::of(&prefill);
     let bytes = s.room_bytes()?;
     let n = a.inflight.max(1);
     let staged_steps = a.warmup * n + a.requests.unwrap_or(a.reps.max(2 * n)) + n - 1;
@@ -377,6 +375,9 @@ fn measure(a: &Args, full: bool, label: &str) -> Result<Report, Error> {
     // staged: requests end to end, until the decode side has scattered everything.
     let mut room = 0u64;
     let (mut staged, last) = staged_load(a, &mut child, &prefill, &mut room, &bar)?;
+    // What the sessions ended up on (with --transport auto: what the engines chose), and how
+    // many chunks went directly.
+    let links = Links::of(&prefill);
     // Every library thread of the run exists now (the engines' workers, the sessions' readers).
     sampler.sample();
     raw_runs(&mut child, a.reps - before)?;
@@ -549,9 +550,9 @@ fn sweep_points(a: &Args, what: Sweep) -> Vec<(String, Args)> {
                 ("with".to_owned(), with(Setup { aux_rows, state_bytes, ..base.clone() })),
             ]
         }
-        Sweep::Transport => [("tcp", TransportKind::Tcp), ("shm", TransportKind::Shm)]
+        Sweep::Transport => [("tcp", TransportKind::Tcp, base.direct), ("shm-ring", TransportKind::Shm, false), ("shm-direct", TransportKind::Shm, true)]
             .into_iter()
-            .map(|(name, transport)| (name.to_owned(), with(Setup { transport, ..base.clone() })))
+            .map(|(name, transport, direct)| (name.to_owned(), with(Setup { transport, direct, ..base.clone() })))
             .collect(),
         Sweep::Tp => [(1u32, 1u32), (2, 1), (4, 2), (2, 4), (8, 2)]
             .iter()

@@ -312,6 +312,11 @@ struct StagedJson {
     verified: bool,
     /// The link every sender session ended up on (`tcp`, `rdma`, `shm`), or `mixed`.
     link: &'static str,
+    /// How the chunks went: `shm-direct` (prefill page to decode page, one copy), `shm-ring`
+    /// (gather into the mapped decode ring, then scatter), else the link.
+    path: &'static str,
+    /// Chunk regions copied page to page (direct mode), warmup included.
+    direct_chunks: u64,
     /// Sessions allowed a faster path (transport auto) that run on a slower one.
     downgraded_sessions: usize,
     /// The prefill engines' last same-host downgrade: why auto did not take shm.
@@ -361,6 +366,8 @@ struct Params {
     send_from_pool: bool,
     /// What `--transport` asked.
     transport: &'static str,
+    /// Same-host sessions may go direct (`--no-direct`: false; the decode pools in shared memory).
+    direct: bool,
     /// What each sender session ended up on, in session order (prefill rank, then decode rank).
     links: Vec<&'static str>,
     memory: &'static str,
@@ -442,6 +449,7 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
             send_piece_bytes: o.send_piece_bytes,
             send_from_pool: o.send_from_pool,
             transport: kvstage_testkit::cluster::transport_name(s.transport),
+            direct: s.direct,
             links: r.links.names(),
             memory: "host",
             aux_rows: s.aux_rows,
@@ -456,6 +464,8 @@ pub fn report_json(a: &Args, r: &Report) -> ReportJson {
             operations: st.ops,
             verified: st.check.verified(),
             link: r.links.common(),
+            path: r.links.path(),
+            direct_chunks: r.links.direct_chunks,
             downgraded_sessions: r.links.downgraded,
             shm_downgrade: r.links.shm_downgrade.clone(),
         }),
