@@ -465,7 +465,7 @@ unsafe fn strided<const N: usize>(src: usize, dst: usize, src_stride: usize, dst
 }
 
 /// Copies with non-temporal stores (x86-64 SSE2, part of the baseline ISA); elsewhere `memcpy`.
-mod nt {
+pub(super) mod nt {
     #[cfg(target_arch = "x86_64")]
     pub const AVAILABLE: bool = true;
     #[cfg(not(target_arch = "x86_64"))]

@@ -3,7 +3,7 @@
 //! direct mode copies from one pool's rows to another's.
 
 use crate::error::{Error, Result};
-use crate::geometry::{CopyPlan, KvLayout};
+use crate::geometry::{CopyPlan, KvLayout, Segment};
 
 /// Whether the plan's slabs, in region order, lie back to back from the region's start (then its
 /// rows in that order are the region's KV bytes).
@@ -43,31 +43,61 @@ pub unsafe fn pool_rows<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iter
 }
 
 /// Direct mode's one pass: copies the region `src` gathers from `src_pool` straight to where
-/// `dst` scatters it in `dst_pool`, walking both plans' rows in region order together (the head
-/// remap is in the two plans: each side's head slice of its token slots).
+/// `dst` scatters it in `dst_pool`, row by row (each side's head slice of its token slots: the
+/// head remap lies in the two plans), whole runs where both sides' rows are whole token slots.
 ///
 /// # Safety
 /// Both plans were checked against their pools ([`super::check_plan`]), host memory that does
 /// not overlap; nobody else writes `dst`'s rows or reads them as done while this runs.
 pub unsafe fn copy_across(src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
-    if src.bytes() != dst.bytes() || !tiles_in_order(src) || !tiles_in_order(dst) {
+    let same_slabs = src.slabs.len() == dst.slabs.len() && src.slabs.iter().zip(&dst.slabs).all(|(a, b)| a.staging_offset == b.staging_offset);
+    if !same_slabs || src.row_bytes != dst.row_bytes || src.tokens != dst.tokens {
         return Err(Error::internal(format!("a direct copy of {} bytes of rows into {} bytes of rows", src.bytes(), dst.bytes())));
     }
-    let mut from = pool_ranges(src, src_pool);
-    let mut left: Option<(usize, usize)> = None;
-    for (mut to, mut len) in pool_ranges(dst, dst_pool) {
-        while len > 0 {
-            let (at, n) = left.take().or_else(|| from.next()).ok_or_else(|| Error::internal("a direct copy's source rows ended early"))?;
-            let k = n.min(len);
-            // SAFETY: both ranges lie in their pools (checked plans), which do not overlap.
-            unsafe { std::ptr::copy_nonoverlapping(at as *const u8, to as *mut u8, k) };
-            (to, len) = (to + k, len - k);
-            if k < n {
-                left = Some((at + k, n - k));
+    let runs = fused_segments(&src.segments, &dst.segments);
+    let row = src.row_bytes as usize;
+    let whole = src.contiguous() && dst.contiguous();
+    // The decode pool's rows are not read here again: streaming stores skip reading each
+    // destination line before writing it (half the memory traffic of a plain copy).
+    let copy = |from: usize, to: usize, len: usize| {
+        // SAFETY: the callers' ranges lie in both pools (checked plans), which do not overlap.
+        unsafe { super::host::nt::copy(from as *const u8, to as *mut u8, len) }
+    };
+    for (from, to) in src.slabs.iter().zip(&dst.slabs) {
+        let src_base = src_pool.bases[from.buffer as usize] + src.pool_head_offset as usize;
+        let dst_base = dst_pool.bases[to.buffer as usize] + dst.pool_head_offset as usize;
+        for &(src_token, dst_token, tokens) in &runs {
+            let (mut at, mut into) = (src_base + (src_token * src.pool_token_bytes) as usize, dst_base + (dst_token * dst.pool_token_bytes) as usize);
+            if whole {
+                copy(at, into, tokens as usize * row);
+                continue;
+            }
+            for _ in 0..tokens {
+                copy(at, into, row);
+                at += src.pool_token_bytes as usize;
+                into += dst.pool_token_bytes as usize;
             }
         }
     }
+    // Streaming stores are weakly ordered: visible before the writer reports the region written.
+    super::host::nt::fence();
     Ok(())
+}
+
+/// Two tilings of the same staging tokens merged: `(src pool token, dst pool token, tokens)`
+/// runs consecutive on both sides.
+fn fused_segments(src: &[Segment], dst: &[Segment]) -> Vec<(u64, u64, u64)> {
+    let (mut i, mut j, mut at) = (0, 0, 0u64);
+    let mut out = Vec::with_capacity(src.len() + dst.len());
+    while i < src.len() && j < dst.len() {
+        let (a, b) = (&src[i], &dst[j]);
+        let end = (a.staging_token + a.tokens).min(b.staging_token + b.tokens);
+        out.push((a.pool_token + (at - a.staging_token), b.pool_token + (at - b.staging_token), end - at));
+        at = end;
+        i += usize::from(end == a.staging_token + a.tokens);
+        j += usize::from(end == b.staging_token + b.tokens);
+    }
+    out
 }
 
 /// Merges `(address, length)` ranges that follow each other in memory.
@@ -137,3 +167,4 @@ mod tests {
         }
     }
 }
+
