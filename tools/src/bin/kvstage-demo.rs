@@ -1,7 +1,9 @@
 //! The main job: a real staged transfer on one machine. This process plays every prefill rank;
-//! a child process plays every decode rank. KV moves through the decode staging rings (transport
-//! auto by default: the same-host path, where the senders' gathers write straight into the decode
-//! rings through shared mappings, else loopback TCP), is verified byte-for-byte in the child, and
+//! a child process plays every decode rank. KV moves by transport auto by default: the same-host
+//! path in direct mode, where each chunk is copied from the prefill pages straight into the decode
+//! pages (the decode pools in shared memory; `--no-direct`: the gathers write into the decode
+//! staging rings through shared mappings, then the decode side scatters), else loopback TCP. It is
+//! verified byte-for-byte in the child, and
 //! the slice path moves the same request for comparison. It prints which transport the sessions
 //! ended up on and, when auto fell back, why.
 
@@ -42,6 +44,13 @@ fn transport_line(s: &Setup, links: &Links) -> String {
         TransportKind::Auto => "transport auto chose it".to_owned(),
         other => format!("--transport {}", transport_name(other)),
     };
+    if links.all(LinkKind::Shm) && links.path() == "shm-direct" {
+        return format!(
+            "{}: same host, direct mode: each chunk copied from the prefill pages straight into the decode pages \
+             (the decode pools in shared memory, mapped here), control frames on loopback TCP ({asked})",
+            links.summary()
+        );
+    }
     if links.all(LinkKind::Shm) {
         return format!(
             "{}: same host, the gathers write straight into the decode staging rings through shared mappings, \
