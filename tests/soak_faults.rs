@@ -15,6 +15,10 @@
 //! from the pool's rows, gathered into a staging buffer then one write, or gathered in pieces of
 //! one slab, each written while the next is gathered.
 //!
+//! A third of all seeds put the decode pool in shared memory: their same-host sessions copy whole
+//! chunks straight into the decode pages (direct mode, with the checksum computed over the decode
+//! pool's rows), while layer-wise chunks and the last chunk with request parts go through the ring.
+//!
 //! Half the whole-chunk seeds move the whole request (request parts: an aux row and a state slot
 //! per layer, sharded P2 -> D1, with the last chunk): a room reported complete holds exactly the
 //! reference parts too, its aux row included.
@@ -60,6 +64,9 @@ struct Tally {
     /// Of them, whole-chunk rooms over TCP by how their chunks went out: from the pool, staged
     /// in one write, staged in pieces.
     completed_by_write: [AtomicU64; 3],
+    /// Chunk regions the decode engines received directly into their pools (same-host seeds
+    /// whose decode pool lies in shared memory), in rooms that completed.
+    direct_regions: AtomicU64,
     failed: AtomicU64,
     hangs: AtomicU64,
     corrupt_successes: AtomicU64,
@@ -117,6 +124,12 @@ enum WriteKind {
     /// Gathered into a staging buffer in pieces of one slab, each written while the next is
     /// gathered.
     Pieces,
+}
+
+/// Whether the decode pool of `seed` lies in shared memory: its same-host sessions then go direct
+/// (whole chunks without request parts; the rest, and layer-wise chunks, through the ring).
+fn shared_pool(seed: u64) -> bool {
+    write_kind(seed) == WriteKind::FromPool
 }
 
 fn write_kind(seed: u64) -> WriteKind {
@@ -191,7 +204,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     let parted = with_parts(seed);
     let faults = Faults { plan, counters: counters.clone() };
     let decode = Engine::new(options(seed, on_decode.then(|| faults.clone()))).expect("decode engine");
-    let dpool = HostPool::new(shape(0, 1), 16);
+    let dpool = if shared_pool(seed) { HostPool::shared(shape(0, 1), 16) } else { HostPool::new(shape(0, 1), 16) };
     decode.register_pool(dpool.layout.clone()).unwrap();
     let dparts = parted.then(|| PartsMemory::register(&decode, 0, 1, false));
     let src0 = shape(0, 2);
@@ -275,6 +288,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
             if !layerwise(seed) && (seed / 18).is_multiple_of(2) {
                 tally.completed_by_write[write_kind(seed) as usize].fetch_add(1, Ordering::Relaxed);
             }
+            tally.direct_regions.fetch_add(decode.shm().direct_chunks(), Ordering::Relaxed);
             let (bad, first) = dpool.verify(&dst_pages, 0);
             if dparts.as_ref().is_some_and(|m| !m.holds_reference()) {
                 eprintln!("seed {seed}: room complete with wrong request parts");
@@ -350,7 +364,7 @@ fn soak_every_seed_ends_cleanly() {
     let (fds_after, threads_after) = (fd_count(), thread_count());
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
     eprintln!(
-        "soak: {} seeds in {:.1} s: {} rooms complete and verified ({} with request parts; whole chunks over tcp: {} from the pool, {} staged, {} staged in pieces), {} failed cleanly; hangs {}, corrupt successes {}, \
+        "soak: {} seeds in {:.1} s: {} rooms complete and verified ({} with request parts; whole chunks over tcp: {} from the pool, {} staged, {} staged in pieces; {} regions received directly), {} failed cleanly; hangs {}, corrupt successes {}, \
          leaked ring allocations {}; faults injected: {:?}; fds {fds_before}->{fds_after}, threads {threads_before}->{threads_after}",
         g(&tally.seeds),
         started.elapsed().as_secs_f64(),
@@ -359,6 +373,7 @@ fn soak_every_seed_ends_cleanly() {
         g(&tally.completed_by_write[0]),
         g(&tally.completed_by_write[1]),
         g(&tally.completed_by_write[2]),
+        g(&tally.direct_regions),
         g(&tally.failed),
         g(&tally.hangs),
         g(&tally.corrupt_successes),
@@ -373,6 +388,7 @@ fn soak_every_seed_ends_cleanly() {
     assert!(threads_after <= threads_before, "threads leaked: {threads_before} -> {threads_after}");
     assert!(g(&tally.completed) > seeds / 10, "too few clean runs: the harness itself may be broken");
     assert!(g(&tally.completed_with_parts) > seeds / 40, "too few clean runs with request parts");
+    assert!(g(&tally.direct_regions) > seeds / 40, "too few regions received directly (same-host seeds with a shared decode pool)");
     for (kind, n) in ["from the pool", "staged", "staged in pieces"].iter().zip(&tally.completed_by_write) {
         assert!(g(n) > seeds / 80, "too few clean whole-chunk runs over tcp {kind}");
     }
