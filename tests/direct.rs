@@ -56,26 +56,34 @@ fn prefill(to: &Engine, plan: FaultPlan) -> (Engine, HostPool, Arc<SenderSession
     (engine, pool, session, pages)
 }
 
+/// Sends `desc` on its own thread; returns once the transfer holds its direct grant and copies (its
+/// phase is `gathering`, which the test fault's pause holds), and the thread.
+fn send_until_copying(session: &Arc<SenderSession>, desc: TransferDesc) -> std::thread::JoinHandle<kvstage::Result<Status>> {
+    let op = Op::new(session.waker());
+    let writer = {
+        let (session, op) = (session.clone(), op.clone());
+        std::thread::spawn(move || session.transfer(&desc, &op))
+    };
+    let copying = common::settle(Duration::from_secs(10), || op.progress().is_some_and(|(p, _)| p.phase == "gathering"));
+    assert!(copying, "the transfer never reached its direct copy: {:?}", op.progress().map(|(p, r)| (p.phase, r.map(|r| r.map_err(|e| e.chain())))));
+    writer
+}
+
 fn chunk(room: RoomRef, pages: &[u32]) -> TransferDesc {
     TransferDesc { room, chunk: 0, pages: pages.to_vec(), timeout: Some(Duration::from_secs(20)), ..Default::default() }
 }
 
 /// A writer pauses 1.5 s holding the decode pool's mapping before it copies; the room is released
-/// 0.3 s in. The release returns only once that writer can no longer write (here: its session cut
-/// after the release's grace, its copy finished, its mapping gone), so pages the caller refills
-/// right after the release keep what it wrote. The room id then opens again for another request,
-/// which lands whole. Without the release's hold on direct writers, the copy lands 1.2 s after the
-/// release returned, over the caller's bytes.
+/// while it pauses. The release returns only once that writer can no longer write (here: its
+/// session cut after the release's grace, its copy finished, its mapping gone), so pages the caller
+/// refills right after the release keep what it wrote. The room id then opens again for another
+/// request, which lands whole. Without the release's hold on direct writers, the copy lands over a
+/// second after the release returned, over the caller's bytes.
 #[test]
 fn a_release_waits_for_a_direct_writer_still_copying() {
     let (d, room) = decode();
     let (_pe, _pp, session, src_pages) = prefill(&d.engine, FaultPlan { direct_pause_ms: 1500, ..FaultPlan::default() });
-    let writer = {
-        let session = session.clone();
-        let desc = chunk(room, &src_pages);
-        std::thread::spawn(move || session.transfer(&desc, &Op::new(session.waker())))
-    };
-    std::thread::sleep(Duration::from_millis(300));
+    let writer = send_until_copying(&session, chunk(room, &src_pages));
     d.engine.receiver().release_room(ROOM);
     pool_fill_canary(&d.pool, &d.pages);
     let sent = writer.join().unwrap();
@@ -94,19 +102,14 @@ fn a_release_waits_for_a_direct_writer_still_copying() {
     assert!(d.engine.shm().direct_chunks() >= 1, "the second request went directly");
 }
 
-/// A writer that finishes its copy within the release's grace (0.3 s pause, released 0.1 s in):
+/// A writer that finishes its copy within the release's grace (a 0.1 s pause, released during it):
 /// the release waits for its report, nothing after it changes the pages, and the session is not
 /// cut (its other rooms go on): the same session delivers the next request.
 #[test]
 fn a_release_within_the_grace_waits_for_the_report_and_keeps_the_session() {
     let (d, room) = decode();
-    let (_pe, _pp, session, src_pages) = prefill(&d.engine, FaultPlan { direct_pause_ms: 300, ..FaultPlan::default() });
-    let writer = {
-        let session = session.clone();
-        let desc = chunk(room, &src_pages);
-        std::thread::spawn(move || session.transfer(&desc, &Op::new(session.waker())))
-    };
-    std::thread::sleep(Duration::from_millis(100));
+    let (_pe, _pp, session, src_pages) = prefill(&d.engine, FaultPlan { direct_pause_ms: 100, ..FaultPlan::default() });
+    let writer = send_until_copying(&session, chunk(room, &src_pages));
     d.engine.receiver().release_room(ROOM);
     pool_fill_canary(&d.pool, &d.pages);
     let sent = writer.join().unwrap();

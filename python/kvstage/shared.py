@@ -15,8 +15,7 @@ from ._lib import Library, get_library
 class SharedMemory(_Handle):
     """``nbytes`` of zeroed, resident host memory from ``kvstage_shared_alloc``.
 
-    Keep it alive (and do not :meth:`close` it) while an engine's pool lies in it: free the engine
-    first. ``memoryview()`` exposes it to numpy (``numpy.frombuffer(m.memoryview(), dtype)``) or
+    Do not :meth:`close` it while an engine's pool lies in it: free the engine first. ``memoryview()`` exposes it to numpy (``numpy.frombuffer(m.memoryview(), dtype)``) or
     torch (``torch.frombuffer(m.memoryview(), dtype=torch.bfloat16)``)."""
 
     _kind = "shared memory"
@@ -35,5 +34,9 @@ class SharedMemory(_Handle):
         return self._handle()
 
     def memoryview(self) -> memoryview:
-        """The memory as a writable, flat byte view (valid until :meth:`close`)."""
-        return memoryview((ctypes.c_uint8 * self.nbytes).from_address(self._handle())).cast("B")
+        """The memory as a writable, flat byte view. The view (and an array made from it) keeps
+        this object alive, so the memory is not freed under it by garbage collection; an explicit
+        :meth:`close` frees it regardless (close only after the engine and the arrays are gone)."""
+        array = (ctypes.c_uint8 * self.nbytes).from_address(self._handle())
+        array._owner = self  # the view's exporter holds the allocation's owner
+        return memoryview(array).cast("B")

@@ -67,6 +67,23 @@ def test_a_request_lands_directly_in_shared_decode_pages(lib, decode_direct, pre
         memory.close()
 
 
+def test_a_view_keeps_its_memory_alive(lib):
+    import gc
+    import weakref
+
+    memory = kvstage.SharedMemory(1 << 16)
+    owner = weakref.ref(memory)
+    array = np.frombuffer(memory.memoryview(), dtype=np.uint16)
+    del memory
+    gc.collect()
+    assert owner() is not None, "the memory was freed under a live array"
+    array[:] = 3
+    assert int(array.sum()) == 3 * (1 << 15)
+    del array
+    gc.collect()
+    assert owner() is None, "the memory outlived its last view"
+
+
 def test_shared_memory_is_freed_once(lib):
     memory = kvstage.SharedMemory(4096)
     view = np.frombuffer(memory.memoryview(), dtype=np.uint8)

@@ -28,11 +28,13 @@ use crate::error::Status;
 use crate::protocol::Message;
 use crate::transport::shm;
 
-/// How long an engine being freed waits for same-host peers of a device ring to close their
-/// leases (their sessions just ended) before it gives up on the ring's memory.
+/// How long an engine being freed waits for same-host peers of a device ring, or peers that map
+/// its KV pool (direct mode), to close their leases (their sessions just ended) before it gives
+/// up on them.
 const DEVICE_LEASE_DRAIN: Duration = Duration::from_secs(2);
 
-/// A watched lease: the socket, the thread watching it, whether its ring is device memory.
+/// A watched lease: the socket, the thread watching it, whether the engine's teardown waits for
+/// it (a device ring, or a peer mapping the KV pool).
 type Watch = (UnixStream, JoinHandle<()>, bool);
 
 /// Lease sockets of same-host peers and the threads watching them.
@@ -46,13 +48,19 @@ pub struct Leases {
 
 impl Leases {
     /// Ends every watch (engine shutdown). Host rings: the quarantines end with the engine, the
-    /// ring's pages stay alive as long as any peer still maps them. Device rings: the peers'
-    /// sessions were just closed, so their leases are given a moment to end; a ring still held
-    /// after that is leaked (logged), never freed under a writer.
+    /// ring's pages stay alive as long as any peer still maps them. Device rings, and peers that
+    /// map the KV pool: the peers' sessions were just closed, so their leases are given a moment
+    /// to end (a direct copy in progress finishes, then its sender unmaps), so that the pool is
+    /// the caller's again once the engine is freed; a device ring still held after that is leaked
+    /// (logged), never freed under a writer, and a pool still mapped is logged.
     pub fn close_all(&self) {
         let until = Instant::now() + DEVICE_LEASE_DRAIN;
-        while self.watched.lock().values().any(|(_, _, device)| *device) && Instant::now() < until {
+        while self.watched.lock().values().any(|(_, _, drains)| *drains) && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(10));
+        }
+        let held = self.watched.lock().iter().filter(|(_, (_, _, drains))| *drains).map(|(id, _)| *id).collect::<Vec<_>>();
+        if !held.is_empty() {
+            log::warn!("engine freed while same-host peers (connections {held:?}) still map its device ring or KV pool: they may still write it");
         }
         self.abandoned.store(true, Ordering::SeqCst);
         let watched: Vec<_> = self.watched.lock().drain().collect();
@@ -202,7 +210,7 @@ impl Receiver {
         });
         drop(current);
         let ring = memory.clone().expect("a ring was passed");
-        if let Err(e) = self.watch_lease(id, lease, ring) {
+        if let Err(e) = self.watch_lease(id, lease, ring, direct) {
             // Without a watch the quarantine would never end: refuse (the lease closes, the sender
             // sees the socket end and unmaps).
             self.with_state(|st| st.unmapped(id));
@@ -231,8 +239,8 @@ impl Receiver {
     }
 
     /// Watches `lease` until the peer closes it (unmapped, or its process ended), holding `ring`
-    /// (the ring it was passed) until then.
-    fn watch_lease(self: &Arc<Self>, id: ConnId, lease: UnixStream, ring: Arc<RingMemory>) -> crate::Result<()> {
+    /// (the ring it was passed) until then; `direct`: the peer maps the KV pool too.
+    fn watch_lease(self: &Arc<Self>, id: ConnId, lease: UnixStream, ring: Arc<RingMemory>, direct: bool) -> crate::Result<()> {
         let watched = lease.try_clone()?;
         let device = ring.device().is_some();
         // The peer process (SO_PEERCRED: visible in this PID namespace, or the same-host path was
@@ -296,7 +304,7 @@ impl Receiver {
         if self.closing() {
             let _ = watched.shutdown(std::net::Shutdown::Both);
         }
-        leases.insert(id, (watched, handle, device));
+        leases.insert(id, (watched, handle, device || direct));
         Ok(())
     }
 }

@@ -27,7 +27,12 @@ impl Mapping {
     /// Maps `len` bytes of `fd` read-write and shared, populated: the pages are allocated (or,
     /// for a peer's ring, their page tables filled) now, not by the first transfers' writes.
     pub fn map(fd: BorrowedFd<'_>, len: usize) -> Result<Mapping> {
-        let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
+        Self::map_with(fd, len, true)
+    }
+
+    /// As [`map`](Self::map); `populate` false leaves the pages to be faulted in when touched.
+    fn map_with(fd: BorrowedFd<'_>, len: usize, populate: bool) -> Result<Mapping> {
+        let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
         // SAFETY: a fresh mapping chosen by the kernel; the fd's size was checked by the caller.
         let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd.as_raw_fd(), 0) };
         if ptr == libc::MAP_FAILED {
@@ -107,8 +112,14 @@ impl SharedRing {
 }
 
 /// Checks a descriptor a peer passed as its ring: a memfd whose size is `len` and sealed against
-/// shrinking (so our mapping can never fault), then maps it.
+/// shrinking (so our mapping can never fault), then maps it populated.
 pub fn map_peer_ring(fd: &OwnedFd, len: u64) -> Result<Mapping> {
+    map_peer_file(fd, len, true)
+}
+
+/// As [`map_peer_ring`], for any shared memory file a peer passed; `populate` false maps it
+/// without touching its pages.
+pub fn map_peer_file(fd: &OwnedFd, len: u64, populate: bool) -> Result<Mapping> {
     // The seal first: once F_SEAL_SHRINK is set the size checked next can no longer drop (checked
     // the other way round, the peer could shrink the file between the two checks and then seal it).
     // SAFETY: fcntl/fstat on a descriptor we own.
@@ -128,7 +139,7 @@ pub fn map_peer_ring(fd: &OwnedFd, len: u64) -> Result<Mapping> {
         ));
     }
     let len = usize::try_from(len).map_err(|_| Error::new(Status::KVSTAGE_E_PROTOCOL, format!("a ring of {len} bytes")))?;
-    let mapping = Mapping::map(std::os::fd::AsFd::as_fd(fd), len)?;
+    let mapping = Mapping::map_with(std::os::fd::AsFd::as_fd(fd), len, populate)?;
     // A child forked by the engine's process (multiprocessing, a helper) gets no copy of the
     // mapping: only this process, whose teardown the receiver waits for, can write the ring.
     // SAFETY: advice on our own mapping.

@@ -14,14 +14,16 @@ use std::os::unix::net::UnixStream;
 use parking_lot::Mutex;
 
 use super::fdpass;
-use super::memory::{map_peer_ring, Mapping, SharedRing};
+use super::memory::{map_peer_file, Mapping, SharedRing};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{KvLayout, MemoryKind, PoolShape};
 
-/// Files a pool share may hold (a pool of one allocation per buffer: 2 per layer).
-pub const MAX_POOL_FILES: u32 = 1024;
-/// Buffers a pool share may describe.
-pub const MAX_POOL_BUFFERS: u32 = 8192;
+/// Files a pool share may hold. The receiver sends them all before its answer lets the sender
+/// read, so they must fit the local socket's buffer together with the table (a pool spread over
+/// more allocations is served through the ring).
+pub const MAX_POOL_FILES: u32 = 64;
+/// Buffers a pool share may describe (K and V of 2048 layers).
+pub const MAX_POOL_BUFFERS: u32 = 4096;
 const TABLE_ENTRY_BYTES: usize = 12;
 
 /// Live shared allocations by address.
@@ -48,14 +50,10 @@ pub fn free(ptr: *mut u8) -> Result<()> {
     }
 }
 
-/// The shared allocation holding `[at, at + len)`: its descriptor (a duplicate) and the offset of
-/// `at` in it.
-fn holding(at: usize, len: u64) -> Option<(OwnedFd, u64, u64)> {
-    let all = ALLOCATIONS.lock();
+/// The shared allocation holding `[at, at + len)`: its address and size.
+fn holding(all: &BTreeMap<usize, SharedRing>, at: usize, len: u64) -> Option<(usize, u64)> {
     let (&start, memory) = all.range(..=at).next_back()?;
-    let offset = (at - start) as u64;
-    (offset.checked_add(len)? <= memory.len() as u64).then_some(())?;
-    Some((memory.fd().try_clone_to_owned().ok()?, offset, memory.len() as u64))
+    ((at - start) as u64).checked_add(len).filter(|&end| end <= memory.len() as u64).map(|_| (start, memory.len() as u64))
 }
 
 /// A decode pool that lies in shared allocations, as a same-host sender maps it.
@@ -76,27 +74,27 @@ impl PoolShare {
             return Err("the KV pool is device memory".to_owned());
         }
         let buffer_bytes = pool.capacity_pages * pool.shape.page_bytes();
-        let mut files: Vec<(OwnedFd, u64)> = Vec::new();
-        let mut starts: Vec<u64> = Vec::new();
+        let all = ALLOCATIONS.lock();
+        let mut starts: Vec<(usize, u64)> = Vec::new();
         let mut buffers = Vec::with_capacity(pool.bases.len());
         for (i, &base) in pool.bases.iter().enumerate() {
-            let Some((fd, offset, file_len)) = holding(base, buffer_bytes) else {
+            let Some((start, file_len)) = holding(&all, base, buffer_bytes) else {
                 return Err(format!("pool buffer {i} at {base:#x} is not in memory of kvstage_shared_alloc"));
             };
             // One allocation is one file: its address tells it apart.
-            let start = base as u64 - offset;
-            let index = match starts.iter().position(|&s| s == start) {
-                Some(k) => k,
-                None => {
-                    starts.push(start);
-                    files.push((fd, file_len));
-                    files.len() - 1
-                }
-            };
-            buffers.push((index as u32, offset));
+            let index = starts.iter().position(|&(s, _)| s == start).unwrap_or_else(|| {
+                starts.push((start, file_len));
+                starts.len() - 1
+            });
+            buffers.push((index as u32, (base - start) as u64));
         }
-        if files.len() as u32 > MAX_POOL_FILES || buffers.len() as u32 > MAX_POOL_BUFFERS {
-            return Err(format!("the pool spans {} allocations and {} buffers (at most {MAX_POOL_FILES} and {MAX_POOL_BUFFERS})", files.len(), buffers.len()));
+        if starts.len() as u32 > MAX_POOL_FILES || buffers.len() as u32 > MAX_POOL_BUFFERS {
+            return Err(format!("the pool spans {} allocations and {} buffers (at most {MAX_POOL_FILES} and {MAX_POOL_BUFFERS})", starts.len(), buffers.len()));
+        }
+        let mut files = Vec::with_capacity(starts.len());
+        for (start, len) in starts {
+            let fd = all[&start].fd().try_clone_to_owned().map_err(|e| format!("cannot duplicate a pool allocation's descriptor: {e}"))?;
+            files.push((fd, len));
         }
         Ok(PoolShare { files, buffers, buffer_bytes })
     }
@@ -131,7 +129,9 @@ pub struct PeerPool {
 
 /// Receives `files` files and the table from `stream` and maps the pool of `shape` they hold.
 /// Everything is checked before use: each file is a sealed memfd of the size it is said to be,
-/// the table names exactly the shape's buffers, each of whole pages and inside its file.
+/// the table names exactly the shape's buffers, each of whole pages and inside its file. The files
+/// are mapped without populating them: this process touches only the pages it is granted (a
+/// receiver's claimed sizes, sparse or not, cost nothing until then).
 pub fn map_peer_pool(stream: &UnixStream, files: u32, shape: &PoolShape) -> Result<PeerPool> {
     let bad = |why: String| Error::new(Status::KVSTAGE_E_PROTOCOL, format!("the receiver's pool share: {why}"));
     if files == 0 || files > MAX_POOL_FILES {
@@ -141,7 +141,7 @@ pub fn map_peer_pool(stream: &UnixStream, files: u32, shape: &PoolShape) -> Resu
     for i in 0..files {
         let mut len = [0u8; 8];
         let fd = fdpass::recv_fd(stream, &mut len)?.ok_or_else(|| bad(format!("file {i} came without its descriptor")))?;
-        maps.push(map_peer_ring(&fd, u64::from_le_bytes(len))?);
+        maps.push(map_peer_file(&fd, u64::from_le_bytes(len), false).map_err(|e| e.context(format!("the receiver's pool file {i}")))?);
     }
     let mut head = [0u8; 12];
     let mut reader = stream;
@@ -215,6 +215,24 @@ mod tests {
         free(a).unwrap();
         free(b).unwrap();
         assert_eq!(free(a).unwrap_err().code(), Status::KVSTAGE_E_INVALID_ARG);
+    }
+
+    /// The largest share goes out whole before anyone reads the socket (the receiver sends it
+    /// before its answer lets the sender read): it fits the local socket's buffer.
+    #[test]
+    fn the_largest_share_fits_the_socket_before_it_is_read() {
+        let a = alloc(4096).unwrap();
+        let fd = || ALLOCATIONS.lock()[&(a as usize)].fd().try_clone_to_owned().unwrap();
+        let share = PoolShare {
+            files: (0..MAX_POOL_FILES).map(|_| (fd(), 4096)).collect(),
+            buffers: vec![(0, 0); MAX_POOL_BUFFERS as usize],
+            buffer_bytes: 4096,
+        };
+        let (tx, rx) = UnixStream::pair().unwrap();
+        tx.set_write_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+        share.send(&tx).expect("the whole share fits unread");
+        drop(rx);
+        free(a).unwrap();
     }
 
     /// A lying table (a buffer outside its file, another shape's count) is refused.

@@ -130,8 +130,16 @@ impl State {
             self.grants.get_mut(&id).expect("live grant").remote_writers.push(conn);
         }
         let grant = self.grants[&id].grant;
-        let direct = direct && info.direct && info.host_pool && layout.writers[region as usize].tail.is_empty() && layout.writers[region as usize].layers > 0;
+        // A writer whose mapping ended (its lease closed) cannot write directly any more; a chunk
+        // of more pages than a grant may name goes through the ring.
         let r = self.rooms.get_mut(&room).expect("checked");
+        let direct = direct
+            && info.direct
+            && info.host_pool
+            && self.mapped.contains_key(&conn)
+            && layout.writers[region as usize].tail.is_empty()
+            && layout.writers[region as usize].layers > 0
+            && r.chunk_pages(chunk).len() <= crate::protocol::MAX_GRANT_PAGES as usize;
         let pages = if direct {
             r.direct_writers.push((conn, chunk));
             r.chunk_pages(chunk).to_vec()
@@ -279,6 +287,10 @@ impl State {
         let (ring_offset, len) = (self.grants[&grant].grant.offset + region.offset, region.bytes);
         let direct = slot.direct.then(|| DirectRegion { pages: r.chunk_pages(chunk).to_vec(), layout: layout.clone(), region: slot.region });
         self.grants.get_mut(&grant).expect("live").pins.push(Some(conn));
+        if direct.is_some() {
+            // Its checksum reads the room's pages: they stay the room's until `finish_ready`.
+            self.rooms.get_mut(&room).expect("live").page_leases.push(Some(conn));
+        }
         Ok(ReadyLease { conn, grant, room, gen, chunk, slot: index, ring_offset, len, direct })
     }
 
@@ -286,6 +298,14 @@ impl State {
     /// last writer the scatter of its remaining layers is queued (in the effects).
     pub fn finish_ready(&mut self, lease: ReadyLease, verified: Result<()>, session: &str) -> Result<()> {
         self.unpin(lease.grant, Some(lease.conn));
+        if lease.direct.is_some() {
+            if let Some(r) = self.rooms.get_mut(&lease.room).filter(|r| r.gen == lease.gen) {
+                if let Some(at) = r.page_leases.iter().position(|&l| l == Some(lease.conn)) {
+                    r.page_leases.swap_remove(at);
+                }
+                self.drain_check(lease.room);
+            }
+        }
         match self.rooms.get(&lease.room) {
             Some(r) if r.gen == lease.gen && r.live() => {}
             Some(r) if r.gen == lease.gen => return Err(self.closed(lease.room)),

@@ -815,6 +815,8 @@ struct Harness {
     /// With `mapped`: connection 3 maps the pool too and asks for direct grants (its chunks go
     /// straight into the room's pages, which it holds while it may still write them).
     direct: bool,
+    /// Grants (ids) given directly: their writer holds the room's pages while it may write them.
+    direct_grants: HashSet<u64>,
     /// Grants an in-place writer may still write into: (connection, grant, room key, chunk). Its
     /// connection may be gone while its mapping lives.
     may_write: Vec<(ConnId, u64, u64, u32)>,
@@ -850,6 +852,7 @@ impl Harness {
             scatters: Vec::new(),
             mapped,
             direct: direct && mapped,
+            direct_grants: HashSet::new(),
             may_write: Vec::new(),
             issued: HashMap::new(),
             next_key: 1,
@@ -989,7 +992,7 @@ impl Harness {
             }
         }
         // A direct writer that may still write a room's pages holds them.
-        for &(_, _, key, _) in self.may_write.iter().filter(|_| self.direct) {
+        for &(_, _, key, _) in self.may_write.iter().filter(|(_, g, _, _)| self.direct_grants.contains(g)) {
             if let Some((_, r)) = self.rooms.iter_mut().find(|(id, _)| self.issued.get(id).and_then(|k| k.last()) == Some(&key)) {
                 r.leases += 1;
             }
@@ -1043,7 +1046,12 @@ impl Harness {
                 let direct = c == 3 && self.direct;
                 let result = self.st.grant(id, at, chunk, w, TOKENS, CHUNK, None, direct);
                 if let Ok(g) = &result {
-                    assert_eq!(g.pages.is_empty(), !direct, "a direct grant exactly when asked on a direct session");
+                    // Once its mapping ended, a writer asking for direct grants gets ring ones.
+                    let granted = direct && self.mappings.contains(&id);
+                    assert_eq!(g.pages.is_empty(), !granted, "a direct grant exactly when asked on a session that maps the pool");
+                    if granted {
+                        self.direct_grants.insert(g.grant.id);
+                    }
                 }
                 let result = result.map(|g| (g.grant, g.region));
                 if self.stale_mapping == Some(id) {
@@ -1388,7 +1396,7 @@ impl Harness {
         // connection too) is back in the ring, nor, written directly, back with the caller.
         for &(c, g, room, chunk) in &self.may_write {
             assert!(live.contains_key(&g), "grant {g} of room {room} chunk {chunk} returned while connection {c} may still write it");
-            if self.direct {
+            if self.direct_grants.contains(&g) {
                 assert!(st.rooms.values().any(|r| r.key == room), "the pages of room opening {room} returned while direct writer {c} may still write chunk {chunk}");
             }
         }
