@@ -197,7 +197,20 @@ static void test_global_and_options(void) {
     BAD_OPTION(room_timeout_ms, 0, "`options->room_timeout_ms`");
     BAD_OPTION(send_from_pool, 2, "`options->send_from_pool`");
     BAD_OPTION(send_from_pool, -1, "`options->send_from_pool`");
+    BAD_OPTION(same_host_direct, 2, "`options->same_host_direct`");
+    BAD_OPTION(same_host_direct, -1, "`options->same_host_direct`");
 #undef BAD_OPTION
+
+    /* Shared memory for direct mode: 0 bytes, a NULL out, pointers it never returned. */
+    void *shared = (void *)(uintptr_t)0x5e5e;
+    EXPECT(kvstage_shared_alloc(0, &shared), KVSTAGE_E_INVALID_ARG, "`bytes`");
+    CHECK(shared == (void *)(uintptr_t)0x5e5e); /* untouched */
+    EXPECT(kvstage_shared_alloc(4096, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
+    EXPECT(kvstage_shared_free(NULL), KVSTAGE_E_INVALID_ARG, "`ptr`");
+    REQUIRE(kvstage_shared_alloc(8192, &shared) == KVSTAGE_OK);
+    EXPECT(kvstage_shared_free((char *)shared + 4096), KVSTAGE_E_INVALID_ARG, "not an allocation of kvstage_shared_alloc");
+    CHECK_OK(kvstage_shared_free(shared));
+    EXPECT(kvstage_shared_free(shared), KVSTAGE_E_INVALID_ARG, "freed already");
 
     /* RDMA is a valid value: without a usable device NO_DEVICE (not INVALID_ARG), out untouched. */
     REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
