@@ -52,12 +52,8 @@ impl SenderSession {
                 let mut rows = unsafe { rows::pool_rows(piece, &self.pool) };
                 self.link.write_piece_from(&place.data(desc, at, len), &mut rows, deadline)?;
             }
-            let kv_bytes = place.region_bytes - parts.len() as u64;
-            if !parts.is_empty() {
-                self.link.write_piece(place.grant_offset, &place.data(desc, kv_bytes, parts.len() as u64), &parts, deadline)?;
-            }
             // A stream transport's ready needs no bytes (only RDMA's names its buffer).
-            self.link.finish_pieces(place.grant_offset, &place.data(desc, 0, place.region_bytes), &[], &ready(checksum), deadline)
+            self.finish_region(desc, place, &parts, &[], &ready(checksum), deadline)
         })();
         t.wire_ns = since(phase);
         wrote

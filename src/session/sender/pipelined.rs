@@ -82,12 +82,7 @@ impl SenderSession {
         t.gather_ns += since(phase);
         let phase = Instant::now();
         let kv_bytes = region_bytes - geometry::parts::tail_bytes(tail);
-        let wrote = checksum.and_then(|checksum| {
-            if kv_bytes < region_bytes {
-                self.link.write_piece(place.grant_offset, &place.data(desc, kv_bytes, region_bytes - kv_bytes), &whole[kv_bytes as usize..], deadline)?;
-            }
-            self.link.finish_pieces(place.grant_offset, &place.data(desc, 0, region_bytes), whole, &ready(checksum), deadline)
-        });
+        let wrote = checksum.and_then(|checksum| self.finish_region(desc, place, &whole[kv_bytes as usize..], whole, &ready(checksum), deadline));
         t.wire_ns += since(phase);
         wrote
     }

@@ -373,6 +373,17 @@ impl SenderSession {
         self.integrity.covers(desc.room.id, desc.chunk).then(sum).transpose()
     }
 
+    /// The end of a region written in pieces: its request parts `tail` (the region's last bytes;
+    /// none when empty) as one more piece, then `ready`, bound to every piece (`whole`: the
+    /// region's bytes, for a link whose ready names its buffer; empty for a stream transport).
+    pub(super) fn finish_region(&self, desc: &TransferDesc, place: &Placement, tail: &[u8], whole: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {
+        let kv_bytes = place.region_bytes - tail.len() as u64;
+        if !tail.is_empty() {
+            self.link.write_piece(place.grant_offset, &place.data(desc, kv_bytes, tail.len() as u64), tail, deadline)?;
+        }
+        self.link.finish_pieces(place.grant_offset, &place.data(desc, 0, place.region_bytes), whole, ready, deadline)
+    }
+
     /// Writes `[at, +len)` of the region gathered in `staging` (whole, with its `ready`; or a
     /// piece, without): host memory through the link's chunk or piece write, device memory by
     /// the NIC reading it (GPUDirect).
