@@ -75,8 +75,13 @@ struct Decode {
 }
 
 fn decode(shape: PoolShape, transport: TransportKind, ring: Option<&mut [u8]>) -> Decode {
+    decode_in(shape, transport, ring, false)
+}
+
+/// As [`decode`]; `shared`: the pool in shared memory, so same-host senders write it directly.
+fn decode_in(shape: PoolShape, transport: TransportKind, ring: Option<&mut [u8]>, shared: bool) -> Decode {
     let engine = Engine::new(options(transport)).unwrap();
-    let pool = HostPool::new(shape, 16);
+    let pool = if shared { HostPool::shared(shape, 16) } else { HostPool::new(shape, 16) };
     engine.register_pool(pool.layout.clone()).unwrap();
     match ring {
         Some(r) => engine.register_staging(Some(r.as_mut_ptr()), r.len()).unwrap(),
@@ -110,9 +115,14 @@ fn start(session: &Arc<SenderSession>, room: RoomRef, pages: &[u32], timeout: Du
 /// Every sender's layers marked in shuffled bursts with delays of 0–2 ms, the senders
 /// interleaved; then every operation succeeds and the decode pool holds the reference bytes.
 fn stream(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: TransportKind, seed: u64) {
+    stream_into(name, srcs, dst, transport, seed, false);
+}
+
+/// As [`stream`]; `direct`: the decode pool in shared memory, each batch copied straight into it.
+fn stream_into(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: TransportKind, seed: u64, direct: bool) {
     let pages = [5u32, 2, 7];
     let dst_pages = [1u32, 9, 4];
-    let d = decode(dst, transport, None);
+    let d = decode_in(dst, transport, None, direct);
     let (_, key) = d.engine.receiver().open_room(1, &dst_pages, PAGE * 3).unwrap();
     let room = RoomRef { id: 1, key };
     let prefills: Vec<Prefill> = srcs.iter().enumerate().map(|(i, s)| prefill(s.clone(), &pages, &d, transport, &format!("{name}-{i}"))).collect();
@@ -148,6 +158,8 @@ fn stream(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: TransportKi
     d.engine.receiver().wait_room(1, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{name} (seed {seed}): {}", e.chain()));
     let (bad, first) = d.pool.verify(&dst_pages, 0);
     assert_eq!(bad, 0, "{name} (seed {seed}): {first:?}");
+    let direct_regions = if direct { prefills.len() as u64 } else { 0 };
+    assert_eq!(d.engine.shm().direct_chunks(), direct_regions, "{name} (seed {seed}): regions received directly");
     d.engine.receiver().release_room(1);
 }
 
@@ -181,6 +193,17 @@ fn layers_marked_in_any_order_land_bit_exact_in_place_on_one_host() {
     for seed in [3u64, 11] {
         for (name, srcs, dst) in cases() {
             stream(name, &srcs, dst, TransportKind::Shm, seed);
+        }
+    }
+}
+
+/// The same with the decode pool in shared memory: each batch of layers is copied from the prefill
+/// pages straight into the decode pages (direct mode), reported written per batch.
+#[test]
+fn layers_marked_in_any_order_land_bit_exact_directly_into_the_decode_pool() {
+    for seed in [3u64, 11] {
+        for (name, srcs, dst) in cases() {
+            stream_into(name, &srcs, dst, TransportKind::Shm, seed, true);
         }
     }
 }
@@ -250,9 +273,9 @@ fn marked_layers_leave_before_the_last_is_ready() {
 /// released nothing of the chunk is left in the ring.
 #[test]
 fn a_layer_never_marked_ends_by_the_deadline_and_fails_the_room() {
-    for transport in [TransportKind::Tcp, TransportKind::Shm] {
+    for (transport, direct) in [(TransportKind::Tcp, false), (TransportKind::Shm, false), (TransportKind::Shm, true)] {
         let pages = [1u32, 2];
-        let d = decode(mha(), transport, None);
+        let d = decode_in(mha(), transport, None, direct);
         let (_, key) = d.engine.receiver().open_room(1, &pages, PAGE * 2).unwrap();
         let p = prefill(mha(), &pages, &d, transport, "never");
         let deadline = Duration::from_millis(400);

@@ -15,9 +15,10 @@
 //! from the pool's rows, gathered into a staging buffer then one write, or gathered in pieces of
 //! one slab, each written while the next is gathered.
 //!
-//! A third of all seeds put the decode pool in shared memory: their same-host sessions copy whole
-//! chunks straight into the decode pages (direct mode, with the checksum computed over the decode
-//! pool's rows), while layer-wise chunks and the last chunk with request parts go through the ring.
+//! A third of all seeds put the decode pool in shared memory: their same-host sessions copy chunks
+//! (whole, or batch by batch layer-wise) straight into the decode pages (direct mode, with the
+//! checksum computed over the decode pool's rows), while the last chunk with request parts goes
+//! through the ring.
 //!
 //! Half the whole-chunk seeds move the whole request (request parts: an aux row and a state slot
 //! per layer, sharded P2 -> D1, with the last chunk): a room reported complete holds exactly the
@@ -127,7 +128,7 @@ enum WriteKind {
 }
 
 /// Whether the decode pool of `seed` lies in shared memory: its same-host sessions then go direct
-/// (whole chunks without request parts; the rest, and layer-wise chunks, through the ring).
+/// (chunks without request parts; the last one with them through the ring).
 fn shared_pool(seed: u64) -> bool {
     write_kind(seed) == WriteKind::FromPool
 }

@@ -2,41 +2,40 @@
 //! copied in one pass from this pool's pages into the decode pages its grant names, both head
 //! slices remapped by one pair of plans; no ring range is written and the receiver scatters
 //! nothing. Then the `Written` report and the ready go over the control stream, as after an
-//! in-place gather.
+//! in-place gather (layer-wise: a copy and a `Written` report per batch of layers).
 
 use super::staged::Placement;
 use super::*;
 use crate::copy::rows;
 use crate::geometry::{CopyPlan, StagingLayout, WriterRegion};
 
+/// Where a direct grant puts this writer's region: the decode pages it named, and the layout and
+/// region they are planned with.
+#[derive(Clone, Copy)]
+pub(super) struct DirectTarget<'a> {
+    pub layout: &'a StagingLayout,
+    pub region: &'a WriterRegion,
+    pub pages: &'a [u32],
+}
+
 impl SenderSession {
-    /// Whether a chunk of `plan` may be asked for directly: a whole chunk (not layer-wise) of
-    /// this host pool's KV without request parts, on a session that maps the decode pool.
-    pub(super) fn may_write_direct(&self, desc: &TransferDesc, plan: Option<&CopyPlan>, region: &WriterRegion) -> bool {
-        plan.is_some() && region.tail.is_empty() && desc.layers.is_none() && self.pool.memory == MemoryKind::Host && self.link.maps_pool()
+    /// Whether a chunk of `plan` may be asked for directly: this host pool's KV without request
+    /// parts (whole or layer-wise), on a session that maps the decode pool.
+    pub(super) fn may_write_direct(&self, plan: Option<&CopyPlan>, region: &WriterRegion) -> bool {
+        plan.is_some() && region.tail.is_empty() && self.pool.memory == MemoryKind::Host && self.link.maps_pool()
     }
 
-    /// Copies `plan`'s rows into the decode `pages` the grant named (this writer's `region` of
-    /// `layout` there), then reports the region written and sends `ready`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn write_direct(
-        &self,
-        desc: &TransferDesc,
-        (plan, layout, region): (&CopyPlan, &StagingLayout, &WriterRegion),
-        pages: &[u32],
-        place: &Placement,
-        ready: impl Fn(Option<u64>) -> Message,
-        deadline: &Deadline,
-        op: &Op,
-        t: &mut TransferTimings,
-    ) -> Result<()> {
+    /// Copies `part` (the whole plan, or a batch of its layers) into the decode pages of `to`,
+    /// holding the mapping of the receiver's pool only meanwhile.
+    pub(super) fn copy_direct(&self, part: &CopyPlan, to: DirectTarget<'_>, op: &Op, t: &mut TransferTimings) -> Result<()> {
         let pool = self.link.direct_pool().ok_or_else(|| Error::internal("a direct grant on a session that does not map the receiver's pool"))??;
         // The pages are the receiver's word: checked against its pool as mapped here, so a lying
         // receiver can at most have its own pool written.
-        let dst = geometry::plan_scatter(&pool.layout().shape, pages, layout, region)
+        let dst = geometry::plan_scatter(&pool.layout().shape, to.pages, to.layout, to.region)
             .and_then(|dst| crate::copy::check_plan(&dst, pool.layout()).map(|()| dst))
             .map_err(|e| Error::new(Status::KVSTAGE_E_PROTOCOL, "the receiver granted decode pages that do not hold this chunk").with_source(e))?;
-        crate::copy::check_plan(plan, &self.pool)?;
+        let dst = dst.for_layers(|l| part.slabs.iter().any(|s| s.layer_id == l));
+        crate::copy::check_plan(part, &self.pool)?;
         op.enter("gathering", String::new);
         let phase = Instant::now();
         if let Some(pause) = self.resources.options.faults.as_ref().map(|f| f.plan.direct_pause_ms).filter(|&ms| ms > 0) {
@@ -45,12 +44,35 @@ impl SenderSession {
         // SAFETY: both plans were checked against their pools, host memory of two processes'
         // pools (never the same pages); the grant gives this writer these rows of the decode pages
         // until its ready, and the mapping stays while `pool` is held.
-        let copied = unsafe { rows::copy_across(plan, &self.pool, &dst, pool.layout()) };
+        let copied = unsafe { rows::copy_across(part, &self.pool, &dst, pool.layout()) };
         t.gather_ns += since(phase);
-        copied?;
-        // SAFETY: `plan` was checked against the host pool above.
-        let checksum = self.region_checksum(desc, || Ok(crate::session::checksum_parts(unsafe { rows::pool_rows(plan, &self.pool) })))?;
-        drop(pool);
+        copied
+    }
+
+    /// The checksum of a direct region (the rows of `plan`, as the receiver's pool now holds
+    /// them) when integrity covers the chunk.
+    pub(super) fn direct_checksum(&self, desc: &TransferDesc, plan: &CopyPlan) -> Result<Option<u64>> {
+        crate::copy::check_plan(plan, &self.pool)?;
+        // SAFETY: `plan` was checked against the host pool.
+        self.region_checksum(desc, || Ok(crate::session::checksum_parts(unsafe { rows::pool_rows(plan, &self.pool) })))
+    }
+
+    /// A whole chunk: copies `plan`'s rows into the decode pages of `to`, then reports the region
+    /// written and sends `ready`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn write_direct(
+        &self,
+        desc: &TransferDesc,
+        plan: &CopyPlan,
+        to: DirectTarget<'_>,
+        place: &Placement,
+        ready: impl Fn(Option<u64>) -> Message,
+        deadline: &Deadline,
+        op: &Op,
+        t: &mut TransferTimings,
+    ) -> Result<()> {
+        self.copy_direct(plan, to, op, t)?;
+        let checksum = self.direct_checksum(desc, plan)?;
         op.enter("writing", String::new);
         let phase = Instant::now();
         let wrote = self.link.finish_in_place(&place.data(desc, 0, place.region_bytes), &ready(checksum), deadline);

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeSet;
 
+use super::direct::DirectTarget;
 use super::staged::Placement;
 use crate::session::staging::StagingMemory;
 use super::*;
@@ -23,6 +24,7 @@ impl SenderSession {
         op: &Op,
         deadline: &Deadline,
         plan: &geometry::CopyPlan,
+        direct: Option<DirectTarget<'_>>,
         place: &Placement,
         ready: impl Fn(Option<u64>) -> Message,
         t: &mut TransferTimings,
@@ -31,9 +33,10 @@ impl SenderSession {
         let region_bytes = place.region_bytes;
         let ring_offset = place.grant_offset + place.region_offset;
         let mut missing: BTreeSet<u32> = plan.slabs.iter().map(|s| s.layer_id).collect();
-        // Same host, a ring in the pool's kind of memory: in place, the range taken per batch only
-        // (teardown waits for a gather in progress, not for the caller's compute).
-        let in_place = self.writes_in_place();
+        // Same host, a ring in the pool's kind of memory (or the decode pool, granted directly):
+        // in place, the range (or the pool's mapping) taken per batch only (teardown waits for a
+        // copy in progress, not for the caller's compute).
+        let in_place = self.writes_in_place() || direct.is_some();
         let mut staging = if in_place {
             None
         } else {
@@ -52,9 +55,13 @@ impl SenderSession {
                         // the caller's compute.
                         self.await_ready(batch.ready.as_ref(), deadline, op, t)?;
                         op.enter("writing", String::new);
-                        let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
-                        self.gather(&part, range.as_mut_ptr(), t)?;
-                        drop(range);
+                        match direct {
+                            Some(to) => self.copy_direct(&part, to, op, t)?,
+                            None => {
+                                let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
+                                self.gather(&part, range.as_mut_ptr(), t)?;
+                            }
+                        }
                         let phase = Instant::now();
                         for (at, len) in part.staging_ranges() {
                             self.link.send(&place.written(desc, at, len), deadline)?;
@@ -77,6 +84,10 @@ impl SenderSession {
         op.enter("writing", String::new);
         let phase = Instant::now();
         let wrote = match staging.as_mut() {
+            None if direct.is_some() => {
+                let checksum = self.direct_checksum(desc, plan)?;
+                self.link.send(&ready(checksum), deadline).inspect(|()| self.resources.shm.count_direct_chunk())
+            }
             None => {
                 let checksum = self.region_checksum(desc, || {
                     let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;

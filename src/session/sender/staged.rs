@@ -2,6 +2,7 @@
 //! (into a send staging buffer, or in place into a same-host mapping of the ring), one write and
 //! the ready frame, then the arrival acknowledgement. Anything that fails after the grant aborts.
 
+use super::direct::DirectTarget;
 use super::*;
 use crate::geometry::{StagingLayout, TailPart, TailSides, WriterRegion};
 use crate::session::staging::{StagingLease, StagingMemory};
@@ -89,7 +90,7 @@ impl SenderSession {
             self.await_ready(desc.ready.as_deref(), &deadline, op, t)?;
         }
 
-        let direct = self.may_write_direct(desc, plan.as_ref(), &region);
+        let direct = self.may_write_direct(plan.as_ref(), &region);
         op.enter("waiting_for_allocation", || format!("the receiver {} to grant {} bytes of its ring", self.link.describe(), layout.total_bytes));
         let alloc = self.expect_reply();
         // Watermark wait, part one: the allocation's round trip (part two: `wait_writable`).
@@ -143,7 +144,7 @@ impl SenderSession {
         };
         // From here on the receiver holds ring space for us: every failure aborts first.
         let place = Placement { round, grant_offset: offset, region_offset, region_bytes: region.bytes, writer };
-        let direct = (!pages.is_empty()).then_some((&layout, &region, pages.as_slice()));
+        let direct = (!pages.is_empty()).then_some(DirectTarget { layout: &layout, region: &region, pages: &pages });
         let written = self.write_granted(desc, op, &deadline, (plan.as_ref(), &region.tail), direct, &place, t, &mut stall);
         let arrival = match written {
             Ok(pending) => pending,
@@ -181,7 +182,7 @@ impl SenderSession {
         op: &Op,
         deadline: &Deadline,
         (plan, tail): (Option<&geometry::CopyPlan>, &[TailPart]),
-        direct: Option<(&StagingLayout, &WriterRegion, &[u32])>,
+        direct: Option<DirectTarget<'_>>,
         place: &Placement,
         t: &mut TransferTimings,
         stall: &mut Stall,
@@ -195,13 +196,13 @@ impl SenderSession {
         let pending = self.expect_reply();
         let req = pending.req;
         let ready = |checksum| Message::ChunkReady { req, room: desc.room, chunk: desc.chunk, writer, checksum };
-        if let (Some((layout, region, pages)), Some(plan)) = (direct, plan) {
-            self.write_direct(desc, (plan, layout, region), pages, place, ready, deadline, op, t)?;
-            self.metrics.sent(region_bytes);
+        if let (Some(gate), Some(plan)) = (&desc.layers, plan) {
+            self.write_by_layers(desc, gate, op, deadline, plan, direct, place, ready, t, stall)?;
             return Ok(pending);
         }
-        if let (Some(gate), Some(plan)) = (&desc.layers, plan) {
-            self.write_by_layers(desc, gate, op, deadline, plan, place, ready, t, stall)?;
+        if let (Some(to), Some(plan)) = (direct, plan) {
+            self.write_direct(desc, plan, to, place, ready, deadline, op, t)?;
+            self.metrics.sent(region_bytes);
             return Ok(pending);
         }
         let header = place.data(desc, 0, region_bytes);
