@@ -5,24 +5,21 @@
 use crate::error::{Error, Result};
 use crate::geometry::{CopyPlan, KvLayout, Segment};
 
-/// Whether the plan's slabs, in region order, lie back to back from the region's start (then its
-/// rows in that order are the region's KV bytes).
+/// Whether the plan's slabs lie back to back from the region's start in the order they are listed
+/// (as the planner lists them: then its rows in that order are the region's KV bytes).
 pub fn tiles_in_order(plan: &CopyPlan) -> bool {
     let slab = plan.tokens * plan.row_bytes;
-    let mut offsets: Vec<u64> = plan.slabs.iter().map(|s| s.staging_offset).collect();
-    offsets.sort_unstable();
-    offsets.iter().enumerate().all(|(i, &at)| at == i as u64 * slab)
+    plan.slabs.iter().enumerate().all(|(i, s)| s.staging_offset == i as u64 * slab)
 }
 
-/// `(address, length)` of the plan's pool rows in region order (slabs by region offset, then the
-/// segments' tokens), rows adjacent in memory merged within a slab (never across two buffers).
-/// Addresses are computed, not dereferenced: a plan checked against the pool
-/// ([`super::check_plan`]) keeps every range inside its buffer.
+/// `(address, length)` of the plan's pool rows in region order (its slabs as listed, in region
+/// order for the planner's plans: [`tiles_in_order`]; then the segments' tokens), rows adjacent in
+/// memory merged within a slab (never across two buffers). Addresses are computed, not
+/// dereferenced: a plan checked against the pool ([`super::check_plan`]) keeps every range inside
+/// its buffer.
 pub fn pool_ranges<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iterator<Item = (usize, usize)> + 'a {
-    let mut slabs = plan.slabs.clone();
-    slabs.sort_by_key(|s| s.staging_offset);
     let contiguous = plan.contiguous();
-    slabs.into_iter().flat_map(move |slab| {
+    plan.slabs.iter().flat_map(move |slab| {
         let rows = plan.segments.iter().flat_map(move |seg| {
             let first = pool.bases[slab.buffer as usize] + (seg.pool_token * plan.pool_token_bytes + plan.pool_head_offset) as usize;
             let (count, len) = if contiguous { (1, seg.tokens * plan.row_bytes) } else { (seg.tokens, plan.row_bytes) };

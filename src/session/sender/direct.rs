@@ -25,34 +25,40 @@ impl SenderSession {
         plan.is_some() && region.tail.is_empty() && self.pool.memory == MemoryKind::Host && self.link.maps_pool()
     }
 
-    /// Copies `part` (the whole plan, or a batch of its layers) into the decode pages of `to`,
-    /// holding the mapping of the receiver's pool only meanwhile.
-    pub(super) fn copy_direct(&self, part: &CopyPlan, to: DirectTarget<'_>, op: &Op, t: &mut TransferTimings) -> Result<()> {
+    /// The decode side of `plan` in the pages of `to`, checked with `plan` against both pools as
+    /// mapped here: the pages are the receiver's word, so a lying receiver can at most have its
+    /// own pool written. Once per chunk: a mapping's layout never changes.
+    pub(super) fn direct_plan(&self, plan: &CopyPlan, to: DirectTarget<'_>) -> Result<CopyPlan> {
+        crate::copy::check_plan(plan, &self.pool)?;
         let pool = self.link.direct_pool().ok_or_else(|| Error::internal("a direct grant on a session that does not map the receiver's pool"))??;
-        // The pages are the receiver's word: checked against its pool as mapped here, so a lying
-        // receiver can at most have its own pool written.
-        let dst = geometry::plan_scatter(&pool.layout().shape, to.pages, to.layout, to.region)
+        geometry::plan_scatter(&pool.layout().shape, to.pages, to.layout, to.region)
             .and_then(|dst| crate::copy::check_plan(&dst, pool.layout()).map(|()| dst))
-            .map_err(|e| Error::new(Status::KVSTAGE_E_PROTOCOL, "the receiver granted decode pages that do not hold this chunk").with_source(e))?;
-        let dst = dst.for_layers(|l| part.slabs.iter().any(|s| s.layer_id == l));
-        crate::copy::check_plan(part, &self.pool)?;
+            .map_err(|e| Error::new(Status::KVSTAGE_E_PROTOCOL, "the receiver granted decode pages that do not hold this chunk").with_source(e))
+    }
+
+    /// Copies `part` (a plan of [`direct_plan`](Self::direct_plan), or a batch of its layers)
+    /// into `dst` (the decode side's plan of the same layers), holding the mapping of the
+    /// receiver's pool only meanwhile.
+    pub(super) fn copy_direct(&self, part: &CopyPlan, dst: &CopyPlan, op: &Op, t: &mut TransferTimings) -> Result<()> {
+        let pool = self.link.direct_pool().ok_or_else(|| Error::internal("a direct grant on a session that does not map the receiver's pool"))??;
         op.enter("gathering", String::new);
         let phase = Instant::now();
         if let Some(pause) = self.resources.options.faults.as_ref().map(|f| f.plan.direct_pause_ms).filter(|&ms| ms > 0) {
             std::thread::sleep(Duration::from_millis(pause.into()));
         }
-        // SAFETY: both plans were checked against their pools, host memory of two processes'
-        // pools (never the same pages); the grant gives this writer these rows of the decode pages
-        // until its ready, and the mapping stays while `pool` is held.
-        let copied = unsafe { rows::copy_across(part, &self.pool, &dst, pool.layout()) };
+        // SAFETY: both plans (of the checked ones, some of their slabs) were checked against
+        // their pools, host memory of two processes' pools (never the same pages); the grant
+        // gives this writer these rows of the decode pages until its ready, and the mapping (whose
+        // layout `dst` was checked against) stays while `pool` is held.
+        let copied = unsafe { rows::copy_across(part, &self.pool, dst, pool.layout()) };
         t.gather_ns += since(phase);
         copied
     }
 
-    /// The checksum of a direct region (the rows of `plan`, as the receiver's pool now holds
-    /// them) when integrity covers the chunk.
+    /// The checksum of a direct region (the rows of `plan`, checked by
+    /// [`direct_plan`](Self::direct_plan), as the receiver's pool now holds them) when integrity
+    /// covers the chunk.
     pub(super) fn direct_checksum(&self, desc: &TransferDesc, plan: &CopyPlan) -> Result<Option<u64>> {
-        crate::copy::check_plan(plan, &self.pool)?;
         // SAFETY: `plan` was checked against the host pool.
         self.region_checksum(desc, || Ok(crate::session::checksum_parts(unsafe { rows::pool_rows(plan, &self.pool) })))
     }
@@ -71,7 +77,8 @@ impl SenderSession {
         op: &Op,
         t: &mut TransferTimings,
     ) -> Result<()> {
-        self.copy_direct(plan, to, op, t)?;
+        let dst = self.direct_plan(plan, to)?;
+        self.copy_direct(plan, &dst, op, t)?;
         let checksum = self.direct_checksum(desc, plan)?;
         op.enter("writing", String::new);
         let phase = Instant::now();

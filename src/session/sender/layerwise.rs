@@ -37,6 +37,7 @@ impl SenderSession {
         // in place, the range (or the pool's mapping) taken per batch only (teardown waits for a
         // copy in progress, not for the caller's compute).
         let in_place = self.writes_in_place() || direct.is_some();
+        let direct = direct.map(|to| self.direct_plan(plan, to)).transpose()?;
         let mut staging = if in_place {
             None
         } else {
@@ -48,15 +49,16 @@ impl SenderSession {
                 if layers.is_empty() {
                     continue;
                 }
-                let part = plan.for_layers(|l| layers.binary_search(&l).is_ok());
+                let batch_has = |l: u32| layers.binary_search(&l).is_ok();
+                let part = plan.for_layers(batch_has);
                 match staging.as_mut() {
                     None => {
                         // The batch's ready point first: teardown waits for the range, not for
                         // the caller's compute.
                         self.await_ready(batch.ready.as_ref(), deadline, op, t)?;
                         op.enter("writing", String::new);
-                        match direct {
-                            Some(to) => self.copy_direct(&part, to, op, t)?,
+                        match &direct {
+                            Some(dst) => self.copy_direct(&part, &dst.for_layers(batch_has), op, t)?,
                             None => {
                                 let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
                                 self.gather(&part, range.as_mut_ptr(), t)?;
