@@ -110,6 +110,16 @@ impl CopyEngine for AnyCopyEngine {
         }
     }
 
+    unsafe fn copy_across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            match src_pool.memory {
+                MemoryKind::Host => self.host.copy_across(src, src_pool, dst, dst_pool),
+                MemoryKind::Cuda => self.cuda_for(src_pool)?.copy_across(src, src_pool, dst, dst_pool),
+            }
+        }
+    }
+
     /// Joins the host engine's workers (see [`CopyEngine::shutdown`]).
     fn shutdown(&self) {
         self.host.shutdown();

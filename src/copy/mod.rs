@@ -48,6 +48,26 @@ pub trait CopyEngine: Send + Sync {
         unsafe { self.gather(plan, pool, staging) }
     }
 
+    /// Direct mode's one pass: copies the rows `src` gathers from `src_pool` to where `dst` (a
+    /// scatter plan of the same region) puts them in `dst_pool`, with no staging between. The
+    /// default copies host pools on the calling thread ([`rows::copy_across`]); a device engine
+    /// runs one kernel over device pools (the other pool opened on its device).
+    ///
+    /// # Safety
+    /// Both plans were checked against their pools ([`check_plan`]), memory that does not
+    /// overlap; nobody else writes `dst`'s rows or reads them as done while this runs.
+    unsafe fn copy_across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
+        use crate::geometry::MemoryKind;
+        if src_pool.memory != MemoryKind::Host || dst_pool.memory != MemoryKind::Host {
+            return Err(Error::new(
+                Status::KVSTAGE_E_UNSUPPORTED,
+                format!("a direct copy from a {:?} pool into a {:?} pool on the host", src_pool.memory, dst_pool.memory),
+            ));
+        }
+        // SAFETY: the caller's contract, for host memory.
+        unsafe { rows::copy_across(src, src_pool, dst, dst_pool) }
+    }
+
     /// Page-locks `len` bytes of host staging memory at `ptr` so that this engine's device↔host
     /// copies run at full speed (the memory stays registered while the returned pin lives; drop
     /// the pin before freeing or reallocating the memory). `Ok(None)`: nothing to do (host engine,

@@ -47,11 +47,8 @@ pub unsafe fn pool_rows<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iter
 /// Both plans were checked against their pools ([`super::check_plan`]), host memory that does
 /// not overlap; nobody else writes `dst`'s rows or reads them as done while this runs.
 pub unsafe fn copy_across(src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
-    let same_slabs = src.slabs.len() == dst.slabs.len() && src.slabs.iter().zip(&dst.slabs).all(|(a, b)| a.staging_offset == b.staging_offset);
-    if !same_slabs || src.row_bytes != dst.row_bytes || src.tokens != dst.tokens {
-        return Err(Error::internal(format!("a direct copy of {} bytes of rows into {} bytes of rows", src.bytes(), dst.bytes())));
-    }
-    let runs = fused_segments(&src.segments, &dst.segments);
+    check_paired(src, dst)?;
+    let runs = fused_runs(&src.segments, &dst.segments);
     let row = src.row_bytes as usize;
     let whole = src.contiguous() && dst.contiguous();
     // The decode pool's rows are not read here again: streaming stores skip reading each
@@ -81,9 +78,19 @@ pub unsafe fn copy_across(src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, d
     Ok(())
 }
 
+/// Whether `src` (a gather plan) and `dst` (a scatter plan) are of the same region, as direct mode
+/// pairs them: the same slabs at the same staging offsets, rows of the same size, as many tokens.
+pub fn check_paired(src: &CopyPlan, dst: &CopyPlan) -> Result<()> {
+    let same_slabs = src.slabs.len() == dst.slabs.len() && src.slabs.iter().zip(&dst.slabs).all(|(a, b)| a.staging_offset == b.staging_offset);
+    if !same_slabs || src.row_bytes != dst.row_bytes || src.tokens != dst.tokens {
+        return Err(Error::internal(format!("a direct copy of {} bytes of rows into {} bytes of rows", src.bytes(), dst.bytes())));
+    }
+    Ok(())
+}
+
 /// Two tilings of the same staging tokens merged: `(src pool token, dst pool token, tokens)`
 /// runs consecutive on both sides.
-fn fused_segments(src: &[Segment], dst: &[Segment]) -> Vec<(u64, u64, u64)> {
+pub fn fused_runs(src: &[Segment], dst: &[Segment]) -> Vec<(u64, u64, u64)> {
     let (mut i, mut j, mut at) = (0, 0, 0u64);
     let mut out = Vec::with_capacity(src.len() + dst.len());
     while i < src.len() && j < dst.len() {

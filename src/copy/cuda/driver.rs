@@ -216,28 +216,46 @@ impl Drop for CtxGuard {
     }
 }
 
-/// Kernel entry points of `kernels.cu`, by direction and vector width.
+/// What a kernel of `kernels.cu` does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelOp {
+    /// Pool rows into staging ([`KvJob`](super::KvJob)).
+    Gather,
+    /// Staging into pool rows ([`KvJob`](super::KvJob)).
+    Scatter,
+    /// Pool rows into another pool's rows (direct mode; [`KvAcross`](super::job::KvAcross)).
+    Across,
+}
+
+/// Kernel entry points of `kernels.cu`, by operation and vector width.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Kernel {
-    pub gather: bool,
+    pub op: KernelOp,
     /// Bytes per access: 16, 8, 4, 2 or 1.
     pub width: u32,
 }
 
 impl Kernel {
     pub const WIDTHS: [u32; 5] = [16, 8, 4, 2, 1];
+    const OPS: [KernelOp; 3] = [KernelOp::Gather, KernelOp::Scatter, KernelOp::Across];
 
     pub fn name(self) -> String {
-        format!("kvstage_{}_v{}", if self.gather { "gather" } else { "scatter" }, self.width)
+        let op = match self.op {
+            KernelOp::Gather => "gather",
+            KernelOp::Scatter => "scatter",
+            KernelOp::Across => "across",
+        };
+        format!("kvstage_{op}_v{}", self.width)
     }
 
     fn index(self) -> usize {
         let w = Kernel::WIDTHS.iter().position(|&w| w == self.width).unwrap_or(0);
-        w + if self.gather { 0 } else { Kernel::WIDTHS.len() }
+        let op = Kernel::OPS.iter().position(|&o| o == self.op).unwrap_or(0);
+        w + op * Kernel::WIDTHS.len()
     }
 
     fn all() -> impl Iterator<Item = Kernel> {
-        [true, false].into_iter().flat_map(|gather| Kernel::WIDTHS.into_iter().map(move |width| Kernel { gather, width }))
+        Kernel::OPS.into_iter().flat_map(|op| Kernel::WIDTHS.into_iter().map(move |width| Kernel { op, width }))
     }
 }
 
@@ -313,7 +331,7 @@ impl Device {
             let ctx = ctx as usize;
             let _g = CtxGuard::push(ctx)?;
             let module = load_module()?;
-            let mut functions = vec![0usize; 2 * Kernel::WIDTHS.len()];
+            let mut functions = vec![0usize; Kernel::OPS.len() * Kernel::WIDTHS.len()];
             for k in Kernel::all() {
                 let cname = std::ffi::CString::new(k.name()).map_err(|_| Error::internal("kernel name holds NUL"))?;
                 let mut f: sys::CUfunction = std::ptr::null_mut();

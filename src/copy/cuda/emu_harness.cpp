@@ -45,22 +45,40 @@ static int __nvvm_bar0_and(int pred) {
 
 #include "kernels.cu"
 
-typedef void (*entry_fn)(KvJob);
+// Every entry takes its parameter block (a KvJob or a KvAcross) from raw bytes.
+typedef void (*entry_fn)(const void *);
+template <typename P, void (*F)(P)>
+static void call(const void *params) {
+    P p;
+    std::memcpy(&p, params, sizeof p);
+    F(p);
+}
+template <typename P, void (*F)(P)>
+static constexpr entry_fn entry() {
+    return call<P, F>;
+}
 
 static const struct {
     const char *name;
     entry_fn fn;
+    size_t params;
 } kEntries[] = {
-    {"kvstage_gather_v16", kvstage_gather_v16},   {"kvstage_gather_v8", kvstage_gather_v8},
-    {"kvstage_gather_v4", kvstage_gather_v4},     {"kvstage_gather_v2", kvstage_gather_v2},
-    {"kvstage_gather_v1", kvstage_gather_v1},     {"kvstage_scatter_v16", kvstage_scatter_v16},
-    {"kvstage_scatter_v8", kvstage_scatter_v8},   {"kvstage_scatter_v4", kvstage_scatter_v4},
-    {"kvstage_scatter_v2", kvstage_scatter_v2},   {"kvstage_scatter_v1", kvstage_scatter_v1},
+#define KV_JOB(name) {#name, entry<KvJob, name>(), sizeof(KvJob)}
+#define KV_ACROSS_JOB(name) {#name, entry<KvAcross, name>(), sizeof(KvAcross)}
+    KV_JOB(kvstage_gather_v16),  KV_JOB(kvstage_gather_v8),   KV_JOB(kvstage_gather_v4),   KV_JOB(kvstage_gather_v2),
+    KV_JOB(kvstage_gather_v1),   KV_JOB(kvstage_scatter_v16), KV_JOB(kvstage_scatter_v8),  KV_JOB(kvstage_scatter_v4),
+    KV_JOB(kvstage_scatter_v2),  KV_JOB(kvstage_scatter_v1),  KV_ACROSS_JOB(kvstage_across_v16),
+    KV_ACROSS_JOB(kvstage_across_v8), KV_ACROSS_JOB(kvstage_across_v4), KV_ACROSS_JOB(kvstage_across_v2),
+    KV_ACROSS_JOB(kvstage_across_v1),
+#undef KV_JOB
+#undef KV_ACROSS_JOB
 };
+
+constexpr size_t kMaxParams = sizeof(KvJob) > sizeof(KvAcross) ? sizeof(KvJob) : sizeof(KvAcross);
 
 struct Launch {
     entry_fn fn;
-    KvJob job;
+    unsigned char params[kMaxParams];
     unsigned tid;
 };
 
@@ -72,7 +90,7 @@ static void *worker(void *arg) {
         for (unsigned x = 0; x < g_gx; ++x) {
             t_cx = x;
             t_cy = y;
-            l->fn(l->job);
+            l->fn(l->params);
             pthread_barrier_wait(&g_bar);  // the block ends: shared memory is free again
         }
     }
@@ -83,8 +101,12 @@ static void *worker(void *arg) {
 // -2 when threads cannot be started. Not reentrant (one launch at a time per process).
 extern "C" int kvemu_launch(const char *name, unsigned gx, unsigned gy, const void *job) {
     entry_fn fn = nullptr;
+    size_t params = 0;
     for (const auto &e : kEntries)
-        if (std::strcmp(e.name, name) == 0) fn = e.fn;
+        if (std::strcmp(e.name, name) == 0) {
+            fn = e.fn;
+            params = e.params;
+        }
     if (fn == nullptr) return -1;
     g_gx = gx;
     g_gy = gy;
@@ -96,7 +118,7 @@ extern "C" int kvemu_launch(const char *name, unsigned gx, unsigned gy, const vo
     int rc = 0;
     for (unsigned i = 0; i < THREADS; ++i) {
         launches[i].fn = fn;
-        std::memcpy(&launches[i].job, job, sizeof(KvJob));
+        std::memcpy(launches[i].params, job, params);
         launches[i].tid = i;
         if (pthread_create(&threads[i], nullptr, worker, &launches[i]) != 0) {
             // Cannot happen in practice; a partial block would deadlock the others, so give up.

@@ -10,7 +10,8 @@
 
 use parking_lot::Mutex;
 
-use super::job::{grid, pieces, vector_width, GridLimits, KvJob, Tables};
+use super::driver::KernelOp;
+use super::job::{across_width, grid, pieces, vector_width, AcrossTables, GridLimits, KvAcross, KvJob, Tables};
 use super::{HostPin, Kernel, ReadyFence};
 use crate::copy::{check_plan, CopyEngine};
 use crate::error::{Error, Result, Status};
@@ -38,9 +39,13 @@ pub trait Backend: Send + Sync {
     /// # Safety
     /// Both ranges are valid until the stream is synchronized.
     unsafe fn copy(&self, stream: usize, dst: u64, src: u64, bytes: u64) -> Result<()>;
+    /// Launches `kernel` with the parameter block at `params` (a [`KvJob`] for gather and
+    /// scatter, a [`KvAcross`] for across).
+    ///
     /// # Safety
-    /// The tables and every address in `job` are valid device memory until the stream is synchronized.
-    unsafe fn launch(&self, stream: usize, kernel: Kernel, grid: (u32, u32), job: &KvJob) -> Result<()>;
+    /// `params` is that kernel's block; the tables and every address in it are valid device
+    /// memory until the stream is synchronized.
+    unsafe fn launch(&self, stream: usize, kernel: Kernel, grid: (u32, u32), params: *const std::ffi::c_void) -> Result<()>;
     /// Makes `stream` wait for the fence (device side, no host blocking).
     fn wait(&self, stream: usize, fence: &ReadyFence) -> Result<()>;
     fn sync(&self, stream: usize) -> Result<()>;
@@ -189,13 +194,14 @@ impl<B: Backend> DeviceCopyEngine<B> {
         // SAFETY: the table buffer holds `tables.bytes()`; `tables` lives until the sync in `execute`.
         unsafe { self.backend.copy(stream, table, tables.words.as_ptr() as u64, tables.bytes()) }?;
         let gather = dir == Dir::Gather;
+        let op = if gather { KernelOp::Gather } else { KernelOp::Scatter };
         let launch = |s0: usize, s1: usize, at: u64| -> Result<()> {
             let job = tables.job(plan, table, s0, s1, at);
             let width = vector_width(plan, &pool.bases, at);
             let g = grid(plan.tokens, (s1 - s0) as u64, self.limits);
             // SAFETY: check_plan bounded every row by the pool and the staging region; the caller
             // vouched for both; the tables were uploaded above on the same stream.
-            unsafe { self.backend.launch(stream, Kernel { gather, width }, g, &job) }
+            unsafe { self.backend.launch(stream, Kernel { op, width }, g, (&job as *const KvJob).cast()) }
         };
         if self.backend.is_device(staging) {
             let last = plan.slabs.len();
@@ -222,7 +228,51 @@ impl<B: Backend> DeviceCopyEngine<B> {
     }
 }
 
+impl<B: Backend> DeviceCopyEngine<B> {
+    /// Direct mode on the device: one launch copies the rows `src` reads in `src_pool` to where
+    /// `dst` puts them in `dst_pool` (both device memory this device addresses: the other pool
+    /// opened here), on the gather lane; returns after the stream completed.
+    fn across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
+        if src_pool.memory != MemoryKind::Cuda || dst_pool.memory != MemoryKind::Cuda {
+            return Err(Error::new(
+                Status::KVSTAGE_E_UNSUPPORTED,
+                format!("the CUDA copy engine copies between device pools, not from a {:?} pool into a {:?} pool", src_pool.memory, dst_pool.memory),
+            ));
+        }
+        check_plan(src, src_pool)?;
+        check_plan(dst, dst_pool)?;
+        crate::copy::rows::check_paired(src, dst)?;
+        if src.tokens == 0 || src.slabs.is_empty() {
+            return Ok(());
+        }
+        let mut lane = self.gather.lock();
+        let lane = &mut *lane;
+        self.backend.scoped(|| {
+            let result = (|| {
+                let tables = AcrossTables::new(src, &src_pool.bases, dst, &dst_pool.bases);
+                self.grow(&mut lane.table, tables.bytes())?;
+                let table = lane.table.ptr;
+                // SAFETY: the table buffer holds `tables.bytes()`; `tables` lives until the sync below.
+                unsafe { self.backend.copy(lane.stream, table, tables.words.as_ptr() as u64, tables.bytes()) }?;
+                let job: KvAcross = tables.job(src, dst, table);
+                let kernel = Kernel { op: KernelOp::Across, width: across_width(src, &src_pool.bases, dst, &dst_pool.bases) };
+                let g = grid(src.tokens, src.slabs.len() as u64, self.limits);
+                // SAFETY: both plans were checked against their pools, which the caller vouches
+                // for; the tables were uploaded above on the same stream.
+                unsafe { self.backend.launch(lane.stream, kernel, g, (&job as *const KvAcross).cast()) }
+            })();
+            // Whatever happened, nothing queued may outlive the call (it uses both pools).
+            let synced = self.backend.sync(lane.stream);
+            result.and(synced)
+        })
+    }
+}
+
 impl<B: Backend> CopyEngine for DeviceCopyEngine<B> {
+    unsafe fn copy_across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
+        self.across(src, src_pool, dst, dst_pool)
+    }
+
     unsafe fn gather(&self, plan: &CopyPlan, pool: &KvLayout, staging: *mut u8) -> Result<()> {
         self.execute(plan, pool, staging as u64, Dir::Gather, None)
     }

@@ -1,7 +1,9 @@
 //! The device form of a [`CopyPlan`]: flat tables the kernels read, the kernel parameter block,
-//! the vector width, the grid, and the split of a plan into pieces that fit a scratch buffer.
+//! the vector width, the grid, and the split of a plan into pieces that fit a scratch buffer; and
+//! the same for direct mode's pair of plans (one pool's rows into another's).
 //! Pure functions (no driver), tested on the CPU and through the kernel emulator.
 
+use crate::copy::rows::fused_runs;
 use crate::geometry::CopyPlan;
 
 /// Staging tokens per block tile (`TILE` in kernels.cu).
@@ -96,6 +98,100 @@ pub fn vector_width(plan: &CopyPlan, bases: &[usize], staging_at: u64) -> u32 {
     if let Some(first) = plan.slabs.first() {
         for s in &plan.slabs {
             acc |= s.staging_offset.wrapping_sub(first.staging_offset);
+        }
+    }
+    (1u64 << acc.trailing_zeros().min(4)) as u32
+}
+
+/// `struct KvAcross` of kernels.cu, field for field (pointers as device addresses).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvAcross {
+    pub src_bases: u64,
+    pub dst_bases: u64,
+    pub slab_src: u64,
+    pub slab_dst: u64,
+    pub run_start: u64,
+    pub run_src: u64,
+    pub run_dst: u64,
+    pub nslab: u64,
+    pub nrun: u64,
+    pub tokens: u64,
+    pub src_token_bytes: u64,
+    pub src_head_offset: u64,
+    pub dst_token_bytes: u64,
+    pub dst_head_offset: u64,
+    pub row_bytes: u64,
+}
+
+/// A gather plan and a scatter plan of the same region (slabs paired, see
+/// [`crate::copy::rows::check_paired`]) as one array of u64 words, uploaded once per copy:
+/// `src_bases | dst_bases | slab_src[nslab] | slab_dst[nslab] | run_start[nrun + 1] |
+/// run_src[nrun] | run_dst[nrun]`, the runs being the two plans' segments merged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AcrossTables {
+    pub words: Vec<u64>,
+    nsrc: usize,
+    ndst: usize,
+    nslab: usize,
+    nrun: usize,
+}
+
+impl AcrossTables {
+    pub fn new(src: &CopyPlan, src_bases: &[usize], dst: &CopyPlan, dst_bases: &[usize]) -> AcrossTables {
+        let runs = fused_runs(&src.segments, &dst.segments);
+        let (nsrc, ndst, nslab, nrun) = (src_bases.len(), dst_bases.len(), src.slabs.len(), runs.len());
+        let mut words = Vec::with_capacity(nsrc + ndst + 2 * nslab + 3 * nrun + 1);
+        words.extend(src_bases.iter().chain(dst_bases).map(|&b| b as u64));
+        words.extend(src.slabs.iter().map(|s| s.buffer as u64));
+        words.extend(dst.slabs.iter().map(|s| s.buffer as u64));
+        let mut at = 0;
+        for r in &runs {
+            words.push(at);
+            at += r.2;
+        }
+        words.push(at);
+        words.extend(runs.iter().map(|r| r.0));
+        words.extend(runs.iter().map(|r| r.1));
+        AcrossTables { words, nsrc, ndst, nslab, nrun }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.words.len() as u64 * 8
+    }
+
+    /// The kernel parameters with the tables at device address `table`.
+    pub fn job(&self, src: &CopyPlan, dst: &CopyPlan, table: u64) -> KvAcross {
+        let word = |i: usize| table + 8 * i as u64;
+        let slabs = self.nsrc + self.ndst;
+        let runs = slabs + 2 * self.nslab;
+        KvAcross {
+            src_bases: word(0),
+            dst_bases: word(self.nsrc),
+            slab_src: word(slabs),
+            slab_dst: word(slabs + self.nslab),
+            run_start: word(runs),
+            run_src: word(runs + self.nrun + 1),
+            run_dst: word(runs + 2 * self.nrun + 1),
+            nslab: self.nslab as u64,
+            nrun: self.nrun as u64,
+            tokens: src.tokens,
+            src_token_bytes: src.pool_token_bytes,
+            src_head_offset: src.pool_head_offset,
+            dst_token_bytes: dst.pool_token_bytes,
+            dst_head_offset: dst.pool_head_offset,
+            row_bytes: src.row_bytes,
+        }
+    }
+}
+
+/// The widest access (16, 8, 4, 2 or 1 bytes) every row of a direct copy is aligned to on both
+/// sides: the bases of the buffers the plans use, token slots, head offsets and the row size.
+pub fn across_width(src: &CopyPlan, src_bases: &[usize], dst: &CopyPlan, dst_bases: &[usize]) -> u32 {
+    let mut acc = src.pool_token_bytes | src.pool_head_offset | dst.pool_token_bytes | dst.pool_head_offset | src.row_bytes;
+    for (plan, bases) in [(src, src_bases), (dst, dst_bases)] {
+        for s in &plan.slabs {
+            acc |= bases.get(s.buffer as usize).copied().unwrap_or(1) as u64;
         }
     }
     (1u64 << acc.trailing_zeros().min(4)) as u32

@@ -1,4 +1,5 @@
-// kvstage gather/scatter kernels: one launch moves every (slab, token) row of a CopyPlan piece.
+// kvstage gather/scatter kernels: one launch moves every (slab, token) row of a CopyPlan piece
+// (and direct mode's across kernel: pool rows to pool rows, see KvAcross).
 //
 // The plan is the one src/geometry/plan.rs builds for the host engine, uploaded as flat arrays:
 //   slab_buffer[s], slab_offset[s]  the slab's pool buffer index and its staging byte offset
@@ -92,17 +93,53 @@ KV_DEVICE void copy_flat(u64 pool, u64 stage, u64 first, u64 units, u64 step) {
 
 #define BATCH 4
 
+// Threads per row for rows of `row_units` units: a power of two <= 32, smaller for short rows.
+KV_DEVICE u32 threads_per_row(u64 row_units) {
+    u32 bx = 32;
+    while (bx > 1 && (u64)(bx / 2) >= row_units) bx /= 2;
+    return bx;
+}
+
+// Head-slice copy of the rows [0, rows) of slabs [s0, s0 + ns) of one tile: `bx` threads per row,
+// BATCH rows of `THREADS / bx` in flight per thread; `at(s, r, src, dst)` sets row (s, r)'s two
+// addresses.
+template <typename T, typename At>
+KV_DEVICE void copy_rows(u64 s0, u64 ns, u64 rows, u64 row_units, At at) {
+    const u32 tid = tid_x();
+    const u32 bx = threads_per_row(row_units), by = THREADS / bx;
+    const u32 tx = tid % bx, ty = tid / bx;
+    const u64 n = ns * TILE;
+    for (u64 i0 = ty; i0 < n; i0 += BATCH * by) {
+        u64 src[BATCH], dst[BATCH];
+        bool ok[BATCH];
+#pragma unroll
+        for (u32 q = 0; q < BATCH; ++q) {
+            const u64 i = i0 + q * by;
+            const u64 s = s0 + i / TILE, r = i % TILE;
+            ok[q] = i < n && r < rows;
+            src[q] = 0;
+            dst[q] = 0;
+            if (ok[q]) at(s, r, src[q], dst[q]);
+        }
+        for (u64 k = tx; k < row_units; k += bx) {
+            // Read and written only where ok[q]; zeroed because gcc at -O3 cannot see that.
+            T v[BATCH] = {};
+#pragma unroll
+            for (u32 q = 0; q < BATCH; ++q)
+                if (ok[q]) v[q] = ((const KV_AS_GLOBAL T *)src[q])[k];
+#pragma unroll
+            for (u32 q = 0; q < BATCH; ++q)
+                if (ok[q]) ((KV_AS_GLOBAL T *)dst[q])[k] = v[q];
+        }
+    }
+}
+
 template <typename T, bool GATHER>
 KV_DEVICE void run(const KvJob &j) {
     KV_SHARED u64 s_pool[TILE];
     const u64 V = sizeof(T);
     const u32 tid = tid_x();
     const u64 row_units = j.row_bytes / V;
-    // Threads per row: a power of two <= 32, smaller for short rows.
-    u32 bx = 32;
-    while (bx > 1 && (u64)(bx / 2) >= row_units) bx /= 2;
-    const u32 by = THREADS / bx;
-    const u32 tx = tid % bx, ty = tid / bx;
     const bool contiguous = j.row_bytes == j.pool_token_bytes;
     const u64 ntiles = (j.tokens + TILE - 1) / TILE;
     const u64 ngroups = (j.nslab + SLABS - 1) / SLABS;
@@ -128,32 +165,91 @@ KV_DEVICE void run(const KvJob &j) {
                 }
                 continue;
             }
-            // Head-slice copy: `bx` threads per row, BATCH rows of `by` in flight per thread.
-            const u64 n = ns * TILE;
-            for (u64 i0 = ty; i0 < n; i0 += BATCH * by) {
-                u64 src[BATCH], dst[BATCH];
-                bool ok[BATCH];
-#pragma unroll
-                for (u32 q = 0; q < BATCH; ++q) {
-                    const u64 i = i0 + q * by;
-                    const u64 s = s0 + i / TILE, r = i % TILE;
-                    ok[q] = i < n && r < rows;
-                    const u64 pool = ok[q] ? j.bases[j.slab_buffer[s]] + s_pool[r] * j.pool_token_bytes + j.pool_head_offset : 0;
-                    const u64 stage = ok[q] ? j.staging + j.slab_offset[s] + (t0 + r) * j.row_bytes : 0;
-                    src[q] = GATHER ? pool : stage;
-                    dst[q] = GATHER ? stage : pool;
+            copy_rows<T>(s0, ns, rows, row_units, [&](u64 s, u64 r, u64 &src, u64 &dst) {
+                const u64 pool = j.bases[j.slab_buffer[s]] + s_pool[r] * j.pool_token_bytes + j.pool_head_offset;
+                const u64 stage = j.staging + j.slab_offset[s] + (t0 + r) * j.row_bytes;
+                src = GATHER ? pool : stage;
+                dst = GATHER ? stage : pool;
+            });
+        }
+    }
+}
+
+// Direct mode's one pass: the rows a gather plan reads from one pool written where a scatter plan
+// of the same region puts them in another (both plans' slabs pair up, rows of the same size):
+//   src_bases / dst_bases           the two pools' buffers
+//   slab_src[s], slab_dst[s]        slab s's buffer index on each side
+//   run_start[g] (g <= nrun)        region token where run g starts; run_start[nrun] = tokens
+//   run_src[g], run_dst[g]          pool token slot of run g's first token on each side
+// Row (s, t) of `row_bytes` bytes: from src_bases[slab_src[s]] + src_token(t) * src_token_bytes +
+// src_head_offset to the same on the dst side. Grid and tiles as the gather/scatter kernels.
+struct KvAcross {
+    const u64 *src_bases;
+    const u64 *dst_bases;
+    const u64 *slab_src;
+    const u64 *slab_dst;
+    const u64 *run_start;
+    const u64 *run_src;
+    const u64 *run_dst;
+    u64 nslab;
+    u64 nrun;
+    u64 tokens;
+    u64 src_token_bytes;
+    u64 src_head_offset;
+    u64 dst_token_bytes;
+    u64 dst_head_offset;
+    u64 row_bytes;
+};
+
+// The run holding region token t: the last one starting at or before t.
+KV_DEVICE u64 run_of(const KvAcross &j, u64 t) {
+    u64 lo = 0, hi = j.nrun;  // run_start[lo] <= t < run_start[hi]
+    while (hi - lo > 1) {
+        u64 mid = lo + (hi - lo) / 2;
+        if (j.run_start[mid] <= t) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+template <typename T>
+KV_DEVICE void run_across(const KvAcross &j) {
+    KV_SHARED u64 s_src[TILE];
+    KV_SHARED u64 s_dst[TILE];
+    const u64 V = sizeof(T);
+    const u32 tid = tid_x();
+    const u64 row_units = j.row_bytes / V;
+    const bool contiguous = j.row_bytes == j.src_token_bytes && j.row_bytes == j.dst_token_bytes;
+    const u64 ntiles = (j.tokens + TILE - 1) / TILE;
+    const u64 ngroups = (j.nslab + SLABS - 1) / SLABS;
+
+    for (u64 tile = ctaid_x(); tile < ntiles; tile += nctaid_x()) {
+        const u64 t0 = tile * TILE;
+        const u64 rows = j.tokens - t0 < TILE ? j.tokens - t0 : TILE;
+        __syncthreads();  // every reader of the previous tile's slots is done
+        if (tid < rows) {
+            const u64 g = run_of(j, t0 + tid), into = t0 + tid - j.run_start[g];
+            s_src[tid] = j.run_src[g] + into;
+            s_dst[tid] = j.run_dst[g] + into;
+        }
+        __syncthreads();
+        // Flat when the tile's tokens follow each other on both sides (whole token slots).
+        const int next_ok = tid + 1 < rows ? s_src[tid + 1] == s_src[tid] + 1 && s_dst[tid + 1] == s_dst[tid] + 1 : 1;
+        const bool flat = contiguous && __nvvm_bar0_and(next_ok) != 0;
+        for (u64 group = ctaid_y(); group < ngroups; group += nctaid_y()) {
+            const u64 s0 = group * SLABS;
+            const u64 ns = j.nslab - s0 < SLABS ? j.nslab - s0 : SLABS;
+            if (flat) {
+                for (u64 s = s0; s < s0 + ns; ++s) {
+                    const u64 from = j.src_bases[j.slab_src[s]] + s_src[0] * j.src_token_bytes + j.src_head_offset;
+                    const u64 to = j.dst_bases[j.slab_dst[s]] + s_dst[0] * j.dst_token_bytes + j.dst_head_offset;
+                    copy_flat<T, true>(from, to, tid, rows * row_units, THREADS);
                 }
-                for (u64 k = tx; k < row_units; k += bx) {
-                    // Read and written only where ok[q]; zeroed because gcc at -O3 cannot see that.
-                    T v[BATCH] = {};
-#pragma unroll
-                    for (u32 q = 0; q < BATCH; ++q)
-                        if (ok[q]) v[q] = ((const KV_AS_GLOBAL T *)src[q])[k];
-#pragma unroll
-                    for (u32 q = 0; q < BATCH; ++q)
-                        if (ok[q]) ((KV_AS_GLOBAL T *)dst[q])[k] = v[q];
-                }
+                continue;
             }
+            copy_rows<T>(s0, ns, rows, row_units, [&](u64 s, u64 r, u64 &src, u64 &dst) {
+                src = j.src_bases[j.slab_src[s]] + s_src[r] * j.src_token_bytes + j.src_head_offset;
+                dst = j.dst_bases[j.slab_dst[s]] + s_dst[r] * j.dst_token_bytes + j.dst_head_offset;
+            });
         }
     }
 }
@@ -171,3 +267,12 @@ KV_ENTRY(kvstage_scatter_v8, u64, false)
 KV_ENTRY(kvstage_scatter_v4, u32, false)
 KV_ENTRY(kvstage_scatter_v2, u16, false)
 KV_ENTRY(kvstage_scatter_v1, u8, false)
+
+#define KV_ACROSS(name, T) \
+    KV_GLOBAL void KV_LAUNCH_BOUNDS(THREADS) name(KvAcross j) { run_across<T>(j); }
+
+KV_ACROSS(kvstage_across_v16, v4u32)
+KV_ACROSS(kvstage_across_v8, u64)
+KV_ACROSS(kvstage_across_v4, u32)
+KV_ACROSS(kvstage_across_v2, u16)
+KV_ACROSS(kvstage_across_v1, u8)

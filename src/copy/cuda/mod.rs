@@ -30,7 +30,7 @@ pub mod selftest;
 #[cfg(test)]
 mod emu;
 
-pub use driver::{available, driver, CudaError, DriverInfo, Kernel, KERNELS_PTX};
+pub use driver::{available, driver, CudaError, DriverInfo, Kernel, KernelOp, KERNELS_PTX};
 pub use engine::{Backend, DeviceCopyEngine, DEFAULT_SCRATCH_BYTES};
 pub use memory::DeviceMemory;
 
@@ -83,9 +83,10 @@ impl Backend for CudaBackend {
         cu("cuMemcpyAsync", unsafe { api::cuMemcpyAsync(dst, src, bytes as usize, stream as sys::CUstream) })
     }
 
-    unsafe fn launch(&self, stream: usize, kernel: Kernel, grid: (u32, u32), job: &KvJob) -> Result<()> {
-        let mut params = [job as *const KvJob as *mut c_void];
-        // SAFETY: the function takes one `struct KvJob` by value, which `params[0]` points to.
+    unsafe fn launch(&self, stream: usize, kernel: Kernel, grid: (u32, u32), job: *const c_void) -> Result<()> {
+        let mut params = [job as *mut c_void];
+        // SAFETY: the function takes one parameter block by value (`struct KvJob` or `struct
+        // KvAcross`, the caller's contract), which `params[0]` points to.
         let r = unsafe {
             api::cuLaunchKernel(
                 self.dev.function(kernel) as sys::CUfunction,

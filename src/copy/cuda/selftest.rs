@@ -4,8 +4,8 @@
 //! Each case builds a prefill pool and a decode pool (random bytes) on the device and mirrors
 //! them in host memory, plans one chunk with the shared planner, and checks that the device engine
 //! produces the host engine's bytes: gather into host staging (through the scratch pieces) and
-//! into device staging, scatter from host staging and from device staging (whole decode pool
-//! compared, so a stray write anywhere is caught).
+//! into device staging, scatter from host staging and from device staging, and direct mode's
+//! pool-to-pool copy (whole decode pool compared, so a stray write anywhere is caught).
 
 use super::engine::{Backend, DeviceCopyEngine};
 use crate::copy::{CopyEngine, HostCopyEngine};
@@ -215,7 +215,14 @@ pub fn run_case<B: Backend>(engine: &DeviceCopyEngine<B>, mem: &dyn TestMemory, 
     if let Some(at) = first_difference(&dst.mirror, &dst.read_device(mem)?) {
         return Err(mismatch(case, "decode pool after scatter from device staging", at));
     }
-    Ok(g.bytes() + s.bytes())
+    // Direct mode: the prefill pool's rows straight into the decode pool, no staging between.
+    dst.reset_device(mem, &before)?;
+    // SAFETY: both pools are device memory of the case; the plans are of one region.
+    unsafe { engine.copy_across(&g, &src.device, &s, &dst.device) }?;
+    if let Some(at) = first_difference(&dst.mirror, &dst.read_device(mem)?) {
+        return Err(mismatch(case, "decode pool after the direct copy", at));
+    }
+    Ok(g.bytes() + 2 * s.bytes())
 }
 
 /// Runs every standard case; returns (cases, bytes moved per engine pass).
