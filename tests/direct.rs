@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use common::{pool_fill_canary, pool_scan_canary};
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
-use kvstage::geometry::{ModelKind, PoolShape};
+use kvstage::geometry::{MemoryKind, ModelKind, PoolShape};
 use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
 use kvstage::session::sender::{SenderSession, TransferDesc};
@@ -144,7 +144,7 @@ fn a_receiver_granting_pages_outside_its_pool_gets_nothing_written() {
             answer.ring_bytes = 1 << 20;
             raw.send(&Message::Hello(answer)).unwrap();
             let (socket, nonce) = match raw.reply(Duration::from_secs(5)) {
-                Message::ShmOffer { socket, nonce, direct: true } => (socket, nonce),
+                Message::ShmOffer { socket, nonce, direct: Some(MemoryKind::Host) } => (socket, nonce),
                 other => panic!("expected a same-host offer asking for the pool, got {other:?}"),
             };
             let ring = SharedRing::create(1 << 20).unwrap();

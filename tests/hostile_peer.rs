@@ -712,7 +712,7 @@ fn a_same_host_peer_is_held_to_its_grant_and_its_lease() {
     // Offers the engine cannot reach or that are malformed: answered "not local", session kept.
     let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "shm-hostile", b"");
     for (socket, nonce) in [("kvstage-shm-nobody-listens-here", vec![1u8; 16]), ("bad name\n", vec![1; 16]), ("kvstage-shm-x", vec![1; 3])] {
-        raw.send(&Message::ShmOffer { socket: socket.into(), nonce, direct: false }).unwrap();
+        raw.send(&Message::ShmOffer { socket: socket.into(), nonce, direct: None }).unwrap();
         let (status, local, _, reason) = answer(&mut raw);
         assert!(status != 0 && !local, "offer {socket:?}: {status} {local} {reason}");
     }
@@ -721,7 +721,7 @@ fn a_same_host_peer_is_held_to_its_grant_and_its_lease() {
     // A real offer: the ring's descriptor arrives on our socket; a second offer is refused.
     let (name, listener) = fdpass::listen_abstract().unwrap();
     let nonce = fdpass::random_bytes(fdpass::NONCE_BYTES).unwrap();
-    raw.send(&Message::ShmOffer { socket: name.clone(), nonce: nonce.clone(), direct: false }).unwrap();
+    raw.send(&Message::ShmOffer { socket: name.clone(), nonce: nonce.clone(), direct: None }).unwrap();
     let (status, local, ring_len, reason) = answer(&mut raw);
     assert!(status == 0 && local, "{status} {local} {reason}");
     let lease = fdpass::accept_by(&listener, Instant::now() + Duration::from_secs(5)).unwrap();
@@ -729,7 +729,7 @@ fn a_same_host_peer_is_held_to_its_grant_and_its_lease() {
     let fd = fdpass::recv_fd(&lease, &mut greeting).unwrap().expect("the ring's descriptor");
     assert_eq!(&greeting[..fdpass::NONCE_BYTES], &nonce[..]);
     let ring = memory::map_peer_ring(&fd, ring_len).unwrap();
-    raw.send(&Message::ShmOffer { socket: name, nonce: nonce.clone(), direct: false }).unwrap();
+    raw.send(&Message::ShmOffer { socket: name, nonce: nonce.clone(), direct: None }).unwrap();
     let (status, _, _, reason) = answer(&mut raw);
     assert!(status != 0 && reason.contains("second"), "{status} {reason}");
     // A refused offer naming any other local listener: the engine never connects to it (no probe
@@ -738,7 +738,7 @@ fn a_same_host_peer_is_held_to_its_grant_and_its_lease() {
     let probe_name = format!("kvstage-probe-target-{}", std::process::id());
     let probe = std::os::unix::net::UnixListener::bind_addr(&std::os::unix::net::SocketAddr::from_abstract_name(probe_name.as_bytes()).unwrap()).unwrap();
     probe.set_nonblocking(true).unwrap();
-    raw.send(&Message::ShmOffer { socket: probe_name.clone(), nonce, direct: false }).unwrap();
+    raw.send(&Message::ShmOffer { socket: probe_name.clone(), nonce, direct: None }).unwrap();
     let (status, local, _, reason) = answer(&mut raw);
     assert!(status != 0 && !local, "{status} {local} {reason}");
     // The answer came after any connect: a connection would be waiting in the backlog now.
@@ -836,7 +836,7 @@ fn same_host_leases_are_bounded_like_connections() {
         let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), &format!("lease-hoarder-{i}"), b"");
         let (name, listener) = fdpass::listen_abstract().unwrap();
         let nonce = fdpass::random_bytes(fdpass::NONCE_BYTES).unwrap();
-        raw.send(&Message::ShmOffer { socket: name, nonce, direct: false }).unwrap();
+        raw.send(&Message::ShmOffer { socket: name, nonce, direct: None }).unwrap();
         let (status, reason) = match raw.reply(Duration::from_secs(5)) {
             Message::ShmAnswer { status, reason, .. } => (status, reason),
             other => panic!("expected a same-host answer, got {other:?}"),

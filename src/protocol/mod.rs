@@ -7,7 +7,7 @@
 use std::io::{Read, Write};
 
 use crate::error::{Error, Result, Status};
-use crate::geometry::{ModelKind, PoolShape};
+use crate::geometry::{MemoryKind, ModelKind, PoolShape};
 use crate::ring::Watermark;
 pub use rdma_offer::{LinkLayer, Mtu, PortAttrs, QpEndpoint, RdmaOffer, MAX_ENDPOINTS, OFFER_VERSION};
 
@@ -33,7 +33,10 @@ pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// 9: direct mode on one host: a same-host offer says whether the sender maps the decode pool, an
 /// allocation request whether the writer writes that pool directly, and a grant for it carries
 /// the chunk's decode pages.
-pub const PROTOCOL_VERSION: u16 = 9;
+/// 10: direct mode for device pools: a same-host offer names the memory of the pool the sender
+/// writes from (host or CUDA), and the receiver shares its pool only in that memory (memfds, or
+/// CUDA IPC handles of whole allocations).
+pub const PROTOCOL_VERSION: u16 = 10;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.
@@ -132,8 +135,9 @@ pub enum Message {
     Written { room: RoomRef, chunk: u32, writer: u32, offset: u64, len: u64, imm: u32 },
     /// Same host: the sender listens on the abstract Unix socket `socket` and asks for the ring's
     /// descriptor there, presented with `nonce`.
-    /// `direct`: the sender would also map the decode pool (direct mode).
-    ShmOffer { socket: String, nonce: Vec<u8>, direct: bool },
+    /// `direct`: the sender would also map the decode pool (direct mode) if it lies in this kind
+    /// of memory (its own pool's: the copy runs between two pools of one kind).
+    ShmOffer { socket: String, nonce: Vec<u8>, direct: Option<MemoryKind> },
     /// Same host: `local` = the receiver reached the socket; `status` 0 = it passed its ring of
     /// `ring_len` bytes there; otherwise a `Status` code with `reason`.
     ShmAnswer { status: i32, local: bool, ring_len: u64, reason: String },
@@ -273,7 +277,7 @@ impl Message {
                 o.encode(&mut e);
             }
             Message::ShmOffer { socket, nonce, direct } => {
-                e.u8(T_SHM_OFFER).str(socket).bytes(nonce).u8(*direct as u8);
+                e.u8(T_SHM_OFFER).str(socket).bytes(nonce).u8(parts::encode_memory(*direct));
             }
             Message::ShmAnswer { status, local, ring_len, reason } => {
                 e.u8(T_SHM_ANSWER).i32(*status).u8(*local as u8).u64(*ring_len).str(reason);
@@ -377,7 +381,7 @@ impl Message {
             T_SLICE_DONE => Message::SliceDone { req: d.u64("req")?, room: decode_room(&mut d)?, chunk: d.u32("chunk")? },
             T_RDMA_OFFER => Message::RdmaOffer(RdmaOffer::decode(d.rest())?),
             T_RDMA_ANSWER => Message::RdmaAnswer(RdmaOffer::decode(d.rest())?),
-            T_SHM_OFFER => Message::ShmOffer { socket: d.str("socket", MAX_TEXT)?, nonce: d.bytes("nonce", MAX_TEXT)?, direct: parts::flag(&mut d, "direct")? },
+            T_SHM_OFFER => Message::ShmOffer { socket: d.str("socket", MAX_TEXT)?, nonce: d.bytes("nonce", MAX_TEXT)?, direct: parts::memory(&mut d, "direct")? },
             T_SHM_ANSWER => Message::ShmAnswer {
                 status: d.i32("status")?,
                 local: match d.u8("local")? {
@@ -567,8 +571,9 @@ mod tests {
             Message::RdmaOffer(rdma_offer()),
             Message::RdmaAnswer(RdmaOffer::refusal(Status::KVSTAGE_E_NO_DEVICE, "no device")),
             Message::Written { room: RoomRef { id: 1, key: 0x5eed_0001 }, chunk: 2, writer: 3, offset: 4, len: 5, imm: 6 },
-            Message::ShmOffer { socket: "kvstage-shm-1-ab".into(), nonce: vec![7; 16], direct: false },
-            Message::ShmOffer { socket: "kvstage-shm-1-ab".into(), nonce: vec![7; 16], direct: true },
+            Message::ShmOffer { socket: "kvstage-shm-1-ab".into(), nonce: vec![7; 16], direct: None },
+            Message::ShmOffer { socket: "kvstage-shm-1-ab".into(), nonce: vec![7; 16], direct: Some(MemoryKind::Host) },
+            Message::ShmOffer { socket: "kvstage-shm-1-ab".into(), nonce: vec![7; 16], direct: Some(MemoryKind::Cuda) },
             Message::ShmAnswer { status: 0, local: true, ring_len: 1 << 20, reason: String::new() },
             Message::GridReq { req: 7, room: RoomRef { id: 8, key: 0x5eed_0008 } },
             Message::GridRsp { req: 9, status: 0, chunk_tokens: 64, num_chunks: 3, num_pages: 10, reason: String::new() },

@@ -7,7 +7,7 @@ use super::malformed;
 use crate::error::Result;
 use crate::geometry::parts::{MAX_COMPONENTS, MAX_NAME};
 use crate::geometry::state::MAX_GROUPS;
-use crate::geometry::{ComponentKind, ComponentSpec, StateItem};
+use crate::geometry::{ComponentKind, ComponentSpec, MemoryKind, StateItem};
 
 const MAX_LAYERS: u32 = 4096;
 
@@ -38,6 +38,25 @@ pub fn flag(d: &mut Dec, field: &str) -> Result<bool> {
         0 => Ok(false),
         1 => Ok(true),
         f => Err(malformed(format!("{field} {f} is neither 0 nor 1"))),
+    }
+}
+
+/// An optional memory kind as one byte: 0 none, 1 host, 2 CUDA.
+pub fn encode_memory(kind: Option<MemoryKind>) -> u8 {
+    match kind {
+        None => 0,
+        Some(MemoryKind::Host) => 1,
+        Some(MemoryKind::Cuda) => 2,
+    }
+}
+
+/// Decodes [`encode_memory`]'s byte.
+pub fn memory(d: &mut Dec, field: &str) -> Result<Option<MemoryKind>> {
+    match d.u8(field)? {
+        0 => Ok(None),
+        1 => Ok(Some(MemoryKind::Host)),
+        2 => Ok(Some(MemoryKind::Cuda)),
+        k => Err(malformed(format!("{field} {k} is not a memory kind (0 none, 1 host, 2 CUDA)"))),
     }
 }
 

@@ -1,12 +1,15 @@
 //! Glue between CUDA device memory (`copy`) and the same-host transport, which moves a device
-//! ring's IPC export and writes through it without depending on CUDA itself.
+//! ring's (and, in direct mode, a device pool's) IPC exports and writes through them without
+//! depending on CUDA itself.
 
 use crate::copy::cuda::DeviceMemory;
 use crate::error::{Error, Result, Status};
+use crate::geometry::KvLayout;
 use crate::transport::rdma::DmaBuf;
-use crate::transport::shm::{DeviceExport, DeviceRing};
+use crate::transport::shm::pool::PoolShare;
+use crate::transport::shm::{DeviceExport, PeerDevice};
 
-impl DeviceRing for DeviceMemory {
+impl PeerDevice for DeviceMemory {
     fn ptr(&self) -> u64 {
         self.ptr
     }
@@ -44,7 +47,19 @@ pub fn export(ring: &DeviceMemory) -> Result<DeviceExport> {
 }
 
 /// Opens a receiver's exported device ring on CUDA device `ordinal` (a sender's KV pool device).
-pub fn open(ordinal: i32, export: &DeviceExport, len: usize, same_process: bool) -> Result<Box<dyn DeviceRing>> {
+pub fn open(ordinal: i32, export: &DeviceExport, len: usize, same_process: bool) -> Result<Box<dyn PeerDevice>> {
     let ring = DeviceMemory::open_export(ordinal, &export.handle, export.offset, export.ptr, len, same_process)?;
     Ok(Box::new(ring))
+}
+
+/// Direct mode's share of a CUDA KV pool: the IPC export of every allocation holding its buffers,
+/// each of which must hold nothing else (see [`PoolShare::device`]); `Err` says why not (the pool
+/// is then served through the ring).
+pub fn pool_share(pool: &KvLayout) -> std::result::Result<PoolShare, String> {
+    let ordinal = crate::copy::cuda::pool_device(pool, None).map_err(|e| e.chain())?;
+    let allocation = |base: usize| DeviceMemory::allocation_holding(ordinal, base as u64).map(|(start, size)| (start as usize, size)).map_err(|e| e.chain());
+    let export = |start: usize| {
+        DeviceMemory::export_allocation(ordinal, start as u64).map(|handle| DeviceExport { handle, offset: 0, ptr: start as u64 }).map_err(|e| e.chain())
+    };
+    PoolShare::device(pool, allocation, export)
 }

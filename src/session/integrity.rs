@@ -59,3 +59,21 @@ pub fn checksum_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u64 {
     }
     sum.digest()
 }
+
+/// [`checksum`] of a plan's pool rows in region order, where direct mode wrote (or reads) them: in
+/// place in a host pool, gathered to the host from a device pool through `copy` (one device→host
+/// read, as a device ring's check reads its region back).
+///
+/// # Safety
+/// `plan` was checked against `pool` ([`crate::copy::check_plan`]); nobody writes its rows while
+/// this reads them.
+pub unsafe fn rows_checksum(copy: &dyn crate::copy::CopyEngine, plan: &crate::geometry::CopyPlan, pool: &crate::geometry::KvLayout) -> crate::Result<u64> {
+    if pool.memory == crate::geometry::MemoryKind::Host {
+        // SAFETY: the caller's contract, for host memory.
+        return Ok(checksum_parts(unsafe { crate::copy::rows::pool_rows(plan, pool) }));
+    }
+    let mut region = vec![0u8; plan.staging_bytes as usize];
+    // SAFETY: the caller's contract; `region` holds the plan's staging bytes.
+    unsafe { copy.gather(plan, pool, region.as_mut_ptr()) }?;
+    Ok(checksum(&region))
+}

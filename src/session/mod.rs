@@ -14,7 +14,7 @@ mod wake;
 pub mod workers;
 
 pub use crate::deadline::Deadline;
-pub use integrity::{checksum, checksum_parts, Integrity, INTEGRITY_SAMPLE_PERIOD};
+pub use integrity::{checksum, checksum_parts, rows_checksum, Integrity, INTEGRITY_SAMPLE_PERIOD};
 use crate::error::{Error, Status};
 use crate::geometry::{self, HeadSlice, PoolShape};
 

@@ -104,6 +104,29 @@ impl DeviceMemory {
         Ok((handle.reserved.map(|b| b as u8), self.ptr - base, size))
     }
 
+    /// The allocation holding `ptr` on CUDA device `ordinal`: its first byte and size.
+    /// `KVSTAGE_E_UNSUPPORTED` for memory the driver does not know.
+    pub fn allocation_holding(ordinal: i32, ptr: u64) -> Result<(u64, u64)> {
+        let dev = Device::open(ordinal)?;
+        let _g = dev.enter()?;
+        allocation_of(ptr).ok_or_else(|| Error::new(Status::KVSTAGE_E_UNSUPPORTED, format!("the driver cannot name the allocation holding {ptr:#x}")))
+    }
+
+    /// The allocation starting at `base` on CUDA device `ordinal`, exported whole for a process on
+    /// the same node (direct mode's pool share): its IPC handle. Errors as [`export`](Self::export).
+    pub fn export_allocation(ordinal: i32, base: u64) -> Result<[u8; IPC_HANDLE_BYTES]> {
+        if !has_symbol("cuIpcGetMemHandle") || !has_symbol("cuIpcOpenMemHandle_v2") || !has_symbol("cuIpcCloseMemHandle") {
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the CUDA driver lacks the IPC entry points (cuIpcGetMemHandle)"));
+        }
+        let dev = Device::open(ordinal)?;
+        let _g = dev.enter()?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+        // SAFETY: context current; the handle is written in full.
+        cu("cuIpcGetMemHandle", unsafe { api::cuIpcGetMemHandle(&mut handle, base) })
+            .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("device memory at {base:#x} cannot be shared by CUDA IPC")))?;
+        Ok(handle.reserved.map(|b| b as u8))
+    }
+
     /// A dma-buf of the allocation holding this memory, for a NIC to register it
     /// (`ibv_reg_dmabuf_mr`), and this memory's offset in it. The range is the whole allocation,
     /// rounded up to host pages (as `cuMemGetHandleForAddressRange` asks). Fails

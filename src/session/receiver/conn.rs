@@ -443,10 +443,10 @@ impl Receiver {
         let pool = self.pool()?;
         let plan = crate::geometry::plan_scatter(&pool.shape, &direct.pages, &direct.layout, &direct.layout.writers[direct.region as usize])?;
         crate::copy::check_plan(&plan, &pool)?;
-        // SAFETY: the plan was checked against the host pool (direct mode needs one); the rows
-        // are the room's pages, which stay in the pool while the room is open (a release during
-        // the read makes the result unused: the lease is stale then).
-        Ok(crate::session::checksum_parts(unsafe { crate::copy::rows::pool_rows(&plan, &pool) }))
+        // SAFETY: the plan was checked against the pool; the rows are the room's pages, which
+        // stay in the pool while the room is open (a release during the read makes the result
+        // unused: the lease is stale then).
+        unsafe { crate::session::rows_checksum(&*self.copy, &plan, &pool) }
     }
 
     /// Test fault "a peer that stops reading": the connection stays open, unread, until the

@@ -25,6 +25,7 @@ use super::memory::RingMemory;
 use super::state::ConnId;
 use super::Receiver;
 use crate::error::Status;
+use crate::geometry::MemoryKind;
 use crate::protocol::Message;
 use crate::transport::shm;
 
@@ -153,8 +154,9 @@ fn wait_lease(lease: &UnixStream, process: &PeerProcess) -> LeaseEvent {
 
 impl Receiver {
     /// Answers a same-host offer of connection `id`; `direct`: the sender asks for the KV pool
-    /// too (direct mode), passed when this engine allows it and the pool is shareable.
-    pub(super) fn serve_same_host(self: &Arc<Self>, id: ConnId, socket: &str, nonce: &[u8], direct: bool, session: &str, peer: &str) -> Message {
+    /// too (direct mode) if it lies in this memory, passed when this engine allows it and the pool
+    /// is shareable.
+    pub(super) fn serve_same_host(self: &Arc<Self>, id: ConnId, socket: &str, nonce: &[u8], direct: Option<MemoryKind>, session: &str, peer: &str) -> Message {
         let shm = self.shm.lock().clone();
         let answer = |status: Status, local: bool, ring_len: u64, reason: String| Message::ShmAnswer { status: status.code(), local, ring_len, reason };
         let memory = self.memory.lock().clone();
@@ -228,13 +230,17 @@ impl Receiver {
         answer(Status::KVSTAGE_OK, true, ring_len, String::new())
     }
 
-    /// The KV pool's share for a sender that asked for direct mode (`wanted`), when this engine
-    /// allows it and the pool lies in shared allocations; `None` otherwise (the ring path).
-    fn pool_share(&self, wanted: bool, shm: Option<&shm::Shm>, session: &str) -> Option<shm::pool::PoolShare> {
-        if !wanted || !shm.is_some_and(shm::Shm::direct) {
-            return None;
-        }
-        let share = self.pool().map_err(|e| e.chain()).and_then(|pool| shm::pool::PoolShare::of(&pool));
+    /// The KV pool's share for a sender that asked for direct mode from a pool in `wanted` memory,
+    /// when this engine allows it and its pool is in that memory and shareable (host: shared
+    /// allocations; CUDA: allocations that hold nothing but the pool); `None` otherwise (the ring
+    /// path).
+    fn pool_share(&self, wanted: Option<MemoryKind>, shm: Option<&shm::Shm>, session: &str) -> Option<shm::pool::PoolShare> {
+        let wanted = wanted.filter(|_| shm.is_some_and(shm::Shm::direct))?;
+        let share = self.pool().map_err(|e| e.chain()).and_then(|pool| match (wanted, pool.memory) {
+            (MemoryKind::Host, MemoryKind::Host) => shm::pool::PoolShare::of(&pool),
+            (MemoryKind::Cuda, MemoryKind::Cuda) => crate::session::device_ring::pool_share(&pool),
+            (theirs, ours) => Err(format!("the sender's pool is {theirs:?} memory, this one's {ours:?}")),
+        });
         share.inspect_err(|why| log::debug!(session = session; "direct mode not offered: {why}")).ok()
     }
 

@@ -106,8 +106,8 @@ impl SenderSession {
         let pool_device = (pool.memory == MemoryKind::Cuda).then(|| crate::copy::cuda::pool_device(&pool, None).ok()).flatten();
         let open_device = pool_device.map(|ordinal| move |x: &_, len, same_process| crate::session::device_ring::open(ordinal, x, len, same_process));
         let open_device = open_device.as_ref().map(|f| f as crate::transport::shm::OpenDevice<'_>);
-        // Direct mode copies from our pool's rows on the CPU: a host pool.
-        let direct = (pool.memory == MemoryKind::Host).then_some(&remote.shape);
+        // Direct mode copies between two pools of one kind: the receiver's in our pool's memory.
+        let direct = Some((&remote.shape, pool.memory));
         let shm = resources.shm.negotiate(&link, &mut reader, &peer, id, remote.ring_bytes, open_device, direct, &deadline, &mut early)?;
         let (link, link_kind, downgraded) = match shm {
             Negotiated::Mapped(shm) => (shm, LinkKind::Shm, false),

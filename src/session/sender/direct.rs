@@ -1,12 +1,12 @@
 //! Direct mode (same host, the decode pool mapped here): a chunk the receiver granted directly is
 //! copied in one pass from this pool's pages into the decode pages its grant names, both head
-//! slices remapped by one pair of plans; no ring range is written and the receiver scatters
-//! nothing. Then the `Written` report and the ready go over the control stream, as after an
+//! slices remapped by one pair of plans (host pools: by this thread; device pools: one kernel on
+//! this pool's device, the decode pool opened there through CUDA IPC); no ring range is written
+//! and the receiver scatters nothing. Then the `Written` report and the ready go over the control stream, as after an
 //! in-place gather (layer-wise: a copy and a `Written` report per batch of layers).
 
 use super::staged::Placement;
 use super::*;
-use crate::copy::rows;
 use crate::geometry::{CopyPlan, StagingLayout, WriterRegion};
 
 /// Where a direct grant puts this writer's region: the decode pages it named, and the layout and
@@ -19,10 +19,10 @@ pub(super) struct DirectTarget<'a> {
 }
 
 impl SenderSession {
-    /// Whether a chunk of `plan` may be asked for directly: this host pool's KV without request
-    /// parts (whole or layer-wise), on a session that maps the decode pool.
+    /// Whether a chunk of `plan` may be asked for directly: this pool's KV without request parts
+    /// (whole or layer-wise), on a session that maps the decode pool (in this pool's memory).
     pub(super) fn may_write_direct(&self, plan: Option<&CopyPlan>, region: &WriterRegion) -> bool {
-        plan.is_some() && region.tail.is_empty() && self.pool.memory == MemoryKind::Host && self.link.maps_pool()
+        plan.is_some() && region.tail.is_empty() && self.link.maps_pool()
     }
 
     /// The decode side of `plan` in the pages of `to`, checked with `plan` against both pools as
@@ -47,10 +47,10 @@ impl SenderSession {
             std::thread::sleep(Duration::from_millis(pause.into()));
         }
         // SAFETY: both plans (of the checked ones, some of their slabs) were checked against
-        // their pools, host memory of two processes' pools (never the same pages); the grant
-        // gives this writer these rows of the decode pages until its ready, and the mapping (whose
+        // their pools, two processes' pools of one kind (never the same pages); the grant gives
+        // this writer these rows of the decode pages until its ready, and the mapping (whose
         // layout `dst` was checked against) stays while `pool` is held.
-        let copied = unsafe { rows::copy_across(part, &self.pool, dst, pool.layout()) };
+        let copied = unsafe { self.resources.copy.copy_across(part, &self.pool, dst, pool.layout()) };
         t.gather_ns += since(phase);
         copied
     }
@@ -59,8 +59,8 @@ impl SenderSession {
     /// [`direct_plan`](Self::direct_plan), as the receiver's pool now holds them) when integrity
     /// covers the chunk.
     pub(super) fn direct_checksum(&self, desc: &TransferDesc, plan: &CopyPlan) -> Result<Option<u64>> {
-        // SAFETY: `plan` was checked against the host pool.
-        self.region_checksum(desc, || Ok(crate::session::checksum_parts(unsafe { rows::pool_rows(plan, &self.pool) })))
+        // SAFETY: `plan` was checked against the pool, whose rows the caller keeps valid.
+        self.region_checksum(desc, || unsafe { crate::session::rows_checksum(&*self.resources.copy, plan, &self.pool) })
     }
 
     /// A whole chunk: copies `plan`'s rows into the decode pages of `to`, then reports the region

@@ -5,8 +5,9 @@
 //! control stream, in that order, so the receiver reads the completion only after the bytes are
 //! in its ring.
 //!
-//! In direct mode the receiver's KV pool is mapped too ([`ShmTransport::direct_pool`]): a chunk
-//! granted directly is copied from this pool's pages into the decode pages the grant names.
+//! In direct mode the receiver's KV pool is mapped (host) or opened through CUDA IPC (device) too
+//! ([`ShmTransport::direct_pool`]): a chunk granted directly is copied from this pool's pages into
+//! the decode pages the grant names.
 //!
 //! Teardown: [`Transport::shutdown`] waits for a gather or direct copy in progress (it holds the
 //! mappings' read lock), unmaps the ring and the pool, then closes the local socket. The receiver keeps every range this
@@ -21,7 +22,7 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use super::memory::Mapping;
 use super::pool::PeerPool;
-use super::{DeviceRing, RingKind};
+use super::{PeerDevice, RingKind};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::protocol::Message;
@@ -33,7 +34,7 @@ pub enum PeerRing {
     Host(Mapping),
     /// A device ring: opened through CUDA IPC on the device of this process's KV pool (closed on
     /// drop), or the very address when the receiver is this process.
-    Device(Box<dyn DeviceRing>),
+    Device(Box<dyn PeerDevice>),
 }
 
 impl PeerRing {
@@ -243,6 +244,7 @@ impl Transport for ShmTransport {
         match self.kind {
             RingKind::Host if self.maps_pool => format!("shm direct ({size} ring and the decode pool mapped) via {}", self.tcp.describe()),
             RingKind::Host => format!("shm ({size} ring mapped) via {}", self.tcp.describe()),
+            RingKind::Device if self.maps_pool => format!("cuda-ipc direct ({size} device ring and the decode pool opened) via {}", self.tcp.describe()),
             RingKind::Device => format!("cuda-ipc ({size} device ring opened) via {}", self.tcp.describe()),
         }
     }

@@ -17,10 +17,12 @@
 //!    as the mapping's lease: its end tells the receiver that this process can no longer write
 //!    its ring.
 //!
-//! Direct mode (host pools): when the sender asks for it and the receiver's KV pool lies in memory
-//! of `kvstage_shared_alloc`, the receiver also passes the pool's memfds and where each buffer
-//! lies in them; the sender maps them under the same lease, and chunks the receiver grants
-//! directly are copied from prefill page to decode page in one pass (no ring, no scatter).
+//! Direct mode: when the sender asks for it (naming its own pool's memory) and the receiver's KV
+//! pool is in that memory and shareable — host memory of `kvstage_shared_alloc`, or CUDA device
+//! allocations that hold nothing but the pool — the receiver also passes the pool's memfds or IPC
+//! handles and where each buffer lies in them; the sender maps or opens them under the same lease,
+//! and chunks the receiver grants directly are copied from prefill page to decode page in one pass
+//! (no ring, no scatter).
 //!
 //! Files: `fdpass` (abstract sockets, descriptor passing), `memory` (sealed memfd, mappings),
 //! `pool` (shared allocations, the pool's share), `link` (the sender's transport).
@@ -39,20 +41,21 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-pub use self::greeting::{DeviceExport, OfferedRing, GREETING_BYTES, IPC_HANDLE_BYTES};
+pub use self::greeting::{DeviceExport, OfferedRing, PoolFiles, GREETING_BYTES, IPC_HANDLE_BYTES};
 pub use self::link::{DirectPool, InPlace, PeerRing, ShmTransport};
 use self::pool::{PeerPool, PoolShare};
 use self::fdpass::NONCE_BYTES;
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
-use crate::geometry::PoolShape;
+use crate::geometry::{MemoryKind, PoolShape};
 use crate::protocol::{self, Message};
 use crate::transport::Transport;
 
-/// A receiver's device ring as a sender reaches it. The session layer, which owns CUDA, opens it
-/// (see [`OpenDevice`]) and closes it on drop.
-pub trait DeviceRing: Send + Sync {
-    /// The ring's first byte: a device address of this process.
+/// A receiver's device memory as a sender reaches it: its device ring, or an allocation of its KV
+/// pool (direct mode). The session layer, which owns CUDA, opens it (see [`OpenDevice`]) and
+/// closes it on drop.
+pub trait PeerDevice: Send + Sync {
+    /// The memory's first byte: a device address of this process.
     fn ptr(&self) -> u64;
     fn bytes(&self) -> usize;
     /// The `len` bytes at offset `at`, copied to the host (synchronous).
@@ -67,9 +70,10 @@ pub enum RingKind {
     Device,
 }
 
-/// Opens an exported device ring of `len` bytes on the device of this engine's KV pool;
-/// `same_process`: the receiver is this very process (its address is used as is).
-pub type OpenDevice<'a> = &'a dyn Fn(&DeviceExport, usize, bool) -> Result<Box<dyn DeviceRing>>;
+/// Opens `len` bytes of a receiver's exported device memory (its ring, or a pool allocation) on the
+/// device of this engine's KV pool; `same_process`: the receiver is this very process (its
+/// address is used as is).
+pub type OpenDevice<'a> = &'a dyn Fn(&DeviceExport, usize, bool) -> Result<Box<dyn PeerDevice>>;
 
 /// Local connections the sender accepts while looking for the receiver's (another local process
 /// that saw the socket's name may connect first; it cannot know the nonce).
@@ -181,8 +185,9 @@ impl Shm {
     /// `ring_bytes`: the ring size the receiver's hello announced (the ring it passes must be it).
     /// `open_device`: opens a receiver's device ring on the device of this engine's KV pool
     /// (`None`: the pool is host memory, and a device ring is not written from it).
-    /// `direct`: the receiver's pool shape, when this sender would map its pool (direct mode:
-    /// this engine allows it and its own pool is host memory).
+    /// `direct`: the receiver's pool shape and this engine's pool memory, when this sender would
+    /// map the receiver's pool (direct mode: this engine allows it; the receiver shares a pool in
+    /// that memory only, opened with `open_device` when it is device memory).
     #[allow(clippy::too_many_arguments)]
     pub fn negotiate(
         &self,
@@ -192,7 +197,7 @@ impl Shm {
         session: &str,
         ring_bytes: u64,
         open_device: Option<OpenDevice<'_>>,
-        direct: Option<&PoolShape>,
+        direct: Option<(&PoolShape, MemoryKind)>,
         deadline: &Deadline,
         early: &mut Vec<Message>,
     ) -> Result<Negotiated> {
@@ -205,7 +210,7 @@ impl Shm {
             Err(e) => return self.refused(e.context("cannot offer the same-host path"), session, peer),
         };
         let direct = direct.filter(|_| self.direct());
-        tcp.send(&Message::ShmOffer { socket: name, nonce: nonce.clone(), direct: direct.is_some() }, deadline)?;
+        tcp.send(&Message::ShmOffer { socket: name, nonce: nonce.clone(), direct: direct.map(|d| d.1) }, deadline)?;
         let (status, local, ring_len, reason) = loop {
             match protocol::read_frame(reader) {
                 Ok(Some(Message::ShmAnswer { status, local, ring_len, reason })) => break (status, local, ring_len, reason),
@@ -273,7 +278,7 @@ fn map_offered_ring(
     nonce: &[u8],
     ring_len: u64,
     open_device: Option<OpenDevice<'_>>,
-    direct: Option<&PoolShape>,
+    direct: Option<(&PoolShape, MemoryKind)>,
     deadline: &Deadline,
 ) -> Result<(PeerRing, Option<PeerPool>, UnixStream)> {
     let local = std::time::Instant::now() + LOCAL_IO_TIMEOUT;
@@ -295,6 +300,9 @@ fn map_offered_ring(
                 format!("ring of {} bytes on the local socket, {ring_len} on the control stream", said.ring_len),
             ));
         }
+        // The kernel's word on who connected, not the peer's: only this very process may hand
+        // over bare device addresses.
+        let same_process = fdpass::peer_pid(&stream)? == std::process::id() as i32;
         let ring = match (said.device, fd) {
             (None, Some(fd)) => PeerRing::Host(memory::map_peer_ring(&fd, ring_len)?),
             (None, None) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, "the peer sent no descriptor with its host ring")),
@@ -305,9 +313,6 @@ fn map_offered_ring(
                         "the receiver's staging ring is CUDA device memory and this engine's KV pool is host memory",
                     ));
                 };
-                // The kernel's word on who connected, not the peer's: only this very process may
-                // hand over a bare address.
-                let same_process = fdpass::peer_pid(&stream)? == std::process::id() as i32;
                 let ring = open_device(&export, ring_len as usize, same_process)?;
                 if ring.bytes() as u64 != ring_len {
                     return Err(Error::internal(format!("a device ring of {} bytes was opened for {ring_len}", ring.bytes())));
@@ -315,10 +320,17 @@ fn map_offered_ring(
                 PeerRing::Device(ring)
             }
         };
-        let pool = match (said.pool_files, direct) {
-            (0, _) => None,
-            (files, Some(shape)) => Some(pool::map_peer_pool(&stream, files, shape)?),
-            (files, None) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("the peer passes {files} pool files this sender did not ask for"))),
+        let pool = match (said.pool, direct) {
+            (PoolFiles { count: 0, .. }, _) => None,
+            (files, Some((shape, kind))) if files.device == (kind == MemoryKind::Cuda) => {
+                Some(pool::map_peer_pool(&stream, files, shape, open_device, same_process)?)
+            }
+            (files, _) => {
+                return Err(Error::new(
+                    Status::KVSTAGE_E_PROTOCOL,
+                    format!("the peer passes {} pool allocation(s) in {} memory, which this sender did not ask for", files.count, if files.device { "device" } else { "host" }),
+                ))
+            }
         };
         stream.set_read_timeout(None)?;
         return Ok((ring, pool, stream));
@@ -378,7 +390,7 @@ pub fn pass_ring(socket: &str, nonce: &[u8], ring: OfferedRing<'_>, ring_len: u6
         return Err((false, Error::new(Status::KVSTAGE_E_PROTOCOL, format!("a same-host offer with a {}-byte nonce", nonce.len()))));
     }
     let stream = reach_sender(socket)?;
-    let greeting = ring.greeting(nonce, ring_len, share.map_or(0, PoolShare::file_count));
+    let greeting = ring.greeting(nonce, ring_len, share.map_or_else(PoolFiles::default, PoolShare::files));
     let sent = match ring {
         OfferedRing::Memfd(fd) => fdpass::send_fd(&stream, fd, &greeting),
         OfferedRing::Device(_) => fdpass::send_all(&stream, &greeting).map_err(|e| Error::new(Status::KVSTAGE_E_PEER_GONE, "sending the ring's IPC handle failed").with_source(e)),

@@ -135,7 +135,6 @@ impl State {
         let r = self.rooms.get_mut(&room).expect("checked");
         let direct = direct
             && info.direct
-            && info.host_pool
             && self.mapped.contains_key(&conn)
             && layout.writers[region as usize].tail.is_empty()
             && layout.writers[region as usize].layers > 0
