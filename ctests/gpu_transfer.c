@@ -17,7 +17,14 @@
  * ("device-rdma-integrity": with them); "device-tcp": an engine-allocated device ring reached by
  * TCP (prefill transport TCP), every byte landed through the receiver's pinned bounce;
  * "device-ipc-kill": as device-ipc, but the first prefill process is SIGKILLed in the middle of a
- * chunk, and a second one sends the next room (see ipc_kill). Device
+ * chunk, and a second one sends the next room (see ipc_kill). Those run with direct mode off (the
+ * ring is what they test). "device-direct": as device-ipc in direct mode: the decode pool (one
+ * allocation of exactly its buffers) is opened by the prefill processes through CUDA IPC and every
+ * chunk copied pool to pool by one kernel (no ring, no scatter: counted on both sides), covered
+ * checksums read back from both pools; "device-direct-unchecked": the same without integrity
+ * checks, so that not one byte may cross to the host; "device-direct-kill": device-ipc-kill in
+ * direct mode (the victim is killed after copying a layer into the decode pages; the room fails
+ * and the next room lands exact). Device
  * rings run with
  * integrity ALWAYS (each side reads the regions back to check them), and first check what must be
  * refused: a device ring with a host pool (either registration order), an engine-allocated device
@@ -40,6 +47,8 @@
 static const char *soft_rdma;
 /* "device-tcp": the prefill engines send by TCP (through the decode ring's pinned bounce). */
 static int by_tcp;
+/* "device-direct*": engines allow direct mode (the others rule it out, to test the ring). */
+static int direct_mode;
 
 static kvstage_engine *engine_on(pool *p, int integrity, int transport) {
     kvstage_engine_options o;
@@ -48,6 +57,7 @@ static kvstage_engine *engine_on(pool *p, int integrity, int transport) {
     o.integrity = integrity;
     o.transport = transport;
     o.rdma_devices = soft_rdma;
+    o.same_host_direct = direct_mode;
     REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
     CHECK_OK(kvstage_engine_register_pool(e, &p->layout));
     return e;
@@ -138,6 +148,35 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
         kvstage_session_free(s);
         kvstage_engine_free(shm_sender);
         REQUIRE(unsetenv("KVSTAGE_FAKE_CUDA_NO_IPC") == 0);
+    }
+    /* Direct mode: a decode pool whose allocation holds other bytes too is not shared (CUDA IPC
+     * would give the sender all of it): the session is same-host, its chunks go through the ring. */
+    if (direct_mode) {
+        pool wide = *dst;
+        kvstage_engine *narrow_sender;
+        kvstage_engine_stats st;
+        char wide_addr[64];
+        unsigned long long memory = 0;
+        REQUIRE(cu.alloc(&memory, 2 * LAYERS * dst->buffer + 4096) == 0);
+        for (i = 0; i < LAYERS; i++) {
+            wide.k[i] = memory + 2 * i * dst->buffer;
+            wide.v[i] = memory + (2 * i + 1) * dst->buffer;
+        }
+        wide.layout.k_bases = wide.k;
+        wide.layout.v_bases = wide.v;
+        kvstage_engine *wide_decode = engine_with(&wide, KVSTAGE_INTEGRITY_OFF);
+        m = device_ring(NULL, 0, 1 << 20);
+        CHECK_OK(kvstage_engine_register_staging_memory(wide_decode, &m));
+        CHECK_OK(kvstage_engine_listen_address(wide_decode, wide_addr, sizeof wide_addr, NULL));
+        narrow_sender = engine_with(sender, KVSTAGE_INTEGRITY_OFF);
+        CHECK_OK(kvstage_session_connect(narrow_sender, wide_addr, "direct-not-shared", 5000, &s));
+        st = stats_of(narrow_sender);
+        CHECK_INT(st.shm_sessions, 1);
+        CHECK_INT(st.shm_direct_sessions, 0);
+        kvstage_session_free(s);
+        kvstage_engine_free(narrow_sender);
+        kvstage_engine_free(wide_decode);
+        cu.free_(memory);
     }
     /* GPUDirect RDMA without a dma-buf (and without peer memory: the soft fabric cannot pin a
      * device pointer): RDMA senders fail, AUTO ones (same host off) go by TCP, counted. */
@@ -264,6 +303,9 @@ static void send_room(pool src[2], uint64_t room, uint64_t room_key, const char 
         CHECK_INT(st.shm_sessions, soft_rdma || by_tcp ? 0 : 1);
         CHECK_INT(st.rdma_sessions, soft_rdma ? 1 : 0);
         CHECK_INT(st.shm_downgrades, 0);
+        /* Direct mode: every chunk of the rank copied into the decode pool (none through the ring). */
+        CHECK_INT(st.shm_direct_sessions, direct_mode ? 1 : 0);
+        CHECK_INT(st.shm_direct_chunks, direct_mode ? chunks : 0);
         sent += st.bytes_sent;
         CHECK_OK(kvstage_engine_transport_describe(prefill[r], describe, sizeof describe, NULL));
         printf("prefill %d: %s\n", r, describe);
@@ -283,7 +325,7 @@ static void send_room(pool src[2], uint64_t room, uint64_t room_key, const char 
          * device ring; host staging would copy every byte down first. */
         const unsigned long long down = *fake_dtoh_bytes - dtoh_before;
         printf("device->host bytes while sending %llu: %llu\n", sent, down);
-        CHECK(down < sent / 4);
+        CHECK(direct_mode ? down == 0 : down < sent / 4);
     }
     for (r = 0; r < 2; r++) {
         kvstage_session_free(session[r]);
@@ -354,6 +396,10 @@ static void finish_decode(kvstage_engine *decode, uint64_t room, pool src[2], po
     CHECK_INT(st.ring_live_allocations, 0);
     CHECK_INT(st.shm_sessions, soft_rdma || by_tcp ? 0 : sessions);
     CHECK_INT(st.rdma_sessions, soft_rdma ? sessions : 0);
+    CHECK_INT(st.shm_direct_sessions, direct_mode ? sessions : 0);
+    /* Every region of every room so far copied straight into the pool (a killed writer's region
+     * of a failed room may count or not). */
+    if (direct_mode) CHECK(st.shm_direct_chunks >= 2 * (NPAGES * PAGE / CHUNK));
     /* A device that does not order a NIC's writes for its kernels (the fake, when told): every
      * scatter of the RDMA-written ring (at least one a chunk) and every read-back flushes first.
      * One that does (owner, as an H200): never. */
@@ -508,14 +554,16 @@ int main(int argc, char **argv) {
     uint64_t room_key = 0;
     int r, started;
     const char *ring = argc > 1 ? argv[1] : "host";
-    const int two_processes = strcmp(ring, "device-ipc") == 0;
+    const int two_processes = strcmp(ring, "device-ipc") == 0 || strcmp(ring, "device-direct") == 0 || strcmp(ring, "device-direct-unchecked") == 0;
     const int rdma = strcmp(ring, "device-rdma") == 0 || strcmp(ring, "device-rdma-integrity") == 0;
     by_tcp = strcmp(ring, "device-tcp") == 0;
     int fake_driver, to_prefill[2], to_decode[2];
     pid_t decode_pid = 0;
     unsigned long long caller_ring = 0;
 
-    if (strcmp(ring, "device-ipc-kill") == 0) return ipc_kill();
+    direct_mode = strncmp(ring, "device-direct", strlen("device-direct")) == 0;
+    if (strcmp(ring, "device-ipc-kill") == 0 || strcmp(ring, "device-direct-kill") == 0) return ipc_kill();
+    if (strcmp(ring, "device-direct-unchecked") == 0) device_integrity = KVSTAGE_INTEGRITY_OFF;
     REQUIRE(strcmp(ring, "host") == 0 || strcmp(ring, "device") == 0 || strcmp(ring, "caller-device") == 0 || two_processes || rdma || by_tcp);
     if (by_tcp) ring = "device";
     /* Two processes: fork before CUDA starts (a CUDA context does not survive fork). The decode

@@ -177,3 +177,33 @@ fn a_receiver_granting_pages_outside_its_pool_gets_nothing_written() {
         assert_eq!(engine.shm().direct_chunks(), 0, "{lie}");
     }
 }
+
+/// A sender is shared the decode pool only in the memory it names, its own pool's (the copy runs
+/// between two pools of one kind): asking a host pool for device memory, it gets the ring alone
+/// (no pool allocations after the greeting, no direct session counted), and the session stays
+/// usable. Asking for host memory, the same receiver shares it (the control that this can fail).
+#[test]
+fn a_sender_gets_the_pool_only_in_the_memory_it_names() {
+    use common::RawPeer;
+    use kvstage::protocol::Message;
+    use kvstage::transport::shm::{fdpass, GREETING_BYTES};
+    let (d, _room) = decode();
+    for (asked, shared) in [(MemoryKind::Cuda, false), (MemoryKind::Host, true)] {
+        let (mut raw, _) = RawPeer::handshake(d.engine.local_addr(), &shape(0, 1), "asks", b"");
+        let (name, listener) = fdpass::listen_abstract().unwrap();
+        let nonce = fdpass::random_bytes(fdpass::NONCE_BYTES).unwrap();
+        raw.send(&Message::ShmOffer { socket: name, nonce, direct: Some(asked) }).unwrap();
+        let lease = fdpass::accept_by(&listener, std::time::Instant::now() + Duration::from_secs(5)).unwrap();
+        let mut greeting = [0u8; GREETING_BYTES];
+        fdpass::recv_fd(&lease, &mut greeting).unwrap().expect("the ring's descriptor");
+        // The greeting ends with the pool's allocation count (u32) and their memory (u8).
+        let files = u32::from_le_bytes(greeting[GREETING_BYTES - 5..GREETING_BYTES - 1].try_into().unwrap());
+        match raw.reply(Duration::from_secs(5)) {
+            Message::ShmAnswer { status: 0, local: true, .. } => {}
+            other => panic!("expected the ring, got {other:?}"),
+        }
+        assert_eq!(files > 0, shared, "asked for {asked:?}: {files} pool allocation(s) passed");
+        assert_eq!(d.engine.shm().direct_sessions(), shared as u64, "asked for {asked:?}");
+        drop(lease);
+    }
+}
