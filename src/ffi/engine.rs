@@ -119,9 +119,12 @@ pub struct kvstage_engine_options {
     /// rows, without a staging buffer or a gather copy; 0: gathered into a staging buffer first.
     pub send_from_pool: i32,
     /// 1 (default): same-host sessions use direct mode where both sides allow it (both KV pools
-    /// host memory, the decode pool in memory of `kvstage_shared_alloc`): each chunk is copied
-    /// from prefill page to decode page in one pass, without the decode ring and its scatter;
-    /// 0: never (the ring path). Either side can rule it out.
+    /// in one kind of memory; a host decode pool in memory of `kvstage_shared_alloc`, a CUDA
+    /// decode pool in device allocations that hold nothing but its buffers, which same-host
+    /// senders then open whole through CUDA IPC): each chunk is copied from prefill page to decode
+    /// page in one pass, without the decode ring and its scatter; 0: never (the ring path).
+    /// Either side can rule it out. A decode engine with a CUDA pool should free that memory only
+    /// after `kvstage_engine_free` returned without warning of a peer still holding the pool.
     pub same_host_direct: i32,
 }
 

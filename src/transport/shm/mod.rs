@@ -322,9 +322,15 @@ fn map_offered_ring(
         };
         let pool = match (said.pool, direct) {
             (PoolFiles { count: 0, .. }, _) => None,
-            (files, Some((shape, kind))) if files.device == (kind == MemoryKind::Cuda) => {
-                Some(pool::map_peer_pool(&stream, files, shape, open_device, same_process)?)
-            }
+            // A pool this process cannot reach (on another GPU, IPC refused, a share that does not
+            // check out) leaves the ring: its chunks go through that instead.
+            (files, Some((shape, kind))) if files.device == (kind == MemoryKind::Cuda) => match pool::map_peer_pool(&stream, files, shape, open_device, same_process) {
+                Ok(pool) => Some(pool),
+                Err(e) => {
+                    log::warn!("the receiver's KV pool cannot be written directly, its chunks go through the ring: {}", e.chain());
+                    None
+                }
+            },
             (files, _) => {
                 return Err(Error::new(
                     Status::KVSTAGE_E_PROTOCOL,
@@ -442,6 +448,29 @@ mod tests {
         let _listener = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
         let (local, e) = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 4096, None).unwrap_err();
         assert!(local && e.message().contains(&format!("held by process {}, not 1", std::process::id())), "{}", e.chain());
+    }
+
+    /// A device pool share this process cannot open (here: the decode pool on another GPU) leaves
+    /// the ring usable: the session is same-host, without direct mode.
+    #[test]
+    fn a_pool_that_cannot_be_opened_leaves_the_ring() {
+        use crate::geometry::{KvLayout, ModelKind};
+        let shape = PoolShape::new(ModelKind::Mha, 2, 8, 2, 4, 3);
+        let buffer = 4 * shape.page_bytes() as usize;
+        let a = 0x7000_0000usize;
+        let pool = KvLayout { shape: shape.clone(), capacity_pages: 4, memory: MemoryKind::Cuda, bases: (0..6).map(|i| a + i * buffer).collect() };
+        let export = |s: usize| Ok(DeviceExport { handle: [1; IPC_HANDLE_BYTES], offset: 0, ptr: s as u64 });
+        let share = pool::PoolShare::device(&pool, |_| Ok((a, 6 * buffer as u64)), export).unwrap();
+        let ring = memory::SharedRing::create(8192).unwrap();
+        let (name, listener) = fdpass::listen_abstract().unwrap();
+        let nonce = fdpass::random_bytes(NONCE_BYTES).unwrap();
+        let _r = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 8192, Some(&share)).unwrap();
+        let open = |_: &DeviceExport, _: usize, _: bool| -> Result<Box<dyn PeerDevice>> {
+            Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the peer's memory is on device 1, the KV pool on device 0"))
+        };
+        let direct = Some((&shape, MemoryKind::Cuda));
+        let (ring, pool, _lease) = map_offered_ring(&listener, &nonce, 8192, Some(&open), direct, &Deadline::after(Some(LOCAL_IO_TIMEOUT))).unwrap();
+        assert!(matches!(ring, PeerRing::Host(_)) && pool.is_none());
     }
 
     #[test]
