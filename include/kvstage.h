@@ -535,6 +535,10 @@ typedef struct kvstage_engine_stats {
     // Chunk regions copied straight from prefill pages into decode pages (direct mode): written
     // by this engine (prefill) plus received into its pool (decode).
     uint64_t shm_direct_chunks;
+    // Writer regions this engine read from a TCP stream straight into its KV pool, without the
+    // ring and its scatter (host pool, no checksum on the chunk, rows there in runs of 16 KiB or
+    // more: whole token slots of pages that large).
+    uint64_t regions_read_into_pool;
 } kvstage_engine_stats;
 
 // Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.

@@ -21,6 +21,8 @@ use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
 use kvstage::session::sender::{SenderSession, TransferDesc};
 use kvstage::session::stats::LinkKind;
+use kvstage::session::Integrity;
+use kvstage::transport::faults::{FaultPlan, Faults};
 use kvstage::Status;
 use kvstage_testkit::HostPool;
 
@@ -59,7 +61,17 @@ fn bursts(ids: &[u32], rng: &mut Rng) -> Vec<(u32, u32)> {
 }
 
 fn options(transport: TransportKind) -> EngineOptions {
+    options_into(transport, false)
+}
+
+/// As [`options`]; `into_pool` over TCP: no checksums, and the decode side reads every payload
+/// straight into its pool (whatever the run length).
+fn options_into(transport: TransportKind, into_pool: bool) -> EngineOptions {
     let o = EngineOptions { transport, ..EngineOptions::default() };
+    if into_pool && transport == TransportKind::Tcp {
+        let plan = FaultPlan { pool_read_min_run: Some(0), ..FaultPlan::default() };
+        return EngineOptions { integrity: Integrity::Off, faults: Some(Faults { plan, counters: Default::default() }), ..o };
+    }
     // RDMA: the soft fabric of test builds (both engines on it; no same-host path before it).
     #[cfg(feature = "testing")]
     if transport == TransportKind::Rdma {
@@ -78,9 +90,11 @@ fn decode(shape: PoolShape, transport: TransportKind, ring: Option<&mut [u8]>) -
     decode_in(shape, transport, ring, false)
 }
 
-/// As [`decode`]; `shared`: the pool in shared memory, so same-host senders write it directly.
-fn decode_in(shape: PoolShape, transport: TransportKind, ring: Option<&mut [u8]>, shared: bool) -> Decode {
-    let engine = Engine::new(options(transport)).unwrap();
+/// As [`decode`]; `into_pool`: same host, the pool in shared memory, so senders write it
+/// directly; over TCP, payloads read straight into it.
+fn decode_in(shape: PoolShape, transport: TransportKind, ring: Option<&mut [u8]>, into_pool: bool) -> Decode {
+    let engine = Engine::new(options_into(transport, into_pool)).unwrap();
+    let shared = into_pool && transport == TransportKind::Shm;
     let pool = if shared { HostPool::shared(shape, 16) } else { HostPool::new(shape, 16) };
     engine.register_pool(pool.layout.clone()).unwrap();
     match ring {
@@ -98,7 +112,11 @@ struct Prefill {
 }
 
 fn prefill(shape: PoolShape, pages: &[u32], to: &Decode, transport: TransportKind, id: &str) -> Prefill {
-    let engine = Engine::new(options(transport)).unwrap();
+    prefill_with(shape, pages, to, options(transport), id)
+}
+
+fn prefill_with(shape: PoolShape, pages: &[u32], to: &Decode, options: EngineOptions, id: &str) -> Prefill {
+    let engine = Engine::new(options).unwrap();
     let mut pool = HostPool::new(shape, 16);
     pool.fill(pages, 0);
     engine.register_pool(pool.layout.clone()).unwrap();
@@ -118,14 +136,16 @@ fn stream(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: TransportKi
     stream_into(name, srcs, dst, transport, seed, false);
 }
 
-/// As [`stream`]; `direct`: the decode pool in shared memory, each batch copied straight into it.
-fn stream_into(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: TransportKind, seed: u64, direct: bool) {
+/// As [`stream`]; `into_pool`: same host, the decode pool in shared memory, each batch copied
+/// straight into it; over TCP, each batch read straight into it.
+fn stream_into(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: TransportKind, seed: u64, into_pool: bool) {
     let pages = [5u32, 2, 7];
     let dst_pages = [1u32, 9, 4];
-    let d = decode_in(dst, transport, None, direct);
+    let d = decode_in(dst, transport, None, into_pool);
     let (_, key) = d.engine.receiver().open_room(1, &dst_pages, PAGE * 3).unwrap();
     let room = RoomRef { id: 1, key };
-    let prefills: Vec<Prefill> = srcs.iter().enumerate().map(|(i, s)| prefill(s.clone(), &pages, &d, transport, &format!("{name}-{i}"))).collect();
+    let prefills: Vec<Prefill> =
+        srcs.iter().enumerate().map(|(i, s)| prefill_with(s.clone(), &pages, &d, options_into(transport, into_pool), &format!("{name}-{i}"))).collect();
     for p in &prefills {
         let want = match transport {
             TransportKind::Shm => LinkKind::Shm,
@@ -158,8 +178,9 @@ fn stream_into(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: Transp
     d.engine.receiver().wait_room(1, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{name} (seed {seed}): {}", e.chain()));
     let (bad, first) = d.pool.verify(&dst_pages, 0);
     assert_eq!(bad, 0, "{name} (seed {seed}): {first:?}");
-    let direct_regions = if direct { prefills.len() as u64 } else { 0 };
-    assert_eq!(d.engine.shm().direct_chunks(), direct_regions, "{name} (seed {seed}): regions received directly");
+    let regions = |on: TransportKind| if into_pool && transport == on { prefills.len() as u64 } else { 0 };
+    assert_eq!(d.engine.shm().direct_chunks(), regions(TransportKind::Shm), "{name} (seed {seed}): regions received directly");
+    assert_eq!(d.engine.stats().receive.regions_read_into_pool, regions(TransportKind::Tcp), "{name} (seed {seed}): regions read into the pool");
     d.engine.receiver().release_room(1);
 }
 
@@ -204,6 +225,17 @@ fn layers_marked_in_any_order_land_bit_exact_directly_into_the_decode_pool() {
     for seed in [3u64, 11] {
         for (name, srcs, dst) in cases() {
             stream_into(name, &srcs, dst, TransportKind::Shm, seed, true);
+        }
+    }
+}
+
+/// Over TCP with every batch's payload read straight into the decode pool (no ring, no scatter):
+/// a region arrives in several payloads, each at its own offset of the region.
+#[test]
+fn layers_marked_in_any_order_are_read_bit_exact_into_the_decode_pool_over_tcp() {
+    for seed in [2u64, 9] {
+        for (name, srcs, dst) in cases() {
+            stream_into(name, &srcs, dst, TransportKind::Tcp, seed, true);
         }
     }
 }

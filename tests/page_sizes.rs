@@ -1,5 +1,6 @@
-//! Prefill and decode pools with different page sizes, over real loopback TCP and over the
-//! same-host path (engines in this process): a whole request moved chunk by chunk as `chunk_span` places it, with and without a
+//! Prefill and decode pools with different page sizes, over real loopback TCP (through the ring,
+//! and read straight into the decode pool) and over the same-host path (engines in this process;
+//! through the ring, and directly into the decode pool): a whole request moved chunk by chunk as `chunk_span` places it, with and without a
 //! decode-side cached prefix, TP changing on top, every byte of every decode page compared with
 //! the testkit's reference (request token, global head, layer), the slots after the request's last
 //! token untouched. Then what a sender cannot do: a chunk of the wrong size, pages that do not hold
@@ -12,6 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
+use kvstage::session::Integrity;
+use kvstage::transport::faults::{FaultPlan, Faults};
 use common::{open_room, Cluster, RawPeer, RingSpec, SMALL};
 use kvstage::geometry::{chunk_span, decode_ranks_for_prefill, staging_layout, ModelKind, PoolShape};
 use kvstage::protocol::{Message, RoomRef};
@@ -43,18 +46,39 @@ struct Prefill {
     _pool: HostPool,
 }
 
-fn engine(transport: TransportKind) -> Engine {
-    Engine::new(EngineOptions { transport, ..EngineOptions::default() }).unwrap()
+/// How a request's chunks travel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    /// TCP into the decode ring, scattered from there.
+    TcpRing,
+    /// TCP, each payload read straight into the decode pool (no checksums, any run length).
+    TcpIntoPool,
+    /// The same-host path through the decode ring.
+    ShmRing,
+    /// The same-host path, copied straight into the decode pool (pools in shared memory).
+    ShmDirect,
+}
+
+impl Path {
+    fn transport(self) -> TransportKind {
+        if matches!(self, Path::TcpRing | Path::TcpIntoPool) { TransportKind::Tcp } else { TransportKind::Shm }
+    }
+}
+
+fn engine(path: Path) -> Engine {
+    let min_run = if path == Path::TcpIntoPool { 0 } else { u64::MAX };
+    let faults = Faults { plan: FaultPlan { pool_read_min_run: Some(min_run), ..FaultPlan::default() }, counters: Default::default() };
+    let integrity = if path == Path::TcpIntoPool { Integrity::Off } else { EngineOptions::default().integrity };
+    Engine::new(EngineOptions { transport: path.transport(), integrity, faults: Some(faults), ..EngineOptions::default() }).unwrap()
 }
 
 /// Decode ranks with pages of `dps`, each with room `ROOM` open over the pages after `prefix`.
-/// Over the same-host path `direct` puts the pools in shared memory (the senders write them
-/// directly).
-fn decodes_with(transport: TransportKind, dps: u32, tp: u32, total: u64, prefix: u64, direct: bool) -> Vec<Decode> {
+/// For `ShmDirect` the pools lie in shared memory (the senders write them directly).
+fn decodes_with(path: Path, dps: u32, tp: u32, total: u64, prefix: u64) -> Vec<Decode> {
     (0..tp)
         .map(|r| {
-            let engine = engine(transport);
-            let pool = if direct { HostPool::shared(shape(dps, r, tp), CAPACITY) } else { HostPool::new(shape(dps, r, tp), CAPACITY) };
+            let engine = engine(path);
+            let pool = if path == Path::ShmDirect { HostPool::shared(shape(dps, r, tp), CAPACITY) } else { HostPool::new(shape(dps, r, tp), CAPACITY) };
             engine.register_pool(pool.layout.clone()).unwrap();
             engine.register_staging(None, 1 << 20).unwrap();
             let pages = page_table((total - prefix).div_ceil(dps as u64) as usize, CAPACITY, 7 + r as u64, true);
@@ -64,15 +88,15 @@ fn decodes_with(transport: TransportKind, dps: u32, tp: u32, total: u64, prefix:
         .collect()
 }
 
-fn decodes(transport: TransportKind, dps: u32, tp: u32, total: u64, prefix: u64) -> Vec<Decode> {
-    decodes_with(transport, dps, tp, total, prefix, false)
+fn decodes(path: Path, dps: u32, tp: u32, total: u64, prefix: u64) -> Vec<Decode> {
+    decodes_with(path, dps, tp, total, prefix)
 }
 
 /// Prefill ranks with pages of `sps` holding the whole request (prefix included) in `pages`.
-fn prefills(transport: TransportKind, sps: u32, tp: u32, pages: &[u32], decodes: &[Decode]) -> Vec<Prefill> {
+fn prefills(path: Path, sps: u32, tp: u32, pages: &[u32], decodes: &[Decode]) -> Vec<Prefill> {
     (0..tp)
         .map(|r| {
-            let engine = engine(transport);
+            let engine = engine(path);
             let mut pool = HostPool::new(shape(sps, r, tp), CAPACITY);
             pool.fill(pages, 0);
             engine.register_pool(pool.layout.clone()).unwrap();
@@ -110,20 +134,20 @@ fn desc(room: RoomRef, pages: &[u32], total: u64, prefix: u64, sps: u32, dps: u3
 }
 
 /// Moves a request of `total` tokens from prefill TP `src_tp` (pages of `sps`) to decode TP
-/// `dst_tp` (pages of `dps`) whose first `prefix` tokens the decode side holds, over TCP and over
-/// the same-host path through the ring and directly into the decode pool.
+/// `dst_tp` (pages of `dps`) whose first `prefix` tokens the decode side holds, over TCP (through
+/// the ring and read into the decode pool) and over the same-host path (through the ring and
+/// directly into the decode pool).
 fn request(sps: u32, dps: u32, src_tp: u32, dst_tp: u32, total: u64, prefix: u64) {
-    for (transport, direct) in [(TransportKind::Tcp, false), (TransportKind::Shm, false), (TransportKind::Shm, true)] {
-        request_over(transport, direct, sps, dps, src_tp, dst_tp, total, prefix);
+    for path in [Path::TcpRing, Path::TcpIntoPool, Path::ShmRing, Path::ShmDirect] {
+        request_over(path, sps, dps, src_tp, dst_tp, total, prefix);
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn request_over(transport: TransportKind, direct: bool, sps: u32, dps: u32, src_tp: u32, dst_tp: u32, total: u64, prefix: u64) {
-    let what = format!("{transport:?} (direct {direct}): P{src_tp} ps {sps} -> D{dst_tp} ps {dps}, {total} tokens, decode prefix {prefix}");
-    let d = decodes_with(transport, dps, dst_tp, total, prefix, direct);
+fn request_over(path: Path, sps: u32, dps: u32, src_tp: u32, dst_tp: u32, total: u64, prefix: u64) {
+    let what = format!("{path:?}: P{src_tp} ps {sps} -> D{dst_tp} ps {dps}, {total} tokens, decode prefix {prefix}");
+    let d = decodes_with(path, dps, dst_tp, total, prefix);
     let src_pages = page_table(total.div_ceil(sps as u64) as usize, CAPACITY, 3, false);
-    let p = prefills(transport, sps, src_tp, &src_pages, &d);
+    let p = prefills(path, sps, src_tp, &src_pages, &d);
     let chunks = chunk_span(total, prefix, sps, dps, CHUNK_TOKENS, 0).unwrap().num_chunks;
     assert!(chunks > 1, "{what}: the case should take several chunks");
     // Chunks out of order: each lands where the span says, whatever came before.
@@ -140,10 +164,12 @@ fn request_over(transport: TransportKind, direct: bool, sps: u32, dps: u32, src_
         dec.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{what}: decode {r}: {}", e.chain()));
         let (bad, first) = dec.pool.verify_tokens(&dec.pages, prefix, total - prefix);
         assert_eq!(bad, 0, "{what}: decode rank {r}: {first:?}");
-        // Every region of every chunk went the way asked: into the pool directly, or none did.
+        // Every region of every chunk went the way asked: into the pool directly, read into it,
+        // or none did.
         let sessions = p.iter().flat_map(|rank| rank.sessions.iter()).filter(|(dr, _)| *dr as usize == r).count() as u64;
-        let direct_chunks = dec.engine.shm().direct_chunks();
-        assert_eq!(direct_chunks, if direct { chunks as u64 * sessions } else { 0 }, "{what}: decode rank {r}: regions received directly");
+        let regions = |on: Path| if path == on { chunks as u64 * sessions } else { 0 };
+        assert_eq!(dec.engine.shm().direct_chunks(), regions(Path::ShmDirect), "{what}: decode rank {r}: regions received directly");
+        assert_eq!(dec.engine.stats().receive.regions_read_into_pool, regions(Path::TcpIntoPool), "{what}: decode rank {r}: regions read into the pool");
     }
 }
 
@@ -168,9 +194,9 @@ fn large_prefill_pages_into_small_decode_pages() {
 #[test]
 fn a_chunk_of_the_wrong_size_or_pages_that_do_not_hold_it_are_refused() {
     let (sps, dps, total, prefix) = (64, 16, 300, 16);
-    let d = decodes(TransportKind::Tcp, dps, 1, total, prefix);
+    let d = decodes(Path::TcpRing, dps, 1, total, prefix);
     let src_pages = page_table(total.div_ceil(sps as u64) as usize, CAPACITY, 3, false);
-    let p = prefills(TransportKind::Tcp, sps, 1, &src_pages, &d);
+    let p = prefills(Path::TcpRing, sps, 1, &src_pages, &d);
     let s = &p[0].sessions[0].1;
     let room = d[0].room;
     let good = desc(room, &src_pages, total, prefix, sps, dps, 0);

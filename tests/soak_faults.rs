@@ -20,6 +20,9 @@
 //! checksum computed over the decode pool's rows), while the last chunk with request parts goes
 //! through the ring.
 //!
+//! Half the decode engines read stream payloads without a checksum (layer-wise TCP seeds without
+//! corruption) straight into the decode pool, the other half land them in the ring.
+//!
 //! Half the whole-chunk seeds move the whole request (request parts: an aux row and a state slot
 //! per layer, sharded P2 -> D1, with the last chunk): a room reported complete holds exactly the
 //! reference parts too, its aux row included.
@@ -68,6 +71,8 @@ struct Tally {
     /// Chunk regions the decode engines received directly into their pools (same-host seeds
     /// whose decode pool lies in shared memory), in rooms that completed.
     direct_regions: AtomicU64,
+    /// Writer regions read from TCP straight into the decode pools, in rooms that completed.
+    read_regions: AtomicU64,
     failed: AtomicU64,
     hangs: AtomicU64,
     corrupt_successes: AtomicU64,
@@ -125,6 +130,12 @@ enum WriteKind {
     /// Gathered into a staging buffer in pieces of one slab, each written while the next is
     /// gathered.
     Pieces,
+}
+
+/// Whether the decode engine of `seed` reads stream payloads without a checksum (layer-wise seeds
+/// over TCP without corruption) straight into its pool, or lands them in the ring.
+fn reads_into_pool(seed: u64) -> bool {
+    (seed / 4).is_multiple_of(2)
 }
 
 /// Whether the decode pool of `seed` lies in shared memory: its same-host sessions then go direct
@@ -204,7 +215,10 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     let (plan, on_decode) = plan_for(seed);
     let parted = with_parts(seed);
     let faults = Faults { plan, counters: counters.clone() };
-    let decode = Engine::new(options(seed, on_decode.then(|| faults.clone()))).expect("decode engine");
+    // The decode engine always runs under a plan (an empty one when the faults are the prefill's):
+    // it says whether payloads without a checksum are read straight into the pool.
+    let decode_plan = FaultPlan { pool_read_min_run: Some(if reads_into_pool(seed) { 0 } else { u64::MAX }), ..if on_decode { faults.plan.clone() } else { FaultPlan { seed, ..FaultPlan::default() } } };
+    let decode = Engine::new(options(seed, Some(Faults { plan: decode_plan, counters: counters.clone() }))).expect("decode engine");
     let dpool = if shared_pool(seed) { HostPool::shared(shape(0, 1), 16) } else { HostPool::new(shape(0, 1), 16) };
     decode.register_pool(dpool.layout.clone()).unwrap();
     let dparts = parted.then(|| PartsMemory::register(&decode, 0, 1, false));
@@ -290,6 +304,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
                 tally.completed_by_write[write_kind(seed) as usize].fetch_add(1, Ordering::Relaxed);
             }
             tally.direct_regions.fetch_add(decode.shm().direct_chunks(), Ordering::Relaxed);
+            tally.read_regions.fetch_add(decode.stats().receive.regions_read_into_pool, Ordering::Relaxed);
             let (bad, first) = dpool.verify(&dst_pages, 0);
             if dparts.as_ref().is_some_and(|m| !m.holds_reference()) {
                 eprintln!("seed {seed}: room complete with wrong request parts");
@@ -365,7 +380,7 @@ fn soak_every_seed_ends_cleanly() {
     let (fds_after, threads_after) = (fd_count(), thread_count());
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
     eprintln!(
-        "soak: {} seeds in {:.1} s: {} rooms complete and verified ({} with request parts; whole chunks over tcp: {} from the pool, {} staged, {} staged in pieces; {} regions received directly), {} failed cleanly; hangs {}, corrupt successes {}, \
+        "soak: {} seeds in {:.1} s: {} rooms complete and verified ({} with request parts; whole chunks over tcp: {} from the pool, {} staged, {} staged in pieces; {} regions received directly, {} read into the pool), {} failed cleanly; hangs {}, corrupt successes {}, \
          leaked ring allocations {}; faults injected: {:?}; fds {fds_before}->{fds_after}, threads {threads_before}->{threads_after}",
         g(&tally.seeds),
         started.elapsed().as_secs_f64(),
@@ -375,6 +390,7 @@ fn soak_every_seed_ends_cleanly() {
         g(&tally.completed_by_write[1]),
         g(&tally.completed_by_write[2]),
         g(&tally.direct_regions),
+        g(&tally.read_regions),
         g(&tally.failed),
         g(&tally.hangs),
         g(&tally.corrupt_successes),
@@ -390,6 +406,7 @@ fn soak_every_seed_ends_cleanly() {
     assert!(g(&tally.completed) > seeds / 10, "too few clean runs: the harness itself may be broken");
     assert!(g(&tally.completed_with_parts) > seeds / 40, "too few clean runs with request parts");
     assert!(g(&tally.direct_regions) > seeds / 40, "too few regions received directly (same-host seeds with a shared decode pool)");
+    assert!(g(&tally.read_regions) > seeds / 40, "too few regions read into the pool (layer-wise tcp seeds without checksums)");
     for (kind, n) in ["from the pool", "staged", "staged in pieces"].iter().zip(&tally.completed_by_write) {
         assert!(g(n) > seeds / 80, "too few clean whole-chunk runs over tcp {kind}");
     }

@@ -677,6 +677,7 @@ class EngineStats(NamedTuple):
     rdma_host_staging_sessions: int = 0
     shm_direct_sessions: int = 0
     shm_direct_chunks: int = 0
+    regions_read_into_pool: int = 0
 
 
 class ChunkEvent(NamedTuple):

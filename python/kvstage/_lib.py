@@ -283,6 +283,7 @@ class kvstage_engine_stats(Structure):
         ("rdma_host_staging_sessions", c_uint64),
         ("shm_direct_sessions", c_uint64),
         ("shm_direct_chunks", c_uint64),
+        ("regions_read_into_pool", c_uint64),
     ]
 
 

@@ -29,6 +29,23 @@ pub fn pool_ranges<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iterator<
     })
 }
 
+/// The part `[at, +len)` (region bytes) of `ranges` (a region's `(address, length)` ranges in
+/// region order): the ranges it touches, the first and last cut to it.
+pub fn clip(ranges: impl Iterator<Item = (usize, usize)>, at: u64, len: u64) -> impl Iterator<Item = (usize, usize)> {
+    let (start, end) = (at as usize, (at + len) as usize);
+    let mut seen = 0usize;
+    ranges
+        .map_while(move |(addr, n)| {
+            let from = seen;
+            seen += n;
+            (from < end).then_some((addr, n, from))
+        })
+        .filter_map(move |(addr, n, from)| {
+            let (lo, hi) = (start.max(from), end.min(from + n));
+            (lo < hi).then(|| (addr + (lo - from), hi - lo))
+        })
+}
+
 /// The plan's pool rows in region order as slices.
 ///
 /// # Safety
@@ -137,6 +154,17 @@ mod tests {
     use super::*;
     use crate::copy::CopyEngine;
     use crate::geometry::{plan_gather, staging_layout, MemoryKind, ModelKind, PoolShape};
+
+    #[test]
+    fn clip_cuts_the_ranges_to_a_part_of_the_region() {
+        let ranges = || [(100, 4), (200, 6), (300, 2)].into_iter();
+        assert_eq!(clip(ranges(), 0, 12).collect::<Vec<_>>(), vec![(100, 4), (200, 6), (300, 2)]);
+        assert_eq!(clip(ranges(), 2, 5).collect::<Vec<_>>(), vec![(102, 2), (200, 3)]);
+        assert_eq!(clip(ranges(), 4, 6).collect::<Vec<_>>(), vec![(200, 6)]);
+        assert_eq!(clip(ranges(), 9, 3).collect::<Vec<_>>(), vec![(205, 1), (300, 2)]);
+        assert_eq!(clip(ranges(), 11, 1).collect::<Vec<_>>(), vec![(301, 1)]);
+        assert_eq!(clip(ranges(), 3, 0).count(), 0);
+    }
 
     #[test]
     fn adjacent_ranges_merge_and_others_do_not() {

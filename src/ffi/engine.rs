@@ -524,6 +524,10 @@ pub struct kvstage_engine_stats {
     /// Chunk regions copied straight from prefill pages into decode pages (direct mode): written
     /// by this engine (prefill) plus received into its pool (decode).
     pub shm_direct_chunks: u64,
+    /// Writer regions this engine read from a TCP stream straight into its KV pool, without the
+    /// ring and its scatter (host pool, no checksum on the chunk, rows there in runs of 16 KiB or
+    /// more: whole token slots of pages that large).
+    pub regions_read_into_pool: u64,
 }
 
 /// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_engine_stats)`) with the
@@ -576,6 +580,7 @@ pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine,
             rdma_host_staging_sessions: r.rdma_host_staging_sessions,
             shm_direct_sessions: r.shm_direct_sessions,
             shm_direct_chunks: r.shm_direct_chunks,
+            regions_read_into_pool: r.receive.regions_read_into_pool,
         };
         unsafe { super::write_versioned(out, stats, "out") }?;
         Ok(Status::KVSTAGE_OK)

@@ -258,6 +258,9 @@ pub struct ReceiveStats {
     /// live allocation to the end of the newest, wrap-around included; at most the ring's size),
     /// since the current ring was registered (a new ring starts it again from 0).
     pub ring_high_water: u64,
+    /// Writer regions whose payload was read from the stream straight into the KV pool (no
+    /// ring copy, no scatter), counted when they arrived.
+    pub regions_read_into_pool: u64,
 }
 
 #[cfg(test)]

@@ -32,6 +32,12 @@ pub struct FaultPlan {
     /// Sender only: hold the decode pool's mapping this long before each direct copy (a slow
     /// direct writer, still writing when its room is released).
     pub direct_pause_ms: u32,
+    /// Receiver only: the shortest run of pool bytes (a decode page's rows, when they are whole
+    /// token slots) for which a stream payload is read straight into the pool, in place of the
+    /// engine's [`POOL_READ_MIN_RUN`](crate::session::receiver::POOL_READ_MIN_RUN): `Some(0)`
+    /// reads every chunk without a checksum there, `Some(u64::MAX)` none (tests reach both paths
+    /// on small shapes).
+    pub pool_read_min_run: Option<u64>,
 }
 
 /// How many faults of each kind were injected (shared by every wrapper built from one plan).

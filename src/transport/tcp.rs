@@ -94,6 +94,34 @@ impl Inbound {
         std::io::Read::read_exact(&mut self.stream, buf).map_err(|e| self.stalled(peer_error(e).context("receiving a payload failed")))
     }
 
+    /// Reads a payload into `ranges` (`(address, length)`, filled in order, their lengths summing
+    /// to the payload's), with vectored reads straight from the socket.
+    ///
+    /// # Safety
+    /// Every range is memory valid for writes that nothing else reads or writes meanwhile.
+    pub unsafe fn payload_into_ranges(&mut self, ranges: impl Iterator<Item = (usize, usize)>) -> Result<()> {
+        /// Ranges handed to one `readv` at most (the kernel's `IOV_MAX` is 1024).
+        const BATCH: usize = 1024;
+        let mut ranges = ranges.peekable();
+        let mut slices: Vec<std::io::IoSliceMut<'_>> = Vec::with_capacity(BATCH);
+        while ranges.peek().is_some() {
+            slices.clear();
+            // SAFETY: the caller's contract: each range is writable memory nobody else touches.
+            slices.extend(ranges.by_ref().take(BATCH).map(|(at, n)| std::io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(at as *mut u8, n) })));
+            let mut left = &mut slices[..];
+            while !left.is_empty() {
+                let n = match std::io::Read::read_vectored(&mut self.stream, left) {
+                    Ok(0) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload")),
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(self.stalled(peer_error(e).context("receiving a payload failed"))),
+                };
+                std::io::IoSliceMut::advance_slices(&mut left, n);
+            }
+        }
+        Ok(())
+    }
+
     /// Reads and drops a payload of `len` bytes (the stream stays in sync).
     pub fn discard(&mut self, len: u64) -> Result<()> {
         let copied = std::io::copy(&mut std::io::Read::take(&mut self.stream, len), &mut std::io::sink())

@@ -8,10 +8,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::state::{ConnInfo, ConnId, Granted, ReadyLease, Target};
+use super::state::{ConnInfo, ConnId, DirectRegion, Granted, ReadyLease, Target};
 use super::{reply_deadline, Receiver};
 use crate::error::{Error, Result, Status};
-use crate::geometry::{ComponentSpec, Fingerprint, ModelKind, PoolShape};
+use crate::geometry::{ComponentSpec, Fingerprint, KvLayout, ModelKind, PoolShape};
 use crate::protocol::{Hello, Message, RoomRef, PROTOCOL_VERSION};
 use crate::ring::Watermark;
 use crate::session::{pairing, tokens_match, Deadline, Integrity};
@@ -181,6 +181,8 @@ impl Receiver {
                     in_place: false,
                     host_pool: pool.memory == crate::geometry::MemoryKind::Host,
                     direct: false,
+                    pool_read_min_run: (pool.memory == crate::geometry::MemoryKind::Host)
+                        .then(|| self.config.faults.as_ref().and_then(|f| f.plan.pool_read_min_run).unwrap_or(super::POOL_READ_MIN_RUN)),
                     integrity: self.config.integrity.stronger(Integrity::from_wire(hello.integrity)),
                     src_components: Arc::new(hello.components.clone()),
                     dst_components: Arc::new(components.clone()),
@@ -246,11 +248,16 @@ impl Receiver {
                 Message::Data { room, chunk, writer, offset, len } => {
                     match self.with_state(|st| st.begin_data(id, room, chunk, writer, offset, len))? {
                         Target::Land(lease) => {
-                            let mem = self.ring_memory()?;
-                            // SAFETY: the lease pins [ring_offset, +len), inside this writer's
-                            // region of a live grant: no other thread writes it, nothing frees or
-                            // re-grants it until `end_data`.
-                            let read = unsafe { mem.land(lease.ring_offset, lease.len, |buf| inbound.payload_into(buf)) };
+                            let read = match &lease.into_pool {
+                                Some((region, at)) => self.read_into_pool(inbound, &pool, region, *at, lease.len),
+                                None => {
+                                    let mem = self.ring_memory()?;
+                                    // SAFETY: the lease pins [ring_offset, +len), inside this
+                                    // writer's region of a live grant: no other thread writes it,
+                                    // nothing frees or re-grants it until `end_data`.
+                                    unsafe { mem.land(lease.ring_offset, lease.len, |buf| inbound.payload_into(buf)) }
+                                }
+                            };
                             let landed = read.is_ok();
                             self.with_state(|st| st.end_data(lease, landed));
                             read?;
@@ -423,7 +430,7 @@ impl Receiver {
                 }
             }),
         };
-        let direct = lease.direct.is_some();
+        let direct = lease.mapped;
         let (result, fx) = self.with_state_deferred(|st| st.finish_ready(lease, verified, session));
         if let (Ok(()), true, Some(shm)) = (&result, direct, self.shm.lock().as_ref()) {
             shm.count_direct_chunk();
@@ -431,10 +438,25 @@ impl Receiver {
         (result.map_err(|e| e.with_session(session)), fx)
     }
 
-    /// The checksum of a writer's finished region: read back from the ring, or for a direct
-    /// writer from the pool's rows the region's KV went to (in region order).
+    /// Reads a payload of `len` bytes at offset `at` of `region` straight into the pool rows it
+    /// fills (the region's rows in region order, as a scatter would copy them).
+    fn read_into_pool(&self, inbound: &mut Inbound, pool: &KvLayout, region: &DirectRegion, at: u64, len: u64) -> Result<()> {
+        let plan = crate::geometry::plan_scatter(&pool.shape, &region.pages, &region.layout, &region.layout.writers[region.region as usize])?;
+        crate::copy::check_plan(&plan, pool)?;
+        if !crate::copy::rows::tiles_in_order(&plan) {
+            return Err(Error::internal("a scatter plan whose slabs are not in region order"));
+        }
+        let rows = crate::copy::rows::clip(crate::copy::rows::pool_ranges(&plan, pool), at, len);
+        // SAFETY: the plan was checked against the host pool (a read into the pool needs one);
+        // its rows are this writer's share of the room's pages, which the write lease keeps the
+        // room's (nothing else writes them: the chunk is not complete, scatters skip the region).
+        unsafe { inbound.payload_into_ranges(rows) }
+    }
+
+    /// The checksum of a writer's finished region: read back from the ring, or for a region that
+    /// landed in the pool from the pool's rows its KV went to (in region order).
     fn region_checksum(&self, lease: &ReadyLease) -> Result<u64> {
-        let Some(direct) = &lease.direct else {
+        let Some(direct) = &lease.in_pool else {
             let mem = self.ring_memory()?;
             // SAFETY: the ready lease pins the writer's finished region; nothing writes it.
             let bytes = unsafe { mem.read_back(lease.ring_offset, lease.len) }?;

@@ -64,6 +64,10 @@ pub struct ConnInfo {
     /// The peer maps our KV pool (direct mode, same host): it may be granted chunks to write
     /// straight into their pages.
     pub direct: bool,
+    /// Payloads this connection streams may be read straight into the pool's pages (a host pool;
+    /// used while the connection does not write in place, for chunks without a checksum) when
+    /// the region's rows there run at least this many bytes at a time; `None`: never.
+    pub pool_read_min_run: Option<u64>,
     /// The stronger of both sides' policies: which of its chunks carry a checksum.
     pub integrity: Integrity,
     /// Both sides' components at the handshake (matched then).
@@ -97,9 +101,26 @@ struct Slot {
     /// Slice path: rows landed.
     coverage: Option<Coverage>,
     arrived: bool,
-    /// Its region's KV is written straight into the pool's pages (direct mode): nothing of it is
-    /// scattered from the ring.
-    direct: bool,
+    /// Where its region's KV lands.
+    lands: Lands,
+}
+
+/// Where a staged writer's region's KV lands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Lands {
+    /// In the ring, scattered into the pool from there.
+    Ring,
+    /// Straight in the pool's pages, written by the peer that maps the pool (direct mode).
+    Mapped,
+    /// Straight in the pool's pages, read there from the connection's stream (TCP into a host
+    /// pool, no checksum to verify before the bytes may reach the pages).
+    Read,
+}
+
+impl Lands {
+    fn in_pool(self) -> bool {
+        self != Lands::Ring
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -222,6 +243,9 @@ pub struct WriteLease {
     offset: u64,
     pub ring_offset: u64,
     pub len: u64,
+    /// Set when the payload is read straight into the pool's pages: the writer's region there,
+    /// and the payload's offset in it.
+    pub into_pool: Option<(DirectRegion, u64)>,
 }
 
 /// A writer's finished region, checked (checksum) outside the lock before it counts as arrived.
@@ -236,12 +260,14 @@ pub struct ReadyLease {
     slot: u32,
     pub ring_offset: u64,
     pub len: u64,
-    /// A direct writer's region: its bytes are in the pool's pages, not in the ring.
-    pub direct: Option<DirectRegion>,
+    /// A region whose bytes are in the pool's pages, not in the ring (direct mode, or read there).
+    pub in_pool: Option<DirectRegion>,
+    /// The region was written by a peer that maps the pool (direct mode).
+    pub mapped: bool,
 }
 
-/// Where a direct writer's region lies in the pool: the chunk's pages, its layout and the
-/// region's index in it (what a checksum of it reads).
+/// Where a region that lands in the pool lies there: the chunk's pages, its layout and the
+/// region's index in it (what a checksum of it reads, what a read into the pool fills).
 #[derive(Debug)]
 pub struct DirectRegion {
     pub pages: Vec<u32>,
@@ -296,8 +322,8 @@ pub struct ScatterJob {
     pub finished: Option<Instant>,
     /// The room's parts, on the last scatter of a chunk whose regions carry them.
     pub parts: Option<Arc<RoomParts>>,
-    /// Regions (indices in the layout) written straight into the pool: not scattered.
-    pub direct: Vec<u32>,
+    /// Regions (indices in the layout) written or read straight into the pool: not scattered.
+    pub in_pool: Vec<u32>,
 }
 
 /// What a data frame's target turned out to be.

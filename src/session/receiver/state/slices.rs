@@ -91,7 +91,7 @@ impl State {
         c.mode = Mode::Slices;
         if let Some((layout, region)) = placed {
             c.layout = Some(layout);
-            c.slots.push(Slot { conn, region, written: Extents::default(), coverage: Some(Coverage::new(&info.src, dst, tokens)), direct: false, arrived: false });
+            c.slots.push(Slot { conn, region, written: Extents::default(), coverage: Some(Coverage::new(&info.src, dst, tokens)), lands: Lands::Ring, arrived: false });
         }
         let (slot, _) = c.slot_of(conn).expect("claimed above");
         r.page_leases.push(Some(conn));

@@ -139,6 +139,20 @@ impl State {
             && layout.writers[region as usize].tail.is_empty()
             && layout.writers[region as usize].layers > 0
             && r.chunk_pages(chunk).len() <= crate::protocol::MAX_GRANT_PAGES as usize;
+        // Over a stream into a host pool, a region that carries only KV and has no checksum to
+        // verify before its bytes may reach the pages is read straight into them (no ring copy,
+        // no scatter) when its rows there come in long enough runs: a read into many short
+        // pieces costs the kernel more than the scatter it saves.
+        let read = !direct
+            && !info.in_place
+            && layout.tail_total == 0
+            && layout.writers[region as usize].layers > 0
+            && !info.integrity.covers(room, chunk)
+            && info.pool_read_min_run.is_some_and(|min| {
+                geometry::plan_scatter(&info.dst, r.chunk_pages(chunk), &layout, &layout.writers[region as usize])
+                    .is_ok_and(|plan| if plan.contiguous() { plan.row_bytes * info.dst.page_size as u64 } else { plan.row_bytes } >= min)
+            });
+        let lands = if direct { Lands::Mapped } else if read { Lands::Read } else { Lands::Ring };
         let pages = if direct {
             r.direct_writers.push((conn, chunk));
             r.chunk_pages(chunk).to_vec()
@@ -150,7 +164,7 @@ impl State {
         c.layers_taken.resize(layout.dst.layer_count() as usize, false);
         c.layout = Some(layout);
         c.mode = Mode::Staged;
-        c.slots.push(Slot { conn, region, written: Extents::default(), coverage: None, arrived: false, direct });
+        c.slots.push(Slot { conn, region, written: Extents::default(), coverage: None, arrived: false, lands });
         // The claim that completes the layout releases the layers other writers already landed.
         self.scatter_landed(room, chunk);
         Ok(Granted { grant, region: region_offset, pages })
@@ -165,9 +179,21 @@ impl State {
             Target::Land(v) => v,
             Target::Discard(e) => return Ok(Target::Discard(e)),
         };
+        let r = self.rooms.get_mut(&room).expect("checked live");
+        let c = &r.chunks[chunk as usize];
+        let s = &c.slots[slot as usize];
+        let into_pool = (s.lands == Lands::Read).then(|| {
+            let layout = c.layout.clone().expect("a granted chunk has a layout");
+            let at = offset - layout.writers[s.region as usize].offset;
+            (DirectRegion { pages: r.chunk_pages(chunk).to_vec(), layout, region: s.region }, at)
+        });
+        if into_pool.is_some() {
+            // The read writes the room's pages: they stay the room's until `end_data`.
+            r.page_leases.push(Some(conn));
+        }
+        let gen = r.gen;
         let g = self.grants.get_mut(&grant).expect("a chunk's grant is live");
         g.pins.push(Some(conn));
-        let gen = self.rooms[&room].gen;
         Ok(Target::Land(WriteLease {
             conn,
             grant,
@@ -178,6 +204,7 @@ impl State {
             offset,
             ring_offset: g.grant.offset + offset,
             len,
+            into_pool,
         }))
     }
 
@@ -226,6 +253,9 @@ impl State {
     /// The payload read of `lease` ended; `landed` when every byte arrived. Bytes for a room
     /// released or failed meanwhile do not count (the grant was returned once unpinned).
     pub fn end_data(&mut self, lease: WriteLease, landed: bool) {
+        if lease.into_pool.is_some() {
+            self.end_page_lease(lease.room, lease.gen, lease.conn);
+        }
         if landed {
             if let Some(slot) = self.slot_mut(lease.room, lease.gen, lease.chunk, lease.slot, lease.conn) {
                 slot.written.insert(lease.offset, lease.offset + lease.len);
@@ -250,6 +280,16 @@ impl State {
             }
         }
         Ok(())
+    }
+
+    /// Ends one page lease `conn` took on the room (opening `gen`), which may let a release end.
+    fn end_page_lease(&mut self, room: u64, gen: u64, conn: ConnId) {
+        if let Some(r) = self.rooms.get_mut(&room).filter(|r| r.gen == gen) {
+            if let Some(at) = r.page_leases.iter().position(|&l| l == Some(conn)) {
+                r.page_leases.swap_remove(at);
+            }
+            self.drain_check(room);
+        }
     }
 
     fn slot_mut(&mut self, room: u64, gen: u64, chunk: u32, slot: u32, conn: ConnId) -> Option<&mut Slot> {
@@ -284,26 +324,22 @@ impl State {
             return Err(protocol(why));
         }
         let (ring_offset, len) = (self.grants[&grant].grant.offset + region.offset, region.bytes);
-        let direct = slot.direct.then(|| DirectRegion { pages: r.chunk_pages(chunk).to_vec(), layout: layout.clone(), region: slot.region });
+        let in_pool = slot.lands.in_pool().then(|| DirectRegion { pages: r.chunk_pages(chunk).to_vec(), layout: layout.clone(), region: slot.region });
+        let mapped = slot.lands == Lands::Mapped;
         self.grants.get_mut(&grant).expect("live").pins.push(Some(conn));
-        if direct.is_some() {
+        if in_pool.is_some() {
             // Its checksum reads the room's pages: they stay the room's until `finish_ready`.
             self.rooms.get_mut(&room).expect("live").page_leases.push(Some(conn));
         }
-        Ok(ReadyLease { conn, grant, room, gen, chunk, slot: index, ring_offset, len, direct })
+        Ok(ReadyLease { conn, grant, room, gen, chunk, slot: index, ring_offset, len, in_pool, mapped })
     }
 
     /// Counts the arrival checked by `verified` (the checksum result); when it was the chunk's
     /// last writer the scatter of its remaining layers is queued (in the effects).
     pub fn finish_ready(&mut self, lease: ReadyLease, verified: Result<()>, session: &str) -> Result<()> {
         self.unpin(lease.grant, Some(lease.conn));
-        if lease.direct.is_some() {
-            if let Some(r) = self.rooms.get_mut(&lease.room).filter(|r| r.gen == lease.gen) {
-                if let Some(at) = r.page_leases.iter().position(|&l| l == Some(lease.conn)) {
-                    r.page_leases.swap_remove(at);
-                }
-                self.drain_check(lease.room);
-            }
+        if lease.in_pool.is_some() {
+            self.end_page_lease(lease.room, lease.gen, lease.conn);
         }
         match self.rooms.get(&lease.room) {
             Some(r) if r.gen == lease.gen && r.live() => {}
@@ -319,6 +355,7 @@ impl State {
         if let Some(s) = c.slots.get_mut(lease.slot as usize).filter(|s| s.conn == lease.conn) {
             s.arrived = true;
             self.metrics.bytes_received += lease.len;
+            self.metrics.regions_read_into_pool += u64::from(s.lands == Lands::Read);
         }
         if c.all_arrived() {
             self.scatter_rest(lease.room, lease.chunk);

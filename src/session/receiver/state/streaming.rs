@@ -95,7 +95,7 @@ impl State {
             arrived: None,
             finished: None,
             parts: r.parts.clone().filter(|_| last && c.layout.as_ref().is_some_and(|l| l.tail_total > 0)),
-            direct: c.slots.iter().filter(|s| s.direct).map(|s| s.region).collect(),
+            in_pool: c.slots.iter().filter(|s| s.lands.in_pool()).map(|s| s.region).collect(),
         };
         r.page_leases.push(None);
         self.grants.get_mut(&grant).expect("live").pins.push(None);

@@ -23,7 +23,7 @@ fn src(r: u32, tp: u32) -> PoolShape {
 
 fn info(r: u32, tp: u32, rdma: bool) -> ConnInfo {
     let (s, d) = (src(r, tp), dst());
-    ConnInfo { session: format!("s{r}"), pairing: pairing(&s, &d).unwrap(), src: s, dst: d, in_place: rdma, host_pool: true, direct: false, integrity: Integrity::Off, src_components: Default::default(), dst_components: Default::default() }
+    ConnInfo { session: format!("s{r}"), pairing: pairing(&s, &d).unwrap(), src: s, dst: d, in_place: rdma, host_pool: true, direct: false, pool_read_min_run: None, integrity: Integrity::Off, src_components: Default::default(), dst_components: Default::default() }
 }
 
 /// Room of 4 pages, chunks of 2 pages (4 tokens): each writer region is 4 tokens × 4 heads × 4
@@ -231,7 +231,7 @@ fn slab_writes_land_in_any_order_once_each_and_one_at_a_time() {
 fn stage_info(tp_rank: u32, pp_rank: u32, layers: Vec<u32>) -> ConnInfo {
     let (s, d) = (src(tp_rank, 2).with_pp(pp_rank, 2, layers), dst());
     let session = format!("tp{tp_rank}-pp{pp_rank}");
-    ConnInfo { session, pairing: pairing(&s, &d).unwrap(), src: s, dst: d, in_place: false, host_pool: true, direct: false, integrity: Integrity::Off, src_components: Default::default(), dst_components: Default::default() }
+    ConnInfo { session, pairing: pairing(&s, &d).unwrap(), src: s, dst: d, in_place: false, host_pool: true, direct: false, pool_read_min_run: None, integrity: Integrity::Off, src_components: Default::default(), dst_components: Default::default() }
 }
 
 /// Prefill TP 2 × PP 2 (one layer per stage) into the decode rank's two layers: four regions of a
@@ -528,11 +528,64 @@ fn direct_grants_name_the_chunks_pages_and_their_regions_are_not_scattered() {
     for (conn, w) in [(a, 0), (b, 1)] {
         st.written_in_place(conn, at(1), 1, w, w as u64 * REGION, REGION).unwrap();
         let r = st.begin_ready(conn, at(1), 1, w).unwrap();
-        assert_eq!(r.direct.is_some(), conn == a, "the ready of writer {w} says where its bytes are");
+        assert_eq!((r.in_pool.is_some(), r.mapped), (conn == a, conn == a), "the ready of writer {w} says where its bytes are");
         st.finish_ready(r, Ok(()), "s").unwrap();
     }
     let jobs = st.take_effects().scatter;
-    assert!(!jobs.is_empty() && jobs.iter().all(|j| j.direct == [0]), "writer 0's region is left out of every scatter: {jobs:?}");
+    assert!(!jobs.is_empty() && jobs.iter().all(|j| j.in_pool == [0]), "writer 0's region is left out of every scatter: {jobs:?}");
+}
+
+/// A stream connection into a host pool has a region read straight into the pool's pages when
+/// no checksum must be verified first: its payload's lease names the region (and holds the room's
+/// pages until the read ends: a release drains meanwhile), and no scatter copies it. A chunk the
+/// integrity policy covers, a connection that writes in place, or one not allowed to, lands in the
+/// ring.
+#[test]
+fn stream_payloads_without_a_checksum_are_read_into_the_pool() {
+    let reads_with = |integrity: Integrity, in_place: bool, min_run: Option<u64>| {
+        let mut st = state(4 * CHUNK);
+        let a = st.add_conn(ConnInfo { pool_read_min_run: min_run, integrity, ..info(0, 2, in_place) });
+        st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+        let (_, region) = st.allocate(a, at(1), 1, 0, TOKENS, CHUNK, None).unwrap();
+        let Ok(Target::Land(lease)) = st.begin_data(a, at(1), 1, 0, region + 8, REGION - 8) else { panic!("a write of its region lands") };
+        let read = lease.into_pool.as_ref().map(|(r, at)| (r.pages.clone(), r.region, *at));
+        if let Some((pages, index, offset)) = &read {
+            assert_eq!((&pages[..], *index, *offset), (&PAGES[2..4], 0, 8), "chunk 1's pages, the region, the payload's offset in it");
+            let gen = st.rooms[&1].gen;
+            assert_eq!(st.release_room(1), Release::Draining { gen, holders: vec![a] }, "the read holds the room's pages");
+            st.end_data(lease, false);
+            assert!(!st.rooms.contains_key(&1), "the room left once the read ended");
+        } else {
+            st.end_data(lease, true);
+        }
+        read.is_some()
+    };
+    let reads = |integrity: Integrity, in_place: bool, allowed: bool| reads_with(integrity, in_place, allowed.then_some(0));
+    assert!(reads(Integrity::Off, false, true));
+    // Writer 0 of two carries half the decode slot's heads: its rows in the pool are head slices,
+    // one row long at a time.
+    let row = REGION / (TOKENS as u64 * 2 * 2); // 2 layers, K and V
+    assert!(reads_with(Integrity::Off, false, Some(row)), "runs of a row reach a minimum of a row");
+    assert!(!reads_with(Integrity::Off, false, Some(row + 1)), "runs shorter than the minimum land in the ring");
+    assert!(!reads(Integrity::Always, false, true), "a covered chunk is verified in the ring before it reaches the pages");
+    assert!(!reads(Integrity::Off, true, true), "an in-place (RDMA) writer writes the ring");
+    assert!(!reads(Integrity::Off, false, false), "not allowed (a device pool, or the ring forced)");
+
+    // Read whole, the region is left out of the chunk's scatter.
+    let mut st = state(4 * CHUNK);
+    let (a, b) = (st.add_conn(ConnInfo { pool_read_min_run: Some(0), ..info(0, 2, false) }), st.add_conn(info(1, 2, false)));
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    for (conn, w) in [(a, 0u32), (b, 1)] {
+        let (_, region) = st.allocate(conn, at(1), 0, w, TOKENS, CHUNK, None).unwrap();
+        let Ok(Target::Land(lease)) = st.begin_data(conn, at(1), 0, w, region, REGION) else { panic!("lands") };
+        assert_eq!(lease.into_pool.is_some(), conn == a);
+        st.end_data(lease, true);
+        let r = st.begin_ready(conn, at(1), 0, w).unwrap();
+        assert_eq!((r.in_pool.is_some(), r.mapped), (conn == a, false));
+        st.finish_ready(r, Ok(()), "s").unwrap();
+    }
+    let jobs = st.take_effects().scatter;
+    assert!(!jobs.is_empty() && jobs.iter().all(|j| j.in_pool == [0]), "the region read into the pool is not scattered: {jobs:?}");
 }
 
 /// A direct writer holds the room's pages: its release drains until the writer reported ready,
@@ -817,6 +870,9 @@ struct Harness {
     direct: bool,
     /// Grants (ids) given directly: their writer holds the room's pages while it may write them.
     direct_grants: HashSet<u64>,
+    /// The stream connections may have their payloads read straight into the pool (chunks
+    /// without a checksum): each such read holds the room's pages while it lands.
+    reads: bool,
     /// Grants an in-place writer may still write into: (connection, grant, room key, chunk). Its
     /// connection may be gone while its mapping lives.
     may_write: Vec<(ConnId, u64, u64, u32)>,
@@ -842,7 +898,7 @@ fn writer_of(c: usize) -> u32 {
 }
 
 impl Harness {
-    fn new(mapped: bool, checksummed: bool, direct: bool) -> Harness {
+    fn new(mapped: bool, checksummed: bool, direct: bool, reads: bool) -> Harness {
         Harness {
             st: state(3 * CHUNK / 2 + 100),
             rooms: HashMap::new(),
@@ -853,6 +909,7 @@ impl Harness {
             mapped,
             direct: direct && mapped,
             direct_grants: HashSet::new(),
+            reads,
             may_write: Vec::new(),
             issued: HashMap::new(),
             next_key: 1,
@@ -869,7 +926,7 @@ impl Harness {
             return id;
         }
         let integrity = if self.checksummed { Integrity::Always } else { Integrity::Off };
-        let id = self.st.add_conn(ConnInfo { integrity, ..info(writer_of(c), 2, c == 3) });
+        let id = self.st.add_conn(ConnInfo { integrity, pool_read_min_run: self.reads.then_some(0), ..info(writer_of(c), 2, c == 3) });
         if c == 3 && self.mapped {
             self.st.set_in_place(id, true);
             self.mappings.push(id);
@@ -988,6 +1045,12 @@ impl Harness {
         }
         for j in &self.scatters {
             if let Some(r) = self.rooms.values_mut().find(|r| r.gen == j.gen) {
+                r.leases += 1;
+            }
+        }
+        // A payload read straight into a room's pages holds them until the read ended.
+        for (_, l) in self.writes.iter().filter(|(_, l)| l.into_pool.is_some()) {
+            if let Some(r) = self.rooms.values_mut().find(|r| r.gen == l.gen) {
                 r.leases += 1;
             }
         }
@@ -1121,7 +1184,11 @@ impl Harness {
                     Ok(Some(Target::Discard(e))) => panic!("live room's data discarded: {e:?}"),
                     Ok(Some(Target::Land(lease))) => {
                         assert!(fresh && room_live, "data c{c} r{room} ch{chunk} slab {slab} landed (lie {lie}, slot {slot:?})");
+                        // A stream's payload goes straight into the pool exactly when its chunk
+                        // has no checksum to verify first.
+                        assert_eq!(lease.into_pool.is_some(), self.reads && !self.checksummed, "data c{c} r{room} ch{chunk}: where it lands");
                         self.writes.push((c, lease));
+                        self.recount_leases();
                     }
                 }
             }
@@ -1585,9 +1652,10 @@ proptest! {
         mapped in any::<bool>(),
         checksummed in prop::bool::weighted(0.2),
         direct in any::<bool>(),
+        reads in any::<bool>(),
         ops in prop_oneof![2 => proptest::collection::vec(op(), 1..80), 1 => proptest::collection::vec(calm_op(), 50..300)],
     ) {
-        let mut h = Harness::new(mapped, checksummed, direct);
+        let mut h = Harness::new(mapped, checksummed, direct, reads);
         for op in ops {
             h.step(op);
         }
