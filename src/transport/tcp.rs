@@ -95,31 +95,37 @@ impl Inbound {
     }
 
     /// Reads a payload into `ranges` (`(address, length)`, filled in order, their lengths summing
-    /// to the payload's), with vectored reads straight from the socket.
+    /// to the payload's), with vectored reads straight from the socket. After every read that
+    /// leaves bytes to come, `go_on()` says whether to continue: when it says no, returns the
+    /// bytes not read (the caller discards them to keep the stream in sync); `Ok(0)`: all read.
     ///
     /// # Safety
     /// Every range is memory valid for writes that nothing else reads or writes meanwhile.
-    pub unsafe fn payload_into_ranges(&mut self, ranges: impl Iterator<Item = (usize, usize)>) -> Result<()> {
+    pub unsafe fn payload_into_ranges(&mut self, ranges: &[(usize, usize)], mut go_on: impl FnMut() -> bool) -> Result<u64> {
         /// Ranges handed to one `readv` at most (the kernel's `IOV_MAX` is 1024).
         const BATCH: usize = 1024;
-        let mut ranges = ranges.peekable();
+        let mut left: u64 = ranges.iter().map(|&(_, n)| n as u64).sum();
         let mut slices: Vec<std::io::IoSliceMut<'_>> = Vec::with_capacity(BATCH);
-        while ranges.peek().is_some() {
+        for batch in ranges.chunks(BATCH) {
             slices.clear();
             // SAFETY: the caller's contract: each range is writable memory nobody else touches.
-            slices.extend(ranges.by_ref().take(BATCH).map(|(at, n)| std::io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(at as *mut u8, n) })));
-            let mut left = &mut slices[..];
-            while !left.is_empty() {
-                let n = match std::io::Read::read_vectored(&mut self.stream, left) {
+            slices.extend(batch.iter().filter(|&&(_, n)| n > 0).map(|&(at, n)| std::io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(at as *mut u8, n) })));
+            let mut pending = &mut slices[..];
+            while !pending.is_empty() {
+                let n = match std::io::Read::read_vectored(&mut self.stream, pending) {
                     Ok(0) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload")),
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(e) => return Err(self.stalled(peer_error(e).context("receiving a payload failed"))),
                 };
-                std::io::IoSliceMut::advance_slices(&mut left, n);
+                std::io::IoSliceMut::advance_slices(&mut pending, n);
+                left -= n as u64;
+                if left > 0 && !go_on() {
+                    return Ok(left);
+                }
             }
         }
-        Ok(())
+        Ok(0)
     }
 
     /// Reads and drops a payload of `len` bytes (the stream stays in sync).

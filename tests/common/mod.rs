@@ -621,6 +621,24 @@ impl RawPeer {
         Closed { after, how, frames }
     }
 
+    /// Another handle on the same socket (review probes).
+    pub fn stream_clone(&self) -> RawPeer {
+        RawPeer { stream: self.stream.try_clone().expect("clone") }
+    }
+
+    /// The next frame that is not a watermark; `None` on EOF, error or timeout (review probes).
+    pub fn recv_reply(&mut self, timeout: Duration) -> Option<Message> {
+        let end = Instant::now() + timeout;
+        loop {
+            let left = end.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            match self.recv(left) {
+                Ok(Some(Message::Watermark(_))) => continue,
+                Ok(Some(m)) => return Some(m),
+                _ => return None,
+            }
+        }
+    }
+
     pub fn shutdown_write(&self) {
         let _ = self.stream.shutdown(Shutdown::Write);
     }

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::state::{ConnInfo, ConnId, DirectRegion, Granted, ReadyLease, Target};
+use super::state::{ConnInfo, ConnId, DirectRegion, Granted, ReadyLease, Target, WriteLease};
 use super::{reply_deadline, Receiver};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{ComponentSpec, Fingerprint, KvLayout, ModelKind, PoolShape};
@@ -249,18 +249,23 @@ impl Receiver {
                     match self.with_state(|st| st.begin_data(id, room, chunk, writer, offset, len))? {
                         Target::Land(lease) => {
                             let read = match &lease.into_pool {
-                                Some((region, at)) => self.read_into_pool(inbound, &pool, region, *at, lease.len),
+                                Some((region, at)) => self.read_into_pool(inbound, &pool, region, *at, &lease),
                                 None => {
                                     let mem = self.ring_memory()?;
                                     // SAFETY: the lease pins [ring_offset, +len), inside this
                                     // writer's region of a live grant: no other thread writes it,
                                     // nothing frees or re-grants it until `end_data`.
-                                    unsafe { mem.land(lease.ring_offset, lease.len, |buf| inbound.payload_into(buf)) }
+                                    unsafe { mem.land(lease.ring_offset, lease.len, |buf| inbound.payload_into(buf)) }.map(|()| 0)
                                 }
                             };
-                            let landed = read.is_ok();
-                            self.with_state(|st| st.end_data(lease, landed));
+                            // Bytes of the payload left unread when the room stopped being live
+                            // during a read into its pages: they go once the pages are let go.
+                            let left = read.as_ref().map_or(0, |&left| left);
+                            self.with_state(|st| st.end_data(lease, matches!(read, Ok(0))));
                             read?;
+                            if left > 0 {
+                                inbound.discard(left)?;
+                            }
                         }
                         Target::Discard(_) => inbound.discard(len)?,
                     }
@@ -438,19 +443,26 @@ impl Receiver {
         (result.map_err(|e| e.with_session(session)), fx)
     }
 
-    /// Reads a payload of `len` bytes at offset `at` of `region` straight into the pool rows it
-    /// fills (the region's rows in region order, as a scatter would copy them).
-    fn read_into_pool(&self, inbound: &mut Inbound, pool: &KvLayout, region: &DirectRegion, at: u64, len: u64) -> Result<()> {
+    /// Reads the payload of `lease` (at offset `at` of `region`) straight into the pool rows it
+    /// fills (the region's rows in region order, as a scatter would copy them). Stops when the
+    /// room is no longer live (released or failed) after a read: `Ok(bytes left unread)`, which
+    /// the caller discards after it let the pages go, so that a release neither waits for a slow
+    /// payload nor has to cut the session.
+    fn read_into_pool(&self, inbound: &mut Inbound, pool: &KvLayout, region: &DirectRegion, at: u64, lease: &WriteLease) -> Result<u64> {
         let plan = crate::geometry::plan_scatter(&pool.shape, &region.pages, &region.layout, &region.layout.writers[region.region as usize])?;
         crate::copy::check_plan(&plan, pool)?;
         if !crate::copy::rows::tiles_in_order(&plan) {
             return Err(Error::internal("a scatter plan whose slabs are not in region order"));
         }
-        let rows = crate::copy::rows::clip(crate::copy::rows::pool_ranges(&plan, pool), at, len);
+        let rows: Vec<(usize, usize)> = crate::copy::rows::clip(crate::copy::rows::pool_ranges(&plan, pool), at, lease.len).collect();
+        let covered: u64 = rows.iter().map(|&(_, n)| n as u64).sum();
+        if covered != lease.len {
+            return Err(Error::internal(format!("a payload of {} bytes at {at} of a region whose pool rows hold {covered} of them", lease.len)));
+        }
         // SAFETY: the plan was checked against the host pool (a read into the pool needs one);
         // its rows are this writer's share of the room's pages, which the write lease keeps the
         // room's (nothing else writes them: the chunk is not complete, scatters skip the region).
-        unsafe { inbound.payload_into_ranges(rows) }
+        unsafe { inbound.payload_into_ranges(&rows, || self.with_state(|st| st.lands_live(lease))) }
     }
 
     /// The checksum of a writer's finished region: read back from the ring, or for a region that

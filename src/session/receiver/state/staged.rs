@@ -273,13 +273,25 @@ impl State {
         }
         let room = at.id;
         if let Target::Land((_, index, _)) = self.check_write(conn, at, chunk, claimed, offset, len)? {
-            let gen = self.rooms[&room].gen;
+            let r = &self.rooms[&room];
+            // A region granted to be read from the stream into the pool is not scattered from the
+            // ring: bytes reported there would never reach the pages.
+            if r.chunks[chunk as usize].slots[index as usize].lands == Lands::Read {
+                return Err(protocol(format!("an in-place write report for chunk {chunk} of room {room}, whose region was granted to arrive on the stream")));
+            }
+            let gen = r.gen;
             if let Some(slot) = self.slot_mut(room, gen, chunk, index, conn) {
                 slot.written.insert(offset, offset + len);
                 self.scatter_landed(room, chunk);
             }
         }
         Ok(())
+    }
+
+    /// Whether the room a payload lands for is still live (not released, not failed): a read
+    /// into its pages goes on only while it is.
+    pub fn lands_live(&self, lease: &WriteLease) -> bool {
+        self.rooms.get(&lease.room).is_some_and(|r| r.gen == lease.gen && r.live())
     }
 
     /// Ends one page lease `conn` took on the room (opening `gen`), which may let a release end.

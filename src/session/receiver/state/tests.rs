@@ -1662,3 +1662,18 @@ proptest! {
         h.finish();
     }
 }
+
+/// A slot granted to arrive on the stream (read into the pool) whose connection then reports an
+/// in-place write (an RDMA confirm or a same-host mapping after the grant): refused, since its
+/// region is never scattered from the ring (the room would complete with stale pages).
+#[test]
+fn an_in_place_report_for_a_region_granted_to_the_stream_is_refused() {
+    let mut st = state(4 * CHUNK);
+    let a = st.add_conn(ConnInfo { pool_read_min_run: Some(0), ..info(0, 2, false) });
+    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    let (_, ra) = st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
+    st.set_in_place(a, false);
+    let e = st.written_in_place(a, at(1), 0, 0, ra, REGION).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL);
+    assert!(e.message().contains("granted to arrive on the stream"), "{}", e.chain());
+}
