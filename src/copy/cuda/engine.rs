@@ -228,11 +228,11 @@ impl<B: Backend> DeviceCopyEngine<B> {
     }
 }
 
-impl<B: Backend> DeviceCopyEngine<B> {
+impl<B: Backend> CopyEngine for DeviceCopyEngine<B> {
     /// Direct mode on the device: one launch copies the rows `src` reads in `src_pool` to where
     /// `dst` puts them in `dst_pool` (both device memory this device addresses: the other pool
     /// opened here), on the gather lane; returns after the stream completed.
-    fn across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
+    unsafe fn copy_across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
         if src_pool.memory != MemoryKind::Cuda || dst_pool.memory != MemoryKind::Cuda {
             return Err(Error::new(
                 Status::KVSTAGE_E_UNSUPPORTED,
@@ -265,12 +265,6 @@ impl<B: Backend> DeviceCopyEngine<B> {
             let synced = self.backend.sync(lane.stream);
             result.and(synced)
         })
-    }
-}
-
-impl<B: Backend> CopyEngine for DeviceCopyEngine<B> {
-    unsafe fn copy_across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
-        self.across(src, src_pool, dst, dst_pool)
     }
 
     unsafe fn gather(&self, plan: &CopyPlan, pool: &KvLayout, staging: *mut u8) -> Result<()> {

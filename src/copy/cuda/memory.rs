@@ -92,16 +92,10 @@ impl DeviceMemory {
     /// (`KVSTAGE_E_UNSUPPORTED`) for memory legacy IPC cannot share, such as VMM (`cuMemCreate`)
     /// allocations, and without the driver entry points.
     pub fn export(&self) -> Result<([u8; IPC_HANDLE_BYTES], u64, u64)> {
-        if !has_symbol("cuIpcGetMemHandle") || !has_symbol("cuIpcOpenMemHandle_v2") || !has_symbol("cuIpcCloseMemHandle") {
-            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the CUDA driver lacks the IPC entry points (cuIpcGetMemHandle)"));
-        }
         let _g = self.dev.enter()?;
-        let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
-        // SAFETY: context current; the handle is written in full.
-        cu("cuIpcGetMemHandle", unsafe { api::cuIpcGetMemHandle(&mut handle, self.ptr) })
-            .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("device memory at {:#x} cannot be shared by CUDA IPC", self.ptr)))?;
+        let handle = ipc_handle(self.ptr)?;
         let (base, size) = allocation_of(self.ptr).ok_or_else(|| Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the driver cannot name the allocation holding the ring"))?;
-        Ok((handle.reserved.map(|b| b as u8), self.ptr - base, size))
+        Ok((handle, self.ptr - base, size))
     }
 
     /// The allocation holding `ptr` on CUDA device `ordinal`: its first byte and size.
@@ -115,16 +109,9 @@ impl DeviceMemory {
     /// The allocation starting at `base` on CUDA device `ordinal`, exported whole for a process on
     /// the same node (direct mode's pool share): its IPC handle. Errors as [`export`](Self::export).
     pub fn export_allocation(ordinal: i32, base: u64) -> Result<[u8; IPC_HANDLE_BYTES]> {
-        if !has_symbol("cuIpcGetMemHandle") || !has_symbol("cuIpcOpenMemHandle_v2") || !has_symbol("cuIpcCloseMemHandle") {
-            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the CUDA driver lacks the IPC entry points (cuIpcGetMemHandle)"));
-        }
         let dev = Device::open(ordinal)?;
         let _g = dev.enter()?;
-        let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
-        // SAFETY: context current; the handle is written in full.
-        cu("cuIpcGetMemHandle", unsafe { api::cuIpcGetMemHandle(&mut handle, base) })
-            .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("device memory at {base:#x} cannot be shared by CUDA IPC")))?;
-        Ok(handle.reserved.map(|b| b as u8))
+        ipc_handle(base)
     }
 
     /// A dma-buf of the allocation holding this memory, for a NIC to register it
@@ -278,6 +265,20 @@ impl DeviceMemory {
             queued.and(synced)
         }
     }
+}
+
+/// The CUDA IPC handle of the allocation holding `ptr` (the context current): a peer that opens
+/// it reaches the whole allocation. `KVSTAGE_E_UNSUPPORTED` without the driver's IPC entry points
+/// or for memory legacy IPC cannot share.
+fn ipc_handle(ptr: u64) -> Result<[u8; IPC_HANDLE_BYTES]> {
+    if !has_symbol("cuIpcGetMemHandle") || !has_symbol("cuIpcOpenMemHandle_v2") || !has_symbol("cuIpcCloseMemHandle") {
+        return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "the CUDA driver lacks the IPC entry points (cuIpcGetMemHandle)"));
+    }
+    let mut handle = sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
+    // SAFETY: the caller made a context current; the handle is written in full.
+    cu("cuIpcGetMemHandle", unsafe { api::cuIpcGetMemHandle(&mut handle, ptr) })
+        .map_err(|e| e.wrap(Status::KVSTAGE_E_UNSUPPORTED, format!("device memory at {ptr:#x} cannot be shared by CUDA IPC")))?;
+    Ok(handle.reserved.map(|b| b as u8))
 }
 
 impl Drop for DeviceMemory {

@@ -8,10 +8,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::state::{ConnInfo, ConnId, DirectRegion, Granted, ReadyLease, Target, WriteLease};
+use super::state::{ConnInfo, ConnId, Granted, ReadyLease, Target, WriteLease};
 use super::{reply_deadline, Receiver};
 use crate::error::{Error, Result, Status};
-use crate::geometry::{ComponentSpec, Fingerprint, KvLayout, ModelKind, PoolShape};
+use crate::geometry::{ComponentSpec, CopyPlan, Fingerprint, KvLayout, ModelKind, PoolShape};
 use crate::protocol::{Hello, Message, RoomRef, PROTOCOL_VERSION};
 use crate::ring::Watermark;
 use crate::session::{pairing, tokens_match, Deadline, Integrity};
@@ -249,7 +249,7 @@ impl Receiver {
                     match self.with_state(|st| st.begin_data(id, room, chunk, writer, offset, len))? {
                         Target::Land(lease) => {
                             let read = match &lease.into_pool {
-                                Some((region, at)) => self.read_into_pool(inbound, &pool, region, *at, &lease),
+                                Some((plan, at)) => self.read_into_pool(inbound, &pool, plan, *at, &lease),
                                 None => {
                                     let mem = self.ring_memory()?;
                                     // SAFETY: the lease pins [ring_offset, +len), inside this
@@ -443,18 +443,17 @@ impl Receiver {
         (result.map_err(|e| e.with_session(session)), fx)
     }
 
-    /// Reads the payload of `lease` (at offset `at` of `region`) straight into the pool rows it
-    /// fills (the region's rows in region order, as a scatter would copy them). Stops when the
+    /// Reads the payload of `lease` (at offset `at` of its region) straight into the pool rows it
+    /// fills (`plan`'s rows in region order, as its scatter would copy them). Stops when the
     /// room is no longer live (released or failed) after a read: `Ok(bytes left unread)`, which
     /// the caller discards after it let the pages go, so that a release neither waits for a slow
     /// payload nor has to cut the session.
-    fn read_into_pool(&self, inbound: &mut Inbound, pool: &KvLayout, region: &DirectRegion, at: u64, lease: &WriteLease) -> Result<u64> {
-        let plan = crate::geometry::plan_scatter(&pool.shape, &region.pages, &region.layout, &region.layout.writers[region.region as usize])?;
-        crate::copy::check_plan(&plan, pool)?;
-        if !crate::copy::rows::tiles_in_order(&plan) {
+    fn read_into_pool(&self, inbound: &mut Inbound, pool: &KvLayout, plan: &CopyPlan, at: u64, lease: &WriteLease) -> Result<u64> {
+        crate::copy::check_plan(plan, pool)?;
+        if !crate::copy::rows::tiles_in_order(plan) {
             return Err(Error::internal("a scatter plan whose slabs are not in region order"));
         }
-        let rows: Vec<(usize, usize)> = crate::copy::rows::clip(crate::copy::rows::pool_ranges(&plan, pool), at, lease.len).collect();
+        let rows: Vec<(usize, usize)> = crate::copy::rows::clip(crate::copy::rows::pool_ranges(plan, pool), at, lease.len).collect();
         let covered: u64 = rows.iter().map(|&(_, n)| n as u64).sum();
         if covered != lease.len {
             return Err(Error::internal(format!("a payload of {} bytes at {at} of a region whose pool rows hold {covered} of them", lease.len)));

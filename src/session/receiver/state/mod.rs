@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::{Error, FieldMismatch, Result, Status};
-use crate::geometry::{self, ComponentSpec, PoolShape, StagingLayout};
+use crate::geometry::{self, ComponentSpec, CopyPlan, PoolShape, StagingLayout};
 use crate::protocol::RoomRef;
 use crate::ring::{Grant, Ring, Watermark};
 use crate::session::receiver::coverage::Coverage;
@@ -106,20 +106,21 @@ struct Slot {
 }
 
 /// Where a staged writer's region's KV lands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 enum Lands {
     /// In the ring, scattered into the pool from there.
     Ring,
     /// Straight in the pool's pages, written by the peer that maps the pool (direct mode).
     Mapped,
     /// Straight in the pool's pages, read there from the connection's stream (TCP into a host
-    /// pool, no checksum to verify before the bytes may reach the pages).
-    Read,
+    /// pool, no checksum to verify before the bytes may reach the pages): along this scatter plan
+    /// of the region, made once at the grant.
+    Read(Arc<CopyPlan>),
 }
 
 impl Lands {
-    fn in_pool(self) -> bool {
-        self != Lands::Ring
+    fn in_pool(&self) -> bool {
+        *self != Lands::Ring
     }
 }
 
@@ -243,9 +244,9 @@ pub struct WriteLease {
     offset: u64,
     pub ring_offset: u64,
     pub len: u64,
-    /// Set when the payload is read straight into the pool's pages: the writer's region there,
-    /// and the payload's offset in it.
-    pub into_pool: Option<(DirectRegion, u64)>,
+    /// Set when the payload is read straight into the pool's pages: the region's scatter plan (its
+    /// rows in the pool, in region order), and the payload's offset in the region.
+    pub into_pool: Option<(Arc<CopyPlan>, u64)>,
 }
 
 /// A writer's finished region, checked (checksum) outside the lock before it counts as arrived.

@@ -147,12 +147,20 @@ impl State {
             && !info.in_place
             && layout.tail_total == 0
             && layout.writers[region as usize].layers > 0
-            && !info.integrity.covers(room, chunk)
-            && info.pool_read_min_run.is_some_and(|min| {
-                geometry::plan_scatter(&info.dst, r.chunk_pages(chunk), &layout, &layout.writers[region as usize])
-                    .is_ok_and(|plan| if plan.contiguous() { plan.row_bytes * info.dst.page_size as u64 } else { plan.row_bytes } >= min)
+            && !info.integrity.covers(room, chunk);
+        let read_plan = info
+            .pool_read_min_run
+            .filter(|_| read)
+            .and_then(|min| {
+                let plan = geometry::plan_scatter(&info.dst, r.chunk_pages(chunk), &layout, &layout.writers[region as usize]).ok()?;
+                let run = if plan.contiguous() { plan.row_bytes * info.dst.page_size as u64 } else { plan.row_bytes };
+                (run >= min).then(|| Arc::new(plan))
             });
-        let lands = if direct { Lands::Mapped } else if read { Lands::Read } else { Lands::Ring };
+        let lands = match read_plan {
+            _ if direct => Lands::Mapped,
+            Some(plan) => Lands::Read(plan),
+            None => Lands::Ring,
+        };
         let pages = if direct {
             r.direct_writers.push((conn, chunk));
             r.chunk_pages(chunk).to_vec()
@@ -182,11 +190,13 @@ impl State {
         let r = self.rooms.get_mut(&room).expect("checked live");
         let c = &r.chunks[chunk as usize];
         let s = &c.slots[slot as usize];
-        let into_pool = (s.lands == Lands::Read).then(|| {
-            let layout = c.layout.clone().expect("a granted chunk has a layout");
-            let at = offset - layout.writers[s.region as usize].offset;
-            (DirectRegion { pages: r.chunk_pages(chunk).to_vec(), layout, region: s.region }, at)
-        });
+        let into_pool = match &s.lands {
+            Lands::Read(plan) => {
+                let layout = c.layout.as_ref().expect("a granted chunk has a layout");
+                Some((plan.clone(), offset - layout.writers[s.region as usize].offset))
+            }
+            _ => None,
+        };
         if into_pool.is_some() {
             // The read writes the room's pages: they stay the room's until `end_data`.
             r.page_leases.push(Some(conn));
@@ -276,7 +286,7 @@ impl State {
             let r = &self.rooms[&room];
             // A region granted to be read from the stream into the pool is not scattered from the
             // ring: bytes reported there would never reach the pages.
-            if r.chunks[chunk as usize].slots[index as usize].lands == Lands::Read {
+            if matches!(r.chunks[chunk as usize].slots[index as usize].lands, Lands::Read(_)) {
                 return Err(protocol(format!("an in-place write report for chunk {chunk} of room {room}, whose region was granted to arrive on the stream")));
             }
             let gen = r.gen;
@@ -367,7 +377,7 @@ impl State {
         if let Some(s) = c.slots.get_mut(lease.slot as usize).filter(|s| s.conn == lease.conn) {
             s.arrived = true;
             self.metrics.bytes_received += lease.len;
-            self.metrics.regions_read_into_pool += u64::from(s.lands == Lands::Read);
+            self.metrics.regions_read_into_pool += u64::from(matches!(s.lands, Lands::Read(_)));
         }
         if c.all_arrived() {
             self.scatter_rest(lease.room, lease.chunk);

@@ -548,9 +548,11 @@ fn stream_payloads_without_a_checksum_are_read_into_the_pool() {
         st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
         let (_, region) = st.allocate(a, at(1), 1, 0, TOKENS, CHUNK, None).unwrap();
         let Ok(Target::Land(lease)) = st.begin_data(a, at(1), 1, 0, region + 8, REGION - 8) else { panic!("a write of its region lands") };
-        let read = lease.into_pool.as_ref().map(|(r, at)| (r.pages.clone(), r.region, *at));
-        if let Some((pages, index, offset)) = &read {
-            assert_eq!((&pages[..], *index, *offset), (&PAGES[2..4], 0, 8), "chunk 1's pages, the region, the payload's offset in it");
+        let read = lease.into_pool.clone();
+        if let Some((plan, offset)) = &read {
+            let layout = st.rooms[&1].chunks[1].layout.clone().expect("granted");
+            let want = geometry::plan_scatter(&dst(), &PAGES[2..4], &layout, &layout.writers[0]).unwrap();
+            assert_eq!((&**plan, *offset), (&want, 8), "region 0's rows in chunk 1's pages, the payload's offset in the region");
             let gen = st.rooms[&1].gen;
             assert_eq!(st.release_room(1), Release::Draining { gen, holders: vec![a] }, "the read holds the room's pages");
             st.end_data(lease, false);
