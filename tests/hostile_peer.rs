@@ -306,6 +306,49 @@ fn a_handshake_flood_from_one_source_locks_out_no_session() {
     after_attack(&c, &base, "handshake flood from one source");
 }
 
+/// Handshaked sessions that then say nothing, from 127.0.0.2 (a token holder's flood), fill
+/// every connection slot: legitimate senders from 127.0.0.1 still get their sessions (the flood's
+/// oldest idle sessions are cut for them) and deliver, and the log says so once per interval, not
+/// once per session.
+#[test]
+fn idle_sessions_from_one_source_lock_out_no_other_sender() {
+    use kvstage::engine::logging;
+    let _serial = serial();
+    const MAX_CONNECTIONS: u32 = 256;
+    let limits = Limits { max_connections: MAX_CONNECTIONS, max_handshakes: 64, handshake_timeout: Duration::from_secs(5) };
+    let c = cluster(limits);
+    let base = prepare(&c);
+    let warnings = Arc::new(parking_lot::Mutex::new(Vec::<String>::new()));
+    let sink = warnings.clone();
+    logging::set_callback(Some((Box::new(move |l: &logging::Line<'_>| sink.lock().push(l.message.to_owned())), log::LevelFilter::Warn)))
+        .unwrap();
+    let flood_from = std::net::SocketAddr::from(([127, 0, 0, 2], 0));
+    let mut held = Vec::new();
+    for i in 0..MAX_CONNECTIONS {
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        sock.bind(&flood_from.into()).unwrap();
+        sock.connect_timeout(&c.addr().into(), Duration::from_secs(5)).unwrap();
+        let mut raw = RawPeer { stream: sock.into() };
+        raw.send(&hello(&SMALL.shape(0, 2), &format!("idle-{i}"), b"")).unwrap();
+        match raw.recv(Duration::from_secs(5)) {
+            Ok(Some(Message::Hello(h))) if h.status == 0 => held.push(raw),
+            other => panic!("idle session {i} refused: {other:?}"),
+        }
+    }
+    assert!(settle(Duration::from_secs(5), || c.decode.receiver().stats().connections == MAX_CONNECTIONS as u64), "{:?}", c.decode.receiver().stats());
+    let took = c.try_transfer("while idle sessions fill every slot", None, 2);
+    let second = c.try_transfer("again", None, 2);
+    logging::set_callback(None).unwrap();
+    let warnings = warnings.lock().clone();
+    let cut = held.iter_mut().map(|r| r.wait_closed(Duration::from_millis(5)).after.is_some()).filter(|&c| c).count();
+    eprintln!("{MAX_CONNECTIONS} idle sessions: transfers {took:?} then {second:?}; {cut} idle sessions cut; {} WARN line(s): {warnings:#?}", warnings.len());
+    assert!(took.is_ok() && second.is_ok(), "idle sessions from one source locked out another sender: {took:?} {second:?}");
+    assert!(cut >= 2, "{cut} idle sessions cut for the newcomers");
+    assert!(warnings.len() <= 3, "{} WARN lines for one flood: {warnings:#?}", warnings.len());
+    drop(held);
+    after_attack(&c, &base, "idle sessions from one source");
+}
+
 /// Lowest descriptor number that is not open (a blocked `accept()` may have reserved it).
 fn lowest_closed_fd() -> i32 {
     (0..1 << 20)
@@ -690,6 +733,151 @@ fn a_sender_stalled_inside_a_payload_cannot_hold_the_ring() {
     );
     drop(raw);
     after_attack(&c, &base, "sender stalled inside a payload");
+}
+
+/// A writer keeping one payload alive with a byte a second (inside the dead-peer timeout, so no
+/// stall bound cuts it), until `stop` or its connection ends.
+fn trickle(raw: &RawPeer, header: Message, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<usize> {
+    let mut w = raw.stream_clone();
+    std::thread::spawn(move || {
+        let mut sent = 0;
+        if w.send(&header).is_err() {
+            return sent;
+        }
+        let end = Instant::now() + Duration::from_secs(20);
+        while !stop.load(Ordering::Relaxed) && Instant::now() < end && w.send_bytes(&[0xAB]).is_ok() {
+            sent += 1;
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        sent
+    })
+}
+
+/// A payload trickled into a room's ring range (a byte a second, under a 3 s dead-peer timeout)
+/// holds the range only while the room takes data: released, the room's range is back in the
+/// ring within the dead-peer timeout and four chunks of another room, whose grants wrap a ring of
+/// two and a half chunks, land meanwhile. Left open, the room's payload is cut at its deadline
+/// (the grace plus its length at the minimum rate): the connection ends, the room fails, the
+/// range goes back.
+#[test]
+fn a_trickled_payload_holds_the_ring_no_longer_than_its_room_or_its_rate() {
+    let _serial = serial();
+    let dead_peer = Duration::from_secs(3);
+    let mut options = decode_options(&SMALL);
+    options.dead_peer_timeout = Some(dead_peer);
+    let layout = SMALL.layout(0, 2);
+    let c = Cluster::new(SMALL, options, RingSpec::Owned(5 * layout.total_bytes as usize / 2));
+    let base = prepare(&c);
+    let rx = c.decode.receiver();
+    let w0 = layout.writers[0].clone();
+    let data = |at| Message::Data { room: at, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes };
+
+    // Released while trickled.
+    let room = 91;
+    let at = open_room(&c.decode, room, &c.room_pages(room, 1), SMALL.chunk_tokens);
+    let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "trickle-released", b"");
+    raw.alloc_granted(1, at, 0, 0, &layout);
+    let stop = Arc::new(AtomicBool::new(false));
+    let trickler = trickle(&raw, data(at), stop.clone());
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(rx.stats().ring_live, 1, "the trickled grant is in the ring");
+    let released = Instant::now();
+    release_bounded(&c.decode, room, Duration::from_secs(5));
+    let freed = settle(dead_peer, || rx.stats().ring_live == 0);
+    let freed_after = released.elapsed();
+    let t = Instant::now();
+    let outcome = c.try_transfer("after a trickled payload of a released room", None, 4);
+    eprintln!("trickle into a released room: its range back after {freed_after:?} (freed: {freed}); 4 chunks of the next room: {outcome:?} in {:?}", t.elapsed());
+    stop.store(true, Ordering::Relaxed);
+    let sent = trickler.join().unwrap();
+    assert!(freed, "a trickled payload of a released room still held its ring range {freed_after:?} after the release ({:?})", rx.stats());
+    assert!(outcome.is_ok(), "a room whose grants wrap the ring waited behind a trickled payload: {}", outcome.unwrap_err());
+    assert!(sent >= 2, "the trickle sent {sent} bytes");
+    drop(raw);
+
+    // Left open while trickled: cut at the payload's deadline, the room fails.
+    let room = 92;
+    let at = open_room(&c.decode, room, &c.room_pages(room, 1), SMALL.chunk_tokens);
+    let (mut raw, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "trickle-open", b"");
+    raw.alloc_granted(1, at, 0, 0, &layout);
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let trickler = trickle(&raw, data(at), stop.clone());
+    let closed = raw.wait_closed(dead_peer + Duration::from_secs(3));
+    let failed = rx.wait_room(room, Some(Duration::from_secs(1)));
+    stop.store(true, Ordering::Relaxed);
+    trickler.join().unwrap();
+    eprintln!("trickle into an open room: connection {} after {:?}; room: {:?}", closed.how, started.elapsed(), failed.as_ref().map_err(|e| e.chain()));
+    assert!(closed.after.is_some(), "a payload trickled at a byte a second was not cut at its deadline");
+    assert!(failed.is_err_and(|e| e.code() == Status::KVSTAGE_E_PEER_GONE), "the trickled room did not fail with its writer gone");
+    assert!(settle(Duration::from_secs(2), || rx.stats().ring_live == 0), "the cut writer's range stayed in the ring: {:?}", rx.stats());
+    release_bounded(&c.decode, room, Duration::from_secs(5));
+    drop(raw);
+    after_attack(&c, &base, "trickled payloads");
+}
+
+/// 32 sessions that flood grid requests with wrong keys and never read the replies (their
+/// reply streams stay full; each reconnects once cut) stall no one: a room with a 1 s deadline
+/// fails within 2 s of opening, and a request whose grant wraps the ring (it needs watermarks)
+/// completes within that deadline, while they flood.
+#[test]
+fn sessions_that_never_read_stall_neither_watermarks_nor_expiry() {
+    let _serial = serial();
+    let mut options = decode_options(&SMALL);
+    options.room_timeout = Some(Duration::from_secs(1));
+    let layout = SMALL.layout(0, 2);
+    let c = Cluster::new(SMALL, options, RingSpec::Owned(5 * layout.total_bytes as usize / 2));
+    let base = prepare(&c);
+    let rx = c.decode.receiver();
+    let stop = Arc::new(AtomicBool::new(false));
+    let addr = c.addr();
+    // Started 60 ms apart, so that at any moment some of them are in the middle of the 2 s a
+    // reply to a peer that does not read may take.
+    let floods: Vec<_> = (0..32u64)
+        .map(|i| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(60 * i));
+                let mut sessions = 0u32;
+                let frames: Vec<u8> =
+                    (0..256u64).flat_map(|req| Message::GridReq { req, room: RoomRef { id: 7, key: 0xDEAD_BEEF } }.encode()).collect();
+                while !stop.load(Ordering::Relaxed) {
+                    let (mut raw, _) = RawPeer::handshake(addr, &SMALL.shape(0, 2), &format!("never-reads-{i}-{sessions}"), b"");
+                    sessions += 1;
+                    // Blocks once the engine, its replies unread, stops reading; fails once it is cut.
+                    raw.stream.set_write_timeout(None).unwrap();
+                    while !stop.load(Ordering::Relaxed) && raw.send_bytes(&frames).is_ok() {}
+                }
+                sessions
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(3000));
+    let idle = 95;
+    let opened = Instant::now();
+    open_room(&c.decode, idle, &c.room_pages(idle, 1), SMALL.chunk_tokens);
+    // Three chunks in a ring of two and a half: the third grant waits for the first's watermark.
+    let ((outcome, took), (expired, failed_after)) = std::thread::scope(|s| {
+        let transfer = s.spawn(|| {
+            let t = Instant::now();
+            (c.try_transfer("while 32 sessions never read", None, 3), t.elapsed())
+        });
+        let expired = settle(Duration::from_secs(3), || {
+            rx.wait_room(idle, Some(Duration::ZERO)).is_err_and(|e| e.chain().contains("the room's deadline passed"))
+        });
+        (transfer.join().unwrap(), (expired, opened.elapsed()))
+    });
+    stop.store(true, Ordering::Relaxed);
+    let sessions: u32 = floods.into_iter().map(|h| h.join().unwrap()).sum();
+    let idle_outcome = rx.wait_room(idle, Some(Duration::ZERO)).map_err(|e| e.chain());
+    eprintln!(
+        "32 non-reading sessions ({sessions} opened in all): the 1 s room failed after {failed_after:?} ({idle_outcome:?}); \
+         a ring-wrapping request: {outcome:?} in {took:?}"
+    );
+    release_bounded(&c.decode, idle, Duration::from_secs(5));
+    assert!(expired && failed_after < Duration::from_secs(2), "a room with a 1 s deadline failed only after {failed_after:?} (expired: {expired})");
+    assert!(outcome.is_ok(), "a request whose grant wraps the ring did not complete while sessions never read: {}", outcome.unwrap_err());
+    after_attack(&c, &base, "sessions that never read");
 }
 
 #[test]

@@ -379,11 +379,24 @@ fn parts_go_with_the_last_chunk_only_and_every_field_is_checked() {
     let s = &p[0].sessions[0].1;
     let room = d[0].room;
     let last = desc(room, &src_pages, last_chunk());
-    // Parts on another chunk, and a last chunk without the parts the room names: refused by the
-    // receiver with the reason; the room goes on.
-    let early = TransferDesc { parts: last.parts.clone(), ..desc(room, &src_pages, 0) };
-    refused(s, &early, Status::KVSTAGE_E_GEOMETRY_MISMATCH, "request parts travel with the room's last chunk (3), not with chunk 0");
-    refused(s, &TransferDesc { parts: None, ..last.clone() }, Status::KVSTAGE_E_GEOMETRY_MISMATCH, "this writer does not send with the last chunk");
+    // Parts on another chunk, a last chunk without the parts the room names, a window of another
+    // length than the room's (both values and the pool named): refused by the receiver with the
+    // reason, and the room (each its own) fails at once with it.
+    let mut shorter = prefill_parts();
+    shorter.pools[0] = PoolSpan { pages: shorter.pools[0].pages[1..].to_vec(), first_token: 0, tokens: WINDOW - 4 };
+    let wrong: [(u32, Option<Arc<RequestParts>>, &str); 3] = [
+        (0, last.parts.clone(), "request parts travel with the room's last chunk (3), not with chunk 0"),
+        (last_chunk(), None, "this writer does not send with the last chunk"),
+        (last_chunk(), Some(Arc::new(shorter)), "pool \"swa\": the sender sends 36 tokens, the room's span holds 40"),
+    ];
+    for (i, (chunk, parts, text)) in wrong.into_iter().enumerate() {
+        let id = ROOM + 10 + i as u64;
+        let (_, key) = d[0].engine.receiver().open_room_parts(id, &d[0].pages, CHUNK_TOKENS, Some(d[0].parts.clone())).unwrap();
+        refused(s, &TransferDesc { parts, ..desc(RoomRef { id, key }, &src_pages, chunk) }, Status::KVSTAGE_E_GEOMETRY_MISMATCH, text);
+        let failed = d[0].engine.receiver().wait_room(id, Some(Duration::ZERO)).unwrap_err();
+        assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(text), "room {id}: {}", failed.chain());
+        d[0].engine.receiver().release_room(id);
+    }
     // Caller mistakes are named field by field before anything is sent.
     let mut bad = prefill_parts();
     bad.state_slots[1] = ITEMS;
@@ -394,11 +407,7 @@ fn parts_go_with_the_last_chunk_only_and_every_field_is_checked() {
     let mut bad = prefill_parts();
     bad.state_slots.pop();
     refused(s, &TransferDesc { parts: Some(Arc::new(bad)), ..last.clone() }, Status::KVSTAGE_E_INVALID_ARG, "`desc->parts.num_state_slots`: 2 != 3");
-    // A window of another length than the room's: both values and the pool named.
-    let mut shorter = prefill_parts();
-    shorter.pools[0] = PoolSpan { pages: shorter.pools[0].pages[1..].to_vec(), first_token: 0, tokens: WINDOW - 4 };
-    refused(s, &TransferDesc { parts: Some(Arc::new(shorter)), ..last.clone() }, Status::KVSTAGE_E_GEOMETRY_MISMATCH, "pool \"swa\": the sender sends 36 tokens, the room's span holds 40");
-    // The room still completes with the right transfers.
+    // The room, which the receiver refused nothing of, completes with the right transfers.
     for chunk in 0..=last_chunk() {
         assert_eq!(send(s, &desc(room, &src_pages, chunk)).unwrap(), Status::KVSTAGE_OK);
     }
@@ -414,6 +423,58 @@ fn parts_go_with_the_last_chunk_only_and_every_field_is_checked() {
     outside.aux_row = ITEMS + 3;
     let e = d[0].engine.receiver().open_room_parts(ROOM + 2, &d[0].pages, CHUNK_TOKENS, Some(outside)).unwrap_err();
     assert!(e.message().contains("`parts.aux_row`: 9 is outside aux buffer \"output_ids\"'s 6 rows"), "{}", e.chain());
+}
+
+/// Prefill TP 2 into decode TP 1: rank 1 names the request's parts wrongly (a window 4 tokens
+/// short in room B, no parts with the last chunk in room C) after rank 0 was granted the chunk.
+/// The decode side fails B and C at once, naming the part and the writer; rank 0's grants go back
+/// to the ring; B's and C's aux row stays unwritten; rooms F and G, sent next by both ranks to
+/// the same decode rank, complete byte for byte.
+#[test]
+fn a_writer_refused_for_its_parts_fails_the_room_at_once() {
+    let d = decodes(TransportKind::Tcp, 1);
+    let src_pages = page_table(TOTAL.div_ceil(KV_PAGE as u64) as usize, CAPACITY, 3, false);
+    let p = prefills(TransportKind::Tcp, 2, &src_pages, &d);
+    let rx = d[0].engine.receiver();
+    let (good, bad) = (&p[0].sessions[0].1, &p[1].sessions[0].1);
+    let mut shorter = prefill_parts();
+    shorter.pools[0] = PoolSpan { pages: shorter.pools[0].pages[1..].to_vec(), first_token: 0, tokens: WINDOW - 4 };
+    let wrong: [(u64, Option<Arc<RequestParts>>, &str); 2] = [
+        (20, Some(Arc::new(shorter)), "pool \"swa\": the sender sends 36 tokens, the room's span holds 40"),
+        (21, None, "this writer does not send with the last chunk"),
+    ];
+    for (id, parts, text) in wrong {
+        let (_, key) = rx.open_room_parts(id, &d[0].pages, CHUNK_TOKENS, Some(d[0].parts.clone())).unwrap();
+        let last = desc(RoomRef { id, key }, &src_pages, last_chunk());
+        assert_eq!(send(good, &last).unwrap(), Status::KVSTAGE_OK);
+        refused(bad, &TransferDesc { parts, ..last }, Status::KVSTAGE_E_GEOMETRY_MISMATCH, text);
+        let failed = rx.wait_room(id, Some(Duration::ZERO)).unwrap_err();
+        eprintln!("room {id}: {}", failed.chain());
+        assert_eq!(failed.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "room {id} did not fail at once: {}", failed.chain());
+        assert!(failed.chain().contains(text) && failed.chain().contains("writer 1 (session p1-d0"), "room {id}: {}", failed.chain());
+    }
+    let freed = (0..200).any(|_| {
+        std::thread::sleep(Duration::from_millis(10));
+        rx.stats().ring_live == 0
+    });
+    assert!(freed, "the refused rooms' grants stayed in the ring: {:?}", rx.stats());
+    assert_eq!(d[0].memory.buffers[0][0][(d[0].parts.aux_row * 64) as usize], 0, "a failed room's aux row was written");
+    rx.release_room(20);
+    rx.release_room(21);
+    for id in [22, 23] {
+        let (_, key) = rx.open_room_parts(id, &d[0].pages, CHUNK_TOKENS, Some(d[0].parts.clone())).unwrap();
+        for chunk in 0..=last_chunk() {
+            for rank in &p {
+                assert_eq!(send(&rank.sessions[0].1, &desc(RoomRef { id, key }, &src_pages, chunk)).unwrap(), Status::KVSTAGE_OK);
+            }
+        }
+        rx.wait_room(id, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("room {id}: {}", e.chain()));
+        let (bad, first) = d[0].pool.verify_tokens(&d[0].pages, 0, TOTAL);
+        assert_eq!(bad, 0, "room {id} KV: {first:?}");
+        let (bad, first) = d[0].memory.verify(d[0].parts.aux_row, &d[0].parts.state_slots, &d[0].parts.pools[0]);
+        assert_eq!(bad, 0, "room {id} parts: {first:?}");
+        rx.release_room(id);
+    }
 }
 
 #[test]
@@ -434,9 +495,10 @@ fn ranks_with_different_components_are_refused_at_the_handshake() {
     }
 }
 
-/// A lying peer (a raw connection that passed the handshake with the right components) cannot
-/// make the room take parts it does not name, a window of another length, a pool list of another
-/// size, or an allocation that leaves the parts out.
+/// A lying peer (a raw connection that passed the handshake with the right components, told
+/// the room's key) cannot make a room take parts it does not name, a window of another length, a
+/// pool list of another size, or an allocation that leaves the parts out: each lie is refused
+/// with the reason, and fails the room it was told (it can fail a room it was told, no more).
 #[test]
 fn a_lying_peer_cannot_bend_the_parts() {
     let d = decodes(TransportKind::Tcp, 1);
@@ -445,27 +507,32 @@ fn a_lying_peer_cannot_bend_the_parts() {
     peer.send(&common::hello_with(&shape(0, 1), "liar", &[], specs())).unwrap();
     assert!(matches!(peer.reply(Duration::from_secs(5)), Message::Hello(h) if h.status == 0));
     let layout = kvstage::geometry::staging_layout(&shape(0, 1), &shape(0, 1), (TOTAL % CHUNK_TOKENS as u64) as u32).unwrap();
-    let mut ask = |req: u64, room: RoomRef, chunk: u32, bytes: u64, pool_tokens: Option<Vec<u32>>| {
+    let rx = d[0].engine.receiver();
+    let lies: [(u32, Option<Vec<u32>>, String); 4] = [
+        (last_chunk(), Some(vec![WINDOW + 1]), "pool \"swa\": the sender sends 41 tokens, the room's span holds 40".into()),
+        (last_chunk(), Some(vec![WINDOW, WINDOW]), "the sender names 2 pool spans, the room 1".into()),
+        // The KV alone in the last chunk's allocation: the size must include the parts.
+        (last_chunk(), Some(vec![WINDOW]), format!("allocation size {} != expected", layout.total_bytes)),
+        (1, Some(vec![WINDOW]), "request parts travel with the room's last chunk".into()),
+    ];
+    for (i, (chunk, pool_tokens, text)) in lies.into_iter().enumerate() {
+        let id = ROOM + 1 + i as u64;
+        let (_, key) = rx.open_room_parts(id, &d[0].pages, CHUNK_TOKENS, Some(d[0].parts.clone())).unwrap();
         let tokens = if chunk == last_chunk() { layout.tokens } else { CHUNK_TOKENS };
-        peer.send(&Message::AllocReq { req, room, chunk, writer: 0, tokens, bytes, trace: String::new(), pool_tokens, direct: false }).unwrap();
-        match peer.reply(Duration::from_secs(5)) {
+        let req = i as u64 + 1;
+        let ask = Message::AllocReq { req, room: RoomRef { id, key }, chunk, writer: 0, tokens, bytes: layout.total_bytes, trace: String::new(), pool_tokens, direct: false };
+        peer.send(&ask).unwrap();
+        let (status, reason) = match peer.reply(Duration::from_secs(5)) {
             Message::AllocRsp { req: r, status, reason, .. } if r == req => (status, reason),
             other => panic!("unexpected {other:?}"),
-        }
-    };
-    let room = d[0].room;
-    let (status, reason) = ask(1, room, last_chunk(), layout.total_bytes, Some(vec![WINDOW + 1]));
-    assert_eq!(status, Status::KVSTAGE_E_GEOMETRY_MISMATCH.code());
-    assert!(reason.contains("pool \"swa\": the sender sends 41 tokens, the room's span holds 40"), "{reason}");
-    let (_, reason) = ask(2, room, last_chunk(), layout.total_bytes, Some(vec![WINDOW, WINDOW]));
-    assert!(reason.contains("the sender names 2 pool spans, the room 1"), "{reason}");
-    // The KV alone in the last chunk's allocation: the size must include the parts.
-    let (_, reason) = ask(3, room, last_chunk(), layout.total_bytes, Some(vec![WINDOW]));
-    assert!(reason.contains(&format!("allocation size {} != expected", layout.total_bytes)) && reason.contains("of them request parts"), "{reason}");
-    let (_, reason) = ask(4, room, 1, layout.total_bytes, Some(vec![WINDOW]));
-    assert!(reason.contains("request parts travel with the room's last chunk"), "{reason}");
-    // Nothing of it failed the room: the decode side still waits for its chunks.
-    let e = d[0].engine.receiver().wait_room(ROOM, Some(Duration::from_millis(100))).unwrap_err();
+        };
+        assert_eq!(status, Status::KVSTAGE_E_GEOMETRY_MISMATCH.code(), "{reason}");
+        assert!(reason.contains(&text), "{reason}");
+        let failed = rx.wait_room(id, Some(Duration::ZERO)).unwrap_err();
+        assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(&text), "room {id}: {}", failed.chain());
+    }
+    // The room it was not told is untouched: the decode side still waits for its chunks.
+    let e = rx.wait_room(ROOM, Some(Duration::from_millis(100))).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
 }
 

@@ -228,6 +228,22 @@ impl Transport for FaultyTransport {
         self.with_dice(&f, &data, |d| self.inner.write_piece(0, header, d, deadline))
     }
 
+    /// Dropped or delayed like any frame, never reordered or duplicated (a broadcast's sender
+    /// does not wait to send another).
+    fn try_send(&self, msg: &Message) -> Result<bool> {
+        let f = self.next_frame()?;
+        let c = &self.faults.counters;
+        if let Some(d) = f.delay {
+            c.delayed.fetch_add(1, Ordering::Relaxed);
+            std::thread::sleep(d);
+        }
+        if f.drop {
+            c.dropped.fetch_add(1, Ordering::Relaxed);
+            return Ok(true);
+        }
+        self.inner.try_send(msg)
+    }
+
     fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {
         self.next_frame()?;
         self.inner.write_slices(ops, done, deadline)

@@ -108,6 +108,13 @@ pub trait Transport: Send + Sync {
     /// Slice path: one write per `(header, payload)` pair (`Message::Slice` headers), then `done`.
     fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()>;
 
+    /// Sends one small control message only if it can go now: `Ok(false)` when another write
+    /// holds the stream or the peer's receive window is full (nothing was sent). For broadcasts
+    /// that must not wait on one peer; a stream transport overrides it.
+    fn try_send(&self, msg: &Message) -> Result<bool> {
+        self.send(msg, &Deadline::after(Some(std::time::Duration::from_millis(50)))).map(|()| true)
+    }
+
     /// Closes both directions; blocked readers and writers return.
     fn shutdown(&self);
 

@@ -17,6 +17,14 @@ const SOCKET_BUFFER_BYTES: usize = 8 << 20;
 /// Keepalive probes sent before a silent peer is declared gone.
 const KEEPALIVE_PROBES: u32 = 5;
 
+/// The slowest average rate a payload may arrive at, after its grace (the stall bound): a
+/// payload pins the ring range or pool pages it lands in, so one peer trickling it must not hold
+/// them (and the ring's watermark behind them) for long.
+pub const MIN_PAYLOAD_RATE: u64 = 1 << 20;
+
+/// A payload's grace where no stall bound is set.
+pub const PAYLOAD_GRACE: Duration = Duration::from_secs(10);
+
 /// Tunes a connected socket: no Nagle delay for control frames, large buffers for bulk data, and
 /// dead-peer detection: with `dead_peer` set, a peer that stops answering (a host that vanished)
 /// fails the socket after about that long, idle (keepalive: a third of it idle, then
@@ -94,17 +102,27 @@ impl Inbound {
         std::io::Read::read_exact(&mut self.stream, buf).map_err(|e| self.stalled(peer_error(e).context("receiving a payload failed")))
     }
 
+    /// When a payload of `len` bytes announced now must have arrived: the stall bound (or
+    /// [`PAYLOAD_GRACE`]) plus its length at [`MIN_PAYLOAD_RATE`]. A peer that keeps a payload
+    /// alive with a byte now and then holds its grant no longer than that.
+    pub fn payload_until(&self, len: u64) -> Instant {
+        let grace = self.stall.unwrap_or(PAYLOAD_GRACE);
+        Instant::now() + grace + Duration::from_secs_f64(len as f64 / MIN_PAYLOAD_RATE as f64)
+    }
+
     /// Reads a payload into `ranges` (`(address, length)`, filled in order, their lengths summing
-    /// to the payload's), with vectored reads straight from the socket. After every read that
-    /// leaves bytes to come, `go_on()` says whether to continue: when it says no, returns the
-    /// bytes not read (the caller discards them to keep the stream in sync); `Ok(0)`: all read.
+    /// to the payload's), with vectored reads straight from the socket, by `until` (else the
+    /// peer counts as gone: `KVSTAGE_E_PEER_GONE`). After every read that leaves bytes to come,
+    /// `go_on()` says whether to continue: when it says no, returns the bytes not read (the
+    /// caller discards them to keep the stream in sync); `Ok(0)`: all read.
     ///
     /// # Safety
     /// Every range is memory valid for writes that nothing else reads or writes meanwhile.
-    pub unsafe fn payload_into_ranges(&mut self, ranges: &[(usize, usize)], mut go_on: impl FnMut() -> bool) -> Result<u64> {
+    pub unsafe fn payload_into_ranges(&mut self, ranges: &[(usize, usize)], until: Instant, mut go_on: impl FnMut() -> bool) -> Result<u64> {
         /// Ranges handed to one `readv` at most (the kernel's `IOV_MAX` is 1024).
         const BATCH: usize = 1024;
-        let mut left: u64 = ranges.iter().map(|&(_, n)| n as u64).sum();
+        let total: u64 = ranges.iter().map(|&(_, n)| n as u64).sum();
+        let mut left = total;
         let mut slices: Vec<std::io::IoSliceMut<'_>> = Vec::with_capacity(BATCH);
         for batch in ranges.chunks(BATCH) {
             slices.clear();
@@ -112,30 +130,68 @@ impl Inbound {
             slices.extend(batch.iter().filter(|&&(_, n)| n > 0).map(|&(at, n)| std::io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(at as *mut u8, n) })));
             let mut pending = &mut slices[..];
             while !pending.is_empty() {
+                self.arm_read(until, total, left)?;
                 let n = match std::io::Read::read_vectored(&mut self.stream, pending) {
                     Ok(0) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload")),
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(self.stalled(peer_error(e).context("receiving a payload failed"))),
+                    Err(e) => return Err(self.payload_error(e, until, total, left, "receiving a payload failed")),
                 };
                 std::io::IoSliceMut::advance_slices(&mut pending, n);
                 left -= n as u64;
                 if left > 0 && !go_on() {
+                    self.stream.set_read_timeout(self.stall)?;
                     return Ok(left);
                 }
             }
         }
+        self.stream.set_read_timeout(self.stall)?;
         Ok(0)
     }
 
-    /// Reads and drops a payload of `len` bytes (the stream stays in sync).
-    pub fn discard(&mut self, len: u64) -> Result<()> {
-        let copied = std::io::copy(&mut std::io::Read::take(&mut self.stream, len), &mut std::io::sink())
-            .map_err(|e| self.stalled(peer_error(e).context("discarding a payload failed")))?;
-        if copied != len {
-            return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload"));
+    /// Reads and drops a payload of `len` bytes by `until` (the stream stays in sync).
+    pub fn discard(&mut self, len: u64, until: Instant) -> Result<()> {
+        let mut buf = [0u8; 64 << 10];
+        let mut left = len;
+        while left > 0 {
+            self.arm_read(until, len, left)?;
+            let want = left.min(buf.len() as u64) as usize;
+            match std::io::Read::read(&mut self.stream, &mut buf[..want]) {
+                Ok(0) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload")),
+                Ok(n) => left -= n as u64,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.payload_error(e, until, len, left, "discarding a payload failed")),
+            }
         }
+        self.stream.set_read_timeout(self.stall)?;
         Ok(())
+    }
+
+    /// The next read of a payload waits no longer than the stall bound, nor past `until`.
+    fn arm_read(&self, until: Instant, total: u64, left: u64) -> Result<()> {
+        let Some(rest) = until.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) else {
+            return Err(self.too_slow(total, left));
+        };
+        self.stream.set_read_timeout(Some(self.stall.map_or(rest, |s| s.min(rest))))?;
+        Ok(())
+    }
+
+    fn payload_error(&self, e: std::io::Error, until: Instant, total: u64, left: u64, what: &str) -> Error {
+        if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) && Instant::now() >= until {
+            return self.too_slow(total, left);
+        }
+        self.stalled(peer_error(e).context(what.to_owned()))
+    }
+
+    fn too_slow(&self, total: u64, left: u64) -> Error {
+        Error::new(
+            Status::KVSTAGE_E_PEER_GONE,
+            format!(
+                "a payload of {total} bytes still missed {left} of them at its deadline (it must arrive at {} MiB/s at least after a grace of {} ms); the peer is cut off",
+                MIN_PAYLOAD_RATE >> 20,
+                self.stall.unwrap_or(PAYLOAD_GRACE).as_millis()
+            ),
+        )
     }
 
     /// A read timeout here means the peer stalled mid-frame: it is treated as gone.
@@ -214,13 +270,18 @@ impl TcpTransport {
     /// Runs `write` on the stream with the deadline as its write timeout. Any failure may have cut
     /// a frame in half, so the stream is shut down: the session is dead from here on.
     fn write(&self, deadline: &Deadline, write: impl FnOnce(&mut DeadlineWriter<'_>) -> std::io::Result<()>) -> Result<()> {
-        let what = format!("writing to peer {}", self.peer);
         // Another transfer of this session may be writing: wait for it only until our deadline.
         let w = match deadline.instant() {
             Some(t) => self.writer.try_lock_until(t).ok_or_else(|| deadline.timeout_error(&format!("waiting to write to peer {}", self.peer)))?,
             None => self.writer.lock(),
         };
-        let mut out = DeadlineWriter::new(&w, deadline);
+        self.write_locked(&w, deadline, write)
+    }
+
+    /// [`write`](Self::write) on the stream `w`, whose writer lock the caller holds.
+    fn write_locked(&self, w: &TcpStream, deadline: &Deadline, write: impl FnOnce(&mut DeadlineWriter<'_>) -> std::io::Result<()>) -> Result<()> {
+        let what = format!("writing to peer {}", self.peer);
+        let mut out = DeadlineWriter::new(w, deadline);
         write(&mut out).map_err(|e| {
             self.shutdown();
             // SO_SNDTIMEO (the deadline) expires as EAGAIN; ETIMEDOUT is TCP_USER_TIMEOUT: gone.
@@ -243,6 +304,10 @@ pub struct DeadlineWriter<'a> {
     deadline: &'a Deadline,
     armed: Option<Instant>,
 }
+
+/// How long the rest of a frame that [`TcpTransport::try_send`] got only partly into the send
+/// buffer may take (the buffer was nearly full: a peer that does not drain it is cut).
+const PARTIAL_FRAME_BOUND: Duration = Duration::from_millis(100);
 
 /// How often the send timeout is re-armed while writing (the slack a deadline may overrun by).
 pub const REARM: Duration = Duration::from_millis(10);
@@ -303,6 +368,28 @@ impl Transport for TcpTransport {
     fn send(&self, msg: &Message, deadline: &Deadline) -> Result<()> {
         let frame = msg.encode();
         self.write(deadline, |w| w.write_all(&frame))
+    }
+
+    /// Never waits for the writer lock or for room in the send buffer; the rest of a frame the
+    /// kernel took only part of follows within [`PARTIAL_FRAME_BOUND`], else the stream is cut.
+    fn try_send(&self, msg: &Message) -> Result<bool> {
+        let Some(w) = self.writer.try_lock() else { return Ok(false) };
+        let frame = msg.encode();
+        let sent = loop {
+            match socket2::SockRef::from(&*w).send_with_flags(&frame, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) {
+                Ok(n) => break n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) => {
+                    self.shutdown();
+                    return Err(peer_error(e).context(format!("write to peer {} failed", self.peer)));
+                }
+            }
+        };
+        if sent < frame.len() {
+            self.write_locked(&w, &Deadline::after(Some(PARTIAL_FRAME_BOUND)), |out| out.write_all(&frame[sent..]))?;
+        }
+        Ok(true)
     }
 
     fn write_chunk(&self, header: &Message, data: &[u8], ready: &Message, deadline: &Deadline) -> Result<()> {

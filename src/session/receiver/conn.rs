@@ -60,10 +60,12 @@ impl Receiver {
         let conn: Cell<Option<ConnId>> = Cell::new(None);
         // The session id once the hello is read, for the log.
         let session = RefCell::new(String::new());
-        let peer = stream.peer_addr().map_or_else(|_| "an unknown peer".to_owned(), |a| a.to_string());
+        let addr = stream.peer_addr().ok();
+        let peer = addr.map_or_else(|| "an unknown peer".to_owned(), |a| a.to_string());
         let mut handshake_done = Some(handshake_done);
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.serve_inner(stream, &conn, &session, &peer, &mut || {
+            let source = addr.map_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), |a| a.ip());
+            self.serve_inner(stream, &conn, &session, &peer, source, &mut || {
                 if let Some(f) = handshake_done.take() {
                     f()
                 }
@@ -74,7 +76,13 @@ impl Receiver {
         }
         let session = session.into_inner();
         let registered = conn.get().is_some();
+        // Cut to serve a newcomer at the connection limit (logged once for the lot by the listener).
+        let evicted = conn.get().is_some_and(|id| self.evicted.lock().contains(&id));
         let (code, reason) = match outcome {
+            Ok(_) if evicted => {
+                log::debug!(session = session.as_str(); "idle session from {peer} cut to serve a newcomer at the connection limit");
+                (Status::KVSTAGE_E_PEER_GONE, "cut at the connection limit (the session held nothing)".to_owned())
+            }
             Ok(Ok(())) => {
                 if registered && self.closing() {
                     log::debug!(session = session.as_str(); "connection from {peer} closed at shutdown");
@@ -89,7 +97,9 @@ impl Receiver {
                 if registered && self.closing() {
                     log::debug!(session = session.as_str(); "connection from {peer} ended at shutdown: {}", e.chain());
                 } else if registered {
-                    log::warn!(session = session.as_str(); "connection from {peer} lost: {}", e.chain());
+                    if let Some(suppressed) = self.log_limits.lost.allow() {
+                        log::warn!(session = session.as_str(); "connection from {peer} lost: {}{suppressed}", e.chain());
+                    }
                 }
                 (code, e.chain())
             }
@@ -101,10 +111,11 @@ impl Receiver {
             }
         };
         if let Some(id) = conn.get() {
-            if let Some(link) = self.peers.lock().remove(&id) {
-                link.shutdown();
+            if let Some(p) = self.peers.lock().remove(&id) {
+                p.link.shutdown();
             }
             self.with_state(|st| st.conn_gone(id, code, &reason));
+            self.evicted.lock().remove(&id);
         }
     }
 
@@ -114,6 +125,7 @@ impl Receiver {
         conn: &Cell<Option<ConnId>>,
         session_id: &RefCell<String>,
         peer: &str,
+        source: std::net::IpAddr,
         handshake_done: &mut dyn FnMut(),
     ) -> Result<()> {
         crate::transport::tcp::tune(&stream, self.config.dead_peer_timeout)?;
@@ -154,7 +166,7 @@ impl Receiver {
         // and one more watermark covers any change between the answer and the registration.
         let id = self.with_state(|st| st.add_conn(info));
         conn.set(Some(id));
-        self.peers.lock().insert(id, link.clone());
+        self.peers.lock().insert(id, super::Peer { link: link.clone(), source });
         let wm = self.ring_stats().2;
         link.send(&Message::Watermark(wm), &reply_deadline())?;
         self.read_loop(id, &session, &mut inbound, &link)
@@ -246,28 +258,24 @@ impl Receiver {
                     link.send(&rsp, &reply_deadline())?;
                 }
                 Message::Data { room, chunk, writer, offset, len } => {
+                    // The whole payload, landed or discarded, has a deadline of its own.
+                    let until = inbound.payload_until(len);
                     match self.with_state(|st| st.begin_data(id, room, chunk, writer, offset, len))? {
                         Target::Land(lease) => {
-                            let read = match &lease.into_pool {
-                                Some((plan, at)) => self.read_into_pool(inbound, &pool, plan, *at, &lease),
-                                None => {
-                                    let mem = self.ring_memory()?;
-                                    // SAFETY: the lease pins [ring_offset, +len), inside this
-                                    // writer's region of a live grant: no other thread writes it,
-                                    // nothing frees or re-grants it until `end_data`.
-                                    unsafe { mem.land(lease.ring_offset, lease.len, |buf| inbound.payload_into(buf)) }.map(|()| 0)
-                                }
-                            };
                             // Bytes of the payload left unread when the room stopped being live
-                            // during a read into its pages: they go once the pages are let go.
+                            // during the read: they go once the lease is let go.
+                            let read = match &lease.into_pool {
+                                Some((plan, at)) => self.read_into_pool(inbound, &pool, plan, *at, &lease, until),
+                                None => self.read_into_ring(inbound, &lease, until),
+                            };
                             let left = read.as_ref().map_or(0, |&left| left);
                             self.with_state(|st| st.end_data(lease, matches!(read, Ok(0))));
                             read?;
                             if left > 0 {
-                                inbound.discard(left)?;
+                                inbound.discard(left, until)?;
                             }
                         }
-                        Target::Discard(_) => inbound.discard(len)?,
+                        Target::Discard(_) => inbound.discard(len, until)?,
                     }
                 }
                 Message::ChunkReady { req, room, chunk, writer, checksum } => {
@@ -315,7 +323,7 @@ impl Receiver {
                             self.with_state(|st| st.end_slice(lease, landed));
                             read?;
                         }
-                        Target::Discard(_) => inbound.discard(len as u64)?,
+                        Target::Discard(_) => inbound.discard(len as u64, inbound.payload_until(len as u64))?,
                     }
                 }
                 Message::SliceDone { req, room, chunk } => {
@@ -443,12 +451,40 @@ impl Receiver {
         (result.map_err(|e| e.with_session(session)), fx)
     }
 
+    /// Reads the payload of `lease` into its ring range. Stops when the room is no longer live
+    /// (released, failed, expired) after a read: `Ok(bytes left unread)`, discarded by the caller
+    /// once the range is unpinned, so a trickling writer of a dead room holds no ring space.
+    fn read_into_ring(&self, inbound: &mut Inbound, lease: &WriteLease, until: std::time::Instant) -> Result<u64> {
+        let mem = self.ring_memory()?;
+        let mut left = lease.len;
+        let mut stopped = false;
+        let live = || self.with_state(|st| st.lands_live(lease));
+        let read = |buf: &mut [u8]| {
+            let n = buf.len() as u64;
+            // SAFETY: `buf` is the leased range (or a bounce buffer for it), this read's alone.
+            let rest = unsafe { inbound.payload_into_ranges(&[(buf.as_mut_ptr() as usize, buf.len())], until, &live) }?;
+            left -= n - rest;
+            stopped = rest > 0;
+            if stopped {
+                return Err(Error::new(Status::KVSTAGE_E_CANCELED, "the room stopped taking data during the payload"));
+            }
+            Ok(())
+        };
+        // SAFETY: the lease pins [ring_offset, +len), inside this writer's region of a live
+        // grant: no other thread writes it, nothing frees or re-grants it until `end_data`.
+        let landed = unsafe { mem.land(lease.ring_offset, lease.len, read) };
+        match landed {
+            Err(_) if stopped => Ok(left),
+            other => other.map(|()| 0),
+        }
+    }
+
     /// Reads the payload of `lease` (at offset `at` of its region) straight into the pool rows it
     /// fills (`plan`'s rows in region order, as its scatter would copy them). Stops when the
     /// room is no longer live (released or failed) after a read: `Ok(bytes left unread)`, which
     /// the caller discards after it let the pages go, so that a release neither waits for a slow
     /// payload nor has to cut the session.
-    fn read_into_pool(&self, inbound: &mut Inbound, pool: &KvLayout, plan: &CopyPlan, at: u64, lease: &WriteLease) -> Result<u64> {
+    fn read_into_pool(&self, inbound: &mut Inbound, pool: &KvLayout, plan: &CopyPlan, at: u64, lease: &WriteLease, until: std::time::Instant) -> Result<u64> {
         crate::copy::check_plan(plan, pool)?;
         if !crate::copy::rows::tiles_in_order(plan) {
             return Err(Error::internal("a scatter plan whose slabs are not in region order"));
@@ -461,7 +497,7 @@ impl Receiver {
         // SAFETY: the plan was checked against the host pool (a read into the pool needs one);
         // its rows are this writer's share of the room's pages, which the write lease keeps the
         // room's (nothing else writes them: the chunk is not complete, scatters skip the region).
-        unsafe { inbound.payload_into_ranges(&rows, || self.with_state(|st| st.lands_live(lease))) }
+        unsafe { inbound.payload_into_ranges(&rows, until, || self.with_state(|st| st.lands_live(lease))) }
     }
 
     /// The checksum of a writer's finished region: read back from the ring, or for a region that

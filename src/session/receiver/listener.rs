@@ -1,6 +1,6 @@
 //! The decode engine's listener: accepts senders within limits (connections, handshakes in
-//! progress: when those are all taken, the oldest handshake of the source holding the most is cut
-//! to serve a newcomer), survives accept errors (EMFILE, ENOMEM) with backoff, and tracks every
+//! progress: when those are all taken, the oldest idle session or handshake of the source holding
+//! the most is cut to serve a newcomer, see [`super::sessions`]), survives accept errors (EMFILE, ENOMEM) with backoff, and tracks every
 //! connection thread so the engine can shut them down and join them.
 
 use std::collections::HashMap;
@@ -21,7 +21,8 @@ use crate::transport::Transport;
 /// Bounds on what unauthenticated peers can make the listener hold.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
-    /// Accepted connections alive at once (handshaking or serving); more are refused.
+    /// Accepted connections alive at once (handshaking or serving); past it an idle session is
+    /// cut for a newcomer, or the newcomer refused when none is idle.
     pub max_connections: u32,
     /// Connections still in their handshake at once; more are refused.
     pub max_handshakes: u32,
@@ -148,9 +149,25 @@ impl Listener {
             let mut reg = self.registry.lock();
             reg.conns.retain(|t| !t.thread.is_finished());
             let mut refused = None;
-            if reg.conns.len() as u32 >= limits.max_connections {
-                refused = Some(format!("too many connections (limit {})", limits.max_connections));
-            } else if reg.handshaking.len() as u32 >= limits.max_handshakes {
+            // Sessions cut for earlier newcomers are ending: they no longer count.
+            let ending = receiver.sessions_ending();
+            if reg.conns.len().saturating_sub(ending) as u32 >= limits.max_connections {
+                // An idle session of the biggest source makes room (at most `max_handshakes` of
+                // them ending at once, as for cut handshakes).
+                match (ending < limits.max_handshakes as usize).then(|| receiver.evict_idle_session()).flatten() {
+                    Some((source, held)) => {
+                        let n = receiver.counters.connections_refused.fetch_add(1, Ordering::Relaxed) + 1;
+                        if let Some(suppressed) = receiver.log_limits.refused.allow() {
+                            log::warn!(
+                                "{} connections (the limit): cut the oldest idle session of the {held} from {source} to serve {peer} ({n} refused or cut so far){suppressed}",
+                                limits.max_connections
+                            );
+                        }
+                    }
+                    None => refused = Some(format!("too many connections (limit {}), none of them idle", limits.max_connections)),
+                }
+            }
+            if refused.is_none() && reg.handshaking.len() as u32 >= limits.max_handshakes {
                 match reg.evict_for(limits.max_handshakes) {
                     Some((source, held)) => {
                         let n = receiver.counters.connections_refused.fetch_add(1, Ordering::Relaxed) + 1;

@@ -13,6 +13,7 @@ mod extents;
 pub mod listener;
 mod memory;
 mod same_host;
+mod sessions;
 pub mod state;
 
 use std::collections::HashMap;
@@ -79,6 +80,18 @@ pub const POOL_READ_MIN_RUN: u64 = 16 << 10;
 /// How often rooms are checked against their deadlines.
 const EXPIRY_TICK: Duration = Duration::from_millis(200);
 
+/// How soon the keeper offers a watermark again to a peer that could not take it at once.
+const OWED_RETRY: Duration = Duration::from_millis(2);
+
+/// The keeper's broadcast: the latest watermark, the peers that have not taken it yet (since
+/// when), and the last expiry pass.
+#[derive(Default)]
+struct Broadcast {
+    latest: Option<Watermark>,
+    owed: HashMap<ConnId, Instant>,
+    last_expiry: Option<Instant>,
+}
+
 fn reply_deadline() -> Deadline {
     Deadline::after(Some(REPLY_DEADLINE))
 }
@@ -93,6 +106,12 @@ fn new_room_key() -> Result<u64> {
             return Ok(key);
         }
     }
+}
+
+/// An accepted sender's stream and where it connected from.
+struct Peer {
+    link: Arc<dyn Transport>,
+    source: std::net::IpAddr,
 }
 
 /// Counters of the receiver (engine stats).
@@ -113,6 +132,10 @@ pub struct LogLimits {
     pub refused: LogLimiter,
     pub handshakes: LogLimiter,
     pub events_dropped: LogLimiter,
+    /// Sessions cut for taking no watermark.
+    pub behind: LogLimiter,
+    /// Sessions lost (reset, stalled, cut).
+    pub lost: LogLimiter,
 }
 
 impl Default for LogLimits {
@@ -122,6 +145,8 @@ impl Default for LogLimits {
             refused: LogLimiter::new(LOG_PERIOD),
             handshakes: LogLimiter::new(LOG_PERIOD),
             events_dropped: LogLimiter::new(LOG_PERIOD),
+            behind: LogLimiter::new(LOG_PERIOD),
+            lost: LogLimiter::new(LOG_PERIOD),
         }
     }
 }
@@ -156,11 +181,16 @@ pub struct Receiver {
     copy: Arc<dyn CopyEngine>,
     scatter_tx: Mutex<Option<Sender<ScatterJob>>>,
     config: ReceiverConfig,
-    /// Accepted senders: watermark broadcasts and shutdown (never locked together with `state`).
-    peers: Mutex<HashMap<ConnId, Arc<dyn Transport>>>,
+    /// Accepted senders: watermark broadcasts, eviction and shutdown (never locked together with
+    /// `state`).
+    peers: Mutex<HashMap<ConnId, Peer>>,
+    /// Sessions cut to serve newcomers at the connection limit whose threads have not ended.
+    evicted: Mutex<std::collections::HashSet<ConnId>>,
     /// Latest watermark not yet broadcast, for the keeper thread.
     pending_watermark: Mutex<Option<Watermark>>,
     keeper_wake: Condvar,
+    /// The keeper thread's own.
+    broadcast: Mutex<Broadcast>,
     closing: AtomicBool,
     rdma: Mutex<Option<Arc<crate::transport::rdma::Rdma>>>,
     shm: Mutex<Option<Arc<crate::transport::shm::Shm>>>,
@@ -193,8 +223,10 @@ impl Receiver {
             scatter_tx: Mutex::new(None),
             config,
             peers: Mutex::new(HashMap::new()),
+            evicted: Mutex::new(Default::default()),
             pending_watermark: Mutex::new(None),
             keeper_wake: Condvar::new(),
+            broadcast: Mutex::new(Broadcast::default()),
             closing: AtomicBool::new(false),
             rdma: Mutex::new(None),
             shm: Mutex::new(None),
@@ -325,7 +357,7 @@ impl Receiver {
             let peers = self.peers.lock();
             for id in mapped {
                 if let Some(p) = peers.get(&id) {
-                    p.shutdown();
+                    p.link.shutdown();
                 }
             }
         }
@@ -428,7 +460,7 @@ impl Receiver {
                 let peers = self.peers.lock();
                 for h in holders {
                     if let Some(p) = peers.get(&h) {
-                        p.shutdown();
+                        p.link.shutdown();
                     }
                 }
                 drop(peers);
@@ -550,30 +582,72 @@ impl Receiver {
         }
     }
 
-    /// One pass of the keeper: the pending watermark, then expiry. The watermark stays pending
-    /// until it went out, so a pass that panics leaves it for the next.
+    /// One pass of the keeper: the pending watermark to every peer owed it, then (each
+    /// [`EXPIRY_TICK`]) expiry and stall reports. No peer is waited on: one whose stream is busy
+    /// or whose receive window is full is tried again a moment later, and cut once it has owed
+    /// a watermark for [`REPLY_DEADLINE`]. The watermark stays pending until it is recorded as
+    /// owed, so a pass that panics leaves it for the next.
     fn keeper_pass(&self) {
-        let w = {
+        let mut b = self.broadcast.lock();
+        let wait = if b.owed.is_empty() { EXPIRY_TICK } else { OWED_RETRY };
+        let fresh = {
             let mut pending = self.pending_watermark.lock();
             if pending.is_none() {
-                self.keeper_wake.wait_for(&mut pending, EXPIRY_TICK);
+                self.keeper_wake.wait_for(&mut pending, wait);
             }
             *pending
         };
         crate::panics::point("keeper");
-        if let Some(w) = w {
-            let peers: Vec<Arc<dyn Transport>> = self.peers.lock().values().cloned().collect();
-            for p in peers {
-                // A dead or stuck peer is cut off by its failed send; the others still get it.
-                let _ = p.send(&crate::protocol::Message::Watermark(w), &reply_deadline());
+        if let Some(w) = fresh {
+            let now = Instant::now();
+            b.latest = Some(w);
+            for id in self.peers.lock().keys() {
+                b.owed.entry(*id).or_insert(now);
             }
             let mut pending = self.pending_watermark.lock();
             if *pending == Some(w) {
                 *pending = None;
             }
         }
+        if let Some(w) = b.latest.filter(|_| !b.owed.is_empty()) {
+            self.send_owed(&mut b, w);
+        }
+        if b.last_expiry.is_some_and(|t| t.elapsed() < EXPIRY_TICK) {
+            return;
+        }
+        b.last_expiry = Some(Instant::now());
+        drop(b);
         self.with_state(|st| st.expire(Instant::now()));
         self.report_stalls();
+    }
+
+    /// Offers watermark `w` to every peer that owes it, without waiting on any.
+    fn send_owed(&self, b: &mut Broadcast, w: Watermark) {
+        let peers: Vec<(ConnId, Arc<dyn Transport>)> =
+            self.peers.lock().iter().filter(|(id, _)| b.owed.contains_key(id)).map(|(id, p)| (*id, p.link.clone())).collect();
+        b.owed.retain(|id, _| peers.iter().any(|(p, _)| p == id));
+        let mut cut = Vec::new();
+        for (id, p) in peers {
+            match p.try_send(&crate::protocol::Message::Watermark(w)) {
+                // A failed send cut the stream itself; its connection ends.
+                Ok(true) | Err(_) => {
+                    b.owed.remove(&id);
+                }
+                Ok(false) if b.owed[&id].elapsed() >= REPLY_DEADLINE => {
+                    p.shutdown();
+                    b.owed.remove(&id);
+                    cut.push(p.describe());
+                }
+                Ok(false) => {}
+            }
+        }
+        if let (Some(first), Some(suppressed)) = (cut.first(), (!cut.is_empty()).then(|| self.log_limits.behind.allow()).flatten()) {
+            log::warn!(
+                "cut {} session(s) that took no watermark for {} ms (their receive window stayed full), {first} among them{suppressed}",
+                cut.len(),
+                REPLY_DEADLINE.as_millis()
+            );
+        }
     }
 
     /// Reports, once each, the chunks that have held ring space for `stall_after` without
@@ -610,7 +684,7 @@ impl Receiver {
         self.closing.store(true, Ordering::SeqCst);
         self.keeper_wake.notify_all();
         for p in self.peers.lock().values() {
-            p.shutdown();
+            p.link.shutdown();
         }
         // The ring's memory region goes before its memory (freed with the receiver).
         if let Some(r) = self.rdma.lock().as_ref() {

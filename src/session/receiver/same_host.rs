@@ -291,7 +291,7 @@ impl Receiver {
                     // Its session ends too (a forked child may hold the connection open): the
                     // rooms it still owed fail now.
                     log::info!("same-host peer process {} of connection {id} ended: its lease and session end", peer_pid.unwrap_or(0));
-                    if let Some(link) = me.peers.lock().get(&id) {
+                    if let Some(link) = me.peers.lock().get(&id).map(|p| &p.link) {
                         link.shutdown();
                     }
                 }

@@ -613,6 +613,16 @@ impl State {
         }
     }
 
+    /// Whether cutting `conn` would fail or hold up nothing: it has no writer slot in an
+    /// unfinished chunk of a live room, no grant pin or in-place quarantine, no page lease or
+    /// direct write, and does not map the ring.
+    pub fn holds_nothing(&self, conn: ConnId) -> bool {
+        let writes = |r: &Room| r.live() && r.chunks.iter().any(|c| c.phase != Phase::Done && c.slot_of(conn).is_some());
+        !self.mapped.contains_key(&conn)
+            && !self.grants.values().any(|g| g.pins.contains(&Some(conn)) || g.remote_writers.contains(&conn))
+            && !self.rooms.values().any(|r| writes(r) || r.holders().contains(&conn))
+    }
+
     pub fn conn_count(&self) -> usize {
         self.conns.len()
     }

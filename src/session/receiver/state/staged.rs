@@ -31,6 +31,29 @@ impl State {
         self.check_mapping(conn)?;
         let room = self.live_room(at).map(|_| at.id)?;
         self.check_prefill(room, &info.src)?;
+        self.grant_checked(conn, &info, at, chunk, tokens, bytes, pool_tokens, direct)
+    }
+
+    /// A writer of the room's prefill geometry that cannot write its share of `chunk` (its tokens,
+    /// its request parts or its size disagree with the room) leaves the chunk unfinishable: the
+    /// room fails now, naming the writer and why, rather than at its deadline behind a grant
+    /// nobody completes. `e` is returned to the writer.
+    fn refuse_writer(&mut self, room: u64, chunk: u32, info: &ConnInfo, e: Error) -> Error {
+        let who = format!(
+            "writer {} (session {}, prefill tp rank {} pp rank {})",
+            info.pairing.frame_writer(),
+            info.session,
+            info.src.tp_rank,
+            info.src.pp_rank
+        );
+        self.fail_room(room, e.code(), format!("{who} was refused for chunk {chunk}: {}", e.chain()), &info.session);
+        e
+    }
+
+    /// [`State::grant`] past the checks of the writer, the room's key and its prefill geometry.
+    #[allow(clippy::too_many_arguments)]
+    fn grant_checked(&mut self, conn: ConnId, info: &ConnInfo, at: RoomRef, chunk: u32, tokens: u32, bytes: u64, pool_tokens: Option<&[u32]>, direct: bool) -> Result<Granted> {
+        let (room, writer) = (at.id, info.pairing.frame_writer());
         let r = self.live_room(at)?;
         let num_chunks = r.chunks.len();
         let c = r.chunks.get(chunk as usize).ok_or_else(|| {
@@ -44,14 +67,12 @@ impl State {
         let fits = tokens == slots || (last && tokens < slots && tokens > slots - ps);
         if !fits {
             let accepted = if last && ps > 1 { format!("{}..={slots}", slots - ps + 1) } else { slots.to_string() };
-            return Err(Error::new(
+            let grid = format!("{} chunks of {} tokens over {} pages of {ps}", num_chunks, r.grid_pages as u32 * ps, r.pages.len());
+            let e = Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
-                format!(
-                    "chunk {chunk} of room {room}: sender has {tokens} tokens, receiver expects {accepted} (its grid: {num_chunks} chunks of {} tokens over {} pages of {ps})",
-                    r.grid_pages as u32 * ps,
-                    r.pages.len()
-                ),
-            ));
+                format!("chunk {chunk} of room {room}: sender has {tokens} tokens, receiver expects {accepted} (its grid: {grid})"),
+            );
+            return Err(self.refuse_writer(room, chunk, info, e));
         }
         match c.mode {
             Mode::Slices => {
@@ -65,25 +86,26 @@ impl State {
             }
             _ => {}
         }
-        if let Some(first) = c.layout.as_ref().filter(|l| l.tokens != tokens) {
-            return Err(Error::new(
+        if let Some(first) = c.layout.as_ref().map(|l| l.tokens).filter(|&t| t != tokens) {
+            let e = Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
-                format!("chunk {chunk} of room {room}: this writer has {tokens} tokens, the chunk's first writer {}", first.tokens),
-            ));
+                format!("chunk {chunk} of room {room}: this writer has {tokens} tokens, the chunk's first writer {first}"),
+            );
+            return Err(self.refuse_writer(room, chunk, info, e));
         }
         if c.slot_of(conn).is_some() {
             return Err(protocol(format!("writer {writer} requested chunk {chunk} twice")));
         }
         let first_writer = c.layout.is_none();
-        let mut layout = Self::chunk_layout(c, &info, tokens)?;
-        let parts = self.check_parts(room, chunk, &info, pool_tokens)?;
+        let mut layout = Self::chunk_layout(c, info, tokens)?;
+        let parts = self.check_parts(room, chunk, info, pool_tokens).map_err(|e| self.refuse_writer(room, chunk, info, e))?;
         // A replica of heads another rank sends writes only its share of the request's parts.
         if info.pairing.writer.is_none() && parts.is_none() {
             info.pairing.writer()?;
         }
         let mut tail = Vec::new();
         if let Some(p) = parts.as_deref() {
-            let (owed, carried) = Self::writer_tail(&layout, &info, p)?;
+            let (owed, carried) = Self::writer_tail(&layout, info, p).map_err(|e| self.refuse_writer(room, chunk, info, e))?;
             if first_writer {
                 layout = layout.with_tail_total(owed);
             }
@@ -91,10 +113,11 @@ impl State {
         }
         if bytes != layout.total_bytes {
             let of_parts = if layout.tail_total > 0 { format!(" ({} of them request parts)", layout.tail_total) } else { String::new() };
-            return Err(Error::new(
+            let e = Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
                 format!("allocation size {bytes} != expected {}{of_parts} for chunk {chunk}", layout.total_bytes),
-            ));
+            );
+            return Err(self.refuse_writer(room, chunk, info, e));
         }
         if info.pairing.writer.is_none() && tail.is_empty() {
             return Err(protocol(format!("chunk {chunk} of room {room}: this replica carries no share of the request's parts")));

@@ -276,6 +276,32 @@ fn an_overlapping_claim_fails_the_room_only_from_another_rank() {
     assert!(failed.message().contains("claimed by prefill rank (tp 0, pp 1)"), "{}", failed.message());
 }
 
+/// A writer refused for its share of a chunk another writer was granted (its tokens, its size)
+/// leaves the chunk unfinishable: the room fails at once naming the writer and why, and the
+/// chunk's grant goes back to the ring.
+#[test]
+fn a_writer_refused_for_its_share_fails_the_room_and_frees_the_grant() {
+    for case in 0..3 {
+        let mut st = state(4 * CHUNK);
+        let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
+        st.open_room(7, key(7), &PAGES, GRID, None, None).unwrap();
+        st.allocate(a, at(7), 0, 0, TOKENS, CHUNK, None).unwrap();
+        assert_eq!(st.ring_stats().1, 1);
+        let e = match case {
+            0 => st.allocate(b, at(7), 0, 1, TOKENS - 1, CHUNK, None),
+            1 => st.allocate(b, at(7), 0, 1, TOKENS, CHUNK + 1, None),
+            _ => st.allocate(b, at(7), 0, 1, TOKENS, CHUNK, Some(&[4])),
+        }
+        .unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "case {case}: {}", e.chain());
+        let failed = st.room_outcome(7).unwrap_err();
+        assert_eq!(failed.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+        assert!(failed.message().contains("writer 1 (session s1, prefill tp rank 1 pp rank 0) was refused for chunk 0: "), "{}", failed.message());
+        assert!(failed.message().contains(e.message()), "case {case}: {} does not say {}", failed.message(), e.message());
+        assert_eq!(st.ring_stats().1, 0, "case {case}: the unfinishable chunk's grant stayed in the ring");
+    }
+}
+
 /// A connection gone after its chunks: a chunk it never claimed is not owed by it when another
 /// connection carries its layers there, so the room lives on.
 #[test]
