@@ -211,17 +211,22 @@ fn a_chunk_of_the_wrong_size_or_pages_that_do_not_hold_it_are_refused() {
     assert!(e.message().contains("`desc->src_token_offset`: 64 is not inside the first page"), "{}", e.chain());
 
     // A chunk that is not the room's last must fill its decode pages: the receiver refuses 127
-    // tokens with both values, and the room goes on.
-    let short = TransferDesc { num_tokens: 127, ..good.clone() };
-    let e = send(s, &short, false).unwrap_err();
-    assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
-    assert!(e.chain().contains("sender has 127 tokens, receiver expects 128"), "{}", e.chain());
-    // The last chunk (tokens 272..300: 28 of its 2 decode pages' 32 slots) may end inside its
-    // last page, never before it.
+    // tokens with both values. The last chunk (tokens 272..300: 28 of its 2 decode pages' 32
+    // slots) may end inside its last page, never before it. Each refusal fails its room (a room
+    // of its own here), which could not complete without that writer.
     let last = desc(room, &src_pages, total, prefix, sps, dps, 2);
     assert_eq!(last.num_tokens, 28);
-    let e = send(s, &TransferDesc { num_tokens: 16, ..last.clone() }, false).unwrap_err();
-    assert!(e.chain().contains("sender has 16 tokens, receiver expects 17..=32"), "{}", e.chain());
+    let wrong = [(TransferDesc { num_tokens: 127, ..good.clone() }, "sender has 127 tokens, receiver expects 128"), (TransferDesc { num_tokens: 16, ..last.clone() }, "sender has 16 tokens, receiver expects 17..=32")];
+    for (i, (bad, text)) in wrong.into_iter().enumerate() {
+        let id = ROOM + 1 + i as u64;
+        let (_, key) = d[0].engine.receiver().open_room(id, &d[0].pages, CHUNK_TOKENS).unwrap();
+        let e = send(s, &TransferDesc { room: RoomRef { id, key }, ..bad }, false).unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
+        assert!(e.chain().contains(text), "{}", e.chain());
+        let failed = d[0].engine.receiver().wait_room(id, Some(Duration::ZERO)).unwrap_err();
+        assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(text), "room {id}: {}", failed.chain());
+        d[0].engine.receiver().release_room(id);
+    }
 
     // The slice path moves whole decode pages only.
     let e = send(s, &last, true).unwrap_err();
@@ -240,13 +245,13 @@ fn a_chunk_of_the_wrong_size_or_pages_that_do_not_hold_it_are_refused() {
 
 /// A hand-written peer's allocation requests for a room of 6 pages of 4 (chunks of 4 and 2 pages):
 /// the token count must fill a chunk's pages, the last chunk's may end inside its last page but
-/// no earlier, and both writers of a chunk must agree; a refusal claims nothing and the room goes
-/// on.
+/// no earlier, and both writers of a chunk must agree. Each refusal is answered with both values
+/// and fails its room (each lie a room of its own here), claiming nothing in it; a room asked
+/// rightly gives both writers one allocation.
 #[test]
 fn a_lying_token_count_claims_nothing() {
     let c = Cluster::new(SMALL, common::decode_options(&SMALL), RingSpec::Owned(1 << 20));
     let pages = c.room_pages(71, 2)[..6].to_vec();
-    let room = open_room(&c.decode, 71, &pages, SMALL.chunk_tokens);
     let (mut w0, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "liar-0", b"");
     let (mut w1, _) = RawPeer::handshake(c.addr(), &SMALL.shape(1, 2), "liar-1", b"");
     let layout = |rank: u32, tokens: u32| staging_layout(&SMALL.shape(rank, 2), &SMALL.shape(0, 1), tokens).unwrap();
@@ -257,15 +262,34 @@ fn a_lying_token_count_claims_nothing() {
         }
         other => panic!("expected a refusal, got {other:?}"),
     };
-    refused(w0.alloc(1, room, 0, 0, &layout(0, 15)), "sender has 15 tokens, receiver expects 16");
-    refused(w0.alloc(2, room, 1, 0, &layout(0, 4)), "sender has 4 tokens, receiver expects 5..=8");
-    refused(w0.alloc(3, room, 1, 0, &layout(0, 9)), "sender has 9 tokens, receiver expects 5..=8");
+    let lies = [(0, 15, "sender has 15 tokens, receiver expects 16"), (1, 4, "sender has 4 tokens, receiver expects 5..=8"), (1, 9, "sender has 9 tokens, receiver expects 5..=8")];
+    for (i, (chunk, tokens, text)) in lies.into_iter().enumerate() {
+        let id = 72 + i as u64;
+        let room = open_room(&c.decode, id, &pages, SMALL.chunk_tokens);
+        refused(w0.alloc(1 + i as u64, room, chunk, 0, &layout(0, tokens)), text);
+        let failed = c.decode.receiver().wait_room(id, Some(Duration::ZERO)).unwrap_err();
+        assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(text), "room {id}: {}", failed.chain());
+        let doc = serde_json::to_value(c.decode.receiver().describe_room(id).unwrap()).unwrap();
+        assert!(doc["chunks"].as_array().unwrap().iter().all(|ch| ch["writers"].as_array().is_none_or(|w| w.is_empty())), "{doc}");
+        c.decode.receiver().release_room(id);
+    }
+    let room = open_room(&c.decode, 71, &pages, SMALL.chunk_tokens);
     let first = w0.alloc_granted(4, room, 1, 0, &layout(0, 7));
-    refused(w1.alloc(5, room, 1, 1, &layout(1, 8)), "this writer has 8 tokens, the chunk's first writer 7");
     let second = w1.alloc_granted(6, room, 1, 1, &layout(1, 7));
     assert_eq!((first.round, first.offset, first.len), (second.round, second.offset, second.len), "one allocation for the chunk");
     assert_ne!(first.region, second.region);
     let doc = serde_json::to_value(c.decode.receiver().describe_room(71).unwrap()).unwrap();
     assert_eq!((doc["state"].as_str(), doc["chunks"][1]["tokens"].as_u64()), (Some("open"), Some(7)), "{doc}");
     assert_eq!(doc["chunks"][1]["writers"].as_array().unwrap().len(), 2, "{doc}");
+    // A second writer disagreeing with the chunk's first: refused, and the room fails (the
+    // chunk's grant, which it could never finish, goes back).
+    let rx = c.decode.receiver();
+    let live = rx.stats().ring_live;
+    let room = open_room(&c.decode, 80, &pages, SMALL.chunk_tokens);
+    w0.alloc_granted(7, room, 1, 0, &layout(0, 7));
+    assert_eq!(rx.stats().ring_live, live + 1);
+    refused(w1.alloc(8, room, 1, 1, &layout(1, 8)), "this writer has 8 tokens, the chunk's first writer 7");
+    let failed = rx.wait_room(80, Some(Duration::ZERO)).unwrap_err();
+    assert!(failed.chain().contains("writer 1 (session liar-1"), "{}", failed.chain());
+    assert_eq!(rx.stats().ring_live, live, "the failed room's grant stayed in the ring");
 }

@@ -71,3 +71,34 @@ fn the_accept_loop_still_serves_sessions_after_a_panic() {
     let second = prefill.connect(&addr, "after-the-panic", Some(Duration::from_secs(5)));
     assert!(second.is_ok(), "no session after the accept loop panicked once: {}", second.err().unwrap().chain());
 }
+
+/// A panic in the scatter thread's bookkeeping after a scatter (its room's chunk is lost with
+/// it) leaves the thread serving the next room, whose bytes land.
+#[test]
+fn the_scatter_thread_goes_on_after_a_panic_in_its_bookkeeping() {
+    use kvstage::protocol::RoomRef;
+    use kvstage::session::op::Op;
+    use kvstage::session::sender::TransferDesc;
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (decode, dpool) = decode_engine(None);
+    let rx = decode.receiver();
+    let prefill = Engine::new(EngineOptions::default()).unwrap();
+    let mut ppool = HostPool::new(shape(), 16);
+    let src: Vec<u32> = (0..4).collect();
+    ppool.fill(&src, 0);
+    prefill.register_pool(ppool.layout.clone()).unwrap();
+    let s = prefill.connect(&decode.local_addr().to_string(), "scatter-panic", Some(Duration::from_secs(5))).unwrap();
+    kvstage::panics::arm("scatter done");
+    for room in [1u64, 2] {
+        let pages: Vec<u32> = (room as u32 * 4..room as u32 * 4 + 4).collect();
+        let (_, key) = rx.open_room(room, &pages, 64).unwrap();
+        let desc = TransferDesc { room: RoomRef { id: room, key }, chunk: 0, pages: src.clone(), timeout: Some(Duration::from_secs(5)), ..Default::default() };
+        assert_eq!(s.transfer(&desc, &Op::new(s.waker())).unwrap(), kvstage::Status::KVSTAGE_OK);
+        if room == 1 {
+            assert!(settle(Duration::from_secs(5), || rx.stats().panics == 1), "the bookkeeping never reached its fault point: {:?}", rx.stats());
+        }
+    }
+    rx.wait_room(2, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("the room after the panic: {}", e.chain()));
+    let (bad, first) = dpool.verify(&[8, 9, 10, 11], 0);
+    assert_eq!(bad, 0, "{first:?}");
+}

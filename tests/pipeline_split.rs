@@ -164,16 +164,25 @@ fn the_prefill_side_learns_the_grid_and_a_wrong_chunk_is_refused_with_both_value
     let (_, key) = d.engine.receiver().open_room(6, &pages, 16).unwrap();
     let room = RoomRef { id: 6, key };
 
-    // A sender guessing a grid of 3 pages: refused at allocation, nothing sent.
-    let e = send(s, room, 0, &pages[..3]).unwrap_err();
-    assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
-    assert!(e.chain().contains("sender has 12 tokens, receiver expects 16 (its grid: 3 chunks of 16 tokens over 10 pages of 4)"), "{}", e.chain());
+    // A chunk past the grid: refused, the room goes on.
     let e = send(s, room, 3, &pages[..2]).unwrap_err();
     assert!(e.chain().contains("chunk 3 is past room 6's 3 chunks (0 .. 2)"), "{}", e.chain());
+    assert_eq!(d.engine.receiver().wait_room(6, Some(Duration::ZERO)).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT, "the room goes on");
+    // A sender guessing a grid of 3 pages: refused at allocation with both values, nothing sent;
+    // the room, which that writer cannot deliver, fails at once with the same words.
+    let e = send(s, room, 0, &pages[..3]).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
+    let both = "sender has 12 tokens, receiver expects 16 (its grid: 3 chunks of 16 tokens over 10 pages of 4)";
+    assert!(e.chain().contains(both), "{}", e.chain());
     assert_eq!(s.stats().send.bytes_sent, 0);
     assert_eq!(d.engine.stats().receive.bytes_received, 0);
+    let failed = d.engine.receiver().wait_room(6, Some(Duration::ZERO)).unwrap_err();
+    assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(both), "{}", failed.chain());
+    d.engine.receiver().release_room(6);
+    let (_, key) = d.engine.receiver().open_room(6, &pages, 16).unwrap();
+    let room = RoomRef { id: 6, key };
 
-    // Cut on the grid it learnt, the same sender delivers the room.
+    // Cut on the grid it learnt, the same sender delivers the room opened again.
     let per_chunk = (grid.chunk_tokens / PAGE) as usize;
     for (k, chunk) in pages.chunks(per_chunk).enumerate() {
         assert_eq!(send(s, room, k as u32, chunk).unwrap_or_else(|e| panic!("chunk {k}: {}", e.chain())), Status::KVSTAGE_OK);

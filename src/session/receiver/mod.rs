@@ -507,14 +507,18 @@ impl Receiver {
     }
 
     /// Executes a scatter job (on the engine's scatter thread); a panic fails the room with
-    /// `KVSTAGE_E_PANIC` and still returns the ring space.
+    /// `KVSTAGE_E_PANIC` and still returns the ring space. A panic in the bookkeeping after it is
+    /// caught too (counted and logged): the scatter thread goes on with the next job.
     pub fn run_scatter(&self, mut job: ScatterJob) {
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.scatter(&job))).unwrap_or_else(|p| {
             self.counters.panics.fetch_add(1, Ordering::Relaxed);
             Err(Error::from_panic(format!("the scatter of room {} chunk {} panicked", job.room, job.chunk), &*p))
         });
         job.finished = Some(Instant::now());
-        self.with_state(|st| st.scatter_done(&job, result));
+        crate::panics::contain("the scatter thread's bookkeeping", Some(&self.counters.panics), || {
+            crate::panics::point("scatter done");
+            self.with_state(|st| st.scatter_done(&job, result));
+        });
     }
 
     fn scatter(&self, job: &ScatterJob) -> Result<Option<AuxRows>> {

@@ -34,6 +34,9 @@ use crate::transport::shm;
 /// up on them.
 const DEVICE_LEASE_DRAIN: Duration = Duration::from_secs(2);
 
+/// First and longest pause before a lease watch that panicked starts over (doubling in between).
+const PANIC_BACKOFF: (Duration, Duration) = (Duration::from_millis(1), Duration::from_millis(500));
+
 /// A watched lease: the socket, the thread watching it, whether the engine's teardown waits for
 /// it (a device ring, or a peer mapping the KV pool).
 type Watch = (UnixStream, JoinHandle<()>, bool);
@@ -286,7 +289,12 @@ impl Receiver {
                         }
                     }
                 };
-                while !crate::panics::contain("a lease watcher thread", Some(&me.counters.panics), watch) {}
+                let mut backoff = PANIC_BACKOFF.0;
+                while !crate::panics::contain("a lease watcher thread", Some(&me.counters.panics), watch) {
+                    // A watch that panics again at once must not spin a core.
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(PANIC_BACKOFF.1);
+                }
                 if peer_died.load(Ordering::SeqCst) {
                     // Its session ends too (a forked child may hold the connection open): the
                     // rooms it still owed fail now.

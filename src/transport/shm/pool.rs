@@ -105,9 +105,34 @@ fn place_buffers(pool: &KvLayout, mut holding: impl FnMut(usize, usize) -> std::
     Ok((starts, buffers))
 }
 
+/// The coverage rule: a peer given an allocation reaches all of it, so each of `starts` must
+/// hold nothing but pool buffers, end to end (aux rows, state or anything else a caller put in
+/// it would be exposed); `Err` names the first allocation that holds other bytes and where.
+fn check_coverage(starts: &[(usize, u64)], buffers: &[(u32, u64)], buffer_bytes: u64, what: &str, how: &str) -> std::result::Result<(), String> {
+    for (index, &(start, len)) in starts.iter().enumerate() {
+        let mut held: Vec<(u64, u64)> = buffers.iter().filter(|b| b.0 as usize == index).map(|b| (b.1, b.1 + buffer_bytes)).collect();
+        held.sort_unstable();
+        let mut covered = 0;
+        for (from, to) in held {
+            if from > covered {
+                break;
+            }
+            covered = covered.max(to);
+        }
+        if covered < len {
+            return Err(format!(
+                "the {len}-byte {what} at {start:#x} holds bytes that are no KV pool buffer (from offset {covered}): {how} would give the sender all of it \
+                 (allocate the pool's buffers as allocations of their own, or one allocation of exactly the buffers)"
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl PoolShare {
-    /// The share of a host pool whose every buffer lies in one shared allocation; `Err` says
-    /// which buffer does not (the pool still works through the ring).
+    /// The share of a host pool whose every buffer lies in a shared allocation that holds
+    /// nothing but pool buffers; `Err` says which buffer or allocation does not (the pool still
+    /// works through the ring).
     pub fn of(pool: &KvLayout) -> std::result::Result<PoolShare, String> {
         if pool.memory != MemoryKind::Host {
             return Err("the KV pool is device memory".to_owned());
@@ -117,6 +142,7 @@ impl PoolShare {
         let (starts, buffers) = place_buffers(pool, |i, base| {
             holding(&all, base, buffer_bytes).ok_or_else(|| format!("pool buffer {i} at {base:#x} is not in memory of kvstage_shared_alloc"))
         })?;
+        check_coverage(&starts, &buffers, buffer_bytes, "shared allocation", "its file")?;
         let mut files = Vec::with_capacity(starts.len());
         for (start, len) in starts {
             let fd = all[&start].fd().try_clone_to_owned().map_err(|e| format!("cannot duplicate a pool allocation's descriptor: {e}"))?;
@@ -146,23 +172,7 @@ impl PoolShare {
             }
             Ok((start, len))
         })?;
-        for (index, &(start, len)) in starts.iter().enumerate() {
-            let mut held: Vec<(u64, u64)> = buffers.iter().filter(|b| b.0 as usize == index).map(|b| (b.1, b.1 + buffer_bytes)).collect();
-            held.sort_unstable();
-            let mut covered = 0;
-            for (from, to) in held {
-                if from > covered {
-                    break;
-                }
-                covered = covered.max(to);
-            }
-            if covered < len {
-                return Err(format!(
-                    "the {len}-byte device allocation at {start:#x} holds bytes that are no KV pool buffer (from offset {covered}): CUDA IPC would give the sender all of it \
-                     (allocate the pool's buffers as allocations of their own, or one allocation of exactly the buffers)"
-                ));
-            }
-        }
+        check_coverage(&starts, &buffers, buffer_bytes, "device allocation", "CUDA IPC")?;
         let exports = starts.iter().map(|&(start, len)| export(start).map(|x| (x, len))).collect::<std::result::Result<Vec<_>, String>>()?;
         Ok(PoolShare { allocations: Allocations::Device(exports), buffers, buffer_bytes })
     }
@@ -302,13 +312,14 @@ mod tests {
     }
 
     /// A pool in two shared allocations crosses a socket pair and is mapped at other addresses
-    /// holding the same bytes; a pool in ordinary memory has no share.
+    /// holding the same bytes; a pool in ordinary memory has no share, nor one whose allocation
+    /// holds anything besides its buffers (the peer would reach all of it).
     #[test]
     fn a_pool_in_shared_memory_maps_on_the_other_side() {
         let shape = shape();
         let buffer = (4 * shape.page_bytes()) as usize;
-        let (a, b) = (alloc(buffer * 4).unwrap(), alloc(buffer * 2 + 64).unwrap());
-        let bases = vec![a as usize, a as usize + buffer, b as usize + 64, a as usize + 2 * buffer, a as usize + 3 * buffer, b as usize + 64 + buffer];
+        let (a, b) = (alloc(buffer * 4).unwrap(), alloc(buffer * 2).unwrap());
+        let bases = vec![a as usize, a as usize + buffer, b as usize, a as usize + 2 * buffer, a as usize + 3 * buffer, b as usize + buffer];
         let pool = KvLayout { shape: shape.clone(), capacity_pages: 4, memory: MemoryKind::Host, bases: bases.clone() };
         let share = PoolShare::of(&pool).unwrap();
         assert_eq!(share.files(), PoolFiles { count: 2, device: false });
@@ -328,11 +339,21 @@ mod tests {
         let plain = KvLayout { bases: (0..6).map(|i| other.as_mut_ptr() as usize + i * buffer).collect(), ..pool.clone() };
         assert!(PoolShare::of(&plain).unwrap_err().contains("pool buffer 0"));
         // A buffer running past its allocation has no share either.
-        let past = KvLayout { bases: vec![b as usize + buffer + 65; 6], ..pool };
+        let past = KvLayout { bases: vec![b as usize + buffer + 1; 6], ..pool.clone() };
         assert!(PoolShare::of(&past).is_err());
+        // Other bytes in an allocation (a caller's aux rows before the buffers, or after them):
+        // named with where they start.
+        let c = alloc(buffer * 2 + 64).unwrap();
+        let before = KvLayout { bases: vec![a as usize, a as usize + buffer, c as usize + 64, a as usize + 2 * buffer, a as usize + 3 * buffer, c as usize + 64 + buffer], ..pool.clone() };
+        let e = PoolShare::of(&before).unwrap_err();
+        assert!(e.contains(&format!("the {}-byte shared allocation at {c:p} holds bytes that are no KV pool buffer (from offset 0)", buffer * 2 + 64)), "{e}");
+        let after = KvLayout { bases: vec![a as usize, a as usize + buffer, c as usize, a as usize + 2 * buffer, a as usize + 3 * buffer, c as usize + buffer], ..pool };
+        let e = PoolShare::of(&after).unwrap_err();
+        assert!(e.contains(&format!("(from offset {})", buffer * 2)), "{e}");
         drop(peer);
         free(a).unwrap();
         free(b).unwrap();
+        free(c).unwrap();
         assert_eq!(free(a).unwrap_err().code(), Status::KVSTAGE_E_INVALID_ARG);
     }
 

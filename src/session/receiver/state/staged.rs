@@ -214,6 +214,11 @@ impl State {
         let c = &r.chunks[chunk as usize];
         let s = &c.slots[slot as usize];
         let into_pool = match &s.lands {
+            // The mirror of `written_in_place`'s check: bytes on the stream would land in the
+            // ring, which is never scattered for a region the writer was to copy into the pages.
+            Lands::Mapped => {
+                return Err(protocol(format!("a stream payload for chunk {chunk} of room {room}, whose region was granted to be written into the pool directly")));
+            }
             Lands::Read(plan) => {
                 let layout = c.layout.as_ref().expect("a granted chunk has a layout");
                 Some((plan.clone(), offset - layout.writers[s.region as usize].offset))

@@ -546,6 +546,9 @@ fn direct_grants_name_the_chunks_pages_and_their_regions_are_not_scattered() {
     st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
     let g = st.grant(a, at(1), 1, 0, TOKENS, CHUNK, None, true).unwrap();
     assert_eq!(g.pages, PAGES[2..4], "chunk 1's pages");
+    // Its bytes on the stream would land in the ring, which is never scattered for it.
+    let e = st.begin_data(a, at(1), 1, 0, 0, REGION).unwrap_err();
+    assert!(e.code() == Status::KVSTAGE_E_PROTOCOL && e.message().contains("granted to be written into the pool directly"), "{}", e.chain());
     let g = st.grant(b, at(1), 1, 1, TOKENS, CHUNK, None, true).unwrap();
     assert!(g.pages.is_empty(), "a session that does not map the pool writes through the ring");
     let g = st.grant(a, at(1), 0, 0, TOKENS, CHUNK, None, false).unwrap();
