@@ -122,7 +122,7 @@ impl State {
         if info.pairing.writer.is_none() && tail.is_empty() {
             return Err(protocol(format!("chunk {chunk} of room {room}: this replica carries no share of the request's parts")));
         }
-        let region = self.claim(room, &mut layout, &info, tail)?;
+        let region = self.claim(room, &mut layout, info, tail)?;
         // With every KV writer placed, a short tail is final, unless ranks replicating their heads
         // are still to bring their state shares.
         let replicas_owe = layout.tail_total > 0 && geometry::parts::carriers(&layout)?.iter().any(|c| c.head_group.is_none());
