@@ -24,6 +24,10 @@ from ._lib import (
 from ._lib import ErrorClass
 from .errors import ClosedHandleError, argument_error, last_error
 
+# How deep this thread is inside completion callbacks (a replacement from inside one must keep
+# the running callback's thunk alive).
+_IN_CALLBACK = threading.local()
+
 __all__ = [
     "Capabilities",
     "ChunkEvent",
@@ -793,6 +797,8 @@ class Engine(_Handle):
         self._staging: List[Any] = []
         self._components: list = []
         self._callback: Any = None
+        # Callbacks replaced from inside a callback, kept until a replacement from outside one.
+        self._retired_callbacks: List[Any] = []
         self._sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
 
     # -- identity ---------------------------------------------------------------------------------
@@ -1004,6 +1010,7 @@ class Engine(_Handle):
             def trampoline(_user: Any, c: Any) -> None:
                 v = c.contents
                 extra = {"trace": v.trace_id.decode("ascii")} if trace else {}
+                _IN_CALLBACK.depth = getattr(_IN_CALLBACK, "depth", 0) + 1
                 try:
                     if metrics:
                         timings = TransferTimings._from_c(v.timings)
@@ -1014,10 +1021,19 @@ class Engine(_Handle):
                     import traceback
 
                     traceback.print_exc()
+                finally:
+                    _IN_CALLBACK.depth -= 1
 
             c_fn = _lib.kvstage_completion_fn(trampoline)
         rc = self._lib.kvstage_engine_set_completion_callback(self._handle(), c_fn, None)
         _check(self._lib, rc, "kvstage_engine_set_completion_callback")
+        if getattr(_IN_CALLBACK, "depth", 0) > 0:
+            # From inside a callback the library does not wait for the calls of the previous
+            # callback still running (this one among them): their thunks must outlive them.
+            self._retired_callbacks.append(self._callback)
+        else:
+            # The library waited for every call of the previous callbacks.
+            self._retired_callbacks.clear()
         self._callback = c_fn  # kept alive while the library may call it
 
     # -- testing ----------------------------------------------------------------------------------

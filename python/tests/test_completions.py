@@ -141,3 +141,52 @@ def test_layer_wise_transfer_lands_once_every_layer_is_marked(lib):
         session.close()
         prefill.close()
         decode.close()
+
+
+def test_a_callback_replaced_from_inside_a_callback_outlives_its_running_call(lib):
+    """The library does not wait for the running call when the callback is replaced from inside
+    it: the binding keeps the running call's thunk alive (freeing it under its own frame would
+    crash the process), and lets it go once a replacement from outside has waited for it."""
+    import gc
+    import weakref
+
+    rooms = [1, 2]
+    decode, dpool, prefill, ppool, session, keys = _pair(rooms)
+    calls = {"first": 0, "second": 0}
+    done = threading.Event()
+    refs = []
+
+    def second(kind, status, tag, room, chunk):
+        calls["second"] += 1
+        done.set()
+
+    def first(kind, status, tag, room, chunk):
+        calls["first"] += 1
+        refs.append(weakref.ref(prefill._callback))
+        prefill.set_completion_callback(second)
+        gc.collect()
+        # Still inside the first callback's thunk: it must be alive.
+        assert refs[0]() is not None
+
+    prefill.set_completion_callback(first)
+    try:
+        op = session.transfer_async(1, 0, list(range(PAGES)), deadline_ms=20000, tag=1, room_key=keys[1])
+        assert op.wait(20000) == kvstage.Status.OK
+        deadline = time.monotonic() + 10
+        while calls["first"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gc.collect()
+        assert calls["first"] == 1 and refs[0]() is not None, "the replaced thunk was freed while its call could still run"
+        op2 = session.transfer_async(2, 0, list(range(PAGES)), deadline_ms=20000, tag=2, room_key=keys[2])
+        assert op2.wait(20000) == kvstage.Status.OK
+        assert done.wait(20), f"calls: {calls}"
+        # Replaced from outside a callback: the library waited for every earlier call.
+        prefill.set_completion_callback(None)
+        gc.collect()
+        assert refs[0]() is None, "a retired thunk was kept after a replacement from outside"
+        op.close()
+        op2.close()
+    finally:
+        session.close()
+        prefill.close()
+        decode.close()
