@@ -1231,7 +1231,9 @@ enum kvstage_status kvstage_op_layers_ready(const struct kvstage_op *op, uint32_
 enum kvstage_status kvstage_op_poll(const struct kvstage_op *op);
 
 // Waits up to `timeout_ms` (KVSTAGE_DEADLINE_INFINITE = until it ends); `KVSTAGE_PENDING` when it
-// is still running then. The operation's own deadline still bounds it.
+// is still running then. The operation's own deadline still bounds it. From inside a completion
+// callback only `timeout_ms` 0 is allowed (`KVSTAGE_E_UNSUPPORTED`: the wait could need the
+// thread running the callback).
 enum kvstage_status kvstage_op_wait(const struct kvstage_op *op, uint64_t timeout_ms);
 
 // Asks the operation to stop; it ends with `KVSTAGE_E_CANCELED` unless it already finished.
@@ -1257,13 +1259,16 @@ enum kvstage_status kvstage_room_open(const struct kvstage_engine *engine, uint6
 // failed (its error: peer gone, canceled, ...) or `timeout_ms` passed (`KVSTAGE_E_TIMEOUT`;
 // 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none). The wait is bound to the room's opening
 // open when it starts: released meanwhile (and maybe opened again for another request), it ends
-// with `KVSTAGE_E_CANCELED`.
+// with `KVSTAGE_E_CANCELED`. Not from inside a completion callback (`KVSTAGE_E_UNSUPPORTED`: the
+// wait could need the thread running the callback; poll the engine's events there).
 enum kvstage_status kvstage_room_wait(const struct kvstage_engine *engine, uint64_t room, uint64_t timeout_ms);
 
 // Decode side: forgets the room and frees every ring allocation it still holds (on completion,
 // abort or failure). Idempotent until the id is opened again: it releases whatever opening is
 // open under the id, so release each request's room once (a late second release after the id
-// was reopened releases the next request's room). Late data for it is discarded.
+// was reopened releases the next request's room). Late data for it is discarded. Not from inside
+// a completion callback (`KVSTAGE_E_UNSUPPORTED`: the release may wait for the thread running
+// the callback); release the room from another thread.
 enum kvstage_status kvstage_room_release(const struct kvstage_engine *engine, uint64_t room);
 
 // Decode side: moves up to `capacity` chunk events into `events` and their number into

@@ -190,3 +190,52 @@ def test_a_callback_replaced_from_inside_a_callback_outlives_its_running_call(li
         session.close()
         prefill.close()
         decode.close()
+
+
+def test_calls_that_could_wait_on_the_callback_thread_are_refused_inside_a_callback(lib):
+    """room_wait, room_release and a blocking op wait from inside a completion callback would wait
+    for the thread running it: refused with UNSUPPORTED naming the call; a poll is allowed."""
+    rooms = [1]
+    decode, dpool, prefill, ppool, session, keys = _pair(rooms)
+    seen = {}
+    done = threading.Event()
+    ops = []
+
+    def on_chunk(kind, status, tag, room, chunk):
+        for name, call in (("room_wait", lambda: decode.room_wait(room, 1000)), ("room_release", lambda: decode.room_release(room))):
+            try:
+                call()
+                seen[name] = "returned"
+            except kvstage.KVStageError as e:
+                seen[name] = (e.code, str(e))
+        done.set()
+
+    def on_op(kind, status, tag, room, chunk):
+        try:
+            ops[0].wait(1000)
+            seen["op_wait"] = "returned"
+        except kvstage.KVStageError as e:
+            seen["op_wait"] = (e.code, str(e))
+        seen["op_poll"] = ops[0].poll()
+
+    decode.set_completion_callback(on_chunk)
+    prefill.set_completion_callback(on_op)
+    try:
+        ops.append(session.transfer_async(1, 0, list(range(PAGES)), deadline_ms=20000, tag=1, room_key=keys[1]))
+        assert ops[0].wait(20000) == kvstage.Status.OK
+        assert done.wait(20), f"seen: {seen}"
+        deadline = time.monotonic() + 10
+        while "op_poll" not in seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for name in ("room_wait", "room_release", "op_wait"):
+            status, text = seen[name]
+            assert status == kvstage.Status.E_UNSUPPORTED and f"kvstage_{name}" in text and "completion callback" in text, seen
+        assert isinstance(seen["op_poll"], kvstage.Status), seen
+        decode.set_completion_callback(None)
+        prefill.set_completion_callback(None)
+        decode.room_release(1)
+        ops[0].close()
+    finally:
+        session.close()
+        prefill.close()
+        decode.close()

@@ -386,11 +386,16 @@ pub unsafe extern "C" fn kvstage_op_poll(op: *const kvstage_op) -> Status {
 }
 
 /// Waits up to `timeout_ms` (KVSTAGE_DEADLINE_INFINITE = until it ends); `KVSTAGE_PENDING` when it
-/// is still running then. The operation's own deadline still bounds it.
+/// is still running then. The operation's own deadline still bounds it. From inside a completion
+/// callback only `timeout_ms` 0 is allowed (`KVSTAGE_E_UNSUPPORTED`: the wait could need the
+/// thread running the callback).
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_op_wait(op: *const kvstage_op, timeout_ms: u64) -> Status {
     ffi_fn!(status {
         let op = unsafe { self::op(op) }?;
+        if timeout_ms != 0 {
+            crate::session::notify::refuse_in_callback("kvstage_op_wait")?;
+        }
         let timeout = if timeout_ms == KVSTAGE_DEADLINE_INFINITE { None } else { Some(Duration::from_millis(timeout_ms)) };
         op.wait(timeout)
     })
@@ -461,11 +466,13 @@ pub(super) unsafe fn open_room(
 /// failed (its error: peer gone, canceled, ...) or `timeout_ms` passed (`KVSTAGE_E_TIMEOUT`;
 /// 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none). The wait is bound to the room's opening
 /// open when it starts: released meanwhile (and maybe opened again for another request), it ends
-/// with `KVSTAGE_E_CANCELED`.
+/// with `KVSTAGE_E_CANCELED`. Not from inside a completion callback (`KVSTAGE_E_UNSUPPORTED`: the
+/// wait could need the thread running the callback; poll the engine's events there).
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_room_wait(engine: *const kvstage_engine, room: u64, timeout_ms: u64) -> Status {
     ffi_fn!(status {
         let engine = unsafe { borrow_engine(engine, "engine") }?;
+        crate::session::notify::refuse_in_callback("kvstage_room_wait")?;
         engine.receiver().wait_room(room, engine.timeout(timeout_from_ms(timeout_ms)))
     })
 }
@@ -473,11 +480,15 @@ pub unsafe extern "C" fn kvstage_room_wait(engine: *const kvstage_engine, room: 
 /// Decode side: forgets the room and frees every ring allocation it still holds (on completion,
 /// abort or failure). Idempotent until the id is opened again: it releases whatever opening is
 /// open under the id, so release each request's room once (a late second release after the id
-/// was reopened releases the next request's room). Late data for it is discarded.
+/// was reopened releases the next request's room). Late data for it is discarded. Not from inside
+/// a completion callback (`KVSTAGE_E_UNSUPPORTED`: the release may wait for the thread running
+/// the callback); release the room from another thread.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_room_release(engine: *const kvstage_engine, room: u64) -> Status {
     ffi_fn!(status {
-        unsafe { borrow_engine(engine, "engine") }?.receiver().release_room(room);
+        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        crate::session::notify::refuse_in_callback("kvstage_room_release")?;
+        engine.receiver().release_room(room);
         Ok(Status::KVSTAGE_OK)
     })
 }

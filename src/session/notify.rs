@@ -64,6 +64,19 @@ thread_local! {
     static CALLING: Cell<usize> = const { Cell::new(0) };
 }
 
+/// `Err` naming `call` when this thread is inside a completion callback: the call may wait for
+/// work of the library thread that runs the callback (a scatter, a connection's read, an
+/// operation's completion), which would then never come.
+pub fn refuse_in_callback(call: &str) -> crate::Result<()> {
+    if CALLING.get() == 0 {
+        return Ok(());
+    }
+    Err(crate::Error::new(
+        crate::Status::KVSTAGE_E_UNSUPPORTED,
+        format!("{call} was called from inside a completion callback, where it could wait for the thread running the callback: call it from another thread (poll with kvstage_op_poll or kvstage_engine_poll_events there)"),
+    ))
+}
+
 pub struct Completions {
     fd: OwnedFd,
     slot: Mutex<Slot>,
