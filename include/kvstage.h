@@ -1123,7 +1123,7 @@ enum kvstage_status kvstage_shared_alloc(size_t bytes, void **out);
 // Frees an allocation of `kvstage_shared_alloc` (`ptr` as it returned it). A same-host sender
 // that still maps it keeps the pages until it unmaps; this process no longer has them.
 // `KVSTAGE_E_INVALID_ARG` for any other pointer (NULL, an address inside an allocation, or one
-// freed already).
+// freed already), and for an allocation that holds the KV pool of an engine not yet freed.
 enum kvstage_status kvstage_shared_free(void *ptr);
 
 // Fills `item` with defaults (sets `struct_size`; one row, 2-byte elements, sharded; set

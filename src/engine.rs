@@ -224,6 +224,8 @@ pub struct Engine {
     options: EngineOptions,
     local_addr: SocketAddr,
     pool: Arc<Mutex<Option<Arc<KvLayout>>>>,
+    /// The pool's shared allocations, which `kvstage_shared_free` refuses while the engine lives.
+    pool_pin: Mutex<Option<crate::transport::shm::pool::PoolPin>>,
     components: Arc<Mutex<Option<Arc<Components>>>>,
     send: Arc<SendResources>,
     receiver: Arc<Receiver>,
@@ -323,6 +325,7 @@ impl Engine {
         let accept_thread = spawn("kvstage-accept", move || accept_conns.run(accept_listener, accept_receiver))?;
         log::info!("engine listening on {local_addr}, transport {}", describe_transport(&options, &rdma));
         Ok(Engine {
+            pool_pin: Mutex::new(None),
             options,
             local_addr,
             pool,
@@ -366,6 +369,7 @@ impl Engine {
             return Err(Error::invalid_arg("layout", "a KV pool is already registered on this engine"));
         }
         self.receiver.check_pool_fits_ring(&layout)?;
+        *self.pool_pin.lock() = Some(crate::transport::shm::pool::PoolPin::new(&layout));
         *pool = Some(Arc::new(layout));
         Ok(())
     }

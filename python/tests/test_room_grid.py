@@ -1,5 +1,6 @@
 """The chunk grid from Python: a prefill session asks the decode side for a room's grid, a chunk
-cut on a wrong guess is refused with both sides' values, and the grid it learnt delivers the room.
+cut on a wrong guess is refused with both sides' values (and fails the room, which that writer
+could not complete), and the grid it learnt delivers the room opened again.
 Both engines live in this process, on 127.0.0.1."""
 
 import pytest
@@ -33,6 +34,10 @@ def test_room_grid_and_a_wrong_guess(lib):
         with pytest.raises(kvstage.GeometryError) as info:
             session.transfer(3, 0, pages[:3], deadline_ms=5000, room_key=key)
         assert "sender has 12 tokens, receiver expects 16" in str(info.value.causes) + str(info.value)
+        with pytest.raises(kvstage.GeometryError, match="writer 0 \\(session grid"):
+            decode.room_wait(3, 1)
+        decode.room_release(3)
+        key = decode.room_open(3, pages, chunk_tokens=16).key
         per_chunk = grid.chunk_tokens // MODEL.page_size
         for k in range(grid.num_chunks):
             chunk = pages[k * per_chunk:(k + 1) * per_chunk]

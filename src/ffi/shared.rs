@@ -24,7 +24,7 @@ pub unsafe extern "C" fn kvstage_shared_alloc(bytes: usize, out: *mut *mut c_voi
 /// Frees an allocation of `kvstage_shared_alloc` (`ptr` as it returned it). A same-host sender
 /// that still maps it keeps the pages until it unmaps; this process no longer has them.
 /// `KVSTAGE_E_INVALID_ARG` for any other pointer (NULL, an address inside an allocation, or one
-/// freed already).
+/// freed already), and for an allocation that holds the KV pool of an engine not yet freed.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_shared_free(ptr: *mut c_void) -> Status {
     ffi_fn!(status {

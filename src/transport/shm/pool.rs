@@ -48,12 +48,64 @@ pub fn alloc(bytes: usize) -> Result<*mut u8> {
     Ok(ptr)
 }
 
+/// Allocations holding a registered KV pool (by address), with the number of engines whose pool
+/// they hold: [`free`] refuses them. Locked after [`ALLOCATIONS`].
+static PINNED: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+
 /// Frees an allocation of [`alloc`]. A sender that still maps it keeps its pages (not this
-/// process's memory any more) until it unmaps.
+/// process's memory any more) until it unmaps. Refused while it holds a registered engine's KV
+/// pool (a [`PoolPin`] lives).
 pub fn free(ptr: *mut u8) -> Result<()> {
-    match ALLOCATIONS.lock().remove(&(ptr as usize)) {
+    let mut all = ALLOCATIONS.lock();
+    if PINNED.lock().contains_key(&(ptr as usize)) {
+        return Err(Error::invalid_arg(
+            "ptr",
+            format!("{ptr:p} holds the KV pool of a live engine (its sessions' peers may map it): free the engine first"),
+        ));
+    }
+    match all.remove(&(ptr as usize)) {
         Some(_) => Ok(()),
         None => Err(Error::invalid_arg("ptr", format!("{ptr:p} is not an allocation of kvstage_shared_alloc (or was freed already)"))),
+    }
+}
+
+/// The shared allocations holding a registered host pool's buffers, pinned against [`free`] for
+/// as long as this lives (the engine's life).
+#[derive(Debug)]
+pub struct PoolPin(Vec<usize>);
+
+impl PoolPin {
+    pub fn new(pool: &KvLayout) -> PoolPin {
+        if pool.memory != MemoryKind::Host {
+            return PoolPin(Vec::new());
+        }
+        let all = ALLOCATIONS.lock();
+        let mut starts: Vec<usize> = pool
+            .bases
+            .iter()
+            .filter_map(|&base| all.range(..=base).next_back().filter(|(&start, m)| base < start + m.len()).map(|(&start, _)| start))
+            .collect();
+        starts.sort_unstable();
+        starts.dedup();
+        let mut pinned = PINNED.lock();
+        for &s in &starts {
+            *pinned.entry(s).or_default() += 1;
+        }
+        PoolPin(starts)
+    }
+}
+
+impl Drop for PoolPin {
+    fn drop(&mut self) {
+        let mut pinned = PINNED.lock();
+        for s in &self.0 {
+            if let Some(n) = pinned.get_mut(s) {
+                *n -= 1;
+                if *n == 0 {
+                    pinned.remove(s);
+                }
+            }
+        }
     }
 }
 
@@ -347,10 +399,15 @@ mod tests {
         let before = KvLayout { bases: vec![a as usize, a as usize + buffer, c as usize + 64, a as usize + 2 * buffer, a as usize + 3 * buffer, c as usize + 64 + buffer], ..pool.clone() };
         let e = PoolShare::of(&before).unwrap_err();
         assert!(e.contains(&format!("the {}-byte shared allocation at {c:p} holds bytes that are no KV pool buffer (from offset 0)", buffer * 2 + 64)), "{e}");
-        let after = KvLayout { bases: vec![a as usize, a as usize + buffer, c as usize, a as usize + 2 * buffer, a as usize + 3 * buffer, c as usize + buffer], ..pool };
+        let after = KvLayout { bases: vec![a as usize, a as usize + buffer, c as usize, a as usize + 2 * buffer, a as usize + 3 * buffer, c as usize + buffer], ..pool.clone() };
         let e = PoolShare::of(&after).unwrap_err();
         assert!(e.contains(&format!("(from offset {})", buffer * 2)), "{e}");
         drop(peer);
+        // A registered pool's allocations are not freed under it.
+        let pin = PoolPin::new(&pool);
+        let e = free(a).unwrap_err();
+        assert!(e.code() == Status::KVSTAGE_E_INVALID_ARG && e.message().contains("holds the KV pool of a live engine"), "{}", e.chain());
+        drop(pin);
         free(a).unwrap();
         free(b).unwrap();
         free(c).unwrap();
