@@ -329,8 +329,10 @@ typedef struct kvstage_engine_options {
     uint32_t rdma_wr_bytes;
     // One signalled completion per this many work requests (1..=1024).
     uint32_t rdma_signal_every;
-    // Sender connections the listener keeps at once (handshaking or serving); more are
-    // answered with a refusal and closed (default 1024).
+    // Sender sessions open at once (default 1024): past it a newcomer whose handshake passed
+    // has the oldest idle session (holding no unfinished room, grant, lease or mapping) of the
+    // source with the most sessions cut for it, or is refused when none is idle. Connections,
+    // handshakes included, are bounded by `max_connections + max_handshakes`.
     uint32_t max_connections;
     // Connections still in their handshake at once (default 64); when all are taken, the oldest
     // handshake of the source holding the most is cut to serve a new connection.

@@ -25,6 +25,9 @@ pub const MIN_PAYLOAD_RATE: u64 = 1 << 20;
 /// A payload's grace where no stall bound is set.
 pub const PAYLOAD_GRACE: Duration = Duration::from_secs(10);
 
+/// How often a payload read that receives nothing asks whether its room still takes data.
+const LIVENESS_POLL: Duration = Duration::from_millis(200);
+
 /// Tunes a connected socket: no Nagle delay for control frames, large buffers for bulk data, and
 /// dead-peer detection: with `dead_peer` set, a peer that stops answering (a host that vanished)
 /// fails the socket after about that long, idle (keepalive: a third of it idle, then
@@ -113,8 +116,9 @@ impl Inbound {
     /// Reads a payload into `ranges` (`(address, length)`, filled in order, their lengths summing
     /// to the payload's), with vectored reads straight from the socket, by `until` (else the
     /// peer counts as gone: `KVSTAGE_E_PEER_GONE`). After every read that leaves bytes to come,
-    /// `go_on()` says whether to continue: when it says no, returns the bytes not read (the
-    /// caller discards them to keep the stream in sync); `Ok(0)`: all read.
+    /// and every [`LIVENESS_POLL`] the peer sends nothing, `go_on()` says whether to continue:
+    /// when it says no, returns the bytes not read (the caller discards them to keep the stream
+    /// in sync); `Ok(0)`: all read.
     ///
     /// # Safety
     /// Every range is memory valid for writes that nothing else reads or writes meanwhile.
@@ -123,6 +127,7 @@ impl Inbound {
         const BATCH: usize = 1024;
         let total: u64 = ranges.iter().map(|&(_, n)| n as u64).sum();
         let mut left = total;
+        let mut progress = Instant::now();
         let mut slices: Vec<std::io::IoSliceMut<'_>> = Vec::with_capacity(BATCH);
         for batch in ranges.chunks(BATCH) {
             slices.clear();
@@ -130,13 +135,22 @@ impl Inbound {
             slices.extend(batch.iter().filter(|&&(_, n)| n > 0).map(|&(at, n)| std::io::IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(at as *mut u8, n) })));
             let mut pending = &mut slices[..];
             while !pending.is_empty() {
-                self.arm_read(until, total, left)?;
+                self.arm_read(until, progress, total, left)?;
                 let n = match std::io::Read::read_vectored(&mut self.stream, pending) {
                     Ok(0) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload")),
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) if self.quiet(&e, until, progress) => {
+                        // Nothing came for a poll: a room that stopped taking data ends the read.
+                        if !go_on() {
+                            self.stream.set_read_timeout(self.stall)?;
+                            return Ok(left);
+                        }
+                        continue;
+                    }
                     Err(e) => return Err(self.payload_error(e, until, total, left, "receiving a payload failed")),
                 };
+                progress = Instant::now();
                 std::io::IoSliceMut::advance_slices(&mut pending, n);
                 left -= n as u64;
                 if left > 0 && !go_on() {
@@ -153,13 +167,18 @@ impl Inbound {
     pub fn discard(&mut self, len: u64, until: Instant) -> Result<()> {
         let mut buf = [0u8; 64 << 10];
         let mut left = len;
+        let mut progress = Instant::now();
         while left > 0 {
-            self.arm_read(until, len, left)?;
+            self.arm_read(until, progress, len, left)?;
             let want = left.min(buf.len() as u64) as usize;
             match std::io::Read::read(&mut self.stream, &mut buf[..want]) {
                 Ok(0) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "connection closed inside a payload")),
-                Ok(n) => left -= n as u64,
+                Ok(n) => {
+                    left -= n as u64;
+                    progress = Instant::now();
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if self.quiet(&e, until, progress) => {}
                 Err(e) => return Err(self.payload_error(e, until, len, left, "discarding a payload failed")),
             }
         }
@@ -167,13 +186,26 @@ impl Inbound {
         Ok(())
     }
 
-    /// The next read of a payload waits no longer than the stall bound, nor past `until`.
-    fn arm_read(&self, until: Instant, total: u64, left: u64) -> Result<()> {
+    /// The next read of a payload waits at most [`LIVENESS_POLL`], and neither past `until` nor
+    /// past the stall bound counted from the last byte (`progress`).
+    fn arm_read(&self, until: Instant, progress: Instant, total: u64, left: u64) -> Result<()> {
         let Some(rest) = until.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) else {
             return Err(self.too_slow(total, left));
         };
-        self.stream.set_read_timeout(Some(self.stall.map_or(rest, |s| s.min(rest))))?;
+        let stall_left = self.stall.map_or(rest, |s| s.saturating_sub(progress.elapsed()));
+        if stall_left.is_zero() {
+            return Err(self.stalled(Error::new(Status::KVSTAGE_E_TIMEOUT, "no byte of the payload came")));
+        }
+        self.stream.set_read_timeout(Some(rest.min(stall_left).min(LIVENESS_POLL)))?;
         Ok(())
+    }
+
+    /// A read that timed out on a poll, with neither the payload's deadline nor the stall bound
+    /// reached: the payload may go on.
+    fn quiet(&self, e: &std::io::Error, until: Instant, progress: Instant) -> bool {
+        matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+            && Instant::now() < until
+            && self.stall.is_none_or(|s| progress.elapsed() < s)
     }
 
     fn payload_error(&self, e: std::io::Error, until: Instant, total: u64, left: u64, what: &str) -> Error {

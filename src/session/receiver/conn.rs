@@ -148,7 +148,7 @@ impl Receiver {
             }
         };
         *session_id.borrow_mut() = hello.session.clone();
-        let info = self.handshake(&hello, &link, &deadline, handshake_done).inspect_err(|e| {
+        let info = self.handshake(&hello, &link, peer, &deadline, handshake_done).inspect_err(|e| {
             self.counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
             // A sender of ours, misconfigured (token, geometry, version): an operator's matter.
             if let Some(suppressed) = self.log_limits.handshakes.allow() {
@@ -175,7 +175,7 @@ impl Receiver {
     /// Validates the hello and answers with ours.
     /// `accepted` runs before an accepting answer goes out: from then on the connection no longer
     /// counts as a handshake in progress (the listener would cut it to serve a newer one).
-    fn handshake(&self, hello: &Hello, link: &Arc<dyn Transport>, deadline: &Deadline, accepted: &mut dyn FnMut()) -> Result<ConnInfo> {
+    fn handshake(&self, hello: &Hello, link: &Arc<dyn Transport>, peer: &str, deadline: &Deadline, accepted: &mut dyn FnMut()) -> Result<ConnInfo> {
         let pool = self.pool();
         let components = self.component_specs();
         let token = &self.config.cluster_token;
@@ -201,6 +201,7 @@ impl Receiver {
                 })
             })
         };
+        let checked = checked.and_then(|info| self.make_room_for_session(peer).map(|()| info));
         let our_shape = pool.as_ref().map(|p| p.shape.clone()).unwrap_or_else(|_| hello.shape.clone());
         let (status, reason) = match &checked {
             Ok(_) => (Status::KVSTAGE_OK, String::new()),

@@ -1,6 +1,6 @@
-//! The decode engine's listener: accepts senders within limits (connections, handshakes in
-//! progress: when those are all taken, the oldest idle session or handshake of the source holding
-//! the most is cut to serve a newcomer, see [`super::sessions`]), survives accept errors (EMFILE, ENOMEM) with backoff, and tracks every
+//! The decode engine's listener: accepts senders within limits (handshakes in progress: when
+//! those are all taken, the oldest handshake of the source holding the most is cut to serve a
+//! newcomer; sessions: see [`super::sessions`]), survives accept errors (EMFILE, ENOMEM) with backoff, and tracks every
 //! connection thread so the engine can shut them down and join them.
 
 use std::collections::HashMap;
@@ -21,8 +21,9 @@ use crate::transport::Transport;
 /// Bounds on what unauthenticated peers can make the listener hold.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
-    /// Accepted connections alive at once (handshaking or serving); past it an idle session is
-    /// cut for a newcomer, or the newcomer refused when none is idle.
+    /// Sessions open at once: past it, a newcomer whose handshake passed has the oldest idle
+    /// session of the biggest source cut for it, or is refused when none is idle. Connections
+    /// alive at once (handshaking or serving) are bounded by this plus `max_handshakes`.
     pub max_connections: u32,
     /// Connections still in their handshake at once; more are refused.
     pub max_handshakes: u32,
@@ -149,23 +150,12 @@ impl Listener {
             let mut reg = self.registry.lock();
             reg.conns.retain(|t| !t.thread.is_finished());
             let mut refused = None;
+            // Sessions are bounded at their handshake's end (where an idle one may be cut for an
+            // authenticated newcomer); connections, handshakes included, by both bounds together.
             // Sessions cut for earlier newcomers are ending: they no longer count.
-            let ending = receiver.sessions_ending();
-            if reg.conns.len().saturating_sub(ending) as u32 >= limits.max_connections {
-                // An idle session of the biggest source makes room (at most `max_handshakes` of
-                // them ending at once, as for cut handshakes).
-                match (ending < limits.max_handshakes as usize).then(|| receiver.evict_idle_session()).flatten() {
-                    Some((source, held)) => {
-                        let n = receiver.counters.connections_refused.fetch_add(1, Ordering::Relaxed) + 1;
-                        if let Some(suppressed) = receiver.log_limits.refused.allow() {
-                            log::warn!(
-                                "{} connections (the limit): cut the oldest idle session of the {held} from {source} to serve {peer} ({n} refused or cut so far){suppressed}",
-                                limits.max_connections
-                            );
-                        }
-                    }
-                    None => refused = Some(format!("too many connections (limit {}), none of them idle", limits.max_connections)),
-                }
+            let cap = limits.max_connections as usize + limits.max_handshakes as usize;
+            if reg.conns.len().saturating_sub(receiver.sessions_ending()) >= cap {
+                refused = Some(format!("too many connections (limit {} sessions + {} handshakes)", limits.max_connections, limits.max_handshakes));
             }
             if refused.is_none() && reg.handshaking.len() as u32 >= limits.max_handshakes {
                 match reg.evict_for(limits.max_handshakes) {

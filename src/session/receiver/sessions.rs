@@ -28,17 +28,20 @@ pub fn pick_idle(sessions: &[(ConnId, IpAddr)], idle: impl Fn(ConnId) -> bool) -
 }
 
 impl Receiver {
-    /// At the connection limit: cuts the session [`pick_idle`] chooses (none being cut already);
-    /// `Some((its source, the source's sessions))` when one was cut. Its thread ends shortly; until
-    /// then [`Receiver::sessions_ending`] counts it.
+    /// A session that passed its handshake wants in while `max_connections` sessions are open:
+    /// cuts the session [`pick_idle`] chooses (none being cut already), chosen and marked under
+    /// one hold of the state's lock so that it claims nothing before its socket is shut down;
+    /// `Some((its source, the source's sessions))` when one was cut. Its thread ends shortly;
+    /// until then [`Receiver::sessions_ending`] counts it.
     pub fn evict_idle_session(&self) -> Option<(IpAddr, usize)> {
         let ending = self.evicted.lock().clone();
         let sessions: Vec<(ConnId, IpAddr)> = self.peers.lock().iter().filter(|(id, _)| !ending.contains(id)).map(|(id, p)| (*id, p.source)).collect();
-        let idle: std::collections::HashSet<ConnId> = {
-            let st = self.state.lock();
-            sessions.iter().map(|(id, _)| *id).filter(|id| st.holds_nothing(*id)).collect()
+        let (victim, source, held) = {
+            let mut st = self.state.lock();
+            let (victim, source, held) = pick_idle(&sessions, |id| st.holds_nothing(id))?;
+            st.cut_idle(&[victim])?;
+            (victim, source, held)
         };
-        let (victim, source, held) = pick_idle(&sessions, |id| idle.contains(&id))?;
         self.evicted.lock().insert(victim);
         match self.peers.lock().get(&victim) {
             Some(p) => p.link.shutdown(),
@@ -53,6 +56,29 @@ impl Receiver {
     /// Sessions cut at the connection limit whose threads are still ending.
     pub fn sessions_ending(&self) -> usize {
         self.evicted.lock().len()
+    }
+
+    /// Makes room for one more session once its handshake passed (so only a peer that holds the
+    /// cluster token, if one is set, can have another's idle session cut): at `max_connections`
+    /// open sessions the oldest idle one of the biggest source is cut, else the newcomer is
+    /// refused.
+    pub(super) fn make_room_for_session(&self, peer: &str) -> crate::Result<()> {
+        let max = self.config.listener.max_connections as usize;
+        let open = self.peers.lock().len().saturating_sub(self.sessions_ending());
+        if open < max {
+            return Ok(());
+        }
+        let n = self.counters.connections_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let cut = (self.sessions_ending() < self.config.listener.max_handshakes as usize).then(|| self.evict_idle_session()).flatten();
+        match cut {
+            Some((source, held)) => {
+                if let Some(suppressed) = self.log_limits.refused.allow() {
+                    log::warn!("{max} sessions (max_connections): cut the oldest idle session of the {held} from {source} to serve {peer} ({n} refused or cut so far){suppressed}");
+                }
+                Ok(())
+            }
+            None => Err(crate::Error::new(crate::Status::KVSTAGE_E_TRANSPORT, format!("too many sessions (max_connections {max}), none of them idle"))),
+        }
     }
 }
 

@@ -376,6 +376,8 @@ pub struct State {
     grants: HashMap<u64, GrantState>,
     rooms: HashMap<u64, Room>,
     conns: HashMap<ConnId, ConnInfo>,
+    /// Connections being cut at the connection limit ([`State::cut_idle`]).
+    cutting: std::collections::HashSet<ConnId>,
     /// Connections (live or gone) whose peer maps the ring, with the ring they map (its
     /// registration number): their quarantines outlive them.
     mapped: HashMap<ConnId, u64>,
@@ -434,6 +436,7 @@ impl State {
             grants: HashMap::new(),
             rooms: HashMap::new(),
             conns: HashMap::new(),
+            cutting: Default::default(),
             mapped: HashMap::new(),
             ring_registrations: 0,
             events: VecDeque::new(),
@@ -613,14 +616,33 @@ impl State {
         }
     }
 
-    /// Whether cutting `conn` would fail or hold up nothing: it has no writer slot in an
-    /// unfinished chunk of a live room, no grant pin or in-place quarantine, no page lease or
-    /// direct write, and does not map the ring.
+    /// Whether cutting `conn` would fail or hold up nothing: it wrote to no live room that is not
+    /// complete yet (its connection ending would fail such a room, see [`State::conn_gone`]), has
+    /// no grant pin or in-place quarantine, no page lease or direct write, and does not map the
+    /// ring.
     pub fn holds_nothing(&self, conn: ConnId) -> bool {
-        let writes = |r: &Room| r.live() && r.chunks.iter().any(|c| c.phase != Phase::Done && c.slot_of(conn).is_some());
-        !self.mapped.contains_key(&conn)
+        let writes = |r: &Room| r.live() && !r.complete() && r.chunks.iter().any(|c| c.slot_of(conn).is_some());
+        self.conns.contains_key(&conn)
+            && !self.mapped.contains_key(&conn)
             && !self.grants.values().any(|g| g.pins.contains(&Some(conn)) || g.remote_writers.contains(&conn))
             && !self.rooms.values().any(|r| writes(r) || r.holders().contains(&conn))
+    }
+
+    /// The first of `candidates` (in order) that holds nothing, marked as being cut: from now on
+    /// it claims nothing (no grant, no slice write), so it still holds nothing when its socket is
+    /// shut down after the state's lock is dropped.
+    pub fn cut_idle(&mut self, candidates: &[ConnId]) -> Option<ConnId> {
+        let victim = candidates.iter().copied().find(|&c| !self.cutting.contains(&c) && self.holds_nothing(c))?;
+        self.cutting.insert(victim);
+        Some(victim)
+    }
+
+    /// `conn`'s handshake, unless it is being cut (then it claims nothing new).
+    fn claimant(&self, conn: ConnId) -> Result<&ConnInfo> {
+        if self.cutting.contains(&conn) {
+            return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, "this session is being cut to serve a newcomer at the connection limit (it held nothing); reconnect"));
+        }
+        self.conn(conn)
     }
 
     pub fn conn_count(&self) -> usize {
@@ -633,6 +655,7 @@ impl State {
     /// request over one session. Its leases are released, and its quarantines unless its peer
     /// still maps the ring (then [`State::unmapped`] ends them).
     pub fn conn_gone(&mut self, conn: ConnId, code: Status, reason: &str) {
+        self.cutting.remove(&conn);
         let Some(info) = self.conns.remove(&conn) else { return };
         // A replica of heads another rank sends owes only the parts it claimed to carry.
         let replica = info.pairing.writer.is_none();

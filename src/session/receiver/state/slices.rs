@@ -37,7 +37,7 @@ impl State {
         byte_offset: u32,
         len: u32,
     ) -> Result<Target<SliceLease>> {
-        let info = self.conn(conn)?.clone();
+        let info = self.claimant(conn)?.clone();
         let room = at.id;
         let r = match self.live_room(at) {
             Ok(r) => r,

@@ -22,7 +22,7 @@ impl State {
     /// writer (its ready, abort, or the end of its mapping).
     #[allow(clippy::too_many_arguments)]
     pub fn grant(&mut self, conn: ConnId, at: RoomRef, chunk: u32, claimed: u32, tokens: u32, bytes: u64, pool_tokens: Option<&[u32]>, direct: bool) -> Result<Granted> {
-        let info = self.conn(conn)?.clone();
+        let info = self.claimant(conn)?.clone();
         let writer = info.pairing.frame_writer();
         if claimed != writer {
             return Err(protocol(format!("writer {claimed} claimed, this session is writer {writer}")));
@@ -59,6 +59,28 @@ impl State {
         let c = r.chunks.get(chunk as usize).ok_or_else(|| {
             protocol(format!("chunk {chunk} is past room {room}'s {num_chunks} chunks (0 .. {})", num_chunks.saturating_sub(1)))
         })?;
+        match c.mode {
+            Mode::Slices => {
+                return Err(Error::new(
+                    Status::KVSTAGE_E_UNSUPPORTED,
+                    format!("chunk {chunk} of room {room} is being sent by the slice path; one chunk cannot mix paths"),
+                ))
+            }
+            _ if c.phase != Phase::Waiting => {
+                return Err(protocol(format!("chunk {chunk} of room {room} is already complete")));
+            }
+            _ => {}
+        }
+        if c.slot_of(conn).is_some() {
+            return Err(protocol(format!("writer {writer} requested chunk {chunk} twice")));
+        }
+        if let Some(first) = c.layout.as_ref().map(|l| l.tokens).filter(|&t| t != tokens) {
+            let e = Error::new(
+                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+                format!("chunk {chunk} of room {room}: this writer has {tokens} tokens, the chunk's first writer {first}"),
+            );
+            return Err(self.refuse_writer(room, chunk, info, e));
+        }
         // A chunk fills its decode pages; the room's last may end inside its last page (the
         // request ends there), never before it.
         let ps = info.dst.page_size;
@@ -74,30 +96,16 @@ impl State {
             );
             return Err(self.refuse_writer(room, chunk, info, e));
         }
-        match c.mode {
-            Mode::Slices => {
-                return Err(Error::new(
-                    Status::KVSTAGE_E_UNSUPPORTED,
-                    format!("chunk {chunk} of room {room} is being sent by the slice path; one chunk cannot mix paths"),
-                ))
-            }
-            _ if c.phase != Phase::Waiting => {
-                return Err(protocol(format!("chunk {chunk} of room {room} is already complete")));
-            }
-            _ => {}
-        }
-        if let Some(first) = c.layout.as_ref().map(|l| l.tokens).filter(|&t| t != tokens) {
-            let e = Error::new(
-                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
-                format!("chunk {chunk} of room {room}: this writer has {tokens} tokens, the chunk's first writer {first}"),
-            );
-            return Err(self.refuse_writer(room, chunk, info, e));
-        }
-        if c.slot_of(conn).is_some() {
-            return Err(protocol(format!("writer {writer} requested chunk {chunk} twice")));
-        }
         let first_writer = c.layout.is_none();
         let mut layout = Self::chunk_layout(c, info, tokens)?;
+        // A session whose handshake predates the components' registration may reconnect and
+        // deliver: only a refusal of what the writer sends fails the room.
+        if pool_tokens.is_some() && last && r.parts.as_ref().is_some_and(|p| *info.dst_components != p.components.specs()) {
+            return Err(Error::new(
+                Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+                format!("room {room}: this session's handshake predates the registration of the engine's components; reconnect it"),
+            ));
+        }
         let parts = self.check_parts(room, chunk, info, pool_tokens).map_err(|e| self.refuse_writer(room, chunk, info, e))?;
         // A replica of heads another rank sends writes only its share of the request's parts.
         if info.pairing.writer.is_none() && parts.is_none() {

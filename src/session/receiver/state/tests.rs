@@ -302,6 +302,36 @@ fn a_writer_refused_for_its_share_fails_the_room_and_frees_the_grant() {
     }
 }
 
+/// A session is idle (may be cut for a newcomer) only when cutting it fails nothing: one that
+/// wrote a finished chunk of a room still waiting for its next chunk is not; once cut, it claims
+/// nothing more.
+#[test]
+fn a_session_between_the_chunks_of_a_room_is_not_idle_and_a_cut_one_claims_nothing() {
+    let mut st = state(4 * CHUNK);
+    let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
+    assert!(st.holds_nothing(a) && st.holds_nothing(b));
+    st.open_room(3, key(3), &PAGES, GRID, None, None).unwrap();
+    for (conn, w) in [(a, 0), (b, 1)] {
+        st.allocate(conn, at(3), 0, w, TOKENS, CHUNK, None).unwrap();
+        deliver(&mut st, conn, 3, 0, w).unwrap();
+    }
+    let jobs = st.take_effects().scatter;
+    for j in &jobs {
+        st.scatter_done(j, Ok(None));
+    }
+    assert_eq!(st.rooms[&3].chunks[0].phase, Phase::Done, "chunk 0 scattered");
+    assert!(!st.holds_nothing(a), "between a room's chunks a writer owes the next: cutting it would fail the room");
+    assert_eq!(st.cut_idle(&[a, b]), None);
+    st.release_room(3);
+    assert_eq!(st.cut_idle(&[a, b]), Some(a), "the room released, the first candidate is idle");
+    st.open_room(4, key(4), &PAGES, GRID, None, None).unwrap();
+    let e = st.allocate(a, at(4), 0, 0, TOKENS, CHUNK, None).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_PEER_GONE, "{}", e.chain());
+    assert!(st.holds_nothing(a), "a session being cut claimed a grant");
+    st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "cut");
+    assert!(!st.room_outcome(4).unwrap(), "the cut session failed nothing");
+}
+
 /// A connection gone after its chunks: a chunk it never claimed is not owed by it when another
 /// connection carries its layers there, so the room lives on.
 #[test]
