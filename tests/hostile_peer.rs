@@ -1137,6 +1137,7 @@ fn stale_and_guessed_room_keys_claim_nothing() {
 /// and keeps it (a second writer cannot rename the request).
 #[test]
 fn a_lying_trace_id_is_refused_and_the_first_one_named_stays() {
+    let _serial = serial();
     let c = Cluster::new(SMALL, decode_options(&SMALL), RingSpec::Owned(1 << 20));
     let room = open_room(&c.decode, 81, &c.room_pages(81, 1), SMALL.chunk_tokens);
     let (mut w0, _) = RawPeer::handshake(c.addr(), &SMALL.shape(0, 2), "trace-0", b"");
