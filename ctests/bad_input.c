@@ -247,6 +247,7 @@ static void test_engine_calls(void) {
     pool_init(&p);
 
     EXPECT(kvstage_engine_listen_address(NULL, buf, sizeof buf, NULL), KVSTAGE_E_INVALID_ARG, "`engine`");
+    EXPECT(kvstage_engine_shutdown(NULL, 0, NULL), KVSTAGE_E_INVALID_ARG, "`engine`");
     EXPECT(kvstage_engine_listen_address(e, NULL, sizeof buf, NULL), KVSTAGE_E_INVALID_ARG, "`buf`");
     EXPECT(kvstage_engine_listen_address(e, buf, 0, NULL), KVSTAGE_E_INVALID_ARG, "`capacity`");
     EXPECT(kvstage_engine_listen_address(e, buf, 5, NULL), KVSTAGE_E_INVALID_ARG, "`capacity`");

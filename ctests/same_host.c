@@ -19,6 +19,10 @@
  *      transfer fails, a new session maps the new ring and delivers, and once the old session is
  *      freed the prefill maps exactly one ring, the new one.
  *
+ * Each decode process ends with kvstage_engine_shutdown, which must say that no peer maps its
+ * ring or pool any more, and then frees its pool before the engine (refused before the shutdown
+ * when the pool is shared memory).
+ *
  * With KVSTAGE_TEST_DIRECT=1 (ctest same_host_direct) every decode pool lies in memory of
  * kvstage_shared_alloc, so the same-host sessions run in direct mode: the prefill copies each chunk
  * from its pages into the decode pages (no ring write, no scatter), and every case above holds
@@ -476,9 +480,19 @@ static void decode_serve(int cmd_fd, int answer_fd, int caller_ring, size_t ring
         if (a.status < 0 && c.op != OP_WAIT && c.op != OP_REGISTER_RING) kv_print_last_error("decode");
         REQUIRE(write(answer_fd, &a, sizeof a) == (ssize_t)sizeof a);
     }
+    /* A pool a same-host peer may map is not the caller's to free while the engine lives; once a
+     * shutdown said no peer maps it any more, it is (every case: prefills freed or killed). */
+    if (p.shared) CHECK_INT(kvstage_shared_free(p.memory), KVSTAGE_E_INVALID_ARG);
+    size_t still_mapped = 99;
+    CHECK_OK(kvstage_engine_shutdown(e, WAIT_MS, &still_mapped));
+    CHECK_INT(still_mapped, 0);
+    uint32_t dst[SMALL_PAGES], src[SMALL_PAGES], chunks = 0;
+    uint64_t key = 0;
+    small_pages(1, src, dst);
+    CHECK_INT(kvstage_room_open(e, 1, dst, SMALL_PAGES, SMALL_PAGES * PAGE, &chunks, &key), KVSTAGE_E_CANCELED);
+    pool_free(&p);
     kvstage_engine_free(e);
     free(caller);
-    pool_free(&p);
 }
 
 /* Forks a decode process (transport AUTO, a ring of `ring_bytes`: engine-owned, or caller memory

@@ -955,6 +955,18 @@ enum kvstage_status kvstage_engine_new(const struct kvstage_engine_options *opti
 // free, which records it in the last error) fail with `KVSTAGE_E_INVALID_ARG`.
 void kvstage_engine_free(struct kvstage_engine *engine);
 
+// Stops the engine as `kvstage_engine_free` does (its sessions closed, their operations and the
+// decode rooms' transfers failing, no new connection accepted, its threads joined), then waits up
+// to `timeout_ms` (0: only looks, KVSTAGE_DEADLINE_INFINITE: no limit) until no same-host peer
+// maps its device ring or KV pool any more — a peer unmapped (its sessions ended), or its process
+// ended. `KVSTAGE_OK`: the pool and ring memory are the caller's to free (a CUDA pool's IPC
+// mappings cannot be revoked: freeing it earlier lets a peer write memory the allocator reuses).
+// `KVSTAGE_E_TIMEOUT`: some still do; the message names their processes, `*still_mapped` (may be
+// NULL) receives how many; call again to wait more. The handle stays valid until
+// `kvstage_engine_free`, which is then quick; calls that would start work on it fail with
+// `KVSTAGE_E_CANCELED`. From inside a completion callback: `KVSTAGE_E_UNSUPPORTED`.
+enum kvstage_status kvstage_engine_shutdown(const struct kvstage_engine *engine, uint64_t timeout_ms, size_t *still_mapped);
+
 // Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated);
 // `*needed` (may be NULL) receives its size including the NUL. `buf` NULL with `capacity` 0 is a
 // size query (`KVSTAGE_OK`, `needed` required); a too small buffer is `KVSTAGE_E_INVALID_ARG`

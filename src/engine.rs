@@ -6,20 +6,21 @@ pub mod stats;
 
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use crate::copy::{AnyCopyEngine, Component, Components, CopyEngine};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Status};
 use crate::geometry::{ComponentKind, ComponentSpec, KvLayout, MemoryKind};
 use crate::transport::faults::Faults;
 use crate::transport::rdma::{Rdma, RdmaMode, RdmaOptions};
 use crate::transport::shm::{Shm, ShmMode};
 use crate::session::receiver::listener::{Limits, Listener};
-use crate::session::receiver::{Receiver, ReceiverConfig, RingMemory, RingSpec, ScatterJob};
+use crate::session::receiver::{Receiver, ReceiverConfig, RingMemory, RingSpec, ScatterJob, StillMapped};
 use crate::session::notify::Completions;
 use crate::session::sender::{SendResources, SenderConfig, SenderSession};
 pub use crate::session::sender::StallWarn;
@@ -230,9 +231,10 @@ pub struct Engine {
     send: Arc<SendResources>,
     receiver: Arc<Receiver>,
     listener: TcpListener,
-    accept_thread: Option<JoinHandle<()>>,
-    scatter_thread: Option<JoinHandle<()>>,
-    keeper_thread: Option<JoinHandle<()>>,
+    /// Accept, scatter and keeper threads, joined by the first of shutdown and free.
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// `stop` ran (shutdown or free): the engine serves and sends nothing more.
+    stopped: AtomicBool,
     conns: Arc<Listener>,
     /// Sessions this engine opened, ended when it is freed (their operations fail at once).
     sessions: Mutex<Vec<std::sync::Weak<SenderSession>>>,
@@ -333,9 +335,10 @@ impl Engine {
             send,
             receiver,
             listener,
-            accept_thread: Some(accept_thread),
-            scatter_thread: Some(scatter_thread),
-            keeper_thread: Some(keeper_thread),
+            // In the order they are joined: accepts end before the connections are joined, the
+            // scatter queue closes after them.
+            threads: Mutex::new(vec![accept_thread, keeper_thread, scatter_thread]),
+            stopped: AtomicBool::new(false),
             conns,
             sessions: Mutex::new(Vec::new()),
             rdma,
@@ -363,6 +366,7 @@ impl Engine {
     }
 
     pub fn register_pool(&self, layout: KvLayout) -> Result<()> {
+        self.check_running()?;
         layout.validate()?;
         let mut pool = self.pool.lock();
         if pool.is_some() {
@@ -404,6 +408,7 @@ impl Engine {
 
     /// Registers a ring of any memory kind (a device ring needs a CUDA pool on its device).
     pub fn register_staging_memory(&self, spec: RingSpec) -> Result<()> {
+        self.check_running()?;
         if spec.bytes == 0 {
             return Err(Error::invalid_arg("bytes", "0 (a staging ring needs space)"));
         }
@@ -422,6 +427,7 @@ impl Engine {
     }
 
     pub fn connect(&self, addr: &str, session: &str, timeout: Option<Duration>) -> Result<Arc<SenderSession>> {
+        self.check_running()?;
         let addr: SocketAddr = addr
             .parse()
             .map_err(|e| Error::invalid_arg("peer_address", format!("\"{addr}\" is not HOST:PORT ({e})")))?;
@@ -432,8 +438,67 @@ impl Engine {
         let s = SenderSession::connect(self.send.clone(), addr, session, timeout)?;
         let mut sessions = self.sessions.lock();
         sessions.retain(|w| w.strong_count() > 0);
+        if self.stopped.load(Ordering::SeqCst) {
+            // Shut down during the connect: `stop` has drained the list already.
+            s.close("the engine was shut down");
+            return Err(stopped_error());
+        }
         sessions.push(Arc::downgrade(&s));
         Ok(s)
+    }
+
+    fn check_running(&self) -> Result<()> {
+        if self.stopped.load(Ordering::SeqCst) {
+            return Err(stopped_error());
+        }
+        Ok(())
+    }
+
+    /// Stops the engine (as freeing it does: sessions closed, accepts and connections ended,
+    /// threads joined), then waits up to `timeout` (`None`: no limit) until no same-host peer
+    /// maps its device ring or KV pool: only then is that memory the caller's to free. Again
+    /// after a timeout, it waits again.
+    pub fn shutdown(&self, timeout: Option<Duration>) -> std::result::Result<(), StillMapped> {
+        self.stop("the engine was shut down");
+        self.receiver.wait_unmapped(timeout.map(|t| Instant::now() + t))?;
+        // Nothing of this engine touches the pool any more: `kvstage_shared_free` may free it.
+        self.pool_pin.lock().take();
+        Ok(())
+    }
+
+    /// Ends everything but the same-host leases, once (the first of shutdown and free).
+    fn stop(&self, why: &str) {
+        if self.stopped.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        log::info!("engine on {} stopping: {why}", self.local_addr);
+        let sessions: Vec<_> = self.sessions.lock().drain(..).filter_map(|w| w.upgrade()).collect();
+        for s in sessions {
+            s.close(why);
+        }
+        // Queued transfers now fail fast (their sessions are closed); then every worker is joined.
+        self.send.workers.shutdown();
+        // The copy workers too, even while a session handle outlives the engine.
+        self.send.copy.shutdown();
+        // Closing first: the accept loop retries failed accepts unless the receiver is closing.
+        self.receiver.shutdown();
+        // SHUT_RD on a listening socket wakes a blocked accept() on Linux.
+        // SAFETY: the fd is ours and open.
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RD) };
+        let mut threads = std::mem::take(&mut *self.threads.lock()).into_iter();
+        let (accept, keeper, scatter) = (threads.next(), threads.next(), threads.next());
+        if let Some(h) = accept {
+            let _ = h.join();
+        }
+        // Join every connection so no thread writes into caller memory after the engine stops.
+        self.conns.close_all();
+        if let Some(h) = keeper {
+            let _ = h.join();
+        }
+        self.receiver.close_scatter_queue();
+        if let Some(h) = scatter {
+            let _ = h.join();
+        }
     }
 
     /// Resolves an operation's timeout: `None` = engine default, `Some(None)` = infinite.
@@ -465,30 +530,12 @@ fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>
 
 impl Drop for Engine {
     fn drop(&mut self) {
+        self.stop("the engine was freed");
+        self.receiver.close_leases();
         log::info!("engine on {} freed", self.local_addr);
-        for s in self.sessions.lock().drain(..).filter_map(|w| w.upgrade()) {
-            s.close("the engine was freed");
-        }
-        // Queued transfers now fail fast (their sessions are closed); then every worker is joined.
-        self.send.workers.shutdown();
-        // The copy workers too, even while a session handle outlives the engine.
-        self.send.copy.shutdown();
-        // Closing first: the accept loop retries failed accepts unless the receiver is closing.
-        self.receiver.shutdown();
-        // SHUT_RD on a listening socket wakes a blocked accept() on Linux.
-        // SAFETY: the fd is ours and open.
-        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RD) };
-        if let Some(h) = self.accept_thread.take() {
-            let _ = h.join();
-        }
-        // Join every connection so no thread writes into caller memory after the engine is freed.
-        self.conns.close_all();
-        if let Some(h) = self.keeper_thread.take() {
-            let _ = h.join();
-        }
-        self.receiver.close_scatter_queue();
-        if let Some(h) = self.scatter_thread.take() {
-            let _ = h.join();
-        }
     }
+}
+
+fn stopped_error() -> Error {
+    Error::new(Status::KVSTAGE_E_CANCELED, "the engine was shut down (kvstage_engine_shutdown)")
 }

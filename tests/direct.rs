@@ -207,3 +207,53 @@ fn a_sender_gets_the_pool_only_in_the_memory_it_names() {
         drop(lease);
     }
 }
+
+/// A raw same-host peer that asks for direct mode and takes the lease of the ring and pool.
+fn raw_direct_peer(decode: &Engine, name: &str) -> (common::RawPeer, std::os::unix::net::UnixStream) {
+    use kvstage::protocol::Message;
+    use kvstage::transport::shm::fdpass;
+    let (mut raw, _) = common::RawPeer::handshake(decode.local_addr(), &shape(0, 1), name, b"");
+    let (socket, listener) = fdpass::listen_abstract().unwrap();
+    let nonce = fdpass::random_bytes(fdpass::NONCE_BYTES).unwrap();
+    raw.send(&Message::ShmOffer { socket, nonce, direct: Some(MemoryKind::Host) }).unwrap();
+    match raw.reply(Duration::from_secs(5)) {
+        Message::ShmAnswer { status: 0, local: true, .. } => {}
+        other => panic!("{name}: expected the ring and the pool, got {other:?}"),
+    }
+    let lease = fdpass::accept_by(&listener, std::time::Instant::now() + Duration::from_secs(5)).unwrap();
+    (raw, lease)
+}
+
+/// `Engine::shutdown` (kvstage_engine_shutdown) stops the engine, then says whether any same-host
+/// peer still maps its KV pool: a real sender's session ends and it unmaps (its lease ends with
+/// the unmapped byte); a peer holding its lease is named until it says it unmapped; one whose lease
+/// closes without saying so (as a dying process's may, before its device context is torn down)
+/// holds until its process ends, which this one (the test process) never does.
+#[test]
+fn shutdown_says_when_no_same_host_peer_maps_the_pool() {
+    use std::io::Write;
+    let (d, room) = decode();
+    let (_prefill, _ppool, session, src) = prefill(&d.engine, FaultPlan::default());
+    let op = Op::new(session.waker());
+    assert_eq!(session.transfer(&chunk(room, &src), &op).map_err(|e| e.chain()), Ok(Status::KVSTAGE_OK));
+    d.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(d.engine.shm().direct_sessions(), 1, "the real sender did not map the pool");
+    let (_says, says_unmapped) = raw_direct_peer(&d.engine, "says-unmapped");
+    let (_silent, closes_silently) = raw_direct_peer(&d.engine, "closes-silently");
+    let me = Some(std::process::id() as i32);
+
+    let held = d.engine.shutdown(Some(Duration::from_millis(500))).unwrap_err();
+    assert_eq!(held.0.len(), 2, "the real sender's session ended and it unmapped; the two raw peers hold: {held}");
+    assert!(held.0.iter().all(|(_, pid)| *pid == me), "{held}");
+    let after = session.transfer(&chunk(room, &src), &Op::new(session.waker()));
+    assert!(after.is_err() || after.as_ref().is_ok_and(|s| *s != Status::KVSTAGE_OK), "a session of a shut-down engine still transferred");
+    assert_eq!(d.engine.connect("127.0.0.1:1", "late", None).err().map(|e| e.code()), Some(Status::KVSTAGE_E_CANCELED));
+    assert_eq!(d.engine.receiver().open_room(ROOM + 1, &d.pages, 16).err().map(|e| e.code()), Some(Status::KVSTAGE_E_CANCELED));
+
+    (&says_unmapped).write_all(&[kvstage::transport::shm::LEASE_UNMAPPED]).unwrap();
+    drop(says_unmapped);
+    drop(closes_silently);
+    let held = d.engine.shutdown(Some(Duration::from_secs(1))).unwrap_err();
+    assert_eq!(held.0.len(), 1, "the peer that said it unmapped still counts, or the silent one ended with its socket: {held}");
+    assert!(held.to_string().contains(&format!("process {}", std::process::id())), "{held}");
+}

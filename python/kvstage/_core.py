@@ -929,6 +929,16 @@ class Engine(_Handle):
         _check(self._lib, rc, "kvstage_room_open_parts" if parts is not None else "kvstage_room_open")
         return RoomOpening(n.value, key.value)
 
+    def shutdown(self, timeout_ms: int = DEADLINE_INFINITE) -> None:
+        """``kvstage_engine_shutdown``: stops the engine (sessions closed, rooms failing, nothing
+        accepted), then waits up to ``timeout_ms`` (0 = only look, ``DEADLINE_INFINITE`` = no
+        limit) until no same-host peer maps its staging ring or KV pool. Returns when none does:
+        the pool's memory (a :class:`SharedMemory`, a CUDA allocation) may then be freed. Raises
+        :class:`TimeError` naming the peers' processes when some still do (call again to wait
+        more). Close the engine afterwards as usual."""
+        rc = self._lib.kvstage_engine_shutdown(self._handle(), _u64(timeout_ms, "timeout_ms"), None)
+        _check(self._lib, rc, "kvstage_engine_shutdown")
+
     def room_wait(self, room: int, timeout_ms: int = 0) -> None:
         """``kvstage_room_wait``: returns when every chunk of the room is in the pool; raises the
         room's error (:class:`TransportError` for a dead peer, ...) or :class:`TimeError` after

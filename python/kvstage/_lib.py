@@ -483,6 +483,7 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_engine_options_init": (c_int, [_p(kvstage_engine_options)]),
     "kvstage_engine_new": (c_int, [_p(kvstage_engine_options), _p(c_void_p)]),
     "kvstage_engine_free": (None, [c_void_p]),
+    "kvstage_engine_shutdown": (c_int, [c_void_p, c_uint64, _p(c_size_t)]),
     "kvstage_engine_listen_address": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
     "kvstage_engine_register_pool": (c_int, [c_void_p, _p(kvstage_kv_layout)]),
     "kvstage_shared_alloc": (c_int, [c_size_t, _p(c_void_p)]),

@@ -15,7 +15,8 @@ from ._lib import Library, get_library
 class SharedMemory(_Handle):
     """``nbytes`` of zeroed, resident host memory from ``kvstage_shared_alloc``.
 
-    Do not :meth:`close` it while an engine's pool lies in it: free the engine first. ``memoryview()`` exposes it to numpy (``numpy.frombuffer(m.memoryview(), dtype)``) or
+    :meth:`close` refuses while an engine's pool lies in it: close the engine first (or shut it
+    down, see :meth:`Engine.shutdown`). ``memoryview()`` exposes it to numpy (``numpy.frombuffer(m.memoryview(), dtype)``) or
     torch (``torch.frombuffer(m.memoryview(), dtype=torch.bfloat16)``)."""
 
     _kind = "shared memory"
@@ -27,6 +28,16 @@ class SharedMemory(_Handle):
         _check(lib, lib.kvstage_shared_alloc(int(nbytes), byref(out)), "kvstage_shared_alloc")
         super().__init__(lib, int(out.value))
         self.nbytes = int(nbytes)
+
+    def close(self) -> None:
+        """``kvstage_shared_free``. Idempotent. Raises :class:`ArgumentError`, and keeps the
+        memory, while it holds the KV pool of an engine neither closed nor shut down
+        (:meth:`Engine.shutdown` returned)."""
+        with self._close_lock:
+            if self._ptr is None:
+                return
+            _check(self._lib, self._lib.kvstage_shared_free(self._ptr), "kvstage_shared_free")
+            self._ptr = None
 
     @property
     def address(self) -> int:

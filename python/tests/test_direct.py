@@ -94,3 +94,59 @@ def test_shared_memory_is_freed_once(lib):
     memory.close()
     with pytest.raises(kvstage.ArgumentError, match="bytes.*0"):
         kvstage.SharedMemory(0)
+
+
+PREFILL_CHILD = """
+import sys, time
+import numpy as np
+import kvref, kvstage
+model = kvref.Model(layers=3, heads=4, head_dim=8, dtype_bytes=2, page_size=16)
+address, room, key = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+pool, layout = kvref.make_pool(model, 0, 1, 32)
+kvref.fill_random(pool, 9)
+engine = kvstage.Engine(transport="shm", same_host_direct=True)
+engine.register_pool(layout)
+session = engine.connect(address, "frozen-prefill")
+assert session.transfer(room, 0, [0, 1, 2, 3], deadline_ms=20000, room_key=key) == kvstage.Status.OK
+print("mapped", flush=True)
+time.sleep(120)
+"""
+
+
+def test_shutdown_says_when_the_shared_pool_may_be_freed(lib, child_env):
+    """A prefill process maps the decode pool (direct mode) and is frozen (SIGSTOP): it cannot
+    unmap when the decode engine stops, so ``shutdown`` raises naming its process and the pool's
+    memory cannot be freed. Killed, its lease ends with its process: ``shutdown`` returns and the
+    memory is the caller's again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    memory = kvstage.SharedMemory(kvref.pool_bytes(MODEL, 1, CAPACITY))
+    _, dlayout = kvref.make_pool(MODEL, 0, 1, CAPACITY, memory=memory)
+    decode = kvstage.Engine(transport="shm", same_host_direct=True)
+    decode.register_pool(dlayout)
+    decode.register_staging(1 << 20)
+    key = decode.room_open(4, [5, 6, 7, 8], chunk_tokens=64).key
+    child = subprocess.Popen([sys.executable, "-c", PREFILL_CHILD, decode.listen_address, "4", str(key)], env=child_env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "mapped", "the prefill child did not transfer"
+        decode.room_wait(4, 10000)
+        assert decode.stats().shm_direct_sessions == 1
+        os.kill(child.pid, signal.SIGSTOP)
+        with pytest.raises(kvstage.TimeError, match=f"process {child.pid} "):
+            decode.shutdown(timeout_ms=500)
+        with pytest.raises(kvstage.ArgumentError, match="live engine"):
+            memory.close()  # still the pool of an engine whose peer maps it
+        with pytest.raises(kvstage.KVStageError, match="shut down"):
+            decode.room_open(5, [9], chunk_tokens=16)
+        os.kill(child.pid, signal.SIGKILL)
+        decode.shutdown(timeout_ms=10000)
+        memory.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        decode.close()
+        memory.close()

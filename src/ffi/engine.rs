@@ -303,6 +303,36 @@ pub unsafe extern "C" fn kvstage_engine_free(engine: *mut kvstage_engine) {
     ffi_fn!(value = (), { Handle::free(engine, "engine") })
 }
 
+/// Stops the engine as `kvstage_engine_free` does (its sessions closed, their operations and the
+/// decode rooms' transfers failing, no new connection accepted, its threads joined), then waits up
+/// to `timeout_ms` (0: only looks, KVSTAGE_DEADLINE_INFINITE: no limit) until no same-host peer
+/// maps its device ring or KV pool any more — a peer unmapped (its sessions ended), or its process
+/// ended. `KVSTAGE_OK`: the pool and ring memory are the caller's to free (a CUDA pool's IPC
+/// mappings cannot be revoked: freeing it earlier lets a peer write memory the allocator reuses).
+/// `KVSTAGE_E_TIMEOUT`: some still do; the message names their processes, `*still_mapped` (may be
+/// NULL) receives how many; call again to wait more. The handle stays valid until
+/// `kvstage_engine_free`, which is then quick; calls that would start work on it fail with
+/// `KVSTAGE_E_CANCELED`. From inside a completion callback: `KVSTAGE_E_UNSUPPORTED`.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_engine_shutdown(engine: *const kvstage_engine, timeout_ms: u64, still_mapped: *mut usize) -> Status {
+    ffi_fn!(status {
+        let engine = unsafe { borrow(engine, "engine") }?;
+        crate::session::notify::refuse_in_callback("kvstage_engine_shutdown")?;
+        let held = engine.shutdown(duration_or_infinite(timeout_ms));
+        if !still_mapped.is_null() {
+            // SAFETY: the caller passes a writable size_t or NULL.
+            unsafe { *still_mapped = held.as_ref().err().map_or(0, |h| h.0.len()) };
+        }
+        held.map(|()| Status::KVSTAGE_OK).map_err(|h| {
+            let waited = match timeout_ms {
+                KVSTAGE_DEADLINE_INFINITE => String::new(),
+                ms => format!(" after {ms} ms"),
+            };
+            Error::new(Status::KVSTAGE_E_TIMEOUT, format!("{h}{waited}: freeing that memory now would free it under them"))
+        })
+    })
+}
+
 /// Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated);
 /// `*needed` (may be NULL) receives its size including the NUL. `buf` NULL with `capacity` 0 is a
 /// size query (`KVSTAGE_OK`, `needed` required); a too small buffer is `KVSTAGE_E_INVALID_ARG`

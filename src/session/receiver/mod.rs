@@ -13,6 +13,7 @@ mod extents;
 pub mod listener;
 mod memory;
 mod same_host;
+pub use self::same_host::StillMapped;
 mod sessions;
 pub mod state;
 
@@ -403,6 +404,9 @@ impl Receiver {
     /// [`Self::open_room`] for a request that moves `parts` besides its KV pages (aux row, state
     /// slots, extra pools' pages), checked against the registered components.
     pub fn open_room_parts(&self, room: u64, pages: &[u32], chunk_tokens: u32, parts: Option<RequestParts>) -> Result<(u32, u64)> {
+        if self.closing() {
+            return Err(Error::new(Status::KVSTAGE_E_CANCELED, "the engine was shut down (kvstage_engine_shutdown)"));
+        }
         let pool = self.pool()?;
         pool.check_pages(pages, "dst_pages")?;
         let parts = match parts {
@@ -683,7 +687,8 @@ impl Receiver {
         }
     }
 
-    /// Stops the keeper and shuts every accepted connection down (their threads then end).
+    /// Stops the keeper and shuts every accepted connection down (their threads then end); the
+    /// same-host leases stay watched (see [`Receiver::close_leases`]).
     pub fn shutdown(&self) {
         self.closing.store(true, Ordering::SeqCst);
         self.keeper_wake.notify_all();
@@ -694,6 +699,16 @@ impl Receiver {
         if let Some(r) = self.rdma.lock().as_ref() {
             r.forget_ring();
         }
+    }
+
+    /// Waits until no same-host peer maps this engine's device ring or KV pool (see
+    /// [`same_host::Leases::wait_unmapped`]).
+    pub fn wait_unmapped(&self, until: Option<Instant>) -> std::result::Result<(), same_host::StillMapped> {
+        self.leases.wait_unmapped(until)
+    }
+
+    /// Ends every lease watch (the engine is freed; see [`same_host::Leases::close_all`]).
+    pub fn close_leases(&self) {
         self.leases.close_all();
     }
 

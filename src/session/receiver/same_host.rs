@@ -37,9 +37,33 @@ const DEVICE_LEASE_DRAIN: Duration = Duration::from_secs(2);
 /// First and longest pause before a lease watch that panicked starts over (doubling in between).
 const PANIC_BACKOFF: (Duration, Duration) = (Duration::from_millis(1), Duration::from_millis(500));
 
-/// A watched lease: the socket, the thread watching it, whether the engine's teardown waits for
-/// it (a device ring, or a peer mapping the KV pool).
-type Watch = (UnixStream, JoinHandle<()>, bool);
+/// A watched lease.
+struct Watch {
+    socket: UnixStream,
+    thread: JoinHandle<()>,
+    /// The engine's shutdown waits for it: the peer maps a device ring or the KV pool.
+    drains: bool,
+    /// The peer process, when visible in this PID namespace.
+    pid: Option<i32>,
+}
+
+/// Same-host peers that still map a memory the engine's shutdown waits for.
+#[derive(Debug)]
+pub struct StillMapped(pub Vec<(ConnId, Option<i32>)>);
+
+impl std::fmt::Display for StillMapped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let peers: Vec<String> = self
+            .0
+            .iter()
+            .map(|(id, pid)| match pid {
+                Some(pid) => format!("process {pid} (connection {id})"),
+                None => format!("connection {id} (process not visible here)"),
+            })
+            .collect();
+        write!(f, "{} same-host peer(s) still map this engine's device ring or KV pool: {}", self.0.len(), peers.join(", "))
+    }
+}
 
 /// Lease sockets of same-host peers and the threads watching them.
 #[derive(Default)]
@@ -51,26 +75,36 @@ pub struct Leases {
 }
 
 impl Leases {
-    /// Ends every watch (engine shutdown). Host rings: the quarantines end with the engine, the
-    /// ring's pages stay alive as long as any peer still maps them. Device rings, and peers that
-    /// map the KV pool: the peers' sessions were just closed, so their leases are given a moment
-    /// to end (a direct copy in progress finishes, then its sender unmaps), so that the pool is
-    /// the caller's again once the engine is freed; a device ring still held after that is leaked
-    /// (logged), never freed under a writer, and a pool still mapped is logged.
-    pub fn close_all(&self) {
-        let until = Instant::now() + DEVICE_LEASE_DRAIN;
-        while self.watched.lock().values().any(|(_, _, drains)| *drains) && Instant::now() < until {
+    /// Waits until no peer maps a memory the engine's teardown waits for (a device ring, the KV
+    /// pool), or `until`; returns those that still do.
+    pub fn wait_unmapped(&self, until: Option<Instant>) -> Result<(), StillMapped> {
+        loop {
+            let held: Vec<_> = self.watched.lock().iter().filter(|(_, w)| w.drains).map(|(id, w)| (*id, w.pid)).collect();
+            if held.is_empty() {
+                return Ok(());
+            }
+            if until.is_some_and(|u| Instant::now() >= u) {
+                return Err(StillMapped(held));
+            }
             std::thread::sleep(Duration::from_millis(10));
         }
-        let held = self.watched.lock().iter().filter(|(_, (_, _, drains))| *drains).map(|(id, _)| *id).collect::<Vec<_>>();
-        if !held.is_empty() {
-            log::warn!("engine freed while same-host peers (connections {held:?}) still map its device ring or KV pool: they may still write it");
+    }
+
+    /// Ends every watch (the engine is freed). Host rings: the quarantines end with the engine,
+    /// the ring's pages stay alive as long as any peer still maps them. Device rings, and peers
+    /// that map the KV pool: the peers' sessions were closed, so their leases are given a moment
+    /// to end (a direct copy in progress finishes, then its sender unmaps); a device ring still
+    /// held after that is leaked (logged), never freed under a writer, and a pool still mapped
+    /// is logged. `kvstage_engine_shutdown` is the caller's way to wait for them and know.
+    pub fn close_all(&self) {
+        if let Err(held) = self.wait_unmapped(Some(Instant::now() + DEVICE_LEASE_DRAIN)) {
+            log::warn!("engine freed while {held}: they may still write it");
         }
         self.abandoned.store(true, Ordering::SeqCst);
         let watched: Vec<_> = self.watched.lock().drain().collect();
-        for (_, (stream, handle, _)) in watched {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
-            let _ = handle.join();
+        for (_, w) in watched {
+            let _ = w.socket.shutdown(std::net::Shutdown::Both);
+            let _ = w.thread.join();
         }
     }
 }
@@ -84,6 +118,9 @@ enum LeaseEvent {
     /// The peer process ended.
     ProcessEnded,
 }
+
+/// How often a watch that waits for the peer process alone looks whether the engine is freed.
+const ABANDON_POLL: Duration = Duration::from_millis(200);
 
 /// How the peer process is watched: a pidfd (Linux 5.3+), else (an older kernel, valgrind) its
 /// `/proc` entry checked twice a second, the start time telling a reused pid apart.
@@ -111,6 +148,25 @@ impl PeerProcess {
             PeerProcess::Proc { pid, started } => process_start(*pid) != Some(*started),
             _ => false,
         }
+    }
+
+    /// Waits until the process ended (true) or `stop` is set (false); at once true for a process
+    /// that cannot be watched.
+    fn wait_end(&self, stop: &AtomicBool) -> bool {
+        while !stop.load(Ordering::SeqCst) {
+            let fd = match self {
+                PeerProcess::Pidfd(fd) => fd.as_raw_fd(),
+                PeerProcess::Proc { .. } => -1,
+                PeerProcess::Unknown => return true,
+            };
+            let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd entry (a negative fd is ignored by poll).
+            let r = unsafe { libc::poll(&mut pfd, 1, ABANDON_POLL.as_millis() as i32) };
+            if (r > 0 && pfd.revents != 0) || self.ended() {
+                return true;
+            }
+        }
+        false
     }
 }
 
@@ -248,7 +304,9 @@ impl Receiver {
     }
 
     /// Watches `lease` until the peer closes it (unmapped, or its process ended), holding `ring`
-    /// (the ring it was passed) until then; `direct`: the peer maps the KV pool too.
+    /// (the ring it was passed) until then; `direct`: the peer maps the KV pool too. A lease of a
+    /// device ring or of the pool that closes without [`shm::LEASE_UNMAPPED`] ends with the
+    /// peer process only (see [`shm`]).
     fn watch_lease(self: &Arc<Self>, id: ConnId, lease: UnixStream, ring: Arc<RingMemory>, direct: bool) -> crate::Result<()> {
         let watched = lease.try_clone()?;
         let device = ring.device().is_some();
@@ -257,29 +315,45 @@ impl Receiver {
         let peer_pid = shm::fdpass::peer_pid(&lease).ok();
         let process = PeerProcess::watch(peer_pid);
         let peer_died = AtomicBool::new(false);
+        let said_unmapped = AtomicBool::new(false);
+        let drains = device || direct;
         let me = self.clone();
         // Locked before the thread starts, so its removal comes after this insertion.
         let mut leases = self.leases.watched.lock();
         let handle = std::thread::Builder::new()
             .name(format!("kvstage-lease-{id}"))
             .spawn(move || {
-                // The peer sends nothing; any byte is ignored. The end of the stream (or a dead
-                // socket) is the signal, or the end of the peer process itself: a sender that
-                // forked without exec left the lease (and its session's socket) open in the
-                // child, which never writes the ring (kvstage's threads do not survive a fork).
-                // A read interrupted by a signal (handlers installed without SA_RESTART, as
-                // CPython's are) must not end the quarantine, nor may a panic (the watch starts
-                // over: ending it early would free ranges the peer may still write).
+                // The peer sends one byte, LEASE_UNMAPPED, before a clean close (any other is
+                // ignored). The end of the stream (or a dead socket) is the signal, or the end of
+                // the peer process itself: a sender that forked without exec left the lease (and
+                // its session's socket) open in the child, which never writes the ring (kvstage's
+                // threads do not survive a fork). A read interrupted by a signal (handlers
+                // installed without SA_RESTART, as CPython's are) must not end the quarantine, nor
+                // may a panic (the watch starts over: ending it early would free ranges the peer
+                // may still write).
                 let watch = || {
                     let mut buf = [0u8; 64];
                     loop {
                         crate::panics::point("lease watcher");
                         match wait_lease(&lease, &process) {
                             LeaseEvent::Readable => match (&lease).read(&mut buf) {
-                                Ok(0) => break,
-                                Ok(_) => {}
+                                Ok(n) if n > 0 => {
+                                    if buf[..n].contains(&shm::LEASE_UNMAPPED) {
+                                        said_unmapped.store(true, Ordering::SeqCst);
+                                    }
+                                }
                                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                                Err(_) => break,
+                                // The end, or a reset (closed with our greeting unread).
+                                _ if drains && !said_unmapped.load(Ordering::SeqCst) => {
+                                    // Closed without saying it unmapped, as by a dying process
+                                    // whose device context may outlive its files: the end of
+                                    // the process ends it.
+                                    if process.wait_end(&me.leases.abandoned) {
+                                        peer_died.store(true, Ordering::SeqCst);
+                                    }
+                                    break;
+                                }
+                                _ => break,
                             },
                             LeaseEvent::Interrupted => {}
                             LeaseEvent::ProcessEnded => {
@@ -318,7 +392,7 @@ impl Receiver {
         if self.closing() {
             let _ = watched.shutdown(std::net::Shutdown::Both);
         }
-        leases.insert(id, (watched, handle, device || direct));
+        leases.insert(id, Watch { socket: watched, thread: handle, drains, pid: peer_pid });
         Ok(())
     }
 }

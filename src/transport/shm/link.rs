@@ -15,6 +15,7 @@
 //! it was granted to someone else.
 
 use std::borrow::Cow;
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
@@ -173,6 +174,11 @@ impl ShmTransport {
         // Waits for a gather in progress; after this nothing here can write the ring.
         self.ring.write().take();
         if let Some(s) = self.lease.lock().take() {
+            // The mappings are gone (device ones closed): say so, so that the receiver need not
+            // wait for this process to end. Never blocks: the receiver drains the socket, and a
+            // full one only costs the receiver that wait.
+            let _ = s.set_nonblocking(true);
+            let _ = (&s).write(&[super::LEASE_UNMAPPED]);
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }

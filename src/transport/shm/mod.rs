@@ -15,7 +15,10 @@
 //!    which it maps; or device memory of that size on its KV pool's device, which it opens (or,
 //!    when the receiver is this very process, uses at its address). The local socket stays open
 //!    as the mapping's lease: its end tells the receiver that this process can no longer write
-//!    its ring.
+//!    its ring. A sender that unmapped writes [`LEASE_UNMAPPED`] before it closes the lease; a
+//!    lease that the receiver's memory waits for (a device ring, a mapped KV pool) and that ends
+//!    without that byte holds until the peer process has ended, since a dying process closes its
+//!    files in descriptor order and the lease may close before its GPU context is torn down.
 //!
 //! Direct mode: when the sender asks for it (naming its own pool's memory) and the receiver's KV
 //! pool is in that memory and shareable — host memory of `kvstage_shared_alloc`, or CUDA device
@@ -50,6 +53,10 @@ use crate::error::{Error, Result, Status};
 use crate::geometry::{MemoryKind, PoolShape};
 use crate::protocol::{self, Message};
 use crate::transport::Transport;
+
+/// The byte a sender writes on its lease once nothing in its process maps the receiver's ring
+/// or pool any more (then it closes the lease).
+pub const LEASE_UNMAPPED: u8 = b'U';
 
 /// A receiver's device memory as a sender reaches it: its device ring, or an allocation of its KV
 /// pool (direct mode). The session layer, which owns CUDA, opens it (see [`OpenDevice`]) and
