@@ -3,6 +3,7 @@
 pub mod describe;
 pub mod logging;
 pub mod stats;
+mod stderr;
 
 use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;

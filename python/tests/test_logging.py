@@ -2,6 +2,7 @@
 mapped, the session in the message and as an attribute. Engines on 127.0.0.1 in this process."""
 
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -171,3 +172,58 @@ def test_records_reach_stderr_through_logging_or_the_library(child_env, python_l
     else:
         assert " WARN kvstage::transport::shm: session py-child: same-host path not used" in lines[0], out.stderr
         assert " WARN kvstage::transport::rdma: session py-child: downgraded from rdma to tcp" in lines[1], out.stderr
+
+
+_NOISY_CHILD = textwrap.dedent(
+    """
+    import signal
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as in a C program: SIGPIPE ends the process
+    import kvref, kvstage
+    model = kvref.Model(layers=2, heads=2, head_dim=8, dtype_bytes=2, page_size=4)
+    for _ in range(3):
+        _, layout = kvref.make_pool(model, 0, 1, 8)
+        decode = kvstage.Engine(transport=kvstage.Transport.TCP)
+        decode.register_pool(layout)
+        prefill = kvstage.Engine(transport=kvstage.Transport.TCP)
+        prefill.register_pool(layout)
+        prefill.connect(decode.listen_address, "noisy").close()
+        prefill.close()
+        decode.close()
+    print("alive", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("stderr_is", ["closed", "full"])
+def test_a_stderr_nobody_reads_neither_blocks_nor_kills_the_process(child_env, stderr_is):
+    """The library's stderr lines (debug level) go to a pipe whose reader is gone (a write raises
+    SIGPIPE, whose default action ends a C program) or to a full pipe nobody reads (a write
+    blocks): the process runs to its end either way, the lines dropped."""
+    import fcntl
+
+    env = dict(child_env, KVSTAGE_LOG="debug", KVSTAGE_PYTHON_LOGGING="0")
+    r, w = os.pipe()
+    try:
+        if stderr_is == "closed":
+            os.close(r)
+            r = None
+        else:
+            fcntl.fcntl(w, fcntl.F_SETFL, fcntl.fcntl(w, fcntl.F_GETFL) | os.O_NONBLOCK)
+            try:
+                while True:
+                    os.write(w, b"x" * 4096)
+            except BlockingIOError:
+                pass
+            fcntl.fcntl(w, fcntl.F_SETFL, fcntl.fcntl(w, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        child = subprocess.Popen([sys.executable, "-c", _NOISY_CHILD], env=env, stdout=subprocess.PIPE, stderr=w, text=True)
+        try:
+            out, _ = child.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            pytest.fail(f"the process blocked writing its log to a {stderr_is} stderr")
+        assert child.returncode == 0 and out.strip() == "alive", f"{stderr_is} stderr: exit {child.returncode}, stdout {out!r}"
+    finally:
+        os.close(w)
+        if r is not None:
+            os.close(r)

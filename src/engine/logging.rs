@@ -8,7 +8,8 @@
 //!   (case-insensitive), read once, when the first engine is created or a callback is set. An
 //!   unknown value is reported in one warning and the default applies.
 //! - **Sinks.** Without a callback, records at or above that level go to stderr, one line each:
-//!   `2026-12-03T10:15:42.123Z  WARN kvstage::transport::rdma: session s-1: message` (UTC). With a
+//!   `2026-12-03T10:15:42.123Z  WARN kvstage::transport::rdma: session s-1: message` (UTC), never
+//!   waiting for a reader nor raising `SIGPIPE` ([`super::stderr`]). With a
 //!   callback ([`set_callback`], the C API's `kvstage_log_set_callback`), records at or above the
 //!   callback's own level go to it instead, and nothing goes to stderr.
 //! - **Swapping.** A delivery holds the sink for its duration, and [`set_callback`] takes it
@@ -20,7 +21,6 @@
 //! records go to that logger and this module only keeps its settings.
 
 use std::cell::Cell;
-use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Once, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -223,10 +223,10 @@ impl Log for Logger {
     fn flush(&self) {}
 }
 
-/// One line on stderr, written at once (lines of several threads do not interleave).
+/// One line on stderr, written at once (lines of several threads do not interleave), or dropped
+/// when stderr would make the thread wait (see [`super::stderr`]).
 fn write_stderr(line: &Line<'_>) {
-    let text = format_line(SystemTime::now(), line);
-    let _ = std::io::stderr().lock().write_all(text.as_bytes());
+    super::stderr::write_line(&format_line(SystemTime::now(), line));
 }
 
 /// `2026-12-03T10:15:42.123Z  WARN kvstage::transport::rdma: session s-1: message\n`; line
