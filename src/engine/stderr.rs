@@ -104,6 +104,6 @@ mod tests {
         assert!(short.len() <= MAX_LINE);
         let text = std::str::from_utf8(&short).expect("cut inside a character");
         assert!(text.ends_with("…\n"));
-        assert_eq!(cut(&"short\n".to_owned()).as_ref(), b"short\n");
+        assert_eq!(cut("short\n").as_ref(), b"short\n");
     }
 }
