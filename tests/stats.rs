@@ -301,4 +301,11 @@ fn the_slice_path_is_counted() {
     assert_eq!(counts(&s.stats().send), [payload, 1, 1, 0, 0, 0, 0, 0, 0, 1]);
     let d = dec.stats().receive;
     assert_eq!((d.bytes_received, d.chunks_received, d.scatter_count, d.ring_high_water), (payload, 1, 0, 0));
+    // The room released, its opening is stale: refused before a byte is sent, as on the staged path.
+    dec.receiver().release_room(1);
+    let (r, t) = s.transfer_slices_timed(&desc(at, &pages, 10_000), &Op::new(s.waker()));
+    assert_eq!(r.unwrap_err().code(), Status::KVSTAGE_E_STALE_ROOM);
+    assert_eq!(t.wire_ns, 0, "the slices went out to a stale room: {t:?}");
+    assert_eq!(s.stats().send.bytes_sent, payload);
+    assert_eq!(dec.stats().receive.bytes_received, payload);
 }

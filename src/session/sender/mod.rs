@@ -441,6 +441,10 @@ impl SenderSession {
             };
             (header, payload)
         });
+        // The receiver's word that this opening is live before any byte goes out (the staged
+        // path has it from the allocation): a stale key costs a round trip, not the chunk.
+        op.enter("waiting_for_allocation", || format!("the receiver {} to say the room is open", self.link.describe()));
+        self.grid(desc.room, &deadline, op)?;
         let pending = self.expect_reply();
         op.enter("writing", String::new);
         let phase = Instant::now();
@@ -467,10 +471,13 @@ impl SenderSession {
     /// shorter). Fails as the receiver says (`KVSTAGE_E_STALE_ROOM` for an opening it does not have
     /// open) or when `timeout` (`None`: no limit) passes.
     pub fn room_grid(&self, room: RoomRef, timeout: Option<Duration>) -> Result<RoomGrid> {
-        let deadline = Deadline::after(timeout);
+        self.grid(room, &Deadline::after(timeout), &Op::new(self.waker()))
+    }
+
+    fn grid(&self, room: RoomRef, deadline: &Deadline, op: &Op) -> Result<RoomGrid> {
         let pending = self.expect_reply();
-        self.link.send(&Message::GridReq { req: pending.req, room }, &deadline)?;
-        match self.wait_reply(&pending, &deadline, &Op::new(self.waker()), "waiting for the room's chunk grid", None)? {
+        self.link.send(&Message::GridReq { req: pending.req, room }, deadline)?;
+        match self.wait_reply(&pending, deadline, op, "waiting for the room's chunk grid", None)? {
             Message::GridRsp { status: 0, chunk_tokens, num_chunks, num_pages, .. } => Ok(RoomGrid { chunk_tokens, num_chunks, num_pages }),
             Message::GridRsp { status, reason, .. } => {
                 let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
