@@ -85,6 +85,9 @@ pub type OpenDevice<'a> = &'a dyn Fn(&DeviceExport, usize, bool) -> Result<Box<d
 /// Local connections the sender accepts while looking for the receiver's (another local process
 /// that saw the socket's name may connect first; it cannot know the nonce).
 const MAX_LOCAL_ACCEPTS: usize = 8;
+/// How long a local connection that began its greeting has to finish it (the receiver sends it in
+/// one write as soon as it connects).
+const GREETING_BOUND: Duration = Duration::from_millis(500);
 
 /// I/O bound on the local socket during the exchange.
 pub const LOCAL_IO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -290,65 +293,114 @@ fn map_offered_ring(
 ) -> Result<(PeerRing, Option<PeerPool>, UnixStream)> {
     let local = std::time::Instant::now() + LOCAL_IO_TIMEOUT;
     let until = deadline.instant().map_or(local, |d| d.min(local));
-    for _ in 0..MAX_LOCAL_ACCEPTS {
-        let stream = fdpass::accept_by(listener, until)?;
-        // Bounded by the exchange's end: a silent intruder cannot hold the handshake longer.
-        let left = until.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_millis(1));
-        stream.set_read_timeout(Some(left))?;
-        let mut bytes = [0u8; GREETING_BYTES];
-        let Ok(fd) = fdpass::recv_fd(&stream, &mut bytes) else { continue };
-        if !greeting::knows(&bytes, nonce) {
-            continue; // another local process: not the receiver that answered
+    let (stream, bytes, fd) = greeted(listener, nonce, until)?;
+    // The rest (a direct pool's table) by the exchange's end.
+    let left = until.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_millis(1));
+    stream.set_read_timeout(Some(left))?;
+    let said = greeting::parse(&bytes)?;
+    if said.ring_len != ring_len {
+        return Err(Error::new(
+            Status::KVSTAGE_E_PROTOCOL,
+            format!("ring of {} bytes on the local socket, {ring_len} on the control stream", said.ring_len),
+        ));
+    }
+    // The kernel's word on who connected, not the peer's: only this very process may hand
+    // over bare device addresses.
+    let same_process = fdpass::peer_pid(&stream)? == std::process::id() as i32;
+    let ring = match (said.device, fd) {
+        (None, Some(fd)) => PeerRing::Host(memory::map_peer_ring(&fd, ring_len)?),
+        (None, None) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, "the peer sent no descriptor with its host ring")),
+        (Some(export), _) => {
+            let Some(open_device) = open_device else {
+                return Err(Error::new(
+                    Status::KVSTAGE_E_UNSUPPORTED,
+                    "the receiver's staging ring is CUDA device memory and this engine's KV pool is host memory",
+                ));
+            };
+            let ring = open_device(&export, ring_len as usize, same_process)?;
+            if ring.bytes() as u64 != ring_len {
+                return Err(Error::internal(format!("a device ring of {} bytes was opened for {ring_len}", ring.bytes())));
+            }
+            PeerRing::Device(ring)
         }
-        let said = greeting::parse(&bytes)?;
-        if said.ring_len != ring_len {
+    };
+    let pool = match (said.pool, direct) {
+        (PoolFiles { count: 0, .. }, _) => None,
+        // A pool this process cannot reach (on another GPU, IPC refused, a share that does not
+        // check out) leaves the ring: its chunks go through that instead.
+        (files, Some((shape, kind))) if files.device == (kind == MemoryKind::Cuda) => match pool::map_peer_pool(&stream, files, shape, open_device, same_process) {
+            Ok(pool) => Some(pool),
+            Err(e) => {
+                log::warn!("the receiver's KV pool cannot be written directly, its chunks go through the ring: {}", e.chain());
+                None
+            }
+        },
+        (files, _) => {
             return Err(Error::new(
                 Status::KVSTAGE_E_PROTOCOL,
-                format!("ring of {} bytes on the local socket, {ring_len} on the control stream", said.ring_len),
-            ));
+                format!("the peer passes {} pool allocation(s) in {} memory, which this sender did not ask for", files.count, if files.device { "device" } else { "host" }),
+            ))
         }
-        // The kernel's word on who connected, not the peer's: only this very process may hand
-        // over bare device addresses.
-        let same_process = fdpass::peer_pid(&stream)? == std::process::id() as i32;
-        let ring = match (said.device, fd) {
-            (None, Some(fd)) => PeerRing::Host(memory::map_peer_ring(&fd, ring_len)?),
-            (None, None) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, "the peer sent no descriptor with its host ring")),
-            (Some(export), _) => {
-                let Some(open_device) = open_device else {
-                    return Err(Error::new(
-                        Status::KVSTAGE_E_UNSUPPORTED,
-                        "the receiver's staging ring is CUDA device memory and this engine's KV pool is host memory",
-                    ));
-                };
-                let ring = open_device(&export, ring_len as usize, same_process)?;
-                if ring.bytes() as u64 != ring_len {
-                    return Err(Error::internal(format!("a device ring of {} bytes was opened for {ring_len}", ring.bytes())));
-                }
-                PeerRing::Device(ring)
+    };
+    stream.set_read_timeout(None)?;
+    Ok((ring, pool, stream))
+}
+
+/// The first local connection that greets with `nonce` (by `until`): its stream, greeting and
+/// descriptor. Connections are watched together, so a local process that connects first and says
+/// nothing delays no one; one that sends part of a greeting holds the exchange [`GREETING_BOUND`]
+/// at most. At most [`MAX_LOCAL_ACCEPTS`] connections are taken.
+fn greeted(listener: &std::os::unix::net::UnixListener, nonce: &[u8], until: std::time::Instant) -> Result<(UnixStream, [u8; GREETING_BYTES], Option<std::os::fd::OwnedFd>)> {
+    use std::os::fd::AsRawFd;
+    use std::time::Instant;
+    let mut waiting: Vec<UnixStream> = Vec::new();
+    let mut accepted = 0;
+    loop {
+        let now = Instant::now();
+        if now >= until {
+            return Err(Error::new(Status::KVSTAGE_E_TIMEOUT, "no local connection presented the session's nonce in time"));
+        }
+        let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
+            .chain(waiting.iter().map(|s| s.as_raw_fd()))
+            .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
+            .collect();
+        let ms = until.saturating_duration_since(now).as_millis().clamp(1, 1000) as i32;
+        // SAFETY: `fds` holds valid pollfd entries for open descriptors.
+        if unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) } <= 0 {
+            continue; // a timeout, or a signal: look again
+        }
+        // Highest first: swap_remove only moves entries already looked at.
+        for i in (0..waiting.len()).rev() {
+            if fds[i + 1].revents == 0 {
+                continue;
             }
-        };
-        let pool = match (said.pool, direct) {
-            (PoolFiles { count: 0, .. }, _) => None,
-            // A pool this process cannot reach (on another GPU, IPC refused, a share that does not
-            // check out) leaves the ring: its chunks go through that instead.
-            (files, Some((shape, kind))) if files.device == (kind == MemoryKind::Cuda) => match pool::map_peer_pool(&stream, files, shape, open_device, same_process) {
-                Ok(pool) => Some(pool),
-                Err(e) => {
-                    log::warn!("the receiver's KV pool cannot be written directly, its chunks go through the ring: {}", e.chain());
-                    None
-                }
-            },
-            (files, _) => {
-                return Err(Error::new(
-                    Status::KVSTAGE_E_PROTOCOL,
-                    format!("the peer passes {} pool allocation(s) in {} memory, which this sender did not ask for", files.count, if files.device { "device" } else { "host" }),
-                ))
+            let stream = waiting.swap_remove(i);
+            // The greeting is one send: what began arrives whole, or the peer is not the receiver.
+            stream.set_read_timeout(Some(GREETING_BOUND))?;
+            let mut bytes = [0u8; GREETING_BYTES];
+            match fdpass::recv_fd(&stream, &mut bytes) {
+                Ok(fd) if greeting::knows(&bytes, nonce) => return Ok((stream, bytes, fd)),
+                _ => {} // another local process: not the receiver that answered
             }
-        };
-        stream.set_read_timeout(None)?;
-        return Ok((ring, pool, stream));
+        }
+        if fds[0].revents != 0 {
+            loop {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        accepted += 1;
+                        if accepted > MAX_LOCAL_ACCEPTS {
+                            return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("no local connection in {MAX_LOCAL_ACCEPTS} presented the session's nonce")));
+                        }
+                        stream.set_nonblocking(false)?;
+                        waiting.push(stream);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Err(Error::new(Status::KVSTAGE_E_TRANSPORT, "accept on the local socket failed").with_source(e)),
+                }
+            }
+        }
     }
-    Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("no local connection in {MAX_LOCAL_ACCEPTS} presented the session's nonce")))
 }
 
 /// Whether the same-host path works on this host (the doctor): a small sealed ring passed over an
@@ -420,6 +472,27 @@ mod tests {
     #[test]
     fn this_host_serves_the_path() {
         probe().unwrap();
+    }
+
+    /// Local processes that saw the socket's name connect first: one says nothing, one sends part
+    /// of a greeting and stops. The receiver's greeting behind them is taken well within the
+    /// exchange's bound (before, the silent one held it for the whole bound).
+    #[test]
+    fn local_processes_that_connect_first_and_stall_delay_the_exchange_no_longer_than_a_greeting() {
+        use std::io::Write;
+        let ring = memory::SharedRing::create(8192).unwrap();
+        let (name, listener) = fdpass::listen_abstract().unwrap();
+        let nonce = fdpass::random_bytes(NONCE_BYTES).unwrap();
+        let silent = fdpass::connect_abstract(&name, LOCAL_IO_TIMEOUT).unwrap();
+        let mut partial = fdpass::connect_abstract(&name, LOCAL_IO_TIMEOUT).unwrap();
+        partial.write_all(&[0u8; 3]).unwrap();
+        let _r = pass_ring(&name, &nonce, OfferedRing::Memfd(ring.fd()), 8192, None).unwrap();
+        let started = std::time::Instant::now();
+        let (mapped, _, _lease) = map_offered_ring(&listener, &nonce, 8192, None, None, &Deadline::after(Some(LOCAL_IO_TIMEOUT))).unwrap();
+        let took = started.elapsed();
+        assert!(took < LOCAL_IO_TIMEOUT / 2, "the exchange waited {took:?} behind local connections that stalled");
+        assert!(matches!(mapped, PeerRing::Host(_)));
+        drop((silent, partial));
     }
 
     #[test]
