@@ -1014,6 +1014,45 @@ fn replies_to_requests_nobody_made_are_dropped_not_kept() {
     drop(raw);
 }
 
+/// A receiver that answers the hello one byte at a time (each byte well within the connect's
+/// timeout): the connect ends by its one deadline with `KVSTAGE_E_TIMEOUT`, not one timeout per
+/// read (which let a 1 MiB hello take a million of them).
+#[test]
+fn a_trickled_hello_ends_the_connect_by_its_deadline() {
+    use kvstage::engine::{EngineOptions, TransportKind};
+    let _serial = serial();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let decode_shape = SMALL.shape(0, 1);
+    let trickler = std::thread::spawn(move || {
+        let (stream, _) = listener.accept().unwrap();
+        let mut raw = RawPeer { stream };
+        match raw.recv(Duration::from_secs(5)) {
+            Ok(Some(Message::Hello(_))) => {}
+            other => panic!("expected the sender's hello, got {other:?}"),
+        }
+        let Message::Hello(mut answer) = hello(&decode_shape, "trickler", b"") else { unreachable!() };
+        answer.ring_bytes = 1 << 20;
+        let bytes = Message::Hello(answer).encode();
+        let mut sent = 0;
+        for b in &bytes {
+            if raw.send_bytes(std::slice::from_ref(b)).is_err() {
+                break; // the sender gave up and closed
+            }
+            sent += 1;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        (sent, bytes.len())
+    });
+    let prefill = Engine::new(EngineOptions { transport: TransportKind::Tcp, same_host: false, ..EngineOptions::default() }).unwrap();
+    let pool = HostPool::new(SMALL.shape(0, 2), 64);
+    prefill.register_pool(pool.layout.clone()).unwrap();
+    let e = prefill.connect(&addr.to_string(), "trickled", Some(Duration::from_secs(1))).err().expect("a trickled hello was waited for past the connect's deadline");
+    assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
+    let (sent, len) = trickler.join().unwrap();
+    assert!(sent < len, "the whole {len}-byte hello went out before the sender gave up");
+}
+
 /// Same-host leases outlive their connections (until the peer unmaps), each a thread and a
 /// descriptor of the engine: a peer that opens sessions, takes their leases and drops the
 /// connections cannot hold more than `max_connections` of them.

@@ -49,8 +49,10 @@ impl SenderSession {
         let components = resources.components.lock().clone().unwrap_or_default();
         let deadline = Deadline::after(Some(timeout));
         let stream = tcp::connect(addr, timeout, resources.options.dead_peer_timeout)?;
-        stream.set_read_timeout(Some(timeout))?;
-        let mut reader = stream.try_clone()?;
+        let reader = stream.try_clone()?;
+        // Until the reader thread starts, every read (the hello, the same-host and RDMA answers)
+        // ends by the one deadline: a receiver that trickles bytes cannot stretch the connect.
+        let mut handshake = tcp::DeadlineReader::new(&reader, &deadline, "waiting for the receiver's handshake and transport answers");
         let mut link: Arc<dyn Transport> = Arc::new(TcpTransport::new(stream)?);
         let options = &resources.options;
         if let Some(faults) = &options.faults {
@@ -72,12 +74,7 @@ impl SenderSession {
             components: components.specs(),
         };
         link.send(&Message::Hello(ours), &deadline)?;
-        let remote = match protocol::read_frame(&mut reader) {
-            Ok(Some(Message::Hello(h))) => h,
-            Ok(Some(other)) => return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("expected a hello, got {other:?}"))),
-            Ok(None) => return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, format!("{addr} closed the connection during the handshake"))),
-            Err(e) => return Err(e.context(format!("handshake with {addr} failed"))),
-        };
+        let remote = protocol::read_hello(&mut handshake).map_err(|e| e.context(format!("handshake with {addr} failed")))?;
         // A refusal that is not about geometry (auth, limits, version) says it all; for geometry our
         // own diff gives every field and the peer's status covers what only it can check.
         let refused = Status::from_code(remote.status).filter(|s| *s != Status::KVSTAGE_OK);
@@ -108,12 +105,12 @@ impl SenderSession {
         let open_device = open_device.as_ref().map(|f| f as crate::transport::shm::OpenDevice<'_>);
         // Direct mode copies between two pools of one kind: the receiver's in our pool's memory.
         let direct = Some((&remote.shape, pool.memory));
-        let shm = resources.shm.negotiate(&link, &mut reader, &peer, id, remote.ring_bytes, open_device, direct, &deadline, &mut early)?;
+        let shm = resources.shm.negotiate(&link, &mut handshake, &peer, id, remote.ring_bytes, open_device, direct, &deadline, &mut early)?;
         let (link, link_kind, downgraded) = match shm {
             Negotiated::Mapped(shm) => (shm, LinkKind::Shm, false),
             Negotiated::NotUsed { downgraded } => {
                 let plain = link.clone();
-                let (link, more) = resources.rdma.negotiate(link, &mut reader, &peer, id, &deadline)?;
+                let (link, more) = resources.rdma.negotiate(link, &mut handshake, &peer, id, &deadline)?;
                 early.extend(more);
                 if Arc::ptr_eq(&plain, &link) {
                     // Transport auto on TCP: RDMA's downgrade was counted.
