@@ -1280,9 +1280,14 @@ enum kvstage_status kvstage_room_wait(const struct kvstage_engine *engine, uint6
 // Decode side: forgets the room and frees every ring allocation it still holds (on completion,
 // abort or failure). Idempotent until the id is opened again: it releases whatever opening is
 // open under the id, so release each request's room once (a late second release after the id
-// was reopened releases the next request's room). Late data for it is discarded. Not from inside
-// a completion callback (`KVSTAGE_E_UNSUPPORTED`: the release may wait for the thread running
-// the callback); release the room from another thread.
+// was reopened releases the next request's room). Late data for it is discarded. It returns once
+// nothing will write the room's pages: a payload read or same-host copy into them gets 0.5 s,
+// then its connection is cut and the release waits for it to end. A writer that cannot end (a
+// same-host prefill process stopped mid-copy) holds them: after the engine's
+// `default_deadline_ms` the release fails with `KVSTAGE_E_TIMEOUT` naming its connections; the
+// room is released, but its pages and id are not free yet (call again to wait more). Not from
+// inside a completion callback (`KVSTAGE_E_UNSUPPORTED`: the release may wait for the thread
+// running the callback); release the room from another thread.
 enum kvstage_status kvstage_room_release(const struct kvstage_engine *engine, uint64_t room);
 
 // Decode side: moves up to `capacity` chunk events into `events` and their number into

@@ -73,8 +73,8 @@ fn chunk(room: RoomRef, pages: &[u32]) -> TransferDesc {
     TransferDesc { room, chunk: 0, pages: pages.to_vec(), timeout: Some(Duration::from_secs(20)), ..Default::default() }
 }
 
-/// A writer pauses 1.5 s holding the decode pool's mapping before it copies; the room is released
-/// while it pauses. The release returns only once that writer can no longer write (here: its
+/// A writer pauses 3 s holding the decode pool's mapping before it copies; the room is released
+/// while it pauses (a first release bounded at 1 s fails with TIMEOUT). The release returns only once that writer can no longer write (here: its
 /// session cut after the release's grace, its copy finished, its mapping gone), so pages the caller
 /// refills right after the release keep what it wrote. The room id then opens again for another
 /// request, which lands whole. Without the release's hold on direct writers, the copy lands over a
@@ -82,9 +82,15 @@ fn chunk(room: RoomRef, pages: &[u32]) -> TransferDesc {
 #[test]
 fn a_release_waits_for_a_direct_writer_still_copying() {
     let (d, room) = decode();
-    let (_pe, _pp, session, src_pages) = prefill(&d.engine, FaultPlan { direct_pause_ms: 1500, ..FaultPlan::default() });
+    let (_pe, _pp, session, src_pages) = prefill(&d.engine, FaultPlan { direct_pause_ms: 3000, ..FaultPlan::default() });
     let writer = send_until_copying(&session, chunk(room, &src_pages));
-    d.engine.receiver().release_room(ROOM);
+    // A release bounded below the pause ends by its bound, naming the writer; the pages and the id
+    // are not free yet.
+    let held = d.engine.receiver().release_room(ROOM, Some(Duration::from_secs(1))).unwrap_err();
+    assert_eq!(held.code(), Status::KVSTAGE_E_TIMEOUT, "{}", held.chain());
+    assert!(held.chain().contains("still hold its pages"), "{}", held.chain());
+    assert!(d.engine.receiver().open_room(ROOM, &d.pages, (PAGES * 16) as u32).is_err(), "a room id reopened while a writer held its pages");
+    d.engine.receiver().release_room(ROOM, None).unwrap();
     pool_fill_canary(&d.pool, &d.pages);
     let sent = writer.join().unwrap();
     assert!(sent.is_err(), "a transfer into a released room succeeded: {sent:?}");
@@ -110,7 +116,7 @@ fn a_release_within_the_grace_waits_for_the_report_and_keeps_the_session() {
     let (d, room) = decode();
     let (_pe, _pp, session, src_pages) = prefill(&d.engine, FaultPlan { direct_pause_ms: 100, ..FaultPlan::default() });
     let writer = send_until_copying(&session, chunk(room, &src_pages));
-    d.engine.receiver().release_room(ROOM);
+    d.engine.receiver().release_room(ROOM, None).unwrap();
     pool_fill_canary(&d.pool, &d.pages);
     let sent = writer.join().unwrap();
     assert!(sent.is_err(), "a transfer into a released room succeeded: {sent:?}");

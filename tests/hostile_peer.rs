@@ -445,7 +445,7 @@ fn mixed_tp_senders_to_one_room_are_refused_without_panic() {
     assert_eq!(s2b.transfer(&desc(at), &Op::new(s2b.waker())).unwrap(), Status::KVSTAGE_OK);
     rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
     c.verify_room("mixed TP", room, &pages);
-    rx.release_room(room);
+    rx.release_room(room, None).unwrap();
     pool_fill_canary(&c.dpool, &pages);
 
     // TP 4 first: now the TP 2 sender is the one refused.
@@ -457,7 +457,7 @@ fn mixed_tp_senders_to_one_room_are_refused_without_panic() {
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
     assert!(e.causes().iter().any(|c| c.contains("tp_size")), "{:?}", e.causes());
     assert!(rx.wait_room(room, Some(Duration::from_millis(200))).is_err_and(|e| e.code() == Status::KVSTAGE_E_TIMEOUT));
-    rx.release_room(room);
+    rx.release_room(room, None).unwrap();
     assert!(settle(Duration::from_secs(5), || rx.stats().ring_live == 0), "ring space of the released room leaked");
     let (stray, first) = pool_scan_canary(&c.dpool, &all_pages(&c.dpool));
     assert_eq!(stray, 0, "an incomplete room's pages were written: {first:?}");
@@ -517,7 +517,7 @@ fn another_connections_writer_slot_cannot_be_written() {
     assert_eq!(s1.transfer(&desc, &Op::new(s1.waker())).unwrap(), Status::KVSTAGE_OK);
     rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
     c.verify_room("impostor data", room, &pages);
-    rx.release_room(room);
+    rx.release_room(room, None).unwrap();
     pool_fill_canary(&c.dpool, &pages);
     drop((s0, s1, raw, raw2));
     after_attack(&c, &base, "another connection's writer slot");
@@ -569,7 +569,7 @@ fn slab_writes_land_in_any_order_but_never_twice_or_past_the_region() {
     }
     rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
     c.verify_room("slabs back to front", room, &pages);
-    rx.release_room(room);
+    rx.release_room(room, None).unwrap();
     pool_fill_canary(&c.dpool, &pages);
 
     // The same half twice, and a write that runs one byte past the region: each ends the session
@@ -591,7 +591,7 @@ fn slab_writes_land_in_any_order_but_never_twice_or_past_the_region() {
         if let Ok(done) = rx.wait_room(room, Some(Duration::from_millis(300))) {
             panic!("[{label}] room {room} ended {done:?} with half of its bytes");
         }
-        rx.release_room(room);
+        rx.release_room(room, None).unwrap();
         pool_fill_canary(&c.dpool, &pages);
     }
     drop((s0, raw));
@@ -626,7 +626,7 @@ fn abort_from_a_connection_that_never_wrote_does_not_fail_the_room() {
     assert_eq!(s1.transfer(&desc, &Op::new(s1.waker())).unwrap(), Status::KVSTAGE_OK);
     rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
     c.verify_room("foreign abort", room, &pages);
-    rx.release_room(room);
+    rx.release_room(room, None).unwrap();
     pool_fill_canary(&c.dpool, &pages);
     raw.barrier(2, 0); // and the aborter's session is still served
     drop((s0, s1, raw));
@@ -661,7 +661,7 @@ fn late_frames_for_closed_rooms_keep_the_session() {
     late(&mut raw, RoomRef { id: 4242, key: 1 }, 1, "never opened");
     let pages = c.room_pages(4243, 1);
     let released = open_room(&c.decode, 4243, &pages, SMALL.chunk_tokens);
-    rx.release_room(4243);
+    rx.release_room(4243, None).unwrap();
     late(&mut raw, released, 2, "released");
     // Granted to this connection, then released before its data came.
     let granted = open_room(&c.decode, 4244, &pages, SMALL.chunk_tokens);
@@ -680,7 +680,7 @@ fn late_frames_for_closed_rooms_keep_the_session() {
         Err(e) if e.code() == Status::KVSTAGE_E_TIMEOUT => {}
         other => panic!("stale frames changed the reopened room: {other:?}"),
     }
-    rx.release_room(4245);
+    rx.release_room(4245, None).unwrap();
     assert!(settle(Duration::from_secs(5), || rx.stats().ring_live == 0), "ring space leaked: {:?}", rx.stats());
     let (stray, first) = pool_scan_canary(&c.dpool, &all_pages(&c.dpool));
     assert_eq!(stray, 0, "late data reached the pool: {first:?}");
@@ -962,7 +962,7 @@ fn a_same_host_peer_is_held_to_its_grant_and_its_lease() {
     assert!(settle(Duration::from_secs(5), || rx.stats().connections == 0));
     let failed = rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_err();
     assert_eq!(failed.code(), Status::KVSTAGE_E_PEER_GONE, "{}", failed.chain());
-    rx.release_room(room);
+    rx.release_room(room, None).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(rx.stats().ring_live, 1, "the range of a peer that still maps the ring went back to the ring");
     drop(lease);
@@ -1108,7 +1108,7 @@ fn stale_and_guessed_room_keys_claim_nothing() {
     let pages = c.room_pages(room, 1);
     // The id was opened before (a canceled request): the guesser knows that opening's key.
     let stale = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
-    rx.release_room(room);
+    rx.release_room(room, None).unwrap();
     let open = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
     assert_ne!(stale.key, open.key);
     let mut keys: Vec<u64> = xorshift_bytes(0x6b65_7973, 8 * 2000).chunks(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect();
@@ -1163,7 +1163,7 @@ fn stale_and_guessed_room_keys_claim_nothing() {
     c.send_room(open, &pages, "after guesses").unwrap_or_else(|e| panic!("{}", e.chain()));
     rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
     c.verify_room("after guesses", room, &pages);
-    rx.release_room(room);
+    rx.release_room(room, None).unwrap();
     pool_fill_canary(&c.dpool, &pages);
     raw.barrier(2, 0);
     drop(raw);

@@ -181,7 +181,7 @@ fn stream_into(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: Transp
     let regions = |on: TransportKind| if into_pool && transport == on { prefills.len() as u64 } else { 0 };
     assert_eq!(d.engine.shm().direct_chunks(), regions(TransportKind::Shm), "{name} (seed {seed}): regions received directly");
     assert_eq!(d.engine.stats().receive.regions_read_into_pool, regions(TransportKind::Tcp), "{name} (seed {seed}): regions read into the pool");
-    d.engine.receiver().release_room(1);
+    d.engine.receiver().release_room(1, None).unwrap();
 }
 
 fn mha() -> PoolShape {
@@ -295,7 +295,7 @@ fn marked_layers_leave_before_the_last_is_ready() {
     d.engine.receiver().wait_room(1, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = d.pool.verify(&pages, 0);
     assert_eq!(bad, 0, "{first:?}");
-    d.engine.receiver().release_room(1);
+    d.engine.receiver().release_room(1, None).unwrap();
     drop(p);
     drop(d);
     drop(ring);
@@ -321,7 +321,7 @@ fn a_layer_never_marked_ends_by_the_deadline_and_fails_the_room() {
         assert!(took < deadline + Duration::from_secs(2), "{transport:?}: ended after {took:?}");
         let room = d.engine.receiver().wait_room(1, Some(Duration::from_secs(10)));
         assert!(room.is_err(), "{transport:?}: the room cannot complete without the layer");
-        d.engine.receiver().release_room(1);
+        d.engine.receiver().release_room(1, None).unwrap();
         let live = || d.engine.receiver().ring_stats().1;
         let t = Instant::now();
         while live() != 0 && t.elapsed() < Duration::from_secs(10) {

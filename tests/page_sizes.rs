@@ -225,7 +225,7 @@ fn a_chunk_of_the_wrong_size_or_pages_that_do_not_hold_it_are_refused() {
         assert!(e.chain().contains(text), "{}", e.chain());
         let failed = d[0].engine.receiver().wait_room(id, Some(Duration::ZERO)).unwrap_err();
         assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(text), "room {id}: {}", failed.chain());
-        d[0].engine.receiver().release_room(id);
+        d[0].engine.receiver().release_room(id, None).unwrap();
     }
 
     // The slice path moves whole decode pages only.
@@ -271,7 +271,7 @@ fn a_lying_token_count_claims_nothing() {
         assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(text), "room {id}: {}", failed.chain());
         let doc = serde_json::to_value(c.decode.receiver().describe_room(id).unwrap()).unwrap();
         assert!(doc["chunks"].as_array().unwrap().iter().all(|ch| ch["writers"].as_array().is_none_or(|w| w.is_empty())), "{doc}");
-        c.decode.receiver().release_room(id);
+        c.decode.receiver().release_room(id, None).unwrap();
     }
     let room = open_room(&c.decode, 71, &pages, SMALL.chunk_tokens);
     let first = w0.alloc_granted(4, room, 1, 0, &layout(0, 7));

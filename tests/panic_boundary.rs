@@ -52,7 +52,7 @@ fn the_keeper_still_expires_rooms_after_a_panic() {
     );
     let outcome = rx.wait_room(1, Some(Duration::from_secs(1)));
     assert_eq!(outcome.as_ref().map_err(|e| e.code()).err(), Some(kvstage::Status::KVSTAGE_E_TIMEOUT), "{outcome:?}");
-    rx.release_room(1);
+    rx.release_room(1, None).unwrap();
 }
 
 #[test]

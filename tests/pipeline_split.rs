@@ -158,7 +158,7 @@ fn the_prefill_side_learns_the_grid_and_a_wrong_chunk_is_refused_with_both_value
     let e = s.room_grid(RoomRef { id: 99, key: 1 }, Some(Duration::from_secs(5))).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_STALE_ROOM, "{}", e.chain());
     assert!(e.chain().contains("room 99: the room key names no open opening"), "{}", e.chain());
-    d.engine.receiver().release_room(6);
+    d.engine.receiver().release_room(6, None).unwrap();
     let e = s.room_grid(d.room, Some(Duration::from_secs(5))).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_STALE_ROOM, "a released room is gone: {}", e.chain());
     let (_, key) = d.engine.receiver().open_room(6, &pages, 16).unwrap();
@@ -178,7 +178,7 @@ fn the_prefill_side_learns_the_grid_and_a_wrong_chunk_is_refused_with_both_value
     assert_eq!(d.engine.stats().receive.bytes_received, 0);
     let failed = d.engine.receiver().wait_room(6, Some(Duration::ZERO)).unwrap_err();
     assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(both), "{}", failed.chain());
-    d.engine.receiver().release_room(6);
+    d.engine.receiver().release_room(6, None).unwrap();
     let (_, key) = d.engine.receiver().open_room(6, &pages, 16).unwrap();
     let room = RoomRef { id: 6, key };
 

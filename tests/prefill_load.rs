@@ -79,7 +79,7 @@ fn a_stuck_decode_peer_costs_only_its_own_sessions() {
         healthy.engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
         let (bad, first) = healthy.pool.verify(&pages, 0);
         assert_eq!(bad, 0, "room {room}: {first:?}");
-        healthy.engine.receiver().release_room(room);
+        healthy.engine.receiver().release_room(room, None).unwrap();
         healthy_rooms += 1;
         assert!(healthy_rooms < 1000, "bounded");
     }
@@ -135,7 +135,7 @@ fn hundreds_of_async_operations_run_on_a_fixed_set_of_threads() {
         d.engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
         let (bad, first) = d.pool.verify(&pages, 0);
         assert_eq!(bad, 0, "room {room}: {first:?}");
-        d.engine.receiver().release_room(room);
+        d.engine.receiver().release_room(room, None).unwrap();
     }
     let after = threads();
     eprintln!("threads: {before} before, at most {most} with {OPS} operations in flight, {after} after");

@@ -91,7 +91,7 @@ fn transfer_all(p: &Pair, room: u64, tag: &str) {
     p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = p.dpool.verify(&(0..PAGES).collect::<Vec<_>>(), 0);
     assert_eq!(bad, 0, "{first:?}");
-    p.decode.receiver().release_room(room);
+    p.decode.receiver().release_room(room, None).unwrap();
     assert_eq!(p.decode.receiver().ring_stats().1, 0);
 }
 
@@ -156,7 +156,7 @@ fn a_layer_wise_chunk_streams_by_rdma_write_and_its_immediate_follows_the_last_l
     p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = p.dpool.verify(&pages, 0);
     assert_eq!(bad, 0, "{first:?}");
-    p.decode.receiver().release_room(room);
+    p.decode.receiver().release_room(room, None).unwrap();
     drop(s);
     drop(p);
     drop(ring);
@@ -184,7 +184,7 @@ fn two_sessions_of_one_engine_write_at_once_from_their_own_staging_buffers() {
                     p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
                     let (bad, first) = p.dpool.verify(&dst, 0);
                     assert_eq!(bad, 0, "session {t} chunk {i}: {first:?}");
-                    p.decode.receiver().release_room(room);
+                    p.decode.receiver().release_room(room, None).unwrap();
                 }
             });
         }
@@ -314,8 +314,8 @@ fn a_write_stuck_on_the_session_delays_another_only_until_its_deadline() {
     assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
     assert!(e.chain().contains("waiting for another write"), "{}", e.chain());
     let _ = stuck.wait(Some(Duration::from_secs(30)));
-    p.decode.receiver().release_room(21);
-    p.decode.receiver().release_room(22);
+    p.decode.receiver().release_room(21, None).unwrap();
+    p.decode.receiver().release_room(22, None).unwrap();
 }
 
 /// RDMA setup that fails on the sender only, after the receiver accepted its offer (its QPs'
@@ -344,5 +344,5 @@ fn a_sender_side_rdma_setup_failure_settles_both_sides_on_tcp() {
     let (bad, first) = p.dpool.verify(&pages, 0);
     assert_eq!(bad, 0, "{first:?}");
     eprintln!("transfer over tcp after the sender's RDMA setup failed: {:?}", started.elapsed());
-    p.decode.receiver().release_room(31);
+    p.decode.receiver().release_room(31, None).unwrap();
 }

@@ -278,7 +278,7 @@ fn reopen_during_the_release_of_a_slice_read() {
     let closed = raw.wait_closed(Duration::from_secs(2));
     assert!(closed.after.is_some(), "the stalled slice reader's connection was not shut down by the release");
     // The reopened room takes a full staged transfer.
-    rx.release_room(room);
+    rx.release_room(room, None).unwrap();
     c.legit_transfer("after the slice-read release", Some(room), 1);
     assert_eq!(rx.stats().panics, 0);
 }
@@ -341,7 +341,7 @@ fn reopen_during_a_scatter_waits_for_it() {
     c.send_room(at, &pages, "final").unwrap();
     rx.wait_room(room, Some(BOUND)).unwrap_or_else(|e| panic!("{}", e.chain()));
     c.verify_room("after the scatter races", room, &pages);
-    rx.release_room(room);
+    rx.release_room(room, None).unwrap();
     assert!(settle(BOUND, || rx.stats().ring_live == 0));
     ring.check("scatter races", std::slice::from_ref(&(0..total)));
     assert_eq!(rx.stats().panics, 0);

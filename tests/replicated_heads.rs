@@ -58,5 +58,5 @@ fn each_replicated_head_crosses_the_wire_once() {
     assert_eq!(decode.stats().receive.bytes_received, distinct);
     let sent: Vec<u64> = prefill.iter().map(|(_, _, s)| s.stats().send.bytes_sent).collect();
     assert_eq!(sent, [distinct / 2, 0, distinct / 2, 0]);
-    decode.receiver().release_room(7);
+    decode.receiver().release_room(7, None).unwrap();
 }

@@ -395,7 +395,7 @@ fn parts_go_with_the_last_chunk_only_and_every_field_is_checked() {
         refused(s, &TransferDesc { parts, ..desc(RoomRef { id, key }, &src_pages, chunk) }, Status::KVSTAGE_E_GEOMETRY_MISMATCH, text);
         let failed = d[0].engine.receiver().wait_room(id, Some(Duration::ZERO)).unwrap_err();
         assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(text), "room {id}: {}", failed.chain());
-        d[0].engine.receiver().release_room(id);
+        d[0].engine.receiver().release_room(id, None).unwrap();
     }
     // Caller mistakes are named field by field before anything is sent.
     let mut bad = prefill_parts();
@@ -459,8 +459,8 @@ fn a_writer_refused_for_its_parts_fails_the_room_at_once() {
     });
     assert!(freed, "the refused rooms' grants stayed in the ring: {:?}", rx.stats());
     assert_eq!(d[0].memory.buffers[0][0][(d[0].parts.aux_row * 64) as usize], 0, "a failed room's aux row was written");
-    rx.release_room(20);
-    rx.release_room(21);
+    rx.release_room(20, None).unwrap();
+    rx.release_room(21, None).unwrap();
     for id in [22, 23] {
         let (_, key) = rx.open_room_parts(id, &d[0].pages, CHUNK_TOKENS, Some(d[0].parts.clone())).unwrap();
         for chunk in 0..=last_chunk() {
@@ -473,7 +473,7 @@ fn a_writer_refused_for_its_parts_fails_the_room_at_once() {
         assert_eq!(bad, 0, "room {id} KV: {first:?}");
         let (bad, first) = d[0].memory.verify(d[0].parts.aux_row, &d[0].parts.state_slots, &d[0].parts.pools[0]);
         assert_eq!(bad, 0, "room {id} parts: {first:?}");
-        rx.release_room(id);
+        rx.release_room(id, None).unwrap();
     }
 }
 

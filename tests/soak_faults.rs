@@ -336,7 +336,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
         eprintln!("seed {seed}: {} ring allocations held by a terminal room before its release", live());
         tally.leaked.fetch_add(1, Ordering::Relaxed);
     }
-    decode.receiver().release_room(ROOM);
+    decode.receiver().release_room(ROOM, None).unwrap();
     if !settle(&|| live() == 0) {
         eprintln!("seed {seed}: {} ring allocations leaked after the release", live());
         tally.leaked.fetch_add(1, Ordering::Relaxed);

@@ -148,7 +148,7 @@ fn counters_and_timings_match_a_known_sequence() {
         assert_eq!(t.queued_ns, 0, "a synchronous transfer is never queued");
         healthy.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
         assert_eq!(hpool.verify(&pages, 0).0, 0);
-        healthy.receiver().release_room(room);
+        healthy.receiver().release_room(room, None).unwrap();
     }
 
     // 2. One asynchronous transfer: queued first, the same timings in its completion.
@@ -167,7 +167,7 @@ fn counters_and_timings_match_a_known_sequence() {
     });
     assert_eq!(signalled, Some((Status::KVSTAGE_OK, t)), "the completion carries the operation's timings");
     healthy.receiver().wait_room(4, Some(Duration::from_secs(10))).unwrap();
-    healthy.receiver().release_room(4);
+    healthy.receiver().release_room(4, None).unwrap();
 
     // 3. A fallback: a 12-page chunk does not fit the 2-chunk ring. Nothing but the total.
     let big: Vec<u32> = (0..12).collect();
@@ -302,7 +302,7 @@ fn the_slice_path_is_counted() {
     let d = dec.stats().receive;
     assert_eq!((d.bytes_received, d.chunks_received, d.scatter_count, d.ring_high_water), (payload, 1, 0, 0));
     // The room released, its opening is stale: refused before a byte is sent, as on the staged path.
-    dec.receiver().release_room(1);
+    dec.receiver().release_room(1, None).unwrap();
     let (r, t) = s.transfer_slices_timed(&desc(at, &pages, 10_000), &Op::new(s.waker()));
     assert_eq!(r.unwrap_err().code(), Status::KVSTAGE_E_STALE_ROOM);
     assert_eq!(t.wire_ns, 0, "the slices went out to a stale room: {t:?}");

@@ -672,7 +672,7 @@ fn decode_child() {
                 say(format!("stats {} {}", s.ring_live, s.connections));
             }
             "release" => {
-                engine.receiver().release_room(id);
+                engine.receiver().release_room(id, None).unwrap();
                 say(format!("released {id}"));
             }
             "quit" => break,

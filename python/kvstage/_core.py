@@ -947,7 +947,10 @@ class Engine(_Handle):
         _check(self._lib, rc, "kvstage_room_wait")
 
     def room_release(self, room: int) -> None:
-        """``kvstage_room_release``: forgets the room and frees its ring space (idempotent)."""
+        """``kvstage_room_release``: forgets the room and frees its ring space (idempotent).
+        Raises :class:`TimeError` when a same-host writer that cannot end (a stopped prefill
+        process) still holds the room's pages after the engine's default deadline: do not reuse
+        them until a later release returns."""
         rc = self._lib.kvstage_room_release(self._handle(), _u64(room, "room"))
         _check(self._lib, rc, "kvstage_room_release")
 

@@ -480,15 +480,20 @@ pub unsafe extern "C" fn kvstage_room_wait(engine: *const kvstage_engine, room: 
 /// Decode side: forgets the room and frees every ring allocation it still holds (on completion,
 /// abort or failure). Idempotent until the id is opened again: it releases whatever opening is
 /// open under the id, so release each request's room once (a late second release after the id
-/// was reopened releases the next request's room). Late data for it is discarded. Not from inside
-/// a completion callback (`KVSTAGE_E_UNSUPPORTED`: the release may wait for the thread running
-/// the callback); release the room from another thread.
+/// was reopened releases the next request's room). Late data for it is discarded. It returns once
+/// nothing will write the room's pages: a payload read or same-host copy into them gets 0.5 s,
+/// then its connection is cut and the release waits for it to end. A writer that cannot end (a
+/// same-host prefill process stopped mid-copy) holds them: after the engine's
+/// `default_deadline_ms` the release fails with `KVSTAGE_E_TIMEOUT` naming its connections; the
+/// room is released, but its pages and id are not free yet (call again to wait more). Not from
+/// inside a completion callback (`KVSTAGE_E_UNSUPPORTED`: the release may wait for the thread
+/// running the callback); release the room from another thread.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_room_release(engine: *const kvstage_engine, room: u64) -> Status {
     ffi_fn!(status {
         let engine = unsafe { borrow_engine(engine, "engine") }?;
         crate::session::notify::refuse_in_callback("kvstage_room_release")?;
-        engine.receiver().release_room(room);
+        engine.receiver().release_room(room, engine.timeout(None))?;
         Ok(Status::KVSTAGE_OK)
     })
 }

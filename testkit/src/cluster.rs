@@ -382,7 +382,7 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
             "release" => {
                 parted.remove(&arg);
                 for (engine, _, _) in &ranks {
-                    engine.receiver().release_room(arg);
+                    engine.receiver().release_room(arg, None).unwrap();
                 }
                 "ok".to_owned()
             }

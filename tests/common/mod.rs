@@ -472,7 +472,7 @@ impl Cluster {
         if outcome.is_ok() {
             self.verify_room(label, room, &pages);
         }
-        self.decode.receiver().release_room(room);
+        self.decode.receiver().release_room(room, None).unwrap();
         pool_fill_canary(&self.dpool, &pages);
         outcome.map(|_| ())
     }
@@ -701,7 +701,7 @@ pub fn bounded<T: Send>(what: &str, bound: Duration, f: impl FnOnce() -> T + Sen
 
 /// `release_room`, which must return within `bound`; how long it took.
 pub fn release_bounded(engine: &Engine, room: u64, bound: Duration) -> Duration {
-    bounded(&format!("release_room({room})"), bound, || engine.receiver().release_room(room)).1
+    bounded(&format!("release_room({room}, None).unwrap()"), bound, || engine.receiver().release_room(room, None).unwrap()).1
 }
 
 /// Opens `room` on the decode engine `engine` and returns it as its senders name it (id and the

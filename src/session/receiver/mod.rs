@@ -450,14 +450,24 @@ impl Receiver {
         }
     }
 
-    /// Releases a room and returns once no kvstage thread will touch its pages again: payload
-    /// reads into them get a short grace, then their connections are shut down.
-    pub fn release_room(&self, room: u64) {
-        let Release::Draining { gen, .. } = self.with_state(|st| st.release_room(room)) else { return };
+    /// Releases a room and returns once no kvstage thread nor same-host writer will touch its
+    /// pages again: payload reads and direct copies into them get a short grace, then their
+    /// connections are shut down (a copy in progress still ends, then its mapping). One that
+    /// cannot end, as a stopped prefill process's copy, holds the pages: past `timeout` (`None`:
+    /// no limit) this fails with `KVSTAGE_E_TIMEOUT` naming its connections, the room released
+    /// but its id and pages not yet free; a second call waits again.
+    pub fn release_room(&self, room: u64, timeout: Option<Duration>) -> Result<()> {
+        let Release::Draining { gen, .. } = self.with_state(|st| st.release_room(room)) else { return Ok(()) };
         let grace = Deadline::after(Some(RELEASE_GRACE));
+        let until = Deadline::after(timeout);
         let mut st = self.state.lock();
         let mut shut = false;
         while let Some(holders) = st.draining(room, gen) {
+            if until.expired() {
+                return Err(until.timeout_error(&format!(
+                    "releasing room {room}: connection(s) {holders:?} still hold its pages and may write them (do not reuse them yet)"
+                )));
+            }
             if !shut && grace.expired() {
                 // A sender stuck inside a payload into this room's pages: cut it off.
                 drop(st);
@@ -474,6 +484,7 @@ impl Receiver {
             }
             self.changed.wait_for(&mut st, Duration::from_millis(50));
         }
+        Ok(())
     }
 
     pub fn take_events(&self, max: usize) -> Vec<ChunkEvent> {
