@@ -7,6 +7,7 @@ use parking_lot::Mutex;
 
 use super::cuda::{pool_device, CudaCopyEngine, HostPin, ReadyFence};
 use super::{CopyEngine, HostCopyEngine};
+use crate::deadline::Deadline;
 use crate::error::Result;
 use crate::geometry::{CopyPlan, KvLayout, MemoryKind};
 
@@ -90,12 +91,12 @@ impl CopyEngine for AnyCopyEngine {
         }
     }
 
-    unsafe fn gather_after(&self, plan: &CopyPlan, pool: &KvLayout, staging: *mut u8, ready: Option<&ReadyFence>) -> Result<()> {
+    unsafe fn gather_after(&self, plan: &CopyPlan, pool: &KvLayout, staging: *mut u8, ready: Option<&ReadyFence>, deadline: &Deadline) -> Result<()> {
         // SAFETY: the caller's contract, passed on.
         unsafe {
             match pool.memory {
-                MemoryKind::Host => self.host.gather_after(plan, pool, staging, ready),
-                MemoryKind::Cuda => self.cuda_for(pool)?.gather_after(plan, pool, staging, ready),
+                MemoryKind::Host => self.host.gather_after(plan, pool, staging, ready, deadline),
+                MemoryKind::Cuda => self.cuda_for(pool)?.gather_after(plan, pool, staging, ready, deadline),
             }
         }
     }
@@ -110,12 +111,12 @@ impl CopyEngine for AnyCopyEngine {
         }
     }
 
-    unsafe fn copy_across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
+    unsafe fn copy_across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout, deadline: &Deadline) -> Result<()> {
         // SAFETY: the caller's contract, passed on.
         unsafe {
             match src_pool.memory {
-                MemoryKind::Host => self.host.copy_across(src, src_pool, dst, dst_pool),
-                MemoryKind::Cuda => self.cuda_for(src_pool)?.copy_across(src, src_pool, dst, dst_pool),
+                MemoryKind::Host => self.host.copy_across(src, src_pool, dst, dst_pool, deadline),
+                MemoryKind::Cuda => self.cuda_for(src_pool)?.copy_across(src, src_pool, dst, dst_pool, deadline),
             }
         }
     }

@@ -4,6 +4,7 @@
 //! memcpy on CPU threads, the CUDA engine ([`cuda`]) launches a kernel over the same slabs ×
 //! segments. [`engine_for`] picks the engine for a pool; [`AnyCopyEngine`] picks per call.
 
+use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::geometry::{CopyPlan, KvLayout};
 
@@ -36,13 +37,15 @@ pub trait CopyEngine: Send + Sync {
 
     /// [`gather`](Self::gather) ordered after the producer's ready point (see [`ReadyFence`]):
     /// a device engine makes its stream wait for the fence; the default (host engines) blocks the
-    /// calling thread on the fence, then gathers. `None`: the KV is valid now.
+    /// calling thread on the fence, then gathers. `None`: the KV is valid now. What it waits for
+    /// before the copy starts (the fence here, a device's copy lane another copy holds) ends by
+    /// `deadline` (`KVSTAGE_E_TIMEOUT`); a copy that started is waited for to its end.
     ///
     /// # Safety
     /// As for [`gather`](Self::gather).
-    unsafe fn gather_after(&self, plan: &CopyPlan, pool: &KvLayout, staging: *mut u8, ready: Option<&ReadyFence>) -> Result<()> {
+    unsafe fn gather_after(&self, plan: &CopyPlan, pool: &KvLayout, staging: *mut u8, ready: Option<&ReadyFence>, deadline: &Deadline) -> Result<()> {
         if let Some(fence) = ready {
-            fence.wait_host()?;
+            fence.wait_until(deadline, || false)?;
         }
         // SAFETY: the caller's contract.
         unsafe { self.gather(plan, pool, staging) }
@@ -51,12 +54,14 @@ pub trait CopyEngine: Send + Sync {
     /// Direct mode's one pass: copies the rows `src` gathers from `src_pool` to where `dst` (a
     /// scatter plan of the same region) puts them in `dst_pool`, with no staging between. The
     /// default copies host pools on the calling thread ([`rows::copy_across`]); a device engine
-    /// runs one kernel over device pools (the other pool opened on its device).
+    /// runs one kernel over device pools (the other pool opened on its device), waiting for its
+    /// copy lane no later than `deadline`.
     ///
     /// # Safety
     /// Both plans were checked against their pools ([`check_plan`]), memory that does not
     /// overlap; nobody else writes `dst`'s rows or reads them as done while this runs.
-    unsafe fn copy_across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
+    unsafe fn copy_across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout, deadline: &Deadline) -> Result<()> {
+        let _ = deadline; // host copies wait for nothing
         use crate::geometry::MemoryKind;
         if src_pool.memory != MemoryKind::Host || dst_pool.memory != MemoryKind::Host {
             return Err(Error::new(

@@ -86,7 +86,7 @@ static LAUNCH_LOCK: Mutex<()> = Mutex::new(());
 type LaunchRecord = (Kernel, (u32, u32));
 
 #[derive(Default)]
-struct EmuBackend {
+pub(super) struct EmuBackend {
     allocs: Mutex<Vec<(u64, usize)>>,
     launches: Mutex<Vec<LaunchRecord>>,
 }

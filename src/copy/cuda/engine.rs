@@ -14,6 +14,7 @@ use super::driver::KernelOp;
 use super::job::{across_width, grid, pieces, vector_width, AcrossTables, GridLimits, KvAcross, KvJob, Tables};
 use super::{HostPin, Kernel, ReadyFence};
 use crate::copy::{check_plan, CopyEngine};
+use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::geometry::{CopyPlan, KvLayout, MemoryKind};
 
@@ -152,7 +153,15 @@ impl<B: Backend> DeviceCopyEngine<B> {
         Ok(())
     }
 
-    fn execute(&self, plan: &CopyPlan, pool: &KvLayout, staging: u64, dir: Dir, fence: Option<&ReadyFence>) -> Result<()> {
+    /// The lane, once no other copy holds it, or `KVSTAGE_E_TIMEOUT` at `deadline`.
+    fn take<'a>(&self, lane: &'a Mutex<Lane>, deadline: &Deadline) -> Result<parking_lot::MutexGuard<'a, Lane>> {
+        match deadline.instant() {
+            None => Ok(lane.lock()),
+            Some(until) => lane.try_lock_until(until).ok_or_else(|| deadline.timeout_error("waiting for the device's copy lane (other copies hold it)")),
+        }
+    }
+
+    fn execute(&self, plan: &CopyPlan, pool: &KvLayout, staging: u64, dir: Dir, fence: Option<&ReadyFence>, deadline: &Deadline) -> Result<()> {
         if pool.memory != MemoryKind::Cuda {
             return Err(Error::new(
                 Status::KVSTAGE_E_UNSUPPORTED,
@@ -173,7 +182,7 @@ impl<B: Backend> DeviceCopyEngine<B> {
             Dir::Gather => &self.gather,
             Dir::Scatter => &self.scatter,
         };
-        let mut lane = lane.lock();
+        let mut lane = self.take(lane, deadline)?;
         let lane = &mut *lane;
         self.backend.scoped(|| {
             let result = self.run(plan, pool, staging, dir, fence, lane);
@@ -232,7 +241,7 @@ impl<B: Backend> CopyEngine for DeviceCopyEngine<B> {
     /// Direct mode on the device: one launch copies the rows `src` reads in `src_pool` to where
     /// `dst` puts them in `dst_pool` (both device memory this device addresses: the other pool
     /// opened here), on the gather lane; returns after the stream completed.
-    unsafe fn copy_across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
+    unsafe fn copy_across(&self, src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout, deadline: &Deadline) -> Result<()> {
         if src_pool.memory != MemoryKind::Cuda || dst_pool.memory != MemoryKind::Cuda {
             return Err(Error::new(
                 Status::KVSTAGE_E_UNSUPPORTED,
@@ -245,7 +254,7 @@ impl<B: Backend> CopyEngine for DeviceCopyEngine<B> {
         if src.tokens == 0 || src.slabs.is_empty() {
             return Ok(());
         }
-        let mut lane = self.gather.lock();
+        let mut lane = self.take(&self.gather, deadline)?;
         let lane = &mut *lane;
         self.backend.scoped(|| {
             let result = (|| {
@@ -268,15 +277,16 @@ impl<B: Backend> CopyEngine for DeviceCopyEngine<B> {
     }
 
     unsafe fn gather(&self, plan: &CopyPlan, pool: &KvLayout, staging: *mut u8) -> Result<()> {
-        self.execute(plan, pool, staging as u64, Dir::Gather, None)
+        self.execute(plan, pool, staging as u64, Dir::Gather, None, &Deadline::after(None))
     }
 
-    unsafe fn gather_after(&self, plan: &CopyPlan, pool: &KvLayout, staging: *mut u8, ready: Option<&ReadyFence>) -> Result<()> {
-        self.execute(plan, pool, staging as u64, Dir::Gather, ready)
+    unsafe fn gather_after(&self, plan: &CopyPlan, pool: &KvLayout, staging: *mut u8, ready: Option<&ReadyFence>, deadline: &Deadline) -> Result<()> {
+        self.execute(plan, pool, staging as u64, Dir::Gather, ready, deadline)
     }
 
+    /// The scatter lane has one user, the receiver's scatter thread: nothing to wait for.
     unsafe fn scatter(&self, plan: &CopyPlan, pool: &KvLayout, staging: *const u8) -> Result<()> {
-        self.execute(plan, pool, staging as u64, Dir::Scatter, None)
+        self.execute(plan, pool, staging as u64, Dir::Scatter, None, &Deadline::after(None))
     }
 
     fn pin_host(&self, ptr: *mut u8, len: usize) -> Result<Option<HostPin>> {
@@ -301,5 +311,36 @@ impl<B: Backend> Drop for DeviceCopyEngine<B> {
             }
             Ok(())
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::{plan_gather, staging_layout, ModelKind, PoolShape};
+
+    /// A copy that waits for the device's gather lane while another copy holds it gives up at its
+    /// deadline (before, it waited for the lane without bound, past any deadline), touching
+    /// nothing.
+    #[test]
+    fn a_copy_waits_for_a_held_lane_only_until_its_deadline() {
+        let engine = DeviceCopyEngine::new(super::super::emu::EmuBackend::default()).unwrap();
+        let shape = PoolShape::new(ModelKind::Mha, 2, 4, 2, 2, 1);
+        let dev = Backend::alloc(engine.backend(), 1024).unwrap() as usize;
+        let pool = KvLayout { shape: shape.clone(), capacity_pages: 4, memory: MemoryKind::Cuda, bases: vec![dev, dev + 512] };
+        let st = staging_layout(&shape, &shape, 4).unwrap();
+        let g = plan_gather(&shape, &[1, 0], 0, &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
+        let mut buf = vec![0u8; st.total_bytes as usize];
+        let held = engine.gather.lock();
+        let soon = Deadline::after(Some(std::time::Duration::from_millis(50)));
+        // SAFETY: the plan lies in the emulated pool and `buf` holds its region.
+        let e = unsafe { engine.gather_after(&g, &pool, buf.as_mut_ptr(), None, &soon) }.unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
+        assert!(e.chain().contains("copy lane"), "{}", e.chain());
+        let s = crate::geometry::plan_scatter(&shape, &[2, 3], &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
+        // SAFETY: both plans lie in the emulated pool (rows of other pages).
+        let e = unsafe { engine.copy_across(&g, &pool, &s, &pool, &soon) }.unwrap_err();
+        assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
+        drop(held);
     }
 }

@@ -218,7 +218,7 @@ pub fn run_case<B: Backend>(engine: &DeviceCopyEngine<B>, mem: &dyn TestMemory, 
     // Direct mode: the prefill pool's rows straight into the decode pool, no staging between.
     dst.reset_device(mem, &before)?;
     // SAFETY: both pools are device memory of the case; the plans are of one region.
-    unsafe { engine.copy_across(&g, &src.device, &s, &dst.device) }?;
+    unsafe { engine.copy_across(&g, &src.device, &s, &dst.device, &crate::deadline::Deadline::after(None)) }?;
     if let Some(at) = first_difference(&dst.mirror, &dst.read_device(mem)?) {
         return Err(mismatch(case, "decode pool after the direct copy", at));
     }

@@ -39,7 +39,7 @@ impl SenderSession {
     /// Copies `part` (a plan of [`direct_plan`](Self::direct_plan), or a batch of its layers)
     /// into `dst` (the decode side's plan of the same layers), holding the mapping of the
     /// receiver's pool only meanwhile.
-    pub(super) fn copy_direct(&self, part: &CopyPlan, dst: &CopyPlan, op: &Op, t: &mut TransferTimings) -> Result<()> {
+    pub(super) fn copy_direct(&self, part: &CopyPlan, dst: &CopyPlan, deadline: &Deadline, op: &Op, t: &mut TransferTimings) -> Result<()> {
         let pool = self.link.direct_pool().ok_or_else(|| Error::internal("a direct grant on a session that does not map the receiver's pool"))??;
         op.enter("gathering", String::new);
         let phase = Instant::now();
@@ -50,7 +50,7 @@ impl SenderSession {
         // their pools, two processes' pools of one kind (never the same pages); the grant gives
         // this writer these rows of the decode pages until its ready, and the mapping (whose
         // layout `dst` was checked against) stays while `pool` is held.
-        let copied = unsafe { self.resources.copy.copy_across(part, &self.pool, dst, pool.layout()) };
+        let copied = unsafe { self.resources.copy.copy_across(part, &self.pool, dst, pool.layout(), deadline) };
         t.gather_ns += since(phase);
         copied
     }
@@ -78,7 +78,7 @@ impl SenderSession {
         t: &mut TransferTimings,
     ) -> Result<()> {
         let dst = self.direct_plan(plan, to)?;
-        self.copy_direct(plan, &dst, op, t)?;
+        self.copy_direct(plan, &dst, deadline, op, t)?;
         let checksum = self.direct_checksum(desc, plan)?;
         op.enter("writing", String::new);
         let phase = Instant::now();

@@ -58,10 +58,10 @@ impl SenderSession {
                         self.await_ready(batch.ready.as_ref(), deadline, op, t)?;
                         op.enter("writing", String::new);
                         match &direct {
-                            Some(dst) => self.copy_direct(&part, &dst.for_layers(batch_has), op, t)?,
+                            Some(dst) => self.copy_direct(&part, &dst.for_layers(batch_has), deadline, op, t)?,
                             None => {
                                 let mut range = self.link.in_place(ring_offset, region_bytes).expect("probed above")?;
-                                self.gather(&part, range.as_mut_ptr(), t)?;
+                                self.gather(&part, range.as_mut_ptr(), deadline, t)?;
                             }
                         }
                         let phase = Instant::now();
@@ -73,7 +73,7 @@ impl SenderSession {
                     Some(buffer) => {
                         self.await_ready(batch.ready.as_ref(), deadline, op, t)?;
                         op.enter("writing", String::new);
-                        self.gather(&part, buffer.as_mut_ptr(), t)?;
+                        self.gather(&part, buffer.as_mut_ptr(), deadline, t)?;
                         let phase = Instant::now();
                         for piece in part.staging_ranges() {
                             self.write_staged(buffer, place, desc, piece, None, deadline)?;

@@ -55,7 +55,7 @@ impl SenderSession {
                     // SAFETY: the pool was validated at registration and its pages checked; the
                     // piece's slabs lie inside the region at `base`, and no other thread touches
                     // them until this piece is reported (the writer reads only reported pieces).
-                    unsafe { copy.gather(piece, pool, base as *mut u8) }
+                    unsafe { copy.gather_after(piece, pool, base as *mut u8, None, deadline) }
                 }))
                 .unwrap_or_else(|_| Err(Error::new(Status::KVSTAGE_E_PANIC, "gathering a piece of the chunk panicked")));
                 let failed = result.is_err();
@@ -104,11 +104,17 @@ impl SenderSession {
             match from {
                 Some(gathered) => {
                     let waited = Instant::now();
-                    let result = gathered.recv().map_err(|_| Error::internal("the gather helper ended before the chunk's last piece"));
+                    let result = match deadline.instant() {
+                        Some(until) => gathered.recv_deadline(until).map_err(|e| match e {
+                            crossbeam_channel::RecvTimeoutError::Timeout => deadline.timeout_error("waiting for the gather of the chunk's next piece"),
+                            crossbeam_channel::RecvTimeoutError::Disconnected => Error::internal("the gather helper ended before the chunk's last piece"),
+                        }),
+                        None => gathered.recv().map_err(|_| Error::internal("the gather helper ended before the chunk's last piece")),
+                    };
                     t.gather_ns += since(waited);
                     result??;
                 }
-                None => self.gather(piece, base as *mut u8, t)?,
+                None => self.gather(piece, base as *mut u8, deadline, t)?,
             }
             for (at, len) in piece.staging_ranges() {
                 let phase = Instant::now();

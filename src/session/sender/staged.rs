@@ -212,7 +212,7 @@ impl SenderSession {
             let mut range = self.link.in_place(grant_offset + region_offset, region_bytes).expect("an in-place transport")?;
             op.enter("gathering", String::new);
             if let Some(plan) = plan {
-                self.gather(plan, range.as_mut_ptr(), t)?;
+                self.gather(plan, range.as_mut_ptr(), deadline, t)?;
             }
             self.gather_tail(desc, tail, Self::tail_at(range.as_mut_ptr(), region_bytes, tail), t)?;
             let checksum = self.region_checksum(desc, || Ok(checksum(&range.to_host()?)))?;
@@ -240,7 +240,7 @@ impl SenderSession {
         }
         op.enter("gathering", String::new);
         if let Some(plan) = plan {
-            self.gather(plan, staging.as_mut_ptr(), t)?;
+            self.gather(plan, staging.as_mut_ptr(), deadline, t)?;
         }
         if !tail.is_empty() && staging.memory() != StagingMemory::Host {
             return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "request parts need host staging (this session stages in device memory)"));
@@ -315,11 +315,11 @@ impl SenderSession {
     /// Gathers `plan` into the region at `dst` (a staging buffer, or this writer's granted
     /// range of the ring), its ready point already passed ([`await_ready`](Self::await_ready));
     /// timed as the gather phase.
-    pub(super) fn gather(&self, plan: &geometry::CopyPlan, dst: *mut u8, t: &mut TransferTimings) -> Result<()> {
+    pub(super) fn gather(&self, plan: &geometry::CopyPlan, dst: *mut u8, deadline: &Deadline, t: &mut TransferTimings) -> Result<()> {
         let phase = Instant::now();
         // SAFETY: the pool was validated at registration and its pages checked; `dst` holds the
         // plan's region.
-        let gathered = unsafe { self.resources.copy.gather(plan, &self.pool, dst) };
+        let gathered = unsafe { self.resources.copy.gather_after(plan, &self.pool, dst, None, deadline) };
         t.gather_ns += since(phase);
         gathered
     }

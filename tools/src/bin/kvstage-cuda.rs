@@ -171,7 +171,7 @@ fn fences(engine: &CudaCopyEngine, device: i32) -> Result<()> {
             ReadyFence::capture(&pool.layout, 0, event.raw())?
         };
         // SAFETY: device pool, host staging of the region's size.
-        unsafe { engine.gather_after(&plan, &pool.layout, staging.as_mut_ptr(), fence.as_ref()) }?;
+        unsafe { engine.gather_after(&plan, &pool.layout, staging.as_mut_ptr(), fence.as_ref(), &kvstage::deadline::Deadline::after(None)) }?;
         if let Some(i) = staging.iter().position(|&b| b != byte) {
             return Err(Error::internal(format!(
                 "gather after a {} fence read byte {i} = {:#x}, expected {byte:#x}: it did not wait for the producer",
