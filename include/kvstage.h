@@ -963,8 +963,10 @@ void kvstage_engine_free(struct kvstage_engine *engine);
 // mappings cannot be revoked: freeing it earlier lets a peer write memory the allocator reuses).
 // `KVSTAGE_E_TIMEOUT`: some still do; the message names their processes, `*still_mapped` (may be
 // NULL) receives how many; call again to wait more. The handle stays valid until
-// `kvstage_engine_free`, which is then quick; calls that would start work on it fail with
-// `KVSTAGE_E_CANCELED`. From inside a completion callback: `KVSTAGE_E_UNSUPPORTED`.
+// `kvstage_engine_free` (quick after `KVSTAGE_OK`; after a timeout it gives the peers 2 s more,
+// then logs them); calls that would start work on it fail with `KVSTAGE_E_CANCELED`. From inside
+// a callback (on a kvstage thread): `KVSTAGE_E_UNSUPPORTED`. Concurrent calls each return once
+// the engine is stopped.
 enum kvstage_status kvstage_engine_shutdown(const struct kvstage_engine *engine, uint64_t timeout_ms, size_t *still_mapped);
 
 // Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated);

@@ -234,8 +234,10 @@ pub struct Engine {
     listener: TcpListener,
     /// Accept, scatter and keeper threads, joined by the first of shutdown and free.
     threads: Mutex<Vec<JoinHandle<()>>>,
-    /// `stop` ran (shutdown or free): the engine serves and sends nothing more.
+    /// `stop` began (shutdown or free): the engine serves and sends nothing more.
     stopped: AtomicBool,
+    /// Held for the whole of `stop`: a second caller returns only once the first one is done.
+    stopping: Mutex<()>,
     conns: Arc<Listener>,
     /// Sessions this engine opened, ended when it is freed (their operations fail at once).
     sessions: Mutex<Vec<std::sync::Weak<SenderSession>>>,
@@ -340,6 +342,7 @@ impl Engine {
             // scatter queue closes after them.
             threads: Mutex::new(vec![accept_thread, keeper_thread, scatter_thread]),
             stopped: AtomicBool::new(false),
+            stopping: Mutex::new(()),
             conns,
             sessions: Mutex::new(Vec::new()),
             rdma,
@@ -367,9 +370,10 @@ impl Engine {
     }
 
     pub fn register_pool(&self, layout: KvLayout) -> Result<()> {
-        self.check_running()?;
         layout.validate()?;
         let mut pool = self.pool.lock();
+        // Under the pool's lock, which a successful shutdown takes to lift the pin.
+        self.check_running()?;
         if pool.is_some() {
             return Err(Error::invalid_arg("layout", "a KV pool is already registered on this engine"));
         }
@@ -463,12 +467,14 @@ impl Engine {
         self.stop("the engine was shut down");
         self.receiver.wait_unmapped(timeout.map(|t| Instant::now() + t))?;
         // Nothing of this engine touches the pool any more: `kvstage_shared_free` may free it.
+        let _registering = self.pool.lock();
         self.pool_pin.lock().take();
         Ok(())
     }
 
     /// Ends everything but the same-host leases, once (the first of shutdown and free).
     fn stop(&self, why: &str) {
+        let _stopping = self.stopping.lock();
         if self.stopped.swap(true, Ordering::SeqCst) {
             return;
         }

@@ -9,6 +9,7 @@ from ctypes import byref, c_void_p
 from typing import Optional
 
 from ._core import _check, _Handle
+from .errors import KVStageError
 from ._lib import Library, get_library
 
 
@@ -38,6 +39,15 @@ class SharedMemory(_Handle):
                 return
             _check(self._lib, self._lib.kvstage_shared_free(self._ptr), "kvstage_shared_free")
             self._ptr = None
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except KVStageError:
+            pass  # the exception in flight says more; the memory stays (a live engine's pool)
 
     @property
     def address(self) -> int:

@@ -4,7 +4,9 @@
 //! - A line is written only when stderr takes it now (`poll` says writable, one `write` of at most
 //!   `PIPE_BUF` bytes, which a writable pipe takes whole): a full pipe nobody reads drops the line
 //!   instead of parking the thread (a connection thread blocked here would hold its peers). The
-//!   next line written says how many were dropped.
+//!   next line written says how many were dropped. Best effort where `poll` cannot promise room
+//!   (a terminal, a writer outside the library filling the pipe in between): one thread may then
+//!   block in its write, and the others drop their lines rather than wait behind it.
 //! - `SIGPIPE` is blocked on the writing thread around the write, and one it raised is taken back,
 //!   so a closed stderr (the reader went away) is `EPIPE` here, not the default action, which ends
 //!   a C program; a `SIGPIPE` already pending before the write is left alone.
@@ -25,7 +27,11 @@ const MAX_LINE: usize = libc::PIPE_BUF;
 /// Writes `line` (one log line, ending with a newline) to fd 2 if it takes it without waiting;
 /// drops it otherwise.
 pub fn write_line(line: &str) {
-    let _writing = WRITING.lock();
+    // Another library thread writing (a terminal that blocks it): this line is not waited for.
+    let Some(_writing) = WRITING.try_lock() else {
+        DROPPED.fetch_add(1, Ordering::Relaxed);
+        return;
+    };
     if !writable_now(libc::STDERR_FILENO) {
         DROPPED.fetch_add(1, Ordering::Relaxed);
         return;

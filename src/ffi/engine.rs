@@ -311,13 +311,19 @@ pub unsafe extern "C" fn kvstage_engine_free(engine: *mut kvstage_engine) {
 /// mappings cannot be revoked: freeing it earlier lets a peer write memory the allocator reuses).
 /// `KVSTAGE_E_TIMEOUT`: some still do; the message names their processes, `*still_mapped` (may be
 /// NULL) receives how many; call again to wait more. The handle stays valid until
-/// `kvstage_engine_free`, which is then quick; calls that would start work on it fail with
-/// `KVSTAGE_E_CANCELED`. From inside a completion callback: `KVSTAGE_E_UNSUPPORTED`.
+/// `kvstage_engine_free` (quick after `KVSTAGE_OK`; after a timeout it gives the peers 2 s more,
+/// then logs them); calls that would start work on it fail with `KVSTAGE_E_CANCELED`. From inside
+/// a callback (on a kvstage thread): `KVSTAGE_E_UNSUPPORTED`. Concurrent calls each return once
+/// the engine is stopped.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_shutdown(engine: *const kvstage_engine, timeout_ms: u64, still_mapped: *mut usize) -> Status {
     ffi_fn!(status {
         let engine = unsafe { borrow(engine, "engine") }?;
         crate::session::notify::refuse_in_callback("kvstage_engine_shutdown")?;
+        if std::thread::current().name().is_some_and(|n| n.starts_with("kvstage-")) {
+            // A log callback on a library thread: the shutdown would join that very thread.
+            return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "kvstage_engine_shutdown was called on a kvstage thread (from a callback), which it would wait for: call it from another thread"));
+        }
         let held = engine.shutdown(duration_or_infinite(timeout_ms));
         if !still_mapped.is_null() {
             // SAFETY: the caller passes a writable size_t or NULL.

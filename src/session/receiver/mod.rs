@@ -463,12 +463,14 @@ impl Receiver {
         let mut st = self.state.lock();
         let mut shut = false;
         while let Some(holders) = st.draining(room, gen) {
-            if until.expired() {
+            // A bound shorter than the grace still cuts the holders (the pages come back once
+            // their threads end, a later release sees them gone).
+            if shut && until.expired() {
                 return Err(until.timeout_error(&format!(
                     "releasing room {room}: connection(s) {holders:?} still hold its pages and may write them (do not reuse them yet)"
                 )));
             }
-            if !shut && grace.expired() {
+            if !shut && (grace.expired() || until.expired()) {
                 // A sender stuck inside a payload into this room's pages: cut it off.
                 drop(st);
                 let peers = self.peers.lock();

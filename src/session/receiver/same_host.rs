@@ -150,14 +150,14 @@ impl PeerProcess {
         }
     }
 
-    /// Waits until the process ended (true) or `stop` is set (false); at once true for a process
-    /// that cannot be watched.
+    /// Waits until the process ended (true) or `stop` is set (false); at once false for a
+    /// process that cannot be watched (outside this PID namespace).
     fn wait_end(&self, stop: &AtomicBool) -> bool {
         while !stop.load(Ordering::SeqCst) {
             let fd = match self {
                 PeerProcess::Pidfd(fd) => fd.as_raw_fd(),
                 PeerProcess::Proc { .. } => -1,
-                PeerProcess::Unknown => return true,
+                PeerProcess::Unknown => return false,
             };
             let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
             // SAFETY: one valid pollfd entry (a negative fd is ignored by poll).
@@ -310,9 +310,9 @@ impl Receiver {
     fn watch_lease(self: &Arc<Self>, id: ConnId, lease: UnixStream, ring: Arc<RingMemory>, direct: bool) -> crate::Result<()> {
         let watched = lease.try_clone()?;
         let device = ring.device().is_some();
-        // The peer process (SO_PEERCRED: visible in this PID namespace, or the same-host path was
-        // not taken) is watched too.
-        let peer_pid = shm::fdpass::peer_pid(&lease).ok();
+        // The peer process (SO_PEERCRED: 0 when it is outside this PID namespace; then the
+        // lease's end is all there is to go by) is watched too.
+        let peer_pid = shm::fdpass::peer_pid(&lease).ok().filter(|&pid| pid > 0);
         let process = PeerProcess::watch(peer_pid);
         let peer_died = AtomicBool::new(false);
         let said_unmapped = AtomicBool::new(false);
@@ -347,7 +347,7 @@ impl Receiver {
                                 _ if drains && !said_unmapped.load(Ordering::SeqCst) => {
                                     // Closed without saying it unmapped, as by a dying process
                                     // whose device context may outlive its files: the end of
-                                    // the process ends it.
+                                    // the process ends it (where it can be watched).
                                     if process.wait_end(&me.leases.abandoned) {
                                         peer_died.store(true, Ordering::SeqCst);
                                     }
@@ -388,8 +388,8 @@ impl Receiver {
                 }
             })
             .map_err(|e| crate::Error::internal("cannot start a lease watcher thread").with_source(e))?;
-        // `close_all` may have run between this connection's offer and here (engine shutdown).
-        if self.closing() {
+        // `close_all` may have run between this connection's offer and here (the engine freed).
+        if self.leases.abandoned.load(Ordering::SeqCst) {
             let _ = watched.shutdown(std::net::Shutdown::Both);
         }
         leases.insert(id, Watch { socket: watched, thread: handle, drains, pid: peer_pid });

@@ -15,7 +15,7 @@
 //! it was granted to someone else.
 
 use std::borrow::Cow;
-use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
@@ -175,10 +175,10 @@ impl ShmTransport {
         self.ring.write().take();
         if let Some(s) = self.lease.lock().take() {
             // The mappings are gone (device ones closed): say so, so that the receiver need not
-            // wait for this process to end. Never blocks: the receiver drains the socket, and a
-            // full one only costs the receiver that wait.
-            let _ = s.set_nonblocking(true);
-            let _ = (&s).write(&[super::LEASE_UNMAPPED]);
+            // wait for this process to end. Never blocks (a full socket only costs the receiver
+            // that wait) nor raises SIGPIPE (the receiver may be gone).
+            // SAFETY: an open socket and a one-byte buffer.
+            unsafe { libc::send(s.as_raw_fd(), [super::LEASE_UNMAPPED].as_ptr().cast(), 1, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }

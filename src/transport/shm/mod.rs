@@ -85,9 +85,9 @@ pub type OpenDevice<'a> = &'a dyn Fn(&DeviceExport, usize, bool) -> Result<Box<d
 /// Local connections the sender accepts while looking for the receiver's (another local process
 /// that saw the socket's name may connect first; it cannot know the nonce).
 const MAX_LOCAL_ACCEPTS: usize = 8;
-/// How long a local connection that began its greeting has to finish it (the receiver sends it in
-/// one write as soon as it connects).
-const GREETING_BOUND: Duration = Duration::from_millis(500);
+/// How long an accepted local connection has to present its whole greeting (the receiver sends
+/// it in one write as soon as it connects; others wait beside it meanwhile).
+const GREETING_BOUND: Duration = Duration::from_secs(2);
 
 /// I/O bound on the local socket during the exchange.
 pub const LOCAL_IO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -347,60 +347,88 @@ fn map_offered_ring(
 }
 
 /// The first local connection that greets with `nonce` (by `until`): its stream, greeting and
-/// descriptor. Connections are watched together, so a local process that connects first and says
-/// nothing delays no one; one that sends part of a greeting holds the exchange [`GREETING_BOUND`]
-/// at most. At most [`MAX_LOCAL_ACCEPTS`] connections are taken.
+/// descriptor. Connections are watched together and a greeting is read only once it arrived
+/// whole (the receiver sends it in one write as it connects), so a local process that connects
+/// first and says nothing, or sends part of a greeting, delays no one; each is dropped
+/// [`GREETING_BOUND`] after it was accepted. At most [`MAX_LOCAL_ACCEPTS`] connections are taken.
 fn greeted(listener: &std::os::unix::net::UnixListener, nonce: &[u8], until: std::time::Instant) -> Result<(UnixStream, [u8; GREETING_BYTES], Option<std::os::fd::OwnedFd>)> {
     use std::os::fd::AsRawFd;
     use std::time::Instant;
-    let mut waiting: Vec<UnixStream> = Vec::new();
+    let mut waiting: Vec<(UnixStream, Instant)> = Vec::new();
     let mut accepted = 0;
     loop {
         let now = Instant::now();
         if now >= until {
             return Err(Error::new(Status::KVSTAGE_E_TIMEOUT, "no local connection presented the session's nonce in time"));
         }
+        waiting.retain(|(_, since)| now < *since + GREETING_BOUND);
+        // Whole greetings first; a closed connection goes.
+        let mut i = 0;
+        while i < waiting.len() {
+            match queued_bytes(&waiting[i].0) {
+                Some(n) if n >= GREETING_BYTES => {
+                    let (stream, _) = waiting.swap_remove(i);
+                    let mut bytes = [0u8; GREETING_BYTES];
+                    if let Ok(fd) = fdpass::recv_fd(&stream, &mut bytes) {
+                        if greeting::knows(&bytes, nonce) {
+                            return Ok((stream, bytes, fd));
+                        }
+                    } // else another local process: not the receiver that answered
+                }
+                None => {
+                    waiting.swap_remove(i);
+                }
+                Some(_) => i += 1,
+            }
+        }
+        // Sleep until a connection comes, one of those that sent nothing yet says something (or
+        // closes), or the next bound.
+        let silent: Vec<&UnixStream> = waiting.iter().filter(|(s, _)| queued_bytes(s) == Some(0)).map(|(s, _)| s).collect();
         let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
-            .chain(waiting.iter().map(|s| s.as_raw_fd()))
+            .chain(silent.iter().map(|s| s.as_raw_fd()))
             .map(|fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 })
             .collect();
-        let ms = until.saturating_duration_since(now).as_millis().clamp(1, 1000) as i32;
+        let wake = waiting.iter().map(|(_, since)| *since + GREETING_BOUND).fold(until, Instant::min);
+        let ms = wake.saturating_duration_since(now).as_millis().clamp(1, 100) as i32;
         // SAFETY: `fds` holds valid pollfd entries for open descriptors.
-        if unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) } <= 0 {
-            continue; // a timeout, or a signal: look again
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if fds[0].revents == 0 {
+            continue;
         }
-        // Highest first: swap_remove only moves entries already looked at.
-        for i in (0..waiting.len()).rev() {
-            if fds[i + 1].revents == 0 {
-                continue;
-            }
-            let stream = waiting.swap_remove(i);
-            // The greeting is one send: what began arrives whole, or the peer is not the receiver.
-            stream.set_read_timeout(Some(GREETING_BOUND))?;
-            let mut bytes = [0u8; GREETING_BYTES];
-            match fdpass::recv_fd(&stream, &mut bytes) {
-                Ok(fd) if greeting::knows(&bytes, nonce) => return Ok((stream, bytes, fd)),
-                _ => {} // another local process: not the receiver that answered
-            }
-        }
-        if fds[0].revents != 0 {
-            loop {
-                match listener.accept() {
-                    Ok((stream, _)) => {
-                        accepted += 1;
-                        if accepted > MAX_LOCAL_ACCEPTS {
-                            return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("no local connection in {MAX_LOCAL_ACCEPTS} presented the session's nonce")));
-                        }
-                        stream.set_nonblocking(false)?;
-                        waiting.push(stream);
+        loop {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    accepted += 1;
+                    if accepted > MAX_LOCAL_ACCEPTS {
+                        return Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("no local connection in {MAX_LOCAL_ACCEPTS} presented the session's nonce")));
                     }
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    Err(e) => return Err(Error::new(Status::KVSTAGE_E_TRANSPORT, "accept on the local socket failed").with_source(e)),
+                    stream.set_nonblocking(false)?;
+                    waiting.push((stream, Instant::now()));
                 }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(Error::new(Status::KVSTAGE_E_TRANSPORT, "accept on the local socket failed").with_source(e)),
             }
         }
     }
+}
+
+/// Bytes queued to read on `stream` (`FIONREAD`); `None` once the peer closed it (readable with
+/// nothing queued) or on an error.
+fn queued_bytes(stream: &UnixStream) -> Option<usize> {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int.
+    if unsafe { libc::ioctl(stream.as_raw_fd(), libc::FIONREAD, &mut n) } != 0 {
+        return None;
+    }
+    if n > 0 {
+        return Some(n as usize);
+    }
+    let mut pfd = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd; timeout 0 never waits.
+    let readable = unsafe { libc::poll(&mut pfd, 1, 0) } == 1;
+    (!readable).then_some(0)
 }
 
 /// Whether the same-host path works on this host (the doctor): a small sealed ring passed over an
@@ -478,7 +506,7 @@ mod tests {
     /// of a greeting and stops. The receiver's greeting behind them is taken well within the
     /// exchange's bound (before, the silent one held it for the whole bound).
     #[test]
-    fn local_processes_that_connect_first_and_stall_delay_the_exchange_no_longer_than_a_greeting() {
+    fn local_processes_that_connect_first_and_stall_delay_the_exchange_not() {
         use std::io::Write;
         let ring = memory::SharedRing::create(8192).unwrap();
         let (name, listener) = fdpass::listen_abstract().unwrap();
