@@ -97,7 +97,7 @@ fn release_during_a_payload_read_frees_the_range_once_the_read_stops() {
     eprintln!("release during a payload read: release_room returned after {took:?}, the range went back");
     w.check_landed(&ring, false);
     let first_half = w.region.start..w.region.start + w.half;
-    ring.check("released during a read", &[first_half.clone()]);
+    ring.check("released during a read", std::slice::from_ref(&first_half));
     // The rest of the payload and the ready: discarded and refused, the session served on.
     match w.finish(2, at) {
         Message::Arrived { req: 2, status, reason } => {
