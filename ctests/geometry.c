@@ -1,4 +1,4 @@
-/* Geometry from C: kvstage_head_slice_compute(GEOMETRY.md examples, bad input names the argument and
+/* Geometry from C: kvstage_head_slice_compute(docs/GEOMETRY.md examples, bad input names the argument and
  * leaves *out untouched), kvstage_staging_layout_compute(count query, too-small array, filled entries,
  * errors naming the layout and field), kvstage_kv_layout_init/validate, writers and grid.
  * Also built as C++17. */
@@ -38,7 +38,7 @@ int main(void) {
     uint32_t rank, n = 0;
     static const uint32_t p4d2[4] = {0, 2, 0, 2}, p1d4[4] = {0, 0, 1, 1};
 
-    /* GEOMETRY.md: P4->D2, H=8: dst_start for prefill ranks 0..3 = [0, 2, 0, 2], n = 2. */
+    /* docs/GEOMETRY.md: P4->D2, H=8: dst_start for prefill ranks 0..3 = [0, 2, 0, 2], n = 2. */
     for (rank = 0; rank < 4; rank++) {
         CHECK_OK(kvstage_head_slice_compute(4, 2, rank, rank / 2, 8, &hs));
         CHECK_INT(hs.src_head_start, 0);

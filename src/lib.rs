@@ -1,8 +1,10 @@
 //! kvstage: staged KV-cache transfer for prefill/decode disaggregated LLM serving.
 //!
-//! Rooms (see the design notes): `error` (and `panics`, the library threads' panic boundary) → `geometry` → `copy` → `ring`/`protocol`/`transport` →
-//! `session` → `engine`, and `ffi`, the only `extern "C"` code. Every module but `error` and `ffi`
-//! is hidden from cbindgen (`cbindgen:ignore`): their C view lives in `ffi`.
+//! Layers (docs/ARCHITECTURE.md, "Layers of the code"): `error` (and `deadline`, `dynlib`, and
+//! `panics`, the library threads' panic boundary) → `geometry` → `copy` →
+//! `ring`/`protocol`/`transport` → `session` → `engine`, and `ffi`, the only `extern "C"` code.
+//! Every module but `error` and `ffi` is hidden from cbindgen (`cbindgen:ignore`): their C view
+//! lives in `ffi`.
 
 /// cbindgen:ignore
 pub mod copy;

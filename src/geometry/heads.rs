@@ -63,7 +63,7 @@ fn check_heads(total_heads: u32, tp_name: &str, tp: u32) -> Result<()> {
 }
 
 /// The head slice prefill rank `src_rank` (of `src_tp`) sends to decode rank `dst_rank` (of
-/// `dst_tp`) for a model with `total_heads` KV heads (GEOMETRY.md, "Head mapping").
+/// `dst_tp`) for a model with `total_heads` KV heads (docs/GEOMETRY.md, "Head mapping").
 ///
 /// Errors (`KVSTAGE_E_INVALID_ARG`, naming the argument): zero or huge sizes, ranks not below their
 /// size, head counts that do not divide a TP size (either way), TP sizes that are not multiples of

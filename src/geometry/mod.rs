@@ -3,8 +3,8 @@
 //!
 //! Nothing here touches memory: [`KvLayout`] carries base addresses only so that they can be
 //! validated (NULL, overlap, address-space overflow) before an engine dereferences them.
-//! See `GEOMETRY.md` in the design notes for the head mapping; the staging layout follows the
-//! pipeline split (see `staging`), not the fixed writer order the notes describe.
+//! See docs/GEOMETRY.md ("Head mapping", "Staging layout"); the staging layout follows the
+//! pipeline split (see `staging`), not a fixed writer order by prefill rank.
 
 use crate::error::{Error, FieldMismatch, Result, Status};
 

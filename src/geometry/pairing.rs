@@ -1,9 +1,9 @@
 //! Which ranks of the other side a rank exchanges KV data with: the sessions an engine must open
 //! (prefill side) or expect (decode side).
 //!
-//! Tensor parallelism pairs ranks by the head mapping (GEOMETRY.md, "Rank pairing"; prefill-side
-//! GQA replication: the one rank of each group of copies that sends; MLA: one designated prefill
-//! rank per decode rank). Pipeline parallelism pairs stages by their layer ids:
+//! Tensor parallelism pairs ranks by the head mapping (docs/GEOMETRY.md, "Rank pairing";
+//! prefill-side GQA replication: the one rank of each group of copies that sends; MLA: one
+//! designated prefill rank per decode rank). Pipeline parallelism pairs stages by their layer ids:
 //! a prefill stage writes to every decode stage holding at least one of its layers, whatever the
 //! split (uneven, or not contiguous).
 

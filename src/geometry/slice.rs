@@ -105,7 +105,7 @@ mod tests {
         let hs = head_slice(4, 2, 1, 0, 8).unwrap();
         let pages: Vec<u32> = (0..8192).collect();
         let ops = slice_plan(&src, &dst, &hs, &PageSpan::whole(&pages, 1), &PageSpan::whole(&pages, 1)).unwrap();
-        // GEOMETRY.md: 70B, P4→D2, 8192-token chunk: 1,310,720 writes of 512 B per pair.
+        // docs/GEOMETRY.md, "Sizes": 70B, P4→D2, 8192-token chunk: 1,310,720 writes of 512 B per pair.
         assert_eq!(ops.len(), 1_310_720);
         assert!(ops.iter().all(|o| o.len == 512));
         assert_eq!(ops[1], SliceOp { src_buffer: 0, src_offset: 512, dst_buffer: 0, dst_offset: 1024 + 512, len: 512 });

@@ -389,7 +389,7 @@ mod tests {
 
     #[test]
     fn seventy_b_p4_to_d2() {
-        // GEOMETRY.md: 70B, P4→D2, 8192-token chunk: 2 writers × 640 MiB.
+        // docs/GEOMETRY.md, "Sizes": 70B, P4→D2, 8192-token chunk: 2 writers × 640 MiB.
         let st = staging_layout_stages(&[shape(0, 4)], &shape(1, 2), 8192).unwrap();
         assert_eq!(st.writers.len(), 2);
         assert_eq!(st.row_bytes, 512);

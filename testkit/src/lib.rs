@@ -8,7 +8,7 @@
 
 use kvstage::geometry::{KvLayout, MemoryKind, ModelKind, PoolShape};
 
-/// A model shape preset (per-token bytes match the design notes).
+/// A model shape preset (per-token bytes match docs/GEOMETRY.md, "Sizes").
 #[derive(Clone, Copy, Debug)]
 pub struct Model {
     pub name: &'static str,

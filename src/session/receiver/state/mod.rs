@@ -2,7 +2,7 @@
 //! leases and events. No I/O, no threads, no clock of its own: the receiver calls it under one
 //! lock, does the I/O it allows outside the lock, and reports back.
 //!
-//! Rules it keeps (ARCHITECTURE.md):
+//! Rules it keeps (docs/ARCHITECTURE.md, "Receiver rules"):
 //! - a writer slot belongs to the connection that claimed it; every frame naming it is checked
 //!   against that connection;
 //! - a ring range is returned to the ring only when no write into it can happen: a payload read in
