@@ -120,18 +120,47 @@ impl InPlace<'_> {
     }
 }
 
+/// The sender's end of a mapping's lease (the local socket of the exchange). Dropped once nothing
+/// of this process maps the receiver's memory (drop the mappings first): it says so with
+/// [`super::LEASE_UNMAPPED`], so that the receiver need not wait for this process to end, then
+/// closes. Every way out of an exchange drops it so, a failed one included.
+pub struct Lease(UnixStream);
+
+impl Lease {
+    pub fn new(stream: UnixStream) -> Lease {
+        Lease(stream)
+    }
+}
+
+impl std::ops::Deref for Lease {
+    type Target = UnixStream;
+    fn deref(&self) -> &UnixStream {
+        &self.0
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        // Never blocks (a full socket only costs the receiver the wait) nor raises SIGPIPE (the
+        // receiver may be gone).
+        // SAFETY: an open socket and a one-byte buffer.
+        unsafe { libc::send(self.0.as_raw_fd(), [super::LEASE_UNMAPPED].as_ptr().cast(), 1, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+        let _ = self.0.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 pub struct ShmTransport {
     tcp: Arc<dyn Transport>,
     ring: RwLock<Option<Mapped>>,
     /// The local socket whose end tells the receiver this process no longer maps its ring.
-    lease: Mutex<Option<UnixStream>>,
+    lease: Mutex<Option<Lease>>,
     ring_len: u64,
     kind: RingKind,
     maps_pool: bool,
 }
 
 impl ShmTransport {
-    pub fn new(tcp: Arc<dyn Transport>, ring: PeerRing, pool: Option<PeerPool>, lease: UnixStream) -> ShmTransport {
+    pub fn new(tcp: Arc<dyn Transport>, ring: PeerRing, pool: Option<PeerPool>, lease: Lease) -> ShmTransport {
         let (ring_len, kind, maps_pool) = (ring.len() as u64, ring.kind(), pool.is_some());
         ShmTransport { tcp, ring: RwLock::new(Some(Mapped { ring, pool })), lease: Mutex::new(Some(lease)), ring_len, kind, maps_pool }
     }
@@ -173,14 +202,8 @@ impl ShmTransport {
     fn teardown(&self) {
         // Waits for a gather in progress; after this nothing here can write the ring.
         self.ring.write().take();
-        if let Some(s) = self.lease.lock().take() {
-            // The mappings are gone (device ones closed): say so, so that the receiver need not
-            // wait for this process to end. Never blocks (a full socket only costs the receiver
-            // that wait) nor raises SIGPIPE (the receiver may be gone).
-            // SAFETY: an open socket and a one-byte buffer.
-            unsafe { libc::send(s.as_raw_fd(), [super::LEASE_UNMAPPED].as_ptr().cast(), 1, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
+        // The mappings are gone (device ones closed): the lease ends saying so.
+        self.lease.lock().take();
     }
 }
 

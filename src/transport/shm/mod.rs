@@ -45,7 +45,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 pub use self::greeting::{DeviceExport, OfferedRing, PoolFiles, GREETING_BYTES, IPC_HANDLE_BYTES};
-pub use self::link::{DirectPool, InPlace, PeerRing, ShmTransport};
+pub use self::link::{DirectPool, InPlace, Lease, PeerRing, ShmTransport};
 use self::pool::{PeerPool, PoolShare};
 use self::fdpass::NONCE_BYTES;
 use crate::deadline::Deadline;
@@ -219,6 +219,7 @@ impl Shm {
             Ok(l) => l,
             Err(e) => return self.refused(e.context("cannot offer the same-host path"), session, peer),
         };
+        let listener = OfferSocket(listener);
         let direct = direct.filter(|_| self.direct());
         tcp.send(&Message::ShmOffer { socket: name, nonce: nonce.clone(), direct: direct.map(|d| d.1) }, deadline)?;
         let (status, local, ring_len, reason) = loop {
@@ -247,7 +248,7 @@ impl Shm {
             // huge sparse file, populated at our expense).
             Error::new(Status::KVSTAGE_E_PROTOCOL, format!("{peer} offers a ring of {ring_len} bytes, its hello said {ring_bytes}"))
         } else {
-            match map_offered_ring(&listener, &nonce, ring_len, open_device, direct, deadline) {
+            match map_offered_ring(&listener.0, &nonce, ring_len, open_device, direct, deadline) {
                 Ok((ring, pool, lease)) => {
                     self.count_session();
                     if pool.is_some() {
@@ -280,6 +281,20 @@ impl Shm {
     }
 }
 
+/// The sender's exchange socket. When it goes, every connection it did not take (the receiver's,
+/// when the exchange failed before its accept: a lost answer, a refusal) is told that nothing of
+/// this process maps what it passed, so that the receiver does not wait for this process to end.
+struct OfferSocket(std::os::unix::net::UnixListener);
+
+impl Drop for OfferSocket {
+    fn drop(&mut self) {
+        // Non-blocking: ends at the first empty accept.
+        while let Ok((stream, _)) = self.0.accept() {
+            drop(Lease::new(stream));
+        }
+    }
+}
+
 /// Accepts the receiver's local connection (the one that knows `nonce`), receives the ring and
 /// maps it (a host ring) or opens it with `open_device` (a device ring), and the decode pool of
 /// shape `direct` when the receiver passes it. Returns the ring, the pool and the lease socket.
@@ -290,10 +305,12 @@ fn map_offered_ring(
     open_device: Option<OpenDevice<'_>>,
     direct: Option<(&PoolShape, MemoryKind)>,
     deadline: &Deadline,
-) -> Result<(PeerRing, Option<PeerPool>, UnixStream)> {
+) -> Result<(PeerRing, Option<PeerPool>, Lease)> {
     let local = std::time::Instant::now() + LOCAL_IO_TIMEOUT;
     let until = deadline.instant().map_or(local, |d| d.min(local));
     let (stream, bytes, fd) = greeted(listener, nonce, until)?;
+    // Declared before the mappings, so dropped after them on every way out.
+    let stream = Lease::new(stream);
     // The rest (a direct pool's table) by the exchange's end.
     let left = until.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_millis(1));
     stream.set_read_timeout(Some(left))?;
