@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::copy::{AnyCopyEngine, Component, Components, CopyEngine};
-use crate::error::{Error, Result, Status};
+use crate::error::{Error, Result};
 use crate::geometry::{ComponentKind, ComponentSpec, KvLayout, MemoryKind};
 use crate::transport::faults::Faults;
 use crate::transport::rdma::{Rdma, RdmaMode, RdmaOptions};
@@ -446,7 +446,7 @@ impl Engine {
         if self.stopped.load(Ordering::SeqCst) {
             // Shut down during the connect: `stop` has drained the list already.
             s.close("the engine was shut down");
-            return Err(stopped_error());
+            return Err(crate::session::receiver::shut_down_error());
         }
         sessions.push(Arc::downgrade(&s));
         Ok(s)
@@ -454,7 +454,7 @@ impl Engine {
 
     fn check_running(&self) -> Result<()> {
         if self.stopped.load(Ordering::SeqCst) {
-            return Err(stopped_error());
+            return Err(crate::session::receiver::shut_down_error());
         }
         Ok(())
     }
@@ -541,8 +541,4 @@ impl Drop for Engine {
         self.receiver.close_leases();
         log::info!("engine on {} freed", self.local_addr);
     }
-}
-
-fn stopped_error() -> Error {
-    Error::new(Status::KVSTAGE_E_CANCELED, "the engine was shut down (kvstage_engine_shutdown)")
 }

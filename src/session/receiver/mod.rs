@@ -405,7 +405,7 @@ impl Receiver {
     /// slots, extra pools' pages), checked against the registered components.
     pub fn open_room_parts(&self, room: u64, pages: &[u32], chunk_tokens: u32, parts: Option<RequestParts>) -> Result<(u32, u64)> {
         if self.closing() {
-            return Err(Error::new(Status::KVSTAGE_E_CANCELED, "the engine was shut down (kvstage_engine_shutdown)"));
+            return Err(shut_down_error());
         }
         let pool = self.pool()?;
         pool.check_pages(pages, "dst_pages")?;
@@ -725,7 +725,13 @@ impl Receiver {
         self.leases.close_all();
     }
 
+    /// Whether the engine stopped ([`shut_down_error`] for the calls it refuses then).
     pub fn closing(&self) -> bool {
         self.closing.load(Ordering::SeqCst)
     }
+}
+
+/// What a call that would start work on a stopped engine fails with.
+pub fn shut_down_error() -> Error {
+    Error::new(Status::KVSTAGE_E_CANCELED, "the engine was shut down (kvstage_engine_shutdown)")
 }
