@@ -13,8 +13,10 @@
 #define KVSTAGE_VERSION ((KVSTAGE_VERSION_MAJOR << 16) | (KVSTAGE_VERSION_MINOR << 8) | KVSTAGE_VERSION_PATCH)
 
 
-// Deadline value meaning "wait forever" (must be asked for explicitly).
-#define KVSTAGE_DEADLINE_INFINITE UINT64_MAX
+// Timeouts in milliseconds mean one thing everywhere: 0 = the engine's default
+// (`kvstage_engine_options.default_timeout_ms`), `KVSTAGE_TIMEOUT_INFINITE` = no limit, any
+// other value that many milliseconds.
+#define KVSTAGE_TIMEOUT_INFINITE UINT64_MAX
 
 // Default chunk size in tokens of the chunk grid.
 #define KVSTAGE_DEFAULT_CHUNK_TOKENS 8192
@@ -140,8 +142,12 @@ typedef enum kvstage_completion_kind {
     // An asynchronous operation ended: `tag` is its descriptor's `user_tag`, `status` its result
     // (as `kvstage_op_poll` would return it).
     KVSTAGE_COMPLETION_OP = 1,
-    // A decode chunk was scattered (`status` OK) or failed: `room`, `chunk_index`, `status`.
+    // A decode chunk was scattered (`status` OK) or failed: `room`, `room_key`, `chunk_index`,
+    // `status` (a `KVSTAGE_ROOM_EVENT_CHUNK` event).
     KVSTAGE_COMPLETION_CHUNK = 2,
+    // A decode room's whole request is in place (`status` OK) or the room failed: `room`,
+    // `room_key`, `status`, `chunk_index` = its chunk count (a `KVSTAGE_ROOM_EVENT_ROOM` event).
+    KVSTAGE_COMPLETION_ROOM = 3,
 } kvstage_completion_kind;
 
 // Severity of a log record, and the most verbose level a sink receives (each level includes the
@@ -186,88 +192,58 @@ typedef enum kvstage_component_kind {
 // An engine: listener, peers, registrations and worker threads. Thread-safe.
 typedef struct kvstage_engine kvstage_engine;
 
-// An asynchronous operation started by `kvstage_transfer_async`.
+// An asynchronous transfer started by `kvstage_transfer_async` or
+// `kvstage_transfer_layerwise_async`.
 typedef struct kvstage_op kvstage_op;
 
 // A sender session: one (prefill rank → decode rank) peering. Thread-safe; transfers on one
 // session may run concurrently.
 typedef struct kvstage_session kvstage_session;
 
-// Where one transfer (one chunk) spent its time, in nanoseconds (monotonic clock). A phase that
-// did not happen is 0 (a fallback has only `total_ns`; a failure has the phases it reached, the
-// one it failed in included). The phases run one after the other in the order below, so
-// `total_ns` >= the sum of the others. In sums (`timings_sum` of the stats structs) each field is
-// the sum over the counted transfers.
-typedef struct kvstage_transfer_timings {
+// What this build can use on this host, as detected at run time.
+typedef struct kvstage_capabilities {
     size_t struct_size;
-    // Asynchronous transfers: from `kvstage_transfer_async` to a transfer worker taking it up.
-    uint64_t queued_ns;
-    // The allocation request's round trip to the receiver (the grant of ring space), plus waiting
-    // until the receiver's watermark lets the granted range be written (its ring is full).
-    uint64_t watermark_wait_ns;
-    // Waiting for a send staging buffer of the engine (all in use by other chunks), or
-    // allocating a new one; 0 over TCP from a host pool (no buffer).
-    uint64_t alloc_wait_ns;
-    // Gathering the chunk's pages into the staging buffer (for CUDA pools the wait for the
-    // producer's ready point included), plus the integrity checksum when the chunk carries one;
-    // written in pieces, the time the write waited for a piece's gather; over TCP from a host
-    // pool, the request's parts and the checksum only.
-    uint64_t gather_ns;
-    // The bulk write of the gathered bytes and the ready frame (slice path: all slice writes).
-    uint64_t wire_ns;
-    // From the end of the write to the receiver's acknowledgement of the arrival.
-    uint64_t ack_ns;
-    // The whole transfer, from the call (asynchronous: `kvstage_transfer_async`) to its result.
-    uint64_t total_ns;
-} kvstage_transfer_timings;
+    // Always 1: TCP needs nothing but the OS.
+    uint8_t tcp;
+    // 1 when libibverbs is loadable and lists at least one device.
+    uint8_t rdma;
+    // Always 1: host-memory KV pools.
+    uint8_t host_memory;
+    // 1 when libcuda is loadable and reports at least one device.
+    uint8_t cuda_memory;
+} kvstage_capabilities;
 
-// One completion, as handed to a `kvstage_completion_fn`.
-typedef struct kvstage_completion {
+// One log record, as handed to a `kvstage_log_fn`. Every pointer is valid during the call only.
+typedef struct kvstage_log_record {
+    // `sizeof(kvstage_log_record)` of the library (fields are only ever appended).
     size_t struct_size;
-    // A `kvstage_completion_kind` value.
-    int32_t kind;
-    enum kvstage_status status;
-    // `KVSTAGE_COMPLETION_OP`: the operation's `user_tag`.
-    uint64_t tag;
-    // `KVSTAGE_COMPLETION_CHUNK`: the decode room and chunk.
-    uint64_t room;
-    uint32_t chunk_index;
-    // Appended with the metrics: read only when `struct_size` covers it.
-    // `KVSTAGE_COMPLETION_OP`: the transfer's phase timings (as `kvstage_op_timings_get`).
-    struct kvstage_transfer_timings timings;
-    // `KVSTAGE_COMPLETION_CHUNK` with status OK, staged path: nanoseconds from the arrival of the
-    // chunk's last writer to the end of its scatter (see `kvstage_engine_stats.scatter_ns_sum`);
-    // 0 otherwise.
-    uint64_t scatter_ns;
-    // `KVSTAGE_COMPLETION_CHUNK`: the key of the room's opening the chunk belongs to (a callback
-    // running after the room was released and its id opened again tells the events apart).
-    uint64_t room_key;
-    // The request's trace id, NUL-terminated (see `kvstage_transfer_desc.trace_id`).
-    char trace_id[KVSTAGE_TRACE_ID_SIZE];
-} kvstage_completion;
+    // A `kvstage_log_level` value: `KVSTAGE_LOG_ERROR` … `KVSTAGE_LOG_TRACE`.
+    int32_t level;
+    // Where in kvstage the record comes from, e.g. "kvstage::transport::rdma" (NUL-terminated).
+    const char *target;
+    // The session id the record is about (the one `kvstage_error.session` names), "" when none.
+    // Not repeated in `message`.
+    const char *session;
+    // One line of text without a trailing newline, e.g. "room 7 failed (KVSTAGE_E_TIMEOUT): …".
+    const char *message;
+} kvstage_log_record;
 
-// Called once per completion, on a library thread (a transfer worker, a receiver connection
-// thread or the scatter thread), with no kvstage lock held. It may call kvstage functions (poll
-// an operation, poll events) but must return quickly (it delays that thread's other work), must
-// not free the engine that calls it, and must not call `kvstage_room_release`,
-// `kvstage_room_wait` or `kvstage_op_wait` (they may wait for work of the very thread running
-// the callback). `completion` is valid during the call only. An operation's callback runs before
-// its end is visible anywhere else: once `kvstage_op_poll` or `kvstage_op_wait` returned its
-// result, or the completion descriptor counted it, its callback has returned; during the callback
-// the operation still polls `KVSTAGE_PENDING` (`completion` carries its status). A chunk event's
-// callback runs after the event is queued and counted, so a room wait may return before it.
-typedef void (*kvstage_completion_fn)(void *user_data, const struct kvstage_completion *completion);
-
-// A chunk that reached the decode KV pool (status `KVSTAGE_OK`) or failed.
-typedef struct kvstage_chunk_event {
-    uint64_t room;
-    uint32_t chunk_index;
-    enum kvstage_status status;
-    // The key of the room's opening the chunk belongs to (`kvstage_room_open`'s `room_key_out`).
-    uint64_t room_key;
-    // The request's trace id, NUL-terminated (see `kvstage_transfer_desc.trace_id`).
-    char trace_id[KVSTAGE_TRACE_ID_SIZE];
-} kvstage_chunk_event;
+// Receives kvstage's log records (see `kvstage_log_set_callback`).
+//
+// - **Threads.** Called on whatever thread logs: the caller's own thread inside a kvstage call,
+//   or a kvstage thread (listener, connection, transfer worker, scatter, RDMA completion). It
+//   can be called from several threads at once: it must be thread-safe.
+// - **Blocking.** It delays the thread that logs: return quickly (queue the record if the
+//   embedder's logger may block). It must not wait for anything that waits for kvstage (an
+//   engine being freed, an operation or room wait on another thread).
+// - **Reentrancy.** It must not call kvstage functions. Records that kvstage calls made from
+//   inside it would log are dropped, and `kvstage_log_set_callback` called from inside it fails
+//   with `KVSTAGE_E_UNSUPPORTED`.
+// - **Lifetime.** `record` and the strings it points to are valid during the call only: copy
+//   what must outlive it.
+// - **Unwinding.** It must return normally: no C++ exception, `longjmp` or thread exit may
+//   leave it (that would cross kvstage's frames, which is undefined behavior).
+typedef void (*kvstage_log_fn)(void *user_data, const struct kvstage_log_record *record);
 
 // Details of the last failed kvstage call on this thread.
 //
@@ -285,19 +261,6 @@ typedef struct kvstage_error {
     const char *const *causes;
 } kvstage_error;
 
-// What this build can use on this host, as detected at run time.
-typedef struct kvstage_capabilities {
-    size_t struct_size;
-    // Always 1: TCP needs nothing but the OS.
-    uint8_t tcp;
-    // 1 when libibverbs is loadable and lists at least one device.
-    uint8_t rdma;
-    // Always 1: host-memory KV pools.
-    uint8_t host_memory;
-    // 1 when libcuda is loadable and reports at least one device.
-    uint8_t cuda_memory;
-} kvstage_capabilities;
-
 // Engine options. Fill with `kvstage_engine_options_init`, then change fields.
 typedef struct kvstage_engine_options {
     size_t struct_size;
@@ -307,8 +270,10 @@ typedef struct kvstage_engine_options {
     const char *listen_address;
     // Threads for gather/scatter (1..=256).
     uint32_t worker_threads;
-    // Deadline of an operation without its own, in milliseconds (> 0, or KVSTAGE_DEADLINE_INFINITE).
-    uint64_t default_deadline_ms;
+    // The engine's default timeout in milliseconds (> 0, or KVSTAGE_TIMEOUT_INFINITE): what a
+    // `timeout_ms` of 0 means in every call and descriptor (a transfer's deadline, a wait, a
+    // connect, a shutdown, a room release's bound).
+    uint64_t default_timeout_ms;
     // Receiver chunk grid in tokens when a room does not name one (rounded down to whole pages).
     uint32_t chunk_tokens;
     // Largest send staging buffer in bytes; a chunk whose share is larger falls back.
@@ -343,11 +308,11 @@ typedef struct kvstage_engine_options {
     // `kvstage_engine_stats.events_dropped` (default 65536).
     uint32_t max_events;
     // A peer that stops answering (a host that vanished) is declared gone after about this long:
-    // TCP keepalive and `TCP_USER_TIMEOUT` (>= 1000; default 15000; KVSTAGE_DEADLINE_INFINITE:
+    // TCP keepalive and `TCP_USER_TIMEOUT` (>= 1000; default 15000; KVSTAGE_TIMEOUT_INFINITE:
     // the OS defaults, about two hours).
     uint64_t dead_peer_timeout_ms;
     // A decode room not complete this long after `kvstage_room_open` fails with
-    // `KVSTAGE_E_TIMEOUT` and returns its ring space (default 300000; KVSTAGE_DEADLINE_INFINITE:
+    // `KVSTAGE_E_TIMEOUT` and returns its ring space (default 300000; KVSTAGE_TIMEOUT_INFINITE:
     // never).
     uint64_t room_timeout_ms;
     // Send staging buffers at most, all sessions together (default 4).
@@ -363,7 +328,7 @@ typedef struct kvstage_engine_options {
     // A transfer that waits this long without progress (for its allocation, the receiver's
     // watermark, the acknowledgement, or layers to be marked ready) logs one WARN line naming the
     // room, the chunk and what it waits on, once per wait. 0 (default): a quarter of the
-    // operation's deadline (10 s without one); KVSTAGE_DEADLINE_INFINITE: never.
+    // operation's deadline (10 s without one); KVSTAGE_TIMEOUT_INFINITE: never.
     uint64_t stall_warn_ms;
     // A whole chunk goes out in pieces of about this many bytes (whole layers' slabs): from a
     // host send staging buffer (RDMA, a CUDA pool, or `send_from_pool` 0) each written while the
@@ -383,66 +348,33 @@ typedef struct kvstage_engine_options {
     int32_t same_host_direct;
 } kvstage_engine_options;
 
-// One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
-//
-// Buffers are token-major: slot `t` of a buffer starts `t · local_heads · head_dim · dtype_bytes`
-// bytes after its base; page `p` is slots `[p · page_size, (p + 1) · page_size)`.
-typedef struct kvstage_kv_layout {
+// Where one transfer (one chunk) spent its time, in nanoseconds (monotonic clock). A phase that
+// did not happen is 0 (a fallback has only `total_ns`; a failure has the phases it reached, the
+// one it failed in included). The phases run one after the other in the order below, so
+// `total_ns` >= the sum of the others. In sums (`timings_sum` of the stats structs) each field is
+// the sum over the counted transfers.
+typedef struct kvstage_transfer_timings {
     size_t struct_size;
-    // A `kvstage_model_kind` value (plain int so that a bad value is an error, not UB).
-    int32_t model_kind;
-    // Token slots per page (1..=2^20).
-    uint32_t page_size;
-    // KV heads on this rank: max(1, global_heads / tp_size); 1 for MLA. 0 (the `_init` default)
-    // derives that value from `global_heads` and `tp_size`; any other value is refused
-    // (`KVSTAGE_E_GEOMETRY_INVALID`, the cause naming both values): kvstage does not support
-    // padded or uneven head layouts, so the field only states what the caller expects.
-    uint32_t local_heads;
-    // KV heads of the model; 1 for MLA.
-    uint32_t global_heads;
-    // Elements per head; the latent width (e.g. 576) for MLA.
-    uint32_t head_dim;
-    // Bytes per element: 1, 2 or 4.
-    uint32_t dtype_bytes;
-    uint32_t tp_rank;
-    uint32_t tp_size;
-    uint32_t pp_rank;
-    uint32_t pp_size;
-    // Model layer ids held by this rank, strictly increasing; NULL means 0 .. num_layers-1.
-    const uint32_t *layer_ids;
-    // Number of layers held (entries of `layer_ids`, `k_bases`, `v_bases`).
-    size_t num_layers;
-    // Per layer, the base address of the K buffer (the latent buffer for MLA).
-    const uint64_t *k_bases;
-    // Per layer, the base address of the V buffer; ignored (may be NULL) for MLA.
-    const uint64_t *v_bases;
-    // Pages each buffer holds.
-    uint64_t capacity_pages;
-    // A `kvstage_memory_kind` value.
-    int32_t memory_kind;
-    // KVSTAGE_MEMORY_CUDA: the CUDA device ordinal holding the buffers, checked against the
-    // memory at registration; negative (the `_init` default, -1) = the device holding `k_bases[0]`.
-    // Ignored for host memory.
-    int32_t cuda_device;
-} kvstage_kv_layout;
-
-// A staging ring to register (`kvstage_engine_register_staging_memory`). Set `struct_size`
-// first (`kvstage_staging_memory_init`): fields appended later keep their defaults for callers
-// built with an older header.
-typedef struct kvstage_staging_memory {
-    size_t struct_size;
-    // A `kvstage_memory_kind` value (`_init`: HOST).
-    int32_t memory_kind;
-    // KVSTAGE_MEMORY_CUDA: the device ordinal. Required (>= 0) when the engine allocates the ring;
-    // for caller memory, checked against the memory (negative: the device holding `memory`).
-    // Ignored for host memory. `_init`: -1.
-    int32_t cuda_device;
-    // The ring's memory; NULL: the engine allocates it (host: a memfd a same-host sender can
-    // map; CUDA: device memory on `cuda_device`) and frees it with the engine or the next ring.
-    void *memory;
-    // Ring size in bytes (> 0).
-    size_t bytes;
-} kvstage_staging_memory;
+    // Asynchronous transfers: from `kvstage_transfer_async` to a transfer worker taking it up.
+    uint64_t queued_ns;
+    // The allocation request's round trip to the receiver (the grant of ring space), plus waiting
+    // until the receiver's watermark lets the granted range be written (its ring is full).
+    uint64_t watermark_wait_ns;
+    // Waiting for a send staging buffer of the engine (all in use by other chunks), or
+    // allocating a new one; 0 over TCP from a host pool (no buffer).
+    uint64_t alloc_wait_ns;
+    // Gathering the chunk's pages into the staging buffer (for CUDA pools the wait for the
+    // producer's ready point included), plus the integrity checksum when the chunk carries one;
+    // written in pieces, the time the write waited for a piece's gather; over TCP from a host
+    // pool, the request's parts and the checksum only.
+    uint64_t gather_ns;
+    // The bulk write of the gathered bytes and the ready frame (slice path: all slice writes).
+    uint64_t wire_ns;
+    // From the end of the write to the receiver's acknowledgement of the arrival.
+    uint64_t ack_ns;
+    // The whole transfer, from the call (asynchronous: `kvstage_transfer_async`) to its result.
+    uint64_t total_ns;
+} kvstage_transfer_timings;
 
 // Counters of an engine (a snapshot). The snapshot is not atomic across counters: each is read
 // on its own while transfers may be ending, so a concurrent read may see, for instance, a
@@ -543,114 +475,104 @@ typedef struct kvstage_engine_stats {
     uint64_t regions_read_into_pool;
 } kvstage_engine_stats;
 
-// Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
-typedef struct kvstage_head_slice {
-    uint32_t src_head_start;
-    uint32_t num_heads;
-    uint32_t dst_head_start;
-} kvstage_head_slice;
-
-// A rank of the other side that a rank exchanges KV data with (`kvstage_pairing_*`).
-typedef struct kvstage_rank {
-    uint32_t tp_rank;
-    uint32_t pp_rank;
-} kvstage_rank;
-
-// Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
-// call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` (into the
-// decode rank's layers the writer holds, ascending) starts at
-// `writers[w].offset + (kv · writers[w].layers + l) · slab_bytes`.
-typedef struct kvstage_staging_layout {
+// One completion, as handed to a `kvstage_completion_fn`.
+typedef struct kvstage_completion {
     size_t struct_size;
-    // Bytes of the whole allocation.
-    uint64_t total_bytes;
-    // Bytes of one token's head slice (`num_heads · head_dim · dtype_bytes`).
-    uint64_t row_bytes;
-    // Bytes of one (buffer, layer) slab (`tokens · row_bytes`).
-    uint64_t slab_bytes;
-    uint32_t tokens;
-    // Heads per row (the same for every writer).
-    uint32_t num_heads;
-    // 2 (K, V) for MHA, 1 for MLA.
-    uint32_t buffers_per_layer;
-    // Writers whose arrival completes the chunk (entries `kvstage_staging_layout_compute` fills).
-    uint32_t num_writers;
-    // Head groups of the decode rank: each of its layers arrives once per head group.
-    uint32_t num_tp_writers;
-} kvstage_staging_layout;
+    // A `kvstage_completion_kind` value.
+    int32_t kind;
+    enum kvstage_status status;
+    // `KVSTAGE_COMPLETION_OP`: the operation's `user_tag`.
+    uint64_t tag;
+    // `KVSTAGE_COMPLETION_CHUNK`: the decode room and chunk.
+    uint64_t room;
+    uint32_t chunk_index;
+    // Appended with the metrics: read only when `struct_size` covers it.
+    // `KVSTAGE_COMPLETION_OP`: the transfer's phase timings (as `kvstage_op_timings_get`).
+    struct kvstage_transfer_timings timings;
+    // `KVSTAGE_COMPLETION_CHUNK` with status OK, staged path: nanoseconds from the arrival of the
+    // chunk's last writer to the end of its scatter (see `kvstage_engine_stats.scatter_ns_sum`);
+    // 0 otherwise.
+    uint64_t scatter_ns;
+    // `KVSTAGE_COMPLETION_CHUNK`: the key of the room's opening the chunk belongs to (a callback
+    // running after the room was released and its id opened again tells the events apart).
+    uint64_t room_key;
+    // The request's trace id, NUL-terminated (see `kvstage_transfer_desc.trace_id`).
+    char trace_id[KVSTAGE_TRACE_ID_SIZE];
+} kvstage_completion;
 
-// One writer's region of a staging allocation.
-typedef struct kvstage_staging_writer {
-    // Byte offset of the region within the allocation.
-    uint64_t offset;
-    uint64_t bytes;
-    // Layers carried.
-    uint32_t layers;
-    // The prefill rank writing the region.
-    uint32_t src_tp_rank;
-    uint32_t src_pp_rank;
-    // Its head group among the decode rank's (`0 .. num_tp_writers`).
-    uint32_t tp_writer;
-    // First source head (gather) and first destination head (scatter), `num_heads` each.
-    uint32_t src_head_start;
-    uint32_t num_heads;
-    uint32_t dst_head_start;
-} kvstage_staging_writer;
+// Called once per completion, on a library thread (a transfer worker, a receiver connection
+// thread or the scatter thread), with no kvstage lock held. It may call kvstage functions (poll
+// an operation, poll events) but must return quickly (it delays that thread's other work), must
+// not free the engine that calls it, and must not call `kvstage_room_release`,
+// `kvstage_room_wait` or `kvstage_op_wait` (they may wait for work of the very thread running
+// the callback). `completion` is valid during the call only. An operation's callback runs before
+// its end is visible anywhere else: once `kvstage_op_poll` or `kvstage_op_wait` returned its
+// result, or the completion descriptor counted it, its callback has returned; during the callback
+// the operation still polls `KVSTAGE_PENDING` (`completion` carries its status). A chunk event's
+// callback runs after the event is queued and counted, so a room wait may return before it.
+typedef void (*kvstage_completion_fn)(void *user_data, const struct kvstage_completion *completion);
 
-// Where one chunk of a request lies on both sides (`kvstage_chunk_span_compute`). Set `struct_size`
-// before the call.
-typedef struct kvstage_chunk_span {
+// A decode room's event. Polled into an array whose element 0 carries the caller's
+// `struct_size` (`sizeof(kvstage_room_event)`).
+typedef struct kvstage_room_event {
     size_t struct_size;
-    // Chunks of the request (the room's chunk count).
-    uint32_t num_chunks;
-    // Tokens of this chunk: the chunk grid's, the request's last chunk possibly fewer.
-    uint32_t num_tokens;
-    // The chunk's first request token (`decode_prefix_tokens + chunk_index · grid tokens`).
-    uint64_t first_token;
-    // Prefill side: `src_pages` of the transfer are pages `[src_first_page, src_first_page +
-    // src_num_pages)` of the request's prefill page list (page `k` holds request tokens
-    // `[k · src_page_size, …)`); `src_token_offset` and `num_tokens` go into the descriptor as
-    // they are.
-    uint64_t src_first_page;
-    uint32_t src_num_pages;
-    uint32_t src_token_offset;
-    // Decode side: pages `[dst_first_page, dst_first_page + dst_num_pages)` of the room's page
-    // list (the pages after the decode side's cached prefix).
-    uint64_t dst_first_page;
-    uint32_t dst_num_pages;
-} kvstage_chunk_span;
+    // A `kvstage_room_event_kind` value.
+    int32_t kind;
+    enum kvstage_status status;
+    uint64_t room;
+    // The key of the room's opening the event belongs to.
+    uint64_t room_key;
+    // CHUNK: the chunk; ROOM: the room's chunk count.
+    uint32_t chunk_index;
+    // CHUNK with status OK, staged path: nanoseconds from the arrival of the chunk's last writer
+    // to the end of its scatter; 0 otherwise.
+    uint64_t scatter_ns;
+    // The request's trace id, NUL-terminated (see `kvstage_transfer_desc.trace_id`).
+    char trace_id[KVSTAGE_TRACE_ID_SIZE];
+} kvstage_room_event;
 
-// One log record, as handed to a `kvstage_log_fn`. Every pointer is valid during the call only.
-typedef struct kvstage_log_record {
-    // `sizeof(kvstage_log_record)` of the library (fields are only ever appended).
-    size_t struct_size;
-    // A `kvstage_log_level` value: `KVSTAGE_LOG_ERROR` … `KVSTAGE_LOG_TRACE`.
-    int32_t level;
-    // Where in kvstage the record comes from, e.g. "kvstage::transport::rdma" (NUL-terminated).
-    const char *target;
-    // The session id the record is about (the one `kvstage_error.session` names), "" when none.
-    // Not repeated in `message`.
-    const char *session;
-    // One line of text without a trailing newline, e.g. "room 7 failed (KVSTAGE_E_TIMEOUT): …".
-    const char *message;
-} kvstage_log_record;
-
-// Receives kvstage's log records (see `kvstage_log_set_callback`).
+// One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
 //
-// - **Threads.** Called on whatever thread logs: the caller's own thread inside a kvstage call,
-//   or a kvstage thread (listener, connection, transfer worker, scatter, RDMA completion). It
-//   can be called from several threads at once: it must be thread-safe.
-// - **Blocking.** It delays the thread that logs: return quickly (queue the record if the
-//   embedder's logger may block). It must not wait for anything that waits for kvstage (an
-//   engine being freed, an operation or room wait on another thread).
-// - **Reentrancy.** It must not call kvstage functions. Records that kvstage calls made from
-//   inside it would log are dropped, and `kvstage_log_set_callback` called from inside it fails
-//   with `KVSTAGE_E_UNSUPPORTED`.
-// - **Lifetime.** `record` and the strings it points to are valid during the call only: copy
-//   what must outlive it.
-// - **Unwinding.** It must return normally: no C++ exception, `longjmp` or thread exit may
-//   leave it (that would cross kvstage's frames, which is undefined behavior).
-typedef void (*kvstage_log_fn)(void *user_data, const struct kvstage_log_record *record);
+// Buffers are token-major: slot `t` of a buffer starts `t · local_heads · head_dim · dtype_bytes`
+// bytes after its base; page `p` is slots `[p · page_size, (p + 1) · page_size)`.
+typedef struct kvstage_kv_layout {
+    size_t struct_size;
+    // A `kvstage_model_kind` value (plain int so that a bad value is an error, not UB).
+    int32_t model_kind;
+    // Token slots per page (1..=2^20).
+    uint32_t page_size;
+    // KV heads on this rank: max(1, global_heads / tp_size); 1 for MLA. 0 (the `_init` default)
+    // derives that value from `global_heads` and `tp_size`; any other value is refused
+    // (`KVSTAGE_E_GEOMETRY_INVALID`, the cause naming both values): kvstage does not support
+    // padded or uneven head layouts, so the field only states what the caller expects.
+    uint32_t local_heads;
+    // KV heads of the model; 1 for MLA.
+    uint32_t global_heads;
+    // Elements per head; the latent width (e.g. 576) for MLA.
+    uint32_t head_dim;
+    // Bytes per element: 1, 2 or 4.
+    uint32_t dtype_bytes;
+    uint32_t tp_rank;
+    uint32_t tp_size;
+    uint32_t pp_rank;
+    uint32_t pp_size;
+    // Model layer ids held by this rank, strictly increasing; NULL means 0 .. num_layers-1.
+    const uint32_t *layer_ids;
+    // Number of layers held (entries of `layer_ids`, `k_bases`, `v_bases`).
+    size_t num_layers;
+    // Per layer, the base address of the K buffer (the latent buffer for MLA).
+    const uint64_t *k_bases;
+    // Per layer, the base address of the V buffer; ignored (may be NULL) for MLA.
+    const uint64_t *v_bases;
+    // Pages each buffer holds.
+    uint64_t capacity_pages;
+    // A `kvstage_memory_kind` value.
+    int32_t memory_kind;
+    // KVSTAGE_MEMORY_CUDA: the CUDA device ordinal holding the buffers, checked against the
+    // memory at registration; negative (the `_init` default, -1) = the device holding `k_bases[0]`.
+    // Ignored for host memory.
+    int32_t cuda_device;
+} kvstage_kv_layout;
 
 // One state item (one slot of one layer): `outer` rows of `sum(group_dims)` elements of
 // `dtype_bytes` each. Sharded (`replicated` 0), each TP rank holds, per row, its share of every
@@ -724,12 +646,71 @@ typedef struct kvstage_request_parts {
     size_t num_pool_spans;
 } kvstage_request_parts;
 
-// `len` bytes at `src_offset` of the prefill rank's slot go to `dst_offset` of the decode rank's.
-typedef struct kvstage_byte_range {
-    uint64_t src_offset;
-    uint64_t dst_offset;
-    uint64_t len;
-} kvstage_byte_range;
+// A staging ring to register (`kvstage_staging_register`). Set `struct_size`
+// first (`kvstage_staging_memory_init`): fields appended later keep their defaults for callers
+// built with an older header.
+typedef struct kvstage_staging_memory {
+    size_t struct_size;
+    // A `kvstage_memory_kind` value (`_init`: HOST).
+    int32_t memory_kind;
+    // KVSTAGE_MEMORY_CUDA: the device ordinal. Required (>= 0) when the engine allocates the ring;
+    // for caller memory, checked against the memory (negative: the device holding `memory`).
+    // Ignored for host memory. `_init`: -1.
+    int32_t cuda_device;
+    // The ring's memory; NULL: the engine allocates it (host: a memfd a same-host sender can
+    // map; CUDA: device memory on `cuda_device`) and frees it with the engine or the next ring.
+    void *memory;
+    // Ring size in bytes (> 0).
+    size_t bytes;
+} kvstage_staging_memory;
+
+// A request to receive (`kvstage_room_open`). Fill with `kvstage_room_desc_init`, then set the
+// fields.
+typedef struct kvstage_room_desc {
+    size_t struct_size;
+    // The room id: the engine's own request id as a number, unique among the rooms open on
+    // this engine (an id may be opened again once released; each opening gets a new key).
+    uint64_t room;
+    // The decode pool pages that receive the request's new tokens (after the cached prefix), in
+    // token order.
+    const uint32_t *pages;
+    size_t num_pages;
+    // Tokens per chunk (0: the engine's `chunk_tokens`); rounded down to whole pages.
+    uint32_t chunk_tokens;
+    // The request's parts besides the KV on this rank (its metadata row, state slots, extra
+    // pools' pages), or NULL for KV only. They travel with the room's last chunk; the room
+    // completes only once its KV, pools and state are in place and then its aux rows are written.
+    const struct kvstage_request_parts *parts;
+    // Tokens of the request this decode rank already holds (a prefix cache hit), in front of
+    // `pages`: whole decode pages (`KVSTAGE_E_INVALID_ARG` naming both values otherwise). Only
+    // reported to the senders in the grid (`prefix_tokens`), from which they compute their spans.
+    uint64_t prefix_tokens;
+    // The request's trace id, NUL-terminated (copied; the rules of `kvstage_transfer_desc.trace_id`),
+    // or NULL: the first id a writer names, else one derived from the opening
+    // (`<room>#<4 hex digits>`).
+    const char *trace_id;
+} kvstage_room_desc;
+
+// A room opening's chunk grid: what `kvstage_room_open` answers on the decode side and
+// `kvstage_session_room_grid_get` on the prefill side (set `struct_size` first). Chunk `k` of a
+// transfer carries the tokens `[k · chunk_tokens, min((k + 1) · chunk_tokens, num_pages ·
+// page_size))` of the room's pages (the last chunk may end earlier, where the request ends).
+typedef struct kvstage_room_grid {
+    size_t struct_size;
+    // This opening's key: a fresh, unguessable nonzero value each time an id is opened. The
+    // senders name it (`kvstage_transfer_desc.room_key`); so does every room call.
+    uint64_t key;
+    // Tokens of every chunk but possibly the last (the desc's `chunk_tokens` in whole pages).
+    uint32_t chunk_tokens;
+    // Chunks of the room: `chunk_index` of a transfer is below this.
+    uint32_t num_chunks;
+    // Pages of the room.
+    uint32_t num_pages;
+    // Token slots per decode page.
+    uint32_t page_size;
+    // Tokens the decode rank already held (the desc's `prefix_tokens`).
+    uint64_t prefix_tokens;
+} kvstage_room_grid;
 
 // Counters of one sender session (a snapshot). Transfers are counted once they end; a transfer
 // is one chunk (`kvstage_transfer`, `kvstage_transfer_slices` or `kvstage_transfer_async`).
@@ -775,18 +756,6 @@ typedef struct kvstage_session_stats {
     struct kvstage_transfer_timings timings_sum;
 } kvstage_session_stats;
 
-// A room's chunk grid on the decode side (`kvstage_session_room_grid`). Set `struct_size` first.
-typedef struct kvstage_room_grid {
-    size_t struct_size;
-    // Tokens of every chunk but possibly the last (the `chunk_tokens` of `kvstage_room_open`
-    // rounded to whole pages).
-    uint32_t chunk_tokens;
-    // Chunks of the room: `chunk_index` of a transfer is below this.
-    uint32_t num_chunks;
-    // Pages of the room.
-    uint32_t num_pages;
-} kvstage_room_grid;
-
 // One chunk to transfer. Fill with `kvstage_transfer_desc_init`.
 typedef struct kvstage_transfer_desc {
     size_t struct_size;
@@ -797,8 +766,9 @@ typedef struct kvstage_transfer_desc {
     // Prefill pool pages holding the chunk's tokens, in token order.
     const uint32_t *src_pages;
     size_t num_pages;
-    // Deadline in milliseconds: 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none.
-    uint64_t deadline_ms;
+    // The transfer's deadline, in milliseconds from the call: 0 = the engine default,
+    // KVSTAGE_TIMEOUT_INFINITE = none.
+    uint64_t timeout_ms;
     // CUDA pools: the `CUstream` after whose current work the chunk's KV is valid (an event is
     // recorded on it during the call), or NULL.
     void *cuda_stream;
@@ -832,13 +802,188 @@ typedef struct kvstage_transfer_desc {
     const char *trace_id;
     // The request's parts besides the KV on this rank (aux row, state slots, extra pools'
     // pages), or NULL: set on the transfer of the room's last chunk when the decode room names
-    // parts (`kvstage_room_open_parts`). Staged whole-chunk transfers only.
+    // parts (`kvstage_room_desc.parts`). Staged whole-chunk transfers only.
     const struct kvstage_request_parts *parts;
 } kvstage_transfer_desc;
+
+// Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
+typedef struct kvstage_head_slice {
+    uint32_t src_head_start;
+    uint32_t num_heads;
+    uint32_t dst_head_start;
+} kvstage_head_slice;
+
+// A rank of the other side that a rank exchanges KV data with (`kvstage_pairing_*`).
+typedef struct kvstage_rank {
+    uint32_t tp_rank;
+    uint32_t pp_rank;
+} kvstage_rank;
+
+// Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
+// call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` (into the
+// decode rank's layers the writer holds, ascending) starts at
+// `writers[w].offset + (kv · writers[w].layers + l) · slab_bytes`.
+typedef struct kvstage_staging_layout {
+    size_t struct_size;
+    // Bytes of the whole allocation.
+    uint64_t total_bytes;
+    // Bytes of one token's head slice (`num_heads · head_dim · dtype_bytes`).
+    uint64_t row_bytes;
+    // Bytes of one (buffer, layer) slab (`tokens · row_bytes`).
+    uint64_t slab_bytes;
+    uint32_t tokens;
+    // Heads per row (the same for every writer).
+    uint32_t num_heads;
+    // 2 (K, V) for MHA, 1 for MLA.
+    uint32_t buffers_per_layer;
+    // Writers whose arrival completes the chunk (entries `kvstage_staging_layout_compute` fills).
+    uint32_t num_writers;
+    // Head groups of the decode rank: each of its layers arrives once per head group.
+    uint32_t num_tp_writers;
+} kvstage_staging_layout;
+
+// One writer's region of a staging allocation (an output array: set `writers[0].struct_size`).
+typedef struct kvstage_staging_writer {
+    size_t struct_size;
+    // Byte offset of the region within the allocation.
+    uint64_t offset;
+    uint64_t bytes;
+    // Layers carried.
+    uint32_t layers;
+    // The prefill rank writing the region.
+    uint32_t src_tp_rank;
+    uint32_t src_pp_rank;
+    // Its head group among the decode rank's (`0 .. num_tp_writers`).
+    uint32_t tp_writer;
+    // First source head (gather) and first destination head (scatter), `num_heads` each.
+    uint32_t src_head_start;
+    uint32_t num_heads;
+    uint32_t dst_head_start;
+} kvstage_staging_writer;
+
+// Where one chunk of a request lies on both sides (`kvstage_chunk_span_compute`). Set `struct_size`
+// before the call.
+typedef struct kvstage_chunk_span {
+    size_t struct_size;
+    // Chunks of the request (the room's chunk count).
+    uint32_t num_chunks;
+    // Tokens of this chunk: the chunk grid's, the request's last chunk possibly fewer.
+    uint32_t num_tokens;
+    // The chunk's first request token (`decode_prefix_tokens + chunk_index · grid tokens`).
+    uint64_t first_token;
+    // Prefill side: `src_pages` of the transfer are pages `[src_first_page, src_first_page +
+    // src_num_pages)` of the request's prefill page list (page `k` holds request tokens
+    // `[k · src_page_size, …)`); `src_token_offset` and `num_tokens` go into the descriptor as
+    // they are.
+    uint64_t src_first_page;
+    uint32_t src_num_pages;
+    uint32_t src_token_offset;
+    // Decode side: pages `[dst_first_page, dst_first_page + dst_num_pages)` of the room's page
+    // list (the pages after the decode side's cached prefix).
+    uint64_t dst_first_page;
+    uint32_t dst_num_pages;
+} kvstage_chunk_span;
+
+// `len` bytes at `src_offset` of the prefill rank's slot go to `dst_offset` of the decode rank's.
+typedef struct kvstage_byte_range {
+    uint64_t src_offset;
+    uint64_t dst_offset;
+    uint64_t len;
+} kvstage_byte_range;
 
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// ==== Library: version, capabilities, logging ====================================================
+
+// The library's version as "MAJOR.MINOR.PATCH" (static storage).
+const char *kvstage_version_string(void);
+
+// The library's version as `MAJOR << 16 | MINOR << 8 | PATCH`, comparable with `KVSTAGE_VERSION`.
+uint32_t kvstage_version(void);
+
+// Fills `out` with what this build can use on this host. Set `out->struct_size` first.
+enum kvstage_status kvstage_capabilities_get(struct kvstage_capabilities *out);
+
+// Sends kvstage's log records at or above `max_level` (a `kvstage_log_level` value) to
+// `callback` instead of stderr, with `user_data` handed back unchanged; `callback` NULL sends
+// them to stderr again (at the `KVSTAGE_LOG` level; `max_level` is then ignored). Process-wide:
+// one callback for every engine. See `kvstage_log_fn` for the threads it runs on and what it
+// must not do.
+//
+// Safe to call at any time from any thread (except from inside the callback: that fails with
+// `KVSTAGE_E_UNSUPPORTED`): it returns only once no call of the previous callback is running or
+// can start, so the previous `user_data` may be freed as soon as it returns. It waits for those
+// calls: do not call it while holding a lock that the callback takes.
+//
+// `max_level` outside `KVSTAGE_LOG_OFF`..=`KVSTAGE_LOG_TRACE` is `KVSTAGE_E_INVALID_ARG`.
+enum kvstage_status kvstage_log_set_callback(kvstage_log_fn callback, void *user_data, int32_t max_level);
+
+// ==== Errors: status names and the thread's last error ===========================================
+
+// The name of a status code ("KVSTAGE_E_TIMEOUT"), or "KVSTAGE_UNKNOWN" (static storage).
+const char *kvstage_status_name(int32_t code);
+
+// The last error of this thread; never NULL ("no error" sentinel with code `KVSTAGE_OK`).
+// Valid until the next kvstage call on the same thread.
+const struct kvstage_error *kvstage_error_last(void);
+
+// Resets this thread's last error to the "no error" sentinel.
+void kvstage_error_clear(void);
+
+// ==== Engine: options, life, address, describe, counters, completions and events =================
+
+// Fills `options` with defaults: `size` is the caller's `sizeof(*options)`, so a program built
+// against an older or a newer header gets exactly its own struct filled (`struct_size` = `size`).
+enum kvstage_status kvstage_engine_options_init(struct kvstage_engine_options *options, size_t size);
+
+// Creates an engine; `options` may be NULL for defaults. Writes `*out` only on success.
+// Transport RDMA without a usable device is `KVSTAGE_E_NO_DEVICE` (class RDMA; the causes end
+// with the OS error of the device list); AUTO without one uses TCP and counts each such session
+// in `kvstage_engine_stats.rdma_downgrades`.
+enum kvstage_status kvstage_engine_new(const struct kvstage_engine_options *options, struct kvstage_engine **out);
+
+// Stops and frees an engine (joins its threads). NULL is a no-op. When other threads are inside
+// calls on this engine, it returns at once; those calls end by their own rules and the last one
+// stops the engine as it returns, on its thread. Later calls with the pointer (and a second
+// free, which records it in the last error) fail with `KVSTAGE_E_INVALID_ARG`.
+void kvstage_engine_free(struct kvstage_engine *engine);
+
+// Stops the engine as `kvstage_engine_free` does (its sessions closed, their operations and the
+// decode rooms' transfers failing, no new connection accepted, its threads joined), then waits up
+// up to `timeout_ms` (0: the engine default, KVSTAGE_TIMEOUT_INFINITE: no limit) until no same-host peer
+// maps its device ring or KV pool any more — a peer unmapped (its sessions ended), or its process
+// ended. `KVSTAGE_OK`: the pool and ring memory are the caller's to free (a CUDA pool's IPC
+// mappings cannot be revoked: freeing it earlier lets a peer write memory the allocator reuses).
+// `KVSTAGE_E_TIMEOUT`: some still do; the message names their processes, `*still_mapped` (may be
+// NULL) receives how many; call again to wait more. The handle stays valid until
+// `kvstage_engine_free` (quick after `KVSTAGE_OK`; after a timeout it gives the peers 2 s more,
+// then logs them); calls that would start work on it fail with `KVSTAGE_E_CANCELED`. From inside
+// a callback (on a kvstage thread): `KVSTAGE_E_UNSUPPORTED`. Concurrent calls each return once
+// the engine is stopped.
+enum kvstage_status kvstage_engine_shutdown(const struct kvstage_engine *engine, uint64_t timeout_ms, size_t *still_mapped);
+
+// Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated);
+// `*needed` (may be NULL) receives its size including the NUL. `buf` NULL with `capacity` 0 is a
+// size query (`KVSTAGE_OK`, `needed` required); a too small buffer is `KVSTAGE_E_INVALID_ARG`
+// naming both sizes.
+enum kvstage_status kvstage_engine_listen_address(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
+
+// The whole engine as a JSON document (the string-output convention of
+// `kvstage_engine_listen_address`): its transport in one line (`transport`: the same-host path,
+// its sessions and direct mode, RDMA devices or why TCP, the last downgrades), the decode side's
+// staging ring (live allocations oldest first, with their rooms and chunks), accepted
+// connections and rooms (state and chunks done), and the sessions it opened (transport, bytes
+// sent, the chunks running, why one is dead). The document changes as the engine works: query
+// the size and fill in a loop until the fill succeeds.
+enum kvstage_status kvstage_engine_describe(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
+
+// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_engine_stats)`) with the
+// engine's counters. A smaller `struct_size` (a caller built with an older header, whose struct
+// ends at `thread_panics`: `offsetof(kvstage_engine_stats, bytes_sent)`) gets the fields it holds;
+// nothing past it is written.
+enum kvstage_status kvstage_engine_stats_get(const struct kvstage_engine *engine, struct kvstage_engine_stats *out);
 
 // Writes the engine's completion descriptor into `*fd`: it becomes readable whenever an
 // asynchronous operation of the engine ends or a decode chunk event is queued. Add it to an
@@ -860,120 +1005,19 @@ enum kvstage_status kvstage_engine_completions_drain(const struct kvstage_engine
 // on other threads then, and its caller goes on after this returns.
 enum kvstage_status kvstage_engine_set_completion_callback(const struct kvstage_engine *engine, kvstage_completion_fn callback, void *user_data);
 
-// Decode side: as `kvstage_engine_poll_events` for one room only: moves up to `capacity` of
-// `room`'s chunk events into `events` and their number into `*count`; events of other rooms stay
-// queued. Non-blocking.
-enum kvstage_status kvstage_room_poll_events(const struct kvstage_engine *engine, uint64_t room, struct kvstage_chunk_event *events, size_t capacity, size_t *count);
+// Decode side: moves up to `capacity` events of every room into `events` (oldest first; set
+// `events[0].struct_size` first) and their number into `*count` (0 when none). Non-blocking.
+enum kvstage_status kvstage_engine_poll_events(const struct kvstage_engine *engine, struct kvstage_room_event *events, size_t capacity, size_t *count);
 
-// The library's version as "MAJOR.MINOR.PATCH" (static storage).
-const char *kvstage_version_string(void);
+// ==== KV pool and components: what a rank registers, what a request names ========================
 
-// The library's version as `MAJOR << 16 | MINOR << 8 | PATCH`, comparable with `KVSTAGE_VERSION`.
-uint32_t kvstage_version(void);
+// Fills `layout` (`size`: the caller's `sizeof(*layout)`) with defaults (sets `struct_size`; MHA, page_size 1, one head, bf16, TP 1,
+// PP 1, host memory, cuda_device -1; head_dim, layers, bases and capacity must be set).
+enum kvstage_status kvstage_kv_layout_init(struct kvstage_kv_layout *layout, size_t size);
 
-// The name of a status code ("KVSTAGE_E_TIMEOUT"), or "KVSTAGE_UNKNOWN" (static storage).
-const char *kvstage_status_name(int32_t code);
-
-// The last error of this thread; never NULL ("no error" sentinel with code `KVSTAGE_OK`).
-// Valid until the next kvstage call on the same thread.
-const struct kvstage_error *kvstage_error_last(void);
-
-// Resets this thread's last error to the "no error" sentinel.
-void kvstage_error_clear(void);
-
-// Fills `out` with what this build can use on this host. Set `out->struct_size` first.
-enum kvstage_status kvstage_capabilities_get(struct kvstage_capabilities *out);
-
-#if defined(KVSTAGE_TESTING)
-// TEST BUILDS ONLY (cargo feature `testing`): the next chunk this process writes by RDMA does
-// something wrong on the wire, to run the failure paths on real verbs: `fault` 1 = a remote key
-// the receiver never issued, 2 = the granted range moved past the end of the registered ring,
-// 3 = QP 0 moved to the error state once the chunk's first work requests are posted, 4 = the
-// writer stops for 10 s once they are posted (to kill the process mid-write), 5 = the
-// write-with-immediate goes as a plain write (the ready arrives without its immediate); 0
-// disarms.
-enum kvstage_status kvstage_testing_rdma_fault(uint32_t fault);
-#endif
-
-#if defined(KVSTAGE_TESTING)
-// TEST BUILDS ONLY (cargo feature `testing`): panics inside the export after borrowing `engine`,
-// to prove that a panic becomes `KVSTAGE_E_PANIC` and poisons the handle.
-enum kvstage_status kvstage_testing_panic(const struct kvstage_engine *engine);
-#endif
-
-// Decode side: room `room` as a JSON document (NUL-terminated) in `buf`: its state, failure,
-// and per chunk its phase (`not_started`, `waiting_for_watermark` with the older allocation it
-// waits behind, `granted`, `writing`, `waiting_for_writers`, `scattering`, `done`, `failed`), its
-// ring allocation, each writer's session, prefill rank and bytes landed, the slabs no writer
-// claimed. `*needed` (may be NULL) receives its size with the NUL; `buf` NULL with `capacity` 0
-// is a size query. The document changes as the room moves: query and fill in a loop until the
-// fill succeeds. `KVSTAGE_E_INVALID_ARG` when no room of that id is open.
-enum kvstage_status kvstage_room_describe(const struct kvstage_engine *engine, uint64_t room, char *buf, size_t capacity, size_t *needed);
-
-// The whole engine as a JSON document, as `kvstage_room_describe`: its transport, the decode
-// side's staging ring (live allocations oldest first, with their rooms and chunks), accepted
-// connections and rooms (state and chunks done), and the sessions it opened (transport, bytes
-// sent, the chunks running, why one is dead).
-enum kvstage_status kvstage_engine_describe(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
-
-// Prefill side: an operation as a JSON document, as `kvstage_room_describe`: its session, room
-// and chunk, its phase (`queued` when asynchronous or `starting` when synchronous,
-// `waiting_for_ready_point`, `waiting_for_allocation`, `waiting_for_watermark`,
-// `waiting_for_staging_buffer`, `gathering`, `writing`, `waiting_for_layers`,
-// `waiting_for_acknowledgement`, `done`, `failed`), what the phase waits on, the time in it, the
-// deadline left, its status and error.
-enum kvstage_status kvstage_op_describe(const struct kvstage_op *op, char *buf, size_t capacity, size_t *needed);
-
-// Reports what this host offers kvstage: whether libibverbs loads, the RDMA devices and their
-// ports (state, active and max MTU, link layer, LID, GID table size), dma-buf registration and
-// peer-memory support, whether libcuda loads and the GPU count, a verdict, and whether the same-host
-// (shared-memory) path works here. `json` 0: readable
-// text; 1: one JSON object. The report is written NUL-terminated into `buf`; `*needed` (may be
-// NULL) receives its size including the NUL. `buf` NULL with `capacity` 0 is a size query
-// (`KVSTAGE_OK`, `needed` required); a too small buffer is `KVSTAGE_E_INVALID_ARG` naming both
-// sizes.
-// Hosts without rdma-core or without a device get a clean "no RDMA" report, not an error.
-enum kvstage_status kvstage_doctor(char *buf, size_t capacity, size_t *needed, int32_t json);
-
-// Describes the engine's transport in one line: the same-host path (mode, sessions, those in
-// direct mode and their chunk regions copied page to page, the last downgrade), then "rdma: mlx5_0:1 (InfiniBand, MTU 4096), ..." or why RDMA is not used and the
-// last downgrade of a session to TCP. Same buffer rules as `kvstage_doctor`.
-enum kvstage_status kvstage_engine_transport_describe(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
-
-// Fills `options` with defaults (sets `struct_size`).
-enum kvstage_status kvstage_engine_options_init(struct kvstage_engine_options *options);
-
-// Creates an engine; `options` may be NULL for defaults. Writes `*out` only on success.
-// Transport RDMA without a usable device is `KVSTAGE_E_NO_DEVICE` (class RDMA; the causes end
-// with the OS error of the device list); AUTO without one uses TCP and counts each such session
-// in `kvstage_engine_stats.rdma_downgrades`.
-enum kvstage_status kvstage_engine_new(const struct kvstage_engine_options *options, struct kvstage_engine **out);
-
-// Stops and frees an engine (joins its threads). NULL is a no-op. When other threads are inside
-// calls on this engine, it returns at once; those calls end by their own rules and the last one
-// stops the engine as it returns, on its thread. Later calls with the pointer (and a second
-// free, which records it in the last error) fail with `KVSTAGE_E_INVALID_ARG`.
-void kvstage_engine_free(struct kvstage_engine *engine);
-
-// Stops the engine as `kvstage_engine_free` does (its sessions closed, their operations and the
-// decode rooms' transfers failing, no new connection accepted, its threads joined), then waits up
-// to `timeout_ms` (0: only looks, KVSTAGE_DEADLINE_INFINITE: no limit) until no same-host peer
-// maps its device ring or KV pool any more — a peer unmapped (its sessions ended), or its process
-// ended. `KVSTAGE_OK`: the pool and ring memory are the caller's to free (a CUDA pool's IPC
-// mappings cannot be revoked: freeing it earlier lets a peer write memory the allocator reuses).
-// `KVSTAGE_E_TIMEOUT`: some still do; the message names their processes, `*still_mapped` (may be
-// NULL) receives how many; call again to wait more. The handle stays valid until
-// `kvstage_engine_free` (quick after `KVSTAGE_OK`; after a timeout it gives the peers 2 s more,
-// then logs them); calls that would start work on it fail with `KVSTAGE_E_CANCELED`. From inside
-// a callback (on a kvstage thread): `KVSTAGE_E_UNSUPPORTED`. Concurrent calls each return once
-// the engine is stopped.
-enum kvstage_status kvstage_engine_shutdown(const struct kvstage_engine *engine, uint64_t timeout_ms, size_t *still_mapped);
-
-// Writes the address the engine listens on ("127.0.0.1:40123") into `buf` (NUL-terminated);
-// `*needed` (may be NULL) receives its size including the NUL. `buf` NULL with `capacity` 0 is a
-// size query (`KVSTAGE_OK`, `needed` required); a too small buffer is `KVSTAGE_E_INVALID_ARG`
-// naming both sizes.
-enum kvstage_status kvstage_engine_listen_address(const struct kvstage_engine *engine, char *buf, size_t capacity, size_t *needed);
+// Checks a layout (shape, layer ids, bases: NULL, overlapping, overflowing). `KVSTAGE_OK` or an
+// error naming the field.
+enum kvstage_status kvstage_kv_layout_validate(const struct kvstage_kv_layout *layout);
 
 // Registers this rank's KV pool (copied; the memory it points to must outlive the engine).
 // A CUDA pool (`memory_kind` CUDA) is checked here: `KVSTAGE_E_NO_DEVICE` without libcuda or
@@ -982,16 +1026,26 @@ enum kvstage_status kvstage_engine_listen_address(const struct kvstage_engine *e
 // whole extent, `KVSTAGE_E_CUDA` when the kernels do not load (the cause holds the JIT log),
 // `KVSTAGE_E_INVALID_ARG` when the registered staging ring is device memory and this pool is
 // not CUDA memory of the same device.
-enum kvstage_status kvstage_engine_register_pool(const struct kvstage_engine *engine, const struct kvstage_kv_layout *layout);
+enum kvstage_status kvstage_pool_register(const struct kvstage_engine *engine, const struct kvstage_kv_layout *layout);
 
-// Registers the decode-side staging ring: `bytes` of host memory at `memory`, or engine-owned
-// host memory when `memory` is NULL (the HOST case of `kvstage_engine_register_staging_memory`;
-// CUDA device memory here is `KVSTAGE_E_INVALID_ARG`). Senders learn its size in the handshake.
-enum kvstage_status kvstage_engine_register_staging(const struct kvstage_engine *engine, void *memory, size_t bytes);
+// Fills `component` (`size`: the caller's `sizeof(*component)`) with defaults (sets `struct_size`).
+enum kvstage_status kvstage_component_init(struct kvstage_component *component, size_t size);
 
-// Fills `staging` with defaults (sets `struct_size`; host memory, engine-allocated, cuda_device
+// Registers the rank's components (host memory), once, after its KV pool and before its
+// sessions connect or are accepted (a session carries the components registered when it
+// connected; the handshake refuses components that differ from the peer's with
+// `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field in the causes). `KVSTAGE_E_INVALID_ARG`
+// names the bad field (`components[i].field`) and its value.
+enum kvstage_status kvstage_pool_register_components(const struct kvstage_engine *engine, const struct kvstage_component *components, size_t num_components);
+
+// Fills `parts` (`size`: the caller's `sizeof(*parts)`) with defaults (sets `struct_size`).
+enum kvstage_status kvstage_request_parts_init(struct kvstage_request_parts *parts, size_t size);
+
+// ==== Staging memory: the decode ring, host memory a same-host sender maps =======================
+
+// Fills `staging` (`size`: the caller's `sizeof(*staging)`) with defaults (sets `struct_size`; host memory, engine-allocated, cuda_device
 // -1, bytes 0: set `bytes`).
-enum kvstage_status kvstage_staging_memory_init(struct kvstage_staging_memory *staging);
+enum kvstage_status kvstage_staging_memory_init(struct kvstage_staging_memory *staging, size_t size);
 
 // Registers the decode-side staging ring described by `staging` (host or CUDA device memory,
 // the caller's or the engine's). A device ring is read directly by the scatter kernels, so the
@@ -1004,22 +1058,188 @@ enum kvstage_status kvstage_staging_memory_init(struct kvstage_staging_memory *s
 // for a `cuda_device` this host lacks or that differs from the memory's device,
 // `KVSTAGE_E_GEOMETRY_INVALID` when caller memory is not device memory of one allocation over its
 // whole extent, `KVSTAGE_E_OUT_OF_MEMORY` or `KVSTAGE_E_CUDA` when the engine's allocation
-// fails; otherwise as `kvstage_engine_register_staging`.
-enum kvstage_status kvstage_engine_register_staging_memory(const struct kvstage_engine *engine, const struct kvstage_staging_memory *staging);
+// fails. Host memory of the caller's must stay valid until the engine is freed (after
+// `kvstage_engine_shutdown` said no same-host peer maps it); engine-owned memory lives as long as
+// the engine or until the next registration. Senders learn the ring's size in the handshake.
+enum kvstage_status kvstage_staging_register(const struct kvstage_engine *engine, const struct kvstage_staging_memory *staging);
 
-// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_engine_stats)`) with the
-// engine's counters. A smaller `struct_size` (a caller built with an older header, whose struct
-// ends at `thread_panics`: `offsetof(kvstage_engine_stats, bytes_sent)`) gets the fields it holds;
-// nothing past it is written.
-enum kvstage_status kvstage_engine_stats_get(const struct kvstage_engine *engine, struct kvstage_engine_stats *out);
+// Allocates `bytes` of zeroed, resident host memory that a same-host sender can map (a sealed
+// memfd mapped here; page-aligned): a decode rank whose KV pool buffers all lie in such
+// allocations serves direct mode, where a same-host prefill copies each chunk from its pages
+// straight into the decode pages (no ring, no scatter). `*out` receives the address. Errors:
+// `KVSTAGE_E_INVALID_ARG` for 0 bytes or a NULL `out`, `KVSTAGE_E_OUT_OF_MEMORY` when the
+// memory cannot be had (the cause names the OS error). Free with `kvstage_shared_free`, after
+// the engine whose pool it holds was freed.
+enum kvstage_status kvstage_shared_alloc(size_t bytes, void **out);
 
-// Fills `layout` with defaults (sets `struct_size`; MHA, page_size 1, one head, bf16, TP 1,
-// PP 1, host memory, cuda_device -1; head_dim, layers, bases and capacity must be set).
-enum kvstage_status kvstage_kv_layout_init(struct kvstage_kv_layout *layout);
+// Frees an allocation of `kvstage_shared_alloc` (`ptr` as it returned it). A same-host sender
+// that still maps it keeps the pages until it unmaps; this process no longer has them.
+// `KVSTAGE_E_INVALID_ARG` for any other pointer (NULL, an address inside an allocation, or one
+// freed already), and for an allocation that holds the KV pool of an engine not yet freed.
+enum kvstage_status kvstage_shared_free(void *ptr);
 
-// Checks a layout (shape, layer ids, bases: NULL, overlapping, overflowing). `KVSTAGE_OK` or an
-// error naming the field.
-enum kvstage_status kvstage_kv_layout_validate(const struct kvstage_kv_layout *layout);
+// ==== Room (decode side): one opening per request ================================================
+
+// Fills `desc` with defaults (`size`: the caller's `sizeof(*desc)`): no pages, the engine's
+// chunk tokens, no parts, no prefix, a derived trace id.
+enum kvstage_status kvstage_room_desc_init(struct kvstage_room_desc *desc, size_t size);
+
+// Decode side: opens the room `desc` describes and fills `*out` with its grid (`key`,
+// `num_chunks`, `chunk_tokens`, `num_pages`, `page_size`, `prefix_tokens`). Send the room id and
+// `out->key` to the prefill ranks (in the engine's own bootstrap message); their transfers name
+// the key, and a transfer naming another opening (a request this id was opened for before) is
+// refused with `KVSTAGE_E_STALE_ROOM`, writing nothing. Errors: `KVSTAGE_E_INVALID_ARG` naming
+// the field (pages outside the pool, parts outside their components, an id open or still
+// being released), `KVSTAGE_E_CANCELED` after a shutdown. `*out` is written only on success.
+enum kvstage_status kvstage_room_open(const struct kvstage_engine *engine, const struct kvstage_room_desc *desc, struct kvstage_room_grid *out);
+
+// Decode side: waits until the whole request of the opening (`room`, `key`) is in place — every
+// chunk scattered and its parts written (`KVSTAGE_OK`) —, the room failed (its error: peer gone,
+// canceled, timeout, ...), or `timeout_ms` passed (`KVSTAGE_E_TIMEOUT`, naming the chunks not
+// done and the prefill ranks that have not written them; 0 = the engine default,
+// KVSTAGE_TIMEOUT_INFINITE = none). An opening that is not open (released, or never this key) is
+// `KVSTAGE_E_STALE_ROOM`; released while waiting, `KVSTAGE_E_CANCELED`. Not from inside a
+// completion callback (`KVSTAGE_E_UNSUPPORTED`: the wait could need the thread running the
+// callback; poll the events there).
+enum kvstage_status kvstage_room_wait(const struct kvstage_engine *engine, uint64_t room, uint64_t key, uint64_t timeout_ms);
+
+// Decode side: releases the opening (`room`, `key`) — on completion, abort or failure — and
+// frees every ring allocation it still holds; late data for it is discarded. An opening that is
+// not open any more (released before: an error path and a cleanup both releasing) is
+// `KVSTAGE_OK` and touches nothing, so a second release can never release the next request the
+// id was opened for. It returns once nothing will write the room's pages: a payload read or
+// same-host copy into them gets 0.5 s, then its connection is cut and the release waits for it
+// to end. A writer that cannot end (a same-host prefill process stopped mid-copy) holds them:
+// after the engine's `default_timeout_ms` the release fails with `KVSTAGE_E_TIMEOUT` naming
+// its connections; the room is released, but its pages and id are not free yet (call again to
+// wait more). Not from inside a completion callback (`KVSTAGE_E_UNSUPPORTED`: the release may
+// wait for the thread running the callback).
+enum kvstage_status kvstage_room_release(const struct kvstage_engine *engine, uint64_t room, uint64_t key);
+
+// Decode side: the opening (`room`, `key`) as a JSON document (NUL-terminated) in `buf`: its
+// state, failure, and per chunk its phase (`not_started`, `waiting_for_watermark` with the older
+// allocation it waits behind, `granted`, `writing`, `waiting_for_writers`, `scattering`, `done`,
+// `failed`), its ring allocation, each writer's session, prefill rank and bytes landed, and the
+// writers still missing (`missing_writers`: the prefill tp/pp rank of every slab no writer
+// claimed). `*needed` (may be NULL) receives its size with the NUL; `buf` NULL with `capacity` 0
+// is a size query. The document changes as the room moves: query and fill in a loop until the
+// fill succeeds. `KVSTAGE_E_STALE_ROOM` when that opening is not open.
+enum kvstage_status kvstage_room_describe(const struct kvstage_engine *engine, uint64_t room, uint64_t key, char *buf, size_t capacity, size_t *needed);
+
+// Decode side: as `kvstage_engine_poll_events` for the opening (`room`, `key`) only; events of
+// other rooms stay queued. Non-blocking.
+enum kvstage_status kvstage_room_poll_events(const struct kvstage_engine *engine, uint64_t room, uint64_t key, struct kvstage_room_event *events, size_t capacity, size_t *count);
+
+// ==== Session (prefill side): one peering with a decode rank =====================================
+
+// Connects to the decode engine at `peer_address` ("127.0.0.1:5000") and runs the handshake
+// (versions, geometry fingerprints, pairing). A geometry disagreement fails with
+// `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field listed in the error's causes.
+// `timeout_ms` 0 = the engine default; a receiver at its connection limits is asked again, backing
+// off, until then. Writes `*out` only on success.
+enum kvstage_status kvstage_session_connect(const struct kvstage_engine *engine, const char *peer_address, const char *session_id, uint64_t timeout_ms, struct kvstage_session **out);
+
+// Closes a session. Operations still running, and calls in flight on other threads, keep it
+// alive until they end; this returns at once. NULL is a no-op. Later calls with the pointer fail
+// with `KVSTAGE_E_INVALID_ARG`.
+void kvstage_session_free(struct kvstage_session *session);
+
+// Asks the decode rank of `session` for the grid of the room opening (`room`, `key`): what
+// `kvstage_room_open` answered there (`key`, `chunk_tokens`, `num_chunks`, `num_pages`,
+// `page_size` of the decode pool, `prefix_tokens`), so a prefill engine cuts its transfers on the
+// decode side's grid (`kvstage_chunk_span_compute` takes it) instead of guessing it. One round
+// trip; `timeout_ms` 0 = the engine default. Errors: the room is not open there under that key
+// (`KVSTAGE_E_STALE_ROOM`: released, or another opening), it failed there (its error), the
+// session is gone, the timeout passed. Set `out->struct_size` first; filled only on success.
+enum kvstage_status kvstage_session_room_grid_get(const struct kvstage_session *session, uint64_t room, uint64_t key, uint64_t timeout_ms, struct kvstage_room_grid *out);
+
+// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_session_stats)`) with the
+// session's counters; a smaller, older `struct_size` gets the fields it holds.
+enum kvstage_status kvstage_session_stats_get(const struct kvstage_session *session, struct kvstage_session_stats *out);
+
+// ==== Transfer and operation (prefill side): one chunk ===========================================
+
+// Fills `desc` with defaults (`size`: the caller's `sizeof(*desc)`; sets `struct_size`).
+enum kvstage_status kvstage_transfer_desc_init(struct kvstage_transfer_desc *desc, size_t size);
+
+// The staged path for one chunk, blocking until the receiver acknowledged the data, the
+// deadline, or a failure. Returns `KVSTAGE_OK`, or `KVSTAGE_FALLBACK` (positive) when staging is
+// impossible (the peer has no ring, the chunk is larger than the ring or the send staging limit):
+// nothing was allocated and the caller may use `kvstage_transfer_slices`. Errors leave nothing
+// allocated on either side.
+enum kvstage_status kvstage_transfer(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc);
+
+// The slice path for the same chunk: one write per token, layer and K/V into the room's decode
+// pages. Same decode bytes as `kvstage_transfer`; the fallback and the benchmark baseline.
+enum kvstage_status kvstage_transfer_slices(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc);
+
+// Queues the staged path for one chunk on the engine's transfer workers and returns
+// `KVSTAGE_PENDING` with an operation in `*out` (poll, wait, cancel, then free it); its end is
+// signalled on the engine's completion descriptor and callback with `desc->user_tag`. The
+// deadline runs from this call (time spent queued counts). Argument errors return at once.
+enum kvstage_status kvstage_transfer_async(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc, struct kvstage_op **out);
+
+// Layer-wise sending: as `kvstage_transfer_async` for a chunk whose layers the prefill is still
+// computing. The ring space is requested as soon as a transfer worker takes the operation; each
+// batch of layers marked with `kvstage_op_layers_ready` is gathered and written into its place
+// while later layers are computed, and the operation ends as a whole-chunk transfer does, once
+// every layer it carries went: the pool's layers the session's decode rank holds (with a
+// pipeline split, those of its stage; marks of the pool's other layers are accepted and
+// skipped). Those layers must be marked before `desc->timeout_ms`, or the transfer ends with
+// `KVSTAGE_E_TIMEOUT` and the decode room fails. Marking every layer of the pool is always
+// enough. `desc->cuda_stream` and
+// `desc->cuda_event` must be NULL (`KVSTAGE_E_INVALID_ARG`: each batch names its own ready
+// point). Until its last layer went the transfer holds a transfer worker (a session runs at most
+// half of `transfer_threads` at once; later ones wait queued, their ring space not yet asked
+// for) and a send staging buffer (none on the same-host path with a host pool). Mark layers on
+// the running operations before waiting on queued ones. `KVSTAGE_FALLBACK` as for
+// `kvstage_transfer_async`, without waiting for any layer.
+enum kvstage_status kvstage_transfer_layerwise_async(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc, struct kvstage_op **out);
+
+// Marks the model layers `[first_layer, first_layer + num_layers)` of a layer-wise transfer
+// ready: their KV is valid after the caller's current work on `cuda_stream`, after the recorded
+// `cuda_event`, or (both NULL) now. The point is captured during the call, except that for a
+// host pool a `cuda_event` is itself waited for later: do not re-record or destroy it before the
+// operation ends. NULL is not the legacy default stream here: pass `CU_STREAM_LEGACY` (0x1) for
+// it. Layers are model layer ids of the pool (a pipeline stage marks its own). `KVSTAGE_E_INVALID_ARG` when `op` is not a
+// layer-wise transfer, a layer is not in the pool, or one was marked before (nothing is marked
+// then). Marking after the operation ended is harmless.
+enum kvstage_status kvstage_op_layers_ready(const struct kvstage_op *op, uint32_t first_layer, uint32_t num_layers, void *cuda_stream, void *cuda_event);
+
+// `KVSTAGE_PENDING` while running; then the operation's result (repeatable; errors set the last
+// error each time).
+enum kvstage_status kvstage_op_poll(const struct kvstage_op *op);
+
+// Waits up to `timeout_ms` (0 = the engine default, KVSTAGE_TIMEOUT_INFINITE = until it ends)
+// for the operation's result; `KVSTAGE_PENDING` when it is still running then (look without
+// waiting with `kvstage_op_poll`). The operation's own deadline still bounds it. Not from inside
+// a completion callback (`KVSTAGE_E_UNSUPPORTED`: the wait could need the thread running the
+// callback; `kvstage_op_poll` is fine there).
+enum kvstage_status kvstage_op_wait(const struct kvstage_op *op, uint64_t timeout_ms);
+
+// Asks the operation to stop; it ends with `KVSTAGE_E_CANCELED` unless it already finished.
+// Ring space it held on the receiver is released.
+enum kvstage_status kvstage_op_cancel(const struct kvstage_op *op);
+
+// Frees an operation handle (a running operation continues to its end; a `kvstage_op_wait` in
+// flight on another thread ends by its own rules). NULL is a no-op. Later calls with the pointer
+// fail with `KVSTAGE_E_INVALID_ARG`.
+void kvstage_op_free(struct kvstage_op *op);
+
+// Fills `out` (set `out->struct_size` first) with the phase timings of a finished asynchronous
+// operation and returns `KVSTAGE_OK`; while it runs, returns `KVSTAGE_PENDING` and leaves `out`
+// as it is. The same timings come with the operation's completion (`kvstage_completion.timings`).
+enum kvstage_status kvstage_op_timings_get(const struct kvstage_op *op, struct kvstage_transfer_timings *out);
+
+// Prefill side: an operation as a JSON document, as `kvstage_room_describe`: its session, room
+// and chunk, its phase (`queued` when asynchronous or `starting` when synchronous,
+// `waiting_for_ready_point`, `waiting_for_allocation`, `waiting_for_watermark`,
+// `waiting_for_staging_buffer`, `gathering`, `writing`, `waiting_for_layers`,
+// `waiting_for_acknowledgement`, `done`, `failed`), what the phase waits on, the time in it, the
+// deadline left, its status and error.
+enum kvstage_status kvstage_op_describe(const struct kvstage_op *op, char *buf, size_t capacity, size_t *needed);
+
+// ==== Geometry helpers: pure functions of shapes =================================================
 
 // The head slice prefill rank `src_rank` (of `src_tp`) sends to decode rank `dst_rank` (of
 // `dst_tp`) for a model with `total_kv_heads` KV heads (MHA/GQA). `KVSTAGE_E_INVALID_ARG` naming
@@ -1030,16 +1250,6 @@ enum kvstage_status kvstage_kv_layout_validate(const struct kvstage_kv_layout *l
 // `kvstage_pairing_decode_ranks` leaves out. MLA: the latent is not head-sliced; decode rank `d`
 // is written by prefill TP rank `d % src_tp` alone (`kvstage_pairing_prefill_ranks`).
 enum kvstage_status kvstage_head_slice_compute(uint32_t src_tp, uint32_t dst_tp, uint32_t src_rank, uint32_t dst_rank, uint32_t total_kv_heads, struct kvstage_head_slice *out);
-
-// Writers per chunk on a decode rank with equal-sized pipeline stages: `tp_writers × pp_writers`
-// for MHA (`tp_writers` counts one writer per distinct head group: with prefill-side GQA
-// replication only one of the prefill ranks holding a head sends it), `pp_writers` for MLA (one
-// designated TP writer); `model_kind` is a `kvstage_model_kind`, `total_kv_heads` the model's
-// KV heads (1 for MLA: anything else is `KVSTAGE_E_INVALID_ARG`). With equal stages the PP
-// sizes must divide one another; for any other split (uneven stages, 3 into 2) the count depends
-// on the layers each stage holds: `kvstage_staging_layout_compute` takes the stages' layouts and
-// reports the writers of any split exactly.
-enum kvstage_status kvstage_writers_per_chunk(int32_t model_kind, uint32_t total_kv_heads, uint32_t src_tp, uint32_t dst_tp, uint32_t src_pp, uint32_t dst_pp, uint32_t *out);
 
 // The decode ranks prefill rank `prefill` must open sessions to, ordered by (pp_rank, tp_rank):
 // TP ranks by the head mapping (MLA: the decode ranks this rank is the designated writer of), PP
@@ -1074,77 +1284,19 @@ enum kvstage_status kvstage_pairing_prefill_ranks(const struct kvstage_kv_layout
 enum kvstage_status kvstage_staging_layout_compute(const struct kvstage_kv_layout *prefill_stages, size_t num_prefill_stages, const struct kvstage_kv_layout *dst, uint32_t tokens, struct kvstage_staging_layout *out, struct kvstage_staging_writer *writers, size_t writers_len);
 
 // Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.
-enum kvstage_status kvstage_grid_tokens(uint32_t chunk_tokens, uint32_t page_size, uint32_t *out);
+enum kvstage_status kvstage_grid_tokens_compute(uint32_t chunk_tokens, uint32_t page_size, uint32_t *out);
 
-// Chunk `chunk_index` of a request of `total_tokens` tokens whose first `decode_prefix_tokens`
-// the decode side already holds (whole decode pages), on the decode room's chunk grid
-// (`kvstage_grid_tokens(chunk_tokens, dst_page_size)` tokens a chunk; pass the room's
-// `chunk_tokens`, or what `kvstage_session_room_grid` reports), with prefill pages of
-// `src_page_size` and decode pages of `dst_page_size` tokens (`chunk_tokens` 0 is refused: unlike
-// `kvstage_room_open`, this function cannot know the engine's default). Pure: no engine, no I/O.
-// `KVSTAGE_E_INVALID_ARG` names the bad argument: a page size of 0, a prefix that is not whole
-// decode pages or leaves nothing to send, a chunk past the request's `num_chunks`.
-enum kvstage_status kvstage_chunk_span_compute(uint64_t total_tokens, uint64_t decode_prefix_tokens, uint32_t src_page_size, uint32_t dst_page_size, uint32_t chunk_tokens, uint32_t chunk_index, struct kvstage_chunk_span *out);
-
-// Sends kvstage's log records at or above `max_level` (a `kvstage_log_level` value) to
-// `callback` instead of stderr, with `user_data` handed back unchanged; `callback` NULL sends
-// them to stderr again (at the `KVSTAGE_LOG` level; `max_level` is then ignored). Process-wide:
-// one callback for every engine. See `kvstage_log_fn` for the threads it runs on and what it
-// must not do.
-//
-// Safe to call at any time from any thread (except from inside the callback: that fails with
-// `KVSTAGE_E_UNSUPPORTED`): it returns only once no call of the previous callback is running or
-// can start, so the previous `user_data` may be freed as soon as it returns. It waits for those
-// calls: do not call it while holding a lock that the callback takes.
-//
-// `max_level` outside `KVSTAGE_LOG_OFF`..=`KVSTAGE_LOG_TRACE` is `KVSTAGE_E_INVALID_ARG`.
-enum kvstage_status kvstage_log_set_callback(kvstage_log_fn callback, void *user_data, int32_t max_level);
-
-#if defined(KVSTAGE_TESTING)
-// TEST BUILDS ONLY (cargo feature `testing`): logs `message` at `level` (a `kvstage_log_level`
-// value, 1..=5) with target "kvstage::testing" and `session` (NULL or "" for none), to test the
-// sinks without staging a failure.
-enum kvstage_status kvstage_testing_log(int32_t level, const char *session, const char *message);
-#endif
-
-// Fills `component` with defaults (sets `struct_size`).
-enum kvstage_status kvstage_component_init(struct kvstage_component *component);
-
-// Fills `parts` with defaults (sets `struct_size`).
-enum kvstage_status kvstage_request_parts_init(struct kvstage_request_parts *parts);
-
-// Registers the rank's components (host memory), once, after its KV pool and before its
-// sessions connect or are accepted (a session carries the components registered when it
-// connected; the handshake refuses components that differ from the peer's with
-// `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field in the causes). `KVSTAGE_E_INVALID_ARG`
-// names the bad field (`components[i].field`) and its value.
-enum kvstage_status kvstage_engine_register_components(const struct kvstage_engine *engine, const struct kvstage_component *components, size_t num_components);
-
-// Decode side: `kvstage_room_open` for a request that also moves parts besides its KV pages:
-// `parts` names its aux row, state slots and extra pools' pages on this rank (NULL: KV only).
-// They travel with the room's last chunk; the room completes only once its KV, pools and state
-// are in place and then its aux rows are written. Errors as `kvstage_room_open`, and
-// `KVSTAGE_E_INVALID_ARG` naming the field of `parts` outside its component (both values).
-enum kvstage_status kvstage_room_open_parts(const struct kvstage_engine *engine, uint64_t room, const uint32_t *dst_pages, size_t num_pages, uint32_t chunk_tokens, const struct kvstage_request_parts *parts, uint32_t *num_chunks_out, uint64_t *room_key_out);
-
-// Allocates `bytes` of zeroed, resident host memory that a same-host sender can map (a sealed
-// memfd mapped here; page-aligned): a decode rank whose KV pool buffers all lie in such
-// allocations serves direct mode, where a same-host prefill copies each chunk from its pages
-// straight into the decode pages (no ring, no scatter). `*out` receives the address. Errors:
-// `KVSTAGE_E_INVALID_ARG` for 0 bytes or a NULL `out`, `KVSTAGE_E_OUT_OF_MEMORY` when the
-// memory cannot be had (the cause names the OS error). Free with `kvstage_shared_free`, after
-// the engine whose pool it holds was freed.
-enum kvstage_status kvstage_shared_alloc(size_t bytes, void **out);
-
-// Frees an allocation of `kvstage_shared_alloc` (`ptr` as it returned it). A same-host sender
-// that still maps it keeps the pages until it unmaps; this process no longer has them.
-// `KVSTAGE_E_INVALID_ARG` for any other pointer (NULL, an address inside an allocation, or one
-// freed already), and for an allocation that holds the KV pool of an engine not yet freed.
-enum kvstage_status kvstage_shared_free(void *ptr);
+// Chunk `chunk_index` of a request of `total_tokens` tokens (the decode side's cached prefix
+// included) on the decode room's grid (`grid`: what `kvstage_room_open` or
+// `kvstage_session_room_grid_get` answered: its chunk tokens, decode page size and prefix), with
+// prefill pages of `src_page_size` tokens. Pure: no engine, no I/O. `KVSTAGE_E_INVALID_ARG` names
+// the bad argument: a page size of 0, a prefix that is not whole decode pages or leaves nothing
+// to send, a chunk past the request's `num_chunks`.
+enum kvstage_status kvstage_chunk_span_compute(const struct kvstage_room_grid *grid, uint64_t total_tokens, uint32_t src_page_size, uint32_t chunk_index, struct kvstage_chunk_span *out);
 
 // Fills `item` with defaults (sets `struct_size`; one row, 2-byte elements, sharded; set
 // `group_dims` and `num_groups`).
-enum kvstage_status kvstage_state_item_init(struct kvstage_state_item *item);
+enum kvstage_status kvstage_state_item_init(struct kvstage_state_item *item, size_t size);
 
 // Which bytes of prefill rank `src_rank`'s slot (of `src_tp` ranks) go where in decode rank
 // `dst_rank`'s slot (of `dst_tp`) for `item`: byte ranges in row order, adjacent ones merged,
@@ -1158,143 +1310,44 @@ enum kvstage_status kvstage_state_item_init(struct kvstage_state_item *item);
 // ranks (both values), ranks not below their TP size, zero sizes.
 enum kvstage_status kvstage_state_slice_compute(const struct kvstage_state_item *item, uint32_t src_tp, uint32_t dst_tp, uint32_t src_rank, uint32_t dst_rank, struct kvstage_byte_range *out, size_t capacity, size_t *count);
 
-// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_session_stats)`) with the
-// session's counters; a smaller, older `struct_size` gets the fields it holds.
-enum kvstage_status kvstage_session_stats_get(const struct kvstage_session *session, struct kvstage_session_stats *out);
+// ==== Diagnostics of the host ====================================================================
 
-// Fills `out` (set `out->struct_size` first) with the phase timings of a finished asynchronous
-// operation and returns `KVSTAGE_OK`; while it runs, returns `KVSTAGE_PENDING` and leaves `out`
-// as it is. The same timings come with the operation's completion (`kvstage_completion.timings`).
-enum kvstage_status kvstage_op_timings_get(const struct kvstage_op *op, struct kvstage_transfer_timings *out);
+// Reports what this host offers kvstage: whether libibverbs loads, the RDMA devices and their
+// ports (state, active and max MTU, link layer, LID, GID table size), dma-buf registration and
+// peer-memory support, whether libcuda loads and the GPU count, a verdict, and whether the same-host
+// (shared-memory) path works here. `json` 0: readable
+// text; 1: one JSON object. The report is written NUL-terminated into `buf`; `*needed` (may be
+// NULL) receives its size including the NUL. `buf` NULL with `capacity` 0 is a size query
+// (`KVSTAGE_OK`, `needed` required); a too small buffer is `KVSTAGE_E_INVALID_ARG` naming both
+// sizes.
+// Hosts without rdma-core or without a device get a clean "no RDMA" report, not an error.
+enum kvstage_status kvstage_doctor_run(int32_t json, char *buf, size_t capacity, size_t *needed);
 
-// Fills `out` (set `out->struct_size` first) with the phase timings of the last synchronous
-// transfer (`kvstage_transfer` or `kvstage_transfer_slices`) this thread called, whatever its
-// result; zeros before the first one and after one that failed before it started (a bad
-// argument). Other kvstage calls leave them as they are.
-enum kvstage_status kvstage_transfer_timings_last(struct kvstage_transfer_timings *out);
+// ==== Test builds only (KVSTAGE_TESTING) =========================================================
 
-// Asks the decode rank of `session` for the chunk grid of `room` (open there): chunk `k` of a
-// transfer must carry the tokens `[k · chunk_tokens, min((k + 1) · chunk_tokens, num_pages ·
-// page_size))` of the room (the last chunk may end earlier, inside its last decode page, where the
-// request ends), so a prefill engine can cut its transfers on the decode side's grid instead of
-// guessing it. `room_key`: the key `kvstage_room_open` returned for this opening of
-// the room. One round trip; `timeout_ms` 0 = the engine default. Errors: the room is not open
-// there under that key (`KVSTAGE_E_STALE_ROOM`: released, or another opening), it failed there
-// (its error), the session is gone, the timeout passed. Fills `*out` only on success.
-enum kvstage_status kvstage_session_room_grid(const struct kvstage_session *session, uint64_t room, uint64_t room_key, uint64_t timeout_ms, struct kvstage_room_grid *out);
+#if defined(KVSTAGE_TESTING)
+// TEST BUILDS ONLY (cargo feature `testing`): the next chunk this process writes by RDMA does
+// something wrong on the wire, to run the failure paths on real verbs: `fault` 1 = a remote key
+// the receiver never issued, 2 = the granted range moved past the end of the registered ring,
+// 3 = QP 0 moved to the error state once the chunk's first work requests are posted, 4 = the
+// writer stops for 10 s once they are posted (to kill the process mid-write), 5 = the
+// write-with-immediate goes as a plain write (the ready arrives without its immediate); 0
+// disarms.
+enum kvstage_status kvstage_testing_rdma_fault(uint32_t fault);
+#endif
 
-// Connects to the decode engine at `peer_address` ("127.0.0.1:5000") and runs the handshake
-// (versions, geometry fingerprints, pairing). A geometry disagreement fails with
-// `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field listed in the error's causes.
-// `timeout_ms` 0 = engine default; a receiver at its connection limits is asked again, backing
-// off, until then. Writes `*out` only on success.
-enum kvstage_status kvstage_session_connect(const struct kvstage_engine *engine, const char *peer_address, const char *session_id, uint64_t timeout_ms, struct kvstage_session **out);
+#if defined(KVSTAGE_TESTING)
+// TEST BUILDS ONLY (cargo feature `testing`): panics inside the export after borrowing `engine`,
+// to prove that a panic becomes `KVSTAGE_E_PANIC` and poisons the handle.
+enum kvstage_status kvstage_testing_panic(const struct kvstage_engine *engine);
+#endif
 
-// Closes a session. Operations still running, and calls in flight on other threads, keep it
-// alive until they end; this returns at once. NULL is a no-op. Later calls with the pointer fail
-// with `KVSTAGE_E_INVALID_ARG`.
-void kvstage_session_free(struct kvstage_session *session);
-
-// Fills `desc` with defaults (sets `struct_size`).
-enum kvstage_status kvstage_transfer_desc_init(struct kvstage_transfer_desc *desc);
-
-// The staged path for one chunk, blocking until the receiver acknowledged the data, the
-// deadline, or a failure. Returns `KVSTAGE_OK`, or `KVSTAGE_FALLBACK` (positive) when staging is
-// impossible (the peer has no ring, the chunk is larger than the ring or the send staging limit):
-// nothing was allocated and the caller may use `kvstage_transfer_slices`. Errors leave nothing
-// allocated on either side.
-enum kvstage_status kvstage_transfer(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc);
-
-// The slice path for the same chunk: one write per token, layer and K/V into the room's decode
-// pages. Same decode bytes as `kvstage_transfer`; the fallback and the benchmark baseline.
-enum kvstage_status kvstage_transfer_slices(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc);
-
-// Queues the staged path for one chunk on the engine's transfer workers and returns
-// `KVSTAGE_PENDING` with an operation in `*out` (poll, wait, cancel, then free it); its end is
-// signalled on the engine's completion descriptor and callback with `desc->user_tag`. The
-// deadline runs from this call (time spent queued counts). Argument errors return at once.
-enum kvstage_status kvstage_transfer_async(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc, struct kvstage_op **out);
-
-// Layer-wise sending: as `kvstage_transfer_async` for a chunk whose layers the prefill is still
-// computing. The ring space is requested as soon as a transfer worker takes the operation; each
-// batch of layers marked with `kvstage_op_layers_ready` is gathered and written into its place
-// while later layers are computed, and the operation ends as a whole-chunk transfer does, once
-// every layer it carries went: the pool's layers the session's decode rank holds (with a
-// pipeline split, those of its stage; marks of the pool's other layers are accepted and
-// skipped). Those layers must be marked before `desc->deadline_ms`, or the transfer ends with
-// `KVSTAGE_E_TIMEOUT` and the decode room fails. Marking every layer of the pool is always
-// enough. `desc->cuda_stream` and
-// `desc->cuda_event` must be NULL (`KVSTAGE_E_INVALID_ARG`: each batch names its own ready
-// point). Until its last layer went the transfer holds a transfer worker (a session runs at most
-// half of `transfer_threads` at once; later ones wait queued, their ring space not yet asked
-// for) and a send staging buffer (none on the same-host path with a host pool). Mark layers on
-// the running operations before waiting on queued ones. `KVSTAGE_FALLBACK` as for
-// `kvstage_transfer_async`, without waiting for any layer.
-enum kvstage_status kvstage_transfer_layerwise_async(const struct kvstage_session *session, const struct kvstage_transfer_desc *desc, struct kvstage_op **out);
-
-// Marks the model layers `[first_layer, first_layer + num_layers)` of a layer-wise transfer
-// ready: their KV is valid after the caller's current work on `cuda_stream`, after the recorded
-// `cuda_event`, or (both NULL) now. The point is captured during the call, except that for a
-// host pool a `cuda_event` is itself waited for later: do not re-record or destroy it before the
-// operation ends. NULL is not the legacy default stream here: pass `CU_STREAM_LEGACY` (0x1) for
-// it. Layers are model layer ids of the pool (a pipeline stage marks its own). `KVSTAGE_E_INVALID_ARG` when `op` is not a
-// layer-wise transfer, a layer is not in the pool, or one was marked before (nothing is marked
-// then). Marking after the operation ended is harmless.
-enum kvstage_status kvstage_op_layers_ready(const struct kvstage_op *op, uint32_t first_layer, uint32_t num_layers, void *cuda_stream, void *cuda_event);
-
-// `KVSTAGE_PENDING` while running; then the operation's result (repeatable; errors set the last
-// error each time).
-enum kvstage_status kvstage_op_poll(const struct kvstage_op *op);
-
-// Waits up to `timeout_ms` (KVSTAGE_DEADLINE_INFINITE = until it ends); `KVSTAGE_PENDING` when it
-// is still running then. The operation's own deadline still bounds it. From inside a completion
-// callback only `timeout_ms` 0 is allowed (`KVSTAGE_E_UNSUPPORTED`: the wait could need the
-// thread running the callback).
-enum kvstage_status kvstage_op_wait(const struct kvstage_op *op, uint64_t timeout_ms);
-
-// Asks the operation to stop; it ends with `KVSTAGE_E_CANCELED` unless it already finished.
-// Ring space it held on the receiver is released.
-enum kvstage_status kvstage_op_cancel(const struct kvstage_op *op);
-
-// Frees an operation handle (a running operation continues to its end; a `kvstage_op_wait` in
-// flight on another thread ends by its own rules). NULL is a no-op. Later calls with the pointer
-// fail with `KVSTAGE_E_INVALID_ARG`.
-void kvstage_op_free(struct kvstage_op *op);
-
-// Decode side: opens room `room` whose new tokens land in `dst_pages` (the pages after the
-// decode-side cached prefix, in token order), cut into chunks of `chunk_tokens` tokens (0 =
-// engine default; rounded down to whole pages). `*num_chunks_out` (may be NULL) receives the
-// number of chunks the senders must deliver; `*room_key_out` (required) this opening's key: a
-// fresh, unguessable nonzero value each time the id is opened. Send it to the prefill ranks with
-// the room id and the pages (in the engine's own bootstrap message); their transfers name it in
-// `kvstage_transfer_desc.room_key`, and a transfer naming another opening (a request this id was
-// opened for before) is refused with `KVSTAGE_E_STALE_ROOM`, writing nothing.
-enum kvstage_status kvstage_room_open(const struct kvstage_engine *engine, uint64_t room, const uint32_t *dst_pages, size_t num_pages, uint32_t chunk_tokens, uint32_t *num_chunks_out, uint64_t *room_key_out);
-
-// Decode side: waits until every chunk of the room is in the KV pool (`KVSTAGE_OK`), the room
-// failed (its error: peer gone, canceled, ...) or `timeout_ms` passed (`KVSTAGE_E_TIMEOUT`;
-// 0 = engine default, KVSTAGE_DEADLINE_INFINITE = none). The wait is bound to the room's opening
-// open when it starts: released meanwhile (and maybe opened again for another request), it ends
-// with `KVSTAGE_E_CANCELED`. Not from inside a completion callback (`KVSTAGE_E_UNSUPPORTED`: the
-// wait could need the thread running the callback; poll the engine's events there).
-enum kvstage_status kvstage_room_wait(const struct kvstage_engine *engine, uint64_t room, uint64_t timeout_ms);
-
-// Decode side: forgets the room and frees every ring allocation it still holds (on completion,
-// abort or failure). Idempotent until the id is opened again: it releases whatever opening is
-// open under the id, so release each request's room once (a late second release after the id
-// was reopened releases the next request's room). Late data for it is discarded. It returns once
-// nothing will write the room's pages: a payload read or same-host copy into them gets 0.5 s,
-// then its connection is cut and the release waits for it to end. A writer that cannot end (a
-// same-host prefill process stopped mid-copy) holds them: after the engine's
-// `default_deadline_ms` the release fails with `KVSTAGE_E_TIMEOUT` naming its connections; the
-// room is released, but its pages and id are not free yet (call again to wait more). Not from
-// inside a completion callback (`KVSTAGE_E_UNSUPPORTED`: the release may wait for the thread
-// running the callback); release the room from another thread.
-enum kvstage_status kvstage_room_release(const struct kvstage_engine *engine, uint64_t room);
-
-// Decode side: moves up to `capacity` chunk events into `events` and their number into
-// `*count` (0 when none). Non-blocking.
-enum kvstage_status kvstage_engine_poll_events(const struct kvstage_engine *engine, struct kvstage_chunk_event *events, size_t capacity, size_t *count);
+#if defined(KVSTAGE_TESTING)
+// TEST BUILDS ONLY (cargo feature `testing`): logs `message` at `level` (a `kvstage_log_level`
+// value, 1..=5) with target "kvstage::testing" and `session` (NULL or "" for none), to test the
+// sinks without staging a failure.
+enum kvstage_status kvstage_testing_log(int32_t level, const char *session, const char *message);
+#endif
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -508,9 +508,9 @@ impl Engine {
         }
     }
 
-    /// Resolves an operation's timeout: `None` = engine default, `Some(None)` = infinite.
-    pub fn timeout(&self, requested: Option<Option<Duration>>) -> Option<Duration> {
-        requested.unwrap_or(self.options.default_deadline)
+    /// The engine's default timeout (`None`: no limit): what a timeout of 0 means in every call.
+    pub fn default_timeout(&self) -> Option<Duration> {
+        self.options.default_deadline
     }
 }
 

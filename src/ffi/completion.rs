@@ -1,12 +1,15 @@
-//! Completions for an engine's event loop: the eventfd, the callback, and chunk events by room.
+//! Completions for an engine's event loop: the eventfd and the callback (the events themselves are
+//! polled from the rooms, src/ffi/room.rs).
 
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use super::engine::{borrow as borrow_engine, kvstage_engine};
-use super::transfer::{kvstage_chunk_event, trace_c, KVSTAGE_TRACE_ID_SIZE};
-use super::{ffi_fn, out_arg};
-use crate::error::{Error, Result, Status};
+use super::args::out_arg;
+use super::ffi_fn;
+use super::handle::{self, kvstage_engine};
+use super::room::{check_events, kvstage_room_event, trace_c, write_events, KVSTAGE_TRACE_ID_SIZE};
+use crate::error::Status;
+use crate::session::notify::EventKind;
 use crate::session::notify::Completion;
 use crate::session::receiver::ChunkEvent;
 
@@ -17,8 +20,12 @@ pub enum kvstage_completion_kind {
     /// An asynchronous operation ended: `tag` is its descriptor's `user_tag`, `status` its result
     /// (as `kvstage_op_poll` would return it).
     KVSTAGE_COMPLETION_OP = 1,
-    /// A decode chunk was scattered (`status` OK) or failed: `room`, `chunk_index`, `status`.
+    /// A decode chunk was scattered (`status` OK) or failed: `room`, `room_key`, `chunk_index`,
+    /// `status` (a `KVSTAGE_ROOM_EVENT_CHUNK` event).
     KVSTAGE_COMPLETION_CHUNK = 2,
+    /// A decode room's whole request is in place (`status` OK) or the room failed: `room`,
+    /// `room_key`, `status`, `chunk_index` = its chunk count (a `KVSTAGE_ROOM_EVENT_ROOM` event).
+    KVSTAGE_COMPLETION_ROOM = 3,
 }
 
 /// One completion, as handed to a `kvstage_completion_fn`.
@@ -36,7 +43,7 @@ pub struct kvstage_completion {
     pub chunk_index: u32,
     /// Appended with the metrics: read only when `struct_size` covers it.
     /// `KVSTAGE_COMPLETION_OP`: the transfer's phase timings (as `kvstage_op_timings_get`).
-    pub timings: super::stats::kvstage_transfer_timings,
+    pub timings: super::timings::kvstage_transfer_timings,
     /// `KVSTAGE_COMPLETION_CHUNK` with status OK, staged path: nanoseconds from the arrival of the
     /// chunk's last writer to the end of its scatter (see `kvstage_engine_stats.scatter_ns_sum`);
     /// 0 otherwise.
@@ -81,8 +88,8 @@ fn to_c(c: &Completion) -> kvstage_completion {
         tag: 0,
         room: 0,
         chunk_index: 0,
-        timings: super::stats::kvstage_transfer_timings {
-            struct_size: std::mem::size_of::<super::stats::kvstage_transfer_timings>(),
+        timings: super::timings::kvstage_transfer_timings {
+            struct_size: std::mem::size_of::<super::timings::kvstage_transfer_timings>(),
             ..Default::default()
         },
         scatter_ns: 0,
@@ -93,12 +100,15 @@ fn to_c(c: &Completion) -> kvstage_completion {
         Completion::Op { tag, status, timings, trace } => {
             out.tag = *tag;
             out.status = *status;
-            out.timings = super::stats::timings_to_c(timings);
+            out.timings = super::timings::timings_to_c(timings);
             out.trace_id = trace_c(trace);
         }
-        Completion::Chunk(ChunkEvent { room, key, chunk, status, trace, scatter_ns }) => {
+        Completion::Chunk(ChunkEvent { kind, room, key, chunk, status, trace, scatter_ns }) => {
             out.trace_id = trace_c(trace);
-            out.kind = kvstage_completion_kind::KVSTAGE_COMPLETION_CHUNK as i32;
+            out.kind = match kind {
+                EventKind::Chunk => kvstage_completion_kind::KVSTAGE_COMPLETION_CHUNK,
+                EventKind::Room => kvstage_completion_kind::KVSTAGE_COMPLETION_ROOM,
+            } as i32;
             out.room = *room;
             out.room_key = *key;
             out.chunk_index = *chunk;
@@ -117,7 +127,7 @@ fn to_c(c: &Completion) -> kvstage_completion {
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_completion_fd(engine: *const kvstage_engine, fd: *mut i32) -> Status {
     ffi_fn!(status {
-        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        let engine = unsafe { handle::engine(engine) }?;
         *out_arg(fd, "fd")? = engine.completions().fd();
         Ok(Status::KVSTAGE_OK)
     })
@@ -128,7 +138,7 @@ pub unsafe extern "C" fn kvstage_engine_completion_fd(engine: *const kvstage_eng
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_completions_drain(engine: *const kvstage_engine, count: *mut u64) -> Status {
     ffi_fn!(status {
-        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        let engine = unsafe { handle::engine(engine) }?;
         let n = engine.completions().drain();
         if !count.is_null() {
             *out_arg(count, "count")? = n;
@@ -151,7 +161,7 @@ pub unsafe extern "C" fn kvstage_engine_set_completion_callback(
     user_data: *mut c_void,
 ) -> Status {
     ffi_fn!(status {
-        let engine = unsafe { borrow_engine(engine, "engine") }?;
+        let engine = unsafe { handle::engine(engine) }?;
         let cb = callback.map(|f| {
             let data = UserData(user_data);
             Arc::new(move |c: &Completion| {
@@ -165,40 +175,20 @@ pub unsafe extern "C" fn kvstage_engine_set_completion_callback(
     })
 }
 
-/// Copies up to `capacity` events into `events` (`capacity` 0 accepts NULL) and their number
-/// into `*count`.
-pub(crate) fn write_events(taken: &[ChunkEvent], events: *mut kvstage_chunk_event, capacity: usize, count: &mut usize) -> Result<()> {
-    if capacity > 0 && events.is_null() {
-        return Err(Error::invalid_arg("events", format!("is NULL with capacity {capacity}")));
-    }
-    for (i, e) in taken.iter().take(capacity).enumerate() {
-        // SAFETY: `capacity` writable elements by contract; `i < capacity`.
-        let event = kvstage_chunk_event { room: e.room, chunk_index: e.chunk, status: e.status, room_key: e.key, trace_id: trace_c(&e.trace) };
-        unsafe { *events.add(i) = event };
-    }
-    *count = taken.len().min(capacity);
-    Ok(())
-}
-
-/// Decode side: as `kvstage_engine_poll_events` for one room only: moves up to `capacity` of
-/// `room`'s chunk events into `events` and their number into `*count`; events of other rooms stay
-/// queued. Non-blocking.
+/// Decode side: moves up to `capacity` events of every room into `events` (oldest first; set
+/// `events[0].struct_size` first) and their number into `*count` (0 when none). Non-blocking.
 #[no_mangle]
-pub unsafe extern "C" fn kvstage_room_poll_events(
+pub unsafe extern "C" fn kvstage_engine_poll_events(
     engine: *const kvstage_engine,
-    room: u64,
-    events: *mut kvstage_chunk_event,
+    events: *mut kvstage_room_event,
     capacity: usize,
     count: *mut usize,
 ) -> Status {
     ffi_fn!(status {
-        let engine = unsafe { borrow_engine(engine, "engine") }?;
-        let count = out_arg(count, "count")?;
-        if capacity > 0 && events.is_null() {
-            return Err(Error::invalid_arg("events", format!("is NULL with capacity {capacity}")));
-        }
-        let taken = engine.receiver().take_room_events(room, capacity);
-        write_events(&taken, events, capacity, count)?;
-        Ok(Status::KVSTAGE_OK)
+        let engine = unsafe { handle::engine(engine) }?;
+        out_arg(count, "count")?;
+        unsafe { check_events(events, capacity) }?;
+        let taken = engine.receiver().take_events(None, capacity);
+        unsafe { write_events(&taken, events, capacity, count) }
     })
 }

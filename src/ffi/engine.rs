@@ -1,20 +1,12 @@
-//! Engine handle and options.
+//! The engine: its options, life (new, shutdown, free), address, describe document and counters.
 
 use std::ffi::c_char;
 
-use super::{ffi_fn, out_arg, str_arg, versioned_struct, write_text, Borrowed, Handle};
+use super::args::{init_versioned, json, out_arg, read_versioned, str_arg, timeout, versioned, write_text, KVSTAGE_TIMEOUT_INFINITE};
+use super::ffi_fn;
+use super::handle::{self, kvstage_engine, Handle};
 use crate::engine::{Engine, EngineOptions, Integrity, StallWarn, TransportKind};
 use crate::error::{Error, Result, Status};
-use crate::session::receiver::RingSpec;
-
-/// An engine: listener, peers, registrations and worker threads. Thread-safe.
-pub struct kvstage_engine {
-    _private: [u8; 0],
-}
-
-pub(crate) unsafe fn borrow(ptr: *const kvstage_engine, arg: &str) -> Result<Borrowed<Engine>> {
-    Handle::borrow(ptr, arg)
-}
 
 /// Which byte mover an engine uses.
 #[repr(C)]
@@ -40,9 +32,6 @@ pub enum kvstage_same_host {
     KVSTAGE_SAME_HOST_OFF = 1,
 }
 
-/// Deadline value meaning "wait forever" (must be asked for explicitly).
-pub const KVSTAGE_DEADLINE_INFINITE: u64 = u64::MAX;
-
 /// Engine options. Fill with `kvstage_engine_options_init`, then change fields.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -54,8 +43,10 @@ pub struct kvstage_engine_options {
     pub listen_address: *const c_char,
     /// Threads for gather/scatter (1..=256).
     pub worker_threads: u32,
-    /// Deadline of an operation without its own, in milliseconds (> 0, or KVSTAGE_DEADLINE_INFINITE).
-    pub default_deadline_ms: u64,
+    /// The engine's default timeout in milliseconds (> 0, or KVSTAGE_TIMEOUT_INFINITE): what a
+    /// `timeout_ms` of 0 means in every call and descriptor (a transfer's deadline, a wait, a
+    /// connect, a shutdown, a room release's bound).
+    pub default_timeout_ms: u64,
     /// Receiver chunk grid in tokens when a room does not name one (rounded down to whole pages).
     pub chunk_tokens: u32,
     /// Largest send staging buffer in bytes; a chunk whose share is larger falls back.
@@ -90,11 +81,11 @@ pub struct kvstage_engine_options {
     /// `kvstage_engine_stats.events_dropped` (default 65536).
     pub max_events: u32,
     /// A peer that stops answering (a host that vanished) is declared gone after about this long:
-    /// TCP keepalive and `TCP_USER_TIMEOUT` (>= 1000; default 15000; KVSTAGE_DEADLINE_INFINITE:
+    /// TCP keepalive and `TCP_USER_TIMEOUT` (>= 1000; default 15000; KVSTAGE_TIMEOUT_INFINITE:
     /// the OS defaults, about two hours).
     pub dead_peer_timeout_ms: u64,
     /// A decode room not complete this long after `kvstage_room_open` fails with
-    /// `KVSTAGE_E_TIMEOUT` and returns its ring space (default 300000; KVSTAGE_DEADLINE_INFINITE:
+    /// `KVSTAGE_E_TIMEOUT` and returns its ring space (default 300000; KVSTAGE_TIMEOUT_INFINITE:
     /// never).
     pub room_timeout_ms: u64,
     /// Send staging buffers at most, all sessions together (default 4).
@@ -110,7 +101,7 @@ pub struct kvstage_engine_options {
     /// A transfer that waits this long without progress (for its allocation, the receiver's
     /// watermark, the acknowledgement, or layers to be marked ready) logs one WARN line naming the
     /// room, the chunk and what it waits on, once per wait. 0 (default): a quarter of the
-    /// operation's deadline (10 s without one); KVSTAGE_DEADLINE_INFINITE: never.
+    /// operation's deadline (10 s without one); KVSTAGE_TIMEOUT_INFINITE: never.
     pub stall_warn_ms: u64,
     /// A whole chunk goes out in pieces of about this many bytes (whole layers' slabs): from a
     /// host send staging buffer (RDMA, a CUDA pool, or `send_from_pool` 0) each written while the
@@ -153,7 +144,7 @@ impl Default for kvstage_engine_options {
             } as i32,
             listen_address: std::ptr::null(),
             worker_threads: d.worker_threads,
-            default_deadline_ms: d.default_deadline_ms(),
+            default_timeout_ms: d.default_deadline_ms(),
             chunk_tokens: d.chunk_tokens,
             send_staging_bytes: d.send_staging_bytes,
             cluster_token: std::ptr::null(),
@@ -182,18 +173,17 @@ impl Default for kvstage_engine_options {
 }
 
 fn millis_or_infinite(d: Option<std::time::Duration>) -> u64 {
-    d.map_or(KVSTAGE_DEADLINE_INFINITE, |d| d.as_millis() as u64)
+    d.map_or(KVSTAGE_TIMEOUT_INFINITE, |d| d.as_millis() as u64)
 }
 
 fn duration_or_infinite(ms: u64) -> Option<std::time::Duration> {
-    (ms != KVSTAGE_DEADLINE_INFINITE).then(|| std::time::Duration::from_millis(ms))
+    (ms != KVSTAGE_TIMEOUT_INFINITE).then(|| std::time::Duration::from_millis(ms))
 }
 
-/// Size of the first published version of `kvstage_engine_options` (up to `integrity`).
-const ENGINE_OPTIONS_V1: usize = std::mem::offset_of!(kvstage_engine_options, rdma_devices);
+versioned!(kvstage_engine_options, same_host_direct: i32);
 
 unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOptions> {
-    let raw: kvstage_engine_options = unsafe { versioned_struct(ptr, "options", ENGINE_OPTIONS_V1) }?;
+    let raw: kvstage_engine_options = unsafe { read_versioned(ptr, "options") }?;
     let transport = match raw.transport {
         0 => TransportKind::Auto,
         1 => TransportKind::Tcp,
@@ -211,7 +201,7 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
     if !raw.listen_address.is_null() {
         opts.listen_address = unsafe { str_arg(raw.listen_address, "options->listen_address") }?.to_owned();
     }
-    opts.set_default_deadline_ms(raw.default_deadline_ms);
+    opts.set_default_deadline_ms(raw.default_timeout_ms);
     if !raw.cluster_token.is_null() {
         let token = unsafe { str_arg(raw.cluster_token, "options->cluster_token") }?;
         opts.cluster_token = (!token.is_empty()).then(|| token.to_owned());
@@ -250,7 +240,7 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
     };
     opts.stall_warn = match raw.stall_warn_ms {
         0 => StallWarn::QuarterOfDeadline,
-        KVSTAGE_DEADLINE_INFINITE => StallWarn::Never,
+        KVSTAGE_TIMEOUT_INFINITE => StallWarn::Never,
         ms => StallWarn::After(std::time::Duration::from_millis(ms)),
     };
     opts.send_piece_bytes = raw.send_piece_bytes;
@@ -267,13 +257,11 @@ unsafe fn engine_options(ptr: *const kvstage_engine_options) -> Result<EngineOpt
     Ok(opts)
 }
 
-/// Fills `options` with defaults (sets `struct_size`).
+/// Fills `options` with defaults: `size` is the caller's `sizeof(*options)`, so a program built
+/// against an older or a newer header gets exactly its own struct filled (`struct_size` = `size`).
 #[no_mangle]
-pub unsafe extern "C" fn kvstage_engine_options_init(options: *mut kvstage_engine_options) -> Status {
-    ffi_fn!(status {
-        *out_arg(options, "options")? = kvstage_engine_options::default();
-        Ok(Status::KVSTAGE_OK)
-    })
+pub unsafe extern "C" fn kvstage_engine_options_init(options: *mut kvstage_engine_options, size: usize) -> Status {
+    ffi_fn!(status { unsafe { init_versioned(options, size, "options") } })
 }
 
 /// Creates an engine; `options` may be NULL for defaults. Writes `*out` only on success.
@@ -305,7 +293,7 @@ pub unsafe extern "C" fn kvstage_engine_free(engine: *mut kvstage_engine) {
 
 /// Stops the engine as `kvstage_engine_free` does (its sessions closed, their operations and the
 /// decode rooms' transfers failing, no new connection accepted, its threads joined), then waits up
-/// to `timeout_ms` (0: only looks, KVSTAGE_DEADLINE_INFINITE: no limit) until no same-host peer
+/// up to `timeout_ms` (0: the engine default, KVSTAGE_TIMEOUT_INFINITE: no limit) until no same-host peer
 /// maps its device ring or KV pool any more — a peer unmapped (its sessions ended), or its process
 /// ended. `KVSTAGE_OK`: the pool and ring memory are the caller's to free (a CUDA pool's IPC
 /// mappings cannot be revoked: freeing it earlier lets a peer write memory the allocator reuses).
@@ -318,21 +306,21 @@ pub unsafe extern "C" fn kvstage_engine_free(engine: *mut kvstage_engine) {
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_shutdown(engine: *const kvstage_engine, timeout_ms: u64, still_mapped: *mut usize) -> Status {
     ffi_fn!(status {
-        let engine = unsafe { borrow(engine, "engine") }?;
+        let engine = unsafe { handle::engine(engine) }?;
         crate::session::notify::refuse_in_callback("kvstage_engine_shutdown")?;
         if std::thread::current().name().is_some_and(|n| n.starts_with("kvstage-")) {
             // A log callback on a library thread: the shutdown would join that very thread.
             return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "kvstage_engine_shutdown was called on a kvstage thread (from a callback), which it would wait for: call it from another thread"));
         }
-        let held = engine.shutdown(duration_or_infinite(timeout_ms));
+        let held = engine.shutdown(timeout(timeout_ms, engine.default_timeout()));
         if !still_mapped.is_null() {
             // SAFETY: the caller passes a writable size_t or NULL.
             unsafe { *still_mapped = held.as_ref().err().map_or(0, |h| h.0.len()) };
         }
         held.map(|()| Status::KVSTAGE_OK).map_err(|h| {
-            let waited = match timeout_ms {
-                KVSTAGE_DEADLINE_INFINITE => String::new(),
-                ms => format!(" after {ms} ms"),
+            let waited = match timeout(timeout_ms, engine.default_timeout()) {
+                None => String::new(),
+                Some(t) => format!(" after {} ms", t.as_millis()),
             };
             Error::new(Status::KVSTAGE_E_TIMEOUT, format!("{h}{waited}: freeing that memory now would free it under them"))
         })
@@ -351,119 +339,24 @@ pub unsafe extern "C" fn kvstage_engine_listen_address(
     needed: *mut usize,
 ) -> Status {
     ffi_fn!(status {
-        let engine = unsafe { borrow(engine, "engine") }?;
+        let engine = unsafe { handle::engine(engine) }?;
         unsafe { write_text(&engine.local_addr().to_string(), buf, capacity, needed) }
     })
 }
 
-/// Registers this rank's KV pool (copied; the memory it points to must outlive the engine).
-/// A CUDA pool (`memory_kind` CUDA) is checked here: `KVSTAGE_E_NO_DEVICE` without libcuda or
-/// without the device (the causes name the CUDA error, e.g. CUDA_ERROR_NO_DEVICE),
-/// `KVSTAGE_E_GEOMETRY_INVALID` when a buffer is not device memory of `cuda_device` over its
-/// whole extent, `KVSTAGE_E_CUDA` when the kernels do not load (the cause holds the JIT log),
-/// `KVSTAGE_E_INVALID_ARG` when the registered staging ring is device memory and this pool is
-/// not CUDA memory of the same device.
+/// The whole engine as a JSON document (the string-output convention of
+/// `kvstage_engine_listen_address`): its transport in one line (`transport`: the same-host path,
+/// its sessions and direct mode, RDMA devices or why TCP, the last downgrades), the decode side's
+/// staging ring (live allocations oldest first, with their rooms and chunks), accepted
+/// connections and rooms (state and chunks done), and the sessions it opened (transport, bytes
+/// sent, the chunks running, why one is dead). The document changes as the engine works: query
+/// the size and fill in a loop until the fill succeeds.
 #[no_mangle]
-pub unsafe extern "C" fn kvstage_engine_register_pool(
-    engine: *const kvstage_engine,
-    layout: *const super::geometry::kvstage_kv_layout,
-) -> Status {
+pub unsafe extern "C" fn kvstage_engine_describe(engine: *const kvstage_engine, buf: *mut c_char, capacity: usize, needed: *mut usize) -> Status {
     ffi_fn!(status {
-        let engine = unsafe { borrow(engine, "engine") }?;
-        let (layout, cuda_device) = unsafe { super::geometry::kv_layout_device_from_c(layout, "layout") }?;
-        // CUDA pools: driver, device, kernels and device memory checked here, before any transfer.
-        crate::copy::check_pool(&layout, cuda_device)?;
-        engine.register_pool(layout)?;
-        Ok(Status::KVSTAGE_OK)
-    })
-}
-
-/// Registers the decode-side staging ring: `bytes` of host memory at `memory`, or engine-owned
-/// host memory when `memory` is NULL (the HOST case of `kvstage_engine_register_staging_memory`;
-/// CUDA device memory here is `KVSTAGE_E_INVALID_ARG`). Senders learn its size in the handshake.
-#[no_mangle]
-pub unsafe extern "C" fn kvstage_engine_register_staging(
-    engine: *const kvstage_engine,
-    memory: *mut std::ffi::c_void,
-    bytes: usize,
-) -> Status {
-    ffi_fn!(status {
-        let engine = unsafe { borrow(engine, "engine") }?;
-        let ptr = (!memory.is_null()).then_some(memory as *mut u8);
-        engine.register_staging(ptr, bytes)?;
-        Ok(Status::KVSTAGE_OK)
-    })
-}
-
-/// A staging ring to register (`kvstage_engine_register_staging_memory`). Set `struct_size`
-/// first (`kvstage_staging_memory_init`): fields appended later keep their defaults for callers
-/// built with an older header.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct kvstage_staging_memory {
-    pub struct_size: usize,
-    /// A `kvstage_memory_kind` value (`_init`: HOST).
-    pub memory_kind: i32,
-    /// KVSTAGE_MEMORY_CUDA: the device ordinal. Required (>= 0) when the engine allocates the ring;
-    /// for caller memory, checked against the memory (negative: the device holding `memory`).
-    /// Ignored for host memory. `_init`: -1.
-    pub cuda_device: i32,
-    /// The ring's memory; NULL: the engine allocates it (host: a memfd a same-host sender can
-    /// map; CUDA: device memory on `cuda_device`) and frees it with the engine or the next ring.
-    pub memory: *mut std::ffi::c_void,
-    /// Ring size in bytes (> 0).
-    pub bytes: usize,
-}
-
-impl Default for kvstage_staging_memory {
-    fn default() -> Self {
-        kvstage_staging_memory {
-            struct_size: std::mem::size_of::<Self>(),
-            memory_kind: 0,
-            cuda_device: -1,
-            memory: std::ptr::null_mut(),
-            bytes: 0,
-        }
-    }
-}
-
-const STAGING_MEMORY_V1: usize = std::mem::size_of::<kvstage_staging_memory>();
-
-/// Fills `staging` with defaults (sets `struct_size`; host memory, engine-allocated, cuda_device
-/// -1, bytes 0: set `bytes`).
-#[no_mangle]
-pub unsafe extern "C" fn kvstage_staging_memory_init(staging: *mut kvstage_staging_memory) -> Status {
-    ffi_fn!(status {
-        *out_arg(staging, "staging")? = kvstage_staging_memory::default();
-        Ok(Status::KVSTAGE_OK)
-    })
-}
-
-/// Registers the decode-side staging ring described by `staging` (host or CUDA device memory,
-/// the caller's or the engine's). A device ring is read directly by the scatter kernels, so the
-/// KV pool must be CUDA memory of the same device (checked here and when the pool is registered
-/// second: `KVSTAGE_E_INVALID_ARG`); payloads arriving over TCP land through a 4 MiB pinned host
-/// buffer per connection. Same-host and RDMA sessions need CUDA IPC and GPUDirect registration,
-/// not implemented yet: a device ring refuses them, so AUTO senders downgrade to TCP (counted in
-/// their `shm_downgrades` / `rdma_downgrades`) and SHM or RDMA senders fail at connect.
-/// Errors: `KVSTAGE_E_NO_DEVICE` without libcuda or without a device, `KVSTAGE_E_INVALID_ARG`
-/// for a `cuda_device` this host lacks or that differs from the memory's device,
-/// `KVSTAGE_E_GEOMETRY_INVALID` when caller memory is not device memory of one allocation over its
-/// whole extent, `KVSTAGE_E_OUT_OF_MEMORY` or `KVSTAGE_E_CUDA` when the engine's allocation
-/// fails; otherwise as `kvstage_engine_register_staging`.
-#[no_mangle]
-pub unsafe extern "C" fn kvstage_engine_register_staging_memory(
-    engine: *const kvstage_engine,
-    staging: *const kvstage_staging_memory,
-) -> Status {
-    ffi_fn!(status {
-        let engine = unsafe { borrow(engine, "engine") }?;
-        let raw: kvstage_staging_memory = unsafe { versioned_struct(staging, "staging", STAGING_MEMORY_V1) }?;
-        let memory = super::geometry::memory_kind_from_c(raw.memory_kind, "staging->memory_kind")?;
-        let ptr = (!raw.memory.is_null()).then_some(raw.memory as *mut u8);
-        let cuda_device = (raw.cuda_device >= 0).then_some(raw.cuda_device as u32);
-        engine.register_staging_memory(RingSpec { memory, cuda_device, ptr, bytes: raw.bytes })?;
-        Ok(Status::KVSTAGE_OK)
+        let engine = unsafe { handle::engine(engine) }?;
+        let text = json(&engine.describe())?;
+        unsafe { write_text(&text, buf, capacity, needed) }
     })
 }
 
@@ -526,7 +419,7 @@ pub struct kvstage_engine_stats {
     /// Ended transfers whose phase timings are summed in `timings_sum`.
     pub timed_transfers: u64,
     /// Phase timings summed over those transfers.
-    pub timings_sum: super::stats::kvstage_transfer_timings,
+    pub timings_sum: super::timings::kvstage_transfer_timings,
     /// Receiver side: payload bytes received: staged writer shares counted once complete (their ready frame
     /// accepted), slice payloads once landed.
     pub bytes_received: u64,
@@ -575,10 +468,10 @@ pub struct kvstage_engine_stats {
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine, out: *mut kvstage_engine_stats) -> Status {
     ffi_fn!(status {
-        let engine = unsafe { borrow(engine, "engine") }?;
-        let out = super::out_ptr(out, "out")?;
+        let engine = unsafe { handle::engine(engine) }?;
+        let out = super::args::out_ptr(out, "out")?;
         let r = engine.stats();
-        let f = super::stats::send_fields(&r.send);
+        let f = super::timings::send_fields(&r.send);
         let stats = kvstage_engine_stats {
             struct_size: std::mem::size_of::<kvstage_engine_stats>(),
             ring_capacity: r.ring_capacity,
@@ -620,7 +513,7 @@ pub unsafe extern "C" fn kvstage_engine_stats_get(engine: *const kvstage_engine,
             shm_direct_chunks: r.shm_direct_chunks,
             regions_read_into_pool: r.receive.regions_read_into_pool,
         };
-        unsafe { super::write_versioned(out, stats, "out") }?;
+        unsafe { super::args::write_versioned(out, stats, "out") }?;
         Ok(Status::KVSTAGE_OK)
     })
 }

@@ -1,207 +1,13 @@
-//! KV layout descriptor, head mapping, writers, chunk grid and staging layout for C.
+//! Geometry helpers for C: head mapping, pairing, staging layout, chunk spans and the grid, state
+//! slices (Mamba/GDN conv and SSM states under a TP change). Pure functions of their arguments
+//! (docs/GEOMETRY.md).
 
-use super::{ffi_fn, out_arg, slice_arg, versioned_struct, write_versioned};
+use super::args::{init_versioned, out_arg, read_versioned, read_versioned_array, slice_arg, versioned, write_array, write_versioned, write_versioned_array};
+use super::ffi_fn;
+use super::pool::{kvstage_kv_layout, pool_shape_from_c};
+use super::room::kvstage_room_grid;
 use crate::error::{Error, Result, Status};
-use crate::geometry::{self, KvLayout, MemoryKind, ModelKind, PoolShape};
-
-/// Attention flavour of a KV pool (`kvstage_kv_layout.model_kind`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum kvstage_model_kind {
-    /// MHA / GQA: per layer a K and a V buffer of `[pool_tokens, local_heads, head_dim]`.
-    KVSTAGE_MODEL_MHA = 0,
-    /// MLA: per layer one latent buffer of `[pool_tokens, head_dim]`, replicated on every TP rank
-    /// (`local_heads` = `global_heads` = 1).
-    KVSTAGE_MODEL_MLA = 1,
-}
-
-/// Where a pool's buffers live (`kvstage_kv_layout.memory_kind`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum kvstage_memory_kind {
-    KVSTAGE_MEMORY_HOST = 0,
-    KVSTAGE_MEMORY_CUDA = 1,
-}
-
-/// Default chunk size in tokens of the chunk grid.
-pub const KVSTAGE_DEFAULT_CHUNK_TOKENS: u32 = 8192;
-
-/// One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
-///
-/// Buffers are token-major: slot `t` of a buffer starts `t · local_heads · head_dim · dtype_bytes`
-/// bytes after its base; page `p` is slots `[p · page_size, (p + 1) · page_size)`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct kvstage_kv_layout {
-    pub struct_size: usize,
-    /// A `kvstage_model_kind` value (plain int so that a bad value is an error, not UB).
-    pub model_kind: i32,
-    /// Token slots per page (1..=2^20).
-    pub page_size: u32,
-    /// KV heads on this rank: max(1, global_heads / tp_size); 1 for MLA. 0 (the `_init` default)
-    /// derives that value from `global_heads` and `tp_size`; any other value is refused
-    /// (`KVSTAGE_E_GEOMETRY_INVALID`, the cause naming both values): kvstage does not support
-    /// padded or uneven head layouts, so the field only states what the caller expects.
-    pub local_heads: u32,
-    /// KV heads of the model; 1 for MLA.
-    pub global_heads: u32,
-    /// Elements per head; the latent width (e.g. 576) for MLA.
-    pub head_dim: u32,
-    /// Bytes per element: 1, 2 or 4.
-    pub dtype_bytes: u32,
-    pub tp_rank: u32,
-    pub tp_size: u32,
-    pub pp_rank: u32,
-    pub pp_size: u32,
-    /// Model layer ids held by this rank, strictly increasing; NULL means 0 .. num_layers-1.
-    pub layer_ids: *const u32,
-    /// Number of layers held (entries of `layer_ids`, `k_bases`, `v_bases`).
-    pub num_layers: usize,
-    /// Per layer, the base address of the K buffer (the latent buffer for MLA).
-    pub k_bases: *const u64,
-    /// Per layer, the base address of the V buffer; ignored (may be NULL) for MLA.
-    pub v_bases: *const u64,
-    /// Pages each buffer holds.
-    pub capacity_pages: u64,
-    /// A `kvstage_memory_kind` value.
-    pub memory_kind: i32,
-    /// KVSTAGE_MEMORY_CUDA: the CUDA device ordinal holding the buffers, checked against the
-    /// memory at registration; negative (the `_init` default, -1) = the device holding `k_bases[0]`.
-    /// Ignored for host memory.
-    pub cuda_device: i32,
-}
-
-impl Default for kvstage_kv_layout {
-    fn default() -> Self {
-        kvstage_kv_layout {
-            struct_size: std::mem::size_of::<Self>(),
-            model_kind: kvstage_model_kind::KVSTAGE_MODEL_MHA as i32,
-            page_size: 1,
-            local_heads: 0,
-            global_heads: 1,
-            head_dim: 0,
-            dtype_bytes: 2,
-            tp_rank: 0,
-            tp_size: 1,
-            pp_rank: 0,
-            pp_size: 1,
-            layer_ids: std::ptr::null(),
-            num_layers: 0,
-            k_bases: std::ptr::null(),
-            v_bases: std::ptr::null(),
-            capacity_pages: 0,
-            memory_kind: kvstage_memory_kind::KVSTAGE_MEMORY_HOST as i32,
-            cuda_device: -1,
-        }
-    }
-}
-
-/// Size of the first published version of `kvstage_kv_layout`.
-const KV_LAYOUT_V1: usize = std::mem::size_of::<kvstage_kv_layout>();
-
-/// Reads the shape part of a C layout (bases, capacity and memory kind are not read) and validates
-/// it; errors name `arg`.
-pub unsafe fn pool_shape_from_c(ptr: *const kvstage_kv_layout, arg: &str) -> Result<PoolShape> {
-    let raw: kvstage_kv_layout = unsafe { versioned_struct(ptr, arg, KV_LAYOUT_V1) }?;
-    unsafe { shape_of(&raw, arg) }
-}
-
-/// A `kvstage_model_kind` value passed as a plain int; anything else is an error naming `arg`.
-fn model_kind_arg(value: i32, arg: &str) -> Result<ModelKind> {
-    match value {
-        0 => Ok(ModelKind::Mha),
-        1 => Ok(ModelKind::Mla),
-        other => Err(Error::invalid_arg(arg, format!("{other} is not a kvstage_model_kind value"))),
-    }
-}
-
-unsafe fn shape_of(raw: &kvstage_kv_layout, arg: &str) -> Result<PoolShape> {
-    let kind = model_kind_arg(raw.model_kind, &format!("{arg}->model_kind"))?;
-    if raw.num_layers == 0 || raw.num_layers > u32::MAX as usize {
-        return Err(Error::invalid_arg(
-            &format!("{arg}->num_layers"),
-            format!("{} is outside 1..={}", raw.num_layers, u32::MAX),
-        ));
-    }
-    let layer_ids = if raw.layer_ids.is_null() {
-        (0..raw.num_layers as u32).collect()
-    } else {
-        unsafe { slice_arg(raw.layer_ids, raw.num_layers, &format!("{arg}->layer_ids")) }?.to_vec()
-    };
-    let shape = PoolShape {
-        kind,
-        page_size: raw.page_size,
-        local_heads: match raw.local_heads {
-            0 => (raw.global_heads / raw.tp_size.max(1)).max(1),
-            given => given,
-        },
-        global_heads: raw.global_heads,
-        head_dim: raw.head_dim,
-        dtype_bytes: raw.dtype_bytes,
-        tp_rank: raw.tp_rank,
-        tp_size: raw.tp_size,
-        pp_rank: raw.pp_rank,
-        pp_size: raw.pp_size,
-        layer_ids,
-    };
-    shape.validate().map_err(|e| e.context(format!("`{arg}` is not a valid KV layout")))?;
-    Ok(shape)
-}
-
-/// Reads and validates a whole C layout (shape, bases, capacity, memory kind); errors name `arg`.
-/// The engine's pool registration uses this. Pure: no driver call (see
-/// [`kv_layout_device_from_c`] for the CUDA device).
-pub unsafe fn kv_layout_from_c(ptr: *const kvstage_kv_layout, arg: &str) -> Result<KvLayout> {
-    unsafe { kv_layout_device_from_c(ptr, arg) }.map(|(layout, _)| layout)
-}
-
-/// [`kv_layout_from_c`] plus the CUDA device the caller names (`cuda_device`; `None` when
-/// negative or for host memory). Registration passes both to `copy::cuda::check_pool`.
-pub unsafe fn kv_layout_device_from_c(ptr: *const kvstage_kv_layout, arg: &str) -> Result<(KvLayout, Option<u32>)> {
-    let raw: kvstage_kv_layout = unsafe { versioned_struct(ptr, arg, KV_LAYOUT_V1) }?;
-    let shape = unsafe { shape_of(&raw, arg) }?;
-    let memory = memory_kind_from_c(raw.memory_kind, &format!("{arg}->memory_kind"))?;
-    let n = raw.num_layers;
-    let k = unsafe { slice_arg(raw.k_bases, n, &format!("{arg}->k_bases")) }?;
-    let mut bases: Vec<usize> = k.iter().map(|&b| b as usize).collect();
-    if shape.kind == ModelKind::Mha {
-        let v = unsafe { slice_arg(raw.v_bases, n, &format!("{arg}->v_bases")) }?;
-        bases.extend(v.iter().map(|&b| b as usize));
-    }
-    let layout = KvLayout { shape, capacity_pages: raw.capacity_pages, memory, bases };
-    layout.validate().map_err(|e| e.context(format!("`{arg}` is not a valid KV layout")))?;
-    let device = (memory == MemoryKind::Cuda && raw.cuda_device >= 0).then_some(raw.cuda_device as u32);
-    Ok((layout, device))
-}
-
-/// A C `kvstage_memory_kind` value; errors name `arg`.
-pub fn memory_kind_from_c(value: i32, arg: &str) -> Result<MemoryKind> {
-    match value {
-        0 => Ok(MemoryKind::Host),
-        1 => Ok(MemoryKind::Cuda),
-        other => Err(Error::invalid_arg(arg, format!("{other} is not a kvstage_memory_kind value"))),
-    }
-}
-
-/// Fills `layout` with defaults (sets `struct_size`; MHA, page_size 1, one head, bf16, TP 1,
-/// PP 1, host memory, cuda_device -1; head_dim, layers, bases and capacity must be set).
-#[no_mangle]
-pub unsafe extern "C" fn kvstage_kv_layout_init(layout: *mut kvstage_kv_layout) -> Status {
-    ffi_fn!(status {
-        *out_arg(layout, "layout")? = kvstage_kv_layout::default();
-        Ok(Status::KVSTAGE_OK)
-    })
-}
-
-/// Checks a layout (shape, layer ids, bases: NULL, overlapping, overflowing). `KVSTAGE_OK` or an
-/// error naming the field.
-#[no_mangle]
-pub unsafe extern "C" fn kvstage_kv_layout_validate(layout: *const kvstage_kv_layout) -> Status {
-    ffi_fn!(status {
-        unsafe { kv_layout_from_c(layout, "layout") }?;
-        Ok(Status::KVSTAGE_OK)
-    })
-}
+use crate::geometry::{self, PoolShape, StateItem};
 
 /// Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
 #[repr(C)]
@@ -249,41 +55,6 @@ pub unsafe extern "C" fn kvstage_head_slice_compute(
     })
 }
 
-/// Writers per chunk on a decode rank with equal-sized pipeline stages: `tp_writers × pp_writers`
-/// for MHA (`tp_writers` counts one writer per distinct head group: with prefill-side GQA
-/// replication only one of the prefill ranks holding a head sends it), `pp_writers` for MLA (one
-/// designated TP writer); `model_kind` is a `kvstage_model_kind`, `total_kv_heads` the model's
-/// KV heads (1 for MLA: anything else is `KVSTAGE_E_INVALID_ARG`). With equal stages the PP
-/// sizes must divide one another; for any other split (uneven stages, 3 into 2) the count depends
-/// on the layers each stage holds: `kvstage_staging_layout_compute` takes the stages' layouts and
-/// reports the writers of any split exactly.
-#[no_mangle]
-pub unsafe extern "C" fn kvstage_writers_per_chunk(
-    model_kind: i32,
-    total_kv_heads: u32,
-    src_tp: u32,
-    dst_tp: u32,
-    src_pp: u32,
-    dst_pp: u32,
-    out: *mut u32,
-) -> Status {
-    ffi_fn!(status {
-        let out = out_arg(out, "out")?;
-        let kind = model_kind_arg(model_kind, "model_kind")?;
-        if kind == ModelKind::Mla && total_kv_heads != 1 {
-            return Err(Error::invalid_arg("total_kv_heads", format!("{total_kv_heads} for MLA, whose latent is one head (pass 1)")));
-        }
-        if src_pp > 0 && dst_pp > 0 && !src_pp.is_multiple_of(dst_pp) && !dst_pp.is_multiple_of(src_pp) {
-            return Err(Error::invalid_arg(
-                "src_pp",
-                format!("{src_pp} and dst_pp {dst_pp} do not divide each other: the writers of such a split depend on the layers each stage holds (kvstage_staging_layout_compute takes the stages' layouts)"),
-            ));
-        }
-        *out = geometry::writers_per_chunk(kind, total_kv_heads, src_tp, dst_tp, src_pp, dst_pp)?;
-        Ok(Status::KVSTAGE_OK)
-    })
-}
-
 /// A rank of the other side that a rank exchanges KV data with (`kvstage_pairing_*`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -297,30 +68,8 @@ pub struct kvstage_rank {
 /// from the same `kvstage_kv_layout_init`, so an array built against an older header is read as
 /// such.
 unsafe fn stage_shapes(stages: *const kvstage_kv_layout, count: usize, arg: &str) -> Result<Vec<PoolShape>> {
-    if count == 0 {
-        return Ok(Vec::new());
-    }
-    if stages.is_null() {
-        return Err(Error::invalid_arg(arg, format!("is NULL with {count} stages")));
-    }
-    // SAFETY: a non-NULL array holds `count` layouts, each starting with its `size_t struct_size`.
-    let stride = unsafe { *(stages as *const usize) };
-    (0..count)
-        .map(|j| {
-            let name = format!("{arg}[{j}]");
-            // SAFETY: as above; `versioned_struct` bounds the stride (>= the first version, <= 1 MiB)
-            // for element 0 before element 1 is reached.
-            let ptr = unsafe { (stages as *const u8).add(j * stride) } as *const kvstage_kv_layout;
-            let size = unsafe { *(ptr as *const usize) };
-            if size != stride {
-                return Err(Error::invalid_arg(
-                    &format!("{name}.struct_size"),
-                    format!("{size} differs from `{arg}[0].struct_size` {stride} (fill every stage with kvstage_kv_layout_init)"),
-                ));
-            }
-            unsafe { pool_shape_from_c(ptr, &name) }
-        })
-        .collect()
+    let raw = unsafe { read_versioned_array(stages, count, arg) }?;
+    raw.iter().enumerate().map(|(j, l)| unsafe { super::pool::shape_of(l, &format!("{arg}[{j}]")) }).collect()
 }
 
 /// Writes `peers` into `out[capacity]`; `*count` (may be NULL) receives their number, also when
@@ -328,7 +77,7 @@ unsafe fn stage_shapes(stages: *const kvstage_kv_layout, count: usize, arg: &str
 /// 0 is a count query (`KVSTAGE_OK`).
 unsafe fn write_peers(peers: &[geometry::PeerRank], out: *mut kvstage_rank, capacity: usize, count: *mut usize) -> Result<Status> {
     let ranks: Vec<kvstage_rank> = peers.iter().map(|p| kvstage_rank { tp_rank: p.tp_rank, pp_rank: p.pp_rank }).collect();
-    unsafe { super::write_array(&ranks, out, capacity, count, "ranks") }
+    unsafe { write_array(&ranks, out, capacity, count, "ranks") }
 }
 
 /// The decode ranks prefill rank `prefill` must open sessions to, ordered by (pp_rank, tp_rank):
@@ -404,10 +153,11 @@ pub struct kvstage_staging_layout {
     pub num_tp_writers: u32,
 }
 
-/// One writer's region of a staging allocation.
+/// One writer's region of a staging allocation (an output array: set `writers[0].struct_size`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct kvstage_staging_writer {
+    pub struct_size: usize,
     /// Byte offset of the region within the allocation.
     pub offset: u64,
     pub bytes: u64,
@@ -447,7 +197,7 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
     writers_len: usize,
 ) -> Status {
     ffi_fn!(status {
-        let out = out_arg(out, "out")?;
+        let out = super::args::out_ptr(out, "out")?;
         let stages = unsafe { stage_shapes(prefill_stages, num_prefill_stages, "prefill_stages") }?;
         let dst = unsafe { pool_shape_from_c(dst, "dst") }?;
         let st = geometry::staging_layout_stages(&stages, &dst, tokens)?;
@@ -462,24 +212,15 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
             num_writers: st.writers.len() as u32,
             num_tp_writers: st.tp_writers(),
         };
-        write_versioned(out, filled, "out")?;
-        let needed = st.writers.len();
+        unsafe { write_versioned(out, filled, "out") }?;
         if writers.is_null() && writers_len == 0 {
             return Ok(Status::KVSTAGE_OK);
         }
-        if writers.is_null() {
-            return Err(Error::invalid_arg("writers", format!("is NULL with writers_len {writers_len}")));
-        }
-        if writers_len < needed {
-            return Err(Error::invalid_arg(
-                "writers_len",
-                format!("{writers_len} entries are too few: the layout has {needed} writers (out->num_writers)"),
-            ));
-        }
-        // SAFETY: the caller provides `writers_len` >= `needed` writable entries.
-        let dst_entries = unsafe { std::slice::from_raw_parts_mut(writers, needed) };
-        for (slot, w) in dst_entries.iter_mut().zip(&st.writers) {
-            *slot = kvstage_staging_writer {
+        let entries: Vec<kvstage_staging_writer> = st
+            .writers
+            .iter()
+            .map(|w| kvstage_staging_writer {
+                struct_size: std::mem::size_of::<kvstage_staging_writer>(),
                 offset: w.offset,
                 bytes: w.bytes,
                 layers: w.layers,
@@ -489,8 +230,178 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
                 src_head_start: w.heads.src_head_start,
                 num_heads: w.heads.num_heads,
                 dst_head_start: w.heads.dst_head_start,
-            };
+            })
+            .collect();
+        if writers_len < entries.len() {
+            return Err(Error::invalid_arg(
+                "writers_len",
+                format!("{writers_len} entries are too few: the layout has {} writers (out->num_writers)", entries.len()),
+            ));
         }
+        unsafe { write_versioned_array(&entries, writers, writers_len, std::ptr::null_mut(), "writers") }?;
         Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_grid_tokens_compute(chunk_tokens: u32, page_size: u32, out: *mut u32) -> Status {
+    ffi_fn!(status {
+        let out = out_arg(out, "out")?;
+        if page_size == 0 {
+            return Err(Error::invalid_arg("page_size", "is 0"));
+        }
+        *out = geometry::grid_tokens(chunk_tokens, page_size);
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Where one chunk of a request lies on both sides (`kvstage_chunk_span_compute`). Set `struct_size`
+/// before the call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvstage_chunk_span {
+    pub struct_size: usize,
+    /// Chunks of the request (the room's chunk count).
+    pub num_chunks: u32,
+    /// Tokens of this chunk: the chunk grid's, the request's last chunk possibly fewer.
+    pub num_tokens: u32,
+    /// The chunk's first request token (`decode_prefix_tokens + chunk_index · grid tokens`).
+    pub first_token: u64,
+    /// Prefill side: `src_pages` of the transfer are pages `[src_first_page, src_first_page +
+    /// src_num_pages)` of the request's prefill page list (page `k` holds request tokens
+    /// `[k · src_page_size, …)`); `src_token_offset` and `num_tokens` go into the descriptor as
+    /// they are.
+    pub src_first_page: u64,
+    pub src_num_pages: u32,
+    pub src_token_offset: u32,
+    /// Decode side: pages `[dst_first_page, dst_first_page + dst_num_pages)` of the room's page
+    /// list (the pages after the decode side's cached prefix).
+    pub dst_first_page: u64,
+    pub dst_num_pages: u32,
+}
+
+/// Chunk `chunk_index` of a request of `total_tokens` tokens (the decode side's cached prefix
+/// included) on the decode room's grid (`grid`: what `kvstage_room_open` or
+/// `kvstage_session_room_grid_get` answered: its chunk tokens, decode page size and prefix), with
+/// prefill pages of `src_page_size` tokens. Pure: no engine, no I/O. `KVSTAGE_E_INVALID_ARG` names
+/// the bad argument: a page size of 0, a prefix that is not whole decode pages or leaves nothing
+/// to send, a chunk past the request's `num_chunks`.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_chunk_span_compute(
+    grid: *const kvstage_room_grid,
+    total_tokens: u64,
+    src_page_size: u32,
+    chunk_index: u32,
+    out: *mut kvstage_chunk_span,
+) -> Status {
+    ffi_fn!(status {
+        let out = super::args::out_ptr(out, "out")?;
+        let g = unsafe { read_versioned::<kvstage_room_grid>(grid, "grid") }?;
+        let s = geometry::chunk_span(total_tokens, g.prefix_tokens, src_page_size, g.page_size, g.chunk_tokens, chunk_index)?;
+        let filled = kvstage_chunk_span {
+            struct_size: std::mem::size_of::<kvstage_chunk_span>(),
+            num_chunks: s.num_chunks,
+            num_tokens: s.num_tokens,
+            first_token: s.first_token,
+            src_first_page: s.src_first_page,
+            src_num_pages: s.src_num_pages,
+            src_token_offset: s.src_token_offset,
+            dst_first_page: s.dst_first_page,
+            dst_num_pages: s.dst_num_pages,
+        };
+        unsafe { write_versioned(out, filled, "out") }?;
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// One state item (one slot of one layer): `outer` rows of `sum(group_dims)` elements of
+/// `dtype_bytes` each. Sharded (`replicated` 0), each TP rank holds, per row, its share of every
+/// group, groups back to back: rank `r` of `tp` holds elements `[r·g/tp, (r+1)·g/tp)` of a group of
+/// `g` (a conv state's key, key and value groups each sharded on their own; one group: the whole
+/// row). Replicated (`replicated` 1): whole on every rank. Fill with `kvstage_state_item_init`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvstage_state_item {
+    pub struct_size: usize,
+    pub outer: u32,
+    pub dtype_bytes: u32,
+    /// Global elements of each group of a row, `num_groups` entries.
+    pub group_dims: *const u32,
+    pub num_groups: usize,
+    /// 1: the item is whole on every rank (nothing to shard); 0: sharded by groups.
+    pub replicated: i32,
+}
+
+impl Default for kvstage_state_item {
+    fn default() -> Self {
+        kvstage_state_item {
+            struct_size: std::mem::size_of::<Self>(),
+            outer: 1,
+            dtype_bytes: 2,
+            group_dims: std::ptr::null(),
+            num_groups: 0,
+            replicated: 0,
+        }
+    }
+}
+
+/// `len` bytes at `src_offset` of the prefill rank's slot go to `dst_offset` of the decode rank's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvstage_byte_range {
+    pub src_offset: u64,
+    pub dst_offset: u64,
+    pub len: u64,
+}
+
+/// Fills `item` with defaults (sets `struct_size`; one row, 2-byte elements, sharded; set
+/// `group_dims` and `num_groups`).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_state_item_init(item: *mut kvstage_state_item, size: usize) -> Status {
+    ffi_fn!(status { unsafe { init_versioned(item, size, "item") } })
+}
+
+versioned!(kvstage_state_item, replicated: i32);
+
+pub(super) unsafe fn state_item(ptr: *const kvstage_state_item) -> Result<StateItem> {
+    let raw: kvstage_state_item = unsafe { read_versioned(ptr, "item") }?;
+    let groups = unsafe { slice_arg(raw.group_dims, raw.num_groups, "item->group_dims") }?;
+    let replicated = match raw.replicated {
+        0 => false,
+        1 => true,
+        other => return Err(Error::invalid_arg("item->replicated", format!("{other} is neither 0 nor 1"))),
+    };
+    Ok(StateItem { outer: raw.outer, groups: groups.to_vec(), dtype_bytes: raw.dtype_bytes, replicated })
+}
+
+/// Which bytes of prefill rank `src_rank`'s slot (of `src_tp` ranks) go where in decode rank
+/// `dst_rank`'s slot (of `dst_tp`) for `item`: byte ranges in row order, adjacent ones merged,
+/// into `out[capacity]`; `*count` receives their number, also when `capacity` is too small
+/// (`KVSTAGE_E_INVALID_ARG`); `out` NULL with `capacity` 0 is a count query. No range: the two
+/// ranks share no element (`KVSTAGE_OK`, count 0). A decode slot is assembled from every prefill
+/// rank's ranges (prefill TP larger) or cut from one rank's (smaller); a replicated item comes
+/// whole from prefill rank `dst_rank · src_tp / dst_tp` (rounded down) alone. Slot sizes: `outer · Σ(group_dims) /
+/// tp · dtype_bytes` (sharded), `outer · Σ(group_dims) · dtype_bytes` (replicated).
+/// `KVSTAGE_E_INVALID_ARG` names the field: a group that does not split among either side's TP
+/// ranks (both values), ranks not below their TP size, zero sizes.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_state_slice_compute(
+    item: *const kvstage_state_item,
+    src_tp: u32,
+    dst_tp: u32,
+    src_rank: u32,
+    dst_rank: u32,
+    out: *mut kvstage_byte_range,
+    capacity: usize,
+    count: *mut usize,
+) -> Status {
+    ffi_fn!(status {
+        let item = unsafe { state_item(item) }?;
+        let ranges: Vec<kvstage_byte_range> = geometry::state_slice(&item, src_tp, dst_tp, src_rank, dst_rank)?
+            .iter()
+            .map(|r| kvstage_byte_range { src_offset: r.src, dst_offset: r.dst, len: r.len })
+            .collect();
+        unsafe { write_array(&ranges, out, capacity, count, "ranges") }
     })
 }

@@ -3,6 +3,7 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, CString};
 
+use super::ffi_fn;
 use crate::error::{Error, ErrorClass, Status};
 
 /// Details of the last failed kvstage call on this thread.
@@ -90,4 +91,28 @@ pub fn current() -> *const kvstage_error {
         Some(stored) => &stored.view as *const kvstage_error,
         None => no_error(),
     })
+}
+
+/// The name of a status code ("KVSTAGE_E_TIMEOUT"), or "KVSTAGE_UNKNOWN" (static storage).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_status_name(code: i32) -> *const c_char {
+    ffi_fn!(value = c"KVSTAGE_UNKNOWN".as_ptr(), {
+        match Status::from_code(code) {
+            Some(status) => status.name_c().as_ptr() as *const c_char,
+            None => c"KVSTAGE_UNKNOWN".as_ptr(),
+        }
+    })
+}
+
+/// The last error of this thread; never NULL ("no error" sentinel with code `KVSTAGE_OK`).
+/// Valid until the next kvstage call on the same thread.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_error_last() -> *const kvstage_error {
+    ffi_fn!(keep_error, value = no_error(), { current() })
+}
+
+/// Resets this thread's last error to the "no error" sentinel.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_error_clear() {
+    ffi_fn!(keep_error, value = (), { clear() })
 }

@@ -125,21 +125,3 @@ pub unsafe extern "C" fn kvstage_log_set_callback(callback: kvstage_log_fn, user
         Ok(Status::KVSTAGE_OK)
     })
 }
-
-/// TEST BUILDS ONLY (cargo feature `testing`): logs `message` at `level` (a `kvstage_log_level`
-/// value, 1..=5) with target "kvstage::testing" and `session` (NULL or "" for none), to test the
-/// sinks without staging a failure.
-#[cfg(feature = "testing")]
-#[no_mangle]
-pub unsafe extern "C" fn kvstage_testing_log(level: i32, session: *const c_char, message: *const c_char) -> Status {
-    ffi_fn!(status {
-        let level = logging::level_from_int(level)
-            .and_then(|l| l.to_level())
-            .ok_or_else(|| Error::invalid_arg("level", format!("{level} is not a record level (1..=5)")))?;
-        let message = unsafe { super::str_arg(message, "message") }?;
-        let session = if session.is_null() { "" } else { unsafe { super::str_arg(session, "session") }? };
-        logging::init();
-        ::log::log!(target: "kvstage::testing", level, session = session; "{message}");
-        Ok(Status::KVSTAGE_OK)
-    })
-}

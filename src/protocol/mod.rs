@@ -36,7 +36,7 @@ pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// 10: direct mode for device pools: a same-host offer names the memory of the pool the sender
 /// writes from (host or CUDA), and the receiver shares its pool only in that memory (memfds, or
 /// CUDA IPC handles of whole allocations).
-pub const PROTOCOL_VERSION: u16 = 10;
+pub const PROTOCOL_VERSION: u16 = 11;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.
@@ -145,7 +145,7 @@ pub enum Message {
     GridReq { req: u64, room: RoomRef },
     /// `status` 0: the room's pages split into `num_chunks` chunks of `chunk_tokens` tokens (the
     /// last one may be shorter); otherwise a `Status` code with `reason`.
-    GridRsp { req: u64, status: i32, chunk_tokens: u32, num_chunks: u32, num_pages: u32, reason: String },
+    GridRsp { req: u64, status: i32, chunk_tokens: u32, num_chunks: u32, num_pages: u32, prefix_tokens: u64, reason: String },
 }
 
 const T_HELLO: u8 = 1;
@@ -288,8 +288,8 @@ impl Message {
             Message::GridReq { req, room } => {
                 e.u8(T_GRID_REQ).u64(*req).u64(room.id).u64(room.key);
             }
-            Message::GridRsp { req, status, chunk_tokens, num_chunks, num_pages, reason } => {
-                e.u8(T_GRID_RSP).u64(*req).i32(*status).u32(*chunk_tokens).u32(*num_chunks).u32(*num_pages).str(reason);
+            Message::GridRsp { req, status, chunk_tokens, num_chunks, num_pages, prefix_tokens, reason } => {
+                e.u8(T_GRID_RSP).u64(*req).i32(*status).u32(*chunk_tokens).u32(*num_chunks).u32(*num_pages).u64(*prefix_tokens).str(reason);
             }
         }
         let body = (e.0.len() - 5) as u32;
@@ -407,6 +407,7 @@ impl Message {
                 chunk_tokens: d.u32("chunk_tokens")?,
                 num_chunks: d.u32("num_chunks")?,
                 num_pages: d.u32("num_pages")?,
+                prefix_tokens: d.u64("prefix_tokens")?,
                 reason: d.str("reason", MAX_TEXT)?,
             },
             other => return Err(malformed(format!("unknown frame type {other}"))),
@@ -576,7 +577,7 @@ mod tests {
             Message::ShmOffer { socket: "kvstage-shm-1-ab".into(), nonce: vec![7; 16], direct: Some(MemoryKind::Cuda) },
             Message::ShmAnswer { status: 0, local: true, ring_len: 1 << 20, reason: String::new() },
             Message::GridReq { req: 7, room: RoomRef { id: 8, key: 0x5eed_0008 } },
-            Message::GridRsp { req: 9, status: 0, chunk_tokens: 64, num_chunks: 3, num_pages: 10, reason: String::new() },
+            Message::GridRsp { req: 9, status: 0, chunk_tokens: 64, num_chunks: 3, num_pages: 10, prefix_tokens: 128, reason: String::new() },
         ]
     }
 

@@ -14,6 +14,21 @@ mod wake;
 pub mod workers;
 
 pub use crate::deadline::Deadline;
+
+/// A room opening's chunk grid: what the decode side's `open_room` answers, and the prefill side
+/// asks over a session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoomGrid {
+    /// Tokens of every chunk but possibly the last.
+    pub chunk_tokens: u32,
+    pub num_chunks: u32,
+    /// Pages of the room (its tokens are `num_pages · page_size`).
+    pub num_pages: u32,
+    /// Token slots per decode page.
+    pub page_size: u32,
+    /// Tokens the decode rank already held in front of the room's pages.
+    pub prefix_tokens: u64,
+}
 pub use integrity::{checksum, checksum_parts, rows_checksum, Integrity, INTEGRITY_SAMPLE_PERIOD};
 use crate::error::{Error, Status};
 use crate::geometry::{self, HeadSlice, PoolShape};

@@ -31,9 +31,19 @@ pub enum Completion {
     Chunk(ChunkEvent),
 }
 
-/// One completed or failed decode chunk, as reported to the decode caller.
+/// What a decode event reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// One chunk landed or failed.
+    Chunk,
+    /// The whole request: complete, or failed (one per opening).
+    Room,
+}
+
+/// One completed or failed decode chunk or room, as reported to the decode caller.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkEvent {
+    pub kind: EventKind,
     pub room: u64,
     /// The key of the room's opening the chunk belongs to (a room id reopened for another request
     /// gets another key): tells a late event of an earlier opening apart.
@@ -45,6 +55,17 @@ pub struct ChunkEvent {
     /// Staged chunks scattered OK: nanoseconds from the arrival of the chunk's last writer to the
     /// end of its scatter (see [`ReceiveStats`](super::stats::ReceiveStats)); 0 otherwise.
     pub scatter_ns: u64,
+}
+
+impl ChunkEvent {
+    pub fn chunk(room: u64, key: u64, chunk: u32, status: Status, trace: Arc<str>, scatter_ns: u64) -> ChunkEvent {
+        ChunkEvent { kind: EventKind::Chunk, room, key, chunk, status, trace, scatter_ns }
+    }
+
+    /// The whole room's event; `chunk` holds its chunk count.
+    pub fn room_done(room: u64, key: u64, num_chunks: u32, status: Status, trace: Arc<str>) -> ChunkEvent {
+        ChunkEvent { kind: EventKind::Room, room, key, chunk: num_chunks, status, trace, scatter_ns: 0 }
+    }
 }
 
 pub type Callback = Arc<dyn Fn(&Completion) + Send + Sync>;
@@ -191,7 +212,7 @@ mod tests {
         })));
         c.count(2);
         c.call(&Completion::Op { tag: 7, status: Status::KVSTAGE_OK, timings: TransferTimings::default(), trace: "7#0000".into() });
-        c.call(&Completion::Chunk(ChunkEvent { room: 1, key: 1, chunk: 0, status: Status::KVSTAGE_OK, trace: "1#0000".into(), scatter_ns: 0 }));
+        c.call(&Completion::Chunk(ChunkEvent::chunk(1, 1, 0, Status::KVSTAGE_OK, "1#0000".into(), 0)));
         // SAFETY: as above.
         assert_eq!(unsafe { libc::poll(&mut pfd, 1, 1000) }, 1);
         assert_eq!(c.drain(), 2);

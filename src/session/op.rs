@@ -45,20 +45,22 @@ pub struct Op {
     notify: Option<(Arc<Completions>, u64)>,
     /// Layer-wise transfers: where the caller marks layers ready.
     layers: Option<Arc<LayerGate>>,
+    /// What a wait of "the engine default" means for it (its engine's default timeout).
+    default_wait: Option<Duration>,
 }
 
 impl Op {
     pub fn new(waker: Arc<dyn Waker>) -> Arc<Op> {
-        Op::with(waker, None, None)
+        Op::with(waker, None, None, None)
     }
 
     /// An operation whose end is signalled on `completions` with the caller's `tag`; `layers`:
-    /// a layer-wise transfer's gate.
-    pub fn notifying(waker: Arc<dyn Waker>, completions: Arc<Completions>, tag: u64, layers: Option<Arc<LayerGate>>) -> Arc<Op> {
-        Op::with(waker, Some((completions, tag)), layers)
+    /// a layer-wise transfer's gate; `default_wait`: the engine's default timeout.
+    pub fn notifying(waker: Arc<dyn Waker>, completions: Arc<Completions>, tag: u64, layers: Option<Arc<LayerGate>>, default_wait: Option<Duration>) -> Arc<Op> {
+        Op::with(waker, Some((completions, tag)), layers, default_wait)
     }
 
-    fn with(waker: Arc<dyn Waker>, notify: Option<(Arc<Completions>, u64)>, layers: Option<Arc<LayerGate>>) -> Arc<Op> {
+    fn with(waker: Arc<dyn Waker>, notify: Option<(Arc<Completions>, u64)>, layers: Option<Arc<LayerGate>>, default_wait: Option<Duration>) -> Arc<Op> {
         Arc::new(Op {
             result: Mutex::new((None, TransferTimings::default())),
             progress: Mutex::new(None),
@@ -67,7 +69,13 @@ impl Op {
             waker,
             notify,
             layers,
+            default_wait,
         })
+    }
+
+    /// The engine's default timeout, for a wait that asks for it.
+    pub fn default_timeout(&self) -> Option<Duration> {
+        self.default_wait
     }
 
     /// The gate of a layer-wise transfer (`None` for any other operation).
@@ -203,7 +211,7 @@ mod tests {
             seen.fetch_add(1, Ordering::SeqCst);
         })));
         for tag in 0..2000 {
-            let op = Op::notifying(Arc::new(NoWaker), completions.clone(), tag, None);
+            let op = Op::notifying(Arc::new(NoWaker), completions.clone(), tag, None, None);
             let finisher = {
                 let op = op.clone();
                 std::thread::spawn(move || op.finish(Ok(Status::KVSTAGE_OK)))

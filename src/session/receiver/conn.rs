@@ -393,10 +393,24 @@ impl Receiver {
                 }
                 Message::GridReq { req, room } => {
                     let reply = match self.with_state(|st| st.room_grid(id, room)) {
-                        Ok((chunk_tokens, num_chunks, num_pages)) => {
-                            Message::GridRsp { req, status: 0, chunk_tokens, num_chunks, num_pages, reason: String::new() }
-                        }
-                        Err(e) => Message::GridRsp { req, status: e.code().code(), chunk_tokens: 0, num_chunks: 0, num_pages: 0, reason: e.chain() },
+                        Ok(g) => Message::GridRsp {
+                            req,
+                            status: 0,
+                            chunk_tokens: g.chunk_tokens,
+                            num_chunks: g.num_chunks,
+                            num_pages: g.num_pages,
+                            prefix_tokens: g.prefix_tokens,
+                            reason: String::new(),
+                        },
+                        Err(e) => Message::GridRsp {
+                            req,
+                            status: e.code().code(),
+                            chunk_tokens: 0,
+                            num_chunks: 0,
+                            num_pages: 0,
+                            prefix_tokens: 0,
+                            reason: e.chain(),
+                        },
                     };
                     link.send(&reply, &reply_deadline())?;
                 }

@@ -4,7 +4,8 @@ use std::time::Instant;
 
 use super::state::{ReceiverDescription, RoomDescription};
 use super::Receiver;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Status};
+use crate::protocol::RoomRef;
 
 impl Receiver {
     fn page_size(&self) -> u32 {
@@ -12,12 +13,13 @@ impl Receiver {
     }
 
     /// Room `room` with its chunks (`KVSTAGE_E_INVALID_ARG` when no room of that id is open).
-    pub fn describe_room(&self, room: u64) -> Result<RoomDescription> {
+    pub fn describe_room(&self, at: RoomRef) -> Result<RoomDescription> {
         let page_size = self.page_size();
-        self.state
-            .lock()
-            .describe_room(room, page_size, Instant::now())
-            .ok_or_else(|| Error::invalid_arg("room", format!("{room} is not open (nor being released)")))
+        let st = self.state.lock();
+        if !st.is_open(at) {
+            return Err(Error::new(Status::KVSTAGE_E_STALE_ROOM, format!("room {} is not open under key {:#x} (released, or another opening)", at.id, at.key)));
+        }
+        st.describe_room(at.id, page_size, Instant::now()).ok_or_else(|| Error::internal("an open room without a description"))
     }
 
     pub fn describe(&self) -> ReceiverDescription {

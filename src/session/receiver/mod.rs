@@ -28,13 +28,34 @@ use parking_lot::{Condvar, Mutex};
 pub use conn::verify_peer;
 pub use memory::{RingMemory, RingSpec};
 pub use state::{ChunkEvent, ConnId, ScatterJob};
-use state::{AuxRows, AuxWrite, Effects, Release, RoomParts, State};
+
+/// A room the decode caller opens ([`Receiver::open_room`]).
+#[derive(Clone, Debug, Default)]
+pub struct RoomOpening {
+    pub room: u64,
+    pub pages: Vec<u32>,
+    /// 0: the engine's chunk tokens.
+    pub chunk_tokens: u32,
+    pub parts: Option<RequestParts>,
+    /// Tokens the decode rank holds in front of `pages` (whole pages).
+    pub prefix_tokens: u64,
+    pub trace: Option<String>,
+}
+
+impl RoomOpening {
+    /// A room of `pages` in chunks of `chunk_tokens` (0: the engine's), KV only.
+    pub fn new(room: u64, pages: &[u32], chunk_tokens: u32) -> RoomOpening {
+        RoomOpening { room, pages: pages.to_vec(), chunk_tokens, ..RoomOpening::default() }
+    }
+}
+use state::{AuxRows, AuxWrite, Effects, OpenRoom, Release, RoomParts, State};
 
 use super::notify::{Completion, Completions};
-use super::{Deadline, Integrity, LogLimiter};
+use super::{Deadline, Integrity, LogLimiter, RoomGrid};
 use crate::copy::{Components, CopyEngine};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{self, ComponentSpec, KvLayout, RequestParts};
+use crate::protocol::RoomRef;
 use crate::ring::Watermark;
 use crate::transport::faults::Faults;
 use crate::transport::Transport;
@@ -395,25 +416,31 @@ impl Receiver {
     }
 
     /// Opens a room: the decode pages that receive the request's new tokens (after the decode
-    /// side's cached prefix), split into chunks of `chunk_tokens` on the page grid. Returns its
-    /// chunk count and the opening's key, which the senders of this request must name.
-    pub fn open_room(&self, room: u64, pages: &[u32], chunk_tokens: u32) -> Result<(u32, u64)> {
-        self.open_room_parts(room, pages, chunk_tokens, None)
-    }
-
-    /// [`Self::open_room`] for a request that moves `parts` besides its KV pages (aux row, state
-    /// slots, extra pools' pages), checked against the registered components.
-    pub fn open_room_parts(&self, room: u64, pages: &[u32], chunk_tokens: u32, parts: Option<RequestParts>) -> Result<(u32, u64)> {
+    /// side's cached prefix), split into chunks of `chunk_tokens` on the page grid, and the parts
+    /// it moves besides its KV (checked against the registered components). Returns the opening's
+    /// key, which the senders of this request must name, and its grid.
+    pub fn open_room(&self, open: RoomOpening) -> Result<(u64, RoomGrid)> {
         if self.closing() {
             return Err(shut_down_error());
         }
+        let RoomOpening { room, pages, chunk_tokens, parts, prefix_tokens, trace } = open;
         let pool = self.pool()?;
-        pool.check_pages(pages, "dst_pages")?;
+        pool.check_pages(&pages, "desc->pages")?;
+        let page_size = pool.shape.page_size;
+        if !prefix_tokens.is_multiple_of(u64::from(page_size)) {
+            return Err(Error::invalid_arg(
+                "desc->prefix_tokens",
+                format!("{prefix_tokens} is not whole decode pages of {page_size} tokens (a room's pages start at a page boundary: round the cached prefix down to {})", prefix_tokens / u64::from(page_size) * u64::from(page_size)),
+            ));
+        }
+        if let Some(t) = &trace {
+            crate::protocol::trace::check_trace(t).map_err(|why| Error::invalid_arg("desc->trace_id", format!("{t:?}: {why}")))?;
+        }
         let parts = match parts {
             None => None,
             Some(request) => {
                 let components = self.components.lock().clone().unwrap_or_default();
-                components.check_parts(&request, "parts")?;
+                components.check_parts(&request, "desc->parts")?;
                 if self.memory.lock().as_ref().is_some_and(|m| m.device().is_some()) {
                     return Err(Error::new(Status::KVSTAGE_E_UNSUPPORTED, "request parts need a host staging ring (this engine's ring is device memory)"));
                 }
@@ -421,26 +448,30 @@ impl Receiver {
             }
         };
         let chunk_tokens = if chunk_tokens == 0 { self.config.chunk_tokens } else { chunk_tokens };
-        let grid_pages = (geometry::grid_tokens(chunk_tokens, pool.shape.page_size) / pool.shape.page_size) as usize;
+        let grid_pages = (geometry::grid_tokens(chunk_tokens, page_size) / page_size) as usize;
         let expires = self.config.room_timeout.map(|t| Instant::now() + t);
         let key = new_room_key()?;
-        self.with_state(|st| st.open_room(room, key, pages, grid_pages, expires, parts)).map(|n| (n, key))
+        let open = OpenRoom { pages, grid_pages, prefix_tokens, parts, trace };
+        let num_chunks = self.with_state(|st| st.open_room(room, key, open, expires))?;
+        let num_pages = self.with_state(|st| st.room_pages(room));
+        let grid = RoomGrid { chunk_tokens: grid_pages as u32 * page_size, num_chunks, num_pages, page_size, prefix_tokens };
+        Ok((key, grid))
     }
 
-    /// Waits until every chunk of `room` is scattered (OK), the room failed (its error) or the deadline.
-    pub fn wait_room(&self, room: u64, timeout: Option<Duration>) -> Result<Status> {
+    /// Waits until the opening `at` is complete (OK), failed (its error) or the deadline.
+    pub fn wait_room(&self, at: RoomRef, timeout: Option<Duration>) -> Result<Status> {
+        let room = at.id;
         let deadline = Deadline::after(timeout);
         let mut st = self.state.lock();
-        // Bound to the opening seen now: one released (and opened again) meanwhile is not waited for.
-        let opening = st.opening(room);
+        st.room_outcome(at)?;
         loop {
-            if st.opening(room) != opening {
+            if !st.is_open(at) {
                 return Err(Error::new(
                     Status::KVSTAGE_E_CANCELED,
                     format!("room {room} was released while waiting for it (its id may be open again for another request)"),
                 ));
             }
-            if st.room_outcome(room)? {
+            if st.room_outcome(at)? {
                 return Ok(Status::KVSTAGE_OK);
             }
             if !deadline.wait(&self.changed, &mut st) {
@@ -456,8 +487,9 @@ impl Receiver {
     /// cannot end, as a stopped prefill process's copy, holds the pages: past `timeout` (`None`:
     /// no limit) this fails with `KVSTAGE_E_TIMEOUT` naming its connections, the room released
     /// but its id and pages not yet free; a second call waits again.
-    pub fn release_room(&self, room: u64, timeout: Option<Duration>) -> Result<()> {
-        let Release::Draining { gen, .. } = self.with_state(|st| st.release_room(room)) else { return Ok(()) };
+    pub fn release_room(&self, at: RoomRef, timeout: Option<Duration>) -> Result<()> {
+        let room = at.id;
+        let Release::Draining { gen, .. } = self.with_state(|st| st.release_room(at)) else { return Ok(()) };
         let grace = Deadline::after(Some(RELEASE_GRACE));
         let until = Deadline::after(timeout);
         let mut st = self.state.lock();
@@ -489,13 +521,9 @@ impl Receiver {
         Ok(())
     }
 
-    pub fn take_events(&self, max: usize) -> Vec<ChunkEvent> {
-        self.state.lock().take_events(None, max)
-    }
-
-    /// As [`take_events`](Self::take_events) for one room only (the others stay queued).
-    pub fn take_room_events(&self, room: u64, max: usize) -> Vec<ChunkEvent> {
-        self.state.lock().take_events(Some(room), max)
+    /// Up to `max` queued events, oldest first: of the opening `room`, or of every room.
+    pub fn take_events(&self, room: Option<RoomRef>, max: usize) -> Vec<ChunkEvent> {
+        self.state.lock().take_events(room, max)
     }
 
     pub fn ring_stats(&self) -> (u64, u64, Watermark) {

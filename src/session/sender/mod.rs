@@ -100,15 +100,7 @@ static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 /// connection closes.
 const ABORT_DEADLINE: Duration = Duration::from_secs(1);
 
-/// A room's chunk grid on the receiver ([`SenderSession::room_grid`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RoomGrid {
-    /// Tokens of every chunk but possibly the last.
-    pub chunk_tokens: u32,
-    pub num_chunks: u32,
-    /// Pages of the room (its tokens are `num_pages · page_size`).
-    pub num_pages: u32,
-}
+pub use crate::session::RoomGrid;
 
 /// One chunk to send: the prefill pages holding its tokens, in chunk order.
 #[derive(Clone, Debug, Default)]
@@ -360,7 +352,7 @@ impl SenderSession {
     pub fn transfer_async(self: &Arc<Self>, mut desc: TransferDesc, slices: bool, tag: u64) -> Result<Arc<Op>> {
         // A bad argument fails the call at once: no operation, nothing counted.
         self.check_args(&desc, slices)?;
-        let op = Op::notifying(self.waker(), self.resources.completions.clone(), tag, desc.layers.clone());
+        let op = Op::notifying(self.waker(), self.resources.completions.clone(), tag, desc.layers.clone(), self.default_timeout());
         let (session, worker_op) = (self.clone(), op.clone());
         let queued = Instant::now();
         op.start(&self.id, desc.trace_id(), desc.room.id, desc.chunk, if slices { "slices" } else { "staged" }, "queued", desc.timeout.map(|t| queued + t));
@@ -478,7 +470,9 @@ impl SenderSession {
         let pending = self.expect_reply();
         self.link.send(&Message::GridReq { req: pending.req, room }, deadline)?;
         match self.wait_reply(&pending, deadline, op, "waiting for the room's chunk grid", None)? {
-            Message::GridRsp { status: 0, chunk_tokens, num_chunks, num_pages, .. } => Ok(RoomGrid { chunk_tokens, num_chunks, num_pages }),
+            Message::GridRsp { status: 0, chunk_tokens, num_chunks, num_pages, prefix_tokens, .. } => {
+                Ok(RoomGrid { chunk_tokens, num_chunks, num_pages, page_size: self.remote.shape.page_size, prefix_tokens })
+            }
             Message::GridRsp { status, reason, .. } => {
                 let code = Status::from_code(status).unwrap_or(Status::KVSTAGE_E_PROTOCOL);
                 Err(Error::new(code, format!("the receiver has no grid for room {room}: {reason}")).with_session(&self.id))

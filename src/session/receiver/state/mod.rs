@@ -32,7 +32,26 @@ use crate::protocol::RoomRef;
 use crate::ring::{Grant, Ring, Watermark};
 use crate::session::receiver::coverage::Coverage;
 use crate::session::receiver::extents::Extents;
-pub use crate::session::notify::ChunkEvent;
+pub use crate::session::notify::{ChunkEvent, EventKind};
+use crate::session::RoomGrid;
+
+/// What the decode caller opens a room with (checked by the receiver before).
+pub struct OpenRoom {
+    pub pages: Vec<u32>,
+    /// Pages per chunk.
+    pub grid_pages: usize,
+    pub prefix_tokens: u64,
+    pub parts: Option<Arc<RoomParts>>,
+    /// The caller's trace id (checked), or `None` for a derived one.
+    pub trace: Option<String>,
+}
+
+impl OpenRoom {
+    /// Pages only: no prefix, parts or trace id.
+    pub fn pages(pages: &[u32], grid_pages: usize) -> OpenRoom {
+        OpenRoom { pages: pages.to_vec(), grid_pages, prefix_tokens: 0, parts: None, trace: None }
+    }
+}
 pub use describe::{ReceiverDescription, RoomDescription};
 pub use parts::{AuxRows, AuxWrite, RoomParts};
 use parts::Aux;
@@ -171,6 +190,8 @@ struct Room {
     trace: String,
     trace_named: bool,
     pages: Vec<u32>,
+    /// Tokens the decode rank held in front of `pages` (reported in the grid).
+    prefix_tokens: u64,
     grid_pages: usize,
     chunks: Vec<Chunk>,
     failure: Option<Failure>,
@@ -197,6 +218,16 @@ impl Room {
     }
 
     /// Every chunk scattered and the aux rows (if any) written.
+    fn grid(&self, page_size: u32) -> RoomGrid {
+        RoomGrid {
+            chunk_tokens: self.grid_pages as u32 * page_size,
+            num_chunks: self.chunks.len() as u32,
+            num_pages: self.pages.len() as u32,
+            page_size,
+            prefix_tokens: self.prefix_tokens,
+        }
+    }
+
     fn complete(&self) -> bool {
         self.chunks.iter().all(|c| c.phase == Phase::Done) && self.aux.settled()
     }
@@ -711,7 +742,9 @@ impl State {
     /// Opens `room` over `pages`, `grid_pages` pages a chunk, as the opening `key` (nonzero, unique
     /// to this opening: frames must name it). A room id still open, or still being released, is
     /// refused.
-    pub fn open_room(&mut self, room: u64, key: u64, pages: &[u32], grid_pages: usize, expires: Option<Instant>, parts: Option<Arc<RoomParts>>) -> Result<u32> {
+    pub fn open_room(&mut self, room: u64, key: u64, open: OpenRoom, expires: Option<Instant>) -> Result<u32> {
+        let OpenRoom { pages, grid_pages, prefix_tokens, parts, trace } = open;
+        let pages = pages.as_slice();
         if key == 0 {
             return Err(Error::internal("room key 0 (keys are nonzero)"));
         }
@@ -743,9 +776,10 @@ impl State {
             Room {
                 gen,
                 key,
-                trace: crate::protocol::trace::derived_trace(RoomRef { id: room, key }),
-                trace_named: false,
+                trace_named: trace.is_some(),
+                trace: trace.unwrap_or_else(|| crate::protocol::trace::derived_trace(RoomRef { id: room, key })),
                 pages: pages.to_vec(),
+                prefix_tokens,
                 grid_pages,
                 chunks: vec![chunk; num_chunks],
                 failure: None,
@@ -762,15 +796,17 @@ impl State {
         Ok(num_chunks as u32)
     }
 
-    /// `Ok(true)`: every chunk scattered; `Ok(false)`: still in progress; `Err`: failed or unknown.
-    pub fn room_outcome(&self, room: u64) -> Result<bool> {
-        match self.rooms.get(&room) {
+    /// `Ok(true)`: every chunk scattered; `Ok(false)`: still in progress; `Err`: failed, released
+    /// or another opening.
+    pub fn room_outcome(&self, at: RoomRef) -> Result<bool> {
+        let room = at.id;
+        match self.rooms.get(&room).filter(|r| r.key == at.key) {
             Some(r) if r.released => Err(Error::new(Status::KVSTAGE_E_CANCELED, format!("room {room} was released"))),
             Some(r) => match &r.failure {
                 Some(f) => Err(Error::new(f.code, format!("room {room} failed: {}", f.why)).with_session(&f.session)),
                 None => Ok(r.complete()),
             },
-            None => Err(Error::invalid_arg("room", format!("{room} is not open"))),
+            None => Err(stale(room)),
         }
     }
 
@@ -815,21 +851,27 @@ impl State {
         Ok(())
     }
 
-    /// The chunk grid of open `room` as `conn` sees it: (tokens per chunk, chunks, pages).
-    pub fn room_grid(&self, conn: ConnId, room: RoomRef) -> Result<(u32, u32, u32)> {
+    /// The chunk grid of open `room` as `conn` sees it.
+    pub fn room_grid(&self, conn: ConnId, room: RoomRef) -> Result<RoomGrid> {
         let page_size = self.conn(conn)?.dst.page_size;
-        let r = self.live_room(room)?;
-        Ok((r.grid_pages as u32 * page_size, r.chunks.len() as u32, r.pages.len() as u32))
+        Ok(self.live_room(room)?.grid(page_size))
+    }
+
+    /// Pages of `room` (0 when not open).
+    pub fn room_pages(&self, room: u64) -> u32 {
+        self.rooms.get(&room).map_or(0, |r| r.pages.len() as u32)
     }
 
     pub fn room_progress(&self, room: u64) -> String {
         self.rooms.get(&room).map_or_else(|| "room gone".to_owned(), Room::done_text)
     }
 
-    /// Releases a room: its ring space goes back (deferred while written into), its pages are
-    /// returned to the caller once no lease on them is left. Idempotent.
-    pub fn release_room(&mut self, room: u64) -> Release {
-        let Some(r) = self.rooms.get_mut(&room) else { return Release::Done };
+    /// Releases the opening `at`: its ring space goes back (deferred while written into), its
+    /// pages are returned to the caller once no lease on them is left. Idempotent; another
+    /// opening of the id (the request it was opened for next) is not touched.
+    pub fn release_room(&mut self, at: RoomRef) -> Release {
+        let room = at.id;
+        let Some(r) = self.rooms.get_mut(&room).filter(|r| r.key == at.key) else { return Release::Done };
         r.released = true;
         // Its queued events go too: a reopened room must not report the old request's chunks.
         self.events.retain(|e| e.room != room);
@@ -876,16 +918,18 @@ impl State {
                 grants.extend(c.grant.take());
             }
             if c.phase != Phase::Done {
-                events.push(ChunkEvent { room, key: r.key, chunk: i as u32, status: code, trace: r.trace.as_str().into(), scatter_ns: 0 });
+                events.push(ChunkEvent::chunk(room, r.key, i as u32, code, r.trace.as_str().into(), 0));
             }
         }
         // The chunk held for the aux rows is not done either.
         events.extend(r.held_event.take().map(|e| ChunkEvent { status: code, scatter_ns: 0, ..e }));
+        // Then the whole request's.
+        events.push(ChunkEvent::room_done(room, r.key, r.chunks.len() as u32, code, r.trace.as_str().into()));
         for id in grants {
             self.retire_grant(id);
         }
         for e in events {
-            self.push_event(e);
+            self.queue_event(e);
         }
         self.fx.changed = true;
     }
@@ -905,7 +949,22 @@ impl State {
         }
     }
 
+    /// Queues a chunk's event; the chunk that completes its room is followed by the room's.
     fn push_event(&mut self, e: ChunkEvent) {
+        let completes = e.kind == EventKind::Chunk
+            && e.status == Status::KVSTAGE_OK
+            && self.rooms.get(&e.room).is_some_and(|r| r.key == e.key && r.live() && r.complete());
+        let room_event = completes.then(|| {
+            let r = &self.rooms[&e.room];
+            ChunkEvent::room_done(e.room, e.key, r.chunks.len() as u32, Status::KVSTAGE_OK, e.trace.clone())
+        });
+        self.queue_event(e);
+        if let Some(r) = room_event {
+            self.queue_event(r);
+        }
+    }
+
+    fn queue_event(&mut self, e: ChunkEvent) {
         if self.events.len() >= self.max_events {
             self.counters.events_dropped += 1;
             self.fx.events_dropped += 1;
@@ -915,15 +974,15 @@ impl State {
         }
     }
 
-    /// Up to `max` queued events, oldest first: of one room, or of every room for `None`.
-    pub fn take_events(&mut self, room: Option<u64>, max: usize) -> Vec<ChunkEvent> {
-        let Some(room) = room else {
+    /// Up to `max` queued events, oldest first: of one opening, or of every room for `None`.
+    pub fn take_events(&mut self, room: Option<RoomRef>, max: usize) -> Vec<ChunkEvent> {
+        let Some(at) = room else {
             let n = max.min(self.events.len());
             return self.events.drain(..n).collect();
         };
         let mut taken = Vec::new();
         self.events.retain(|e| {
-            let take = e.room == room && taken.len() < max;
+            let take = e.room == at.id && e.key == at.key && taken.len() < max;
             if take {
                 taken.push(e.clone());
             }
@@ -956,9 +1015,9 @@ impl State {
         }
     }
 
-    /// The generation of the opening of `room` now (a wait bound to one opening compares it).
-    pub fn opening(&self, room: u64) -> Option<u64> {
-        self.rooms.get(&room).map(|r| r.gen)
+    /// Whether the opening `at` is open (not released; failed or not).
+    pub fn is_open(&self, at: RoomRef) -> bool {
+        self.rooms.get(&at.id).is_some_and(|r| r.key == at.key && !r.released)
     }
 
     /// Checks that a writer of this room shares the prefill geometry of the room's first writer.

@@ -156,7 +156,7 @@ impl State {
             c.phase = Phase::Done;
             self.metrics.chunks_received += 1;
             let trace = r.trace.as_str().into();
-            self.chunk_done_event(ChunkEvent { room, key: at.key, chunk, status: Status::KVSTAGE_OK, trace, scatter_ns: 0 });
+            self.chunk_done_event(ChunkEvent::chunk(room, at.key, chunk, Status::KVSTAGE_OK, trace, 0));
             self.fx.changed = true;
         }
         Ok(())

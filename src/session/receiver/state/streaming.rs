@@ -143,7 +143,7 @@ impl State {
                         m.scatter_ns_max = m.scatter_ns_max.max(scatter_ns);
                     }
                     let (key, trace) = self.rooms.get(&job.room).map_or((0, "".into()), |r| (r.key, r.trace.as_str().into()));
-                    self.chunk_done_event(ChunkEvent { room: job.room, key, chunk: job.chunk, status: Status::KVSTAGE_OK, trace, scatter_ns });
+                    self.chunk_done_event(ChunkEvent::chunk(job.room, key, job.chunk, Status::KVSTAGE_OK, trace, scatter_ns));
                 }
             }
             self.drain_check(job.room);

@@ -82,7 +82,7 @@ fn deliver_at(st: &mut State, conn: ConnId, room: RoomRef, chunk: u32, w: u32) -
 fn another_connection_cannot_write_or_complete_a_grant_it_does_not_hold() {
     let mut st = state(4096);
     let (a, b, intruder) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)), st.add_conn(info(0, 2, false)));
-    st.open_room(7, key(7), &PAGES, GRID, None, None).unwrap();
+    st.open_room(7, key(7), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(7), 0, 0, TOKENS, CHUNK, None).unwrap();
     // The same prefill rank on another connection: no allocation, no data, no ready, no abort.
     let e = st.allocate(intruder, at(7), 0, 0, TOKENS, CHUNK, None).unwrap_err();
@@ -93,7 +93,7 @@ fn another_connection_cannot_write_or_complete_a_grant_it_does_not_hold() {
     assert!(st.begin_ready(intruder, at(7), 0, 0).is_err());
     st.abort(intruder, at(7), 0, "mischief");
     st.abort(intruder, at(7), u32::MAX, "mischief");
-    assert!(!st.room_outcome(7).unwrap(), "an abort by a non-writer must not fail the room");
+    assert!(!st.room_outcome(at(7)).unwrap(), "an abort by a non-writer must not fail the room");
     // The real writers complete it.
     deliver(&mut st, a, 7, 0, 0).unwrap();
     st.allocate(b, at(7), 0, 1, TOKENS, CHUNK, None).unwrap();
@@ -120,7 +120,7 @@ fn land_slab(st: &mut State, conn: ConnId, w: u32, region: u64, slab: u64) {
 fn a_layer_scatters_once_every_writer_landed_its_slabs() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(9, key(9), &PAGES[..2], GRID, None, None).unwrap();
+    st.open_room(9, key(9), OpenRoom::pages(&PAGES[..2], GRID), None).unwrap();
     let (_, ra) = st.allocate(a, at(9), 0, 0, TOKENS, CHUNK, None).unwrap();
     for slab in [0, 2] {
         land_slab(&mut st, a, 0, ra, slab);
@@ -148,10 +148,10 @@ fn a_layer_scatters_once_every_writer_landed_its_slabs() {
     assert!(last[0].last && jobs.iter().all(|j| !j.last), "only the scatter queued at the last arrival is timed from it");
     jobs.extend(last);
     while let Some(job) = jobs.pop() {
-        assert!(!st.room_outcome(9).unwrap(), "done with {} scatters still running", jobs.len() + 1);
+        assert!(!st.room_outcome(at(9)).unwrap(), "done with {} scatters still running", jobs.len() + 1);
         st.scatter_done(&job, Ok(None));
     }
-    assert!(st.room_outcome(9).unwrap());
+    assert!(st.room_outcome(at(9)).unwrap());
     assert_eq!(st.ring_stats().1, 0);
 }
 
@@ -165,7 +165,7 @@ fn checksummed_chunks_and_rdma_writers_hold_the_scatter_back() {
         // The second writer's policy decides: one checksummed writer holds the whole chunk.
         let a = st.add_conn(ConnInfo { integrity: Integrity::Off, ..info(0, 2, false) });
         let b = st.add_conn(ConnInfo { integrity, ..info(1, 2, rdma) });
-        st.open_room(9, key(9), &PAGES[..2], GRID, None, None).unwrap();
+        st.open_room(9, key(9), OpenRoom::pages(&PAGES[..2], GRID), None).unwrap();
         let (_, ra) = st.allocate(a, at(9), 0, 0, TOKENS, CHUNK, None).unwrap();
         let (_, rb) = st.allocate(b, at(9), 0, 1, TOKENS, CHUNK, None).unwrap();
         if rdma {
@@ -196,7 +196,7 @@ fn checksummed_chunks_and_rdma_writers_hold_the_scatter_back() {
 fn slab_writes_land_in_any_order_once_each_and_one_at_a_time() {
     let mut st = state(4096);
     let a = st.add_conn(info(0, 2, false));
-    st.open_room(7, key(7), &PAGES, GRID, None, None).unwrap();
+    st.open_room(7, key(7), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(7), 0, 0, TOKENS, CHUNK, None).unwrap();
     let refused = |r: Result<Target<WriteLease>>, why: &str| {
         let e = r.unwrap_err();
@@ -215,9 +215,9 @@ fn slab_writes_land_in_any_order_once_each_and_one_at_a_time() {
     st.end_data(first, true);
     // Ready with a hole in the middle fails the room; a fresh room fills the hole out of order.
     assert!(st.begin_ready(a, at(7), 0, 0).is_err());
-    assert!(st.room_outcome(7).is_err(), "a ready with a hole must fail the room");
+    assert!(st.room_outcome(at(7)).is_err(), "a ready with a hole must fail the room");
     let b = st.add_conn(info(1, 2, false));
-    st.open_room(8, key(8), &PAGES, GRID, None, None).unwrap();
+    st.open_room(8, key(8), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(b, at(8), 0, 1, TOKENS, CHUNK, None).unwrap();
     // Its region is the allocation's first (regions are placed in claim order).
     for (off, len) in [(REGION / 2, REGION / 2), (0, 0), (0, REGION / 2)] {
@@ -242,7 +242,7 @@ fn regions_of_one_head_group_from_several_stages_complete_a_chunk_together() {
     let mut st = state(4 * CHUNK);
     let order = [(1, 1), (0, 0), (1, 0), (0, 1)];
     let conns: Vec<ConnId> = order.iter().map(|&(t, p)| st.add_conn(stage_info(t, p, vec![p]))).collect();
-    st.open_room(3, key(3), &PAGES[..2], GRID, None, None).unwrap();
+    st.open_room(3, key(3), OpenRoom::pages(&PAGES[..2], GRID), None).unwrap();
     for (i, (&c, &(t, _))) in conns.iter().zip(&order).enumerate() {
         let (_, region) = st.allocate(c, at(3), 0, t, TOKENS, CHUNK, None).unwrap();
         assert_eq!(region, i as u64 * QUARTER, "placed in request order");
@@ -264,14 +264,14 @@ fn an_overlapping_claim_fails_the_room_only_from_another_rank() {
     let first = st.add_conn(stage_info(0, 0, vec![0]));
     let twin = st.add_conn(stage_info(0, 0, vec![0]));
     let other_stage = st.add_conn(stage_info(0, 1, vec![0, 1]));
-    st.open_room(4, key(4), &PAGES[..2], GRID, None, None).unwrap();
+    st.open_room(4, key(4), OpenRoom::pages(&PAGES[..2], GRID), None).unwrap();
     st.allocate(first, at(4), 0, 0, TOKENS, CHUNK, None).unwrap();
     let e = st.allocate(twin, at(4), 0, 0, TOKENS, CHUNK, None).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
-    assert!(!st.room_outcome(4).unwrap(), "a duplicate of a writer does not fail the room");
+    assert!(!st.room_outcome(at(4)).unwrap(), "a duplicate of a writer does not fail the room");
     let e = st.allocate(other_stage, at(4), 0, 0, TOKENS, CHUNK, None).unwrap_err();
     assert!(e.causes()[0].contains("layer 0 of head group 0"), "{:?}", e.causes());
-    let failed = st.room_outcome(4).unwrap_err();
+    let failed = st.room_outcome(at(4)).unwrap_err();
     assert_eq!(failed.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
     assert!(failed.message().contains("claimed by prefill rank (tp 0, pp 1)"), "{}", failed.message());
 }
@@ -284,7 +284,7 @@ fn a_writer_refused_for_its_share_fails_the_room_and_frees_the_grant() {
     for case in 0..3 {
         let mut st = state(4 * CHUNK);
         let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-        st.open_room(7, key(7), &PAGES, GRID, None, None).unwrap();
+        st.open_room(7, key(7), OpenRoom::pages(&PAGES, GRID), None).unwrap();
         st.allocate(a, at(7), 0, 0, TOKENS, CHUNK, None).unwrap();
         assert_eq!(st.ring_stats().1, 1);
         let e = match case {
@@ -294,7 +294,7 @@ fn a_writer_refused_for_its_share_fails_the_room_and_frees_the_grant() {
         }
         .unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "case {case}: {}", e.chain());
-        let failed = st.room_outcome(7).unwrap_err();
+        let failed = st.room_outcome(at(7)).unwrap_err();
         assert_eq!(failed.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
         assert!(failed.message().contains("writer 1 (session s1, prefill tp rank 1 pp rank 0) was refused for chunk 0: "), "{}", failed.message());
         assert!(failed.message().contains(e.message()), "case {case}: {} does not say {}", failed.message(), e.message());
@@ -310,7 +310,7 @@ fn a_session_between_the_chunks_of_a_room_is_not_idle_and_a_cut_one_claims_nothi
     let mut st = state(4 * CHUNK);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
     assert!(st.holds_nothing(a) && st.holds_nothing(b));
-    st.open_room(3, key(3), &PAGES, GRID, None, None).unwrap();
+    st.open_room(3, key(3), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     for (conn, w) in [(a, 0), (b, 1)] {
         st.allocate(conn, at(3), 0, w, TOKENS, CHUNK, None).unwrap();
         deliver(&mut st, conn, 3, 0, w).unwrap();
@@ -322,14 +322,14 @@ fn a_session_between_the_chunks_of_a_room_is_not_idle_and_a_cut_one_claims_nothi
     assert_eq!(st.rooms[&3].chunks[0].phase, Phase::Done, "chunk 0 scattered");
     assert!(!st.holds_nothing(a), "between a room's chunks a writer owes the next: cutting it would fail the room");
     assert_eq!(st.cut_idle(&[a, b]), None);
-    st.release_room(3);
+    st.release_room(at(3));
     assert_eq!(st.cut_idle(&[a, b]), Some(a), "the room released, the first candidate is idle");
-    st.open_room(4, key(4), &PAGES, GRID, None, None).unwrap();
+    st.open_room(4, key(4), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     let e = st.allocate(a, at(4), 0, 0, TOKENS, CHUNK, None).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_PEER_GONE, "{}", e.chain());
     assert!(st.holds_nothing(a), "a session being cut claimed a grant");
     st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "cut");
-    assert!(!st.room_outcome(4).unwrap(), "the cut session failed nothing");
+    assert!(!st.room_outcome(at(4)).unwrap(), "the cut session failed nothing");
 }
 
 /// A connection gone after its chunks: a chunk it never claimed is not owed by it when another
@@ -338,28 +338,28 @@ fn a_session_between_the_chunks_of_a_room_is_not_idle_and_a_cut_one_claims_nothi
 fn a_departed_writer_does_not_owe_a_chunk_another_connection_carries_for_it() {
     let mut st = state(4 * CHUNK);
     let (a, twin) = (st.add_conn(info(0, 2, false)), st.add_conn(info(0, 2, false)));
-    st.open_room(5, key(5), &PAGES, GRID, None, None).unwrap();
+    st.open_room(5, key(5), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(5), 0, 0, TOKENS, CHUNK, None).unwrap();
     deliver(&mut st, a, 5, 0, 0).unwrap();
     st.allocate(twin, at(5), 1, 0, TOKENS, CHUNK, None).unwrap();
     st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
-    assert!(!st.room_outcome(5).unwrap(), "nothing a owed is missing");
+    assert!(!st.room_outcome(at(5)).unwrap(), "nothing a owed is missing");
     st.conn_gone(twin, Status::KVSTAGE_E_PEER_GONE, "closed");
-    assert_eq!(st.room_outcome(5).unwrap_err().code(), Status::KVSTAGE_E_PEER_GONE, "twin owed chunk 1");
+    assert_eq!(st.room_outcome(at(5)).unwrap_err().code(), Status::KVSTAGE_E_PEER_GONE, "twin owed chunk 1");
 }
 
 #[test]
 fn a_release_during_a_payload_read_defers_the_free_and_discards_the_bytes() {
     let mut st = state(CHUNK);
     let a = st.add_conn(info(0, 2, false));
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     let lease = land(st.begin_data(a, at(1), 0, 0, 0, REGION));
-    assert_eq!(st.release_room(1), Release::Done);
+    assert_eq!(st.release_room(at(1)), Release::Done);
     // The grant is still live: nobody may get this range while the read writes into it.
     assert_eq!(st.ring_stats().1, 1);
     let reopened = RoomRef { id: 1, key: key(1) + 1 };
-    st.open_room(1, reopened.key, &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, reopened.key, OpenRoom::pages(&PAGES, GRID), None).unwrap();
     let b = st.add_conn(info(1, 2, false));
     let (g, _) = st.allocate(b, reopened, 0, 1, TOKENS, CHUNK, None).unwrap();
     assert!(!st.watermark().permits(g.round, g.end()), "a new grant over a pinned range must wait for the watermark");
@@ -379,37 +379,37 @@ fn a_release_during_a_payload_read_defers_the_free_and_discards_the_bytes() {
 fn a_room_id_cannot_be_reopened_while_its_scatter_runs() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(5, key(5), &PAGES[..2], GRID, None, None).unwrap();
+    st.open_room(5, key(5), OpenRoom::pages(&PAGES[..2], GRID), None).unwrap();
     for (c, w) in [(a, 0), (b, 1)] {
         st.allocate(c, at(5), 0, w, TOKENS, CHUNK, None).unwrap();
         deliver(&mut st, c, 5, 0, w).unwrap();
     }
     let jobs = st.take_effects().scatter;
-    let Release::Draining { gen, .. } = st.release_room(5) else { panic!("a running scatter holds the pages") };
-    assert!(st.open_room(5, key(5), &PAGES, GRID, None, None).unwrap_err().message().contains("still being released"));
+    let Release::Draining { gen, .. } = st.release_room(at(5)) else { panic!("a running scatter holds the pages") };
+    assert!(st.open_room(5, key(5), OpenRoom::pages(&PAGES, GRID), None).unwrap_err().message().contains("still being released"));
     for job in &jobs {
         assert!(st.draining(5, gen).is_some());
         st.scatter_done(job, Ok(None));
     }
     assert!(st.draining(5, gen).is_none());
     assert_eq!(st.ring_stats().1, 0);
-    st.open_room(5, key(5), &PAGES, GRID, None, None).unwrap();
+    st.open_room(5, key(5), OpenRoom::pages(&PAGES, GRID), None).unwrap();
 }
 
 #[test]
 fn a_new_ring_starts_its_own_high_water_mark() {
     let mut st = state(4 * CHUNK);
     let a = st.add_conn(info(0, 2, false));
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     st.allocate(a, at(1), 1, 0, TOKENS, CHUNK, None).unwrap();
     assert_eq!(st.metrics().ring_high_water, 2 * CHUNK);
-    assert_eq!(st.release_room(1), Release::Done);
+    assert_eq!(st.release_room(at(1)), Release::Done);
     assert_eq!(st.ring_stats().1, 0);
     // A smaller ring replaces it: the old mark would exceed the new ring's size.
     st.register_ring(CHUNK).unwrap();
     assert_eq!(st.metrics().ring_high_water, 0);
-    st.open_room(2, key(2), &PAGES, GRID, None, None).unwrap();
+    st.open_room(2, key(2), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(2), 0, 0, TOKENS, CHUNK, None).unwrap();
     assert_eq!(st.metrics().ring_high_water, CHUNK);
 }
@@ -418,7 +418,7 @@ fn a_new_ring_starts_its_own_high_water_mark() {
 fn senders_of_one_room_must_share_the_prefill_geometry() {
     let mut st = state(1 << 20);
     let (tp2, tp4) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 4, false)));
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(tp2, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     let e = st.allocate(tp4, at(1), 0, 1, TOKENS, 512, None).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH);
@@ -429,7 +429,7 @@ fn senders_of_one_room_must_share_the_prefill_geometry() {
 fn a_refused_request_does_not_decide_the_rooms_prefill_geometry() {
     let mut st = state(1 << 20);
     let (tp4, tp2) = (st.add_conn(info(1, 4, false)), st.add_conn(info(0, 2, false)));
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     // A stale request (a chunk past the room) from a sender of another TP size is refused...
     assert_eq!(st.allocate(tp4, at(1), 9, 1, TOKENS, 512, None).unwrap_err().code(), Status::KVSTAGE_E_PROTOCOL);
     // ...and the room's real writers are still accepted.
@@ -444,7 +444,7 @@ fn late_frames_for_closed_rooms_are_discarded_not_fatal() {
     assert!(matches!(st.begin_data(a, at(99), 0, 0, 0, 10), Ok(Target::Discard(_))));
     assert!(matches!(st.begin_slice(a, at(99), 0, 0, 0, 0, 32), Ok(Target::Discard(_))));
     assert_eq!(st.begin_ready(a, at(99), 0, 0).unwrap_err().code(), Status::KVSTAGE_E_STALE_ROOM);
-    st.open_room(3, key(3), &PAGES, GRID, None, None).unwrap();
+    st.open_room(3, key(3), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(3), 0, 0, TOKENS, CHUNK, None).unwrap();
     st.fail_room(3, Status::KVSTAGE_E_CANCELED, "test".into(), "");
     assert!(matches!(st.begin_data(a, at(3), 0, 0, 0, REGION), Ok(Target::Discard(_))));
@@ -460,13 +460,13 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
     let mut st = state(4 * CHUNK);
     let (stale, b0, b1, guesser) = (st.add_conn(info(0, 2, false)), st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)), st.add_conn(info(1, 2, false)));
     let a = RoomRef { id: 7, key: 0xa };
-    st.open_room(7, a.key, &PAGES, GRID, None, None).unwrap();
+    st.open_room(7, a.key, OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(stale, a, 0, 0, TOKENS, CHUNK, None).unwrap();
     let half = land(st.begin_data(stale, a, 0, 0, 0, REGION / 2));
     st.end_data(half, true);
-    assert_eq!(st.release_room(7), Release::Done);
+    assert_eq!(st.release_room(at(7)), Release::Done);
     let b = RoomRef { id: 7, key: 0xb };
-    st.open_room(7, b.key, &PAGES, GRID, None, None).unwrap();
+    st.open_room(7, b.key, OpenRoom::pages(&PAGES, GRID), None).unwrap();
     let stale_code = |e: Error| e.code();
     // A's sender goes on with A's key: chunk 0's rest, its ready, chunk 1's allocation, slices.
     match st.begin_data(stale, a, 0, 0, REGION / 2, REGION / 2) {
@@ -484,7 +484,7 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
     st.allocate(b0, b, 0, 0, TOKENS, CHUNK, None).unwrap();
     st.abort(b0, a, u32::MAX, "A canceled, late");
     st.abort(b0, a, 0, "A canceled, late");
-    assert!(!st.room_outcome(7).unwrap(), "an abort naming A failed B");
+    assert!(!st.room_outcome(at(7)).unwrap(), "an abort naming A failed B");
     // Guessed keys: refused the same way, and the reply does not tell the open key.
     for guess in [0, 1, 0xa, 0xc, u64::MAX] {
         let e = st.allocate(guesser, RoomRef { id: 7, key: guess }, 0, 1, TOKENS, CHUNK, None).map(|_| ()).unwrap_err();
@@ -492,7 +492,7 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
         assert!(!e.message().contains("0xb") && !e.message().contains(" 11"), "{}", e.message());
         st.abort(guesser, RoomRef { id: 7, key: guess }, u32::MAX, "mischief");
     }
-    assert!(!st.room_outcome(7).unwrap(), "B neither failed nor completed by another opening's frames");
+    assert!(!st.room_outcome(at(7)).unwrap(), "B neither failed nor completed by another opening's frames");
     assert_eq!(st.ring_stats().1, 1, "nothing was granted for the stale or guessed frames (one grant: b0's)");
     // B's own writers: both chunks, both writers, each claim free for them.
     for chunk in 0..2 {
@@ -506,7 +506,7 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
     for job in st.take_effects().scatter {
         st.scatter_done(&job, Ok(None));
     }
-    assert!(st.room_outcome(7).unwrap(), "B completes with its own writers");
+    assert!(st.room_outcome(at(7)).unwrap(), "B completes with its own writers");
     // A stale sender's session is still usable: it writes into B with B's key.
     assert!(st.conns.contains_key(&stale));
 }
@@ -515,15 +515,15 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
 fn rdma_grants_stay_quarantined_until_the_writer_is_done() {
     let mut st = state(CHUNK);
     let a = st.add_conn(info(0, 2, true));
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
-    st.release_room(1);
+    st.release_room(at(1));
     assert_eq!(st.ring_stats().1, 1, "the sender may still RDMA-write its grant");
     st.abort(a, at(1), 0, "gave up");
     assert_eq!(st.ring_stats().1, 0, "its abort ends the quarantine");
-    st.open_room(2, key(2), &PAGES, GRID, None, None).unwrap();
+    st.open_room(2, key(2), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(2), 0, 0, TOKENS, CHUNK, None).unwrap();
-    st.release_room(2);
+    st.release_room(at(2));
     assert_eq!(st.ring_stats().1, 1);
     st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
     assert_eq!(st.ring_stats().1, 0, "its queue pairs are gone: nothing more can land");
@@ -535,14 +535,14 @@ fn a_mapped_writer_keeps_its_quarantine_past_its_connection_until_it_unmaps() {
     let mut st = state(CHUNK);
     let a = st.add_conn(info(0, 2, false));
     st.set_in_place(a, true);
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
-    assert!(st.room_outcome(1).is_err(), "the room it owed fails");
-    st.release_room(1);
+    assert!(st.room_outcome(at(1)).is_err(), "the room it owed fails");
+    st.release_room(at(1));
     assert_eq!(st.ring_stats().1, 1, "it may still write through its mapping");
     let b = st.add_conn(info(0, 2, false));
-    st.open_room(2, key(2), &PAGES, GRID, None, None).unwrap();
+    st.open_room(2, key(2), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     let (_, region) = st.allocate(b, at(2), 0, 0, TOKENS, CHUNK, None).unwrap();
     assert!(st.begin_data(b, at(2), 0, 0, region, REGION).is_err(), "the range is not writable by another meanwhile");
     st.unmapped(a);
@@ -555,10 +555,10 @@ fn a_mapped_writer_keeps_its_quarantine_past_its_connection_until_it_unmaps() {
     let a = st.add_conn(info(0, 2, false));
     st.set_in_place(a, true);
     assert_eq!(st.mapped_conns(), vec![a]);
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     st.unmapped(a);
-    st.release_room(1);
+    st.release_room(at(1));
     assert_eq!(st.ring_stats().1, 0);
     st.conn_gone(a, Status::KVSTAGE_E_PEER_GONE, "closed");
     assert!(st.mapped_conns().is_empty());
@@ -573,7 +573,7 @@ fn direct_grants_name_the_chunks_pages_and_their_regions_are_not_scattered() {
     st.set_in_place(a, true);
     st.set_direct(a);
     st.set_in_place(b, true);
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     let g = st.grant(a, at(1), 1, 0, TOKENS, CHUNK, None, true).unwrap();
     assert_eq!(g.pages, PAGES[2..4], "chunk 1's pages");
     // Its bytes on the stream would land in the ring, which is never scattered for it.
@@ -604,7 +604,7 @@ fn stream_payloads_without_a_checksum_are_read_into_the_pool() {
     let reads_with = |integrity: Integrity, in_place: bool, min_run: Option<u64>| {
         let mut st = state(4 * CHUNK);
         let a = st.add_conn(ConnInfo { pool_read_min_run: min_run, integrity, ..info(0, 2, in_place) });
-        st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+        st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
         let (_, region) = st.allocate(a, at(1), 1, 0, TOKENS, CHUNK, None).unwrap();
         let Ok(Target::Land(lease)) = st.begin_data(a, at(1), 1, 0, region + 8, REGION - 8) else { panic!("a write of its region lands") };
         let read = lease.into_pool.clone();
@@ -613,7 +613,7 @@ fn stream_payloads_without_a_checksum_are_read_into_the_pool() {
             let want = geometry::plan_scatter(&dst(), &PAGES[2..4], &layout, &layout.writers[0]).unwrap();
             assert_eq!((&**plan, *offset), (&want, 8), "region 0's rows in chunk 1's pages, the payload's offset in the region");
             let gen = st.rooms[&1].gen;
-            assert_eq!(st.release_room(1), Release::Draining { gen, holders: vec![a] }, "the read holds the room's pages");
+            assert_eq!(st.release_room(at(1)), Release::Draining { gen, holders: vec![a] }, "the read holds the room's pages");
             st.end_data(lease, false);
             assert!(!st.rooms.contains_key(&1), "the room left once the read ended");
         } else {
@@ -635,7 +635,7 @@ fn stream_payloads_without_a_checksum_are_read_into_the_pool() {
     // Read whole, the region is left out of the chunk's scatter.
     let mut st = state(4 * CHUNK);
     let (a, b) = (st.add_conn(ConnInfo { pool_read_min_run: Some(0), ..info(0, 2, false) }), st.add_conn(info(1, 2, false)));
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     for (conn, w) in [(a, 0u32), (b, 1)] {
         let (_, region) = st.allocate(conn, at(1), 0, w, TOKENS, CHUNK, None).unwrap();
         let Ok(Target::Land(lease)) = st.begin_data(conn, at(1), 0, w, region, REGION) else { panic!("lands") };
@@ -658,9 +658,9 @@ fn a_direct_writer_holds_its_rooms_pages_until_it_reports_or_unmaps() {
         let a = st.add_conn(info(0, 2, false));
         st.set_in_place(a, true);
         st.set_direct(a);
-        st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+        st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
         assert!(!st.grant(a, at(1), 0, 0, TOKENS, CHUNK, None, true).unwrap().pages.is_empty());
-        assert_eq!(st.release_room(1), Release::Draining { gen: st.rooms[&1].gen, holders: vec![a] }, "{end}");
+        assert_eq!(st.release_room(at(1)), Release::Draining { gen: st.rooms[&1].gen, holders: vec![a] }, "{end}");
         match end {
             // A report after the release: refused, but the writer is done with the pages.
             "ready" => assert!(st.begin_ready(a, at(1), 0, 0).is_err()),
@@ -681,7 +681,7 @@ fn a_mapping_of_a_replaced_ring_gets_no_grant() {
     let a = st.add_conn(info(0, 2, false));
     st.set_in_place(a, true);
     st.register_ring(2 * CHUNK).unwrap();
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     let e = st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_PEER_GONE);
     assert!(e.message().contains("registered again"), "{}", e.chain());
@@ -695,7 +695,7 @@ fn a_mapping_of_a_replaced_ring_gets_no_grant() {
 fn slices_complete_only_when_every_row_arrived_once() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(1, key(1), &PAGES[..2], GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES[..2], GRID), None).unwrap();
     let row = |w: u32| (w * 32, 32);
     let d = dst();
     let send = |st: &mut State, c, w: u32, buffer, token| {
@@ -708,9 +708,9 @@ fn slices_complete_only_when_every_row_arrived_once() {
     }
     let e = st.slice_done(a, at(1), 0).unwrap_err();
     assert!(e.message().contains("after 4 of 16 rows"), "{}", e.message());
-    assert!(st.room_outcome(1).is_err(), "a writer short of rows fails the room");
-    st.release_room(1);
-    st.open_room(1, key(1), &PAGES[..2], GRID, None, None).unwrap();
+    assert!(st.room_outcome(at(1)).is_err(), "a writer short of rows fails the room");
+    st.release_room(at(1));
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES[..2], GRID), None).unwrap();
     for (c, w) in [(a, 0), (b, 1)] {
         for buffer in 0..4 {
             for t in 0..TOKENS {
@@ -722,14 +722,14 @@ fn slices_complete_only_when_every_row_arrived_once() {
     assert!(st.begin_slice(a, at(1), 0, 0, 0, off, len).unwrap_err().message().contains("written twice"));
     st.slice_done(a, at(1), 0).unwrap();
     st.slice_done(b, at(1), 0).unwrap();
-    assert!(st.room_outcome(1).unwrap());
+    assert!(st.room_outcome(at(1)).unwrap());
 }
 
 #[test]
 fn one_chunk_cannot_mix_staged_and_slice_writers() {
     let mut st = state(4096);
     let (a, b) = (st.add_conn(info(0, 2, false)), st.add_conn(info(1, 2, false)));
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     let Ok(Target::Discard(e)) = st.begin_slice(b, at(1), 0, 0, 0, 32, 32) else { panic!("slice into a staged chunk") };
     assert_eq!(e.code(), Status::KVSTAGE_E_UNSUPPORTED);
@@ -744,12 +744,12 @@ fn events_are_bounded_and_rooms_expire() {
     let mut st = State::new(2);
     st.register_ring(4096).unwrap();
     let now = Instant::now();
-    st.open_room(1, key(1), &PAGES, GRID, Some(now + Duration::from_secs(1)), None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), Some(now + Duration::from_secs(1))).unwrap();
     st.expire(now);
-    assert!(!st.room_outcome(1).unwrap());
+    assert!(!st.room_outcome(at(1)).unwrap());
     st.expire(now + Duration::from_secs(2));
-    assert_eq!(st.room_outcome(1).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
-    st.open_room(2, key(2), &PAGES, GRID, None, None).unwrap();
+    assert_eq!(st.room_outcome(at(1)).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
+    st.open_room(2, key(2), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.fail_room(2, Status::KVSTAGE_E_CANCELED, "x".into(), "");
     assert_eq!(st.pending_events(), 2);
     assert_eq!(st.counters(), Counters { events_dropped: 2, rooms_expired: 1 });
@@ -1131,7 +1131,7 @@ impl Harness {
         match op {
             Op::Open(room, pages) => {
                 let key = self.next_key;
-                let result = self.st.open_room(room, key, &PAGES[..pages], GRID, None, None);
+                let result = self.st.open_room(room, key, OpenRoom::pages(&PAGES[..pages], GRID), None);
                 assert_eq!(result.is_ok(), !self.rooms.contains_key(&room), "open {room}: {result:?}");
                 if result.is_ok() {
                     self.next_key += 1;
@@ -1142,7 +1142,7 @@ impl Harness {
                 }
             }
             Op::Release(room) => {
-                let outcome = self.st.release_room(room);
+                let outcome = self.st.release_room(self.honest(room));
                 if let Some(r) = self.rooms.get_mut(&room) {
                     r.released = true;
                 }
@@ -1693,8 +1693,8 @@ impl Harness {
         for (&id, r) in &self.st.rooms {
             assert!(r.released || r.failure.is_some() || r.complete(), "room {id} is not terminal");
         }
-        for id in self.st.rooms.keys().copied().collect::<Vec<_>>() {
-            assert_eq!(self.st.release_room(id), Release::Done);
+        for (id, key) in self.st.rooms.iter().map(|(&id, r)| (id, r.key)).collect::<Vec<_>>() {
+            assert_eq!(self.st.release_room(RoomRef { id, key }), Release::Done);
         }
         assert_eq!(self.st.ring_stats().1, 0, "ring space leaked");
         assert!(self.st.grants.is_empty() && self.st.rooms.is_empty());
@@ -1731,7 +1731,7 @@ proptest! {
 fn an_in_place_report_for_a_region_granted_to_the_stream_is_refused() {
     let mut st = state(4 * CHUNK);
     let a = st.add_conn(ConnInfo { pool_read_min_run: Some(0), ..info(0, 2, false) });
-    st.open_room(1, key(1), &PAGES, GRID, None, None).unwrap();
+    st.open_room(1, key(1), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     let (_, ra) = st.allocate(a, at(1), 0, 0, TOKENS, CHUNK, None).unwrap();
     st.set_in_place(a, false);
     let e = st.written_in_place(a, at(1), 0, 0, ra, REGION).unwrap_err();
