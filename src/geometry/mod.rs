@@ -30,7 +30,7 @@ pub use pairing::{decode_peers, prefill_peers, PeerRank};
 pub use plan::{plan_chunk, plan_gather, plan_scatter, CopyPlan, CopyRun, Segment, Slab};
 pub use slice::{slice_plan, SliceOp};
 pub use span::PageSpan;
-pub use staging::{staging_layout, staging_layout_stages, StagingLayout, WriterRegion, TAIL_ONLY};
+pub use staging::{staging_layout, staging_layout_stages, MissingWriter, StagingLayout, WriterRegion, TAIL_ONLY};
 pub use parts::{ComponentKind, ComponentSpec, PartCopy, PoolSpan, RequestParts, TailPart, TailSides};
 pub use state::{state_slice, ByteRange, StateItem};
 

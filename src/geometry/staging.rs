@@ -46,6 +46,27 @@ pub struct WriterRegion {
     pub tail: Vec<TailPart>,
 }
 
+/// A prefill rank a chunk still waits for ([`StagingLayout::missing_writers`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct MissingWriter {
+    pub src_tp_rank: u32,
+    /// `None` when the prefill side has several stages (the one holding `layers` is not known).
+    pub src_pp_rank: Option<u32>,
+    /// The decode rank's model layers it has not written.
+    pub layers: Vec<u32>,
+}
+
+impl std::fmt::Display for MissingWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (first, last) = (self.layers[0], self.layers[self.layers.len() - 1]);
+        match self.src_pp_rank {
+            Some(pp) => write!(f, "prefill tp {} pp {pp}", self.src_tp_rank)?,
+            None => write!(f, "prefill tp {} (the pp stage holding them)", self.src_tp_rank)?,
+        }
+        write!(f, " has not written layers {first}..={last} ({} layer(s))", self.layers.len())
+    }
+}
+
 impl WriterRegion {
     /// The (unplaced, still empty) region of request parts alone of prefill rank `src`, which
     /// replicates `heads` another rank sends ([`TAIL_ONLY`]).
@@ -140,6 +161,23 @@ impl StagingLayout {
 
     fn carried_slabs(&self) -> u64 {
         self.writers.iter().map(|w| w.layers as u64).sum()
+    }
+
+    /// The writers this chunk still lacks: per head group, its prefill TP rank and the decode
+    /// rank's layers no placed region of that group carries (their prefill PP stage when the
+    /// prefill side has one stage; with several, the stage holding them is not known here).
+    pub fn missing_writers(&self) -> Vec<MissingWriter> {
+        (0..self.tp_writers())
+            .filter_map(|g| {
+                let carried: Vec<u32> = self.writers.iter().filter(|w| w.tp_writer == g).flat_map(|w| w.layer_ids.iter().copied()).collect();
+                let layers: Vec<u32> = self.dst.layer_ids.iter().copied().filter(|l| !carried.contains(l)).collect();
+                (!layers.is_empty()).then(|| MissingWriter {
+                    src_tp_rank: self.tp_ranks[g as usize].0,
+                    src_pp_rank: (self.src_pp == 1).then_some(0),
+                    layers,
+                })
+            })
+            .collect()
     }
 
     /// (head group, layer) pairs of the decode rank no placed region carries yet.
@@ -403,6 +441,26 @@ mod tests {
         assert_eq!(st.writer_for(&shape(3, 4)).unwrap(), Some(1));
         assert_eq!(st.writer_for(&shape(1, 4)).unwrap(), None);
         assert!(st.complete());
+    }
+
+    #[test]
+    fn missing_writers_name_the_prefill_ranks_and_layers_not_placed() {
+        // 70B, P4→D2: decode rank 1 takes heads from prefill ranks 2 and 3.
+        let mut st = staging_layout(&shape(2, 4), &shape(1, 2), 64).unwrap();
+        let all: Vec<u32> = (0..80).collect();
+        let missing = |tp| MissingWriter { src_tp_rank: tp, src_pp_rank: Some(0), layers: all.clone() };
+        assert_eq!(st.missing_writers(), vec![missing(2), missing(3)]);
+        st.place(&shape(3, 4)).unwrap();
+        assert_eq!(st.missing_writers(), vec![missing(2)]);
+        assert_eq!(st.missing_writers()[0].to_string(), "prefill tp 2 pp 0 has not written layers 0..=79 (80 layer(s))");
+        st.place(&shape(2, 4)).unwrap();
+        assert!(st.missing_writers().is_empty());
+        // Two prefill stages: a stage that wrote leaves the other's layers, its stage unknown.
+        let base = PoolShape::new(ModelKind::Mha, 8, 64, 2, 4, 8);
+        let prefill = stages(&base, 1, &[vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
+        let mut st = staging_layout(&prefill[0], &base.clone().with_tp(0, 1), 16).unwrap();
+        st.place(&prefill[1]).unwrap();
+        assert_eq!(st.missing_writers(), vec![MissingWriter { src_tp_rank: 0, src_pp_rank: None, layers: vec![0, 1, 2, 3] }]);
     }
 
     #[test]

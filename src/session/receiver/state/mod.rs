@@ -241,8 +241,28 @@ impl Room {
         self.page_leases.iter().flatten().copied().chain(self.direct_writers.iter().map(|&(w, _)| w)).collect()
     }
 
+    /// "1 of 2 chunks done; chunk 1 waits for prefill tp 1 pp 0 (it has not written layers
+    /// 0..=3 (4 layer(s)))": the first unfinished chunk with writers missing names them.
     fn done_text(&self) -> String {
-        format!("{} of {} chunks done", self.chunks.iter().filter(|c| c.phase == Phase::Done).count(), self.chunks.len())
+        let mut text = format!("{} of {} chunks done", self.chunks.iter().filter(|c| c.phase == Phase::Done).count(), self.chunks.len());
+        let missing = self.chunks.iter().enumerate().find_map(|(i, c)| {
+            let m = Room::missing_writers(c);
+            (!m.is_empty()).then_some((i, m))
+        });
+        if let Some((i, missing)) = missing {
+            let names: Vec<String> = missing.iter().map(ToString::to_string).collect();
+            text.push_str(&format!("; chunk {i}: {}", names.join("; ")));
+        }
+        text
+    }
+
+    /// The prefill ranks a chunk still waits for (none once done, or before its first writer
+    /// placed its region: then its `not_started` phase says that nobody wrote).
+    fn missing_writers(c: &Chunk) -> Vec<geometry::MissingWriter> {
+        match &c.layout {
+            Some(layout) if c.phase != Phase::Done => layout.missing_writers(),
+            _ => Vec::new(),
+        }
     }
 }
 
