@@ -94,6 +94,15 @@ typedef enum kvstage_error_class {
     KVSTAGE_CLASS_INTERNAL = 8,
 } kvstage_error_class;
 
+// What a room event reports (`kvstage_room_event.kind`).
+typedef enum kvstage_room_event_kind {
+    // One chunk reached the decode KV pool (status `KVSTAGE_OK`) or failed.
+    KVSTAGE_ROOM_EVENT_CHUNK = 1,
+    // The whole request: every chunk and part in place (`KVSTAGE_OK`, after the last chunk's
+    // event), or the room failed (its error, after the failed chunks' events). One per opening.
+    KVSTAGE_ROOM_EVENT_ROOM = 2,
+} kvstage_room_event_kind;
+
 // Which byte mover an engine uses.
 typedef enum kvstage_transport {
     // The same-host path when the peer is on this host (unless `same_host` is OFF), else RDMA
@@ -1127,7 +1136,8 @@ enum kvstage_status kvstage_room_release(const struct kvstage_engine *engine, ui
 enum kvstage_status kvstage_room_describe(const struct kvstage_engine *engine, uint64_t room, uint64_t key, char *buf, size_t capacity, size_t *needed);
 
 // Decode side: as `kvstage_engine_poll_events` for the opening (`room`, `key`) only; events of
-// other rooms stay queued. Non-blocking.
+// other rooms stay queued. Non-blocking. `KVSTAGE_E_STALE_ROOM` when that opening is not open
+// (a release drops the events of its opening not yet polled).
 enum kvstage_status kvstage_room_poll_events(const struct kvstage_engine *engine, uint64_t room, uint64_t key, struct kvstage_room_event *events, size_t capacity, size_t *count);
 
 // ==== Session (prefill side): one peering with a decode rank =====================================
@@ -1251,23 +1261,27 @@ enum kvstage_status kvstage_op_describe(const struct kvstage_op *op, char *buf, 
 // is written by prefill TP rank `d % src_tp` alone (`kvstage_pairing_prefill_ranks`).
 enum kvstage_status kvstage_head_slice_compute(uint32_t src_tp, uint32_t dst_tp, uint32_t src_rank, uint32_t dst_rank, uint32_t total_kv_heads, struct kvstage_head_slice *out);
 
-// The decode ranks prefill rank `prefill` must open sessions to, ordered by (pp_rank, tp_rank):
-// TP ranks by the head mapping (MLA: the decode ranks this rank is the designated writer of), PP
-// stages that hold at least one of its layers, whatever the split. `decode_stages` is an array of
-// `num_decode_stages` shape-only layouts (each filled by `kvstage_kv_layout_init`),
-// `decode_stages[j]` for decode stage `j` (any TP rank: its `tp_size` and `layer_ids` are used;
-// bases are ignored). The ranks go to
-// `out[capacity]`; `*count` (may be NULL) receives their number, also when `capacity` is too
-// small (`KVSTAGE_E_INVALID_ARG`). A call with `out` NULL and `capacity` 0 is a count query:
-// `KVSTAGE_OK` with `*count` set (0 when the rank exchanges nothing with that side).
-// Errors name the bad stage: out of order, TP sizes that differ, a layer held twice, fields both
-// sides must agree on (`KVSTAGE_E_GEOMETRY_MISMATCH`).
-enum kvstage_status kvstage_pairing_decode_ranks(const struct kvstage_kv_layout *prefill, const struct kvstage_kv_layout *decode_stages, size_t num_decode_stages, struct kvstage_rank *out, size_t capacity, size_t *count);
+// The decode ranks prefill rank `prefill` must open sessions to for whole requests, ordered by
+// (pp_rank, tp_rank): TP ranks by the head mapping (MLA: the decode ranks this rank is the
+// designated writer of) and, with sharded state, the decode ranks its state shares go to — a
+// rank that only replicates heads another rank sends still owes them its share of a sharded
+// state item — and PP stages that hold at least one of its layers, whatever the split.
+// `components` (may be NULL with 0) are the rank's registered components (`kvstage_component`,
+// as for `kvstage_pool_register_components`; only STATE components' `state` is read, bases are
+// ignored). `decode_stages` is an array of `num_decode_stages` shape-only layouts (each filled by
+// `kvstage_kv_layout_init`), `decode_stages[j]` for decode stage `j` (any TP rank: its `tp_size`
+// and `layer_ids` are used; bases are ignored). The ranks go to `out[capacity]`; `*count` (may
+// be NULL) receives their number, also when `capacity` is too small (`KVSTAGE_E_INVALID_ARG`). A
+// call with `out` NULL and `capacity` 0 is a count query: `KVSTAGE_OK` with `*count` set (0 when
+// the rank exchanges nothing with that side). Errors name the bad stage: out of order, TP sizes
+// that differ, a layer held twice, fields both sides must agree on (`KVSTAGE_E_GEOMETRY_MISMATCH`).
+enum kvstage_status kvstage_pairing_decode_ranks(const struct kvstage_kv_layout *prefill, const struct kvstage_component *components, size_t num_components, const struct kvstage_kv_layout *decode_stages, size_t num_decode_stages, struct kvstage_rank *out, size_t capacity, size_t *count);
 
-// The prefill ranks that write to decode rank `decode` (the sessions it will accept), ordered by
-// (pp_rank, tp_rank): the inverse of `kvstage_pairing_decode_ranks`, with the same conventions;
-// `prefill_stages[j]` describes prefill stage `j`.
-enum kvstage_status kvstage_pairing_prefill_ranks(const struct kvstage_kv_layout *decode, const struct kvstage_kv_layout *prefill_stages, size_t num_prefill_stages, struct kvstage_rank *out, size_t capacity, size_t *count);
+// The prefill ranks that write to decode rank `decode` for whole requests (the sessions it will
+// accept), ordered by (pp_rank, tp_rank): the inverse of `kvstage_pairing_decode_ranks`, with the
+// same conventions; `components` are the decode rank's, `prefill_stages[j]` describes prefill
+// stage `j`.
+enum kvstage_status kvstage_pairing_prefill_ranks(const struct kvstage_kv_layout *decode, const struct kvstage_component *components, size_t num_components, const struct kvstage_kv_layout *prefill_stages, size_t num_prefill_stages, struct kvstage_rank *out, size_t capacity, size_t *count);
 
 // Computes the staging layout of decode rank `dst` for a chunk of `tokens` tokens written by the
 // prefill side: `prefill_stages` is an array of `num_prefill_stages` layouts, `prefill_stages[j]`

@@ -2,7 +2,7 @@
 
 The library is built from the repository this directory belongs to (``cargo build --release
 --locked -p kvstage --lib``; cargo's own ``target/`` unless ``CARGO_TARGET_DIR`` says otherwise) and
-copied into the package under its SONAME (``kvstage/libkvstage.so.0.3``), where :func:`kvstage.load_library`
+copied into the package under its SONAME (``kvstage/libkvstage.so.0.4``), where :func:`kvstage.load_library`
 finds it after an explicit path and ``KVSTAGE_LIBRARY``. ``KVSTAGE_BUNDLE_LIBRARY=/path/to/libkvstage.so``
 bundles that file instead of building (a library built elsewhere, e.g. by the CMake build).
 """

@@ -56,7 +56,7 @@ def main() -> None:
     decode.register_staging(16 << 20)
     # Decode: the request's KV pages, its metadata row and its Mamba slot on this rank.
     dst_pages = list(rng.permutation(PAGES)[: -(-tokens // PAGE)])
-    opening = decode.room_open(1, dst_pages, chunk_tokens=128, parts=RequestParts(aux_row=5, state_slots=[2, 2]))
+    room = decode.open_room(1, dst_pages, chunk_tokens=128, parts=RequestParts(aux_row=5, state_slots=[2, 2]))
 
     prefills = []
     src_pages = list(rng.permutation(PAGES)[: -(-tokens // PAGE)])
@@ -73,15 +73,15 @@ def main() -> None:
         session = engine.connect(decode.listen_address, f"prefill-{rank}")
         prefills.append((engine, meta, conv, ssm, kv, session))
 
-    for k in range(opening.num_chunks):
+    for k in range(room.num_chunks):
         pages = src_pages[k * 8 : (k + 1) * 8]
         n = min(128, tokens - 128 * k)
-        last = k == opening.num_chunks - 1
+        last = k == room.num_chunks - 1
         for _engine, _meta, _conv, _ssm, _kv, session in prefills:
             # The prefill side's own row (0) and slot (3), with the room's last chunk.
             parts = RequestParts(aux_row=0, state_slots=[3, 3]) if last else None
-            session.transfer(1, k, pages, room_key=opening.key, num_tokens=n, parts=parts)
-    decode.room_wait(1, 20000)
+            session.transfer(1, k, pages, room_key=room.key, num_tokens=n, parts=parts)
+    room.wait(20000)
 
     as_bytes = lambda a: np.ascontiguousarray(a).view(np.uint8)  # noqa: E731 (random bytes include NaNs)
     for name in dmeta:
@@ -96,7 +96,7 @@ def main() -> None:
         ssm = np.concatenate([prefills[r][3][i][3] for r in range(2)])
         assert np.array_equal(as_bytes(dssm[i][2]), as_bytes(ssm)), f"ssm layer {MAMBA_LAYERS[i]}"
     print(f"room 1: {tokens} tokens of KV, {len(dmeta)} metadata rows, conv and SSM state of "
-          f"{len(MAMBA_LAYERS)} Mamba layers, in {opening.num_chunks} chunks: every byte in place")
+          f"{len(MAMBA_LAYERS)} Mamba layers, in {room.num_chunks} chunks: every byte in place")
     for engine, *_rest, session in prefills:
         session.close()
         engine.close()

@@ -2,10 +2,13 @@
 
 Importing the package does not load the library; the first object or helper that needs it does
 (or :func:`load_library`, which also takes an explicit path). Lookup order: the ``path``
-argument, ``$KVSTAGE_LIBRARY``, a ``libkvstage.so.0.3`` next to this package, the system loader.
+argument, ``$KVSTAGE_LIBRARY``, a ``libkvstage.so.0.4`` next to this package, the system loader.
 The library's version must equal ``kvstage.__version__``. Once loaded, its log records go to the
 :mod:`logging` loggers ``kvstage.<target>`` (see :func:`route_logs_to_python`;
 ``KVSTAGE_PYTHON_LOGGING=0`` keeps the library's own stderr output).
+
+Every ``timeout_ms`` means one thing: 0 is the engine's ``default_timeout_ms``,
+:data:`TIMEOUT_INFINITE` is no limit (to look at an operation without waiting, ``op.poll()``).
 
 Decode side::
 
@@ -13,63 +16,40 @@ Decode side::
     eng.register_pool(kvstage.KvLayout(head_dim=128, global_heads=8, tp_rank=r, tp_size=2,
                                        page_size=16, k_buffers=ks, v_buffers=vs))
     eng.register_staging(64 << 20)                      # engine-owned staging ring
-    with eng.room(room_id, decode_pages) as room:
+    with eng.open_room(room_id, decode_pages) as room:  # the opening: room id, key, chunk grid
+        send_to_prefill(room_id, room.key)              # your bootstrap
         room.wait(timeout_ms=30_000)
 
 Prefill side::
 
     st = kvstage.StagingTransfer(prefill_engine)
     rc = st.transfer("req-42/p0-d1", pages, None, None,
-                     kvstage.TransferTarget(peer=addr, room=room_id, chunk_index=0))
+                     kvstage.TransferTarget(peer=addr, room=room_id, room_key=key, chunk_index=0))
     if rc == -1:
-        st.transfer_slices("req-42/p0-d1", pages, kvstage.TransferTarget(room=room_id))
+        st.transfer_slices("req-42/p0-d1", pages, kvstage.TransferTarget(room=room_id, room_key=key))
+
+Modules, each importing only those listed before it: ``_version``; ``_lib`` (the ctypes view of
+``include/kvstage.h``, finding a library file); ``errors``; ``_common``, ``_buffers``,
+``_logging``; ``library`` (the process's library, version, capabilities, log routing); ``stats``;
+``pool`` (:class:`KvLayout`), ``parts`` (request parts); ``room``; ``geometry``; ``op``;
+``session``; ``completion``; ``engine``; ``shared``, ``diagnostics``, ``staging``; ``prometheus``
+(optional, not imported here).
 """
 
-from ._buffers import BufferInfo, buffer_address, buffer_info
-from ._core import (
-    Capabilities,
-    ChunkEvent,
-    ChunkSpan,
-    Engine,
-    EngineStats,
-    HeadSlice,
-    KvLayout,
-    Operation,
-    Room,
-    Session,
-    RoomGrid,
-    RoomOpening,
-    SessionStats,
-    StagingLayout,
-    StagingWriter,
-    capabilities,
-    chunk_span,
-    grid_tokens,
-    head_slice,
-    state_slice,
-    ByteRange,
-    staging_layout,
-    transfer_timings_last,
-    TransferTimings,
-    version,
-    writers_per_chunk,
-    pairing_decode_ranks,
-    pairing_prefill_ranks,
-)
+from ._version import __version__
 from ._lib import (
-    DEADLINE_INFINITE,
     ENV_VAR,
+    TIMEOUT_INFINITE,
+    CompletionKind,
     ErrorClass,
     Library,
     MemoryKind,
     ModelKind,
+    RoomEventKind,
     Status,
     Transport,
-    get_library,
-    load_library,
     status_name,
 )
-from ._version import __version__
 from .errors import (
     ArgumentError,
     ClosedHandleError,
@@ -85,11 +65,42 @@ from .errors import (
     TransportError,
     error_class_for,
 )
-from ._logging import TRACE, route_logs_to_python, route_logs_to_stderr
-from .staging import StagingTransfer, TransferTarget
-from .shared import SharedMemory
+from ._buffers import BufferInfo, buffer_address, buffer_info
+from ._logging import TRACE
+from .library import (
+    Capabilities,
+    capabilities,
+    get_library,
+    load_library,
+    route_logs_to_python,
+    route_logs_to_stderr,
+    version,
+)
+from .stats import EngineStats, SessionStats, TransferTimings
+from .pool import KvLayout
 from . import parts
 from .parts import AuxBuffer, PoolComponent, PoolSpan, RequestParts, StateComponent
+from .room import Room, RoomEvent, RoomGrid
+from .geometry import (
+    ByteRange,
+    ChunkSpan,
+    HeadSlice,
+    StagingLayout,
+    StagingWriter,
+    chunk_span,
+    grid_tokens,
+    head_slice,
+    pairing_decode_ranks,
+    pairing_prefill_ranks,
+    staging_layout,
+    state_slice,
+)
+from .op import Operation
+from .session import Session
+from .engine import Engine
+from .shared import SharedMemory
+from .diagnostics import doctor_run
+from .staging import StagingTransfer, TransferTarget
 
 __all__ = [
     "__version__",
@@ -114,25 +125,25 @@ __all__ = [
     "Transport",
     "ModelKind",
     "MemoryKind",
-    "DEADLINE_INFINITE",
+    "CompletionKind",
+    "RoomEventKind",
+    "TIMEOUT_INFINITE",
     "status_name",
     # objects
     "Engine",
     "SharedMemory",
     "EngineStats",
-    "ChunkEvent",
     "Room",
+    "RoomGrid",
+    "RoomEvent",
     "KvLayout",
     "Session",
     "Operation",
     "StagingTransfer",
+    "TransferTarget",
     # metrics
-    "RoomGrid",
-    "RoomOpening",
     "SessionStats",
     "TransferTimings",
-    "transfer_timings_last",
-    "TransferTarget",
     # geometry
     "head_slice",
     "state_slice",
@@ -141,12 +152,13 @@ __all__ = [
     "staging_layout",
     "StagingLayout",
     "StagingWriter",
-    "writers_per_chunk",
     "pairing_decode_ranks",
     "pairing_prefill_ranks",
     "grid_tokens",
     "chunk_span",
     "ChunkSpan",
+    # diagnostics
+    "doctor_run",
     # buffers
     "buffer_info",
     "buffer_address",

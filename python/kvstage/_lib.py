@@ -10,6 +10,12 @@ silent fall-through to another copy of the library):
    ``libkvstage.so``, then ``ctypes.util.find_library("kvstage")``.
 
 The library's ``kvstage_version_string()`` must equal the package's ``__version__``.
+
+This module is the bottom of the package: it imports nothing of kvstage but ``_version``. The
+library a process uses (:func:`kvstage.load_library`, :func:`kvstage.get_library`) is kept by
+``kvstage/library.py``; this module only finds and opens library files (:func:`find_and_load`).
+Every ``typedef struct`` of the header has its ``ctypes.Structure`` here, field for field
+(``tests/test_header.py`` compares names, offsets and sizes with the header).
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ import ctypes
 import ctypes.util
 import enum
 import os
-import threading
 from ctypes import (
     POINTER,
     Structure,
@@ -41,8 +46,12 @@ _MAJOR, _MINOR = __version__.split(".")[:2]
 SOVERSION = f"0.{_MINOR}" if _MAJOR == "0" else _MAJOR
 LIBRARY_NAMES: Tuple[str, ...] = (f"libkvstage.so.{SOVERSION}", "libkvstage.so")
 
-#: ``KVSTAGE_DEADLINE_INFINITE``: "wait forever" where a deadline or timeout is taken.
-DEADLINE_INFINITE = (1 << 64) - 1
+#: ``KVSTAGE_TIMEOUT_INFINITE``: "no limit" wherever a ``timeout_ms`` is taken (0 there is the
+#: engine's ``default_timeout_ms``).
+TIMEOUT_INFINITE = (1 << 64) - 1
+
+#: ``KVSTAGE_TRACE_ID_SIZE``: bytes of a trace id field (64 characters and the NUL).
+TRACE_ID_SIZE = 65
 
 
 class LibraryLoadError(ImportError):
@@ -127,6 +136,26 @@ class MemoryKind(enum.IntEnum):
     CUDA = 1
 
 
+class CompletionKind(enum.IntEnum):
+    """``kvstage_completion_kind``: what a completion reports."""
+
+    #: An asynchronous operation ended (``tag``: its ``user_tag``).
+    OP = 1
+    #: A decode chunk was scattered or failed (``room``, ``chunk_index``).
+    CHUNK = 2
+    #: A decode room ended: every chunk and part landed, or the room failed (``room``).
+    ROOM = 3
+
+
+class RoomEventKind(enum.IntEnum):
+    """``kvstage_room_event.kind``."""
+
+    #: One chunk reached the KV pool (status OK) or failed.
+    CHUNK = 1
+    #: The whole request: every chunk and part landed (status OK), or the room failed.
+    ROOM = 2
+
+
 def status_name(code: int) -> str:
     """The C name of a status code (``"KVSTAGE_E_TIMEOUT"``), or ``"KVSTAGE_UNKNOWN"``.
 
@@ -169,7 +198,7 @@ class kvstage_engine_options(Structure):
         ("transport", c_int32),
         ("listen_address", c_char_p),
         ("worker_threads", c_uint32),
-        ("default_deadline_ms", c_uint64),
+        ("default_timeout_ms", c_uint64),
         ("chunk_tokens", c_uint32),
         ("send_staging_bytes", c_uint64),
         ("cluster_token", c_char_p),
@@ -341,7 +370,15 @@ class kvstage_staging_layout(Structure):
 
 
 class kvstage_room_grid(Structure):
-    _fields_ = [("struct_size", c_size_t), ("chunk_tokens", c_uint32), ("num_chunks", c_uint32), ("num_pages", c_uint32)]
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("key", c_uint64),
+        ("chunk_tokens", c_uint32),
+        ("num_chunks", c_uint32),
+        ("num_pages", c_uint32),
+        ("page_size", c_uint32),
+        ("prefix_tokens", c_uint64),
+    ]
 
 
 class kvstage_rank(Structure):
@@ -350,6 +387,7 @@ class kvstage_rank(Structure):
 
 class kvstage_staging_writer(Structure):
     _fields_ = [
+        ("struct_size", c_size_t),
         ("offset", c_uint64),
         ("bytes", c_uint64),
         ("layers", c_uint32),
@@ -399,6 +437,19 @@ class kvstage_request_parts(Structure):
     ]
 
 
+class kvstage_room_desc(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("room", c_uint64),
+        ("pages", POINTER(c_uint32)),
+        ("num_pages", c_size_t),
+        ("chunk_tokens", c_uint32),
+        ("parts", POINTER(kvstage_request_parts)),
+        ("prefix_tokens", c_uint64),
+        ("trace_id", c_char_p),
+    ]
+
+
 class kvstage_transfer_desc(Structure):
     _fields_ = [
         ("struct_size", c_size_t),
@@ -406,7 +457,7 @@ class kvstage_transfer_desc(Structure):
         ("chunk_index", c_uint32),
         ("src_pages", POINTER(c_uint32)),
         ("num_pages", c_size_t),
-        ("deadline_ms", c_uint64),
+        ("timeout_ms", c_uint64),
         ("cuda_stream", c_void_p),
         ("cuda_event", c_void_p),
         ("user_tag", c_uint64),
@@ -443,7 +494,7 @@ class kvstage_completion(Structure):
         ("timings", kvstage_transfer_timings),
         ("scatter_ns", c_uint64),
         ("room_key", c_uint64),
-        ("trace_id", ctypes.c_char * 65),
+        ("trace_id", ctypes.c_char * TRACE_ID_SIZE),
     ]
 
 
@@ -465,45 +516,83 @@ class kvstage_log_record(Structure):
 kvstage_log_fn = ctypes.CFUNCTYPE(None, c_void_p, POINTER(kvstage_log_record))
 
 
-class kvstage_chunk_event(Structure):
-    _fields_ = [("room", c_uint64), ("chunk_index", c_uint32), ("status", c_int), ("room_key", c_uint64), ("trace_id", ctypes.c_char * 65)]
+class kvstage_room_event(Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("kind", c_int32),
+        ("status", c_int),
+        ("room", c_uint64),
+        ("room_key", c_uint64),
+        ("chunk_index", c_uint32),
+        ("scatter_ns", c_uint64),
+        ("trace_id", ctypes.c_char * TRACE_ID_SIZE),
+    ]
 
 
 # --- prototypes ------------------------------------------------------------------------------------
 
 _p = POINTER
-# name: (restype, argtypes). Handles are opaque: c_void_p.
+_TEXT_OUT = [c_char_p, c_size_t, _p(c_size_t)]  # (buf, capacity, needed): a text the library writes
+# name: (restype, argtypes), in the header's order of sections. Handles are opaque: c_void_p.
 PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
+    # library
     "kvstage_version_string": (c_char_p, []),
     "kvstage_version": (c_uint32, []),
+    "kvstage_capabilities_get": (c_int, [_p(kvstage_capabilities)]),
+    "kvstage_log_set_callback": (c_int, [kvstage_log_fn, c_void_p, c_int32]),
+    # errors
     "kvstage_status_name": (c_char_p, [c_int32]),
     "kvstage_error_last": (_p(kvstage_error), []),
     "kvstage_error_clear": (None, []),
-    "kvstage_capabilities_get": (c_int, [_p(kvstage_capabilities)]),
-    "kvstage_engine_options_init": (c_int, [_p(kvstage_engine_options)]),
+    # engine
+    "kvstage_engine_options_init": (c_int, [_p(kvstage_engine_options), c_size_t]),
     "kvstage_engine_new": (c_int, [_p(kvstage_engine_options), _p(c_void_p)]),
     "kvstage_engine_free": (None, [c_void_p]),
     "kvstage_engine_shutdown": (c_int, [c_void_p, c_uint64, _p(c_size_t)]),
-    "kvstage_engine_listen_address": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
-    "kvstage_engine_register_pool": (c_int, [c_void_p, _p(kvstage_kv_layout)]),
+    "kvstage_engine_listen_address": (c_int, [c_void_p, *_TEXT_OUT]),
+    "kvstage_engine_stats_get": (c_int, [c_void_p, _p(kvstage_engine_stats)]),
+    "kvstage_engine_poll_events": (c_int, [c_void_p, _p(kvstage_room_event), c_size_t, _p(c_size_t)]),
+    "kvstage_engine_completion_fd": (c_int, [c_void_p, _p(c_int32)]),
+    "kvstage_engine_completions_drain": (c_int, [c_void_p, _p(c_uint64)]),
+    "kvstage_engine_set_completion_callback": (c_int, [c_void_p, kvstage_completion_fn, c_void_p]),
+    # pool and layout
+    "kvstage_kv_layout_init": (c_int, [_p(kvstage_kv_layout), c_size_t]),
+    "kvstage_kv_layout_validate": (c_int, [_p(kvstage_kv_layout)]),
+    "kvstage_pool_register": (c_int, [c_void_p, _p(kvstage_kv_layout)]),
+    "kvstage_state_item_init": (c_int, [_p(kvstage_state_item), c_size_t]),
+    "kvstage_component_init": (c_int, [_p(kvstage_component), c_size_t]),
+    "kvstage_pool_register_components": (c_int, [c_void_p, _p(kvstage_component), c_size_t]),
+    "kvstage_request_parts_init": (c_int, [_p(kvstage_request_parts), c_size_t]),
+    # staging memory
+    "kvstage_staging_memory_init": (c_int, [_p(kvstage_staging_memory), c_size_t]),
+    "kvstage_staging_register": (c_int, [c_void_p, _p(kvstage_staging_memory)]),
     "kvstage_shared_alloc": (c_int, [c_size_t, _p(c_void_p)]),
     "kvstage_shared_free": (c_int, [c_void_p]),
-    "kvstage_engine_register_staging": (c_int, [c_void_p, c_void_p, c_size_t]),
-    "kvstage_staging_memory_init": (c_int, [_p(kvstage_staging_memory)]),
-    "kvstage_engine_register_staging_memory": (c_int, [c_void_p, _p(kvstage_staging_memory)]),
-    "kvstage_engine_stats_get": (c_int, [c_void_p, _p(kvstage_engine_stats)]),
+    # room
+    "kvstage_room_desc_init": (c_int, [_p(kvstage_room_desc), c_size_t]),
+    "kvstage_room_open": (c_int, [c_void_p, _p(kvstage_room_desc), _p(kvstage_room_grid)]),
+    "kvstage_room_wait": (c_int, [c_void_p, c_uint64, c_uint64, c_uint64]),
+    "kvstage_room_release": (c_int, [c_void_p, c_uint64, c_uint64]),
+    "kvstage_room_poll_events": (c_int, [c_void_p, c_uint64, c_uint64, _p(kvstage_room_event), c_size_t, _p(c_size_t)]),
+    # session
+    "kvstage_session_connect": (c_int, [c_void_p, c_char_p, c_char_p, c_uint64, _p(c_void_p)]),
+    "kvstage_session_free": (None, [c_void_p]),
     "kvstage_session_stats_get": (c_int, [c_void_p, _p(kvstage_session_stats)]),
+    "kvstage_session_room_grid_get": (c_int, [c_void_p, c_uint64, c_uint64, c_uint64, _p(kvstage_room_grid)]),
+    # transfers and operations
+    "kvstage_transfer_desc_init": (c_int, [_p(kvstage_transfer_desc), c_size_t]),
+    "kvstage_transfer": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
+    "kvstage_transfer_slices": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
+    "kvstage_transfer_async": (c_int, [c_void_p, _p(kvstage_transfer_desc), _p(c_void_p)]),
+    "kvstage_transfer_layerwise_async": (c_int, [c_void_p, _p(kvstage_transfer_desc), _p(c_void_p)]),
+    "kvstage_op_layers_ready": (c_int, [c_void_p, c_uint32, c_uint32, c_void_p, c_void_p]),
+    "kvstage_op_poll": (c_int, [c_void_p]),
+    "kvstage_op_wait": (c_int, [c_void_p, c_uint64]),
+    "kvstage_op_cancel": (c_int, [c_void_p]),
+    "kvstage_op_free": (None, [c_void_p]),
     "kvstage_op_timings_get": (c_int, [c_void_p, _p(kvstage_transfer_timings)]),
-    "kvstage_room_describe": (c_int, [c_void_p, c_uint64, c_char_p, c_size_t, _p(c_size_t)]),
-    "kvstage_engine_describe": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
-    "kvstage_engine_transport_describe": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
-    "kvstage_op_describe": (c_int, [c_void_p, c_char_p, c_size_t, _p(c_size_t)]),
-    "kvstage_transfer_timings_last": (c_int, [_p(kvstage_transfer_timings)]),
-    "kvstage_kv_layout_init": (c_int, [_p(kvstage_kv_layout)]),
-    "kvstage_kv_layout_validate": (c_int, [_p(kvstage_kv_layout)]),
+    # geometry helpers
     "kvstage_head_slice_compute": (c_int, [c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_head_slice)]),
-    "kvstage_writers_per_chunk": (c_int, [c_int32, c_uint32, c_uint32, c_uint32, c_uint32, c_uint32, _p(c_uint32)]),
-    "kvstage_state_item_init": (c_int, [_p(kvstage_state_item)]),
     "kvstage_state_slice_compute": (
         c_int,
         [_p(kvstage_state_item), c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_byte_range), c_size_t, _p(c_size_t)],
@@ -516,38 +605,17 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
         c_int,
         [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],
     ),
-    "kvstage_grid_tokens": (c_int, [c_uint32, c_uint32, _p(c_uint32)]),
-    "kvstage_chunk_span_compute": (c_int, [c_uint64, c_uint64, c_uint32, c_uint32, c_uint32, c_uint32, _p(kvstage_chunk_span)]),
     "kvstage_staging_layout_compute": (
         c_int,
         [_p(kvstage_kv_layout), c_size_t, _p(kvstage_kv_layout), c_uint32, _p(kvstage_staging_layout), _p(kvstage_staging_writer), c_size_t],
     ),
-    "kvstage_session_connect": (c_int, [c_void_p, c_char_p, c_char_p, c_uint64, _p(c_void_p)]),
-    "kvstage_session_free": (None, [c_void_p]),
-    "kvstage_session_room_grid": (c_int, [c_void_p, c_uint64, c_uint64, c_uint64, _p(kvstage_room_grid)]),
-    "kvstage_transfer_desc_init": (c_int, [_p(kvstage_transfer_desc)]),
-    "kvstage_transfer": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
-    "kvstage_transfer_slices": (c_int, [c_void_p, _p(kvstage_transfer_desc)]),
-    "kvstage_transfer_async": (c_int, [c_void_p, _p(kvstage_transfer_desc), _p(c_void_p)]),
-    "kvstage_transfer_layerwise_async": (c_int, [c_void_p, _p(kvstage_transfer_desc), _p(c_void_p)]),
-    "kvstage_op_layers_ready": (c_int, [c_void_p, c_uint32, c_uint32, c_void_p, c_void_p]),
-    "kvstage_op_poll": (c_int, [c_void_p]),
-    "kvstage_op_wait": (c_int, [c_void_p, c_uint64]),
-    "kvstage_op_cancel": (c_int, [c_void_p]),
-    "kvstage_op_free": (None, [c_void_p]),
-    "kvstage_room_open": (c_int, [c_void_p, c_uint64, _p(c_uint32), c_size_t, c_uint32, _p(c_uint32), _p(c_uint64)]),
-    "kvstage_room_open_parts": (c_int, [c_void_p, c_uint64, _p(c_uint32), c_size_t, c_uint32, _p(kvstage_request_parts), _p(c_uint32), _p(c_uint64)]),
-    "kvstage_component_init": (c_int, [_p(kvstage_component)]),
-    "kvstage_request_parts_init": (c_int, [_p(kvstage_request_parts)]),
-    "kvstage_engine_register_components": (c_int, [c_void_p, _p(kvstage_component), c_size_t]),
-    "kvstage_room_wait": (c_int, [c_void_p, c_uint64, c_uint64]),
-    "kvstage_room_release": (c_int, [c_void_p, c_uint64]),
-    "kvstage_engine_poll_events": (c_int, [c_void_p, _p(kvstage_chunk_event), c_size_t, _p(c_size_t)]),
-    "kvstage_room_poll_events": (c_int, [c_void_p, c_uint64, _p(kvstage_chunk_event), c_size_t, _p(c_size_t)]),
-    "kvstage_engine_completion_fd": (c_int, [c_void_p, _p(c_int32)]),
-    "kvstage_engine_completions_drain": (c_int, [c_void_p, _p(c_uint64)]),
-    "kvstage_engine_set_completion_callback": (c_int, [c_void_p, kvstage_completion_fn, c_void_p]),
-    "kvstage_log_set_callback": (c_int, [kvstage_log_fn, c_void_p, c_int32]),
+    "kvstage_grid_tokens_compute": (c_int, [c_uint32, c_uint32, _p(c_uint32)]),
+    "kvstage_chunk_span_compute": (c_int, [_p(kvstage_room_grid), c_uint64, c_uint32, c_uint32, _p(kvstage_chunk_span)]),
+    # diagnostics
+    "kvstage_engine_describe": (c_int, [c_void_p, *_TEXT_OUT]),
+    "kvstage_room_describe": (c_int, [c_void_p, c_uint64, c_uint64, *_TEXT_OUT]),
+    "kvstage_op_describe": (c_int, [c_void_p, *_TEXT_OUT]),
+    "kvstage_doctor_run": (c_int, [c_int32, *_TEXT_OUT]),
 }
 
 # Test builds only (cargo feature `testing`); bound when the library exports them.
@@ -556,20 +624,16 @@ OPTIONAL_PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_testing_log": (c_int, [c_int32, c_char_p, c_char_p]),
 }
 
-# Versioned structs whose size this binding hard-codes, with the _init function that reports the
-# library's own size. A mismatch means the header changed without this file.
-_SIZED_BY_INIT = (
-    ("kvstage_engine_options", kvstage_engine_options, "kvstage_engine_options_init"),
-    ("kvstage_kv_layout", kvstage_kv_layout, "kvstage_kv_layout_init"),
-    ("kvstage_staging_memory", kvstage_staging_memory, "kvstage_staging_memory_init"),
-    ("kvstage_transfer_desc", kvstage_transfer_desc, "kvstage_transfer_desc_init"),
-    ("kvstage_component", kvstage_component, "kvstage_component_init"),
-    ("kvstage_request_parts", kvstage_request_parts, "kvstage_request_parts_init"),
-)
-
 
 class Library:
-    """One loaded ``libkvstage.so`` with typed prototypes (``lib.kvstage_engine_new(...)``)."""
+    """One loaded ``libkvstage.so`` with typed prototypes (``lib.kvstage_engine_new(...)``).
+
+    Its version must be this package's (:data:`kvstage.__version__`): the prototypes and structs
+    above are those of that version's header. A library of another version is refused
+    (:class:`LibraryVersionError`); one that lacks an export is refused too. The versioned
+    structs (``struct_size`` first) tell the library the binding's size of each struct, so no
+    size probe is needed here.
+    """
 
     def __init__(self, cdll: ctypes.CDLL, path: str, expected_version: str = __version__):
         self.path = path
@@ -594,15 +658,6 @@ class Library:
             )
         if missing:
             raise LibraryLoadError(f"{path} (libkvstage {self.version}) lacks the exports {', '.join(missing)}")
-        for struct_name, struct, init in _SIZED_BY_INIT:
-            probe = ctypes.create_string_buffer(ctypes.sizeof(struct) + 1024)  # room for a larger struct
-            getattr(self, init)(ctypes.cast(probe, POINTER(struct)))
-            reported = ctypes.cast(probe, POINTER(c_size_t)).contents.value
-            if reported != ctypes.sizeof(struct):
-                raise LibraryVersionError(
-                    f"{path}: sizeof({struct_name}) is {reported} in the library but {ctypes.sizeof(struct)} in the "
-                    f"Python binding; the binding does not match this library's header"
-                )
         #: True when the library has the test-only exports (cargo feature ``testing``).
         self.testing = hasattr(self, "kvstage_testing_panic")
 
@@ -678,35 +733,3 @@ def find_and_load(
         f"set {ENV_VAR}=/path/to/libkvstage.so.{SOVERSION}, call kvstage.load_library(path), copy it next to the "
         "kvstage package, or make it visible to the system loader (LD_LIBRARY_PATH). Tried: " + "; ".join(tried)
     )
-
-
-_lock = threading.Lock()
-_default: Optional[Library] = None
-
-
-def load_library(path: Optional[str] = None) -> Library:
-    """Loads ``libkvstage.so`` and makes it the library that new kvstage objects use.
-
-    ``path`` (a file or a directory) wins over ``KVSTAGE_LIBRARY``, the package directory and the
-    system loader. Without ``path`` an already loaded library is returned as is. Raises
-    :class:`LibraryLoadError` (an ``ImportError``) when the library cannot be loaded and
-    :class:`LibraryVersionError` when its version differs from the package's.
-    """
-    global _default
-    with _lock:
-        if path is None and _default is not None:
-            return _default
-        lib = find_and_load(path)
-        _default = lib
-        # Its log records go to the `logging` module from now on (kvstage/_logging.py; opt out
-        # with KVSTAGE_PYTHON_LOGGING=0).
-        from ._logging import _install_default
-
-        _install_default(lib)
-        return lib
-
-
-def get_library() -> Library:
-    """The library new objects use: the loaded one, else :func:`load_library` without a path."""
-    lib = _default
-    return lib if lib is not None else load_library()

@@ -20,6 +20,10 @@ interpreter).
 
 Records are delivered on the thread that logs (often a library thread): the handlers of the
 ``kvstage`` loggers must not call kvstage functions and should not block for long.
+
+This module is the mechanism, for an explicit :class:`~kvstage._lib.Library`; the public
+:func:`kvstage.route_logs_to_python` and :func:`kvstage.route_logs_to_stderr` (in
+``kvstage/library.py``, above this module) apply it to the process's library.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import threading
 from typing import Any, Optional, Union
 
 from . import _lib
-from ._lib import Library, get_library
+from ._lib import Library
 from .errors import argument_error, last_error
 
 #: Python level of ``KVSTAGE_LOG_TRACE`` records (below ``DEBUG``).
@@ -120,15 +124,9 @@ def _resolve(level: Union[None, int, str]) -> int:
     return library_level(int(level))
 
 
-def route_logs_to_python(level: Union[None, int, str] = None, *, library: Optional[Library] = None) -> int:
-    """Sends the library's log records to :mod:`logging` (loggers ``kvstage.<target>``).
-
-    ``level``: a :mod:`logging` level (``logging.DEBUG``), a ``KVSTAGE_LOG`` name (``"debug"``),
-    or ``None`` for ``KVSTAGE_LOG`` when set, else the ``kvstage`` logger's effective level. The
-    library hands over records at or above it; the loggers' own levels and handlers then apply.
-    Returns the ``kvstage_log_level`` in force. Process-wide (one callback for every engine).
-    """
-    lib = library or get_library()
+def route_to_python(lib: Library, level: Union[None, int, str] = None) -> int:
+    """Sends ``lib``'s log records to :mod:`logging` (see :func:`kvstage.route_logs_to_python`);
+    returns the ``kvstage_log_level`` in force."""
     c_level = _resolve(level)
     rc = lib.kvstage_log_set_callback(_CALLBACK, None, c_level)
     if rc < 0:
@@ -137,12 +135,9 @@ def route_logs_to_python(level: Union[None, int, str] = None, *, library: Option
     return c_level
 
 
-def route_logs_to_stderr(*, library: Optional[Library] = None) -> None:
-    """Gives the library's log records back to its own stderr output (at the ``KVSTAGE_LOG`` level).
-
-    Returns once no record is being delivered to Python any more.
-    """
-    lib = library or get_library()
+def route_to_stderr(lib: Library) -> None:
+    """Gives ``lib``'s log records back to its own stderr output (see
+    :func:`kvstage.route_logs_to_stderr`)."""
     rc = lib.kvstage_log_set_callback(_NO_CALLBACK, None, LOG_OFF)
     if rc < 0:
         raise last_error(lib, rc, "kvstage_log_set_callback")
@@ -163,12 +158,12 @@ def _register_atexit(lib: Library) -> None:
     atexit.register(restore)
 
 
-def _install_default(lib: Library) -> None:
+def install_default(lib: Library) -> None:
     """Called when the package loads its library: routes the records to :mod:`logging` unless
     ``KVSTAGE_PYTHON_LOGGING=0``. Never raises (loading the library must not fail over logs)."""
     if os.environ.get(PYTHON_LOGGING_ENV, "").strip() == "0":
         return
     try:
-        route_logs_to_python(library=lib)
+        route_to_python(lib)
     except Exception:  # noqa: BLE001
         pass

@@ -5,4 +5,4 @@ It must equal the C library's version (``[package] version`` in ``Cargo.toml``,
 differs, and ``tests/test_library.py`` fails when this file and ``Cargo.toml`` disagree.
 """
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"

@@ -131,7 +131,7 @@ class GeometryError(KVStageError):
 
 
 class TimeError(KVStageError):
-    """Time (-2x): the deadline passed (``E_TIMEOUT``), the operation was canceled
+    """Time (-2x): the timeout passed (``E_TIMEOUT``), the operation was canceled
     (``E_CANCELED``), or the transfer named an opening of its room that is no longer the open one
     (``E_STALE_ROOM``: released, maybe reopened for another request, or a wrong room key)."""
 

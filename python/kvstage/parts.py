@@ -2,11 +2,11 @@
 ``kvstage_request_parts``).
 
 A rank registers its components once, after its KV pool and before its sessions connect
-(:meth:`Engine.register_components`): aux buffers (sglang's ``MetadataBuffers``: one row per
+(:meth:`Engine.register_components`, ``kvstage_pool_register_components``): aux buffers (sglang's ``MetadataBuffers``: one row per
 request), per-request state (Mamba/GDN conv and SSM slots, per layer, sharded by TP) and extra
 paged pools (a sliding window's KV, an indexer's key pages). Both sides register the same
 components in the same order. The decode side names a request's row, slots and pool pages when it
-opens the room (``Engine.room_open(..., parts=RequestParts(...))``); the prefill side names its own
+opens the room (``Engine.open_room(..., parts=RequestParts(...))``); the prefill side names its own
 with the transfer of the room's last chunk (``Session.transfer(..., parts=...)``). They travel in
 that chunk's staging write, and the room completes once all of it is in place, the aux rows
 written last.
@@ -18,6 +18,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _lib
 from ._buffers import buffer_info, page_array
+from ._common import check, init_struct
 
 AUX, STATE, POOL = 0, 1, 2
 
@@ -85,14 +86,12 @@ def _ids(values: Sequence[int], ctype: Any) -> Any:
 
 def components_c(lib: Any, components: Sequence[Any]) -> Tuple[Any, list]:
     """The ``kvstage_component`` array for ``components`` and what keeps its memory alive."""
-    from ._core import _check  # noqa: PLC0415 (the core module imports this one's users)
-
     array = (_lib.kvstage_component * max(1, len(components)))()
     keep: list = [array]
     for i, comp in enumerate(components):
         label = f"components[{i}]"
         c = array[i]
-        _check(lib, lib.kvstage_component_init(byref(c)), "kvstage_component_init")
+        check(lib, lib.kvstage_component_init(byref(c), ctypes.sizeof(c)), "kvstage_component_init")
         name = comp.name.encode("utf-8")
         keep.append(name)
         c.name = name
@@ -101,8 +100,7 @@ def components_c(lib: Any, components: Sequence[Any]) -> Tuple[Any, list]:
             buffers: Sequence[Any] = [comp.buffer]
         elif isinstance(comp, StateComponent):
             dims = _ids(comp.group_dims, c_uint32)
-            item = _lib.kvstage_state_item()
-            _check(lib, lib.kvstage_state_item_init(byref(item)), "kvstage_state_item_init")
+            item = init_struct(lib, _lib.kvstage_state_item, "kvstage_state_item_init")
             item.outer, item.dtype_bytes, item.replicated = comp.outer, comp.dtype_bytes, int(bool(comp.replicated))
             item.group_dims, item.num_groups = ctypes.cast(dims, POINTER(c_uint32)), len(comp.group_dims)
             keep += [dims, item]
@@ -130,12 +128,9 @@ def components_c(lib: Any, components: Sequence[Any]) -> Tuple[Any, list]:
 
 def request_parts_c(lib: Any, parts: Optional[RequestParts]) -> Tuple[Any, list]:
     """A pointer to the ``kvstage_request_parts`` for ``parts`` (NULL for None) and its keepalive."""
-    from ._core import _check  # noqa: PLC0415
-
     if parts is None:
         return None, []
-    c = _lib.kvstage_request_parts()
-    _check(lib, lib.kvstage_request_parts_init(byref(c)), "kvstage_request_parts_init")
+    c = init_struct(lib, _lib.kvstage_request_parts, "kvstage_request_parts_init")
     slots = _ids(parts.state_slots, c_uint64)
     spans = (_lib.kvstage_pool_span * max(1, len(parts.pool_spans)))()
     keep: list = [c, slots, spans]

@@ -10,8 +10,8 @@ dependency: ``pip install prometheus_client``; the C library stays dependency-fr
 :func:`register` adds a collector that reads :meth:`Engine.stats` at every scrape (counters of
 transfers by outcome, bytes, chunks, downgrades, refusals, expired rooms, panics; gauges of the
 ring and of the transfers in flight) and returns :class:`PhaseHistograms`, which turns each
-transfer's phase timings (from a completion callback, :meth:`Operation.timings` or
-:func:`kvstage.transfer_timings_last`) into histograms. Every metric carries an ``engine`` label
+transfer's phase timings (from a completion callback or :meth:`Operation.timings`) into
+histograms. Every metric carries an ``engine`` label
 (the engine's listen address, or the name given).
 """
 
@@ -20,7 +20,9 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from ._core import Engine, TransferTimings
+from ._lib import CompletionKind
+from .engine import Engine
+from .stats import TransferTimings
 
 __all__ = ["EngineCollector", "PhaseHistograms", "register"]
 
@@ -45,7 +47,7 @@ _COUNTERS = (
     ("handshakes_failed", "handshakes_failed", "Handshakes refused (geometry, token, protocol)."),
     ("accept_errors", "accept_errors", "Failed accept calls."),
     ("rooms_expired", "rooms_expired", "Decode rooms failed by room_timeout_ms."),
-    ("events_dropped", "events_dropped", "Chunk events dropped because the queue was full."),
+    ("events_dropped", "events_dropped", "Room events dropped because the queue was full."),
     ("thread_panics", "thread_panics", "Panics caught in library threads."),
 )
 _GAUGES = (
@@ -121,9 +123,9 @@ class PhaseHistograms:
 
     def on_completion(self, kind: int, status: Any, tag: int, room: int, chunk: int, timings: Optional[TransferTimings], scatter_ns: int) -> None:
         """A completion callback (``Engine.set_completion_callback(..., metrics=True)``)."""
-        if kind == 1 and timings is not None:  # KVSTAGE_COMPLETION_OP
+        if kind == CompletionKind.OP and timings is not None:
             self.observe(timings)
-        elif scatter_ns:
+        elif kind == CompletionKind.CHUNK and scatter_ns:
             self.scatter.labels(self.name).observe(scatter_ns / 1e9)
 
 

@@ -2,18 +2,21 @@
 
 A decode rank whose KV pool buffers all lie in :class:`SharedMemory` serves *direct mode*: a
 prefill on the same host copies each chunk from its own pages straight into the decode pages
-(one pass, no staging ring, no scatter). Anything else stays on the ring path."""
+(one pass, no staging ring, no scatter). Anything else stays on the ring path.
+
+Header section "staging memory" (``kvstage_shared_alloc``, ``kvstage_shared_free``)."""
 
 import ctypes
 from ctypes import byref, c_void_p
 from typing import Optional
 
-from ._core import _check, _Handle
+from ._common import Handle, check
+from ._lib import Library
 from .errors import KVStageError
-from ._lib import Library, get_library
+from .library import get_library
 
 
-class SharedMemory(_Handle):
+class SharedMemory(Handle):
     """``nbytes`` of zeroed, resident host memory from ``kvstage_shared_alloc``.
 
     :meth:`close` refuses while an engine's pool lies in it: close the engine first (or shut it
@@ -26,7 +29,7 @@ class SharedMemory(_Handle):
     def __init__(self, nbytes: int, library: Optional[Library] = None):
         lib = library or get_library()
         out = c_void_p()
-        _check(lib, lib.kvstage_shared_alloc(int(nbytes), byref(out)), "kvstage_shared_alloc")
+        check(lib, lib.kvstage_shared_alloc(int(nbytes), byref(out)), "kvstage_shared_alloc")
         super().__init__(lib, int(out.value))
         self.nbytes = int(nbytes)
 
@@ -37,7 +40,7 @@ class SharedMemory(_Handle):
         with self._close_lock:
             if self._ptr is None:
                 return
-            _check(self._lib, self._lib.kvstage_shared_free(self._ptr), "kvstage_shared_free")
+            check(self._lib, self._lib.kvstage_shared_free(self._ptr), "kvstage_shared_free")
             self._ptr = None
 
     def __exit__(self, *exc) -> None:

@@ -10,8 +10,8 @@ Differences from a hand-rolled staged path, which is why ``target_info`` looks t
 - Head slices, writer regions and the decode layout come from the session handshake, so
   ``target_info`` does not carry the decode TP rank, TP size or item length either. It names
   where the chunk goes: the decode engine (``peer``), the request (``room``, and ``room_key``, the
-  key that decode rank's :meth:`Engine.room_open` returned for this opening of the room) and the
-  chunk of the room's chunk grid (``chunk_index``).
+  key of that decode rank's opening of the room, :attr:`Room.key` of its :meth:`Engine.open_room`)
+  and the chunk of the room's chunk grid (``chunk_index``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
-from ._core import Engine, Session, _u64
+from ._common import u64
 from ._lib import Status
+from .engine import Engine
 from .errors import ProtocolError, TransportError, argument_error
+from .session import Session
 
 __all__ = ["StagingTransfer", "TransferTarget"]
 
@@ -33,9 +35,10 @@ class TransferTarget:
 
     ``peer``: the decode rank engine's address (its :attr:`Engine.listen_address`), used to connect
     the first time a ``session_id`` is seen; ``room``: the request's room id, opened on the decode
-    side with :meth:`Engine.room_open`; ``room_key``: the key that call returned (it travels with
-    the room id and the decode pages in the engine's bootstrap); ``chunk_index``: the chunk within
-    that room's chunk grid; ``deadline_ms``: 0 = the engine default, ``DEADLINE_INFINITE`` = none;
+    side with :meth:`Engine.open_room`; ``room_key``: that opening's key (:attr:`Room.key`; it
+    travels with the room id and the decode pages in the engine's bootstrap); ``chunk_index``: the
+    chunk within that room's chunk grid; ``timeout_ms``: the transfer's timeout, 0 = the engine
+    default, ``TIMEOUT_INFINITE`` = none;
     ``src_token_offset`` and ``num_tokens``: where the chunk starts in its first prefill page and
     its token count (0: every slot of the pages from there), from :func:`chunk_span` when the two
     sides' page sizes differ or the decode prefix ends inside a prefill page; ``trace_id``: the
@@ -50,7 +53,7 @@ class TransferTarget:
     room_key: int = field(repr=False)  # a capability: kept out of logs
     chunk_index: int = 0
     peer: Optional[str] = None
-    deadline_ms: int = 0
+    timeout_ms: int = 0
     src_token_offset: int = 0
     num_tokens: int = 0
     trace_id: Optional[str] = None
@@ -70,13 +73,13 @@ def _target(info: Any) -> TransferTarget:
         raise argument_error("target_info", f"has no `room` ({type(info).__name__})")
     room_key = _field(info, "room_key", None)
     if room_key is None:
-        raise argument_error("target_info", f"has no `room_key` for room {room} ({type(info).__name__}): pass the key the decode side's room_open returned")
+        raise argument_error("target_info", f"has no `room_key` for room {room} ({type(info).__name__}): pass the key of the decode side's opening (Room.key)")
     return TransferTarget(
         room=room,
         room_key=room_key,
         chunk_index=_field(info, "chunk_index", 0),
         peer=_field(info, "peer", None),
-        deadline_ms=_field(info, "deadline_ms", 0),
+        timeout_ms=_field(info, "timeout_ms", 0),
         src_token_offset=_field(info, "src_token_offset", 0),
         num_tokens=_field(info, "num_tokens", 0),
         trace_id=_field(info, "trace_id", None),
@@ -98,7 +101,7 @@ class StagingTransfer:
         if not isinstance(engine, Engine):
             raise TypeError(f"engine: expected a kvstage.Engine, got {type(engine).__name__}")
         self.engine = engine
-        self.connect_timeout_ms = _u64(connect_timeout_ms, "connect_timeout_ms")
+        self.connect_timeout_ms = u64(connect_timeout_ms, "connect_timeout_ms")
         self._sessions: Dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -127,7 +130,7 @@ class StagingTransfer:
                 target.room,
                 target.chunk_index,
                 prefill_kv_indices,
-                target.deadline_ms,
+                target.timeout_ms,
                 room_key=target.room_key,
                 src_token_offset=target.src_token_offset,
                 num_tokens=target.num_tokens,
@@ -151,11 +154,11 @@ class StagingTransfer:
         (a list, numpy array or tensor of ints). ``dst_staging_ptr``/``dst_staging_size``: unused
         (the receiver places the chunk in its own ring). ``target_info``: a
         :class:`TransferTarget`, mapping or object with ``room``, ``room_key``, ``chunk_index``,
-        ``peer``, ``deadline_ms``.
+        ``peer``, ``timeout_ms``.
         """
         for name, value in (("dst_staging_ptr", dst_staging_ptr), ("dst_staging_size", dst_staging_size)):
             if value is not None:
-                _u64(value, name)
+                u64(value, name)
         status = self._run(True, session_id, prefill_kv_indices, target_info)
         if status == Status.OK:
             return 0

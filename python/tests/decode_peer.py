@@ -1,10 +1,10 @@
 """The decode side of the two-process transfer tests, run as its own Python process.
 
 Usage: ``python decode_peer.py '<json config>'``. It plays every decode rank (one engine, numpy
-pool and staging ring each), opens the room, prints ``{"addrs": [...], "keys": [...]}`` (each rank's key of the opening, what
-an engine's bootstrap carries to the prefill side) as one line, then waits
-for a line on stdin. It then waits for the room on every rank, collects chunk events and ring
-statistics, releases the room, saves the pools to ``config["out"]`` (``.npz``, ``pool0``,
+pool and staging ring each), opens the room, prints ``{"addrs": [...], "keys": [...]}`` (each
+rank's key of the opening, what an engine's bootstrap carries to the prefill side) as one line,
+then waits for a line on stdin. It then waits for the room on every rank, collects room events
+(``[kind, room, chunk_index, status]``) and ring statistics, releases the room, saves the pools to ``config["out"]`` (``.npz``, ``pool0``,
 ``pool1``, ...) and prints the results as one JSON line. A failure prints ``{"error": ...}`` with
 the exception and its cause chain, and exits 1.
 """
@@ -49,21 +49,21 @@ def main() -> int:
             engine.register_staging(ring_bytes, bytearray(ring_bytes))
         else:
             engine.register_staging(ring_bytes)
-        n, key = engine.room_open(room, cfg["decode_pages"][rd], chunk_tokens)
-        if n != cfg["num_chunks"]:
-            raise AssertionError(f"rank {rd}: room has {n} chunks, expected {cfg['num_chunks']}")
-        ranks.append((engine, pool, ring_bytes, key))
-    print(json.dumps({"addrs": [e.listen_address for e, _, _, _ in ranks], "keys": [k for _, _, _, k in ranks]}), flush=True)
+        opening = engine.open_room(room, cfg["decode_pages"][rd], chunk_tokens)
+        if opening.num_chunks != cfg["num_chunks"]:
+            raise AssertionError(f"rank {rd}: room has {opening.num_chunks} chunks, expected {cfg['num_chunks']}")
+        ranks.append((engine, pool, ring_bytes, opening))
+    print(json.dumps({"addrs": [e.listen_address for e, _, _, _ in ranks], "keys": [o.key for _, _, _, o in ranks]}), flush=True)
 
     sys.stdin.readline()  # the prefill side has sent everything (or gave up)
     result = {"events": [], "stats": [], "ring_bytes": []}
-    for engine, _pool, ring_bytes, _key in ranks:
-        engine.room_wait(room, timeout_ms=cfg.get("wait_ms", 20000))
+    for engine, _pool, ring_bytes, opening in ranks:
+        opening.wait(timeout_ms=cfg.get("wait_ms", 20000))
         events = engine.poll_events()
         stats = engine.stats()
-        engine.room_release(room)
+        opening.release()
         after = engine.stats()
-        result["events"].append([[e.room, e.chunk_index, int(e.status)] for e in events])
+        result["events"].append([[int(e.kind), e.room, e.chunk_index, int(e.status)] for e in events])
         result["stats"].append([stats.ring_capacity, after.ring_live_allocations])
         result["ring_bytes"].append(ring_bytes)
     np.savez(cfg["out"], **{f"pool{i}": pool for i, (_, pool, _, _) in enumerate(ranks)})

@@ -2,7 +2,7 @@
 the prefill on the same host copies each chunk from its pages straight into the decode pages (TP
 2 -> 1: both prefill ranks' heads remapped into one decode token slot). Every decode token is
 compared with the prefill pools through both page tables; the engines' counters and the transport
-description say the chunks went directly, and with ``same_host_direct=False`` on either side they
+line of their description say the chunks went directly, and with ``same_host_direct=False`` on either side they
 go through the ring."""
 
 import numpy as np
@@ -34,16 +34,17 @@ def test_a_request_lands_directly_in_shared_decode_pages(lib, decode_direct, pre
         sessions.append(engine.connect(decode.listen_address, f"direct-p{rank}"))
     src_pages = list(np.random.default_rng(1).permutation(CAPACITY)[: -(-total // MODEL.page_size)])
     dst_pages = list(np.random.default_rng(2).permutation(CAPACITY)[: -(-total // MODEL.page_size)])
-    key = decode.room_open(3, dst_pages, chunk_tokens=chunk_tokens).key
+    room = decode.open_room(3, dst_pages, chunk_tokens=chunk_tokens)
     direct = decode_direct and prefill_direct
     try:
         chunks = -(-total // chunk_tokens)
+        assert room.num_chunks == chunks
         for k in range(chunks):
-            span = kvstage.chunk_span(total, 0, MODEL.page_size, MODEL.page_size, chunk_tokens, k)
+            span = kvstage.chunk_span(room.grid, total, MODEL.page_size, k)
             for session in sessions:
-                status = session.transfer(3, k, span.src_pages(src_pages), deadline_ms=20000, room_key=key, num_tokens=span.num_tokens)
+                status = session.transfer(3, k, span.src_pages(src_pages), timeout_ms=20000, room_key=room.key, num_tokens=span.num_tokens)
                 assert status == kvstage.Status.OK
-        decode.room_wait(3, 20000)
+        room.wait(20000)
         # Decode heads 0..1 come from prefill rank 0, heads 2..3 from rank 1.
         want = np.concatenate([p[:, :, kvref.slots(src_pages, MODEL.page_size)[:total]] for p in ppools], axis=3)
         got = dpool[:, :, kvref.slots(dst_pages, MODEL.page_size)[:total]]
@@ -53,7 +54,7 @@ def test_a_request_lands_directly_in_shared_decode_pages(lib, decode_direct, pre
         assert stats.shm_direct_sessions == (2 if direct else 0)
         assert stats.shm_direct_chunks == (2 * chunks if direct else 0)
         assert sum(e.stats().shm_direct_chunks for e in prefills) == (2 * chunks if direct else 0)
-        described = prefills[0].transport_describe()
+        described = prefills[0].describe()["transport"]
         if direct:
             assert f"1 direct (decode pool mapped, {chunks} chunk region(s) copied page to page)" in described, described
         elif not prefill_direct:
@@ -107,7 +108,7 @@ kvref.fill_random(pool, 9)
 engine = kvstage.Engine(transport="shm", same_host_direct=True)
 engine.register_pool(layout)
 session = engine.connect(address, "frozen-prefill")
-assert session.transfer(room, 0, [0, 1, 2, 3], deadline_ms=20000, room_key=key) == kvstage.Status.OK
+assert session.transfer(room, 0, [0, 1, 2, 3], timeout_ms=20000, room_key=key) == kvstage.Status.OK
 print("mapped", flush=True)
 time.sleep(120)
 """
@@ -116,31 +117,37 @@ time.sleep(120)
 def test_shutdown_says_when_the_shared_pool_may_be_freed(lib, child_env):
     """A prefill process maps the decode pool (direct mode) and is frozen (SIGSTOP): it cannot
     unmap when the decode engine stops, so ``shutdown`` raises naming its process and the pool's
-    memory cannot be freed. Killed, its lease ends with its process: ``shutdown`` returns and the
-    memory is the caller's again."""
+    memory cannot be freed (a ``timeout_ms`` of 0 waits the engine's ``default_timeout_ms``, not
+    "only look"). Killed, its lease ends with its process: ``shutdown`` returns and the memory is
+    the caller's again."""
     import os
     import signal
     import subprocess
     import sys
+    import time
 
     memory = kvstage.SharedMemory(kvref.pool_bytes(MODEL, 1, CAPACITY))
     _, dlayout = kvref.make_pool(MODEL, 0, 1, CAPACITY, memory=memory)
-    decode = kvstage.Engine(transport="shm", same_host_direct=True)
+    decode = kvstage.Engine(transport="shm", same_host_direct=True, default_timeout_ms=600)
     decode.register_pool(dlayout)
     decode.register_staging(1 << 20)
-    key = decode.room_open(4, [5, 6, 7, 8], chunk_tokens=64).key
-    child = subprocess.Popen([sys.executable, "-c", PREFILL_CHILD, decode.listen_address, "4", str(key)], env=child_env, stdout=subprocess.PIPE, text=True)
+    room = decode.open_room(4, [5, 6, 7, 8], chunk_tokens=64)
+    child = subprocess.Popen([sys.executable, "-c", PREFILL_CHILD, decode.listen_address, "4", str(room.key)], env=child_env, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "mapped", "the prefill child did not transfer"
-        decode.room_wait(4, 10000)
+        room.wait(10000)
         assert decode.stats().shm_direct_sessions == 1
         os.kill(child.pid, signal.SIGSTOP)
+        started = time.monotonic()
         with pytest.raises(kvstage.TimeError, match=f"process {child.pid} "):
-            decode.shutdown(timeout_ms=500)
+            decode.shutdown(timeout_ms=0)  # the engine default: 600 ms
+        assert time.monotonic() - started >= 0.5
+        with pytest.raises(kvstage.TimeError, match=f"process {child.pid} "):
+            decode.shutdown(timeout_ms=100)
         with pytest.raises(kvstage.ArgumentError, match="live engine"):
             memory.close()  # still the pool of an engine whose peer maps it
         with pytest.raises(kvstage.KVStageError, match="shut down"):
-            decode.room_open(5, [9], chunk_tokens=16)
+            decode.open_room(5, [9], chunk_tokens=16)
         os.kill(child.pid, signal.SIGKILL)
         decode.shutdown(timeout_ms=10000)
         memory.close()

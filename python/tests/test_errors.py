@@ -1,5 +1,5 @@
 """Failures as exceptions: classes per family, session ids, cause chains; fallback as a return
-value; deadlines, cancel and closed handles. Both sides live in this process (two engines on
+value; timeouts (0: the engine default), cancel, room openings and closed handles. Both sides live in this process (two engines on
 127.0.0.1)."""
 
 import threading
@@ -20,24 +20,24 @@ PAGES = [3, 4, 5, 6, 9, 1, 2, 0]  # two chunks
 ROOM = 7
 
 
-def decode_engine(ring_bytes, model=MODEL, rooms=(ROOM,)):
-    """The decode engine, its pool and each room's key."""
+def decode_engine(ring_bytes, model=MODEL, rooms=(ROOM,), **options):
+    """The decode engine, its pool and each room's opening (a kvstage.Room)."""
     pool, layout = kvref.make_pool(model, 0, 1, CAPACITY)
-    engine = kvstage.Engine(chunk_tokens=CHUNK_TOKENS)
+    engine = kvstage.Engine(chunk_tokens=CHUNK_TOKENS, **options)
     engine.register_pool(layout)
     if ring_bytes:
         engine.register_staging(ring_bytes)
-    keys = {}
+    opened = {}
     for room in rooms:
-        num_chunks, keys[room] = engine.room_open(room, PAGES, CHUNK_TOKENS)
-        assert num_chunks == 2 and keys[room] != 0
-    return engine, pool, keys
+        opened[room] = engine.open_room(room, PAGES, CHUNK_TOKENS)
+        assert opened[room].num_chunks == 2 and opened[room].key != 0
+    return engine, pool, opened
 
 
-def prefill_engine(tp_rank=0, tp=2, model=MODEL, seed=1):
+def prefill_engine(tp_rank=0, tp=2, model=MODEL, seed=1, **options):
     pool, layout = kvref.make_pool(model, tp_rank, tp, CAPACITY)
     kvref.fill_random(pool, seed)
-    engine = kvstage.Engine()
+    engine = kvstage.Engine(**options)
     engine.register_pool(layout)
     return engine, pool
 
@@ -60,7 +60,7 @@ def chain_texts(e):
 
 def test_geometry_mismatch_raises_with_the_field_diff_in_the_cause_chain(lib):
     other = kvref.Model(layers=2, heads=2, head_dim=16, dtype_bytes=4, page_size=4)
-    dec, _, keys = decode_engine(1 << 16, model=other)
+    dec, _, opened = decode_engine(1 << 16, model=other)
     pre, _ = prefill_engine()
     with dec, pre:
         with pytest.raises(kvstage.GeometryError) as info:
@@ -82,7 +82,7 @@ def test_geometry_mismatch_raises_with_the_field_diff_in_the_cause_chain(lib):
 
         # The same failure through the drop-in: raised, not a fallback.
         st = kvstage.StagingTransfer(pre, connect_timeout_ms=5000)
-        target = kvstage.TransferTarget(room=ROOM, room_key=keys[ROOM], chunk_index=0, peer=dec.listen_address)
+        target = kvstage.TransferTarget(room=ROOM, room_key=opened[ROOM].key, chunk_index=0, peer=dec.listen_address)
         with pytest.raises(kvstage.GeometryError) as info:
             st.transfer("mismatch-2", chunk_pages(0), None, None, target)
         assert info.value.session == "mismatch-2"
@@ -107,7 +107,7 @@ def test_connection_refused_is_a_transport_error_with_the_session(lib):
 
 
 def test_fallback_returns_minus_one_and_the_slice_path_delivers(lib):
-    dec, dec_pool, keys = decode_engine(512)  # a chunk needs 2048 bytes of ring
+    dec, dec_pool, opened = decode_engine(512)  # a chunk needs 2048 bytes of ring
     pre0, pool0 = prefill_engine(0, 2, seed=10)
     pre1, pool1 = prefill_engine(1, 2, seed=11)
     with dec, pre0, pre1:
@@ -115,15 +115,17 @@ def test_fallback_returns_minus_one_and_the_slice_path_delivers(lib):
         helpers = [kvstage.StagingTransfer(pre0), kvstage.StagingTransfer(pre1)]
         for chunk in range(2):
             for rs, st in enumerate(helpers):
-                target = {"room": ROOM, "room_key": keys[ROOM], "chunk_index": chunk, "peer": addr}  # a mapping works too
+                target = {"room": ROOM, "room_key": opened[ROOM].key, "chunk_index": chunk, "peer": addr}  # a mapping works too
                 assert st.transfer(f"fallback/p{rs}", chunk_pages(chunk), 0, 0, target) == -1
                 assert st.transfer_slices(f"fallback/p{rs}", chunk_pages(chunk), target) == 0
         # The Session API says the same with a status.
-        assert helpers[0].session("fallback/p0").transfer(ROOM, 0, chunk_pages(0), room_key=keys[ROOM]) == Status.FALLBACK
-        dec.room_wait(ROOM, timeout_ms=10000)
+        assert helpers[0].session("fallback/p0").transfer(ROOM, 0, chunk_pages(0), room_key=opened[ROOM].key) == Status.FALLBACK
+        opened[ROOM].wait(timeout_ms=10000)
         assert dec.stats().ring_live_allocations == 0
         events = dec.poll_events()
-        assert sorted(e.chunk_index for e in events) == [0, 1] and all(e.ok for e in events)
+        chunks = [e.chunk_index for e in events if e.kind == kvstage.RoomEventKind.CHUNK]
+        assert sorted(chunks) == [0, 1] and all(e.ok for e in events)
+        assert [(e.kind, e.chunk_index) for e in events[2:]] == [(kvstage.RoomEventKind.ROOM, 2)]
         want = kvref.reference_reshard(MODEL, [pool0, pool1], [PAGES, PAGES], [np.zeros_like(dec_pool)], [PAGES])
         assert not kvref.describe_difference(dec_pool, want[0])
         for st in helpers:
@@ -133,22 +135,22 @@ def test_fallback_returns_minus_one_and_the_slice_path_delivers(lib):
 # --- deadlines, cancel, room errors ----------------------------------------------------------------
 
 
-def blocked(session, room, key, deadline_ms):
+def blocked(session, room, key, timeout_ms):
     """Writer 0 of 2 sends chunk 0 (which then holds the whole one-chunk ring, waiting for writer 1),
     so chunk 1 waits for ring space: an operation that blocks in back-pressure."""
-    assert session.transfer(room, 0, chunk_pages(0), deadline_ms=5000, room_key=key) == Status.OK
-    op = session.transfer_async(room, 1, chunk_pages(1), deadline_ms=deadline_ms, room_key=key)
+    assert session.transfer(room, 0, chunk_pages(0), timeout_ms=5000, room_key=key) == Status.OK
+    op = session.transfer_async(room, 1, chunk_pages(1), timeout_ms=timeout_ms, room_key=key)
     assert op.wait(200) == Status.PENDING
     assert op.poll() == Status.PENDING
     return op
 
 
 def test_deadline_and_cancel_raise_time_errors(lib):
-    dec, _, keys = decode_engine(2048, rooms=(ROOM, ROOM + 1))
+    dec, _, opened = decode_engine(2048, rooms=(ROOM, ROOM + 1))
     pre, _ = prefill_engine(0, 2)
     with dec, pre:
         session = pre.connect(dec.listen_address, "blocked-1")
-        with blocked(session, ROOM, keys[ROOM], 400) as op:
+        with blocked(session, ROOM, opened[ROOM].key, 400) as op:
             with pytest.raises(kvstage.TimeError) as info:
                 op.wait(5000)
             e = info.value
@@ -158,9 +160,9 @@ def test_deadline_and_cancel_raise_time_errors(lib):
             assert any("watermark" in c for c in e.causes)
 
         with pytest.raises(kvstage.TimeError) as info:  # the decode room failed with it
-            dec.room_wait(ROOM, timeout_ms=2000)
+            opened[ROOM].wait(timeout_ms=2000)
 
-        op = blocked(session, ROOM + 1, keys[ROOM + 1], 10000)
+        op = blocked(session, ROOM + 1, opened[ROOM + 1].key, 10000)
         op.cancel()
         with pytest.raises(kvstage.TimeError) as info:
             op.wait(2000)
@@ -171,33 +173,64 @@ def test_deadline_and_cancel_raise_time_errors(lib):
         session.close()
 
 
+def test_a_timeout_of_zero_is_the_engine_default_everywhere(lib):
+    """``timeout_ms`` 0 waits the engine's ``default_timeout_ms`` (here 400 ms), in an operation
+    wait (no longer "only look": ``poll`` looks) and in a room wait; ``TIMEOUT_INFINITE`` is no
+    limit for an operation that then ends by its own timeout."""
+    dec, _, opened = decode_engine(2048, default_timeout_ms=400)
+    pre, _ = prefill_engine(0, 2, default_timeout_ms=400)
+    with dec, pre:
+        session = pre.connect(dec.listen_address, "zero-1")
+        with blocked(session, ROOM, opened[ROOM].key, 10000) as op:  # its own timeout: 10 s
+            assert op.poll() == Status.PENDING
+            started = time.monotonic()
+            assert op.wait(0) == Status.PENDING
+            assert 0.3 <= time.monotonic() - started < 5
+            op.cancel()
+            with pytest.raises(kvstage.TimeError) as info:
+                op.wait(kvstage.TIMEOUT_INFINITE)
+            assert info.value.code == Status.E_CANCELED
+        room = dec.open_room(ROOM + 1, PAGES, CHUNK_TOKENS)
+        started = time.monotonic()
+        with pytest.raises(kvstage.TimeError) as info:
+            room.wait(0)
+        assert info.value.code == Status.E_TIMEOUT and 0.3 <= time.monotonic() - started < 5
+        # An operation without a timeout of its own (0) ends by the engine's default.
+        with blocked(session, ROOM + 1, room.key, 0) as op:
+            with pytest.raises(kvstage.TimeError) as info:
+                op.wait(kvstage.TIMEOUT_INFINITE)
+            assert info.value.code == Status.E_TIMEOUT
+        session.close()
+
+
 def test_room_wait_times_out(lib):
-    dec, _, keys = decode_engine(4096)
+    dec, _, opened = decode_engine(4096)
     with dec:
         t0 = time.monotonic()
         with pytest.raises(kvstage.TimeError) as info:
-            dec.room_wait(ROOM, timeout_ms=100)
+            opened[ROOM].wait(timeout_ms=100)
         assert info.value.code == Status.E_TIMEOUT
         assert time.monotonic() - t0 < 5
-        with dec.room(ROOM + 5, PAGES, CHUNK_TOKENS) as room:
+        with dec.open_room(ROOM + 5, PAGES, CHUNK_TOKENS) as room:
             assert room.num_chunks == 2 and room.key != 0
-        dec.room_release(ROOM + 5)  # idempotent
+        room.release()  # an opening no longer open: nothing done
 
 
 def test_a_stale_room_key_writes_nothing_and_the_current_one_lands(lib):
     """Room 7 is opened for request A, released (A canceled) and opened again for request B: a
     transfer still naming A's opening gets ``E_STALE_ROOM`` and writes nothing; B's key lands."""
-    dec, dec_pool, keys = decode_engine(1 << 16)
+    dec, dec_pool, opened = decode_engine(1 << 16)
     pre0, pool0 = prefill_engine(0, 2, seed=20)
     pre1, pool1 = prefill_engine(1, 2, seed=21)
     with dec, pre0, pre1:
-        stale_key = keys[ROOM]
-        dec.room_release(ROOM)
-        _, key = dec.room_open(ROOM, PAGES, CHUNK_TOKENS)
+        stale_key = opened[ROOM].key
+        opened[ROOM].release()
+        current = dec.open_room(ROOM, PAGES, CHUNK_TOKENS)
+        key = current.key
         assert key not in (0, stale_key)
         sessions = [pre0.connect(dec.listen_address, "stale-p0"), pre1.connect(dec.listen_address, "stale-p1")]
         with pytest.raises(kvstage.TimeError) as info:
-            sessions[0].transfer(ROOM, 0, chunk_pages(0), deadline_ms=5000, room_key=stale_key)
+            sessions[0].transfer(ROOM, 0, chunk_pages(0), timeout_ms=5000, room_key=stale_key)
         assert info.value.code == Status.E_STALE_ROOM and info.value.session == "stale-p0"
         assert "room 7" in str(info.value) and str(key) not in str(info.value)
         with pytest.raises(kvstage.ArgumentError) as info:
@@ -206,23 +239,28 @@ def test_a_stale_room_key_writes_nothing_and_the_current_one_lands(lib):
         assert np.all(dec_pool == 0), "a stale transfer wrote into the decode pool"
         for chunk in range(2):
             for s in sessions:  # the stale session goes on with the right key
-                assert s.transfer(ROOM, chunk, chunk_pages(chunk), deadline_ms=5000, room_key=key) == Status.OK
-        dec.room_wait(ROOM, timeout_ms=10000)
+                assert s.transfer(ROOM, chunk, chunk_pages(chunk), timeout_ms=5000, room_key=key) == Status.OK
+        with pytest.raises(kvstage.TimeError) as info:  # the released opening is not the room any more
+            opened[ROOM].wait(timeout_ms=10000)
+        assert info.value.code == Status.E_STALE_ROOM
+        current.wait(timeout_ms=10000)
         want = kvref.reference_reshard(MODEL, [pool0, pool1], [PAGES, PAGES], [np.zeros_like(dec_pool)], [PAGES])
         assert not kvref.describe_difference(dec_pool, want[0])
+        assert opened[ROOM].poll_events() == []  # the released opening sees none of B's events
         events = dec.poll_events()
-        assert sorted(e.chunk_index for e in events) == [0, 1] and all(e.ok and e.room_key == key for e in events)
+        assert sorted((e.kind, e.chunk_index) for e in events) == [(kvstage.RoomEventKind.CHUNK, 0), (kvstage.RoomEventKind.CHUNK, 1), (kvstage.RoomEventKind.ROOM, 2)]
+        assert all(e.ok and e.room_key == key for e in events)
         for s in sessions:
             s.close()
 
 
 def test_room_wait_and_release_are_bound_to_their_opening(lib):
     """A wait on request A's opening ends when A is released, not on B's opening of the same id;
-    A's Room released twice (explicitly, then by its with block) leaves B open; events carry their
-    opening's key."""
-    dec, _, keys = decode_engine(4096, rooms=())
+    A's Room released again (explicitly, then by its with block: the library does nothing for an
+    opening no longer open) leaves B open; A's calls name A's opening only."""
+    dec, _, opened = decode_engine(4096, rooms=())
     with dec:
-        a = dec.room(ROOM, PAGES, CHUNK_TOKENS)
+        a = dec.open_room(ROOM, PAGES, CHUNK_TOKENS)
         errors = []
 
         def wait():
@@ -236,8 +274,9 @@ def test_room_wait_and_release_are_bound_to_their_opening(lib):
         time.sleep(0.2)
         with a:
             a.release()
-            b = dec.room(ROOM, PAGES, CHUNK_TOKENS)
+            b = dec.open_room(ROOM, PAGES, CHUNK_TOKENS)
             assert b.key != a.key and str(b.key) not in repr(b)
+            a.release()
         waiter.join(10)
         assert not waiter.is_alive()
         assert errors and errors[0].code == Status.E_CANCELED, errors
@@ -245,6 +284,12 @@ def test_room_wait_and_release_are_bound_to_their_opening(lib):
         with pytest.raises(kvstage.TimeError) as info:  # B is still open: its wait times out
             b.wait(timeout_ms=100)
         assert info.value.code == Status.E_TIMEOUT
+        assert b.describe()["state"] == "open"
+        for call in (lambda: a.wait(timeout_ms=100), a.describe):
+            with pytest.raises(kvstage.TimeError) as info:  # A's key names no open opening
+                call()
+            assert info.value.code == Status.E_STALE_ROOM
+        assert a.poll_events() == []  # nothing queued for A's opening (and never B's events)
         b.release()
 
 
@@ -252,12 +297,12 @@ def test_room_wait_and_release_are_bound_to_their_opening(lib):
 
 
 def test_closed_handles_raise(lib):
-    dec, _, keys = decode_engine(4096)
+    dec, _, opened = decode_engine(4096)
     pre, _ = prefill_engine(0, 2)
     with dec:
         with pre:
             session = pre.connect(dec.listen_address, "closing-1")
-            op = session.transfer_async(ROOM, 0, chunk_pages(0), deadline_ms=5000, room_key=keys[ROOM])
+            op = session.transfer_async(ROOM, 0, chunk_pages(0), timeout_ms=5000, room_key=opened[ROOM].key)
             assert op.wait(5000) == Status.OK
             op.close()
             op.close()  # idempotent
@@ -272,12 +317,12 @@ def test_closed_handles_raise(lib):
                 pass
             assert session.closed
             with pytest.raises(kvstage.ClosedHandleError) as info:
-                session.transfer(ROOM, 0, chunk_pages(0), room_key=keys[ROOM])
+                session.transfer(ROOM, 0, chunk_pages(0), room_key=opened[ROOM].key)
             assert "closed" in str(info.value) and isinstance(info.value, ValueError)
             other = pre.connect(dec.listen_address, "closing-2")
         assert pre.closed and other.closed  # closing an engine closes its sessions first
         for call in (lambda: pre.stats(), lambda: pre.listen_address, lambda: pre.connect("127.0.0.1:1", "x"),
-                     lambda: pre.poll_events(), lambda: pre.room_open(1, [0]), lambda: other.transfer_slices(ROOM, 0, [0], room_key=keys[ROOM])):
+                     lambda: pre.poll_events(), lambda: pre.open_room(1, [0]), lambda: other.transfer_slices(ROOM, 0, [0], room_key=opened[ROOM].key)):
             with pytest.raises(kvstage.ClosedHandleError):
                 call()
         with pytest.raises(kvstage.ClosedHandleError):
@@ -311,7 +356,7 @@ def test_library_argument_errors_name_the_field(lib):
         kvstage.Engine(transport="carrier-pigeon")
     with kvstage.Engine() as e:
         with pytest.raises(kvstage.ArgumentError) as info:
-            e.room_open(1, [0, 1])  # no pool registered
+            e.open_room(1, [0, 1])  # no pool registered
         assert info.value.code < 0
 
 

@@ -29,11 +29,25 @@ def test_head_slice(lib, src_tp, dst_tp):
                 assert kvstage.head_slice(src_tp, dst_tp, rs, rd, 8) == want
 
 
+def writers_per_chunk(src_tp, dst_tp, src_pp=1, *, heads, model="mha", layers=4):
+    """Writers per chunk on decode rank 0 (TP ``dst_tp``, every layer) from a prefill side of
+    ``src_pp`` equal pipeline stages of TP ``src_tp``: ``staging_layout(...).num_writers``."""
+
+    def shape(tp, pp_rank, pp, ids):
+        return kvstage.KvLayout(model=model, head_dim=16, global_heads=heads, page_size=16, tp_size=tp, pp_rank=pp_rank, pp_size=pp, layer_ids=ids)
+
+    per = layers // src_pp
+    stages = [shape(src_tp, j, src_pp, range(j * per, (j + 1) * per)) for j in range(src_pp)]
+    layout = kvstage.staging_layout(stages, shape(dst_tp, 0, 1, range(layers)), 16)
+    assert layout.num_writers == len(layout.writers)
+    return layout.num_writers
+
+
 def test_counts_and_grid(lib):
-    assert kvstage.writers_per_chunk(4, 2, total_kv_heads=8) == 2
-    assert kvstage.writers_per_chunk(2, 4, total_kv_heads=8) == 1
-    assert kvstage.writers_per_chunk(4, 2, 2, 1, total_kv_heads=8) == 4
-    assert kvstage.writers_per_chunk(8, 2, total_kv_heads=4) == 2  # prefill replication: one copy
+    assert writers_per_chunk(4, 2, heads=8) == 2
+    assert writers_per_chunk(2, 4, heads=8) == 1
+    assert writers_per_chunk(4, 2, 2, heads=8) == 4
+    assert writers_per_chunk(8, 2, heads=4) == 2  # prefill replication: one copy
     assert kvstage.grid_tokens(100, 16) == 96
     assert kvstage.grid_tokens(8, 16) == 16
     with pytest.raises(kvstage.ArgumentError, match="page_size"):
@@ -71,10 +85,10 @@ def test_staging_layout_of_uneven_pipeline_stages(lib):
 
 
 def test_mla_writers_per_chunk(lib):
-    assert kvstage.writers_per_chunk(8, 2, 2, 1, total_kv_heads=1, model="mla") == 2
-    assert kvstage.writers_per_chunk(8, 2, 2, 1, total_kv_heads=8) == 8
+    assert writers_per_chunk(8, 2, 2, heads=1, model="mla") == 2
+    assert writers_per_chunk(8, 2, 2, heads=8) == 8
     with pytest.raises(kvstage.ArgumentError, match="model"):
-        kvstage.writers_per_chunk(8, 2, total_kv_heads=8, model="gqa")
+        kvstage.KvLayout(model="gqa", head_dim=16, num_layers=1)
 
 
 def _stage(tp_size, pp_rank, pp_size, layer_ids, tp_rank=0):

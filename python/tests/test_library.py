@@ -133,10 +133,20 @@ def test_numpy_and_torch_are_not_imported(child_env):
         "e = kvstage.Engine()\n"
         "e.register_staging(4096, bytearray(4096))\n"
         "kvstage.buffer_info(bytearray(16)); kvstage.buffer_info(1 << 20)\n"
-        "e.room_open\n"
+        "e.open_room\n"
         "e.close()\n"
         "print(sorted(m for m in ('numpy', 'torch', 'cupy') if m in sys.modules))\n"
     )
     out = run_python(code, child_env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_doctor_run_reports_this_host(lib):
+    """``kvstage_doctor_run``: the readable report and the same report as JSON (a host without
+    RDMA or CUDA gets a clean report, not an error)."""
+    text = kvstage.doctor_run()
+    assert text.startswith(f"kvstage {kvstage.__version__} doctor") and "RDMA" in text, text[:200]
+    report = kvstage.doctor_run(json=True)
+    assert report["version"] == kvstage.__version__
+    assert {"rdma", "cuda", "same_host"} <= set(report)

@@ -68,14 +68,14 @@ def test_an_expired_room_is_one_warning_with_its_cause(routed, caplog):
     caplog.set_level(logging.INFO, logger="kvstage")
     decode = _engine(kvstage.Transport.TCP, room_timeout_ms=300)
     try:
-        decode.room_open(9, [0, 1, 2, 3], chunk_tokens=16)
+        room = decode.open_room(9, [0, 1, 2, 3], chunk_tokens=16)
         with pytest.raises(kvstage.TimeError):
-            decode.room_wait(9, timeout_ms=10_000)
+            room.wait(timeout_ms=10_000)
         # Logged by the engine's thread before it wakes the waiter; bounded wait all the same.
         deadline = time.monotonic() + 5
         while not _records(caplog, "kvstage.session.receiver", logging.WARNING) and time.monotonic() < deadline:
             time.sleep(0.01)
-        decode.room_release(9)
+        room.release()
     finally:
         decode.close()
     (r,) = _records(caplog, "kvstage.session.receiver", logging.WARNING)

@@ -62,7 +62,7 @@ def test_a_whole_request_from_two_prefill_ranks(lib):
     # Decode names row 3, conv slot 1, ssm slot 2, the window in pages 5, 2, 7 (from slot 0).
     dparts = RequestParts(aux_row=3, state_slots=[1, 2], pool_spans=[PoolSpan([5, 2, 7], window)])
     dst_pages = [4, 1, 6, 0, 2]
-    key = decode.room_open(9, dst_pages, chunk_tokens=chunk_tokens, parts=dparts).key
+    room = decode.open_room(9, dst_pages, chunk_tokens=chunk_tokens, parts=dparts)
     prefills, keep = [], []
     # The window is the request's last 20 tokens: 4 slots into the prefill window's first page.
     pparts = RequestParts(aux_row=0, state_slots=[2, 3], pool_spans=[PoolSpan([6, 3, 1], window, first_token=4)])
@@ -83,9 +83,9 @@ def test_a_whole_request_from_two_prefill_ranks(lib):
         for k in reversed(range(3)):
             pages = src_pages[2 * k : 2 * k + 2]
             for _engine, session, _arrays, _pool in prefills:
-                status = session.transfer(9, k, pages, 20000, room_key=key, num_tokens=min(32, total - 32 * k), parts=pparts if k == 2 else None)
+                status = session.transfer(9, k, pages, 20000, room_key=room.key, num_tokens=min(32, total - 32 * k), parts=pparts if k == 2 else None)
                 assert status == kvstage.Status.OK
-        decode.room_wait(9, 20000)
+        room.wait(20000)
 
         for name in ("output_ids", "logprobs", "hidden"):
             assert same(darrays[name][3], prefills[0][2][name][0]), name
@@ -128,9 +128,9 @@ def test_bad_parts_name_the_field(lib):
             decode.register_components([comps[0], StateComponent("conv", comps[1].buffers[:1], [0, 1], SLOTS, GROUPS, outer=OUTER)])
         decode.register_components(comps)
         decode.register_staging(1 << 20)
-        with pytest.raises(kvstage.ArgumentError, match=r"`parts.state_slots\[0\]`: 4 is outside state component \"conv\"'s 4 slots"):
-            decode.room_open(1, [0], parts=RequestParts(aux_row=0, state_slots=[4, 0], pool_spans=[PoolSpan([0], 8)]))
+        with pytest.raises(kvstage.ArgumentError, match=r"`desc->parts.state_slots\[0\]`: 4 is outside state component \"conv\"'s 4 slots"):
+            decode.open_room(1, [0], parts=RequestParts(aux_row=0, state_slots=[4, 0], pool_spans=[PoolSpan([0], 8)]))
         with pytest.raises(kvstage.ArgumentError, match=r"num_pool_spans.*0 != 1"):
-            decode.room_open(1, [0], parts=RequestParts(aux_row=0, state_slots=[0, 0]))
+            decode.open_room(1, [0], parts=RequestParts(aux_row=0, state_slots=[0, 0]))
     finally:
         decode.close()

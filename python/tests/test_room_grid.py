@@ -1,6 +1,8 @@
-"""The chunk grid from Python: a prefill session asks the decode side for a room's grid, a chunk
-cut on a wrong guess is refused with both sides' values (and fails the room, which that writer
-could not complete), and the grid it learnt delivers the room opened again.
+"""The chunk grid from Python: the decode side's opening carries its grid (key, chunk tokens, chunk
+and page counts, decode page size, cached prefix), a prefill session asks for the same grid, a
+chunk cut on a wrong guess is refused with both sides' values (and fails the room, which that
+writer could not complete), and the room opened again after a cached prefix is delivered chunk by
+chunk as ``chunk_span`` cuts it on the grid the session learnt.
 Both engines live in this process, on 127.0.0.1."""
 
 import pytest
@@ -22,28 +24,43 @@ def test_room_grid_and_a_wrong_guess(lib):
     prefill.register_pool(playout)
     session = prefill.connect(decode.listen_address, "grid")
     pages = list(range(10))
-    key = decode.room_open(3, pages, chunk_tokens=16).key  # 4 pages a chunk: 4 + 4 + 2
+    room = decode.open_room(3, pages, chunk_tokens=16)  # 4 pages a chunk: 4 + 4 + 2
     try:
-        grid = session.room_grid(3, timeout_ms=5000, room_key=key)
-        assert grid == kvstage.RoomGrid(chunk_tokens=16, num_chunks=3, num_pages=10)
+        assert room.key != 0 and room.num_chunks == 3
+        assert room.grid == kvstage.RoomGrid(key=room.key, chunk_tokens=16, num_chunks=3, num_pages=10, page_size=4, prefix_tokens=0)
+        assert str(room.key) not in repr(room.grid) + repr(room)  # the key is a capability
+        grid = session.room_grid(3, timeout_ms=5000, room_key=room.key)
+        assert grid == room.grid
         with pytest.raises(kvstage.TimeError, match="room 4: the room key names no open opening"):
-            session.room_grid(4, timeout_ms=5000, room_key=key)
+            session.room_grid(4, timeout_ms=5000, room_key=room.key)
         with pytest.raises(kvstage.TimeError) as stale:
-            session.room_grid(3, timeout_ms=5000, room_key=key ^ 1)
+            session.room_grid(3, timeout_ms=5000, room_key=room.key ^ 1)
         assert stale.value.code == kvstage.Status.E_STALE_ROOM
         with pytest.raises(kvstage.GeometryError) as info:
-            session.transfer(3, 0, pages[:3], deadline_ms=5000, room_key=key)
+            session.transfer(3, 0, pages[:3], timeout_ms=5000, room_key=room.key)
         assert "sender has 12 tokens, receiver expects 16" in str(info.value.causes) + str(info.value)
         with pytest.raises(kvstage.GeometryError, match="writer 0 \\(session grid"):
-            decode.room_wait(3, 1)
-        decode.room_release(3)
-        key = decode.room_open(3, pages, chunk_tokens=16).key
-        per_chunk = grid.chunk_tokens // MODEL.page_size
+            room.wait(1)
+        room.release()
+
+        # Opened again after a cached prefix of two decode pages: the grid says so, and
+        # chunk_span cuts the request (prefill pages 0..11, tokens 0..47) on it.
+        room = decode.open_room(3, pages, chunk_tokens=16, prefix_tokens=8)
+        grid = session.room_grid(3, timeout_ms=5000, room_key=room.key)
+        assert grid == room.grid
+        assert (grid.prefix_tokens, grid.page_size, grid.num_chunks, grid.num_pages) == (8, 4, 3, 10)
+        total, request_pages = 8 + 10 * MODEL.page_size, list(range(12))
         for k in range(grid.num_chunks):
-            chunk = pages[k * per_chunk:(k + 1) * per_chunk]
-            assert session.transfer(3, k, chunk, deadline_ms=20000, room_key=key) == kvstage.Status.OK
-        decode.room_wait(3, 20000)
-        assert (dpool[:, :, : 10 * MODEL.page_size] == ppool[:, :, : 10 * MODEL.page_size]).all()
+            span = kvstage.chunk_span(grid, total, MODEL.page_size, k)
+            assert span.first_token == 8 + 16 * k and span.dst_first_page == 4 * k
+            status = session.transfer(
+                3, k, span.src_pages(request_pages), timeout_ms=20000, room_key=room.key,
+                src_token_offset=span.src_token_offset, num_tokens=span.num_tokens,
+            )
+            assert status == kvstage.Status.OK
+        room.wait(20000)
+        # Decode slots 0..39 (pages 0..9) hold request tokens 8..47 (prefill slots 8..47).
+        assert (dpool[:, :, : 10 * MODEL.page_size] == ppool[:, :, 8:48]).all()
     finally:
         session.close()
         prefill.close()

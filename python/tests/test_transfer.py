@@ -120,7 +120,7 @@ def _send_staging_transfer(engines, pairs, prefill_pages, addrs, keys, chunks, g
         for c in range(chunks):
             for rs, rd in pairs:
                 pages = prefill_pages[rs][c * grid_pages : (c + 1) * grid_pages]
-                target = kvstage.TransferTarget(room=ROOM, room_key=keys[rd], chunk_index=c, peer=addrs[rd], deadline_ms=20000)
+                target = kvstage.TransferTarget(room=ROOM, room_key=keys[rd], chunk_index=c, peer=addrs[rd], timeout_ms=20000)
                 rc = helpers[rs].transfer(f"req-{ROOM}/p{rs}-d{rd}", pages, None, None, target)
                 assert rc == 0, f"chunk {c} p{rs}->d{rd} fell back"
         assert set(helpers[0].session_ids) == {f"req-{ROOM}/p0-d{rd}" for r, rd in pairs if r == 0}
@@ -138,7 +138,7 @@ def _send_async_threads(engines, pairs, prefill_pages, addrs, keys, chunks, grid
             sessions = {rd: engines[rs].connect(addrs[rd], f"req-{ROOM}/p{rs}-d{rd}") for r, rd in pairs if r == rs}
             for c in range(chunks):
                 pages = np.asarray(prefill_pages[rs][c * grid_pages : (c + 1) * grid_pages], dtype=np.int64)
-                ops = [s.transfer_async(ROOM, c, pages, deadline_ms=20000, room_key=keys[rd]) for rd, s in sessions.items()]
+                ops = [s.transfer_async(ROOM, c, pages, timeout_ms=20000, room_key=keys[rd]) for rd, s in sessions.items()]
                 for op in ops:
                     with op:
                         assert op.wait() == kvstage.Status.OK
@@ -209,11 +209,14 @@ def test_staged_transfer_between_two_processes(name, lib, child_env, tmp_path):
             e.close()
     assert peer.proc.returncode == 0, f"decode process exited with {peer.proc.returncode}"
 
-    # Every chunk of every decode rank arrived (one OK event each), and the rings are empty again.
+    # Every chunk of every decode rank arrived (one OK event each), then the room (one OK ROOM
+    # event, its chunk count in chunk_index), and the rings are empty again.
+    CHUNK, ROOM_EVENT = kvstage.RoomEventKind.CHUNK, kvstage.RoomEventKind.ROOM
     for rd in range(d_tp):
         events = result["events"][rd]
-        assert sorted(c for _, c, _ in events) == list(range(chunks)), f"decode rank {rd}: events {events}"
-        assert all(room == ROOM and status == kvstage.Status.OK for room, _, status in events)
+        assert sorted(c for kind, _, c, _ in events if kind == CHUNK) == list(range(chunks)), f"decode rank {rd}: events {events}"
+        assert events[-1][0] == ROOM_EVENT and events[-1][2] == chunks and sum(1 for e in events if e[0] == ROOM_EVENT) == 1, events
+        assert all(room == ROOM and status == kvstage.Status.OK for _, room, _, status in events)
         ring_capacity, live_after_release = result["stats"][rd]
         assert ring_capacity == result["ring_bytes"][rd]
         assert live_after_release == 0

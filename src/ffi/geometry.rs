@@ -4,7 +4,7 @@
 
 use super::args::{init_versioned, out_arg, read_versioned, read_versioned_array, slice_arg, versioned, write_array, write_versioned, write_versioned_array};
 use super::ffi_fn;
-use super::pool::{kvstage_kv_layout, pool_shape_from_c};
+use super::pool::{kvstage_component, kvstage_kv_layout, pool_shape_from_c};
 use super::room::kvstage_room_grid;
 use crate::error::{Error, Result, Status};
 use crate::geometry::{self, PoolShape, StateItem};
@@ -80,20 +80,26 @@ unsafe fn write_peers(peers: &[geometry::PeerRank], out: *mut kvstage_rank, capa
     unsafe { write_array(&ranks, out, capacity, count, "ranks") }
 }
 
-/// The decode ranks prefill rank `prefill` must open sessions to, ordered by (pp_rank, tp_rank):
-/// TP ranks by the head mapping (MLA: the decode ranks this rank is the designated writer of), PP
-/// stages that hold at least one of its layers, whatever the split. `decode_stages` is an array of
-/// `num_decode_stages` shape-only layouts (each filled by `kvstage_kv_layout_init`),
-/// `decode_stages[j]` for decode stage `j` (any TP rank: its `tp_size` and `layer_ids` are used;
-/// bases are ignored). The ranks go to
-/// `out[capacity]`; `*count` (may be NULL) receives their number, also when `capacity` is too
-/// small (`KVSTAGE_E_INVALID_ARG`). A call with `out` NULL and `capacity` 0 is a count query:
-/// `KVSTAGE_OK` with `*count` set (0 when the rank exchanges nothing with that side).
-/// Errors name the bad stage: out of order, TP sizes that differ, a layer held twice, fields both
-/// sides must agree on (`KVSTAGE_E_GEOMETRY_MISMATCH`).
+/// The decode ranks prefill rank `prefill` must open sessions to for whole requests, ordered by
+/// (pp_rank, tp_rank): TP ranks by the head mapping (MLA: the decode ranks this rank is the
+/// designated writer of) and, with sharded state, the decode ranks its state shares go to — a
+/// rank that only replicates heads another rank sends still owes them its share of a sharded
+/// state item — and PP stages that hold at least one of its layers, whatever the split.
+/// `components` (may be NULL with 0) are the rank's registered components (`kvstage_component`,
+/// as for `kvstage_pool_register_components`; only STATE components' `state` is read, bases are
+/// ignored). `decode_stages` is an array of `num_decode_stages` shape-only layouts (each filled by
+/// `kvstage_kv_layout_init`), `decode_stages[j]` for decode stage `j` (any TP rank: its `tp_size`
+/// and `layer_ids` are used; bases are ignored). The ranks go to `out[capacity]`; `*count` (may
+/// be NULL) receives their number, also when `capacity` is too small (`KVSTAGE_E_INVALID_ARG`). A
+/// call with `out` NULL and `capacity` 0 is a count query: `KVSTAGE_OK` with `*count` set (0 when
+/// the rank exchanges nothing with that side). Errors name the bad stage: out of order, TP sizes
+/// that differ, a layer held twice, fields both sides must agree on (`KVSTAGE_E_GEOMETRY_MISMATCH`).
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn kvstage_pairing_decode_ranks(
     prefill: *const kvstage_kv_layout,
+    components: *const kvstage_component,
+    num_components: usize,
     decode_stages: *const kvstage_kv_layout,
     num_decode_stages: usize,
     out: *mut kvstage_rank,
@@ -102,18 +108,23 @@ pub unsafe extern "C" fn kvstage_pairing_decode_ranks(
 ) -> Status {
     ffi_fn!(status {
         let local = unsafe { pool_shape_from_c(prefill, "prefill") }?;
+        let states = unsafe { state_items(components, num_components) }?;
         let stages = unsafe { stage_shapes(decode_stages, num_decode_stages, "decode_stages") }?;
-        let peers = geometry::decode_peers(&local, &stages)?;
+        let peers = geometry::decode_peers_of_request(&local, &stages, &states)?;
         unsafe { write_peers(&peers, out, capacity, count) }
     })
 }
 
-/// The prefill ranks that write to decode rank `decode` (the sessions it will accept), ordered by
-/// (pp_rank, tp_rank): the inverse of `kvstage_pairing_decode_ranks`, with the same conventions;
-/// `prefill_stages[j]` describes prefill stage `j`.
+/// The prefill ranks that write to decode rank `decode` for whole requests (the sessions it will
+/// accept), ordered by (pp_rank, tp_rank): the inverse of `kvstage_pairing_decode_ranks`, with the
+/// same conventions; `components` are the decode rank's, `prefill_stages[j]` describes prefill
+/// stage `j`.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn kvstage_pairing_prefill_ranks(
     decode: *const kvstage_kv_layout,
+    components: *const kvstage_component,
+    num_components: usize,
     prefill_stages: *const kvstage_kv_layout,
     num_prefill_stages: usize,
     out: *mut kvstage_rank,
@@ -122,10 +133,23 @@ pub unsafe extern "C" fn kvstage_pairing_prefill_ranks(
 ) -> Status {
     ffi_fn!(status {
         let local = unsafe { pool_shape_from_c(decode, "decode") }?;
+        let states = unsafe { state_items(components, num_components) }?;
         let stages = unsafe { stage_shapes(prefill_stages, num_prefill_stages, "prefill_stages") }?;
-        let peers = geometry::prefill_peers(&local, &stages)?;
+        let peers = geometry::prefill_peers_of_request(&local, &stages, &states)?;
         unsafe { write_peers(&peers, out, capacity, count) }
     })
+}
+
+/// The state items of the STATE components among `components` (read at the caller's stride).
+unsafe fn state_items(components: *const kvstage_component, count: usize) -> Result<Vec<StateItem>> {
+    let raw = unsafe { read_versioned_array(components, count, "components") }?;
+    let mut items = Vec::new();
+    for (i, c) in raw.iter().enumerate() {
+        if c.kind == super::pool::kvstage_component_kind::KVSTAGE_COMPONENT_STATE as i32 {
+            items.push(unsafe { state_item(c.state) }.map_err(|e| e.context(format!("components[{i}].state")))?);
+        }
+    }
+    Ok(items)
 }
 
 /// Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
@@ -281,6 +305,15 @@ pub struct kvstage_chunk_span {
     pub dst_num_pages: u32,
 }
 
+/// The pure function's argument names as the caller wrote them (fields of `grid`).
+fn grid_names(e: Error) -> Error {
+    let mut message = e.message().to_owned();
+    for (name, field) in [("`decode_prefix_tokens`", "`grid->prefix_tokens`"), ("`dst_page_size`", "`grid->page_size`"), ("`chunk_tokens`", "`grid->chunk_tokens`")] {
+        message = message.replace(name, field);
+    }
+    Error::new(e.code(), message)
+}
+
 /// Chunk `chunk_index` of a request of `total_tokens` tokens (the decode side's cached prefix
 /// included) on the decode room's grid (`grid`: what `kvstage_room_open` or
 /// `kvstage_session_room_grid_get` answered: its chunk tokens, decode page size and prefix), with
@@ -298,7 +331,8 @@ pub unsafe extern "C" fn kvstage_chunk_span_compute(
     ffi_fn!(status {
         let out = super::args::out_ptr(out, "out")?;
         let g = unsafe { read_versioned::<kvstage_room_grid>(grid, "grid") }?;
-        let s = geometry::chunk_span(total_tokens, g.prefix_tokens, src_page_size, g.page_size, g.chunk_tokens, chunk_index)?;
+        let s = geometry::chunk_span(total_tokens, g.prefix_tokens, src_page_size, g.page_size, g.chunk_tokens, chunk_index)
+            .map_err(|e| grid_names(e))?;
         let filled = kvstage_chunk_span {
             struct_size: std::mem::size_of::<kvstage_chunk_span>(),
             num_chunks: s.num_chunks,

@@ -294,7 +294,8 @@ pub(super) unsafe fn check_events(events: *mut kvstage_room_event, capacity: usi
 }
 
 /// Decode side: as `kvstage_engine_poll_events` for the opening (`room`, `key`) only; events of
-/// other rooms stay queued. Non-blocking.
+/// other rooms stay queued. Non-blocking. `KVSTAGE_E_STALE_ROOM` when that opening is not open
+/// (a release drops the events of its opening not yet polled).
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_room_poll_events(
     engine: *const kvstage_engine,
@@ -309,6 +310,9 @@ pub unsafe extern "C" fn kvstage_room_poll_events(
         let at = room_ref(room, key, "key")?;
         out_arg(count, "count")?;
         unsafe { check_events(events, capacity) }?;
+        if !engine.receiver().is_open(at) {
+            return Err(crate::session::receiver::state::not_open(room));
+        }
         let taken = engine.receiver().take_events(Some(at), capacity);
         unsafe { write_events(&taken, events, capacity, count) }
     })

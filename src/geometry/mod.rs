@@ -26,7 +26,7 @@ pub use heads::{
     prefill_pp_ranks_for_decode, prefill_ranks_for_decode, sends_its_heads, tp_writers, writers_per_chunk,
     HeadSlice,
 };
-pub use pairing::{decode_peers, prefill_peers, PeerRank};
+pub use pairing::{decode_peers, decode_peers_of_request, prefill_peers, prefill_peers_of_request, PeerRank};
 pub use plan::{plan_chunk, plan_gather, plan_scatter, CopyPlan, CopyRun, Segment, Slab};
 pub use slice::{slice_plan, SliceOp};
 pub use span::PageSpan;

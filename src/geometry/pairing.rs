@@ -8,6 +8,7 @@
 //! split (uneven, or not contiguous).
 
 use super::heads::{decode_ranks_for_prefill, mla_source_rank, prefill_ranks_for_decode, sends_its_heads};
+use super::state::{state_slice, StateItem};
 use super::{agreed_field_mismatches, mismatch_error, ModelKind, PoolShape};
 use crate::error::{Error, Result};
 
@@ -24,11 +25,25 @@ pub struct PeerRank {
 /// used). Errors: stages out of order or of different TP sizes, layer ids held by two stages,
 /// fields both sides must agree on that differ, TP sizes or head counts that do not pair.
 pub fn decode_peers(src: &PoolShape, dst_stages: &[PoolShape]) -> Result<Vec<PeerRank>> {
+    decode_peers_of_request(src, dst_stages, &[])
+}
+
+/// [`decode_peers`] for whole requests whose ranks hold the sharded per-request `states` (their
+/// state components' items): a prefill rank that replicates heads another rank sends still owes
+/// a decode rank the share of a sharded state item it holds, so it opens that session too
+/// (docs/GEOMETRY.md, "Request parts").
+pub fn decode_peers_of_request(src: &PoolShape, dst_stages: &[PoolShape], states: &[StateItem]) -> Result<Vec<PeerRank>> {
     let dst_tp = check_stages(src, dst_stages, "decode_stages")?;
     let tp_ranks: Vec<u32> = match src.kind {
-        ModelKind::Mha => decode_ranks_for_prefill(src.tp_rank, src.tp_size, dst_tp)?
-            .filter(|&d| sends_its_heads(src.tp_rank, d, src.tp_size, dst_tp, src.global_heads))
-            .collect(),
+        ModelKind::Mha => {
+            let mut ranks = Vec::new();
+            for d in decode_ranks_for_prefill(src.tp_rank, src.tp_size, dst_tp)? {
+                if sends_its_heads(src.tp_rank, d, src.tp_size, dst_tp, src.global_heads) || owes_state(states, src.tp_size, dst_tp, src.tp_rank, d)? {
+                    ranks.push(d);
+                }
+            }
+            ranks
+        }
         ModelKind::Mla => {
             mla_source_rank(0, src.tp_size, dst_tp)?; // checks the sizes
             (0..dst_tp).filter(|d| d % src.tp_size == src.tp_rank).collect()
@@ -40,14 +55,37 @@ pub fn decode_peers(src: &PoolShape, dst_stages: &[PoolShape]) -> Result<Vec<Pee
 /// The prefill ranks that write to decode rank `dst`, ordered by (pp_rank, tp_rank): the inverse of
 /// [`decode_peers`]. `src_stages[j]` describes prefill PP stage `j`.
 pub fn prefill_peers(dst: &PoolShape, src_stages: &[PoolShape]) -> Result<Vec<PeerRank>> {
+    prefill_peers_of_request(dst, src_stages, &[])
+}
+
+/// [`prefill_peers`] for whole requests with the sharded per-request `states`: the inverse of
+/// [`decode_peers_of_request`].
+pub fn prefill_peers_of_request(dst: &PoolShape, src_stages: &[PoolShape], states: &[StateItem]) -> Result<Vec<PeerRank>> {
     let src_tp = check_stages(dst, src_stages, "prefill_stages")?;
     let tp_ranks: Vec<u32> = match dst.kind {
-        ModelKind::Mha => prefill_ranks_for_decode(dst.tp_rank, src_tp, dst.tp_size)?
-            .filter(|&rs| sends_its_heads(rs, dst.tp_rank, src_tp, dst.tp_size, dst.global_heads))
-            .collect(),
+        ModelKind::Mha => {
+            let mut ranks = Vec::new();
+            for rs in prefill_ranks_for_decode(dst.tp_rank, src_tp, dst.tp_size)? {
+                if sends_its_heads(rs, dst.tp_rank, src_tp, dst.tp_size, dst.global_heads) || owes_state(states, src_tp, dst.tp_size, rs, dst.tp_rank)? {
+                    ranks.push(rs);
+                }
+            }
+            ranks
+        }
         ModelKind::Mla => vec![mla_source_rank(dst.tp_rank, src_tp, dst.tp_size)?],
     };
     Ok(pairs(dst, src_stages, &tp_ranks))
+}
+
+/// Whether prefill rank `src_rank` holds a share of a sharded state item that decode rank
+/// `dst_rank` needs (a replicated item travels from one designated rank, a head sender).
+fn owes_state(states: &[StateItem], src_tp: u32, dst_tp: u32, src_rank: u32, dst_rank: u32) -> Result<bool> {
+    for item in states.iter().filter(|i| !i.replicated) {
+        if !state_slice(item, src_tp, dst_tp, src_rank, dst_rank)?.is_empty() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 fn pairs(local: &PoolShape, stages: &[PoolShape], tp_ranks: &[u32]) -> Vec<PeerRank> {
@@ -165,6 +203,57 @@ mod tests {
             }
         }
         assert_eq!(checked, 2 * 5usize.pow(4));
+    }
+
+    /// With a sharded state item, a rank that only replicates heads pairs with every decode rank
+    /// its state share goes to: the carriers (docs/GEOMETRY.md) whose share is not empty.
+    #[test]
+    fn sharded_state_pairs_the_replicas_that_hold_a_share() {
+        use crate::geometry::parts::carriers;
+        let conv = StateItem { outer: 3, groups: vec![8, 8, 16], dtype_bytes: 2, replicated: false };
+        let whole = StateItem { replicated: true, ..conv.clone() };
+        let mut extra = 0;
+        for (stp, dtp, heads) in [(4u32, 2u32, 1u32), (4, 1, 2), (8, 2, 2), (2, 4, 1), (4, 4, 1), (2, 2, 2)] {
+            let base = PoolShape::new(ModelKind::Mha, heads, 64, 2, 4, 2);
+            let dst_stages = [base.clone().with_tp(0, dtp)];
+            let src_stages = [base.clone().with_tp(0, stp)];
+            let mut brute = std::collections::BTreeSet::new();
+            for rd in 0..dtp {
+                let st = staging_layout(&src_stages[0], &base.clone().with_tp(rd, dtp), 4).unwrap();
+                for c in carriers(&st).unwrap() {
+                    let kv = c.head_group.is_some();
+                    if kv || !state_slice(&conv, stp, dtp, c.src_rank, rd).unwrap().is_empty() {
+                        brute.insert((c.src_rank, rd));
+                    }
+                    extra += usize::from(!kv && !state_slice(&conv, stp, dtp, c.src_rank, rd).unwrap().is_empty());
+                }
+            }
+            let mut from_prefill = std::collections::BTreeSet::new();
+            let mut kv_only = std::collections::BTreeSet::new();
+            for rs in 0..stp {
+                let src = base.clone().with_tp(rs, stp);
+                for p in decode_peers_of_request(&src, &dst_stages, &[conv.clone(), whole.clone()]).unwrap() {
+                    from_prefill.insert((rs, p.tp_rank));
+                }
+                for p in decode_peers_of_request(&src, &dst_stages, &[whole.clone()]).unwrap() {
+                    kv_only.insert((rs, p.tp_rank));
+                }
+                assert_eq!(decode_peers(&src, &dst_stages).unwrap(), decode_peers_of_request(&src, &dst_stages, &[]).unwrap());
+            }
+            let mut from_decode = std::collections::BTreeSet::new();
+            for rd in 0..dtp {
+                for p in prefill_peers_of_request(&base.clone().with_tp(rd, dtp), &src_stages, &[conv.clone()]).unwrap() {
+                    from_decode.insert((p.tp_rank, rd));
+                }
+            }
+            assert_eq!(from_prefill, brute, "P tp {stp} -> D tp {dtp}, {heads} heads, from the prefill side");
+            assert_eq!(from_decode, brute, "P tp {stp} -> D tp {dtp}, {heads} heads, from the decode side");
+            // A replicated item adds no session: its writer is a head sender.
+            let senders: std::collections::BTreeSet<(u32, u32)> =
+                (0..stp).flat_map(|rs| decode_peers(&base.clone().with_tp(rs, stp), &dst_stages).unwrap().into_iter().map(move |p| (rs, p.tp_rank))).collect();
+            assert_eq!(kv_only, senders);
+        }
+        assert!(extra > 0, "no case had a replica owing a state share: the test proves nothing");
     }
 
     fn itertools(sizes: &[u32]) -> impl Iterator<Item = (&u32, &u32, &u32, &u32)> {

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use super::state::{ReceiverDescription, RoomDescription};
 use super::Receiver;
-use crate::error::{Error, Result, Status};
+use crate::error::{Error, Result};
 use crate::protocol::RoomRef;
 
 impl Receiver {
@@ -17,7 +17,7 @@ impl Receiver {
         let page_size = self.page_size();
         let st = self.state.lock();
         if !st.is_open(at) {
-            return Err(Error::new(Status::KVSTAGE_E_STALE_ROOM, format!("room {} is not open under key {:#x} (released, or another opening)", at.id, at.key)));
+            return Err(super::state::not_open(at.id));
         }
         st.describe_room(at.id, page_size, Instant::now()).ok_or_else(|| Error::internal("an open room without a description"))
     }

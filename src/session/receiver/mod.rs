@@ -521,6 +521,11 @@ impl Receiver {
         Ok(())
     }
 
+    /// Whether the opening `at` is open (not released).
+    pub fn is_open(&self, at: RoomRef) -> bool {
+        self.state.lock().is_open(at)
+    }
+
     /// Up to `max` queued events, oldest first: of the opening `room`, or of every room.
     pub fn take_events(&self, room: Option<RoomRef>, max: usize) -> Vec<ChunkEvent> {
         self.state.lock().take_events(room, max)

@@ -450,6 +450,14 @@ fn protocol(why: impl Into<String>) -> Error {
 /// A frame or lease for an opening of `room` that is not open (released, maybe opened again for
 /// another request, or a key never issued). Whether the id is open now, and its key, are not
 /// said: a guesser learns nothing.
+/// A decode caller's room call names an opening that is not open.
+pub fn not_open(room: u64) -> Error {
+    Error::new(
+        Status::KVSTAGE_E_STALE_ROOM,
+        format!("room {room} is not open under this key (released, or the id was opened again for another request)"),
+    )
+}
+
 fn stale(room: u64) -> Error {
     Error::new(
         Status::KVSTAGE_E_STALE_ROOM,
@@ -826,7 +834,7 @@ impl State {
                 Some(f) => Err(Error::new(f.code, format!("room {room} failed: {}", f.why)).with_session(&f.session)),
                 None => Ok(r.complete()),
             },
-            None => Err(stale(room)),
+            None => Err(not_open(room)),
         }
     }
 
