@@ -599,11 +599,11 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     ),
     "kvstage_pairing_decode_ranks": (
         c_int,
-        [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],
+        [_p(kvstage_kv_layout), _p(kvstage_component), c_size_t, _p(kvstage_kv_layout), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],
     ),
     "kvstage_pairing_prefill_ranks": (
         c_int,
-        [_p(kvstage_kv_layout), _p(kvstage_kv_layout), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],
+        [_p(kvstage_kv_layout), _p(kvstage_component), c_size_t, _p(kvstage_kv_layout), c_size_t, _p(kvstage_rank), c_size_t, _p(c_size_t)],
     ),
     "kvstage_staging_layout_compute": (
         c_int,

@@ -12,6 +12,7 @@ from typing import Any, List, NamedTuple, Sequence, Tuple, Union
 from . import _lib
 from ._common import check, init_struct, output_array, output_struct, u32, u64
 from .library import get_library
+from .parts import components_c
 from .pool import KvLayout, stage_array
 from .room import RoomGrid
 
@@ -81,29 +82,35 @@ def state_slice(
     return [ByteRange(r.src_offset, r.dst_offset, r.len) for r in out[: count.value]]
 
 
-def _pairing(fn: str, local: KvLayout, stages: Sequence[KvLayout]) -> List[Tuple[int, int]]:
+def _pairing(fn: str, local: KvLayout, stages: Sequence[KvLayout], components: Sequence[Any]) -> List[Tuple[int, int]]:
     lib = get_library()
     clocal, _keep_local = local._c()
+    comps, _keep_comps = components_c(lib, components)
     array, keep = stage_array(stages)
     count = c_size_t(0)
-    check(lib, getattr(lib, fn)(byref(clocal), array, len(keep), None, 0, byref(count)), fn)  # the count
+    args = (byref(clocal), comps, len(components), array, len(keep))
+    check(lib, getattr(lib, fn)(*args, None, 0, byref(count)), fn)  # the count
     if count.value == 0:
         return []
     out = (_lib.kvstage_rank * count.value)()
-    check(lib, getattr(lib, fn)(byref(clocal), array, len(keep), out, count.value, byref(count)), fn)
+    check(lib, getattr(lib, fn)(*args, out, count.value, byref(count)), fn)
     return [(out[i].tp_rank, out[i].pp_rank) for i in range(count.value)]
 
 
-def pairing_decode_ranks(prefill: KvLayout, decode_stages: Sequence[KvLayout]) -> List[Tuple[int, int]]:
+def pairing_decode_ranks(prefill: KvLayout, decode_stages: Sequence[KvLayout], components: Sequence[Any] = ()) -> List[Tuple[int, int]]:
     """``kvstage_pairing_decode_ranks``: the ``(tp_rank, pp_rank)`` decode ranks prefill rank
-    ``prefill`` must open sessions to; ``decode_stages[j]`` is a shape-only layout of decode stage ``j``."""
-    return _pairing("kvstage_pairing_decode_ranks", prefill, decode_stages)
+    ``prefill`` must open sessions to for whole requests; ``decode_stages[j]`` is a shape-only
+    layout of decode stage ``j``; ``components`` are the rank's (as for
+    :meth:`Engine.register_components`): with a sharded :class:`~kvstage.parts.StateComponent`, a
+    rank that only replicates heads still opens the sessions its state shares go over."""
+    return _pairing("kvstage_pairing_decode_ranks", prefill, decode_stages, components)
 
 
-def pairing_prefill_ranks(decode: KvLayout, prefill_stages: Sequence[KvLayout]) -> List[Tuple[int, int]]:
+def pairing_prefill_ranks(decode: KvLayout, prefill_stages: Sequence[KvLayout], components: Sequence[Any] = ()) -> List[Tuple[int, int]]:
     """``kvstage_pairing_prefill_ranks``: the ``(tp_rank, pp_rank)`` prefill ranks that write to decode
-    rank ``decode``; ``prefill_stages[j]`` describes prefill stage ``j``."""
-    return _pairing("kvstage_pairing_prefill_ranks", decode, prefill_stages)
+    rank ``decode`` for whole requests (the inverse of :func:`pairing_decode_ranks`);
+    ``prefill_stages[j]`` describes prefill stage ``j``."""
+    return _pairing("kvstage_pairing_prefill_ranks", decode, prefill_stages, components)
 
 
 def grid_tokens(chunk_tokens: int, page_size: int) -> int:

@@ -118,6 +118,24 @@ def test_pairing_uneven_stages(lib):
         kvstage.pairing_prefill_ranks(decode[0], [prefill[0], _stage(2, 1, 3, [2, 3]), prefill[2]])
 
 
+def test_pairing_answers_for_whole_requests_with_sharded_state(lib):
+    # One KV head, prefill TP 4 -> decode TP 2: prefill ranks 1 and 3 replicate the head ranks 0
+    # and 2 send, so for the KV alone they open no session; a sharded conv state (groups of 8, 8,
+    # 16 elements) has a share on every prefill rank, and each must reach its decode rank.
+    def layout(tp_rank, tp_size):
+        return kvstage.KvLayout(head_dim=16, global_heads=1, page_size=4, tp_rank=tp_rank, tp_size=tp_size, num_layers=2)
+
+    conv = kvstage.StateComponent("conv", buffers=[bytearray(64), bytearray(64)], layer_ids=[0, 1], slots=4, group_dims=[8, 8, 16])
+    whole = conv._replace(name="whole", replicated=True)
+    decode = [layout(0, 2)]
+    assert kvstage.pairing_decode_ranks(layout(1, 4), decode) == []
+    assert kvstage.pairing_decode_ranks(layout(1, 4), decode, [whole]) == []
+    assert kvstage.pairing_decode_ranks(layout(1, 4), decode, [conv]) == [(0, 0)]
+    assert kvstage.pairing_decode_ranks(layout(3, 4), decode, [whole, conv]) == [(1, 0)]
+    assert kvstage.pairing_prefill_ranks(layout(1, 2), [layout(0, 4)]) == [(2, 0)]
+    assert kvstage.pairing_prefill_ranks(layout(1, 2), [layout(0, 4)], [conv]) == [(2, 0), (3, 0)]
+
+
 def _shard(item, groups, tp, rank):
     """Rank `rank` of `tp`'s slot of a sharded state item (numpy): its share of every group of every row."""
     parts, start = [], 0
