@@ -14,7 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kvstage_check.h"
+#include "host_pool.h"
 
 #if !defined(KVSTAGE_TESTING)
 #error "bad_input.c needs KVSTAGE_TESTING (kvstage_testing_panic poisons an engine)"
@@ -71,39 +71,15 @@ static void expect_at(const char *file, int line, const char *what, int rc, int 
 
 /* --- fixtures ------------------------------------------------------------------------------- */
 
-/* A small MHA pool: 2 layers, 2 KV heads of 8 bf16 elements, 4-token pages, 16 pages. */
+/* A small MHA pool: 2 layers (ids named), 2 KV heads of 8 bf16 elements, 4-token pages, 16 pages. */
 enum { LAYERS = 2, HEADS = 2, HEAD_DIM = 8, DTYPE = 2, PAGE = 4, CAPACITY = 16 };
-enum { BUFFER_BYTES = CAPACITY * PAGE * HEADS * HEAD_DIM * DTYPE };
 
-typedef struct pool {
-    uint8_t *memory;
-    uint64_t k[LAYERS], v[LAYERS];
-    uint32_t layer_ids[LAYERS];
-    kvstage_kv_layout layout;
-} pool;
+static const uint32_t LAYER_IDS[LAYERS] = {0, 1};
 
-static void pool_init(pool *p) {
-    int l;
-    p->memory = (uint8_t *)calloc(2 * LAYERS, BUFFER_BYTES);
-    REQUIRE(p->memory != NULL);
-    for (l = 0; l < LAYERS; ++l) {
-        p->k[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l) * BUFFER_BYTES);
-        p->v[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l + 1) * BUFFER_BYTES);
-        p->layer_ids[l] = (uint32_t)l;
-    }
-    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
-    p->layout.model_kind = KVSTAGE_MODEL_MHA;
-    p->layout.page_size = PAGE;
-    p->layout.local_heads = HEADS;
-    p->layout.global_heads = HEADS;
-    p->layout.head_dim = HEAD_DIM;
-    p->layout.dtype_bytes = DTYPE;
-    p->layout.num_layers = LAYERS;
-    p->layout.layer_ids = p->layer_ids;
-    p->layout.k_bases = p->k;
-    p->layout.v_bases = p->v;
-    p->layout.capacity_pages = CAPACITY;
-    REQUIRE(kvstage_kv_layout_validate(&p->layout) == KVSTAGE_OK);
+static void pool_init(host_pool *p) {
+    kvstage_kv_layout shape = host_pool_shape(LAYERS, HEADS, HEAD_DIM, DTYPE, PAGE, CAPACITY, 0, 1);
+    shape.layer_ids = LAYER_IDS;
+    host_pool_init(p, &shape);
 }
 
 static kvstage_engine *engine_new(void) {
@@ -147,22 +123,31 @@ static void test_global_and_options(void) {
     CHECK_STR(kvstage_status_name(INT32_MIN), "KVSTAGE_UNKNOWN");
 
     EXPECT(kvstage_testing_panic(NULL), KVSTAGE_E_INVALID_ARG, "`engine`");
-    EXPECT(kvstage_engine_options_init(NULL), KVSTAGE_E_INVALID_ARG, "`options`");
+    EXPECT(kvstage_engine_options_init(NULL, sizeof(kvstage_engine_options)), KVSTAGE_E_INVALID_ARG, "`options`");
+    /* The caller's size: below the first published version (0.4: the whole struct but its tail
+     * padding), or absurd, is refused naming `size`, and nothing is written. */
+    memset(&o, 0x5A, sizeof o);
+    EXPECT(kvstage_engine_options_init(&o, 0), KVSTAGE_E_INVALID_ARG, "`size`");
+    EXPECT(kvstage_engine_options_init(&o, sizeof o - 8), KVSTAGE_E_INVALID_ARG, "`size`");
+    EXPECT(kvstage_engine_options_init(&o, SIZE_MAX), KVSTAGE_E_INVALID_ARG, "`size`");
+    ++g_cases;
+    CHECK(o.worker_threads == 0x5A5A5A5Au && o.transport == 0x5A5A5A5A);
 
     EXPECT(kvstage_engine_new(NULL, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     EXPECT(kvstage_engine_new(&o, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
 
 #define BAD_OPTION(field, value, needle)                                        \
     do {                                                                        \
-        REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);                 \
+        REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);                 \
         o.field = value;                                                        \
         EXPECT(kvstage_engine_new(&o, &out), KVSTAGE_E_INVALID_ARG, needle);    \
         CHECK(out == SENTINEL_ENGINE);                                          \
     } while (0)
 
     BAD_OPTION(struct_size, 0, "`options->struct_size`");
-    /* Below the first published version (which ended with `integrity`). */
+    /* Below the first published version (0.4: every field; only the tail padding may be left out). */
+    BAD_OPTION(struct_size, sizeof(kvstage_engine_options) - 8, "`options->struct_size`");
     BAD_OPTION(struct_size, offsetof(kvstage_engine_options, rdma_devices) - 1, "`options->struct_size`");
     BAD_OPTION(struct_size, (size_t)1 << 21, "`options->struct_size`");
     BAD_OPTION(struct_size, SIZE_MAX, "`options->struct_size`");
@@ -171,7 +156,7 @@ static void test_global_and_options(void) {
     BAD_OPTION(worker_threads, 0, "`options->worker_threads`");
     BAD_OPTION(worker_threads, 257, "`options->worker_threads`");
     BAD_OPTION(worker_threads, UINT32_MAX, "`options->worker_threads`");
-    BAD_OPTION(default_deadline_ms, 0, "`options->default_deadline_ms`");
+    BAD_OPTION(default_timeout_ms, 0, "`options->default_timeout_ms`");
     BAD_OPTION(chunk_tokens, 0, "`options->chunk_tokens`");
     BAD_OPTION(send_staging_bytes, 0, "`options->send_staging_bytes`");
     BAD_OPTION(listen_address, "not an address", "`options->listen_address`");
@@ -213,7 +198,7 @@ static void test_global_and_options(void) {
     EXPECT(kvstage_shared_free(shared), KVSTAGE_E_INVALID_ARG, "freed already");
 
     /* RDMA is a valid value: without a usable device NO_DEVICE (not INVALID_ARG), out untouched. */
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = KVSTAGE_TRANSPORT_RDMA;
     {
         kvstage_capabilities caps;
@@ -240,11 +225,14 @@ static void test_global_and_options(void) {
 static void test_engine_calls(void) {
     kvstage_engine *e = engine_new();
     kvstage_engine_stats stats;
-    kvstage_chunk_event events[4];
+    kvstage_staging_memory staging;
+    kvstage_room_event events[4];
     size_t count = 99;
     char buf[64];
-    pool p;
+    host_pool p;
     pool_init(&p);
+    memset(events, 0, sizeof events);
+    events[0].struct_size = sizeof events[0];
 
     EXPECT(kvstage_engine_listen_address(NULL, buf, sizeof buf, NULL), KVSTAGE_E_INVALID_ARG, "`engine`");
     EXPECT(kvstage_engine_shutdown(NULL, 0, NULL), KVSTAGE_E_INVALID_ARG, "`engine`");
@@ -270,7 +258,9 @@ static void test_engine_calls(void) {
         EXPECT(kvstage_engine_describe(e, NULL, 0, NULL), KVSTAGE_E_INVALID_ARG, "`needed`");
         EXPECT(kvstage_engine_describe(e, buf, 4, &needed), KVSTAGE_E_INVALID_ARG, "`capacity`");
         CHECK(needed > 4);
-        EXPECT(kvstage_room_describe(e, 5, NULL, 0, &needed), KVSTAGE_E_INVALID_ARG, "5 is not open");
+        EXPECT(kvstage_room_describe(NULL, 5, 1, NULL, 0, &needed), KVSTAGE_E_INVALID_ARG, "`engine`");
+        EXPECT(kvstage_room_describe(e, 5, 1, NULL, 0, &needed), KVSTAGE_E_STALE_ROOM, "room 5"); /* not open */
+        EXPECT(kvstage_room_describe(e, 5, 0, NULL, 0, &needed), KVSTAGE_E_INVALID_ARG, "`key`");
         EXPECT(kvstage_op_describe(NULL, buf, sizeof buf, NULL), KVSTAGE_E_INVALID_ARG, "`op`");
     }
 
@@ -281,83 +271,203 @@ static void test_engine_calls(void) {
     stats.struct_size = 3;
     EXPECT(kvstage_engine_stats_get(e, &stats), KVSTAGE_E_INVALID_ARG, "`out->struct_size`");
 
-    EXPECT(kvstage_engine_register_staging(NULL, NULL, 4096), KVSTAGE_E_INVALID_ARG, "`engine`");
-    EXPECT(kvstage_engine_register_staging(e, NULL, 0), KVSTAGE_E_INVALID_ARG, "`bytes`");
-    EXPECT(kvstage_engine_register_staging(e, buf, 0), KVSTAGE_E_INVALID_ARG, "`bytes`");
+    /* Staging rings: the descriptor is versioned like the options. */
+    EXPECT(kvstage_staging_memory_init(NULL, sizeof staging), KVSTAGE_E_INVALID_ARG, "`staging`");
+    EXPECT(kvstage_staging_memory_init(&staging, 0), KVSTAGE_E_INVALID_ARG, "`size`");
+    REQUIRE(kvstage_staging_memory_init(&staging, sizeof staging) == KVSTAGE_OK);
+    CHECK_INT(staging.struct_size, sizeof staging);
+    CHECK_INT(staging.memory_kind, KVSTAGE_MEMORY_HOST);
+    CHECK_INT(staging.cuda_device, -1);
+    CHECK(staging.memory == NULL);
+    staging.bytes = 4096;
+    EXPECT(kvstage_staging_register(NULL, &staging), KVSTAGE_E_INVALID_ARG, "`engine`");
+    EXPECT(kvstage_staging_register(e, NULL), KVSTAGE_E_INVALID_ARG, "`staging`");
+    staging.bytes = 0;
+    EXPECT(kvstage_staging_register(e, &staging), KVSTAGE_E_INVALID_ARG, "`staging->bytes`");
+    staging.memory = buf;
+    EXPECT(kvstage_staging_register(e, &staging), KVSTAGE_E_INVALID_ARG, "`staging->bytes`");
     /* More than the address space: no allocation is attempted (Vec capacity overflow). */
-    EXPECT(kvstage_engine_register_staging(e, NULL, SIZE_MAX), KVSTAGE_E_OUT_OF_MEMORY, "bytes");
+    staging.memory = NULL;
+    staging.bytes = SIZE_MAX;
+    EXPECT(kvstage_staging_register(e, &staging), KVSTAGE_E_OUT_OF_MEMORY, "bytes");
+    staging.bytes = 4096;
+    staging.memory_kind = 7;
+    EXPECT(kvstage_staging_register(e, &staging), KVSTAGE_E_INVALID_ARG, "`staging->memory_kind`");
+    staging.memory_kind = KVSTAGE_MEMORY_HOST;
+    staging.struct_size = 0;
+    EXPECT(kvstage_staging_register(e, &staging), KVSTAGE_E_INVALID_ARG, "`staging->struct_size`");
+    staging.struct_size = sizeof staging;
 
-    EXPECT(kvstage_engine_register_pool(NULL, &p.layout), KVSTAGE_E_INVALID_ARG, "`engine`");
-    EXPECT(kvstage_engine_register_pool(e, NULL), KVSTAGE_E_INVALID_ARG, "`layout`");
+    EXPECT(kvstage_pool_register(NULL, &p.layout), KVSTAGE_E_INVALID_ARG, "`engine`");
+    EXPECT(kvstage_pool_register(e, NULL), KVSTAGE_E_INVALID_ARG, "`layout`");
 
     EXPECT(kvstage_engine_poll_events(NULL, events, 4, &count), KVSTAGE_E_INVALID_ARG, "`engine`");
     EXPECT(kvstage_engine_poll_events(e, NULL, 4, &count), KVSTAGE_E_INVALID_ARG, "`events`");
     EXPECT(kvstage_engine_poll_events(e, events, 4, NULL), KVSTAGE_E_INVALID_ARG, "`count`");
+    /* The caller's element size is events[0].struct_size, required whenever capacity > 0 (also
+     * when there is nothing to report). */
+    events[0].struct_size = 0;
+    EXPECT(kvstage_engine_poll_events(e, events, 4, &count), KVSTAGE_E_INVALID_ARG, "struct_size");
+    events[0].struct_size = sizeof events[0];
+    EXPECT(kvstage_engine_poll_events(e, events, 4, &count), KVSTAGE_OK, NULL);
+    CHECK_INT(count, 0);
     /* (NULL, 0) is an empty array, not an error. */
+    count = 99;
     EXPECT(kvstage_engine_poll_events(e, NULL, 0, &count), KVSTAGE_OK, NULL);
     CHECK_INT(count, 0);
 
-    /* Rooms before a pool is registered: the engine is not ready. */
+    /* Rooms before a pool is registered: the engine is not ready; the grid is untouched. */
     {
         const uint32_t pages[2] = {0, 1};
-        uint64_t key = 0;
-        EXPECT(kvstage_room_open(e, 1, pages, 2, 0, NULL, &key), KVSTAGE_E_INVALID_ARG, "`engine`");
-        CHECK(key == 0);
+        kvstage_room_desc d;
+        kvstage_room_grid g;
+        REQUIRE(kvstage_room_desc_init(&d, sizeof d) == KVSTAGE_OK);
+        d.room = 1;
+        d.pages = pages;
+        d.num_pages = 2;
+        memset(&g, 0, sizeof g);
+        g.struct_size = sizeof g;
+        EXPECT(kvstage_room_open(e, &d, &g), KVSTAGE_E_INVALID_ARG, "`engine`");
+        CHECK(g.key == 0 && g.num_chunks == 0);
     }
 
-    REQUIRE(kvstage_engine_register_pool(e, &p.layout) == KVSTAGE_OK);
-    EXPECT(kvstage_engine_register_pool(e, &p.layout), KVSTAGE_E_INVALID_ARG, "`layout`");
+    REQUIRE(kvstage_pool_register(e, &p.layout) == KVSTAGE_OK);
+    EXPECT(kvstage_pool_register(e, &p.layout), KVSTAGE_E_INVALID_ARG, "`layout`");
 
     /* Rooms. */
     {
         const uint32_t pages[4] = {0, 1, 2, 3};
         const uint32_t outside[3] = {0, CAPACITY, 1};
-        uint32_t chunks = 77;
-        uint64_t key = 77, again = 77;
-        EXPECT(kvstage_room_open(NULL, 1, pages, 4, 0, &chunks, &key), KVSTAGE_E_INVALID_ARG, "`engine`");
-        EXPECT(kvstage_room_open(e, 1, NULL, 4, 0, &chunks, &key), KVSTAGE_E_INVALID_ARG, "`dst_pages`");
-        EXPECT(kvstage_room_open(e, 1, pages, 0, 0, &chunks, &key), KVSTAGE_E_INVALID_ARG, "`num_pages`");
-        EXPECT(kvstage_room_open(e, 1, NULL, 0, 0, &chunks, &key), KVSTAGE_E_INVALID_ARG, "`num_pages`");
-        EXPECT(kvstage_room_open(e, 1, outside, 3, 0, &chunks, &key), KVSTAGE_E_INVALID_ARG, "`dst_pages`");
-        /* room_key_out is required (the key is the only way to name this opening), and a refused
+        kvstage_room_desc d;
+        kvstage_room_grid g, again;
+        uint64_t key, key2;
+
+        EXPECT(kvstage_room_desc_init(NULL, sizeof d), KVSTAGE_E_INVALID_ARG, "`desc`");
+        EXPECT(kvstage_room_desc_init(&d, 8), KVSTAGE_E_INVALID_ARG, "`size`");
+        memset(&d, 0xA5, sizeof d);
+        REQUIRE(kvstage_room_desc_init(&d, sizeof d) == KVSTAGE_OK);
+        /* The defaults: nothing named, every optional field empty. */
+        CHECK_INT(d.struct_size, sizeof d);
+        CHECK(d.pages == NULL && d.num_pages == 0 && d.chunk_tokens == 0 && d.parts == NULL);
+        CHECK(d.prefix_tokens == 0 && d.trace_id == NULL);
+        d.room = 1;
+        d.pages = pages;
+        d.num_pages = 4;
+        memset(&g, 0, sizeof g);
+        g.struct_size = sizeof g;
+        g.num_chunks = 77;
+        EXPECT(kvstage_room_open(NULL, &d, &g), KVSTAGE_E_INVALID_ARG, "`engine`");
+        EXPECT(kvstage_room_open(e, NULL, &g), KVSTAGE_E_INVALID_ARG, "`desc`");
+        d.pages = NULL;
+        EXPECT(kvstage_room_open(e, &d, &g), KVSTAGE_E_INVALID_ARG, "`desc->pages`");
+        d.num_pages = 0;
+        EXPECT(kvstage_room_open(e, &d, &g), KVSTAGE_E_INVALID_ARG, "`desc->num_pages`");
+        d.pages = pages;
+        EXPECT(kvstage_room_open(e, &d, &g), KVSTAGE_E_INVALID_ARG, "`desc->num_pages`");
+        d.pages = outside;
+        d.num_pages = 3;
+        EXPECT(kvstage_room_open(e, &d, &g), KVSTAGE_E_INVALID_ARG, "`desc->pages`");
+        d.pages = pages;
+        d.num_pages = 4;
+        d.struct_size = 0;
+        EXPECT(kvstage_room_open(e, &d, &g), KVSTAGE_E_INVALID_ARG, "`desc->struct_size`");
+        d.struct_size = sizeof d;
+        d.trace_id = "not a trace id";
+        EXPECT(kvstage_room_open(e, &d, &g), KVSTAGE_E_INVALID_ARG, "`desc->trace_id`");
+        d.trace_id = NULL;
+        /* A cached prefix is whole decode pages. */
+        d.prefix_tokens = PAGE + 1;
+        EXPECT(kvstage_room_open(e, &d, &g), KVSTAGE_E_INVALID_ARG, "`desc->prefix_tokens`");
+        d.prefix_tokens = 0;
+        /* The grid is required (its key is the only way to name this opening), and a refused
          * opening opens nothing: the room can be opened right after. */
-        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, &chunks, NULL), KVSTAGE_E_INVALID_ARG, "`room_key_out`");
-        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, NULL, NULL), KVSTAGE_E_INVALID_ARG, "`room_key_out`");
-        CHECK_INT(chunks, 77);
-        CHECK(key == 77);
-        /* num_chunks_out may be NULL; the key is never 0. */
-        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, NULL, &key), KVSTAGE_OK, NULL);
-        CHECK(key != 0 && key != 77);
-        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, &chunks, &again), KVSTAGE_E_INVALID_ARG, "`room`");
-        CHECK(again == 77);
-        EXPECT(kvstage_room_wait(NULL, 1, 10), KVSTAGE_E_INVALID_ARG, "`engine`");
-        EXPECT(kvstage_room_wait(e, 424242, 10), KVSTAGE_E_INVALID_ARG, "`room`");
-        EXPECT(kvstage_room_wait(e, 1, 1), KVSTAGE_E_TIMEOUT, "room 1");
-        EXPECT(kvstage_room_release(NULL, 1), KVSTAGE_E_INVALID_ARG, "`engine`");
-        EXPECT(kvstage_room_release(e, 1), KVSTAGE_OK, NULL);
-        /* Idempotent, and unknown rooms are fine. */
-        EXPECT(kvstage_room_release(e, 1), KVSTAGE_OK, NULL);
-        EXPECT(kvstage_room_release(e, 424242), KVSTAGE_OK, NULL);
-        /* Every opening of an id gets a fresh key. */
-        EXPECT(kvstage_room_open(e, 1, pages, 4, 0, NULL, &again), KVSTAGE_OK, NULL);
-        CHECK(again != 0 && again != key);
-        EXPECT(kvstage_room_release(e, 1), KVSTAGE_OK, NULL);
+        EXPECT(kvstage_room_open(e, &d, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
+        CHECK_INT(g.num_chunks, 77);
+        CHECK(g.key == 0);
+        {
+            /* A grid without a valid struct_size: refused, and room 2 is not opened either. */
+            kvstage_room_grid bad, good;
+            d.room = 2;
+            memset(&bad, 0, sizeof bad);
+            EXPECT(kvstage_room_open(e, &d, &bad), KVSTAGE_E_INVALID_ARG, "`out->struct_size`");
+            CHECK(bad.key == 0);
+            memset(&good, 0, sizeof good);
+            good.struct_size = sizeof good;
+            EXPECT(kvstage_room_open(e, &d, &good), KVSTAGE_OK, NULL);
+            if (good.key != 0) EXPECT(kvstage_room_release(e, 2, good.key), KVSTAGE_OK, NULL);
+            d.room = 1;
+        }
+        /* The grid of the opening; the key is never 0. */
+        EXPECT(kvstage_room_open(e, &d, &g), KVSTAGE_OK, NULL);
+        key = g.key;
+        CHECK(key != 0);
+        CHECK_INT(g.struct_size, sizeof g);
+        CHECK_INT(g.num_chunks, 1);
+        CHECK_INT(g.num_pages, 4);
+        CHECK_INT(g.page_size, PAGE);
+        CHECK_INT(g.chunk_tokens, KVSTAGE_DEFAULT_CHUNK_TOKENS);
+        CHECK_INT(g.prefix_tokens, 0);
+        memset(&again, 0, sizeof again);
+        again.struct_size = sizeof again;
+        EXPECT(kvstage_room_open(e, &d, &again), KVSTAGE_E_INVALID_ARG, "`desc->room`");
+        CHECK(again.key == 0);
+        EXPECT(kvstage_room_wait(NULL, 1, key, 10), KVSTAGE_E_INVALID_ARG, "`engine`");
+        EXPECT(kvstage_room_wait(e, 424242, key, 10), KVSTAGE_E_STALE_ROOM, "room 424242");
+        EXPECT(kvstage_room_wait(e, 1, 0, 10), KVSTAGE_E_INVALID_ARG, "`key`");
+        EXPECT(kvstage_room_wait(e, 1, key, 1), KVSTAGE_E_TIMEOUT, "room 1");
+        /* Another opening's key names nothing that is open. */
+        EXPECT(kvstage_room_wait(e, 1, key + 1, 10), KVSTAGE_E_STALE_ROOM, "room 1");
+        {
+            size_t needed = 0;
+            EXPECT(kvstage_room_describe(e, 1, key, NULL, 0, &needed), KVSTAGE_OK, NULL);
+            CHECK(needed > 2);
+            EXPECT(kvstage_room_describe(e, 1, key + 1, NULL, 0, &needed), KVSTAGE_E_STALE_ROOM, "room 1");
+        }
+        count = 99;
+        EXPECT(kvstage_room_poll_events(NULL, 1, key, events, 4, &count), KVSTAGE_E_INVALID_ARG, "`engine`");
+        EXPECT(kvstage_room_poll_events(e, 1, key, NULL, 4, &count), KVSTAGE_E_INVALID_ARG, "`events`");
+        EXPECT(kvstage_room_poll_events(e, 1, key, events, 4, NULL), KVSTAGE_E_INVALID_ARG, "`count`");
+        EXPECT(kvstage_room_poll_events(e, 1, key, events, 4, &count), KVSTAGE_OK, NULL);
+        CHECK_INT(count, 0);
+        EXPECT(kvstage_room_release(NULL, 1, key), KVSTAGE_E_INVALID_ARG, "`engine`");
+        EXPECT(kvstage_room_release(e, 1, 0), KVSTAGE_E_INVALID_ARG, "`key`");
+        EXPECT(kvstage_room_release(e, 1, key), KVSTAGE_OK, NULL);
+        /* Idempotent: an opening no longer open (or never: unknown rooms) is fine. */
+        EXPECT(kvstage_room_release(e, 1, key), KVSTAGE_OK, NULL);
+        EXPECT(kvstage_room_release(e, 424242, key), KVSTAGE_OK, NULL);
+        /* Every opening of an id gets a fresh key; releasing an older opening's key does nothing
+         * to the open one. */
+        EXPECT(kvstage_room_open(e, &d, &g), KVSTAGE_OK, NULL);
+        key2 = g.key;
+        CHECK(key2 != 0 && key2 != key);
+        EXPECT(kvstage_room_release(e, 1, key), KVSTAGE_OK, NULL);
+        EXPECT(kvstage_room_wait(e, 1, key2, 1), KVSTAGE_E_TIMEOUT, "room 1"); /* still open */
+        memset(&again, 0, sizeof again);
+        again.struct_size = sizeof again;
+        EXPECT(kvstage_room_open(e, &d, &again), KVSTAGE_E_INVALID_ARG, "`desc->room`");
+        EXPECT(kvstage_room_release(e, 1, key2), KVSTAGE_OK, NULL);
+        /* Released: its id opens again. */
+        EXPECT(kvstage_room_open(e, &d, &g), KVSTAGE_OK, NULL);
+        CHECK(g.key != 0 && g.key != key && g.key != key2);
+        EXPECT(kvstage_room_release(e, 1, g.key), KVSTAGE_OK, NULL);
     }
 
     kvstage_engine_free(e);
-    free(p.memory);
+    host_pool_free(&p);
 }
 
 /* --- KV layouts ----------------------------------------------------------------------------- */
 
 static void test_layouts(void) {
-    pool p;
+    host_pool p;
     kvstage_kv_layout l;
     uint32_t bad_ids[LAYERS] = {1, 1};
     uint64_t k[LAYERS], v[LAYERS];
     pool_init(&p);
 
-    EXPECT(kvstage_kv_layout_init(NULL), KVSTAGE_E_INVALID_ARG, "`layout`");
+    EXPECT(kvstage_kv_layout_init(NULL, sizeof(kvstage_kv_layout)), KVSTAGE_E_INVALID_ARG, "`layout`");
+    EXPECT(kvstage_kv_layout_init(&l, sizeof(size_t)), KVSTAGE_E_INVALID_ARG, "`size`");
+    EXPECT(kvstage_kv_layout_init(&l, (size_t)2 << 20), KVSTAGE_E_INVALID_ARG, "`size`");
     EXPECT(kvstage_kv_layout_validate(NULL), KVSTAGE_E_INVALID_ARG, "`layout`");
 
 #define BAD_FIELD(field, value, code, msg, cause)                                   \
@@ -410,7 +520,7 @@ static void test_layouts(void) {
     k[1] = p.k[1];
     v[0] = k[0];
     EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "overlaps");
-    v[0] = k[0] + BUFFER_BYTES - 1;
+    v[0] = k[0] + p.buffer - 1;
     EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "overlaps");
     v[0] = p.v[0];
     k[1] = v[1];
@@ -424,12 +534,12 @@ static void test_layouts(void) {
     {
         kvstage_engine *e = engine_new();
         v[0] = k[0];
-        EXPECT_CAUSE(kvstage_engine_register_pool(e, &l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "overlaps");
+        EXPECT_CAUSE(kvstage_pool_register(e, &l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "overlaps");
         l.tp_rank = 5;
-        EXPECT_CAUSE(kvstage_engine_register_pool(e, &l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "`tp_rank`");
+        EXPECT_CAUSE(kvstage_pool_register(e, &l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "`tp_rank`");
         kvstage_engine_free(e);
     }
-    free(p.memory);
+    host_pool_free(&p);
 }
 
 /* --- geometry helpers ------------------------------------------------------------------------ */
@@ -439,7 +549,7 @@ static void test_geometry(void) {
     kvstage_staging_layout st;
     kvstage_staging_writer writers[4];
     uint32_t n = 0;
-    pool src, dst;
+    host_pool src, dst;
     pool_init(&src);
     pool_init(&dst);
     /* Prefill TP 2 (one head each) feeding a decode TP 1 rank: 2 writers. */
@@ -452,8 +562,8 @@ static void test_geometry(void) {
         kvstage_state_item item;
         kvstage_byte_range r[4];
         size_t count = 0;
-        EXPECT(kvstage_state_item_init(NULL), KVSTAGE_E_INVALID_ARG, "`item`");
-        REQUIRE(kvstage_state_item_init(&item) == KVSTAGE_OK);
+        EXPECT(kvstage_state_item_init(NULL, sizeof(kvstage_state_item)), KVSTAGE_E_INVALID_ARG, "`item`");
+        REQUIRE(kvstage_state_item_init(&item, sizeof item) == KVSTAGE_OK);
         EXPECT(kvstage_state_slice_compute(NULL, 2, 1, 0, 0, r, 4, &count), KVSTAGE_E_INVALID_ARG, "`item`");
         item.num_groups = 1; /* group_dims still NULL */
         EXPECT(kvstage_state_slice_compute(&item, 2, 1, 0, 0, r, 4, &count), KVSTAGE_E_INVALID_ARG, "`item->group_dims`");
@@ -484,66 +594,88 @@ static void test_geometry(void) {
     EXPECT(kvstage_head_slice_compute(4, 2, 3, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
     EXPECT(kvstage_head_slice_compute(2, 4, 0, 3, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_rank`");
 
-    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 2, 1, 1, 1, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
-    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 0, 1, 1, 1, &n), KVSTAGE_E_INVALID_ARG, "`src_tp`");
-    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 2, 1, 1, 0, &n), KVSTAGE_E_INVALID_ARG, "`dst_pp`");
-    EXPECT(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 2, 1, 3, 2, &n), KVSTAGE_E_INVALID_ARG, "`src_pp`");
-
-    EXPECT(kvstage_grid_tokens(16, 4, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
-    EXPECT(kvstage_grid_tokens(16, 0, &n), KVSTAGE_E_INVALID_ARG, "`page_size`");
+    EXPECT(kvstage_grid_tokens_compute(16, 4, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
+    EXPECT(kvstage_grid_tokens_compute(16, 0, &n), KVSTAGE_E_INVALID_ARG, "`page_size`");
     {
+        /* A room's grid as kvstage_room_open (decode) or kvstage_session_room_grid_get (prefill)
+         * gave it: chunks of 64 tokens in decode pages of 16, no cached prefix, 100 tokens. */
+        kvstage_room_grid g;
         kvstage_chunk_span sp;
+        memset(&g, 0, sizeof g);
+        g.struct_size = sizeof g;
+        g.key = 1;
+        g.chunk_tokens = 64;
+        g.num_chunks = 2;
+        g.num_pages = 7;
+        g.page_size = 16;
         memset(&sp, 0, sizeof sp);
         sp.struct_size = sizeof sp;
-        EXPECT(kvstage_chunk_span_compute(100, 0, 16, 16, 64, 0, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
-        EXPECT(kvstage_chunk_span_compute(100, 0, 0, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`src_page_size`");
-        EXPECT(kvstage_chunk_span_compute(100, 0, 16, 0, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`dst_page_size`");
-        EXPECT(kvstage_chunk_span_compute(100, 112, 16, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "leaves none");
+        EXPECT(kvstage_chunk_span_compute(&g, 100, 16, 0, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
+        EXPECT(kvstage_chunk_span_compute(NULL, 100, 16, 0, &sp), KVSTAGE_E_INVALID_ARG, "`grid`");
+        EXPECT(kvstage_chunk_span_compute(&g, 100, 0, 0, &sp), KVSTAGE_E_INVALID_ARG, "`src_page_size`");
+        g.page_size = 0;
+        EXPECT(kvstage_chunk_span_compute(&g, 100, 16, 0, &sp), KVSTAGE_E_INVALID_ARG, "`grid->page_size`");
+        g.page_size = 16;
+        g.prefix_tokens = 112;
+        EXPECT(kvstage_chunk_span_compute(&g, 100, 16, 0, &sp), KVSTAGE_E_INVALID_ARG, "leaves none");
+        g.prefix_tokens = 0;
+        g.struct_size = 0;
+        EXPECT(kvstage_chunk_span_compute(&g, 100, 16, 0, &sp), KVSTAGE_E_INVALID_ARG, "`grid->struct_size`");
+        g.struct_size = sizeof g;
         sp.struct_size = 0;
-        EXPECT(kvstage_chunk_span_compute(100, 0, 16, 16, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "`out->struct_size`");
+        EXPECT(kvstage_chunk_span_compute(&g, 100, 16, 0, &sp), KVSTAGE_E_INVALID_ARG, "`out->struct_size`");
+        sp.struct_size = sizeof sp;
+        EXPECT(kvstage_chunk_span_compute(&g, 100, 16, 1, &sp), KVSTAGE_OK, NULL);
+        CHECK_INT(sp.num_tokens, 36);
     }
 
     st.struct_size = sizeof st;
-    EXPECT(kvstage_staging_layout_compute(NULL, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`prefill_stages`");
-    EXPECT(kvstage_staging_layout_compute(&src.layout, 0, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "is empty");
-    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, NULL, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`dst`");
-    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, NULL, writers, 4), KVSTAGE_E_INVALID_ARG, "`out`");
-    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, NULL, 4), KVSTAGE_E_INVALID_ARG, "`writers`");
-    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 1), KVSTAGE_E_INVALID_ARG,
+    memset(writers, 0, sizeof writers);
+    writers[0].struct_size = sizeof writers[0]; /* the caller's element size (its stride) */
+    EXPECT(kvstage_staging_layout_compute(NULL, 1, &dst.layout, NULL, 0, NULL, 0, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`prefill_stages`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 0, &dst.layout, NULL, 0, NULL, 0, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "is empty");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, NULL, NULL, 0, NULL, 0, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG, "`dst`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, NULL, 0, NULL, 0, 8, NULL, writers, 4), KVSTAGE_E_INVALID_ARG, "`out`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, NULL, 0, NULL, 0, 8, &st, NULL, 4), KVSTAGE_E_INVALID_ARG, "`writers`");
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, NULL, 0, NULL, 0, 8, &st, writers, 1), KVSTAGE_E_INVALID_ARG,
            "`writers_len`");
     CHECK_INT(st.num_writers, 2); /* still filled */
-    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, NULL, 0), KVSTAGE_OK, NULL);
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, NULL, 0, NULL, 0, 8, &st, NULL, 0), KVSTAGE_OK, NULL);
+    writers[0].struct_size = 0;
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, NULL, 0, NULL, 0, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
+           "struct_size");
+    writers[0].struct_size = sizeof writers[0];
     /* Any token count (a request's last chunk may end inside a page). */
-    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 6, &st, writers, 4), KVSTAGE_OK, NULL);
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, NULL, 0, NULL, 0, 6, &st, writers, 4), KVSTAGE_OK, NULL);
     CHECK_INT(st.tokens, 6);
     st.struct_size = 0;
-    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, NULL, 0, NULL, 0, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
            "`out->struct_size`");
     st.struct_size = sizeof st;
     src.layout.struct_size = 0;
-    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, NULL, 0, NULL, 0, 8, &st, writers, 4), KVSTAGE_E_INVALID_ARG,
            "`prefill_stages[0]->struct_size`");
     src.layout.struct_size = sizeof src.layout;
     dst.layout.tp_rank = 1;
-    EXPECT_CAUSE(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_INVALID,
+    EXPECT_CAUSE(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, NULL, 0, NULL, 0, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_INVALID,
                  "`dst`", "`tp_rank`");
     dst.layout.tp_rank = 0;
     /* Only the shape is read: bases may be NULL. */
     src.layout.k_bases = NULL;
     src.layout.v_bases = NULL;
-    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_OK, NULL);
+    EXPECT(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, NULL, 0, NULL, 0, 8, &st, writers, 4), KVSTAGE_OK, NULL);
     /* Geometry that disagrees (head_dim): a mismatch, one cause per field. */
     src.layout.head_dim = 16;
-    EXPECT_CAUSE(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_MISMATCH,
+    EXPECT_CAUSE(kvstage_staging_layout_compute(&src.layout, 1, &dst.layout, NULL, 0, NULL, 0, 8, &st, writers, 4), KVSTAGE_E_GEOMETRY_MISMATCH,
                  "", "head_dim");
-    free(src.memory);
-    free(dst.memory);
+    host_pool_free(&src);
+    host_pool_free(&dst);
 }
 
 /* --- sessions, transfers, operations ----------------------------------------------------------- */
 
 static void test_sessions(void) {
-    pool pre, dec;
+    host_pool pre, dec;
     kvstage_engine *decode, *prefill, *bare;
     kvstage_session *s = NULL, *out_s = SENTINEL_SESSION;
     kvstage_op *op = SENTINEL_OP;
@@ -562,9 +694,9 @@ static void test_sessions(void) {
     decode = engine_new();
     prefill = engine_new();
     bare = engine_new();
-    REQUIRE(kvstage_engine_register_pool(decode, &dec.layout) == KVSTAGE_OK);
-    REQUIRE(kvstage_engine_register_staging(decode, NULL, 1 << 16) == KVSTAGE_OK);
-    REQUIRE(kvstage_engine_register_pool(prefill, &pre.layout) == KVSTAGE_OK);
+    REQUIRE(kvstage_pool_register(decode, &dec.layout) == KVSTAGE_OK);
+    REQUIRE(kv_staging_register(decode, NULL, 1 << 16) == KVSTAGE_OK);
+    REQUIRE(kvstage_pool_register(prefill, &pre.layout) == KVSTAGE_OK);
     REQUIRE(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL) == KVSTAGE_OK);
 
     EXPECT(kvstage_session_connect(NULL, addr, "bad-1", 2000, &out_s), KVSTAGE_E_INVALID_ARG, "`engine`");
@@ -584,12 +716,13 @@ static void test_sessions(void) {
     REQUIRE(kvstage_session_connect(prefill, addr, "bad-ok", 5000, &s) == KVSTAGE_OK);
     REQUIRE(s != NULL);
 
-    EXPECT(kvstage_transfer_desc_init(NULL), KVSTAGE_E_INVALID_ARG, "`desc`");
-    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    EXPECT(kvstage_transfer_desc_init(NULL, sizeof(kvstage_transfer_desc)), KVSTAGE_E_INVALID_ARG, "`desc`");
+    EXPECT(kvstage_transfer_desc_init(&d, offsetof(kvstage_transfer_desc, room_key)), KVSTAGE_E_INVALID_ARG, "`size`");
+    REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
     d.room = 1;
     d.src_pages = src_pages;
     d.num_pages = 2;
-    d.deadline_ms = 2000;
+    d.timeout_ms = 2000;
 
     /* Every transfer names the room's opening by its key: 0 (never handed out) is refused by
      * every path before anything is sent. */
@@ -598,7 +731,7 @@ static void test_sessions(void) {
     EXPECT(kvstage_transfer_async(s, &d, &op), KVSTAGE_E_INVALID_ARG, "`desc->room_key`");
     EXPECT(kvstage_transfer_layerwise_async(s, &d, &op), KVSTAGE_E_INVALID_ARG, "`desc->room_key`");
     CHECK(op == SENTINEL_OP);
-    /* A descriptor from before `room_key` (a caller built against an older header): refused. */
+    /* A descriptor that ends before `room_key` (smaller than the first published version): refused. */
     d.room_key = 1;
     d.struct_size = offsetof(kvstage_transfer_desc, room_key);
     EXPECT(kvstage_transfer(s, &d), KVSTAGE_E_INVALID_ARG, "`desc->struct_size`");
@@ -608,7 +741,7 @@ static void test_sessions(void) {
         kvstage_room_grid grid;
         memset(&grid, 0, sizeof grid);
         grid.struct_size = sizeof grid;
-        EXPECT(kvstage_session_room_grid(s, 1, 0, 2000, &grid), KVSTAGE_E_INVALID_ARG, "`room_key`");
+        EXPECT(kvstage_session_room_grid_get(s, 1, 0, 2000, &grid), KVSTAGE_E_INVALID_ARG, "`key`");
         CHECK_INT(grid.num_chunks, 0);
     }
 
@@ -677,8 +810,8 @@ static void test_sessions(void) {
     kvstage_engine_free(prefill);
     kvstage_engine_free(decode);
     kvstage_engine_free(bare);
-    free(pre.memory);
-    free(dec.memory);
+    host_pool_free(&pre);
+    host_pool_free(&dec);
     free(bad_utf8);
 }
 
@@ -690,12 +823,12 @@ static void test_foreign_handles(void) {
     kvstage_transfer_desc d;
     char buf[64];
     REQUIRE(zeros != NULL);
-    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
 
     EXPECT(kvstage_engine_listen_address((const kvstage_engine *)zeros, buf, sizeof buf, NULL), KVSTAGE_E_INVALID_ARG,
            "not a live kvstage handle");
     CHECK_CONTAINS(kvstage_error_last()->message, "`engine`");
-    EXPECT(kvstage_room_release((const kvstage_engine *)zeros, 1), KVSTAGE_E_INVALID_ARG, "`engine`");
+    EXPECT(kvstage_room_release((const kvstage_engine *)zeros, 1, 1), KVSTAGE_E_INVALID_ARG, "`engine`");
     EXPECT(kvstage_transfer((const kvstage_session *)zeros, &d), KVSTAGE_E_INVALID_ARG, "`session`");
     EXPECT(kvstage_op_poll((const kvstage_op *)zeros), KVSTAGE_E_INVALID_ARG, "`op`");
     EXPECT(kvstage_op_cancel((const kvstage_op *)zeros), KVSTAGE_E_INVALID_ARG, "`op`");
@@ -725,31 +858,47 @@ static void test_poisoned(void) {
     kvstage_engine *fresh;
     kvstage_session *s = SENTINEL_SESSION;
     kvstage_engine_stats stats;
-    kvstage_chunk_event events[2];
+    kvstage_room_event events[2];
+    kvstage_staging_memory staging;
+    kvstage_room_desc desc;
+    kvstage_room_grid grid;
     size_t count = 0;
     char buf[64];
     const uint32_t pages[1] = {0};
-    uint64_t key = 0;
-    pool p;
+    host_pool p;
     pool_init(&p);
     stats.struct_size = sizeof stats;
+    memset(events, 0, sizeof events);
+    events[0].struct_size = sizeof events[0];
+    REQUIRE(kvstage_staging_memory_init(&staging, sizeof staging) == KVSTAGE_OK);
+    staging.bytes = 4096;
+    REQUIRE(kvstage_room_desc_init(&desc, sizeof desc) == KVSTAGE_OK);
+    desc.room = 1;
+    desc.pages = pages;
+    desc.num_pages = 1;
+    memset(&grid, 0, sizeof grid);
+    grid.struct_size = sizeof grid;
 
     EXPECT(kvstage_testing_panic(e), KVSTAGE_E_PANIC, "panic");
 
 #define POISONED(call) EXPECT(call, KVSTAGE_E_POISONED, "`engine` (kvstage_engine) was poisoned")
     POISONED(kvstage_testing_panic(e));
     POISONED(kvstage_engine_listen_address(e, buf, sizeof buf, NULL));
-    POISONED(kvstage_engine_register_pool(e, &p.layout));
-    POISONED(kvstage_engine_register_pool(e, NULL)); /* the handle is checked first */
-    POISONED(kvstage_engine_register_staging(e, NULL, 4096));
+    POISONED(kvstage_pool_register(e, &p.layout));
+    POISONED(kvstage_pool_register(e, NULL)); /* the handle is checked first */
+    POISONED(kvstage_staging_register(e, &staging));
     POISONED(kvstage_engine_stats_get(e, &stats));
-    POISONED(kvstage_room_open(e, 1, pages, 1, 0, NULL, &key));
-    POISONED(kvstage_room_wait(e, 1, 10));
-    POISONED(kvstage_room_release(e, 1));
+    POISONED(kvstage_room_open(e, &desc, &grid));
+    POISONED(kvstage_room_wait(e, 1, 1, 10));
+    POISONED(kvstage_room_release(e, 1, 1));
+    POISONED(kvstage_room_describe(e, 1, 1, buf, sizeof buf, NULL));
+    POISONED(kvstage_room_poll_events(e, 1, 1, events, 2, &count));
     POISONED(kvstage_engine_poll_events(e, events, 2, &count));
+    POISONED(kvstage_engine_describe(e, buf, sizeof buf, NULL));
     POISONED(kvstage_session_connect(e, "127.0.0.1:1", "poisoned", 100, &s));
 #undef POISONED
     CHECK(s == SENTINEL_SESSION);
+    CHECK(grid.key == 0);
     CHECK_INT(kvstage_error_last()->klass, KVSTAGE_CLASS_INTERNAL);
 
     /* Other engines are unaffected; the poisoned one can and must be freed. */
@@ -759,7 +908,7 @@ static void test_poisoned(void) {
     kvstage_engine_free(e);
     ++g_cases;
     CHECK_INT(kvstage_error_last()->code, KVSTAGE_OK);
-    free(p.memory);
+    host_pool_free(&p);
 }
 
 int main(void) {

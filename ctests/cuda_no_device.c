@@ -14,7 +14,7 @@
 enum { LAYERS = 2, PAGE = 4, CAPACITY = 8, HEADS = 2, DIM = 8 };
 
 static void layout_init(kvstage_kv_layout *l, uint64_t *k, uint64_t *v, int32_t memory_kind) {
-    REQUIRE(kvstage_kv_layout_init(l) == KVSTAGE_OK);
+    REQUIRE(kvstage_kv_layout_init(l, sizeof *l) == KVSTAGE_OK);
     CHECK_INT(l->cuda_device, -1);
     l->page_size = PAGE;
     l->local_heads = HEADS;
@@ -68,7 +68,7 @@ int main(void) {
     CHECK_OK(kvstage_kv_layout_validate(&layout)); /* pure: addresses only */
     for (round = 0; round < 2; ++round) {            /* the failure is remembered, not a crash */
         const kvstage_error *e;
-        CHECK_INT(kvstage_engine_register_pool(engine, &layout), KVSTAGE_E_NO_DEVICE);
+        CHECK_INT(kvstage_pool_register(engine, &layout), KVSTAGE_E_NO_DEVICE);
         e = kvstage_error_last();
         CHECK_INT(e->code, KVSTAGE_E_NO_DEVICE);
         CHECK_INT(e->klass, KVSTAGE_CLASS_CUDA);
@@ -78,11 +78,11 @@ int main(void) {
         } else {
             CHECK_CONTAINS(e->message, "libcuda.so.1 cannot be loaded");
         }
-        if (*kv_failures() != 0) kv_print_last_error("kvstage_engine_register_pool");
+        if (*kv_failures() != 0) kv_print_last_error("kvstage_pool_register");
     }
     /* An explicit device ordinal: the same answer. */
     layout.cuda_device = 0;
-    CHECK_INT(kvstage_engine_register_pool(engine, &layout), KVSTAGE_E_NO_DEVICE);
+    CHECK_INT(kvstage_pool_register(engine, &layout), KVSTAGE_E_NO_DEVICE);
 
     /* The engine still takes a host pool. */
     for (round = 0; round < LAYERS; ++round) {
@@ -90,7 +90,7 @@ int main(void) {
         hv[round] = (uint64_t)(uintptr_t)host[2 * round + 1];
     }
     layout_init(&layout, hk, hv, KVSTAGE_MEMORY_HOST);
-    CHECK_OK(kvstage_engine_register_pool(engine, &layout));
+    CHECK_OK(kvstage_pool_register(engine, &layout));
     kvstage_engine_free(engine);
     if (lib != NULL) dlclose(lib);
     return kv_finish(expect_stub ? "cuda_stub_libcuda" : "cuda_no_libcuda");

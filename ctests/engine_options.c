@@ -42,12 +42,12 @@ int main(void) {
 
     /* Defaults. */
     memset(&defaults, 0xA5, sizeof defaults);
-    CHECK_OK(kvstage_engine_options_init(&defaults));
+    CHECK_OK(kvstage_engine_options_init(&defaults, sizeof defaults));
     CHECK_INT(defaults.struct_size, sizeof(kvstage_engine_options));
     CHECK_INT(defaults.transport, KVSTAGE_TRANSPORT_AUTO);
     CHECK(defaults.listen_address == NULL);
     CHECK(defaults.worker_threads >= 1 && defaults.worker_threads <= 256);
-    CHECK(defaults.default_deadline_ms > 0);
+    CHECK(defaults.default_timeout_ms > 0);
     /* Receiver bounds: sane, finite defaults (a vanished host is noticed within about 15 s). */
     CHECK_INT(defaults.max_connections, 1024);
     CHECK_INT(defaults.max_handshakes, 64);
@@ -72,15 +72,15 @@ int main(void) {
     o.transport = KVSTAGE_TRANSPORT_TCP;
     o.listen_address = "127.0.0.1:0";
     o.worker_threads = 256;
-    o.default_deadline_ms = KVSTAGE_DEADLINE_INFINITE;
+    o.default_timeout_ms = KVSTAGE_TIMEOUT_INFINITE;
     engine = NULL;
     CHECK_OK(kvstage_engine_new(&o, &engine));
     CHECK(engine != NULL);
     kvstage_engine_free(engine);
 
     o = defaults;
-    o.dead_peer_timeout_ms = KVSTAGE_DEADLINE_INFINITE; /* the OS's keepalive defaults */
-    o.room_timeout_ms = KVSTAGE_DEADLINE_INFINITE;
+    o.dead_peer_timeout_ms = KVSTAGE_TIMEOUT_INFINITE; /* the OS's keepalive defaults */
+    o.room_timeout_ms = KVSTAGE_TIMEOUT_INFINITE;
     o.max_connections = 1;
     o.max_handshakes = 1;
     engine = NULL;
@@ -89,7 +89,7 @@ int main(void) {
 
     o = defaults;
     o.worker_threads = 1;
-    o.default_deadline_ms = 1;
+    o.default_timeout_ms = 1;
     engine = NULL;
     CHECK_OK(kvstage_engine_new(&o, &engine));
     kvstage_engine_free(engine);
@@ -128,8 +128,8 @@ int main(void) {
     EXPECT_REJECTED(&o, KVSTAGE_E_INVALID_ARG, "options->transport", "-1");
 
     o = defaults;
-    o.default_deadline_ms = 0;
-    EXPECT_REJECTED(&o, KVSTAGE_E_INVALID_ARG, "options->default_deadline_ms", "0");
+    o.default_timeout_ms = 0;
+    EXPECT_REJECTED(&o, KVSTAGE_E_INVALID_ARG, "options->default_timeout_ms", "0");
     show(&o);
 
     /* NULL arguments. */
@@ -137,7 +137,7 @@ int main(void) {
     CHECK_CONTAINS(kvstage_error_last()->message, "out");
     CHECK_INT(kvstage_engine_new(NULL, NULL), KVSTAGE_E_INVALID_ARG);
     CHECK_CONTAINS(kvstage_error_last()->message, "out");
-    CHECK_INT(kvstage_engine_options_init(NULL), KVSTAGE_E_INVALID_ARG);
+    CHECK_INT(kvstage_engine_options_init(NULL, sizeof(kvstage_engine_options)), KVSTAGE_E_INVALID_ARG);
     CHECK_CONTAINS(kvstage_error_last()->message, "options");
 
     /* Freeing NULL is a no-op (and a call like any other: it leaves "no error"). */

@@ -90,7 +90,7 @@ int main(void) {
     CHECK_STR(kvstage_error_last()->message, "no error");
 
     /* A failing call: code, class, message naming the argument, empty session, no causes. */
-    rc = kvstage_engine_options_init(NULL);
+    rc = kvstage_engine_options_init(NULL, sizeof(kvstage_engine_options));
     CHECK_INT(rc, KVSTAGE_E_INVALID_ARG);
     e = kvstage_error_last();
     REQUIRE(e != NULL);
@@ -110,7 +110,7 @@ int main(void) {
     CHECK_STR(kvstage_error_last()->message, first_message);
 
     /* The next successful call clears it. */
-    CHECK_OK(kvstage_engine_options_init(&options));
+    CHECK_OK(kvstage_engine_options_init(&options, sizeof options));
     CHECK_NO_ERROR();
 
     /* The next failing call replaces it. */

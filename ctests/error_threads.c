@@ -27,7 +27,7 @@ static void *run_worker(void *arg) {
     if (e->code != KVSTAGE_OK) w->failures++;
 
     for (round = 0; round < ROUNDS; round++) {
-        if (kvstage_engine_options_init(&options) != KVSTAGE_OK) w->failures++;
+        if (kvstage_engine_options_init(&options, sizeof options) != KVSTAGE_OK) w->failures++;
         /* A value unique to this thread and round, outside 1..=256. */
         options.worker_threads = 1000u + w->index * 100000u + (unsigned)round;
         if (kvstage_engine_new(&options, &engine) != KVSTAGE_E_INVALID_ARG) w->failures++;
@@ -49,7 +49,7 @@ int main(void) {
     unsigned i;
 
     /* Fail on the main thread first. */
-    CHECK_INT(kvstage_engine_options_init(NULL), KVSTAGE_E_INVALID_ARG);
+    CHECK_INT(kvstage_engine_options_init(NULL, sizeof(kvstage_engine_options)), KVSTAGE_E_INVALID_ARG);
     CHECK_CONTAINS(kvstage_error_last()->message, "options");
 
     for (i = 0; i < THREADS; i++) {

@@ -1,7 +1,7 @@
 /* Geometry from C: kvstage_head_slice_compute(docs/GEOMETRY.md examples, bad input names the argument and
  * leaves *out untouched), kvstage_staging_layout_compute(count query, too-small array, filled entries,
- * errors naming the layout and field), kvstage_kv_layout_init/validate, writers and grid.
- * Also built as C++17. */
+ * errors naming the layout and field; writers per chunk), kvstage_kv_layout_init/validate, the chunk
+ * grid and a chunk's span from a room's grid. Also built as C++17. */
 #include "kvstage_check.h"
 
 static void check_error(int status, int expected, const char *needle, int line) {
@@ -16,7 +16,7 @@ static void check_error(int status, int expected, const char *needle, int line) 
 static kvstage_kv_layout layout(uint32_t tp_rank, uint32_t tp_size, size_t num_layers) {
     kvstage_kv_layout l;
     memset(&l, 0, sizeof l);
-    CHECK_OK(kvstage_kv_layout_init(&l));
+    CHECK_OK(kvstage_kv_layout_init(&l, sizeof l));
     CHECK_INT(l.struct_size, sizeof(kvstage_kv_layout));
     CHECK_INT(l.model_kind, KVSTAGE_MODEL_MHA);
     CHECK_INT(l.memory_kind, KVSTAGE_MEMORY_HOST);
@@ -73,20 +73,29 @@ int main(void) {
     CHECK_ERROR(kvstage_head_slice_compute(4, 2, 0, 0, 8, NULL), KVSTAGE_E_INVALID_ARG, "`out`");
     CHECK_INT(hs.src_head_start, 77);
 
-    CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 8, 2, 2, 1, &n));
-    CHECK_INT(n, 8);
-    CHECK_OK(kvstage_grid_tokens(8200, 64, &n));
+    CHECK_OK(kvstage_grid_tokens_compute(8200, 64, &n));
     CHECK_INT(n, 8192);
     CHECK_INT(KVSTAGE_DEFAULT_CHUNK_TOKENS, 8192);
-    CHECK_ERROR(kvstage_grid_tokens(8192, 0, &n), KVSTAGE_E_INVALID_ARG, "`page_size`");
+    CHECK_ERROR(kvstage_grid_tokens_compute(8192, 0, &n), KVSTAGE_E_INVALID_ARG, "`page_size`");
 
     {
         /* Prefill pages of 64, decode pages of 16, 16 tokens cached on the decode side, chunks of
-           128: chunk 1 is request tokens 144..272, from slot 16 of prefill page 2 on. */
+           128: chunk 1 is request tokens 144..272, from slot 16 of prefill page 2 on. The decode
+           side's numbers come in its room's grid (as kvstage_room_open and
+           kvstage_session_room_grid_get give it): 284 new tokens in 18 pages, 3 chunks. */
+        kvstage_room_grid g;
         kvstage_chunk_span sp;
+        memset(&g, 0, sizeof g);
+        g.struct_size = sizeof g;
+        g.key = 1;
+        g.chunk_tokens = 128;
+        g.num_chunks = 3;
+        g.num_pages = 18;
+        g.page_size = 16;
+        g.prefix_tokens = 16;
         memset(&sp, 0, sizeof sp);
         sp.struct_size = sizeof sp;
-        CHECK_OK(kvstage_chunk_span_compute(300, 16, 64, 16, 128, 1, &sp));
+        CHECK_OK(kvstage_chunk_span_compute(&g, 300, 64, 1, &sp));
         CHECK_INT(sp.num_chunks, 3);
         CHECK_INT(sp.first_token, 144);
         CHECK_INT(sp.num_tokens, 128);
@@ -95,11 +104,13 @@ int main(void) {
         CHECK_INT(sp.src_token_offset, 16);
         CHECK_INT(sp.dst_first_page, 8);
         CHECK_INT(sp.dst_num_pages, 8);
-        CHECK_OK(kvstage_chunk_span_compute(300, 16, 64, 16, 128, 2, &sp));
+        CHECK_OK(kvstage_chunk_span_compute(&g, 300, 64, 2, &sp));
         CHECK_INT(sp.num_tokens, 28);
         CHECK_INT(sp.dst_num_pages, 2);
-        CHECK_ERROR(kvstage_chunk_span_compute(300, 8, 64, 16, 128, 0, &sp), KVSTAGE_E_INVALID_ARG, "not whole decode pages");
-        CHECK_ERROR(kvstage_chunk_span_compute(300, 16, 64, 16, 128, 3, &sp), KVSTAGE_E_INVALID_ARG, "`chunk_index`: 3 is past");
+        CHECK_ERROR(kvstage_chunk_span_compute(&g, 300, 64, 3, &sp), KVSTAGE_E_INVALID_ARG, "`chunk_index`: 3 is past");
+        g.prefix_tokens = 8;
+        g.num_pages = 19;
+        CHECK_ERROR(kvstage_chunk_span_compute(&g, 300, 64, 0, &sp), KVSTAGE_E_INVALID_ARG, "not whole decode pages");
     }
 
     {
@@ -113,17 +124,19 @@ int main(void) {
         memset(&out, 0, sizeof out);
         memset(w, 0, sizeof w);
         memset(one, 0, sizeof one);
+        w[0].struct_size = sizeof w[0]; /* writer arrays: the caller's element size in the first */
+        one[0].struct_size = sizeof one[0];
         out.struct_size = sizeof out;
-        CHECK_OK(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, NULL, 0)); /* count query */
+        CHECK_OK(kvstage_staging_layout_compute(stages, 1, &dst, NULL, 0, NULL, 0, 8192, &out, NULL, 0)); /* count query */
         CHECK_INT(out.num_writers, 2);
         CHECK_INT(out.total_bytes, 1280ull << 20);
         CHECK_INT(out.row_bytes, 512);
         CHECK_INT(out.slab_bytes, 8192ull * 512);
         CHECK_INT(out.buffers_per_layer, 2);
         out.num_writers = 0;
-        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, one, 1), KVSTAGE_E_INVALID_ARG, "`writers_len`");
+        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, NULL, 0, NULL, 0, 8192, &out, one, 1), KVSTAGE_E_INVALID_ARG, "`writers_len`");
         CHECK_INT(out.num_writers, 2); /* the required count is reported */
-        CHECK_OK(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, w, 3));
+        CHECK_OK(kvstage_staging_layout_compute(stages, 1, &dst, NULL, 0, NULL, 0, 8192, &out, w, 3));
         CHECK_INT(w[1].offset, 640ull << 20);
         CHECK_INT(w[1].bytes, 640ull << 20);
         CHECK_INT(w[1].layers, 80);
@@ -132,19 +145,21 @@ int main(void) {
         CHECK_INT(w[1].dst_head_start, 2);
 
         dst.local_heads = 2; /* should be 4 on a TP-2 rank of 8 heads */
-        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_INVALID, "`dst`");
+        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, NULL, 0, NULL, 0, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_INVALID, "`dst`");
         e = kvstage_error_last();
         REQUIRE(e->cause_count >= 1);
         CHECK_CONTAINS(e->causes[0], "`local_heads`: 2 != 4");
         dst.local_heads = 0; /* derived: max(1, 8 / 2) = 4, the same layout as above */
         memset(w, 0xAB, sizeof w);
-        CHECK_OK(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, w, 3));
+        w[0].struct_size = sizeof w[0];
+        CHECK_OK(kvstage_staging_layout_compute(stages, 1, &dst, NULL, 0, NULL, 0, 8192, &out, w, 3));
+        CHECK_INT(w[1].struct_size, sizeof w[1]); /* every element written whole, at the caller's stride */
         CHECK_INT(w[1].bytes, 640ull << 20);
         CHECK_INT(w[1].num_heads, 2);
         CHECK_INT(w[1].dst_head_start, 2);
         dst.local_heads = 4;
         dst.head_dim = 64;
-        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_MISMATCH, "mismatch");
+        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, NULL, 0, NULL, 0, 8192, &out, w, 3), KVSTAGE_E_GEOMETRY_MISMATCH, "mismatch");
         e = kvstage_error_last();
         REQUIRE(e->cause_count == 1);
         CHECK_STR(e->causes[0], "head_dim: local 64 != remote 128"); /* local: the decode rank */
@@ -156,6 +171,8 @@ int main(void) {
         kvstage_kv_layout stages[2];
         kvstage_staging_layout out;
         kvstage_staging_writer w[2];
+        memset(w, 0, sizeof w);
+        w[0].struct_size = sizeof w[0];
         s0.layer_ids = first;
         s0.pp_size = 2;
         s1.layer_ids = second;
@@ -165,7 +182,7 @@ int main(void) {
         stages[1] = s1;
         memset(&out, 0, sizeof out);
         out.struct_size = sizeof out;
-        CHECK_OK(kvstage_staging_layout_compute(stages, 2, &dst, 64, &out, w, 2));
+        CHECK_OK(kvstage_staging_layout_compute(stages, 2, &dst, NULL, 0, NULL, 0, 64, &out, w, 2));
         CHECK_INT(out.num_writers, 2);
         CHECK_INT(out.num_tp_writers, 1);
         CHECK_INT(w[0].layers, 4);
@@ -175,7 +192,7 @@ int main(void) {
         CHECK_INT(out.total_bytes, w[0].bytes + w[1].bytes);
         /* Stage 1 missing: layers 4..6 of the decode rank are held by nobody. */
         stages[0].pp_size = 1;
-        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, 64, &out, w, 2), KVSTAGE_E_GEOMETRY_MISMATCH, "do not cover");
+        CHECK_ERROR(kvstage_staging_layout_compute(stages, 1, &dst, NULL, 0, NULL, 0, 64, &out, w, 2), KVSTAGE_E_GEOMETRY_MISMATCH, "do not cover");
     }
     {
         /* A complete layout with (fake, never dereferenced) addresses: validate checks them. */
@@ -212,19 +229,19 @@ int main(void) {
         prefill_stages[0] = p0;
         prefill_stages[1] = p1;
         decode_stages[0] = d;
-        CHECK_OK(kvstage_pairing_decode_ranks(&p1, decode_stages, 1, ranks, 8, &count));
+        CHECK_OK(kvstage_pairing_decode_ranks(&p1, NULL, 0, decode_stages, 1, ranks, 8, &count));
         CHECK_INT(count, 1);
         CHECK_INT(ranks[0].tp_rank, 0);
         CHECK_INT(ranks[0].pp_rank, 0);
         /* The decode rank is written by both TP ranks of both stages; out NULL and capacity 0 is a
          * count query: OK, the count set, no error left behind. */
-        CHECK_OK(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, NULL, 0, &count));
+        CHECK_OK(kvstage_pairing_prefill_ranks(&d, NULL, 0, prefill_stages, 2, NULL, 0, &count));
         CHECK_INT(count, 4);
         CHECK_INT(kvstage_error_last()->code, KVSTAGE_OK);
-        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, NULL, 0, NULL), KVSTAGE_E_INVALID_ARG, "`count`");
-        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, ranks, 1, &count), KVSTAGE_E_INVALID_ARG, "`capacity`");
+        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, NULL, 0, prefill_stages, 2, NULL, 0, NULL), KVSTAGE_E_INVALID_ARG, "`count`");
+        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, NULL, 0, prefill_stages, 2, ranks, 1, &count), KVSTAGE_E_INVALID_ARG, "`capacity`");
         CHECK_INT(count, 4);
-        CHECK_OK(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, ranks, count, &count));
+        CHECK_OK(kvstage_pairing_prefill_ranks(&d, NULL, 0, prefill_stages, 2, ranks, count, &count));
         CHECK_INT(ranks[1].tp_rank, 1);
         CHECK_INT(ranks[1].pp_rank, 0);
         CHECK_INT(ranks[2].tp_rank, 0);
@@ -232,27 +249,56 @@ int main(void) {
         /* Stages out of order are named. */
         prefill_stages[0] = p1;
         prefill_stages[1] = p0;
-        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
+        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, NULL, 0, prefill_stages, 2, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
                     "`prefill_stages[0]`");
-        CHECK_ERROR(kvstage_pairing_decode_ranks(&p0, NULL, 1, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
+        CHECK_ERROR(kvstage_pairing_decode_ranks(&p0, NULL, 0, NULL, 1, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
                     "`decode_stages`");
         /* Every stage must come from the same header: a differing struct_size is named. */
         prefill_stages[0] = p0;
         prefill_stages[1] = p1;
         prefill_stages[1].struct_size += 8;
-        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, prefill_stages, 2, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
+        CHECK_ERROR(kvstage_pairing_prefill_ranks(&d, NULL, 0, prefill_stages, 2, ranks, 8, &count), KVSTAGE_E_INVALID_ARG,
                     "`prefill_stages[1].struct_size`");
-        /* MLA: one designated TP writer per decode rank, whatever the TP sizes. */
-        CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MLA, 1, 8, 2, 2, 1, &n));
-        CHECK_INT(n, 2);
-        CHECK_ERROR(kvstage_writers_per_chunk(7, 8, 8, 2, 2, 1, &n), KVSTAGE_E_INVALID_ARG, "`model_kind`");
+        /* Writers per chunk (kvstage_staging_layout_compute's num_writers). MHA, 8 heads, prefill
+         * TP 8 in 2 stages into decode TP 2, 1 stage: 4 head groups from each stage. */
+        static const uint32_t low[4] = {0, 1, 2, 3}, high[4] = {4, 5, 6, 7};
+        kvstage_kv_layout w0 = layout(0, 8, 4), w1 = layout(0, 8, 4), wd = layout(0, 2, 8);
+        kvstage_kv_layout wstages[2];
+        kvstage_staging_layout out;
+        memset(&out, 0, sizeof out);
+        out.struct_size = sizeof out;
+        w0.layer_ids = low;
+        w1.layer_ids = high;
+        w0.pp_size = w1.pp_size = 2;
+        w1.pp_rank = 1;
+        wstages[0] = w0;
+        wstages[1] = w1;
+        CHECK_OK(kvstage_staging_layout_compute(wstages, 2, &wd, NULL, 0, NULL, 0, 64, &out, NULL, 0));
+        CHECK_INT(out.num_writers, 8);
+        CHECK_INT(out.num_tp_writers, 4);
+        /* MLA: one designated TP writer per decode rank and stage, whatever the TP sizes. */
+        for (int i = 0; i < 2; ++i) {
+            wstages[i].model_kind = KVSTAGE_MODEL_MLA;
+            wstages[i].global_heads = 1;
+            wstages[i].local_heads = 1;
+            wstages[i].head_dim = 576;
+        }
+        wd.model_kind = KVSTAGE_MODEL_MLA;
+        wd.global_heads = 1;
+        wd.local_heads = 1;
+        wd.head_dim = 576;
+        CHECK_OK(kvstage_staging_layout_compute(wstages, 2, &wd, NULL, 0, NULL, 0, 64, &out, NULL, 0));
+        CHECK_INT(out.num_writers, 2);
+        CHECK_INT(out.buffers_per_layer, 1);
+        wstages[0].model_kind = 7;
+        CHECK_ERROR(kvstage_staging_layout_compute(wstages, 2, &wd, NULL, 0, NULL, 0, 64, &out, NULL, 0), KVSTAGE_E_INVALID_ARG, "model_kind");
         /* Prefill-side replication (TP 8, 4 KV heads) into TP 2: one writer per head group. */
-        CHECK_OK(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 4, 8, 2, 1, 1, &n));
-        CHECK_INT(n, 2);
-        /* MLA has one latent head; PP sizes that do not divide need the stages' layouts. */
-        CHECK_ERROR(kvstage_writers_per_chunk(KVSTAGE_MODEL_MLA, 8, 8, 2, 1, 1, &n), KVSTAGE_E_INVALID_ARG, "`total_kv_heads`");
-        CHECK_ERROR(kvstage_writers_per_chunk(KVSTAGE_MODEL_MHA, 8, 2, 2, 3, 2, &n), KVSTAGE_E_INVALID_ARG,
-                    "kvstage_staging_layout_compute");
+        kvstage_kv_layout r0 = layout(0, 8, 8), rd = layout(0, 2, 8);
+        r0.global_heads = rd.global_heads = 4;
+        r0.local_heads = 1;
+        rd.local_heads = 2;
+        CHECK_OK(kvstage_staging_layout_compute(&r0, 1, &rd, NULL, 0, NULL, 0, 64, &out, NULL, 0));
+        CHECK_INT(out.num_writers, 2);
         {
             /* The same replication pair by pair: prefill ranks 0 and 1 hold head 0 (one each);
              * rank 0 sends it to decode rank 0, rank 1 sends nothing (the pairing helper leaves it
@@ -273,7 +319,7 @@ int main(void) {
         kvstage_state_item item;
         kvstage_byte_range r[16];
         size_t count = 0;
-        CHECK_OK(kvstage_state_item_init(&item));
+        CHECK_OK(kvstage_state_item_init(&item, sizeof item));
         item.outer = 4;
         item.dtype_bytes = 2;
         item.group_dims = groups;

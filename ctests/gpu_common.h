@@ -78,7 +78,7 @@ static inline void pool_init(pool *p, uint32_t tp_rank, uint32_t tp_size, unsign
         p->k[i] = p->dev + (2 * i) * p->buffer;
         p->v[i] = p->dev + (2 * i + 1) * p->buffer;
     }
-    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
+    REQUIRE(kvstage_kv_layout_init(&p->layout, sizeof p->layout) == KVSTAGE_OK);
     p->layout.page_size = PAGE;
     p->layout.local_heads = p->local_heads;
     p->layout.global_heads = HEADS;

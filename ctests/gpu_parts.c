@@ -76,25 +76,25 @@ static void parts_upload(parts *p) {
 static void parts_register(kvstage_engine *e, parts *p) {
     kvstage_component c[NCOMP];
     kvstage_state_item item;
-    REQUIRE(kvstage_state_item_init(&item) == KVSTAGE_OK);
+    REQUIRE(kvstage_state_item_init(&item, sizeof item) == KVSTAGE_OK);
     item.outer = OUTER, item.dtype_bytes = SDT, item.group_dims = GROUPS, item.num_groups = 3;
     for (int i = 0; i < NCOMP; ++i) {
-        REQUIRE(kvstage_component_init(&c[i]) == KVSTAGE_OK);
+        REQUIRE(kvstage_component_init(&c[i], sizeof c[i]) == KVSTAGE_OK);
         c[i].num_items = ITEMS, c[i].bases = p->bases[i], c[i].num_bases = layers_of(i);
     }
     c[0].name = "output_ids", c[0].kind = KVSTAGE_COMPONENT_AUX, c[0].item_bytes = AUX_ROW;
     c[1].name = "conv", c[1].kind = KVSTAGE_COMPONENT_STATE, c[1].state = &item, c[1].layer_ids = STATE_LAYERS, c[1].num_layers = 2;
     c[2].name = "swa", c[2].kind = KVSTAGE_COMPONENT_POOL, c[2].item_bytes = WUNIT, c[2].page_size = WPAGE, c[2].head_sliced = 1;
     c[2].layer_ids = WINDOW_LAYERS, c[2].num_layers = 1;
-    if (kvstage_engine_register_components(e, c, NCOMP) != KVSTAGE_OK) {
-        kv_print_last_error("kvstage_engine_register_components");
+    if (kvstage_pool_register_components(e, c, NCOMP) != KVSTAGE_OK) {
+        kv_print_last_error("kvstage_pool_register_components");
         REQUIRE(0);
     }
 }
 
 static kvstage_request_parts request(uint64_t row, const uint64_t *slot, const uint32_t *wpages, uint32_t wfirst, kvstage_pool_span *span) {
     kvstage_request_parts r;
-    REQUIRE(kvstage_request_parts_init(&r) == KVSTAGE_OK);
+    REQUIRE(kvstage_request_parts_init(&r, sizeof r) == KVSTAGE_OK);
     r.aux_row = row, r.state_slots = slot, r.num_state_slots = 1;
     span->pages = wpages, span->num_pages = 2, span->first_token = wfirst, span->num_tokens = WINDOW;
     r.pool_spans = span, r.num_pool_spans = 1;
@@ -103,7 +103,7 @@ static kvstage_request_parts request(uint64_t row, const uint64_t *slot, const u
 
 static kvstage_engine *engine_tcp(void) {
     kvstage_engine_options o;
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = KVSTAGE_TRANSPORT_TCP;
     kvstage_engine *e = NULL;
     REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
@@ -121,15 +121,15 @@ int main(void) {
     parts dparts;
     parts_init(&dparts, 0, 1);
     kvstage_engine *decode = engine_tcp();
-    REQUIRE(kvstage_engine_register_pool(decode, &dpool.layout) == KVSTAGE_OK);
+    REQUIRE(kvstage_pool_register(decode, &dpool.layout) == KVSTAGE_OK);
     parts_register(decode, &dparts);
-    REQUIRE(kvstage_engine_register_staging(decode, NULL, 1 << 20) == KVSTAGE_OK);
+    REQUIRE(kv_staging_register(decode, NULL, 1 << 20) == KVSTAGE_OK);
     kvstage_pool_span dspan;
     uint64_t dslot = DST_SLOT;
     kvstage_request_parts dreq = request(DST_ROW, &dslot, DST_WINDOW, 0, &dspan);
     uint32_t chunks = 0;
     uint64_t key = 0;
-    REQUIRE(kvstage_room_open_parts(decode, ROOM, DST_PAGES, NPAGES, CHUNK, &dreq, &chunks, &key) == KVSTAGE_OK);
+    REQUIRE(kv_room_open(decode, ROOM, DST_PAGES, NPAGES, CHUNK, &dreq, &chunks, &key) == KVSTAGE_OK);
     CHECK_INT(chunks, TOKENS / CHUNK);
     char addr[64];
     REQUIRE(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL) == KVSTAGE_OK);
@@ -147,7 +147,7 @@ int main(void) {
         parts_paint(&pparts[r], SRC_ROW, SRC_SLOT, SRC_WINDOW, 1);
         parts_upload(&pparts[r]);
         prefill[r] = engine_tcp();
-        REQUIRE(kvstage_engine_register_pool(prefill[r], &ppool[r].layout) == KVSTAGE_OK);
+        REQUIRE(kvstage_pool_register(prefill[r], &ppool[r].layout) == KVSTAGE_OK);
         parts_register(prefill[r], &pparts[r]);
         char id[16];
         snprintf(id, sizeof id, "p%u", (unsigned)r);
@@ -156,13 +156,13 @@ int main(void) {
     for (uint32_t k = chunks; k-- > 0;)
         for (uint32_t r = 0; r < 2; ++r) {
             kvstage_transfer_desc d;
-            REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
-            d.room = ROOM, d.room_key = key, d.chunk_index = k, d.deadline_ms = 15000;
+            REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
+            d.room = ROOM, d.room_key = key, d.chunk_index = k, d.timeout_ms = 15000;
             d.src_pages = SRC_PAGES + k * (CHUNK / PAGE), d.num_pages = CHUNK / PAGE;
             d.parts = k + 1 == chunks ? &preq : NULL;
             CHECK_OK(kvstage_transfer(s[r], &d));
         }
-    CHECK_OK(kvstage_room_wait(decode, ROOM, 15000));
+    CHECK_OK(kvstage_room_wait(decode, ROOM, key, 15000));
 
     /* The decode side's reference: the request's row, slot and window (its own pages). */
     parts_paint(&dparts, DST_ROW, DST_SLOT, DST_WINDOW, 0);
@@ -183,7 +183,7 @@ int main(void) {
         kvstage_session_free(s[r]);
         kvstage_engine_free(prefill[r]);
     }
-    CHECK_OK(kvstage_room_release(decode, ROOM));
+    CHECK_OK(kvstage_room_release(decode, ROOM, key));
     kvstage_engine_free(decode);
     return finish("gpu_parts");
 }

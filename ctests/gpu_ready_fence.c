@@ -23,15 +23,15 @@ static double now_ms(void) {
     return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
 }
 
-static kvstage_transfer_desc chunk_desc(uint64_t room_key, uint32_t chunk, uint64_t deadline_ms) {
+static kvstage_transfer_desc chunk_desc(uint64_t room_key, uint32_t chunk, uint64_t timeout_ms) {
     kvstage_transfer_desc d;
-    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
     d.room = ROOM;
     d.room_key = room_key;
     d.chunk_index = chunk;
     d.src_pages = SRC + chunk * (CHUNK / PAGE);
     d.num_pages = CHUNK / PAGE;
-    d.deadline_ms = deadline_ms;
+    d.timeout_ms = timeout_ms;
     return d;
 }
 
@@ -58,13 +58,13 @@ int main(void) {
     pool_init(&dst, 0, 1, 99);
 
     REQUIRE(kvstage_engine_new(NULL, &decode) == KVSTAGE_OK);
-    CHECK_OK(kvstage_engine_register_pool(decode, &dst.layout));
-    CHECK_OK(kvstage_engine_register_staging(decode, NULL, 1 << 20));
-    CHECK_OK(kvstage_room_open(decode, ROOM, DST, NPAGES, CHUNK, &chunks, &room_key));
+    CHECK_OK(kvstage_pool_register(decode, &dst.layout));
+    CHECK_OK(kv_staging_register(decode, NULL, 1 << 20));
+    CHECK_OK(kv_room_open(decode, ROOM, DST, NPAGES, CHUNK, NULL, &chunks, &room_key));
     CHECK_INT(chunks, 2);
     CHECK_OK(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL));
     REQUIRE(kvstage_engine_new(NULL, &prefill) == KVSTAGE_OK);
-    CHECK_OK(kvstage_engine_register_pool(prefill, &src.layout));
+    CHECK_OK(kvstage_pool_register(prefill, &src.layout));
     CHECK_OK(kvstage_session_connect(prefill, addr, "ready-fence", 5000, &session));
     REQUIRE(*kv_failures() == 0);
 
@@ -88,7 +88,7 @@ int main(void) {
 
     CHECK_OK(kvstage_op_wait(a, 20000));
     kvstage_op_free(a);
-    CHECK_OK(kvstage_room_wait(decode, ROOM, 10000));
+    CHECK_OK(kvstage_room_wait(decode, ROOM, room_key, 10000));
 
     /* Decode page DST[i] holds prefill page SRC[i] (TP 1 to TP 1: the same token slots). */
     for (b = 0; b < 2 * LAYERS; b++)
@@ -101,7 +101,7 @@ int main(void) {
     REQUIRE(cu.dtoh(got, dst.dev, 2 * LAYERS * dst.buffer) == 0);
     CHECK(memcmp(got, dst.host, 2 * LAYERS * dst.buffer) == 0);
     free(got);
-    CHECK_OK(kvstage_room_release(decode, ROOM));
+    CHECK_OK(kvstage_room_release(decode, ROOM, room_key));
 
     kvstage_session_free(session);
     kvstage_engine_free(prefill);

@@ -53,13 +53,13 @@ static int direct_mode;
 static kvstage_engine *engine_on(pool *p, int integrity, int transport) {
     kvstage_engine_options o;
     kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.integrity = integrity;
     o.transport = transport;
     o.rdma_devices = soft_rdma;
     o.same_host_direct = direct_mode;
     REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
-    CHECK_OK(kvstage_engine_register_pool(e, &p->layout));
+    CHECK_OK(kvstage_pool_register(e, &p->layout));
     return e;
 }
 
@@ -67,7 +67,7 @@ static kvstage_engine *engine_with(pool *p, int integrity) { return engine_on(p,
 
 static kvstage_staging_memory device_ring(void *memory, int32_t device, size_t bytes) {
     kvstage_staging_memory m;
-    REQUIRE(kvstage_staging_memory_init(&m) == KVSTAGE_OK);
+    REQUIRE(kvstage_staging_memory_init(&m, sizeof m) == KVSTAGE_OK);
     m.memory_kind = KVSTAGE_MEMORY_CUDA;
     m.cuda_device = device;
     m.memory = memory;
@@ -102,34 +102,34 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
 
     /* Host pool, then a device ring; and the other order. */
     REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
-    CHECK_OK(kvstage_engine_register_pool(e, &host));
-    CHECK_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "the KV pool is host memory");
+    CHECK_OK(kvstage_pool_register(e, &host));
+    CHECK_ERR(kvstage_staging_register(e, &m), KVSTAGE_E_INVALID_ARG, "the KV pool is host memory");
     kvstage_engine_free(e);
     REQUIRE(kvstage_engine_new(NULL, &e) == KVSTAGE_OK);
-    CHECK_OK(kvstage_engine_register_staging_memory(e, &m));
-    CHECK_ERR(kvstage_engine_register_pool(e, &host), KVSTAGE_E_INVALID_ARG, "the KV pool is host memory");
+    CHECK_OK(kvstage_staging_register(e, &m));
+    CHECK_ERR(kvstage_pool_register(e, &host), KVSTAGE_E_INVALID_ARG, "the KV pool is host memory");
     /* Bad descriptors. */
     m.cuda_device = -1;
-    CHECK_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->cuda_device");
+    CHECK_ERR(kvstage_staging_register(e, &m), KVSTAGE_E_INVALID_ARG, "staging->cuda_device");
     m.cuda_device = 0;
     m.memory_kind = 7;
-    CHECK_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->memory_kind");
+    CHECK_ERR(kvstage_staging_register(e, &m), KVSTAGE_E_INVALID_ARG, "staging->memory_kind");
     m.memory_kind = KVSTAGE_MEMORY_CUDA;
     m.struct_size = 0;
-    CHECK_ERR(kvstage_engine_register_staging_memory(e, &m), KVSTAGE_E_INVALID_ARG, "staging->struct_size");
-    CHECK_ERR(kvstage_engine_register_staging(e, device_memory, 1 << 16), KVSTAGE_E_INVALID_ARG, "is CUDA device memory");
+    CHECK_ERR(kvstage_staging_register(e, &m), KVSTAGE_E_INVALID_ARG, "staging->struct_size");
+    CHECK_ERR(kv_staging_register(e, device_memory, 1 << 16), KVSTAGE_E_INVALID_ARG, "is CUDA device memory");
     kvstage_engine_free(e);
 
     /* A sender with a host pool that requires the same-host path: a device ring is written from
      * device memory only. */
     e = engine_with(dst, KVSTAGE_INTEGRITY_OFF);
     m = device_ring(NULL, 0, 1 << 20);
-    CHECK_OK(kvstage_engine_register_staging_memory(e, &m));
+    CHECK_OK(kvstage_staging_register(e, &m));
     CHECK_OK(kvstage_engine_listen_address(e, addr, sizeof addr, NULL));
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = KVSTAGE_TRANSPORT_SHM;
     REQUIRE(kvstage_engine_new(&o, &shm_sender) == KVSTAGE_OK);
-    CHECK_OK(kvstage_engine_register_pool(shm_sender, &host));
+    CHECK_OK(kvstage_pool_register(shm_sender, &host));
     CHECK_ERR(kvstage_session_connect(shm_sender, addr, "shm-host-pool", 5000, &s), KVSTAGE_E_UNSUPPORTED, "KV pool is host memory");
     kvstage_engine_free(shm_sender);
     /* The driver cannot export the ring (as for VMM memory): SHM fails, AUTO goes by TCP, counted. */
@@ -137,7 +137,7 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
         kvstage_engine_stats st;
         REQUIRE(setenv("KVSTAGE_FAKE_CUDA_NO_IPC", "1", 1) == 0);
         REQUIRE(kvstage_engine_new(&o, &shm_sender) == KVSTAGE_OK);
-        CHECK_OK(kvstage_engine_register_pool(shm_sender, &sender->layout));
+        CHECK_OK(kvstage_pool_register(shm_sender, &sender->layout));
         CHECK_ERR(kvstage_session_connect(shm_sender, addr, "shm-no-ipc", 5000, &s), KVSTAGE_E_UNSUPPORTED, "cannot be shared by CUDA IPC");
         kvstage_engine_free(shm_sender);
         shm_sender = engine_with(sender, KVSTAGE_INTEGRITY_OFF);
@@ -166,7 +166,7 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
         wide.layout.v_bases = wide.v;
         kvstage_engine *wide_decode = engine_with(&wide, KVSTAGE_INTEGRITY_OFF);
         m = device_ring(NULL, 0, 1 << 20);
-        CHECK_OK(kvstage_engine_register_staging_memory(wide_decode, &m));
+        CHECK_OK(kvstage_staging_register(wide_decode, &m));
         CHECK_OK(kvstage_engine_listen_address(wide_decode, wide_addr, sizeof wide_addr, NULL));
         narrow_sender = engine_with(sender, KVSTAGE_INTEGRITY_OFF);
         CHECK_OK(kvstage_session_connect(narrow_sender, wide_addr, "direct-not-shared", 5000, &s));
@@ -190,17 +190,17 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
         kvstage_engine_free(e);
         e = engine_with(dst, KVSTAGE_INTEGRITY_OFF);
         m = device_ring(NULL, 0, 1 << 20);
-        CHECK_OK(kvstage_engine_register_staging_memory(e, &m));
+        CHECK_OK(kvstage_staging_register(e, &m));
         CHECK_OK(kvstage_engine_listen_address(e, addr, sizeof addr, NULL));
         REQUIRE(setenv("KVSTAGE_FAKE_CUDA_NO_DMABUF", "1", 1) == 0);
         shm_sender = engine_on(sender, KVSTAGE_INTEGRITY_OFF, KVSTAGE_TRANSPORT_RDMA);
         CHECK_ERR(kvstage_session_connect(shm_sender, addr, "rdma-no-dmabuf", 5000, &s), KVSTAGE_E_UNSUPPORTED, "cannot be registered for GPUDirect RDMA");
         kvstage_engine_free(shm_sender);
-        REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+        REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
         o.rdma_devices = soft_rdma;
         o.same_host = KVSTAGE_SAME_HOST_OFF;
         REQUIRE(kvstage_engine_new(&o, &shm_sender) == KVSTAGE_OK);
-        CHECK_OK(kvstage_engine_register_pool(shm_sender, &sender->layout));
+        CHECK_OK(kvstage_pool_register(shm_sender, &sender->layout));
         CHECK_OK(kvstage_session_connect(shm_sender, addr, "auto-no-dmabuf", 5000, &s));
         st = stats_of(shm_sender);
         CHECK_INT(st.rdma_sessions, 0);
@@ -211,19 +211,19 @@ static void check_refusals(pool *dst, pool *sender, void *device_memory, int fak
          * in host memory instead, delivered, counted and said. */
         kvstage_engine_free(e);
         e = engine_with(dst, KVSTAGE_INTEGRITY_OFF);
-        CHECK_OK(kvstage_engine_register_staging(e, NULL, 1 << 20));
+        CHECK_OK(kv_staging_register(e, NULL, 1 << 20));
         CHECK_OK(kvstage_engine_listen_address(e, addr, sizeof addr, NULL));
-        CHECK_OK(kvstage_room_open(e, ROOM, DST_PAGES, NPAGES, CHUNK, &chunks, &room_key));
+        CHECK_OK(kv_room_open(e, ROOM, DST_PAGES, NPAGES, CHUNK, NULL, &chunks, &room_key));
         shm_sender = engine_on(sender, KVSTAGE_INTEGRITY_OFF, KVSTAGE_TRANSPORT_RDMA);
         CHECK_OK(kvstage_session_connect(shm_sender, addr, "rdma-host-bounce", 5000, &s));
-        REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+        REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
         d.room = ROOM;
         d.room_key = room_key;
         d.src_pages = SRC_PAGES;
         d.num_pages = CHUNK / PAGE;
-        d.deadline_ms = 10000;
+        d.timeout_ms = 10000;
         CHECK_OK(kvstage_transfer(s, &d));
-        CHECK_OK(kvstage_engine_transport_describe(shm_sender, describe, sizeof describe, NULL));
+        kv_engine_transport(shm_sender, describe, sizeof describe);
         CHECK_CONTAINS(describe, "1 session(s) staging GPU data in host memory (no GPUDirect)");
         CHECK_INT(stats_of(shm_sender).rdma_host_staging_sessions, 1);
         CHECK_CONTAINS(describe, "cannot be registered for GPUDirect RDMA");
@@ -284,13 +284,13 @@ static void send_room(pool src[2], uint64_t room, uint64_t room_key, const char 
     for (c = 0; c < (int)chunks; c++) {
         for (r = 0; r < 2; r++) {
             kvstage_transfer_desc d;
-            REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+            REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
             d.room = room;
             d.room_key = room_key;
             d.chunk_index = (uint32_t)c;
             d.src_pages = SRC_PAGES + c * (CHUNK / PAGE);
             d.num_pages = CHUNK / PAGE;
-            d.deadline_ms = 10000;
+            d.timeout_ms = 10000;
             if (c + 1 < (int)chunks)
                 CHECK_OK(kvstage_transfer(session[r], &d));
             else
@@ -307,7 +307,7 @@ static void send_room(pool src[2], uint64_t room, uint64_t room_key, const char 
         CHECK_INT(st.shm_direct_sessions, direct_mode ? 1 : 0);
         CHECK_INT(st.shm_direct_chunks, direct_mode ? chunks : 0);
         sent += st.bytes_sent;
-        CHECK_OK(kvstage_engine_transport_describe(prefill[r], describe, sizeof describe, NULL));
+        kv_engine_transport(prefill[r], describe, sizeof describe);
         printf("prefill %d: %s\n", r, describe);
         /* GPUDirect was not given up for host staging. */
         CHECK(strstr(describe, "staging GPU data in host memory") == NULL);
@@ -369,29 +369,29 @@ static kvstage_engine *open_decode(pool *dst, pool *src0, const char *ring, int 
     kvstage_engine *decode = engine_with(dst, device_ring_mode ? device_integrity : KVSTAGE_INTEGRITY_OFF);
     REQUIRE(*kv_failures() == 0);
     if (!device_ring_mode) {
-        CHECK_OK(kvstage_engine_register_staging(decode, NULL, 1 << 20));
+        CHECK_OK(kv_staging_register(decode, NULL, 1 << 20));
     } else {
         kvstage_staging_memory m;
         const int engine_owned = strcmp(ring, "caller-device") != 0;
         REQUIRE(cu.alloc(caller_ring, 1 << 20) == 0);
         check_refusals(dst, src0, (void *)(uintptr_t)*caller_ring, fake_driver);
         m = device_ring(engine_owned ? NULL : (void *)(uintptr_t)*caller_ring, engine_owned ? 0 : -1, 1 << 20);
-        CHECK_OK(kvstage_engine_register_staging_memory(decode, &m));
+        CHECK_OK(kvstage_staging_register(decode, &m));
     }
     printf("staging ring: %s\n", ring);
-    CHECK_OK(kvstage_room_open(decode, ROOM, DST_PAGES, NPAGES, CHUNK, chunks, room_key));
+    CHECK_OK(kv_room_open(decode, ROOM, DST_PAGES, NPAGES, CHUNK, NULL, chunks, room_key));
     CHECK_INT(*chunks, NPAGES * PAGE / CHUNK);
     CHECK_OK(kvstage_engine_listen_address(decode, addr, addr_len, NULL));
     return decode;
 }
 
-/* The decode side after room `room`: complete, verified, ring empty; `sessions` same-host (or
- * RDMA) sessions accepted so far. */
-static void finish_decode(kvstage_engine *decode, uint64_t room, pool src[2], pool *dst, uint64_t sessions) {
+/* The decode side after room `room` (its opening `room_key`): complete, verified, ring empty;
+ * `sessions` same-host (or RDMA) sessions accepted so far. */
+static void finish_decode(kvstage_engine *decode, uint64_t room, uint64_t room_key, pool src[2], pool *dst, uint64_t sessions) {
     kvstage_engine_stats st;
-    CHECK_OK(kvstage_room_wait(decode, room, 10000));
+    CHECK_OK(kvstage_room_wait(decode, room, room_key, 10000));
     verify(src, dst);
-    CHECK_OK(kvstage_room_release(decode, room));
+    CHECK_OK(kvstage_room_release(decode, room, room_key));
     st = stats_of(decode);
     CHECK_INT(st.ring_live_allocations, 0);
     CHECK_INT(st.shm_sessions, soft_rdma || by_tcp ? 0 : sessions);
@@ -456,12 +456,12 @@ static int ipc_kill_prefill(int in, int out, int victim) {
         kvstage_transfer_desc d;
         prefill[r] = engine_with(&src[r], KVSTAGE_INTEGRITY_OFF);
         CHECK_OK(kvstage_session_connect(prefill[r], addr, r ? "gpu-victim1" : "gpu-victim0", 5000, &session[r]));
-        REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+        REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
         d.room = ROOM;
         d.room_key = room_key;
         d.src_pages = SRC_PAGES;
         d.num_pages = CHUNK / PAGE;
-        d.deadline_ms = 30000;
+        d.timeout_ms = 30000;
         CHECK_OK(kvstage_transfer(session[r], &d));
         d.chunk_index = 1;
         d.src_pages = SRC_PAGES + CHUNK / PAGE;
@@ -521,17 +521,17 @@ static int ipc_kill(void) {
     sleep_ms(20);
     kill(victim, SIGKILL);
     REQUIRE(waitpid(victim, NULL, 0) == victim);
-    rc = kvstage_room_wait(decode, ROOM, 10000);
+    rc = kvstage_room_wait(decode, ROOM, room_key, 10000);
     snprintf(why, sizeof why, "%s", kvstage_error_last()->message); /* valid until the next call */
     CHECK(rc < 0 && rc != KVSTAGE_E_TIMEOUT);
     printf("room %d after its writer was killed: %s (%s)\n", ROOM, kvstage_status_name(rc), why);
     for (waited = 0; stats_of(decode).ring_live_allocations != 0 && waited < 5000; waited += 10) sleep_ms(10);
     CHECK_INT(stats_of(decode).ring_live_allocations, 0);
-    CHECK_OK(kvstage_room_release(decode, ROOM));
-    CHECK_OK(kvstage_room_open(decode, ROOM + 1, DST_PAGES, NPAGES, CHUNK, &chunks, &next_key));
+    CHECK_OK(kvstage_room_release(decode, ROOM, room_key));
+    CHECK_OK(kv_room_open(decode, ROOM + 1, DST_PAGES, NPAGES, CHUNK, NULL, &chunks, &next_key));
     REQUIRE(write(to_heir[1], addr, sizeof addr) == (ssize_t)sizeof addr);
     REQUIRE(write(to_heir[1], &next_key, sizeof next_key) == (ssize_t)sizeof next_key);
-    finish_decode(decode, ROOM + 1, src, &dst, 4);
+    finish_decode(decode, ROOM + 1, next_key, src, &dst, 4);
     REQUIRE(waitpid(heir, &status, 0) == heir);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     kvstage_engine_free(decode);
@@ -587,7 +587,7 @@ int main(int argc, char **argv) {
         /* The soft fabric exists in test builds only. */
         kvstage_engine *probe = NULL;
         kvstage_engine_options o;
-        REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+        REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
         o.transport = KVSTAGE_TRANSPORT_RDMA;
         o.rdma_devices = "softib0";
         if (kvstage_engine_new(&o, &probe) != KVSTAGE_OK) return skip("no soft RDMA fabric (a build without the testing feature)");
@@ -602,14 +602,14 @@ int main(int argc, char **argv) {
     if (!two_processes) {
         decode = open_decode(&dst, &src[0], ring, fake_driver, &caller_ring, addr, sizeof addr, &chunks, &room_key);
         send_room(src, ROOM, room_key, addr, chunks, strcmp(ring, "host") != 0);
-        finish_decode(decode, ROOM, src, &dst, 2);
+        finish_decode(decode, ROOM, room_key, src, &dst, 2);
         kvstage_engine_free(decode);
     } else if (decode_pid == 0) {
         char done;
         decode = open_decode(&dst, &src[0], "device", fake_driver, &caller_ring, addr, sizeof addr, &chunks, &room_key);
         REQUIRE(write(to_prefill[1], addr, strlen(addr) + 1) == (ssize_t)(strlen(addr) + 1));
         REQUIRE(write(to_prefill[1], &room_key, sizeof room_key) == (ssize_t)sizeof room_key);
-        finish_decode(decode, ROOM, src, &dst, 2);
+        finish_decode(decode, ROOM, room_key, src, &dst, 2);
         REQUIRE(read(to_decode[0], &done, 1) == 1);
         kvstage_engine_free(decode);
     } else {

@@ -25,7 +25,7 @@
 #include <stdint.h>
 #include <time.h>
 
-#include "kvstage_check.h"
+#include "host_pool.h"
 
 static int g_cases = 0;
 
@@ -89,48 +89,17 @@ static void sleep_ms(unsigned ms) {
 /* MHA: 2 layers, 2 KV heads of 8 bf16 elements, 4-token pages, 16 pages; chunks of 2 pages. */
 enum { LAYERS = 2, HEADS = 2, HEAD_DIM = 8, DTYPE = 2, PAGE = 4, CAPACITY = 16, CHUNK_TOKENS = 8 };
 
-typedef struct pool {
-    uint8_t *memory;
-    uint64_t k[LAYERS], v[LAYERS];
-    kvstage_kv_layout layout;
-} pool;
-
-static void pool_init(pool *p, uint32_t tp_rank, uint32_t tp_size) {
-    uint32_t local = HEADS / tp_size;
-    size_t buffer = (size_t)CAPACITY * PAGE * local * HEAD_DIM * DTYPE;
-    int l;
-    p->memory = (uint8_t *)calloc(2 * LAYERS, buffer);
-    REQUIRE(p->memory != NULL);
-    for (l = 0; l < LAYERS; ++l) {
-        p->k[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l) * buffer);
-        p->v[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l + 1) * buffer);
-    }
-    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
-    p->layout.model_kind = KVSTAGE_MODEL_MHA;
-    p->layout.page_size = PAGE;
-    p->layout.local_heads = local;
-    p->layout.global_heads = HEADS;
-    p->layout.head_dim = HEAD_DIM;
-    p->layout.dtype_bytes = DTYPE;
-    p->layout.tp_rank = tp_rank;
-    p->layout.tp_size = tp_size;
-    p->layout.num_layers = LAYERS;
-    p->layout.k_bases = p->k;
-    p->layout.v_bases = p->v;
-    p->layout.capacity_pages = CAPACITY;
-    REQUIRE(kvstage_kv_layout_validate(&p->layout) == KVSTAGE_OK);
+static void pool_init(host_pool *p, uint32_t tp_rank, uint32_t tp_size) {
+    kvstage_kv_layout shape = host_pool_shape(LAYERS, HEADS, HEAD_DIM, DTYPE, PAGE, CAPACITY, tp_rank, tp_size);
+    host_pool_init(p, &shape);
 }
 
 /* An engine (one copy worker) with `p` as its pool. */
-static kvstage_engine *engine_with_pool(const pool *p) {
+static kvstage_engine *engine_with_pool(const host_pool *p) {
     kvstage_engine_options o;
-    kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.worker_threads = 1;
-    REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
-    REQUIRE(e != NULL);
-    REQUIRE(kvstage_engine_register_pool(e, &p->layout) == KVSTAGE_OK);
-    return e;
+    return host_pool_engine(&o, p, 0);
 }
 
 static uint64_t live_allocations(const kvstage_engine *e) {
@@ -144,26 +113,27 @@ static const uint32_t SRC_PAGES[2] = {0, 1};
 static const uint32_t DST_PAGES[4] = {4, 5, 6, 7};
 
 typedef struct world {
-    pool pre, dec;
+    host_pool pre, dec;
     kvstage_engine *decode;  /* ring of exactly one chunk */
     kvstage_engine *prefill; /* writer 0 of 2 */
     kvstage_session *session;
     kvstage_op *op; /* ended: a transfer to a room the decode side never opened */
     int op_result;
+    uint64_t plug_key; /* the opening of PLUG_ROOM */
     char addr[64];
 } world;
 
 /* The key transfers name for rooms the decode side never opened (any nonzero value). */
 static const uint64_t NOT_OPEN_KEY = 1;
 
-static void desc_for(kvstage_transfer_desc *d, uint64_t room, uint64_t room_key, uint32_t chunk, uint64_t deadline_ms) {
-    REQUIRE(kvstage_transfer_desc_init(d) == KVSTAGE_OK);
+static void desc_for(kvstage_transfer_desc *d, uint64_t room, uint64_t room_key, uint32_t chunk, uint64_t timeout_ms) {
+    REQUIRE(kvstage_transfer_desc_init(d, sizeof *d) == KVSTAGE_OK);
     d->room = room;
     d->room_key = room_key;
     d->chunk_index = chunk;
     d->src_pages = SRC_PAGES;
     d->num_pages = 2;
-    d->deadline_ms = deadline_ms;
+    d->timeout_ms = timeout_ms;
 }
 
 static void world_init(world *w) {
@@ -173,10 +143,10 @@ static void world_init(world *w) {
     pool_init(&w->dec, 0, 1);
     memset(&st, 0, sizeof st);
     st.struct_size = sizeof st;
-    REQUIRE(kvstage_staging_layout_compute(&w->pre.layout, 1, &w->dec.layout, CHUNK_TOKENS, &st, NULL, 0) == KVSTAGE_OK);
+    REQUIRE(kvstage_staging_layout_compute(&w->pre.layout, 1, &w->dec.layout, NULL, 0, NULL, 0, CHUNK_TOKENS, &st, NULL, 0) == KVSTAGE_OK);
     REQUIRE(st.num_writers == 2);
     w->decode = engine_with_pool(&w->dec);
-    REQUIRE(kvstage_engine_register_staging(w->decode, NULL, (size_t)st.total_bytes) == KVSTAGE_OK);
+    REQUIRE(kv_staging_register(w->decode, NULL, (size_t)st.total_bytes) == KVSTAGE_OK);
     REQUIRE(kvstage_engine_listen_address(w->decode, w->addr, sizeof w->addr, NULL) == KVSTAGE_OK);
     w->prefill = engine_with_pool(&w->pre);
     w->session = NULL;
@@ -195,8 +165,8 @@ static void world_free(world *w) {
     kvstage_session_free(w->session);
     kvstage_engine_free(w->prefill);
     kvstage_engine_free(w->decode);
-    free(w->pre.memory);
-    free(w->dec.memory);
+    host_pool_free(&w->pre);
+    host_pool_free(&w->dec);
 }
 
 /* --- every export that takes a handle, with a handle that is not a live one of its kind ------- */
@@ -207,24 +177,44 @@ static void world_free(world *w) {
 /* `e` is not a live kvstage_engine; every message must name `engine` and contain `needle`. */
 static void engine_exports(world *w, kvstage_engine *e, const char *needle) {
     char buf[64];
-    size_t needed = 0, count = 0;
-    uint32_t chunks = 0;
-    uint64_t key = 0;
+    size_t needed = 0, count = 0, still_mapped = 0;
+    int32_t fd = -1;
+    uint64_t drained = 0;
     kvstage_engine_stats stats;
-    kvstage_chunk_event events[4];
+    kvstage_staging_memory staging;
+    kvstage_room_desc desc;
+    kvstage_room_grid grid;
+    kvstage_room_event events[4];
     kvstage_session *s = SENTINEL_SESSION;
     stats.struct_size = sizeof stats;
+    REQUIRE(kvstage_staging_memory_init(&staging, sizeof staging) == KVSTAGE_OK);
+    staging.bytes = 4096;
+    REQUIRE(kvstage_room_desc_init(&desc, sizeof desc) == KVSTAGE_OK);
+    desc.room = 77;
+    desc.pages = DST_PAGES;
+    desc.num_pages = 2;
+    desc.chunk_tokens = CHUNK_TOKENS;
+    memset(&grid, 0, sizeof grid);
+    grid.struct_size = sizeof grid;
+    memset(events, 0, sizeof events);
+    events[0].struct_size = sizeof events[0];
 
     EXPECT_INVALID(kvstage_engine_listen_address(e, buf, sizeof buf, NULL), "`engine`", needle);
-    EXPECT_INVALID(kvstage_engine_register_pool(e, &w->dec.layout), "`engine`", needle);
-    EXPECT_INVALID(kvstage_engine_register_staging(e, NULL, 4096), "`engine`", needle);
+    EXPECT_INVALID(kvstage_pool_register(e, &w->dec.layout), "`engine`", needle);
+    EXPECT_INVALID(kvstage_staging_register(e, &staging), "`engine`", needle);
     EXPECT_INVALID(kvstage_engine_stats_get(e, &stats), "`engine`", needle);
-    EXPECT_INVALID(kvstage_engine_transport_describe(e, buf, sizeof buf, &needed), "`engine`", needle);
+    EXPECT_INVALID(kvstage_engine_describe(e, buf, sizeof buf, &needed), "`engine`", needle);
+    EXPECT_INVALID(kvstage_engine_completion_fd(e, &fd), "`engine`", needle);
+    EXPECT_INVALID(kvstage_engine_completions_drain(e, &drained), "`engine`", needle);
+    EXPECT_INVALID(kvstage_engine_shutdown(e, 10, &still_mapped), "`engine`", needle);
     EXPECT_INVALID(kvstage_session_connect(e, w->addr, "wrong", 1000, &s), "`engine`", needle);
     CHECK(s == SENTINEL_SESSION);
-    EXPECT_INVALID(kvstage_room_open(e, 77, DST_PAGES, 2, CHUNK_TOKENS, &chunks, &key), "`engine`", needle);
-    EXPECT_INVALID(kvstage_room_wait(e, 77, 10), "`engine`", needle);
-    EXPECT_INVALID(kvstage_room_release(e, 77), "`engine`", needle);
+    EXPECT_INVALID(kvstage_room_open(e, &desc, &grid), "`engine`", needle);
+    CHECK(grid.key == 0);
+    EXPECT_INVALID(kvstage_room_wait(e, 77, 1, 10), "`engine`", needle);
+    EXPECT_INVALID(kvstage_room_release(e, 77, 1), "`engine`", needle);
+    EXPECT_INVALID(kvstage_room_describe(e, 77, 1, buf, sizeof buf, &needed), "`engine`", needle);
+    EXPECT_INVALID(kvstage_room_poll_events(e, 77, 1, events, 4, &count), "`engine`", needle);
     EXPECT_INVALID(kvstage_engine_poll_events(e, events, 4, &count), "`engine`", needle);
 #if defined(KVSTAGE_TESTING)
     EXPECT_INVALID(kvstage_testing_panic(e), "`engine`", needle);
@@ -312,7 +302,7 @@ static void test_freed(world *w) {
     session_exports(s, dead);
     op_exports(op, dead);
     /* A freed handle passed as another kind: still "not live". */
-    EXPECT_INVALID(kvstage_room_wait((kvstage_engine *)op, 1, 10), "`engine`", dead);
+    EXPECT_INVALID(kvstage_room_wait((kvstage_engine *)op, 1, 1, 10), "`engine`", dead);
     EXPECT_INVALID(kvstage_op_poll((kvstage_op *)e), "`op`", dead);
 
     /* Addresses are never handed out again: freed handles stay dead while new ones are made. */
@@ -352,7 +342,7 @@ typedef struct race {
     kvstage_engine *engine;
     kvstage_session *session;
     kvstage_op *op;
-    uint64_t room;
+    uint64_t room, key;
     kvstage_transfer_desc desc;
     int rc, error_code;
     char message[256];
@@ -368,9 +358,9 @@ static void *race_call(void *arg) {
     pthread_cond_signal(&r->cv);
     pthread_mutex_unlock(&r->mu);
     switch (r->kind) {
-    case CALL_ROOM_WAIT: rc = (int)kvstage_room_wait(r->engine, r->room, 150); break;
+    case CALL_ROOM_WAIT: rc = (int)kvstage_room_wait(r->engine, r->room, r->key, 150); break;
     case CALL_TRANSFER: rc = (int)kvstage_transfer(r->session, &r->desc); break;
-    case CALL_OP_WAIT: rc = (int)kvstage_op_wait(r->op, KVSTAGE_DEADLINE_INFINITE); break;
+    case CALL_OP_WAIT: rc = (int)kvstage_op_wait(r->op, KVSTAGE_TIMEOUT_INFINITE); break;
     }
     e = kvstage_error_last();
     pthread_mutex_lock(&r->mu);
@@ -417,7 +407,7 @@ static int run_race(race *r, unsigned delay_ms) {
 
     /* Later calls on the freed pointer. */
     switch (r->kind) {
-    case CALL_ROOM_WAIT: EXPECT_INVALID(kvstage_room_wait(r->engine, r->room, 10), "`engine`", "not a live"); break;
+    case CALL_ROOM_WAIT: EXPECT_INVALID(kvstage_room_wait(r->engine, r->room, r->key, 10), "`engine`", "not a live"); break;
     case CALL_TRANSFER: EXPECT_INVALID(kvstage_transfer(r->session, &r->desc), "`session`", "not a live"); break;
     case CALL_OP_WAIT: EXPECT_INVALID(kvstage_op_poll(r->op), "`op`", "not a live"); break;
     }
@@ -444,7 +434,8 @@ static void test_free_engine_during_room_wait(world *w) {
         int rc, hit;
         r.engine = engine_with_pool(&w->dec);
         r.room = 10 + (uint64_t)i;
-        REQUIRE(kvstage_room_open(r.engine, r.room, DST_PAGES, 4, CHUNK_TOKENS, &chunks, &key) == KVSTAGE_OK);
+        REQUIRE(kv_room_open(r.engine, r.room, DST_PAGES, 4, CHUNK_TOKENS, NULL, &chunks, &key) == KVSTAGE_OK);
+        r.key = key;
         REQUIRE(kvstage_engine_listen_address(r.engine, addr, sizeof addr, NULL) == KVSTAGE_OK);
         hit = run_race(&r, DELAY(i));
         in_flight += hit;
@@ -467,8 +458,9 @@ static void plug_ring(world *w) {
     kvstage_transfer_desc d;
     uint32_t chunks = 0;
     uint64_t key = 0;
-    REQUIRE(kvstage_room_open(w->decode, PLUG_ROOM, DST_PAGES, 4, CHUNK_TOKENS, &chunks, &key) == KVSTAGE_OK);
+    REQUIRE(kv_room_open(w->decode, PLUG_ROOM, DST_PAGES, 4, CHUNK_TOKENS, NULL, &chunks, &key) == KVSTAGE_OK);
     REQUIRE(chunks == 2);
+    w->plug_key = key;
     desc_for(&d, PLUG_ROOM, key, 0, 5000);
     CHECK_OK(kvstage_transfer(w->session, &d)); /* writer 0 arrived; writer 1 never will */
     CHECK_INT(live_allocations(w->decode), 1);
@@ -479,7 +471,7 @@ static void plug_ring(world *w) {
 static uint64_t open_blocked_room(world *w, uint64_t room) {
     uint32_t chunks = 0;
     uint64_t key = 0;
-    REQUIRE(kvstage_room_open(w->decode, room, DST_PAGES, 2, CHUNK_TOKENS, &chunks, &key) == KVSTAGE_OK);
+    REQUIRE(kv_room_open(w->decode, room, DST_PAGES, 2, CHUNK_TOKENS, NULL, &chunks, &key) == KVSTAGE_OK);
     REQUIRE(chunks == 1);
     return key;
 }
@@ -500,7 +492,7 @@ static void test_free_session_during_transfer(world *w) {
         REQUIRE(r.session != NULL);
         desc_for(&r.desc, room, key, 0, 300);
         in_flight += run_race(&r, DELAY(i + 3));
-        CHECK_OK(kvstage_room_release(w->decode, room));
+        CHECK_OK(kvstage_room_release(w->decode, room, key));
     }
     printf("session freed during kvstage_transfer: %d of %d rounds in flight\n", in_flight, SESSION_ROUNDS);
     CHECK(in_flight >= 1);
@@ -526,7 +518,7 @@ static void test_free_op_during_op_wait(world *w) {
         /* A waits without a timeout: when it returns, the operation has ended, so nothing of it
          * outlives the test. Unless the free came first: then it ends by its deadline. */
         in_flight += run_race(&r, DELAY(i + 1));
-        CHECK_OK(kvstage_room_release(w->decode, room));
+        CHECK_OK(kvstage_room_release(w->decode, room, key));
     }
     printf("op freed during kvstage_op_wait: %d of %d rounds in flight (%d blocked at start)\n", in_flight,
            OP_ROUNDS, blocked);
@@ -540,7 +532,7 @@ static void unplug_ring(world *w) {
     double until = now_s() + 10;
     while (live_allocations(w->decode) > 1 && now_s() < until) sleep_ms(10);
     CHECK_INT(live_allocations(w->decode), 1);
-    CHECK_OK(kvstage_room_release(w->decode, PLUG_ROOM));
+    CHECK_OK(kvstage_room_release(w->decode, PLUG_ROOM, w->plug_key));
     ++g_cases;
     CHECK_INT(live_allocations(w->decode), 0);
 }

@@ -15,10 +15,18 @@ int main(void) {
     const struct kvstage_error *(*p_error_last)(void) = kvstage_error_last;
     void (*p_error_clear)(void) = kvstage_error_clear;
     enum kvstage_status (*p_caps)(struct kvstage_capabilities *) = kvstage_capabilities_get;
-    enum kvstage_status (*p_opts_init)(struct kvstage_engine_options *) = kvstage_engine_options_init;
+    enum kvstage_status (*p_opts_init)(struct kvstage_engine_options *, size_t) = kvstage_engine_options_init;
     enum kvstage_status (*p_engine_new)(const struct kvstage_engine_options *, struct kvstage_engine **) =
         kvstage_engine_new;
     void (*p_engine_free)(struct kvstage_engine *) = kvstage_engine_free;
+    /* API 0.4: rooms by descriptor and key, events of versioned elements. */
+    enum kvstage_status (*p_room_desc_init)(struct kvstage_room_desc *, size_t) = kvstage_room_desc_init;
+    enum kvstage_status (*p_room_open)(const struct kvstage_engine *, const struct kvstage_room_desc *,
+                                       struct kvstage_room_grid *) = kvstage_room_open;
+    enum kvstage_status (*p_room_wait)(const struct kvstage_engine *, uint64_t, uint64_t, uint64_t) = kvstage_room_wait;
+    enum kvstage_status (*p_room_release)(const struct kvstage_engine *, uint64_t, uint64_t) = kvstage_room_release;
+    enum kvstage_status (*p_poll_events)(const struct kvstage_engine *, struct kvstage_room_event *, size_t, size_t *) =
+        kvstage_engine_poll_events;
 #if defined(KVSTAGE_TESTING)
     enum kvstage_status (*p_testing_panic)(const struct kvstage_engine *) = kvstage_testing_panic;
     int has_testing = p_testing_panic != NULL;
@@ -34,7 +42,7 @@ int main(void) {
     kvstage_capabilities caps;
     kvstage_engine *engine = NULL;
     const kvstage_error *err;
-    uint64_t infinite = KVSTAGE_DEADLINE_INFINITE;
+    uint64_t infinite = KVSTAGE_TIMEOUT_INFINITE;
     int ok = 1;
 
     memset(&options, 0, sizeof options);
@@ -47,6 +55,9 @@ int main(void) {
     ok &= p_version_string != NULL && p_version != NULL && p_status_name != NULL;
     ok &= p_error_last != NULL && p_error_clear != NULL && p_caps != NULL;
     ok &= p_opts_init != NULL && p_engine_new != NULL && p_engine_free != NULL;
+    ok &= p_room_desc_init != NULL && p_room_open != NULL && p_room_wait != NULL && p_room_release != NULL &&
+          p_poll_events != NULL;
+    ok &= KVSTAGE_ROOM_EVENT_CHUNK == 1 && KVSTAGE_ROOM_EVENT_ROOM == 2 && KVSTAGE_COMPLETION_ROOM == 3;
     ok &= engine == NULL;
 
     /* And it links and runs. */

@@ -15,41 +15,15 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvstage_check.h"
+#include "host_pool.h"
 
 /* Small MHA model: 2 layers, 2 KV heads of 8 bf16 elements, 4-token pages. */
 enum { LAYERS = 2, HEADS = 2, PAGE = 4, CAPACITY = 16, CHUNK_TOKENS = 16, ROOM = 7, ROOMS = 3 };
 
-typedef struct pool {
-    uint8_t *memory;
-    uint64_t k[LAYERS], v[LAYERS];
-    kvstage_kv_layout layout;
-} pool;
-
-static void pool_init(pool *p, uint32_t tp_rank, uint32_t tp_size, uint32_t head_dim, uint32_t dtype) {
-    uint32_t local = HEADS / tp_size ? HEADS / tp_size : 1;
-    size_t buffer = (size_t)CAPACITY * PAGE * local * head_dim * dtype;
-    p->memory = (uint8_t *)calloc(2 * LAYERS, buffer);
-    REQUIRE(p->memory != NULL);
-    for (int l = 0; l < LAYERS; ++l) {
-        p->k[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l) * buffer);
-        p->v[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l + 1) * buffer);
-    }
-    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
-    p->layout.model_kind = KVSTAGE_MODEL_MHA;
-    p->layout.page_size = PAGE;
-    p->layout.local_heads = local;
-    p->layout.global_heads = HEADS;
-    p->layout.head_dim = head_dim;
-    p->layout.dtype_bytes = dtype;
-    p->layout.tp_rank = tp_rank;
-    p->layout.tp_size = tp_size;
-    p->layout.pp_rank = 0;
-    p->layout.pp_size = 1;
-    p->layout.num_layers = LAYERS;
-    p->layout.k_bases = p->k;
-    p->layout.v_bases = p->v;
-    p->layout.capacity_pages = CAPACITY;
+/* A pool of TP rank `tp_rank` of `tp_size` (heads of `head_dim` elements of `dtype` bytes). */
+static void pool_init(host_pool *p, uint32_t tp_rank, uint32_t tp_size, uint32_t head_dim, uint32_t dtype) {
+    kvstage_kv_layout shape = host_pool_shape(LAYERS, HEADS, head_dim, dtype, PAGE, CAPACITY, tp_rank, tp_size);
+    host_pool_init(p, &shape);
 }
 
 static const uint32_t PAGES[8] = {3, 4, 5, 6, 9, 1, 2, 0}; /* two chunks of 4 pages */
@@ -60,7 +34,7 @@ static int32_t g_transport = KVSTAGE_TRANSPORT_AUTO;
 static kvstage_engine *new_engine(uint32_t wr_bytes) {
     kvstage_engine_options o;
     kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = g_transport;
     if (wr_bytes) {
         o.rdma_wr_bytes = wr_bytes;
@@ -70,13 +44,13 @@ static kvstage_engine *new_engine(uint32_t wr_bytes) {
     return e;
 }
 
-static kvstage_engine *engine_with_pool_wr(pool *p, uint32_t wr_bytes) {
+static kvstage_engine *engine_with_pool_wr(host_pool *p, uint32_t wr_bytes) {
     kvstage_engine *e = new_engine(wr_bytes);
-    REQUIRE(kvstage_engine_register_pool(e, &p->layout) == KVSTAGE_OK);
+    REQUIRE(host_pool_register(e, p) == KVSTAGE_OK);
     return e;
 }
 
-static kvstage_engine *engine_with_pool(pool *p) {
+static kvstage_engine *engine_with_pool(host_pool *p) {
     return engine_with_pool_wr(p, 0);
 }
 
@@ -122,14 +96,14 @@ static pid_t spawn_decode(uint32_t head_dim, uint32_t dtype, size_t ring_bytes, 
     if (pid == 0) {
         close(addr_pipe[0]);
         close(done_pipe[1]);
-        pool p;
+        host_pool p;
         pool_init(&p, 0, 1, head_dim, dtype);
         kvstage_engine *e = engine_with_pool(&p);
-        if (ring_bytes) REQUIRE(kvstage_engine_register_staging(e, NULL, ring_bytes) == KVSTAGE_OK);
+        if (ring_bytes) REQUIRE(kv_staging_register(e, NULL, ring_bytes) == KVSTAGE_OK);
         uint64_t keys[ROOMS];
         for (uint64_t room = ROOM; room < ROOM + ROOMS; ++room) {
             uint32_t chunks = 0;
-            REQUIRE(kvstage_room_open(e, room, PAGES, 8, CHUNK_TOKENS, &chunks, &keys[room - ROOM]) == KVSTAGE_OK);
+            REQUIRE(kv_room_open(e, room, PAGES, 8, CHUNK_TOKENS, NULL, &chunks, &keys[room - ROOM]) == KVSTAGE_OK);
             REQUIRE(chunks == 2);
         }
         char addr[64] = {0}; /* all 64 bytes go through the pipe */
@@ -169,7 +143,7 @@ static void test_connection_refused(void) {
     char addr[64];
     REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
     kvstage_engine_free(e);
-    pool p;
+    host_pool p;
     pool_init(&p, 0, 2, 8, 2);
     e = engine_with_pool(&p);
     kvstage_session *s = NULL;
@@ -180,7 +154,7 @@ static void test_connection_refused(void) {
     CHECK_CONTAINS(err->message, addr);
     CHECK(causes_mention(err, "refused"));
     kvstage_engine_free(e);
-    free(p.memory);
+    host_pool_free(&p);
 }
 
 static void test_geometry_mismatch(void) {
@@ -189,7 +163,7 @@ static void test_geometry_mismatch(void) {
     char addr[64];
     uint64_t keys[ROOMS];
     read_addr(addr_fd, addr, keys);
-    pool p;
+    host_pool p;
     pool_init(&p, 0, 2, 8, 2);
     kvstage_engine *e = engine_with_pool(&p);
     kvstage_session *s = NULL;
@@ -202,19 +176,19 @@ static void test_geometry_mismatch(void) {
     CHECK(causes_mention(err, "dtype_bytes"));
     CHECK(causes_mention(err, "8") && causes_mention(err, "16"));
     kvstage_engine_free(e);
-    free(p.memory);
+    host_pool_free(&p);
     finish(pid, done_fd);
 }
 
-static kvstage_transfer_desc chunk_desc(uint64_t room, uint64_t room_key, uint32_t chunk, uint64_t deadline_ms) {
+static kvstage_transfer_desc chunk_desc(uint64_t room, uint64_t room_key, uint32_t chunk, uint64_t timeout_ms) {
     kvstage_transfer_desc d;
-    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
     d.room = room;
     d.room_key = room_key;
     d.chunk_index = chunk;
     d.src_pages = PAGES + 4 * chunk;
     d.num_pages = 4;
-    d.deadline_ms = deadline_ms;
+    d.timeout_ms = timeout_ms;
     return d;
 }
 
@@ -224,7 +198,7 @@ static void test_fallback_when_the_ring_is_too_small(void) {
     char addr[64];
     uint64_t keys[ROOMS];
     read_addr(addr_fd, addr, keys);
-    pool p;
+    host_pool p;
     pool_init(&p, 0, 2, 8, 2);
     kvstage_engine *e = engine_with_pool(&p);
     kvstage_session *s = NULL;
@@ -235,17 +209,17 @@ static void test_fallback_when_the_ring_is_too_small(void) {
     CHECK_INT(kvstage_transfer_slices(s, &d), KVSTAGE_OK);
     kvstage_session_free(s);
     kvstage_engine_free(e);
-    free(p.memory);
+    host_pool_free(&p);
     finish(pid, done_fd);
 }
 
 /* Writer 0 of 2 sends chunk 0 of `room` (which then waits for writer 1, holding the whole ring), so
  * chunk 1's grant waits for the watermark: the transfer blocks in back-pressure. A transfer that
  * fails after its grant aborts, which fails its room on the receiver and frees the ring. */
-static kvstage_op *blocked_transfer(kvstage_session *s, uint64_t room, uint64_t room_key, uint64_t deadline_ms) {
+static kvstage_op *blocked_transfer(kvstage_session *s, uint64_t room, uint64_t room_key, uint64_t timeout_ms) {
     kvstage_transfer_desc d0 = chunk_desc(room, room_key, 0, 5000);
     REQUIRE(kvstage_transfer(s, &d0) == KVSTAGE_OK);
-    kvstage_transfer_desc d1 = chunk_desc(room, room_key, 1, deadline_ms);
+    kvstage_transfer_desc d1 = chunk_desc(room, room_key, 1, timeout_ms);
     kvstage_op *op = NULL;
     REQUIRE(kvstage_transfer_async(s, &d1, &op) == KVSTAGE_PENDING);
     CHECK_INT(kvstage_op_wait(op, 200), KVSTAGE_PENDING);
@@ -258,7 +232,7 @@ static void test_deadline_cancel_and_decode_killed(void) {
     char addr[64];
     uint64_t keys[ROOMS];
     read_addr(addr_fd, addr, keys);
-    pool p;
+    host_pool p;
     pool_init(&p, 0, 2, 8, 2);
     kvstage_engine *e = engine_with_pool(&p);
     kvstage_session *s = NULL;
@@ -291,7 +265,7 @@ static void test_deadline_cancel_and_decode_killed(void) {
     kvstage_op_free(op);
     kvstage_session_free(s);
     kvstage_engine_free(e);
-    free(p.memory);
+    host_pool_free(&p);
     close(done_fd);
     waitpid(pid, NULL, 0);
 }
@@ -303,7 +277,7 @@ static void test_deadline_cancel_and_decode_killed(void) {
  * grant is still quarantined for that writer when its process is killed. */
 static void test_prefill_killed(int mid_write) {
     uint32_t head_dim = mid_write ? 512 : 8;
-    pool p;
+    host_pool p;
     pool_init(&p, 0, 1, head_dim, 2);
     int addr_pipe[2], sent_pipe[2];
     REQUIRE(pipe(addr_pipe) == 0 && pipe(sent_pipe) == 0);
@@ -314,7 +288,7 @@ static void test_prefill_killed(int mid_write) {
         uint64_t key = 0;
         REQUIRE(read(addr_pipe[0], addr, sizeof addr) == (ssize_t)sizeof addr);
         REQUIRE(read(addr_pipe[0], &key, sizeof key) == (ssize_t)sizeof key);
-        pool src;
+        host_pool src;
         pool_init(&src, 0, 2, head_dim, 2);
         kvstage_engine *e = engine_with_pool_wr(&src, mid_write ? 4096 : 0);
         kvstage_session *s = NULL;
@@ -333,9 +307,9 @@ static void test_prefill_killed(int mid_write) {
         for (;;) pause(); /* killed by the parent */
     }
     kvstage_engine *e = engine_with_pool(&p);
-    REQUIRE(kvstage_engine_register_staging(e, NULL, mid_write ? 1u << 20 : 4096) == KVSTAGE_OK);
+    REQUIRE(kv_staging_register(e, NULL, mid_write ? 1u << 20 : 4096) == KVSTAGE_OK);
     uint64_t key = 0;
-    REQUIRE(kvstage_room_open(e, ROOM, PAGES, 8, CHUNK_TOKENS, NULL, &key) == KVSTAGE_OK);
+    REQUIRE(kv_room_open(e, ROOM, PAGES, 8, CHUNK_TOKENS, NULL, NULL, &key) == KVSTAGE_OK);
     char addr[64] = {0};
     REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
     REQUIRE(write(addr_pipe[1], addr, sizeof addr) == (ssize_t)sizeof addr);
@@ -350,19 +324,28 @@ static void test_prefill_killed(int mid_write) {
     double t0 = now_s();
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
-    CHECK_INT(kvstage_room_wait(e, ROOM, 5000), KVSTAGE_E_PEER_GONE);
+    CHECK_INT(kvstage_room_wait(e, ROOM, key, 5000), KVSTAGE_E_PEER_GONE);
     CHECK(now_s() - t0 < 1.0);
     CHECK_CONTAINS(kvstage_error_last()->message, "room 7");
     CHECK_INT(live_allocations(e), 0);
-    kvstage_chunk_event events[4];
+    /* Both chunks failed, then the room: one ROOM event with the failure, after the chunks'. */
+    kvstage_room_event events[4];
+    memset(events, 0, sizeof events);
+    events[0].struct_size = sizeof events[0];
     size_t n = 0;
     REQUIRE(kvstage_engine_poll_events(e, events, 4, &n) == KVSTAGE_OK);
-    CHECK_INT(n, 2);
-    if (n > 0) CHECK_INT(events[0].status, KVSTAGE_E_PEER_GONE);
-    CHECK_INT(kvstage_room_release(e, ROOM), KVSTAGE_OK);
-    CHECK_INT(kvstage_room_release(e, ROOM), KVSTAGE_OK); /* idempotent */
+    CHECK_INT(n, 3);
+    for (size_t i = 0; i < n && i < 4; ++i) {
+        CHECK_INT(events[i].room, ROOM);
+        CHECK(events[i].room_key == key);
+        CHECK_INT(events[i].status, KVSTAGE_E_PEER_GONE);
+        CHECK_INT(events[i].kind, i + 1 < n ? KVSTAGE_ROOM_EVENT_CHUNK : KVSTAGE_ROOM_EVENT_ROOM);
+    }
+    if (n == 3) CHECK(events[0].chunk_index != events[1].chunk_index); /* chunks 0 and 1, once each */
+    CHECK_INT(kvstage_room_release(e, ROOM, key), KVSTAGE_OK);
+    CHECK_INT(kvstage_room_release(e, ROOM, key), KVSTAGE_OK); /* idempotent */
     kvstage_engine_free(e);
-    free(p.memory);
+    host_pool_free(&p);
 }
 
 int main(void) {

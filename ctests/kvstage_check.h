@@ -120,6 +120,139 @@ static inline int32_t kv_test_transport(int32_t fallback) {
     exit(1);
 }
 
+/* --- API 0.4 in one call, for tests whose subject is not the call itself ---------------------- */
+
+/* kvstage_room_open with a room descriptor of `pages` and `chunk_tokens` (0: the engine's
+ * default) and `parts` (may be NULL), no cached prefix, a derived trace id. On success the
+ * opening's chunk count (`num_chunks`, may be NULL) and key (`key`, may be NULL) are stored;
+ * on failure neither is touched and the last error is the open's. */
+static inline int kv_room_open(const kvstage_engine *engine, uint64_t room, const uint32_t *pages, size_t num_pages,
+                               uint32_t chunk_tokens, const kvstage_request_parts *parts, uint32_t *num_chunks,
+                               uint64_t *key) {
+    kvstage_room_desc desc;
+    kvstage_room_grid grid;
+    int rc;
+    if (kvstage_room_desc_init(&desc, sizeof desc) != KVSTAGE_OK) {
+        kv_print_last_error("kvstage_room_desc_init");
+        exit(1);
+    }
+    desc.room = room;
+    desc.pages = pages;
+    desc.num_pages = num_pages;
+    desc.chunk_tokens = chunk_tokens;
+    desc.parts = parts;
+    memset(&grid, 0, sizeof grid);
+    grid.struct_size = sizeof grid;
+    rc = (int)kvstage_room_open(engine, &desc, &grid);
+    if (rc == KVSTAGE_OK) {
+        if (num_chunks != NULL) *num_chunks = grid.num_chunks;
+        if (key != NULL) *key = grid.key;
+    }
+    return rc;
+}
+
+/* kvstage_staging_register of a host ring: `memory` (NULL: engine-owned) of `bytes`. */
+static inline int kv_staging_register(const kvstage_engine *engine, void *memory, size_t bytes) {
+    kvstage_staging_memory staging;
+    if (kvstage_staging_memory_init(&staging, sizeof staging) != KVSTAGE_OK) {
+        kv_print_last_error("kvstage_staging_memory_init");
+        exit(1);
+    }
+    staging.memory = memory;
+    staging.bytes = bytes;
+    return (int)kvstage_staging_register(engine, &staging);
+}
+
+/* The engine's describe document (kvstage_engine_describe: a size query, then the text; again
+ * if it grew in between), malloc'ed, NUL-terminated; the caller frees it. Exits on failure. */
+static inline char *kv_engine_describe(const kvstage_engine *engine) {
+    int attempt;
+    for (attempt = 0; attempt < 8; ++attempt) {
+        size_t needed = 0;
+        char *doc;
+        if (kvstage_engine_describe(engine, NULL, 0, &needed) != KVSTAGE_OK || needed == 0) break;
+        needed += 256; /* room for a document that grows between the two calls */
+        doc = (char *)malloc(needed);
+        if (doc == NULL) break;
+        if (kvstage_engine_describe(engine, doc, needed, NULL) == KVSTAGE_OK) return doc;
+        free(doc);
+    }
+    kv_print_last_error("kvstage_engine_describe");
+    exit(1);
+}
+
+/* The string value of top-level key `key` of the JSON object `json`, unescaped into `out` (of
+ * `capacity` bytes, truncated to fit; \uXXXX escapes become '?'). 1 when found, else 0 with
+ * `out` "". Only what a describe document needs: a top-level member whose value is a string. */
+static inline int kv_json_top_string(const char *json, const char *key, char *out, size_t capacity) {
+    size_t key_len = strlen(key), used = 0;
+    int depth = 0, expect_key = 0;
+    const char *p = json;
+    if (capacity > 0) out[0] = 0;
+    while (*p) {
+        char c = *p;
+        if (c == '"') {
+            /* A string: at depth 1 where a key is due, compare it with `key`. */
+            const char *start = ++p;
+            while (*p && *p != '"') p += (*p == '\\' && p[1]) ? 2 : 1;
+            if (!*p) return 0;
+            if (depth == 1 && expect_key && (size_t)(p - start) == key_len && strncmp(start, key, key_len) == 0) {
+                ++p;
+                while (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r') ++p;
+                if (*p++ != ':') return 0;
+                while (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r') ++p;
+                if (*p++ != '"') return 0; /* not a string value */
+                while (*p && *p != '"') {
+                    char ch = *p++;
+                    if (ch == '\\') {
+                        char esc = *p ? *p++ : 0;
+                        switch (esc) {
+                        case 'n': ch = '\n'; break;
+                        case 't': ch = '\t'; break;
+                        case 'r': ch = '\r'; break;
+                        case 'b': ch = '\b'; break;
+                        case 'f': ch = '\f'; break;
+                        case 'u':
+                            ch = '?';
+                            for (int i = 0; i < 4 && *p; ++i) ++p;
+                            break;
+                        default: ch = esc; /* \" \\ \/ */
+                        }
+                    }
+                    if (used + 1 < capacity) out[used++] = ch;
+                }
+                if (capacity > 0) out[used] = 0;
+                return *p == '"';
+            }
+            expect_key = 0;
+            ++p;
+            continue;
+        }
+        if (c == '{') {
+            ++depth;
+            expect_key = depth == 1;
+        } else if (c == '[') {
+            ++depth;
+        } else if (c == '}' || c == ']') {
+            --depth;
+        } else if (c == ',' && depth == 1) {
+            expect_key = 1;
+        }
+        ++p;
+    }
+    return 0;
+}
+
+/* The engine's transport in one line: the "transport" member of kvstage_engine_describe's JSON
+ * (what kvstage_engine_transport_describe returned before API 0.4), into `out`. A document
+ * without it is a failed check (and `out` is ""). */
+static inline void kv_engine_transport(const kvstage_engine *engine, char *out, size_t capacity) {
+    char *doc = kv_engine_describe(engine);
+    if (!kv_json_top_string(doc, "transport", out, capacity))
+        KV_FAIL_AT(__FILE__, __LINE__, "no top-level string \"transport\" in the engine's describe document: %s", doc);
+    free(doc);
+}
+
 /* The name of a `kvstage_transport` value, for test output. */
 static inline const char *kv_transport_name(int32_t transport) {
     switch (transport) {

@@ -19,56 +19,23 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvstage_check.h"
+#include "host_pool.h"
 
 enum { LAYERS = 2, HEADS = 2, HEAD_DIM = 8, DTYPE = 2, PAGE = 4, CAPACITY = 8, ROOM = 7, MAX_RECORDS = 256 };
 
 static const char *const SESSION = "log-downgrade";
 
-typedef struct pool {
-    uint8_t *memory;
-    size_t buffer;
-    uint64_t k[LAYERS], v[LAYERS];
-    kvstage_kv_layout layout;
-} pool;
-
-static void pool_init(pool *p) {
-    p->buffer = (size_t)CAPACITY * PAGE * HEADS * HEAD_DIM * DTYPE;
-    p->memory = (uint8_t *)calloc(2 * LAYERS, p->buffer);
-    REQUIRE(p->memory != NULL);
-    for (int l = 0; l < LAYERS; ++l) {
-        p->k[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l) * p->buffer);
-        p->v[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l + 1) * p->buffer);
-    }
-    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
-    p->layout.model_kind = KVSTAGE_MODEL_MHA;
-    p->layout.page_size = PAGE;
-    p->layout.local_heads = HEADS;
-    p->layout.global_heads = HEADS;
-    p->layout.head_dim = HEAD_DIM;
-    p->layout.dtype_bytes = DTYPE;
-    p->layout.tp_rank = 0;
-    p->layout.tp_size = 1;
-    p->layout.pp_rank = 0;
-    p->layout.pp_size = 1;
-    p->layout.num_layers = LAYERS;
-    p->layout.k_bases = p->k;
-    p->layout.v_bases = p->v;
-    p->layout.capacity_pages = CAPACITY;
+static void pool_init(host_pool *p) {
+    kvstage_kv_layout shape = host_pool_shape(LAYERS, HEADS, HEAD_DIM, DTYPE, PAGE, CAPACITY, 0, 1);
+    host_pool_init(p, &shape);
 }
 
-static kvstage_engine *engine(int transport, uint64_t room_timeout_ms, pool *p) {
+static kvstage_engine *engine(int transport, uint64_t room_timeout_ms, host_pool *p) {
     kvstage_engine_options o;
-    kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = transport;
     if (room_timeout_ms) o.room_timeout_ms = room_timeout_ms;
-    if (kvstage_engine_new(&o, &e) != KVSTAGE_OK) {
-        kv_print_last_error("kvstage_engine_new");
-        exit(1);
-    }
-    REQUIRE(kvstage_engine_register_pool(e, &p->layout) == KVSTAGE_OK);
-    return e;
+    return host_pool_engine(&o, p, 0);
 }
 
 static void sleep_ms(long ms) {
@@ -79,7 +46,7 @@ static void sleep_ms(long ms) {
 
 /* A session from an AUTO engine to a TCP engine, opened and closed. */
 static void scenario_downgrade(void) {
-    pool dp, pp;
+    host_pool dp, pp;
     pool_init(&dp);
     pool_init(&pp);
     kvstage_engine *decode = engine(KVSTAGE_TRANSPORT_TCP, 0, &dp);
@@ -91,25 +58,25 @@ static void scenario_downgrade(void) {
     kvstage_session_free(s);
     kvstage_engine_free(prefill);
     kvstage_engine_free(decode);
-    free(dp.memory);
-    free(pp.memory);
+    host_pool_free(&dp);
+    host_pool_free(&pp);
 }
 
 /* A room nobody writes, failed by its deadline. `wait_until` (may be NULL) is polled after the
  * room failed until it returns nonzero (at most 5 s): the record is logged on the engine's thread. */
 static void scenario_expiry(int (*wait_until)(void)) {
     static const uint32_t pages[4] = {0, 1, 2, 3};
-    pool dp;
+    host_pool dp;
     pool_init(&dp);
     kvstage_engine *decode = engine(KVSTAGE_TRANSPORT_TCP, 300, &dp);
     uint64_t key = 0; /* nobody sends: the key goes nowhere */
-    CHECK_OK(kvstage_room_open(decode, ROOM, pages, 4, 0, NULL, &key));
-    CHECK_INT(kvstage_room_wait(decode, ROOM, 10000), KVSTAGE_E_TIMEOUT);
+    CHECK_OK(kv_room_open(decode, ROOM, pages, 4, 0, NULL, NULL, &key));
+    CHECK_INT(kvstage_room_wait(decode, ROOM, key, 10000), KVSTAGE_E_TIMEOUT);
     CHECK_CONTAINS(kvstage_error_last()->message, "deadline passed");
     for (int i = 0; wait_until != NULL && i < 500 && !wait_until(); ++i) sleep_ms(10);
-    CHECK_OK(kvstage_room_release(decode, ROOM));
+    CHECK_OK(kvstage_room_release(decode, ROOM, key));
     kvstage_engine_free(decode);
-    free(dp.memory);
+    host_pool_free(&dp);
 }
 
 /* --- the callback ------------------------------------------------------------------------------ */

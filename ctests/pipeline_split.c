@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "fork_ranks.h"
+#include "host_pool.h"
 
 enum { HEAD_DIM = 16, DTYPE = 2, ROW = HEAD_DIM * DTYPE, PAGE = 4, CAPACITY = 8, NPAGES = 3, TOKENS = NPAGES * PAGE };
 enum { ROOM = 1, MAX_LAYERS = 8, MAX_STAGES = 3, MAX_TP = 4, ADDR_LEN = 64 };
@@ -73,43 +74,12 @@ static uint32_t heads_per_rank(uint32_t heads, uint32_t tp) { return heads / tp 
 
 /* The layout of TP rank `tp_rank` of `tp`, stage `stage` of `s`, without buffers (a shape). */
 static kvstage_kv_layout shape(const scenario *sc, uint32_t tp_rank, uint32_t tp, const split *s, uint32_t stage) {
-    kvstage_kv_layout l;
-    REQUIRE(kvstage_kv_layout_init(&l) == KVSTAGE_OK);
-    l.model_kind = KVSTAGE_MODEL_MHA;
-    l.page_size = PAGE;
-    l.local_heads = heads_per_rank(sc->heads, tp);
-    l.global_heads = sc->heads;
-    l.head_dim = HEAD_DIM;
-    l.dtype_bytes = DTYPE;
-    l.tp_rank = tp_rank;
-    l.tp_size = tp;
+    kvstage_kv_layout l = host_pool_shape(s->n[stage], sc->heads, HEAD_DIM, DTYPE, PAGE, CAPACITY, tp_rank, tp);
+    REQUIRE(l.local_heads == heads_per_rank(sc->heads, tp));
     l.pp_rank = stage;
     l.pp_size = s->stages;
     l.layer_ids = s->ids[stage];
-    l.num_layers = s->n[stage];
-    l.capacity_pages = CAPACITY;
     return l;
-}
-
-/* A pool: per layer a K then a V buffer of [CAPACITY·PAGE slots][local heads][ROW bytes]. */
-typedef struct pool {
-    uint8_t *memory;
-    size_t buffer; /* bytes of one buffer */
-    uint64_t k[MAX_LAYERS], v[MAX_LAYERS];
-    kvstage_kv_layout layout;
-} pool;
-
-static void pool_alloc(pool *p, const kvstage_kv_layout *shape_only) {
-    p->layout = *shape_only;
-    p->buffer = (size_t)CAPACITY * PAGE * p->layout.local_heads * ROW;
-    p->memory = (uint8_t *)calloc(2 * p->layout.num_layers, p->buffer);
-    REQUIRE(p->memory != NULL);
-    for (size_t l = 0; l < p->layout.num_layers; ++l) {
-        p->k[l] = (uint64_t)(uintptr_t)(p->memory + (2 * l) * p->buffer);
-        p->v[l] = (uint64_t)(uintptr_t)(p->memory + (2 * l + 1) * p->buffer);
-    }
-    p->layout.k_bases = p->k;
-    p->layout.v_bases = p->v;
 }
 
 /* Writes into `memory` (a pool's buffers) what the reference says a pool of layout `l` holds:
@@ -135,14 +105,12 @@ static void paint(uint8_t *memory, const kvstage_kv_layout *l, const uint32_t *p
  * Every session's transport is checked, so no run passes by quietly falling back to TCP. */
 static int32_t g_transport = KVSTAGE_TRANSPORT_TCP;
 
-static kvstage_engine *engine_with(const pool *p) {
+/* An engine with pool `p` and a ring of `ring_bytes` (0: none). */
+static kvstage_engine *engine_with(const host_pool *p, size_t ring_bytes) {
     kvstage_engine_options o;
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = g_transport;
-    kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
-    REQUIRE(kvstage_engine_register_pool(e, &p->layout) == KVSTAGE_OK);
-    return e;
+    return host_pool_engine(&o, p, ring_bytes);
 }
 
 static uint32_t shared_layers(const split *a, uint32_t sa, const split *b, uint32_t sb) {
@@ -164,20 +132,19 @@ typedef struct bootstrap {
  * whole pool with the reference and its received bytes with each head and layer counted once. */
 static int decode_main(const scenario *sc, uint32_t stage, int addr_fd, int done_fd) {
     kvstage_kv_layout l = shape(sc, 0, 1, &sc->decode, stage);
-    pool p;
-    pool_alloc(&p, &l);
-    kvstage_engine *e = engine_with(&p);
-    REQUIRE(kvstage_engine_register_staging(e, NULL, 1 << 20) == KVSTAGE_OK);
+    host_pool p;
+    host_pool_init(&p, &l);
+    kvstage_engine *e = engine_with(&p, 1 << 20);
     uint32_t chunks = 0;
     bootstrap boot;
     memset(&boot, 0, sizeof boot); /* all of it goes through the pipe (atomic: < PIPE_BUF) */
-    REQUIRE(kvstage_room_open(e, ROOM, DECODE_PAGES, NPAGES, TOKENS, &chunks, &boot.room_key) == KVSTAGE_OK);
+    REQUIRE(kv_room_open(e, ROOM, DECODE_PAGES, NPAGES, TOKENS, NULL, &chunks, &boot.room_key) == KVSTAGE_OK);
     CHECK_INT(chunks, 1);
     REQUIRE(kvstage_engine_listen_address(e, boot.addr, sizeof boot.addr, NULL) == KVSTAGE_OK);
     REQUIRE(write(addr_fd, &boot, sizeof boot) == (ssize_t)sizeof boot);
     close(addr_fd);
 
-    CHECK_OK(kvstage_room_wait(e, ROOM, ROOM_WAIT_MS));
+    CHECK_OK(kvstage_room_wait(e, ROOM, boot.room_key, ROOM_WAIT_MS));
     struct pollfd done = {done_fd, POLLIN, 0};
     char c;
     CHECK(poll(&done, 1, SCENARIO_MS) == 1 && read(done_fd, &c, 1) == 0);
@@ -201,10 +168,10 @@ static int decode_main(const scenario *sc, uint32_t stage, int addr_fd, int done
     CHECK_INT(stats.chunks_received, 1);
     CHECK_INT(stats.ring_live_allocations, 0);
 
-    CHECK_OK(kvstage_room_release(e, ROOM));
+    CHECK_OK(kvstage_room_release(e, ROOM, boot.room_key));
     kvstage_engine_free(e);
     free(expected);
-    free(p.memory);
+    host_pool_free(&p);
     char name[96];
     snprintf(name, sizeof name, "pipeline_split [%s] decode stage %u", sc->name, (unsigned)stage);
     return kv_finish(name);
@@ -216,16 +183,16 @@ static int decode_main(const scenario *sc, uint32_t stage, int addr_fd, int done
  * succeed and send nothing, or the decode side would count its heads twice. */
 static int prefill_main(const scenario *sc, uint32_t tp_rank, uint32_t stage, const bootstrap *boots) {
     kvstage_kv_layout l = shape(sc, tp_rank, sc->prefill_tp, &sc->prefill, stage);
-    pool p;
-    pool_alloc(&p, &l);
+    host_pool p;
+    host_pool_init(&p, &l);
     paint(p.memory, &p.layout, PREFILL_PAGES, PREFILL_FILLER);
-    kvstage_engine *e = engine_with(&p);
+    kvstage_engine *e = engine_with(&p, 0);
 
     kvstage_kv_layout decode_stages[MAX_STAGES];
     for (uint32_t d = 0; d < sc->decode.stages; ++d) decode_stages[d] = shape(sc, 0, 1, &sc->decode, d);
     kvstage_rank peers[MAX_STAGES];
     size_t count = 0;
-    REQUIRE(kvstage_pairing_decode_ranks(&p.layout, decode_stages, sc->decode.stages, peers, MAX_STAGES, &count) ==
+    REQUIRE(kvstage_pairing_decode_ranks(&p.layout, NULL, 0, decode_stages, sc->decode.stages, peers, MAX_STAGES, &count) ==
             KVSTAGE_OK);
     int replica = (sc->replicas >> tp_rank) & 1;
     uint32_t expected = replica ? 0 : sc->peer_stages[stage];
@@ -251,13 +218,13 @@ static int prefill_main(const scenario *sc, uint32_t tp_rank, uint32_t stage, co
             continue;
         }
         kvstage_transfer_desc desc;
-        REQUIRE(kvstage_transfer_desc_init(&desc) == KVSTAGE_OK);
+        REQUIRE(kvstage_transfer_desc_init(&desc, sizeof desc) == KVSTAGE_OK);
         desc.room = ROOM;
         desc.room_key = boots[d].room_key; /* decode stage d's opening */
         desc.chunk_index = 0;
         desc.src_pages = PREFILL_PAGES;
         desc.num_pages = NPAGES;
-        desc.deadline_ms = TRANSFER_MS;
+        desc.timeout_ms = TRANSFER_MS;
         CHECK_OK(kvstage_transfer(s, &desc));
         kvstage_session_stats st;
         st.struct_size = sizeof st;
@@ -268,7 +235,7 @@ static int prefill_main(const scenario *sc, uint32_t tp_rank, uint32_t stage, co
         kvstage_session_free(s);
     }
     kvstage_engine_free(e);
-    free(p.memory);
+    host_pool_free(&p);
     char name[96];
     snprintf(name, sizeof name, "pipeline_split [%s] prefill stage %u rank %u", sc->name, (unsigned)stage,
              (unsigned)tp_rank);

@@ -4,8 +4,8 @@
  * "no RDMA" cleanly (text and JSON, with libibverbs found or not as KVSTAGE_EXPECT_LIBIBVERBS says:
  * "present" or "hidden"), transport RDMA fails at engine creation with KVSTAGE_E_NO_DEVICE (class
  * RDMA, a cause chain ending with the device-list error), and transport AUTO moves a staged chunk
- * over TCP, counts the downgrade in kvstage_engine_stats.rdma_downgrades and says so in
- * kvstage_engine_transport_describe. Exits 77 on a host that has an RDMA device.
+ * over TCP, counts the downgrade in kvstage_engine_stats.rdma_downgrades and says so in the
+ * "transport" line of kvstage_engine_describe. Exits 77 on a host that has an RDMA device.
  *
  * Mode "loopback" (test rdma_loopback, label rdma): both engines with transport RDMA on this host's device (or
  * KVSTAGE_RDMA_DEVICES), a staged chunk written by RDMA WRITE + WRITE_WITH_IMM, every byte of the
@@ -19,42 +19,15 @@
 #include <stdint.h>
 #include <time.h>
 
-#include "kvstage_check.h"
+#include "host_pool.h"
 
 enum { LAYERS = 4, HEADS = 8, HEAD_DIM = 64, DTYPE = 2, PAGE = 16, CAPACITY = 64, NPAGES = 32, ROOM = 11 };
 
-typedef struct pool {
-    uint8_t *memory;
-    size_t buffer;
-    uint64_t k[LAYERS], v[LAYERS];
-    kvstage_kv_layout layout;
-} pool;
-
-static void pool_init(pool *p, unsigned seed) {
-    size_t i;
-    p->buffer = (size_t)CAPACITY * PAGE * HEADS * HEAD_DIM * DTYPE;
-    p->memory = (uint8_t *)malloc(2 * LAYERS * p->buffer);
-    REQUIRE(p->memory != NULL);
-    for (i = 0; i < 2 * LAYERS * p->buffer; i++) p->memory[i] = (uint8_t)(seed ? (i * 131u + i / 4093u + seed) : 0u);
-    for (i = 0; i < LAYERS; ++i) {
-        p->k[i] = (uint64_t)(uintptr_t)(p->memory + (2 * i) * p->buffer);
-        p->v[i] = (uint64_t)(uintptr_t)(p->memory + (2 * i + 1) * p->buffer);
-    }
-    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
-    p->layout.model_kind = KVSTAGE_MODEL_MHA;
-    p->layout.page_size = PAGE;
-    p->layout.local_heads = HEADS;
-    p->layout.global_heads = HEADS;
-    p->layout.head_dim = HEAD_DIM;
-    p->layout.dtype_bytes = DTYPE;
-    p->layout.tp_rank = 0;
-    p->layout.tp_size = 1;
-    p->layout.pp_rank = 0;
-    p->layout.pp_size = 1;
-    p->layout.num_layers = LAYERS;
-    p->layout.k_bases = p->k;
-    p->layout.v_bases = p->v;
-    p->layout.capacity_pages = CAPACITY;
+/* A pool filled with the pattern of `seed` (0: zeros). */
+static void pool_init(host_pool *p, unsigned seed) {
+    kvstage_kv_layout shape = host_pool_shape(LAYERS, HEADS, HEAD_DIM, DTYPE, PAGE, CAPACITY, 0, 1);
+    host_pool_init(p, &shape);
+    host_pool_fill(p, seed);
 }
 
 static void print_error(const char *what) {
@@ -68,7 +41,7 @@ static void print_error(const char *what) {
 /* Decode pages 0..NPAGES-1 receive prefill pages NPAGES..2*NPAGES-1 (TP 1 -> 1: whole slots).
  * `layerwise`: the chunk goes layer by layer (kvstage_transfer_layerwise_async), its layers marked
  * in reverse order, one RDMA WRITE per marked batch and the write-with-immediate after the last. */
-static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, const char *session_id, int layerwise) {
+static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, host_pool *pp, host_pool *dp, const char *session_id, int layerwise) {
     uint32_t src[NPAGES], dst[NPAGES], chunks = 0;
     uint64_t room_key = 0;
     char addr[64];
@@ -81,20 +54,20 @@ static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *p
         src[i] = (uint32_t)(NPAGES + i);
     }
     REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr, NULL) == KVSTAGE_OK);
-    CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, &chunks, &room_key));
+    CHECK_OK(kv_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, NULL, &chunks, &room_key));
     CHECK_INT(chunks, 1);
     if (kvstage_session_connect(pre, addr, session_id, 10000, &s) != KVSTAGE_OK) {
         print_error("connect");
         return 1;
     }
-    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
     d.room = ROOM;
     d.room_key = room_key;
     d.chunk_index = 0;
     d.src_pages = src;
     d.num_pages = NPAGES;
-    d.deadline_ms = 20000;
-    memset(dp->memory, 0, 2 * LAYERS * dp->buffer);
+    d.timeout_ms = 20000;
+    host_pool_fill(dp, 0);
     if (layerwise) {
         kvstage_op *op = NULL;
         CHECK_INT(kvstage_transfer_layerwise_async(s, &d, &op), KVSTAGE_PENDING);
@@ -113,7 +86,7 @@ static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *p
         print_error("transfer");
         bad = 1;
     }
-    CHECK_OK(kvstage_room_wait(dec, ROOM, 20000));
+    CHECK_OK(kvstage_room_wait(dec, ROOM, room_key, 20000));
     for (b = 0; b < 2 * LAYERS; b++)
         for (pg = 0; pg < NPAGES; pg++)
             if (memcmp(dp->memory + b * dp->buffer + pg * page_bytes, pp->memory + b * pp->buffer + (NPAGES + pg) * page_bytes, page_bytes) != 0) {
@@ -121,16 +94,16 @@ static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, pool *p
                 bad++;
             }
     CHECK_INT(bad, 0);
-    CHECK_OK(kvstage_room_release(dec, ROOM));
+    CHECK_OK(kvstage_room_release(dec, ROOM, room_key));
     kvstage_session_free(s);
     return bad;
 }
 
-static kvstage_engine *engine(int transport, const char *devices, pool *p, int staging) {
+static kvstage_engine *engine(int transport, const char *devices, host_pool *p, int staging) {
     const char *qps = getenv("KVSTAGE_RDMA_QPS");
     kvstage_engine_options o;
     kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = transport;
     /* These engines share a host: AUTO would take the same-host path before RDMA or TCP. */
     o.same_host = KVSTAGE_SAME_HOST_OFF;
@@ -140,8 +113,8 @@ static kvstage_engine *engine(int transport, const char *devices, pool *p, int s
     o.rdma_signal_every = 4;
     o.integrity = KVSTAGE_INTEGRITY_ALWAYS;
     if (kvstage_engine_new(&o, &e) != KVSTAGE_OK) return NULL;
-    REQUIRE(kvstage_engine_register_pool(e, &p->layout) == KVSTAGE_OK);
-    if (staging) REQUIRE(kvstage_engine_register_staging(e, NULL, 16u << 20) == KVSTAGE_OK);
+    REQUIRE(host_pool_register(e, p) == KVSTAGE_OK);
+    if (staging) REQUIRE(kv_staging_register(e, NULL, 16u << 20) == KVSTAGE_OK);
     return e;
 }
 
@@ -149,11 +122,11 @@ static int doctor_says_usable(void) {
     size_t needed = 0;
     char *json;
     int usable;
-    CHECK_OK(kvstage_doctor(NULL, 0, &needed, 1)); /* a size query */
+    CHECK_OK(kvstage_doctor_run(1, NULL, 0, &needed)); /* a size query */
     REQUIRE(needed > 10);
     json = (char *)malloc(needed);
     REQUIRE(json != NULL);
-    CHECK_OK(kvstage_doctor(json, needed, NULL, 1));
+    CHECK_OK(kvstage_doctor_run(1, json, needed, NULL));
     usable = strstr(json, "\"usable\":true") != NULL;
     free(json);
     return usable;
@@ -165,7 +138,7 @@ static int mode_none(void) {
     size_t needed = 0;
     const kvstage_error *e;
     kvstage_engine_stats st;
-    pool pp, dp;
+    host_pool pp, dp;
     kvstage_engine *pre, *dec, *bad = NULL;
     kvstage_engine_options o;
 
@@ -173,9 +146,9 @@ static int mode_none(void) {
         printf("this host has a usable RDMA device: the no-device checks do not apply: skipped\n");
         return 77;
     }
-    CHECK_OK(kvstage_doctor(text, sizeof text, &needed, 0));
+    CHECK_OK(kvstage_doctor_run(0, text, sizeof text, &needed));
     CHECK_INT(needed, strlen(text) + 1);
-    CHECK_OK(kvstage_doctor(json, sizeof json, NULL, 1));
+    CHECK_OK(kvstage_doctor_run(1, json, sizeof json, NULL));
     printf("%s\n%s\n", text, json);
     CHECK_CONTAINS(text, "verdict: no RDMA");
     CHECK_CONTAINS(text, "libcuda.so.1:");
@@ -189,11 +162,11 @@ static int mode_none(void) {
         CHECK_CONTAINS(json, "\"libibverbs\":{\"found\":false");
         CHECK_CONTAINS(text, "os error");
     }
-    CHECK_INT(kvstage_doctor(text, sizeof text, NULL, 2), KVSTAGE_E_INVALID_ARG);
+    CHECK_INT(kvstage_doctor_run(2, text, sizeof text, NULL), KVSTAGE_E_INVALID_ARG);
     CHECK_CONTAINS(kvstage_error_last()->message, "json");
 
     /* transport RDMA: no engine, NO_DEVICE, class RDMA, causes down to the device list's error. */
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = KVSTAGE_TRANSPORT_RDMA;
     CHECK_INT(kvstage_engine_new(&o, &bad), KVSTAGE_E_NO_DEVICE);
     CHECK(bad == NULL);
@@ -228,16 +201,14 @@ static int mode_none(void) {
     CHECK_OK(kvstage_engine_stats_get(pre, &st));
     CHECK_INT(st.rdma_downgrades, 1);
     CHECK_INT(st.rdma_sessions, 0);
-    CHECK_OK(kvstage_engine_transport_describe(pre, describe, sizeof describe, NULL));
+    kv_engine_transport(pre, describe, sizeof describe);
     printf("prefill transport: %s\n", describe);
     CHECK_CONTAINS(describe, "tcp (transport auto, no usable RDMA device");
     CHECK_CONTAINS(describe, "1 session(s) downgraded to tcp");
-    CHECK_INT(kvstage_engine_transport_describe(pre, describe, 4, &needed), KVSTAGE_E_INVALID_ARG);
-    CHECK(needed > 4);
     kvstage_engine_free(pre);
     kvstage_engine_free(dec);
-    free(pp.memory);
-    free(dp.memory);
+    host_pool_free(&pp);
+    host_pool_free(&dp);
     return kv_finish("rdma_none");
 }
 
@@ -245,7 +216,7 @@ static int mode_none(void) {
  * connect and the transfer, given `arg`) makes the write fail on the wire. The transfer fails with
  * KVSTAGE_E_RDMA naming `wc_status` in the chain, the session is dead, the decode room fails and the
  * ring holds nothing; then a new session delivers the chunk, verified. */
-static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, pool *dp, const char *id, int code,
+static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, host_pool *pp, host_pool *dp, const char *id, int code,
                           const char *wc_status, void (*spoil)(kvstage_engine *dec, uintptr_t arg), uintptr_t arg) {
     uint32_t src[NPAGES], dst[NPAGES];
     uint64_t room_key = 0;
@@ -263,14 +234,14 @@ static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, po
     REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr, NULL) == KVSTAGE_OK);
     REQUIRE(kvstage_session_connect(pre, addr, id, 10000, &s) == KVSTAGE_OK);
     spoil(dec, arg);
-    CHECK_OK(kvstage_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, NULL, &room_key));
-    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    CHECK_OK(kv_room_open(dec, ROOM, dst, NPAGES, NPAGES * PAGE, NULL, NULL, &room_key));
+    REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
     d.room = ROOM;
     d.room_key = room_key;
     d.chunk_index = 0;
     d.src_pages = src;
     d.num_pages = NPAGES;
-    d.deadline_ms = 20000;
+    d.timeout_ms = 20000;
     CHECK_INT(kvstage_transfer(s, &d), code);
     e = kvstage_error_last();
     print_error(id);
@@ -279,13 +250,13 @@ static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, po
     CHECK(seen);
     CHECK(kvstage_transfer(s, &d) < 0); /* the session is dead */
     kvstage_session_free(s);
-    CHECK(kvstage_room_wait(dec, ROOM, 5000) < 0); /* the aborted chunk failed the room */
-    CHECK_OK(kvstage_room_release(dec, ROOM));
+    CHECK(kvstage_room_wait(dec, ROOM, room_key, 5000) < 0); /* the aborted chunk failed the room */
+    CHECK_OK(kvstage_room_release(dec, ROOM, room_key));
     memset(&st, 0, sizeof st);
     st.struct_size = sizeof st;
     CHECK_OK(kvstage_engine_stats_get(dec, &st));
     CHECK_INT(st.ring_live_allocations, 0);
-    memset(dp->memory, 0, 2 * LAYERS * dp->buffer);
+    host_pool_fill(dp, 0);
     snprintf(again, sizeof again, "after-%s", id);
     CHECK_INT(transfer_and_verify(pre, dec, pp, dp, again, 0), 0);
 }
@@ -294,7 +265,7 @@ static void spoiled_chunk(kvstage_engine *pre, kvstage_engine *dec, pool *pp, po
  * region (and its rkey) is gone, so that session's next chunk fails on the remote side. */
 static void register_the_ring_again(kvstage_engine *dec, uintptr_t unused) {
     (void)unused;
-    CHECK_OK(kvstage_engine_register_staging(dec, NULL, 16u << 20));
+    CHECK_OK(kv_staging_register(dec, NULL, 16u << 20));
 }
 
 static int mode_loopback(void) {
@@ -302,7 +273,7 @@ static int mode_loopback(void) {
     const char *devices = getenv("KVSTAGE_RDMA_DEVICES");
     char describe[1024];
     kvstage_engine_stats st;
-    pool pp, dp;
+    host_pool pp, dp;
     kvstage_engine *pre, *dec;
     int required = require != NULL && strcmp(require, "1") == 0;
 
@@ -311,8 +282,8 @@ static int mode_loopback(void) {
     dec = engine(KVSTAGE_TRANSPORT_RDMA, devices, &dp, 1);
     if (dec == NULL) {
         print_error("transport rdma");
-        free(pp.memory);
-        free(dp.memory);
+        host_pool_free(&pp);
+        host_pool_free(&dp);
         if (required) {
             fprintf(stderr, "KVSTAGE_REQUIRE_RDMA=1 but no usable RDMA device\n");
             return 1;
@@ -322,7 +293,7 @@ static int mode_loopback(void) {
     }
     pre = engine(KVSTAGE_TRANSPORT_RDMA, devices, &pp, 0);
     REQUIRE(pre != NULL);
-    CHECK_OK(kvstage_engine_transport_describe(pre, describe, sizeof describe, NULL));
+    kv_engine_transport(pre, describe, sizeof describe);
     printf("prefill transport: %s\n", describe);
     CHECK_CONTAINS(describe, "rdma (required)");
     if (getenv("KVSTAGE_RDMA_QPS") != NULL) {
@@ -348,8 +319,8 @@ static int mode_loopback(void) {
     spoiled_chunk(pre, dec, &pp, &dp, "before-reregister", KVSTAGE_E_RDMA, "IBV_WC_REM_ACCESS_ERR", register_the_ring_again, 0);
     kvstage_engine_free(pre);
     kvstage_engine_free(dec);
-    free(pp.memory);
-    free(dp.memory);
+    host_pool_free(&pp);
+    host_pool_free(&dp);
     return kv_finish("rdma_loopback");
 }
 
@@ -378,7 +349,7 @@ static int guards_intact(const uint8_t *ring, size_t ring_bytes, size_t guard) {
 static int mode_faults(void) {
     const char *require = getenv("KVSTAGE_REQUIRE_RDMA");
     enum { RING = 16u << 20, GUARD = 1u << 20 };
-    pool pp, dp;
+    host_pool pp, dp;
     kvstage_engine *pre, *dec;
     uint8_t *ring = (uint8_t *)malloc(RING + 2 * GUARD);
     REQUIRE(ring != NULL);
@@ -388,14 +359,14 @@ static int mode_faults(void) {
     dec = engine(KVSTAGE_TRANSPORT_RDMA, getenv("KVSTAGE_RDMA_DEVICES"), &dp, 0);
     if (dec == NULL) {
         print_error("transport rdma");
-        free(pp.memory);
-        free(dp.memory);
+        host_pool_free(&pp);
+        host_pool_free(&dp);
         free(ring);
         if (require != NULL && strcmp(require, "1") == 0) return 1;
         printf("no usable RDMA device on this host: skipped\n");
         return 77;
     }
-    REQUIRE(kvstage_engine_register_staging(dec, ring + GUARD, RING) == KVSTAGE_OK);
+    REQUIRE(kv_staging_register(dec, ring + GUARD, RING) == KVSTAGE_OK);
     pre = engine(KVSTAGE_TRANSPORT_RDMA, getenv("KVSTAGE_RDMA_DEVICES"), &pp, 0);
     REQUIRE(pre != NULL);
     spoiled_chunk(pre, dec, &pp, &dp, "fault-1", KVSTAGE_E_RDMA, "IBV_WC_REM_ACCESS_ERR", arm_fault, 1);
@@ -411,8 +382,8 @@ static int mode_faults(void) {
     CHECK_INT(kvstage_testing_rdma_fault(6), KVSTAGE_E_INVALID_ARG);
     kvstage_engine_free(pre);
     kvstage_engine_free(dec);
-    free(pp.memory);
-    free(dp.memory);
+    host_pool_free(&pp);
+    host_pool_free(&dp);
     free(ring);
     return kv_finish("rdma_faults");
 }

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "fork_ranks.h"
+#include "host_pool.h"
 
 enum { HEADS = 4, HEAD_DIM = 16, DTYPE = 2, ROW = HEAD_DIM * DTYPE, LAYERS = 4, PAGE = 4, CAPACITY = 8 };
 enum { TOTAL = 22, CHUNK = 16, NPAGES = (TOTAL + PAGE - 1) / PAGE, ROOM = 3, ITEMS = 4, MAX_TP = 4, ADDR_LEN = 64 };
@@ -92,9 +93,9 @@ static uint32_t global_elem(const comp *c, uint32_t rank, uint32_t tp, uint32_t 
 /* One rank: its KV pool and component buffers (per component, per layer: one calloc'ed buffer). */
 typedef struct rank {
     uint32_t tp_rank, tp, heads;
-    uint8_t *kv;
-    size_t kv_buffer;
-    uint64_t k[LAYERS], v[LAYERS];
+    host_pool pool;   /* the KV pool */
+    uint8_t *kv;      /* its memory */
+    size_t kv_buffer; /* bytes of one of its buffers */
     uint8_t *buf[NCOMP][2];
     size_t bytes[NCOMP], item_bytes[NCOMP];
     uint64_t bases[NCOMP][2];
@@ -103,13 +104,12 @@ typedef struct rank {
 static void rank_alloc(rank *r, uint32_t tp_rank, uint32_t tp) {
     memset(r, 0, sizeof *r);
     r->tp_rank = tp_rank, r->tp = tp, r->heads = HEADS / tp;
-    r->kv_buffer = (size_t)CAPACITY * PAGE * r->heads * ROW;
-    r->kv = (uint8_t *)calloc(2 * LAYERS, r->kv_buffer);
-    REQUIRE(r->kv != NULL);
-    for (size_t l = 0; l < LAYERS; ++l) {
-        r->k[l] = (uint64_t)(uintptr_t)(r->kv + 2 * l * r->kv_buffer);
-        r->v[l] = (uint64_t)(uintptr_t)(r->kv + (2 * l + 1) * r->kv_buffer);
-    }
+    kvstage_kv_layout shape = host_pool_shape(LAYERS, HEADS, HEAD_DIM, DTYPE, PAGE, CAPACITY, tp_rank, tp);
+    shape.layer_ids = LAYER_IDS;
+    host_pool_init(&r->pool, &shape);
+    r->kv = r->pool.memory;
+    r->kv_buffer = r->pool.buffer;
+    REQUIRE(r->kv_buffer == (size_t)CAPACITY * PAGE * r->heads * ROW);
     for (int c = 0; c < NCOMP; ++c) {
         const comp *k = &COMPS[c];
         size_t item = k->kind == KVSTAGE_COMPONENT_AUX    ? k->item
@@ -126,7 +126,7 @@ static void rank_alloc(rank *r, uint32_t tp_rank, uint32_t tp) {
 }
 
 static void rank_free(rank *r) {
-    free(r->kv);
+    host_pool_free(&r->pool);
     for (int c = 0; c < NCOMP; ++c)
         for (int l = 0; l < 2; ++l) free(r->buf[c][l]);
 }
@@ -179,7 +179,7 @@ static int32_t g_transport = KVSTAGE_TRANSPORT_TCP;
 /* An engine with the rank's KV pool and components registered. */
 static kvstage_engine *engine_of(rank *r) {
     kvstage_engine_options o;
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = g_transport;
     /* KVSTAGE_TEST_PIECE_BYTES: every chunk gathered into a staging buffer (also over TCP) and
      * written in pieces of that many bytes, each while the next is gathered. */
@@ -190,17 +190,12 @@ static kvstage_engine *engine_of(rank *r) {
     }
     kvstage_engine *e = NULL;
     REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
-    kvstage_kv_layout l;
-    REQUIRE(kvstage_kv_layout_init(&l) == KVSTAGE_OK);
-    l.page_size = PAGE, l.global_heads = HEADS, l.head_dim = HEAD_DIM, l.dtype_bytes = DTYPE;
-    l.tp_rank = r->tp_rank, l.tp_size = r->tp, l.layer_ids = LAYER_IDS, l.num_layers = LAYERS;
-    l.k_bases = r->k, l.v_bases = r->v, l.capacity_pages = CAPACITY;
-    REQUIRE(kvstage_engine_register_pool(e, &l) == KVSTAGE_OK);
+    REQUIRE(host_pool_register(e, &r->pool) == KVSTAGE_OK);
     kvstage_component comps[NCOMP];
     kvstage_state_item items[NCOMP];
     for (uint32_t c = 0; c < NCOMP; ++c) {
         const comp *k = &COMPS[c];
-        REQUIRE(kvstage_component_init(&comps[c]) == KVSTAGE_OK);
+        REQUIRE(kvstage_component_init(&comps[c], sizeof comps[c]) == KVSTAGE_OK);
         comps[c].name = k->name;
         comps[c].kind = k->kind;
         comps[c].item_bytes = k->item;
@@ -208,7 +203,7 @@ static kvstage_engine *engine_of(rank *r) {
         comps[c].bases = r->bases[c];
         comps[c].num_bases = k->kind == KVSTAGE_COMPONENT_AUX ? 1 : 2;
         if (k->kind == KVSTAGE_COMPONENT_STATE) {
-            REQUIRE(kvstage_state_item_init(&items[c]) == KVSTAGE_OK);
+            REQUIRE(kvstage_state_item_init(&items[c], sizeof items[c]) == KVSTAGE_OK);
             items[c].outer = k->outer, items[c].dtype_bytes = k->dtype, items[c].group_dims = k->groups, items[c].num_groups = k->ngroups;
             comps[c].state = &items[c];
             comps[c].layer_ids = STATE_LAYERS, comps[c].num_layers = 2;
@@ -217,8 +212,8 @@ static kvstage_engine *engine_of(rank *r) {
             comps[c].layer_ids = WINDOW_LAYERS, comps[c].num_layers = 2;
         }
     }
-    if (kvstage_engine_register_components(e, comps, NCOMP) != KVSTAGE_OK) {
-        kv_print_last_error("kvstage_engine_register_components");
+    if (kvstage_pool_register_components(e, comps, NCOMP) != KVSTAGE_OK) {
+        kv_print_last_error("kvstage_pool_register_components");
         REQUIRE(0);
     }
     return e;
@@ -226,7 +221,7 @@ static kvstage_engine *engine_of(rank *r) {
 
 static kvstage_request_parts parts_of(uint64_t row, const uint64_t *slots, const uint32_t *wpages, uint32_t wfirst, kvstage_pool_span *span) {
     kvstage_request_parts p;
-    REQUIRE(kvstage_request_parts_init(&p) == KVSTAGE_OK);
+    REQUIRE(kvstage_request_parts_init(&p, sizeof p) == KVSTAGE_OK);
     p.aux_row = row, p.state_slots = slots, p.num_state_slots = 2;
     span->pages = wpages, span->num_pages = 2, span->first_token = wfirst, span->num_tokens = WINDOW;
     p.pool_spans = span, p.num_pool_spans = 1;
@@ -244,18 +239,18 @@ static int decode_main(const scenario *sc, uint32_t d, int addr_fd, int done_fd)
     rank r;
     rank_alloc(&r, d, sc->decode_tp);
     kvstage_engine *e = engine_of(&r);
-    REQUIRE(kvstage_engine_register_staging(e, NULL, 1 << 20) == KVSTAGE_OK);
+    REQUIRE(kv_staging_register(e, NULL, 1 << 20) == KVSTAGE_OK);
     kvstage_pool_span span;
     kvstage_request_parts parts = parts_of(DECODE_ROW, DECODE_SLOTS, DECODE_WINDOW, 0, &span);
     bootstrap boot;
     memset(&boot, 0, sizeof boot);
     uint32_t chunks = 0;
-    REQUIRE(kvstage_room_open_parts(e, ROOM, DECODE_PAGES, NPAGES, CHUNK, &parts, &chunks, &boot.room_key) == KVSTAGE_OK);
+    REQUIRE(kv_room_open(e, ROOM, DECODE_PAGES, NPAGES, CHUNK, &parts, &chunks, &boot.room_key) == KVSTAGE_OK);
     CHECK_INT(chunks, 2);
     REQUIRE(kvstage_engine_listen_address(e, boot.addr, sizeof boot.addr, NULL) == KVSTAGE_OK);
     REQUIRE(write(addr_fd, &boot, sizeof boot) == (ssize_t)sizeof boot);
     close(addr_fd);
-    CHECK_OK(kvstage_room_wait(e, ROOM, ROOM_WAIT_MS));
+    CHECK_OK(kvstage_room_wait(e, ROOM, boot.room_key, ROOM_WAIT_MS));
     struct pollfd done = {done_fd, POLLIN, 0};
     char ch;
     CHECK(poll(&done, 1, SCENARIO_MS) == 1 && read(done_fd, &ch, 1) == 0);
@@ -273,7 +268,7 @@ static int decode_main(const scenario *sc, uint32_t d, int addr_fd, int done_fd)
                     KV_FAIL_AT(__FILE__, __LINE__, "%s layer index %d byte %zu: 0x%02x, expected 0x%02x", COMPS[c].name, l, i, r.buf[c][l][i],
                                want.buf[c][l][i]);
     if (bad) KV_FAIL_AT(__FILE__, __LINE__, "%zu byte(s) differ in all", bad);
-    CHECK_OK(kvstage_room_release(e, ROOM));
+    CHECK_OK(kvstage_room_release(e, ROOM, boot.room_key));
     kvstage_engine_free(e);
     rank_free(&r);
     rank_free(&want);
@@ -303,12 +298,12 @@ static int prefill_main(const scenario *sc, uint32_t p, const bootstrap *boots) 
         }
         for (uint32_t chunk = 0; chunk < 2; ++chunk) {
             kvstage_transfer_desc desc;
-            REQUIRE(kvstage_transfer_desc_init(&desc) == KVSTAGE_OK);
+            REQUIRE(kvstage_transfer_desc_init(&desc, sizeof desc) == KVSTAGE_OK);
             desc.room = ROOM, desc.room_key = boots[d].room_key, desc.chunk_index = chunk;
             desc.src_pages = PREFILL_PAGES + chunk * (CHUNK / PAGE);
             desc.num_pages = chunk == 0 ? CHUNK / PAGE : NPAGES - CHUNK / PAGE;
             desc.num_tokens = chunk == 0 ? CHUNK : TOTAL - CHUNK;
-            desc.deadline_ms = TRANSFER_MS;
+            desc.timeout_ms = TRANSFER_MS;
             desc.parts = chunk == 1 ? &parts : NULL;
             CHECK_OK(kvstage_transfer(s, &desc));
         }

@@ -41,7 +41,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kvstage_check.h"
+#include "host_pool.h"
 
 
 /* MHA, 4 layers, 8 KV heads of 128 bf16 elements, TP 1 on both sides: a slot of one buffer is a
@@ -71,13 +71,6 @@ static void sleep_ms(unsigned ms) {
 
 /* ---- pools and the reference bytes -------------------------------------------------------- */
 
-typedef struct pool {
-    uint8_t *memory;
-    int shared; /* in memory of kvstage_shared_alloc */
-    uint64_t k[LAYERS], v[LAYERS];
-    kvstage_kv_layout layout;
-} pool;
-
 #define BUFFER_BYTES ((size_t)SLOTS * ROW)
 #define POOL_BYTES (2 * LAYERS * BUFFER_BYTES)
 
@@ -87,52 +80,25 @@ static int direct_mode(void) {
     return v != NULL && strcmp(v, "1") == 0;
 }
 
-static void pool_init_in(pool *p, int shared) {
-    p->shared = shared;
-    if (shared) {
-        void *memory = NULL;
-        REQUIRE(kvstage_shared_alloc(POOL_BYTES, &memory) == KVSTAGE_OK);
-        p->memory = (uint8_t *)memory;
-    } else {
-        p->memory = (uint8_t *)calloc(2 * LAYERS, BUFFER_BYTES);
-    }
-    REQUIRE(p->memory != NULL);
-    for (int l = 0; l < LAYERS; ++l) {
-        p->k[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l) * BUFFER_BYTES);
-        p->v[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l + 1) * BUFFER_BYTES);
-    }
-    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
-    p->layout.model_kind = KVSTAGE_MODEL_MHA;
-    p->layout.page_size = PAGE;
-    p->layout.local_heads = HEADS;
-    p->layout.global_heads = HEADS;
-    p->layout.head_dim = HEAD_DIM;
-    p->layout.dtype_bytes = DTYPE;
-    p->layout.tp_rank = 0;
-    p->layout.tp_size = 1;
-    p->layout.pp_rank = 0;
-    p->layout.pp_size = 1;
-    p->layout.num_layers = LAYERS;
-    p->layout.k_bases = p->k;
-    p->layout.v_bases = p->v;
-    p->layout.capacity_pages = CAPACITY;
+static kvstage_kv_layout pool_shape(void) {
+    return host_pool_shape(LAYERS, HEADS, HEAD_DIM, DTYPE, PAGE, CAPACITY, 0, 1);
 }
 
 /* A prefill pool (the heap). */
-static void pool_init(pool *p) {
-    pool_init_in(p, 0);
+static void pool_init(host_pool *p) {
+    kvstage_kv_layout shape = pool_shape();
+    host_pool_init(p, &shape);
+    REQUIRE(p->bytes == POOL_BYTES);
 }
 
 /* A decode pool: shared memory in direct mode. */
-static void decode_pool_init(pool *p) {
-    pool_init_in(p, direct_mode());
-}
-
-static void pool_free(pool *p) {
-    if (p->shared)
-        CHECK_OK(kvstage_shared_free(p->memory));
+static void decode_pool_init(host_pool *p) {
+    kvstage_kv_layout shape = pool_shape();
+    if (direct_mode())
+        host_pool_init_shared(p, &shape);
     else
-        free(p->memory);
+        host_pool_init(p, &shape);
+    REQUIRE(p->bytes == POOL_BYTES);
 }
 
 /* splitmix64: the reference, independent of any kvstage code. */
@@ -155,7 +121,7 @@ static uint8_t *buffer_of(uint8_t *memory, uint32_t layer, uint32_t kv) {
     return memory + (size_t)(2 * layer + kv) * BUFFER_BYTES;
 }
 
-static void paint_prefill(pool *p) {
+static void paint_prefill(host_pool *p) {
     for (uint32_t l = 0; l < LAYERS; ++l)
         for (uint32_t kv = 0; kv < 2; ++kv)
             for (uint32_t s = 0; s < SLOTS; ++s) reference_row(buffer_of(p->memory, l, kv) + (size_t)s * ROW, l, kv, s);
@@ -297,15 +263,15 @@ static void print_fds(const char *what) {
 
 /* ---- kvstage helpers ---------------------------------------------------------------------- */
 
-static kvstage_engine *new_engine(int32_t transport, int32_t same_host, const pool *p) {
+static kvstage_engine *new_engine(int32_t transport, int32_t same_host, const host_pool *p) {
     kvstage_engine_options o;
     kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = transport;
     o.same_host = same_host;
     CHECK_OK(kvstage_engine_new(&o, &e));
     REQUIRE(e != NULL);
-    if (p) REQUIRE(kvstage_engine_register_pool(e, &p->layout) == KVSTAGE_OK);
+    if (p) REQUIRE(host_pool_register(e, p) == KVSTAGE_OK);
     return e;
 }
 
@@ -341,28 +307,28 @@ static int transfer_small(kvstage_session *s, uint64_t room, uint64_t room_key) 
     static uint32_t src[SMALL_PAGES], dst[SMALL_PAGES];
     kvstage_transfer_desc d;
     small_pages(room, src, dst);
-    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
     d.room = room;
     d.room_key = room_key;
     d.chunk_index = 0;
     d.src_pages = src;
     d.num_pages = SMALL_PAGES;
-    d.deadline_ms = TRANSFER_MS;
+    d.timeout_ms = TRANSFER_MS;
     return kvstage_transfer(s, &d);
 }
 
 static uint32_t g_large_src[LARGE_PAGES];
 
-static kvstage_transfer_desc large_desc(uint64_t room, uint64_t room_key, uint32_t chunk, uint64_t deadline_ms) {
+static kvstage_transfer_desc large_desc(uint64_t room, uint64_t room_key, uint32_t chunk, uint64_t timeout_ms) {
     kvstage_transfer_desc d;
     for (uint32_t i = 0; i < LARGE_PAGES; ++i) g_large_src[i] = large_src(i);
-    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
     d.room = room;
     d.room_key = room_key;
     d.chunk_index = chunk;
     d.src_pages = g_large_src;
     d.num_pages = LARGE_PAGES;
-    d.deadline_ms = deadline_ms;
+    d.timeout_ms = timeout_ms;
     return d;
 }
 
@@ -371,7 +337,7 @@ static int open_large_room(kvstage_engine *e, uint64_t room, uint32_t *chunks, u
     static uint32_t dst[LARGE_CHUNKS * LARGE_PAGES];
     for (uint32_t c = 0; c < LARGE_CHUNKS; ++c)
         for (uint32_t i = 0; i < LARGE_PAGES; ++i) dst[c * LARGE_PAGES + i] = large_dst(i);
-    return kvstage_room_open(e, room, dst, LARGE_CHUNKS * LARGE_PAGES, LARGE_PAGES * PAGE, chunks, room_key);
+    return kv_room_open(e, room, dst, LARGE_CHUNKS * LARGE_PAGES, LARGE_PAGES * PAGE, NULL, chunks, room_key);
 }
 
 /* ---- a decode process run by commands over a pipe ----------------------------------------- */
@@ -418,8 +384,12 @@ static void read_exactly(int fd, void *buf, size_t len, int timeout_ms, const ch
     }
 }
 
+/* The keys of the rooms a decode process opened (ids below 128), as its engine's bootstrap keeps
+ * them: its waits and releases name the opening. */
+static uint64_t g_room_keys[128];
+
 static void decode_serve(int cmd_fd, int answer_fd, int caller_ring, size_t ring_bytes) {
-    pool p;
+    host_pool p;
     decode_pool_init(&p);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &p);
     void *caller = NULL;
@@ -427,7 +397,7 @@ static void decode_serve(int cmd_fd, int answer_fd, int caller_ring, size_t ring
         caller = calloc(1, ring_bytes);
         REQUIRE(caller != NULL);
     }
-    REQUIRE(kvstage_engine_register_staging(e, caller, ring_bytes) == KVSTAGE_OK);
+    REQUIRE(kv_staging_register(e, caller, ring_bytes) == KVSTAGE_OK);
     char addr[ADDR_LEN] = {0}; /* all ADDR_LEN bytes go through the pipe */
     REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
     REQUIRE(write(answer_fd, addr, sizeof addr) == (ssize_t)sizeof addr);
@@ -437,30 +407,31 @@ static void decode_serve(int cmd_fd, int answer_fd, int caller_ring, size_t ring
         memset(&a, 0, sizeof a);
         uint32_t chunks = 0;
         uint64_t key = 0;
+        REQUIRE(c.room < 128);
         switch (c.op) {
         case OP_OPEN_SMALL: {
             uint32_t src[SMALL_PAGES], dst[SMALL_PAGES];
             small_pages(c.room, src, dst);
             memset(p.memory, 0, POOL_BYTES); /* VERIFY compares the whole pool */
-            a.status = kvstage_room_open(e, c.room, dst, SMALL_PAGES, SMALL_PAGES * PAGE, &chunks, &key);
+            a.status = kv_room_open(e, c.room, dst, SMALL_PAGES, SMALL_PAGES * PAGE, NULL, &chunks, &key);
             a.v[0] = chunks;
-            a.v[1] = key;
+            a.v[1] = g_room_keys[c.room] = key;
             break;
         }
         case OP_OPEN_LARGE:
             a.status = open_large_room(e, c.room, &chunks, &key);
             a.v[0] = chunks;
-            a.v[1] = key;
+            a.v[1] = g_room_keys[c.room] = key;
             break;
         case OP_WAIT:
-            a.status = kvstage_room_wait(e, c.room, c.arg);
+            a.status = kvstage_room_wait(e, c.room, g_room_keys[c.room], c.arg);
             if (a.status != KVSTAGE_OK) kv_print_last_error("decode: kvstage_room_wait");
             break;
         case OP_VERIFY:
             a.v[0] = verify_small_room(p.memory, c.room);
             break;
         case OP_RELEASE:
-            a.status = kvstage_room_release(e, c.room);
+            a.status = kvstage_room_release(e, c.room, g_room_keys[c.room]);
             break;
         case OP_STATS: {
             kvstage_engine_stats st = engine_stats(e);
@@ -471,8 +442,8 @@ static void decode_serve(int cmd_fd, int answer_fd, int caller_ring, size_t ring
             break;
         }
         case OP_REGISTER_RING:
-            a.status = kvstage_engine_register_staging(e, NULL, (size_t)c.arg);
-            if (a.status != KVSTAGE_OK) kv_print_last_error("decode: kvstage_engine_register_staging");
+            a.status = kv_staging_register(e, NULL, (size_t)c.arg);
+            if (a.status != KVSTAGE_OK) kv_print_last_error("decode: kvstage_staging_register");
             break;
         default:
             a.status = KVSTAGE_E_INVALID_ARG;
@@ -489,8 +460,8 @@ static void decode_serve(int cmd_fd, int answer_fd, int caller_ring, size_t ring
     uint32_t dst[SMALL_PAGES], src[SMALL_PAGES], chunks = 0;
     uint64_t key = 0;
     small_pages(1, src, dst);
-    CHECK_INT(kvstage_room_open(e, 1, dst, SMALL_PAGES, SMALL_PAGES * PAGE, &chunks, &key), KVSTAGE_E_CANCELED);
-    pool_free(&p);
+    CHECK_INT(kv_room_open(e, 1, dst, SMALL_PAGES, SMALL_PAGES * PAGE, NULL, &chunks, &key), KVSTAGE_E_CANCELED);
+    host_pool_free(&p);
     kvstage_engine_free(e);
     free(caller);
 }
@@ -571,7 +542,7 @@ static void check_small_room_landed(const decode_proc *d, uint64_t room) {
 static void test_auto_uses_shm(void) {
     enum { ROOM = 11 };
     decode_proc d = spawn_decode(0, RING_SMALL);
-    pool src;
+    host_pool src;
     pool_init(&src);
     paint_prefill(&src);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &src);
@@ -614,7 +585,7 @@ static void test_auto_uses_shm(void) {
     CHECK_INT(a.v[2], 0); /* decode ring_live_allocations */
     CHECK_INT(a.v[3], 1); /* decode chunks_received */
     char text[1024] = {0};
-    CHECK_OK(kvstage_engine_transport_describe(e, text, sizeof text, NULL));
+    kv_engine_transport(e, text, sizeof text);
     CHECK_CONTAINS(text, "same host: shm (auto), 1 session");
     if (direct) CHECK_CONTAINS(text, "1 direct (decode pool mapped, 1 chunk region(s) copied page to page)");
     CHECK_INT(ask(&d, OP_RELEASE, ROOM, 0).status, KVSTAGE_OK);
@@ -622,7 +593,7 @@ static void test_auto_uses_shm(void) {
     CHECK_INT(settle_ring_mappings(0, NULL), 0);
     CHECK_INT(pool_mappings(), 0); /* unmapped with the ring */
     kvstage_engine_free(e);
-    pool_free(&src);
+    host_pool_free(&src);
     finish_decode(&d);
     printf("same_host a [auto%s]: session transport shm, not downgraded, the decode ring mapped here (%llu bytes); "
            "%llu bytes sent, every decode byte equals the reference; shm_sessions 1 on both engines; describe: %s; "
@@ -634,7 +605,7 @@ static void test_auto_uses_shm(void) {
 static void test_same_host_off(void) {
     enum { ROOM = 21 };
     decode_proc d = spawn_decode(0, RING_SMALL);
-    pool src;
+    host_pool src;
     pool_init(&src);
     paint_prefill(&src);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_OFF, &src);
@@ -654,7 +625,7 @@ static void test_same_host_off(void) {
     CHECK_INT(ask(&d, OP_RELEASE, ROOM, 0).status, KVSTAGE_OK);
     kvstage_session_free(s);
     kvstage_engine_free(e);
-    pool_free(&src);
+    host_pool_free(&src);
     finish_decode(&d);
     printf("same_host b [same_host OFF]: session transport tcp, no ring mapped, shm_downgrades 0, shm_sessions 0 on "
            "both engines, every decode byte equals the reference\n");
@@ -664,7 +635,7 @@ static void test_same_host_off(void) {
 static void test_caller_memory_ring(void) {
     enum { ROOM = 31 };
     decode_proc d = spawn_decode(1, RING_SMALL);
-    pool src;
+    host_pool src;
     pool_init(&src);
     paint_prefill(&src);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &src);
@@ -678,7 +649,7 @@ static void test_caller_memory_ring(void) {
     CHECK_INT(es.shm_downgrades, 1);
     CHECK_INT(es.shm_sessions, 0);
     char text[2048] = {0};
-    CHECK_OK(kvstage_engine_transport_describe(e, text, sizeof text, NULL));
+    kv_engine_transport(e, text, sizeof text);
     CHECK_CONTAINS(text, "same host");
     CHECK_CONTAINS(text, "caller memory");
     CHECK_CONTAINS(text, "shm-caller-ring");
@@ -716,7 +687,7 @@ static void test_caller_memory_ring(void) {
     answer a = ask(&d, OP_STATS, 0, 0);
     CHECK_INT(a.v[0], 0);
     kvstage_engine_free(forced);
-    pool_free(&src);
+    host_pool_free(&src);
     finish_decode(&d);
     printf("same_host c [caller-memory ring]: auto -> tcp, downgraded 1, shm_downgrades 1, bytes verified; describe: "
            "%s\n  transport shm -> KVSTAGE_E_UNSUPPORTED: %s; causes: %s\n",
@@ -741,7 +712,7 @@ static void test_sender_killed(int fork_child) {
         uint64_t key = 0;
         REQUIRE(read(addr_pipe[0], addr, sizeof addr) == (ssize_t)sizeof addr);
         REQUIRE(read(addr_pipe[0], &key, sizeof key) == (ssize_t)sizeof key);
-        pool src;
+        host_pool src;
         pool_init(&src);
         memset(src.memory, 0x5A, POOL_BYTES);
         kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &src);
@@ -775,10 +746,10 @@ static void test_sender_killed(int fork_child) {
     }
     close(addr_pipe[0]);
     close(note_pipe[1]);
-    pool dst;
+    host_pool dst;
     decode_pool_init(&dst);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &dst);
-    REQUIRE(kvstage_engine_register_staging(e, NULL, RING_LARGE) == KVSTAGE_OK);
+    REQUIRE(kv_staging_register(e, NULL, RING_LARGE) == KVSTAGE_OK);
     uint32_t chunks = 0;
     uint64_t key = 0;
     REQUIRE(open_large_room(e, ROOM, &chunks, &key) == KVSTAGE_OK);
@@ -800,7 +771,7 @@ static void test_sender_killed(int fork_child) {
     uint64_t live_at_kill = engine_stats(e).ring_live_allocations; /* reported, not asserted */
     kill(pid, SIGKILL);
     REQUIRE(waitpid(pid, NULL, 0) == pid);
-    int rc = kvstage_room_wait(e, ROOM, WAIT_MS);
+    int rc = kvstage_room_wait(e, ROOM, key, WAIT_MS);
     char why[512];
     snprintf(why, sizeof why, "%s", kvstage_error_last()->message);
     CHECK(rc < 0 && rc != KVSTAGE_E_TIMEOUT);
@@ -816,10 +787,10 @@ static void test_sender_killed(int fork_child) {
     int fds = settle_fd_count(baseline);
     CHECK_INT(fds, baseline);
     if (fds != baseline) print_fds("decode after the sender died");
-    CHECK_OK(kvstage_room_release(e, ROOM));
+    CHECK_OK(kvstage_room_release(e, ROOM, key));
     kvstage_engine_free(e);
     CHECK_INT(settle_ring_mappings(0, NULL), 0); /* the decode's own ring is gone with its engine */
-    pool_free(&dst);
+    host_pool_free(&dst);
     close(addr_pipe[1]);
     close(note_pipe[0]);
     if (kid > 0) kill(kid, SIGKILL);
@@ -834,7 +805,7 @@ static void test_receiver_killed(void) {
     enum { ROOM = 51 };
     decode_proc d = spawn_decode(0, RING_LARGE);
     uint64_t key = open_room(&d, OP_OPEN_LARGE, ROOM);
-    pool src;
+    host_pool src;
     pool_init(&src);
     memset(src.memory, 0x5A, POOL_BYTES);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &src);
@@ -849,7 +820,10 @@ static void test_receiver_killed(void) {
     kvstage_op *op = NULL;
     REQUIRE(kvstage_transfer_async(s, &d1, &op) == KVSTAGE_PENDING);
     unsigned delay = (unsigned)(((unsigned)getpid() * 2654435761u) >> 16) % 10;
-    kvstage_op_wait(op, delay); /* PENDING, or its result if it was that quick */
+    if (delay) /* PENDING, or its result if it was that quick (0 would wait the engine's default) */
+        kvstage_op_wait(op, delay);
+    else
+        kvstage_op_poll(op);
     kill(d.pid, SIGKILL);
     REQUIRE(waitpid(d.pid, NULL, 0) == d.pid);
     int rc = kvstage_op_wait(op, 30000); /* its deadline (10 s) ends it at the latest */
@@ -874,7 +848,7 @@ static void test_receiver_killed(void) {
     CHECK_INT(fds, baseline);
     if (fds != baseline) print_fds("prefill after session_free");
     kvstage_engine_free(e);
-    pool_free(&src);
+    host_pool_free(&src);
     close(d.cmd_fd);
     close(d.answer_fd);
     printf("same_host e [receiver killed]: shm session; the transfer in flight at the kill -> %s%s, failed with %s "
@@ -887,7 +861,7 @@ static void test_receiver_killed(void) {
 static void test_ring_registered_again(void) {
     enum { ROOM1 = 61, ROOM2 = 62, ROOM3 = 63 };
     decode_proc d = spawn_decode(0, RING_SMALL);
-    pool src;
+    host_pool src;
     pool_init(&src);
     paint_prefill(&src);
     kvstage_engine *e = new_engine(KVSTAGE_TRANSPORT_AUTO, KVSTAGE_SAME_HOST_AUTO, &src);
@@ -929,7 +903,7 @@ static void test_ring_registered_again(void) {
     CHECK_INT(settle_ring_mappings(0, NULL), 0);
     CHECK_INT(pool_mappings(), 0);
     kvstage_engine_free(e);
-    pool_free(&src);
+    host_pool_free(&src);
     finish_decode(&d);
     printf("same_host f [ring registered again]: the old session's next transfer -> %s (%s); a new session over shm "
            "delivered every byte; after freeing the old session one kvstage-ring mapping, of the new ring's %llu "

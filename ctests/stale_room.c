@@ -20,7 +20,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "kvstage_check.h"
+#include "host_pool.h"
 
 enum {
     LAYERS = 2,
@@ -41,39 +41,11 @@ static const uint32_t B_SRC[ROOM_PAGES] = {8, 9, 10, 11};
 static const uint32_t A_DST[ROOM_PAGES] = {5, 6, 7, 8};
 static const uint32_t B_DST[ROOM_PAGES] = {12, 3, 14, 1};
 
-typedef struct pool {
-    uint8_t *memory;
-    size_t buffer; /* bytes of one layer's K (or V) buffer */
-    uint64_t k[LAYERS], v[LAYERS];
-    kvstage_kv_layout layout;
-} pool;
-
 static size_t slot_bytes(int heads) { return (size_t)heads * HEAD_DIM * DTYPE; }
 
-static void pool_init(pool *p, uint32_t tp_rank, uint32_t tp_size) {
-    int heads = HEADS / (int)tp_size;
-    p->buffer = (size_t)CAPACITY * PAGE * slot_bytes(heads);
-    p->memory = (uint8_t *)calloc(2 * LAYERS, p->buffer);
-    REQUIRE(p->memory != NULL);
-    for (int l = 0; l < LAYERS; ++l) {
-        p->k[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l) * p->buffer);
-        p->v[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l + 1) * p->buffer);
-    }
-    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
-    p->layout.model_kind = KVSTAGE_MODEL_MHA;
-    p->layout.page_size = PAGE;
-    p->layout.local_heads = (uint32_t)heads;
-    p->layout.global_heads = HEADS;
-    p->layout.head_dim = HEAD_DIM;
-    p->layout.dtype_bytes = DTYPE;
-    p->layout.tp_rank = tp_rank;
-    p->layout.tp_size = tp_size;
-    p->layout.pp_rank = 0;
-    p->layout.pp_size = 1;
-    p->layout.num_layers = LAYERS;
-    p->layout.k_bases = p->k;
-    p->layout.v_bases = p->v;
-    p->layout.capacity_pages = CAPACITY;
+static void pool_init(host_pool *p, uint32_t tp_rank, uint32_t tp_size) {
+    kvstage_kv_layout shape = host_pool_shape(LAYERS, HEADS, HEAD_DIM, DTYPE, PAGE, CAPACITY, tp_rank, tp_size);
+    host_pool_init(p, &shape);
 }
 
 /* The byte a prefill pool holds for (buffer kv of layer, token slot, global head, byte in head):
@@ -86,13 +58,13 @@ static uint8_t pattern(int layer, int kv, uint32_t slot, int head, int byte) {
     return (uint8_t)(x | 1); /* never 0: an untouched decode byte is 0 */
 }
 
-static uint8_t *at(const pool *p, int layer, int kv, uint32_t slot, int local_head, int byte) {
+static uint8_t *at(const host_pool *p, int layer, int kv, uint32_t slot, int local_head, int byte) {
     int heads = (int)p->layout.local_heads;
     uint8_t *base = (uint8_t *)(uintptr_t)(kv ? p->v[layer] : p->k[layer]);
     return base + (size_t)slot * slot_bytes(heads) + (size_t)local_head * HEAD_DIM * DTYPE + (size_t)byte;
 }
 
-static void fill_prefill(pool *p) {
+static void fill_prefill(host_pool *p) {
     int heads = (int)p->layout.local_heads, first = (int)p->layout.tp_rank * heads;
     for (int l = 0; l < LAYERS; ++l)
         for (int kv = 0; kv < 2; ++kv)
@@ -101,35 +73,26 @@ static void fill_prefill(pool *p) {
                     for (int b = 0; b < HEAD_DIM * DTYPE; ++b) *at(p, l, kv, s, h, b) = pattern(l, kv, s, first + h, b);
 }
 
-static kvstage_engine *engine_with(pool *p) {
+/* A TCP engine with pool `p` and a ring of `ring_bytes` (0: none). */
+static kvstage_engine *engine_with(host_pool *p, size_t ring_bytes) {
     kvstage_engine_options o;
-    kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = KVSTAGE_TRANSPORT_TCP;
-    if (kvstage_engine_new(&o, &e) != KVSTAGE_OK) {
-        kv_print_last_error("kvstage_engine_new");
-        exit(1);
-    }
-    if (kvstage_engine_register_pool(e, &p->layout) != KVSTAGE_OK) {
-        kv_print_last_error("kvstage_engine_register_pool");
-        exit(1);
-    }
-    return e;
+    return host_pool_engine(&o, p, ring_bytes);
 }
 
 /* --- the decode process ------------------------------------------------------------------------ */
 
 /* Lines to the parent: "addr KEY_A", then "key KEY_B" after "reopen", then "verified BAD STRAY". */
 static int decode_main(FILE *in, FILE *out) {
-    pool p;
+    host_pool p;
     pool_init(&p, 0, 1);
-    kvstage_engine *e = engine_with(&p);
-    REQUIRE(kvstage_engine_register_staging(e, NULL, 64 << 10) == KVSTAGE_OK);
+    kvstage_engine *e = engine_with(&p, 64 << 10);
     char addr[64] = {0}, line[128];
     REQUIRE(kvstage_engine_listen_address(e, addr, sizeof addr, NULL) == KVSTAGE_OK);
     uint64_t key_a = 0, key_b = 0;
     uint32_t chunks = 0;
-    CHECK_OK(kvstage_room_open(e, ROOM, A_DST, ROOM_PAGES, CHUNK_PAGES * PAGE, &chunks, &key_a));
+    CHECK_OK(kv_room_open(e, ROOM, A_DST, ROOM_PAGES, CHUNK_PAGES * PAGE, NULL, &chunks, &key_a));
     CHECK_INT(chunks, 2);
     fprintf(out, "%s %" PRIu64 "\n", addr, key_a);
     fflush(out);
@@ -137,26 +100,40 @@ static int decode_main(FILE *in, FILE *out) {
     REQUIRE(fgets(line, sizeof line, in) != NULL); /* "reopen": A's chunk 0 landed, A is canceled */
     /* Chunk 0 of A is scattered (acknowledged writers may still be scattering: wait, bounded), so
      * the release leaves at once and the id can be opened again. */
-    kvstage_chunk_event ev[4];
+    kvstage_room_event ev[4];
+    memset(ev, 0, sizeof ev);
+    ev[0].struct_size = sizeof ev[0];
     size_t n = 0;
     for (int i = 0; i < 1000 && n == 0; ++i) {
-        CHECK_OK(kvstage_room_poll_events(e, ROOM, ev, 4, &n));
+        CHECK_OK(kvstage_room_poll_events(e, ROOM, key_a, ev, 4, &n));
         if (n == 0) usleep(10000);
     }
-    REQUIRE(n == 1 && ev[0].chunk_index == 0 && ev[0].status == KVSTAGE_OK);
+    /* One chunk of two landed: its event, and none for the room (not complete). */
+    REQUIRE(n == 1 && ev[0].kind == KVSTAGE_ROOM_EVENT_CHUNK && ev[0].chunk_index == 0 && ev[0].status == KVSTAGE_OK);
     CHECK(ev[0].room_key == key_a); /* the event names its opening */
-    CHECK_OK(kvstage_room_release(e, ROOM));
+    CHECK_OK(kvstage_room_release(e, ROOM, key_a));
     /* What the pool holds before B opens: outside B's pages nothing may change from here on. */
     uint8_t *before = (uint8_t *)malloc(2 * LAYERS * p.buffer);
     REQUIRE(before != NULL);
     memcpy(before, p.memory, 2 * LAYERS * p.buffer);
-    CHECK_OK(kvstage_room_open(e, ROOM, B_DST, ROOM_PAGES, CHUNK_PAGES * PAGE, &chunks, &key_b));
+    CHECK_OK(kv_room_open(e, ROOM, B_DST, ROOM_PAGES, CHUNK_PAGES * PAGE, NULL, &chunks, &key_b));
     CHECK(key_b != key_a && key_b != 0);
     fprintf(out, "key %" PRIu64 "\n", key_b);
     fflush(out);
 
     REQUIRE(fgets(line, sizeof line, in) != NULL); /* "wait": the prefill side sent B */
-    if (kvstage_room_wait(e, ROOM, 20000) != KVSTAGE_OK) kv_print_last_error("room_wait B");
+    if (kvstage_room_wait(e, ROOM, key_b, 20000) != KVSTAGE_OK) kv_print_last_error("room_wait B");
+    /* B's events: its two chunks, then the whole request; nothing of A's opening. */
+    memset(ev, 0, sizeof ev);
+    ev[0].struct_size = sizeof ev[0];
+    n = 0;
+    CHECK_OK(kvstage_room_poll_events(e, ROOM, key_b, ev, 4, &n));
+    CHECK_INT(n, 3);
+    for (size_t i = 0; i < n && i < 4; ++i) {
+        CHECK(ev[i].room_key == key_b);
+        CHECK_INT(ev[i].status, KVSTAGE_OK);
+        CHECK_INT(ev[i].kind, i + 1 < n ? KVSTAGE_ROOM_EVENT_CHUNK : KVSTAGE_ROOM_EVENT_ROOM);
+    }
     uint64_t bad = 0, stray = 0;
     for (int l = 0; l < LAYERS; ++l)
         for (int kv = 0; kv < 2; ++kv)
@@ -180,9 +157,9 @@ static int decode_main(FILE *in, FILE *out) {
     fprintf(out, "verified %" PRIu64 " %" PRIu64 "\n", bad, stray);
     fflush(out);
     free(before);
-    CHECK_OK(kvstage_room_release(e, ROOM));
+    CHECK_OK(kvstage_room_release(e, ROOM, key_b));
     kvstage_engine_free(e);
-    free(p.memory);
+    host_pool_free(&p);
     return *kv_failures() ? 1 : 0;
 }
 
@@ -190,13 +167,13 @@ static int decode_main(FILE *in, FILE *out) {
 
 static kvstage_status send_chunk(kvstage_session *s, uint64_t key, const uint32_t *src, uint32_t chunk) {
     kvstage_transfer_desc d;
-    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
     d.room = ROOM;
     d.room_key = key;
     d.chunk_index = chunk;
     d.src_pages = src + chunk * CHUNK_PAGES;
     d.num_pages = CHUNK_PAGES;
-    d.deadline_ms = 10000;
+    d.timeout_ms = 10000;
     return kvstage_transfer(s, &d);
 }
 
@@ -220,13 +197,13 @@ int main(void) {
     REQUIRE(fgets(line, sizeof line, reply) != NULL);
     REQUIRE(sscanf(line, "%63s %" SCNu64, addr, &key_a) == 2);
 
-    pool pp[PREFILL_TP];
+    host_pool pp[PREFILL_TP];
     kvstage_engine *pe[PREFILL_TP];
     kvstage_session *s[PREFILL_TP];
     for (int r = 0; r < PREFILL_TP; ++r) {
         pool_init(&pp[r], (uint32_t)r, PREFILL_TP);
         fill_prefill(&pp[r]);
-        pe[r] = engine_with(&pp[r]);
+        pe[r] = engine_with(&pp[r], 0);
         char id[32];
         snprintf(id, sizeof id, "stale-p%d", r);
         CHECK_OK(kvstage_session_connect(pe[r], addr, id, 10000, &s[r]));
@@ -260,7 +237,7 @@ int main(void) {
     for (int r = 0; r < PREFILL_TP; ++r) {
         kvstage_session_free(s[r]);
         kvstage_engine_free(pe[r]);
-        free(pp[r].memory);
+        host_pool_free(&pp[r]);
     }
     fclose(cmd);
     int status = 0;

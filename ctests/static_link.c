@@ -26,13 +26,13 @@ int main(void) {
     CHECK_STR(kvstage_version_string(), KVSTAGE_VERSION_STRING);
     CHECK_INT(kvstage_version(), KVSTAGE_VERSION);
 
-    CHECK_OK(kvstage_engine_options_init(&options));
-    options.default_deadline_ms = 0;
+    CHECK_OK(kvstage_engine_options_init(&options, sizeof options));
+    options.default_timeout_ms = 0;
     CHECK_INT(kvstage_engine_new(&options, &engine), KVSTAGE_E_INVALID_ARG);
-    CHECK_CONTAINS(kvstage_error_last()->message, "options->default_deadline_ms");
+    CHECK_CONTAINS(kvstage_error_last()->message, "options->default_timeout_ms");
     CHECK(engine == NULL);
 
-    options.default_deadline_ms = 1000;
+    options.default_timeout_ms = 1000;
     CHECK_OK(kvstage_engine_new(&options, &engine));
     REQUIRE(engine != NULL);
 #if defined(KVSTAGE_TESTING)

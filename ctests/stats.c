@@ -1,8 +1,10 @@
-/* Metrics from C: after a known sequence (3 synchronous transfers, 1 asynchronous, a fallback, a
- * transfer to a room that is not open, one to a decode engine that was freed) the engine and
- * session counters are exact and the phase timings positive and ordered, in the stats, the
- * operation's getter, this thread's last synchronous transfer and the completion events. An old,
- * smaller struct_size of kvstage_engine_stats gets the old fields and nothing past its size. */
+/* Metrics from C: after a known sequence (3 synchronous transfers, 1 asynchronous, a fallback and
+ * a transfer to a room that is not open (both asynchronous), one to a decode engine that was freed)
+ * the engine and session counters are exact and the phase timings positive and ordered, in the
+ * stats (each synchronous transfer's own, as the growth of its session's timings_sum), the
+ * operation's getter and the completion events. Each decode room reports its chunk and then the
+ * whole request (a ROOM completion). An old, smaller struct_size of kvstage_engine_stats gets the
+ * old fields and nothing past its size. */
 #define _POSIX_C_SOURCE 200809L
 
 #include <pthread.h>
@@ -10,50 +12,17 @@
 #include <stdint.h>
 #include <time.h>
 
-#include "kvstage_check.h"
+#include "host_pool.h"
 
 enum { LAYERS = 2, HEADS = 2, HEAD_DIM = 8, DTYPE = 2, PAGE = 4, CAPACITY = 8, CHUNK_TOKENS = 16 };
 /* One 16-token chunk: tokens × heads × head_dim × dtype × (K, V) × layers. */
 enum { CHUNK_BYTES = CHUNK_TOKENS * HEADS * HEAD_DIM * DTYPE * 2 * LAYERS, RING_BYTES = CHUNK_BYTES * 3 / 2 };
 
-typedef struct pool {
-    uint8_t *memory;
-    size_t buffer;
-    uint64_t k[LAYERS], v[LAYERS];
-    kvstage_kv_layout layout;
-} pool;
-
-static void pool_init(pool *p, uint8_t seed) {
-    p->buffer = (size_t)CAPACITY * PAGE * HEADS * HEAD_DIM * DTYPE;
-    p->memory = (uint8_t *)calloc(2 * LAYERS, p->buffer);
-    REQUIRE(p->memory != NULL);
-    for (size_t i = 0; seed && i < 2 * LAYERS * p->buffer; ++i) p->memory[i] = (uint8_t)(i * 5 + seed);
-    for (int l = 0; l < LAYERS; ++l) {
-        p->k[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l) * p->buffer);
-        p->v[l] = (uint64_t)(uintptr_t)(p->memory + (size_t)(2 * l + 1) * p->buffer);
-    }
-    REQUIRE(kvstage_kv_layout_init(&p->layout) == KVSTAGE_OK);
-    p->layout.model_kind = KVSTAGE_MODEL_MHA;
-    p->layout.page_size = PAGE;
-    p->layout.local_heads = HEADS;
-    p->layout.global_heads = HEADS;
-    p->layout.head_dim = HEAD_DIM;
-    p->layout.dtype_bytes = DTYPE;
-    p->layout.tp_rank = 0;
-    p->layout.tp_size = 1;
-    p->layout.pp_rank = 0;
-    p->layout.pp_size = 1;
-    p->layout.num_layers = LAYERS;
-    p->layout.k_bases = p->k;
-    p->layout.v_bases = p->v;
-    p->layout.capacity_pages = CAPACITY;
-}
-
 static const uint32_t PAGES[8] = {0, 1, 2, 3, 4, 5, 6, 7};
 
 typedef struct seen {
     pthread_mutex_t lock;
-    int ops, chunks, bad;
+    int ops, chunks, rooms, bad;
     kvstage_transfer_timings op_timings; /* of the operation with user_tag 9 */
     uint64_t scatter_ns[8];
 } seen;
@@ -68,20 +37,22 @@ static void on_completion(void *user_data, const kvstage_completion *c) {
     } else if (c->kind == KVSTAGE_COMPLETION_CHUNK && c->status == KVSTAGE_OK) {
         if (s->chunks < 8) s->scatter_ns[s->chunks] = c->scatter_ns;
         s->chunks++;
+    } else if (c->kind == KVSTAGE_COMPLETION_ROOM) {
+        if (c->status != KVSTAGE_OK || c->room_key == 0) s->bad++;
+        s->rooms++;
     }
     pthread_mutex_unlock(&s->lock);
 }
 
-static kvstage_engine *tcp_engine(void) {
+/* A TCP engine with pool `p` (and a ring of `ring_bytes`, 0: none). */
+static kvstage_engine *tcp_engine(const host_pool *p, size_t ring_bytes) {
     kvstage_engine_options o;
-    REQUIRE(kvstage_engine_options_init(&o) == KVSTAGE_OK);
+    REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
     o.transport = KVSTAGE_TRANSPORT_TCP;
     /* Through a send staging buffer, so that every phase happens (from the pool, the default
      * over TCP, there is no wait for a buffer: alloc_wait_ns is 0). */
     o.send_from_pool = 0;
-    kvstage_engine *e = NULL;
-    REQUIRE(kvstage_engine_new(&o, &e) == KVSTAGE_OK);
-    return e;
+    return host_pool_engine(&o, p, ring_bytes);
 }
 
 static kvstage_session *connect_to(kvstage_engine *prefill, kvstage_engine *decode, const char *id) {
@@ -97,13 +68,13 @@ static const uint64_t NOT_OPEN_KEY = 1;
 
 static kvstage_transfer_desc desc_for(uint64_t room, uint64_t room_key, size_t pages, uint64_t tag) {
     kvstage_transfer_desc d;
-    REQUIRE(kvstage_transfer_desc_init(&d) == KVSTAGE_OK);
+    REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
     d.room = room;
     d.room_key = room_key;
     d.chunk_index = 0;
     d.src_pages = PAGES;
     d.num_pages = pages;
-    d.deadline_ms = 20000;
+    d.timeout_ms = 20000;
     d.user_tag = tag;
     return d;
 }
@@ -119,22 +90,59 @@ static void check_full(const kvstage_transfer_timings *t) {
     CHECK(t->total_ns >= t->queued_ns + t->watermark_wait_ns + t->alloc_wait_ns + t->gather_ns + t->wire_ns + t->ack_ns);
 }
 
+/* The session's timings_sum and timed_transfers now. */
+static kvstage_session_stats session_stats(const kvstage_session *s) {
+    kvstage_session_stats ss;
+    memset(&ss, 0, sizeof ss);
+    ss.struct_size = sizeof ss;
+    REQUIRE(kvstage_session_stats_get(s, &ss) == KVSTAGE_OK);
+    return ss;
+}
+
+/* The timings of the one transfer that ended on `s` between two snapshots. */
+static kvstage_transfer_timings timings_between(const kvstage_session_stats *before, const kvstage_session_stats *after) {
+    kvstage_transfer_timings t;
+    const kvstage_transfer_timings *a = &after->timings_sum, *b = &before->timings_sum;
+    CHECK_INT(after->timed_transfers - before->timed_transfers, 1);
+    memset(&t, 0, sizeof t);
+    t.struct_size = sizeof t;
+    t.queued_ns = a->queued_ns - b->queued_ns;
+    t.watermark_wait_ns = a->watermark_wait_ns - b->watermark_wait_ns;
+    t.alloc_wait_ns = a->alloc_wait_ns - b->alloc_wait_ns;
+    t.gather_ns = a->gather_ns - b->gather_ns;
+    t.wire_ns = a->wire_ns - b->wire_ns;
+    t.ack_ns = a->ack_ns - b->ack_ns;
+    t.total_ns = a->total_ns - b->total_ns;
+    return t;
+}
+
+/* An asynchronous transfer of `d` to its end: its result and, in `*t`, its timings. */
+static int async_timed(kvstage_session *s, const kvstage_transfer_desc *d, kvstage_transfer_timings *t) {
+    kvstage_op *op = NULL;
+    int rc;
+    CHECK_INT(kvstage_transfer_async(s, d, &op), KVSTAGE_PENDING);
+    REQUIRE(op != NULL);
+    rc = (int)kvstage_op_wait(op, KVSTAGE_TIMEOUT_INFINITE);
+    memset(t, 0xA5, sizeof *t);
+    t->struct_size = sizeof *t;
+    CHECK_OK(kvstage_op_timings_get(op, t));
+    kvstage_op_free(op);
+    return rc;
+}
+
 static void nap(void) {
     struct timespec ten_ms = {0, 10 * 1000 * 1000};
     nanosleep(&ten_ms, NULL);
 }
 
 int main(void) {
-    pool dp, pp, gp;
-    pool_init(&dp, 0);
-    pool_init(&gp, 0);
-    pool_init(&pp, 3);
-    kvstage_engine *decode = tcp_engine(), *gone = tcp_engine(), *prefill = tcp_engine();
-    REQUIRE(kvstage_engine_register_pool(decode, &dp.layout) == KVSTAGE_OK);
-    REQUIRE(kvstage_engine_register_staging(decode, NULL, RING_BYTES) == KVSTAGE_OK);
-    REQUIRE(kvstage_engine_register_pool(gone, &gp.layout) == KVSTAGE_OK);
-    REQUIRE(kvstage_engine_register_staging(gone, NULL, RING_BYTES) == KVSTAGE_OK);
-    REQUIRE(kvstage_engine_register_pool(prefill, &pp.layout) == KVSTAGE_OK);
+    host_pool dp, pp, gp;
+    kvstage_kv_layout shape = host_pool_shape(LAYERS, HEADS, HEAD_DIM, DTYPE, PAGE, CAPACITY, 0, 1);
+    host_pool_init(&dp, &shape);
+    host_pool_init(&gp, &shape);
+    host_pool_init(&pp, &shape);
+    host_pool_fill(&pp, 3);
+    kvstage_engine *decode = tcp_engine(&dp, RING_BYTES), *gone = tcp_engine(&gp, RING_BYTES), *prefill = tcp_engine(&pp, 0);
     kvstage_session *session = connect_to(prefill, decode, "stats");
     kvstage_session *doomed = connect_to(prefill, gone, "doomed");
 
@@ -147,31 +155,30 @@ int main(void) {
     CHECK_OK(kvstage_engine_set_completion_callback(decode, on_completion, &ds));
 
     kvstage_transfer_timings t;
-    memset(&t, 0xA5, sizeof t);
-    t.struct_size = sizeof t;
-    CHECK_OK(kvstage_transfer_timings_last(&t));
-    CHECK_INT(t.total_ns, 0); /* no synchronous transfer on this thread yet */
-    CHECK_INT(kvstage_transfer_timings_last(NULL), KVSTAGE_E_INVALID_ARG);
+    kvstage_session_stats before = session_stats(session), after;
+    CHECK_INT(before.timed_transfers, 0);
+    CHECK_INT(before.timings_sum.total_ns, 0);
 
-    /* 1. Three synchronous transfers. */
+    /* 1. Three synchronous transfers: each one's timings are what it added to the sums. */
     uint64_t keys[4] = {0, 0, 0, 0}; /* of decode rooms 0..3 */
     for (uint64_t room = 0; room < 3; ++room) {
-        REQUIRE(kvstage_room_open(decode, room, PAGES, 4, CHUNK_TOKENS, NULL, &keys[room]) == KVSTAGE_OK);
+        REQUIRE(kv_room_open(decode, room, PAGES, 4, CHUNK_TOKENS, NULL, NULL, &keys[room]) == KVSTAGE_OK);
         kvstage_transfer_desc d = desc_for(room, keys[room], 4, 0);
         CHECK_OK(kvstage_transfer(session, &d));
-        t.struct_size = sizeof t;
-        CHECK_OK(kvstage_transfer_timings_last(&t));
+        after = session_stats(session);
+        t = timings_between(&before, &after);
         check_full(&t);
-        CHECK_INT(t.queued_ns, 0);
-        CHECK_OK(kvstage_room_wait(decode, room, 20000));
+        CHECK_INT(t.queued_ns, 0); /* synchronous: never queued */
+        before = after;
+        CHECK_OK(kvstage_room_wait(decode, room, keys[room], 20000));
     }
 
     /* 2. One asynchronous transfer: its getter and its completion agree. */
-    REQUIRE(kvstage_room_open(decode, 3, PAGES, 4, CHUNK_TOKENS, NULL, &keys[3]) == KVSTAGE_OK);
+    REQUIRE(kv_room_open(decode, 3, PAGES, 4, CHUNK_TOKENS, NULL, NULL, &keys[3]) == KVSTAGE_OK);
     kvstage_transfer_desc d = desc_for(3, keys[3], 4, 9);
     kvstage_op *op = NULL;
     CHECK_INT(kvstage_transfer_async(session, &d, &op), KVSTAGE_PENDING);
-    CHECK_OK(kvstage_op_wait(op, KVSTAGE_DEADLINE_INFINITE));
+    CHECK_OK(kvstage_op_wait(op, KVSTAGE_TIMEOUT_INFINITE));
     kvstage_transfer_timings ot;
     ot.struct_size = sizeof ot;
     CHECK_OK(kvstage_op_timings_get(op, &ot));
@@ -202,45 +209,45 @@ int main(void) {
         CHECK(strstr(doc, "\"status\":\"KVSTAGE_OK\"") != NULL);
     }
     kvstage_op_free(op);
-    CHECK_OK(kvstage_room_wait(decode, 3, 20000));
+    CHECK_OK(kvstage_room_wait(decode, 3, keys[3], 20000));
     {
         char doc[8192];
-        CHECK_OK(kvstage_room_describe(decode, 3, doc, sizeof doc, NULL));
+        CHECK_OK(kvstage_room_describe(decode, 3, keys[3], doc, sizeof doc, NULL));
         CHECK(strstr(doc, "\"state\":\"complete\"") != NULL && strstr(doc, "\"phase\":\"done\"") != NULL);
         CHECK_OK(kvstage_engine_describe(decode, doc, sizeof doc, NULL));
         CHECK(strstr(doc, "\"receiver\":") != NULL && strstr(doc, "\"version\":1") != NULL);
     }
 
-    /* 3. A fallback: 8 pages (2 chunks of bytes) exceed the 1.5-chunk ring. */
+    /* 3. A fallback: 8 pages (2 chunks of bytes) exceed the 1.5-chunk ring. Only its total (and
+     * its time queued) happened. */
+    kvstage_transfer_timings ft;
     d = desc_for(4, NOT_OPEN_KEY, 8, 0);
-    CHECK_INT(kvstage_transfer(session, &d), KVSTAGE_FALLBACK);
-    t.struct_size = sizeof t;
-    CHECK_OK(kvstage_transfer_timings_last(&t));
-    CHECK(t.total_ns > 0);
-    CHECK_INT(t.watermark_wait_ns + t.alloc_wait_ns + t.gather_ns + t.wire_ns + t.ack_ns, 0);
+    CHECK_INT(async_timed(session, &d, &ft), KVSTAGE_FALLBACK);
+    CHECK_INT(ft.struct_size, sizeof ft);
+    CHECK(ft.total_ns > 0 && ft.total_ns >= ft.queued_ns);
+    CHECK_INT(ft.watermark_wait_ns + ft.alloc_wait_ns + ft.gather_ns + ft.wire_ns + ft.ack_ns, 0);
 
     /* 4. A room that is not open on the receiver: KVSTAGE_E_STALE_ROOM at the allocation. */
+    kvstage_transfer_timings st;
     d = desc_for(50, NOT_OPEN_KEY, 4, 0);
-    CHECK_INT(kvstage_transfer(session, &d), KVSTAGE_E_STALE_ROOM);
-    CHECK_OK(kvstage_transfer_timings_last(&t));
-    CHECK(t.watermark_wait_ns > 0 && t.total_ns >= t.watermark_wait_ns);
-    CHECK_INT(t.gather_ns + t.wire_ns, 0);
+    CHECK_INT(async_timed(session, &d, &st), KVSTAGE_E_STALE_ROOM);
+    CHECK(st.watermark_wait_ns > 0 && st.total_ns >= st.queued_ns + st.watermark_wait_ns);
+    CHECK_INT(st.gather_ns + st.wire_ns, 0);
 
-    /* Bad arguments: no transfer started, the last timings are zeros, nothing is counted (the
-     * counters below are exact). A page outside the pool is one too, synchronous or not. */
+    /* Bad arguments: no transfer started, nothing is timed or counted (the counters below are
+     * exact). A page outside the pool is one too, synchronous or not. */
+    before = session_stats(session);
     static const uint32_t OUTSIDE[1] = {CAPACITY};
     d = desc_for(0, keys[0], 1, 0);
     d.src_pages = OUTSIDE;
     CHECK_INT(kvstage_transfer(session, &d), KVSTAGE_E_INVALID_ARG);
-    t.struct_size = sizeof t;
-    CHECK_OK(kvstage_transfer_timings_last(&t));
-    CHECK_INT(t.total_ns + t.watermark_wait_ns, 0);
     op = NULL;
     CHECK_INT(kvstage_transfer_async(session, &d, &op), KVSTAGE_E_INVALID_ARG);
     CHECK(op == NULL);
     CHECK_INT(kvstage_transfer(session, NULL), KVSTAGE_E_INVALID_ARG);
-    CHECK_OK(kvstage_transfer_timings_last(&t));
-    CHECK_INT(t.total_ns, 0);
+    after = session_stats(session);
+    CHECK_INT(after.timed_transfers, before.timed_transfers);
+    CHECK_INT(after.timings_sum.total_ns, before.timings_sum.total_ns);
 
     /* 5. The peer is gone: its engine was freed. */
     kvstage_engine_free(gone);
@@ -264,7 +271,9 @@ int main(void) {
     CHECK_INT(ss.transfers_timeout + ss.transfers_peer_gone + ss.transfers_failed_other, 0);
     CHECK_INT(ss.transfers_in_flight, 0);
     CHECK_INT(ss.timed_transfers, 6); /* the bad argument never started */
-    CHECK(ss.timings_sum.gather_ns > 0 && ss.timings_sum.queued_ns == ot.queued_ns);
+    /* The asynchronous transfers' time queued, and nothing else: the synchronous ones have none. */
+    CHECK(ss.timings_sum.gather_ns > 0);
+    CHECK_INT(ss.timings_sum.queued_ns, ot.queued_ns + ft.queued_ns + st.queued_ns);
     CHECK_INT(kvstage_session_stats_get(NULL, &ss), KVSTAGE_E_INVALID_ARG);
     CHECK_INT(kvstage_session_stats_get(session, NULL), KVSTAGE_E_INVALID_ARG);
     /* An older, smaller session stats: filled up to its size, nothing written past it. The
@@ -308,11 +317,11 @@ int main(void) {
     CHECK(es.timings_sum.total_ns >= es.timings_sum.wire_ns + es.timings_sum.ack_ns + es.timings_sum.gather_ns);
     CHECK_INT(es.bytes_received + es.chunks_received + es.ring_high_water_bytes, 0);
 
-    for (int i = 0; i < 500; ++i) { /* chunk callbacks run after the room completes */
+    for (int i = 0; i < 500; ++i) { /* chunk and room callbacks run after the room completes */
         pthread_mutex_lock(&ds.lock);
-        int n = ds.chunks;
+        int n = ds.chunks, r = ds.rooms;
         pthread_mutex_unlock(&ds.lock);
-        if (n >= 4) break;
+        if (n >= 4 && r >= 4) break;
         nap();
     }
     memset(&es, 0, sizeof es);
@@ -328,6 +337,7 @@ int main(void) {
     CHECK_INT(es.bytes_sent + es.transfers_ok + es.timed_transfers, 0);
     pthread_mutex_lock(&ds.lock);
     CHECK_INT(ds.chunks, 4);
+    CHECK_INT(ds.rooms, 4); /* one per request, each complete */
     CHECK_INT(ds.bad, 0);
     uint64_t sum = 0;
     for (int i = 0; i < 4; ++i) {
@@ -362,14 +372,14 @@ int main(void) {
 
     CHECK_OK(kvstage_engine_set_completion_callback(prefill, NULL, NULL));
     CHECK_OK(kvstage_engine_set_completion_callback(decode, NULL, NULL));
-    for (uint64_t room = 0; room < 4; ++room) CHECK_OK(kvstage_room_release(decode, room));
+    for (uint64_t room = 0; room < 4; ++room) CHECK_OK(kvstage_room_release(decode, room, keys[room]));
     kvstage_session_free(doomed);
     kvstage_session_free(session);
     kvstage_engine_free(prefill);
     kvstage_engine_free(decode);
-    free(dp.memory);
-    free(gp.memory);
-    free(pp.memory);
+    host_pool_free(&dp);
+    host_pool_free(&gp);
+    host_pool_free(&pp);
     pthread_mutex_destroy(&ps.lock);
     pthread_mutex_destroy(&ds.lock);
     return kv_finish("stats");

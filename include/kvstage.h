@@ -313,7 +313,7 @@ typedef struct kvstage_engine_options {
     uint32_t max_handshakes;
     // The whole handshake of an accepted connection must end within this (default 5000 ms).
     uint32_t handshake_timeout_ms;
-    // Chunk events kept for `kvstage_engine_poll_events`; more are dropped and counted in
+    // Room events (chunk and room) kept for polling; more are dropped and counted in
     // `kvstage_engine_stats.events_dropped` (default 65536).
     uint32_t max_events;
     // A peer that stops answering (a host that vanished) is declared gone after about this long:
@@ -400,7 +400,7 @@ typedef struct kvstage_engine_stats {
     uint64_t watermark_round;
     uint64_t watermark_offset;
     // Sessions this engine opened on TCP although its transport is AUTO (no RDMA device here or
-    // at the peer, or the RDMA exchange failed); `kvstage_engine_transport_describe` says why.
+    // at the peer, or the RDMA exchange failed); the `transport` of `kvstage_engine_describe` says why.
     uint64_t rdma_downgrades;
     // Sessions connected over RDMA, opened or accepted by this engine.
     uint64_t rdma_sessions;
@@ -414,7 +414,7 @@ typedef struct kvstage_engine_stats {
     // Handshakes that failed: malformed or oversized hello, unsupported protocol version,
     // wrong cluster token, geometry mismatch, deadline passed.
     uint64_t handshakes_failed;
-    // Chunk events dropped because `max_events` were waiting to be polled.
+    // Room events dropped because `max_events` were waiting to be polled.
     uint64_t events_dropped;
     // Rooms failed with `KVSTAGE_E_TIMEOUT` by `room_timeout_ms`.
     uint64_t rooms_expired;
@@ -464,13 +464,13 @@ typedef struct kvstage_engine_stats {
     uint64_t shm_sessions;
     // Sessions this engine opened to a peer on this host that could not use the same-host path
     // although transport AUTO allowed it (the peer's ring is caller memory, its transport rules
-    // it out, mapping failed); `kvstage_engine_transport_describe` says why. Peers on other
+    // it out, mapping failed); the `transport` of `kvstage_engine_describe` says why. Peers on other
     // hosts and `same_host` OFF are not counted.
     uint64_t shm_downgrades;
     // RDMA sessions this engine opened for a KV pool in GPU memory that stage its chunks in host
     // memory (a device→host copy before each write) because their device staging memory could
     // not be allocated or registered with the NIC (no GPUDirect RDMA);
-    // `kvstage_engine_transport_describe` says why.
+    // the `transport` of `kvstage_engine_describe` says why.
     uint64_t rdma_host_staging_sessions;
     // Same-host sessions in direct mode (the prefill maps the decode pool), opened or accepted
     // by this engine.
@@ -492,7 +492,8 @@ typedef struct kvstage_completion {
     enum kvstage_status status;
     // `KVSTAGE_COMPLETION_OP`: the operation's `user_tag`.
     uint64_t tag;
-    // `KVSTAGE_COMPLETION_CHUNK`: the decode room and chunk.
+    // `KVSTAGE_COMPLETION_CHUNK` and `_ROOM`: the decode room, and the chunk (ROOM: the room's
+    // chunk count).
     uint64_t room;
     uint32_t chunk_index;
     // Appended with the metrics: read only when `struct_size` covers it.
@@ -502,7 +503,7 @@ typedef struct kvstage_completion {
     // chunk's last writer to the end of its scatter (see `kvstage_engine_stats.scatter_ns_sum`);
     // 0 otherwise.
     uint64_t scatter_ns;
-    // `KVSTAGE_COMPLETION_CHUNK`: the key of the room's opening the chunk belongs to (a callback
+    // `KVSTAGE_COMPLETION_CHUNK` and `_ROOM`: the key of the room's opening (a callback
     // running after the room was released and its id opened again tells the events apart).
     uint64_t room_key;
     // The request's trace id, NUL-terminated (see `kvstage_transfer_desc.trace_id`).
@@ -517,7 +518,7 @@ typedef struct kvstage_completion {
 // the callback). `completion` is valid during the call only. An operation's callback runs before
 // its end is visible anywhere else: once `kvstage_op_poll` or `kvstage_op_wait` returned its
 // result, or the completion descriptor counted it, its callback has returned; during the callback
-// the operation still polls `KVSTAGE_PENDING` (`completion` carries its status). A chunk event's
+// the operation still polls `KVSTAGE_PENDING` (`completion` carries its status). A room event's
 // callback runs after the event is queued and counted, so a room wait may return before it.
 typedef void (*kvstage_completion_fn)(void *user_data, const struct kvstage_completion *completion);
 
@@ -849,6 +850,9 @@ typedef struct kvstage_staging_layout {
     uint32_t num_writers;
     // Head groups of the decode rank: each of its layers arrives once per head group.
     uint32_t num_tp_writers;
+    // Bytes of the request's parts (metadata rows, state shares, extra pools' rows) the room's
+    // last chunk carries besides its KV, included in `total_bytes`; 0 without components.
+    uint64_t parts_bytes;
 } kvstage_staging_layout;
 
 // One writer's region of a staging allocation (an output array: set `writers[0].struct_size`).
@@ -960,7 +964,7 @@ enum kvstage_status kvstage_engine_new(const struct kvstage_engine_options *opti
 void kvstage_engine_free(struct kvstage_engine *engine);
 
 // Stops the engine as `kvstage_engine_free` does (its sessions closed, their operations and the
-// decode rooms' transfers failing, no new connection accepted, its threads joined), then waits up
+// decode rooms' transfers failing, no new connection accepted, its threads joined), then waits
 // up to `timeout_ms` (0: the engine default, KVSTAGE_TIMEOUT_INFINITE: no limit) until no same-host peer
 // maps its device ring or KV pool any more — a peer unmapped (its sessions ended), or its process
 // ended. `KVSTAGE_OK`: the pool and ring memory are the caller's to free (a CUDA pool's IPC
@@ -995,7 +999,7 @@ enum kvstage_status kvstage_engine_describe(const struct kvstage_engine *engine,
 enum kvstage_status kvstage_engine_stats_get(const struct kvstage_engine *engine, struct kvstage_engine_stats *out);
 
 // Writes the engine's completion descriptor into `*fd`: it becomes readable whenever an
-// asynchronous operation of the engine ends or a decode chunk event is queued. Add it to an
+// asynchronous operation of the engine ends or a decode room event is queued. Add it to an
 // epoll set or an asyncio loop; when readable, call `kvstage_engine_completions_drain` (or read 8
 // bytes from it), then poll operations and events. Owned by the engine: do not close it; it is
 // valid until `kvstage_engine_free`.
@@ -1040,7 +1044,7 @@ enum kvstage_status kvstage_pool_register(const struct kvstage_engine *engine, c
 // Fills `component` (`size`: the caller's `sizeof(*component)`) with defaults (sets `struct_size`).
 enum kvstage_status kvstage_component_init(struct kvstage_component *component, size_t size);
 
-// Registers the rank's components (host memory), once, after its KV pool and before its
+// Registers the rank's components (host or CUDA memory, see `kvstage_component`), once, after its KV pool and before its
 // sessions connect or are accepted (a session carries the components registered when it
 // connected; the handshake refuses components that differ from the peer's with
 // `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field in the causes). `KVSTAGE_E_INVALID_ARG`
@@ -1292,10 +1296,15 @@ enum kvstage_status kvstage_pairing_prefill_ranks(const struct kvstage_kv_layout
 // receiver places regions in the order their allocation requests arrive (each writer learns its
 // offset from the grant), so at run time offsets may differ from these; sizes and the total do
 // not: the offsets here hold when the regions' requests arrive in stage order, (stage, head
-// group). `writers` may be NULL with `writers_len` 0 to ask for the count only. When
-// `writers_len` is too small, `out` (with `num_writers`) is still filled and
-// `KVSTAGE_E_INVALID_ARG` names `writers_len`.
-enum kvstage_status kvstage_staging_layout_compute(const struct kvstage_kv_layout *prefill_stages, size_t num_prefill_stages, const struct kvstage_kv_layout *dst, uint32_t tokens, struct kvstage_staging_layout *out, struct kvstage_staging_writer *writers, size_t writers_len);
+// group). With `components` (the decode rank's, as registered; NULL with 0: KV only) the layout
+// is that of a room's last chunk, which carries the request's parts too: `parts_bytes` of them,
+// included in `total_bytes`, so one query sizes the ring for a whole request. `pool_tokens`
+// names, per POOL component in registration order, the tokens of the request's span in it (a
+// sliding window's tokens; NULL with 0 without pools). The writers' regions are the KV ones (at
+// run time each region's parts follow its KV). `writers` may be NULL with `writers_len` 0 to ask
+// for the count only. When `writers_len` is too small, `out` (with `num_writers`) is still
+// filled and `KVSTAGE_E_INVALID_ARG` names `writers_len`.
+enum kvstage_status kvstage_staging_layout_compute(const struct kvstage_kv_layout *prefill_stages, size_t num_prefill_stages, const struct kvstage_kv_layout *dst, const struct kvstage_component *components, size_t num_components, const uint32_t *pool_tokens, size_t num_pool_tokens, uint32_t tokens, struct kvstage_staging_layout *out, struct kvstage_staging_writer *writers, size_t writers_len);
 
 // Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.
 enum kvstage_status kvstage_grid_tokens_compute(uint32_t chunk_tokens, uint32_t page_size, uint32_t *out);

@@ -19,8 +19,9 @@ ready point shows as a mismatch. (numpy: host pools written first, marked "now".
 Exit 0 all passed, 1 a mismatch or an error, 77 skipped (no torch / no CUDA device, unless
 KVSTAGE_REQUIRE_GPU=1). Prints 'N passed, N failed' at the end.
 
-The C structs are filled by the library's own _init functions in generously sized buffers and only
-the leading fields are set here, so fields appended to them later do not break the script.
+C API 0.4. The ctypes structs below mirror include/kvstage.h whole (field order and types): each
+is filled by the library's own _init with this script's sizeof (or, for the output struct, its
+struct_size set to it), so a newer library with fields appended keeps their defaults.
 """
 import argparse
 import ctypes as C
@@ -35,7 +36,7 @@ H, D, LAYERS, PAGE, CAPACITY_PAGES = 8, 128, 4, 16, 64
 ROOM_BASE = 1000
 
 
-class KvLayout(C.Structure):  # leading fields of kvstage_kv_layout (include/kvstage.h)
+class KvLayout(C.Structure):  # kvstage_kv_layout (include/kvstage.h), whole
     _fields_ = [
         ("struct_size", C.c_size_t),
         ("model_kind", C.c_int32),
@@ -58,22 +59,26 @@ class KvLayout(C.Structure):  # leading fields of kvstage_kv_layout (include/kvs
     ]
 
 
-class TransferDesc(C.Structure):  # kvstage_transfer_desc up to room_key
+class TransferDesc(C.Structure):  # kvstage_transfer_desc, whole
     _fields_ = [
         ("struct_size", C.c_size_t),
         ("room", C.c_uint64),
         ("chunk_index", C.c_uint32),
         ("src_pages", C.POINTER(C.c_uint32)),
         ("num_pages", C.c_size_t),
-        ("deadline_ms", C.c_uint64),
+        ("timeout_ms", C.c_uint64),
         ("cuda_stream", C.c_void_p),
         ("cuda_event", C.c_void_p),
         ("user_tag", C.c_uint64),
         ("room_key", C.c_uint64),
+        ("src_token_offset", C.c_uint32),
+        ("num_tokens", C.c_uint32),
+        ("trace_id", C.c_char_p),
+        ("parts", C.c_void_p),  # const kvstage_request_parts* (unused here: NULL)
     ]
 
 
-class StagingMemory(C.Structure):
+class StagingMemory(C.Structure):  # kvstage_staging_memory, whole
     _fields_ = [
         ("struct_size", C.c_size_t),
         ("memory_kind", C.c_int32),
@@ -83,7 +88,32 @@ class StagingMemory(C.Structure):
     ]
 
 
-class Error(C.Structure):
+class RoomDesc(C.Structure):  # kvstage_room_desc, whole
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("room", C.c_uint64),
+        ("pages", C.POINTER(C.c_uint32)),
+        ("num_pages", C.c_size_t),
+        ("chunk_tokens", C.c_uint32),
+        ("parts", C.c_void_p),  # const kvstage_request_parts* (unused here: NULL)
+        ("prefix_tokens", C.c_uint64),
+        ("trace_id", C.c_char_p),
+    ]
+
+
+class RoomGrid(C.Structure):  # kvstage_room_grid (output of kvstage_room_open), whole
+    _fields_ = [
+        ("struct_size", C.c_size_t),
+        ("key", C.c_uint64),
+        ("chunk_tokens", C.c_uint32),
+        ("num_chunks", C.c_uint32),
+        ("num_pages", C.c_uint32),
+        ("page_size", C.c_uint32),
+        ("prefix_tokens", C.c_uint64),
+    ]
+
+
+class Error(C.Structure):  # kvstage_error
     _fields_ = [
         ("struct_size", C.c_size_t),
         ("code", C.c_int),
@@ -106,25 +136,24 @@ class Lib:
         L.kvstage_op_layers_ready.argtypes = [C.c_void_p, C.c_uint32, C.c_uint32, C.c_void_p, C.c_void_p]
         L.kvstage_op_wait.argtypes = [C.c_void_p, C.c_uint64]
         L.kvstage_op_free.argtypes = [C.c_void_p]
-        for name in ("kvstage_engine_new", "kvstage_engine_register_pool", "kvstage_engine_register_staging",
+        for name in ("kvstage_engine_new", "kvstage_pool_register", "kvstage_staging_register",
                      "kvstage_engine_listen_address", "kvstage_kv_layout_init", "kvstage_transfer_desc_init",
-                     "kvstage_session_connect", "kvstage_transfer", "kvstage_room_open", "kvstage_room_wait",
-                     "kvstage_room_release", "kvstage_staging_memory_init", "kvstage_engine_register_staging_memory"):
+                     "kvstage_session_connect", "kvstage_transfer", "kvstage_room_desc_init", "kvstage_room_open",
+                     "kvstage_room_wait", "kvstage_room_release", "kvstage_staging_memory_init"):
             getattr(L, name).restype = C.c_int
         L.kvstage_engine_new.argtypes = [C.c_void_p, C.POINTER(C.c_void_p)]
-        L.kvstage_engine_register_pool.argtypes = [C.c_void_p, C.c_void_p]
-        L.kvstage_engine_register_staging.argtypes = [C.c_void_p, C.c_void_p, C.c_size_t]
-        L.kvstage_staging_memory_init.argtypes = [C.c_void_p]
-        L.kvstage_engine_register_staging_memory.argtypes = [C.c_void_p, C.c_void_p]
+        L.kvstage_pool_register.argtypes = [C.c_void_p, C.c_void_p]
+        L.kvstage_staging_memory_init.argtypes = [C.c_void_p, C.c_size_t]
+        L.kvstage_staging_register.argtypes = [C.c_void_p, C.c_void_p]
         L.kvstage_engine_listen_address.argtypes = [C.c_void_p, C.c_char_p, C.c_size_t, C.c_void_p]
-        L.kvstage_kv_layout_init.argtypes = [C.c_void_p]
-        L.kvstage_transfer_desc_init.argtypes = [C.c_void_p]
+        L.kvstage_kv_layout_init.argtypes = [C.c_void_p, C.c_size_t]
+        L.kvstage_transfer_desc_init.argtypes = [C.c_void_p, C.c_size_t]
         L.kvstage_session_connect.argtypes = [C.c_void_p, C.c_char_p, C.c_char_p, C.c_uint64, C.POINTER(C.c_void_p)]
         L.kvstage_transfer.argtypes = [C.c_void_p, C.c_void_p]
-        L.kvstage_room_open.argtypes = [C.c_void_p, C.c_uint64, C.POINTER(C.c_uint32), C.c_size_t, C.c_uint32,
-                                        C.POINTER(C.c_uint32), C.POINTER(C.c_uint64)]
-        L.kvstage_room_wait.argtypes = [C.c_void_p, C.c_uint64, C.c_uint64]
-        L.kvstage_room_release.argtypes = [C.c_void_p, C.c_uint64]
+        L.kvstage_room_desc_init.argtypes = [C.c_void_p, C.c_size_t]
+        L.kvstage_room_open.argtypes = [C.c_void_p, C.c_void_p, C.c_void_p]
+        L.kvstage_room_wait.argtypes = [C.c_void_p, C.c_uint64, C.c_uint64, C.c_uint64]
+        L.kvstage_room_release.argtypes = [C.c_void_p, C.c_uint64, C.c_uint64]
         L.kvstage_engine_free.argtypes = [C.c_void_p]
         L.kvstage_session_free.argtypes = [C.c_void_p]
 
@@ -135,9 +164,10 @@ class Lib:
             raise RuntimeError(f"{what} returned {status}: {e.message.decode()} {causes}")
 
     def struct(self, cls, init):
-        buf = C.create_string_buffer(1024)  # room for fields appended after ours
-        self.check(getattr(self.lib, init)(buf), init)
-        return buf, cls.from_buffer(buf)
+        """A `cls` filled with its defaults by the library's `init(&x, sizeof x)`."""
+        x = cls()
+        self.check(getattr(self.lib, init)(C.byref(x), C.sizeof(x)), init)
+        return x
 
 
 class Backend:
@@ -204,11 +234,11 @@ class Rank:
         self.v_bases = (C.c_uint64 * LAYERS)(*[be.ptr(a) for a in self.v])
         self.engine = C.c_void_p()
         lib.check(lib.lib.kvstage_engine_new(None, C.byref(self.engine)), "kvstage_engine_new")
-        self.layout_buf, l = lib.struct(KvLayout, "kvstage_kv_layout_init")
+        self.layout = l = lib.struct(KvLayout, "kvstage_kv_layout_init")
         l.page_size, l.local_heads, l.global_heads, l.head_dim, l.dtype_bytes = PAGE, self.local, H, D, 2
         l.tp_rank, l.tp_size, l.num_layers, l.capacity_pages = tp_rank, tp_size, LAYERS, CAPACITY_PAGES
         l.k_bases, l.v_bases, l.memory_kind = self.k_bases, self.v_bases, be.memory_kind
-        lib.check(lib.lib.kvstage_engine_register_pool(self.engine, self.layout_buf), "kvstage_engine_register_pool")
+        lib.check(lib.lib.kvstage_pool_register(self.engine, C.byref(l)), "kvstage_pool_register")
         self.sessions = {}
 
     def address(self):
@@ -225,12 +255,13 @@ class Rank:
 def register_ring(lib, be, engine, ring):
     """The decode ring: engine-owned host memory, or engine-allocated memory of the current CUDA
     device (the scatter kernels then read it directly)."""
+    m = lib.struct(StagingMemory, "kvstage_staging_memory_init")  # memory NULL: engine-owned
+    m.bytes = 64 << 20
     if ring == "host":
-        lib.check(lib.lib.kvstage_engine_register_staging(engine, None, 64 << 20), "register_staging")
+        lib.check(lib.lib.kvstage_staging_register(engine, C.byref(m)), "staging_register (host ring)")
         return
-    buf, m = lib.struct(StagingMemory, "kvstage_staging_memory_init")
-    m.memory_kind, m.cuda_device, m.bytes = 1, be.t.cuda.current_device(), 64 << 20
-    lib.check(lib.lib.kvstage_engine_register_staging_memory(engine, buf), "register_staging_memory (device ring)")
+    m.memory_kind, m.cuda_device = MEMORY_CUDA, be.t.cuda.current_device()
+    lib.check(lib.lib.kvstage_staging_register(engine, C.byref(m)), "staging_register (device ring)")
 
 
 SPIN_CYCLES = 50_000_000  # about 25 ms of a GPU clock: far longer than marking every layer takes
@@ -247,11 +278,11 @@ def send_layerwise(lib, be, prefill, pairs, room, keys, src_arr, npages):
     be.sync()
     ops = {}
     for p, d in pairs:
-        buf, desc = lib.struct(TransferDesc, "kvstage_transfer_desc_init")
-        desc.room, desc.room_key, desc.chunk_index, desc.deadline_ms = room, keys[d], 0, 20000
+        desc = lib.struct(TransferDesc, "kvstage_transfer_desc_init")
+        desc.room, desc.room_key, desc.chunk_index, desc.timeout_ms = room, keys[d], 0, 20000
         desc.src_pages, desc.num_pages = C.cast(src_arr, C.POINTER(C.c_uint32)), npages
         op = C.c_void_p()
-        status = lib.lib.kvstage_transfer_layerwise_async(prefill[p].sessions[d], buf, C.byref(op))
+        status = lib.lib.kvstage_transfer_layerwise_async(prefill[p].sessions[d], C.byref(desc), C.byref(op))
         if status != KVSTAGE_PENDING:
             lib.check(status, f"transfer_layerwise_async P{p}->D{d}")
             raise RuntimeError(f"transfer_layerwise_async P{p}->D{d} returned {status}, not PENDING")
@@ -296,14 +327,19 @@ def scenario(lib, be, src_tp, dst_tp, room, seed, ring, layerwise=False):
     src_pages = rnd.sample(range(CAPACITY_PAGES), npages)
     dst_pages = rnd.sample(range(CAPACITY_PAGES), npages)
     chunk_tokens = (npages if layerwise else 4) * PAGE
-    chunks = C.c_uint32()
     dst_arr = (C.c_uint32 * npages)(*dst_pages)
     keys = []  # each decode rank's key of the room's opening (what a bootstrap carries)
+    num_chunks = None
     for d in decode:
         register_ring(lib, be, d.engine, ring)
-        key = C.c_uint64()
-        lib.check(lib.lib.kvstage_room_open(d.engine, room, dst_arr, npages, chunk_tokens, C.byref(chunks), C.byref(key)), "room_open")
-        keys.append(key.value)
+        rd = lib.struct(RoomDesc, "kvstage_room_desc_init")
+        rd.room, rd.num_pages, rd.chunk_tokens = room, npages, chunk_tokens
+        rd.pages = C.cast(dst_arr, C.POINTER(C.c_uint32))
+        grid = RoomGrid()
+        grid.struct_size = C.sizeof(grid)
+        lib.check(lib.lib.kvstage_room_open(d.engine, C.byref(rd), C.byref(grid)), "room_open")
+        keys.append(grid.key)
+        num_chunks = grid.num_chunks
     be.sync()  # the pools' producer finished (a ready fence would order this on a stream)
     # Rank pairing: P>D: decode d is fed by prefill [d*r, (d+1)*r); P<D: prefill p feeds [p*r, (p+1)*r).
     pairs = []
@@ -326,15 +362,15 @@ def scenario(lib, be, src_tp, dst_tp, room, seed, ring, layerwise=False):
         if be.name == "torch" and ahead != marks:
             raise RuntimeError(f"only {ahead} of {marks} marks ran ahead of the stream: kvstage_op_layers_ready waited "
                                "for the producer (or the spin was too short to test the ordering)")
-    for c in range(0 if layerwise else chunks.value):
+    for c in range(0 if layerwise else num_chunks):
         for p, d in pairs:
-            buf, desc = lib.struct(TransferDesc, "kvstage_transfer_desc_init")
-            desc.room, desc.room_key, desc.chunk_index, desc.deadline_ms = room, keys[d], c, 20000
+            desc = lib.struct(TransferDesc, "kvstage_transfer_desc_init")
+            desc.room, desc.room_key, desc.chunk_index, desc.timeout_ms = room, keys[d], c, 20000
             desc.src_pages = C.cast(C.byref(src_arr, 4 * c * per_chunk), C.POINTER(C.c_uint32))
             desc.num_pages = per_chunk
-            lib.check(lib.lib.kvstage_transfer(prefill[p].sessions[d], buf), f"transfer chunk {c} P{p}->D{d}")
-    for d in decode:
-        lib.check(lib.lib.kvstage_room_wait(d.engine, room, 20000), "room_wait")
+            lib.check(lib.lib.kvstage_transfer(prefill[p].sessions[d], C.byref(desc)), f"transfer chunk {c} P{p}->D{d}")
+    for d, key in zip(decode, keys):
+        lib.check(lib.lib.kvstage_room_wait(d.engine, room, key, 20000), "room_wait")
     be.sync()
     # Reference reshard: full-head K/V of each source page, then each decode rank's head slice.
     failures = 0
@@ -360,8 +396,8 @@ def scenario(lib, be, src_tp, dst_tp, room, seed, ring, layerwise=False):
                     if not be.equal(pool[layer][p * PAGE:(p + 1) * PAGE], old[p * PAGE:(p + 1) * PAGE]):
                         failures += 1
                         print(f"  STRAY WRITE {'KV'[which]} layer {layer} page {p} on decode rank {d}")
-    for d in decode:
-        lib.lib.kvstage_room_release(d.engine, room)
+    for d, key in zip(decode, keys):
+        lib.lib.kvstage_room_release(d.engine, room, key)
     for rk in prefill + decode:
         rk.free()
     return failures

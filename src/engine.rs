@@ -154,8 +154,8 @@ impl EngineOptions {
         }
         if self.default_deadline == Some(Duration::ZERO) {
             return Err(Error::invalid_arg(
-                "options->default_deadline_ms",
-                "0 would fail every operation at once (use KVSTAGE_DEADLINE_INFINITE for no deadline)",
+                "options->default_timeout_ms",
+                "0 would fail every operation at once (use KVSTAGE_TIMEOUT_INFINITE for no limit)",
             ));
         }
         if self.chunk_tokens == 0 {
@@ -415,14 +415,14 @@ impl Engine {
     pub fn register_staging_memory(&self, spec: RingSpec) -> Result<()> {
         self.check_running()?;
         if spec.bytes == 0 {
-            return Err(Error::invalid_arg("bytes", "0 (a staging ring needs space)"));
+            return Err(Error::invalid_arg("staging->bytes", "0 (a staging ring needs space)"));
         }
         self.receiver.register_ring(RingMemory::new(spec)?)?;
         log::info!("staging ring registered: {}", self.receiver.ring_describe());
         Ok(())
     }
 
-    /// Finished operations and decode chunk events are signalled here (eventfd, callback).
+    /// Finished operations and decode room events are signalled here (eventfd, callback).
     pub fn completions(&self) -> &Arc<Completions> {
         &self.send.completions
     }

@@ -17,7 +17,7 @@ int main(void) {
         return 1;
     }
 
-    kvstage_engine_options_init(&options);
+    kvstage_engine_options_init(&options, sizeof options);
     options.worker_threads = 0;
     rc = kvstage_engine_new(&options, &engine);
     if (rc >= 0 || engine != NULL || strstr(kvstage_error_last()->message, "worker_threads") == NULL) {

@@ -366,6 +366,7 @@ class kvstage_staging_layout(Structure):
         ("buffers_per_layer", c_uint32),
         ("num_writers", c_uint32),
         ("num_tp_writers", c_uint32),
+        ("parts_bytes", c_uint64),
     ]
 
 
@@ -607,7 +608,19 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     ),
     "kvstage_staging_layout_compute": (
         c_int,
-        [_p(kvstage_kv_layout), c_size_t, _p(kvstage_kv_layout), c_uint32, _p(kvstage_staging_layout), _p(kvstage_staging_writer), c_size_t],
+        [
+            _p(kvstage_kv_layout),
+            c_size_t,
+            _p(kvstage_kv_layout),
+            _p(kvstage_component),
+            c_size_t,
+            _p(c_uint32),
+            c_size_t,
+            c_uint32,
+            _p(kvstage_staging_layout),
+            _p(kvstage_staging_writer),
+            c_size_t,
+        ],
     ),
     "kvstage_grid_tokens_compute": (c_int, [c_uint32, c_uint32, _p(c_uint32)]),
     "kvstage_chunk_span_compute": (c_int, [_p(kvstage_room_grid), c_uint64, c_uint32, c_uint32, _p(kvstage_chunk_span)]),

@@ -194,6 +194,8 @@ class StagingLayout(NamedTuple):
     buffers_per_layer: int
     num_tp_writers: int
     writers: Tuple[StagingWriter, ...]
+    #: Bytes of the request's parts the room's last chunk carries (included in ``total_bytes``).
+    parts_bytes: int = 0
 
     @property
     def num_writers(self) -> int:
@@ -201,21 +203,33 @@ class StagingLayout(NamedTuple):
         return len(self.writers)
 
 
-def staging_layout(prefill_stages: Union[KvLayout, Sequence[KvLayout]], dst: KvLayout, tokens: int) -> StagingLayout:
+def staging_layout(
+    prefill_stages: Union[KvLayout, Sequence[KvLayout]],
+    dst: KvLayout,
+    tokens: int,
+    components: Sequence[Any] = (),
+    pool_tokens: Sequence[int] = (),
+) -> StagingLayout:
     """``kvstage_staging_layout_compute``: the staging allocation decode rank ``dst`` needs for a chunk of
     ``tokens`` tokens written by the prefill side; ``prefill_stages[j]`` is a shape-only layout of
     prefill stage ``j`` (one layout for a prefill side without pipeline stages). Writers are listed
     in (stage, head group) order; a receiver places them in arrival order, so run-time offsets may
-    differ (sizes do not)."""
+    differ (sizes do not). With ``components`` (the decode rank's) it is the layout of a room's last
+    chunk, which carries the request's parts too (``parts_bytes``, included in ``total_bytes``):
+    one query sizes the ring for a whole request; ``pool_tokens`` names the tokens of the request's
+    span in each :class:`~kvstage.parts.PoolComponent`, in order."""
     lib = get_library()
     array, keep = stage_array([prefill_stages] if isinstance(prefill_stages, KvLayout) else list(prefill_stages))
     cdst, _kd = dst._c()
+    comps, _kc = components_c(lib, components)
+    ptoks = (c_uint32 * max(1, len(pool_tokens)))(*[u32(t, "pool_tokens") for t in pool_tokens])
     out = output_struct(_lib.kvstage_staging_layout)
     tokens = u32(tokens, "tokens")
     fn = lib.kvstage_staging_layout_compute
-    check(lib, fn(array, len(keep), byref(cdst), tokens, byref(out), None, 0), "kvstage_staging_layout_compute")
+    args = (array, len(keep), byref(cdst), comps, len(components), ptoks, len(pool_tokens), tokens, byref(out))
+    check(lib, fn(*args, None, 0), "kvstage_staging_layout_compute")
     writers = output_array(_lib.kvstage_staging_writer, out.num_writers)
-    rc = fn(array, len(keep), byref(cdst), tokens, byref(out), writers, out.num_writers)
+    rc = fn(*args, writers, out.num_writers)
     check(lib, rc, "kvstage_staging_layout_compute")
     return StagingLayout(
         out.total_bytes,
@@ -229,4 +243,5 @@ def staging_layout(prefill_stages: Union[KvLayout, Sequence[KvLayout]], dst: KvL
             StagingWriter(w.offset, w.bytes, w.layers, w.src_tp_rank, w.src_pp_rank, w.tp_writer, w.src_head_start, w.num_heads, w.dst_head_start)
             for w in writers[: out.num_writers]
         ),
+        out.parts_bytes,
     )

@@ -173,8 +173,9 @@ class Room:
     def poll_events(self, max_events: int = 256) -> List[RoomEvent]:
         """``kvstage_room_poll_events``: up to ``max_events`` of this opening's queued events
         (non-blocking): its chunks' events, then one ROOM event once the room ended. Events of
-        other rooms and openings stay queued for them and :meth:`Engine.poll_events`; an opening
-        no longer open has none (an empty list, not an error)."""
+        other rooms and openings stay queued for them and :meth:`Engine.poll_events`. An opening
+        no longer open raises :class:`~kvstage.TimeError` ``E_STALE_ROOM`` (its release dropped
+        the events it had not polled)."""
         engine = self.engine
         return read_events(engine._lib, "kvstage_room_poll_events", (engine._handle(), self.room, self.key), max_events)
 

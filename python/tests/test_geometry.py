@@ -69,6 +69,30 @@ def test_staging_layout(lib):
     assert info.value.code < 0
 
 
+def test_staging_layout_sizes_a_whole_request_with_its_parts(lib):
+    # Prefill TP 4 -> decode rank 1 of TP 2, 8 heads, 2 layers: a 24-byte metadata row (once), a
+    # sharded conv state (3 rows of 8+8+16 bf16 elements: 192 bytes whole, decode rank 1 holds
+    # half) on both layers, and a head-sliced extra pool (4 bytes per head per token, 4 local heads
+    # on the decode rank, 5 tokens of the request in it) on both layers.
+    def layout(tp_rank, tp_size):
+        return kvstage.KvLayout(head_dim=16, global_heads=8, page_size=4, tp_rank=tp_rank, tp_size=tp_size, num_layers=2)
+
+    buf = [bytearray(4096), bytearray(4096)]
+    components = [
+        kvstage.AuxBuffer("meta", bytearray(4096), row_bytes=24, rows=4),
+        kvstage.StateComponent("conv", buffers=buf, layer_ids=[0, 1], slots=4, group_dims=[8, 8, 16], outer=3),
+        kvstage.PoolComponent("window", buffers=buf, layer_ids=[0, 1], pages=4, page_size=4, unit_bytes=4),
+    ]
+    kv_only = kvstage.staging_layout(layout(0, 4), layout(1, 2), 16)
+    whole = kvstage.staging_layout(layout(0, 4), layout(1, 2), 16, components, pool_tokens=[5])
+    assert kv_only.parts_bytes == 0
+    assert whole.parts_bytes == 24 + 2 * (192 // 2) + 2 * (4 * 4 * 5)
+    assert whole.total_bytes == kv_only.total_bytes + whole.parts_bytes
+    assert whole.writers == kv_only.writers
+    with pytest.raises(kvstage.ArgumentError, match=r"num_pool_tokens.*0 != 1 POOL"):
+        kvstage.staging_layout(layout(0, 4), layout(1, 2), 16, components)
+
+
 def test_staging_layout_of_uneven_pipeline_stages(lib):
     def stage(pp_rank, pp_size, ids, tp_rank=0, tp=1):
         return kvstage.KvLayout(head_dim=16, global_heads=8, page_size=16, dtype_bytes=2, tp_rank=tp_rank, tp_size=tp,

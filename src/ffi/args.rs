@@ -272,21 +272,30 @@ pub unsafe fn write_versioned<T: Copy>(out: *mut T, value: T, arg: &str) -> Resu
     Ok(())
 }
 
+/// Checks a versioned output struct before anything happens that it is to report: NULL or a bad
+/// `struct_size` is refused while nothing is done yet.
+pub unsafe fn checked_output<T: Copy>(ptr: *mut T, arg: &str) -> Result<*mut T> {
+    let out = out_ptr(ptr, arg)?;
+    unsafe { output_size::<T>(out as *mut u8, arg) }?;
+    Ok(out)
+}
+
 /// The array-output convention `(out, capacity, count)` for versioned structs: the caller sets
 /// `out[0].struct_size` (its `sizeof`, so its stride); each element is written as
-/// [`write_versioned`] writes one. `out` NULL with `capacity` 0 is a count query.
-pub unsafe fn write_versioned_array<T: Copy>(items: &[T], out: *mut T, capacity: usize, count: *mut usize, what: &str) -> Result<Status> {
+/// [`write_versioned`] writes one. `out` NULL with `capacity` 0 is a count query; `arg` names
+/// `out` in errors.
+pub unsafe fn write_versioned_array<T: Copy>(items: &[T], out: *mut T, capacity: usize, count: *mut usize, arg: &str) -> Result<Status> {
     if unsafe { size_query(out, capacity, count, "count", items.len()) }? {
         return Ok(Status::KVSTAGE_OK);
     }
     if items.len() > capacity {
-        return Err(Error::invalid_arg("capacity", format!("{capacity} < {} {what} to report", items.len())));
+        return Err(Error::invalid_arg("capacity", format!("{capacity} < {} {arg} to report", items.len())));
     }
     if capacity == 0 {
         return Ok(Status::KVSTAGE_OK);
     }
-    let base = out_ptr(out, "out")? as *mut u8;
-    let stride = unsafe { output_size::<T>(base, "out[0]") }?;
+    let base = out_ptr(out, arg)? as *mut u8;
+    let stride = unsafe { output_size::<T>(base, &format!("{arg}[0]")) }?;
     for (i, item) in items.iter().enumerate() {
         // SAFETY: `capacity` elements of `stride` bytes are writable at `out` (by contract).
         unsafe { write_sized(base.add(i * stride), stride, item) };

@@ -38,7 +38,8 @@ pub struct kvstage_completion {
     pub status: Status,
     /// `KVSTAGE_COMPLETION_OP`: the operation's `user_tag`.
     pub tag: u64,
-    /// `KVSTAGE_COMPLETION_CHUNK`: the decode room and chunk.
+    /// `KVSTAGE_COMPLETION_CHUNK` and `_ROOM`: the decode room, and the chunk (ROOM: the room's
+    /// chunk count).
     pub room: u64,
     pub chunk_index: u32,
     /// Appended with the metrics: read only when `struct_size` covers it.
@@ -48,7 +49,7 @@ pub struct kvstage_completion {
     /// chunk's last writer to the end of its scatter (see `kvstage_engine_stats.scatter_ns_sum`);
     /// 0 otherwise.
     pub scatter_ns: u64,
-    /// `KVSTAGE_COMPLETION_CHUNK`: the key of the room's opening the chunk belongs to (a callback
+    /// `KVSTAGE_COMPLETION_CHUNK` and `_ROOM`: the key of the room's opening (a callback
     /// running after the room was released and its id opened again tells the events apart).
     pub room_key: u64,
     /// The request's trace id, NUL-terminated (see `kvstage_transfer_desc.trace_id`).
@@ -63,7 +64,7 @@ pub struct kvstage_completion {
 /// the callback). `completion` is valid during the call only. An operation's callback runs before
 /// its end is visible anywhere else: once `kvstage_op_poll` or `kvstage_op_wait` returned its
 /// result, or the completion descriptor counted it, its callback has returned; during the callback
-/// the operation still polls `KVSTAGE_PENDING` (`completion` carries its status). A chunk event's
+/// the operation still polls `KVSTAGE_PENDING` (`completion` carries its status). A room event's
 /// callback runs after the event is queued and counted, so a room wait may return before it.
 pub type kvstage_completion_fn = Option<unsafe extern "C" fn(user_data: *mut c_void, completion: *const kvstage_completion)>;
 
@@ -120,7 +121,7 @@ fn to_c(c: &Completion) -> kvstage_completion {
 }
 
 /// Writes the engine's completion descriptor into `*fd`: it becomes readable whenever an
-/// asynchronous operation of the engine ends or a decode chunk event is queued. Add it to an
+/// asynchronous operation of the engine ends or a decode room event is queued. Add it to an
 /// epoll set or an asyncio loop; when readable, call `kvstage_engine_completions_drain` (or read 8
 /// bytes from it), then poll operations and events. Owned by the engine: do not close it; it is
 /// valid until `kvstage_engine_free`.

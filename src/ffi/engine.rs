@@ -77,7 +77,7 @@ pub struct kvstage_engine_options {
     pub max_handshakes: u32,
     /// The whole handshake of an accepted connection must end within this (default 5000 ms).
     pub handshake_timeout_ms: u32,
-    /// Chunk events kept for `kvstage_engine_poll_events`; more are dropped and counted in
+    /// Room events (chunk and room) kept for polling; more are dropped and counted in
     /// `kvstage_engine_stats.events_dropped` (default 65536).
     pub max_events: u32,
     /// A peer that stops answering (a host that vanished) is declared gone after about this long:
@@ -292,7 +292,7 @@ pub unsafe extern "C" fn kvstage_engine_free(engine: *mut kvstage_engine) {
 }
 
 /// Stops the engine as `kvstage_engine_free` does (its sessions closed, their operations and the
-/// decode rooms' transfers failing, no new connection accepted, its threads joined), then waits up
+/// decode rooms' transfers failing, no new connection accepted, its threads joined), then waits
 /// up to `timeout_ms` (0: the engine default, KVSTAGE_TIMEOUT_INFINITE: no limit) until no same-host peer
 /// maps its device ring or KV pool any more — a peer unmapped (its sessions ended), or its process
 /// ended. `KVSTAGE_OK`: the pool and ring memory are the caller's to free (a CUDA pool's IPC
@@ -377,7 +377,7 @@ pub struct kvstage_engine_stats {
     pub watermark_round: u64,
     pub watermark_offset: u64,
     /// Sessions this engine opened on TCP although its transport is AUTO (no RDMA device here or
-    /// at the peer, or the RDMA exchange failed); `kvstage_engine_transport_describe` says why.
+    /// at the peer, or the RDMA exchange failed); the `transport` of `kvstage_engine_describe` says why.
     pub rdma_downgrades: u64,
     /// Sessions connected over RDMA, opened or accepted by this engine.
     pub rdma_sessions: u64,
@@ -391,7 +391,7 @@ pub struct kvstage_engine_stats {
     /// Handshakes that failed: malformed or oversized hello, unsupported protocol version,
     /// wrong cluster token, geometry mismatch, deadline passed.
     pub handshakes_failed: u64,
-    /// Chunk events dropped because `max_events` were waiting to be polled.
+    /// Room events dropped because `max_events` were waiting to be polled.
     pub events_dropped: u64,
     /// Rooms failed with `KVSTAGE_E_TIMEOUT` by `room_timeout_ms`.
     pub rooms_expired: u64,
@@ -441,13 +441,13 @@ pub struct kvstage_engine_stats {
     pub shm_sessions: u64,
     /// Sessions this engine opened to a peer on this host that could not use the same-host path
     /// although transport AUTO allowed it (the peer's ring is caller memory, its transport rules
-    /// it out, mapping failed); `kvstage_engine_transport_describe` says why. Peers on other
+    /// it out, mapping failed); the `transport` of `kvstage_engine_describe` says why. Peers on other
     /// hosts and `same_host` OFF are not counted.
     pub shm_downgrades: u64,
     /// RDMA sessions this engine opened for a KV pool in GPU memory that stage its chunks in host
     /// memory (a device→host copy before each write) because their device staging memory could
     /// not be allocated or registered with the NIC (no GPUDirect RDMA);
-    /// `kvstage_engine_transport_describe` says why.
+    /// the `transport` of `kvstage_engine_describe` says why.
     pub rdma_host_staging_sessions: u64,
     /// Same-host sessions in direct mode (the prefill maps the decode pool), opened or accepted
     /// by this engine.

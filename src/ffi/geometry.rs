@@ -7,7 +7,7 @@ use super::ffi_fn;
 use super::pool::{kvstage_component, kvstage_kv_layout, pool_shape_from_c};
 use super::room::kvstage_room_grid;
 use crate::error::{Error, Result, Status};
-use crate::geometry::{self, PoolShape, StateItem};
+use crate::geometry::{self, ComponentSpec, PoolShape, StateItem};
 
 /// Heads prefill rank `src_rank` sends to decode rank `dst_rank`, in local head units.
 #[repr(C)]
@@ -175,6 +175,9 @@ pub struct kvstage_staging_layout {
     pub num_writers: u32,
     /// Head groups of the decode rank: each of its layers arrives once per head group.
     pub num_tp_writers: u32,
+    /// Bytes of the request's parts (metadata rows, state shares, extra pools' rows) the room's
+    /// last chunk carries besides its KV, included in `total_bytes`; 0 without components.
+    pub parts_bytes: u64,
 }
 
 /// One writer's region of a staging allocation (an output array: set `writers[0].struct_size`).
@@ -207,14 +210,24 @@ pub struct kvstage_staging_writer {
 /// receiver places regions in the order their allocation requests arrive (each writer learns its
 /// offset from the grant), so at run time offsets may differ from these; sizes and the total do
 /// not: the offsets here hold when the regions' requests arrive in stage order, (stage, head
-/// group). `writers` may be NULL with `writers_len` 0 to ask for the count only. When
-/// `writers_len` is too small, `out` (with `num_writers`) is still filled and
-/// `KVSTAGE_E_INVALID_ARG` names `writers_len`.
+/// group). With `components` (the decode rank's, as registered; NULL with 0: KV only) the layout
+/// is that of a room's last chunk, which carries the request's parts too: `parts_bytes` of them,
+/// included in `total_bytes`, so one query sizes the ring for a whole request. `pool_tokens`
+/// names, per POOL component in registration order, the tokens of the request's span in it (a
+/// sliding window's tokens; NULL with 0 without pools). The writers' regions are the KV ones (at
+/// run time each region's parts follow its KV). `writers` may be NULL with `writers_len` 0 to ask
+/// for the count only. When `writers_len` is too small, `out` (with `num_writers`) is still
+/// filled and `KVSTAGE_E_INVALID_ARG` names `writers_len`.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn kvstage_staging_layout_compute(
     prefill_stages: *const kvstage_kv_layout,
     num_prefill_stages: usize,
     dst: *const kvstage_kv_layout,
+    components: *const kvstage_component,
+    num_components: usize,
+    pool_tokens: *const u32,
+    num_pool_tokens: usize,
     tokens: u32,
     out: *mut kvstage_staging_layout,
     writers: *mut kvstage_staging_writer,
@@ -225,9 +238,21 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
         let stages = unsafe { stage_shapes(prefill_stages, num_prefill_stages, "prefill_stages") }?;
         let dst = unsafe { pool_shape_from_c(dst, "dst") }?;
         let st = geometry::staging_layout_stages(&stages, &dst, tokens)?;
+        let specs: Vec<ComponentSpec> = unsafe { read_versioned_array(components, num_components, "components") }?
+            .iter()
+            .enumerate()
+            .map(|(i, c)| unsafe { super::pool::component(c, &format!("components[{i}]")) }.map(|(spec, _, _)| spec))
+            .collect::<Result<_>>()?;
+        let pool_tokens = unsafe { slice_arg(pool_tokens, num_pool_tokens, "pool_tokens") }?;
+        let pools = specs.iter().filter(|c| matches!(c.kind, geometry::ComponentKind::Pool { .. })).count();
+        if pool_tokens.len() != pools {
+            return Err(Error::invalid_arg("num_pool_tokens", format!("{} != {pools} POOL component(s) among `components`", pool_tokens.len())));
+        }
+        let sides = geometry::TailSides { src: &specs, dst: &specs, src_tp: st.src_tp, dst_tp: dst.tp_size, dst_rank: dst.tp_rank, pool_tokens };
+        let parts_bytes = if specs.is_empty() { 0 } else { geometry::owed_tail(&sides, &st)? };
         let filled = kvstage_staging_layout {
             struct_size: std::mem::size_of::<kvstage_staging_layout>(),
-            total_bytes: st.total_bytes,
+            total_bytes: st.total_bytes + parts_bytes,
             row_bytes: st.row_bytes,
             slab_bytes: st.slab_bytes,
             tokens: st.tokens,
@@ -235,6 +260,7 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
             buffers_per_layer: st.buffers_per_layer,
             num_writers: st.writers.len() as u32,
             num_tp_writers: st.tp_writers(),
+            parts_bytes,
         };
         unsafe { write_versioned(out, filled, "out") }?;
         if writers.is_null() && writers_len == 0 {

@@ -305,7 +305,7 @@ pub unsafe extern "C" fn kvstage_component_init(component: *mut kvstage_componen
     ffi_fn!(status { unsafe { init_versioned(component, size, "component") } })
 }
 
-unsafe fn component(raw: &kvstage_component, at: &str) -> Result<(ComponentSpec, u64, Vec<usize>)> {
+pub(super) unsafe fn component(raw: &kvstage_component, at: &str) -> Result<(ComponentSpec, u64, Vec<usize>)> {
     let field = |f: &str| format!("{at}.{f}");
     let name = unsafe { str_arg(raw.name, &field("name")) }?.to_owned();
     let flag = |v: i32, f: &str| match v {
@@ -325,7 +325,7 @@ unsafe fn component(raw: &kvstage_component, at: &str) -> Result<(ComponentSpec,
     Ok((ComponentSpec { name, kind, layer_ids, page_size }, raw.num_items, bases))
 }
 
-/// Registers the rank's components (host memory), once, after its KV pool and before its
+/// Registers the rank's components (host or CUDA memory, see `kvstage_component`), once, after its KV pool and before its
 /// sessions connect or are accepted (a session carries the components registered when it
 /// connected; the handshake refuses components that differ from the peer's with
 /// `KVSTAGE_E_GEOMETRY_MISMATCH`, every differing field in the causes). `KVSTAGE_E_INVALID_ARG`

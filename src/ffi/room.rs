@@ -3,7 +3,7 @@
 
 use std::ffi::c_char;
 
-use super::args::{init_versioned, json, out_arg, out_ptr, read_versioned, slice_arg, str_arg, timeout, versioned, write_text, write_versioned, write_versioned_array};
+use super::args::{checked_output, init_versioned, json, out_arg, out_ptr, read_versioned, slice_arg, str_arg, timeout, versioned, write_text, write_versioned, write_versioned_array};
 use super::ffi_fn;
 use super::handle::{self, kvstage_engine};
 use super::parts::{kvstage_request_parts, request_parts};
@@ -129,7 +129,9 @@ pub unsafe extern "C" fn kvstage_room_open(engine: *const kvstage_engine, desc: 
     ffi_fn!(status {
         let engine = unsafe { handle::engine(engine) }?;
         let raw: kvstage_room_desc = unsafe { read_versioned(desc, "desc") }?;
-        let out = out_ptr(out, "out")?;
+        // Checked before the room opens: an opening whose key the caller never got could not be
+        // released.
+        let out = unsafe { checked_output(out, "out") }?;
         let opening = RoomOpening {
             room: raw.room,
             pages: unsafe { slice_arg(raw.pages, raw.num_pages, "desc->pages") }?.to_vec(),

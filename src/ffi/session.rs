@@ -28,8 +28,9 @@ pub unsafe extern "C" fn kvstage_session_connect(
         let addr = unsafe { str_arg(peer_address, "peer_address") }?;
         let id = unsafe { str_arg(session_id, "session_id") }?;
         let out = out_arg(out, "out")?;
-        let timeout = timeout(timeout_ms, engine.default_timeout());
-        let session = engine.connect(addr, id, timeout)?;
+        // A connect takes a bound: a century is none.
+        let bound = timeout(timeout_ms, engine.default_timeout()).unwrap_or(std::time::Duration::from_secs(100 * 365 * 24 * 3600));
+        let session = engine.connect(addr, id, Some(bound))?;
         *out = Handle::into_raw(session)?;
         Ok(Status::KVSTAGE_OK)
     })

@@ -31,7 +31,7 @@ pub use plan::{plan_chunk, plan_gather, plan_scatter, CopyPlan, CopyRun, Segment
 pub use slice::{slice_plan, SliceOp};
 pub use span::PageSpan;
 pub use staging::{staging_layout, staging_layout_stages, MissingWriter, StagingLayout, WriterRegion, TAIL_ONLY};
-pub use parts::{ComponentKind, ComponentSpec, PartCopy, PoolSpan, RequestParts, TailPart, TailSides};
+pub use parts::{owed_tail, ComponentKind, ComponentSpec, PartCopy, PoolSpan, RequestParts, TailPart, TailSides};
 pub use state::{state_slice, ByteRange, StateItem};
 
 /// Upper bounds that keep every size computation far from overflow (and reject garbage early).

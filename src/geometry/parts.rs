@@ -307,7 +307,7 @@ pub fn replica_tail(sides: &TailSides<'_>, layout: &StagingLayout, src_rank: u32
 
 /// Bytes of request parts a decode rank's last chunk owes: every carrier's parts of every
 /// component layer, the aux rows once.
-fn owed_tail(sides: &TailSides<'_>, layout: &StagingLayout) -> Result<u64> {
+pub fn owed_tail(sides: &TailSides<'_>, layout: &StagingLayout) -> Result<u64> {
     let mut owed = 0;
     for c in carriers(layout)? {
         owed += tail_bytes(&carrier_parts(sides, &c, None, c.head_group == Some(0))?);

@@ -180,6 +180,11 @@ impl StagingLayout {
             .collect()
     }
 
+    /// The same layout with no region placed (the writers a chunk owes before any asked).
+    pub fn unplaced(&self) -> StagingLayout {
+        StagingLayout { writers: Vec::new(), ..self.clone() }
+    }
+
     /// (head group, layer) pairs of the decode rank no placed region carries yet.
     pub fn unclaimed_slabs(&self) -> u64 {
         self.owed_slabs().saturating_sub(self.carried_slabs())
@@ -453,6 +458,7 @@ mod tests {
         st.place(&shape(3, 4)).unwrap();
         assert_eq!(st.missing_writers(), vec![missing(2)]);
         assert_eq!(st.missing_writers()[0].to_string(), "prefill tp 2 pp 0 has not written layers 0..=79 (80 layer(s))");
+        assert_eq!(st.unplaced().missing_writers(), vec![missing(2), missing(3)]);
         st.place(&shape(2, 4)).unwrap();
         assert!(st.missing_writers().is_empty());
         // Two prefill stages: a stage that wrote leaves the other's layers, its stage unknown.

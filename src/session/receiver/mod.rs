@@ -312,7 +312,7 @@ impl Receiver {
         if fx.events_dropped > 0 {
             if let Some(suppressed) = self.log_limits.events_dropped.allow() {
                 log::warn!(
-                    "chunk event queue full (max_events {}): {} event(s) dropped; poll events or raise max_events{suppressed}",
+                    "room event queue full (max_events {}): {} event(s) dropped; poll events or raise max_events{suppressed}",
                     self.config.max_events,
                     fx.events_dropped
                 );

@@ -19,7 +19,7 @@ pub struct RunningChunkRef {
 pub struct SessionDescription {
     pub session: String,
     pub peer: String,
-    /// The transport it runs on, and through what (as `kvstage_engine_transport_describe`).
+    /// The transport it runs on, and through what (as the `transport` of `kvstage_engine_describe`).
     pub transport: String,
     /// A faster transport was allowed but failed for it (it runs on a slower one).
     pub downgraded: bool,

@@ -362,7 +362,7 @@ impl Rdma {
     }
 
     /// Session `session` to `peer` runs on TCP although RDMA was asked for (`auto`): counted,
-    /// remembered for `kvstage_engine_transport_describe` and logged (warn).
+    /// remembered for the `transport` of `kvstage_engine_describe` and logged (warn).
     fn downgrade(&self, session: &str, peer: &str, why: &str) {
         log::warn!(session = session; "downgraded from rdma to tcp (transport auto) for the session to {peer}: {why}");
         self.downgrades.fetch_add(1, Ordering::Relaxed);
@@ -371,7 +371,7 @@ impl Rdma {
 
     /// Session `session` stages its CUDA pool's chunks in host memory (a device→host crossing
     /// before each write) because device staging memory could not be registered: counted,
-    /// remembered for `kvstage_engine_transport_describe` and logged (warn).
+    /// remembered for the `transport` of `kvstage_engine_describe` and logged (warn).
     pub fn host_bounce(&self, session: &str, why: &str) {
         log::warn!(session = session; "GPUDirect RDMA unavailable, the session stages GPU data in host memory: {why}");
         self.host_bounces.fetch_add(1, Ordering::Relaxed);

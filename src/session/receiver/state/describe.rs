@@ -67,8 +67,9 @@ pub struct ChunkDescription {
     pub writers: Vec<WriterDescription>,
     /// (head group, layer) slabs no writer claimed yet: prefill ranks that never asked.
     pub unclaimed_slabs: u64,
-    /// Who those are: per missing head group its prefill TP rank, its PP rank (null when the
-    /// prefill side has several stages) and the decode rank's layers it has not written.
+    /// Who the chunk waits for: per missing head group its prefill TP rank, its PP rank (null
+    /// when the prefill side has several stages) and the decode rank's layers not written; for a
+    /// chunk no writer asked for yet, every writer (once any chunk of the room has one).
     pub missing_writers: Vec<crate::geometry::MissingWriter>,
     pub layers_scattered: u32,
     pub layers: u32,
@@ -235,7 +236,7 @@ impl State {
             grant,
             writers,
             unclaimed_slabs,
-            missing_writers: Room::missing_writers(c),
+            missing_writers: r.missing_writers(c),
             layers_scattered: c.layers_taken.iter().filter(|t| **t).count() as u32,
             layers: c.layers_taken.len() as u32,
         }

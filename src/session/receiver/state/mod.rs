@@ -246,7 +246,7 @@ impl Room {
     fn done_text(&self) -> String {
         let mut text = format!("{} of {} chunks done", self.chunks.iter().filter(|c| c.phase == Phase::Done).count(), self.chunks.len());
         let missing = self.chunks.iter().enumerate().find_map(|(i, c)| {
-            let m = Room::missing_writers(c);
+            let m = self.missing_writers(c);
             (!m.is_empty()).then_some((i, m))
         });
         if let Some((i, missing)) = missing {
@@ -256,12 +256,15 @@ impl Room {
         text
     }
 
-    /// The prefill ranks a chunk still waits for (none once done, or before its first writer
-    /// placed its region: then its `not_started` phase says that nobody wrote).
-    fn missing_writers(c: &Chunk) -> Vec<geometry::MissingWriter> {
+    /// The prefill ranks a chunk still waits for: none once done; before its first writer asked,
+    /// every writer another chunk's layout names (none when no chunk of the room has a writer).
+    fn missing_writers(&self, c: &Chunk) -> Vec<geometry::MissingWriter> {
+        if c.phase == Phase::Done || self.failure.is_some() {
+            return Vec::new();
+        }
         match &c.layout {
-            Some(layout) if c.phase != Phase::Done => layout.missing_writers(),
-            _ => Vec::new(),
+            Some(layout) => layout.missing_writers(),
+            None => self.chunks.iter().find_map(|o| o.layout.as_ref()).map_or_else(Vec::new, |l| l.unplaced().missing_writers()),
         }
     }
 }
@@ -777,14 +780,14 @@ impl State {
             return Err(Error::internal("room key 0 (keys are nonzero)"));
         }
         if pages.is_empty() {
-            return Err(Error::invalid_arg("num_pages", "0 (a room needs at least one page)"));
+            return Err(Error::invalid_arg("desc->num_pages", "0 (a room needs at least one page)"));
         }
         if grid_pages == 0 {
             return Err(Error::invalid_arg("chunk_tokens", "gives chunks of 0 pages"));
         }
         if let Some(r) = self.rooms.get(&room) {
             let why = if r.released { "is still being released" } else { "is already open" };
-            return Err(Error::invalid_arg("room", format!("{room} {why}")));
+            return Err(Error::invalid_arg("desc->room", format!("{room} {why}")));
         }
         let num_chunks = pages.len().div_ceil(grid_pages);
         let chunk = Chunk {
