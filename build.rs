@@ -47,7 +47,7 @@ const SECTIONS: &[(&str, &[&str])] = &[
     ("Library: version, capabilities, logging", &["kvstage_version", "kvstage_capabilities_", "kvstage_log_"]),
     ("Errors: status names and the thread's last error", &["kvstage_status_", "kvstage_error_"]),
     ("Engine: options, life, address, describe, counters, completions and events", &["kvstage_engine_"]),
-    ("KV pool and components: what a rank registers, what a request names", &["kvstage_kv_layout_", "kvstage_pool_", "kvstage_component_", "kvstage_request_parts_"]),
+    ("KV pool and components: what a rank registers, what a request names", &["kvstage_kv_layout_", "kvstage_pool_", "kvstage_component_", "kvstage_state_item_", "kvstage_request_parts_"]),
     ("Staging memory: the decode ring, host memory a same-host sender maps", &["kvstage_staging_memory_", "kvstage_staging_register", "kvstage_shared_"]),
     ("Room (decode side): one opening per request", &["kvstage_room_"]),
     ("Session (prefill side): one peering with a decode rank", &["kvstage_session_"]),

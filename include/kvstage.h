@@ -1051,6 +1051,10 @@ enum kvstage_status kvstage_component_init(struct kvstage_component *component, 
 // names the bad field (`components[i].field`) and its value.
 enum kvstage_status kvstage_pool_register_components(const struct kvstage_engine *engine, const struct kvstage_component *components, size_t num_components);
 
+// Fills `item` with defaults (sets `struct_size`; one row, 2-byte elements, sharded; set
+// `group_dims` and `num_groups`).
+enum kvstage_status kvstage_state_item_init(struct kvstage_state_item *item, size_t size);
+
 // Fills `parts` (`size`: the caller's `sizeof(*parts)`) with defaults (sets `struct_size`).
 enum kvstage_status kvstage_request_parts_init(struct kvstage_request_parts *parts, size_t size);
 
@@ -1316,10 +1320,6 @@ enum kvstage_status kvstage_grid_tokens_compute(uint32_t chunk_tokens, uint32_t 
 // the bad argument: a page size of 0, a prefix that is not whole decode pages or leaves nothing
 // to send, a chunk past the request's `num_chunks`.
 enum kvstage_status kvstage_chunk_span_compute(const struct kvstage_room_grid *grid, uint64_t total_tokens, uint32_t src_page_size, uint32_t chunk_index, struct kvstage_chunk_span *out);
-
-// Fills `item` with defaults (sets `struct_size`; one row, 2-byte elements, sharded; set
-// `group_dims` and `num_groups`).
-enum kvstage_status kvstage_state_item_init(struct kvstage_state_item *item, size_t size);
 
 // Which bytes of prefill rank `src_rank`'s slot (of `src_tp` ranks) go where in decode rank
 // `dst_rank`'s slot (of `dst_tp`) for `item`: byte ranges in row order, adjacent ones merged,

@@ -3,10 +3,9 @@
 
 use super::args::{init_versioned, read_versioned, read_versioned_array, slice_arg, str_arg, versioned};
 use super::ffi_fn;
-use super::geometry::{kvstage_state_item, state_item};
 use super::handle::{self, kvstage_engine};
 use crate::error::{Error, Result, Status};
-use crate::geometry::{ComponentKind, ComponentSpec, KvLayout, MemoryKind, ModelKind, PoolShape};
+use crate::geometry::{ComponentKind, ComponentSpec, KvLayout, MemoryKind, ModelKind, PoolShape, StateItem};
 
 /// Attention flavour of a KV pool (`kvstage_kv_layout.model_kind`).
 #[repr(C)]
@@ -346,4 +345,55 @@ pub unsafe extern "C" fn kvstage_pool_register_components(
         engine.register_components(list)?;
         Ok(Status::KVSTAGE_OK)
     })
+}
+
+/// One state item (one slot of one layer): `outer` rows of `sum(group_dims)` elements of
+/// `dtype_bytes` each. Sharded (`replicated` 0), each TP rank holds, per row, its share of every
+/// group, groups back to back: rank `r` of `tp` holds elements `[r·g/tp, (r+1)·g/tp)` of a group of
+/// `g` (a conv state's key, key and value groups each sharded on their own; one group: the whole
+/// row). Replicated (`replicated` 1): whole on every rank. Fill with `kvstage_state_item_init`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvstage_state_item {
+    pub struct_size: usize,
+    pub outer: u32,
+    pub dtype_bytes: u32,
+    /// Global elements of each group of a row, `num_groups` entries.
+    pub group_dims: *const u32,
+    pub num_groups: usize,
+    /// 1: the item is whole on every rank (nothing to shard); 0: sharded by groups.
+    pub replicated: i32,
+}
+
+impl Default for kvstage_state_item {
+    fn default() -> Self {
+        kvstage_state_item {
+            struct_size: std::mem::size_of::<Self>(),
+            outer: 1,
+            dtype_bytes: 2,
+            group_dims: std::ptr::null(),
+            num_groups: 0,
+            replicated: 0,
+        }
+    }
+}
+
+/// Fills `item` with defaults (sets `struct_size`; one row, 2-byte elements, sharded; set
+/// `group_dims` and `num_groups`).
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_state_item_init(item: *mut kvstage_state_item, size: usize) -> Status {
+    ffi_fn!(status { unsafe { init_versioned(item, size, "item") } })
+}
+
+versioned!(kvstage_state_item, replicated: i32);
+
+pub(super) unsafe fn state_item(ptr: *const kvstage_state_item) -> Result<StateItem> {
+    let raw: kvstage_state_item = unsafe { read_versioned(ptr, "item") }?;
+    let groups = unsafe { slice_arg(raw.group_dims, raw.num_groups, "item->group_dims") }?;
+    let replicated = match raw.replicated {
+        0 => false,
+        1 => true,
+        other => return Err(Error::invalid_arg("item->replicated", format!("{other} is neither 0 nor 1"))),
+    };
+    Ok(StateItem { outer: raw.outer, groups: groups.to_vec(), dtype_bytes: raw.dtype_bytes, replicated })
 }
