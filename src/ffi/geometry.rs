@@ -2,7 +2,7 @@
 //! slices (Mamba/GDN conv and SSM states under a TP change). Pure functions of their arguments
 //! (docs/GEOMETRY.md).
 
-use super::args::{out_arg, read_versioned, read_versioned_array, write_array, write_versioned, write_versioned_array};
+use super::args::{out_arg, read_versioned, read_versioned_array, slice_arg, write_array, write_versioned, write_versioned_array};
 use super::ffi_fn;
 use super::pool::{kvstage_component, kvstage_kv_layout, kvstage_state_item, pool_shape_from_c, state_item};
 use super::room::kvstage_room_grid;
