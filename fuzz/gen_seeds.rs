@@ -90,7 +90,7 @@ fn messages() -> Vec<(String, Message)> {
         ("slice-done".into(), Message::SliceDone { req: 12, room: ROOM, chunk: 0 }),
         ("written".into(), Message::Written { room: ROOM, chunk: 2, writer: 1, offset: 2048, len: 4096, imm: 0 }),
         ("grid-req".into(), Message::GridReq { req: 14, room: ROOM }),
-        ("grid-rsp".into(), Message::GridRsp { req: 14, status: 0, chunk_tokens: 64, num_chunks: 3, num_pages: 10, reason: String::new() }),
+        ("grid-rsp".into(), Message::GridRsp { req: 14, status: 0, chunk_tokens: 64, num_chunks: 3, num_pages: 10, prefix_tokens: 128, reason: String::new() }),
         ("shm-offer".into(), Message::ShmOffer { socket: "kvstage-shm-42-00112233445566778899aabb".into(), nonce: vec![0x5a; 16], direct: None }),
         ("shm-answer".into(), Message::ShmAnswer { status: 0, local: true, ring_len: 1 << 20, reason: String::new() }),
         ("shm-answer-refused".into(), Message::ShmAnswer { status: -5, local: true, ring_len: 0, reason: "caller memory".into() }),

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use common::{pool_fill_canary, pool_scan_canary};
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{MemoryKind, ModelKind, PoolShape};
 use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
@@ -40,7 +41,7 @@ fn decode() -> (Decode, RoomRef) {
     engine.register_pool(pool.layout.clone()).unwrap();
     engine.register_staging(None, 1 << 20).unwrap();
     let pages = page_table(PAGES, CAPACITY, 9, true);
-    let (_, key) = engine.receiver().open_room(ROOM, &pages, (PAGES * 16) as u32).unwrap();
+    let (key, _) = engine.receiver().open_room(RoomOpening::new(ROOM, &pages, (PAGES * 16) as u32)).unwrap();
     (Decode { engine, pool, pages }, RoomRef { id: ROOM, key })
 }
 
@@ -86,11 +87,11 @@ fn a_release_waits_for_a_direct_writer_still_copying() {
     let writer = send_until_copying(&session, chunk(room, &src_pages));
     // A release bounded below the pause ends by its bound, naming the writer; the pages and the id
     // are not free yet.
-    let held = d.engine.receiver().release_room(ROOM, Some(Duration::from_secs(1))).unwrap_err();
+    let held = d.engine.receiver().release_room(room, Some(Duration::from_secs(1))).unwrap_err();
     assert_eq!(held.code(), Status::KVSTAGE_E_TIMEOUT, "{}", held.chain());
     assert!(held.chain().contains("still hold its pages"), "{}", held.chain());
-    assert!(d.engine.receiver().open_room(ROOM, &d.pages, (PAGES * 16) as u32).is_err(), "a room id reopened while a writer held its pages");
-    d.engine.receiver().release_room(ROOM, None).unwrap();
+    assert!(d.engine.receiver().open_room(RoomOpening::new(ROOM, &d.pages, (PAGES * 16) as u32)).is_err(), "a room id reopened while a writer held its pages");
+    d.engine.receiver().release_room(room, None).unwrap();
     pool_fill_canary(&d.pool, &d.pages);
     let sent = writer.join().unwrap();
     assert!(sent.is_err(), "a transfer into a released room succeeded: {sent:?}");
@@ -98,11 +99,12 @@ fn a_release_waits_for_a_direct_writer_still_copying() {
     let (bad, first) = pool_scan_canary(&d.pool, &d.pages);
     assert_eq!(bad, 0, "{bad} bytes of the released room's pages changed after the release returned (first: {first:?})");
 
-    let (_, key) = d.engine.receiver().open_room(ROOM, &d.pages, (PAGES * 16) as u32).unwrap();
+    let (key, _) = d.engine.receiver().open_room(RoomOpening::new(ROOM, &d.pages, (PAGES * 16) as u32)).unwrap();
     let (_pe2, _pp2, fresh, src_pages) = prefill(&d.engine, FaultPlan::default());
-    let status = fresh.transfer(&chunk(RoomRef { id: ROOM, key }, &src_pages), &Op::new(fresh.waker())).unwrap();
+    let reopened = RoomRef { id: ROOM, key };
+    let status = fresh.transfer(&chunk(reopened, &src_pages), &Op::new(fresh.waker())).unwrap();
     assert_eq!(status, Status::KVSTAGE_OK);
-    d.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+    d.engine.receiver().wait_room(reopened, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = d.pool.verify(&d.pages, 0);
     assert_eq!(bad, 0, "{first:?}");
     assert!(d.engine.shm().direct_chunks() >= 1, "the second request went directly");
@@ -116,16 +118,17 @@ fn a_release_within_the_grace_waits_for_the_report_and_keeps_the_session() {
     let (d, room) = decode();
     let (_pe, _pp, session, src_pages) = prefill(&d.engine, FaultPlan { direct_pause_ms: 100, ..FaultPlan::default() });
     let writer = send_until_copying(&session, chunk(room, &src_pages));
-    d.engine.receiver().release_room(ROOM, None).unwrap();
+    d.engine.receiver().release_room(room, None).unwrap();
     pool_fill_canary(&d.pool, &d.pages);
     let sent = writer.join().unwrap();
     assert!(sent.is_err(), "a transfer into a released room succeeded: {sent:?}");
     let (bad, first) = pool_scan_canary(&d.pool, &d.pages);
     assert_eq!(bad, 0, "{bad} bytes changed after the release returned (first: {first:?})");
-    let (_, key) = d.engine.receiver().open_room(ROOM + 1, &d.pages, (PAGES * 16) as u32).unwrap();
-    let status = session.transfer(&chunk(RoomRef { id: ROOM + 1, key }, &src_pages), &Op::new(session.waker())).unwrap();
+    let (key, _) = d.engine.receiver().open_room(RoomOpening::new(ROOM + 1, &d.pages, (PAGES * 16) as u32)).unwrap();
+    let next = RoomRef { id: ROOM + 1, key };
+    let status = session.transfer(&chunk(next, &src_pages), &Op::new(session.waker())).unwrap();
     assert_eq!(status, Status::KVSTAGE_OK, "the session was cut");
-    d.engine.receiver().wait_room(ROOM + 1, Some(Duration::from_secs(10))).unwrap();
+    d.engine.receiver().wait_room(next, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = d.pool.verify(&d.pages, 0);
     assert_eq!(bad, 0, "{first:?}");
 }
@@ -242,7 +245,7 @@ fn shutdown_says_when_no_same_host_peer_maps_the_pool() {
     let (_prefill, _ppool, session, src) = prefill(&d.engine, FaultPlan::default());
     let op = Op::new(session.waker());
     assert_eq!(session.transfer(&chunk(room, &src), &op).map_err(|e| e.chain()), Ok(Status::KVSTAGE_OK));
-    d.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+    d.engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
     assert_eq!(d.engine.shm().direct_sessions(), 1, "the real sender did not map the pool");
     let (_says, says_unmapped) = raw_direct_peer(&d.engine, "says-unmapped");
     let (_silent, closes_silently) = raw_direct_peer(&d.engine, "closes-silently");
@@ -261,7 +264,7 @@ fn shutdown_says_when_no_same_host_peer_maps_the_pool() {
     let after = session.transfer(&chunk(room, &src), &Op::new(session.waker()));
     assert!(after.is_err() || after.as_ref().is_ok_and(|s| *s != Status::KVSTAGE_OK), "a session of a shut-down engine still transferred");
     assert_eq!(d.engine.connect("127.0.0.1:1", "late", None).err().map(|e| e.code()), Some(Status::KVSTAGE_E_CANCELED));
-    assert_eq!(d.engine.receiver().open_room(ROOM + 1, &d.pages, 16).err().map(|e| e.code()), Some(Status::KVSTAGE_E_CANCELED));
+    assert_eq!(d.engine.receiver().open_room(RoomOpening::new(ROOM + 1, &d.pages, 16)).err().map(|e| e.code()), Some(Status::KVSTAGE_E_CANCELED));
 
     (&says_unmapped).write_all(&[kvstage::transport::shm::LEASE_UNMAPPED]).unwrap();
     drop(says_unmapped);

@@ -4,14 +4,14 @@
 use std::ffi::CStr;
 
 use kvstage::ffi::geometry::*;
-use kvstage::ffi::grid::kvstage_grid_tokens;
 use kvstage::ffi::kvstage_error;
+use kvstage::ffi::pool::*;
 use kvstage::Status;
 
 fn last_error() -> (Status, String, Vec<String>) {
     // SAFETY: kvstage_error_last never returns NULL; strings are NUL-terminated.
     unsafe {
-        let e: &kvstage_error = &*kvstage::ffi::core::kvstage_error_last();
+        let e: &kvstage_error = &*kvstage::ffi::last_error::kvstage_error_last();
         let text = |p| CStr::from_ptr(p).to_string_lossy().into_owned();
         let causes = (0..e.cause_count).map(|i| text(*e.causes.add(i))).collect();
         (e.code, text(e.message), causes)
@@ -52,20 +52,31 @@ fn head_slice_examples_and_errors() {
 
 #[test]
 fn writers_and_grid() {
+    // The writers of a chunk, from the staging layout: 8 heads, prefill TP 8 in 2 stages into
+    // decode TP 2: each decode rank's 4 heads from 4 prefill ranks, each stage on its own.
+    let layers: Vec<u32> = (0..4).collect();
+    let mut stages = [layout(0, 8, &layers[..2]), layout(0, 8, &layers[2..])];
+    (stages[0].pp_rank, stages[0].pp_size, stages[1].pp_rank, stages[1].pp_size) = (0, 2, 1, 2);
+    let dst = layout(0, 2, &layers);
+    let mut out = kvstage_staging_layout { struct_size: std::mem::size_of::<kvstage_staging_layout>(), ..Default::default() };
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 2, &dst, std::ptr::null(), 0, std::ptr::null(), 0, 64, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
+    assert_eq!((out.num_writers, out.num_tp_writers), (8, 4));
+    // 8 heads do not split over prefill TP 3.
+    let uneven = [layout(0, 3, &layers)];
+    assert_eq!(unsafe { kvstage_staging_layout_compute(uneven.as_ptr(), 1, &dst, std::ptr::null(), 0, std::ptr::null(), 0, 64, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_GEOMETRY_INVALID);
+    let (_, message, causes) = last_error();
+    assert!(message.contains("`prefill_stages[0]`") && causes[0].contains("8 and tp_size 3 do not divide"), "{message}: {causes:?}");
     let mut n = 0u32;
-    assert_eq!(unsafe { kvstage_writers_per_chunk(kvstage_model_kind::KVSTAGE_MODEL_MHA as i32, 8, 8, 2, 2, 1, &mut n) }, Status::KVSTAGE_OK);
-    assert_eq!(n, 8);
-    assert_eq!(unsafe { kvstage_writers_per_chunk(kvstage_model_kind::KVSTAGE_MODEL_MHA as i32, 8, 3, 2, 1, 1, &mut n) }, Status::KVSTAGE_E_INVALID_ARG);
-    assert_eq!(unsafe { kvstage_grid_tokens(8200, 64, &mut n) }, Status::KVSTAGE_OK);
+    assert_eq!(unsafe { kvstage_grid_tokens_compute(8200, 64, &mut n) }, Status::KVSTAGE_OK);
     assert_eq!(n, 8192);
-    assert_eq!(unsafe { kvstage_grid_tokens(KVSTAGE_DEFAULT_CHUNK_TOKENS, 0, &mut n) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_grid_tokens_compute(KVSTAGE_DEFAULT_CHUNK_TOKENS, 0, &mut n) }, Status::KVSTAGE_E_INVALID_ARG);
     assert!(last_error().1.contains("`page_size`"));
     assert_eq!(KVSTAGE_DEFAULT_CHUNK_TOKENS, kvstage::geometry::DEFAULT_CHUNK_TOKENS);
 }
 
 fn layout(tp_rank: u32, tp: u32, layers: &[u32]) -> kvstage_kv_layout {
     let mut l = kvstage_kv_layout { struct_size: 0, ..Default::default() };
-    assert_eq!(unsafe { kvstage_kv_layout_init(&mut l) }, Status::KVSTAGE_OK);
+    assert_eq!(unsafe { kvstage_kv_layout_init(&mut l, std::mem::size_of::<kvstage_kv_layout>()) }, Status::KVSTAGE_OK);
     assert_eq!(l.struct_size, std::mem::size_of::<kvstage_kv_layout>());
     l.page_size = 16;
     l.global_heads = 8;
@@ -85,23 +96,25 @@ fn staging_layout_fills_caller_storage_and_reports_the_count() {
     let stages = [src];
     let mut out = kvstage_staging_layout { struct_size: std::mem::size_of::<kvstage_staging_layout>(), ..Default::default() };
     // Count query.
-    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, std::ptr::null(), 0, std::ptr::null(), 0, 8192, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
     assert_eq!((out.num_writers, out.num_tp_writers), (2, 2));
     assert_eq!(out.total_bytes, 1280 << 20);
     assert_eq!((out.row_bytes, out.slab_bytes, out.tokens, out.num_heads, out.buffers_per_layer), (512, 8192 * 512, 8192, 2, 2));
     // Too small: count still reported, error names writers_len.
-    let mut one = [kvstage_staging_writer::default(); 1];
+    let unset = kvstage_staging_writer { struct_size: std::mem::size_of::<kvstage_staging_writer>(), ..Default::default() };
+    let mut one = [unset; 1];
     out.num_writers = 0;
-    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut out, one.as_mut_ptr(), 1) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, std::ptr::null(), 0, std::ptr::null(), 0, 8192, &mut out, one.as_mut_ptr(), 1) }, Status::KVSTAGE_E_INVALID_ARG);
     assert_eq!(out.num_writers, 2);
     assert!(last_error().1.contains("`writers_len`: 1 entries are too few: the layout has 2 writers"));
-    assert_eq!(one[0], kvstage_staging_writer::default());
+    assert_eq!(one[0], unset);
     // Enough room.
-    let mut w = [kvstage_staging_writer::default(); 3];
-    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut out, w.as_mut_ptr(), 3) }, Status::KVSTAGE_OK);
+    let mut w = [unset; 3];
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, std::ptr::null(), 0, std::ptr::null(), 0, 8192, &mut out, w.as_mut_ptr(), 3) }, Status::KVSTAGE_OK);
     assert_eq!(
         w[1],
         kvstage_staging_writer {
+            struct_size: std::mem::size_of::<kvstage_staging_writer>(),
             offset: 640 << 20,
             bytes: 640 << 20,
             layers: 80,
@@ -113,10 +126,10 @@ fn staging_layout_fills_caller_storage_and_reports_the_count() {
             dst_head_start: 2
         }
     );
-    assert_eq!(w[2], kvstage_staging_writer::default());
+    assert_eq!(w[2], unset);
     // An older caller's smaller struct gets only its fields.
     let mut small = kvstage_staging_layout { struct_size: 16, tokens: 77, ..Default::default() };
-    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut small, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, std::ptr::null(), 0, std::ptr::null(), 0, 8192, &mut small, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
     assert_eq!((small.total_bytes, small.tokens, small.struct_size), (1280 << 20, 77, 16));
 
     // Uneven stages (50 + 30 layers): one region per (stage, head group), sized by what it holds.
@@ -125,8 +138,8 @@ fn staging_layout_fills_caller_storage_and_reports_the_count() {
     let mut s1 = layout(0, 4, &second);
     (s0.pp_rank, s0.pp_size, s1.pp_rank, s1.pp_size) = (0, 2, 1, 2);
     let stages = [s0, s1];
-    let mut w = [kvstage_staging_writer::default(); 4];
-    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 2, &dst, 8192, &mut out, w.as_mut_ptr(), 4) }, Status::KVSTAGE_OK);
+    let mut w = [unset; 4];
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 2, &dst, std::ptr::null(), 0, std::ptr::null(), 0, 8192, &mut out, w.as_mut_ptr(), 4) }, Status::KVSTAGE_OK);
     assert_eq!((out.num_writers, out.total_bytes), (4, 1280 << 20));
     let slab = 8192 * 512 * 2;
     assert_eq!(w.map(|w| (w.src_pp_rank, w.tp_writer, w.layers, w.bytes)), [(0, 0, 50, 50 * slab), (0, 1, 50, 50 * slab), (1, 0, 30, 30 * slab), (1, 1, 30, 30 * slab)]);
@@ -134,7 +147,7 @@ fn staging_layout_fills_caller_storage_and_reports_the_count() {
     // Stages that leave a decode layer out are refused, naming it.
     s0.pp_size = 1;
     let stages = [s0];
-    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, 8192, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_GEOMETRY_MISMATCH);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(stages.as_ptr(), 1, &dst, std::ptr::null(), 0, std::ptr::null(), 0, 8192, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_GEOMETRY_MISMATCH);
     assert!(last_error().2[0].starts_with("decode layers: local [50, 51,"), "{:?}", last_error());
 }
 
@@ -144,7 +157,7 @@ fn staging_layout_errors_name_the_argument_and_field() {
     let (src, mut dst) = (layout(0, 4, &layers), layout(1, 2, &layers));
     let mut out = kvstage_staging_layout { struct_size: std::mem::size_of::<kvstage_staging_layout>(), ..Default::default() };
     let call = |src: &kvstage_kv_layout, dst: &kvstage_kv_layout, out: &mut kvstage_staging_layout| unsafe {
-        kvstage_staging_layout_compute(src, 1, dst, 64, out, std::ptr::null_mut(), 0)
+        kvstage_staging_layout_compute(src, 1, dst, std::ptr::null(), 0, std::ptr::null(), 0, 64, out, std::ptr::null_mut(), 0)
     };
     dst.local_heads = 2;
     assert_eq!(call(&src, &dst, &mut out), Status::KVSTAGE_E_GEOMETRY_INVALID);
@@ -169,10 +182,10 @@ fn staging_layout_errors_name_the_argument_and_field() {
     assert!(last_error().1.contains("`dst->num_layers`: 0"));
     dst.num_layers = 4;
     assert_eq!(call(&src, &dst, &mut out), Status::KVSTAGE_OK);
-    assert_eq!(unsafe { kvstage_staging_layout_compute(std::ptr::null(), 1, &dst, 64, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(std::ptr::null(), 1, &dst, std::ptr::null(), 0, std::ptr::null(), 0, 64, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_E_INVALID_ARG);
     assert!(last_error().1.contains("`prefill_stages`: is NULL"), "{:?}", last_error());
     // Any token count: a request's last chunk may end inside a page.
-    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, 1, &dst, 60, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
+    assert_eq!(unsafe { kvstage_staging_layout_compute(&src, 1, &dst, std::ptr::null(), 0, std::ptr::null(), 0, 60, &mut out, std::ptr::null_mut(), 0) }, Status::KVSTAGE_OK);
     assert_eq!(out.tokens, 60);
     // A NULL layer list means layers 0..num_layers-1.
     dst.layer_ids = std::ptr::null();
@@ -216,6 +229,10 @@ fn kv_layout_conversion_and_validation() {
     l.capacity_pages = 0;
     assert_eq!(unsafe { kvstage_kv_layout_validate(&l) }, Status::KVSTAGE_E_GEOMETRY_INVALID);
     assert!(last_error().2[0].contains("`capacity_pages`: is 0"));
-    assert_eq!(unsafe { kvstage_kv_layout_init(std::ptr::null_mut()) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert_eq!(unsafe { kvstage_kv_layout_init(std::ptr::null_mut(), std::mem::size_of::<kvstage_kv_layout>()) }, Status::KVSTAGE_E_INVALID_ARG);
+    // The caller's size must be at least the first published struct's.
+    let mut l = kvstage_kv_layout::default();
+    assert_eq!(unsafe { kvstage_kv_layout_init(&mut l, 3) }, Status::KVSTAGE_E_INVALID_ARG);
+    assert!(last_error().1.contains("`size`"), "{:?}", last_error());
     assert_eq!(unsafe { kvstage_kv_layout_validate(std::ptr::null()) }, Status::KVSTAGE_E_INVALID_ARG);
 }

@@ -443,9 +443,9 @@ fn mixed_tp_senders_to_one_room_are_refused_without_panic() {
     assert!(e.causes().iter().any(|c| c.contains("tp_size")), "the causes do not name tp_size: {:?}", e.causes());
     let s2b = c.prefill[1].connect(&addr, "mixed-tp2-r1", None).unwrap();
     assert_eq!(s2b.transfer(&desc(at), &Op::new(s2b.waker())).unwrap(), Status::KVSTAGE_OK);
-    rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
+    rx.wait_room(at, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
     c.verify_room("mixed TP", room, &pages);
-    rx.release_room(room, None).unwrap();
+    rx.release_room(at, None).unwrap();
     pool_fill_canary(&c.dpool, &pages);
 
     // TP 4 first: now the TP 2 sender is the one refused.
@@ -456,8 +456,8 @@ fn mixed_tp_senders_to_one_room_are_refused_without_panic() {
     let e = s2.transfer(&desc(at), &Op::new(s2.waker())).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
     assert!(e.causes().iter().any(|c| c.contains("tp_size")), "{:?}", e.causes());
-    assert!(rx.wait_room(room, Some(Duration::from_millis(200))).is_err_and(|e| e.code() == Status::KVSTAGE_E_TIMEOUT));
-    rx.release_room(room, None).unwrap();
+    assert!(rx.wait_room(at, Some(Duration::from_millis(200))).is_err_and(|e| e.code() == Status::KVSTAGE_E_TIMEOUT));
+    rx.release_room(at, None).unwrap();
     assert!(settle(Duration::from_secs(5), || rx.stats().ring_live == 0), "ring space of the released room leaked");
     let (stray, first) = pool_scan_canary(&c.dpool, &all_pages(&c.dpool));
     assert_eq!(stray, 0, "an incomplete room's pages were written: {first:?}");
@@ -515,9 +515,9 @@ fn another_connections_writer_slot_cannot_be_written() {
     // The legitimate room completes with the right bytes.
     let s1 = c.prefill[1].connect(&addr, "legit-r1", None).unwrap();
     assert_eq!(s1.transfer(&desc, &Op::new(s1.waker())).unwrap(), Status::KVSTAGE_OK);
-    rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
+    rx.wait_room(at, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
     c.verify_room("impostor data", room, &pages);
-    rx.release_room(room, None).unwrap();
+    rx.release_room(at, None).unwrap();
     pool_fill_canary(&c.dpool, &pages);
     drop((s0, s1, raw, raw2));
     after_attack(&c, &base, "another connection's writer slot");
@@ -567,9 +567,9 @@ fn slab_writes_land_in_any_order_but_never_twice_or_past_the_region() {
         Message::Arrived { req: 2, status: 0, .. } => {}
         other => panic!("a region written back to front was not accepted: {other:?}"),
     }
-    rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
+    rx.wait_room(opened, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
     c.verify_room("slabs back to front", room, &pages);
-    rx.release_room(room, None).unwrap();
+    rx.release_room(opened, None).unwrap();
     pool_fill_canary(&c.dpool, &pages);
 
     // The same half twice, and a write that runs one byte past the region: each ends the session
@@ -588,10 +588,10 @@ fn slab_writes_land_in_any_order_but_never_twice_or_past_the_region() {
         let closed = raw.wait_closed(CLOSE_BOUND);
         assert!(closed.after.is_some(), "[{label}] the engine kept the session");
         assert!(!closed.frames.iter().any(|m| matches!(m, Message::Arrived { req: 2, status: 0, .. })), "[{label}] the chunk was acknowledged");
-        if let Ok(done) = rx.wait_room(room, Some(Duration::from_millis(300))) {
+        if let Ok(done) = rx.wait_room(opened, Some(Duration::from_millis(300))) {
             panic!("[{label}] room {room} ended {done:?} with half of its bytes");
         }
-        rx.release_room(room, None).unwrap();
+        rx.release_room(opened, None).unwrap();
         pool_fill_canary(&c.dpool, &pages);
     }
     drop((s0, raw));
@@ -618,15 +618,15 @@ fn abort_from_a_connection_that_never_wrote_does_not_fail_the_room() {
     raw.send(&Message::Abort { room: at, chunk: u32::MAX, reason: "hostile whole-room abort".into() }).unwrap();
     raw.send(&Message::Abort { room: at, chunk: 0, reason: "hostile chunk abort".into() }).unwrap();
     raw.barrier(1, 0); // both aborts were processed
-    match rx.wait_room(room, Some(Duration::from_millis(300))) {
+    match rx.wait_room(at, Some(Duration::from_millis(300))) {
         Err(e) if e.code() == Status::KVSTAGE_E_TIMEOUT => {}
         other => panic!("an abort from a connection holding no slot changed the room: {other:?}"),
     }
     let s1 = c.prefill[1].connect(&addr, "legit-r1", None).unwrap();
     assert_eq!(s1.transfer(&desc, &Op::new(s1.waker())).unwrap(), Status::KVSTAGE_OK);
-    rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
+    rx.wait_room(at, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
     c.verify_room("foreign abort", room, &pages);
-    rx.release_room(room, None).unwrap();
+    rx.release_room(at, None).unwrap();
     pool_fill_canary(&c.dpool, &pages);
     raw.barrier(2, 0); // and the aborter's session is still served
     drop((s0, s1, raw));
@@ -661,26 +661,30 @@ fn late_frames_for_closed_rooms_keep_the_session() {
     late(&mut raw, RoomRef { id: 4242, key: 1 }, 1, "never opened");
     let pages = c.room_pages(4243, 1);
     let released = open_room(&c.decode, 4243, &pages, SMALL.chunk_tokens);
-    rx.release_room(4243, None).unwrap();
+    rx.release_room(released, None).unwrap();
     late(&mut raw, released, 2, "released");
     // Granted to this connection, then released before its data came.
     let granted = open_room(&c.decode, 4244, &pages, SMALL.chunk_tokens);
     raw.alloc_granted(3, granted, 0, 0, &layout);
-    release_bounded(&c.decode, 4244, Duration::from_secs(5));
+    release_bounded(&c.decode, granted, Duration::from_secs(5));
     late(&mut raw, granted, 4, "released after the grant");
     // Granted to this connection, released, and opened again for another request before its data
     // came: the frames name the old opening (stale), and the new one is unharmed.
     let stale = open_room(&c.decode, 4245, &pages, SMALL.chunk_tokens);
     raw.alloc_granted(5, stale, 0, 0, &layout);
-    release_bounded(&c.decode, 4245, Duration::from_secs(5));
-    open_room(&c.decode, 4245, &pages, SMALL.chunk_tokens);
+    release_bounded(&c.decode, stale, Duration::from_secs(5));
+    let reopened = open_room(&c.decode, 4245, &pages, SMALL.chunk_tokens);
     let status = late(&mut raw, stale, 6, "the room reopened since");
     assert_eq!(status, Status::KVSTAGE_E_STALE_ROOM.code(), "frames of an earlier opening of a reopened room");
-    match rx.wait_room(4245, Some(Duration::from_millis(300))) {
+    match rx.wait_room(reopened, Some(Duration::from_millis(300))) {
         Err(e) if e.code() == Status::KVSTAGE_E_TIMEOUT => {}
         other => panic!("stale frames changed the reopened room: {other:?}"),
     }
-    rx.release_room(4245, None).unwrap();
+    // The earlier opening is gone: waiting on it says so, releasing it again leaves the new one.
+    assert_eq!(rx.wait_room(stale, Some(Duration::ZERO)).map_err(|e| e.code()).err(), Some(Status::KVSTAGE_E_STALE_ROOM));
+    rx.release_room(stale, None).unwrap();
+    assert!(rx.wait_room(reopened, Some(Duration::ZERO)).is_err_and(|e| e.code() == Status::KVSTAGE_E_TIMEOUT), "releasing an earlier opening released the new one");
+    rx.release_room(reopened, None).unwrap();
     assert!(settle(Duration::from_secs(5), || rx.stats().ring_live == 0), "ring space leaked: {:?}", rx.stats());
     let (stray, first) = pool_scan_canary(&c.dpool, &all_pages(&c.dpool));
     assert_eq!(stray, 0, "late data reached the pool: {first:?}");
@@ -708,7 +712,7 @@ fn a_sender_stalled_inside_a_payload_cannot_hold_the_ring() {
     raw.send(&Message::Data { room: at, chunk: 0, writer: 0, offset: w0.offset, len: w0.bytes }).unwrap();
     raw.send_bytes(&vec![0xEE; w0.bytes as usize / 2]).unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    let took = release_bounded(&c.decode, room, Duration::from_secs(5));
+    let took = release_bounded(&c.decode, at, Duration::from_secs(5));
     // The ring holds 4 chunks: 4 more single-chunk rooms wrap it, so the last grant needs the
     // watermark to pass the stalled sender's range.
     let mut outcomes = Vec::new();
@@ -790,7 +794,7 @@ fn a_trickled_payload_holds_the_ring_no_longer_than_its_room_or_its_rate() {
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(rx.stats().ring_live, 1, "the trickled grant is in the ring");
     let released = Instant::now();
-    release_bounded(&c.decode, room, Duration::from_secs(5));
+    release_bounded(&c.decode, at, Duration::from_secs(5));
     let freed = settle(dead_peer, || rx.stats().ring_live == 0);
     let freed_after = released.elapsed();
     let t = Instant::now();
@@ -812,14 +816,14 @@ fn a_trickled_payload_holds_the_ring_no_longer_than_its_room_or_its_rate() {
     let started = Instant::now();
     let trickler = trickle(&raw, data(at), stop.clone());
     let closed = raw.wait_closed(dead_peer + Duration::from_secs(3));
-    let failed = rx.wait_room(room, Some(Duration::from_secs(1)));
+    let failed = rx.wait_room(at, Some(Duration::from_secs(1)));
     stop.store(true, Ordering::Relaxed);
     trickler.join().unwrap();
     eprintln!("trickle into an open room: connection {} after {:?}; room: {:?}", closed.how, started.elapsed(), failed.as_ref().map_err(|e| e.chain()));
     assert!(closed.after.is_some(), "a payload trickled at a byte a second was not cut at its deadline");
     assert!(failed.is_err_and(|e| e.code() == Status::KVSTAGE_E_PEER_GONE), "the trickled room did not fail with its writer gone");
     assert!(settle(Duration::from_secs(2), || rx.stats().ring_live == 0), "the cut writer's range stayed in the ring: {:?}", rx.stats());
-    release_bounded(&c.decode, room, Duration::from_secs(5));
+    release_bounded(&c.decode, at, Duration::from_secs(5));
     drop(raw);
     after_attack(&c, &base, "trickled payloads");
 }
@@ -863,7 +867,7 @@ fn sessions_that_never_read_stall_neither_watermarks_nor_expiry() {
     std::thread::sleep(Duration::from_millis(3000));
     let idle = 95;
     let opened = Instant::now();
-    open_room(&c.decode, idle, &c.room_pages(idle, 1), SMALL.chunk_tokens);
+    let idle_room = open_room(&c.decode, idle, &c.room_pages(idle, 1), SMALL.chunk_tokens);
     // Three chunks in a ring of two and a half: the third grant waits for the first's watermark.
     let ((outcome, took), (expired, failed_after)) = std::thread::scope(|s| {
         let transfer = s.spawn(|| {
@@ -871,18 +875,18 @@ fn sessions_that_never_read_stall_neither_watermarks_nor_expiry() {
             (c.try_transfer("while 32 sessions never read", None, 3), t.elapsed())
         });
         let expired = settle(Duration::from_secs(3), || {
-            rx.wait_room(idle, Some(Duration::ZERO)).is_err_and(|e| e.chain().contains("the room's deadline passed"))
+            rx.wait_room(idle_room, Some(Duration::ZERO)).is_err_and(|e| e.chain().contains("the room's deadline passed"))
         });
         (transfer.join().unwrap(), (expired, opened.elapsed()))
     });
     stop.store(true, Ordering::Relaxed);
     let sessions: u32 = floods.into_iter().map(|h| h.join().unwrap()).sum();
-    let idle_outcome = rx.wait_room(idle, Some(Duration::ZERO)).map_err(|e| e.chain());
+    let idle_outcome = rx.wait_room(idle_room, Some(Duration::ZERO)).map_err(|e| e.chain());
     eprintln!(
         "32 non-reading sessions ({sessions} opened in all): the 1 s room failed after {failed_after:?} ({idle_outcome:?}); \
          a ring-wrapping request: {outcome:?} in {took:?}"
     );
-    release_bounded(&c.decode, idle, Duration::from_secs(5));
+    release_bounded(&c.decode, idle_room, Duration::from_secs(5));
     assert!(expired && failed_after < Duration::from_secs(2), "a room with a 1 s deadline failed only after {failed_after:?} (expired: {expired})");
     assert!(outcome.is_ok(), "a request whose grant wraps the ring did not complete while sessions never read: {}", outcome.unwrap_err());
     after_attack(&c, &base, "sessions that never read");
@@ -960,9 +964,9 @@ fn a_same_host_peer_is_held_to_its_grant_and_its_lease() {
     let closed = raw.wait_closed(CLOSE_BOUND);
     assert!(closed.after.is_some(), "the engine kept a session that reported bytes outside its region");
     assert!(settle(Duration::from_secs(5), || rx.stats().connections == 0));
-    let failed = rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_err();
+    let failed = rx.wait_room(at, Some(Duration::from_secs(5))).unwrap_err();
     assert_eq!(failed.code(), Status::KVSTAGE_E_PEER_GONE, "{}", failed.chain());
-    rx.release_room(room, None).unwrap();
+    rx.release_room(at, None).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(rx.stats().ring_live, 1, "the range of a peer that still maps the ring went back to the ring");
     drop(lease);
@@ -1108,7 +1112,7 @@ fn stale_and_guessed_room_keys_claim_nothing() {
     let pages = c.room_pages(room, 1);
     // The id was opened before (a canceled request): the guesser knows that opening's key.
     let stale = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
-    rx.release_room(room, None).unwrap();
+    rx.release_room(stale, None).unwrap();
     let open = open_room(&c.decode, room, &pages, SMALL.chunk_tokens);
     assert_ne!(stale.key, open.key);
     let mut keys: Vec<u64> = xorshift_bytes(0x6b65_7973, 8 * 2000).chunks(8).map(|b| u64::from_le_bytes(b.try_into().unwrap())).collect();
@@ -1153,7 +1157,7 @@ fn stale_and_guessed_room_keys_claim_nothing() {
     }
     raw.barrier(1, 0); // every frame was processed, the session is served
     assert_eq!(rx.stats().ring_live, 0, "a guessed key got ring space");
-    match rx.wait_room(room, Some(Duration::from_millis(300))) {
+    match rx.wait_room(open, Some(Duration::from_millis(300))) {
         Err(e) if e.code() == Status::KVSTAGE_E_TIMEOUT => {}
         other => panic!("frames with guessed keys changed the room: {other:?}"),
     }
@@ -1161,9 +1165,9 @@ fn stale_and_guessed_room_keys_claim_nothing() {
     assert_eq!(stray, 0, "a guessed key's bytes reached the pool: {first:?}");
     // The room's own senders, with its key: every writer slot was still theirs.
     c.send_room(open, &pages, "after guesses").unwrap_or_else(|e| panic!("{}", e.chain()));
-    rx.wait_room(room, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
+    rx.wait_room(open, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
     c.verify_room("after guesses", room, &pages);
-    rx.release_room(room, None).unwrap();
+    rx.release_room(open, None).unwrap();
     pool_fill_canary(&c.dpool, &pages);
     raw.barrier(2, 0);
     drop(raw);
@@ -1196,10 +1200,10 @@ fn a_lying_trace_id_is_refused_and_the_first_one_named_stays() {
             other => panic!("expected a refusal, got {other:?}"),
         }
     }
-    let trace = |c: &Cluster| c.decode.receiver().describe_room(81).unwrap().trace;
+    let trace = |c: &Cluster| c.decode.receiver().describe_room(room).unwrap().trace;
     assert_eq!(trace(&c), kvstage::protocol::trace::derived_trace(room), "a refused id names nothing");
     assert!(matches!(ask(&mut w0, 4, 0, "req-81"), Message::AllocRsp { status: 0, .. }));
     assert!(matches!(ask(&mut w1, 5, 1, "someone-else"), Message::AllocRsp { status: 0, .. }));
     assert_eq!(trace(&c), "req-81");
-    assert!(c.decode.receiver().describe_room(81).unwrap().chunks[0].writers.len() == 2);
+    assert!(c.decode.receiver().describe_room(room).unwrap().chunks[0].writers.len() == 2);
 }

@@ -4,8 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
 use kvstage::protocol::RoomRef;
+use kvstage::session::notify::EventKind;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
 use kvstage_testkit::HostPool;
@@ -31,7 +33,7 @@ fn pair(decode_opts: EngineOptions, prefill_opts: EngineOptions) -> Pair {
     decode.register_pool(dpool.layout.clone()).unwrap();
     let bytes = staging_layout(&shape(0, 1), &dpool.layout.shape, 16).unwrap().total_bytes;
     decode.register_staging(None, bytes as usize * 2).unwrap();
-    let (_, key) = decode.receiver().open_room(1, &[0, 1, 2, 3], 16).unwrap();
+    let (key, _) = decode.receiver().open_room(RoomOpening::new(1, &[0, 1, 2, 3], 16)).unwrap();
     let prefill = Engine::new(prefill_opts).unwrap();
     let mut ppool = HostPool::new(shape(0, 1), 8);
     ppool.fill(&[4, 5, 6, 7], 0);
@@ -63,9 +65,13 @@ fn corrupted_chunk_is_an_integrity_error_with_both_checksums() {
     let chain = e.chain();
     assert!(chain.contains("room 1 chunk 0") && chain.matches("0x").count() >= 2, "{chain}");
     // The decode side never reports the corrupted room as complete, and frees its ring space.
-    let room = p.decode.receiver().wait_room(1, Some(Duration::from_secs(2))).unwrap_err();
+    let room = p.decode.receiver().wait_room(p.room, Some(Duration::from_secs(2))).unwrap_err();
     assert_eq!(room.code(), Status::KVSTAGE_E_INTEGRITY);
     assert_eq!(room.session(), Some("integrity-1"));
+    // Its events: the failed chunk's, then the whole room's once, both with the failure.
+    let events: Vec<_> = p.decode.receiver().take_events(Some(p.room), 16).iter().map(|e| (e.kind, e.chunk, e.status)).collect();
+    assert_eq!(events, [(EventKind::Chunk, 0, Status::KVSTAGE_E_INTEGRITY), (EventKind::Room, 1, Status::KVSTAGE_E_INTEGRITY)]);
+    assert!(p.decode.receiver().take_events(None, 16).is_empty());
     assert_eq!(p.decode.receiver().ring_stats().1, 0);
     assert!(faults.counters.corrupted.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }
@@ -78,7 +84,11 @@ fn without_checksums_the_same_corruption_goes_unnoticed() {
     let s = p.prefill.connect(&p.decode.local_addr().to_string(), "integrity-2", None).unwrap();
     let desc = TransferDesc { room: p.room, chunk: 0, pages: vec![4, 5, 6, 7], timeout: Some(Duration::from_secs(5)), ..Default::default() };
     assert_eq!(s.transfer(&desc, &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
-    p.decode.receiver().wait_room(1, Some(Duration::from_secs(2))).unwrap();
+    p.decode.receiver().wait_room(p.room, Some(Duration::from_secs(2))).unwrap();
+    // The decode side saw a whole room: its chunk's event, then the room's, once.
+    let events: Vec<_> = p.decode.receiver().take_events(None, 16).iter().map(|e| (e.kind, e.room, e.key, e.chunk, e.status)).collect();
+    let (id, key) = (p.room.id, p.room.key);
+    assert_eq!(events, [(EventKind::Chunk, id, key, 0, Status::KVSTAGE_OK), (EventKind::Room, id, key, 1, Status::KVSTAGE_OK)]);
     let (bad, _) = p.dpool.verify(&[0, 1, 2, 3], 0);
     assert!(bad > 0, "the fault injector did not corrupt anything");
     let (clean, _) = p.ppool.verify(&[4, 5, 6, 7], 0);

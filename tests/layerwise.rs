@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
 use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
@@ -142,7 +143,7 @@ fn stream_into(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: Transp
     let pages = [5u32, 2, 7];
     let dst_pages = [1u32, 9, 4];
     let d = decode_in(dst, transport, None, into_pool);
-    let (_, key) = d.engine.receiver().open_room(1, &dst_pages, PAGE * 3).unwrap();
+    let (key, _) = d.engine.receiver().open_room(RoomOpening::new(1, &dst_pages, PAGE * 3)).unwrap();
     let room = RoomRef { id: 1, key };
     let prefills: Vec<Prefill> =
         srcs.iter().enumerate().map(|(i, s)| prefill_with(s.clone(), &pages, &d, options_into(transport, into_pool), &format!("{name}-{i}"))).collect();
@@ -175,13 +176,13 @@ fn stream_into(name: &str, srcs: &[PoolShape], dst: PoolShape, transport: Transp
             Err(e) => panic!("{name} sender {i} (seed {seed}): {}", e.chain()),
         }
     }
-    d.engine.receiver().wait_room(1, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{name} (seed {seed}): {}", e.chain()));
+    d.engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{name} (seed {seed}): {}", e.chain()));
     let (bad, first) = d.pool.verify(&dst_pages, 0);
     assert_eq!(bad, 0, "{name} (seed {seed}): {first:?}");
     let regions = |on: TransportKind| if into_pool && transport == on { prefills.len() as u64 } else { 0 };
     assert_eq!(d.engine.shm().direct_chunks(), regions(TransportKind::Shm), "{name} (seed {seed}): regions received directly");
     assert_eq!(d.engine.stats().receive.regions_read_into_pool, regions(TransportKind::Tcp), "{name} (seed {seed}): regions read into the pool");
-    d.engine.receiver().release_room(1, None).unwrap();
+    d.engine.receiver().release_room(room, None).unwrap();
 }
 
 fn mha() -> PoolShape {
@@ -264,9 +265,10 @@ fn marked_layers_leave_before_the_last_is_ready() {
     let mut ring = vec![CANARY; region * 2];
     let ring_ptr = ring.as_ptr() as usize;
     let d = decode(mha(), TransportKind::Tcp, Some(&mut ring));
-    let (_, key) = d.engine.receiver().open_room(1, &pages, tokens).unwrap();
+    let (key, _) = d.engine.receiver().open_room(RoomOpening::new(1, &pages, tokens)).unwrap();
     let p = prefill(mha(), &pages, &d, TransportKind::Tcp, "streams");
-    let op = start(&p.session, RoomRef { id: 1, key }, &pages, Duration::from_secs(20));
+    let room = RoomRef { id: 1, key };
+    let op = start(&p.session, room, &pages, Duration::from_secs(20));
     let gate = op.layers().unwrap().clone();
     gate.mark(0, LAYERS - 1, None).unwrap();
     // (LAYERS-1)/LAYERS of the region; pattern bytes equal to the canary by chance are few.
@@ -292,10 +294,10 @@ fn marked_layers_leave_before_the_last_is_ready() {
     assert_eq!(op.poll().unwrap(), Status::KVSTAGE_PENDING, "the chunk cannot be done without its last layer");
     gate.mark(LAYERS - 1, 1, None).unwrap();
     assert_eq!(op.wait(Some(Duration::from_secs(20))).unwrap(), Status::KVSTAGE_OK);
-    d.engine.receiver().wait_room(1, Some(Duration::from_secs(10))).unwrap();
+    d.engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = d.pool.verify(&pages, 0);
     assert_eq!(bad, 0, "{first:?}");
-    d.engine.receiver().release_room(1, None).unwrap();
+    d.engine.receiver().release_room(room, None).unwrap();
     drop(p);
     drop(d);
     drop(ring);
@@ -308,20 +310,21 @@ fn a_layer_never_marked_ends_by_the_deadline_and_fails_the_room() {
     for (transport, direct) in [(TransportKind::Tcp, false), (TransportKind::Shm, false), (TransportKind::Shm, true)] {
         let pages = [1u32, 2];
         let d = decode_in(mha(), transport, None, direct);
-        let (_, key) = d.engine.receiver().open_room(1, &pages, PAGE * 2).unwrap();
+        let (key, _) = d.engine.receiver().open_room(RoomOpening::new(1, &pages, PAGE * 2)).unwrap();
         let p = prefill(mha(), &pages, &d, transport, "never");
         let deadline = Duration::from_millis(400);
         let started = Instant::now();
-        let op = start(&p.session, RoomRef { id: 1, key }, &pages, deadline);
+        let at = RoomRef { id: 1, key };
+        let op = start(&p.session, at, &pages, deadline);
         op.layers().unwrap().mark(0, LAYERS - 1, None).unwrap();
         let err = op.wait(Some(Duration::from_secs(20))).unwrap_err();
         let took = started.elapsed();
         assert_eq!(err.code(), Status::KVSTAGE_E_TIMEOUT, "{transport:?}: {}", err.chain());
         assert!(err.chain().contains("mark the chunk's layers ready"), "{}", err.chain());
         assert!(took < deadline + Duration::from_secs(2), "{transport:?}: ended after {took:?}");
-        let room = d.engine.receiver().wait_room(1, Some(Duration::from_secs(10)));
+        let room = d.engine.receiver().wait_room(at, Some(Duration::from_secs(10)));
         assert!(room.is_err(), "{transport:?}: the room cannot complete without the layer");
-        d.engine.receiver().release_room(1, None).unwrap();
+        d.engine.receiver().release_room(at, None).unwrap();
         let live = || d.engine.receiver().ring_stats().1;
         let t = Instant::now();
         while live() != 0 && t.elapsed() < Duration::from_secs(10) {

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
 use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
@@ -26,7 +27,7 @@ fn a_vanished_peer_mid_write_is_an_error_not_a_signal() {
         decode.register_pool(dpool.layout.clone()).unwrap();
         let chunk = staging_layout(&shape, &shape, chunk_tokens).unwrap().total_bytes;
         decode.register_staging(None, 2 * chunk as usize).unwrap();
-        let (_, key) = decode.receiver().open_room(1, &pages, chunk_tokens).unwrap();
+        let (key, _) = decode.receiver().open_room(RoomOpening::new(1, &pages, chunk_tokens)).unwrap();
 
         let prefill = Engine::new(EngineOptions::default()).unwrap();
         let mut ppool = HostPool::new(shape.clone(), 64);

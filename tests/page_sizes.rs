@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::session::Integrity;
 use kvstage::transport::faults::{FaultPlan, Faults};
 use common::{open_room, Cluster, RawPeer, RingSpec, SMALL};
@@ -82,7 +83,10 @@ fn decodes_with(path: Path, dps: u32, tp: u32, total: u64, prefix: u64) -> Vec<D
             engine.register_pool(pool.layout.clone()).unwrap();
             engine.register_staging(None, 1 << 20).unwrap();
             let pages = page_table((total - prefix).div_ceil(dps as u64) as usize, CAPACITY, 7 + r as u64, true);
-            let (_, key) = engine.receiver().open_room(ROOM, &pages, CHUNK_TOKENS).unwrap();
+            let opening = RoomOpening { prefix_tokens: prefix, ..RoomOpening::new(ROOM, &pages, CHUNK_TOKENS) };
+            let (key, grid) = engine.receiver().open_room(opening).unwrap();
+            let chunks = chunk_span(total, prefix, dps, dps, CHUNK_TOKENS, 0).unwrap().num_chunks;
+            assert_eq!((grid.num_chunks, grid.num_pages, grid.page_size, grid.prefix_tokens), (chunks, pages.len() as u32, dps, prefix));
             Decode { engine, pool, pages, room: RoomRef { id: ROOM, key } }
         })
         .collect()
@@ -161,7 +165,7 @@ fn request_over(path: Path, sps: u32, dps: u32, src_tp: u32, dst_tp: u32, total:
         }
     }
     for (r, dec) in d.iter().enumerate() {
-        dec.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{what}: decode {r}: {}", e.chain()));
+        dec.engine.receiver().wait_room(dec.room, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{what}: decode {r}: {}", e.chain()));
         let (bad, first) = dec.pool.verify_tokens(&dec.pages, prefix, total - prefix);
         assert_eq!(bad, 0, "{what}: decode rank {r}: {first:?}");
         // Every region of every chunk went the way asked: into the pool directly, read into it,
@@ -219,13 +223,14 @@ fn a_chunk_of_the_wrong_size_or_pages_that_do_not_hold_it_are_refused() {
     let wrong = [(TransferDesc { num_tokens: 127, ..good.clone() }, "sender has 127 tokens, receiver expects 128"), (TransferDesc { num_tokens: 16, ..last.clone() }, "sender has 16 tokens, receiver expects 17..=32")];
     for (i, (bad, text)) in wrong.into_iter().enumerate() {
         let id = ROOM + 1 + i as u64;
-        let (_, key) = d[0].engine.receiver().open_room(id, &d[0].pages, CHUNK_TOKENS).unwrap();
-        let e = send(s, &TransferDesc { room: RoomRef { id, key }, ..bad }, false).unwrap_err();
+        let (key, _) = d[0].engine.receiver().open_room(RoomOpening { prefix_tokens: prefix, ..RoomOpening::new(id, &d[0].pages, CHUNK_TOKENS) }).unwrap();
+        let at = RoomRef { id, key };
+        let e = send(s, &TransferDesc { room: at, ..bad }, false).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
         assert!(e.chain().contains(text), "{}", e.chain());
-        let failed = d[0].engine.receiver().wait_room(id, Some(Duration::ZERO)).unwrap_err();
+        let failed = d[0].engine.receiver().wait_room(at, Some(Duration::ZERO)).unwrap_err();
         assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(text), "room {id}: {}", failed.chain());
-        d[0].engine.receiver().release_room(id, None).unwrap();
+        d[0].engine.receiver().release_room(at, None).unwrap();
     }
 
     // The slice path moves whole decode pages only.
@@ -238,7 +243,7 @@ fn a_chunk_of_the_wrong_size_or_pages_that_do_not_hold_it_are_refused() {
         assert_eq!(send(s, &desc(room, &src_pages, total, prefix, sps, dps, chunk), true).unwrap(), Status::KVSTAGE_OK);
     }
     assert_eq!(send(s, &last, false).unwrap(), Status::KVSTAGE_OK);
-    d[0].engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+    d[0].engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = d[0].pool.verify_tokens(&d[0].pages, prefix, total - prefix);
     assert_eq!(bad, 0, "{first:?}");
 }
@@ -267,18 +272,18 @@ fn a_lying_token_count_claims_nothing() {
         let id = 72 + i as u64;
         let room = open_room(&c.decode, id, &pages, SMALL.chunk_tokens);
         refused(w0.alloc(1 + i as u64, room, chunk, 0, &layout(0, tokens)), text);
-        let failed = c.decode.receiver().wait_room(id, Some(Duration::ZERO)).unwrap_err();
+        let failed = c.decode.receiver().wait_room(room, Some(Duration::ZERO)).unwrap_err();
         assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(text), "room {id}: {}", failed.chain());
-        let doc = serde_json::to_value(c.decode.receiver().describe_room(id).unwrap()).unwrap();
+        let doc = serde_json::to_value(c.decode.receiver().describe_room(room).unwrap()).unwrap();
         assert!(doc["chunks"].as_array().unwrap().iter().all(|ch| ch["writers"].as_array().is_none_or(|w| w.is_empty())), "{doc}");
-        c.decode.receiver().release_room(id, None).unwrap();
+        c.decode.receiver().release_room(room, None).unwrap();
     }
     let room = open_room(&c.decode, 71, &pages, SMALL.chunk_tokens);
     let first = w0.alloc_granted(4, room, 1, 0, &layout(0, 7));
     let second = w1.alloc_granted(6, room, 1, 1, &layout(1, 7));
     assert_eq!((first.round, first.offset, first.len), (second.round, second.offset, second.len), "one allocation for the chunk");
     assert_ne!(first.region, second.region);
-    let doc = serde_json::to_value(c.decode.receiver().describe_room(71).unwrap()).unwrap();
+    let doc = serde_json::to_value(c.decode.receiver().describe_room(room).unwrap()).unwrap();
     assert_eq!((doc["state"].as_str(), doc["chunks"][1]["tokens"].as_u64()), (Some("open"), Some(7)), "{doc}");
     assert_eq!(doc["chunks"][1]["writers"].as_array().unwrap().len(), 2, "{doc}");
     // A second writer disagreeing with the chunk's first: refused, and the room fails (the
@@ -289,7 +294,7 @@ fn a_lying_token_count_claims_nothing() {
     w0.alloc_granted(7, room, 1, 0, &layout(0, 7));
     assert_eq!(rx.stats().ring_live, live + 1);
     refused(w1.alloc(8, room, 1, 1, &layout(1, 8)), "this writer has 8 tokens, the chunk's first writer 7");
-    let failed = rx.wait_room(80, Some(Duration::ZERO)).unwrap_err();
+    let failed = rx.wait_room(room, Some(Duration::ZERO)).unwrap_err();
     assert!(failed.chain().contains("writer 1 (session liar-1"), "{}", failed.chain());
     assert_eq!(rx.stats().ring_live, live, "the failed room's grant stayed in the ring");
 }

@@ -5,6 +5,7 @@
 use std::time::{Duration, Instant};
 
 use kvstage::engine::{Engine, EngineOptions};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
 use kvstage_testkit::HostPool;
 
@@ -43,16 +44,17 @@ fn the_keeper_still_expires_rooms_after_a_panic() {
     let rx = decode.receiver();
     kvstage::panics::arm("keeper");
     assert!(settle(Duration::from_secs(5), || rx.stats().panics >= 1), "the keeper never reached its fault point: {:?}", rx.stats());
-    rx.open_room(1, &[0, 1, 2, 3], 64).unwrap();
+    let (key, _) = rx.open_room(RoomOpening::new(1, &[0, 1, 2, 3], 64)).unwrap();
+    let room = kvstage::protocol::RoomRef { id: 1, key };
     // Nobody sends: the room must expire by its 300 ms timeout, which only the keeper enforces.
     assert!(
         settle(Duration::from_secs(5), || rx.stats().rooms_expired >= 1),
         "the room did not expire after the keeper panicked once (the keeper thread is gone): {:?}",
         rx.stats()
     );
-    let outcome = rx.wait_room(1, Some(Duration::from_secs(1)));
+    let outcome = rx.wait_room(room, Some(Duration::from_secs(1)));
     assert_eq!(outcome.as_ref().map_err(|e| e.code()).err(), Some(kvstage::Status::KVSTAGE_E_TIMEOUT), "{outcome:?}");
-    rx.release_room(1, None).unwrap();
+    rx.release_room(room, None).unwrap();
 }
 
 #[test]
@@ -89,16 +91,18 @@ fn the_scatter_thread_goes_on_after_a_panic_in_its_bookkeeping() {
     prefill.register_pool(ppool.layout.clone()).unwrap();
     let s = prefill.connect(&decode.local_addr().to_string(), "scatter-panic", Some(Duration::from_secs(5))).unwrap();
     kvstage::panics::arm("scatter done");
+    let mut last = RoomRef::default();
     for room in [1u64, 2] {
         let pages: Vec<u32> = (room as u32 * 4..room as u32 * 4 + 4).collect();
-        let (_, key) = rx.open_room(room, &pages, 64).unwrap();
-        let desc = TransferDesc { room: RoomRef { id: room, key }, chunk: 0, pages: src.clone(), timeout: Some(Duration::from_secs(5)), ..Default::default() };
+        let (key, _) = rx.open_room(RoomOpening::new(room, &pages, 64)).unwrap();
+        last = RoomRef { id: room, key };
+        let desc = TransferDesc { room: last, chunk: 0, pages: src.clone(), timeout: Some(Duration::from_secs(5)), ..Default::default() };
         assert_eq!(s.transfer(&desc, &Op::new(s.waker())).unwrap(), kvstage::Status::KVSTAGE_OK);
         if room == 1 {
             assert!(settle(Duration::from_secs(5), || rx.stats().panics == 1), "the bookkeeping never reached its fault point: {:?}", rx.stats());
         }
     }
-    rx.wait_room(2, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("the room after the panic: {}", e.chain()));
+    rx.wait_room(last, Some(Duration::from_secs(5))).unwrap_or_else(|e| panic!("the room after the panic: {}", e.chain()));
     let (bad, first) = dpool.verify(&[8, 9, 10, 11], 0);
     assert_eq!(bad, 0, "{first:?}");
 }

@@ -5,12 +5,14 @@
 //!   bytes, and the bytes on the wire are the decode layers' once.
 //! - Two prefill ranks claiming the same layer of the same heads: the second is refused before
 //!   its bytes move and the room fails, naming the layer and both ranks.
-//! - The chunk grid: the prefill side asks the decode side for it; a chunk of the wrong size or
-//!   past the room is refused before any byte moves, with both sides' values in the message.
+//! - The chunk grid: the prefill side asks the decode side for it (the decode prefix too, which
+//!   must be whole decode pages); a chunk of the wrong size or past the room is refused before any
+//!   byte moves, with both sides' values in the message.
 
 use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{decode_peers, staging_layout, ModelKind, PoolShape};
 use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
@@ -41,7 +43,7 @@ fn decode(shape: PoolShape, room: u64, pages: &[u32], chunk_tokens: u32) -> Deco
     let pool = HostPool::new(shape, 16);
     engine.register_pool(pool.layout.clone()).unwrap();
     engine.register_staging(None, 1 << 20).unwrap();
-    let (_, key) = engine.receiver().open_room(room, pages, chunk_tokens).unwrap();
+    let (key, _) = engine.receiver().open_room(RoomOpening::new(room, pages, chunk_tokens)).unwrap();
     Decode { engine, pool, room: RoomRef { id: room, key } }
 }
 
@@ -98,7 +100,7 @@ fn reshard(src_tp: u32, src_split: &[Vec<u32>], dst_split: &[Vec<u32>], order: &
         }
     }
     for (q, d) in decodes.iter().enumerate() {
-        d.engine.receiver().wait_room(3, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("decode stage {q}: {}", e.chain()));
+        d.engine.receiver().wait_room(d.room, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("decode stage {q}: {}", e.chain()));
         let (bad, first) = d.pool.verify(&dst_pages, 0);
         assert_eq!(bad, 0, "{src_split:?} -> {dst_split:?}: decode stage {q}: {first:?}");
         // The decode rank's layers crossed once each, whatever the split.
@@ -141,7 +143,7 @@ fn two_ranks_claiming_one_layer_are_refused_before_bytes_move() {
     assert_eq!(d.engine.stats().receive.bytes_received, before, "the refused writer's bytes never moved");
     assert_eq!(overlapping.sessions[0].stats().send.bytes_sent, 0);
     // Either copy of layer 3 may be the wrong layer: the room fails at once, naming both ranks.
-    let e = d.engine.receiver().wait_room(4, Some(Duration::from_secs(5))).unwrap_err();
+    let e = d.engine.receiver().wait_room(d.room, Some(Duration::from_secs(5))).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "{}", e.chain());
     assert!(e.chain().contains("claimed by prefill rank (tp 0, pp 1)"), "{}", e.chain());
 }
@@ -154,20 +156,30 @@ fn the_prefill_side_learns_the_grid_and_a_wrong_chunk_is_refused_with_both_value
     let p = prefill(base(), &pages, std::slice::from_ref(&d));
     let s = &p.sessions[0];
     let grid = s.room_grid(d.room, Some(Duration::from_secs(5))).unwrap();
-    assert_eq!(grid, RoomGrid { chunk_tokens: 16, num_chunks: 3, num_pages: 10 });
+    assert_eq!(grid, RoomGrid { chunk_tokens: 16, num_chunks: 3, num_pages: 10, page_size: PAGE, prefix_tokens: 0 });
     let e = s.room_grid(RoomRef { id: 99, key: 1 }, Some(Duration::from_secs(5))).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_STALE_ROOM, "{}", e.chain());
     assert!(e.chain().contains("room 99: the room key names no open opening"), "{}", e.chain());
-    d.engine.receiver().release_room(6, None).unwrap();
+    d.engine.receiver().release_room(d.room, None).unwrap();
     let e = s.room_grid(d.room, Some(Duration::from_secs(5))).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_STALE_ROOM, "a released room is gone: {}", e.chain());
-    let (_, key) = d.engine.receiver().open_room(6, &pages, 16).unwrap();
+    // A decode prefix must be whole decode pages; the one the room opens with reaches the sender.
+    let e = d.engine.receiver().open_room(RoomOpening { prefix_tokens: u64::from(PAGE) * 3 + 1, ..RoomOpening::new(6, &pages, 16) }).unwrap_err();
+    assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", e.chain());
+    assert!(e.chain().contains("prefix_tokens") && e.chain().contains("round the cached prefix down to 12"), "{}", e.chain());
+    let (key, opened) = d.engine.receiver().open_room(RoomOpening { prefix_tokens: u64::from(PAGE) * 3, ..RoomOpening::new(6, &pages, 16) }).unwrap();
+    let prefixed = RoomGrid { prefix_tokens: u64::from(PAGE) * 3, ..grid };
+    assert_eq!(opened, prefixed);
+    assert_eq!(s.room_grid(RoomRef { id: 6, key }, Some(Duration::from_secs(5))).unwrap(), prefixed, "the sender learns the decode prefix");
+    d.engine.receiver().release_room(RoomRef { id: 6, key }, None).unwrap();
+    let (key, opened) = d.engine.receiver().open_room(RoomOpening::new(6, &pages, 16)).unwrap();
+    assert_eq!(opened, grid);
     let room = RoomRef { id: 6, key };
 
     // A chunk past the grid: refused, the room goes on.
     let e = send(s, room, 3, &pages[..2]).unwrap_err();
     assert!(e.chain().contains("chunk 3 is past room 6's 3 chunks (0 .. 2)"), "{}", e.chain());
-    assert_eq!(d.engine.receiver().wait_room(6, Some(Duration::ZERO)).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT, "the room goes on");
+    assert_eq!(d.engine.receiver().wait_room(room, Some(Duration::ZERO)).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT, "the room goes on");
     // A sender guessing a grid of 3 pages: refused at allocation with both values, nothing sent;
     // the room, which that writer cannot deliver, fails at once with the same words.
     let e = send(s, room, 0, &pages[..3]).unwrap_err();
@@ -176,10 +188,10 @@ fn the_prefill_side_learns_the_grid_and_a_wrong_chunk_is_refused_with_both_value
     assert!(e.chain().contains(both), "{}", e.chain());
     assert_eq!(s.stats().send.bytes_sent, 0);
     assert_eq!(d.engine.stats().receive.bytes_received, 0);
-    let failed = d.engine.receiver().wait_room(6, Some(Duration::ZERO)).unwrap_err();
+    let failed = d.engine.receiver().wait_room(room, Some(Duration::ZERO)).unwrap_err();
     assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(both), "{}", failed.chain());
-    d.engine.receiver().release_room(6, None).unwrap();
-    let (_, key) = d.engine.receiver().open_room(6, &pages, 16).unwrap();
+    d.engine.receiver().release_room(room, None).unwrap();
+    let (key, _) = d.engine.receiver().open_room(RoomOpening::new(6, &pages, 16)).unwrap();
     let room = RoomRef { id: 6, key };
 
     // Cut on the grid it learnt, the same sender delivers the room opened again.
@@ -187,7 +199,7 @@ fn the_prefill_side_learns_the_grid_and_a_wrong_chunk_is_refused_with_both_value
     for (k, chunk) in pages.chunks(per_chunk).enumerate() {
         assert_eq!(send(s, room, k as u32, chunk).unwrap_or_else(|e| panic!("chunk {k}: {}", e.chain())), Status::KVSTAGE_OK);
     }
-    d.engine.receiver().wait_room(6, Some(Duration::from_secs(10))).unwrap();
+    d.engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = d.pool.verify(&pages, 0);
     assert_eq!(bad, 0, "{first:?}");
 }

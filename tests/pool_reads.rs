@@ -49,7 +49,7 @@ fn release_during_slow_payload(into_pool: bool) -> (Duration, String, bool) {
     });
     std::thread::sleep(Duration::from_millis(200));
     let start = Instant::now();
-    release_bounded(&c.decode, 11, Duration::from_secs(5));
+    release_bounded(&c.decode, a, Duration::from_secs(5));
     let took = start.elapsed();
     // From here on the pages are the caller's again: nothing may land in them.
     pool_fill_canary(&c.dpool, &pages_a);
@@ -61,7 +61,7 @@ fn release_during_slow_payload(into_pool: bool) -> (Duration, String, bool) {
     let read = c.decode.stats().receive.regions_read_into_pool;
     assert_eq!(read, 0, "into_pool {into_pool}: a region of a released room counted as read");
     std::thread::sleep(Duration::from_millis(100));
-    let b_state = match rx.wait_room(12, Some(Duration::from_millis(300))) {
+    let b_state = match rx.wait_room(b, Some(Duration::from_millis(300))) {
         Ok(s) => format!("ok {s:?}"),
         Err(e) => format!("{:?}: {}", e.code(), e.chain()),
     };

@@ -76,10 +76,10 @@ fn a_stuck_decode_peer_costs_only_its_own_sessions() {
         let desc = TransferDesc { room: at, chunk: 0, pages: pages.clone(), timeout: Some(Duration::from_secs(10)), ..Default::default() };
         let status = to_healthy.transfer(&desc, &Op::new(to_healthy.waker())).unwrap_or_else(|e| panic!("room {room}: {}", e.chain()));
         assert_eq!(status, Status::KVSTAGE_OK);
-        healthy.engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
+        healthy.engine.receiver().wait_room(at, Some(Duration::from_secs(10))).unwrap();
         let (bad, first) = healthy.pool.verify(&pages, 0);
         assert_eq!(bad, 0, "room {room}: {first:?}");
-        healthy.engine.receiver().release_room(room, None).unwrap();
+        healthy.engine.receiver().release_room(at, None).unwrap();
         healthy_rooms += 1;
         assert!(healthy_rooms < 1000, "bounded");
     }
@@ -132,10 +132,10 @@ fn hundreds_of_async_operations_run_on_a_fixed_set_of_threads() {
     }
     for room in 0..OPS {
         let d = &decodes[(room % 2) as usize];
-        d.engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
+        d.engine.receiver().wait_room(opened[room as usize], Some(Duration::from_secs(10))).unwrap();
         let (bad, first) = d.pool.verify(&pages, 0);
         assert_eq!(bad, 0, "room {room}: {first:?}");
-        d.engine.receiver().release_room(room, None).unwrap();
+        d.engine.receiver().release_room(opened[room as usize], None).unwrap();
     }
     let after = threads();
     eprintln!("threads: {before} before, at most {most} with {OPS} operations in flight, {after} after");

@@ -7,6 +7,7 @@
 use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
 use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
@@ -74,7 +75,7 @@ fn pair(decode: EngineOptions, prefill: EngineOptions, prefill_tp: u32) -> Pair 
 
 /// Opens `room` on the decode engine over `pages` (one chunk); the room as its senders name it.
 fn open(p: &Pair, room: u64, pages: &[u32]) -> RoomRef {
-    let (_, key) = p.decode.receiver().open_room(room, pages, PAGES * 16).unwrap();
+    let (key, _) = p.decode.receiver().open_room(RoomOpening::new(room, pages, PAGES * 16)).unwrap();
     RoomRef { id: room, key }
 }
 
@@ -88,10 +89,10 @@ fn transfer_all(p: &Pair, room: u64, tag: &str) {
         let s = e.connect(&p.decode.local_addr().to_string(), &format!("{tag}-{i}"), None).unwrap();
         assert_eq!(s.transfer(&desc(at), &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
     }
-    p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
+    p.decode.receiver().wait_room(at, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = p.dpool.verify(&(0..PAGES).collect::<Vec<_>>(), 0);
     assert_eq!(bad, 0, "{first:?}");
-    p.decode.receiver().release_room(room, None).unwrap();
+    p.decode.receiver().release_room(at, None).unwrap();
     assert_eq!(p.decode.receiver().ring_stats().1, 0);
 }
 
@@ -153,10 +154,10 @@ fn a_layer_wise_chunk_streams_by_rdma_write_and_its_immediate_follows_the_last_l
     }
     gate.mark(3, 1, None).unwrap();
     assert_eq!(op.wait(Some(Duration::from_secs(10))).unwrap(), Status::KVSTAGE_OK);
-    p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
+    p.decode.receiver().wait_room(at, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = p.dpool.verify(&pages, 0);
     assert_eq!(bad, 0, "{first:?}");
-    p.decode.receiver().release_room(room, None).unwrap();
+    p.decode.receiver().release_room(at, None).unwrap();
     drop(s);
     drop(p);
     drop(ring);
@@ -181,10 +182,10 @@ fn two_sessions_of_one_engine_write_at_once_from_their_own_staging_buffers() {
                     let at = open(p, room, &dst);
                     let status = s.transfer(&desc(at), &Op::new(s.waker())).unwrap_or_else(|e| panic!("session {t} chunk {i}: {}", e.chain()));
                     assert_eq!(status, Status::KVSTAGE_OK);
-                    p.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
+                    p.decode.receiver().wait_room(at, Some(Duration::from_secs(10))).unwrap();
                     let (bad, first) = p.dpool.verify(&dst, 0);
                     assert_eq!(bad, 0, "session {t} chunk {i}: {first:?}");
-                    p.decode.receiver().release_room(room, None).unwrap();
+                    p.decode.receiver().release_room(at, None).unwrap();
                 }
             });
         }
@@ -260,7 +261,7 @@ fn a_failed_work_completion_names_status_qp_peer_and_session() {
     assert!(chain.contains("IBV_WC_REM_ACCESS_ERR (status 10"), "{chain}");
     assert!(chain.contains("QP 0x") && chain.contains("peer ") && chain.contains("session stale-rkey"), "{chain}");
     // The session is dead; the decode side fails the room and frees its ring space.
-    let room = p.decode.receiver().wait_room(5, Some(Duration::from_secs(5))).unwrap_err();
+    let room = p.decode.receiver().wait_room(at, Some(Duration::from_secs(5))).unwrap_err();
     assert!(matches!(room.code(), Status::KVSTAGE_E_PEER_GONE | Status::KVSTAGE_E_CANCELED), "{}", room.chain());
     assert_eq!(p.decode.receiver().ring_stats().1, 0);
 }
@@ -314,8 +315,8 @@ fn a_write_stuck_on_the_session_delays_another_only_until_its_deadline() {
     assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
     assert!(e.chain().contains("waiting for another write"), "{}", e.chain());
     let _ = stuck.wait(Some(Duration::from_secs(30)));
-    p.decode.receiver().release_room(21, None).unwrap();
-    p.decode.receiver().release_room(22, None).unwrap();
+    p.decode.receiver().release_room(room_a, None).unwrap();
+    p.decode.receiver().release_room(room_b, None).unwrap();
 }
 
 /// RDMA setup that fails on the sender only, after the receiver accepted its offer (its QPs'
@@ -340,9 +341,9 @@ fn a_sender_side_rdma_setup_failure_settles_both_sides_on_tcp() {
     assert_eq!(p.decode.rdma().sessions(), 0, "the receiver counted an RDMA session the sender could not set up");
     let started = std::time::Instant::now();
     assert_eq!(s.transfer(&desc(at), &Op::new(s.waker())).unwrap(), Status::KVSTAGE_OK);
-    p.decode.receiver().wait_room(31, Some(Duration::from_secs(10))).unwrap();
+    p.decode.receiver().wait_room(at, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = p.dpool.verify(&pages, 0);
     assert_eq!(bad, 0, "{first:?}");
     eprintln!("transfer over tcp after the sender's RDMA setup failed: {:?}", started.elapsed());
-    p.decode.receiver().release_room(31, None).unwrap();
+    p.decode.receiver().release_room(at, None).unwrap();
 }

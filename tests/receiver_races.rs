@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvstage::protocol::{Message, RoomRef};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::Status;
 
 const MARGIN: usize = 4096;
@@ -92,7 +93,7 @@ fn release_during_a_payload_read_frees_the_range_once_the_read_stops() {
     let mut w = stall_writer0(&c, at, "stalled-w0");
     assert_eq!(rx.stats().ring_live, 1);
 
-    let took = release_bounded(&c.decode, room, BOUND);
+    let took = release_bounded(&c.decode, at, BOUND);
     assert!(settle(BOUND, || rx.stats().ring_live == 0), "the stalled read kept its range after the release: {:?}", rx.stats());
     eprintln!("release during a payload read: release_room returned after {took:?}, the range went back");
     w.check_landed(&ring, false);
@@ -131,7 +132,7 @@ fn co_writer_abort_during_a_payload_read() {
 
     w1.send(&Message::Abort { room: at, chunk: 0, reason: "co-writer gives up".into() }).unwrap();
     w1.barrier(2, 1);
-    let e = rx.wait_room(room, Some(BOUND)).unwrap_err();
+    let e = rx.wait_room(at, Some(BOUND)).unwrap_err();
     eprintln!("co-writer abort: room {room}: {:?}: {}", e.code(), e.chain());
     assert_eq!(e.code(), Status::KVSTAGE_E_CANCELED, "{}", e.chain());
     std::thread::sleep(Duration::from_millis(100));
@@ -155,7 +156,7 @@ fn co_writer_abort_during_a_payload_read() {
     }
     ring.check("co-writer abort", &[w0.region.clone()]);
     assert_pool_untouched(&c, "co-writer abort");
-    let took = release_bounded(&c.decode, room, BOUND);
+    let took = release_bounded(&c.decode, at, BOUND);
     eprintln!("co-writer abort: release of the failed room took {took:?}");
     // The ring is empty: the next grant starts a new round at offset 0.
     c.legit_transfer("after the co-writer abort", Some(room), 1);
@@ -179,7 +180,7 @@ fn register_staging_during_a_read_fails_until_the_room_is_drained() {
     eprintln!("register_staging during a read: {:?}: {}", e.code(), e.chain());
     assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
     assert!(e.chain().contains("live allocation"), "{}", e.chain());
-    release_bounded(&c.decode, room, BOUND);
+    release_bounded(&c.decode, at, BOUND);
     std::thread::sleep(Duration::from_millis(100));
     if rx.stats().ring_live > 0 {
         // Released, but the read still pins its range: still refused.
@@ -225,17 +226,17 @@ fn reopen_during_the_release_of_a_slice_read() {
 
     let released = AtomicBool::new(false);
     let (mut still_releasing, mut already_open) = (0, 0);
-    let (release_took, reopened_after) = std::thread::scope(|s| {
+    let (release_took, reopened_after, reopened) = std::thread::scope(|s| {
         let start = Instant::now();
         let releaser = s.spawn(|| {
-            let took = release_bounded(&c.decode, room, BOUND);
+            let took = release_bounded(&c.decode, at, BOUND);
             released.store(true, Ordering::SeqCst);
             took
         });
-        let reopened = loop {
+        let (reopened, at) = loop {
             assert!(start.elapsed() < BOUND * 2, "open_room never succeeded after the release");
-            match rx.open_room(room, &pages, SMALL.chunk_tokens) {
-                Ok(_) => break start.elapsed(),
+            match rx.open_room(RoomOpening::new(room, &pages, SMALL.chunk_tokens)) {
+                Ok((key, _)) => break (start.elapsed(), RoomRef { id: room, key }),
                 Err(e) => {
                     assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG, "{}", e.chain());
                     if e.message().contains("still being released") {
@@ -260,14 +261,14 @@ fn reopen_during_the_release_of_a_slice_read() {
             "slice read: release_room took {took:?}; reopen succeeded after {reopened:?} (release returned first: {released_first}); \
              refusals: {still_releasing} \"still being released\", {already_open} \"already open\"; late payload write: {rest:?}"
         );
-        (took, reopened)
+        (took, reopened, at)
     });
     assert!(still_releasing > 0, "open_room never saw the room being released (release took {release_took:?})");
     assert!(release_took < BOUND && reopened_after < BOUND);
     let closed = raw.wait_closed(Duration::from_secs(2));
     assert!(closed.after.is_some(), "the stalled slice reader's connection was not shut down by the release");
     // The reopened room takes a full staged transfer.
-    rx.release_room(room, None).unwrap();
+    rx.release_room(reopened, None).unwrap();
     c.legit_transfer("after the slice-read release", Some(room), 1);
     assert_eq!(rx.stats().panics, 0);
 }
@@ -294,12 +295,13 @@ fn reopen_during_a_scatter_waits_for_it() {
         c.send_room(at, &pages, &format!("scatter-{round}")).unwrap_or_else(|e| panic!("round {round}: {}", e.chain()));
         let mut seen = 0;
         std::thread::scope(|s| {
-            let releaser = s.spawn(|| release_bounded(&c.decode, room, BOUND));
+            let (old, decode) = (at, &c.decode);
+            let releaser = s.spawn(move || release_bounded(decode, old, BOUND));
             let start = Instant::now();
             loop {
                 assert!(start.elapsed() < BOUND * 2, "open_room never succeeded");
-                match rx.open_room(room, &pages, BIG.chunk_tokens) {
-                    Ok((_, key)) => {
+                match rx.open_room(RoomOpening::new(room, &pages, BIG.chunk_tokens)) {
+                    Ok((key, _)) => {
                         at = RoomRef { id: room, key };
                         break;
                     }
@@ -328,9 +330,9 @@ fn reopen_during_a_scatter_waits_for_it() {
     );
     // The reopened room takes a full transfer and verifies.
     c.send_room(at, &pages, "final").unwrap();
-    rx.wait_room(room, Some(BOUND)).unwrap_or_else(|e| panic!("{}", e.chain()));
+    rx.wait_room(at, Some(BOUND)).unwrap_or_else(|e| panic!("{}", e.chain()));
     c.verify_room("after the scatter races", room, &pages);
-    rx.release_room(room, None).unwrap();
+    rx.release_room(at, None).unwrap();
     assert!(settle(BOUND, || rx.stats().ring_live == 0));
     ring.check("scatter races", std::slice::from_ref(&(0..total)));
     assert_eq!(rx.stats().panics, 0);

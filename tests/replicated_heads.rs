@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use kvstage::engine::{Engine, EngineOptions};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{decode_peers, staging_layout, ModelKind, PoolShape};
 use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
@@ -26,7 +27,7 @@ fn each_replicated_head_crosses_the_wire_once() {
     decode.register_pool(dpool.layout.clone()).unwrap();
     let chunk_bytes = staging_layout(&base.clone().with_tp(0, prefill_tp), &dst_shape, tokens).unwrap().total_bytes;
     decode.register_staging(None, 2 * chunk_bytes as usize).unwrap();
-    let (_, key) = decode.receiver().open_room(7, &pages, tokens).unwrap();
+    let (key, _) = decode.receiver().open_room(RoomOpening::new(7, &pages, tokens)).unwrap();
     let room = RoomRef { id: 7, key };
     let addr = decode.local_addr().to_string();
 
@@ -48,7 +49,7 @@ fn each_replicated_head_crosses_the_wire_once() {
         let status = session.transfer(&desc, &Op::new(session.waker())).unwrap_or_else(|e| panic!("rank {rs}: {}", e.chain()));
         assert_eq!(status, Status::KVSTAGE_OK, "prefill rank {rs}");
     }
-    decode.receiver().wait_room(7, Some(Duration::from_secs(10))).unwrap();
+    decode.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = dpool.verify(&pages, 0);
     assert_eq!(bad, 0, "{first:?}");
 
@@ -58,5 +59,5 @@ fn each_replicated_head_crosses_the_wire_once() {
     assert_eq!(decode.stats().receive.bytes_received, distinct);
     let sent: Vec<u64> = prefill.iter().map(|(_, _, s)| s.stats().send.bytes_sent).collect();
     assert_eq!(sent, [distinct / 2, 0, distinct / 2, 0]);
-    decode.receiver().release_room(7, None).unwrap();
+    decode.receiver().release_room(room, None).unwrap();
 }

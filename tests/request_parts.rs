@@ -13,8 +13,10 @@ use std::time::Duration;
 
 use common::RawPeer;
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{decode_ranks_for_prefill, ComponentKind, ComponentSpec, ModelKind, PoolShape, PoolSpan, RequestParts, StateItem};
 use kvstage::protocol::{Message, RoomRef};
+use kvstage::session::notify::EventKind;
 use kvstage::session::op::Op;
 use kvstage::session::sender::{SenderSession, TransferDesc};
 use kvstage::Status;
@@ -247,7 +249,7 @@ fn decodes(transport: TransportKind, tp: u32) -> Vec<Decode> {
             engine.register_staging(None, 1 << 20).unwrap();
             let pages = page_table(TOTAL.div_ceil(KV_PAGE as u64) as usize, CAPACITY, 7 + r as u64, true);
             let parts = decode_parts(r);
-            let (_, key) = engine.receiver().open_room_parts(ROOM, &pages, CHUNK_TOKENS, Some(parts.clone())).unwrap();
+            let (key, _) = engine.receiver().open_room(RoomOpening { parts: Some(parts.clone()), ..RoomOpening::new(ROOM, &pages, CHUNK_TOKENS) }).unwrap();
             Decode { engine, pool, memory, pages, parts, room: RoomRef { id: ROOM, key } }
         })
         .collect()
@@ -304,6 +306,19 @@ fn last_chunk() -> u32 {
     (TOTAL.div_ceil(CHUNK_TOKENS as u64) - 1) as u32
 }
 
+/// The complete room's queued events: each chunk's once (OK), then the whole room's once (OK,
+/// carrying its chunk count), last.
+fn assert_every_chunk_then_the_room(dec: &Decode, what: &str) {
+    let events = dec.engine.receiver().take_events(Some(dec.room), 64);
+    let n = last_chunk() + 1;
+    let (room, chunks) = events.split_last().unwrap_or_else(|| panic!("{what}: no events"));
+    assert_eq!((room.kind, room.chunk, room.status), (EventKind::Room, n, Status::KVSTAGE_OK), "{what}: the last event {events:?}");
+    let mut seen: Vec<u32> = chunks.iter().filter(|e| e.kind == EventKind::Chunk && e.status == Status::KVSTAGE_OK).map(|e| e.chunk).collect();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..n).collect::<Vec<_>>(), "{what}: chunk events {events:?}");
+    assert_eq!(chunks.len() as u32, n, "{what}: events {events:?}");
+}
+
 fn request(transport: TransportKind, src_tp: u32, dst_tp: u32) {
     let what = format!("{transport:?}: P{src_tp} -> D{dst_tp}");
     let d = decodes(transport, dst_tp);
@@ -323,7 +338,7 @@ fn request(transport: TransportKind, src_tp: u32, dst_tp: u32) {
                 // The last chunk's scatter copies the aux rows out and holds them (bounded wait:
                 // the scatter runs after the arrival was acknowledged).
                 let held = (0..500).any(|_| {
-                    let doc = dec.engine.receiver().describe_room(ROOM).unwrap();
+                    let doc = dec.engine.receiver().describe_room(dec.room).unwrap();
                     std::thread::sleep(Duration::from_millis(10));
                     doc.aux_rows == Some("held")
                 });
@@ -334,16 +349,14 @@ fn request(transport: TransportKind, src_tp: u32, dst_tp: u32) {
         }
     }
     for (r, dec) in d.iter().enumerate() {
-        dec.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{what}: decode {r}: {}", e.chain()));
+        dec.engine.receiver().wait_room(dec.room, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("{what}: decode {r}: {}", e.chain()));
         let (bad, first) = dec.pool.verify_tokens(&dec.pages, 0, TOTAL);
         assert_eq!(bad, 0, "{what}: decode rank {r} KV: {first:?}");
         let (bad, first) = dec.memory.verify(dec.parts.aux_row, &dec.parts.state_slots, &dec.parts.pools[0]);
         assert_eq!(bad, 0, "{what}: decode rank {r} parts: {first:?}");
-        assert_eq!(dec.engine.receiver().describe_room(ROOM).unwrap().aux_rows, Some("written"));
-        // One OK event per chunk, the last of them once the aux rows are written.
-        let events = dec.engine.receiver().take_room_events(ROOM, 64);
-        assert_eq!(events.len() as u32, last_chunk() + 1, "{what}: decode rank {r} events {events:?}");
-        assert!(events.iter().all(|e| e.status == Status::KVSTAGE_OK), "{what}: {events:?}");
+        assert_eq!(dec.engine.receiver().describe_room(dec.room).unwrap().aux_rows, Some("written"));
+        // One OK event per chunk, the last of them once the aux rows are written, then the room's.
+        assert_every_chunk_then_the_room(dec, &format!("{what}: decode rank {r}"));
     }
 }
 
@@ -391,11 +404,11 @@ fn parts_go_with_the_last_chunk_only_and_every_field_is_checked() {
     ];
     for (i, (chunk, parts, text)) in wrong.into_iter().enumerate() {
         let id = ROOM + 10 + i as u64;
-        let (_, key) = d[0].engine.receiver().open_room_parts(id, &d[0].pages, CHUNK_TOKENS, Some(d[0].parts.clone())).unwrap();
+        let (key, _) = d[0].engine.receiver().open_room(RoomOpening { parts: Some(d[0].parts.clone()), ..RoomOpening::new(id, &d[0].pages, CHUNK_TOKENS) }).unwrap();
         refused(s, &TransferDesc { parts, ..desc(RoomRef { id, key }, &src_pages, chunk) }, Status::KVSTAGE_E_GEOMETRY_MISMATCH, text);
-        let failed = d[0].engine.receiver().wait_room(id, Some(Duration::ZERO)).unwrap_err();
+        let failed = d[0].engine.receiver().wait_room(RoomRef { id, key }, Some(Duration::ZERO)).unwrap_err();
         assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(text), "room {id}: {}", failed.chain());
-        d[0].engine.receiver().release_room(id, None).unwrap();
+        d[0].engine.receiver().release_room(RoomRef { id, key }, None).unwrap();
     }
     // Caller mistakes are named field by field before anything is sent.
     let mut bad = prefill_parts();
@@ -411,18 +424,18 @@ fn parts_go_with_the_last_chunk_only_and_every_field_is_checked() {
     for chunk in 0..=last_chunk() {
         assert_eq!(send(s, &desc(room, &src_pages, chunk)).unwrap(), Status::KVSTAGE_OK);
     }
-    d[0].engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+    d[0].engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = d[0].memory.verify(d[0].parts.aux_row, &d[0].parts.state_slots, &d[0].parts.pools[0]);
     assert_eq!(bad, 0, "{first:?}");
     // A room opened for the KV alone takes no parts.
-    let (_, key) = d[0].engine.receiver().open_room(ROOM + 1, &d[0].pages, CHUNK_TOKENS).unwrap();
+    let (key, _) = d[0].engine.receiver().open_room(RoomOpening::new(ROOM + 1, &d[0].pages, CHUNK_TOKENS)).unwrap();
     let plain = RoomRef { id: ROOM + 1, key };
-    refused(s, &desc(plain, &src_pages, last_chunk()), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "the room does not name (open it with kvstage_room_open_parts)");
+    refused(s, &desc(plain, &src_pages, last_chunk()), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "the room does not name (name them in kvstage_room_desc.parts");
     // A decode room naming a slot outside its component is refused at the opening.
     let mut outside = decode_parts(0);
     outside.aux_row = ITEMS + 3;
-    let e = d[0].engine.receiver().open_room_parts(ROOM + 2, &d[0].pages, CHUNK_TOKENS, Some(outside)).unwrap_err();
-    assert!(e.message().contains("`parts.aux_row`: 9 is outside aux buffer \"output_ids\"'s 6 rows"), "{}", e.chain());
+    let e = d[0].engine.receiver().open_room(RoomOpening { parts: Some(outside), ..RoomOpening::new(ROOM + 2, &d[0].pages, CHUNK_TOKENS) }).unwrap_err();
+    assert!(e.message().contains("`desc->parts.aux_row`: 9 is outside aux buffer \"output_ids\"'s 6 rows"), "{}", e.chain());
 }
 
 /// Prefill TP 2 into decode TP 1: rank 1 names the request's parts wrongly (a window 4 tokens
@@ -443,15 +456,22 @@ fn a_writer_refused_for_its_parts_fails_the_room_at_once() {
         (20, Some(Arc::new(shorter)), "pool \"swa\": the sender sends 36 tokens, the room's span holds 40"),
         (21, None, "this writer does not send with the last chunk"),
     ];
+    let mut failed_rooms = Vec::new();
     for (id, parts, text) in wrong {
-        let (_, key) = rx.open_room_parts(id, &d[0].pages, CHUNK_TOKENS, Some(d[0].parts.clone())).unwrap();
+        let (key, _) = rx.open_room(RoomOpening { parts: Some(d[0].parts.clone()), ..RoomOpening::new(id, &d[0].pages, CHUNK_TOKENS) }).unwrap();
+        failed_rooms.push(RoomRef { id, key });
         let last = desc(RoomRef { id, key }, &src_pages, last_chunk());
         assert_eq!(send(good, &last).unwrap(), Status::KVSTAGE_OK);
         refused(bad, &TransferDesc { parts, ..last }, Status::KVSTAGE_E_GEOMETRY_MISMATCH, text);
-        let failed = rx.wait_room(id, Some(Duration::ZERO)).unwrap_err();
+        let failed = rx.wait_room(RoomRef { id, key }, Some(Duration::ZERO)).unwrap_err();
         eprintln!("room {id}: {}", failed.chain());
         assert_eq!(failed.code(), Status::KVSTAGE_E_GEOMETRY_MISMATCH, "room {id} did not fail at once: {}", failed.chain());
         assert!(failed.chain().contains(text) && failed.chain().contains("writer 1 (session p1-d0"), "room {id}: {}", failed.chain());
+        // Every chunk reported failed (none landed whole), then the room once, with the failure.
+        let events: Vec<_> = rx.take_events(Some(RoomRef { id, key }), 64).iter().map(|e| (e.kind, e.chunk, e.status)).collect();
+        let mut expected: Vec<_> = (0..=last_chunk()).map(|c| (EventKind::Chunk, c, Status::KVSTAGE_E_GEOMETRY_MISMATCH)).collect();
+        expected.push((EventKind::Room, last_chunk() + 1, Status::KVSTAGE_E_GEOMETRY_MISMATCH));
+        assert_eq!(events, expected, "room {id}");
     }
     let freed = (0..200).any(|_| {
         std::thread::sleep(Duration::from_millis(10));
@@ -459,21 +479,22 @@ fn a_writer_refused_for_its_parts_fails_the_room_at_once() {
     });
     assert!(freed, "the refused rooms' grants stayed in the ring: {:?}", rx.stats());
     assert_eq!(d[0].memory.buffers[0][0][(d[0].parts.aux_row * 64) as usize], 0, "a failed room's aux row was written");
-    rx.release_room(20, None).unwrap();
-    rx.release_room(21, None).unwrap();
+    for at in failed_rooms {
+        rx.release_room(at, None).unwrap();
+    }
     for id in [22, 23] {
-        let (_, key) = rx.open_room_parts(id, &d[0].pages, CHUNK_TOKENS, Some(d[0].parts.clone())).unwrap();
+        let (key, _) = rx.open_room(RoomOpening { parts: Some(d[0].parts.clone()), ..RoomOpening::new(id, &d[0].pages, CHUNK_TOKENS) }).unwrap();
         for chunk in 0..=last_chunk() {
             for rank in &p {
                 assert_eq!(send(&rank.sessions[0].1, &desc(RoomRef { id, key }, &src_pages, chunk)).unwrap(), Status::KVSTAGE_OK);
             }
         }
-        rx.wait_room(id, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("room {id}: {}", e.chain()));
+        rx.wait_room(RoomRef { id, key }, Some(Duration::from_secs(10))).unwrap_or_else(|e| panic!("room {id}: {}", e.chain()));
         let (bad, first) = d[0].pool.verify_tokens(&d[0].pages, 0, TOTAL);
         assert_eq!(bad, 0, "room {id} KV: {first:?}");
         let (bad, first) = d[0].memory.verify(d[0].parts.aux_row, &d[0].parts.state_slots, &d[0].parts.pools[0]);
         assert_eq!(bad, 0, "room {id} parts: {first:?}");
-        rx.release_room(id, None).unwrap();
+        rx.release_room(RoomRef { id, key }, None).unwrap();
     }
 }
 
@@ -517,7 +538,7 @@ fn a_lying_peer_cannot_bend_the_parts() {
     ];
     for (i, (chunk, pool_tokens, text)) in lies.into_iter().enumerate() {
         let id = ROOM + 1 + i as u64;
-        let (_, key) = rx.open_room_parts(id, &d[0].pages, CHUNK_TOKENS, Some(d[0].parts.clone())).unwrap();
+        let (key, _) = rx.open_room(RoomOpening { parts: Some(d[0].parts.clone()), ..RoomOpening::new(id, &d[0].pages, CHUNK_TOKENS) }).unwrap();
         let tokens = if chunk == last_chunk() { layout.tokens } else { CHUNK_TOKENS };
         let req = i as u64 + 1;
         let ask = Message::AllocReq { req, room: RoomRef { id, key }, chunk, writer: 0, tokens, bytes: layout.total_bytes, trace: String::new(), pool_tokens, direct: false };
@@ -528,11 +549,11 @@ fn a_lying_peer_cannot_bend_the_parts() {
         };
         assert_eq!(status, Status::KVSTAGE_E_GEOMETRY_MISMATCH.code(), "{reason}");
         assert!(reason.contains(&text), "{reason}");
-        let failed = rx.wait_room(id, Some(Duration::ZERO)).unwrap_err();
+        let failed = rx.wait_room(RoomRef { id, key }, Some(Duration::ZERO)).unwrap_err();
         assert!(failed.code() == Status::KVSTAGE_E_GEOMETRY_MISMATCH && failed.chain().contains(&text), "room {id}: {}", failed.chain());
     }
     // The room it was not told is untouched: the decode side still waits for its chunks.
-    let e = rx.wait_room(ROOM, Some(Duration::from_millis(100))).unwrap_err();
+    let e = rx.wait_room(d[0].room, Some(Duration::from_millis(100))).unwrap_err();
     assert_eq!(e.code(), Status::KVSTAGE_E_TIMEOUT, "{}", e.chain());
 }
 
@@ -552,11 +573,10 @@ fn a_room_completed_by_the_slice_path_writes_its_aux_rows() {
         let status = s.transfer_slices(&TransferDesc { parts: None, ..desc(room, &src_pages, chunk) }, &Op::new(s.waker())).unwrap();
         assert_eq!(status, Status::KVSTAGE_OK);
     }
-    d[0].engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+    d[0].engine.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
     let (bad, first) = d[0].memory.verify(d[0].parts.aux_row, &d[0].parts.state_slots, &d[0].parts.pools[0]);
     assert_eq!(bad, 0, "{first:?}");
-    let events = d[0].engine.receiver().take_room_events(ROOM, 64);
-    assert_eq!(events.len() as u32, last_chunk() + 1, "{events:?}");
+    assert_every_chunk_then_the_room(&d[0], "slice path");
 }
 
 /// Prefill TP 2 × PP 2 (layers 0-1 and 2-3) into decode TP 1: each stage sends the component
@@ -589,7 +609,7 @@ fn pipeline_stages_each_send_the_component_layers_they_hold() {
             }
         }
         let dec = &d[0];
-        dec.engine.receiver().wait_room(ROOM, Some(Duration::from_secs(10))).unwrap();
+        dec.engine.receiver().wait_room(dec.room, Some(Duration::from_secs(10))).unwrap();
         let (bad, first) = dec.pool.verify_tokens(&dec.pages, 0, TOTAL);
         assert_eq!(bad, 0, "{transport:?} KV: {first:?}");
         let (bad, first) = dec.memory.verify(dec.parts.aux_row, &dec.parts.state_slots, &dec.parts.pools[0]);

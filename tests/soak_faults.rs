@@ -4,7 +4,8 @@
 //! - every operation ends (success or error) before its deadline plus a small slack: no hangs;
 //! - a room reported complete holds exactly the reference bytes: no corrupt success;
 //! - once the room is terminal and the sessions closed, the decode ring is empty before the room is
-//!   released (no leak hidden by the release), and after it.
+//!   released (no leak hidden by the release), and after it;
+//! - a terminal room reported each chunk once, then itself once, with its outcome.
 //!
 //! Half the seeds send layer-wise (each chunk's two layers marked in reverse order, each written as
 //! it is marked), without a checksum unless the plan corrupts payloads (an unchecked corrupted
@@ -39,7 +40,9 @@ use std::time::{Duration, Instant};
 
 use common::{fd_count, thread_count};
 use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{ComponentKind, ComponentSpec, ModelKind, PoolShape, RequestParts, StateItem};
+use kvstage::session::notify::EventKind;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
 use kvstage_testkit::HostPool;
@@ -77,6 +80,8 @@ struct Tally {
     hangs: AtomicU64,
     corrupt_successes: AtomicU64,
     leaked: AtomicU64,
+    /// Terminal rooms whose events were not each chunk's once, then the room's once.
+    bad_events: AtomicU64,
 }
 
 fn plan_for(seed: u64) -> (FaultPlan, bool) {
@@ -230,7 +235,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     let room = match parted {
         false => common::open_room(&decode, ROOM, &dst_pages, CHUNK_TOKENS),
         true => {
-            let (_, key) = decode.receiver().open_room_parts(ROOM, &dst_pages, CHUNK_TOKENS, Some(parts(0))).unwrap();
+            let (key, _) = decode.receiver().open_room(RoomOpening { parts: Some(parts(0)), ..RoomOpening::new(ROOM, &dst_pages, CHUNK_TOKENS) }).unwrap();
             kvstage::protocol::RoomRef { id: ROOM, key }
         }
     };
@@ -293,7 +298,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     });
 
     let start = Instant::now();
-    let outcome = decode.receiver().wait_room(ROOM, Some(OP_DEADLINE * 3));
+    let outcome = decode.receiver().wait_room(room, Some(OP_DEADLINE * 3));
     let waited = start.elapsed();
     let mut hangs = hung + (waited > OP_DEADLINE * 3 + SLACK) as u64;
     match outcome {
@@ -336,7 +341,21 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
         eprintln!("seed {seed}: {} ring allocations held by a terminal room before its release", live());
         tally.leaked.fetch_add(1, Ordering::Relaxed);
     }
-    decode.receiver().release_room(ROOM, None).unwrap();
+    if terminal {
+        // Its events: each chunk's once, then the whole room's once, with the room's outcome.
+        let expected = outcome.as_ref().map_or_else(|e| e.code(), |_| Status::KVSTAGE_OK);
+        let events = decode.receiver().take_events(Some(room), 64);
+        let chunks = (PAGES / (CHUNK_TOKENS / PAGE) as usize) as u32;
+        let mut seen: Vec<u32> = events.iter().filter(|e| e.kind == EventKind::Chunk).map(|e| e.chunk).collect();
+        seen.sort_unstable();
+        let rooms: Vec<_> = events.iter().filter(|e| e.kind == EventKind::Room).map(|e| (e.chunk, e.status)).collect();
+        let last_is_room = events.last().is_some_and(|e| e.kind == EventKind::Room);
+        if seen != (0..chunks).collect::<Vec<_>>() || rooms != [(chunks, expected)] || !last_is_room {
+            eprintln!("seed {seed}: room events {events:?} after an outcome of {expected:?}");
+            tally.bad_events.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    decode.receiver().release_room(room, None).unwrap();
     if !settle(&|| live() == 0) {
         eprintln!("seed {seed}: {} ring allocations leaked after the release", live());
         tally.leaked.fetch_add(1, Ordering::Relaxed);
@@ -401,6 +420,7 @@ fn soak_every_seed_ends_cleanly() {
     assert_eq!(g(&tally.hangs), 0, "operations overran their deadlines");
     assert_eq!(g(&tally.corrupt_successes), 0, "a room completed with wrong bytes");
     assert_eq!(g(&tally.leaked), 0, "ring allocations leaked");
+    assert_eq!(g(&tally.bad_events), 0, "terminal rooms without each chunk's event and then one room event with their outcome");
     assert!(fds_after <= fds_before, "file descriptors leaked: {fds_before} -> {fds_after}");
     assert!(threads_after <= threads_before, "threads leaked: {threads_before} -> {threads_after}");
     assert!(g(&tally.completed) > seeds / 10, "too few clean runs: the harness itself may be broken");

@@ -17,6 +17,7 @@ use parking_lot::Mutex;
 use common::*;
 use kvstage::engine::logging;
 use kvstage::engine::{Engine, EngineOptions, StallWarn};
+use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
 use kvstage::session::sender::describe::{describe_op, OpDescription};
 use kvstage::transport::faults::{FaultCounters, FaultPlan, Faults};
@@ -59,7 +60,7 @@ fn op_in_phase(op: &Op, phase: &str) -> Option<OpDescription> {
 }
 
 /// Room `room`'s document on `engine`, parsed.
-fn room_doc(engine: &Engine, room: u64) -> serde_json::Value {
+fn room_doc(engine: &Engine, room: RoomRef) -> serde_json::Value {
     serde_json::to_value(engine.receiver().describe_room(room).unwrap()).unwrap()
 }
 
@@ -90,12 +91,12 @@ fn a_watermark_held_by_an_unfinished_allocation_is_reported_once() {
         let d = op_in_phase(&op, "waiting_for_watermark").expect("the operation reaches the watermark wait");
         assert!((d.session.as_str(), d.trace.as_str(), d.room, d.chunk, d.status) == ("stalled-watermark", "req-62", 62, 0, "KVSTAGE_PENDING"), "{d:?}");
         assert!(d.waits_on.contains("an older allocation there still holds the space") && d.deadline_left_ms.is_some(), "{d:?}");
-        let blocked = room_doc(&c.decode, 62);
+        let blocked = room_doc(&c.decode, room);
         let chunk = &blocked["chunks"][0];
         assert_eq!(chunk["phase"], "waiting_for_watermark", "{blocked}");
         assert_eq!(blocked["trace"], "req-62", "the decode room took the writer's trace id: {blocked}");
         assert_eq!(chunk["grant"]["waits_behind"], serde_json::json!({"room": 61, "chunk": 0}), "{blocked}");
-        let holder = room_doc(&c.decode, 61);
+        let holder = room_doc(&c.decode, held);
         let chunk = &holder["chunks"][0];
         assert_eq!((chunk["phase"].as_str(), chunk["grant"]["ring_position"].as_u64()), (Some("granted"), Some(0)), "{holder}");
         assert_eq!(chunk["writers"][0]["session"], "holder", "{holder}");
@@ -146,7 +147,7 @@ fn an_allocation_never_answered_is_reported_once() {
         let d = op_in_phase(&op, "waiting_for_allocation").expect("the operation waits for its allocation");
         assert!(d.waits_on.contains(&c.addr().to_string()), "names the receiver: {d:?}");
         // The receiver never read the request: nobody asked for the chunk there.
-        assert_eq!(room_doc(&c.decode, 63)["chunks"][0]["phase"], "not_started");
+        assert_eq!(room_doc(&c.decode, room)["chunks"][0]["phase"], "not_started");
         let r = op.wait(None);
         let ended = describe_op(&op).unwrap();
         assert_eq!((ended.phase, ended.status, ended.deadline_left_ms), ("failed", "KVSTAGE_E_TIMEOUT", None), "{ended:?}");
@@ -177,7 +178,7 @@ fn a_layer_never_marked_ready_is_reported_once_naming_it() {
         let d = op_in_phase(&op, "waiting_for_layers").expect("the operation waits for the last layer");
         assert!(d.waits_on.contains(&format!("layers {} of the chunk are not marked", layers - 1)), "{d:?}");
         // The decode side has the marked layers' bytes, not the writer's ready.
-        let doc = room_doc(&c.decode, 64);
+        let doc = room_doc(&c.decode, room);
         let chunk = &doc["chunks"][0];
         assert_eq!(chunk["phase"], "writing", "{doc}");
         let w = &chunk["writers"][0];

@@ -8,9 +8,10 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{staging_layout, ModelKind, PoolShape};
 use kvstage::protocol::RoomRef;
-use kvstage::session::notify::Completion;
+use kvstage::session::notify::{Completion, EventKind};
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
 use kvstage::session::stats::{SendStats, TransferTimings};
@@ -42,7 +43,7 @@ fn decode(ring_chunks: u64, faults: Option<Faults>) -> (Engine, HostPool, u64) {
 
 /// Opens `room` on `engine` over `pages` (one chunk); the room as its senders name it.
 fn open(engine: &Engine, room: u64, pages: &[u32]) -> RoomRef {
-    let (_, key) = engine.receiver().open_room(room, pages, CHUNK_PAGES * 16).unwrap();
+    let (key, _) = engine.receiver().open_room(RoomOpening::new(room, pages, CHUNK_PAGES * 16)).unwrap();
     RoomRef { id: room, key }
 }
 
@@ -146,9 +147,9 @@ fn counters_and_timings_match_a_known_sequence() {
         assert_eq!(r.unwrap(), Status::KVSTAGE_OK);
         assert_full(&t, &format!("room {room}"));
         assert_eq!(t.queued_ns, 0, "a synchronous transfer is never queued");
-        healthy.receiver().wait_room(room, Some(Duration::from_secs(10))).unwrap();
+        healthy.receiver().wait_room(at, Some(Duration::from_secs(10))).unwrap();
         assert_eq!(hpool.verify(&pages, 0).0, 0);
-        healthy.receiver().release_room(room, None).unwrap();
+        healthy.receiver().release_room(at, None).unwrap();
     }
 
     // 2. One asynchronous transfer: queued first, the same timings in its completion.
@@ -166,8 +167,8 @@ fn counters_and_timings_match_a_known_sequence() {
         })
     });
     assert_eq!(signalled, Some((Status::KVSTAGE_OK, t)), "the completion carries the operation's timings");
-    healthy.receiver().wait_room(4, Some(Duration::from_secs(10))).unwrap();
-    healthy.receiver().release_room(4, None).unwrap();
+    healthy.receiver().wait_room(at, Some(Duration::from_secs(10))).unwrap();
+    healthy.receiver().release_room(at, None).unwrap();
 
     // 3. A fallback: a 12-page chunk does not fit the 2-chunk ring. Nothing but the total.
     let big: Vec<u32> = (0..12).collect();
@@ -245,7 +246,7 @@ fn counters_and_timings_match_a_known_sequence() {
             .lock()
             .iter()
             .filter_map(|c| match c {
-                Completion::Chunk(e) if e.status == Status::KVSTAGE_OK => Some(e.scatter_ns),
+                Completion::Chunk(e) if e.kind == EventKind::Chunk && e.status == Status::KVSTAGE_OK => Some(e.scatter_ns),
                 _ => None,
             })
             .collect();
@@ -254,6 +255,20 @@ fn counters_and_timings_match_a_known_sequence() {
     .expect("four chunk completions");
     assert!(scattered.iter().all(|&ns| ns > 0 && ns <= d.receive.scatter_ns_max), "{scattered:?}");
     assert_eq!(scattered.iter().sum::<u64>(), d.receive.scatter_ns_sum);
+    // After each room's chunk, the whole room's event: one per room, untimed.
+    // (The last one's callback may still be on its way.)
+    let room_events = || -> Vec<(u64, u32, Status, u64)> {
+        chunk_events
+            .lock()
+            .iter()
+            .filter_map(|c| match c {
+                Completion::Chunk(e) if e.kind == EventKind::Room => Some((e.room, e.chunk, e.status, e.scatter_ns)),
+                _ => None,
+            })
+            .collect()
+    };
+    let rooms = eventually(|| Some(room_events()).filter(|r| r.len() >= 4)).unwrap_or_else(room_events);
+    assert_eq!(rooms, (1..=4).map(|r| (r, 1, Status::KVSTAGE_OK, 0)).collect::<Vec<_>>());
 }
 
 /// Over TCP from a host pool (the default) a chunk takes no staging buffer: no wait for one, and
@@ -270,7 +285,7 @@ fn a_chunk_from_the_pool_has_no_staging_phases() {
     let at = open(&dec, 1, &pages);
     let (r, t) = s.transfer_timed(&desc(at, &pages, 10_000), &Op::new(s.waker()));
     assert_eq!(r.unwrap(), Status::KVSTAGE_OK);
-    dec.receiver().wait_room(1, Some(Duration::from_secs(10))).unwrap();
+    dec.receiver().wait_room(at, Some(Duration::from_secs(10))).unwrap();
     assert_eq!(dpool.verify(&pages, 0).0, 0);
     assert_eq!(t.alloc_wait_ns, 0, "no staging buffer: {t:?}");
     assert!(t.watermark_wait_ns > 0 && t.gather_ns > 0 && t.wire_ns > 0 && t.ack_ns > 0, "{t:?}");
@@ -290,7 +305,7 @@ fn the_slice_path_is_counted() {
     let at = open(&dec, 1, &pages);
     let (r, t) = s.transfer_slices_timed(&desc(at, &pages, 10_000), &Op::new(s.waker()));
     assert_eq!(r.unwrap(), Status::KVSTAGE_OK);
-    dec.receiver().wait_room(1, Some(Duration::from_secs(10))).unwrap();
+    dec.receiver().wait_room(at, Some(Duration::from_secs(10))).unwrap();
     assert_eq!(dpool.verify(&pages, 0).0, 0);
     assert!(t.wire_ns > 0 && t.ack_ns > 0, "{t:?}");
     assert_eq!((t.watermark_wait_ns, t.alloc_wait_ns, t.gather_ns, t.queued_ns), (0, 0, 0, 0));
@@ -302,7 +317,7 @@ fn the_slice_path_is_counted() {
     let d = dec.stats().receive;
     assert_eq!((d.bytes_received, d.chunks_received, d.scatter_count, d.ring_high_water), (payload, 1, 0, 0));
     // The room released, its opening is stale: refused before a byte is sent, as on the staged path.
-    dec.receiver().release_room(1, None).unwrap();
+    dec.receiver().release_room(at, None).unwrap();
     let (r, t) = s.transfer_slices_timed(&desc(at, &pages, 10_000), &Op::new(s.waker()));
     assert_eq!(r.unwrap_err().code(), Status::KVSTAGE_E_STALE_ROOM);
     assert_eq!(t.wire_ns, 0, "the slices went out to a stale room: {t:?}");

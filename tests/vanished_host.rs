@@ -38,6 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvstage::engine::{Engine, EngineOptions};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::geometry::{ModelKind, PoolShape};
 use kvstage::protocol::RoomRef;
 use kvstage::session::op::Op;
@@ -649,22 +650,28 @@ fn decode_child() {
     engine.register_staging(None, chunk_alloc_bytes() as usize).expect("staging ring");
     say(format!("addr {}", engine.local_addr()));
     let mut waits = Vec::new();
+    // Each open room's key (its latest opening).
+    let mut keys = std::collections::HashMap::new();
     for (cmd, arg, _) in commands() {
         let id: u64 = arg.parse().unwrap_or(0);
         match cmd.as_str() {
             "room" => {
                 let n = chunk_pages();
                 let pages: Vec<u32> = ((id as u32 - 1) * n..id as u32 * n).collect();
-                match engine.receiver().open_room(id, &pages, chunk_tokens()) {
-                    Ok((_, key)) => say(format!("ok room {id} {key}")),
+                match engine.receiver().open_room(RoomOpening::new(id, &pages, chunk_tokens())) {
+                    Ok((key, _)) => {
+                        keys.insert(id, key);
+                        say(format!("ok room {id} {key}"))
+                    }
                     Err(e) => say(format!("error open_room {id}: {}", e.chain())),
                 }
             }
             "wait" => {
                 let engine = engine.clone();
+                let at = RoomRef { id, key: keys.get(&id).copied().unwrap_or(0) };
                 waits.push(std::thread::spawn(move || {
                     let start = Instant::now();
-                    report("waited", id, start, engine.receiver().wait_room(id, Some(OP_TIMEOUT)));
+                    report("waited", id, start, engine.receiver().wait_room(at, Some(OP_TIMEOUT)));
                 }));
             }
             "stats" => {
@@ -672,7 +679,7 @@ fn decode_child() {
                 say(format!("stats {} {}", s.ring_live, s.connections));
             }
             "release" => {
-                engine.receiver().release_room(id, None).unwrap();
+                engine.receiver().release_room(RoomRef { id, key: keys.get(&id).copied().unwrap_or(0) }, None).unwrap();
                 say(format!("released {id}"));
             }
             "quit" => break,

@@ -28,7 +28,8 @@ use parking_lot::{Condvar, Mutex, RwLock};
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
 use kvstage::geometry::{self, ModelKind};
 use kvstage::protocol::RoomRef;
-use kvstage::session::notify::Completion;
+use kvstage::session::notify::{ChunkEvent, Completion, EventKind};
+use kvstage::session::receiver::RoomOpening;
 use kvstage::session::op::Op;
 use kvstage::session::sender::{SenderSession, TransferDesc};
 use kvstage::{Error, Result, Status};
@@ -199,12 +200,21 @@ fn io_err(what: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
     move |e| Error::from(e).context(what.to_owned())
 }
 
-/// Rooms the child reports through `next`: chunk events still owed by each, and the rooms that
-/// ended (scattered everywhere, or failed) in the order they ended.
+/// Rooms the child reports through `next`: the chunk events and room events (one per decode rank)
+/// still owed by each, and the rooms that ended (scattered everywhere, or failed) in the order
+/// they ended.
 #[derive(Default)]
 struct Watched {
-    owed: HashMap<u64, u64>,
+    owed: HashMap<u64, Owed>,
     ended: VecDeque<(u64, Instant, Option<String>)>,
+}
+
+/// What a watched room still owes: chunk events (over every decode rank) and room events (one
+/// per decode rank, after its last chunk event).
+#[derive(Clone, Copy, Debug)]
+struct Owed {
+    chunks: u64,
+    rooms: u64,
 }
 
 #[derive(Default)]
@@ -214,17 +224,33 @@ struct Watch {
 }
 
 impl Watch {
-    /// A decode engine's chunk event (called on a library thread, with no kvstage lock held).
-    fn chunk(&self, room: u64, status: Status) {
+    /// A decode engine's chunk or room event (called on a library thread, with no kvstage lock
+    /// held). The room ends with the last rank's room event, which must come after every chunk
+    /// event; a failed event of either kind ends it at once.
+    fn event(&self, e: &ChunkEvent) {
         let mut st = self.state.lock();
-        let Some(owed) = st.owed.get_mut(&room) else { return };
-        if status == Status::KVSTAGE_OK && *owed > 1 {
-            *owed -= 1;
-            return;
-        }
-        st.owed.remove(&room);
-        let failure = (status != Status::KVSTAGE_OK).then(|| format!("a chunk ended with {}", status.name()));
-        st.ended.push_back((room, Instant::now(), failure));
+        let Some(owed) = st.owed.get_mut(&e.room) else { return };
+        let failure = match e.kind {
+            _ if e.status != Status::KVSTAGE_OK => {
+                let what = if e.kind == EventKind::Room { "the room" } else { "a chunk" };
+                Some(format!("{what} ended with {}", e.status.name()))
+            }
+            EventKind::Chunk if owed.chunks == 0 => Some(format!("chunk {} reported more chunk events than the room has", e.chunk)),
+            EventKind::Chunk => {
+                owed.chunks -= 1;
+                return;
+            }
+            EventKind::Room if owed.rooms == 0 => Some("more room events than decode ranks".to_owned()),
+            EventKind::Room => {
+                owed.rooms -= 1;
+                if owed.rooms > 0 {
+                    return;
+                }
+                (owed.chunks != 0).then(|| format!("every rank's room event came with {} chunk event(s) still owed", owed.chunks))
+            }
+        };
+        st.owed.remove(&e.room);
+        st.ended.push_back((e.room, Instant::now(), failure));
         self.cv.notify_all();
     }
 
@@ -297,7 +323,7 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
         let w = watch.clone();
         engine.completions().set_callback(Some(Arc::new(move |c: &Completion| {
             if let Completion::Chunk(e) = c {
-                w.chunk(e.room, e.status);
+                w.event(e);
             }
         })));
         ranks.push((engine, pool, parts));
@@ -311,6 +337,9 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
     let (mut raw_bufs, mut raw_memory): (Vec<Vec<u8>>, Vec<Vec<u8>>) = (Vec::new(), Vec::new());
     // Rooms opened with request parts (their items are verified too).
     let mut parted = std::collections::HashSet::new();
+    // Each open room's keys, one per decode rank (its latest opening).
+    let mut opened: HashMap<u64, Vec<u64>> = HashMap::new();
+    let opening = |opened: &HashMap<u64, Vec<u64>>, room: u64, rank: usize| RoomRef { id: room, key: opened.get(&room).and_then(|k| k.get(rank)).copied().unwrap_or(0) };
     for line in std::io::stdin().lock().lines() {
         let line = line.map_err(io_err("stdin"))?;
         let mut words = line.split_whitespace();
@@ -320,6 +349,7 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
         let reply = match cmd {
             "room" => {
                 let mut keys = "keys".to_owned();
+                let mut rank_keys = Vec::new();
                 for (rd, (engine, _, _)) in ranks.iter().enumerate() {
                     // A room of partial chunks (slice runs) carries the KV alone.
                     let (pages, tokens, parts) = match per_chunk {
@@ -329,15 +359,19 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
                     if parts.is_some() {
                         parted.insert(arg);
                     }
-                    let (_, key) = engine.receiver().open_room_parts(arg, &pages, tokens, parts)?;
+                    let mut open = RoomOpening::new(arg, &pages, tokens);
+                    open.parts = parts;
+                    let (key, _) = engine.receiver().open_room(open)?;
                     keys.push_str(&format!(" {key}"));
+                    rank_keys.push(key);
                 }
+                opened.insert(arg, rank_keys);
                 keys
             }
             "wait" => {
                 let mut status = "ok".to_owned();
-                for (engine, _, _) in &ranks {
-                    if let Err(e) = engine.receiver().wait_room(arg, Some(Duration::from_secs(600))) {
+                for (rd, (engine, _, _)) in ranks.iter().enumerate() {
+                    if let Err(e) = engine.receiver().wait_room(opening(&opened, arg, rd), Some(Duration::from_secs(600))) {
                         status = format!("error {}", e.chain());
                     }
                 }
@@ -345,13 +379,14 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
             }
             "watch" => {
                 // Every decode rank receives every chunk of a (full) room.
-                watch.state.lock().owed.insert(arg, setup.chunks() as u64 * ranks.len() as u64);
+                let owed = Owed { chunks: setup.chunks() as u64 * ranks.len() as u64, rooms: ranks.len() as u64 };
+                watch.state.lock().owed.insert(arg, owed);
                 "ok".to_owned()
             }
             "next" => match watch.next(Duration::from_secs(600)) {
                 Some((room, at, None)) => format!("done {room} {}", at.elapsed().as_nanos()),
                 Some((room, _, Some(why))) => {
-                    let progress: Vec<String> = ranks.iter().map(|(e, _, _)| e.receiver().wait_room(room, Some(Duration::ZERO)).err().map(|e| e.chain()).unwrap_or_default()).collect();
+                    let progress: Vec<String> = ranks.iter().enumerate().map(|(rd, (e, _, _))| e.receiver().wait_room(opening(&opened, room, rd), Some(Duration::ZERO)).err().map(|e| e.chain()).unwrap_or_default()).collect();
                     format!("error room {room} failed: {why} ({})", progress.join("; "))
                 }
                 None => "error no watched room ended (none in flight, or none within 600 s)".to_owned(),
@@ -374,16 +409,17 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
                 // `describe ROOM RANK`: that decode rank's document of the room, on one line.
                 let rank = per_chunk.unwrap_or(0);
                 let engine = &ranks.get(rank).ok_or_else(|| Error::invalid_arg("rank", format!("{rank} is not a decode rank here")))?.0;
-                match engine.receiver().describe_room(arg) {
+                match engine.receiver().describe_room(opening(&opened, arg, rank)) {
                     Ok(doc) => format!("describe {}", serde_json::to_string(&doc).map_err(|e| Error::internal("describe").with_source(e))?),
                     Err(e) => format!("error {}", e.chain()),
                 }
             }
             "release" => {
                 parted.remove(&arg);
-                for (engine, _, _) in &ranks {
-                    engine.receiver().release_room(arg, None).unwrap();
+                for (rd, (engine, _, _)) in ranks.iter().enumerate() {
+                    engine.receiver().release_room(opening(&opened, arg, rd), None).unwrap();
                 }
+                opened.remove(&arg);
                 "ok".to_owned()
             }
             "raw" => {

@@ -18,6 +18,7 @@ use kvstage::geometry::{staging_layout_stages, Fingerprint, ModelKind, PoolShape
 use kvstage::protocol::{self, Hello, Message, RoomRef, PROTOCOL_VERSION};
 use kvstage::ring::Watermark;
 use kvstage::session::op::Op;
+use kvstage::session::receiver::RoomOpening;
 use kvstage::session::sender::TransferDesc;
 use kvstage_testkit::HostPool;
 use kvstage::Status;
@@ -461,18 +462,23 @@ impl Cluster {
         let all = all_pages(&self.dpool);
         let (stray, first) = pool_scan_canary(&self.dpool, &all);
         assert_eq!(stray, 0, "[{label}] {stray} decode pool bytes changed before the transfer (stray writes): first at {first:?}");
-        let (n, key) = self.decode.receiver().open_room(room, &pages, self.geo.chunk_tokens).map_err(|e| format!("[{label}] open_room {room}: {}", e.chain()))?;
-        assert_eq!(n as usize, chunks);
+        let (key, grid) = self
+            .decode
+            .receiver()
+            .open_room(RoomOpening::new(room, &pages, self.geo.chunk_tokens))
+            .map_err(|e| format!("[{label}] open_room {room}: {}", e.chain()))?;
+        assert_eq!(grid.num_chunks as usize, chunks);
+        let at = RoomRef { id: room, key };
         let outcome = self
-            .send_room(RoomRef { id: room, key }, &pages, label)
+            .send_room(at, &pages, label)
             .map_err(|e| format!("[{label}] legitimate transfer into room {room} failed: {:?}: {}", e.code(), e.chain()))
             .and_then(|()| {
-                self.decode.receiver().wait_room(room, Some(Duration::from_secs(10))).map_err(|e| format!("[{label}] room {room} did not complete: {}", e.chain()))
+                self.decode.receiver().wait_room(at, Some(Duration::from_secs(10))).map_err(|e| format!("[{label}] room {room} did not complete: {}", e.chain()))
             });
         if outcome.is_ok() {
             self.verify_room(label, room, &pages);
         }
-        self.decode.receiver().release_room(room, None).unwrap();
+        self.decode.receiver().release_room(at, None).unwrap();
         pool_fill_canary(&self.dpool, &pages);
         outcome.map(|_| ())
     }
@@ -700,13 +706,13 @@ pub fn bounded<T: Send>(what: &str, bound: Duration, f: impl FnOnce() -> T + Sen
 }
 
 /// `release_room`, which must return within `bound`; how long it took.
-pub fn release_bounded(engine: &Engine, room: u64, bound: Duration) -> Duration {
+pub fn release_bounded(engine: &Engine, room: RoomRef, bound: Duration) -> Duration {
     bounded(&format!("release_room({room}, None).unwrap()"), bound, || engine.receiver().release_room(room, None).unwrap()).1
 }
 
 /// Opens `room` on the decode engine `engine` and returns it as its senders name it (id and the
 /// opening's key). Panics on failure.
 pub fn open_room(engine: &Engine, room: u64, pages: &[u32], chunk_tokens: u32) -> RoomRef {
-    let (_, key) = engine.receiver().open_room(room, pages, chunk_tokens).unwrap_or_else(|e| panic!("open_room {room}: {}", e.chain()));
+    let (key, _) = engine.receiver().open_room(RoomOpening::new(room, pages, chunk_tokens)).unwrap_or_else(|e| panic!("open_room {room}: {}", e.chain()));
     RoomRef { id: room, key }
 }

@@ -6,7 +6,12 @@
 //! first, so the receiver frees the space.
 //!
 //! Files: `connect` (handshake, transport negotiation, the reply reader), `staged` (the staged
-//! path); this file: the session, its waits, the slice path and asynchronous operations.
+//! path: plan, grant, gather, write, ack), `pipelined` (a chunk written in pieces while the next
+//! is gathered), `from_pool` (TCP writes straight from a host pool's rows), `direct` (same-host
+//! direct mode: page to page into the mapped decode pool), `layerwise` (layers sent as the
+//! caller marks them ready), `stall` (the stall warning), `describe` (an operation's and a
+//! session's describe documents); this file: the session, its waits, the slice path and
+//! asynchronous operations.
 
 mod connect;
 mod direct;

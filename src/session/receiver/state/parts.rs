@@ -94,7 +94,7 @@ impl State {
                 room,
                 format!("request parts travel with the room's last chunk ({}), not with chunk {chunk}", r.chunks.len() - 1),
             )),
-            (None, Some(_)) => Err(mismatch_of(room, "the sender sends request parts (aux rows, state, pool pages) the room does not name (open it with kvstage_room_open_parts)".into())),
+            (None, Some(_)) => Err(mismatch_of(room, "the sender sends request parts (aux rows, state, pool pages) the room does not name (name them in kvstage_room_desc.parts when opening it)".into())),
             (Some(_), None) => Err(mismatch_of(
                 room,
                 format!("the room names request parts (aux row, state slots, pool pages) this writer does not send with the last chunk ({chunk}): pass them in its transfer"),

@@ -464,7 +464,7 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
     st.allocate(stale, a, 0, 0, TOKENS, CHUNK, None).unwrap();
     let half = land(st.begin_data(stale, a, 0, 0, 0, REGION / 2));
     st.end_data(half, true);
-    assert_eq!(st.release_room(at(7)), Release::Done);
+    assert_eq!(st.release_room(a), Release::Done);
     let b = RoomRef { id: 7, key: 0xb };
     st.open_room(7, b.key, OpenRoom::pages(&PAGES, GRID), None).unwrap();
     let stale_code = |e: Error| e.code();
@@ -484,7 +484,7 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
     st.allocate(b0, b, 0, 0, TOKENS, CHUNK, None).unwrap();
     st.abort(b0, a, u32::MAX, "A canceled, late");
     st.abort(b0, a, 0, "A canceled, late");
-    assert!(!st.room_outcome(at(7)).unwrap(), "an abort naming A failed B");
+    assert!(!st.room_outcome(b).unwrap(), "an abort naming A failed B");
     // Guessed keys: refused the same way, and the reply does not tell the open key.
     for guess in [0, 1, 0xa, 0xc, u64::MAX] {
         let e = st.allocate(guesser, RoomRef { id: 7, key: guess }, 0, 1, TOKENS, CHUNK, None).map(|_| ()).unwrap_err();
@@ -492,7 +492,7 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
         assert!(!e.message().contains("0xb") && !e.message().contains(" 11"), "{}", e.message());
         st.abort(guesser, RoomRef { id: 7, key: guess }, u32::MAX, "mischief");
     }
-    assert!(!st.room_outcome(at(7)).unwrap(), "B neither failed nor completed by another opening's frames");
+    assert!(!st.room_outcome(b).unwrap(), "B neither failed nor completed by another opening's frames");
     assert_eq!(st.ring_stats().1, 1, "nothing was granted for the stale or guessed frames (one grant: b0's)");
     // B's own writers: both chunks, both writers, each claim free for them.
     for chunk in 0..2 {
@@ -506,7 +506,7 @@ fn a_stale_writer_or_a_guess_claims_nothing_in_a_reopened_room() {
     for job in st.take_effects().scatter {
         st.scatter_done(&job, Ok(None));
     }
-    assert!(st.room_outcome(at(7)).unwrap(), "B completes with its own writers");
+    assert!(st.room_outcome(b).unwrap(), "B completes with its own writers");
     // A stale sender's session is still usable: it writes into B with B's key.
     assert!(st.conns.contains_key(&stale));
 }
@@ -751,8 +751,11 @@ fn events_are_bounded_and_rooms_expire() {
     assert_eq!(st.room_outcome(at(1)).unwrap_err().code(), Status::KVSTAGE_E_TIMEOUT);
     st.open_room(2, key(2), OpenRoom::pages(&PAGES, GRID), None).unwrap();
     st.fail_room(2, Status::KVSTAGE_E_CANCELED, "x".into(), "");
+    // Each failed room queues its 2 chunks' events and its own: 6 events, 2 kept (room 1's chunks).
     assert_eq!(st.pending_events(), 2);
-    assert_eq!(st.counters(), Counters { events_dropped: 2, rooms_expired: 1 });
+    assert_eq!(st.counters(), Counters { events_dropped: 4, rooms_expired: 1 });
+    let kept: Vec<_> = st.take_events(None, 8).iter().map(|e| (e.kind, e.room, e.chunk, e.status)).collect();
+    assert_eq!(kept, [(EventKind::Chunk, 1, 0, Status::KVSTAGE_E_TIMEOUT), (EventKind::Chunk, 1, 1, Status::KVSTAGE_E_TIMEOUT)]);
 }
 
 // --- the model-based property test -----------------------------------------------------------------
@@ -952,6 +955,8 @@ struct Harness {
     unmapped: Vec<ConnId>,
     /// The chunk events delivered so far, by (room generation, chunk): whether each was `OK`.
     events: HashMap<(u64, u32), bool>,
+    /// The room events delivered so far, by room generation: whether each was `OK`.
+    room_events: HashMap<u64, bool>,
 }
 
 fn writer_of(c: usize) -> u32 {
@@ -979,6 +984,7 @@ impl Harness {
             checksummed,
             unmapped: Vec::new(),
             events: HashMap::new(),
+            room_events: HashMap::new(),
         }
     }
 
@@ -1013,10 +1019,11 @@ impl Harness {
         RoomRef { id: room, key: self.issued.get(&room).and_then(|k| k.last()).copied().unwrap_or(FORGED) }
     }
 
-    /// Takes the step's effects: its scatter jobs, and its chunk events, checked against the model
-    /// updated for the step (the queue is drained as a listener would, so none is dropped): one
-    /// event per chunk, `OK` only for a chunk done in a live room, a failure only in
-    /// a failed room (none for a released one).
+    /// Takes the step's effects: its scatter jobs, and its chunk and room events, checked against
+    /// the model updated for the step (the queue is drained as a listener would, so none is
+    /// dropped): one event per chunk, `OK` only for a chunk done in a live room, a failure only in
+    /// a failed room (none for a released one); then one room event per opening, after every chunk
+    /// event of it, `OK` only for a complete live room, a failure only for a failed one.
     fn collect(&mut self) {
         let fx = self.st.take_effects();
         self.scatters.extend(fx.scatter);
@@ -1024,6 +1031,18 @@ impl Harness {
         for e in fx.events {
             let r = self.rooms.get(&e.room).unwrap_or_else(|| panic!("an event for room {}, which the model does not hold: {e:?}", e.room));
             let ok = e.status == Status::KVSTAGE_OK;
+            assert!(!self.room_events.contains_key(&r.gen), "an event for room {} after its room event: {e:?}", e.room);
+            if e.kind == EventKind::Room {
+                assert_eq!(e.chunk as usize, r.chunks.len(), "room {}'s room event carries its chunk count: {e:?}", e.room);
+                let unreported: Vec<u32> = (0..r.chunks.len() as u32).filter(|c| !self.events.contains_key(&(r.gen, *c))).collect();
+                assert!(unreported.is_empty(), "room {}'s room event before the events of chunks {unreported:?}: {e:?}", e.room);
+                match ok {
+                    true => assert!(r.complete() && r.live(), "OK for room {} (complete {}, failed {}, released {})", e.room, r.complete(), r.failed, r.released),
+                    false => assert!(r.failed, "room {} reported {:?} as a whole without failing", e.room, e.status),
+                }
+                self.room_events.insert(r.gen, ok);
+                continue;
+            }
             assert!(self.events.insert((r.gen, e.chunk), ok).is_none(), "a second event for room {} chunk {}: {e:?}", e.room, e.chunk);
             match ok {
                 true => assert!(r.chunks[e.chunk as usize].phase == MPhase::Done && r.live(), "OK for room {} chunk {} ({:?}, failed {}, released {})", e.room, e.chunk, r.chunks[e.chunk as usize].phase, r.failed, r.released),
@@ -1585,6 +1604,9 @@ impl Harness {
                     (false, _) => {}
                 }
             }
+            // A failed room and a complete one reported themselves as a whole, with the outcome.
+            let ended = m.failed || m.complete();
+            assert_eq!(self.room_events.get(&m.gen).copied(), ended.then_some(!m.failed), "room {id}: its room event (failed {}, complete {})", m.failed, m.complete());
         }
     }
 
