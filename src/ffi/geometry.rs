@@ -358,7 +358,7 @@ pub unsafe extern "C" fn kvstage_chunk_span_compute(
         let out = super::args::out_ptr(out, "out")?;
         let g = unsafe { read_versioned::<kvstage_room_grid>(grid, "grid") }?;
         let s = geometry::chunk_span(total_tokens, g.prefix_tokens, src_page_size, g.page_size, g.chunk_tokens, chunk_index)
-            .map_err(|e| grid_names(e))?;
+            .map_err(grid_names)?;
         let filled = kvstage_chunk_span {
             struct_size: std::mem::size_of::<kvstage_chunk_span>(),
             num_chunks: s.num_chunks,

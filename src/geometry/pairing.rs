@@ -235,14 +235,14 @@ mod tests {
                 for p in decode_peers_of_request(&src, &dst_stages, &[conv.clone(), whole.clone()]).unwrap() {
                     from_prefill.insert((rs, p.tp_rank));
                 }
-                for p in decode_peers_of_request(&src, &dst_stages, &[whole.clone()]).unwrap() {
+                for p in decode_peers_of_request(&src, &dst_stages, std::slice::from_ref(&whole)).unwrap() {
                     kv_only.insert((rs, p.tp_rank));
                 }
                 assert_eq!(decode_peers(&src, &dst_stages).unwrap(), decode_peers_of_request(&src, &dst_stages, &[]).unwrap());
             }
             let mut from_decode = std::collections::BTreeSet::new();
             for rd in 0..dtp {
-                for p in prefill_peers_of_request(&base.clone().with_tp(rd, dtp), &src_stages, &[conv.clone()]).unwrap() {
+                for p in prefill_peers_of_request(&base.clone().with_tp(rd, dtp), &src_stages, std::slice::from_ref(&conv)).unwrap() {
                     from_decode.insert((p.tp_rank, rd));
                 }
             }
