@@ -451,9 +451,9 @@ impl Receiver {
         let grid_pages = (geometry::grid_tokens(chunk_tokens, page_size) / page_size) as usize;
         let expires = self.config.room_timeout.map(|t| Instant::now() + t);
         let key = new_room_key()?;
+        let num_pages = pages.len() as u32;
         let open = OpenRoom { pages, grid_pages, prefix_tokens, parts, trace };
         let num_chunks = self.with_state(|st| st.open_room(room, key, open, expires))?;
-        let num_pages = self.with_state(|st| st.room_pages(room));
         let grid = RoomGrid { chunk_tokens: grid_pages as u32 * page_size, num_chunks, num_pages, page_size, prefix_tokens };
         Ok((key, grid))
     }

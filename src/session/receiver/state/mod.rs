@@ -888,11 +888,6 @@ impl State {
         Ok(self.live_room(room)?.grid(page_size))
     }
 
-    /// Pages of `room` (0 when not open).
-    pub fn room_pages(&self, room: u64) -> u32 {
-        self.rooms.get(&room).map_or(0, |r| r.pages.len() as u32)
-    }
-
     pub fn room_progress(&self, room: u64) -> String {
         self.rooms.get(&room).map_or_else(|| "room gone".to_owned(), Room::done_text)
     }
