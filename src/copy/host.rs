@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Condvar, Mutex};
 
+use super::block::{Block, Side};
 use super::{check_plan, CopyEngine};
 use crate::error::{Error, Result, Status};
 use crate::geometry::{CopyPlan, KvLayout, MemoryKind};
@@ -389,77 +390,27 @@ impl Job<'_> {
                     // Random page lists make the pool reads latency-bound: start the reads of a
                     // segment a few segments ahead.
                     if let Some(ahead) = plan.segments.get(g + PREFETCH_SEGMENTS) {
-                        let at = base + (ahead.pool_token * plan.pool_token_bytes + plan.pool_head_offset) as usize;
-                        nt::prefetch(at, plan.row_bytes.min(PREFETCH_BYTES) as usize);
+                        let at = base + (plan.slot_offset(ahead.pool_token) + plan.pool_head_offset) as usize;
+                        nt::prefetch(at, plan.piece_bytes.min(PREFETCH_BYTES) as usize);
                     }
                 }
                 let seg = plan.segments[g];
                 let end = last.min(seg.staging_token + seg.tokens);
-                let off = t - seg.staging_token;
-                let pool_at = base + ((seg.pool_token + off) * plan.pool_token_bytes + plan.pool_head_offset) as usize;
-                let stg_at = self.staging + (slab.staging_offset + t * plan.row_bytes) as usize;
+                let run = plan.run(slab, &seg, t, end);
+                let pool = Side { at: base + run.pool_offset as usize, row: run.pool_row_stride as usize, piece: run.pool_piece_stride as usize };
+                let staged = Side { at: self.staging + run.staging_offset as usize, row: plan.row_bytes as usize, piece: run.piece_bytes as usize };
+                let (src, dst) = match self.dir {
+                    Dir::Gather => (pool, staged),
+                    Dir::Scatter => (staged, pool),
+                };
+                let block = Block { src, dst, len: run.piece_bytes as usize, rows: run.rows as usize, pieces: run.pieces as usize };
                 // SAFETY: `check_plan` bounded every segment by the pool capacity and every slab by
                 // the staging region; the caller of gather/scatter vouched for both address ranges.
-                unsafe { self.copy(pool_at, stg_at, end - t) };
+                unsafe { block.copy(self.streaming) };
                 t = end;
                 g += 1;
             }
             pos += last - first;
-        }
-    }
-
-    /// Copies `rows` token rows between a pool address and a staging address.
-    unsafe fn copy(&self, pool_at: usize, stg_at: usize, rows: u64) {
-        let plan = self.plan;
-        let (row, stride) = (plan.row_bytes as usize, plan.pool_token_bytes as usize);
-        let (src, dst, src_stride, dst_stride) = match self.dir {
-            Dir::Gather => (pool_at, stg_at, stride, row),
-            Dir::Scatter => (stg_at, pool_at, row, stride),
-        };
-        let rows = rows as usize;
-        // SAFETY: see `run`.
-        unsafe {
-            if self.streaming {
-                if row == stride {
-                    nt::copy(src as *const u8, dst as *mut u8, row * rows);
-                } else {
-                    for i in 0..rows {
-                        nt::copy((src + i * src_stride) as *const u8, (dst + i * dst_stride) as *mut u8, row);
-                    }
-                }
-                return;
-            }
-            if row == stride {
-                std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, row * rows);
-                return;
-            }
-            match row {
-                64 => strided::<64>(src, dst, src_stride, dst_stride, rows),
-                128 => strided::<128>(src, dst, src_stride, dst_stride, rows),
-                256 => strided::<256>(src, dst, src_stride, dst_stride, rows),
-                512 => strided::<512>(src, dst, src_stride, dst_stride, rows),
-                1024 => strided::<1024>(src, dst, src_stride, dst_stride, rows),
-                _ => {
-                    for i in 0..rows {
-                        std::ptr::copy_nonoverlapping(
-                            (src + i * src_stride) as *const u8,
-                            (dst + i * dst_stride) as *mut u8,
-                            row,
-                        );
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// `rows` copies of `N` bytes with a fixed size the compiler can unroll.
-#[inline(always)]
-unsafe fn strided<const N: usize>(src: usize, dst: usize, src_stride: usize, dst_stride: usize, rows: usize) {
-    for i in 0..rows {
-        // SAFETY: the caller guarantees `rows` rows of `N` bytes at both strides.
-        unsafe {
-            std::ptr::copy_nonoverlapping((src + i * src_stride) as *const u8, (dst + i * dst_stride) as *mut u8, N);
         }
     }
 }
@@ -556,7 +507,7 @@ mod tests {
         let nb = (shape.buffers_per_layer() * shape.layer_count()) as usize;
         let mut mem: Vec<u8> = (0..bb * nb).map(fill).collect();
         let base = mem.as_mut_ptr() as usize;
-        let layout = KvLayout { shape, capacity_pages, memory: MemoryKind::Host, bases: (0..nb).map(|i| base + i * bb).collect() };
+        let layout = KvLayout::new(shape, capacity_pages, MemoryKind::Host, (0..nb).map(|i| base + i * bb).collect());
         Pool { mem, layout }
     }
 
@@ -621,7 +572,9 @@ mod tests {
         let mut other = p.layout.clone();
         other.shape = PoolShape::new(ModelKind::Mha, 2, 8, 2, 2, 1);
         other.bases = vec![other.bases[0], other.bases[0] + 1000];
-        assert!(unsafe { eng.scatter(&g, &other, buf.as_ptr()) }.unwrap_err().message().contains("plan token slot 16 bytes != pool token slot 32 bytes"));
+        other.strides = crate::geometry::Strides::token_major(&other.shape);
+        let e = unsafe { eng.scatter(&g, &other, buf.as_ptr()) }.unwrap_err();
+        assert!(e.message().contains("page stride 32, token stride 16 != the pool's 2, 64, 32"), "{}", e.message());
         let mut g2 = g.clone();
         g2.segments[0].staging_token = 1;
         assert_eq!(unsafe { eng.gather(&g2, &p.layout, buf.as_mut_ptr()) }.unwrap_err().code(), Status::KVSTAGE_E_INTERNAL);
@@ -658,13 +611,15 @@ mod tests {
             let base = pool.bases[slab.buffer as usize];
             for t in 0..plan.tokens {
                 let seg = plan.segments.iter().find(|s| s.staging_token <= t && t < s.staging_token + s.tokens).unwrap();
-                let p = (base + ((seg.pool_token + t - seg.staging_token) * plan.pool_token_bytes + plan.pool_head_offset) as usize) as *mut u8;
-                let st = unsafe { staging.add((slab.staging_offset + t * plan.row_bytes) as usize) };
-                for i in 0..plan.row_bytes as usize {
+                let slot = seg.pool_token + t - seg.staging_token;
+                for i in 0..plan.row_bytes {
+                    let (head, byte) = (i / plan.piece_bytes, i % plan.piece_bytes);
+                    let p = (base as u64 + pool.slot_offset(slot) + plan.pool_head_offset + head * plan.pool_piece_stride + byte) as *mut u8;
+                    let st = unsafe { staging.add((slab.staging_offset + t * plan.row_bytes + i) as usize) };
                     unsafe {
                         match dir {
-                            Dir::Gather => *st.add(i) = *p.add(i),
-                            Dir::Scatter => *p.add(i) = *st.add(i),
+                            Dir::Gather => *st = *p,
+                            Dir::Scatter => *p = *st,
                         }
                     }
                 }

@@ -9,6 +9,7 @@ use crate::error::{Error, Result, Status};
 use crate::geometry::{CopyPlan, KvLayout};
 
 mod any;
+mod block;
 pub mod cuda;
 mod host;
 mod parts;
@@ -93,17 +94,25 @@ pub trait CopyEngine: Send + Sync {
 /// segments that tile the chunk. O(slabs + segments).
 pub fn check_plan(plan: &CopyPlan, pool: &KvLayout) -> Result<()> {
     pool.validate()?;
-    let shape = &pool.shape;
-    if plan.pool_token_bytes != shape.token_bytes() {
+    let (shape, strides) = (&pool.shape, pool.strides);
+    if (plan.pool_page_size, plan.pool_page_stride, plan.pool_token_stride) != (shape.page_size, strides.page, strides.token) {
         return Err(Error::new(
             Status::KVSTAGE_E_GEOMETRY_MISMATCH,
-            format!("plan token slot {} bytes != pool token slot {} bytes", plan.pool_token_bytes, shape.token_bytes()),
+            format!(
+                "plan pages of {} slots, page stride {}, token stride {} != the pool's {}, {}, {}",
+                plan.pool_page_size, plan.pool_page_stride, plan.pool_token_stride, shape.page_size, strides.page, strides.token
+            ),
         ));
     }
-    if plan.row_bytes == 0 || plan.pool_head_offset.checked_add(plan.row_bytes).is_none_or(|e| e > plan.pool_token_bytes) {
+    let hb = shape.head_bytes();
+    let heads = plan.row_bytes / hb;
+    let first = plan.pool_head_offset / strides.head;
+    let pieces_fit = if plan.piece_bytes == plan.row_bytes { heads == 1 || strides.head == hb } else { plan.piece_bytes == hb && plan.pool_piece_stride == strides.head };
+    let rows_fit = plan.row_bytes != 0 && plan.row_bytes.is_multiple_of(hb) && plan.pool_head_offset.is_multiple_of(strides.head) && first + heads <= shape.local_heads as u64;
+    if !pieces_fit || !rows_fit {
         return Err(Error::internal(format!(
-            "plan rows of {} bytes at head offset {} do not fit a {}-byte token slot",
-            plan.row_bytes, plan.pool_head_offset, plan.pool_token_bytes
+            "plan rows of {} bytes in pieces of {} (stride {}) at head offset {} do not fit the pool's {} heads of {hb} bytes {} apart",
+            plan.row_bytes, plan.piece_bytes, plan.pool_piece_stride, plan.pool_head_offset, shape.local_heads, strides.head
         )));
     }
     if plan.segments.is_empty() && plan.tokens != 0 {
@@ -116,6 +125,10 @@ pub fn check_plan(plan: &CopyPlan, pool: &KvLayout) -> Result<()> {
             return Err(Error::internal(format!("plan segment {i} does not tile the chunk (staging token {}, expected {next})", seg.staging_token)));
         }
         next += seg.tokens;
+        let ps = shape.page_size as u64;
+        if !pool.linear() && seg.pool_token % ps + seg.tokens > ps {
+            return Err(Error::internal(format!("plan segment {i} crosses a page of a pool whose pages are not evenly spaced")));
+        }
         if seg.pool_token.checked_add(seg.tokens).is_none_or(|e| e > capacity) {
             return Err(Error::invalid_arg(
                 "pages",

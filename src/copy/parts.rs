@@ -255,7 +255,7 @@ impl Components {
                 PartCopy::Rows { row_bytes, src_at, dst_at } => {
                     let span = span.ok_or_else(|| Error::internal("a pool part without a span"))?;
                     let within = if prefill { *src_at } else { *dst_at };
-                    for seg in span.segments(c.spec.page_size) {
+                    for seg in span.segments(c.spec.page_size, true) {
                         let packed = tail_part.wrapping_add((seg.staging_token * row_bytes) as usize);
                         if *row_bytes == c.item_bytes {
                             unsafe { c.copy(buffer, seg.pool_token * c.item_bytes, packed, (seg.tokens * row_bytes) as usize, prefill)? };

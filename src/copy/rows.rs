@@ -3,6 +3,7 @@
 //! direct mode copies from one pool's rows to another's.
 
 use crate::error::{Error, Result};
+use super::block::{Block, Side};
 use crate::geometry::{CopyPlan, KvLayout, Segment};
 
 /// Whether the plan's slabs lie back to back from the region's start in the order they are listed
@@ -18,12 +19,13 @@ pub fn tiles_in_order(plan: &CopyPlan) -> bool {
 /// dereferenced: a plan checked against the pool ([`super::check_plan`]) keeps every range inside
 /// its buffer.
 pub fn pool_ranges<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iterator<Item = (usize, usize)> + 'a {
-    let contiguous = plan.contiguous();
     plan.slabs.iter().flat_map(move |slab| {
+        let base = pool.bases[slab.buffer as usize];
         let rows = plan.segments.iter().flat_map(move |seg| {
-            let first = pool.bases[slab.buffer as usize] + (seg.pool_token * plan.pool_token_bytes + plan.pool_head_offset) as usize;
-            let (count, len) = if contiguous { (1, seg.tokens * plan.row_bytes) } else { (seg.tokens, plan.row_bytes) };
-            (0..count).map(move |i| (first + (i * plan.pool_token_bytes) as usize, len as usize))
+            let run = plan.run(slab, seg, seg.staging_token, seg.staging_token + seg.tokens);
+            let packed = Side { at: 0, row: plan.row_bytes as usize, piece: run.piece_bytes as usize };
+            let pool = Side { at: base + run.pool_offset as usize, row: run.pool_row_stride as usize, piece: run.pool_piece_stride as usize };
+            Block { src: pool, dst: packed, len: run.piece_bytes as usize, rows: run.rows as usize, pieces: run.pieces as usize }.src_ranges()
         });
         Adjacent { rows, pending: None }
     })
@@ -66,28 +68,21 @@ pub unsafe fn pool_rows<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iter
 pub unsafe fn copy_across(src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
     check_paired(src, dst)?;
     let runs = fused_runs(&src.segments, &dst.segments);
-    let row = src.row_bytes as usize;
-    let whole = src.contiguous() && dst.contiguous();
-    // The decode pool's rows are not read here again: streaming stores skip reading each
-    // destination line before writing it (half the memory traffic of a plain copy).
-    let copy = |from: usize, to: usize, len: usize| {
-        // SAFETY: the callers' ranges lie in both pools (checked plans), which do not overlap.
-        unsafe { super::host::nt::copy(from as *const u8, to as *mut u8, len) }
+    // A piece both sides hold whole: a head where either side puts heads apart.
+    let len = src.piece_bytes.min(dst.piece_bytes);
+    let side = |plan: &CopyPlan, base: usize, slot: u64| Side {
+        at: base + (plan.slot_offset(slot) + plan.pool_head_offset) as usize,
+        row: plan.pool_token_stride as usize,
+        piece: if plan.piece_bytes == len { plan.pool_piece_stride } else { len } as usize,
     };
     for (from, to) in src.slabs.iter().zip(&dst.slabs) {
-        let src_base = src_pool.bases[from.buffer as usize] + src.pool_head_offset as usize;
-        let dst_base = dst_pool.bases[to.buffer as usize] + dst.pool_head_offset as usize;
+        let (src_base, dst_base) = (src_pool.bases[from.buffer as usize], dst_pool.bases[to.buffer as usize]);
         for &(src_token, dst_token, tokens) in &runs {
-            let (mut at, mut into) = (src_base + (src_token * src.pool_token_bytes) as usize, dst_base + (dst_token * dst.pool_token_bytes) as usize);
-            if whole {
-                copy(at, into, tokens as usize * row);
-                continue;
-            }
-            for _ in 0..tokens {
-                copy(at, into, row);
-                at += src.pool_token_bytes as usize;
-                into += dst.pool_token_bytes as usize;
-            }
+            let block = Block { src: side(src, src_base, src_token), dst: side(dst, dst_base, dst_token), len: len as usize, rows: tokens as usize, pieces: (src.row_bytes / len) as usize };
+            // The decode pool's rows are not read here again: streaming stores skip reading each
+            // destination line before writing it (half the memory traffic of a plain copy).
+            // SAFETY: the callers' ranges lie in both pools (checked plans), which do not overlap.
+            unsafe { block.copy(true) };
         }
     }
     // Streaming stores are weakly ordered: visible before the writer reports the region written.
@@ -183,7 +178,7 @@ mod tests {
             let pages = 6u64;
             let buffer_bytes = (pages * src.page_bytes()) as usize;
             let mut memory: Vec<Vec<u8>> = (0..6).map(|b| (0..buffer_bytes).map(|i| (i * 7 + b * 131) as u8).collect()).collect();
-            let pool = KvLayout { shape: src.clone(), capacity_pages: pages, memory: MemoryKind::Host, bases: memory.iter_mut().map(|m| m.as_mut_ptr() as usize).collect() };
+            let pool = KvLayout::new(src.clone(), pages, MemoryKind::Host, memory.iter_mut().map(|m| m.as_mut_ptr() as usize).collect());
             let st = staging_layout(&src, &dst, 14).unwrap();
             let region = st.region_of(&src).unwrap().unwrap();
             let plan = plan_gather(&src, &[4, 1, 3, 0], 1, &st, &region).unwrap();

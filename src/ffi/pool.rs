@@ -170,7 +170,7 @@ pub unsafe fn kv_layout_device_from_c(ptr: *const kvstage_kv_layout, arg: &str) 
         let v = unsafe { slice_arg(raw.v_bases, n, &format!("{arg}->v_bases")) }?;
         bases.extend(v.iter().map(|&b| b as usize));
     }
-    let layout = KvLayout { shape, capacity_pages: raw.capacity_pages, memory, bases };
+    let layout = KvLayout::new(shape, raw.capacity_pages, memory, bases);
     layout.validate().map_err(|e| e.context(format!("`{arg}` is not a valid KV layout")))?;
     let device = (memory == MemoryKind::Cuda && raw.cuda_device >= 0).then_some(raw.cuda_device as u32);
     Ok((layout, device))

@@ -11,6 +11,7 @@ use crate::error::{Error, FieldMismatch, Result, Status};
 pub(crate) mod fingerprint;
 mod grid;
 mod heads;
+mod layout;
 mod pairing;
 pub mod plan;
 mod slice;
@@ -26,6 +27,7 @@ pub use heads::{
     prefill_pp_ranks_for_decode, prefill_ranks_for_decode, sends_its_heads, tp_writers, writers_per_chunk,
     HeadSlice,
 };
+pub use layout::{KvLayout, PoolGeometry, Strides};
 pub use pairing::{decode_peers, decode_peers_of_request, prefill_peers, prefill_peers_of_request, PeerRank};
 pub use plan::{plan_chunk, plan_gather, plan_scatter, CopyPlan, CopyRun, Segment, Slab};
 pub use slice::{slice_plan, SliceOp};
@@ -307,142 +309,6 @@ impl PoolShape {
     }
 }
 
-impl AsRef<PoolShape> for PoolShape {
-    fn as_ref(&self) -> &PoolShape {
-        self
-    }
-}
-
-impl AsRef<PoolShape> for KvLayout {
-    fn as_ref(&self) -> &PoolShape {
-        &self.shape
-    }
-}
-
-/// A registered pool: shape plus base addresses.
-///
-/// `bases[kv * layer_count + layer_idx]` is the start of buffer `kv` (0 = K / latent, 1 = V) of
-/// layer `shape.layer_ids[layer_idx]`; each buffer holds `capacity_pages · page_size` token slots of
-/// `shape.token_bytes()` bytes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KvLayout {
-    pub shape: PoolShape,
-    pub capacity_pages: u64,
-    pub memory: MemoryKind,
-    pub bases: Vec<usize>,
-}
-
-impl KvLayout {
-    /// Bytes of one buffer: `capacity_pages · page_size · token_bytes` (saturating; `validate`
-    /// rejects layouts where this overflows).
-    pub fn buffer_bytes(&self) -> u64 {
-        self.capacity_pages.saturating_mul(self.shape.page_bytes())
-    }
-
-    /// Token slots in each buffer.
-    pub fn capacity_tokens(&self) -> u64 {
-        self.capacity_pages.saturating_mul(self.shape.page_size as u64)
-    }
-
-    fn buffer_name(&self, i: usize) -> String {
-        let layers = self.shape.layer_ids.len().max(1);
-        let (kv, idx) = (i / layers, i % layers);
-        let which = match (self.shape.kind, kv) {
-            (ModelKind::Mla, _) => "latent",
-            (_, 0) => "K",
-            _ => "V",
-        };
-        let id = self.shape.layer_ids.get(idx).copied().unwrap_or(u32::MAX);
-        format!("bases[{i}] ({which} of layer {id})")
-    }
-
-    /// Address of `len` bytes at `byte_offset` in token slot `slot` of buffer `buffer`, checked
-    /// against the pool (buffer index, capacity, slot bounds).
-    pub fn slot_bytes(&self, buffer: u32, slot: u64, byte_offset: u64, len: u64) -> Result<*mut u8> {
-        let base = *self.bases.get(buffer as usize).ok_or_else(|| Error::internal(format!("buffer {buffer} is not in the pool")))?;
-        let token_bytes = self.shape.token_bytes();
-        if slot >= self.capacity_tokens() || byte_offset.checked_add(len).is_none_or(|e| e > token_bytes) {
-            return Err(Error::internal(format!("slot {slot} [{byte_offset}, +{len}) is outside the pool")));
-        }
-        Ok((base as u64 + slot * token_bytes + byte_offset) as *mut u8)
-    }
-
-    /// Checks the shape, the capacity, the number of bases, NULL bases, address-space overflow and
-    /// overlapping buffers (`KVSTAGE_E_GEOMETRY_INVALID`, naming the field and the values).
-    pub fn validate(&self) -> Result<()> {
-        self.shape.validate()?;
-        if self.capacity_pages == 0 {
-            return Err(geometry_invalid("capacity_pages", "is 0 (a pool holds at least one page)"));
-        }
-        let bytes = self.capacity_pages.checked_mul(self.shape.page_bytes()).filter(|b| *b <= isize::MAX as u64);
-        let Some(buffer_bytes) = bytes else {
-            return Err(geometry_invalid(
-                "capacity_pages",
-                format!(
-                    "{} pages of {} bytes overflow the address space",
-                    self.capacity_pages,
-                    self.shape.page_bytes()
-                ),
-            ));
-        };
-        let expected = self.shape.buffers_per_layer() as usize * self.shape.layer_ids.len();
-        if self.bases.len() != expected {
-            return Err(geometry_invalid(
-                "bases",
-                format!(
-                    "holds {} pointers, expected {expected} ({} per layer × {} layers)",
-                    self.bases.len(),
-                    self.shape.buffers_per_layer(),
-                    self.shape.layer_ids.len()
-                ),
-            ));
-        }
-        let mut spans = Vec::with_capacity(self.bases.len());
-        for (i, &base) in self.bases.iter().enumerate() {
-            if base == 0 {
-                return Err(geometry_invalid(&self.buffer_name(i), "is NULL"));
-            }
-            let end = (base as u64).checked_add(buffer_bytes).filter(|e| *e <= usize::MAX as u64);
-            let Some(end) = end else {
-                return Err(geometry_invalid(
-                    &self.buffer_name(i),
-                    format!("{base:#x} + {buffer_bytes} bytes overflows the address space"),
-                ));
-            };
-            spans.push((base as u64, end, i));
-        }
-        spans.sort_unstable();
-        for pair in spans.windows(2) {
-            let (a, b) = (pair[0], pair[1]);
-            if b.0 < a.1 {
-                return Err(geometry_invalid(
-                    &self.buffer_name(b.2),
-                    format!(
-                        "[{:#x}, {:#x}) overlaps {} [{:#x}, {:#x}) (each buffer holds {buffer_bytes} bytes)",
-                        b.0,
-                        b.1,
-                        self.buffer_name(a.2),
-                        a.0,
-                        a.1
-                    ),
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Every page index must be below `capacity_pages` (`KVSTAGE_E_INVALID_ARG` naming `pages`).
-    pub fn check_pages(&self, pages: &[u32], arg: &str) -> Result<()> {
-        match pages.iter().position(|&p| p as u64 >= self.capacity_pages) {
-            None => Ok(()),
-            Some(i) => Err(Error::invalid_arg(
-                arg,
-                format!("{arg}[{i}] = {} is outside the pool (capacity_pages {})", pages[i], self.capacity_pages),
-            )),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -504,53 +370,6 @@ mod tests {
         mla.global_heads = 1;
         mla.local_heads = 8;
         assert!(err_of(mla.validate()).message().contains("`local_heads`: 8 != 1"));
-    }
-
-    fn layout() -> KvLayout {
-        let shape = mha();
-        let bb = 10 * shape.page_bytes() as usize;
-        KvLayout {
-            shape,
-            capacity_pages: 10,
-            memory: MemoryKind::Host,
-            bases: (0..8).map(|i| 0x10_0000 + i * bb).collect(),
-        }
-    }
-
-    #[test]
-    fn every_layout_validation_error_names_its_field() {
-        layout().validate().unwrap();
-        let mut l = layout();
-        l.capacity_pages = 0;
-        assert!(err_of(l.validate()).message().contains("`capacity_pages`: is 0"));
-        let mut l = layout();
-        l.capacity_pages = u64::MAX / 2;
-        assert!(err_of(l.validate()).message().contains("overflow the address space"));
-        let mut l = layout();
-        l.bases.pop();
-        assert!(err_of(l.validate()).message().contains("`bases`: holds 7 pointers, expected 8 (2 per layer × 4 layers)"));
-        let mut l = layout();
-        l.bases[5] = 0;
-        assert!(err_of(l.validate()).message().contains("`bases[5] (V of layer 1)`: is NULL"));
-        let mut l = layout();
-        l.bases[7] = usize::MAX - 100;
-        assert!(err_of(l.validate()).message().contains("overflows the address space"));
-        let mut l = layout();
-        l.bases[3] = l.bases[2] + 100;
-        let e = err_of(l.validate());
-        assert!(e.message().contains("bases[3] (K of layer 3)") && e.message().contains("overlaps bases[2]"), "{}", e.message());
-        let mut l = layout();
-        l.shape.head_dim = 0;
-        assert!(err_of(l.validate()).message().contains("`head_dim`"));
-    }
-
-    #[test]
-    fn check_pages_names_the_first_bad_page() {
-        let l = layout();
-        l.check_pages(&[0, 9, 3], "pages").unwrap();
-        let e = l.check_pages(&[0, 10], "pages").unwrap_err();
-        assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
-        assert!(e.message().contains("pages[1] = 10 is outside the pool (capacity_pages 10)"), "{}", e.message());
     }
 
     #[test]

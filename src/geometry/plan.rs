@@ -1,24 +1,26 @@
 //! The copy planner: one plan per (pool, writer region, chunk), consumed by every copy engine
-//! (host memcpy now, a CUDA kernel later).
+//! (host memcpy, the CUDA kernels, the stream and direct paths' pool rows).
 //!
 //! A plan holds offsets only, never pointers, so it can be shipped to a device. It is factored as
 //! `slabs × segments`:
 //! - a [`Slab`] is one (buffer, layer) pair: the pool buffer index and the byte offset of its
 //!   slab within the writer region;
-//! - a [`Segment`] is a run of consecutive pool token slots (adjacent pages merged) that map to
+//! - a [`Segment`] is a run of pool token slots that lie evenly spaced (`pool_token_stride`
+//!   apart: one page, or adjacent pages of a pool whose pages are evenly spaced) and map to
 //!   consecutive staging rows.
 //!
-//! Every (slab, segment) pair is one [`CopyRun`]: `rows` copies of `row_bytes`, strided by the
-//! pool's token slot on the pool side and packed on the staging side. When the head slice is the
-//! whole token slot (all local heads, or MLA) the rows are contiguous on both sides and the run is a
-//! single copy of `tokens · row_bytes` bytes. The factored form keeps the plan small (a 70B chunk of
-//! 8192 random single-token pages is 8192 segments + 160 slabs, not 1.3 M descriptors).
+//! Every (slab, segment) pair is one [`CopyRun`]: `rows` staging rows of `row_bytes`, each row
+//! `pieces` pieces of `piece_bytes` in the pool (the copied heads: one piece where they are
+//! adjacent in the pool, one per head where the pool puts heads apart, as head-major pages do).
+//! Staging rows are packed and token-major whatever the pool's layout (docs/GEOMETRY.md, "Pool
+//! layouts"). The factored form keeps the plan small (a 70B chunk of 8192 random single-token pages
+//! is 8192 segments + 160 slabs, not 1.3 M descriptors).
 
 use super::span::PageSpan;
-use super::{mismatch_error, PoolShape, StagingLayout, WriterRegion};
+use super::{mismatch_error, PoolGeometry, StagingLayout, WriterRegion};
 use crate::error::{Error, FieldMismatch, Result};
 
-/// Consecutive pool token slots `[pool_token, pool_token + tokens)` ↔ staging rows
+/// Pool token slots `pool_token, …` (`tokens` of them, `pool_token_stride` apart) ↔ staging rows
 /// `[staging_token, staging_token + tokens)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Segment {
@@ -37,17 +39,25 @@ pub struct Slab {
     pub layer_id: u32,
 }
 
-/// `rows` copies of `row_bytes` bytes: row `i` at `pool_offset + i·pool_stride` in pool buffer
-/// `buffer` and at `staging_offset + i·staging_stride` in the staging region.
+/// `rows × pieces` copies of `piece_bytes`: piece `(i, j)` at `pool_offset + i·pool_row_stride +
+/// j·pool_piece_stride` in pool buffer `buffer` and at `staging_offset + i·row_bytes +
+/// j·piece_bytes` in the staging region (`row_bytes = pieces · piece_bytes`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CopyRun {
     pub buffer: u32,
     pub pool_offset: u64,
     pub staging_offset: u64,
-    pub row_bytes: u64,
-    pub rows: u32,
-    pub pool_stride: u64,
-    pub staging_stride: u64,
+    pub rows: u64,
+    pub pool_row_stride: u64,
+    pub pieces: u64,
+    pub pool_piece_stride: u64,
+    pub piece_bytes: u64,
+}
+
+impl CopyRun {
+    pub fn row_bytes(&self) -> u64 {
+        self.pieces * self.piece_bytes
+    }
 }
 
 /// The copy between a pool and one writer region for one chunk. Staging offsets are relative to
@@ -55,10 +65,19 @@ pub struct CopyRun {
 /// `staging_bytes` long.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CopyPlan {
-    /// Bytes of one token slot of one pool buffer (the pool-side row stride).
-    pub pool_token_bytes: u64,
-    /// Byte offset of the first copied head within a token slot.
+    /// The pool's page size and page stride: slot `t` lies at `(t / ps)·page_stride + (t mod
+    /// ps)·pool_token_stride` in a buffer.
+    pub pool_page_size: u32,
+    pub pool_page_stride: u64,
+    /// Bytes between the token slots of a segment.
+    pub pool_token_stride: u64,
+    /// Byte offset of the first copied head within a token slot (`head_start · head_stride`).
     pub pool_head_offset: u64,
+    /// Bytes between a row's pieces in the pool (`piece_bytes` where the row is one piece).
+    pub pool_piece_stride: u64,
+    /// Bytes of a piece: the whole row where the copied heads are adjacent in the pool, else one
+    /// head (`D · b`).
+    pub piece_bytes: u64,
     /// Bytes copied per token per slab (`n · D · b`), also the staging row stride.
     pub row_bytes: u64,
     /// Tokens of the chunk (Σ segment tokens).
@@ -71,9 +90,30 @@ pub struct CopyPlan {
 }
 
 impl CopyPlan {
-    /// Rows are contiguous on both sides (whole token slots): each run is one copy.
+    /// Rows are contiguous on both sides (whole token slots, back to back): each run is one copy.
     pub fn contiguous(&self) -> bool {
-        self.row_bytes == self.pool_token_bytes
+        self.piece_bytes == self.row_bytes && self.pool_token_stride == self.row_bytes
+    }
+
+    /// Pieces per row.
+    pub fn pieces(&self) -> u64 {
+        self.row_bytes / self.piece_bytes.max(1)
+    }
+
+    /// Byte offset of token slot `slot` in a pool buffer.
+    pub fn slot_offset(&self, slot: u64) -> u64 {
+        let ps = self.pool_page_size.max(1) as u64;
+        (slot / ps) * self.pool_page_stride + (slot % ps) * self.pool_token_stride
+    }
+
+    /// The run of adjacent pool bytes the plan copies at a time: a page of whole token slots, else
+    /// a piece (what a read straight into the pool's rows costs per range).
+    pub fn min_pool_run(&self) -> u64 {
+        if self.contiguous() {
+            self.row_bytes * self.pool_page_size as u64
+        } else {
+            self.piece_bytes
+        }
     }
 
     /// Bytes moved by the plan.
@@ -95,7 +135,7 @@ impl CopyPlan {
     /// The plan cut into consecutive pieces of whole slabs in region order, each at least
     /// `piece_bytes` long but the last: a sender writes piece `k` while it gathers piece `k + 1`.
     /// Each piece's region range is contiguous when the plan's slabs tile the region.
-    pub fn pieces(&self, piece_bytes: u64) -> Vec<CopyPlan> {
+    pub fn pieces_of(&self, piece_bytes: u64) -> Vec<CopyPlan> {
         let slab = self.tokens * self.row_bytes;
         let per_piece = piece_bytes.div_ceil(slab.max(1)).max(1) as usize;
         let mut slabs = self.slabs.clone();
@@ -119,24 +159,28 @@ impl CopyPlan {
         out
     }
 
-    /// The plan as copy runs, slab-major; contiguous runs have `rows == 1`.
+    /// The run of `slab`'s staging rows `[from, to)`, which lie inside segment `seg`.
+    pub fn run(&self, slab: &Slab, seg: &Segment, from: u64, to: u64) -> CopyRun {
+        CopyRun {
+            buffer: slab.buffer,
+            pool_offset: self.slot_offset(seg.pool_token) + (from - seg.staging_token) * self.pool_token_stride + self.pool_head_offset,
+            staging_offset: slab.staging_offset + from * self.row_bytes,
+            rows: to - from,
+            pool_row_stride: self.pool_token_stride,
+            pieces: self.pieces(),
+            pool_piece_stride: self.pool_piece_stride,
+            piece_bytes: self.piece_bytes,
+        }
+    }
+
+    /// The plan as copy runs, slab-major (one per slab and segment).
     pub fn runs(&self) -> impl Iterator<Item = CopyRun> + '_ {
-        let contiguous = self.contiguous();
-        self.slabs.iter().flat_map(move |slab| {
-            self.segments.iter().map(move |seg| CopyRun {
-                buffer: slab.buffer,
-                pool_offset: seg.pool_token * self.pool_token_bytes + self.pool_head_offset,
-                staging_offset: slab.staging_offset + seg.staging_token * self.row_bytes,
-                row_bytes: if contiguous { seg.tokens * self.row_bytes } else { self.row_bytes },
-                rows: if contiguous { 1 } else { seg.tokens as u32 },
-                pool_stride: self.pool_token_bytes,
-                staging_stride: self.row_bytes,
-            })
-        })
+        self.slabs.iter().flat_map(move |slab| self.segments.iter().map(move |seg| self.run(slab, seg, seg.staging_token, seg.staging_token + seg.tokens)))
     }
 }
 
-/// Plans the copy between `pool` (a [`PoolShape`] or a [`super::KvLayout`]) and `region` of `staging` for one chunk: heads
+/// Plans the copy between `pool` (a [`super::PoolShape`], token-major, or a [`super::KvLayout`]
+/// with its strides) and `region` of `staging` for one chunk: heads
 /// `[head_start, head_start + num_heads)` of the chunk's `staging.tokens` tokens, which start
 /// `first_token` slots into `pages[0]` and run on through `pages` (in chunk order), every layer the
 /// writer carries (mapped to the pool's buffer indices), K slabs then V slabs.
@@ -145,7 +189,7 @@ impl CopyPlan {
 /// the chunk's tokens (`KVSTAGE_E_INVALID_ARG`); a pool whose agreed fields differ
 /// from the layout or that lacks one of the writer's layers (`KVSTAGE_E_GEOMETRY_MISMATCH`). Page
 /// indices are checked against the pool capacity by the engine that executes the plan.
-pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
+pub fn plan_chunk<P: PoolGeometry + ?Sized>(
     pool: &P,
     head_start: u32,
     num_heads: u32,
@@ -154,7 +198,8 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
     staging: &StagingLayout,
     region: &WriterRegion,
 ) -> Result<CopyPlan> {
-    let pool = pool.as_ref();
+    let strides = pool.strides();
+    let pool = pool.shape();
     pool.validate()?;
     let sized = region.layers as usize == region.layer_ids.len()
         && staging.slab_bytes.checked_mul(region.layers as u64 * staging.buffers_per_layer as u64) == Some(region.kv_bytes());
@@ -207,13 +252,20 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
             });
         }
     }
+    // Heads `strides.head` apart that are not adjacent make one piece per head.
+    let hb = pool.head_bytes();
+    let (piece_bytes, piece_stride) = if num_heads == 1 || strides.head == hb { (staging.row_bytes, staging.row_bytes) } else { (hb, strides.head) };
     Ok(CopyPlan {
-        pool_token_bytes: pool.token_bytes(),
-        pool_head_offset: head_start as u64 * pool.head_bytes(),
+        pool_page_size: pool.page_size,
+        pool_page_stride: strides.page,
+        pool_token_stride: strides.token,
+        pool_head_offset: head_start as u64 * strides.head,
+        pool_piece_stride: piece_stride,
+        piece_bytes,
         row_bytes: staging.row_bytes,
         tokens: span.tokens,
         slabs,
-        segments: span.segments(pool.page_size),
+        segments: span.segments(pool.page_size, super::layout::is_linear(pool, strides)),
         region_offset: region.offset,
         staging_bytes: region.kv_bytes(),
     })
@@ -222,7 +274,7 @@ pub fn plan_chunk<P: AsRef<PoolShape> + ?Sized>(
 /// The sender's plan: pool → `region`, using the region's source heads. The chunk may start
 /// `first_token` slots into `pages[0]` (where the decode side's cached prefix, or the previous
 /// chunk, ends inside a prefill page).
-pub fn plan_gather<P: AsRef<PoolShape> + ?Sized>(
+pub fn plan_gather<P: PoolGeometry + ?Sized>(
     pool: &P,
     pages: &[u32],
     first_token: u32,
@@ -234,7 +286,7 @@ pub fn plan_gather<P: AsRef<PoolShape> + ?Sized>(
 
 /// The receiver's plan: `region` → pool, using the region's destination heads. Decode chunks
 /// start on a decode page (the grid's base, the cached prefix, is whole decode pages).
-pub fn plan_scatter<P: AsRef<PoolShape> + ?Sized>(pool: &P, pages: &[u32], staging: &StagingLayout, region: &WriterRegion) -> Result<CopyPlan> {
+pub fn plan_scatter<P: PoolGeometry + ?Sized>(pool: &P, pages: &[u32], staging: &StagingLayout, region: &WriterRegion) -> Result<CopyPlan> {
     plan_chunk(pool, region.heads.dst_head_start, staging.num_heads, pages, 0, staging, region)
 }
 
@@ -242,7 +294,7 @@ pub fn plan_scatter<P: AsRef<PoolShape> + ?Sized>(pool: &P, pages: &[u32], stagi
 mod tests {
     use super::*;
     use crate::error::Status;
-    use crate::geometry::{staging_layout, staging_layout_stages, ModelKind};
+    use crate::geometry::{staging_layout, staging_layout_stages, ModelKind, PoolShape};
 
     fn shapes() -> (PoolShape, PoolShape) {
         let base = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 3);
@@ -260,7 +312,7 @@ mod tests {
         let whole = plan_gather(&src, &[3, 1], 0, &st, &w).unwrap();
         let slab = whole.tokens * whole.row_bytes;
         for piece_bytes in [1, slab - 1, slab, slab + 1, 5 * slab, 12 * slab, 100 * slab] {
-            let pieces = whole.pieces(piece_bytes);
+            let pieces = whole.pieces_of(piece_bytes);
             let mut next = 0;
             for (i, p) in pieces.iter().enumerate() {
                 let ranges = p.staging_ranges();
@@ -328,10 +380,11 @@ mod tests {
             buffer: 0,
             pool_offset: 32 * 512,
             staging_offset: 48 * 512,
-            row_bytes: 32 * 512,
-            rows: 1,
-            pool_stride: 512,
-            staging_stride: 512,
+            rows: 32,
+            pool_row_stride: 512,
+            pieces: 1,
+            pool_piece_stride: 512,
+            piece_bytes: 512,
         });
         assert_eq!(runs[11].buffer, 5);
         assert_eq!(runs[11].staging_offset, 5 * 80 * 512 + 48 * 512);
@@ -345,11 +398,41 @@ mod tests {
             buffer: 0,
             pool_offset: 7 * 16 * 1024 + 2 * 256,
             staging_offset: 0,
-            row_bytes: 512,
             rows: 48,
-            pool_stride: 1024,
-            staging_stride: 512,
+            pool_row_stride: 1024,
+            pieces: 1,
+            pool_piece_stride: 512,
+            piece_bytes: 512,
         });
+    }
+
+    /// Head-major pages (TensorRT-LLM's `[head][token][dim]`): a row is one piece per head, heads a
+    /// page of tokens apart, and segments stop at every page (pages are not evenly spaced slots).
+    #[test]
+    fn head_major_pages_make_pieces_per_head() {
+        let (src, dst) = shapes();
+        let st = staging_layout_stages(std::slice::from_ref(&src), &dst, 5 * 16).unwrap();
+        let w = &st.writers[st.writer_for(&src).unwrap().unwrap() as usize];
+        let bases: Vec<usize> = (0..6).map(|i| 0x100_0000 * (i + 1)).collect();
+        let hm = crate::geometry::Strides { page: 2 * 16 * 1024 * 2, token: 256, head: 16 * 256 };
+        let pool = crate::geometry::KvLayout::new(dst.clone(), 16, crate::geometry::MemoryKind::Host, bases).with_strides(hm);
+        pool.validate().unwrap();
+        let s = plan_scatter(&pool, &[7, 8, 9, 2, 3], &st, w).unwrap();
+        assert_eq!((s.piece_bytes, s.pool_piece_stride, s.pieces(), s.pool_token_stride), (256, 16 * 256, 2, 256));
+        assert_eq!(s.segments.len(), 5, "one per page");
+        assert_eq!(s.segments[1], Segment { pool_token: 8 * 16, staging_token: 16, tokens: 16 });
+        let r = s.run(&s.slabs[0], &s.segments[1], 20, 24);
+        assert_eq!(r, CopyRun {
+            buffer: 0,
+            pool_offset: 8 * hm.page + 4 * 256 + 2 * 16 * 256,
+            staging_offset: 20 * 512,
+            rows: 4,
+            pool_row_stride: 256,
+            pieces: 2,
+            pool_piece_stride: 16 * 256,
+            piece_bytes: 256,
+        });
+        assert!(!s.contiguous());
     }
 
     #[test]

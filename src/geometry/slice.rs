@@ -3,7 +3,7 @@
 
 use super::heads::HeadSlice;
 use super::span::PageSpan;
-use super::{agreed_field_mismatches, mismatch_error, PoolShape};
+use super::{agreed_field_mismatches, mismatch_error, PoolGeometry, PoolShape};
 use crate::error::{Error, FieldMismatch, Result};
 
 /// One write of the slice path: `len` bytes from `src_offset` in source buffer `src_buffer` to
@@ -20,9 +20,13 @@ pub struct SliceOp {
 /// Every write the slice path issues from prefill pool `src` to decode pool `dst` for the heads of
 /// `hs`: for each buffer kind (K, V; or the MLA latent), each layer both pools hold, each token of
 /// `src_span` / `dst_span` (paired in order; the two sides' page sizes may differ). MHA yields
-/// `2 · L · T` ops, MLA `L · T`. No coalescing: this is the per-token list a naive transfer would
-/// issue.
-pub fn slice_plan(src: &PoolShape, dst: &PoolShape, hs: &HeadSlice, src_span: &PageSpan, dst_span: &PageSpan) -> Result<Vec<SliceOp>> {
+/// `2 · L · T` ops, MLA `L · T`, times the heads of the slice where the prefill pool puts heads
+/// apart (`src`'s strides: the source offsets are its memory). The destination offsets count a
+/// token-major pool of `dst`'s shape: the receiver places them in its own layout. No coalescing:
+/// this is the per-token list a naive transfer would issue.
+pub fn slice_plan<S: PoolGeometry + ?Sized>(src: &S, dst: &PoolShape, hs: &HeadSlice, src_span: &PageSpan, dst_span: &PageSpan) -> Result<Vec<SliceOp>> {
+    let strides = src.strides();
+    let src = src.shape();
     src.validate().map_err(|e| e.context("prefill (src) pool shape"))?;
     dst.validate().map_err(|e| e.context("decode (dst) pool shape"))?;
     let list = agreed_field_mismatches(src, dst);
@@ -66,26 +70,30 @@ pub fn slice_plan(src: &PoolShape, dst: &PoolShape, hs: &HeadSlice, src_span: &P
             }],
         ));
     }
-    let (stb, dtb, hb) = (src.token_bytes(), dst.token_bytes(), src.head_bytes());
-    let len = n * hb;
+    let (dtb, hb) = (dst.token_bytes(), src.head_bytes());
+    // One op per token where the prefill pool's heads are adjacent, else one per head.
+    let (pieces, len) = if n == 1 || strides.head == hb { (1, n * hb) } else { (n, hb) };
     // Pool slot of span token `t`.
     let slot = |span: &PageSpan, ps: u32, t: u64| {
         let at = span.first_token as u64 + t;
         span.pages[(at / ps as u64) as usize] as u64 * ps as u64 + at % ps as u64
     };
     let per_buffer = layers.len() * src_span.tokens as usize;
-    let mut ops = Vec::with_capacity(per_buffer * src.buffers_per_layer() as usize);
+    let mut ops = Vec::with_capacity(per_buffer * src.buffers_per_layer() as usize * pieces as usize);
     for kv in 0..src.buffers_per_layer() {
         for &(si, di) in &layers {
             let (sb, db) = (src.buffer_index(kv, si), dst.buffer_index(kv, di));
             for t in 0..src_span.tokens {
-                ops.push(SliceOp {
-                    src_buffer: sb,
-                    src_offset: slot(src_span, src.page_size, t) * stb + hs.src_head_start as u64 * hb,
-                    dst_buffer: db,
-                    dst_offset: slot(dst_span, dst.page_size, t) * dtb + hs.dst_head_start as u64 * hb,
-                    len,
-                });
+                let src_slot = super::layout::slot_offset(src, strides, slot(src_span, src.page_size, t));
+                for p in 0..pieces {
+                    ops.push(SliceOp {
+                        src_buffer: sb,
+                        src_offset: src_slot + (hs.src_head_start as u64 + p) * strides.head,
+                        dst_buffer: db,
+                        dst_offset: slot(dst_span, dst.page_size, t) * dtb + (hs.dst_head_start as u64 + p) * hb,
+                        len,
+                    });
+                }
             }
         }
     }

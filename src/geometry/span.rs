@@ -46,9 +46,10 @@ impl<'a> PageSpan<'a> {
         Ok(())
     }
 
-    /// Runs of consecutive pool slots in span order (pages that follow each other in the pool
-    /// merged), `staging_token` counting from the span's first token. Assumes [`Self::check`].
-    pub fn segments(&self, page_size: u32) -> Vec<Segment> {
+    /// Runs of consecutive pool slots in span order, `staging_token` counting from the span's
+    /// first token; pages that follow each other in the pool are merged where `merge_pages` (the
+    /// pool's pages are evenly spaced). Assumes [`Self::check`].
+    pub fn segments(&self, page_size: u32, merge_pages: bool) -> Vec<Segment> {
         let ps = page_size as u64;
         let (start, end) = (self.first_token as u64, self.first_token as u64 + self.tokens);
         let mut out: Vec<Segment> = Vec::new();
@@ -60,7 +61,7 @@ impl<'a> PageSpan<'a> {
             }
             let pool_token = page as u64 * ps + (lo - i as u64 * ps);
             match out.last_mut() {
-                Some(seg) if seg.pool_token + seg.tokens == pool_token => seg.tokens += hi - lo,
+                Some(seg) if merge_pages && seg.pool_token + seg.tokens == pool_token => seg.tokens += hi - lo,
                 _ => out.push(Segment { pool_token, staging_token: lo - start, tokens: hi - lo }),
             }
         }
@@ -82,11 +83,11 @@ mod tests {
         // Pages of 4: tokens 3..9 of pages [7, 8, 2] are slot 3 of page 7, page 8, slot 0 of page 2.
         let span = PageSpan { pages: &[7, 8, 2], first_token: 3, tokens: 6 };
         span.check(4, "pages", "first").unwrap();
-        assert_eq!(span.segments(4), vec![seg(31, 0, 5), seg(8, 5, 1)]);
+        assert_eq!(span.segments(4, true), vec![seg(31, 0, 5), seg(8, 5, 1)]);
         let whole = PageSpan::whole(&[5, 6, 1], 4);
-        assert_eq!(whole.segments(4), vec![seg(20, 0, 8), seg(4, 8, 4)]);
+        assert_eq!(whole.segments(4, true), vec![seg(20, 0, 8), seg(4, 8, 4)]);
         // A page list that repeats a page does not merge backwards.
-        assert_eq!(PageSpan::whole(&[3, 3], 2).segments(2), vec![seg(6, 0, 2), seg(6, 2, 2)]);
+        assert_eq!(PageSpan::whole(&[3, 3], 2).segments(2, true), vec![seg(6, 0, 2), seg(6, 2, 2)]);
     }
 
     #[test]

@@ -103,7 +103,7 @@ mod tests {
     fn marks_are_checked_whole_and_each_wakes_the_session() {
         let woken = Arc::new(Count(AtomicUsize::new(0)));
         let shape = PoolShape::new(ModelKind::Mha, 2, 8, 2, 4, 8).with_pp(1, 2, vec![4, 5, 6, 7]);
-        let pool = Arc::new(KvLayout { shape, capacity_pages: 1, memory: MemoryKind::Host, bases: Vec::new() });
+        let pool = Arc::new(KvLayout::new(shape, 1, MemoryKind::Host, Vec::new()));
         let gate = LayerGate::new(pool, woken.clone());
         gate.mark(5, 2, None).unwrap();
         assert!(gate.mark(3, 2, None).unwrap_err().message().contains("layer 3 is not a layer of this pool"));

@@ -109,7 +109,7 @@ impl HostPool {
         }
         let base = memory.as_mut_ptr() as usize;
         let bases = (0..count).map(|i| base + i * buffer).collect();
-        HostPool { memory, layout: KvLayout { shape, capacity_pages, memory: MemoryKind::Host, bases } }
+        HostPool { memory, layout: KvLayout::new(shape, capacity_pages, MemoryKind::Host, bases) }
     }
 
     pub fn bytes(&self) -> usize {

@@ -244,7 +244,7 @@ fn engine_refuses_host_pools_and_foreign_memory() {
     let engine = DeviceCopyEngine::new(EmuBackend::default()).unwrap();
     let shape = PoolShape::new(ModelKind::Mha, 2, 4, 2, 2, 1);
     let mut host = vec![0u8; 1024];
-    let layout = KvLayout { shape: shape.clone(), capacity_pages: 4, memory: MemoryKind::Host, bases: vec![host.as_mut_ptr() as usize, host.as_mut_ptr() as usize + 512] };
+    let layout = KvLayout::new(shape.clone(), 4, MemoryKind::Host, vec![host.as_mut_ptr() as usize, host.as_mut_ptr() as usize + 512]);
     let st = staging_layout(&shape, &shape, 4).unwrap();
     let g = plan_gather(&shape, &[1, 0], 0, &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
     let mut buf = vec![0u8; st.total_bytes as usize];

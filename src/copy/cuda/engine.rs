@@ -327,7 +327,7 @@ mod tests {
         let engine = DeviceCopyEngine::new(super::super::emu::EmuBackend::default()).unwrap();
         let shape = PoolShape::new(ModelKind::Mha, 2, 4, 2, 2, 1);
         let dev = Backend::alloc(engine.backend(), 1024).unwrap() as usize;
-        let pool = KvLayout { shape: shape.clone(), capacity_pages: 4, memory: MemoryKind::Cuda, bases: vec![dev, dev + 512] };
+        let pool = KvLayout::new(shape.clone(), 4, MemoryKind::Cuda, vec![dev, dev + 512]);
         let st = staging_layout(&shape, &shape, 4).unwrap();
         let g = plan_gather(&shape, &[1, 0], 0, &st, &st.region_of(&shape).unwrap().unwrap()).unwrap();
         let mut buf = vec![0u8; st.total_bytes as usize];

@@ -26,13 +26,16 @@ pub struct KvJob {
     pub nslab: u64,
     pub nseg: u64,
     pub tokens: u64,
-    pub pool_token_bytes: u64,
+    pub pool_token_stride: u64,
     pub pool_head_offset: u64,
     pub row_bytes: u64,
+    pub piece_bytes: u64,
+    pub pool_piece_stride: u64,
 }
 
 /// The plan's tables as one array of u64 words, uploaded once per gather/scatter:
-/// `bases[nbuf] | slab_buffer[nslab] | slab_offset[nslab] | seg_start[nseg + 1] | seg_pool[nseg]`.
+/// `bases[nbuf] | slab_buffer[nslab] | slab_offset[nslab] | seg_start[nseg + 1] | seg_pool[nseg]`
+/// (`seg_pool`: the byte offset of the segment's first token in a buffer).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Tables {
     pub words: Vec<u64>,
@@ -50,7 +53,7 @@ impl Tables {
         words.extend(plan.slabs.iter().map(|s| s.staging_offset));
         words.extend(plan.segments.iter().map(|s| s.staging_token));
         words.push(plan.tokens);
-        words.extend(plan.segments.iter().map(|s| s.pool_token));
+        words.extend(plan.segments.iter().map(|s| plan.slot_offset(s.pool_token)));
         Tables { words, nbuf, nslab, nseg }
     }
 
@@ -78,18 +81,20 @@ impl Tables {
             nslab: (s1 - s0) as u64,
             nseg: self.nseg as u64,
             tokens: plan.tokens,
-            pool_token_bytes: plan.pool_token_bytes,
+            pool_token_stride: plan.pool_token_stride,
             pool_head_offset: plan.pool_head_offset,
             row_bytes: plan.row_bytes,
+            piece_bytes: plan.piece_bytes,
+            pool_piece_stride: plan.pool_piece_stride,
         }
     }
 }
 
 /// The widest access (16, 8, 4, 2 or 1 bytes) that every address of the job is aligned to:
-/// the bases of the buffers the plan reads, the staging address, every slab offset, the token
-/// slot, the head offset and the row size.
+/// the bases of the buffers the plan reads, the staging address, every slab offset, the pool's
+/// strides, the head offset, the row and piece sizes.
 pub fn vector_width(plan: &CopyPlan, bases: &[usize], staging_at: u64) -> u32 {
-    let mut acc = plan.pool_token_bytes | plan.pool_head_offset | plan.row_bytes | staging_at;
+    let mut acc = plan.pool_page_stride | plan.pool_token_stride | plan.pool_piece_stride | plan.pool_head_offset | plan.row_bytes | plan.piece_bytes | staging_at;
     for s in &plan.slabs {
         acc |= s.staging_offset;
         acc |= bases.get(s.buffer as usize).copied().unwrap_or(1) as u64;
@@ -117,17 +122,21 @@ pub struct KvAcross {
     pub nslab: u64,
     pub nrun: u64,
     pub tokens: u64,
-    pub src_token_bytes: u64,
+    pub src_token_stride: u64,
     pub src_head_offset: u64,
-    pub dst_token_bytes: u64,
+    pub dst_token_stride: u64,
     pub dst_head_offset: u64,
     pub row_bytes: u64,
+    pub piece_bytes: u64,
+    pub src_piece_stride: u64,
+    pub dst_piece_stride: u64,
 }
 
 /// A gather plan and a scatter plan of the same region (slabs paired, see
 /// [`crate::copy::rows::check_paired`]) as one array of u64 words, uploaded once per copy:
 /// `src_bases | dst_bases | slab_src[nslab] | slab_dst[nslab] | run_start[nrun + 1] |
-/// run_src[nrun] | run_dst[nrun]`, the runs being the two plans' segments merged.
+/// run_src[nrun] | run_dst[nrun]`, the runs being the two plans' segments merged (`run_src`,
+/// `run_dst`: byte offsets of the run's first token in a buffer).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AcrossTables {
     pub words: Vec<u64>,
@@ -151,8 +160,8 @@ impl AcrossTables {
             at += r.2;
         }
         words.push(at);
-        words.extend(runs.iter().map(|r| r.0));
-        words.extend(runs.iter().map(|r| r.1));
+        words.extend(runs.iter().map(|r| src.slot_offset(r.0)));
+        words.extend(runs.iter().map(|r| dst.slot_offset(r.1)));
         AcrossTables { words, nsrc, ndst, nslab, nrun }
     }
 
@@ -176,25 +185,44 @@ impl AcrossTables {
             nslab: self.nslab as u64,
             nrun: self.nrun as u64,
             tokens: src.tokens,
-            src_token_bytes: src.pool_token_bytes,
+            src_token_stride: src.pool_token_stride,
             src_head_offset: src.pool_head_offset,
-            dst_token_bytes: dst.pool_token_bytes,
+            dst_token_stride: dst.pool_token_stride,
             dst_head_offset: dst.pool_head_offset,
             row_bytes: src.row_bytes,
+            piece_bytes: across_piece(src, dst),
+            src_piece_stride: across_piece_stride(src, dst),
+            dst_piece_stride: across_piece_stride(dst, src),
         }
     }
 }
 
 /// The widest access (16, 8, 4, 2 or 1 bytes) every row of a direct copy is aligned to on both
-/// sides: the bases of the buffers the plans use, token slots, head offsets and the row size.
+/// sides: the bases of the buffers the plans use, strides, head offsets, the row and piece sizes.
 pub fn across_width(src: &CopyPlan, src_bases: &[usize], dst: &CopyPlan, dst_bases: &[usize]) -> u32 {
-    let mut acc = src.pool_token_bytes | src.pool_head_offset | dst.pool_token_bytes | dst.pool_head_offset | src.row_bytes;
+    let mut acc = src.row_bytes | across_piece(src, dst);
     for (plan, bases) in [(src, src_bases), (dst, dst_bases)] {
+        acc |= plan.pool_page_stride | plan.pool_token_stride | plan.pool_piece_stride | plan.pool_head_offset;
         for s in &plan.slabs {
             acc |= bases.get(s.buffer as usize).copied().unwrap_or(1) as u64;
         }
     }
     (1u64 << acc.trailing_zeros().min(4)) as u32
+}
+
+/// The piece a direct copy moves at a time: a head where either side puts heads apart.
+pub fn across_piece(a: &CopyPlan, b: &CopyPlan) -> u64 {
+    a.piece_bytes.min(b.piece_bytes)
+}
+
+/// `plan`'s stride between the pieces of [`across_piece`] (adjacent where its row is one piece).
+fn across_piece_stride(plan: &CopyPlan, other: &CopyPlan) -> u64 {
+    let len = across_piece(plan, other);
+    if plan.piece_bytes == len {
+        plan.pool_piece_stride
+    } else {
+        len
+    }
 }
 
 /// Grid caps (x over token tiles, y over slab groups); the kernels stride over the rest.
@@ -259,7 +287,7 @@ mod tests {
         assert_eq!(t.words[6..12], [0, 1, 2, 3, 4, 5]);
         assert_eq!(t.words[12], g.slabs[0].staging_offset);
         assert_eq!(t.words[18..21], [0, 48, 80]);
-        assert_eq!(t.words[21..23], [7 * 16, 2 * 16]);
+        assert_eq!(t.words[21..23], [7 * 16 * 512, 2 * 16 * 512]);
         let j = t.job(&g, 0x9000, 2, 5, 0x5_0000);
         assert_eq!(j.bases, 0x9000);
         assert_eq!(j.slab_buffer, 0x9000 + 8 * (6 + 2));
@@ -268,8 +296,8 @@ mod tests {
         assert_eq!(j.seg_pool, 0x9000 + 8 * 21);
         assert_eq!(j.nslab, 3);
         assert_eq!(j.staging.wrapping_add(g.slabs[2].staging_offset), 0x5_0000);
-        assert_eq!((j.tokens, j.row_bytes, j.pool_token_bytes), (80, 512, 512));
-        assert_eq!(std::mem::size_of::<KvJob>(), 96);
+        assert_eq!((j.tokens, j.row_bytes, j.pool_token_stride, j.piece_bytes), (80, 512, 512, 512));
+        assert_eq!(std::mem::size_of::<KvJob>(), 112);
     }
 
     #[test]
@@ -284,6 +312,7 @@ mod tests {
         assert_eq!(vector_width(&g, &odd, 0x7000_0000), 2);
         let mut g3 = g.clone();
         g3.row_bytes = 12;
+        g3.piece_bytes = 12;
         assert_eq!(vector_width(&g3, &bases, 0), 4);
         g3.pool_head_offset = 1;
         assert_eq!(vector_width(&g3, &bases, 0), 1);

@@ -139,8 +139,8 @@ fn make_pool(mem: &dyn TestMemory, shape: &PoolShape, capacity: u64, misalign: u
     mem.write(dev_base, &mirror)?;
     let host_base = mirror.as_ptr() as usize;
     let bases = |base: usize| (0..nb).map(|i| base + i * stride + misalign as usize).collect::<Vec<usize>>();
-    let device = KvLayout { shape: shape.clone(), capacity_pages: capacity, memory: MemoryKind::Cuda, bases: bases(dev_base as usize) };
-    let host = KvLayout { shape: shape.clone(), capacity_pages: capacity, memory: MemoryKind::Host, bases: bases(host_base) };
+    let device = KvLayout::new(shape.clone(), capacity, MemoryKind::Cuda, bases(dev_base as usize));
+    let host = KvLayout::new(shape.clone(), capacity, MemoryKind::Host, bases(host_base));
     Ok(Pool { mirror, device, host, dev_base })
 }
 

@@ -189,6 +189,7 @@ impl Receiver {
                     session: hello.session.clone(),
                     src: hello.shape.clone(),
                     dst: pool.shape.clone(),
+                    dst_strides: pool.strides,
                     pairing: pair,
                     in_place: false,
                     host_pool: pool.memory == crate::geometry::MemoryKind::Host,
@@ -313,12 +314,12 @@ impl Receiver {
                 Message::Slice { room, chunk, buffer, token, byte_offset, len } => {
                     match self.with_state(|st| st.begin_slice(id, room, chunk, buffer, token, byte_offset, len))? {
                         Target::Land(lease) => {
-                            let target = pool.slot_bytes(lease.buffer, lease.pool_slot, lease.byte_offset, lease.len);
-                            let read = target.and_then(|t| {
+                            let target = pool.slot_ranges(lease.buffer, lease.pool_slot, lease.byte_offset, lease.len);
+                            let read = target.and_then(|ranges| {
                                 // SAFETY: the state checked the slot lies in a page of this room
                                 // and the bytes in this writer's head range; the lease keeps the
                                 // room's pages from going back to the caller during the read.
-                                inbound.payload_into(unsafe { std::slice::from_raw_parts_mut(t, lease.len as usize) })
+                                unsafe { inbound.payload_into_ranges(&ranges, inbound.payload_until(lease.len), || true) }.map(|_| ())
                             });
                             let landed = read.is_ok();
                             self.with_state(|st| st.end_slice(lease, landed));
@@ -525,7 +526,7 @@ impl Receiver {
             return Ok(crate::session::checksum(&bytes));
         };
         let pool = self.pool()?;
-        let plan = crate::geometry::plan_scatter(&pool.shape, &direct.pages, &direct.layout, &direct.layout.writers[direct.region as usize])?;
+        let plan = crate::geometry::plan_scatter(&*pool, &direct.pages, &direct.layout, &direct.layout.writers[direct.region as usize])?;
         crate::copy::check_plan(&plan, &pool)?;
         // SAFETY: the plan was checked against the pool; the rows are the room's pages, which
         // stay in the pool while the room is open (a release during the read makes the result

@@ -611,7 +611,7 @@ impl Receiver {
         // A direct writer's region is in the pool already (its ring range was never written).
         let scattered = job.layout.writers.iter().enumerate().filter(|(i, r)| r.layers > 0 && !job.in_pool.contains(&(*i as u32)));
         for (_, region) in scattered {
-            let plan = geometry::plan_scatter(&pool.shape, &job.pages, &job.layout, region)?.for_layers(|l| job.layers.contains(&l));
+            let plan = geometry::plan_scatter(&*pool, &job.pages, &job.layout, region)?.for_layers(|l| job.layers.contains(&l));
             if plan.slabs.is_empty() {
                 continue;
             }

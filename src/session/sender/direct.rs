@@ -31,7 +31,7 @@ impl SenderSession {
     pub(super) fn direct_plan(&self, plan: &CopyPlan, to: DirectTarget<'_>) -> Result<CopyPlan> {
         crate::copy::check_plan(plan, &self.pool)?;
         let pool = self.link.direct_pool().ok_or_else(|| Error::internal("a direct grant on a session that does not map the receiver's pool"))??;
-        geometry::plan_scatter(&pool.layout().shape, to.pages, to.layout, to.region)
+        geometry::plan_scatter(pool.layout(), to.pages, to.layout, to.region)
             .and_then(|dst| crate::copy::check_plan(&dst, pool.layout()).map(|()| dst))
             .map_err(|e| Error::new(Status::KVSTAGE_E_PROTOCOL, "the receiver granted decode pages that do not hold this chunk").with_source(e))
     }

@@ -44,7 +44,7 @@ impl SenderSession {
         let phase = Instant::now();
         let wrote = (|| {
             let piece_bytes = self.resources.options.send_piece_bytes;
-            let pieces = if piece_bytes > 0 { plan.pieces(piece_bytes) } else { vec![plan.clone()] };
+            let pieces = if piece_bytes > 0 { plan.pieces_of(piece_bytes) } else { vec![plan.clone()] };
             for piece in &pieces {
                 let Some(&(at, len)) = piece.staging_ranges().first() else { continue };
                 // SAFETY: as above (a piece is the plan with some of its slabs); the pool's pages

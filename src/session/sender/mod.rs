@@ -421,7 +421,7 @@ impl SenderSession {
         // (buffer, token within chunk, byte within the token slot) against its own room pages.
         let span = desc.span(src.page_size)?;
         let chunk_pages: Vec<u32> = (0..span.tokens.div_ceil(dst.page_size as u64) as u32).collect();
-        let ops = geometry::slice_plan(src, dst, &hs, &span, &geometry::PageSpan { pages: &chunk_pages, first_token: 0, tokens: span.tokens })?;
+        let ops = geometry::slice_plan(&*self.pool, dst, &hs, &span, &geometry::PageSpan { pages: &chunk_pages, first_token: 0, tokens: span.tokens })?;
         let dst_token_bytes = dst.token_bytes();
         let bytes: u64 = ops.iter().map(|o| o.len).sum();
         let mut frames = ops.iter().map(|o| {

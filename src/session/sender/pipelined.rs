@@ -22,7 +22,7 @@ impl SenderSession {
     pub(super) fn pipeline_pieces(&self, plan: Option<&CopyPlan>, staging: &StagingLease<'_>) -> Option<Vec<CopyPlan>> {
         let piece = self.resources.options.send_piece_bytes;
         let plan = plan.filter(|_| piece > 0 && staging.memory() == StagingMemory::Host)?;
-        Some(plan.pieces(piece)).filter(|pieces| pieces.len() >= 2)
+        Some(plan.pieces_of(piece)).filter(|pieces| pieces.len() >= 2)
     }
 
     /// Gathers `pieces` (the KV plan, in region order) and `tail` into `staging` and writes the

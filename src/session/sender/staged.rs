@@ -83,7 +83,7 @@ impl SenderSession {
             self.log_fallback(desc, &why);
             return Ok(Status::KVSTAGE_FALLBACK);
         }
-        let plan = (region.layers > 0).then(|| geometry::plan_gather(src, &desc.pages, span.first_token, &layout, &region)).transpose()?;
+        let plan = (region.layers > 0).then(|| geometry::plan_gather(&*self.pool, &desc.pages, span.first_token, &layout, &region)).transpose()?;
         // A whole chunk's KV ready first, so that waiting for the caller's compute holds no ring
         // space, copy lane or staging buffer another transfer needs (layer-wise: per batch).
         if desc.layers.is_none() {

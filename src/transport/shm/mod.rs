@@ -583,7 +583,7 @@ mod tests {
         let shape = PoolShape::new(ModelKind::Mha, 2, 8, 2, 4, 3);
         let buffer = 4 * shape.page_bytes() as usize;
         let a = 0x7000_0000usize;
-        let pool = KvLayout { shape: shape.clone(), capacity_pages: 4, memory: MemoryKind::Cuda, bases: (0..6).map(|i| a + i * buffer).collect() };
+        let pool = KvLayout::new(shape.clone(), 4, MemoryKind::Cuda, (0..6).map(|i| a + i * buffer).collect());
         let export = |s: usize| Ok(DeviceExport { handle: [1; IPC_HANDLE_BYTES], offset: 0, ptr: s as u64 });
         let share = pool::PoolShare::device(&pool, |_| Ok((a, 6 * buffer as u64)), export).unwrap();
         let ring = memory::SharedRing::create(8192).unwrap();

@@ -21,7 +21,7 @@ use super::greeting::PoolFiles;
 use super::memory::{map_peer_file, Mapping, SharedRing};
 use super::{DeviceExport, OpenDevice, PeerDevice, IPC_HANDLE_BYTES};
 use crate::error::{Error, Result, Status};
-use crate::geometry::{KvLayout, MemoryKind, PoolShape};
+use crate::geometry::{KvLayout, MemoryKind, PoolShape, Strides};
 
 /// Allocations a pool share may hold. The receiver sends them all before its answer lets the
 /// sender read, so they must fit the local socket's buffer together with the table (a pool spread
@@ -30,6 +30,8 @@ pub const MAX_POOL_FILES: u32 = 64;
 /// Buffers a pool share may describe (K and V of 2048 layers).
 pub const MAX_POOL_BUFFERS: u32 = 4096;
 const TABLE_ENTRY_BYTES: usize = 12;
+/// The table's head: buffer count, capacity in pages, page, token and head strides.
+const TABLE_HEAD_BYTES: usize = 4 + 4 * 8;
 /// A device allocation on the socket: IPC handle, address, size.
 const DEVICE_ENTRY_BYTES: usize = IPC_HANDLE_BYTES + 16;
 
@@ -130,7 +132,8 @@ pub struct PoolShare {
     allocations: Allocations,
     /// Per pool buffer: its allocation's index and its offset in it.
     buffers: Vec<(u32, u64)>,
-    buffer_bytes: u64,
+    capacity_pages: u64,
+    strides: Strides,
 }
 
 /// Where a pool's buffers lie: each allocation once (start, size), and per buffer its
@@ -200,7 +203,7 @@ impl PoolShare {
             let fd = all[&start].fd().try_clone_to_owned().map_err(|e| format!("cannot duplicate a pool allocation's descriptor: {e}"))?;
             files.push((fd, len));
         }
-        Ok(PoolShare { allocations: Allocations::Files(files), buffers, buffer_bytes })
+        Ok(PoolShare { allocations: Allocations::Files(files), buffers, capacity_pages: pool.capacity_pages, strides: pool.strides })
     }
 
     /// The share of a CUDA pool: `allocation(base)` names the device allocation holding the
@@ -226,7 +229,7 @@ impl PoolShare {
         })?;
         check_coverage(&starts, &buffers, buffer_bytes, "device allocation", "CUDA IPC")?;
         let exports = starts.iter().map(|&(start, len)| export(start).map(|x| (x, len))).collect::<std::result::Result<Vec<_>, String>>()?;
-        Ok(PoolShare { allocations: Allocations::Device(exports), buffers, buffer_bytes })
+        Ok(PoolShare { allocations: Allocations::Device(exports), buffers, capacity_pages: pool.capacity_pages, strides: pool.strides })
     }
 
     /// What the greeting announces of this share.
@@ -256,9 +259,11 @@ impl PoolShare {
                 fdpass::send_all(stream, &out).map_err(short)?;
             }
         }
-        let mut table = Vec::with_capacity(12 + self.buffers.len() * TABLE_ENTRY_BYTES);
+        let mut table = Vec::with_capacity(TABLE_HEAD_BYTES + self.buffers.len() * TABLE_ENTRY_BYTES);
         table.extend_from_slice(&(self.buffers.len() as u32).to_le_bytes());
-        table.extend_from_slice(&self.buffer_bytes.to_le_bytes());
+        for word in [self.capacity_pages, self.strides.page, self.strides.token, self.strides.head] {
+            table.extend_from_slice(&word.to_le_bytes());
+        }
         for (file, offset) in &self.buffers {
             table.extend_from_slice(&file.to_le_bytes());
             table.extend_from_slice(&offset.to_le_bytes());
@@ -286,8 +291,8 @@ impl std::fmt::Debug for PeerPool {
 /// engine's pool is host memory, which a device pool is not written from; `same_process`: the
 /// receiver is this process). Everything is checked before use: each file is a sealed memfd of
 /// the size it is said to be, each device allocation opens on this pool's device and holds its
-/// size, the table names exactly the shape's buffers, each of whole pages and inside its
-/// allocation. Host files are mapped without populating them: this process touches only the pages
+/// size, the table names exactly the shape's buffers, a valid layout (the receiver's own strides:
+/// no two rows share a byte) with each buffer inside its allocation. Host files are mapped without populating them: this process touches only the pages
 /// it is granted (a receiver's claimed sizes, sparse or not, cost nothing until then).
 pub fn map_peer_pool(stream: &UnixStream, files: PoolFiles, shape: &PoolShape, open_device: Option<OpenDevice<'_>>, same_process: bool) -> Result<PeerPool> {
     let bad = |why: String| Error::new(Status::KVSTAGE_E_PROTOCOL, format!("the receiver's pool share: {why}"));
@@ -325,18 +330,19 @@ pub fn map_peer_pool(stream: &UnixStream, files: PoolFiles, shape: &PoolShape, o
             maps.push(map);
         }
     }
-    let mut head = [0u8; 12];
+    let mut head = [0u8; TABLE_HEAD_BYTES];
     reader.read_exact(&mut head).map_err(short)?;
     let buffers = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
-    let buffer_bytes = u64::from_le_bytes(head[4..].try_into().expect("8 bytes"));
+    let word = |k: usize| u64::from_le_bytes(head[4 + 8 * k..12 + 8 * k].try_into().expect("8 bytes"));
+    let (capacity_pages, strides) = (word(0), Strides { page: word(1), token: word(2), head: word(3) });
     let expected = shape.buffers_per_layer() as u64 * shape.layer_ids.len() as u64;
     if buffers as u64 != expected {
         return Err(bad(format!("{buffers} buffers, its hello's shape has {expected}")));
     }
-    let page_bytes = shape.page_bytes();
-    if buffer_bytes == 0 || !buffer_bytes.is_multiple_of(page_bytes) {
-        return Err(bad(format!("buffers of {buffer_bytes} bytes, not whole pages of {page_bytes}")));
-    }
+    // Checked as a layout before any base is known: strides that nest, a size that fits.
+    let memory = if device { MemoryKind::Cuda } else { MemoryKind::Host };
+    let sized = KvLayout::new(shape.clone(), capacity_pages, memory, Vec::new()).with_strides(strides);
+    let buffer_bytes = sized.buffer_bytes();
     let mut table = vec![0u8; buffers as usize * TABLE_ENTRY_BYTES];
     reader.read_exact(&mut table).map_err(short)?;
     let mut bases = Vec::with_capacity(buffers as usize);
@@ -349,8 +355,8 @@ pub fn map_peer_pool(stream: &UnixStream, files: PoolFiles, shape: &PoolShape, o
         }
         bases.push(at + offset as usize);
     }
-    let memory = if device { MemoryKind::Cuda } else { MemoryKind::Host };
-    let layout = KvLayout { shape: shape.clone(), capacity_pages: buffer_bytes / page_bytes, memory, bases };
+    let layout = KvLayout { bases, ..sized };
+    layout.validate().map_err(|e| bad(e.chain()))?;
     Ok(PeerPool { layout, _maps: maps, _devices: devices })
 }
 
@@ -372,7 +378,7 @@ mod tests {
         let buffer = (4 * shape.page_bytes()) as usize;
         let (a, b) = (alloc(buffer * 4).unwrap(), alloc(buffer * 2).unwrap());
         let bases = vec![a as usize, a as usize + buffer, b as usize, a as usize + 2 * buffer, a as usize + 3 * buffer, b as usize + buffer];
-        let pool = KvLayout { shape: shape.clone(), capacity_pages: 4, memory: MemoryKind::Host, bases: bases.clone() };
+        let pool = KvLayout::new(shape.clone(), 4, MemoryKind::Host, bases.clone());
         let share = PoolShare::of(&pool).unwrap();
         assert_eq!(share.files(), PoolFiles { count: 2, device: false });
         let (tx, rx) = UnixStream::pair().unwrap();
@@ -423,7 +429,8 @@ mod tests {
         let share = PoolShare {
             allocations: Allocations::Files((0..MAX_POOL_FILES).map(|_| (fd(), 4096)).collect()),
             buffers: vec![(0, 0); MAX_POOL_BUFFERS as usize],
-            buffer_bytes: 4096,
+            capacity_pages: 1,
+            strides: Strides { page: 4096, token: 256, head: 64 },
         };
         let (tx, rx) = UnixStream::pair().unwrap();
         tx.set_write_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
@@ -457,7 +464,7 @@ mod tests {
         let shape = shape();
         let buffer = 4 * shape.page_bytes() as usize;
         let (a, b) = (0x7000_0000usize, 0x7100_0000usize);
-        let pool_at = |bases: Vec<usize>| KvLayout { shape: shape.clone(), capacity_pages: 4, memory: MemoryKind::Cuda, bases };
+        let pool_at = |bases: Vec<usize>| KvLayout::new(shape.clone(), 4, MemoryKind::Cuda, bases);
         // Allocation a holds buffers 0, 1, 3, 4 back to back; b holds 2 and 5.
         let pool = pool_at(vec![a, a + buffer, b, a + 2 * buffer, a + 3 * buffer, b + buffer]);
         let allocations = |sizes: (u64, u64)| {
@@ -514,7 +521,7 @@ mod tests {
         let shape = shape();
         let buffer = shape.page_bytes() as usize;
         let a = alloc(buffer * 6).unwrap();
-        let pool = KvLayout { shape: shape.clone(), capacity_pages: 1, memory: MemoryKind::Host, bases: (0..6).map(|i| a as usize + i * buffer).collect() };
+        let pool = KvLayout::new(shape.clone(), 1, MemoryKind::Host, (0..6).map(|i| a as usize + i * buffer).collect());
         let share = PoolShare::of(&pool).unwrap();
         let (tx, rx) = UnixStream::pair().unwrap();
         share.send(&tx).unwrap();
@@ -522,7 +529,7 @@ mod tests {
         assert!(map_peer_pool(&rx, share.files(), &fewer_layers, None, false).unwrap_err().message().contains("6 buffers"));
         let (tx, rx) = UnixStream::pair().unwrap();
         let Allocations::Files(files) = &share.allocations else { panic!("a host pool shared as device memory") };
-        let lying = PoolShare { allocations: Allocations::Files(vec![(files[0].0.try_clone().unwrap(), files[0].1)]), buffers: vec![(0, (buffer * 5 + 1) as u64); 6], buffer_bytes: buffer as u64 };
+        let lying = PoolShare { allocations: Allocations::Files(vec![(files[0].0.try_clone().unwrap(), files[0].1)]), buffers: vec![(0, (buffer * 5 + 1) as u64); 6], capacity_pages: 1, strides: Strides::token_major(&shape) };
         lying.send(&tx).unwrap();
         assert!(map_peer_pool(&rx, lying.files(), &shape, None, false).unwrap_err().message().contains("outside its"));
         free(a).unwrap();

@@ -71,7 +71,7 @@ fn pool(shape: PoolShape, capacity_pages: u64) -> (Mem, KvLayout) {
     let nb = (shape.buffers_per_layer() * shape.layer_count()) as usize;
     let mem = Mem::new(bb * nb, 0x5A);
     let base = mem.ptr as usize;
-    let layout = KvLayout { shape, capacity_pages, memory: MemoryKind::Host, bases: (0..nb).map(|i| base + i * bb).collect() };
+    let layout = KvLayout::new(shape, capacity_pages, MemoryKind::Host, (0..nb).map(|i| base + i * bb).collect());
     (mem, layout)
 }
 

@@ -143,7 +143,7 @@ fn device_pool(device: i32, shape: &PoolShape, capacity_pages: u64) -> Result<De
     let bb = (capacity_pages * shape.page_bytes()) as usize;
     let mem = DeviceMemory::alloc(device, nb * bb)?;
     let bases = (0..nb).map(|i| mem.ptr as usize + i * bb).collect();
-    let layout = KvLayout { shape: shape.clone(), capacity_pages, memory: MemoryKind::Cuda, bases };
+    let layout = KvLayout::new(shape.clone(), capacity_pages, MemoryKind::Cuda, bases);
     Ok(DevicePool { _mem: mem, layout })
 }
 

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::{Error, FieldMismatch, Result, Status};
-use crate::geometry::{self, ComponentSpec, CopyPlan, PoolShape, StagingLayout};
+use crate::geometry::{self, ComponentSpec, CopyPlan, PoolShape, StagingLayout, Strides};
 use crate::protocol::RoomRef;
 use crate::ring::{Grant, Ring, Watermark};
 use crate::session::receiver::coverage::Coverage;
@@ -74,6 +74,8 @@ pub struct ConnInfo {
     /// The sender's pool shape and ours at the handshake.
     pub src: PoolShape,
     pub dst: PoolShape,
+    /// Our pool's strides (its own: they never cross the wire).
+    pub dst_strides: Strides,
     pub pairing: Pairing,
     /// Chunks are written in place (RDMA WRITE, or a same-host mapping of the ring): grants stay
     /// quarantined until the writer is done with them.

@@ -183,9 +183,8 @@ impl State {
             .pool_read_min_run
             .filter(|_| read)
             .and_then(|min| {
-                let plan = geometry::plan_scatter(&info.dst, r.chunk_pages(chunk), &layout, &layout.writers[region as usize]).ok()?;
-                let run = if plan.contiguous() { plan.row_bytes * info.dst.page_size as u64 } else { plan.row_bytes };
-                (run >= min).then(|| Arc::new(plan))
+                let plan = geometry::plan_scatter(&(&info.dst, info.dst_strides), r.chunk_pages(chunk), &layout, &layout.writers[region as usize]).ok()?;
+                (plan.min_pool_run() >= min).then(|| Arc::new(plan))
             });
         let lands = match read_plan {
             _ if direct => Lands::Mapped,
