@@ -103,6 +103,25 @@ typedef enum kvstage_room_event_kind {
     KVSTAGE_ROOM_EVENT_ROOM = 2,
 } kvstage_room_event_kind;
 
+// An engine's named pool layout (`kvstage_kv_layout_preset`; the names kvstage-bench and Python
+// use are in parentheses).
+typedef enum kvstage_layout_preset {
+    // sglang (`sglang`): per layer a K and a V buffer `[slots, heads, head_dim]`, token-major.
+    KVSTAGE_LAYOUT_SGLANG = 0,
+    // vLLM (`vllm-lbhnc`, ...): the logical cache `[layer, block, head, token, cell]`, K and V
+    // in one cell (`K‖V`), stored in this order of its axes, outermost first. `LBHNC` is vLLM's
+    // CPU backend's and what its NIXL and Mooncake connectors ask for; the `BL..` orders are
+    // blocks that hold every layer.
+    KVSTAGE_LAYOUT_VLLM_LBHNC = 1,
+    KVSTAGE_LAYOUT_VLLM_LBNHC = 2,
+    KVSTAGE_LAYOUT_VLLM_LHBNC = 3,
+    KVSTAGE_LAYOUT_VLLM_BLHNC = 4,
+    KVSTAGE_LAYOUT_VLLM_BLNHC = 5,
+    KVSTAGE_LAYOUT_VLLM_BHLNC = 6,
+    // TensorRT-LLM (`trtllm`): one pool of blocks `[block][layer][K/V][head][token][head_dim]`.
+    KVSTAGE_LAYOUT_TRTLLM = 7,
+} kvstage_layout_preset;
+
 // Which byte mover an engine uses.
 typedef enum kvstage_transport {
     // The same-host path when the peer is on this host (unless `same_host` is OFF), else RDMA
@@ -543,8 +562,12 @@ typedef struct kvstage_room_event {
 
 // One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
 //
-// Buffers are token-major: slot `t` of a buffer starts `t · local_heads · head_dim · dtype_bytes`
-// bytes after its base; page `p` is slots `[p · page_size, (p + 1) · page_size)`.
+// Byte `e` of local head `h` of token `s` of page `p` of a buffer lies at `base + p·page_stride +
+// s·token_stride + h·head_stride + e`. The strides left 0 are sglang's token-major layout: slot
+// `t` of a buffer starts `t · local_heads · head_dim · dtype_bytes` bytes after its base; page `p`
+// is slots `[p · page_size, (p + 1) · page_size)`. `kvstage_kv_layout_preset` sets them for
+// vLLM's and TensorRT-LLM's layouts. Each side's strides are its own: only the model (heads,
+// head_dim, dtype, layers) must agree across the wire.
 typedef struct kvstage_kv_layout {
     size_t struct_size;
     // A `kvstage_model_kind` value (plain int so that a bad value is an error, not UB).
@@ -582,6 +605,16 @@ typedef struct kvstage_kv_layout {
     // memory at registration; negative (the `_init` default, -1) = the device holding `k_bases[0]`.
     // Ignored for host memory.
     int32_t cuda_device;
+    // Bytes between pages (blocks) of a buffer; 0 = `page_size · token_stride` (larger for padded
+    // pages, or a block that holds every layer).
+    uint64_t page_stride;
+    // Bytes between the token slots of a page; 0 = `local_heads · head_dim · dtype_bytes`.
+    uint64_t token_stride;
+    // Bytes between the heads of a token slot; 0 = `head_dim · dtype_bytes`.
+    uint64_t head_stride;
+    // MHA with `v_bases` NULL: V of layer `i` lies `v_offset` bytes after `k_bases[i]` (K and V in
+    // one cell, or one block); 0 = V has buffers of its own (`v_bases`). Ignored for MLA.
+    uint64_t v_offset;
 } kvstage_kv_layout;
 
 // One state item (one slot of one layer): `outer` rows of `sum(group_dims)` elements of
@@ -1028,8 +1061,18 @@ enum kvstage_status kvstage_engine_poll_events(const struct kvstage_engine *engi
 // PP 1, host memory, cuda_device -1; head_dim, layers, bases and capacity must be set).
 enum kvstage_status kvstage_kv_layout_init(struct kvstage_kv_layout *layout, size_t size);
 
-// Checks a layout (shape, layer ids, bases: NULL, overlapping, overflowing). `KVSTAGE_OK` or an
-// error naming the field.
+// Sets the strides and `v_offset` of `layout` to an engine's layout `preset` (a
+// `kvstage_layout_preset` value), from the fields already set: `model_kind`, `page_size`,
+// `global_heads`, `tp_size`, `head_dim`, `dtype_bytes`, `num_layers` and `capacity_pages` (for
+// layouts whose strides span the blocks). `layer_stride` (may be NULL) receives the bytes between
+// consecutive layers' K where every layer lies in one tensor: `k_bases[i] = base + i ·
+// layer_stride` (sglang: the distance if its per-layer buffers were back to back; V then follows
+// every K). The bases stay the caller's to set. Padded pages: set `page_stride` after this.
+enum kvstage_status kvstage_kv_layout_preset(struct kvstage_kv_layout *layout, int32_t preset, uint64_t *layer_stride);
+
+// Checks a layout (shape, layer ids, bases: NULL, rows that share a byte, overflowing; strides
+// that are not whole elements or smaller than what they stride over). `KVSTAGE_OK` or an error
+// naming the field.
 enum kvstage_status kvstage_kv_layout_validate(const struct kvstage_kv_layout *layout);
 
 // Registers this rank's KV pool (copied; the memory it points to must outlive the engine).

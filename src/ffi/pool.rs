@@ -1,11 +1,11 @@
 //! The KV pool a rank registers (`kvstage_kv_layout`) and its extra components (aux rows, state
 //! slots, extra pools): what the handshake compares (docs/GEOMETRY.md, "Pool layout").
 
-use super::args::{init_versioned, read_versioned, read_versioned_array, slice_arg, str_arg, versioned};
+use super::args::{init_versioned, read_versioned, read_versioned_array, slice_arg, str_arg, versioned, write_versioned};
 use super::ffi_fn;
 use super::handle::{self, kvstage_engine};
 use crate::error::{Error, Result, Status};
-use crate::geometry::{ComponentKind, ComponentSpec, KvLayout, MemoryKind, ModelKind, PoolShape, StateItem};
+use crate::geometry::{ComponentKind, ComponentSpec, KvLayout, LayoutPreset, MemoryKind, ModelKind, PoolShape, StateItem, Strides};
 
 /// Attention flavour of a KV pool (`kvstage_kv_layout.model_kind`).
 #[repr(C)]
@@ -29,10 +29,35 @@ pub enum kvstage_memory_kind {
 /// Default chunk size in tokens of the chunk grid.
 pub const KVSTAGE_DEFAULT_CHUNK_TOKENS: u32 = 8192;
 
+/// An engine's named pool layout (`kvstage_kv_layout_preset`; the names kvstage-bench and Python
+/// use are in parentheses).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum kvstage_layout_preset {
+    /// sglang (`sglang`): per layer a K and a V buffer `[slots, heads, head_dim]`, token-major.
+    KVSTAGE_LAYOUT_SGLANG = 0,
+    /// vLLM (`vllm-lbhnc`, ...): the logical cache `[layer, block, head, token, cell]`, K and V
+    /// in one cell (`K‖V`), stored in this order of its axes, outermost first. `LBHNC` is vLLM's
+    /// CPU backend's and what its NIXL and Mooncake connectors ask for; the `BL..` orders are
+    /// blocks that hold every layer.
+    KVSTAGE_LAYOUT_VLLM_LBHNC = 1,
+    KVSTAGE_LAYOUT_VLLM_LBNHC = 2,
+    KVSTAGE_LAYOUT_VLLM_LHBNC = 3,
+    KVSTAGE_LAYOUT_VLLM_BLHNC = 4,
+    KVSTAGE_LAYOUT_VLLM_BLNHC = 5,
+    KVSTAGE_LAYOUT_VLLM_BHLNC = 6,
+    /// TensorRT-LLM (`trtllm`): one pool of blocks `[block][layer][K/V][head][token][head_dim]`.
+    KVSTAGE_LAYOUT_TRTLLM = 7,
+}
+
 /// One rank's KV pool. Fill with `kvstage_kv_layout_init`, then set the fields.
 ///
-/// Buffers are token-major: slot `t` of a buffer starts `t · local_heads · head_dim · dtype_bytes`
-/// bytes after its base; page `p` is slots `[p · page_size, (p + 1) · page_size)`.
+/// Byte `e` of local head `h` of token `s` of page `p` of a buffer lies at `base + p·page_stride +
+/// s·token_stride + h·head_stride + e`. The strides left 0 are sglang's token-major layout: slot
+/// `t` of a buffer starts `t · local_heads · head_dim · dtype_bytes` bytes after its base; page `p`
+/// is slots `[p · page_size, (p + 1) · page_size)`. `kvstage_kv_layout_preset` sets them for
+/// vLLM's and TensorRT-LLM's layouts. Each side's strides are its own: only the model (heads,
+/// head_dim, dtype, layers) must agree across the wire.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvstage_kv_layout {
@@ -72,6 +97,16 @@ pub struct kvstage_kv_layout {
     /// memory at registration; negative (the `_init` default, -1) = the device holding `k_bases[0]`.
     /// Ignored for host memory.
     pub cuda_device: i32,
+    /// Bytes between pages (blocks) of a buffer; 0 = `page_size · token_stride` (larger for padded
+    /// pages, or a block that holds every layer).
+    pub page_stride: u64,
+    /// Bytes between the token slots of a page; 0 = `local_heads · head_dim · dtype_bytes`.
+    pub token_stride: u64,
+    /// Bytes between the heads of a token slot; 0 = `head_dim · dtype_bytes`.
+    pub head_stride: u64,
+    /// MHA with `v_bases` NULL: V of layer `i` lies `v_offset` bytes after `k_bases[i]` (K and V in
+    /// one cell, or one block); 0 = V has buffers of its own (`v_bases`). Ignored for MLA.
+    pub v_offset: u64,
 }
 
 impl Default for kvstage_kv_layout {
@@ -95,6 +130,10 @@ impl Default for kvstage_kv_layout {
             capacity_pages: 0,
             memory_kind: kvstage_memory_kind::KVSTAGE_MEMORY_HOST as i32,
             cuda_device: -1,
+            page_stride: 0,
+            token_stride: 0,
+            head_stride: 0,
+            v_offset: 0,
         }
     }
 }
@@ -167,10 +206,26 @@ pub unsafe fn kv_layout_device_from_c(ptr: *const kvstage_kv_layout, arg: &str) 
     let k = unsafe { slice_arg(raw.k_bases, n, &format!("{arg}->k_bases")) }?;
     let mut bases: Vec<usize> = k.iter().map(|&b| b as usize).collect();
     if shape.kind == ModelKind::Mha {
-        let v = unsafe { slice_arg(raw.v_bases, n, &format!("{arg}->v_bases")) }?;
-        bases.extend(v.iter().map(|&b| b as usize));
+        match (raw.v_bases.is_null(), raw.v_offset) {
+            (true, 0) => return Err(Error::invalid_arg(&format!("{arg}->v_bases"), "is NULL and v_offset is 0 (an MHA pool's V lies in buffers of its own or v_offset after K)")),
+            (true, off) => {
+                for (i, &b) in k.iter().enumerate() {
+                    let v = b.checked_add(off).filter(|v| *v <= usize::MAX as u64);
+                    bases.push(v.ok_or_else(|| Error::invalid_arg(&format!("{arg}->v_offset"), format!("k_bases[{i}] {b:#x} + v_offset {off} overflows the address space")))? as usize);
+                }
+            }
+            (false, 0) => bases.extend(unsafe { slice_arg(raw.v_bases, n, &format!("{arg}->v_bases")) }?.iter().map(|&b| b as usize)),
+            (false, off) => {
+                return Err(Error::invalid_arg(&format!("{arg}->v_offset"), format!("is {off} and v_bases is set too: V lies in its own buffers or v_offset after K, not both")))
+            }
+        }
     }
-    let layout = KvLayout::new(shape, raw.capacity_pages, memory, bases);
+    let tm = Strides::token_major(&shape);
+    let or = |v: u64, default: u64| if v == 0 { default } else { v };
+    let strides = Strides { page: or(raw.page_stride, tm.page), token: or(raw.token_stride, tm.token), head: or(raw.head_stride, tm.head) };
+    // A page stride left 0 follows the token stride the caller set.
+    let strides = Strides { page: or(raw.page_stride, shape.page_size as u64 * strides.token), ..strides };
+    let layout = KvLayout::new(shape, raw.capacity_pages, memory, bases).with_strides(strides);
     layout.validate().map_err(|e| e.context(format!("`{arg}` is not a valid KV layout")))?;
     let device = (memory == MemoryKind::Cuda && raw.cuda_device >= 0).then_some(raw.cuda_device as u32);
     Ok((layout, device))
@@ -192,8 +247,45 @@ pub unsafe extern "C" fn kvstage_kv_layout_init(layout: *mut kvstage_kv_layout, 
     ffi_fn!(status { unsafe { init_versioned(layout, size, "layout") } })
 }
 
-/// Checks a layout (shape, layer ids, bases: NULL, overlapping, overflowing). `KVSTAGE_OK` or an
-/// error naming the field.
+/// Sets the strides and `v_offset` of `layout` to an engine's layout `preset` (a
+/// `kvstage_layout_preset` value), from the fields already set: `model_kind`, `page_size`,
+/// `global_heads`, `tp_size`, `head_dim`, `dtype_bytes`, `num_layers` and `capacity_pages` (for
+/// layouts whose strides span the blocks). `layer_stride` (may be NULL) receives the bytes between
+/// consecutive layers' K where every layer lies in one tensor: `k_bases[i] = base + i ·
+/// layer_stride` (sglang: the distance if its per-layer buffers were back to back; V then follows
+/// every K). The bases stay the caller's to set. Padded pages: set `page_stride` after this.
+#[no_mangle]
+pub unsafe extern "C" fn kvstage_kv_layout_preset(layout: *mut kvstage_kv_layout, preset: i32, layer_stride: *mut u64) -> Status {
+    ffi_fn!(status {
+        let mut raw: kvstage_kv_layout = unsafe { read_versioned(layout, "layout") }?;
+        let needed = std::mem::offset_of!(kvstage_kv_layout, v_offset) + 8;
+        // SAFETY: read_versioned checked the pointer and read its size.
+        let size = unsafe { (*layout).struct_size };
+        if size < needed {
+            return Err(Error::invalid_arg("layout->struct_size", format!("{size} bytes hold no strides (this library's layout has them in its first {needed})")));
+        }
+        let preset = LayoutPreset::from_c(preset).ok_or_else(|| Error::invalid_arg("preset", format!("{preset} is not a kvstage_layout_preset value")))?;
+        let shape = unsafe { shape_of(&raw, "layout") }?;
+        if raw.capacity_pages == 0 {
+            return Err(Error::invalid_arg("layout->capacity_pages", "is 0: set it before the preset (strides of some layouts span the blocks)"));
+        }
+        let p = preset.placement(&shape, raw.capacity_pages);
+        raw.page_stride = p.strides.page;
+        raw.token_stride = p.strides.token;
+        raw.head_stride = p.strides.head;
+        raw.v_offset = p.v_offset;
+        unsafe { write_versioned(layout, raw, "layout") }?;
+        if !layer_stride.is_null() {
+            // SAFETY: the caller's out pointer, checked non-NULL.
+            unsafe { layer_stride.write(p.layer_stride) };
+        }
+        Ok(Status::KVSTAGE_OK)
+    })
+}
+
+/// Checks a layout (shape, layer ids, bases: NULL, rows that share a byte, overflowing; strides
+/// that are not whole elements or smaller than what they stride over). `KVSTAGE_OK` or an error
+/// naming the field.
 #[no_mangle]
 pub unsafe extern "C" fn kvstage_kv_layout_validate(layout: *const kvstage_kv_layout) -> Status {
     ffi_fn!(status {

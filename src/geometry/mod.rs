@@ -13,6 +13,7 @@ mod grid;
 mod heads;
 mod layout;
 mod pairing;
+mod presets;
 pub mod plan;
 mod slice;
 mod span;
@@ -28,6 +29,7 @@ pub use heads::{
     HeadSlice,
 };
 pub use layout::{KvLayout, PoolGeometry, Strides};
+pub use presets::{LayoutPreset, Placement};
 pub use pairing::{decode_peers, decode_peers_of_request, prefill_peers, prefill_peers_of_request, PeerRank};
 pub use plan::{plan_chunk, plan_gather, plan_scatter, CopyPlan, CopyRun, Segment, Slab};
 pub use slice::{slice_plan, SliceOp};

@@ -36,7 +36,9 @@ pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// 10: direct mode for device pools: a same-host offer names the memory of the pool the sender
 /// writes from (host or CUDA), and the receiver shares its pool only in that memory (memfds, or
 /// CUDA IPC handles of whole allocations).
-pub const PROTOCOL_VERSION: u16 = 11;
+/// 12: a same-host pool share carries the decode pool's capacity and strides (each side's pool has
+/// a layout of its own: only the model must agree).
+pub const PROTOCOL_VERSION: u16 = 12;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.
