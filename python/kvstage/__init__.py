@@ -30,10 +30,11 @@ Prefill side::
 
 Modules, each importing only those listed before it: ``_version``; ``_lib`` (the ctypes view of
 ``include/kvstage.h``, finding a library file); ``errors``; ``_common``, ``_buffers``,
-``_logging``; ``library`` (the process's library, version, capabilities, log routing); ``stats``;
-``pool`` (:class:`KvLayout`), ``parts`` (request parts); ``room``; ``geometry``; ``op``;
-``session``; ``completion``; ``engine``; ``shared``, ``diagnostics``, ``staging``; ``prometheus``
-(optional, not imported here).
+``_tensors`` (engines' tensors: pointers and byte strides), ``_logging``; ``library`` (the
+process's library, version, capabilities, log routing); ``stats``; ``pool`` (:class:`KvLayout`,
+engines' layouts by name and from their tensors), ``parts`` (request parts); ``room``;
+``geometry``; ``op``; ``session``; ``completion``; ``engine``; ``shared``, ``diagnostics``,
+``staging``; ``prometheus`` (optional, not imported here).
 """
 
 from ._version import __version__
@@ -42,6 +43,7 @@ from ._lib import (
     TIMEOUT_INFINITE,
     CompletionKind,
     ErrorClass,
+    LayoutPreset,
     Library,
     MemoryKind,
     ModelKind,
@@ -77,7 +79,7 @@ from .library import (
     version,
 )
 from .stats import EngineStats, SessionStats, TransferTimings
-from .pool import KvLayout
+from .pool import KvLayout, layout_preset
 from . import parts
 from .parts import AuxBuffer, PoolComponent, PoolSpan, RequestParts, StateComponent
 from .room import Room, RoomEvent, RoomGrid
@@ -125,6 +127,7 @@ __all__ = [
     "Transport",
     "ModelKind",
     "MemoryKind",
+    "LayoutPreset",
     "CompletionKind",
     "RoomEventKind",
     "TIMEOUT_INFINITE",
@@ -137,6 +140,7 @@ __all__ = [
     "RoomGrid",
     "RoomEvent",
     "KvLayout",
+    "layout_preset",
     "Session",
     "Operation",
     "StagingTransfer",

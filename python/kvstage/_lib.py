@@ -136,6 +136,34 @@ class MemoryKind(enum.IntEnum):
     CUDA = 1
 
 
+class LayoutPreset(enum.IntEnum):
+    """``kvstage_layout_preset``: an engine's named pool layout (:meth:`kvstage.KvLayout.preset`).
+
+    ``SGLANG``: per layer a K and a V tensor ``[slots, heads, head_dim]``. ``VLLM_<ORDER>``: vLLM's
+    logical cache ``[L, B, H, N, C]`` (``C = K‖V``) stored in this order of its axes, outermost
+    first. ``TRTLLM``: one pool ``[blocks, layers, K/V, heads, tokens, head_dim]``.
+    """
+
+    SGLANG = 0
+    VLLM_LBHNC = 1
+    VLLM_LBNHC = 2
+    VLLM_LHBNC = 3
+    VLLM_BLHNC = 4
+    VLLM_BLNHC = 5
+    VLLM_BHLNC = 6
+    TRTLLM = 7
+
+    @property
+    def preset_name(self) -> str:
+        """The name kvstage-bench, Python and the docs use (``"sglang"``, ``"vllm-lbhnc"``, ``"trtllm"``)."""
+        return self.name.lower().replace("_", "-")
+
+    @property
+    def order(self) -> str:
+        """The physical order of vLLM's axes (``"LBHNC"``), ``""`` for the other engines."""
+        return self.name[5:] if self.name.startswith("VLLM_") else ""
+
+
 class CompletionKind(enum.IntEnum):
     """``kvstage_completion_kind``: what a completion reports."""
 
@@ -255,6 +283,10 @@ class kvstage_kv_layout(Structure):
         ("capacity_pages", c_uint64),
         ("memory_kind", c_int32),
         ("cuda_device", c_int32),
+        ("page_stride", c_uint64),
+        ("token_stride", c_uint64),
+        ("head_stride", c_uint64),
+        ("v_offset", c_uint64),
     ]
 
 
@@ -558,6 +590,7 @@ PROTOTYPES: Dict[str, Tuple[object, List[object]]] = {
     "kvstage_engine_set_completion_callback": (c_int, [c_void_p, kvstage_completion_fn, c_void_p]),
     # pool and layout
     "kvstage_kv_layout_init": (c_int, [_p(kvstage_kv_layout), c_size_t]),
+    "kvstage_kv_layout_preset": (c_int, [_p(kvstage_kv_layout), c_int32, _p(c_uint64)]),
     "kvstage_kv_layout_validate": (c_int, [_p(kvstage_kv_layout)]),
     "kvstage_pool_register": (c_int, [c_void_p, _p(kvstage_kv_layout)]),
     "kvstage_state_item_init": (c_int, [_p(kvstage_state_item), c_size_t]),

@@ -7,25 +7,57 @@ from __future__ import annotations
 
 import ctypes
 from ctypes import POINTER, byref, c_uint32, c_uint64
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _lib
 from ._buffers import buffer_info
 from ._common import check, enum_arg, init_struct, u32, u64
-from ._lib import MemoryKind, ModelKind
+from ._lib import LayoutPreset, MemoryKind, ModelKind
+from ._tensors import TensorView, check_nesting, is_tensor, tensor_view
 from .errors import argument_error
 from .library import get_library
 
-__all__ = ["KvLayout"]
+__all__ = ["KvLayout", "layout_preset"]
+
+_VLLM_ORDERS = tuple(p.order for p in LayoutPreset if p.order)
+
+
+def layout_preset(value: Union[str, int, LayoutPreset], name: str = "layout") -> LayoutPreset:
+    """A :class:`LayoutPreset` from a member, its C value or a name: ``"sglang"``,
+    ``"vllm-lbhnc"`` (or the bare order ``"LBHNC"``; any case, ``_`` for ``-``), ``"trtllm"``."""
+    if isinstance(value, LayoutPreset):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().replace("_", "-")
+        if key.upper() in _VLLM_ORDERS:
+            key = "vllm-" + key
+        for p in LayoutPreset:
+            if p.preset_name == key:
+                return p
+        names = ", ".join(p.preset_name for p in LayoutPreset)
+        raise argument_error(name, f"{value!r} is not a layout name ({names}; or a vLLM order such as 'LBHNC')")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a layout name or a LayoutPreset, got {type(value).__name__}")
+    try:
+        return LayoutPreset(value)
+    except ValueError:
+        raise argument_error(name, f"{value} is not a kvstage_layout_preset value") from None
 
 
 class KvLayout:
     """One rank's KV pool (``kvstage_kv_layout``): its shape, and optionally its buffers.
 
-    Buffers are token-major: token slot ``t`` of a buffer starts ``t * token_bytes`` bytes after its
+    Byte ``e`` of local head ``h`` of token ``s`` of page ``p`` of a buffer lies at ``base +
+    p * page_stride + s * token_stride + h * head_stride + e``. The strides left 0 are sglang's
+    token-major layout: token slot ``t`` of a buffer starts ``t * token_bytes`` bytes after its
     base, page ``p`` is slots ``[p * page_size, (p + 1) * page_size)``. ``k_buffers`` (the latent
     buffers for MLA) and ``v_buffers`` hold one buffer per layer, each an int address or an array
-    object (see :func:`kvstage.buffer_info`); the layout keeps them referenced.
+    object (see :func:`kvstage.buffer_info`); the layout keeps them referenced. An MHA pool whose
+    V lies in K's cell or block gives ``v_offset`` (V of layer ``i`` lies ``v_offset`` bytes after
+    ``k_buffers[i]``) instead of ``v_buffers``.
+
+    Engines' own layouts: :meth:`preset` (by name, from the shape) and :meth:`from_tensors` (from
+    the engine's tensors, strides and pointers read from them).
 
     A layout without buffers describes a shape only: enough for :func:`staging_layout`, not for
     :meth:`Engine.register_pool`. ``num_layers`` defaults to ``len(layer_ids)`` or
@@ -52,6 +84,10 @@ class KvLayout:
         v_buffers: Optional[Sequence[Any]] = None,
         capacity_pages: Optional[int] = None,
         memory: Union[None, str, int, MemoryKind] = None,
+        page_stride: int = 0,
+        token_stride: int = 0,
+        head_stride: int = 0,
+        v_offset: int = 0,
     ):
         self.model = enum_arg(ModelKind, model, "model")
         self.head_dim = u32(head_dim, "head_dim")
@@ -60,6 +96,20 @@ class KvLayout:
         self.dtype_bytes = u32(dtype_bytes, "dtype_bytes")
         self.tp_rank, self.tp_size = u32(tp_rank, "tp_rank"), u32(tp_size, "tp_size")
         self.pp_rank, self.pp_size = u32(pp_rank, "pp_rank"), u32(pp_size, "pp_size")
+        #: Bytes between pages, token slots and heads of a buffer (0: the token-major default).
+        self.page_stride = u64(page_stride, "page_stride")
+        self.token_stride = u64(token_stride, "token_stride")
+        self.head_stride = u64(head_stride, "head_stride")
+        #: MHA without ``v_buffers``: V of layer ``i`` lies this many bytes after K's base.
+        self.v_offset = u64(v_offset, "v_offset")
+        #: Bytes between consecutive layers' K where every layer lies in one tensor (set by
+        #: :meth:`preset` and :meth:`from_tensors`; None when unknown or the layers lie apart).
+        self.layer_stride: Optional[int] = None
+        #: The engine layout's name (``"vllm-lbhnc"``) for :meth:`preset` and :meth:`from_tensors`.
+        self.preset_name: Optional[str] = None
+        #: :meth:`preset`: bytes of one tensor holding the whole pool (what the engine allocates).
+        self.tensor_bytes: Optional[int] = None
+        self._tensors: tuple = ()  # the engine tensors the addresses point into (kept referenced)
         if local_heads is None:
             local_heads = 1 if self.model == ModelKind.MLA else max(1, global_heads // max(1, tp_size))
         self.local_heads = u32(local_heads, "local_heads")
@@ -74,17 +124,21 @@ class KvLayout:
         self.num_layers = int(num_layers)
         if self.layer_ids is not None and len(self.layer_ids) != self.num_layers:
             raise argument_error("layer_ids", f"has {len(self.layer_ids)} entries, num_layers is {self.num_layers}")
+        if self.model == ModelKind.MLA and self.v_offset:
+            raise argument_error("v_offset", f"is {self.v_offset}, but an MLA pool has no V (one latent per layer)")
 
         self._k: Optional[List[Any]] = None
         self._v: Optional[List[Any]] = None
         kinds = set()
-        sizes: List[int] = []
         if k_buffers is not None:
-            self._k = self._infos(k_buffers, "k_buffers", kinds, sizes)
+            self._k = self._infos(k_buffers, "k_buffers", kinds)
             if self.model == ModelKind.MHA:
-                if v_buffers is None:
-                    raise argument_error("v_buffers", "is required for an MHA pool")
-                self._v = self._infos(v_buffers, "v_buffers", kinds, sizes)
+                if v_buffers is None and not self.v_offset:
+                    raise argument_error("v_buffers", "is required for an MHA pool (or v_offset, where V lies in K's cell or block)")
+                if v_buffers is not None and self.v_offset:
+                    raise argument_error("v_offset", f"is {self.v_offset} and v_buffers are given: V lies in buffers of its own or v_offset bytes after K, not both")
+                if v_buffers is not None:
+                    self._v = self._infos(v_buffers, "v_buffers", kinds)
             elif v_buffers is not None:
                 raise argument_error("v_buffers", "must be None for an MLA pool (one latent buffer per layer)")
         elif v_buffers is not None:
@@ -99,22 +153,26 @@ class KvLayout:
         else:
             self.memory = next(iter(kinds)) if kinds else MemoryKind.HOST
 
-        slot_bytes = self.page_size * self.token_bytes
-        if capacity_pages is None and sizes and len(sizes) == len(self._k or []) + len(self._v or []) and slot_bytes:
-            capacity_pages = min(sizes) // slot_bytes
+        # Bytes each buffer object must hold beyond its rows: K's hold V's rows too at v_offset.
+        extra = self.v_offset if self.model == ModelKind.MHA else 0
+        labelled = [("k_buffers", i, info, extra) for i, info in enumerate(self._k or [])]
+        labelled += [("v_buffers", i, info, 0) for i, info in enumerate(self._v or [])]
+        sizes = [info.nbytes - more for _, _, info, more in labelled if info.nbytes is not None]
+        if capacity_pages is None and labelled and len(sizes) == len(labelled) and self.head_bytes:
+            capacity_pages = min(self._pages_in(size) for size in sizes)
         if capacity_pages is None and self._k is not None:
             raise argument_error("capacity_pages", "is required when the buffers are int addresses")
         self.capacity_pages = u64(capacity_pages or 0, "capacity_pages")
-        need = self.capacity_pages * slot_bytes
-        for label, infos in (("k_buffers", self._k), ("v_buffers", self._v)):
-            for i, info in enumerate(infos or []):
-                if info.nbytes is not None and info.nbytes < need:
-                    raise argument_error(
-                        f"{label}[{i}]",
-                        f"holds {info.nbytes} bytes, {self.capacity_pages} pages of {slot_bytes} bytes need {need}",
-                    )
+        need = self.buffer_bytes
+        for label, i, info, more in labelled:
+            if info.nbytes is not None and info.nbytes < need + more:
+                within = f" (V's rows lie v_offset {more} bytes after K's)" if more else ""
+                raise argument_error(
+                    f"{label}[{i}]",
+                    f"holds {info.nbytes} bytes, {self.capacity_pages} pages of {self.page_size} token slots need {need + more}{within}",
+                )
 
-    def _infos(self, buffers: Sequence[Any], label: str, kinds: set, sizes: List[int]):
+    def _infos(self, buffers: Sequence[Any], label: str, kinds: set):
         buffers = list(buffers)
         if len(buffers) != self.num_layers:
             raise argument_error(label, f"has {len(buffers)} buffers, num_layers is {self.num_layers}")
@@ -122,19 +180,42 @@ class KvLayout:
         for info in infos:
             if info.memory is not None:
                 kinds.add(info.memory)
-            if info.nbytes is not None:
-                sizes.append(info.nbytes)
         return infos
+
+    def _span(self, pages: int) -> int:
+        """Bytes from a buffer's base to the end of the last row of its first ``pages`` pages."""
+        if pages <= 0 or not self.head_bytes:
+            return 0
+        page, token, head = self.strides
+        return (pages - 1) * page + (self.page_size - 1) * token + (self.local_heads - 1) * head + self.head_bytes
+
+    def _pages_in(self, size: int) -> int:
+        """Pages whose rows fit in ``size`` bytes from a buffer's base."""
+        first = self._span(1)
+        return 0 if size < first or not first else (size - first) // self.strides[0] + 1
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head's row: ``head_dim * dtype_bytes``."""
+        return self.head_dim * self.dtype_bytes
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one token slot of one buffer."""
+        """Bytes of one token slot of one buffer (its heads' rows, without gaps)."""
         return self.local_heads * self.head_dim * self.dtype_bytes
 
     @property
+    def strides(self) -> Tuple[int, int, int]:
+        """The strides in force, ``(page, token, head)`` bytes (the defaults where left 0)."""
+        token = self.token_stride or self.token_bytes
+        head = self.head_stride or self.head_bytes
+        return (self.page_stride or self.page_size * token, token, head)
+
+    @property
     def buffer_bytes(self) -> int:
-        """Bytes each buffer must hold: ``capacity_pages * page_size * token_bytes``."""
-        return self.capacity_pages * self.page_size * self.token_bytes
+        """Bytes from a buffer's base to the end of its last row (token-major:
+        ``capacity_pages * page_size * token_bytes``)."""
+        return self._span(self.capacity_pages)
 
     @property
     def buffers_per_layer(self) -> int:
@@ -143,6 +224,199 @@ class KvLayout:
     @property
     def has_buffers(self) -> bool:
         return self._k is not None
+
+    @property
+    def k_addresses(self) -> Optional[Tuple[int, ...]]:
+        """Per layer, the address of K (the latent for MLA); None for a shape-only layout."""
+        return None if self._k is None else tuple(i.address for i in self._k)
+
+    @property
+    def v_addresses(self) -> Optional[Tuple[int, ...]]:
+        """Per layer, the address of V (``v_offset`` after K where set); None for MLA or a
+        shape-only layout."""
+        if self._v is not None:
+            return tuple(i.address for i in self._v)
+        if self._k is not None and self.model == ModelKind.MHA:
+            return tuple(i.address + self.v_offset for i in self._k)
+        return None
+
+    @classmethod
+    def preset(
+        cls,
+        name: Union[str, int, LayoutPreset],
+        *,
+        head_dim: int,
+        capacity_pages: int,
+        global_heads: int = 1,
+        page_size: int = 1,
+        dtype_bytes: int = 2,
+        model: Union[str, int, ModelKind] = ModelKind.MHA,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        layer_ids: Optional[Sequence[int]] = None,
+        num_layers: Optional[int] = None,
+        base: Any = None,
+        memory: Union[None, str, int, MemoryKind] = None,
+    ) -> "KvLayout":
+        """``kvstage_kv_layout_preset``: the layout of an engine's pool by name (``"sglang"``,
+        ``"vllm-lbhnc"`` … ``"vllm-bhlnc"`` or the bare order ``"LBHNC"``, ``"trtllm"``; a
+        :class:`LayoutPreset`), its strides and ``v_offset`` computed by the library from the shape.
+
+        ``base`` (an int address, or an array/buffer of at least :attr:`tensor_bytes`): one
+        tensor holding the whole pool as the engine allocates it; the layers' buffers are placed
+        in it (layer ``i``'s K at ``base + i * layer_stride``; sglang's V buffers after all K
+        buffers). Without ``base`` the layout is shape-only. :attr:`layer_stride` and
+        :attr:`tensor_bytes` tell where the layers lie. Padded pages: :meth:`from_tensors`.
+        """
+        which = layout_preset(name, "name")
+        shape = cls(
+            head_dim=head_dim, global_heads=global_heads, page_size=page_size, dtype_bytes=dtype_bytes, model=model,
+            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, layer_ids=layer_ids,
+            num_layers=num_layers, capacity_pages=capacity_pages,
+        )
+        lib = get_library()
+        c, _keep = shape._c()
+        layer_stride = c_uint64(0)
+        check(lib, lib.kvstage_kv_layout_preset(byref(c), int(which), byref(layer_stride)), "kvstage_kv_layout_preset")
+        placed = dict(page_stride=c.page_stride, token_stride=c.token_stride, head_stride=c.head_stride, v_offset=c.v_offset)
+        ls, n = layer_stride.value, shape.num_layers
+        k_offsets = [i * ls for i in range(n)]
+        v_offsets: Optional[List[int]] = None
+        if shape.model == ModelKind.MHA and not c.v_offset:
+            v_offsets = [n * ls + o for o in k_offsets]  # sglang: the V buffers after all K buffers
+        common = dict(
+            head_dim=head_dim, global_heads=global_heads, local_heads=shape.local_heads, page_size=page_size,
+            dtype_bytes=dtype_bytes, model=shape.model, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+            pp_size=pp_size, layer_ids=layer_ids, num_layers=n, capacity_pages=capacity_pages, **placed,
+        )
+        sized = cls(**common, memory=memory if base is None else None)
+        last = max(k_offsets[-1:] + (v_offsets or [])[-1:] + [o + c.v_offset for o in k_offsets[-1:] if c.v_offset])
+        total = last + sized.buffer_bytes
+        if base is None:
+            layout = sized
+        else:
+            info = buffer_info(base, "base", writable=True)
+            if info.nbytes is not None and info.nbytes < total:
+                raise argument_error(
+                    "base", f"holds {info.nbytes} bytes, a {which.preset_name} pool of {capacity_pages} pages needs {total} (tensor_bytes)"
+                )
+            layout = cls(
+                k_buffers=[info.address + o for o in k_offsets],
+                v_buffers=None if v_offsets is None else [info.address + o for o in v_offsets],
+                memory=memory if memory is not None else info.memory,
+                **common,
+            )
+            layout._tensors = (info.keepalive,)
+        layout.layer_stride, layout.preset_name, layout.tensor_bytes = ls, which.preset_name, total
+        return layout
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Any,
+        *,
+        layout: Union[str, int, LayoutPreset],
+        global_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        dtype_bytes: Optional[int] = None,
+        page_size: Optional[int] = None,
+        model: Union[str, int, ModelKind] = ModelKind.MHA,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        layer_ids: Optional[Sequence[int]] = None,
+        capacity_pages: Optional[int] = None,
+    ) -> "KvLayout":
+        """The layout of an engine's pool from the engine's own tensors: the addresses, shapes and
+        strides are read from them (numpy arrays, torch tensors, ``__cuda_array_interface__``
+        objects; torch is never imported), so padded pages and strided views come through.
+
+        ``layout`` names the engine's layout (as :meth:`preset`) and so what ``tensors`` is:
+
+        - ``"sglang"``: ``(k_tensors, v_tensors)``, per layer ``[slots, heads, head_dim]`` (MLA:
+          the latent tensors alone, ``[slots, 1, latent]``); ``page_size`` defaults to 1, the
+          capacity is ``slots // page_size`` pages.
+        - ``"vllm-<order>"`` (or ``"LBHNC"`` …): the per-layer views ``[B, H, N, C]`` a
+          connector gets, or one ``[L, B, H, N, C]`` tensor (the logical view; its strides name
+          the physical order). ``C`` is ``K‖V``: K the first ``head_dim`` elements, V the rest
+          (MLA: ``C`` is the latent). The strides must nest in the named order.
+        - ``"trtllm"``: one ``[blocks, L, 2, H, N, D]`` tensor (MLA: ``[blocks, L, 1, 1, N, D]``)
+          or its per-layer slices ``[blocks, 2, H, N, D]``.
+
+        A per-layer list may also be one tensor with a leading layer axis. The element size is
+        the pool's ``dtype_bytes``; ``head_dim``, ``page_size``, ``dtype_bytes`` and
+        ``capacity_pages`` (at most the tensors' blocks) are checked against the tensors where
+        given; ``global_heads`` defaults to the tensors' heads × ``tp_size`` (1 for MLA). A
+        mismatch raises :class:`ArgumentError` naming the tensor and both values. The layout
+        keeps the tensors referenced; they must outlive the engine that registers it.
+        """
+        which = layout_preset(layout, "layout")
+        kind = enum_arg(ModelKind, model, "model")
+        if head_dim is not None:
+            head_dim = u32(head_dim, "head_dim")
+        if which == LayoutPreset.SGLANG:
+            pool = _sglang_tensors(tensors, kind, u32(1 if page_size is None else page_size, "page_size"))
+        elif which.order:
+            pool = _vllm_tensors(tensors, which, kind, head_dim)
+        else:
+            pool = _trtllm_tensors(tensors, kind)
+        first = pool.views[0]
+        if dtype_bytes is not None and u32(dtype_bytes, "dtype_bytes") != first.itemsize:
+            raise argument_error(pool.label, f"has {first.itemsize}-byte elements, dtype_bytes is {dtype_bytes}")
+        if head_dim is not None and head_dim != pool.head_dim:
+            raise argument_error(pool.label, f"has rows of {pool.head_dim} elements ({pool.head_axis}), head_dim is {head_dim}")
+        if page_size is not None and u32(page_size, "page_size") != pool.page_size:
+            raise argument_error(pool.label, f"has {pool.page_size} tokens per block ({pool.token_axis}), page_size is {page_size}")
+        if kind == ModelKind.MLA:
+            if pool.local_heads != 1:
+                raise argument_error(pool.label, f"has {pool.local_heads} heads ({pool.heads_axis}), an MLA pool has one latent per token")
+            global_heads = 1 if global_heads is None else u32(global_heads, "global_heads")
+        else:
+            global_heads = pool.local_heads * max(1, tp_size) if global_heads is None else u32(global_heads, "global_heads")
+            want = max(1, global_heads // max(1, tp_size))
+            if pool.local_heads != want:
+                raise argument_error(
+                    pool.label,
+                    f"has {pool.local_heads} heads ({pool.heads_axis}), global_heads {global_heads} over tp_size {tp_size} puts {want} on a rank",
+                )
+        if capacity_pages is None:
+            capacity_pages = pool.blocks
+        elif u64(capacity_pages, "capacity_pages") > pool.blocks:
+            raise argument_error(pool.label, f"holds {pool.blocks} pages ({pool.blocks_axis}), capacity_pages is {capacity_pages}")
+        for v in pool.views[1:]:
+            if (v.memory, v.device) != (first.memory, first.device):
+                where = lambda t: t.memory.name.lower() + ("" if t.device is None else f" device {t.device}")  # noqa: E731
+                raise argument_error(v.name, f"is in {where(v)} memory, {first.name} in {where(first)}")
+        if layer_ids is not None and len(layer_ids) != len(pool.k):
+            raise argument_error("layer_ids", f"has {len(layer_ids)} entries, the tensors hold {len(pool.k)} layers")
+        out = cls(
+            head_dim=pool.head_dim,
+            global_heads=global_heads,
+            local_heads=pool.local_heads,
+            page_size=pool.page_size,
+            dtype_bytes=first.itemsize,
+            model=kind,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            layer_ids=layer_ids,
+            num_layers=len(pool.k),
+            k_buffers=pool.k,
+            v_buffers=pool.v,
+            capacity_pages=capacity_pages,
+            memory=first.memory,
+            page_stride=pool.page_stride,
+            token_stride=pool.token_stride,
+            head_stride=pool.head_stride,
+            v_offset=pool.v_offset,
+        )
+        out._tensors = tuple({id(v.obj): v.obj for v in pool.views}.values())
+        out.layer_stride, out.preset_name = pool.layer_stride, which.preset_name
+        return out
 
     def _c(self) -> Tuple[_lib.kvstage_kv_layout, tuple]:
         """The C struct and the objects that must stay alive while it is used."""
@@ -158,6 +432,8 @@ class KvLayout:
         c.num_layers = self.num_layers
         c.capacity_pages = self.capacity_pages
         c.memory_kind = int(self.memory)
+        c.page_stride, c.token_stride, c.head_stride = self.page_stride, self.token_stride, self.head_stride
+        c.v_offset = self.v_offset
         keep: list = []
         if self.layer_ids is not None:
             ids = (c_uint32 * self.num_layers)(*self.layer_ids)
@@ -180,13 +456,231 @@ class KvLayout:
         check(lib, lib.kvstage_kv_layout_validate(byref(c)), "kvstage_kv_layout_validate")
 
     def __repr__(self) -> str:
+        placed = ""
+        if self.page_stride or self.token_stride or self.head_stride or self.v_offset:
+            page, token, head = self.strides
+            placed = f", strides page {page} token {token} head {head}" + (f", v_offset={self.v_offset}" if self.v_offset else "")
         return (
-            f"KvLayout(model={self.model.name.lower()}, heads {self.local_heads}/{self.global_heads}, "
+            f"KvLayout({'' if self.preset_name is None else self.preset_name + ', '}model={self.model.name.lower()}, "
+            f"heads {self.local_heads}/{self.global_heads}, "
             f"head_dim={self.head_dim}, dtype_bytes={self.dtype_bytes}, page_size={self.page_size}, "
             f"tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size}, layers={self.num_layers}, "
-            f"capacity_pages={self.capacity_pages}, memory={self.memory.name.lower()}, "
+            f"capacity_pages={self.capacity_pages}, memory={self.memory.name.lower()}{placed}, "
             f"buffers={'yes' if self.has_buffers else 'no'})"
         )
+
+
+# --- engines' tensors (KvLayout.from_tensors) ------------------------------------------------------
+
+
+class _EnginePool(NamedTuple):
+    """What an engine's tensors say: per layer K (and V) addresses, the strides, the shape, and
+    the axis each number came from (for errors)."""
+
+    label: str  # the tensor errors about the whole pool name ("tensors", "tensors[0]", ...)
+    views: List[TensorView]
+    k: List[int]
+    v: Optional[List[int]]
+    v_offset: int
+    page_stride: int
+    token_stride: int
+    head_stride: int
+    layer_stride: Optional[int]
+    blocks: int
+    page_size: int
+    local_heads: int
+    head_dim: int
+    blocks_axis: str
+    token_axis: str
+    heads_axis: str
+    head_axis: str
+
+
+def _per_layer(obj: Any, name: str, ndim: int, what: str) -> Tuple[List[TensorView], Optional[int]]:
+    """Per-layer views of ``ndim`` dimensions from a list of tensors or one tensor with a leading
+    layer axis, all of one shape, stride and element size; and the bytes between consecutive
+    layers where they are evenly spaced (None otherwise, or with one layer in a list)."""
+    if is_tensor(obj):
+        t = tensor_view(obj, name)
+        if len(t.shape) != ndim + 1:
+            raise argument_error(
+                name, f"has shape {t.shape}: expected {ndim + 1} dimensions (layers, {what}), or a list of per-layer {what} tensors"
+            )
+        step = t.strides[0] if t.shape[0] > 1 or t.strides[0] > 0 else None
+        views = [
+            TensorView(f"{name}[{i}]", t.address + i * t.strides[0], t.shape[1:], t.strides[1:], t.itemsize, t.memory, t.device, obj)
+            for i in range(t.shape[0])
+        ]
+    else:
+        if isinstance(obj, (str, bytes)) or not hasattr(obj, "__iter__"):
+            raise TypeError(f"{name}: expected a list of per-layer {what} tensors, or one tensor, got {type(obj).__name__}")
+        views = [tensor_view(x, f"{name}[{i}]") for i, x in enumerate(obj)]
+        if not views:
+            raise argument_error(name, "holds no tensors")
+        for v in views:
+            if len(v.shape) != ndim:
+                raise argument_error(v.name, f"has shape {v.shape}: expected {ndim} dimensions ({what})")
+        gaps = {b.address - a.address for a, b in zip(views, views[1:])}
+        step = gaps.pop() if len(gaps) == 1 else None
+        if step is not None and step <= 0:
+            step = None
+    for v in views[1:]:
+        _alike(v, views[0], "every layer's tensor is alike")
+    return views, step
+
+
+def _alike(v: TensorView, first: TensorView, why: str) -> None:
+    """Raises naming ``v`` unless its element size, shape and strides are ``first``'s."""
+    for field, said in (("itemsize", "{}-byte elements"), ("shape", "shape {}"), ("strides", "strides {} bytes")):
+        a, b = getattr(v, field), getattr(first, field)
+        if a != b:
+            raise argument_error(v.name, f"has {said.format(a)}, {first.name} has {said.format(b)} ({why})")
+
+
+def _stride(extent: int, stride: int) -> int:
+    """An axis's stride for the layout: an axis of one entry is never stepped over."""
+    return max(0, stride) if extent <= 1 else stride
+
+
+def _sglang_tensors(tensors: Any, kind: ModelKind, page_size: int) -> _EnginePool:
+    """sglang: ``(k_tensors, v_tensors)`` of ``[slots, heads, head_dim]`` per layer (MLA: the
+    latent tensors, alone or as ``(latents,)``/``(latents, None)``)."""
+    mla = kind == ModelKind.MLA
+    if mla and not is_tensor(tensors) and isinstance(tensors, (tuple, list)) and tensors and not is_tensor(tensors[0]):
+        if len(tensors) > 2 or (len(tensors) == 2 and tensors[1] is not None):
+            raise argument_error("tensors", "an MLA pool has one latent tensor per layer: pass (latents,) or the latents alone")
+        tensors = tensors[0]
+    if mla:
+        k, step = _per_layer(tensors, "tensors", 3, "[slots, 1, latent]")
+        v = None
+    else:
+        if is_tensor(tensors) or not isinstance(tensors, (tuple, list)) or len(tensors) != 2:
+            raise argument_error("tensors", "sglang's MHA pool is (k_tensors, v_tensors): two lists of per-layer [slots, heads, head_dim] tensors")
+        k, step = _per_layer(tensors[0], "tensors[0]", 3, "K [slots, heads, head_dim]")
+        v, _ = _per_layer(tensors[1], "tensors[1]", 3, "V [slots, heads, head_dim]")
+        if len(v) != len(k):
+            raise argument_error("tensors[1]", f"holds {len(v)} layers, tensors[0] holds {len(k)}")
+        _alike(v[0], k[0], "V is shaped as K")
+    t = k[0]
+    label = "tensors" if mla and is_tensor(tensors) else ("tensors[0]" if not mla and is_tensor(tensors[0]) else t.name)
+    (slots, heads, dim), (ts, hs, es) = t.shape, t.strides
+    check_nesting(label, "[slots, heads, head_dim]", [("slot", slots, ts), ("head", heads, hs), ("element", dim, es)], t.itemsize, "sglang")
+    if slots < page_size:
+        raise argument_error(label, f"holds {slots} token slots, fewer than one page of {page_size}")
+    return _EnginePool(
+        label=label,
+        views=k + (v or []),
+        k=[x.address for x in k],
+        v=None if v is None else [x.address for x in v],
+        v_offset=0,
+        page_stride=page_size * _stride(slots, ts),
+        token_stride=_stride(slots, ts),
+        head_stride=_stride(heads, hs),
+        layer_stride=step,
+        blocks=slots // page_size,
+        page_size=page_size,
+        local_heads=heads,
+        head_dim=dim,
+        blocks_axis=f"{slots} slots // page_size {page_size}",
+        token_axis="page_size",
+        heads_axis="axis 1",
+        head_axis="axis 2",
+    )
+
+
+def _vllm_tensors(tensors: Any, which: LayoutPreset, kind: ModelKind, head_dim: Optional[int]) -> _EnginePool:
+    """vLLM: per-layer ``[B, H, N, C]`` views, or one ``[L, B, H, N, C]`` tensor, stored in
+    ``which.order``; ``C = K‖V``."""
+    views, step = _per_layer(tensors, "tensors", 4, "[B, H, N, C]")
+    t = views[0]
+    label = "tensors" if is_tensor(tensors) or step is not None else t.name
+    (blocks, heads, tokens, cell), (bs, hs, ns, cs) = t.shape, t.strides
+    what = f"{which.preset_name} ([L, B, H, N, C] stored as {which.order})"
+    if kind == ModelKind.MHA:
+        if cell % 2 or (head_dim is not None and cell != 2 * head_dim):
+            want = f"2 × head_dim {head_dim} = {2 * head_dim}" if head_dim is not None else "an even number"
+            raise argument_error(label, f"has cells (axis C) of {cell} elements, an MHA cell is K‖V: {want}")
+        dim = cell // 2
+    else:
+        dim = cell
+    axes = {"B": ("B", blocks, bs), "H": ("H", heads, hs), "N": ("N", tokens, ns), "C": ("C", cell, cs)}
+    if step is not None:
+        axes["L"] = ("L", len(views), step)
+    elif len(views) > 1 and which.order[0] != "L":
+        raise argument_error(
+            "tensors",
+            f"the layers' tensors do not lie evenly apart, but {which.order} keeps every layer in one block "
+            f"(addresses {', '.join(hex(v.address) for v in views[:4])}{', …' if len(views) > 4 else ''})",
+        )
+    check_nesting(label, which.order, [axes[a] for a in which.order if a in axes], t.itemsize, what)
+    return _EnginePool(
+        label=label,
+        views=views,
+        k=[x.address for x in views],
+        v=None,
+        v_offset=dim * t.itemsize if kind == ModelKind.MHA else 0,
+        page_stride=_stride(blocks, bs),
+        token_stride=_stride(tokens, ns),
+        head_stride=_stride(heads, hs),
+        layer_stride=step,
+        blocks=blocks,
+        page_size=tokens,
+        local_heads=heads,
+        head_dim=dim,
+        blocks_axis="axis B",
+        token_axis="axis N",
+        heads_axis="axis H",
+        head_axis="axis C holds K‖V" if kind == ModelKind.MHA else "axis C",
+    )
+
+
+def _trtllm_tensors(tensors: Any, kind: ModelKind) -> _EnginePool:
+    """TensorRT-LLM: one ``[blocks, L, 2, H, N, D]`` pool (MLA: ``[blocks, L, 1, 1, N, D]``) or its
+    per-layer slices ``[blocks, 2, H, N, D]``."""
+    if is_tensor(tensors):
+        t = tensor_view(tensors, "tensors")
+        if len(t.shape) != 6:
+            raise argument_error("tensors", f"has shape {t.shape}: expected [blocks, L, K/V, H, N, D] (6 dimensions), or a list of per-layer [blocks, K/V, H, N, D] slices")
+        # The layer axis is the second: move it first for _per_layer.
+        views = [
+            TensorView(f"tensors[:, {i}]", t.address + i * t.strides[1], t.shape[:1] + t.shape[2:], t.strides[:1] + t.strides[2:], t.itemsize, t.memory, t.device, tensors)
+            for i in range(t.shape[1])
+        ]
+        step: Optional[int] = t.strides[1]
+    else:
+        views, step = _per_layer(tensors, "tensors", 5, "[blocks, K/V, H, N, D]")
+    name = "tensors" if is_tensor(tensors) or step is not None else views[0].name
+    t = views[0]
+    (blocks, kvf, heads, tokens, dim), (bs, kvs, hs, ns, ds) = t.shape, t.strides
+    want = 1 if kind == ModelKind.MLA else 2
+    if kvf != want:
+        raise argument_error(name, f"has {kvf} entries on the K/V axis (TensorRT-LLM's kvFactor), an {kind.name} pool has {want}")
+    axes = {"B": ("blocks", blocks, bs), "KV": ("K/V", kvf, kvs), "H": ("H", heads, hs), "N": ("N", tokens, ns), "D": ("D", dim, ds)}
+    if step is not None:
+        axes["L"] = ("L", len(views), step)
+    elif len(views) > 1:
+        raise argument_error("tensors", "the layers' slices do not lie evenly apart, but TensorRT-LLM's blocks hold every layer")
+    order = ["B", "L", "KV", "H", "N", "D"]
+    check_nesting(name, "[blocks, L, K/V, H, N, D]", [axes[a] for a in order if a in axes], t.itemsize, "trtllm")
+    return _EnginePool(
+        label=name,
+        views=views,
+        k=[x.address for x in views],
+        v=None,
+        v_offset=kvs if want == 2 else 0,
+        page_stride=_stride(blocks, bs),
+        token_stride=_stride(tokens, ns),
+        head_stride=_stride(heads, hs),
+        layer_stride=step,
+        blocks=blocks,
+        page_size=tokens,
+        local_heads=heads,
+        head_dim=dim,
+        blocks_axis="axis blocks",
+        token_axis="axis N",
+        heads_axis="axis H",
+        head_axis="axis D",
+    )
 
 
 def stage_array(stages: Sequence[KvLayout]):

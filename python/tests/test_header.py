@@ -323,6 +323,7 @@ def _enumerators() -> dict:
         (_lib.Transport, "KVSTAGE_TRANSPORT_"),
         (_lib.ModelKind, "KVSTAGE_MODEL_"),
         (_lib.MemoryKind, "KVSTAGE_MEMORY_"),
+        (_lib.LayoutPreset, "KVSTAGE_LAYOUT_"),
         (_lib.CompletionKind, "KVSTAGE_COMPLETION_"),
         (_lib.RoomEventKind, "KVSTAGE_ROOM_EVENT_"),
     ],

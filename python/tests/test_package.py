@@ -16,6 +16,7 @@ ORDER = [
     "errors",
     "_common",
     "_buffers",
+    "_tensors",
     "_logging",
     "library",
     "stats",

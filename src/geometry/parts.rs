@@ -6,7 +6,8 @@
 //!
 //! Who carries what, per decode rank: head-sliced pools the same heads as the writer's KV; state
 //! the writer's TP share ([`state_slice`]: a sharded item from every prefill rank whose share
-//! overlaps, a replicated one whole from prefill rank `⌊d · src_tp / dst_tp⌋`); replicated pools
+//! overlaps; a replicated one whole from one carrier: prefill rank `⌊d · src_tp / dst_tp⌋` for
+//! MHA, the rank that sends the latent for MLA, its only carrier); replicated pools
 //! from head group 0; aux rows from head group 0's region that carries the decode rank's first KV
 //! layer. Under a pipeline split a region carries the component layers its stage holds.
 //!
@@ -200,17 +201,43 @@ pub struct Carrier {
     pub src_rank: u32,
     pub head_group: Option<u32>,
     pub heads: HeadSlice,
+    /// It sends the replicated state items (every rank holds them whole; one carrier sends them).
+    pub sends_replicated: bool,
+}
+
+impl Carrier {
+    /// What it sends of a state item into the decode rank's slot: its overlap of a sharded item,
+    /// a replicated item whole where [`Carrier::sends_replicated`].
+    fn state_share(&self, item: &StateItem, src_tp: u32, dst_tp: u32, dst_rank: u32) -> Result<Vec<ByteRange>> {
+        if !item.replicated {
+            return state_slice(item, src_tp, dst_tp, self.src_rank, dst_rank);
+        }
+        item.validate(src_tp, dst_tp)?;
+        Ok(if self.sends_replicated { vec![ByteRange { src: 0, dst: 0, len: item.slot_bytes(1) }] } else { Vec::new() })
+    }
 }
 
 /// Every prefill TP rank that may carry parts into `layout`'s decode rank: its KV writers in head
 /// group order, then (MHA) the ranks that replicate their heads.
+///
+/// Replicated state goes from one of them: for MHA the replica source `⌊d · src_tp / dst_tp⌋`
+/// (always a carrier), for MLA the one rank that sends the latent (the source is not paired
+/// with the decode rank when it is another rank).
 pub fn carriers(layout: &StagingLayout) -> Result<Vec<Carrier>> {
-    let mut out: Vec<Carrier> = layout.tp_ranks.iter().enumerate().map(|(t, &(src_rank, heads))| Carrier { src_rank, head_group: Some(t as u32), heads }).collect();
-    if layout.kind == super::ModelKind::Mha {
+    let mla = layout.kind == super::ModelKind::Mla;
+    let source = super::state::replica_source(layout.src_tp, layout.dst.tp_size, layout.dst.tp_rank);
+    let sends_replicated = |src_rank: u32, group: Option<u32>| if mla { group == Some(0) } else { src_rank == source };
+    let mut out: Vec<Carrier> = layout
+        .tp_ranks
+        .iter()
+        .enumerate()
+        .map(|(t, &(src_rank, heads))| Carrier { src_rank, head_group: Some(t as u32), heads, sends_replicated: sends_replicated(src_rank, Some(t as u32)) })
+        .collect();
+    if !mla {
         for rank in super::prefill_ranks_for_decode(layout.dst.tp_rank, layout.src_tp, layout.dst.tp_size)? {
             if !out.iter().any(|c| c.src_rank == rank) {
                 let heads = super::head_slice(layout.src_tp, layout.dst.tp_size, rank, layout.dst.tp_rank, layout.dst.global_heads)?;
-                out.push(Carrier { src_rank: rank, head_group: None, heads });
+                out.push(Carrier { src_rank: rank, head_group: None, heads, sends_replicated: sends_replicated(rank, None) });
             }
         }
     }
@@ -221,11 +248,11 @@ pub fn carriers(layout: &StagingLayout) -> Result<Vec<Carrier>> {
 /// component layers; `None`: every decode layer, for the allocation's total), aux rows when
 /// `carries_aux`.
 pub fn tail_parts(sides: &TailSides<'_>, layout: &StagingLayout, tp_writer: u32, stage: Option<&[ComponentSpec]>, carries_aux: bool) -> Result<Vec<TailPart>> {
-    let (src_rank, heads): (u32, HeadSlice) = *layout
-        .tp_ranks
-        .get(tp_writer as usize)
+    let carrier = carriers(layout)?
+        .into_iter()
+        .find(|c| c.head_group == Some(tp_writer))
         .ok_or_else(|| Error::internal(format!("head group {tp_writer} of {}", layout.tp_writers())))?;
-    carrier_parts(sides, &Carrier { src_rank, head_group: Some(tp_writer), heads }, stage, carries_aux)
+    carrier_parts(sides, &carrier, stage, carries_aux)
 }
 
 /// The parts `carrier` carries (see [`tail_parts`]): a replica of a head group carries its state
@@ -234,7 +261,7 @@ pub fn carrier_parts(sides: &TailSides<'_>, carrier: &Carrier, stage: Option<&[C
     if sides.pool_tokens.len() != sides.dst.iter().filter(|c| matches!(c.kind, ComponentKind::Pool { .. })).count() {
         return Err(Error::internal("pool token counts do not match the pool components"));
     }
-    let (src_rank, heads) = (carrier.src_rank, carrier.heads);
+    let heads = carrier.heads;
     let writer = carrier.head_group.is_some();
     let mut out = Vec::new();
     let mut offset = 0u64;
@@ -255,7 +282,7 @@ pub fn carrier_parts(sides: &TailSides<'_>, carrier: &Carrier, stage: Option<&[C
                 continue;
             }
             ComponentKind::State { item } => {
-                let ranges = state_slice(item, sides.src_tp, sides.dst_tp, src_rank, sides.dst_rank)?;
+                let ranges = carrier.state_share(item, sides.src_tp, sides.dst_tp, sides.dst_rank)?;
                 (ranges.iter().map(|r| r.len).sum::<u64>(), PartCopy::Ranges(ranges))
             }
             ComponentKind::Pool { unit_bytes, head_sliced } => {
@@ -336,14 +363,14 @@ pub fn check_state_carried(components: &[ComponentSpec], layout: &StagingLayout)
         let ComponentKind::State { item } = &c.kind else { continue };
         let mut carried = 0u64;
         for k in &carriers {
-            carried += state_slice(item, src_tp, dst_tp, k.src_rank, dst_rank)?.iter().map(|r| r.len).sum::<u64>();
+            carried += k.state_share(item, src_tp, dst_tp, dst_rank)?.iter().map(|r| r.len).sum::<u64>();
         }
         if carried != item.slot_bytes(dst_tp) {
             let writers: Vec<u32> = carriers.iter().map(|k| k.src_rank).collect();
             return Err(Error::new(
                 Status::KVSTAGE_E_UNSUPPORTED,
                 format!(
-                    "state component {:?}: the prefill ranks that feed decode rank {dst_rank} (TP {src_tp} ranks {writers:?}) hold {carried} of its {}-byte slot; the rest lies on prefill ranks that are not paired with it (MLA ranks other than the designated one)",
+                    "state component {:?}: the prefill ranks that feed decode rank {dst_rank} (TP {src_tp} ranks {writers:?}) hold {carried} of its {}-byte slot; the rest lies on prefill ranks that are not paired with it (an MLA decode rank reads one prefill rank, which holds only its own share of a sharded state: replicate the state, or use equal TP sizes)",
                     c.name,
                     item.slot_bytes(dst_tp)
                 ),
@@ -454,5 +481,32 @@ mod tests {
         assert_eq!(e.code(), Status::KVSTAGE_E_UNSUPPORTED);
         assert!(e.message().contains("\"conv\"") && e.message().contains("hold 0 of its 48-byte slot"), "{}", e.message());
         assert!(check_state_carried(&s[..1], &mla).is_ok());
+    }
+
+    /// MLA with replicated state under a TP change: the one prefill rank that sends a decode
+    /// rank's latent holds the whole item and sends it (P2→D4, P4→D2, P8→D4 and back, every decode
+    /// rank), exactly once per decode slot; before, the designated replica source (another rank,
+    /// not paired with the decode rank) was expected and the handshake refused.
+    #[test]
+    fn mla_replicated_state_goes_with_the_latent() {
+        let whole = ComponentSpec {
+            name: "ssm".into(),
+            kind: ComponentKind::State { item: StateItem { outer: 2, groups: vec![12], dtype_bytes: 2, replicated: true } },
+            layer_ids: vec![0],
+            page_size: 0,
+        };
+        let specs = vec![whole];
+        for (stp, dtp) in [(2, 4), (4, 2), (8, 4), (4, 8), (1, 4), (4, 1), (2, 2)] {
+            for rd in 0..dtp {
+                let dst = PoolShape::new(ModelKind::Mla, 1, 64, 2, 16, 1).with_tp(rd, dtp);
+                let src = PoolShape::new(ModelKind::Mla, 1, 64, 2, 16, 1).with_tp(crate::geometry::mla_source_rank(rd, stp, dtp).unwrap(), stp);
+                let st = staging_layout(&src, &dst, 16).unwrap();
+                check_state_carried(&specs, &st).unwrap_or_else(|e| panic!("P{stp}→D{dtp} d{rd}: {}", e.chain()));
+                let sides = TailSides { src: &specs, dst: &specs, src_tp: stp, dst_tp: dtp, dst_rank: rd, pool_tokens: &[] };
+                let tail = tail_parts(&sides, &st, 0, None, false).unwrap();
+                assert_eq!(tail_bytes(&tail), 2 * 12 * 2, "P{stp}→D{dtp} d{rd}: the whole slot from the latent's rank");
+                assert_eq!(owed_tail(&sides, &st).unwrap(), 2 * 12 * 2, "owed once");
+            }
+        }
     }
 }

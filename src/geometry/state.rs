@@ -96,7 +96,7 @@ impl StateItem {
 }
 
 /// The prefill rank that sends a replicated item to decode rank `dst_rank`.
-fn replica_source(src_tp: u32, dst_tp: u32, dst_rank: u32) -> u32 {
+pub(crate) fn replica_source(src_tp: u32, dst_tp: u32, dst_rank: u32) -> u32 {
     (dst_rank as u64 * src_tp as u64 / dst_tp as u64) as u32
 }
 
