@@ -622,6 +622,9 @@ typedef struct kvstage_kv_layout {
 // group, groups back to back: rank `r` of `tp` holds elements `[r·g/tp, (r+1)·g/tp)` of a group of
 // `g` (a conv state's key, key and value groups each sharded on their own; one group: the whole
 // row). Replicated (`replicated` 1): whole on every rank. Fill with `kvstage_state_item_init`.
+// Limits: `dtype_bytes` 1..=64, 1..=64 groups, `outer` 1..=2^20 rows, a slot of at most 2^40
+// bytes; a sharded group a multiple of both TP sizes. Under an MLA TP change a replicated item
+// travels with the latent; a sharded one is refused (`KVSTAGE_E_UNSUPPORTED`).
 typedef struct kvstage_state_item {
     size_t struct_size;
     uint32_t outer;

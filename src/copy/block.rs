@@ -1,4 +1,5 @@
-//! The one strided copy every host path runs: `rows × pieces` pieces of `len` bytes, each side
+//! The one strided copy every host path runs (docs/GEOMETRY.md, "Pool layouts"): `rows × pieces`
+//! pieces of `len` bytes, each side
 //! with its own row and piece strides (a pool's token and head strides, a staging region's packed
 //! rows), merged into as few and as long copies as both sides allow.
 
