@@ -20,6 +20,9 @@
  *      larger size) completes; kvstage_engine_poll_events into larger events writes its CHUNK
  *      event and its ROOM event each whole at its own element (its `future` zeroed), and nothing
  *      past them; kvstage_staging_layout_compute fills larger writers as it fills plain ones.
+ *   e. kvstage_kv_layout's two versions (0.4; strides appended): a 0.4 caller's layout is read as
+ *      token-major (a real chunk lands there) and kvstage_kv_layout_preset refuses it writing
+ *      nothing; a newer caller's unknown field is zeroed, kept 0 by the preset, refused once set.
  *
  * Also built as C++17. */
 #include <stddef.h>
@@ -493,11 +496,154 @@ static void test_writer_arrays(void) {
     CHECK(all_bytes_are((const unsigned char *)&big[4], sizeof big[4], 0xEE)); /* past the last writer */
 }
 
+/* a and b for kvstage_kv_layout across its two versions: 0.4 (up to cuda_device) and the one
+ * with strides (page_stride, token_stride, head_stride, v_offset appended).
+ *
+ * - A 0.4 caller: its struct ends at cuda_device and canaries follow (as strides they would be
+ *   absurd: 0xC5C5… is no multiple of anything the shape allows). validate and pool_register read
+ *   it as large as it says: token-major strides, V in v_bases. kvstage_kv_layout_preset refuses
+ *   it naming struct_size, writing nothing (canaries intact). A real chunk over TCP into a pool
+ *   registered that way lands where token-major puts it.
+ * - This header's size: init leaves the strides 0 (token-major), preset fills them.
+ * - A newer caller (struct { kvstage_kv_layout; uint64_t future; }): init zeroes `future`,
+ *   preset writes the strides and leaves `future` 0 and struct_size the caller's; validate,
+ *   pool_register and preset refuse it while `future` is set (naming its byte), take it at 0. */
+static void test_layout_versions(void) {
+    enum { NPAGES_ROOM = 3, ROOM_ID = 23 };
+    static const uint32_t src_pages[NPAGES_ROOM] = {6, 1, 4}, dst_pages[NPAGES_ROOM] = {2, 7, 5};
+    const size_t first = offsetof(kvstage_kv_layout, cuda_device) + sizeof(int32_t);
+    const size_t full = offsetof(kvstage_kv_layout, v_offset) + sizeof(uint64_t);
+    kvstage_kv_layout shape = host_pool_shape(2, 2, HEAD_DIM, DTYPE, PAGE, 8, 0, 1);
+    host_pool dp, pp;
+    storage s;
+    kvstage_kv_layout *old = (kvstage_kv_layout *)(void *)s.bytes;
+    layout_v2 big;
+    kvstage_kv_layout cur;
+    kvstage_engine *decode = NULL, *prefill, *probe = NULL;
+    kvstage_session *sess = NULL;
+    kvstage_transfer_desc td;
+    uint64_t layer_stride = 99, key = 0;
+    uint32_t chunks = 0;
+    char addr[64], byte[64];
+    size_t b, pg;
+
+    CHECK_INT(first, offsetof(kvstage_kv_layout, page_stride)); /* the strides start where 0.4 ended */
+    CHECK_INT(full, sizeof(kvstage_kv_layout));                 /* appended at the end, no tail padding */
+    host_pool_init(&dp, &shape);
+    host_pool_init(&pp, &shape);
+    host_pool_fill(&pp, 21);
+
+    /* A 0.4 caller's layout of the decode pool, canaries after it. */
+    memset(s.bytes, CANARY, sizeof s.bytes);
+    REQUIRE(kvstage_kv_layout_init(old, first) == KVSTAGE_OK);
+    CHECK_INT(old->struct_size, first);
+    CHECK(all_bytes_are(s.bytes + first, TAIL, CANARY));
+    memcpy(old, &dp.layout, first); /* the fields it has, as a 0.4 caller sets them */
+    old->struct_size = first;
+    CHECK_OK(kvstage_kv_layout_validate(old));
+    CHECK_INT(kvstage_kv_layout_preset(old, KVSTAGE_LAYOUT_TRTLLM, &layer_stride), KVSTAGE_E_INVALID_ARG);
+    CHECK_NAMES("layout->struct_size");
+    CHECK_INT(layer_stride, 99);
+    CHECK(all_bytes_are(s.bytes + first, TAIL, CANARY));
+    CHECK_INT(old->capacity_pages, 8);
+
+    /* It registers, and a chunk lands token-major (the prefill: this header's size, strides 0). */
+    {
+        kvstage_engine_options o;
+        REQUIRE(kvstage_engine_options_init(&o, sizeof o) == KVSTAGE_OK);
+        o.transport = KVSTAGE_TRANSPORT_TCP;
+        REQUIRE(kvstage_engine_new(&o, &decode) == KVSTAGE_OK);
+    }
+    CHECK_OK(kvstage_pool_register(decode, old));
+    REQUIRE(kv_staging_register(decode, NULL, 1 << 20) == KVSTAGE_OK);
+    CHECK(all_bytes_are(s.bytes + first, TAIL, CANARY));
+    prefill = tcp_engine(&pp, 0);
+    REQUIRE(kv_room_open(decode, ROOM_ID, dst_pages, NPAGES_ROOM, NPAGES_ROOM * PAGE, NULL, &chunks, &key) == KVSTAGE_OK);
+    CHECK_INT(chunks, 1);
+    REQUIRE(kvstage_engine_listen_address(decode, addr, sizeof addr, NULL) == KVSTAGE_OK);
+    REQUIRE(kvstage_session_connect(prefill, addr, "abi-layout-0.4", 10000, &sess) == KVSTAGE_OK);
+    REQUIRE(kvstage_transfer_desc_init(&td, sizeof td) == KVSTAGE_OK);
+    td.room = ROOM_ID;
+    td.room_key = key;
+    td.src_pages = src_pages;
+    td.num_pages = NPAGES_ROOM;
+    td.timeout_ms = 20000;
+    CHECK_OK(kvstage_transfer(sess, &td));
+    CHECK_OK(kvstage_room_wait(decode, ROOM_ID, key, 20000));
+    for (b = 0; b < 2 * 2; ++b)
+        for (pg = 0; pg < 8; ++pg) {
+            size_t k = 0;
+            const uint8_t *got = host_pool_at(&dp, b / 2, (int)(b % 2), pg * PAGE);
+            while (k < NPAGES_ROOM && dst_pages[k] != pg) ++k;
+            if (k < NPAGES_ROOM) {
+                if (memcmp(got, host_pool_at(&pp, b / 2, (int)(b % 2), (size_t)src_pages[k] * PAGE), PAGE * dp.slot) != 0)
+                    KV_FAIL_AT(__FILE__, __LINE__, "0.4-sized decode layout: buffer %zu page %zu is not prefill page %u",
+                               b, pg, (unsigned)src_pages[k]);
+            } else if (!all_bytes_are(got, PAGE * dp.slot, 0)) {
+                KV_FAIL_AT(__FILE__, __LINE__, "0.4-sized decode layout: buffer %zu page %zu (no room's) was written", b, pg);
+            }
+        }
+    CHECK_OK(kvstage_room_release(decode, ROOM_ID, key));
+    kvstage_session_free(sess);
+    kvstage_engine_free(prefill);
+    kvstage_engine_free(decode);
+
+    /* This header's size: strides 0 after init (token-major), set by preset. */
+    memset(&cur, 0xEE, sizeof cur);
+    REQUIRE(kvstage_kv_layout_init(&cur, sizeof cur) == KVSTAGE_OK);
+    CHECK(cur.page_stride == 0 && cur.token_stride == 0 && cur.head_stride == 0 && cur.v_offset == 0);
+    set_layout(&cur, &shape);
+    CHECK_OK(kvstage_kv_layout_preset(&cur, KVSTAGE_LAYOUT_VLLM_LBHNC, &layer_stride));
+    CHECK_INT(cur.struct_size, sizeof cur);
+    CHECK_INT(cur.v_offset, HEAD_DIM * DTYPE);
+    CHECK_INT(cur.token_stride, 2 * HEAD_DIM * DTYPE);
+
+    /* A newer caller: its unknown field zeroed by init, left so by preset, refused once set. */
+    memset(&big, 0xEE, sizeof big);
+    REQUIRE(kvstage_kv_layout_init(&big.l, sizeof big) == KVSTAGE_OK);
+    CHECK(big.future == 0);
+    CHECK(big.l.page_stride == 0 && big.l.token_stride == 0 && big.l.head_stride == 0 && big.l.v_offset == 0);
+    set_layout(&big.l, &dp.layout); /* the token-major pool, bases and all */
+    CHECK_OK(kvstage_kv_layout_validate(&big.l));
+    big.future = 1;
+    snprintf(byte, sizeof byte, "byte %zu", offsetof(layout_v2, future));
+    CHECK_INT(kvstage_kv_layout_validate(&big.l), KVSTAGE_E_INVALID_ARG);
+    CHECK_NAMES(byte);
+    REQUIRE(kvstage_engine_new(NULL, &probe) == KVSTAGE_OK);
+    CHECK_INT(kvstage_pool_register(probe, &big.l), KVSTAGE_E_INVALID_ARG);
+    CHECK_NAMES(byte);
+    layer_stride = 99;
+    CHECK_INT(kvstage_kv_layout_preset(&big.l, KVSTAGE_LAYOUT_SGLANG, &layer_stride), KVSTAGE_E_INVALID_ARG);
+    CHECK_NAMES(byte);
+    CHECK_INT(layer_stride, 99);
+    CHECK(big.l.page_stride == 0 && big.l.token_stride == 0);
+    big.future = 0;
+    CHECK_OK(kvstage_pool_register(probe, &big.l));
+    /* preset on the newer struct: the strides written, `future` still 0, struct_size its own; the
+     * sglang preset is the token-major layout the pool already has, so it still validates. */
+    CHECK_OK(kvstage_kv_layout_preset(&big.l, KVSTAGE_LAYOUT_SGLANG, &layer_stride));
+    CHECK(big.future == 0);
+    CHECK_INT(big.l.struct_size, sizeof big);
+    CHECK_INT(big.l.token_stride, dp.slot);
+    CHECK_INT(big.l.head_stride, HEAD_DIM * DTYPE);
+    CHECK_INT(big.l.page_stride, PAGE * dp.slot);
+    CHECK_INT(big.l.v_offset, 0);
+    CHECK_INT(layer_stride, dp.buffer);
+    CHECK_OK(kvstage_kv_layout_validate(&big.l));
+    kvstage_engine_free(probe);
+    host_pool_free(&dp);
+    host_pool_free(&pp);
+    printf("kvstage_kv_layout: 0.4 size %zu (strides token-major, preset refused, a chunk landed token-major), "
+           "this header's %zu, a newer one's unknown field refused until 0\n",
+           first, full);
+}
+
 int main(void) {
     test_init_sizes();
     test_older_options_are_read();
     test_newer_options();
     test_input_arrays();
+    test_layout_versions();
     test_room_with_newer_structs();
     test_writer_arrays();
     return kv_finish("abi_struct_sizes");

@@ -1,6 +1,8 @@
 /* Hostile and careless input at the C boundary: NULL for every pointer argument of every export,
  * wrong struct_size, zero and overflowing sizes, ranks out of range, invalid enums and UTF-8,
- * overlapping and overflowing buffers in a KV layout, foreign pointers passed as handles, and
+ * overlapping and overflowing buffers in a KV layout, layout presets and strides (a bad preset,
+ * capacity 0, a 0.4-sized layout; strides of part elements or shorter than what they stride
+ * over, V both in buffers and at an offset, an interleaved V on K's rows), foreign pointers passed as handles, and
  * every engine call on a poisoned engine. Each case asserts the status code the header and
  * docs/c-api-conventions.md document, that the thread's last error carries the same code, and that
  * its message names the argument (fields of a KV layout are named in the causes: the message names
@@ -499,7 +501,9 @@ static void test_layouts(void) {
     BAD_FIELD(local_heads, 1, KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "`local_heads`");
     BAD_FIELD(global_heads, 0, KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "`global_heads`");
     BAD_FIELD(capacity_pages, 0, KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "`capacity_pages`");
-    BAD_FIELD(capacity_pages, UINT64_MAX, KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "`capacity_pages`");
+    /* Named through the stride it overflows with (the count is the capacity). */
+    BAD_FIELD(capacity_pages, UINT64_MAX, KVSTAGE_E_GEOMETRY_INVALID, "`layout`",
+              "18446744073709551615 pages of 128 bytes overflow the address space");
 #undef BAD_FIELD
 
     /* GQA heads that do not split over TP 2: 3 heads. */
@@ -519,12 +523,14 @@ static void test_layouts(void) {
     EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "is NULL");
     k[1] = p.k[1];
     v[0] = k[0];
-    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "overlaps");
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`",
+                 "`bases[2] (V of layer 0)`: 0x");
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "puts rows on bytes of bases[0] (K of layer 0)");
     v[0] = k[0] + p.buffer - 1;
-    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "overlaps");
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "puts rows on bytes of bases[0] (K of layer 0)");
     v[0] = p.v[0];
     k[1] = v[1];
-    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "overlaps");
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "puts rows on bytes of bases[1] (K of layer 1)");
     k[1] = UINT64_MAX - 16;
     EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "overflows");
     k[1] = p.k[1];
@@ -534,11 +540,122 @@ static void test_layouts(void) {
     {
         kvstage_engine *e = engine_new();
         v[0] = k[0];
-        EXPECT_CAUSE(kvstage_pool_register(e, &l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "overlaps");
+        EXPECT_CAUSE(kvstage_pool_register(e, &l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "puts rows on bytes of");
         l.tp_rank = 5;
         EXPECT_CAUSE(kvstage_pool_register(e, &l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "`tp_rank`");
         kvstage_engine_free(e);
     }
+    host_pool_free(&p);
+}
+
+/* --- layout presets and strides ---------------------------------------------------------------- */
+
+/* kvstage_kv_layout_preset's bad input (nothing written: the strides keep a canary), and strides
+ * kvstage_kv_layout_validate refuses naming the field and its value. The pool: bad_input's shape
+ * (2 layers, 2 heads of 8 bf16 elements = 16-byte rows, 4-token pages, 16 pages). */
+static void test_layout_strides(void) {
+    enum { ROW = HEAD_DIM * DTYPE, CELL = 2 * ROW };
+    const uint64_t CANARY = 0xC5C5C5C5C5C5C5C5ull;
+    host_pool p;
+    kvstage_kv_layout l;
+    uint64_t layer_stride = 77, k[LAYERS];
+    uint8_t *tensor;
+    size_t tensor_bytes;
+    int preset;
+    pool_init(&p);
+
+    /* Every preset sets strides the same shape validates with (the byte-level check of what they
+     * mean is the `layouts` int test's). */
+    for (preset = KVSTAGE_LAYOUT_SGLANG; preset <= KVSTAGE_LAYOUT_TRTLLM; ++preset) {
+        l = p.layout;
+        EXPECT(kvstage_kv_layout_preset(&l, preset, NULL), KVSTAGE_OK, NULL);
+        CHECK(l.token_stride != 0 && l.head_stride != 0 && l.page_stride != 0);
+        CHECK((preset == KVSTAGE_LAYOUT_SGLANG) == (l.v_offset == 0));
+    }
+
+    /* A preset value that is none: refused naming `preset`, the layout untouched. */
+    l = p.layout;
+    l.page_stride = l.token_stride = l.head_stride = l.v_offset = CANARY;
+    EXPECT(kvstage_kv_layout_preset(&l, 8, &layer_stride), KVSTAGE_E_INVALID_ARG, "`preset`");
+    EXPECT(kvstage_kv_layout_preset(&l, -1, &layer_stride), KVSTAGE_E_INVALID_ARG, "`preset`");
+    EXPECT(kvstage_kv_layout_preset(&l, INT32_MAX, &layer_stride), KVSTAGE_E_INVALID_ARG, "`preset`");
+    EXPECT(kvstage_kv_layout_preset(NULL, KVSTAGE_LAYOUT_SGLANG, &layer_stride), KVSTAGE_E_INVALID_ARG, "`layout`");
+    /* capacity_pages 0: some layouts' strides span the blocks. */
+    l.capacity_pages = 0;
+    EXPECT(kvstage_kv_layout_preset(&l, KVSTAGE_LAYOUT_VLLM_LHBNC, &layer_stride), KVSTAGE_E_INVALID_ARG,
+           "`layout->capacity_pages`");
+    l.capacity_pages = CAPACITY;
+    /* A shape that is no shape. */
+    l.num_layers = 0;
+    EXPECT(kvstage_kv_layout_preset(&l, KVSTAGE_LAYOUT_TRTLLM, &layer_stride), KVSTAGE_E_INVALID_ARG, "`layout->num_layers`");
+    l.num_layers = LAYERS;
+    /* A caller of 0.4, whose struct ends before the strides: nothing to set them in. */
+    l.struct_size = offsetof(kvstage_kv_layout, page_stride);
+    EXPECT(kvstage_kv_layout_preset(&l, KVSTAGE_LAYOUT_VLLM_LBHNC, &layer_stride), KVSTAGE_E_INVALID_ARG,
+           "`layout->struct_size`");
+    CHECK(l.page_stride == CANARY && l.token_stride == CANARY && l.head_stride == CANARY && l.v_offset == CANARY);
+    CHECK_INT(l.capacity_pages, CAPACITY);
+    CHECK_INT(layer_stride, 77);
+
+    /* Strides validate refuses, each naming the field and both values. bad_input's pool is
+     * token-major: slots of 2 heads · 16 bytes, pages of 4 slots. */
+    l = p.layout;
+    l.token_stride = 2 * ROW + 1; /* not whole elements */
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "`token_stride`: 33");
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "dtype_bytes 2");
+    l.token_stride = 0;
+    l.head_stride = ROW - DTYPE; /* smaller than a head's row */
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "`head_stride`: 14");
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "16 bytes of a head's row");
+    l.head_stride = 0;
+    l.page_stride = (PAGE - 1) * 2 * ROW; /* a page shorter than its slots */
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "`page_stride`: 96");
+    l.page_stride = 0;
+    /* v_bases and v_offset both set: V lies in its own buffers or after K, not both. */
+    l.v_offset = ROW;
+    EXPECT(kvstage_kv_layout_validate(&l), KVSTAGE_E_INVALID_ARG, "`layout->v_offset`");
+    /* Neither: no V at all. */
+    l.v_offset = 0;
+    l.v_bases = NULL;
+    EXPECT(kvstage_kv_layout_validate(&l), KVSTAGE_E_INVALID_ARG, "`layout->v_bases`");
+
+    /* An interleaved layout (vLLM's [L, B, H, N, K‖V]) in memory of its own: valid with V one row
+     * after K, refused with V one element short of it (V's rows overlap K's), naming the V buffer
+     * and the K buffer it lands on. */
+    tensor_bytes = (size_t)LAYERS * CAPACITY * HEADS * PAGE * CELL;
+    tensor = (uint8_t *)calloc(1, tensor_bytes);
+    REQUIRE(tensor != NULL);
+    l = p.layout;
+    EXPECT(kvstage_kv_layout_preset(&l, KVSTAGE_LAYOUT_VLLM_LBHNC, &layer_stride), KVSTAGE_OK, NULL);
+    CHECK_INT(layer_stride, tensor_bytes / LAYERS);
+    CHECK_INT(l.v_offset, ROW);
+    k[0] = (uint64_t)(uintptr_t)tensor;
+    k[1] = k[0] + layer_stride;
+    l.k_bases = k;
+    l.v_bases = NULL;
+    EXPECT(kvstage_kv_layout_validate(&l), KVSTAGE_OK, NULL);
+    l.v_offset = ROW - DTYPE;
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "(V of layer 0)");
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "puts rows on bytes of bases[0] (K of layer 0)");
+    /* V a whole page after K: on K's next page. */
+    l.v_offset = l.page_stride;
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "puts rows on bytes of bases[0]");
+    /* Two layers one row apart: layer 1's K on layer 0's V. */
+    l.v_offset = ROW;
+    k[1] = k[0] + ROW;
+    EXPECT_CAUSE(kvstage_kv_layout_validate(&l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "puts rows on bytes of");
+    k[1] = k[0] + layer_stride;
+    /* The same refusals guard registration. */
+    {
+        kvstage_engine *e = engine_new();
+        l.v_offset = ROW - DTYPE;
+        EXPECT_CAUSE(kvstage_pool_register(e, &l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "(V of layer 0)");
+        l.v_offset = ROW;
+        l.head_stride = ROW - DTYPE;
+        EXPECT_CAUSE(kvstage_pool_register(e, &l), KVSTAGE_E_GEOMETRY_INVALID, "`layout`", "`head_stride`");
+        kvstage_engine_free(e);
+    }
+    free(tensor);
     host_pool_free(&p);
 }
 
@@ -915,6 +1032,7 @@ int main(void) {
     test_global_and_options();
     test_engine_calls();
     test_layouts();
+    test_layout_strides();
     test_geometry();
     test_sessions();
     test_foreign_handles();

@@ -14,7 +14,9 @@
  * KVSTAGE_RDMA_QPS=n stripes it over n queue pairs per device, and with KVSTAGE_RDMA_DEVICES the
  * session must use the device named first (both checked in the transport's description). The
  * same chunk then goes layer-wise (a plain RDMA WRITE per marked layer, the write-with-immediate
- * after the last). Then the decode ring is registered again under a connected session (see below). */
+ * after the last). Then a chunk from a vllm-lbhnc pool into a trtllm pool, every decode byte
+ * checked against TensorRT-LLM's index formula (rdma_none does the same over its TCP fallback).
+ * Then the decode ring is registered again under a connected session (see below). */
 #define _POSIX_C_SOURCE 200809L
 #include <stdint.h>
 #include <time.h>
@@ -99,7 +101,7 @@ static int transfer_and_verify(kvstage_engine *pre, kvstage_engine *dec, host_po
     return bad;
 }
 
-static kvstage_engine *engine(int transport, const char *devices, host_pool *p, int staging) {
+static kvstage_engine *engine_for(int transport, const char *devices, const kvstage_kv_layout *layout, int staging) {
     const char *qps = getenv("KVSTAGE_RDMA_QPS");
     kvstage_engine_options o;
     kvstage_engine *e = NULL;
@@ -113,9 +115,142 @@ static kvstage_engine *engine(int transport, const char *devices, host_pool *p, 
     o.rdma_signal_every = 4;
     o.integrity = KVSTAGE_INTEGRITY_ALWAYS;
     if (kvstage_engine_new(&o, &e) != KVSTAGE_OK) return NULL;
-    REQUIRE(host_pool_register(e, p) == KVSTAGE_OK);
+    REQUIRE(kvstage_pool_register(e, layout) == KVSTAGE_OK);
     if (staging) REQUIRE(kv_staging_register(e, NULL, 16u << 20) == KVSTAGE_OK);
     return e;
+}
+
+static kvstage_engine *engine(int transport, const char *devices, host_pool *p, int staging) {
+    return engine_for(transport, devices, &p->layout, staging);
+}
+
+/* ---- mixed layouts: prefill vLLM [L][B][H][N][K||V] -> decode TensorRT-LLM [B][L][K/V][H][N][D] ---- */
+
+enum { ROWB = HEAD_DIM * DTYPE, MIX_PAGES = 8, MIX_ROOM = 12 };
+#define MIX_TENSOR ((size_t)LAYERS * CAPACITY * HEADS * PAGE * 2 * ROWB)
+
+/* Each engine's own index formula (element 0 of head `hd` of slot `s` of block `b`), written
+ * here: nothing is derived from the strides kvstage_kv_layout_preset returns. */
+static uint64_t lbhnc_at(uint32_t li, uint32_t kv, uint32_t b, uint32_t s, uint32_t hd) {
+    return (((((uint64_t)li * CAPACITY + b) * HEADS + hd) * PAGE + s) * 2 + kv) * ROWB;
+}
+static uint64_t trtllm_at(uint32_t li, uint32_t kv, uint32_t b, uint32_t s, uint32_t hd) {
+    return (((((uint64_t)b * LAYERS + li) * 2 + kv) * HEADS + hd) * PAGE + s) * ROWB;
+}
+
+typedef uint64_t (*index_fn)(uint32_t li, uint32_t kv, uint32_t b, uint32_t s, uint32_t hd);
+
+typedef struct preset_pool {
+    uint8_t *tensor;
+    uint64_t k[LAYERS];
+    kvstage_kv_layout layout;
+} preset_pool;
+
+/* A zeroed pool of `preset` whose bases the formula `at` places (checked against the preset's
+ * layer distance and V offset). */
+static void preset_pool_init(preset_pool *p, int preset, index_fn at) {
+    uint64_t layer_stride = 0;
+    uint32_t li;
+    p->layout = host_pool_shape(LAYERS, HEADS, HEAD_DIM, DTYPE, PAGE, CAPACITY, 0, 1);
+    REQUIRE(kvstage_kv_layout_preset(&p->layout, preset, &layer_stride) == KVSTAGE_OK);
+    p->tensor = (uint8_t *)calloc(1, MIX_TENSOR);
+    REQUIRE(p->tensor != NULL);
+    for (li = 0; li < LAYERS; li++) p->k[li] = (uint64_t)(uintptr_t)(p->tensor + at(li, 0, 0, 0, 0));
+    CHECK_INT(p->k[1] - p->k[0], layer_stride);
+    CHECK_INT(at(0, 1, 0, 0, 0) - at(0, 0, 0, 0, 0), p->layout.v_offset);
+    p->layout.k_bases = p->k;
+    p->layout.v_bases = NULL; /* V lies v_offset after K */
+    if (kvstage_kv_layout_validate(&p->layout) != KVSTAGE_OK) {
+        print_error("mixed layouts: kvstage_kv_layout_validate");
+        exit(1);
+    }
+}
+
+static uint8_t mix_byte(uint32_t li, uint32_t kv, uint32_t hd, uint32_t slot, uint32_t e) {
+    uint64_t x = (uint64_t)li << 48 | (uint64_t)kv << 44 | (uint64_t)hd << 36 | (uint64_t)slot << 12 | e;
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return (uint8_t)(x ^ (x >> 31));
+}
+
+/* One chunk of MIX_PAGES pages from a vllm-lbhnc pool into a trtllm pool (`transport`, same
+ * host path off), every byte of the decode tensor checked: the chunk's rows where TensorRT-LLM's
+ * formula puts them, zeros elsewhere. Returns the number of bytes that differ. */
+static size_t mixed_layouts(int transport, const char *devices, const char *id) {
+    preset_pool pp, dp;
+    kvstage_engine *pre, *dec;
+    kvstage_session *s = NULL;
+    kvstage_session_stats st;
+    kvstage_transfer_desc d;
+    uint32_t src[MIX_PAGES], dst[MIX_PAGES], li, kv, b, t, hd, e, i;
+    uint64_t room_key = 0;
+    uint8_t *want;
+    size_t bad = 0, first = 0, at;
+    char addr[64];
+    preset_pool_init(&pp, KVSTAGE_LAYOUT_VLLM_LBHNC, lbhnc_at);
+    preset_pool_init(&dp, KVSTAGE_LAYOUT_TRTLLM, trtllm_at);
+    for (li = 0; li < LAYERS; li++)
+        for (kv = 0; kv < 2; kv++)
+            for (b = 0; b < CAPACITY; b++)
+                for (t = 0; t < PAGE; t++)
+                    for (hd = 0; hd < HEADS; hd++)
+                        for (e = 0; e < ROWB; e++) pp.tensor[lbhnc_at(li, kv, b, t, hd) + e] = mix_byte(li, kv, hd, b * PAGE + t, e);
+    for (i = 0; i < MIX_PAGES; i++) {
+        src[i] = (7 * i + 3) % CAPACITY;
+        dst[i] = (5 * i + 9) % CAPACITY;
+    }
+    dec = engine_for(transport, devices, &dp.layout, 1);
+    pre = engine_for(transport, devices, &pp.layout, 0);
+    REQUIRE(dec != NULL && pre != NULL);
+    REQUIRE(kvstage_engine_listen_address(dec, addr, sizeof addr, NULL) == KVSTAGE_OK);
+    CHECK_OK(kv_room_open(dec, MIX_ROOM, dst, MIX_PAGES, MIX_PAGES * PAGE, NULL, NULL, &room_key));
+    if (kvstage_session_connect(pre, addr, id, 10000, &s) != KVSTAGE_OK) {
+        print_error("mixed layouts: connect");
+        exit(1);
+    }
+    REQUIRE(kvstage_transfer_desc_init(&d, sizeof d) == KVSTAGE_OK);
+    d.room = MIX_ROOM;
+    d.room_key = room_key;
+    d.src_pages = src;
+    d.num_pages = MIX_PAGES;
+    d.timeout_ms = 20000;
+    if (kvstage_transfer(s, &d) != KVSTAGE_OK) print_error("mixed layouts: transfer");
+    CHECK_OK(kvstage_room_wait(dec, MIX_ROOM, room_key, 20000));
+    memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    CHECK_OK(kvstage_session_stats_get(s, &st));
+    CHECK_INT(st.transport, transport == KVSTAGE_TRANSPORT_AUTO ? KVSTAGE_TRANSPORT_TCP : transport);
+    want = (uint8_t *)calloc(1, MIX_TENSOR);
+    REQUIRE(want != NULL);
+    for (i = 0; i < MIX_PAGES; i++)
+        for (li = 0; li < LAYERS; li++)
+            for (kv = 0; kv < 2; kv++)
+                for (t = 0; t < PAGE; t++)
+                    for (hd = 0; hd < HEADS; hd++)
+                        for (e = 0; e < ROWB; e++) want[trtllm_at(li, kv, dst[i], t, hd) + e] = mix_byte(li, kv, hd, src[i] * PAGE + t, e);
+    for (at = 0; at < MIX_TENSOR; at++)
+        if (dp.tensor[at] != want[at] && bad++ == 0) first = at;
+    if (bad) {
+        uint64_t off = first;
+        uint32_t rb = (uint32_t)(off / (LAYERS * 2 * HEADS * PAGE * ROWB)), rest = (uint32_t)(off % (LAYERS * 2 * HEADS * PAGE * ROWB));
+        KV_FAIL_AT(__FILE__, __LINE__,
+                   "[%s] prefill vllm-lbhnc -> decode trtllm: %zu byte(s) differ; first at tensor byte %zu: block %u layer %u "
+                   "%c head %u slot %u byte %u: 0x%02x, expected 0x%02x",
+                   id, bad, first, (unsigned)rb, (unsigned)(rest / (2 * HEADS * PAGE * ROWB)),
+                   "KV"[rest / (HEADS * PAGE * ROWB) % 2], (unsigned)(rest / (PAGE * ROWB) % HEADS),
+                   (unsigned)(rest / ROWB % PAGE), (unsigned)(rest % ROWB), dp.tensor[first], want[first]);
+    }
+    printf("mixed layouts [%s]: vllm-lbhnc -> trtllm over %s, %d pages: %s\n", id, kv_transport_name(st.transport), MIX_PAGES,
+           bad ? "bytes differ" : "every decode byte as TensorRT-LLM's formula puts it");
+    CHECK_OK(kvstage_room_release(dec, MIX_ROOM, room_key));
+    kvstage_session_free(s);
+    kvstage_engine_free(pre);
+    kvstage_engine_free(dec);
+    free(want);
+    free(pp.tensor);
+    free(dp.tensor);
+    return bad;
 }
 
 static int doctor_says_usable(void) {
@@ -209,6 +344,8 @@ static int mode_none(void) {
     kvstage_engine_free(dec);
     host_pool_free(&pp);
     host_pool_free(&dp);
+    /* A chunk between two named layouts, over the same TCP fallback. */
+    CHECK_INT(mixed_layouts(KVSTAGE_TRANSPORT_AUTO, NULL, "auto-mixed-layouts"), 0);
     return kv_finish("rdma_none");
 }
 
@@ -316,6 +453,7 @@ static int mode_loopback(void) {
     CHECK_INT(st.rdma_sessions, 1);
     CHECK_INT(st.ring_live_allocations, 0);
     CHECK_INT(transfer_and_verify(pre, dec, &pp, &dp, "loopback-layerwise", 1), 0);
+    CHECK_INT(mixed_layouts(KVSTAGE_TRANSPORT_RDMA, devices, "loopback-mixed-layouts"), 0);
     spoiled_chunk(pre, dec, &pp, &dp, "before-reregister", KVSTAGE_E_RDMA, "IBV_WC_REM_ACCESS_ERR", register_the_ring_again, 0);
     kvstage_engine_free(pre);
     kvstage_engine_free(dec);

@@ -276,8 +276,10 @@ impl KvLayout {
     }
 }
 
+/// Whether slot `t` lies at `t · token` (pages evenly spaced): with pages of one slot too, where
+/// the token stride strides over nothing and only an equal page stride makes slots adjacent.
 pub(crate) fn is_linear(shape: &PoolShape, strides: Strides) -> bool {
-    shape.page_size == 1 || strides.page == shape.page_size as u64 * strides.token
+    strides.page == shape.page_size as u64 * strides.token
 }
 
 pub(crate) fn slot_offset(shape: &PoolShape, strides: Strides, slot: u64) -> u64 {
@@ -451,6 +453,11 @@ mod tests {
         assert!(hm.slot_ranges(0, 0, 500, 13).is_err());
         assert_eq!(hm.slot_offset(17), 8192 + 256);
         assert!(!hm.linear() && tm.linear());
+        // Pages of one slot: slot t is page t, `page` apart whatever the token stride says.
+        let one = KvLayout::new(PoolShape { page_size: 1, ..shape.clone() }, 10, MemoryKind::Host, bases).with_strides(Strides { page: 4096, token: 512, head: 256 });
+        one.validate().unwrap();
+        assert!(!one.linear());
+        assert_eq!(one.slot_offset(3), 3 * 4096);
     }
 
     #[test]

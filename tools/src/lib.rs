@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{CommandFactory, Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvstage::engine::TransportKind;
-use kvstage::geometry::ModelKind;
+use kvstage::geometry::{LayoutPreset, ModelKind};
 use kvstage::session::stats::LinkKind;
 use kvstage::Error;
 use kvstage_testkit::cluster::{Prefill, Setup};
@@ -86,6 +86,30 @@ pub struct SetupArgs {
     /// decode pools then lie in shared memory).
     #[arg(long)]
     pub no_direct: bool,
+    /// Pool layouts as engines keep them, prefill[:decode] (sglang, vllm-lbhnc, vllm-lbnhc,
+    /// vllm-lhbnc, vllm-blhnc, vllm-blnhc, vllm-bhlnc, trtllm); the decode side defaults to the
+    /// prefill's. Only the model crosses the wire: any layout sends to any other.
+    #[arg(long, value_name = "P[:D]", value_parser = layout_pair)]
+    pub layout: Option<(LayoutPreset, LayoutPreset)>,
+    /// The prefill pools' layout alone (overrides --layout's).
+    #[arg(long, value_name = "NAME", value_parser = layout_name)]
+    pub prefill_layout: Option<LayoutPreset>,
+    /// The decode pools' layout alone (overrides --layout's).
+    #[arg(long, value_name = "NAME", value_parser = layout_name)]
+    pub decode_layout: Option<LayoutPreset>,
+    /// Bytes of padding after every page (block) of both sides' pools (vLLM's `page_size_padded`).
+    #[arg(long, value_name = "BYTES", default_value_t = 0)]
+    pub page_pad: u64,
+}
+
+fn layout_name(v: &str) -> Result<LayoutPreset, String> {
+    LayoutPreset::from_name(v).map_err(|e| e.message().to_owned())
+}
+
+/// `P[:D]`: a layout per side, the decode side's defaulting to the prefill's.
+pub fn layout_pair(v: &str) -> Result<(LayoutPreset, LayoutPreset), String> {
+    let (p, d) = v.split_once(':').unwrap_or((v, v));
+    Ok((layout_name(p)?, layout_name(d)?))
 }
 
 /// `--transport`.
@@ -149,6 +173,9 @@ impl SetupArgs {
             aux_rows: self.aux_rows,
             state_bytes: self.state_bytes,
             direct: !self.no_direct,
+            prefill_layout: self.prefill_layout.or(self.layout.map(|l| l.0)).unwrap_or(LayoutPreset::Sglang),
+            decode_layout: self.decode_layout.or(self.layout.map(|l| l.1)).unwrap_or(LayoutPreset::Sglang),
+            page_pad: self.page_pad,
         };
         setup.check()?;
         Ok(setup)

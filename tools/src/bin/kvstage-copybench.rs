@@ -4,15 +4,18 @@
 //! Shape: 80 layers, 8 KV heads, head_dim 128, bf16, prefill TP 4 → decode TP 2 (512-byte rows:
 //! the prefill side's slot is the whole row, the decode side's slot is two rows), one writer's
 //! region of a chunk of `--tokens` tokens (default 8192: 640 MiB). Page sizes 1 and 16, pages as
-//! one consecutive run or fully random (in a pool twice the chunk).
+//! one consecutive run or fully random (in a pool twice the chunk). `--layout P[:D]` lays the
+//! prefill and decode pools out as engines do (`sglang`, `vllm-lbhnc`, ..., `trtllm`; D defaults to
+//! P), and adds direct mode's one pass, pool to pool on one thread, next to the same memcpy.
 //!
-//! Usage: kvstage-copybench [--tokens N] [--threads N] [--iters N] [--json] (`--help`)
+//! Usage: kvstage-copybench [--tokens N] [--threads N] [--iters N] [--layout P[:D]] [--json]
 
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use kvstage::copy::{CopyEngine, HostCopyEngine};
-use kvstage::geometry::{plan_gather, plan_scatter, slice_plan, staging_layout, KvLayout, MemoryKind, ModelKind, PageSpan, PoolShape};
+use kvstage::deadline::Deadline;
+use kvstage::geometry::{plan_gather, plan_scatter, slice_plan, staging_layout, KvLayout, LayoutPreset, MemoryKind, ModelKind, PageSpan, PoolShape};
 use serde::Serialize;
 
 /// Gather/scatter throughput of the host copy engine on a 70B-shaped chunk, next to a
@@ -29,6 +32,10 @@ struct Cli {
     /// Timed runs per figure (the median is reported; one more runs first, untimed).
     #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     iters: u32,
+    /// Pool layouts, prefill[:decode] (sglang, vllm-lbhnc, vllm-lbnhc, vllm-lhbnc, vllm-blhnc,
+    /// vllm-blnhc, vllm-bhlnc, trtllm); the decode side defaults to the prefill's.
+    #[arg(long, value_name = "P[:D]", default_value = "sglang", value_parser = kvstage_tools::layout_pair)]
+    layout: (LayoutPreset, LayoutPreset),
     /// Print one JSON object on stdout instead of the table.
     #[arg(long)]
     json: bool,
@@ -66,12 +73,13 @@ impl Drop for Mem {
     }
 }
 
-fn pool(shape: PoolShape, capacity_pages: u64) -> (Mem, KvLayout) {
-    let bb = capacity_pages as usize * shape.page_bytes() as usize;
-    let nb = (shape.buffers_per_layer() * shape.layer_count()) as usize;
-    let mem = Mem::new(bb * nb, 0x5A);
-    let base = mem.ptr as usize;
-    let layout = KvLayout::new(shape, capacity_pages, MemoryKind::Host, (0..nb).map(|i| base + i * bb).collect());
+/// A pool of `shape` laid out as `preset`, in one allocation.
+fn pool(shape: PoolShape, capacity_pages: u64, preset: LayoutPreset) -> (Mem, KvLayout) {
+    let mem = Mem::new(preset.tensor_bytes(&shape, capacity_pages) as usize, 0x5A);
+    let bases = preset.bases(&shape, capacity_pages, mem.ptr as usize);
+    let strides = preset.placement(&shape, capacity_pages).strides;
+    let layout = KvLayout::new(shape, capacity_pages, MemoryKind::Host, bases).with_strides(strides);
+    layout.validate().expect("a preset's layout");
     (mem, layout)
 }
 
@@ -145,6 +153,7 @@ struct Report<'a> {
     tokens: u32,
     threads: u32,
     iters: u32,
+    layout: String,
     region_bytes: usize,
     results: &'a [Row],
 }
@@ -169,7 +178,9 @@ fn main() {
 
     if !args.json {
         println!(
-            "kvstage-copybench: 70B chunk (80 layers, 8 KV heads, head_dim 128, bf16), P4->D2, 512 B rows, {} tokens, {:.0} MiB per writer region, {} thread(s), median of {}",
+            "kvstage-copybench: 70B chunk (80 layers, 8 KV heads, head_dim 128, bf16), P4->D2, 512 B rows, {} -> {} pools, {} tokens, {:.0} MiB per writer region, {} thread(s), median of {}",
+            args.layout.0.name(),
+            args.layout.1.name(),
             args.tokens,
             region as f64 / (1 << 20) as f64,
             args.threads,
@@ -183,8 +194,8 @@ fn main() {
         let capacity = 2 * pages_n as u32 + 8;
         let src_shape = PoolShape { page_size, ..base.clone() }.with_tp(1, 4);
         let dst_shape = PoolShape { page_size, ..base.clone() }.with_tp(0, 2);
-        let (_src_mem, src_pool) = pool(src_shape.clone(), capacity as u64);
-        let (_dst_mem, dst_pool) = pool(dst_shape.clone(), capacity as u64);
+        let (_src_mem, src_pool) = pool(src_shape.clone(), capacity as u64, args.layout.0);
+        let (_dst_mem, dst_pool) = pool(dst_shape.clone(), capacity as u64, args.layout.1);
         let st = staging_layout(&src_shape, &dst_shape, args.tokens).expect("staging layout");
         let w = &st.region_of(&src_shape).expect("writer").expect("rank 1 writes to decode rank 0");
         for indices in ["runs", "random"] {
@@ -196,7 +207,7 @@ fn main() {
             let g = plan_gather(&src_pool, &src_pages, 0, &st, w).expect("gather plan");
             let s = plan_scatter(&dst_pool, &dst_pages, &st, w).expect("scatter plan");
             let plan_time = t.elapsed();
-            let mut times = [Vec::new(), Vec::new(), Vec::new()];
+            let mut times = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
             for i in 0..=args.iters {
                 let m = memcpy_once(&copy_src, &copy_dst, region);
                 let t = Instant::now();
@@ -206,17 +217,23 @@ fn main() {
                 let t = Instant::now();
                 unsafe { engine.scatter(&s, &dst_pool, staging.ptr) }.expect("scatter");
                 let ts = t.elapsed();
+                let t = Instant::now();
+                // SAFETY: as above; the two pools do not overlap.
+                unsafe { engine.copy_across(&g, &src_pool, &s, &dst_pool, &Deadline::after(None)) }.expect("direct copy");
+                let td = t.elapsed();
                 if i > 0 {
                     times[0].push(m);
                     times[1].push(tg);
                     times[2].push(ts);
+                    times[3].push(td);
                 }
             }
-            let [m, tg, ts] = times.map(median);
+            let [m, tg, ts, td] = times.map(median);
             rows.push(Row::new(page_size, indices, "gather", g.run_count(), g.bytes(), tg, m));
             rows.push(Row::new(page_size, indices, "scatter", s.run_count(), s.bytes(), ts, m));
+            rows.push(Row::new(page_size, indices, "direct", s.run_count(), s.bytes(), td, m));
             if !args.json {
-                for r in &rows[rows.len() - 2..] {
+                for r in &rows[rows.len() - 3..] {
                     println!(
                         "{:>4} {:>7} {:>8} {:>9} {:>10.2} {:>12.2} {:>7.2}x",
                         r.page_size,
@@ -231,8 +248,9 @@ fn main() {
                 println!("     (planning both: {:.2} ms)", plan_time.as_secs_f64() * 1e3);
             }
         }
-        // The slice path for the same pair, pool to pool, one memcpy per op on one thread.
-        if page_size == 16 {
+        // The slice path for the same pair, pool to pool, one memcpy per op on one thread (its
+        // destination offsets count a token-major pool: sglang's layouts only).
+        if page_size == 16 && args.layout == (LayoutPreset::Sglang, LayoutPreset::Sglang) {
             let src_pages: Vec<u32> = (7..7 + pages_n as u32).collect();
             let dst_pages: Vec<u32> = (3..3 + pages_n as u32).collect();
             let hs = w.heads;
@@ -274,7 +292,8 @@ fn main() {
         }
     }
     if args.json {
-        let report = Report { tokens: args.tokens, threads: args.threads, iters: args.iters, region_bytes: region, results: &rows };
+        let layout = format!("{}:{}", args.layout.0.name(), args.layout.1.name());
+        let report = Report { tokens: args.tokens, threads: args.threads, iters: args.iters, layout, region_bytes: region, results: &rows };
         print!("{}", kvstage_tools::json(&report));
     }
 }

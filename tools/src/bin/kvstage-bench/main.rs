@@ -478,7 +478,7 @@ fn copies(a: &Args, prefill: &Prefill, bar: &ProgressBar) -> Result<(Section, Se
             for pages in s.prefill_pages(r.rank).chunks(grid) {
                 let layout = geometry::staging_layout(&r.pool.layout.shape, &dst_shape, (pages.len() as u32) * s.page_size)?;
                 let Some(region) = layout.region_of(&r.pool.layout.shape)? else { continue };
-                let plan = geometry::plan_gather(&r.pool.layout.shape, pages, 0, &layout, &region)?;
+                let plan = geometry::plan_gather(&r.pool.layout, pages, 0, &layout, &region)?;
                 staging.resize(staging.len().max(region.bytes as usize), 0);
                 plans.push((r.rank as usize, plan));
             }
@@ -496,7 +496,7 @@ fn copies(a: &Args, prefill: &Prefill, bar: &ProgressBar) -> Result<(Section, Se
 
     // scatter alone: decode rank 0's scatters of one request into a local pool.
     let dst_shape = s.model.shape(s.page_size, 0, s.decode_tp);
-    let decode_pool = HostPool::new(dst_shape.clone(), s.pages() as u64 + 1);
+    let decode_pool = HostPool::with_layout(dst_shape.clone(), s.pages() as u64 + 1, s.decode_layout, s.page_pad, false);
     let dst_pages: Vec<u32> = (0..s.pages() as u32).collect();
     let mut scatter_plans = Vec::new();
     let mut scatter_bytes = 0;
@@ -504,7 +504,7 @@ fn copies(a: &Args, prefill: &Prefill, bar: &ProgressBar) -> Result<(Section, Se
     for pages in dst_pages.chunks(grid) {
         let layout = geometry::staging_layout_stages(std::slice::from_ref(&src_shape), &dst_shape, (pages.len() as u32) * s.page_size)?;
         for region in &layout.writers {
-            scatter_plans.push(geometry::plan_scatter(&dst_shape, pages, &layout, region)?);
+            scatter_plans.push(geometry::plan_scatter(&decode_pool.layout, pages, &layout, region)?);
             scatter_bytes += region.bytes;
         }
     }
