@@ -6,7 +6,11 @@
 //! `room ID [K]` opens room ID on every decode rank (with K: only the first K pages of each chunk,
 //! in chunks of K pages, for runs that send partial chunks) and answers `keys KEY0 KEY1 ...`, each
 //! decode rank's key of this opening (what an engine's bootstrap carries) · `wait ID` waits until it is scattered everywhere ·
-//! `verify ID` compares the decode pools with the reference · `release ID` · `raw BYTES [STREAMS]`
+//! `verify ID` compares the decode pools with the reference · `verify-exact ID` compares every
+//! byte of every decode pool: the pages of room ID's set, and of the other set if a room of it was
+//! opened since the last `clear`, hold the reference, every other byte (padding included) is still
+//! zero (refused after a room of partial chunks) · `clear` zeroes every decode pool (refused while
+//! a room is open) · `release ID` · `raw BYTES [STREAMS]`
 //! accepts STREAMS (default 1) connections on the raw TCP listener, reads each until its sender
 //! shuts it down, acknowledges each, and answers `raw TOTAL` · `watch ID` reports room ID's end
 //! through `next` · `next` waits until a watched room is scattered everywhere (or failed) and
@@ -26,7 +30,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use kvstage::engine::{Engine, EngineOptions, TransportKind};
-use kvstage::geometry::{self, ModelKind};
+use kvstage::geometry::{self, LayoutPreset, ModelKind};
 use kvstage::protocol::RoomRef;
 use kvstage::session::notify::{ChunkEvent, Completion, EventKind};
 use kvstage::session::receiver::RoomOpening;
@@ -63,6 +67,13 @@ pub struct Setup {
     /// Direct mode for same-host sessions: the decode pools lie in shared memory and both sides
     /// allow it (`false`: every chunk through the decode ring).
     pub direct: bool,
+    /// How each side's pools lay out their bytes (each side's own: only the shape crosses the
+    /// wire). `--prefill-layout`, `--decode-layout`; sglang by default.
+    pub prefill_layout: LayoutPreset,
+    pub decode_layout: LayoutPreset,
+    /// Bytes after every page (block) of every pool, both sides (`--page-pad`; 0 by default):
+    /// see [`crate::Reference`] for which strides grow with it.
+    pub page_pad: u64,
 }
 
 impl Setup {
@@ -167,7 +178,95 @@ impl Setup {
         .into_iter()
         .flat_map(|(k, v)| [k.to_string(), v])
         .chain((!self.direct).then(|| "--no-direct".to_owned()))
+        // Only where not the default: a child that predates them still parses the rest.
+        .chain(self.layout_flags())
         .collect()
+    }
+
+    /// `--prefill-layout`, `--decode-layout` and `--page-pad`, each where not the default.
+    pub fn layout_flags(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.prefill_layout != LayoutPreset::Sglang {
+            out.extend(["--prefill-layout".to_owned(), self.prefill_layout.name().to_owned()]);
+        }
+        if self.decode_layout != LayoutPreset::Sglang {
+            out.extend(["--decode-layout".to_owned(), self.decode_layout.name().to_owned()]);
+        }
+        if self.page_pad != 0 {
+            out.extend(["--page-pad".to_owned(), self.page_pad.to_string()]);
+        }
+        out
+    }
+
+    /// The setup [`flags`](Self::flags) describe (for a child process without the tools' parser):
+    /// every flag `flags` writes, each once at most; a model name of [`crate::MODELS`] is that
+    /// preset, changed by the shape flags after it, any other name a custom shape.
+    pub fn from_flags(args: &[String]) -> std::result::Result<Setup, String> {
+        let mut s = Setup {
+            model: crate::MODELS[0],
+            prefill_tp: 1,
+            decode_tp: 1,
+            page_size: 16,
+            tokens: 2048,
+            chunk_tokens: 2048,
+            ring_chunks: 2,
+            transport: TransportKind::Tcp,
+            aux_rows: 0,
+            state_bytes: 0,
+            direct: true,
+            prefill_layout: LayoutPreset::Sglang,
+            decode_layout: LayoutPreset::Sglang,
+            page_pad: 0,
+        };
+        let mut it = args.iter();
+        while let Some(flag) = it.next() {
+            if flag == "--no-direct" {
+                s.direct = false;
+                continue;
+            }
+            let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            let num = |what: &str| value.parse::<u64>().map_err(|_| format!("{what} {value:?} is not a number"));
+            let small = |what: &str| num(what).and_then(|v| u32::try_from(v).map_err(|_| format!("{what} {v} is too large")));
+            match flag.as_str() {
+                "--model" => {
+                    s.model = crate::model(value).unwrap_or(Model { name: "custom", ..s.model });
+                }
+                "--kind" => {
+                    s.model.kind = match value.as_str() {
+                        "mha" => ModelKind::Mha,
+                        "mla" => ModelKind::Mla,
+                        other => return Err(format!("--kind {other:?} is not mha or mla")),
+                    }
+                }
+                "--layers" => s.model.layers = small(flag)?,
+                "--kv-heads" => s.model.kv_heads = small(flag)?,
+                "--head-dim" => s.model.head_dim = small(flag)?,
+                "--dtype-bytes" => s.model.dtype_bytes = small(flag)?,
+                "--prefill-tp" => s.prefill_tp = small(flag)?,
+                "--decode-tp" => s.decode_tp = small(flag)?,
+                "--page-size" => s.page_size = small(flag)?,
+                "--tokens" => s.tokens = small(flag)?,
+                "--chunk-tokens" => s.chunk_tokens = small(flag)?,
+                "--ring-chunks" => s.ring_chunks = small(flag)?,
+                "--transport" => {
+                    s.transport = match value.as_str() {
+                        "tcp" => TransportKind::Tcp,
+                        "rdma" => TransportKind::Rdma,
+                        "shm" => TransportKind::Shm,
+                        "auto" => TransportKind::Auto,
+                        other => return Err(format!("--transport {other:?} is not tcp, rdma, shm or auto")),
+                    }
+                }
+                "--aux-rows" => s.aux_rows = small(flag)?,
+                "--state-bytes" => s.state_bytes = num(flag)?,
+                "--prefill-layout" => s.prefill_layout = LayoutPreset::from_name(value).map_err(|e| e.message().to_owned())?,
+                "--decode-layout" => s.decode_layout = LayoutPreset::from_name(value).map_err(|e| e.message().to_owned())?,
+                "--page-pad" => s.page_pad = num(flag)?,
+                other => return Err(format!("unknown flag {other:?}")),
+            }
+        }
+        s.check()?;
+        Ok(s)
     }
 
     /// The request's parts when `chunk` is the room's last (they travel with it).
@@ -181,6 +280,9 @@ impl Setup {
         }
         if self.prefill_tp == 0 || self.decode_tp == 0 || self.ring_chunks == 0 {
             return Err("--prefill-tp, --decode-tp and --ring-chunks must be positive".into());
+        }
+        if !self.page_pad.is_multiple_of(self.model.dtype_bytes.max(1) as u64) {
+            return Err(format!("--page-pad {} must be a multiple of the dtype's {} bytes", self.page_pad, self.model.dtype_bytes));
         }
         Ok(())
     }
@@ -313,7 +415,7 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
         }
         let engine = Engine::new(options)?;
         let shape = setup.model.shape(setup.page_size, rd, setup.decode_tp);
-        let pool = if setup.direct { HostPool::shared(shape, setup.capacity()) } else { HostPool::new(shape, setup.capacity()) };
+        let pool = HostPool::with_layout(shape, setup.capacity(), setup.decode_layout, setup.page_pad, setup.direct);
         engine.register_pool(pool.layout.clone())?;
         let src = setup.model.shape(setup.page_size, 0, setup.prefill_tp);
         let chunk = setup.grid_pages() as u32 * setup.page_size;
@@ -337,6 +439,10 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
     let (mut raw_bufs, mut raw_memory): (Vec<Vec<u8>>, Vec<Vec<u8>>) = (Vec::new(), Vec::new());
     // Rooms opened with request parts (their items are verified too).
     let mut parted = std::collections::HashSet::new();
+    // Page sets (room parities) of the full rooms opened since the last `clear`, and whether a
+    // room of partial chunks was (`verify-exact` then has no reference).
+    let mut written_sets = std::collections::BTreeSet::new();
+    let mut partial_rooms = false;
     // Each open room's keys, one per decode rank (its latest opening).
     let mut opened: HashMap<u64, Vec<u64>> = HashMap::new();
     let opening = |opened: &HashMap<u64, Vec<u64>>, room: u64, rank: usize| RoomRef { id: room, key: opened.get(&room).and_then(|k| k.get(rank)).copied().unwrap_or(0) };
@@ -358,6 +464,12 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
                     };
                     if parts.is_some() {
                         parted.insert(arg);
+                    }
+                    match per_chunk {
+                        Some(_) => partial_rooms = true,
+                        None => {
+                            written_sets.insert(arg % 2);
+                        }
                     }
                     let mut open = RoomOpening::new(arg, &pages, tokens);
                     open.parts = parts;
@@ -404,6 +516,31 @@ pub fn serve_decode_with(setup: &Setup, decode: &DecodeOptions) -> Result<()> {
                     }
                 }
                 format!("verified {bad} {}", first.unwrap_or_default())
+            }
+            "verify-exact" if partial_rooms => "error verify-exact: a room of partial chunks was opened since the last clear".to_owned(),
+            "verify-exact" => {
+                let (mut bad, mut first) = (0, None);
+                let sets: Vec<u64> = written_sets.iter().copied().chain([arg % 2]).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+                for (rd, (_, pool, _)) in ranks.iter().enumerate() {
+                    let pages: Vec<Vec<u32>> = sets.iter().map(|&set| setup.decode_pages(rd as u32, set)).collect();
+                    let requests: Vec<(&[u32], u64, u64)> = pages.iter().map(|p| (p.as_slice(), 0, u64::MAX)).collect();
+                    let (b, f) = pool.verify_exact(&requests);
+                    bad += b;
+                    first = first.or(f.map(|f| format!("decode rank {rd}: {f}")));
+                }
+                format!("verified {bad} {}", first.unwrap_or_default())
+            }
+            "clear" if !opened.is_empty() => {
+                let open: Vec<String> = opened.keys().map(|k| k.to_string()).collect();
+                format!("error clear: rooms {} are still open (release them first)", open.join(", "))
+            }
+            "clear" => {
+                for (_, pool, _) in ranks.iter_mut() {
+                    pool.clear();
+                }
+                written_sets.clear();
+                partial_rooms = false;
+                "ok".to_owned()
             }
             "describe" => {
                 // `describe ROOM RANK`: that decode rank's document of the room, on one line.
@@ -477,8 +614,16 @@ pub struct DecodeChild {
 impl DecodeChild {
     /// Starts `exe` with `args` (which must make it call [`serve_decode`]).
     pub fn spawn(exe: &std::path::Path, args: &[String], decode_tp: u32) -> Result<DecodeChild> {
-        let mut child = Command::new(exe)
-            .args(args)
+        let mut cmd = Command::new(exe);
+        cmd.args(args);
+        Self::spawn_command(cmd, decode_tp)
+    }
+
+    /// [`spawn`](Self::spawn) with a command of the caller's (arguments, environment): e.g. a
+    /// test executable that runs one test calling [`serve_decode`]. Lines before the `ADDRS` line
+    /// (a test harness's own) are skipped, and text before `ADDRS` on its line.
+    pub fn spawn_command(mut cmd: Command, decode_tp: u32) -> Result<DecodeChild> {
+        let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -486,11 +631,19 @@ impl DecodeChild {
         let stdin = child.stdin.take().expect("piped");
         let stdout = BufReader::new(child.stdout.take().expect("piped"));
         let mut me = DecodeChild { child, stdin, stdout, addrs: Vec::new(), raw_addr: String::new() };
-        let first = me.read_line()?;
+        let mut skipped = Vec::new();
+        let first = loop {
+            let line = me.read_line()?;
+            if let Some(at) = line.find("ADDRS ") {
+                break line[at..].to_owned();
+            }
+            if skipped.len() == 16 {
+                return Err(Error::internal(format!("decode process did not start (said '{}')", skipped.join("' '"))));
+            }
+            skipped.push(line);
+        };
         let mut words = first.split_whitespace();
-        if words.next() != Some("ADDRS") {
-            return Err(Error::internal(format!("decode process did not start (said '{first}')")));
-        }
+        words.next();
         for w in words.by_ref() {
             if w == "RAW" {
                 break;
@@ -530,6 +683,15 @@ impl DecodeChild {
         let rest = reply.strip_prefix("verified ").unwrap_or("");
         let (bad, first) = rest.split_once(' ').unwrap_or((rest, ""));
         let bad = bad.parse().map_err(|_| Error::internal(format!("bad verify reply '{reply}'")))?;
+        Ok((bad, first.to_owned()))
+    }
+
+    /// Bad bytes after `verify-exact` (every byte of every decode pool), with the first difference.
+    pub fn verify_exact(&mut self, room: u64) -> Result<(u64, String)> {
+        let reply = self.command(&format!("verify-exact {room}"))?;
+        let rest = reply.strip_prefix("verified ").unwrap_or("");
+        let (bad, first) = rest.split_once(' ').unwrap_or((rest, ""));
+        let bad = bad.parse().map_err(|_| Error::internal(format!("bad verify-exact reply '{reply}'")))?;
         Ok((bad, first.to_owned()))
     }
 
@@ -700,7 +862,8 @@ impl Prefill {
         let mut ranks = Vec::new();
         for rank in 0..setup.prefill_tp {
             let engine = Engine::new(options.clone())?;
-            let mut pool = HostPool::new(setup.model.shape(setup.page_size, rank, setup.prefill_tp), setup.capacity());
+            let shape = setup.model.shape(setup.page_size, rank, setup.prefill_tp);
+            let mut pool = HostPool::with_layout(shape, setup.capacity(), setup.prefill_layout, setup.page_pad, false);
             pool.fill(&setup.prefill_pages(rank), 0);
             engine.register_pool(pool.layout.clone())?;
             let parts = setup.has_parts().then(|| PartsMemory::register(setup, &engine, rank, setup.prefill_tp, true)).transpose()?;

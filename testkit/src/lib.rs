@@ -6,7 +6,7 @@
 //! A crate of its own (`kvstage-testkit`): none of it is compiled into `libkvstage`. The tools
 //! (`tools/`) depend on it, and the root package's integration tests as a dev-dependency.
 
-use kvstage::geometry::{KvLayout, MemoryKind, ModelKind, PoolShape};
+use kvstage::geometry::{KvLayout, LayoutPreset, MemoryKind, ModelKind, PoolShape};
 
 /// A model shape preset (per-token bytes match docs/GEOMETRY.md, "Sizes").
 #[derive(Clone, Copy, Debug)]
@@ -76,30 +76,182 @@ impl Drop for PoolMemory {
 unsafe impl Send for PoolMemory {}
 unsafe impl Sync for PoolMemory {}
 
-/// One rank's KV pool in host memory (one allocation, buffers side by side).
+/// Where an engine puts the rows of a pool, computed here from each engine's own axis order
+/// (outermost first), never through the library's [`Strides`](kvstage::geometry::Strides) or
+/// `slot_offset`: a wrong stride in the library cannot agree with it. Offsets are from the start
+/// of the one allocation holding every buffer.
+///
+/// Padding: every page (block) row, the bytes from the page axis inwards, is followed by `pad`
+/// bytes nothing addresses, so the page stride grows by `pad` in every layout and every axis
+/// outside the page grows with it: sglang's buffers (`[pages][page + pad]` each, back to back),
+/// vLLM's layer-first orders (the layer and, for LHBNC, the head stride). In the block-first
+/// layouts (vLLM's B… orders, TensorRT-LLM) the block is the outermost axis and nothing else
+/// moves.
+#[derive(Clone, Debug)]
+pub struct Reference {
+    pub preset: LayoutPreset,
+    pub pad: u64,
+    /// Layers of the pool (its stage's), capacity in pages, tokens per page, local heads, bytes
+    /// of one head's row, buffers per layer (2: K and V; 1: MLA's latent).
+    layers: u64,
+    cap: u64,
+    ps: u64,
+    heads: u64,
+    hb: u64,
+    kvn: u64,
+}
+
+impl Reference {
+    pub fn new(shape: &PoolShape, capacity_pages: u64, preset: LayoutPreset, pad: u64) -> Reference {
+        Reference {
+            preset,
+            pad,
+            layers: shape.layer_ids.len() as u64,
+            cap: capacity_pages,
+            ps: shape.page_size as u64,
+            heads: shape.local_heads as u64,
+            hb: shape.head_dim as u64 * shape.dtype_bytes as u64,
+            kvn: if shape.kind == ModelKind::Mla { 1 } else { 2 },
+        }
+    }
+
+    /// vLLM's cell: K‖V of one (head, token), `2·D` elements (MLA: the latent alone).
+    fn cell(&self) -> u64 {
+        self.kvn * self.hb
+    }
+
+    /// Bytes of one page (block) row before its padding.
+    fn page_row(&self) -> u64 {
+        let (l, h, n, hb, c) = (self.layers, self.heads, self.ps, self.hb, self.cell());
+        match self.preset {
+            // One buffer's page: [token][head][D].
+            LayoutPreset::Sglang => n * h * hb,
+            // [L][B][H][N][C], [L][B][N][H][C]: one layer's block.
+            LayoutPreset::VllmLbhnc | LayoutPreset::VllmLbnhc => h * n * c,
+            // [L][H][B][N][C]: one (layer, head)'s block.
+            LayoutPreset::VllmLhbnc => n * c,
+            // [B][L][H][N][C], [B][L][N][H][C], [B][H][L][N][C]: a block of every layer.
+            LayoutPreset::VllmBlhnc | LayoutPreset::VllmBlnhc | LayoutPreset::VllmBhlnc => l * h * n * c,
+            // [block][layer][K/V][head][token][dim].
+            LayoutPreset::Trtllm => l * self.kvn * h * n * hb,
+        }
+    }
+
+    /// Bytes of the allocation holding every buffer (padding after the last page included).
+    pub fn total_bytes(&self) -> u64 {
+        let pr = self.page_row() + self.pad;
+        match self.preset {
+            LayoutPreset::Sglang => self.kvn * self.layers * self.cap * pr,
+            LayoutPreset::VllmLbhnc | LayoutPreset::VllmLbnhc => self.layers * self.cap * pr,
+            LayoutPreset::VllmLhbnc => self.layers * self.heads * self.cap * pr,
+            _ => self.cap * pr,
+        }
+    }
+
+    /// Byte offset of the row of local head `h` of token slot `s` of page `b`, buffer `kv`
+    /// (0: K or the latent, 1: V) of the pool's layer `li` (an index into its `layer_ids`): the
+    /// engine's own index arithmetic in its axis order.
+    pub fn row(&self, li: u64, kv: u64, b: u64, s: u64, h: u64) -> u64 {
+        let (l, cap, hs, n, hb, c) = (self.layers, self.cap, self.heads, self.ps, self.hb, self.cell());
+        let pr = self.page_row() + self.pad;
+        match self.preset {
+            LayoutPreset::Sglang => ((kv * l + li) * cap + b) * pr + (s * hs + h) * hb,
+            LayoutPreset::VllmLbhnc => (li * cap + b) * pr + (h * n + s) * c + kv * hb,
+            LayoutPreset::VllmLbnhc => (li * cap + b) * pr + (s * hs + h) * c + kv * hb,
+            LayoutPreset::VllmLhbnc => ((li * hs + h) * cap + b) * pr + s * c + kv * hb,
+            LayoutPreset::VllmBlhnc => b * pr + ((li * hs + h) * n + s) * c + kv * hb,
+            LayoutPreset::VllmBlnhc => b * pr + ((li * n + s) * hs + h) * c + kv * hb,
+            LayoutPreset::VllmBhlnc => b * pr + ((h * l + li) * n + s) * c + kv * hb,
+            LayoutPreset::Trtllm => b * pr + (((li * self.kvn + kv) * hs + h) * n + s) * hb,
+        }
+    }
+
+    /// The row holding byte `at`, as (layer index, kv, page, token slot, local head, byte of the
+    /// row); `None` for padding or a gap no row covers.
+    pub fn locate(&self, at: u64) -> Option<(u64, u64, u64, u64, u64, u64)> {
+        for li in 0..self.layers {
+            for kv in 0..self.kvn {
+                for b in 0..self.cap {
+                    for s in 0..self.ps {
+                        for h in 0..self.heads {
+                            let row = self.row(li, kv, b, s, h);
+                            if (row..row + self.hb).contains(&at) {
+                                return Some((li, kv, b, s, h, at - row));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        None
+    }
+}
+
+/// The layout a pool of `preset` registers with its engine: the library's placement
+/// ([`LayoutPreset::placement`], [`LayoutPreset::bases`]) of a tensor at `base`, its pages padded
+/// by `pad` bytes as [`Reference`] describes (the page stride grows by `pad`; in sglang's and
+/// vLLM's layer-first layouts the strides and layer distances that span whole pages grow with it).
+fn registered_layout(shape: &PoolShape, capacity_pages: u64, preset: LayoutPreset, pad: u64, base: usize) -> KvLayout {
+    let placement = preset.placement(shape, capacity_pages);
+    let mut strides = placement.strides;
+    let bases = if pad == 0 {
+        preset.bases(shape, capacity_pages, base)
+    } else {
+        strides.page += pad;
+        // A distance of whole (unpadded) pages, in padded pages.
+        let grow = |x: u64| x / placement.strides.page * strides.page;
+        let (layer_stride, v_offset) = match preset {
+            LayoutPreset::Sglang | LayoutPreset::VllmLbhnc | LayoutPreset::VllmLbnhc => (grow(placement.layer_stride), placement.v_offset),
+            LayoutPreset::VllmLhbnc => {
+                strides.head = grow(strides.head);
+                (grow(placement.layer_stride), placement.v_offset)
+            }
+            // The block is outermost: the layers and V lie inside it.
+            _ => (placement.layer_stride, placement.v_offset),
+        };
+        let layers = shape.layer_ids.len();
+        let k: Vec<usize> = (0..layers).map(|i| base + i * layer_stride as usize).collect();
+        let v_offset = if v_offset == 0 { layers as u64 * layer_stride } else { v_offset };
+        let v: Vec<usize> = if shape.kind == ModelKind::Mla { Vec::new() } else { k.iter().map(|&b| b + v_offset as usize).collect() };
+        [k, v].concat()
+    };
+    KvLayout::new(shape.clone(), capacity_pages, MemoryKind::Host, bases).with_strides(strides)
+}
+
+/// One rank's KV pool in host memory: one allocation holding every buffer, laid out as an
+/// engine lays it out ([`LayoutPreset`]; sglang's by default: per layer a K and a V buffer,
+/// side by side).
 pub struct HostPool {
     memory: PoolMemory,
     pub layout: KvLayout,
+    /// The engine layout its bytes follow, and the bytes padding each page ([`Reference`]).
+    pub preset: LayoutPreset,
+    pub pad_bytes: u64,
 }
 
 impl HostPool {
     pub fn new(shape: PoolShape, capacity_pages: u64) -> HostPool {
-        Self::with_memory(shape, capacity_pages, false)
+        Self::with_layout(shape, capacity_pages, LayoutPreset::Sglang, 0, false)
     }
 
     /// A pool in memory of `kvstage_shared_alloc`: a same-host sender can write it directly.
     pub fn shared(shape: PoolShape, capacity_pages: u64) -> HostPool {
-        Self::with_memory(shape, capacity_pages, true)
+        Self::with_layout(shape, capacity_pages, LayoutPreset::Sglang, 0, true)
     }
 
-    fn with_memory(shape: PoolShape, capacity_pages: u64, shared: bool) -> HostPool {
-        let buffer = (capacity_pages * shape.page_size as u64 * shape.token_bytes()) as usize;
-        let count = (shape.buffers_per_layer() as usize) * shape.layer_ids.len();
+    /// A pool laid out as `preset` lays it out, each page (block) followed by `pad_bytes` bytes
+    /// nothing addresses (a multiple of the dtype; see [`Reference`] for which strides grow), in
+    /// shared memory when `shared` (a same-host sender can write it directly). One allocation of
+    /// the preset's tensor bytes (plus the padding); the layout the engine gets is the library's
+    /// placement of that tensor, [`fill`](Self::fill) and the verifiers address rows through
+    /// [`Reference`] alone. Panics where the library's layout would address bytes outside the
+    /// allocation.
+    pub fn with_layout(shape: PoolShape, capacity_pages: u64, preset: LayoutPreset, pad_bytes: u64, shared: bool) -> HostPool {
+        let len = Reference::new(&shape, capacity_pages, preset, pad_bytes).total_bytes() as usize;
         let mut memory = if shared {
-            let len = buffer * count;
             PoolMemory::Shared(kvstage::transport::shm::pool::alloc(len).expect("a shared pool allocation"), len)
         } else {
-            PoolMemory::Heap(vec![0u8; buffer * count])
+            PoolMemory::Heap(vec![0u8; len])
         };
         // Written, not just calloc'd: a real pool is resident, and first-touch page faults would
         // otherwise be measured as copy time.
@@ -108,8 +260,25 @@ impl HostPool {
             unsafe { std::ptr::write_volatile(memory.as_mut_ptr().add(i), 0) };
         }
         let base = memory.as_mut_ptr() as usize;
-        let bases = (0..count).map(|i| base + i * buffer).collect();
-        HostPool { memory, layout: KvLayout::new(shape, capacity_pages, MemoryKind::Host, bases) }
+        let layout = registered_layout(&shape, capacity_pages, preset, pad_bytes, base);
+        let end = base + len;
+        for (i, &b) in layout.bases.iter().enumerate() {
+            let reach = b as u64 + layout.buffer_bytes();
+            assert!(
+                b >= base && reach <= end as u64,
+                "the {} layout's buffer {i} ({:#x}, {} bytes; strides {:?}) reaches outside its {len}-byte tensor at {base:#x} (pad {pad_bytes})",
+                preset.name(),
+                b,
+                layout.buffer_bytes(),
+                layout.strides
+            );
+        }
+        HostPool { memory, layout, preset, pad_bytes }
+    }
+
+    /// The pool's rows as the testkit computes them ([`Reference`]).
+    pub fn reference(&self) -> Reference {
+        Reference::new(&self.layout.shape, self.layout.capacity_pages, self.preset, self.pad_bytes)
     }
 
     pub fn bytes(&self) -> usize {
@@ -121,28 +290,24 @@ impl HostPool {
         self.memory.iter().filter(|&&b| b != 0).count()
     }
 
-    /// Byte range of token slot `slot` of buffer `buffer`.
-    fn slot(&self, buffer: usize, slot: u64) -> std::ops::Range<usize> {
-        let tb = self.layout.shape.token_bytes() as usize;
-        let start = self.layout.bases[buffer] - self.memory.as_ptr() as usize + slot as usize * tb;
-        start..start + tb
+    /// Zeroes every byte of the pool (as fresh). No transfer may be writing it.
+    pub fn clear(&mut self) {
+        self.memory.fill(0);
     }
 
     /// Writes the pattern for request tokens `first_token..` into `pages` (token order).
     pub fn fill(&mut self, pages: &[u32], first_token: u64) {
         let s = self.layout.shape.clone();
-        let head_bytes = (s.head_dim * s.dtype_bytes) as usize;
-        for (layer_idx, &layer) in s.layer_ids.iter().enumerate() {
+        let r = self.reference();
+        let hb = s.head_bytes() as usize;
+        for (li, &layer) in s.layer_ids.iter().enumerate() {
             for kv in 0..s.buffers_per_layer() {
-                let buffer = kv as usize * s.layer_ids.len() + layer_idx;
                 for (i, &page) in pages.iter().enumerate() {
                     for t in 0..s.page_size as u64 {
                         let token = first_token + i as u64 * s.page_size as u64 + t;
-                        let range = self.slot(buffer, page as u64 * s.page_size as u64 + t);
-                        let slot = &mut self.memory[range];
                         for lh in 0..s.local_heads {
-                            let g = global_head(&s, lh);
-                            pattern(layer, kv, token, g, &mut slot[lh as usize * head_bytes..][..head_bytes]);
+                            let at = r.row(li as u64, kv as u64, page as u64, t, lh as u64) as usize;
+                            pattern(layer, kv, token, global_head(&s, lh), &mut self.memory[at..at + hb]);
                         }
                     }
                 }
@@ -169,17 +334,16 @@ impl HostPool {
 
     fn verify_where(&self, pages: &[u32], first_token: u64, count: u64, checked: impl Fn(u32) -> bool) -> (u64, Option<String>) {
         let s = &self.layout.shape;
-        let head_bytes = (s.head_dim * s.dtype_bytes) as usize;
-        let mut expected = vec![0u8; head_bytes];
+        let r = self.reference();
+        let hb = s.head_bytes() as usize;
+        let mut expected = vec![0u8; hb];
         let (mut bad, mut first) = (0u64, None);
-        for (layer_idx, &layer) in s.layer_ids.iter().enumerate().filter(|(_, &l)| checked(l)) {
+        for (li, &layer) in s.layer_ids.iter().enumerate().filter(|(_, &l)| checked(l)) {
             for kv in 0..s.buffers_per_layer() {
-                let buffer = kv as usize * s.layer_ids.len() + layer_idx;
                 for (i, &page) in pages.iter().enumerate() {
                     for t in 0..s.page_size as u64 {
                         let index = i as u64 * s.page_size as u64 + t;
                         let token = first_token + index;
-                        let slot = &self.memory[self.slot(buffer, page as u64 * s.page_size as u64 + t)];
                         for lh in 0..s.local_heads {
                             let g = global_head(s, lh);
                             if index < count {
@@ -187,12 +351,14 @@ impl HostPool {
                             } else {
                                 expected.fill(0);
                             }
-                            let got = &slot[lh as usize * head_bytes..][..head_bytes];
+                            let at = r.row(li as u64, kv as u64, page as u64, t, lh as u64) as usize;
+                            let got = &self.memory[at..at + hb];
                             let diff = got.iter().zip(&expected).filter(|(a, b)| a != b).count() as u64;
                             if diff > 0 && first.is_none() {
                                 let past = if index < count { "" } else { " (past the last token: must be untouched)" };
                                 first = Some(format!(
-                                    "layer {layer} kv {kv} token {token} local head {lh} (global {g}) page {page}{past}: {diff} bytes differ"
+                                    "layer {layer} kv {kv} token {token} local head {lh} (global {g}) page {page}{past}: {diff} bytes differ [{} pool]",
+                                    self.describe()
                                 ));
                             }
                             bad += diff;
@@ -201,6 +367,73 @@ impl HostPool {
                 }
             }
         }
+        (bad, first)
+    }
+
+    /// The pool's layout in words: `vllm-lbhnc`, `trtllm, pages padded by 48 bytes`.
+    pub fn describe(&self) -> String {
+        match self.pad_bytes {
+            0 => self.preset.name().to_owned(),
+            pad => format!("{}, pages padded by {pad} bytes", self.preset.name()),
+        }
+    }
+
+    /// Compares every byte of the pool: the rows of each `(pages, first_token, count)` hold the
+    /// pattern for request tokens `first_token..` (the first `count` slots of the pages; zeros in
+    /// the slots after them), and every other byte (other pages, padding, gaps) is still zero, as
+    /// in a fresh pool. Returns the bytes that differ and a description of the first.
+    pub fn verify_exact(&self, requests: &[(&[u32], u64, u64)]) -> (u64, Option<String>) {
+        let s = &self.layout.shape;
+        let r = self.reference();
+        let hb = s.head_bytes() as usize;
+        let mut expected = vec![0u8; self.memory.len()];
+        let mut token_of = std::collections::HashMap::new();
+        for &(pages, first_token, count) in requests {
+            for (li, &layer) in s.layer_ids.iter().enumerate() {
+                for kv in 0..s.buffers_per_layer() {
+                    for (i, &page) in pages.iter().enumerate() {
+                        for t in 0..s.page_size as u64 {
+                            let index = i as u64 * s.page_size as u64 + t;
+                            token_of.insert((page as u64, t), (first_token + index, index < count));
+                            if index >= count {
+                                continue;
+                            }
+                            for lh in 0..s.local_heads {
+                                let at = r.row(li as u64, kv as u64, page as u64, t, lh as u64) as usize;
+                                pattern(layer, kv, first_token + index, global_head(s, lh), &mut expected[at..at + hb]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let mut bad = 0u64;
+        let mut first_at = None;
+        for (i, (a, b)) in self.memory.iter().zip(&expected).enumerate() {
+            if a != b {
+                bad += 1;
+                first_at.get_or_insert(i);
+            }
+        }
+        let first = first_at.map(|at| {
+            let (got, want) = (self.memory[at], expected[at]);
+            let place = match r.locate(at as u64) {
+                None => "padding or a gap between rows (must be untouched)".to_owned(),
+                Some((li, kv, page, t, lh, e)) => {
+                    let what = match token_of.get(&(page, t)) {
+                        Some(&(token, true)) => format!("token {token}"),
+                        Some(&(token, false)) => format!("token {token}, past the last token (must be untouched)"),
+                        None => "a slot of no request (must be untouched)".to_owned(),
+                    };
+                    format!(
+                        "layer {} kv {kv} page {page} slot {t} ({what}) local head {lh} (global {}) byte {e} of the row",
+                        s.layer_ids[li as usize],
+                        global_head(s, lh as u32)
+                    )
+                }
+            };
+            format!("byte {at} of the pool: {place}: {got:#04x}, expected {want:#04x}; {bad} bytes differ [{} pool, rank tp {}/{}]", self.describe(), s.tp_rank, s.tp_size)
+        });
         (bad, first)
     }
 }
