@@ -7,7 +7,9 @@ use super::{agreed_field_mismatches, mismatch_error, PoolGeometry, PoolShape};
 use crate::error::{Error, FieldMismatch, Result};
 
 /// One write of the slice path: `len` bytes from `src_offset` in source buffer `src_buffer` to
-/// `dst_offset` in destination buffer `dst_buffer` (buffer indices as in `KvLayout::bases`).
+/// `dst_offset` in destination buffer `dst_buffer` (buffer indices as in `KvLayout::bases`). The
+/// source bytes are `src_pieces` pieces of `len / src_pieces` bytes, `src_piece_stride` apart
+/// (one piece where the prefill pool's heads are adjacent).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SliceOp {
     pub src_buffer: u32,
@@ -15,15 +17,17 @@ pub struct SliceOp {
     pub dst_buffer: u32,
     pub dst_offset: u64,
     pub len: u64,
+    pub src_pieces: u32,
+    pub src_piece_stride: u64,
 }
 
 /// Every write the slice path issues from prefill pool `src` to decode pool `dst` for the heads of
 /// `hs`: for each buffer kind (K, V; or the MLA latent), each layer both pools hold, each token of
 /// `src_span` / `dst_span` (paired in order; the two sides' page sizes may differ). MHA yields
-/// `2 · L · T` ops, MLA `L · T`, times the heads of the slice where the prefill pool puts heads
-/// apart (`src`'s strides: the source offsets are its memory). The destination offsets count a
-/// token-major pool of `dst`'s shape: the receiver places them in its own layout. No coalescing:
-/// this is the per-token list a naive transfer would issue.
+/// `2 · L · T` ops, MLA `L · T`. The source offsets are `src`'s memory (its strides: a row in one
+/// piece per head where its heads are apart); the destination offsets count a token-major pool of
+/// `dst`'s shape, which the receiver places in its own layout. No coalescing: this is the
+/// per-token list a naive transfer would issue.
 pub fn slice_plan<S: PoolGeometry + ?Sized>(src: &S, dst: &PoolShape, hs: &HeadSlice, src_span: &PageSpan, dst_span: &PageSpan) -> Result<Vec<SliceOp>> {
     let strides = src.strides();
     let src = src.shape();
@@ -71,29 +75,28 @@ pub fn slice_plan<S: PoolGeometry + ?Sized>(src: &S, dst: &PoolShape, hs: &HeadS
         ));
     }
     let (dtb, hb) = (dst.token_bytes(), src.head_bytes());
-    // One op per token where the prefill pool's heads are adjacent, else one per head.
-    let (pieces, len) = if n == 1 || strides.head == hb { (1, n * hb) } else { (n, hb) };
+    let len = n * hb;
+    let pieces = if n == 1 || strides.head == hb { 1 } else { n };
     // Pool slot of span token `t`.
     let slot = |span: &PageSpan, ps: u32, t: u64| {
         let at = span.first_token as u64 + t;
         span.pages[(at / ps as u64) as usize] as u64 * ps as u64 + at % ps as u64
     };
     let per_buffer = layers.len() * src_span.tokens as usize;
-    let mut ops = Vec::with_capacity(per_buffer * src.buffers_per_layer() as usize * pieces as usize);
+    let mut ops = Vec::with_capacity(per_buffer * src.buffers_per_layer() as usize);
     for kv in 0..src.buffers_per_layer() {
         for &(si, di) in &layers {
             let (sb, db) = (src.buffer_index(kv, si), dst.buffer_index(kv, di));
             for t in 0..src_span.tokens {
-                let src_slot = super::layout::slot_offset(src, strides, slot(src_span, src.page_size, t));
-                for p in 0..pieces {
-                    ops.push(SliceOp {
-                        src_buffer: sb,
-                        src_offset: src_slot + (hs.src_head_start as u64 + p) * strides.head,
-                        dst_buffer: db,
-                        dst_offset: slot(dst_span, dst.page_size, t) * dtb + (hs.dst_head_start as u64 + p) * hb,
-                        len,
-                    });
-                }
+                ops.push(SliceOp {
+                    src_buffer: sb,
+                    src_offset: super::layout::slot_offset(src, strides, slot(src_span, src.page_size, t)) + hs.src_head_start as u64 * strides.head,
+                    dst_buffer: db,
+                    dst_offset: slot(dst_span, dst.page_size, t) * dtb + hs.dst_head_start as u64 * hb,
+                    len,
+                    src_pieces: pieces as u32,
+                    src_piece_stride: if pieces == 1 { len } else { strides.head },
+                });
             }
         }
     }
@@ -116,7 +119,7 @@ mod tests {
         // docs/GEOMETRY.md, "Sizes": 70B, P4→D2, 8192-token chunk: 1,310,720 writes of 512 B per pair.
         assert_eq!(ops.len(), 1_310_720);
         assert!(ops.iter().all(|o| o.len == 512));
-        assert_eq!(ops[1], SliceOp { src_buffer: 0, src_offset: 512, dst_buffer: 0, dst_offset: 1024 + 512, len: 512 });
+        assert_eq!(ops[1], SliceOp { src_buffer: 0, src_offset: 512, dst_buffer: 0, dst_offset: 1024 + 512, len: 512, src_pieces: 1, src_piece_stride: 512 });
         assert_eq!(ops[8192 * 80].src_buffer, 80);
     }
 
@@ -125,14 +128,14 @@ mod tests {
         let mla = PoolShape::new(ModelKind::Mla, 1, 576, 2, 4, 3);
         let ops = slice_plan(&mla.clone().with_tp(1, 2), &mla.clone().with_tp(0, 4), &HeadSlice::MLA, &PageSpan::whole(&[5, 2], 4), &PageSpan::whole(&[0, 9], 4)).unwrap();
         assert_eq!(ops.len(), 3 * 2 * 4);
-        assert_eq!(ops[5], SliceOp { src_buffer: 0, src_offset: (2 * 4 + 1) * 1152, dst_buffer: 0, dst_offset: (9 * 4 + 1) * 1152, len: 1152 });
+        assert_eq!(ops[5], SliceOp { src_buffer: 0, src_offset: (2 * 4 + 1) * 1152, dst_buffer: 0, dst_offset: (9 * 4 + 1) * 1152, len: 1152, src_pieces: 1, src_piece_stride: 1152 });
         // Prefill pages of 4 from slot 3, decode pages of 2: token 2 is slot 1 of page 2 there and
         // slot 0 of decode page 9.
         let mut big = mla.clone();
         big.page_size = 2;
         let ops = slice_plan(&mla, &big, &HeadSlice::MLA, &PageSpan { pages: &[5, 2], first_token: 3, tokens: 3 }, &PageSpan { pages: &[0, 9], first_token: 0, tokens: 3 }).unwrap();
         assert_eq!(ops.len(), 3 * 3);
-        assert_eq!(ops[2], SliceOp { src_buffer: 0, src_offset: (2 * 4 + 1) * 1152, dst_buffer: 0, dst_offset: (9 * 2) * 1152, len: 1152 });
+        assert_eq!(ops[2], SliceOp { src_buffer: 0, src_offset: (2 * 4 + 1) * 1152, dst_buffer: 0, dst_offset: (9 * 2) * 1152, len: 1152, src_pieces: 1, src_piece_stride: 1152 });
     }
 
     #[test]
@@ -156,5 +159,21 @@ mod tests {
         let mut d = dst.clone();
         d.dtype_bytes = 4;
         assert_eq!(slice_plan(&src, &d, &hs, &one, &one).unwrap_err().causes(), vec!["dtype_bytes: local 2 != remote 4"]);
+    }
+
+    /// A head-major prefill pool: one op per token all the same (the receiver's coverage counts
+    /// whole head rows), its source in one piece per head, `head_stride` apart; the destination
+    /// offset still counts a token-major decode slot.
+    #[test]
+    fn head_major_sources_send_a_row_in_pieces() {
+        let base = PoolShape::new(ModelKind::Mha, 8, 128, 2, 16, 2);
+        let (src, dst) = (base.clone().with_tp(0, 2), base.with_tp(1, 4));
+        let hs = head_slice(2, 4, 0, 1, 8).unwrap(); // decode rank 1 reads heads 2..4 of prefill rank 0
+        let strides = crate::geometry::Strides { page: 4 * 16 * 256, token: 256, head: 16 * 256 };
+        let pool = crate::geometry::KvLayout::new(src.clone(), 4, crate::geometry::MemoryKind::Host, (0..4).map(|i| 0x10_0000 * (i + 1)).collect()).with_strides(strides);
+        pool.validate().unwrap();
+        let ops = slice_plan(&pool, &dst, &hs, &PageSpan::whole(&[2], 16), &PageSpan::whole(&[0], 16)).unwrap();
+        assert_eq!(ops.len(), 2 * 2 * 16);
+        assert_eq!(ops[3], SliceOp { src_buffer: 0, src_offset: 2 * strides.page + 3 * 256 + 2 * strides.head, dst_buffer: 0, dst_offset: 3 * 512, len: 512, src_pieces: 2, src_piece_stride: strides.head });
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use super::Transport;
+use super::{SlicePayload, Transport};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::protocol::Message;
@@ -38,6 +38,10 @@ pub struct FaultPlan {
     /// reads every chunk without a checksum there, `Some(u64::MAX)` none (tests reach both paths
     /// on small shapes).
     pub pool_read_min_run: Option<u64>,
+    /// Sender only: the shortest run of pool bytes for which a chunk goes out straight from the
+    /// pool, in place of [`SEND_FROM_POOL_MIN_RUN`](crate::session::sender::SEND_FROM_POOL_MIN_RUN):
+    /// `Some(0)` sends every plan that may from the pool (tests reach that path on small shapes).
+    pub send_from_pool_min_run: Option<u64>,
 }
 
 /// How many faults of each kind were injected (shared by every wrapper built from one plan).
@@ -244,7 +248,7 @@ impl Transport for FaultyTransport {
         self.inner.try_send(msg)
     }
 
-    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {
+    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, SlicePayload<'_>)>, done: &Message, deadline: &Deadline) -> Result<()> {
         self.next_frame()?;
         self.inner.write_slices(ops, done, deadline)
     }

@@ -17,6 +17,13 @@ use crate::deadline::Deadline;
 use crate::error::Result;
 use crate::protocol::Message;
 
+/// The payload of one slice-path write: one range of the prefill pool, or the pieces of a row
+/// whose heads the pool puts apart (sent back to back, one head each).
+pub enum SlicePayload<'a> {
+    One(&'a [u8]),
+    Pieces(Vec<&'a [u8]>),
+}
+
 pub trait Transport: Send + Sync {
     /// Sends one control message.
     fn send(&self, msg: &Message, deadline: &Deadline) -> Result<()>;
@@ -106,7 +113,7 @@ pub trait Transport: Send + Sync {
     }
 
     /// Slice path: one write per `(header, payload)` pair (`Message::Slice` headers), then `done`.
-    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()>;
+    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, SlicePayload<'_>)>, done: &Message, deadline: &Deadline) -> Result<()>;
 
     /// Sends one small control message only if it can go now: `Ok(false)` when another write
     /// holds the stream or the peer's receive window is full (nothing was sent). For broadcasts

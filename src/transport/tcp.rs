@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::Transport;
+use super::{SlicePayload, Transport};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::protocol::Message;
@@ -473,11 +473,17 @@ impl Transport for TcpTransport {
         self.write(deadline, |w| write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(data)]))
     }
 
-    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {
+    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, SlicePayload<'_>)>, done: &Message, deadline: &Deadline) -> Result<()> {
         self.write(deadline, |w| {
             for (header, payload) in ops {
                 let head = header.encode();
-                write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(payload)])?;
+                match payload {
+                    SlicePayload::One(bytes) => write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(bytes)])?,
+                    SlicePayload::Pieces(pieces) => {
+                        let mut io: Vec<IoSlice<'_>> = std::iter::once(IoSlice::new(&head)).chain(pieces.iter().map(|p| IoSlice::new(p))).collect();
+                        write_all_vectored(w, &mut io)?
+                    }
+                }
             }
             w.write_all(&done.encode())
         })

@@ -1,6 +1,8 @@
 //! CPU tests of the CUDA copy engine: the engine's own code (tables, pieces, vector width, grid,
 //! scratch, staging kinds) against a backend whose "device" is host memory and whose kernels are
-//! kernels.cu compiled as host C++ and run by emu_harness.cpp with 256 threads per block.
+//! kernels.cu compiled as host C++ and run by emu_harness.cpp with 256 threads per block. The
+//! cases are [`selftest`]'s: token-major pools and strided ones (every named layout, padded pages,
+//! direct copies between different layouts), each checked against a reference walk of its rows.
 //!
 //! The harness is built at test time with a C++17 compiler (`KVSTAGE_CLANGXX`, else clang++-14,
 //! clang++, c++, g++: clang first, whose 16-byte vector loads fault when misaligned, as on a GPU).
@@ -13,8 +15,8 @@ use std::sync::OnceLock;
 use parking_lot::Mutex;
 
 use super::engine::{Backend, DeviceCopyEngine};
-use super::job::GridLimits;
-use super::selftest::{self, TestMemory};
+use super::job::{GridLimits, KvAcross, KvJob};
+use super::selftest::{self, Case, TestMemory};
 use super::{Kernel, KernelOp, ReadyFence};
 use crate::error::{Error, Result};
 
@@ -81,10 +83,16 @@ fn harness() -> Option<&'static Harness> {
 /// Emulated launches run one at a time (the harness keeps global block state).
 static LAUNCH_LOCK: Mutex<()> = Mutex::new(());
 
-/// "Device" memory: host allocations the engine and the cases treat as device memory.
-/// A recorded launch: kernel and grid.
-type LaunchRecord = (Kernel, (u32, u32));
+/// A recorded launch: kernel, grid, and the pieces per row it copied (a row's heads one by one
+/// where either pool puts them apart).
+#[derive(Clone, Copy, Debug)]
+struct LaunchRecord {
+    kernel: Kernel,
+    grid: (u32, u32),
+    pieces: u64,
+}
 
+/// "Device" memory: host allocations the engine and the cases treat as device memory.
 #[derive(Default)]
 pub(super) struct EmuBackend {
     allocs: Mutex<Vec<(u64, usize)>>,
@@ -136,7 +144,20 @@ impl Backend for EmuBackend {
 
     unsafe fn launch(&self, _stream: usize, kernel: Kernel, grid: (u32, u32), job: *const c_void) -> Result<()> {
         let h = harness().ok_or_else(|| Error::internal("no emulator"))?;
-        self.launches.lock().push((kernel, grid));
+        // SAFETY: `job` is this kernel's parameter block (the engine's contract).
+        let (row, piece) = unsafe {
+            match kernel.op {
+                KernelOp::Across => {
+                    let j = &*job.cast::<KvAcross>();
+                    (j.row_bytes, j.piece_bytes)
+                }
+                _ => {
+                    let j = &*job.cast::<KvJob>();
+                    (j.row_bytes, j.piece_bytes)
+                }
+            }
+        };
+        self.launches.lock().push(LaunchRecord { kernel, grid, pieces: row / piece.max(1) });
         let name = CString::new(kernel.name()).map_err(|e| Error::internal(e.to_string()))?;
         let _g = LAUNCH_LOCK.lock();
         // SAFETY: the harness reads the kernel's parameter block (same layout) and runs the kernel
@@ -202,10 +223,19 @@ impl TestMemory for EmuBackend {
 
 /// Allocations the cases make through TestMemory stay until the engine drops; the engine's own
 /// scratch and tables go through Backend::alloc of the same backend.
-fn run(engine: DeviceCopyEngine<EmuBackend>) -> (usize, Vec<LaunchRecord>) {
-    let (n, _) = selftest::run_all(&engine, engine.backend(), &mut |line| eprintln!("{line}")).unwrap_or_else(|e| panic!("{}", e.chain()));
+fn run(engine: DeviceCopyEngine<EmuBackend>, cases: &[Case]) -> (usize, Vec<LaunchRecord>) {
+    let (n, _) = selftest::run_cases(&engine, engine.backend(), cases, &mut |line| eprintln!("{line}")).unwrap_or_else(|e| panic!("{}", e.chain()));
     let launches = engine.backend().launches.lock().clone();
     (n, launches)
+}
+
+/// Every kernel (gather, scatter, across) ran at every width `widths`.
+fn assert_widths(launches: &[LaunchRecord], widths: &[u32]) {
+    for &width in widths {
+        for op in [KernelOp::Gather, KernelOp::Scatter, KernelOp::Across] {
+            assert!(launches.iter().any(|l| l.kernel == Kernel { op, width }), "no launch of {}", Kernel { op, width }.name());
+        }
+    }
 }
 
 #[test]
@@ -213,14 +243,50 @@ fn emulated_kernels_match_the_host_engine() {
     if harness().is_none() {
         return;
     }
-    let (n, launches) = run(DeviceCopyEngine::new(EmuBackend::default()).unwrap());
+    let (n, launches) = run(DeviceCopyEngine::new(EmuBackend::default()).unwrap(), &selftest::standard_cases());
     assert_eq!(n, selftest::standard_cases().len());
     // Every vector width was exercised, by every kernel.
-    for width in Kernel::WIDTHS {
-        for op in [KernelOp::Gather, KernelOp::Scatter, KernelOp::Across] {
-            assert!(launches.iter().any(|(k, _)| *k == Kernel { op, width }), "no launch of {}", Kernel { op, width }.name());
-        }
+    assert_widths(&launches, &Kernel::WIDTHS);
+}
+
+/// Strided pools: every named layout on both sides, padded pages, direct copies between different
+/// layouts, against the reference walk. Every kernel ran with 16-byte and narrower vectors, and
+/// with rows in pieces (heads apart) at 16 bytes.
+#[test]
+fn emulated_kernels_on_strided_pools() {
+    if harness().is_none() {
+        return;
     }
+    let cases = selftest::layout_cases();
+    let (n, launches) = run(DeviceCopyEngine::new(EmuBackend::default()).unwrap(), &cases);
+    assert_eq!(n, cases.len());
+    assert_widths(&launches, &Kernel::WIDTHS);
+    for op in [KernelOp::Gather, KernelOp::Scatter, KernelOp::Across] {
+        let k = Kernel { op, width: 16 };
+        assert!(launches.iter().any(|l| l.kernel == k && l.pieces > 1), "no launch of {} with rows in pieces", k.name());
+        assert!(launches.iter().any(|l| l.kernel == k && l.pieces == 1), "no launch of {} with rows whole", k.name());
+    }
+    // Every preset on both sides, and direct copies between different layouts.
+    for p in crate::geometry::LayoutPreset::ALL {
+        let on = |side: fn(&Case) -> selftest::PoolLayout| cases.iter().any(|c| side(c) == selftest::PoolLayout::Preset(p));
+        assert!(on(|c| c.src_layout) && on(|c| c.dst_layout), "{} not on both sides", p.name());
+    }
+    assert!(cases.iter().filter(|c| c.src_layout != c.dst_layout).count() >= 10);
+    assert!(cases.iter().any(|c| matches!(c.src_layout, selftest::PoolLayout::Padded(..))));
+    assert!(cases.iter().any(|c| matches!(c.dst_layout, selftest::PoolLayout::Padded(..))));
+}
+
+/// Pages of one slot whose page stride is not the token stride: wrong in the planner today (see
+/// [`selftest::one_slot_page_cases`]); passes once it steps a merged run of such pages by the page
+/// stride (or stops merging them).
+#[test]
+#[ignore = "planner bug: page_size-1 pools whose page stride is not the token stride"]
+fn emulated_kernels_on_one_slot_pages() {
+    if harness().is_none() {
+        return;
+    }
+    let cases = selftest::one_slot_page_cases();
+    run(DeviceCopyEngine::new(EmuBackend::default()).unwrap(), &cases);
 }
 
 #[test]
@@ -228,12 +294,14 @@ fn emulated_kernels_with_tiny_grids_and_scratch() {
     if harness().is_none() {
         return;
     }
+    let cases = selftest::all_cases();
     // One block: every grid-stride loop runs; 1-byte scratch limit: one piece per slab.
     let engine = DeviceCopyEngine::new(EmuBackend::default()).unwrap().with_scratch_limit(1).with_grid_limits(GridLimits { x: 1, y: 1 });
-    let (_, launches) = run(engine);
-    assert!(launches.iter().all(|(_, g)| *g == (1, 1)));
+    let (_, launches) = run(engine, &cases);
+    assert!(launches.iter().all(|l| l.grid == (1, 1)));
     let engine = DeviceCopyEngine::new(EmuBackend::default()).unwrap().with_scratch_limit(3 << 10).with_grid_limits(GridLimits { x: 2, y: 3 });
-    run(engine);
+    let (_, launches) = run(engine, &cases);
+    assert!(launches.iter().any(|l| l.grid == (2, 2)));
 }
 
 #[test]
@@ -269,3 +337,4 @@ fn engine_refuses_host_pools_and_foreign_memory() {
     assert!(engine.backend().launches.lock().is_empty());
     let _ = &mut host;
 }
+

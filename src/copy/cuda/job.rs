@@ -318,6 +318,65 @@ mod tests {
         assert_eq!(vector_width(&g3, &bases, 0), 1);
     }
 
+    /// Strided pools: TensorRT-LLM's blocks (heads a page of tokens apart, pages not evenly
+    /// spaced) gathering a head slice, sglang's token-major pool scattering it; the tables hold
+    /// byte offsets by page and token stride, the jobs the pieces, and a direct copy either way
+    /// moves one head at a time with each side's own piece stride.
+    #[test]
+    fn tables_and_jobs_of_strided_pools() {
+        use crate::geometry::{KvLayout, LayoutPreset, MemoryKind};
+        let shape = PoolShape::new(ModelKind::Mha, 4, 32, 2, 4, 2);
+        let (full, half) = (shape.clone(), shape.with_tp(1, 2));
+        let pool = |shape: &PoolShape, preset: LayoutPreset, base: usize| {
+            KvLayout::new(shape.clone(), 8, MemoryKind::Cuda, preset.bases(shape, 8, base)).with_strides(preset.placement(shape, 8).strides)
+        };
+        let trt = pool(&full, LayoutPreset::Trtllm, 0x100_0000);
+        let sgl = pool(&half, LayoutPreset::Sglang, 0x200_0000);
+        // TensorRT-LLM, 4 heads of 64 bytes, pages of 4 tokens, 2 layers: a block is
+        // [layer][K/V][head][token] = 2·2·4·4·64 bytes, heads 4·64 apart, tokens 64 apart.
+        assert_eq!((trt.strides.page, trt.strides.token, trt.strides.head), (4096, 64, 256));
+        let st = staging_layout(&full, &half, 12).unwrap();
+        let w = st.region_of(&full).unwrap().unwrap();
+        let g = plan_gather(&trt, &[5, 2, 3], 0, &st, &w).unwrap();
+        let s = plan_scatter(&sgl, &[6, 7, 1], &st, &w).unwrap();
+        let t = Tables::new(&g, &trt.bases);
+        assert_eq!(t.words[12..16], [0, 4, 8, 12], "one segment per page");
+        assert_eq!(t.words[16..19], [5 * 4096, 2 * 4096, 3 * 4096], "seg_pool: page · page stride");
+        let j = t.job(&g, 0x9000, 0, 4, 0x5_0000);
+        assert_eq!((j.nseg, j.tokens, j.row_bytes), (3, 12, 128));
+        assert_eq!((j.pool_token_stride, j.pool_head_offset, j.piece_bytes, j.pool_piece_stride), (64, 2 * 256, 64, 256));
+        assert_eq!(vector_width(&g, &trt.bases, 0x5_0000), 16);
+        let ts = Tables::new(&s, &sgl.bases);
+        assert_eq!(ts.words[12..15], [0, 8, 12], "adjacent pages of a token-major pool merge");
+        assert_eq!(ts.words[15..17], [6 * 4 * 128, 4 * 128]);
+        let js = ts.job(&s, 0x9000, 0, 4, 0x5_0000);
+        assert_eq!((js.pool_token_stride, js.pool_head_offset, js.piece_bytes, js.pool_piece_stride), (128, 0, 128, 128));
+
+        // Direct, trtllm -> sglang: runs where either side's segment ends; a head at a time.
+        let a = AcrossTables::new(&g, &trt.bases, &s, &sgl.bases);
+        assert_eq!(a.words[16..20], [0, 4, 8, 12]);
+        assert_eq!(a.words[20..23], [5 * 4096, 2 * 4096, 3 * 4096]);
+        assert_eq!(a.words[23..26], [24 * 128, 28 * 128, 4 * 128]);
+        let ja = a.job(&g, &s, 0x9000);
+        assert_eq!((ja.nrun, ja.tokens, ja.row_bytes, ja.piece_bytes), (3, 12, 128, 64));
+        assert_eq!((ja.src_token_stride, ja.src_head_offset, ja.src_piece_stride), (64, 512, 256));
+        assert_eq!((ja.dst_token_stride, ja.dst_head_offset, ja.dst_piece_stride), (128, 0, 64));
+        assert_eq!(across_width(&g, &trt.bases, &s, &sgl.bases), 16);
+        let mut odd = sgl.bases.clone();
+        odd[3] += 8;
+        assert_eq!(across_width(&g, &trt.bases, &s, &odd), 8);
+
+        // The other way, sglang -> trtllm: the sglang side's heads are adjacent (stride 64).
+        let sgl_full = pool(&full, LayoutPreset::Sglang, 0x300_0000);
+        let trt_half = pool(&half, LayoutPreset::Trtllm, 0x400_0000);
+        let g2 = plan_gather(&sgl_full, &[5, 2, 3], 0, &st, &w).unwrap();
+        let s2 = plan_scatter(&trt_half, &[6, 7, 1], &st, &w).unwrap();
+        assert_eq!((g2.piece_bytes, g2.pool_head_offset), (128, 2 * 64));
+        let j2 = AcrossTables::new(&g2, &sgl_full.bases, &s2, &trt_half.bases).job(&g2, &s2, 0x9000);
+        assert_eq!((j2.piece_bytes, j2.src_piece_stride, j2.dst_piece_stride), (64, 64, 4 * 64));
+        assert_eq!((j2.src_token_stride, j2.dst_token_stride, j2.dst_head_offset), (256, 64, 0));
+    }
+
     #[test]
     fn grid_and_pieces() {
         assert_eq!(grid(80, 6, GridLimits::default()), (3, 2));

@@ -9,11 +9,22 @@ use super::*;
 use crate::copy::rows;
 use crate::geometry::{CopyPlan, TailPart};
 
+/// Shortest run of adjacent pool bytes a chunk is sent from the pool with (whole token-major pages
+/// of 4 KiB or more: sglang's pool when the prefill rank's heads are the row).
+pub const SEND_FROM_POOL_MIN_RUN: u64 = 4 << 10;
+
 impl SenderSession {
     /// Whether `plan` goes out from the pool: allowed (`send_from_pool`), a host pool, a link
-    /// that streams from memory, and a plan whose slabs tile its KV bytes in region order.
+    /// that streams from memory, a plan whose slabs tile its KV bytes in region order, and pool
+    /// rows in runs of at least [`SEND_FROM_POOL_MIN_RUN`] (a vectored write of head slices or of
+    /// one head per piece costs the kernel more than a gather into staging first:
+    /// `kvstage-bench --layout vllm-lbhnc`, and sglang P2→D4, `--no-send-from-pool` 1.3× faster).
     pub(super) fn writes_from_pool(&self, plan: &CopyPlan) -> bool {
-        self.resources.options.send_from_pool && self.pool.memory == MemoryKind::Host && self.link.streams_from_memory() && rows::tiles_in_order(plan)
+        self.resources.options.send_from_pool
+            && self.pool.memory == MemoryKind::Host
+            && self.link.streams_from_memory()
+            && rows::tiles_in_order(plan)
+            && plan.min_pool_run() >= self.resources.options.faults.as_ref().and_then(|f| f.plan.send_from_pool_min_run).unwrap_or(SEND_FROM_POOL_MIN_RUN)
     }
 
     /// Writes the region of `place`: `plan`'s pool rows in pieces of `send_piece_bytes` (the

@@ -16,6 +16,7 @@
 mod connect;
 mod direct;
 mod from_pool;
+pub use from_pool::SEND_FROM_POOL_MIN_RUN;
 pub mod describe;
 mod layerwise;
 mod pipelined;
@@ -49,7 +50,7 @@ use crate::ring::Watermark;
 use crate::transport::faults::FaultyTransport;
 use crate::transport::shm::Negotiated;
 use crate::transport::tcp::{self, TcpTransport};
-use crate::transport::Transport;
+use crate::transport::{SlicePayload, Transport};
 
 /// What sender sessions need from the engine's options.
 #[derive(Clone, Debug)]
@@ -426,8 +427,13 @@ impl SenderSession {
         let bytes: u64 = ops.iter().map(|o| o.len).sum();
         let mut frames = ops.iter().map(|o| {
             let base = self.pool.bases[o.src_buffer as usize] as *const u8;
+            let piece = (o.len / o.src_pieces as u64) as usize;
             // SAFETY: slice_plan produced offsets inside the registered (checked) pages.
-            let payload = unsafe { std::slice::from_raw_parts(base.add(o.src_offset as usize), o.len as usize) };
+            let at = |p: u32| unsafe { std::slice::from_raw_parts(base.add((o.src_offset + p as u64 * o.src_piece_stride) as usize), piece) };
+            let payload = match o.src_pieces {
+                1 => SlicePayload::One(at(0)),
+                n => SlicePayload::Pieces((0..n).map(at).collect()),
+            };
             let header = Message::Slice {
                 room: desc.room,
                 chunk: desc.chunk,

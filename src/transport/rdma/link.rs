@@ -18,7 +18,7 @@ use super::{Rdma, StagingKeys};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::protocol::Message;
-use crate::transport::Transport;
+use crate::transport::{SlicePayload, Transport};
 
 /// Receive work requests kept posted on a receiver QP (one per WRITE_WITH_IMM in flight).
 pub const RECV_DEPTH: u32 = 64;
@@ -627,7 +627,7 @@ impl Transport for RdmaTransport {
         }
     }
 
-    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {
+    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, SlicePayload<'_>)>, done: &Message, deadline: &Deadline) -> Result<()> {
         // The slice path stays on the control stream: thousands of tiny writes are what staging avoids.
         self.tcp.write_slices(ops, done, deadline)
     }

@@ -27,7 +27,7 @@ use super::{PeerDevice, RingKind};
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
 use crate::protocol::Message;
-use crate::transport::Transport;
+use crate::transport::{SlicePayload, Transport};
 
 /// The receiver's ring as this process reaches it.
 pub enum PeerRing {
@@ -256,7 +256,7 @@ impl Transport for ShmTransport {
         self.tcp.write_chunk(&written(header)?, &[], ready, deadline)
     }
 
-    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, &[u8])>, done: &Message, deadline: &Deadline) -> Result<()> {
+    fn write_slices(&self, ops: &mut dyn Iterator<Item = (Message, SlicePayload<'_>)>, done: &Message, deadline: &Deadline) -> Result<()> {
         self.tcp.write_slices(ops, done, deadline)
     }
 
