@@ -80,17 +80,21 @@ else
     echo "no python"; result torch_check 77
 fi
 
-# On a GPU, under compute-sanitizer memcheck (where the image has it): the kernel check, and
-# transfers through a device ring by TCP (pinned bounce, events) and by CUDA IPC from a second
-# process, and direct mode's across kernel into a decode pool opened by CUDA IPC. A bad memory
-# access of a kernel, or a driver call answered with an error, fails.
+# On a GPU, under compute-sanitizer memcheck (where the image has it): the kernel check (every
+# selftest case: token-major pools, the named layouts, padded pages, direct copies between
+# layouts), and transfers through a device ring by TCP (pinned bounce, events) and by CUDA IPC
+# from a second process, and direct mode's across kernel into a decode pool opened by CUDA IPC. A
+# bad memory access of a kernel, or a driver call answered with an error, fails.
 sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n1 || true)
 if [[ $gpus -gt 0 && -n $sanitizer ]]; then
     : >"$OUT/sanitizer.txt"
     for cmd in "bin/kvstage-cuda check" "bin/gpu_transfer device-tcp" "bin/gpu_transfer device-ipc" "bin/gpu_transfer device-direct"; do
         note "compute-sanitizer memcheck: $cmd"
+        # The kernel check runs every selftest case (token-major and strided layouts) three times.
+        limit=150
+        [[ $cmd == *kvstage-cuda* ]] && limit=300
         # shellcheck disable=SC2086 # a word list
-        (cd "$bundle" && timeout 150 "$sanitizer" --tool memcheck --target-processes all --error-exitcode 1 $cmd) >"$OUT/sanitizer.part" 2>&1
+        (cd "$bundle" && timeout "$limit" "$sanitizer" --tool memcheck --target-processes all --error-exitcode 1 $cmd) >"$OUT/sanitizer.part" 2>&1
         rc=$?
         cat "$OUT/sanitizer.part" >>"$OUT/sanitizer.txt"
         grep '^=========' "$OUT/sanitizer.part" | tail -n 12

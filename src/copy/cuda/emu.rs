@@ -276,19 +276,6 @@ fn emulated_kernels_on_strided_pools() {
     assert!(cases.iter().any(|c| matches!(c.dst_layout, selftest::PoolLayout::Padded(..))));
 }
 
-/// Pages of one slot whose page stride is not the token stride: wrong in the planner today (see
-/// [`selftest::one_slot_page_cases`]); passes once it steps a merged run of such pages by the page
-/// stride (or stops merging them).
-#[test]
-#[ignore = "planner bug: page_size-1 pools whose page stride is not the token stride"]
-fn emulated_kernels_on_one_slot_pages() {
-    if harness().is_none() {
-        return;
-    }
-    let cases = selftest::one_slot_page_cases();
-    run(DeviceCopyEngine::new(EmuBackend::default()).unwrap(), &cases);
-}
-
 #[test]
 fn emulated_kernels_with_tiny_grids_and_scratch() {
     if harness().is_none() {

@@ -205,7 +205,8 @@ pub fn standard_cases() -> Vec<Case> {
 /// - padded pages (page stride larger than the page: segments stop at every page);
 /// - direct copies between two different layouts (vllm-lbhnc → trtllm, trtllm → sglang,
 ///   sglang → vllm-blnhc, …), some with different page sizes, GQA replication, a PP stage;
-/// - 16-byte vectors throughout but for misaligned bases (+2, +8, +1) and 8-, 4- and 1-byte heads.
+/// - 16-byte vectors throughout but for misaligned bases (+2, +8, +1) and 8-, 4- and 1-byte heads;
+/// - pages of one slot whose page stride is not the token stride (head-major, padded).
 ///
 /// All with random page lists (runs and jumps), chunks longer than a block tile and more slabs
 /// than a block holds.
@@ -247,40 +248,10 @@ pub fn layout_cases() -> Vec<Case> {
     push("int8 D3 trtllm -> vllm-blhnc P2->D4", (mha(4, 3, 1, 5, 2, 0, 2), Preset(L::Trtllm)), (mha(4, 3, 1, 5, 2, 1, 4), Preset(L::VllmBlhnc)), 34, 2, 11, 0);
     push("fp32 D2 vllm-lbhnc -> trtllm P1->D2", (mha(4, 2, 4, 3, 3, 0, 1), Preset(L::VllmLbhnc)), (mha(4, 2, 4, 3, 3, 1, 2), Preset(L::Trtllm)), 35, 1, 20, 0);
     push("fp16 D2 trtllm -> sglang P4->D1", (mha(4, 2, 2, 7, 2, 1, 4), Preset(L::Trtllm)), (mha(4, 2, 2, 7, 2, 0, 1), Preset(L::Sglang)), 35, 0, 9, 0);
+    // Pages of one slot whose page stride is not the token stride: not evenly spaced slots.
+    push("sglang ps4 -> vllm-lbhnc ps1 P2->D1", (mha(4, 32, 2, 4, 2, 1, 2), Preset(L::Sglang)), (mha(4, 32, 2, 1, 2, 0, 1), Preset(L::VllmLbhnc)), 36, 0, 48, 0);
+    push("trtllm ps1 -> sglang+32 ps1 P1->D2", (mha(4, 32, 2, 1, 2, 0, 1), Preset(L::Trtllm)), (mha(4, 32, 2, 1, 2, 1, 2), Padded(L::Sglang, 32)), 36, 0, 48, 0);
     out
-}
-
-/// Pages of one token slot whose page stride is not the token stride (vLLM's head-major orders,
-/// TensorRT-LLM's blocks, padded pages, with page_size 1). Not in [`all_cases`] yet: the planner
-/// treats every page_size-1 pool as evenly spaced (`is_linear`), merges adjacent pages into one
-/// segment and steps through it by the token stride, so the host engine and the kernels alike
-/// read and write the wrong slots (the reference walk catches it).
-pub fn one_slot_page_cases() -> Vec<Case> {
-    use LayoutPreset as L;
-    use PoolLayout::{Padded, Preset};
-    let mut rng = Rng(0x6A09_E667_F3BC_C908);
-    vec![
-        Spec {
-            name: "sglang ps4 -> vllm-lbhnc ps1 P2->D1",
-            src: (mha(4, 32, 2, 4, 2, 1, 2), Preset(L::Sglang)),
-            dst: (mha(4, 32, 2, 1, 2, 0, 1), Preset(L::VllmLbhnc)),
-            tokens: 36,
-            first_token: 0,
-            capacity: 48,
-            misalign: 0,
-        }
-        .draw(&mut rng),
-        Spec {
-            name: "trtllm ps1 -> sglang+32 ps1 P1->D2",
-            src: (mha(4, 32, 2, 1, 2, 0, 1), Preset(L::Trtllm)),
-            dst: (mha(4, 32, 2, 1, 2, 1, 2), Padded(L::Sglang, 32)),
-            tokens: 36,
-            first_token: 0,
-            capacity: 48,
-            misalign: 0,
-        }
-        .draw(&mut rng),
-    ]
 }
 
 /// Every case [`run_all`] runs: the standard ones, then the strided-pool ones.

@@ -2,9 +2,12 @@
 //!
 //! Usage:
 //!   kvstage-cuda doctor               driver version, devices, whether the embedded PTX loads
-//!   kvstage-cuda check [--device N]   the selftest cases (device engine vs host engine on the same
-//!                                     plans) with default, tiny-scratch and tiny-grid engines, and
-//!                                     the ready-fence ordering (stream and event)
+//!   kvstage-cuda check [--device N]   the selftest cases (device engine and host engine vs a
+//!                                     reference walk of the rows: token-major pools, then every
+//!                                     named layout — sglang, vLLM's six orders, TensorRT-LLM —
+//!                                     padded pages, direct copies between different layouts) with
+//!                                     default, tiny-scratch and tiny-grid engines, and the
+//!                                     ready-fence ordering (stream and event)
 //!   kvstage-cuda bench [--device N] [--iters N] [--tokens N] [--json FILE]
 //!                                     gather/scatter of 70B- and MLA-shaped chunks, pages of 16 and
 //!                                     64 tokens (and 1 for 70B; default 8192
@@ -37,8 +40,10 @@ struct Cli {
 enum Cmd {
     /// Driver version, devices, whether the embedded PTX loads.
     Doctor,
-    /// The selftest cases (device engine vs host engine on the same plans) with default,
-    /// tiny-scratch and tiny-grid engines, and the ready-fence ordering (stream and event).
+    /// The selftest cases (device engine and host engine vs a reference walk of the rows:
+    /// token-major pools, every named layout, padded pages, direct copies between different
+    /// layouts) with default, tiny-scratch and tiny-grid engines, and the ready-fence ordering
+    /// (stream and event).
     #[command(args_override_self = true)]
     Check {
         /// CUDA device ordinal.
@@ -115,6 +120,8 @@ fn check(engine: &CudaCopyEngine, device: i32) -> Result<()> {
     print!("{}", cuda::report());
     let mem = CudaTestMemory::new(device);
     let mut log = |line: &str| println!("  {line}");
+    let (standard, layouts) = (selftest::standard_cases().len(), selftest::layout_cases().len());
+    println!("check: {standard} token-major cases, {layouts} strided-layout cases");
     println!("check: default engine");
     let (n, _) = selftest::run_all(engine, &mem, &mut log)?;
     println!("check: 1-byte scratch limit (one piece per slab), 1x1 grid");
