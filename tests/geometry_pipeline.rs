@@ -152,12 +152,7 @@ fn new_pool(c: &Cfg, shape: PoolShape, fill: impl Fn(usize) -> u8) -> Pool {
     let nbuf = buffers_per_layer(c) as usize * shape.layer_ids.len();
     let mut mem: Vec<u8> = (0..buffer_bytes * nbuf).map(fill).collect();
     let base = mem.as_mut_ptr() as usize;
-    let layout = KvLayout {
-        shape,
-        capacity_pages: c.capacity as u64,
-        memory: MemoryKind::Host,
-        bases: (0..nbuf).map(|i| base + i * buffer_bytes).collect(),
-    };
+    let layout = KvLayout::new(shape, c.capacity as u64, MemoryKind::Host, (0..nbuf).map(|i| base + i * buffer_bytes).collect());
     Pool { mem, layout, buffer_bytes, slot_bytes }
 }
 

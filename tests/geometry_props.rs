@@ -205,7 +205,7 @@ proptest! {
         prop_assert_eq!(plan.run_count(), runs * 2 * layers as usize);
         prop_assert_eq!(plan.contiguous(), n == src.local_heads);
         prop_assert_eq!(plan.bytes(), writer_bytes);
-        let all_rows: u64 = plan.runs().map(|r| r.rows as u64 * r.row_bytes).sum();
+        let all_rows: u64 = plan.runs().map(|r| r.rows * r.row_bytes()).sum();
         prop_assert_eq!(all_rows, writer_bytes);
     }
 }
