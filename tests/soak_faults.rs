@@ -28,6 +28,12 @@
 //! per layer, sharded P2 -> D1, with the last chunk): a room reported complete holds exactly the
 //! reference parts too, its aux row included.
 //!
+//! Every pool (the decode rank's and each prefill rank's) is laid out as one of the engines'
+//! layouts (sglang, vLLM's six orders, TensorRT-LLM), drawn from the seed for each rank; a room
+//! reported complete holds the reference in every row of its pages, computed through the
+//! testkit's own index formula of the decode layout, and every other byte of the decode pool is
+//! still zero. Every layout completes rooms on each side.
+//!
 //! After all seeds, no thread and no file descriptor is left behind.
 //!
 //! `KVSTAGE_SOAK_SEEDS` sets the number of seeds (default 1000).
@@ -41,7 +47,7 @@ use std::time::{Duration, Instant};
 use common::{fd_count, thread_count};
 use kvstage::engine::{Engine, EngineOptions, Integrity, TransportKind};
 use kvstage::session::receiver::RoomOpening;
-use kvstage::geometry::{ComponentKind, ComponentSpec, ModelKind, PoolShape, RequestParts, StateItem};
+use kvstage::geometry::{ComponentKind, ComponentSpec, LayoutPreset, ModelKind, PoolShape, RequestParts, StateItem};
 use kvstage::session::notify::EventKind;
 use kvstage::session::op::Op;
 use kvstage::session::sender::TransferDesc;
@@ -82,6 +88,20 @@ struct Tally {
     leaked: AtomicU64,
     /// Terminal rooms whose events were not each chunk's once, then the room's once.
     bad_events: AtomicU64,
+    /// Rooms that completed, by the decode pool's layout and by each prefill pool's (index in
+    /// `LayoutPreset::ALL`).
+    completed_by_decode_layout: [AtomicU64; 8],
+    completed_by_prefill_layout: [AtomicU64; 8],
+}
+
+/// The layout of a pool of `seed`: prefill rank 0 or 1, or the decode rank (`rank` 2); drawn
+/// from the seed apart from the bits that pick the fault, the transport and the write path.
+fn layout_for(seed: u64, rank: u64) -> usize {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (rank + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 29;
+    (x % LayoutPreset::ALL.len() as u64) as usize
 }
 
 fn plan_for(seed: u64) -> (FaultPlan, bool) {
@@ -224,7 +244,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     // it says whether payloads without a checksum are read straight into the pool.
     let decode_plan = FaultPlan { pool_read_min_run: Some(if reads_into_pool(seed) { 0 } else { u64::MAX }), ..if on_decode { faults.plan.clone() } else { FaultPlan { seed, ..FaultPlan::default() } } };
     let decode = Engine::new(options(seed, Some(Faults { plan: decode_plan, counters: counters.clone() }))).expect("decode engine");
-    let dpool = if shared_pool(seed) { HostPool::shared(shape(0, 1), 16) } else { HostPool::new(shape(0, 1), 16) };
+    let dpool = HostPool::with_layout(shape(0, 1), 16, LayoutPreset::ALL[layout_for(seed, 2)], 0, shared_pool(seed));
     decode.register_pool(dpool.layout.clone()).unwrap();
     let dparts = parted.then(|| PartsMemory::register(&decode, 0, 1, false));
     let src0 = shape(0, 2);
@@ -244,7 +264,7 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
     let prefill: Vec<(Engine, HostPool, Vec<u32>, Option<PartsMemory>)> = (0..2)
         .map(|rank| {
             let engine = Engine::new(options(seed, (!on_decode).then(|| faults.clone()))).expect("prefill engine");
-            let mut pool = HostPool::new(shape(rank, 2), 16);
+            let mut pool = HostPool::with_layout(shape(rank, 2), 16, LayoutPreset::ALL[layout_for(seed, rank as u64)], 0, false);
             let pages = kvstage_testkit::page_table(PAGES, 16, seed * 7 + rank as u64, seed.is_multiple_of(3));
             pool.fill(&pages, 0);
             engine.register_pool(pool.layout.clone()).unwrap();
@@ -310,13 +330,19 @@ fn run_seed(seed: u64, counters: &Arc<FaultCounters>, tally: &Tally) {
             }
             tally.direct_regions.fetch_add(decode.shm().direct_chunks(), Ordering::Relaxed);
             tally.read_regions.fetch_add(decode.stats().receive.regions_read_into_pool, Ordering::Relaxed);
-            let (bad, first) = dpool.verify(&dst_pages, 0);
+            for rank in 0..2 {
+                tally.completed_by_prefill_layout[layout_for(seed, rank)].fetch_add(1, Ordering::Relaxed);
+            }
+            tally.completed_by_decode_layout[layout_for(seed, 2)].fetch_add(1, Ordering::Relaxed);
+            // Every byte of the decode pool: the room's rows hold the reference, all else zero.
+            let (bad, first) = dpool.verify_exact(&[(&dst_pages, 0, u64::MAX)]);
             if dparts.as_ref().is_some_and(|m| !m.holds_reference()) {
                 eprintln!("seed {seed}: room complete with wrong request parts");
                 tally.corrupt_successes.fetch_add(1, Ordering::Relaxed);
             }
             if bad != 0 {
-                eprintln!("seed {seed}: room complete with {bad} wrong bytes: {first:?}");
+                let layouts: Vec<&str> = (0..3).map(|r| LayoutPreset::ALL[layout_for(seed, r)].name()).collect();
+                eprintln!("seed {seed}: room complete with {bad} wrong bytes (prefill {} and {} into decode {}): {first:?}", layouts[0], layouts[1], layouts[2]);
                 tally.corrupt_successes.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -416,6 +442,12 @@ fn soak_every_seed_ends_cleanly() {
         g(&tally.leaked),
         counters.snapshot()
     );
+    let by_layout = |counts: &[AtomicU64; 8]| LayoutPreset::ALL.iter().zip(counts).map(|(p, n)| format!("{} {}", p.name(), g(n))).collect::<Vec<_>>().join(", ");
+    eprintln!(
+        "soak: rooms complete by decode layout: {}; by prefill layout (each rank): {}",
+        by_layout(&tally.completed_by_decode_layout),
+        by_layout(&tally.completed_by_prefill_layout)
+    );
     assert_eq!(g(&tally.seeds), seeds);
     assert_eq!(g(&tally.hangs), 0, "operations overran their deadlines");
     assert_eq!(g(&tally.corrupt_successes), 0, "a room completed with wrong bytes");
@@ -429,6 +461,10 @@ fn soak_every_seed_ends_cleanly() {
     assert!(g(&tally.read_regions) > seeds / 40, "too few regions read into the pool (layer-wise tcp seeds without checksums)");
     for (kind, n) in ["from the pool", "staged", "staged in pieces"].iter().zip(&tally.completed_by_write) {
         assert!(g(n) > seeds / 80, "too few clean whole-chunk runs over tcp {kind}");
+    }
+    for (i, preset) in LayoutPreset::ALL.iter().enumerate() {
+        let (d, p) = (g(&tally.completed_by_decode_layout[i]), g(&tally.completed_by_prefill_layout[i]));
+        assert!(d > seeds / 100 && p > seeds / 100, "too few clean runs with {} pools: {d} as the decode side, {p} as a prefill rank", preset.name());
     }
     for (kind, n) in counters.snapshot() {
         assert!(n > 0, "no fault of kind {kind} was injected");

@@ -1,7 +1,9 @@
 //! Support for the demo, the benchmark and the tests: host pools filled with a position-unique
 //! pattern, and a verifier that recomputes the expected decode bytes from first principles
-//! (global head, layer, token position) — independently of the planner it checks; and
-//! [`cluster`], a prefill and a decode process on one machine.
+//! (global head, layer, token position) — independently of the planner it checks; pools in any
+//! engine's layout ([`HostPool::with_layout`]), their rows addressed through each engine's own
+//! index formula ([`Reference`]) — independently of the library's strides; and [`cluster`], a
+//! prefill and a decode process on one machine.
 //!
 //! A crate of its own (`kvstage-testkit`): none of it is compiled into `libkvstage`. The tools
 //! (`tools/`) depend on it, and the root package's integration tests as a dev-dependency.
@@ -137,6 +139,12 @@ impl Reference {
         }
     }
 
+    /// Whether the page (block) is the outermost axis of the whole tensor (vLLM's B… orders,
+    /// TensorRT-LLM): the layers, K and V lie inside each block.
+    pub fn block_first(&self) -> bool {
+        matches!(self.preset, LayoutPreset::VllmBlhnc | LayoutPreset::VllmBlnhc | LayoutPreset::VllmBhlnc | LayoutPreset::Trtllm)
+    }
+
     /// Bytes of the allocation holding every buffer (padding after the last page included).
     pub fn total_bytes(&self) -> u64 {
         let pr = self.page_row() + self.pad;
@@ -246,8 +254,15 @@ impl HostPool {
     /// placement of that tensor, [`fill`](Self::fill) and the verifiers address rows through
     /// [`Reference`] alone. Panics where the library's layout would address bytes outside the
     /// allocation.
+    ///
+    /// A shared pool whose block is the outermost axis leaves out the padding after its last
+    /// block: the library shares an allocation with a same-host sender only where the pool's
+    /// buffers cover it end to end. Padded pools of the other layouts have padding between
+    /// buffers (sglang's buffers, vLLM's layers) and go through the ring.
     pub fn with_layout(shape: PoolShape, capacity_pages: u64, preset: LayoutPreset, pad_bytes: u64, shared: bool) -> HostPool {
-        let len = Reference::new(&shape, capacity_pages, preset, pad_bytes).total_bytes() as usize;
+        let reference = Reference::new(&shape, capacity_pages, preset, pad_bytes);
+        let trailing = if shared && reference.block_first() { pad_bytes } else { 0 };
+        let len = (reference.total_bytes() - trailing) as usize;
         let mut memory = if shared {
             PoolMemory::Shared(kvstage::transport::shm::pool::alloc(len).expect("a shared pool allocation"), len)
         } else {
@@ -387,17 +402,18 @@ impl HostPool {
         let r = self.reference();
         let hb = s.head_bytes() as usize;
         let mut expected = vec![0u8; self.memory.len()];
+        // (page, slot) -> (request token, whether it is one of the `count`).
         let mut token_of = std::collections::HashMap::new();
         for &(pages, first_token, count) in requests {
-            for (li, &layer) in s.layer_ids.iter().enumerate() {
-                for kv in 0..s.buffers_per_layer() {
-                    for (i, &page) in pages.iter().enumerate() {
-                        for t in 0..s.page_size as u64 {
-                            let index = i as u64 * s.page_size as u64 + t;
-                            token_of.insert((page as u64, t), (first_token + index, index < count));
-                            if index >= count {
-                                continue;
-                            }
+            for (i, &page) in pages.iter().enumerate() {
+                for t in 0..s.page_size as u64 {
+                    let index = i as u64 * s.page_size as u64 + t;
+                    token_of.insert((page as u64, t), (first_token + index, index < count));
+                    if index >= count {
+                        continue;
+                    }
+                    for (li, &layer) in s.layer_ids.iter().enumerate() {
+                        for kv in 0..s.buffers_per_layer() {
                             for lh in 0..s.local_heads {
                                 let at = r.row(li as u64, kv as u64, page as u64, t, lh as u64) as usize;
                                 pattern(layer, kv, first_token + index, global_head(s, lh), &mut expected[at..at + hb]);
@@ -486,3 +502,83 @@ pub fn page_table(n: usize, capacity: u64, seed: u64, runs: bool) -> Vec<u32> {
 
 pub mod cluster;
 pub mod parts;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// For every preset, MHA and MLA, TP ranks, pages of 1 and 3, padded or not: the reference's
+    /// rows tile its tensor (no byte twice, none outside; with padding, exactly the padding
+    /// left over), and the layout registered with the library addresses each row where the
+    /// reference does (a failure here says the library's placement and the engine's formula
+    /// disagree before any transfer runs).
+    #[test]
+    fn the_reference_tiles_the_tensor_and_the_registered_layout_agrees() {
+        for preset in LayoutPreset::ALL {
+            for shape in [
+                PoolShape::new(ModelKind::Mha, 4, 6, 2, 3, 3).with_tp(1, 2),
+                PoolShape::new(ModelKind::Mha, 2, 4, 4, 1, 2),
+                PoolShape::new(ModelKind::Mla, 1, 10, 2, 3, 2).with_pp(1, 2, vec![1, 3]),
+            ] {
+                for pad in [0u64, 8] {
+                    let cap = 4;
+                    let r = Reference::new(&shape, cap, preset, pad);
+                    let total = r.total_bytes() as usize;
+                    let base = 0x10_0000;
+                    let layout = registered_layout(&shape, cap, preset, pad, base);
+                    layout.validate().unwrap_or_else(|e| panic!("{} pad {pad}: {}", preset.name(), e.chain()));
+                    let mut seen = vec![0u8; total];
+                    for li in 0..r.layers {
+                        for kv in 0..r.kvn {
+                            for b in 0..cap {
+                                for t in 0..r.ps {
+                                    for h in 0..r.heads {
+                                        let at = r.row(li, kv, b, t, h);
+                                        let lib = layout.bases[(kv * r.layers + li) as usize] as u64 - base as u64 + b * layout.strides.page + t * layout.strides.token + h * layout.strides.head;
+                                        assert_eq!(lib, at, "{} pad {pad} {:?}: layer {li} kv {kv} page {b} slot {t} head {h}", preset.name(), shape.kind);
+                                        assert_eq!(r.locate(at + 1), Some((li, kv, b, t, h, 1)));
+                                        for e in 0..r.hb {
+                                            seen[(at + e) as usize] += 1;
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    let pages = match preset {
+                        LayoutPreset::Sglang => r.kvn * r.layers * cap,
+                        LayoutPreset::VllmLbhnc | LayoutPreset::VllmLbnhc => r.layers * cap,
+                        LayoutPreset::VllmLhbnc => r.layers * r.heads * cap,
+                        _ => cap,
+                    };
+                    assert!(seen.iter().all(|&x| x <= 1), "{} pad {pad}: rows overlap", preset.name());
+                    assert_eq!(seen.iter().filter(|&&x| x == 0).count() as u64, pages * pad, "{} pad {pad}: only the padding is left over", preset.name());
+                }
+            }
+        }
+    }
+
+    /// Fill, verify and the exact check on a padded pool: a byte changed anywhere shows, named.
+    #[test]
+    fn verify_exact_names_a_stray_byte() {
+        let shape = PoolShape::new(ModelKind::Mha, 2, 4, 2, 2, 2);
+        let mut pool = HostPool::with_layout(shape, 6, LayoutPreset::VllmLhbnc, 4, false);
+        let pages = [4u32, 1];
+        pool.fill(&pages, 10);
+        assert_eq!(pool.verify(&pages, 10).0, 0);
+        assert_eq!(pool.verify_exact(&[(&pages, 10, u64::MAX)]).0, 0);
+        // LHBNC: page 0 of (layer 0, head 0) ends with V of its last slot; its padding follows.
+        let pad_at = (pool.reference().row(0, 1, 0, 1, 0) + pool.reference().hb) as usize;
+        pool.memory[pad_at] = 1;
+        let (bad, first) = pool.verify_exact(&[(&pages, 10, u64::MAX)]);
+        assert_eq!(bad, 1);
+        assert!(first.as_deref().is_some_and(|f| f.contains("padding or a gap")), "{first:?}");
+        pool.memory[pad_at] = 0;
+        let row = pool.reference().row(1, 1, 1, 0, 1) as usize; // layer 1, V, page 1, slot 0, head 1
+        pool.memory[row + 2] ^= 0xff;
+        let (bad, first) = pool.verify_exact(&[(&pages, 10, u64::MAX)]);
+        assert_eq!(bad, 1);
+        assert!(first.as_deref().is_some_and(|f| f.contains("layer 1 kv 1 page 1 slot 0 (token 12) local head 1 (global 1) byte 2")), "{first:?}");
+        assert_eq!(pool.verify(&pages, 10).0, 1);
+    }
+}
