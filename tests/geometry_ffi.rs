@@ -211,7 +211,7 @@ fn kv_layout_conversion_and_validation() {
     let v_overlap = [v[0], v[0] + 8];
     l.v_bases = v_overlap.as_ptr();
     assert_eq!(unsafe { kvstage_kv_layout_validate(&l) }, Status::KVSTAGE_E_GEOMETRY_INVALID);
-    assert!(last_error().2[0].contains("overlaps"), "{:?}", last_error());
+    assert!(last_error().2[0].contains("puts rows on bytes of"), "{:?}", last_error());
     l.v_bases = std::ptr::null();
     assert_eq!(unsafe { kvstage_kv_layout_validate(&l) }, Status::KVSTAGE_E_INVALID_ARG);
     assert!(last_error().1.contains("`layout->v_bases`: is NULL with length 2"));
