@@ -3,7 +3,7 @@
 //! with its own row and piece strides (a pool's token and head strides, a staging region's packed
 //! rows), merged into as few and as long copies as both sides allow.
 
-use super::host::nt;
+use super::nt;
 
 /// One side of a block copy: piece `(i, j)` lies at `at + i·row + j·piece`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,6 +12,7 @@ mod any;
 mod block;
 pub mod cuda;
 mod host;
+mod nt;
 mod parts;
 pub mod rows;
 

@@ -86,7 +86,7 @@ pub unsafe fn copy_across(src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, d
         }
     }
     // Streaming stores are weakly ordered: visible before the writer reports the region written.
-    super::host::nt::fence();
+    super::nt::fence();
     Ok(())
 }
 
