@@ -496,14 +496,17 @@ static void test_writer_arrays(void) {
     CHECK(all_bytes_are((const unsigned char *)&big[4], sizeof big[4], 0xEE)); /* past the last writer */
 }
 
-/* a and b for kvstage_kv_layout across its two versions: 0.4 (up to cuda_device) and the one
- * with strides (page_stride, token_stride, head_stride, v_offset appended).
+/* a and b for kvstage_kv_layout across its three versions: 0.4 (up to cuda_device), the one with
+ * strides (page_stride, token_stride, head_stride, v_offset appended), and the one with V heads of
+ * their own size (head_dim_v, v_page_stride, v_token_stride, v_head_stride appended).
  *
  * - A 0.4 caller: its struct ends at cuda_device and canaries follow (as strides they would be
  *   absurd: 0xC5C5… is no multiple of anything the shape allows). validate and pool_register read
  *   it as large as it says: token-major strides, V in v_bases. kvstage_kv_layout_preset refuses
  *   it naming struct_size, writing nothing (canaries intact). A real chunk over TCP into a pool
  *   registered that way lands where token-major puts it.
+ * - A caller with strides but no head_dim_v: preset fills its strides and writes nothing past
+ *   its struct (canaries intact); V's heads are K's size.
  * - This header's size: init leaves the strides 0 (token-major), preset fills them.
  * - A newer caller (struct { kvstage_kv_layout; uint64_t future; }): init zeroes `future`,
  *   preset writes the strides and leaves `future` 0 and struct_size the caller's; validate,
@@ -512,7 +515,8 @@ static void test_layout_versions(void) {
     enum { NPAGES_ROOM = 3, ROOM_ID = 23 };
     static const uint32_t src_pages[NPAGES_ROOM] = {6, 1, 4}, dst_pages[NPAGES_ROOM] = {2, 7, 5};
     const size_t first = offsetof(kvstage_kv_layout, cuda_device) + sizeof(int32_t);
-    const size_t full = offsetof(kvstage_kv_layout, v_offset) + sizeof(uint64_t);
+    const size_t strided = offsetof(kvstage_kv_layout, v_offset) + sizeof(uint64_t);
+    const size_t full = offsetof(kvstage_kv_layout, v_head_stride) + sizeof(uint64_t);
     kvstage_kv_layout shape = host_pool_shape(2, 2, HEAD_DIM, DTYPE, PAGE, 8, 0, 1);
     host_pool dp, pp;
     storage s;
@@ -528,7 +532,8 @@ static void test_layout_versions(void) {
     size_t b, pg;
 
     CHECK_INT(first, offsetof(kvstage_kv_layout, page_stride)); /* the strides start where 0.4 ended */
-    CHECK_INT(full, sizeof(kvstage_kv_layout));                 /* appended at the end, no tail padding */
+    CHECK_INT(strided, offsetof(kvstage_kv_layout, head_dim_v)); /* head_dim_v where the strides ended */
+    CHECK_INT(full, sizeof(kvstage_kv_layout));                  /* appended at the end, no tail padding */
     host_pool_init(&dp, &shape);
     host_pool_init(&pp, &shape);
     host_pool_fill(&pp, 21);
@@ -588,10 +593,22 @@ static void test_layout_versions(void) {
     kvstage_engine_free(prefill);
     kvstage_engine_free(decode);
 
+    /* A caller with strides, without head_dim_v: preset fills the strides, nothing past its end. */
+    memset(s.bytes, CANARY, sizeof s.bytes);
+    REQUIRE(kvstage_kv_layout_init(old, strided) == KVSTAGE_OK);
+    CHECK(all_bytes_are(s.bytes + strided, TAIL, CANARY));
+    memcpy((char *)old + sizeof(size_t), (const char *)&shape + sizeof(size_t), first - sizeof(size_t));
+    CHECK_OK(kvstage_kv_layout_preset(old, KVSTAGE_LAYOUT_TRTLLM, &layer_stride));
+    CHECK_INT(old->struct_size, strided);
+    CHECK_INT(old->head_stride, PAGE * HEAD_DIM * DTYPE);
+    CHECK_INT(old->v_offset, 2 * PAGE * HEAD_DIM * DTYPE);
+    CHECK(all_bytes_are(s.bytes + strided, TAIL, CANARY));
+
     /* This header's size: strides 0 after init (token-major), set by preset. */
     memset(&cur, 0xEE, sizeof cur);
     REQUIRE(kvstage_kv_layout_init(&cur, sizeof cur) == KVSTAGE_OK);
     CHECK(cur.page_stride == 0 && cur.token_stride == 0 && cur.head_stride == 0 && cur.v_offset == 0);
+    CHECK(cur.head_dim_v == 0 && cur.v_page_stride == 0 && cur.v_token_stride == 0 && cur.v_head_stride == 0);
     set_layout(&cur, &shape);
     CHECK_OK(kvstage_kv_layout_preset(&cur, KVSTAGE_LAYOUT_VLLM_LBHNC, &layer_stride));
     CHECK_INT(cur.struct_size, sizeof cur);
@@ -634,8 +651,8 @@ static void test_layout_versions(void) {
     host_pool_free(&dp);
     host_pool_free(&pp);
     printf("kvstage_kv_layout: 0.4 size %zu (strides token-major, preset refused, a chunk landed token-major), "
-           "this header's %zu, a newer one's unknown field refused until 0\n",
-           first, full);
+           "with strides %zu (preset within it), this header's %zu, a newer one's unknown field refused until 0\n",
+           first, strided, full);
 }
 
 int main(void) {

@@ -50,7 +50,15 @@
 #include "fork_ranks.h"
 
 /* The model: 2 layers, 4 KV heads of 12 bf16 elements (24-byte rows: no power of two). */
-enum { LAYERS = 2, HEADS = 4, HEAD_DIM = 12, DTYPE = 2, HB = HEAD_DIM * DTYPE, CELL = 2 * HB };
+enum { LAYERS = 2, HEADS = 4, HEAD_DIM = 12, DTYPE = 2, HB = HEAD_DIM * DTYPE };
+/* V's head size of the running phase (head_dim_v: HEAD_DIM, or its own in the phases that say);
+ * set before a phase forks its processes. */
+static uint32_t g_dv = HEAD_DIM;
+static uint64_t hbv(void) { return (uint64_t)g_dv * DTYPE; }
+/* Bytes of a head's row of K (kv 0) or V. */
+static uint64_t hb_of(uint32_t kv) { return kv ? hbv() : HB; }
+/* A vLLM cell: K‖V of one (head, token). */
+static uint64_t cell(void) { return HB + hbv(); }
 /* The request: 18 tokens, chunks of 8 tokens (3 chunks: 8, 8, 2), in pages of 4 tokens (5 pages)
  * or, in the phases whose page sizes differ, 1 or 2 on one side (18 or 9 pages). */
 enum { PAGE = 4, TOKENS = 18, CHUNK = 8, NCHUNKS = (TOKENS + CHUNK - 1) / CHUNK, MAX_PAGES = TOKENS };
@@ -59,7 +67,7 @@ enum { PAGE = 4, TOKENS = 18, CHUNK = 8, NCHUNKS = (TOKENS + CHUNK - 1) / CHUNK,
 enum { PCAP_TOKENS = 64, DCAP_TOKENS = 128, GUARD = 64, PAD = 40, NPRESETS = 8 };
 enum { PREFILL_FILLER = 0xA5, DECODE_FILLER = 0x5C };
 /* Every wait is bounded: a transfer by its deadline, a room by its wait, a phase's processes by
- * PHASE_MS (then they are killed); all of them g_slow times longer under valgrind. The eight
+ * PHASE_MS (then they are killed); all of them g_slow times longer under valgrind. The eleven
  * phases fit in the ctest TIMEOUT. A phase takes well under a second here, 8 to 12 s over RDMA
  * in rdma_vm's emulated machine. */
 enum { ADDR_LEN = 64, CONNECT_MS = 10000, TRANSFER_MS = 20000, ROOM_WAIT_MS = 25000, PHASE_MS = 30000 };
@@ -82,38 +90,43 @@ typedef struct geo {
 
 static uint32_t pages_for(uint32_t tokens, uint32_t page) { return (tokens + page - 1) / page; }
 
-/* Bytes of one page (block) including its padding, of the layouts whose block is a unit. */
+/* Bytes of one page (block) including its padding, of the layouts whose block is a unit (sglang:
+ * of a K buffer; sglang_v_page: of a V buffer). */
 static uint64_t page_unit(const geo *g) {
-    const uint64_t n = g->n, h = g->h, L = LAYERS;
+    const uint64_t n = g->n, h = g->h, L = LAYERS, C = cell();
     switch (g->preset) {
     case KVSTAGE_LAYOUT_SGLANG: return n * h * HB + g->pad;
-    case KVSTAGE_LAYOUT_VLLM_LBHNC: return h * n * CELL + g->pad;
-    case KVSTAGE_LAYOUT_VLLM_LBNHC: return n * h * CELL + g->pad;
-    case KVSTAGE_LAYOUT_VLLM_LHBNC: return n * CELL; /* no padding: the head stride spans the pages */
-    case KVSTAGE_LAYOUT_VLLM_BLHNC: return L * h * n * CELL + g->pad;
-    case KVSTAGE_LAYOUT_VLLM_BLNHC: return L * n * h * CELL + g->pad;
-    case KVSTAGE_LAYOUT_VLLM_BHLNC: return h * L * n * CELL + g->pad;
-    case KVSTAGE_LAYOUT_TRTLLM: return L * 2 * h * n * HB + g->pad;
+    case KVSTAGE_LAYOUT_VLLM_LBHNC: return h * n * C + g->pad;
+    case KVSTAGE_LAYOUT_VLLM_LBNHC: return n * h * C + g->pad;
+    case KVSTAGE_LAYOUT_VLLM_LHBNC: return n * C; /* no padding: the head stride spans the pages */
+    case KVSTAGE_LAYOUT_VLLM_BLHNC: return L * h * n * C + g->pad;
+    case KVSTAGE_LAYOUT_VLLM_BLNHC: return L * n * h * C + g->pad;
+    case KVSTAGE_LAYOUT_VLLM_BHLNC: return h * L * n * C + g->pad;
+    case KVSTAGE_LAYOUT_TRTLLM: return L * h * n * C + g->pad;
     }
     return 0;
 }
 
+static uint64_t sglang_v_page(const geo *g) { return (uint64_t)g->n * g->h * hbv() + g->pad; }
+
 /* Byte offset, in the layout's tensor, of element 0 of local head `hd` of slot `s` of page `b` of
  * layer index `li`'s K (kv 0) or V (kv 1): the engine's own formula, its axes in its order.
- *   sglang:  K of every layer, then V of every layer; each buffer [page][token][head][dim]
+ *   sglang:  K of every layer, then V of every layer; each buffer [page][token][head][dim] (V: dim_v)
  *   vLLM:    [L, B, H, N, C] stored in the named order, C = K‖V (V at +head_dim elements)
- *   TRT-LLM: [block][layer][K/V][head][token][dim] */
+ *   TRT-LLM: [block][layer][K/V][head][token][dim] (V's half [head][token][dim_v]) */
 static uint64_t ref_offset(const geo *g, uint32_t li, uint32_t kv, uint32_t b, uint32_t s, uint32_t hd) {
-    const uint64_t n = g->n, h = g->h, L = LAYERS, cap = g->cap, P = page_unit(g);
+    const uint64_t n = g->n, h = g->h, L = LAYERS, cap = g->cap, P = page_unit(g), C = cell(), hb = hb_of(kv);
     switch (g->preset) {
-    case KVSTAGE_LAYOUT_SGLANG: return ((uint64_t)kv * L + li) * cap * P + b * P + (s * h + hd) * HB;
-    case KVSTAGE_LAYOUT_VLLM_LBHNC: return ((uint64_t)li * cap + b) * P + ((uint64_t)hd * n + s) * CELL + kv * HB;
-    case KVSTAGE_LAYOUT_VLLM_LBNHC: return ((uint64_t)li * cap + b) * P + ((uint64_t)s * h + hd) * CELL + kv * HB;
-    case KVSTAGE_LAYOUT_VLLM_LHBNC: return ((((uint64_t)li * h + hd) * cap + b) * n + s) * CELL + kv * HB;
-    case KVSTAGE_LAYOUT_VLLM_BLHNC: return b * P + (((uint64_t)li * h + hd) * n + s) * CELL + kv * HB;
-    case KVSTAGE_LAYOUT_VLLM_BLNHC: return b * P + (((uint64_t)li * n + s) * h + hd) * CELL + kv * HB;
-    case KVSTAGE_LAYOUT_VLLM_BHLNC: return b * P + (((uint64_t)hd * L + li) * n + s) * CELL + kv * HB;
-    case KVSTAGE_LAYOUT_TRTLLM: return b * P + ((((uint64_t)li * 2 + kv) * h + hd) * n + s) * HB;
+    case KVSTAGE_LAYOUT_SGLANG:
+        if (kv == 0) return ((uint64_t)li * cap + b) * P + (s * h + hd) * HB;
+        return L * cap * P + ((uint64_t)li * cap + b) * sglang_v_page(g) + (s * h + hd) * hb;
+    case KVSTAGE_LAYOUT_VLLM_LBHNC: return ((uint64_t)li * cap + b) * P + ((uint64_t)hd * n + s) * C + kv * HB;
+    case KVSTAGE_LAYOUT_VLLM_LBNHC: return ((uint64_t)li * cap + b) * P + ((uint64_t)s * h + hd) * C + kv * HB;
+    case KVSTAGE_LAYOUT_VLLM_LHBNC: return ((((uint64_t)li * h + hd) * cap + b) * n + s) * C + kv * HB;
+    case KVSTAGE_LAYOUT_VLLM_BLHNC: return b * P + (((uint64_t)li * h + hd) * n + s) * C + kv * HB;
+    case KVSTAGE_LAYOUT_VLLM_BLNHC: return b * P + (((uint64_t)li * n + s) * h + hd) * C + kv * HB;
+    case KVSTAGE_LAYOUT_VLLM_BHLNC: return b * P + (((uint64_t)hd * L + li) * n + s) * C + kv * HB;
+    case KVSTAGE_LAYOUT_TRTLLM: return b * P + (uint64_t)li * h * n * C + kv * h * n * HB + ((uint64_t)hd * n + s) * hb;
     }
     return 0;
 }
@@ -122,10 +135,10 @@ static uint64_t ref_offset(const geo *g, uint32_t li, uint32_t kv, uint32_t b, u
 static uint64_t tensor_bytes(const geo *g) {
     const uint64_t n = g->n, h = g->h, L = LAYERS, cap = g->cap, P = page_unit(g);
     switch (g->preset) {
-    case KVSTAGE_LAYOUT_SGLANG: return 2 * L * cap * P;
+    case KVSTAGE_LAYOUT_SGLANG: return L * cap * (P + sglang_v_page(g));
     case KVSTAGE_LAYOUT_VLLM_LBHNC:
     case KVSTAGE_LAYOUT_VLLM_LBNHC: return L * cap * P;
-    case KVSTAGE_LAYOUT_VLLM_LHBNC: return L * h * cap * n * CELL;
+    case KVSTAGE_LAYOUT_VLLM_LHBNC: return L * h * cap * n * cell();
     default: return cap * P;
     }
 }
@@ -138,7 +151,7 @@ static int row_at(const geo *g, uint64_t at, uint32_t *li, uint32_t *kv, uint32_
                 for (uint32_t t = 0; t < g->n; ++t)
                     for (uint32_t x = 0; x < g->h; ++x) {
                         uint64_t o = ref_offset(g, l, k, p, t, x);
-                        if (at >= o && at < o + HB) {
+                        if (at >= o && at < o + hb_of(k)) {
                             *li = l, *kv = k, *b = p, *s = t, *hd = x, *e = (uint32_t)(at - o);
                             return 1;
                         }
@@ -190,6 +203,7 @@ static void pool_make(lpool *p, int preset, uint32_t tp_rank, uint32_t tp_size, 
     l->page_size = page;
     l->global_heads = HEADS;
     l->head_dim = HEAD_DIM;
+    l->head_dim_v = g_dv;
     l->dtype_bytes = DTYPE;
     l->tp_rank = tp_rank;
     l->tp_size = tp_size;
@@ -210,6 +224,7 @@ static void pool_make(lpool *p, int preset, uint32_t tp_rank, uint32_t tp_size, 
                    NAMES[preset], (unsigned)tp_size, (unsigned long long)layer_stride, (unsigned long long)l->v_offset,
                    (unsigned long long)want_layer, (unsigned long long)want_v);
     l->page_stride += p->g.pad; /* "Padded pages: set page_stride after this." */
+    if (l->v_page_stride) l->v_page_stride += p->g.pad; /* V's strides of their own (head_dim_v) */
 
     /* A direct-mode pool's allocation holds nothing but its buffers (the library shares all of it
      * with the sender or nothing): no guards there. */
@@ -262,7 +277,7 @@ static void paint_prefill(lpool *p) {
                 for (uint32_t s = 0; s < p->g.n; ++s)
                     for (uint32_t hd = 0; hd < p->g.h; ++hd) {
                         uint8_t *row = p->tensor + ref_offset(&p->g, li, kv, b, s, hd);
-                        for (uint32_t e = 0; e < HB; ++e)
+                        for (uint32_t e = 0; e < hb_of(kv); ++e)
                             row[e] = pattern((uint32_t)p->g.preset, li, kv, first + hd, b * p->g.n + s, e);
                     }
 }
@@ -281,6 +296,7 @@ typedef struct phase {
     int kind;      /* which pairs: 0 every pair, 1 (a, a+3), 2 (a, a+5) */
     int staged;    /* every chunk gathered into a staging buffer, sent in pieces of one slab, checksummed */
     uint32_t small_page; /* 0: pages of 4 on both sides; else prefill 4 -> decode this (direction 0), this -> 4 (1) */
+    uint32_t head_dim_v; /* 0: V's heads are K's size; else V's head_dim_v */
 } phase;
 
 /* The direction of pair (a, b) in `ph`, or -1 when the phase does not run it. */
@@ -409,7 +425,7 @@ static void verify_decode(const phase *ph, int dir, uint32_t rank, const lpool *
                 for (uint32_t kv = 0; kv < 2; ++kv)
                     for (uint32_t hd = 0; hd < p->g.h; ++hd) {
                         uint8_t *row = tensor + ref_offset(&p->g, li, kv, dp[t / nd], t % nd, hd);
-                        for (uint32_t e = 0; e < HB; ++e)
+                        for (uint32_t e = 0; e < hb_of(kv); ++e)
                             row[e] = pattern((uint32_t)a, li, kv, rank * p->g.h + hd, sp[t / np] * np + t % np, e);
                     }
     }
@@ -423,7 +439,7 @@ static void verify_decode(const phase *ph, int dir, uint32_t rank, const lpool *
             for (uint32_t pg = 0; pg < p->g.cap; ++pg)
                 for (uint32_t s = 0; page_room[pg] >= 0 && s < p->g.n; ++s)
                     for (uint32_t hd = 0; hd < p->g.h; ++hd)
-                        memset(owner + p->guard + ref_offset(&p->g, li, kv, pg, s, hd), page_room[pg], HB);
+                        memset(owner + p->guard + ref_offset(&p->g, li, kv, pg, s, hd), page_room[pg], hb_of(kv));
     size_t bad[NPRESETS + 1] = {0}, first[NPRESETS + 1] = {0};
     for (size_t i = 0; i < p->bytes; ++i) {
         if (p->memory[i] == want[i]) continue;
@@ -525,7 +541,7 @@ static int decode_main(const phase *ph, int dir, uint32_t rank, int addr_fd, int
         verify_decode(ph, dir, rank, &pools[b]);
         kvstage_engine_stats st = engine_stats(engines[b]);
         CHECK_INT(st.chunks_received, rooms * NCHUNKS);
-        CHECK_INT(st.bytes_received, rooms * TOKENS * LAYERS * 2 * pools[b].g.h * HB);
+        CHECK_INT(st.bytes_received, rooms * TOKENS * LAYERS * pools[b].g.h * cell());
         CHECK_INT(st.ring_live_allocations, 0);
         if (ph->same_host) {
             CHECK_INT(st.shm_sessions, rooms * writers);
@@ -609,7 +625,7 @@ static int prefill_main(const phase *ph, int dir, uint32_t rank, const bootstrap
                     KV_FAIL_AT(__FILE__, __LINE__, "[%s] session %s: transport %s, expected %s", ph->name, id,
                                kv_transport_name(st.transport), kv_transport_name(ph->transport));
                 /* Each decode rank gets 2 of the 4 heads from each prefill rank it hears. */
-                CHECK_INT(st.bytes_sent, (uint64_t)TOKENS * LAYERS * 2 * (HEADS / 2) * HB);
+                CHECK_INT(st.bytes_sent, (uint64_t)TOKENS * LAYERS * (HEADS / 2) * cell());
                 kvstage_session_free(s);
             }
         }
@@ -693,17 +709,22 @@ int main(void) {
     setvbuf(stderr, err_buf, _IOLBF, sizeof err_buf);
     int32_t net = kv_test_transport(KVSTAGE_TRANSPORT_TCP);
     const phase phases[] = {
-        {"every pair", net, net == KVSTAGE_TRANSPORT_SHM, 0, 0, 0, 0},
-        {"every pair, staged pieces", net, net == KVSTAGE_TRANSPORT_SHM, 0, 0, 1, 0},
-        {"every pair, pages 4 <-> 1", net, net == KVSTAGE_TRANSPORT_SHM, 0, 0, 0, 1},
-        {"every pair, pages 4 <-> 2", net, net == KVSTAGE_TRANSPORT_SHM, 0, 0, 0, 2},
-        {"same host, ring", KVSTAGE_TRANSPORT_SHM, 1, 0, 1, 0, 0},
-        {"same host, ring, pages 4 <-> 1", KVSTAGE_TRANSPORT_SHM, 1, 0, 1, 0, 1},
-        {"same host, direct", KVSTAGE_TRANSPORT_SHM, 1, 1, 2, 0, 0},
-        {"same host, direct, pages 4 <-> 1", KVSTAGE_TRANSPORT_SHM, 1, 1, 2, 0, 1},
+        {"every pair", net, net == KVSTAGE_TRANSPORT_SHM, 0, 0, 0, 0, 0},
+        {"every pair, staged pieces", net, net == KVSTAGE_TRANSPORT_SHM, 0, 0, 1, 0, 0},
+        {"every pair, pages 4 <-> 1", net, net == KVSTAGE_TRANSPORT_SHM, 0, 0, 0, 1, 0},
+        {"every pair, pages 4 <-> 2", net, net == KVSTAGE_TRANSPORT_SHM, 0, 0, 0, 2, 0},
+        {"same host, ring", KVSTAGE_TRANSPORT_SHM, 1, 0, 1, 0, 0, 0},
+        {"same host, ring, pages 4 <-> 1", KVSTAGE_TRANSPORT_SHM, 1, 0, 1, 0, 1, 0},
+        {"same host, direct", KVSTAGE_TRANSPORT_SHM, 1, 1, 2, 0, 0, 0},
+        {"same host, direct, pages 4 <-> 1", KVSTAGE_TRANSPORT_SHM, 1, 1, 2, 0, 1, 0},
+        /* V heads of 8 elements (16-byte rows) under K heads of 12: sglang's V tensors of their own,
+         * vLLM's cells of 12 + 8, TensorRT-LLM's block halves [H][N][12] then [H][N][8]. */
+        {"every pair, head_dim_v 8", net, net == KVSTAGE_TRANSPORT_SHM, 0, 0, 0, 0, 8},
+        {"every pair, head_dim_v 8, staged pieces, pages 4 <-> 2", net, net == KVSTAGE_TRANSPORT_SHM, 0, 0, 1, 2, 8},
+        {"same host, direct, head_dim_v 8", KVSTAGE_TRANSPORT_SHM, 1, 1, 2, 0, 0, 8},
     };
     printf("layouts: %s for every pair (from the pool's rows; gathered into staging and sent in pieces with checksums; "
-           "pages 4 <-> 1 and 4 <-> 2), then the same-host ring and direct mode (pages 4, and 4 <-> 1)\n",
+           "pages 4 <-> 1 and 4 <-> 2), then the same-host ring and direct mode (pages 4, and 4 <-> 1), then V heads of their own size\n",
            kv_transport_name(net));
     fflush(stdout);
     for (size_t i = 0; i < sizeof phases / sizeof phases[0]; ++i) {
@@ -711,6 +732,7 @@ int main(void) {
         double t0 = now_ms();
         for (int a = 0; a < NPRESETS; ++a)
             for (int b = 0; b < NPRESETS; ++b) pairs += pair_dir(&phases[i], a, b) >= 0;
+        g_dv = phases[i].head_dim_v ? phases[i].head_dim_v : HEAD_DIM;
         run_phase(&phases[i]);
         printf("layouts [%s]: %d pairs (transport %s) %s in %.0f ms\n", phases[i].name, pairs,
                kv_transport_name(phases[i].transport), *kv_failures() == before ? "ok" : "FAILED", now_ms() - t0);

@@ -615,6 +615,16 @@ typedef struct kvstage_kv_layout {
     // MHA with `v_bases` NULL: V of layer `i` lies `v_offset` bytes after `k_bases[i]` (K and V in
     // one cell, or one block); 0 = V has buffers of its own (`v_bases`). Ignored for MLA.
     uint64_t v_offset;
+    // Elements per V head where they differ from K's (vLLM `head_size_v`, sglang `v_head_dim`);
+    // 0 = `head_dim`. Ignored for MLA. Both sides of a transfer must agree on it.
+    uint32_t head_dim_v;
+    // V's strides where they differ from K's; each 0 = K's stride where the caller set K's (V in
+    // K's cell or block strides like K), else V's own token-major default (`page_size ·
+    // v_token_stride`, `local_heads · head_dim_v · dtype_bytes`, `head_dim_v · dtype_bytes`).
+    // Ignored for MLA.
+    uint64_t v_page_stride;
+    uint64_t v_token_stride;
+    uint64_t v_head_stride;
 } kvstage_kv_layout;
 
 // One state item (one slot of one layer): `outer` rows of `sum(group_dims)` elements of
@@ -866,16 +876,16 @@ typedef struct kvstage_rank {
 } kvstage_rank;
 
 // Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
-// call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` (into the
-// decode rank's layers the writer holds, ascending) starts at
-// `writers[w].offset + (kv · writers[w].layers + l) · slab_bytes`.
+// call. Writer `w`'s slab for layer index `l` (into the decode rank's layers the writer holds,
+// ascending) starts at `writers[w].offset + l · slab_bytes` for K (or the latent) and at
+// `writers[w].offset + writers[w].layers · slab_bytes + l · v_slab_bytes` for V.
 typedef struct kvstage_staging_layout {
     size_t struct_size;
     // Bytes of the whole allocation.
     uint64_t total_bytes;
-    // Bytes of one token's head slice (`num_heads · head_dim · dtype_bytes`).
+    // Bytes of one token's head slice of K (or the latent): `num_heads · head_dim · dtype_bytes`.
     uint64_t row_bytes;
-    // Bytes of one (buffer, layer) slab (`tokens · row_bytes`).
+    // Bytes of one (K or latent, layer) slab (`tokens · row_bytes`).
     uint64_t slab_bytes;
     uint32_t tokens;
     // Heads per row (the same for every writer).
@@ -889,6 +899,10 @@ typedef struct kvstage_staging_layout {
     // Bytes of the request's parts (metadata rows, state shares, extra pools' rows) the room's
     // last chunk carries besides its KV, included in `total_bytes`; 0 without components.
     uint64_t parts_bytes;
+    // V's row and slab: `num_heads · head_dim_v · dtype_bytes`, `tokens · v_row_bytes` (the
+    // K ones where V's heads are K's size; 0 for MLA).
+    uint64_t v_row_bytes;
+    uint64_t v_slab_bytes;
 } kvstage_staging_layout;
 
 // One writer's region of a staging allocation (an output array: set `writers[0].struct_size`).
@@ -1064,9 +1078,10 @@ enum kvstage_status kvstage_engine_poll_events(const struct kvstage_engine *engi
 // PP 1, host memory, cuda_device -1; head_dim, layers, bases and capacity must be set).
 enum kvstage_status kvstage_kv_layout_init(struct kvstage_kv_layout *layout, size_t size);
 
-// Sets the strides and `v_offset` of `layout` to an engine's layout `preset` (a
+// Sets the strides, V's strides (where they differ from K's: V heads of another size in buffers or
+// block halves of their own) and `v_offset` of `layout` to an engine's layout `preset` (a
 // `kvstage_layout_preset` value), from the fields already set: `model_kind`, `page_size`,
-// `global_heads`, `tp_size`, `head_dim`, `dtype_bytes`, `num_layers` and `capacity_pages` (for
+// `global_heads`, `tp_size`, `head_dim`, `head_dim_v`, `dtype_bytes`, `num_layers` and `capacity_pages` (for
 // layouts whose strides span the blocks). `layer_stride` (may be NULL) receives the bytes between
 // consecutive layers' K where every layer lies in one tensor: `k_bases[i] = base + i ·
 // layer_stride` (sglang: the distance if its per-layer buffers were back to back; V then follows

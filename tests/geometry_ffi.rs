@@ -206,7 +206,7 @@ fn kv_layout_conversion_and_validation() {
     let kv = unsafe { kv_layout_from_c(&l, "layout") }.unwrap();
     assert_eq!(kv.shape.layer_ids, vec![2, 5]);
     assert_eq!(kv.bases, vec![k[0] as usize, k[1] as usize, v[0] as usize, v[1] as usize]);
-    assert_eq!(kv.buffer_bytes(), bytes);
+    assert_eq!(kv.buffer_bytes(0), bytes);
 
     let v_overlap = [v[0], v[0] + 8];
     l.v_bases = v_overlap.as_ptr();

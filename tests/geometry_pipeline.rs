@@ -121,6 +121,7 @@ fn shape(c: &Cfg, page_size: u32, tp_rank: u32, tp: u32, pp_rank: usize, split: 
         local_heads: local_heads(c, tp),
         global_heads: c.heads,
         head_dim: c.head_dim,
+        head_dim_v: c.head_dim,
         dtype_bytes: c.dtype,
         tp_rank,
         tp_size: tp,

@@ -203,7 +203,7 @@ proptest! {
         let plan = plan_gather(&src, &pages, 0, &st, &st.writers[writer as usize]).unwrap();
         let runs = pages.windows(2).filter(|p| p[1] != p[0].wrapping_add(1)).count() + usize::from(!pages.is_empty());
         prop_assert_eq!(plan.run_count(), runs * 2 * layers as usize);
-        prop_assert_eq!(plan.contiguous(), n == src.local_heads);
+        prop_assert_eq!(plan.rows[0].contiguous(), n == src.local_heads);
         prop_assert_eq!(plan.bytes(), writer_bytes);
         let all_rows: u64 = plan.runs().map(|r| r.rows * r.row_bytes()).sum();
         prop_assert_eq!(all_rows, writer_bytes);

@@ -16,7 +16,9 @@
 //!   that each layout meets both on either side): over TCP; MLA; pages padded on both sides; the
 //!   same-host path through the decode ring (direct mode off) and directly into the decode pool;
 //! - pages of one token (padded or not, over TCP, MLA, directly) and padded pages directly: 8
-//!   pairs each, every layout once on each side, TP changing.
+//!   pairs each, every layout once on each side, TP changing;
+//! - V heads of another size than K's (`head_dim_v`): all 64 pairs over TCP, 8 through the
+//!   same-host ring, 8 directly, 8 with padded one-token pages.
 //!
 //! With engines in this process over loopback TCP (the cluster has one page size and no pipeline
 //! stages): a pipeline split with a layout per stage and rank, uneven on both sides and TP
@@ -42,9 +44,12 @@ const CHILD_ENV: &str = "KVSTAGE_LAYOUTS_CHILD";
 const CHILD_TEST: &str = "zz_decode_child";
 
 /// GQA: 4 KV heads of 12 elements (24-byte rows), 3 layers.
-const GQA: Model = Model { name: "custom", kind: ModelKind::Mha, layers: 3, kv_heads: 4, head_dim: 12, dtype_bytes: 2 };
+const GQA: Model = Model { name: "custom", kind: ModelKind::Mha, layers: 3, kv_heads: 4, head_dim: 12, head_dim_v: 0, dtype_bytes: 2 };
+/// GQA whose V heads are smaller than its K heads (`head_dim_v` 8: 16-byte V rows, 24-byte K
+/// rows; vLLM's `head_size_v`, sglang's `v_head_dim`).
+const GQA_DV: Model = Model { head_dim_v: 8, ..GQA };
 /// MLA: a latent of 20 elements, 2 layers.
-const MLA: Model = Model { name: "custom", kind: ModelKind::Mla, layers: 2, kv_heads: 1, head_dim: 20, dtype_bytes: 2 };
+const MLA: Model = Model { name: "custom", kind: ModelKind::Mla, layers: 2, kv_heads: 1, head_dim: 20, head_dim_v: 0, dtype_bytes: 2 };
 
 /// The decode side of the cluster: run by the child process only (the flags in `CHILD_ENV`);
 /// passes at once in a plain test run.
@@ -244,6 +249,18 @@ fn mla_between_layouts_with_tp_changing() {
     let mut failures = matrix(mla);
     failures.extend(permutation(Variant { page_size: 1, pad: 8, ..mla }, 2));
     report("MLA", failures);
+}
+
+/// V heads of another size than K's: every pair over TCP, and through the same-host ring and
+/// directly (every layout once on each side), pages padded and of one token.
+#[test]
+fn v_heads_of_their_own_size() {
+    let dv = Variant { model: GQA_DV, ..TCP };
+    let mut failures = matrix(dv);
+    failures.extend(permutation(Variant { model: GQA_DV, ..SHM_RING }, 1));
+    failures.extend(permutation(Variant { model: GQA_DV, ..SHM_DIRECT }, 5));
+    failures.extend(permutation(Variant { pad: 8, page_size: 1, ..dv }, 6));
+    report("head_dim_v 8 of head_dim 12", failures);
 }
 
 /// Pages (blocks) padded by 40 bytes on both sides (not a multiple of a row, so a padded stride

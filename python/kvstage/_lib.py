@@ -287,6 +287,10 @@ class kvstage_kv_layout(Structure):
         ("token_stride", c_uint64),
         ("head_stride", c_uint64),
         ("v_offset", c_uint64),
+        ("head_dim_v", c_uint32),
+        ("v_page_stride", c_uint64),
+        ("v_token_stride", c_uint64),
+        ("v_head_stride", c_uint64),
     ]
 
 
@@ -399,6 +403,8 @@ class kvstage_staging_layout(Structure):
         ("num_writers", c_uint32),
         ("num_tp_writers", c_uint32),
         ("parts_bytes", c_uint64),
+        ("v_row_bytes", c_uint64),
+        ("v_slab_bytes", c_uint64),
     ]
 
 

@@ -155,6 +155,9 @@ class EnginePool(NamedTuple):
     token_axis: str
     heads_axis: str
     head_axis: str
+    # V's head size (None: K's) and strides (page, token, head; 0: K's) where V's heads differ.
+    head_dim_v: Optional[int] = None
+    v_strides: Tuple[int, int, int] = (0, 0, 0)
 
 
 def _per_layer(obj: Any, name: str, ndim: int, what: str) -> Tuple[List[TensorView], Optional[int]]:
@@ -221,14 +224,25 @@ def sglang_tensors(tensors: Any, kind: ModelKind, page_size: int) -> EnginePool:
         v, _ = _per_layer(tensors[1], "tensors[1]", 3, "V [slots, heads, head_dim]")
         if len(v) != len(k):
             raise argument_error("tensors[1]", f"holds {len(v)} layers, tensors[0] holds {len(k)}")
-        _alike(v[0], k[0], "V is shaped as K")
+        # V may have heads of its own size (`v_head_dim`): then its own strides too.
+        if v[0].shape[2] == k[0].shape[2]:
+            _alike(v[0], k[0], "V is shaped as K")
+        elif (v[0].shape[:2], v[0].itemsize) != (k[0].shape[:2], k[0].itemsize):
+            raise argument_error(v[0].name, f"has shape {v[0].shape} of {v[0].itemsize}-byte elements, K {k[0].shape} of {k[0].itemsize} (V differs from K in head_dim only)")
     t = k[0]
     label = "tensors" if mla and is_tensor(tensors) else ("tensors[0]" if not mla and is_tensor(tensors[0]) else t.name)
     (slots, heads, dim), (ts, hs, es) = t.shape, t.strides
     check_nesting(label, "[slots, heads, head_dim]", [("slot", slots, ts), ("head", heads, hs), ("element", dim, es)], t.itemsize, "sglang")
     if slots < page_size:
         raise argument_error(label, f"holds {slots} token slots, fewer than one page of {page_size}")
+    head_dim_v, v_strides = None, (0, 0, 0)
+    if v is not None and v[0].shape[2] != dim:
+        (_, _, head_dim_v), (vts, vhs, ves) = v[0].shape, v[0].strides
+        check_nesting(v[0].name, "[slots, heads, head_dim_v]", [("slot", slots, vts), ("head", heads, vhs), ("element", head_dim_v, ves)], t.itemsize, "sglang")
+        v_strides = (page_size * _stride(slots, vts), _stride(slots, vts), _stride(heads, vhs))
     return EnginePool(
+        head_dim_v=head_dim_v,
+        v_strides=v_strides,
         label=label,
         views=k + (v or []),
         k=[x.address for x in k],
@@ -257,11 +271,14 @@ def vllm_tensors(tensors: Any, which: LayoutPreset, kind: ModelKind, head_dim: O
     label = "tensors" if is_tensor(tensors) or step is not None else t.name
     (blocks, heads, tokens, cell), (bs, hs, ns, cs) = t.shape, t.strides
     what = f"{which.preset_name} ([L, B, H, N, C] stored as {which.order})"
+    head_dim_v = None
     if kind == ModelKind.MHA:
-        if cell % 2 or (head_dim is not None and cell != 2 * head_dim):
-            want = f"2 × head_dim {head_dim} = {2 * head_dim}" if head_dim is not None else "an even number"
-            raise argument_error(label, f"has cells (axis C) of {cell} elements, an MHA cell is K‖V: {want}")
-        dim = cell // 2
+        if head_dim is None and cell % 2:
+            raise argument_error(label, f"has cells (axis C) of {cell} elements, an MHA cell is K‖V: an even number (or give head_dim where V's heads differ)")
+        if head_dim is not None and not 0 < head_dim < cell:
+            raise argument_error(label, f"has cells (axis C) of {cell} elements, an MHA cell is K‖V: more than head_dim {head_dim}")
+        dim = cell // 2 if head_dim is None else head_dim
+        head_dim_v = cell - dim
     else:
         dim = cell
     axes = {"B": ("B", blocks, bs), "H": ("H", heads, hs), "N": ("N", tokens, ns), "C": ("C", cell, cs)}
@@ -292,6 +309,7 @@ def vllm_tensors(tensors: Any, which: LayoutPreset, kind: ModelKind, head_dim: O
         token_axis="axis N",
         heads_axis="axis H",
         head_axis="axis C holds K‖V" if kind == ModelKind.MHA else "axis C",
+        head_dim_v=head_dim_v,
     )
 
 

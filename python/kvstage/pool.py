@@ -88,9 +88,15 @@ class KvLayout:
         token_stride: int = 0,
         head_stride: int = 0,
         v_offset: int = 0,
+        head_dim_v: Optional[int] = None,
+        v_page_stride: int = 0,
+        v_token_stride: int = 0,
+        v_head_stride: int = 0,
     ):
         self.model = enum_arg(ModelKind, model, "model")
         self.head_dim = u32(head_dim, "head_dim")
+        #: Elements per V head (vLLM ``head_size_v``, sglang ``v_head_dim``): ``head_dim`` unless given.
+        self.head_dim_v = self.head_dim if head_dim_v is None else u32(head_dim_v, "head_dim_v")
         self.global_heads = u32(global_heads, "global_heads")
         self.page_size = u32(page_size, "page_size")
         self.dtype_bytes = u32(dtype_bytes, "dtype_bytes")
@@ -102,6 +108,11 @@ class KvLayout:
         self.head_stride = u64(head_stride, "head_stride")
         #: MHA without ``v_buffers``: V of layer ``i`` lies this many bytes after K's base.
         self.v_offset = u64(v_offset, "v_offset")
+        #: V's strides where they differ from K's (0: K's where K's are set, else V's token-major
+        #: default).
+        self.v_page_stride = u64(v_page_stride, "v_page_stride")
+        self.v_token_stride = u64(v_token_stride, "v_token_stride")
+        self.v_head_stride = u64(v_head_stride, "v_head_stride")
         #: Bytes between consecutive layers' K where every layer lies in one tensor (set by
         #: :meth:`preset` and :meth:`from_tensors`; None when unknown or the layers lie apart).
         self.layer_stride: Optional[int] = None
@@ -153,18 +164,20 @@ class KvLayout:
         else:
             self.memory = next(iter(kinds)) if kinds else MemoryKind.HOST
 
-        # Bytes each buffer object must hold beyond its rows: K's hold V's rows too at v_offset.
-        extra = self.v_offset if self.model == ModelKind.MHA else 0
-        labelled = [("k_buffers", i, info, extra) for i, info in enumerate(self._k or [])]
-        labelled += [("v_buffers", i, info, 0) for i, info in enumerate(self._v or [])]
-        sizes = [info.nbytes - more for _, _, info, more in labelled if info.nbytes is not None]
+        # Each buffer object holds its kind's rows; K's also V's (at v_offset) where V lies in
+        # K's cell or block: (label, index, info, kind, bytes before the kind's rows).
+        labelled = [("k_buffers", i, info, 0, 0) for i, info in enumerate(self._k or [])]
+        if self.model == ModelKind.MHA and self.v_offset:
+            labelled += [("k_buffers", i, info, 1, self.v_offset) for i, info in enumerate(self._k or [])]
+        labelled += [("v_buffers", i, info, 1, 0) for i, info in enumerate(self._v or [])]
+        sizes = [(info.nbytes - more, kv) for _, _, info, kv, more in labelled if info.nbytes is not None]
         if capacity_pages is None and labelled and len(sizes) == len(labelled) and self.head_bytes:
-            capacity_pages = min(self._pages_in(size) for size in sizes)
+            capacity_pages = min(self._pages_in(size, kv) for size, kv in sizes)
         if capacity_pages is None and self._k is not None:
             raise argument_error("capacity_pages", "is required when the buffers are int addresses")
         self.capacity_pages = u64(capacity_pages or 0, "capacity_pages")
-        need = self.buffer_bytes
-        for label, i, info, more in labelled:
+        for label, i, info, kv, more in labelled:
+            need = self.buffer_bytes_of(kv)
             if info.nbytes is not None and info.nbytes < need + more:
                 within = f" (V's rows lie v_offset {more} bytes after K's)" if more else ""
                 raise argument_error(
@@ -182,38 +195,58 @@ class KvLayout:
                 kinds.add(info.memory)
         return infos
 
-    def _span(self, pages: int) -> int:
-        """Bytes from a buffer's base to the end of the last row of its first ``pages`` pages."""
-        if pages <= 0 or not self.head_bytes:
+    def _span(self, pages: int, kv: int = 0) -> int:
+        """Bytes from the base of a buffer of kind ``kv`` (0: K or the latent, 1: V) to the end of
+        the last row of its first ``pages`` pages."""
+        hb = self.head_bytes_of(kv)
+        if pages <= 0 or not hb:
             return 0
-        page, token, head = self.strides
-        return (pages - 1) * page + (self.page_size - 1) * token + (self.local_heads - 1) * head + self.head_bytes
+        page, token, head = self.strides_of(kv)
+        return (pages - 1) * page + (self.page_size - 1) * token + (self.local_heads - 1) * head + hb
 
-    def _pages_in(self, size: int) -> int:
-        """Pages whose rows fit in ``size`` bytes from a buffer's base."""
-        first = self._span(1)
-        return 0 if size < first or not first else (size - first) // self.strides[0] + 1
+    def _pages_in(self, size: int, kv: int = 0) -> int:
+        """Pages whose rows fit in ``size`` bytes from the base of a buffer of kind ``kv``."""
+        first = self._span(1, kv)
+        return 0 if size < first or not first else (size - first) // self.strides_of(kv)[0] + 1
+
+    def head_bytes_of(self, kv: int) -> int:
+        """Bytes of one head's row of buffer kind ``kv`` (0: K or the latent, 1: V)."""
+        return (self.head_dim if kv == 0 else self.head_dim_v) * self.dtype_bytes
 
     @property
     def head_bytes(self) -> int:
-        """Bytes of one head's row: ``head_dim * dtype_bytes``."""
-        return self.head_dim * self.dtype_bytes
+        """Bytes of one K (or latent) head's row: ``head_dim * dtype_bytes``."""
+        return self.head_bytes_of(0)
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one token slot of one buffer (its heads' rows, without gaps)."""
-        return self.local_heads * self.head_dim * self.dtype_bytes
+        """Bytes of one token slot of one K (or latent) buffer (its heads' rows, without gaps)."""
+        return self.local_heads * self.head_bytes
+
+    def strides_of(self, kv: int) -> Tuple[int, int, int]:
+        """The strides in force for buffer kind ``kv``, ``(page, token, head)`` bytes: as the
+        library resolves them (the defaults where left 0; V's follow K's where K's are set)."""
+        if kv == 0:
+            token = self.token_stride or self.token_bytes
+            head = self.head_stride or self.head_bytes
+            return (self.page_stride or self.page_size * token, token, head)
+        hb = self.head_bytes_of(1)
+        token = self.v_token_stride or self.token_stride or self.local_heads * hb
+        head = self.v_head_stride or self.head_stride or hb
+        return (self.v_page_stride or self.page_stride or self.page_size * token, token, head)
 
     @property
     def strides(self) -> Tuple[int, int, int]:
-        """The strides in force, ``(page, token, head)`` bytes (the defaults where left 0)."""
-        token = self.token_stride or self.token_bytes
-        head = self.head_stride or self.head_bytes
-        return (self.page_stride or self.page_size * token, token, head)
+        """The strides in force for K (or the latent), ``(page, token, head)`` bytes."""
+        return self.strides_of(0)
+
+    def buffer_bytes_of(self, kv: int) -> int:
+        """Bytes from the base of a buffer of kind ``kv`` to the end of its last row."""
+        return self._span(self.capacity_pages, kv)
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes from a buffer's base to the end of its last row (token-major:
+        """Bytes from a K (or latent) buffer's base to the end of its last row (token-major:
         ``capacity_pages * page_size * token_bytes``)."""
         return self._span(self.capacity_pages)
 
@@ -247,6 +280,7 @@ class KvLayout:
         *,
         head_dim: int,
         capacity_pages: int,
+        head_dim_v: Optional[int] = None,
         global_heads: int = 1,
         page_size: int = 1,
         dtype_bytes: int = 2,
@@ -272,28 +306,35 @@ class KvLayout:
         """
         which = layout_preset(name, "name")
         shape = cls(
-            head_dim=head_dim, global_heads=global_heads, page_size=page_size, dtype_bytes=dtype_bytes, model=model,
-            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, layer_ids=layer_ids,
+            head_dim=head_dim, head_dim_v=head_dim_v, global_heads=global_heads, page_size=page_size, dtype_bytes=dtype_bytes,
+            model=model, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, layer_ids=layer_ids,
             num_layers=num_layers, capacity_pages=capacity_pages,
         )
         lib = get_library()
         c, _keep = shape._c()
         layer_stride = c_uint64(0)
         check(lib, lib.kvstage_kv_layout_preset(byref(c), int(which), byref(layer_stride)), "kvstage_kv_layout_preset")
-        placed = dict(page_stride=c.page_stride, token_stride=c.token_stride, head_stride=c.head_stride, v_offset=c.v_offset)
+        placed = dict(
+            page_stride=c.page_stride, token_stride=c.token_stride, head_stride=c.head_stride, v_offset=c.v_offset,
+            v_page_stride=c.v_page_stride, v_token_stride=c.v_token_stride, v_head_stride=c.v_head_stride,
+        )
         ls, n = layer_stride.value, shape.num_layers
+        common = dict(
+            head_dim=head_dim, head_dim_v=shape.head_dim_v, global_heads=global_heads, local_heads=shape.local_heads,
+            page_size=page_size, dtype_bytes=dtype_bytes, model=shape.model, tp_rank=tp_rank, tp_size=tp_size,
+            pp_rank=pp_rank, pp_size=pp_size, layer_ids=layer_ids, num_layers=n, capacity_pages=capacity_pages, **placed,
+        )
+        sized = cls(**common, memory=memory if base is None else None)
         k_offsets = [i * ls for i in range(n)]
         v_offsets: Optional[List[int]] = None
         if shape.model == ModelKind.MHA and not c.v_offset:
-            v_offsets = [n * ls + o for o in k_offsets]  # sglang: the V buffers after all K buffers
-        common = dict(
-            head_dim=head_dim, global_heads=global_heads, local_heads=shape.local_heads, page_size=page_size,
-            dtype_bytes=dtype_bytes, model=shape.model, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
-            pp_size=pp_size, layer_ids=layer_ids, num_layers=n, capacity_pages=capacity_pages, **placed,
-        )
-        sized = cls(**common, memory=memory if base is None else None)
-        last = max(k_offsets[-1:] + (v_offsets or [])[-1:] + [o + c.v_offset for o in k_offsets[-1:] if c.v_offset])
-        total = last + sized.buffer_bytes
+            # sglang: the V buffers (of their own page size) after all K buffers.
+            v_layer = sized.capacity_pages * sized.strides_of(1)[0]
+            v_offsets = [n * ls + i * v_layer for i in range(n)]
+        ends = [o + sized.buffer_bytes_of(0) for o in k_offsets] + [o + sized.buffer_bytes_of(1) for o in v_offsets or []]
+        if shape.model == ModelKind.MHA and c.v_offset:
+            ends += [o + c.v_offset + sized.buffer_bytes_of(1) for o in k_offsets]
+        total = max(ends)
         if base is None:
             layout = sized
         else:
@@ -329,6 +370,7 @@ class KvLayout:
         pp_size: int = 1,
         layer_ids: Optional[Sequence[int]] = None,
         capacity_pages: Optional[int] = None,
+        head_dim_v: Optional[int] = None,
     ) -> "KvLayout":
         """The layout of an engine's pool from the engine's own tensors: the addresses, shapes and
         strides are read from them (numpy arrays, torch tensors, ``__cuda_array_interface__``
@@ -342,7 +384,8 @@ class KvLayout:
         - ``"vllm-<order>"`` (or ``"LBHNC"`` …): the per-layer views ``[B, H, N, C]`` a
           connector gets, or one ``[L, B, H, N, C]`` tensor (the logical view; its strides name
           the physical order). ``C`` is ``K‖V``: K the first ``head_dim`` elements, V the rest
-          (MLA: ``C`` is the latent). The strides must nest in the named order.
+          (MLA: ``C`` is the latent). The strides must nest in the named order. Where V's heads
+          differ in size (vLLM ``head_size_v``), give ``head_dim`` (V gets ``C - head_dim``).
         - ``"trtllm"``: one ``[blocks, L, 2, H, N, D]`` tensor (MLA: ``[blocks, L, 1, 1, N, D]``)
           or its per-layer slices ``[blocks, 2, H, N, D]``.
 
@@ -357,6 +400,8 @@ class KvLayout:
         kind = enum_arg(ModelKind, model, "model")
         if head_dim is not None:
             head_dim = u32(head_dim, "head_dim")
+        if head_dim_v is not None:
+            head_dim_v = u32(head_dim_v, "head_dim_v")
         if which == LayoutPreset.SGLANG:
             pool = sglang_tensors(tensors, kind, u32(1 if page_size is None else page_size, "page_size"))
         elif which.order:
@@ -368,6 +413,9 @@ class KvLayout:
             raise argument_error(pool.label, f"has {first.itemsize}-byte elements, dtype_bytes is {dtype_bytes}")
         if head_dim is not None and head_dim != pool.head_dim:
             raise argument_error(pool.label, f"has rows of {pool.head_dim} elements ({pool.head_axis}), head_dim is {head_dim}")
+        pool_dv = pool.head_dim if pool.head_dim_v is None else pool.head_dim_v
+        if head_dim_v is not None and kind == ModelKind.MHA and head_dim_v != pool_dv:
+            raise argument_error(pool.label, f"has V rows of {pool_dv} elements ({pool.head_axis}), head_dim_v is {head_dim_v}")
         if page_size is not None and u32(page_size, "page_size") != pool.page_size:
             raise argument_error(pool.label, f"has {pool.page_size} tokens per block ({pool.token_axis}), page_size is {page_size}")
         if kind == ModelKind.MLA:
@@ -394,6 +442,7 @@ class KvLayout:
             raise argument_error("layer_ids", f"has {len(layer_ids)} entries, the tensors hold {len(pool.k)} layers")
         out = cls(
             head_dim=pool.head_dim,
+            head_dim_v=pool_dv,
             global_heads=global_heads,
             local_heads=pool.local_heads,
             page_size=pool.page_size,
@@ -413,6 +462,9 @@ class KvLayout:
             token_stride=pool.token_stride,
             head_stride=pool.head_stride,
             v_offset=pool.v_offset,
+            v_page_stride=pool.v_strides[0],
+            v_token_stride=pool.v_strides[1],
+            v_head_stride=pool.v_strides[2],
         )
         out._tensors = tuple({id(v.obj): v.obj for v in pool.views}.values())
         out.layer_stride, out.preset_name = pool.layer_stride, which.preset_name
@@ -426,6 +478,7 @@ class KvLayout:
         c.local_heads = self.local_heads
         c.global_heads = self.global_heads
         c.head_dim = self.head_dim
+        c.head_dim_v = self.head_dim_v
         c.dtype_bytes = self.dtype_bytes
         c.tp_rank, c.tp_size = self.tp_rank, self.tp_size
         c.pp_rank, c.pp_size = self.pp_rank, self.pp_size
@@ -434,6 +487,7 @@ class KvLayout:
         c.memory_kind = int(self.memory)
         c.page_stride, c.token_stride, c.head_stride = self.page_stride, self.token_stride, self.head_stride
         c.v_offset = self.v_offset
+        c.v_page_stride, c.v_token_stride, c.v_head_stride = self.v_page_stride, self.v_token_stride, self.v_head_stride
         keep: list = []
         if self.layer_ids is not None:
             ids = (c_uint32 * self.num_layers)(*self.layer_ids)
@@ -463,7 +517,7 @@ class KvLayout:
         return (
             f"KvLayout({'' if self.preset_name is None else self.preset_name + ', '}model={self.model.name.lower()}, "
             f"heads {self.local_heads}/{self.global_heads}, "
-            f"head_dim={self.head_dim}, dtype_bytes={self.dtype_bytes}, page_size={self.page_size}, "
+            f"head_dim={self.head_dim}{'' if self.head_dim_v == self.head_dim else f', head_dim_v={self.head_dim_v}'}, dtype_bytes={self.dtype_bytes}, page_size={self.page_size}, "
             f"tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size}, layers={self.num_layers}, "
             f"capacity_pages={self.capacity_pages}, memory={self.memory.name.lower()}{placed}, "
             f"buffers={'yes' if self.has_buffers else 'no'})"

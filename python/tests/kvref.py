@@ -8,7 +8,7 @@ out of it and writes them through the decode page tables into copies of the deco
 """
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -24,6 +24,12 @@ class Model:
     head_dim: int
     dtype_bytes: int
     page_size: int
+    #: Elements per V head where they differ from K's (vLLM ``head_size_v``, sglang ``v_head_dim``).
+    head_dim_v: Optional[int] = None
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def dtype(self):

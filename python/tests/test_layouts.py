@@ -59,8 +59,16 @@ class EnginePool:
         self.heads = 1 if mla else model.local_heads(tp)
         self.global_heads = 1 if mla else model.heads
         d, ps, layers, h = model.head_dim, spec.page_size, model.layers, self.heads
+        dv = 0 if mla else model.dv
         engine = spec.engine
-        if engine == "sglang":
+        if engine == "sglang" and dv not in (0, d):
+            # K and V tensors of their own head sizes (sglang's `v_head_dim`), in one allocation.
+            k_elems = layers * capacity * ps * h * d
+            self.backing = np.zeros(k_elems + layers * capacity * ps * h * dv, model.dtype) if backing is None else backing
+            ks = self.backing[:k_elems].reshape(layers, capacity * ps, h, d)
+            vs = self.backing[k_elems:].reshape(layers, capacity * ps, h, dv)
+            self.tensors = (list(ks), list(vs))
+        elif engine == "sglang":
             shape = (self.kvn, layers, capacity * ps, h, d)
             self.backing = np.zeros(shape, model.dtype) if backing is None else backing
             ks = list(self.backing[0])
@@ -71,7 +79,7 @@ class EnginePool:
             self.tensors = self.backing if spec.variant == "stacked" else [self.backing[:, l] for l in range(layers)]
         else:
             order = LayoutPreset[engine.upper().replace("-", "_")].order
-            ext = dict(L=layers, B=capacity, H=h, N=ps, C=self.kvn * d)
+            ext = dict(L=layers, B=capacity, H=h, N=ps, C=d + dv)
             if spec.variant == "stacked" and not spec.pad:
                 # The physical allocation in the order's shape, permuted to the logical view.
                 self.backing = np.zeros([ext[a] for a in order], model.dtype) if backing is None else backing
@@ -111,6 +119,7 @@ class EnginePool:
             page_size=self.spec.page_size,
             dtype_bytes=self.model.dtype_bytes,
             head_dim=self.model.head_dim,
+            head_dim_v=None if self.mla else self.model.dv,
             **extra,
         )
 
@@ -119,6 +128,7 @@ class EnginePool:
         ``pages[i]``, every local head: ``array[index]`` is ``[tokens, heads, dim]``, by the
         engine's own indexing of its tensors."""
         d, engine, t = self.model.head_dim, self.spec.engine, self.tensors
+        dv = self.model.dv
         if engine == "sglang":
             buf = (t if self.mla else t[kv])[layer]
             return buf, (pages * self.spec.page_size + tokens,)
@@ -126,7 +136,7 @@ class EnginePool:
             if isinstance(t, list):
                 return t[layer], (pages, kv, slice(None), tokens, slice(None))
             return t, (pages, layer, kv, slice(None), tokens, slice(None))
-        cell = slice(kv * d, (kv + 1) * d)  # C = K‖V: K the first head_size elements
+        cell = slice(0, d) if kv == 0 else slice(d, d + dv)  # C = K‖V: K the first head_size elements
         if isinstance(t, list):
             return t[layer], (pages, slice(None), tokens, cell)
         return t, (layer, pages, slice(None), tokens, cell)
@@ -236,19 +246,19 @@ def run_request(model, mla, src: Spec, dst: Spec, p_tp, d_tp, total=100, chunk_t
     # the prefill engines' own indexing, written through the decode engines' own indexing.
     kvn = 1 if mla else 2
     heads = 1 if mla else model.heads
-    logical = np.zeros((kvn, model.layers, total, heads, model.head_dim), model.dtype)
+    logical = [np.zeros((model.layers, total, heads, dim), model.dtype) for dim in (model.head_dim, model.dv)[:kvn]]
     for pool in prefill:
         place = _place(src_pages[pool.tp_rank], src.page_size, total)
         for layer in range(model.layers):
             for kv in range(kvn):
-                logical[kv, layer][:, _heads_of_rank(model, mla, p_tp, pool.tp_rank)] = pool.get(layer, kv, *place)
+                logical[kv][layer][:, _heads_of_rank(model, mla, p_tp, pool.tp_rank)] = pool.get(layer, kv, *place)
     expected = []
     for pool in decode:
         want = pool.like(np.zeros_like(pool.backing))
         place = _place(dst_pages[pool.tp_rank], dst.page_size, total)
         for layer in range(model.layers):
             for kv in range(kvn):
-                want.set(layer, kv, *place, logical[kv, layer][:, _heads_of_rank(model, mla, d_tp, pool.tp_rank)])
+                want.set(layer, kv, *place, logical[kv][layer][:, _heads_of_rank(model, mla, d_tp, pool.tp_rank)])
         expected.append(want)
     return decode, expected
 
@@ -266,6 +276,10 @@ TRANSFERS = {
     "trtllm->vllm-bhlnc P2-D2": (MODEL, False, Spec("trtllm", 16), Spec("vllm-bhlnc", 16), 2, 2),
     "mla vllm-blnhc->trtllm": (replace(MODEL, head_dim=24), True, Spec("vllm-blnhc", 16, "views"), Spec("trtllm", 32), 1, 1),
     "mla trtllm P1-D2->sglang": (replace(MODEL, head_dim=24), True, Spec("trtllm", 16), Spec("sglang", 1), 1, 2),
+    # V heads of another size than K's: vLLM's `head_size_v` (cells of K‖V of 8 + 4), sglang's
+    # `v_head_dim` (V tensors of their own).
+    "head_dim_v vllm-lbhnc P2-D1->sglang": (replace(MODEL, head_dim_v=4), False, Spec("vllm-lbhnc", 16, "views"), Spec("sglang", 8), 2, 1),
+    "head_dim_v sglang P1-D2->vllm-blnhc padded": (replace(MODEL, head_dim_v=12), False, Spec("sglang", 16), Spec("vllm-blnhc", 16, "strided", pad=8), 1, 2),
 }
 
 
@@ -507,7 +521,7 @@ def test_strides_that_do_not_match_the_order_are_refused(lib):
 
 def test_other_disagreements_are_refused(lib):
     t = _vllm()
-    with pytest.raises(kvstage.ArgumentError, match=r"has cells \(axis C\) of 16 elements, an MHA cell is K‖V: 2 × head_dim 16 = 32"):
+    with pytest.raises(kvstage.ArgumentError, match=r"has cells \(axis C\) of 16 elements, an MHA cell is K‖V: more than head_dim 16"):
         kvstage.KvLayout.from_tensors(t, layout="LBHNC", head_dim=16)
     with pytest.raises(kvstage.ArgumentError, match=r"has 4 tokens per block \(axis N\), page_size is 16"):
         kvstage.KvLayout.from_tensors(t, layout="LBHNC", page_size=16)

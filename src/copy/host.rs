@@ -384,6 +384,7 @@ impl Job<'_> {
             let first = pos % t_total;
             let last = t_total.min(first + (b - pos));
             let base = self.bases[slab.buffer as usize];
+            let rows = plan.geometry(slab);
             let mut g = plan.segments.partition_point(|s| s.staging_token + s.tokens <= first);
             let mut t = first;
             while t < last {
@@ -391,15 +392,15 @@ impl Job<'_> {
                     // Random page lists make the pool reads latency-bound: start the reads of a
                     // segment a few segments ahead.
                     if let Some(ahead) = plan.segments.get(g + PREFETCH_SEGMENTS) {
-                        let at = base + (plan.slot_offset(ahead.pool_token) + plan.pool_head_offset) as usize;
-                        nt::prefetch(at, plan.piece_bytes.min(PREFETCH_BYTES) as usize);
+                        let at = base + (plan.slot_offset(rows, ahead.pool_token) + rows.pool_head_offset) as usize;
+                        nt::prefetch(at, rows.piece_bytes.min(PREFETCH_BYTES) as usize);
                     }
                 }
                 let seg = plan.segments[g];
                 let end = last.min(seg.staging_token + seg.tokens);
                 let run = plan.run(slab, &seg, t, end);
                 let pool = Side { at: base + run.pool_offset as usize, row: run.pool_row_stride as usize, piece: run.pool_piece_stride as usize };
-                let staged = Side { at: self.staging + run.staging_offset as usize, row: plan.row_bytes as usize, piece: run.piece_bytes as usize };
+                let staged = Side { at: self.staging + run.staging_offset as usize, row: run.row_bytes() as usize, piece: run.piece_bytes as usize };
                 let (src, dst) = match self.dir {
                     Dir::Gather => (pool, staged),
                     Dir::Scatter => (staged, pool),
@@ -500,13 +501,14 @@ mod tests {
         other.shape = PoolShape::new(ModelKind::Mha, 2, 8, 2, 2, 1);
         other.bases = vec![other.bases[0], other.bases[0] + 1000];
         other.strides = crate::geometry::Strides::token_major(&other.shape);
+        other.v_strides = other.strides;
         let e = unsafe { eng.scatter(&g, &other, buf.as_ptr()) }.unwrap_err();
         assert!(e.message().contains("page stride 32, token stride 16 != the pool's 2, 64, 32"), "{}", e.message());
         let mut g2 = g.clone();
         g2.segments[0].staging_token = 1;
         assert_eq!(unsafe { eng.gather(&g2, &p.layout, buf.as_mut_ptr()) }.unwrap_err().code(), Status::KVSTAGE_E_INTERNAL);
         let mut g3 = g.clone();
-        g3.pool_head_offset = 8;
+        g3.rows[0].pool_head_offset = 8;
         assert_eq!(unsafe { eng.gather(&g3, &p.layout, buf.as_mut_ptr()) }.unwrap_err().code(), Status::KVSTAGE_E_INTERNAL);
     }
 
@@ -536,13 +538,14 @@ mod tests {
     unsafe fn naive(plan: &CopyPlan, pool: &KvLayout, staging: *mut u8, dir: Dir) {
         for slab in &plan.slabs {
             let base = pool.bases[slab.buffer as usize];
+            let g = plan.geometry(slab);
             for t in 0..plan.tokens {
                 let seg = plan.segments.iter().find(|s| s.staging_token <= t && t < s.staging_token + s.tokens).unwrap();
                 let slot = seg.pool_token + t - seg.staging_token;
-                for i in 0..plan.row_bytes {
-                    let (head, byte) = (i / plan.piece_bytes, i % plan.piece_bytes);
-                    let p = (base as u64 + pool.slot_offset(slot) + plan.pool_head_offset + head * plan.pool_piece_stride + byte) as *mut u8;
-                    let st = unsafe { staging.add((slab.staging_offset + t * plan.row_bytes + i) as usize) };
+                for i in 0..g.row_bytes {
+                    let (head, byte) = (i / g.piece_bytes, i % g.piece_bytes);
+                    let p = (base as u64 + pool.slot_offset(slab.kv, slot) + g.pool_head_offset + head * g.pool_piece_stride + byte) as *mut u8;
+                    let st = unsafe { staging.add((slab.staging_offset + t * g.row_bytes + i) as usize) };
                     unsafe {
                         match dir {
                             Dir::Gather => *st = *p,

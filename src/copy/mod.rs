@@ -6,7 +6,7 @@
 
 use crate::deadline::Deadline;
 use crate::error::{Error, Result, Status};
-use crate::geometry::{CopyPlan, KvLayout};
+use crate::geometry::{CopyPlan, KvLayout, RowGeometry};
 
 mod any;
 mod block;
@@ -95,26 +95,9 @@ pub trait CopyEngine: Send + Sync {
 /// segments that tile the chunk. O(slabs + segments).
 pub fn check_plan(plan: &CopyPlan, pool: &KvLayout) -> Result<()> {
     pool.validate()?;
-    let (shape, strides) = (&pool.shape, pool.strides);
-    if (plan.pool_page_size, plan.pool_page_stride, plan.pool_token_stride) != (shape.page_size, strides.page, strides.token) {
-        return Err(Error::new(
-            Status::KVSTAGE_E_GEOMETRY_MISMATCH,
-            format!(
-                "plan pages of {} slots, page stride {}, token stride {} != the pool's {}, {}, {}",
-                plan.pool_page_size, plan.pool_page_stride, plan.pool_token_stride, shape.page_size, strides.page, strides.token
-            ),
-        ));
-    }
-    let hb = shape.head_bytes();
-    let heads = plan.row_bytes / hb;
-    let first = plan.pool_head_offset / strides.head;
-    let pieces_fit = if plan.piece_bytes == plan.row_bytes { heads == 1 || strides.head == hb } else { plan.piece_bytes == hb && plan.pool_piece_stride == strides.head };
-    let rows_fit = plan.row_bytes != 0 && plan.row_bytes.is_multiple_of(hb) && plan.pool_head_offset.is_multiple_of(strides.head) && first + heads <= shape.local_heads as u64;
-    if !pieces_fit || !rows_fit {
-        return Err(Error::internal(format!(
-            "plan rows of {} bytes in pieces of {} (stride {}) at head offset {} do not fit the pool's {} heads of {hb} bytes {} apart",
-            plan.row_bytes, plan.piece_bytes, plan.pool_piece_stride, plan.pool_head_offset, shape.local_heads, strides.head
-        )));
+    let shape = &pool.shape;
+    for kv in 0..shape.buffers_per_layer() {
+        check_rows(&plan.rows[kv as usize], plan.pool_page_size, pool, kv)?;
     }
     if plan.segments.is_empty() && plan.tokens != 0 {
         return Err(Error::internal("plan has tokens but no segments"));
@@ -146,14 +129,14 @@ pub fn check_plan(plan: &CopyPlan, pool: &KvLayout) -> Result<()> {
     if next != plan.tokens {
         return Err(Error::internal(format!("plan segments cover {next} tokens, plan says {}", plan.tokens)));
     }
-    let slab_bytes = plan.tokens.checked_mul(plan.row_bytes).ok_or_else(|| Error::internal("plan slab size overflows"))?;
     for (i, slab) in plan.slabs.iter().enumerate() {
-        if slab.buffer as usize >= pool.bases.len() {
+        if slab.buffer as usize >= pool.bases.len() || slab.kv != pool.kind_of(slab.buffer) {
             return Err(Error::new(
                 Status::KVSTAGE_E_GEOMETRY_MISMATCH,
-                format!("plan slab {i} names buffer {}, the pool has {}", slab.buffer, pool.bases.len()),
+                format!("plan slab {i} names buffer {} of kind {}, the pool has {} buffers", slab.buffer, slab.kv, pool.bases.len()),
             ));
         }
+        let slab_bytes = plan.tokens.checked_mul(plan.geometry(slab).row_bytes).ok_or_else(|| Error::internal("plan slab size overflows"))?;
         if slab.staging_offset.checked_add(slab_bytes).is_none_or(|e| e > plan.staging_bytes) {
             return Err(Error::new(
                 Status::KVSTAGE_E_STAGING_TOO_SMALL,
@@ -165,6 +148,32 @@ pub fn check_plan(plan: &CopyPlan, pool: &KvLayout) -> Result<()> {
                 ),
             ));
         }
+    }
+    Ok(())
+}
+
+/// Checks the rows a plan copies from buffers of kind `kv` against their strides and heads.
+fn check_rows(g: &RowGeometry, page_size: u32, pool: &KvLayout, kv: u32) -> Result<()> {
+    let (shape, strides) = (&pool.shape, pool.strides_of(kv));
+    if (page_size, g.pool_page_stride, g.pool_token_stride) != (shape.page_size, strides.page, strides.token) {
+        return Err(Error::new(
+            Status::KVSTAGE_E_GEOMETRY_MISMATCH,
+            format!(
+                "plan pages of {} slots, page stride {}, token stride {} != the pool's {}, {}, {}",
+                page_size, g.pool_page_stride, g.pool_token_stride, shape.page_size, strides.page, strides.token
+            ),
+        ));
+    }
+    let hb = shape.head_bytes_of(kv);
+    let heads = g.row_bytes / hb;
+    let first = g.pool_head_offset / strides.head;
+    let pieces_fit = if g.piece_bytes == g.row_bytes { heads == 1 || strides.head == hb } else { g.piece_bytes == hb && g.pool_piece_stride == strides.head };
+    let rows_fit = g.row_bytes != 0 && g.row_bytes.is_multiple_of(hb) && g.pool_head_offset.is_multiple_of(strides.head) && first + heads <= shape.local_heads as u64;
+    if !pieces_fit || !rows_fit {
+        return Err(Error::internal(format!(
+            "plan rows of {} bytes in pieces of {} (stride {}) at head offset {} do not fit the pool's {} heads of {hb} bytes {} apart",
+            g.row_bytes, g.piece_bytes, g.pool_piece_stride, g.pool_head_offset, shape.local_heads, strides.head
+        )));
     }
     Ok(())
 }

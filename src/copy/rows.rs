@@ -4,13 +4,17 @@
 
 use crate::error::{Error, Result};
 use super::block::{Block, Side};
-use crate::geometry::{CopyPlan, KvLayout, Segment};
+use crate::geometry::{CopyPlan, KvLayout, RowGeometry, Segment};
 
 /// Whether the plan's slabs lie back to back from the region's start in the order they are listed
 /// (as the planner lists them: then its rows in that order are the region's KV bytes).
 pub fn tiles_in_order(plan: &CopyPlan) -> bool {
-    let slab = plan.tokens * plan.row_bytes;
-    plan.slabs.iter().enumerate().all(|(i, s)| s.staging_offset == i as u64 * slab)
+    let mut next = 0;
+    plan.slabs.iter().all(|s| {
+        let here = s.staging_offset == next;
+        next += plan.slab_bytes(s);
+        here
+    })
 }
 
 /// `(address, length)` of the plan's pool rows in region order (its slabs as listed, in region
@@ -23,7 +27,7 @@ pub fn pool_ranges<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iterator<
         let base = pool.bases[slab.buffer as usize];
         let rows = plan.segments.iter().flat_map(move |seg| {
             let run = plan.run(slab, seg, seg.staging_token, seg.staging_token + seg.tokens);
-            let packed = Side { at: 0, row: plan.row_bytes as usize, piece: run.piece_bytes as usize };
+            let packed = Side { at: 0, row: run.row_bytes() as usize, piece: run.piece_bytes as usize };
             let pool = Side { at: base + run.pool_offset as usize, row: run.pool_row_stride as usize, piece: run.pool_piece_stride as usize };
             Block { src: pool, dst: packed, len: run.piece_bytes as usize, rows: run.rows as usize, pieces: run.pieces as usize }.src_ranges()
         });
@@ -68,17 +72,18 @@ pub unsafe fn pool_rows<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iter
 pub unsafe fn copy_across(src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
     check_paired(src, dst)?;
     let runs = fused_runs(&src.segments, &dst.segments);
-    // A piece both sides hold whole: a head where either side puts heads apart.
-    let len = src.piece_bytes.min(dst.piece_bytes);
-    let side = |plan: &CopyPlan, base: usize, slot: u64| Side {
-        at: base + (plan.slot_offset(slot) + plan.pool_head_offset) as usize,
-        row: plan.pool_token_stride as usize,
-        piece: if plan.piece_bytes == len { plan.pool_piece_stride } else { len } as usize,
+    let side = |plan: &CopyPlan, g: &RowGeometry, len: u64, base: usize, slot: u64| Side {
+        at: base + (plan.slot_offset(g, slot) + g.pool_head_offset) as usize,
+        row: g.pool_token_stride as usize,
+        piece: if g.piece_bytes == len { g.pool_piece_stride } else { len } as usize,
     };
     for (from, to) in src.slabs.iter().zip(&dst.slabs) {
         let (src_base, dst_base) = (src_pool.bases[from.buffer as usize], dst_pool.bases[to.buffer as usize]);
+        let (gs, gd) = (src.geometry(from), dst.geometry(to));
+        // A piece both sides hold whole: a head where either side puts heads apart.
+        let len = gs.piece_bytes.min(gd.piece_bytes);
         for &(src_token, dst_token, tokens) in &runs {
-            let block = Block { src: side(src, src_base, src_token), dst: side(dst, dst_base, dst_token), len: len as usize, rows: tokens as usize, pieces: (src.row_bytes / len) as usize };
+            let block = Block { src: side(src, gs, len, src_base, src_token), dst: side(dst, gd, len, dst_base, dst_token), len: len as usize, rows: tokens as usize, pieces: (gs.row_bytes / len) as usize };
             // The decode pool's rows are not read here again: streaming stores skip reading each
             // destination line before writing it (half the memory traffic of a plain copy).
             // SAFETY: the callers' ranges lie in both pools (checked plans), which do not overlap.
@@ -91,10 +96,11 @@ pub unsafe fn copy_across(src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, d
 }
 
 /// Whether `src` (a gather plan) and `dst` (a scatter plan) are of the same region, as direct mode
-/// pairs them: the same slabs at the same staging offsets, rows of the same size, as many tokens.
+/// pairs them: the same slabs (kind, staging offset, row size) in the same order, as many tokens.
 pub fn check_paired(src: &CopyPlan, dst: &CopyPlan) -> Result<()> {
-    let same_slabs = src.slabs.len() == dst.slabs.len() && src.slabs.iter().zip(&dst.slabs).all(|(a, b)| a.staging_offset == b.staging_offset);
-    if !same_slabs || src.row_bytes != dst.row_bytes || src.tokens != dst.tokens {
+    let same_slabs = src.slabs.len() == dst.slabs.len()
+        && src.slabs.iter().zip(&dst.slabs).all(|(a, b)| a.staging_offset == b.staging_offset && a.kv == b.kv && src.geometry(a).row_bytes == dst.geometry(b).row_bytes);
+    if !same_slabs || src.tokens != dst.tokens {
         return Err(Error::internal(format!("a direct copy of {} bytes of rows into {} bytes of rows", src.bytes(), dst.bytes())));
     }
     Ok(())
@@ -183,7 +189,7 @@ mod tests {
             let region = st.region_of(&src).unwrap().unwrap();
             let plan = plan_gather(&src, &[4, 1, 3, 0], 1, &st, &region).unwrap();
             crate::copy::check_plan(&plan, &pool).unwrap();
-            assert_eq!(plan.contiguous(), src.tp_size == 2, "{src:?} -> {dst:?}");
+            assert_eq!(plan.rows[0].contiguous(), src.tp_size == 2, "{src:?} -> {dst:?}");
             assert!(tiles_in_order(&plan));
             let mut gathered = vec![0u8; plan.staging_bytes as usize];
             // SAFETY: the plan was checked against the pool; the buffer holds the region.

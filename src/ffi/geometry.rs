@@ -153,18 +153,18 @@ unsafe fn state_items(components: *const kvstage_component, count: usize) -> Res
 }
 
 /// Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
-/// call. Writer `w`'s slab for buffer `kv` (0 = K / latent, 1 = V) and layer index `l` (into the
-/// decode rank's layers the writer holds, ascending) starts at
-/// `writers[w].offset + (kv · writers[w].layers + l) · slab_bytes`.
+/// call. Writer `w`'s slab for layer index `l` (into the decode rank's layers the writer holds,
+/// ascending) starts at `writers[w].offset + l · slab_bytes` for K (or the latent) and at
+/// `writers[w].offset + writers[w].layers · slab_bytes + l · v_slab_bytes` for V.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct kvstage_staging_layout {
     pub struct_size: usize,
     /// Bytes of the whole allocation.
     pub total_bytes: u64,
-    /// Bytes of one token's head slice (`num_heads · head_dim · dtype_bytes`).
+    /// Bytes of one token's head slice of K (or the latent): `num_heads · head_dim · dtype_bytes`.
     pub row_bytes: u64,
-    /// Bytes of one (buffer, layer) slab (`tokens · row_bytes`).
+    /// Bytes of one (K or latent, layer) slab (`tokens · row_bytes`).
     pub slab_bytes: u64,
     pub tokens: u32,
     /// Heads per row (the same for every writer).
@@ -178,6 +178,10 @@ pub struct kvstage_staging_layout {
     /// Bytes of the request's parts (metadata rows, state shares, extra pools' rows) the room's
     /// last chunk carries besides its KV, included in `total_bytes`; 0 without components.
     pub parts_bytes: u64,
+    /// V's row and slab: `num_heads · head_dim_v · dtype_bytes`, `tokens · v_row_bytes` (the
+    /// K ones where V's heads are K's size; 0 for MLA).
+    pub v_row_bytes: u64,
+    pub v_slab_bytes: u64,
 }
 
 /// One writer's region of a staging allocation (an output array: set `writers[0].struct_size`).
@@ -253,8 +257,10 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
         let filled = kvstage_staging_layout {
             struct_size: std::mem::size_of::<kvstage_staging_layout>(),
             total_bytes: st.total_bytes + parts_bytes,
-            row_bytes: st.row_bytes,
-            slab_bytes: st.slab_bytes,
+            row_bytes: st.row_bytes(0),
+            slab_bytes: st.slab_bytes(0),
+            v_row_bytes: if st.buffers_per_layer == 2 { st.row_bytes(1) } else { 0 },
+            v_slab_bytes: if st.buffers_per_layer == 2 { st.slab_bytes(1) } else { 0 },
             tokens: st.tokens,
             num_heads: st.num_heads,
             buffers_per_layer: st.buffers_per_layer,

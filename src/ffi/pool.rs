@@ -107,6 +107,16 @@ pub struct kvstage_kv_layout {
     /// MHA with `v_bases` NULL: V of layer `i` lies `v_offset` bytes after `k_bases[i]` (K and V in
     /// one cell, or one block); 0 = V has buffers of its own (`v_bases`). Ignored for MLA.
     pub v_offset: u64,
+    /// Elements per V head where they differ from K's (vLLM `head_size_v`, sglang `v_head_dim`);
+    /// 0 = `head_dim`. Ignored for MLA. Both sides of a transfer must agree on it.
+    pub head_dim_v: u32,
+    /// V's strides where they differ from K's; each 0 = K's stride where the caller set K's (V in
+    /// K's cell or block strides like K), else V's own token-major default (`page_size ·
+    /// v_token_stride`, `local_heads · head_dim_v · dtype_bytes`, `head_dim_v · dtype_bytes`).
+    /// Ignored for MLA.
+    pub v_page_stride: u64,
+    pub v_token_stride: u64,
+    pub v_head_stride: u64,
 }
 
 impl Default for kvstage_kv_layout {
@@ -134,6 +144,10 @@ impl Default for kvstage_kv_layout {
             token_stride: 0,
             head_stride: 0,
             v_offset: 0,
+            head_dim_v: 0,
+            v_page_stride: 0,
+            v_token_stride: 0,
+            v_head_stride: 0,
         }
     }
 }
@@ -178,6 +192,7 @@ pub(super) unsafe fn shape_of(raw: &kvstage_kv_layout, arg: &str) -> Result<Pool
         },
         global_heads: raw.global_heads,
         head_dim: raw.head_dim,
+        head_dim_v: if raw.head_dim_v == 0 { raw.head_dim } else { raw.head_dim_v },
         dtype_bytes: raw.dtype_bytes,
         tp_rank: raw.tp_rank,
         tp_size: raw.tp_size,
@@ -220,12 +235,20 @@ pub unsafe fn kv_layout_device_from_c(ptr: *const kvstage_kv_layout, arg: &str) 
             }
         }
     }
-    let tm = Strides::token_major(&shape);
     let or = |v: u64, default: u64| if v == 0 { default } else { v };
-    let strides = Strides { page: or(raw.page_stride, tm.page), token: or(raw.token_stride, tm.token), head: or(raw.head_stride, tm.head) };
-    // A page stride left 0 follows the token stride the caller set.
-    let strides = Strides { page: or(raw.page_stride, shape.page_size as u64 * strides.token), ..strides };
-    let layout = KvLayout::new(shape, raw.capacity_pages, memory, bases).with_strides(strides);
+    let ps = shape.page_size as u64;
+    let (tm, tmv) = (Strides::token_major_of(&shape, 0), Strides::token_major_of(&shape, 1));
+    let token = or(raw.token_stride, tm.token);
+    // A page stride left 0 follows the token stride.
+    let strides = Strides { page: or(raw.page_stride, ps * token), token, head: or(raw.head_stride, tm.head) };
+    // V's: its own, else K's where the caller set K's, else V's token-major default.
+    let v_token = or(raw.v_token_stride, or(raw.token_stride, tmv.token));
+    let v_strides = Strides {
+        page: or(raw.v_page_stride, or(raw.page_stride, ps * v_token)),
+        token: v_token,
+        head: or(raw.v_head_stride, or(raw.head_stride, tmv.head)),
+    };
+    let layout = KvLayout::new(shape, raw.capacity_pages, memory, bases).with_strides(strides).with_v_strides(v_strides);
     layout.validate().map_err(|e| e.context(format!("`{arg}` is not a valid KV layout")))?;
     let device = (memory == MemoryKind::Cuda && raw.cuda_device >= 0).then_some(raw.cuda_device as u32);
     Ok((layout, device))
@@ -247,9 +270,10 @@ pub unsafe extern "C" fn kvstage_kv_layout_init(layout: *mut kvstage_kv_layout, 
     ffi_fn!(status { unsafe { init_versioned(layout, size, "layout") } })
 }
 
-/// Sets the strides and `v_offset` of `layout` to an engine's layout `preset` (a
+/// Sets the strides, V's strides (where they differ from K's: V heads of another size in buffers or
+/// block halves of their own) and `v_offset` of `layout` to an engine's layout `preset` (a
 /// `kvstage_layout_preset` value), from the fields already set: `model_kind`, `page_size`,
-/// `global_heads`, `tp_size`, `head_dim`, `dtype_bytes`, `num_layers` and `capacity_pages` (for
+/// `global_heads`, `tp_size`, `head_dim`, `head_dim_v`, `dtype_bytes`, `num_layers` and `capacity_pages` (for
 /// layouts whose strides span the blocks). `layer_stride` (may be NULL) receives the bytes between
 /// consecutive layers' K where every layer lies in one tensor: `k_bases[i] = base + i ·
 /// layer_stride` (sglang: the distance if its per-layer buffers were back to back; V then follows
@@ -264,6 +288,7 @@ pub unsafe extern "C" fn kvstage_kv_layout_preset(layout: *mut kvstage_kv_layout
         if size < needed {
             return Err(Error::invalid_arg("layout->struct_size", format!("{size} bytes hold no strides (this library's layout has them in its first {needed})")));
         }
+        let has_v = size >= std::mem::offset_of!(kvstage_kv_layout, v_head_stride) + 8;
         let preset = LayoutPreset::from_c(preset).ok_or_else(|| Error::invalid_arg("preset", format!("{preset} is not a kvstage_layout_preset value")))?;
         let shape = unsafe { shape_of(&raw, "layout") }?;
         if raw.capacity_pages == 0 {
@@ -274,6 +299,15 @@ pub unsafe extern "C" fn kvstage_kv_layout_preset(layout: *mut kvstage_kv_layout
         raw.token_stride = p.strides.token;
         raw.head_stride = p.strides.head;
         raw.v_offset = p.v_offset;
+        if shape.kind == ModelKind::Mha && p.v_strides != p.strides {
+            // Only a layout with `head_dim_v` (which has these fields) has V strides of its own.
+            if !has_v {
+                return Err(Error::internal("a layout without head_dim_v has V strides of its own"));
+            }
+            (raw.v_page_stride, raw.v_token_stride, raw.v_head_stride) = (p.v_strides.page, p.v_strides.token, p.v_strides.head);
+        } else if has_v {
+            (raw.v_page_stride, raw.v_token_stride, raw.v_head_stride) = (0, 0, 0);
+        }
         unsafe { write_versioned(layout, raw, "layout") }?;
         if !layer_stride.is_null() {
             // SAFETY: the caller's out pointer, checked non-NULL.

@@ -4,7 +4,7 @@
 use super::{agreed_field_mismatches, mismatch_error, PoolShape};
 use crate::error::{FieldMismatch, Result};
 
-pub const FINGERPRINT_VERSION: u16 = 1;
+pub const FINGERPRINT_VERSION: u16 = 2;
 
 /// What one rank tells its peers about its pool: the agreed fields plus its position (TP/PP
 /// rank and size, layer ids), so that the peer can compute staging layouts for it.

@@ -21,34 +21,42 @@ pub struct Strides {
 }
 
 impl Strides {
-    /// sglang's layout: token slots back to back, each `local_heads` heads of `D·b` bytes.
+    /// sglang's layout of a K (or latent) buffer: token slots back to back, each `local_heads`
+    /// heads of `D·b` bytes.
     pub fn token_major(shape: &PoolShape) -> Strides {
-        Strides { page: shape.page_bytes(), token: shape.token_bytes(), head: shape.head_bytes() }
+        Strides::token_major_of(shape, 0)
+    }
+
+    /// [`Self::token_major`] of buffer kind `kv` (0 = K / latent, 1 = V: heads of `Dv·b`).
+    pub fn token_major_of(shape: &PoolShape, kv: u32) -> Strides {
+        Strides { page: shape.page_bytes_of(kv), token: shape.token_bytes_of(kv), head: shape.head_bytes_of(kv) }
     }
 }
 
-/// What the copy planner needs of a pool: its shape and its strides (a bare [`PoolShape`] is
-/// token-major).
+/// What the copy planner needs of a pool: its shape and the strides of each buffer kind (a bare
+/// [`PoolShape`] is token-major).
 pub trait PoolGeometry {
     fn shape(&self) -> &PoolShape;
-    fn strides(&self) -> Strides;
+    /// The strides of buffer kind `kv` (0 = K / latent, 1 = V).
+    fn strides_of(&self, kv: u32) -> Strides;
 }
 
 impl PoolGeometry for PoolShape {
     fn shape(&self) -> &PoolShape {
         self
     }
-    fn strides(&self) -> Strides {
-        Strides::token_major(self)
+    fn strides_of(&self, kv: u32) -> Strides {
+        Strides::token_major_of(self, kv)
     }
 }
 
-impl PoolGeometry for (&PoolShape, Strides) {
+/// A shape with the strides of its K (or latent) and V buffers.
+impl PoolGeometry for (&PoolShape, [Strides; 2]) {
     fn shape(&self) -> &PoolShape {
         self.0
     }
-    fn strides(&self) -> Strides {
-        self.1
+    fn strides_of(&self, kv: u32) -> Strides {
+        self.1[(kv as usize).min(1)]
     }
 }
 
@@ -56,8 +64,8 @@ impl PoolGeometry for KvLayout {
     fn shape(&self) -> &PoolShape {
         &self.shape
     }
-    fn strides(&self) -> Strides {
-        self.strides
+    fn strides_of(&self, kv: u32) -> Strides {
+        KvLayout::strides_of(self, kv)
     }
 }
 
@@ -65,8 +73,10 @@ impl PoolGeometry for KvLayout {
 ///
 /// `bases[kv * layer_count + layer_idx]` is the start of buffer `kv` (0 = K / latent, 1 = V) of
 /// layer `shape.layer_ids[layer_idx]`; each buffer holds `capacity_pages` pages of `page_size`
-/// token slots of `local_heads` heads, placed by [`Strides`]. Buffers may interleave (V in K's
-/// cell, every layer in one block) as long as no two rows share a byte.
+/// token slots of `local_heads` heads, placed by its kind's [`Strides`] (`strides` for K,
+/// `v_strides` for V: the same but where V's heads differ in size and V has buffers of its own).
+/// Buffers may interleave (V in K's cell, every layer in one block) as long as no two rows share a
+/// byte.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvLayout {
     pub shape: PoolShape,
@@ -74,36 +84,75 @@ pub struct KvLayout {
     pub memory: MemoryKind,
     pub bases: Vec<usize>,
     pub strides: Strides,
+    pub v_strides: Strides,
 }
 
 impl KvLayout {
-    /// A token-major pool (sglang's layout).
+    /// A token-major pool (sglang's layout), each buffer kind with its own head size.
     pub fn new(shape: PoolShape, capacity_pages: u64, memory: MemoryKind, bases: Vec<usize>) -> KvLayout {
-        let strides = Strides::token_major(&shape);
-        KvLayout { shape, capacity_pages, memory, bases, strides }
+        let (strides, v_strides) = (Strides::token_major_of(&shape, 0), Strides::token_major_of(&shape, 1));
+        KvLayout { shape, capacity_pages, memory, bases, strides, v_strides }
     }
 
-    /// The same pool with its bytes laid out by `strides`.
+    /// The same pool with the bytes of every buffer (K and V) laid out by `strides`.
     pub fn with_strides(mut self, strides: Strides) -> KvLayout {
         self.strides = strides;
+        self.v_strides = strides;
         self
     }
 
-    /// Whether token slots are evenly spaced across pages (`page = page_size · token`): then
-    /// adjacent pages are one run of slots.
+    /// The same pool with V's buffers laid out by `strides` (K's unchanged).
+    pub fn with_v_strides(mut self, strides: Strides) -> KvLayout {
+        self.v_strides = strides;
+        self
+    }
+
+    /// The strides of buffer kind `kv` (0 = K / latent, 1 = V).
+    pub fn strides_of(&self, kv: u32) -> Strides {
+        if kv == 0 {
+            self.strides
+        } else {
+            self.v_strides
+        }
+    }
+
+    /// The buffer kinds of the pool (K and V, or the latent).
+    fn kinds(&self) -> std::ops::Range<u32> {
+        0..self.shape.buffers_per_layer()
+    }
+
+    /// Whether token slots are evenly spaced across pages (`page = page_size · token`) in every
+    /// buffer: then adjacent pages are one run of slots.
     pub fn linear(&self) -> bool {
-        is_linear(&self.shape, self.strides)
+        self.kinds().all(|kv| is_linear(&self.shape, self.strides_of(kv)))
     }
 
-    /// Byte offset of token slot `slot` (page `slot / ps`, token `slot % ps`) in a buffer.
-    pub fn slot_offset(&self, slot: u64) -> u64 {
-        slot_offset(&self.shape, self.strides, slot)
+    /// Byte offset of token slot `slot` (page `slot / ps`, token `slot % ps`) in a buffer of kind
+    /// `kv`.
+    pub fn slot_offset(&self, kv: u32, slot: u64) -> u64 {
+        slot_offset(&self.shape, self.strides_of(kv), slot)
     }
 
-    /// Bytes from a buffer's base to the end of its last row (saturating; `validate` rejects
-    /// layouts where this overflows). For a token-major pool, `capacity_pages · page_bytes`.
-    pub fn buffer_bytes(&self) -> u64 {
-        self.dims().iter().fold(self.shape.head_bytes(), |end, d| d.stride.saturating_mul(d.count - 1).saturating_add(end))
+    /// Buffer kind (0 = K / latent, 1 = V) of `bases[buffer]`.
+    pub fn kind_of(&self, buffer: u32) -> u32 {
+        buffer / self.shape.layer_count().max(1)
+    }
+
+    /// Bytes from the base of a buffer of kind `kv` to the end of its last row (saturating;
+    /// `validate` rejects layouts where this overflows). For a token-major pool, `capacity_pages ·
+    /// page_bytes`.
+    pub fn buffer_bytes_of(&self, kv: u32) -> u64 {
+        self.dims(kv).iter().fold(self.shape.head_bytes_of(kv), |end, d| d.stride.saturating_mul(d.count - 1).saturating_add(end))
+    }
+
+    /// [`Self::buffer_bytes_of`] the kind of `bases[buffer]`.
+    pub fn buffer_bytes(&self, buffer: u32) -> u64 {
+        self.buffer_bytes_of(self.kind_of(buffer))
+    }
+
+    /// The largest [`Self::buffer_bytes`] of the pool's buffers.
+    pub fn max_buffer_bytes(&self) -> u64 {
+        self.kinds().map(|kv| self.buffer_bytes_of(kv)).max().unwrap_or(0)
     }
 
     /// Token slots in each buffer.
@@ -111,13 +160,15 @@ impl KvLayout {
         self.capacity_pages.saturating_mul(self.shape.page_size as u64)
     }
 
-    /// The strided dimensions of a buffer that hold more than one index: (page, token, head).
-    fn dims(&self) -> Vec<Dim> {
-        let s = &self.shape;
+    /// The strided dimensions of a buffer of kind `kv` that hold more than one index: (page,
+    /// token, head).
+    fn dims(&self, kv: u32) -> Vec<Dim> {
+        let (s, st) = (&self.shape, self.strides_of(kv));
+        let v = kv == 1;
         [
-            Dim { field: "page_stride", stride: self.strides.page, count: self.capacity_pages, what: "pages" },
-            Dim { field: "token_stride", stride: self.strides.token, count: s.page_size as u64, what: "token slots" },
-            Dim { field: "head_stride", stride: self.strides.head, count: s.local_heads as u64, what: "heads" },
+            Dim { field: if v { "v_page_stride" } else { "page_stride" }, stride: st.page, count: self.capacity_pages, what: "pages" },
+            Dim { field: if v { "v_token_stride" } else { "token_stride" }, stride: st.token, count: s.page_size as u64, what: "token slots" },
+            Dim { field: if v { "v_head_stride" } else { "head_stride" }, stride: st.head, count: s.local_heads as u64, what: "heads" },
         ]
         .into_iter()
         .filter(|d| d.count > 1)
@@ -137,25 +188,26 @@ impl KvLayout {
     }
 
     /// The memory of bytes `[byte_offset, +len)` of token slot `slot` of buffer `buffer`, where the
-    /// slot's bytes are counted as in a token-major slot (`local_heads` heads of `D·b`): one range
-    /// per head the bytes touch, or one when the heads are adjacent. Checked against the pool
-    /// (buffer index, capacity, slot bounds).
+    /// slot's bytes are counted as in a token-major slot (`local_heads` heads of the buffer's
+    /// `D·b`): one range per head the bytes touch, or one when the heads are adjacent. Checked
+    /// against the pool (buffer index, capacity, slot bounds).
     pub fn slot_ranges(&self, buffer: u32, slot: u64, byte_offset: u64, len: u64) -> Result<Vec<(usize, usize)>> {
         let base = *self.bases.get(buffer as usize).ok_or_else(|| Error::internal(format!("buffer {buffer} is not in the pool")))?;
-        if slot >= self.capacity_tokens() || byte_offset.checked_add(len).is_none_or(|e| e > self.shape.token_bytes()) {
+        let kv = self.kind_of(buffer);
+        if slot >= self.capacity_tokens() || byte_offset.checked_add(len).is_none_or(|e| e > self.shape.token_bytes_of(kv)) {
             return Err(Error::internal(format!("slot {slot} [{byte_offset}, +{len}) is outside the pool")));
         }
-        let at = base as u64 + self.slot_offset(slot);
-        let hb = self.shape.head_bytes();
-        if self.strides.head == hb {
+        let at = base as u64 + self.slot_offset(kv, slot);
+        let (hb, head) = (self.shape.head_bytes_of(kv), self.strides_of(kv).head);
+        if head == hb {
             return Ok(vec![((at + byte_offset) as usize, len as usize)]);
         }
         let mut out = Vec::new();
         let (mut from, end) = (byte_offset, byte_offset + len);
         while from < end {
-            let (head, within) = (from / hb, from % hb);
+            let (h, within) = (from / hb, from % hb);
             let n = (hb - within).min(end - from);
-            out.push(((at + head * self.strides.head + within) as usize, n as usize));
+            out.push(((at + h * head + within) as usize, n as usize));
             from += n;
         }
         Ok(out)
@@ -169,8 +221,7 @@ impl KvLayout {
         if self.capacity_pages == 0 {
             return Err(geometry_invalid("capacity_pages", "is 0 (a pool holds at least one page)"));
         }
-        let ext = self.extents()?;
-        let buffer_bytes = *ext.last().expect("the innermost extent");
+        let ext: Vec<Vec<u64>> = self.kinds().map(|kv| self.extents(kv)).collect::<Result<_>>()?;
         let expected = self.shape.buffers_per_layer() as usize * self.shape.layer_ids.len();
         if self.bases.len() != expected {
             return Err(geometry_invalid(
@@ -188,6 +239,8 @@ impl KvLayout {
             if base == 0 {
                 return Err(geometry_invalid(&self.buffer_name(i), "is NULL"));
             }
+            let kv = self.kind_of(i as u32);
+            let buffer_bytes = *ext[kv as usize].last().expect("the outermost extent");
             let end = (base as u64).checked_add(buffer_bytes).filter(|e| *e <= usize::MAX as u64);
             let Some(end) = end else {
                 return Err(geometry_invalid(
@@ -195,26 +248,31 @@ impl KvLayout {
                     format!("{base:#x} + {buffer_bytes} bytes overflows the address space"),
                 ));
             };
-            spans.push((base as u64, end, i));
+            spans.push((base as u64, end, i, kv));
         }
         spans.sort_unstable();
-        let dims = self.dims_sorted();
         // Buffers whose address ranges overlap may still interleave (K and V in one cell, every
-        // layer in one block): compare their rows exactly.
+        // layer in one block): compare their rows exactly where both kinds share the strides,
+        // else their pages where both share the page stride.
         for (k, a) in spans.iter().enumerate() {
             for b in spans[k + 1..].iter().take_while(|b| b.0 < a.1) {
-                if rows_meet(&dims, &ext, self.shape.head_bytes(), (b.0 - a.0) as i128) {
+                let (sa, sb) = (self.strides_of(a.3), self.strides_of(b.3));
+                let (ea, eb) = (&ext[a.3 as usize], &ext[b.3 as usize]);
+                let delta = (b.0 - a.0) as i128;
+                let meet = if sa == sb { rows_meet(&self.dims_sorted(a.3), ea, eb, delta) } else { self.pages_meet(a.3, b.3, ea, eb, delta) };
+                if meet {
+                    let why = if sa == sb { "puts rows on bytes of" } else { "puts pages on bytes of" };
                     return Err(geometry_invalid(
                         &self.buffer_name(b.2),
                         format!(
-                            "{:#x} puts rows on bytes of {} at {:#x} (strides: page {}, token {}, head {}; rows of {} bytes)",
+                            "{:#x} {why} {} at {:#x} (strides: page {}, token {}, head {}; rows of {} bytes)",
                             b.0,
                             self.buffer_name(a.2),
                             a.0,
-                            self.strides.page,
-                            self.strides.token,
-                            self.strides.head,
-                            self.shape.head_bytes()
+                            sb.page,
+                            sb.token,
+                            sb.head,
+                            self.shape.head_bytes_of(b.3)
                         ),
                     ));
                 }
@@ -223,17 +281,32 @@ impl KvLayout {
         Ok(())
     }
 
-    fn dims_sorted(&self) -> Vec<Dim> {
-        let mut dims = self.dims();
+    /// Whether a buffer of kind `ka` and one of kind `kb` (other strides) `delta` bytes further
+    /// share a byte, comparing whole pages (a page: the extent of its rows): exact where the pages
+    /// are each kind's outermost dimension with one stride (K and V halves of a block), else
+    /// assumed (their ranges overlap).
+    fn pages_meet(&self, ka: u32, kb: u32, ext_a: &[u64], ext_b: &[u64], delta: i128) -> bool {
+        let (da, db) = (self.dims_sorted(ka), self.dims_sorted(kb));
+        match (da.last(), db.last()) {
+            (Some(pa), Some(pb)) if pa.field.ends_with("page_stride") && pb.field.ends_with("page_stride") && pa.stride == pb.stride => {
+                rows_meet(std::slice::from_ref(pa), &ext_a[da.len() - 1..], &ext_b[db.len() - 1..], delta)
+            }
+            _ => true,
+        }
+    }
+
+    fn dims_sorted(&self, kv: u32) -> Vec<Dim> {
+        let mut dims = self.dims(kv);
         dims.sort_by_key(|d| d.stride);
         dims
     }
 
-    /// Checks the strides and returns the extent of each nest level, innermost first: `ext[0]` is
-    /// a head row, `ext[k]` the bytes spanned by the `k` innermost dimensions, the last a buffer.
-    fn extents(&self) -> Result<Vec<u64>> {
+    /// Checks the strides of buffer kind `kv` and returns the extent of each nest level, innermost
+    /// first: `ext[0]` is a head row, `ext[k]` the bytes spanned by the `k` innermost dimensions,
+    /// the last a buffer.
+    fn extents(&self, kv: u32) -> Result<Vec<u64>> {
         let b = self.shape.dtype_bytes as u64;
-        for d in self.dims() {
+        for d in self.dims(kv) {
             if d.stride == 0 || !d.stride.is_multiple_of(b) {
                 return Err(geometry_invalid(
                     d.field,
@@ -241,9 +314,9 @@ impl KvLayout {
                 ));
             }
         }
-        let mut ext = vec![self.shape.head_bytes()];
+        let mut ext = vec![self.shape.head_bytes_of(kv)];
         let mut inner = "a head's row";
-        for d in self.dims_sorted() {
+        for d in self.dims_sorted(kv) {
             let e = *ext.last().expect("the innermost extent");
             if d.stride < e {
                 return Err(geometry_invalid(
@@ -296,19 +369,21 @@ struct Dim {
     what: &'static str,
 }
 
-/// Whether the rows of a buffer and those of a buffer `delta` bytes further share a byte.
-/// `dims` nest (innermost first, each stride at least the extent `ext[k]` of the ones inside
-/// it), so at each level only the one or two index differences that bring the inner nests within
-/// reach of one another can meet: at most 2^levels cases, exact.
-fn rows_meet(dims: &[Dim], ext: &[u64], row: u64, delta: i128) -> bool {
+/// Whether the rows of a buffer A and those of a buffer B `delta` bytes further, laid out by the
+/// same `dims`, share a byte. `ext_a` / `ext_b` are their extents (rows of `ext[0]` bytes: K and
+/// V rows may differ in size). The dims nest (innermost first, each stride at least the extents
+/// inside it), so at each level only the one or two index differences that bring the inner nests
+/// within reach of one another can meet: at most 2^levels cases, exact.
+fn rows_meet(dims: &[Dim], ext_a: &[u64], ext_b: &[u64], delta: i128) -> bool {
     let Some((d, inner)) = dims.split_last() else {
-        return delta.abs() < row as i128;
+        return -(ext_b[0] as i128) < delta && delta < ext_a[0] as i128;
     };
-    let (s, e, n) = (d.stride as i128, ext[inner.len()] as i128, d.count as i128);
-    // Index differences m with |delta + m·s| < e, within (-n, n).
-    let lo = (-e - delta).div_euclid(s) + 1;
-    let hi = (e - delta - 1).div_euclid(s);
-    (lo.max(1 - n)..=hi.min(n - 1)).any(|m| rows_meet(inner, ext, row, delta + m * s))
+    let (s, n) = (d.stride as i128, d.count as i128);
+    let (ea, eb) = (ext_a[inner.len()] as i128, ext_b[inner.len()] as i128);
+    // Index differences m with -eb < delta + m·s < ea, within (-n, n).
+    let lo = (-eb - delta).div_euclid(s) + 1;
+    let hi = (ea - delta - 1).div_euclid(s);
+    (lo.max(1 - n)..=hi.min(n - 1)).any(|m| rows_meet(inner, ext_a, ext_b, delta + m * s))
 }
 
 #[cfg(test)]
@@ -405,14 +480,28 @@ mod tests {
         let bases: Vec<usize> = [0u64, 1].iter().flat_map(|&v| (0..2u64).map(move |l| (0x10000 + l * 2 * kv + v * kv) as usize)).collect();
         let trt_pool = KvLayout::new(shape.clone(), 8, MemoryKind::Host, bases.clone()).with_strides(trt);
         trt_pool.validate().unwrap();
-        assert_eq!(trt_pool.buffer_bytes(), 7 * trt.page + 3 * hb + 4 * hb + hb);
+        assert_eq!(trt_pool.buffer_bytes(0), 7 * trt.page + 3 * hb + 4 * hb + hb);
         let mut clash = bases;
         clash[3] = clash[1] + 4 * hb as usize; // V of layer 1 on K of layer 1's second head
         let e = err_of(KvLayout::new(shape, 8, MemoryKind::Host, clash).with_strides(trt).validate());
         assert!(e.message().contains("bases[3] (V of layer 1)"), "{}", e.message());
+        // V heads of their own size in TensorRT-LLM's block: K's half `[H, N, D]`, then V's `[H, N,
+        // Dv]`, strides of their own and one page stride: compared page by page.
+        let dv = PoolShape::new(ModelKind::Mha, 2, 64, 2, 4, 2).with_head_dim_v(32);
+        let blocks = crate::geometry::LayoutPreset::Trtllm.layout(&dv, 8, MemoryKind::Host, 0x10000);
+        assert_ne!(blocks.strides, blocks.v_strides);
+        blocks.validate().unwrap();
+        let mut shifted = blocks.clone();
+        shifted.bases[2] -= 2; // V of layer 0 two bytes into K's half
+        let e = err_of(shifted.validate());
+        assert!(e.message().contains("bases[2] (V of layer 0)") && e.message().contains("puts pages on bytes of bases[0] (K of layer 0)"), "{}", e.message());
+        let mut apart = blocks.clone();
+        apart.v_strides.page += 2; // pages of another stride: not compared, refused
+        assert!(err_of(apart.validate()).message().contains("puts pages on bytes of"));
     }
 
-    /// `rows_meet` against a brute-force walk over every row of two buffers.
+    /// `rows_meet` against a brute-force walk over every row of two buffers, K and V rows of
+    /// different sizes included.
     #[test]
     fn rows_meet_matches_brute_force() {
         let mut rng = 0x2545_f491_4f6c_dd1du64;
@@ -423,19 +512,25 @@ mod tests {
             rng % m
         };
         for _ in 0..3000 {
-            let shape = PoolShape { page_size: 1 + next(4) as u32, ..PoolShape::new(ModelKind::Mha, 1 + next(3) as u32, 1 + next(3) as u32, 1, 1, 1) };
-            let hb = shape.head_bytes();
-            let mut l = KvLayout::new(shape.clone(), 1 + next(3), MemoryKind::Host, vec![64]);
-            l.strides = Strides { page: hb + next(40), token: hb + next(20), head: hb + next(12) };
-            let Ok(ext) = l.extents() else { continue };
-            let dims = l.dims_sorted();
+            let d = 1 + next(3) as u32;
+            let shape = PoolShape { page_size: 1 + next(4) as u32, ..PoolShape::new(ModelKind::Mha, 1 + next(3) as u32, d, 1, 1, 1).with_head_dim_v(1 + next(3) as u32) };
+            let (ra, rb) = (shape.head_bytes_of(0), shape.head_bytes_of(1));
+            let row = ra.max(rb);
+            let l = KvLayout::new(shape.clone(), 1 + next(3), MemoryKind::Host, vec![64, 64])
+                .with_strides(Strides { page: row + next(40), token: row + next(20), head: row + next(12) });
+            let (Ok(ea), Ok(eb)) = (l.extents(0), l.extents(1)) else { continue };
+            let dims = l.dims_sorted(0);
             let rows: Vec<u64> = (0..l.capacity_pages)
                 .flat_map(|p| (0..shape.page_size as u64).flat_map(move |s| (0..shape.local_heads as u64).map(move |h| (p, s, h))))
                 .map(|(p, s, h)| p * l.strides.page + s * l.strides.token + h * l.strides.head)
                 .collect();
             for delta in -60i128..60 {
-                let brute = rows.iter().any(|&a| rows.iter().any(|&b| (b as i128 + delta - a as i128).abs() < hb as i128));
-                assert_eq!(rows_meet(&dims, &ext, hb, delta), brute, "{:?} {:?} delta {delta}", l.strides, shape);
+                // A's rows [a, a + ra), B's [b + delta, + rb).
+                let brute = rows.iter().any(|&a| rows.iter().any(|&b| {
+                    let (lo, hi) = (b as i128 + delta, b as i128 + delta + rb as i128);
+                    lo < a as i128 + ra as i128 && (a as i128) < hi
+                }));
+                assert_eq!(rows_meet(&dims, &ea, &eb, delta), brute, "{:?} {:?} delta {delta}", l.strides, shape);
             }
         }
     }
@@ -451,13 +546,13 @@ mod tests {
         assert_eq!(hm.slot_ranges(0, 17, 100, 300).unwrap(), vec![(0x100000 + 8192 + 256 + 100, 156), (0x100000 + 8192 + 4096 + 256, 144)]);
         assert!(hm.slot_ranges(0, 160, 0, 1).is_err());
         assert!(hm.slot_ranges(0, 0, 500, 13).is_err());
-        assert_eq!(hm.slot_offset(17), 8192 + 256);
+        assert_eq!(hm.slot_offset(0, 17), 8192 + 256);
         assert!(!hm.linear() && tm.linear());
         // Pages of one slot: slot t is page t, `page` apart whatever the token stride says.
         let one = KvLayout::new(PoolShape { page_size: 1, ..shape.clone() }, 10, MemoryKind::Host, bases).with_strides(Strides { page: 4096, token: 512, head: 256 });
         one.validate().unwrap();
         assert!(!one.linear());
-        assert_eq!(one.slot_offset(3), 3 * 4096);
+        assert_eq!(one.slot_offset(0, 3), 3 * 4096);
     }
 
     #[test]

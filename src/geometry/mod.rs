@@ -31,7 +31,7 @@ pub use heads::{
 pub use layout::{KvLayout, PoolGeometry, Strides};
 pub use presets::{LayoutPreset, Placement};
 pub use pairing::{decode_peers, decode_peers_of_request, prefill_peers, prefill_peers_of_request, PeerRank};
-pub use plan::{plan_chunk, plan_gather, plan_scatter, CopyPlan, CopyRun, Segment, Slab};
+pub use plan::{plan_chunk, plan_gather, plan_scatter, CopyPlan, CopyRun, RowGeometry, Segment, Slab};
 pub use slice::{slice_plan, SliceOp};
 pub use span::PageSpan;
 pub use staging::{staging_layout, staging_layout_stages, MissingWriter, StagingLayout, WriterRegion, TAIL_ONLY};
@@ -93,6 +93,9 @@ pub struct PoolShape {
     pub global_heads: u32,
     /// Elements per head (`D`); the latent width (e.g. 576) for MLA.
     pub head_dim: u32,
+    /// Elements per V head (`Dv`): `head_dim` unless the model's V heads differ in size from its
+    /// K heads (vLLM `head_size_v`, sglang `v_head_dim`). Unused for MLA (no V buffer).
+    pub head_dim_v: u32,
     /// Bytes per element (`b`): 1, 2 or 4.
     pub dtype_bytes: u32,
     pub tp_rank: u32,
@@ -139,6 +142,11 @@ pub(crate) fn agreed_field_mismatches(local: &PoolShape, remote: &PoolShape) -> 
     if local.head_dim != remote.head_dim {
         out.push(mismatch("head_dim", local.head_dim, remote.head_dim));
     }
+    // Where neither side's V heads differ from its K heads, a head_dim mismatch says it all.
+    let own_v = |s: &PoolShape| s.head_dim_v != s.head_dim;
+    if local.kind == ModelKind::Mha && remote.kind == ModelKind::Mha && local.head_dim_v != remote.head_dim_v && (own_v(local) || own_v(remote)) {
+        out.push(mismatch("head_dim_v", local.head_dim_v, remote.head_dim_v));
+    }
     if local.dtype_bytes != remote.dtype_bytes {
         out.push(mismatch("dtype_bytes", local.dtype_bytes, remote.dtype_bytes));
     }
@@ -155,6 +163,7 @@ impl PoolShape {
             local_heads: global_heads,
             global_heads,
             head_dim,
+            head_dim_v: head_dim,
             dtype_bytes,
             tp_rank: 0,
             tp_size: 1,
@@ -162,6 +171,12 @@ impl PoolShape {
             pp_size: 1,
             layer_ids: (0..layers).collect(),
         }
+    }
+
+    /// The same shape with V heads of `head_dim_v` elements.
+    pub fn with_head_dim_v(mut self, head_dim_v: u32) -> PoolShape {
+        self.head_dim_v = head_dim_v;
+        self
     }
 
     /// The same shape on TP rank `tp_rank` of `tp_size` (recomputes `local_heads`).
@@ -195,6 +210,9 @@ impl PoolShape {
         }
         if self.head_dim == 0 || self.head_dim > MAX_HEAD_DIM {
             return Err(geometry_invalid("head_dim", format!("{} is outside 1..={MAX_HEAD_DIM}", self.head_dim)));
+        }
+        if self.kind == ModelKind::Mha && (self.head_dim_v == 0 || self.head_dim_v > MAX_HEAD_DIM) {
+            return Err(geometry_invalid("head_dim_v", format!("{} is outside 1..={MAX_HEAD_DIM}", self.head_dim_v)));
         }
         if self.tp_size == 0 || self.tp_size > MAX_PARALLEL {
             return Err(geometry_invalid("tp_size", format!("{} is outside 1..={MAX_PARALLEL}", self.tp_size)));
@@ -268,19 +286,48 @@ impl PoolShape {
         Ok(())
     }
 
-    /// Bytes of one token slot of one buffer: `local_heads · head_dim · dtype_bytes`.
+    /// Bytes of one token slot of one K (or latent) buffer: `local_heads · head_dim · dtype_bytes`.
     pub fn token_bytes(&self) -> u64 {
-        self.local_heads as u64 * self.head_dim as u64 * self.dtype_bytes as u64
+        self.token_bytes_of(0)
     }
 
-    /// Bytes of one head of one token: `head_dim · dtype_bytes`.
+    /// Bytes of one head of one token of a K (or latent) buffer: `head_dim · dtype_bytes`.
     pub fn head_bytes(&self) -> u64 {
-        self.head_dim as u64 * self.dtype_bytes as u64
+        self.head_bytes_of(0)
     }
 
-    /// Bytes per page per layer of one buffer (`item_len`): `page_size · token_bytes`.
+    /// Bytes per page per layer of one K (or latent) buffer (`item_len`): `page_size · token_bytes`.
     pub fn page_bytes(&self) -> u64 {
-        self.page_size as u64 * self.token_bytes()
+        self.page_bytes_of(0)
+    }
+
+    /// Elements per head of buffer kind `kv` (0 = K / latent, 1 = V).
+    pub fn head_dim_of(&self, kv: u32) -> u32 {
+        if kv == 0 {
+            self.head_dim
+        } else {
+            self.head_dim_v
+        }
+    }
+
+    /// [`Self::head_bytes`] of buffer kind `kv`.
+    pub fn head_bytes_of(&self, kv: u32) -> u64 {
+        self.head_dim_of(kv) as u64 * self.dtype_bytes as u64
+    }
+
+    /// [`Self::token_bytes`] of buffer kind `kv`.
+    pub fn token_bytes_of(&self, kv: u32) -> u64 {
+        self.local_heads as u64 * self.head_bytes_of(kv)
+    }
+
+    /// [`Self::page_bytes`] of buffer kind `kv`.
+    pub fn page_bytes_of(&self, kv: u32) -> u64 {
+        self.page_size as u64 * self.token_bytes_of(kv)
+    }
+
+    /// Bytes of one token of every buffer of a layer (K and V, or the latent).
+    pub fn layer_token_bytes(&self) -> u64 {
+        (0..self.buffers_per_layer()).map(|kv| self.token_bytes_of(kv)).sum()
     }
 
     /// 2 for MHA (K and V), 1 for MLA (latent).
@@ -346,6 +393,8 @@ mod tests {
             (Box::new(|s| s.page_size = (1 << 20) + 1), "page_size", "is outside"),
             (Box::new(|s| s.dtype_bytes = 3), "dtype_bytes", "3 is not 1, 2 or 4"),
             (Box::new(|s| s.head_dim = 0), "head_dim", "0 is outside"),
+            (Box::new(|s| s.head_dim_v = 0), "head_dim_v", "0 is outside"),
+            (Box::new(|s| s.head_dim_v = 70000), "head_dim_v", "70000 is outside"),
             (Box::new(|s| s.tp_size = 0), "tp_size", "0 is outside"),
             (Box::new(|s| s.tp_rank = 4), "tp_rank", "4 is not below tp_size 4"),
             (Box::new(|s| s.pp_size = 0), "pp_size", "0 is outside"),
@@ -386,5 +435,11 @@ mod tests {
         assert_eq!(list.len(), 2);
         assert_eq!(list[0].to_string(), "head_dim: local 128 != remote 64");
         assert_eq!(list[1].to_string(), "dtype_bytes: local 2 != remote 4");
+        // V heads: compared where either side's differ from its K heads.
+        let dv = b.clone().with_head_dim_v(64);
+        assert_eq!(agreed_field_mismatches(&a, &dv).iter().map(|m| m.to_string()).collect::<Vec<_>>(), ["head_dim_v: local 128 != remote 64"]);
+        assert!(agreed_field_mismatches(&dv, &dv).is_empty());
+        let mla = PoolShape::new(ModelKind::Mla, 1, 576, 2, 1, 2);
+        assert!(agreed_field_mismatches(&mla, &mla.clone().with_head_dim_v(7)).is_empty(), "MLA has no V");
     }
 }

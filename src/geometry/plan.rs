@@ -29,11 +29,13 @@ pub struct Segment {
     pub tokens: u64,
 }
 
-/// One (buffer, layer) of the plan: pool buffer index (into [`super::KvLayout::bases`]) and the
-/// byte offset of its slab within the writer region.
+/// One (buffer, layer) of the plan: pool buffer index (into [`super::KvLayout::bases`]), its
+/// kind (0 = K / latent, 1 = V: which [`CopyPlan::rows`] it follows) and the byte offset of its
+/// slab within the writer region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Slab {
     pub buffer: u32,
+    pub kv: u32,
     pub staging_offset: u64,
     /// The model layer it holds (layer-wise sending picks slabs by it).
     pub layer_id: u32,
@@ -60,14 +62,11 @@ impl CopyRun {
     }
 }
 
-/// The copy between a pool and one writer region for one chunk. Staging offsets are relative to
-/// the start of the writer region, which lies `region_offset` bytes into the allocation and is
-/// `staging_bytes` long.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CopyPlan {
-    /// The pool's page size and page stride: slot `t` lies at `(t / ps)·page_stride + (t mod
-    /// ps)·pool_token_stride` in a buffer.
-    pub pool_page_size: u32,
+/// Where the rows of the slabs of one buffer kind lie: in the pool (its strides, the copied heads'
+/// offset) and in staging (packed rows of `row_bytes`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowGeometry {
+    /// Slot `t` lies at `(t / ps)·page_stride + (t mod ps)·token_stride` in a buffer.
     pub pool_page_stride: u64,
     /// Bytes between the token slots of a segment.
     pub pool_token_stride: u64,
@@ -80,6 +79,30 @@ pub struct CopyPlan {
     pub piece_bytes: u64,
     /// Bytes copied per token per slab (`n · D · b`), also the staging row stride.
     pub row_bytes: u64,
+}
+
+impl RowGeometry {
+    /// Rows are contiguous on both sides (whole token slots, back to back): each run is one copy.
+    pub fn contiguous(&self) -> bool {
+        self.piece_bytes == self.row_bytes && self.pool_token_stride == self.row_bytes
+    }
+
+    /// Pieces per row.
+    pub fn pieces(&self) -> u64 {
+        self.row_bytes / self.piece_bytes.max(1)
+    }
+}
+
+/// The copy between a pool and one writer region for one chunk. Staging offsets are relative to
+/// the start of the writer region, which lies `region_offset` bytes into the allocation and is
+/// `staging_bytes` long.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CopyPlan {
+    /// The pool's page size.
+    pub pool_page_size: u32,
+    /// The rows of K (or latent) slabs and of V slabs (equal unless V's heads or strides differ
+    /// from K's).
+    pub rows: [RowGeometry; 2],
     /// Tokens of the chunk (Σ segment tokens).
     pub tokens: u64,
     pub slabs: Vec<Slab>,
@@ -90,35 +113,57 @@ pub struct CopyPlan {
 }
 
 impl CopyPlan {
-    /// Rows are contiguous on both sides (whole token slots, back to back): each run is one copy.
-    pub fn contiguous(&self) -> bool {
-        self.piece_bytes == self.row_bytes && self.pool_token_stride == self.row_bytes
+    /// The rows of `slab`.
+    pub fn geometry(&self, slab: &Slab) -> &RowGeometry {
+        &self.rows[(slab.kv as usize).min(1)]
     }
 
-    /// Pieces per row.
-    pub fn pieces(&self) -> u64 {
-        self.row_bytes / self.piece_bytes.max(1)
+    /// Every slab's rows are the same ([`Self::uniform_parts`] of one).
+    pub fn uniform(&self) -> bool {
+        self.rows[0] == self.rows[1] || self.slabs.iter().all(|s| s.kv == self.slabs.first().map_or(0, |f| f.kv))
     }
 
-    /// Byte offset of token slot `slot` in a pool buffer.
-    pub fn slot_offset(&self, slot: u64) -> u64 {
-        let ps = self.pool_page_size.max(1) as u64;
-        (slot / ps) * self.pool_page_stride + (slot % ps) * self.pool_token_stride
-    }
-
-    /// The run of adjacent pool bytes the plan copies at a time: a page of whole token slots, else
-    /// a piece (what a read straight into the pool's rows costs per range).
-    pub fn min_pool_run(&self) -> u64 {
-        if self.contiguous() {
-            self.row_bytes * self.pool_page_size as u64
-        } else {
-            self.piece_bytes
+    /// The plan as parts whose slabs share one [`RowGeometry`] (each part's `rows` both that one):
+    /// the plan itself where it is [`Self::uniform`], else its K slabs and its V slabs. Copy
+    /// engines that take one row geometry per launch (the CUDA kernels) run each part.
+    pub fn uniform_parts(&self) -> Vec<CopyPlan> {
+        if self.uniform() {
+            let kv = self.slabs.first().map_or(0, |s| s.kv as usize).min(1);
+            return vec![CopyPlan { rows: [self.rows[kv]; 2], ..self.clone() }];
         }
+        (0..2)
+            .map(|kv| CopyPlan { rows: [self.rows[kv]; 2], slabs: self.slabs.iter().filter(|s| s.kv == kv as u32).copied().collect(), ..self.clone() })
+            .filter(|p| !p.slabs.is_empty())
+            .collect()
+    }
+
+    /// The rows of every slab of a [`Self::uniform`] plan (a part of [`Self::uniform_parts`]).
+    pub fn uniform_rows(&self) -> &RowGeometry {
+        debug_assert!(self.uniform(), "a plan whose K and V rows differ has no one row geometry");
+        self.slabs.first().map_or(&self.rows[0], |s| self.geometry(s))
+    }
+
+    /// Byte offset of token slot `slot` in a pool buffer whose rows are `g`.
+    pub fn slot_offset(&self, g: &RowGeometry, slot: u64) -> u64 {
+        let ps = self.pool_page_size.max(1) as u64;
+        (slot / ps) * g.pool_page_stride + (slot % ps) * g.pool_token_stride
+    }
+
+    /// The shortest run of adjacent pool bytes the plan copies at a time: a page of whole token
+    /// slots, else a piece (what a read straight into the pool's rows costs per range).
+    pub fn min_pool_run(&self) -> u64 {
+        let run = |g: &RowGeometry| if g.contiguous() { g.row_bytes * self.pool_page_size as u64 } else { g.piece_bytes };
+        self.slabs.iter().map(|s| run(self.geometry(s))).min().unwrap_or_else(|| run(&self.rows[0]))
+    }
+
+    /// Bytes of `slab`'s rows.
+    pub fn slab_bytes(&self, slab: &Slab) -> u64 {
+        self.tokens * self.geometry(slab).row_bytes
     }
 
     /// Bytes moved by the plan.
     pub fn bytes(&self) -> u64 {
-        self.slabs.len() as u64 * self.tokens * self.row_bytes
+        self.slabs.iter().map(|s| self.slab_bytes(s)).sum()
     }
 
     /// Number of [`CopyRun`]s (`slabs × segments`).
@@ -136,21 +181,28 @@ impl CopyPlan {
     /// `piece_bytes` long but the last: a sender writes piece `k` while it gathers piece `k + 1`.
     /// Each piece's region range is contiguous when the plan's slabs tile the region.
     pub fn pieces_of(&self, piece_bytes: u64) -> Vec<CopyPlan> {
-        let slab = self.tokens * self.row_bytes;
-        let per_piece = piece_bytes.div_ceil(slab.max(1)).max(1) as usize;
         let mut slabs = self.slabs.clone();
         slabs.sort_by_key(|s| s.staging_offset);
-        slabs.chunks(per_piece).map(|group| CopyPlan { slabs: group.to_vec(), ..self.clone() }).collect()
+        let mut out: Vec<CopyPlan> = Vec::new();
+        let mut bytes = piece_bytes; // of the last piece: a full one starts the next
+        for slab in slabs {
+            if bytes >= piece_bytes {
+                out.push(CopyPlan { slabs: Vec::new(), ..self.clone() });
+                bytes = 0;
+            }
+            out.last_mut().expect("a piece").slabs.push(slab);
+            bytes += self.slab_bytes(&slab);
+        }
+        out
     }
 
     /// Byte ranges `(offset, len)` of the region the plan writes, in region order, adjacent
     /// slabs merged: what a layer-wise sender reports as written.
     pub fn staging_ranges(&self) -> Vec<(u64, u64)> {
-        let slab = self.tokens * self.row_bytes;
-        let mut starts: Vec<u64> = self.slabs.iter().map(|s| s.staging_offset).collect();
-        starts.sort_unstable();
+        let mut slabs: Vec<(u64, u64)> = self.slabs.iter().map(|s| (s.staging_offset, self.slab_bytes(s))).collect();
+        slabs.sort_unstable();
         let mut out: Vec<(u64, u64)> = Vec::new();
-        for at in starts {
+        for (at, slab) in slabs {
             match out.last_mut() {
                 Some((start, len)) if *start + *len == at => *len += slab,
                 _ => out.push((at, slab)),
@@ -161,15 +213,16 @@ impl CopyPlan {
 
     /// The run of `slab`'s staging rows `[from, to)`, which lie inside segment `seg`.
     pub fn run(&self, slab: &Slab, seg: &Segment, from: u64, to: u64) -> CopyRun {
+        let g = self.geometry(slab);
         CopyRun {
             buffer: slab.buffer,
-            pool_offset: self.slot_offset(seg.pool_token) + (from - seg.staging_token) * self.pool_token_stride + self.pool_head_offset,
-            staging_offset: slab.staging_offset + from * self.row_bytes,
+            pool_offset: self.slot_offset(g, seg.pool_token) + (from - seg.staging_token) * g.pool_token_stride + g.pool_head_offset,
+            staging_offset: slab.staging_offset + from * g.row_bytes,
             rows: to - from,
-            pool_row_stride: self.pool_token_stride,
-            pieces: self.pieces(),
-            pool_piece_stride: self.pool_piece_stride,
-            piece_bytes: self.piece_bytes,
+            pool_row_stride: g.pool_token_stride,
+            pieces: g.pieces(),
+            pool_piece_stride: g.pool_piece_stride,
+            piece_bytes: g.piece_bytes,
         }
     }
 
@@ -198,17 +251,20 @@ pub fn plan_chunk<P: PoolGeometry + ?Sized>(
     staging: &StagingLayout,
     region: &WriterRegion,
 ) -> Result<CopyPlan> {
-    let strides = pool.strides();
+    let geometry = pool;
     let pool = pool.shape();
     pool.validate()?;
-    let sized = region.layers as usize == region.layer_ids.len()
-        && staging.slab_bytes.checked_mul(region.layers as u64 * staging.buffers_per_layer as u64) == Some(region.kv_bytes());
+    let sized = region.layers as usize == region.layer_ids.len() && staging.layer_bytes().checked_mul(region.layers as u64) == Some(region.kv_bytes());
     if !sized || region.offset.checked_add(region.bytes).is_none_or(|end| end > staging.total_bytes) {
         return Err(Error::invalid_arg(
             "region",
             format!(
-                "[{}, +{}) with {} layers is not a region of this layout ({} bytes, slabs of {})",
-                region.offset, region.bytes, region.layers, staging.total_bytes, staging.slab_bytes
+                "[{}, +{}) with {} layers is not a region of this layout ({} bytes, {} per layer)",
+                region.offset,
+                region.bytes,
+                region.layers,
+                staging.total_bytes,
+                staging.layer_bytes()
             ),
         ));
     }
@@ -247,25 +303,33 @@ pub fn plan_chunk<P: PoolGeometry + ?Sized>(
         for (l, &idx) in layer_idx.iter().enumerate() {
             slabs.push(Slab {
                 buffer: kv * pool_layers + idx,
-                staging_offset: (kv as u64 * region.layers as u64 + l as u64) * staging.slab_bytes,
+                kv,
+                staging_offset: staging.slab_in_region(region.layers, kv, l as u32),
                 layer_id: region.layer_ids[l],
             });
         }
     }
-    // Heads `strides.head` apart that are not adjacent make one piece per head.
-    let hb = pool.head_bytes();
-    let (piece_bytes, piece_stride) = if num_heads == 1 || strides.head == hb { (staging.row_bytes, staging.row_bytes) } else { (hb, strides.head) };
+    let rows = |kv: u32| {
+        let (strides, row_bytes, hb) = (geometry.strides_of(kv), staging.row_bytes(kv), pool.head_bytes_of(kv));
+        // Heads `strides.head` apart that are not adjacent make one piece per head.
+        let (piece_bytes, piece_stride) = if num_heads == 1 || strides.head == hb { (row_bytes, row_bytes) } else { (hb, strides.head) };
+        RowGeometry {
+            pool_page_stride: strides.page,
+            pool_token_stride: strides.token,
+            pool_head_offset: head_start as u64 * strides.head,
+            pool_piece_stride: piece_stride,
+            piece_bytes,
+            row_bytes,
+        }
+    };
+    let last = staging.buffers_per_layer - 1;
+    let linear = (0..=last).all(|kv| super::layout::is_linear(pool, geometry.strides_of(kv)));
     Ok(CopyPlan {
         pool_page_size: pool.page_size,
-        pool_page_stride: strides.page,
-        pool_token_stride: strides.token,
-        pool_head_offset: head_start as u64 * strides.head,
-        pool_piece_stride: piece_stride,
-        piece_bytes,
-        row_bytes: staging.row_bytes,
+        rows: [rows(0), rows(last)],
         tokens: span.tokens,
         slabs,
-        segments: span.segments(pool.page_size, super::layout::is_linear(pool, strides)),
+        segments: span.segments(pool.page_size, linear),
         region_offset: region.offset,
         staging_bytes: region.kv_bytes(),
     })
@@ -310,7 +374,7 @@ mod tests {
         let st = staging_layout(&src, &dst, 32).unwrap();
         let w = st.region_of(&src).unwrap().unwrap();
         let whole = plan_gather(&src, &[3, 1], 0, &st, &w).unwrap();
-        let slab = whole.tokens * whole.row_bytes;
+        let slab = whole.slab_bytes(&whole.slabs[0]);
         for piece_bytes in [1, slab - 1, slab, slab + 1, 5 * slab, 12 * slab, 100 * slab] {
             let pieces = whole.pieces_of(piece_bytes);
             let mut next = 0;
@@ -368,7 +432,7 @@ mod tests {
         let w = &st.writers[st.writer_for(&src).unwrap().unwrap() as usize];
         let pages = [7, 8, 9, 2, 3];
         let g = plan_gather(&src, &pages, 0, &st, w).unwrap();
-        assert!(g.contiguous());
+        assert!(g.rows[0].contiguous());
         assert_eq!(g.segments, vec![
             Segment { pool_token: 7 * 16, staging_token: 0, tokens: 48 },
             Segment { pool_token: 2 * 16, staging_token: 48, tokens: 32 },
@@ -392,7 +456,7 @@ mod tests {
         assert_eq!((g.region_offset, g.staging_bytes), (st.writers[1].offset, st.writers[1].bytes));
         // The receiver's slice is half of its token slot: strided rows.
         let s = plan_scatter(&dst, &pages, &st, w).unwrap();
-        assert!(!s.contiguous());
+        assert!(!s.rows[0].contiguous());
         let r: Vec<CopyRun> = s.runs().collect();
         assert_eq!(r[0], CopyRun {
             buffer: 0,
@@ -418,7 +482,7 @@ mod tests {
         let pool = crate::geometry::KvLayout::new(dst.clone(), 16, crate::geometry::MemoryKind::Host, bases).with_strides(hm);
         pool.validate().unwrap();
         let s = plan_scatter(&pool, &[7, 8, 9, 2, 3], &st, w).unwrap();
-        assert_eq!((s.piece_bytes, s.pool_piece_stride, s.pieces(), s.pool_token_stride), (256, 16 * 256, 2, 256));
+        assert_eq!((s.rows[0].piece_bytes, s.rows[0].pool_piece_stride, s.rows[0].pieces(), s.rows[0].pool_token_stride), (256, 16 * 256, 2, 256));
         assert_eq!(s.segments.len(), 5, "one per page");
         assert_eq!(s.segments[1], Segment { pool_token: 8 * 16, staging_token: 16, tokens: 16 });
         let r = s.run(&s.slabs[0], &s.segments[1], 20, 24);
@@ -432,7 +496,7 @@ mod tests {
             pool_piece_stride: 16 * 256,
             piece_bytes: 256,
         });
-        assert!(!s.contiguous());
+        assert!(!s.rows[0].contiguous());
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub struct SliceOp {
 /// `dst`'s shape, which the receiver places in its own layout. No coalescing: this is the
 /// per-token list a naive transfer would issue.
 pub fn slice_plan<S: PoolGeometry + ?Sized>(src: &S, dst: &PoolShape, hs: &HeadSlice, src_span: &PageSpan, dst_span: &PageSpan) -> Result<Vec<SliceOp>> {
-    let strides = src.strides();
+    let geometry = src;
     let src = src.shape();
     src.validate().map_err(|e| e.context("prefill (src) pool shape"))?;
     dst.validate().map_err(|e| e.context("decode (dst) pool shape"))?;
@@ -74,9 +74,6 @@ pub fn slice_plan<S: PoolGeometry + ?Sized>(src: &S, dst: &PoolShape, hs: &HeadS
             }],
         ));
     }
-    let (dtb, hb) = (dst.token_bytes(), src.head_bytes());
-    let len = n * hb;
-    let pieces = if n == 1 || strides.head == hb { 1 } else { n };
     // Pool slot of span token `t`.
     let slot = |span: &PageSpan, ps: u32, t: u64| {
         let at = span.first_token as u64 + t;
@@ -85,6 +82,9 @@ pub fn slice_plan<S: PoolGeometry + ?Sized>(src: &S, dst: &PoolShape, hs: &HeadS
     let per_buffer = layers.len() * src_span.tokens as usize;
     let mut ops = Vec::with_capacity(per_buffer * src.buffers_per_layer() as usize);
     for kv in 0..src.buffers_per_layer() {
+        let (strides, dtb, hb) = (geometry.strides_of(kv), dst.token_bytes_of(kv), src.head_bytes_of(kv));
+        let len = n * hb;
+        let pieces = if n == 1 || strides.head == hb { 1 } else { n };
         for &(si, di) in &layers {
             let (sb, db) = (src.buffer_index(kv, si), dst.buffer_index(kv, di));
             for t in 0..src_span.tokens {

@@ -28,7 +28,7 @@ pub const TAIL_ONLY: u32 = u32::MAX;
 pub struct WriterRegion {
     /// Byte offset of the region within the allocation (0 until placed).
     pub offset: u64,
-    /// Region size: `tokens · row_bytes · layers · buffers_per_layer`, plus the tail.
+    /// Region size: `layers ·` [`StagingLayout::layer_bytes`], plus the tail.
     pub bytes: u64,
     /// Layers carried (`layer_ids.len()`).
     pub layers: u32,
@@ -96,16 +96,15 @@ pub struct StagingLayout {
     /// Regions placed so far, back to back from offset 0: by [`StagingLayout::place`] (the
     /// receiver, in allocation order) or all of them by [`staging_layout_stages`].
     pub writers: Vec<WriterRegion>,
-    /// Bytes of the whole allocation: `tp_writers · layers · buffers_per_layer · slab_bytes`,
+    /// Bytes of the whole allocation: `tp_writers · layers ·` [`StagingLayout::layer_bytes`],
     /// plus `tail_total`.
     pub total_bytes: u64,
     /// Bytes of request parts the allocation owes besides the KV (every region's tail together).
     pub tail_total: u64,
     pub tokens: u32,
-    /// Bytes of one token's head slice: `n · D · b`.
-    pub row_bytes: u64,
-    /// Bytes of one (buffer, layer) slab: `tokens · row_bytes`.
-    pub slab_bytes: u64,
+    /// Bytes of one token's head slice of each buffer kind (K / latent, V): `n · D · b`, `n · Dv ·
+    /// b` ([`StagingLayout::row_bytes`]).
+    pub rows: [u64; 2],
     /// Heads per row (`n`).
     pub num_heads: u32,
     pub kind: ModelKind,
@@ -126,7 +125,28 @@ impl StagingLayout {
     /// is out of range.
     pub fn slab_offset(&self, writer: u32, kv: u32, layer_idx: u32) -> u64 {
         let w = &self.writers[writer as usize];
-        w.offset + (kv as u64 * w.layers as u64 + layer_idx as u64) * self.slab_bytes
+        w.offset + self.slab_in_region(w.layers, kv, layer_idx)
+    }
+
+    /// Offset of slab (`kv`, `layer_idx`) within a region of `layers` layers: K slabs, then V.
+    pub fn slab_in_region(&self, layers: u32, kv: u32, layer_idx: u32) -> u64 {
+        let before_kind = if kv == 0 { 0 } else { layers as u64 * self.slab_bytes(0) };
+        before_kind + layer_idx as u64 * self.slab_bytes(kv)
+    }
+
+    /// Bytes of one token's head slice in a slab of buffer kind `kv` (0 = K / latent, 1 = V).
+    pub fn row_bytes(&self, kv: u32) -> u64 {
+        self.rows[(kv as usize).min(1)]
+    }
+
+    /// Bytes of one (buffer, layer) slab of kind `kv`: `tokens · row_bytes(kv)`.
+    pub fn slab_bytes(&self, kv: u32) -> u64 {
+        self.tokens as u64 * self.row_bytes(kv)
+    }
+
+    /// Bytes of one layer's slabs (K and V, or the latent).
+    pub fn layer_bytes(&self) -> u64 {
+        (0..self.buffers_per_layer).map(|kv| self.slab_bytes(kv)).sum()
     }
 
     /// Head groups of the decode rank: prefill ranks (one per group) that write each chunk's
@@ -227,7 +247,7 @@ impl StagingLayout {
         let layers = layer_ids.len() as u32;
         Ok(Some(WriterRegion {
             offset: 0,
-            bytes: self.slab_bytes * layers as u64 * self.buffers_per_layer as u64,
+            bytes: self.layer_bytes() * layers as u64,
             layers,
             layer_ids,
             src_tp_rank: src.tp_rank,
@@ -369,18 +389,16 @@ pub fn staging_layout(src: &PoolShape, dst: &PoolShape, tokens: u32) -> Result<S
     };
     let n = tp_ranks[0].1.num_heads;
     let overflow = || Error::new(Status::KVSTAGE_E_GEOMETRY_INVALID, format!("staging size of {tokens} tokens overflows 64 bits"));
-    let row_bytes = n as u64 * dst.head_bytes();
-    let slab_bytes = (tokens as u64).checked_mul(row_bytes).ok_or_else(overflow)?;
     let bpl = dst.buffers_per_layer();
-    let slabs = tp_ranks.len() as u64 * dst.layer_count() as u64 * bpl as u64;
-    let total_bytes = slab_bytes.checked_mul(slabs).ok_or_else(overflow)?;
+    let rows = [n as u64 * dst.head_bytes_of(0), n as u64 * dst.head_bytes_of(bpl - 1)];
+    let layer_bytes = (tokens as u64).checked_mul(rows[0] + if bpl == 2 { rows[1] } else { 0 }).ok_or_else(overflow)?;
+    let total_bytes = layer_bytes.checked_mul(tp_ranks.len() as u64 * dst.layer_count() as u64).ok_or_else(overflow)?;
     Ok(StagingLayout {
         writers: Vec::new(),
         total_bytes,
         tail_total: 0,
         tokens,
-        row_bytes,
-        slab_bytes,
+        rows,
         num_heads: n,
         kind: dst.kind,
         buffers_per_layer: bpl,
@@ -435,7 +453,7 @@ mod tests {
         // docs/GEOMETRY.md, "Sizes": 70B, P4→D2, 8192-token chunk: 2 writers × 640 MiB.
         let st = staging_layout_stages(&[shape(0, 4)], &shape(1, 2), 8192).unwrap();
         assert_eq!(st.writers.len(), 2);
-        assert_eq!(st.row_bytes, 512);
+        assert_eq!(st.row_bytes(0), 512);
         assert!(st.writers.iter().all(|w| w.bytes == 640 << 20));
         assert_eq!(st.total_bytes, 1280 << 20);
         assert_eq!(staging_layout(&shape(0, 4), &shape(1, 2), 8192).unwrap().total_bytes, st.total_bytes);
@@ -555,7 +573,7 @@ mod tests {
     #[test]
     fn staging_errors() {
         // Any token count: a request's last chunk may end inside a page.
-        assert_eq!(staging_layout(&shape(0, 4), &shape(1, 2), 20).unwrap().slab_bytes, 20 * 2 * 128 * 2);
+        assert_eq!(staging_layout(&shape(0, 4), &shape(1, 2), 20).unwrap().slab_bytes(0), 20 * 2 * 128 * 2);
         let mut other = shape(1, 2);
         other.head_dim = 64;
         other.dtype_bytes = 4;

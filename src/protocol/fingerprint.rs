@@ -1,9 +1,9 @@
 //! The compact, versioned wire encoding of a geometry fingerprint (in the handshake).
 //!
-//! Wire format (little-endian), version 1:
+//! Wire format (little-endian), version 2:
 //! ```text
 //! "KVGF" u16 version  u8 kind(0 MHA, 1 MLA)  u8 dtype_bytes
-//! u32 page_size  u32 global_heads  u32 local_heads  u32 head_dim
+//! u32 page_size  u32 global_heads  u32 local_heads  u32 head_dim  u32 head_dim_v
 //! u32 tp_rank  u32 tp_size  u32 pp_rank  u32 pp_size
 //! u32 runs  { u32 first_layer  u32 count } × runs          (layer ids as ascending runs)
 //! ```
@@ -16,7 +16,7 @@ use crate::geometry::limits::MAX_LAYERS;
 use crate::geometry::{Fingerprint, ModelKind, PoolShape};
 
 pub const FINGERPRINT_MAGIC: [u8; 4] = *b"KVGF";
-const FIXED_BYTES: usize = 4 + 2 + 1 + 1 + 4 * 9;
+const FIXED_BYTES: usize = 4 + 2 + 1 + 1 + 4 * 10;
 
 impl Fingerprint {
     pub fn encode(&self) -> Vec<u8> {
@@ -29,7 +29,7 @@ impl Fingerprint {
             ModelKind::Mla => 1,
         });
         out.u8(s.dtype_bytes.min(255) as u8);
-        for v in [s.page_size, s.global_heads, s.local_heads, s.head_dim, s.tp_rank, s.tp_size, s.pp_rank, s.pp_size] {
+        for v in [s.page_size, s.global_heads, s.local_heads, s.head_dim, s.head_dim_v, s.tp_rank, s.tp_size, s.pp_rank, s.pp_size] {
             out.u32(v);
         }
         out.u32(runs.len() as u32);
@@ -62,6 +62,7 @@ impl Fingerprint {
         let global_heads = r.u32("global_heads")?;
         let local_heads = r.u32("local_heads")?;
         let head_dim = r.u32("head_dim")?;
+        let head_dim_v = r.u32("head_dim_v")?;
         let tp_rank = r.u32("tp_rank")?;
         let tp_size = r.u32("tp_size")?;
         let pp_rank = r.u32("pp_rank")?;
@@ -89,6 +90,7 @@ impl Fingerprint {
             local_heads,
             global_heads,
             head_dim,
+            head_dim_v,
             dtype_bytes,
             tp_rank,
             tp_size,
@@ -118,7 +120,7 @@ mod tests {
         let bytes = fp.encode();
         assert_eq!(bytes.len(), FIXED_BYTES + 3 * 8);
         assert_eq!(Fingerprint::decode(&bytes).unwrap(), fp);
-        assert_eq!(Fingerprint::of(&shape()).encode().len(), 52);
+        assert_eq!(Fingerprint::of(&shape()).encode().len(), 56);
         let mla = PoolShape::new(ModelKind::Mla, 1, 576, 2, 64, 61).with_tp(2, 8);
         assert_eq!(Fingerprint::decode(&Fingerprint::of(&mla).encode()).unwrap().shape, mla);
     }
@@ -155,13 +157,15 @@ mod tests {
         let cases: Vec<(Vec<u8>, &str)> = vec![
             (vec![], "magic needs 4 bytes"),
             (b"KVGX\x01\x00".to_vec(), "magic"),
-            ({ let mut b = good.clone(); b[4] = 2; b }, "version 2 is not supported"),
+            ({ let mut b = good.clone(); b[4] = 1; b }, "version 1 is not supported"),
             ({ let mut b = good.clone(); b[6] = 9; b }, "model kind 9 is unknown"),
             (good[..20].to_vec(), "head_dim needs 4 bytes"),
-            ({ let mut b = good.clone(); b[40..44].copy_from_slice(&1000u32.to_le_bytes()); b }, "claims 1000 layer runs"),
-            ({ let mut b = good.clone(); b[48..52].copy_from_slice(&0u32.to_le_bytes()); b }, "is empty, overflows"),
-            ({ let mut b = good.clone(); b[44..48].copy_from_slice(&u32::MAX.to_le_bytes()); b }, "overflows"),
-            ({ let mut b = good.clone(); b[48..52].copy_from_slice(&70000u32.to_le_bytes()); b }, "exceeds 65536"),
+            (good[..24].to_vec(), "head_dim_v needs 4 bytes"),
+            ({ let mut b = good.clone(); b[24..28].copy_from_slice(&0u32.to_le_bytes()); b }, "describes an invalid pool"),
+            ({ let mut b = good.clone(); b[44..48].copy_from_slice(&1000u32.to_le_bytes()); b }, "claims 1000 layer runs"),
+            ({ let mut b = good.clone(); b[52..56].copy_from_slice(&0u32.to_le_bytes()); b }, "is empty, overflows"),
+            ({ let mut b = good.clone(); b[48..52].copy_from_slice(&u32::MAX.to_le_bytes()); b }, "overflows"),
+            ({ let mut b = good.clone(); b[52..56].copy_from_slice(&70000u32.to_le_bytes()); b }, "exceeds 65536"),
             ({ let mut b = good.clone(); b.push(0); b }, "1 trailing bytes"),
             ({ let mut b = good.clone(); b[7] = 3; b }, "describes an invalid pool"),
         ];

@@ -38,7 +38,9 @@ pub const MAGIC: [u8; 8] = *b"KVSTAGE\x01";
 /// CUDA IPC handles of whole allocations).
 /// 12: a same-host pool share carries the decode pool's capacity and strides (each side's pool has
 /// a layout of its own: only the model must agree).
-pub const PROTOCOL_VERSION: u16 = 12;
+/// 13: a pool shape (hello, fingerprint) carries `head_dim_v`; a same-host pool share carries V's
+/// strides as well as K's.
+pub const PROTOCOL_VERSION: u16 = 13;
 /// Largest control body accepted; anything larger is a protocol error, not an allocation.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest hello body accepted from a peer that has not authenticated yet.
@@ -181,6 +183,7 @@ fn encode_shape(e: &mut Enc, s: &PoolShape) {
     .u32(s.local_heads)
     .u32(s.global_heads)
     .u32(s.head_dim)
+    .u32(s.head_dim_v)
     .u32(s.dtype_bytes)
     .u32(s.tp_rank)
     .u32(s.tp_size)
@@ -204,6 +207,7 @@ fn decode_shape(d: &mut Dec) -> Result<PoolShape> {
         local_heads: d.u32("shape.local_heads")?,
         global_heads: d.u32("shape.global_heads")?,
         head_dim: d.u32("shape.head_dim")?,
+        head_dim_v: d.u32("shape.head_dim_v")?,
         dtype_bytes: d.u32("shape.dtype_bytes")?,
         tp_rank: d.u32("shape.tp_rank")?,
         tp_size: d.u32("shape.tp_size")?,
@@ -498,6 +502,7 @@ mod tests {
             local_heads: 2,
             global_heads: 8,
             head_dim: 128,
+            head_dim_v: 128,
             dtype_bytes: 2,
             tp_rank: 1,
             tp_size: 4,

@@ -18,14 +18,16 @@ pub struct Model {
     pub layers: u32,
     pub kv_heads: u32,
     pub head_dim: u32,
+    /// Elements per V head where they differ from K's; 0 = `head_dim`.
+    pub head_dim_v: u32,
     pub dtype_bytes: u32,
 }
 
 pub const MODELS: [Model; 4] = [
-    Model { name: "llama3-8b", kind: ModelKind::Mha, layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2 },
-    Model { name: "qwen3-32b", kind: ModelKind::Mha, layers: 64, kv_heads: 8, head_dim: 128, dtype_bytes: 2 },
-    Model { name: "llama3-70b", kind: ModelKind::Mha, layers: 80, kv_heads: 8, head_dim: 128, dtype_bytes: 2 },
-    Model { name: "deepseek-v3", kind: ModelKind::Mla, layers: 61, kv_heads: 1, head_dim: 576, dtype_bytes: 2 },
+    Model { name: "llama3-8b", kind: ModelKind::Mha, layers: 32, kv_heads: 8, head_dim: 128, head_dim_v: 0, dtype_bytes: 2 },
+    Model { name: "qwen3-32b", kind: ModelKind::Mha, layers: 64, kv_heads: 8, head_dim: 128, head_dim_v: 0, dtype_bytes: 2 },
+    Model { name: "llama3-70b", kind: ModelKind::Mha, layers: 80, kv_heads: 8, head_dim: 128, head_dim_v: 0, dtype_bytes: 2 },
+    Model { name: "deepseek-v3", kind: ModelKind::Mla, layers: 61, kv_heads: 1, head_dim: 576, head_dim_v: 0, dtype_bytes: 2 },
 ];
 
 pub fn model(name: &str) -> Option<Model> {
@@ -34,8 +36,8 @@ pub fn model(name: &str) -> Option<Model> {
 
 impl Model {
     pub fn shape(&self, page_size: u32, tp_rank: u32, tp_size: u32) -> PoolShape {
-        PoolShape::new(self.kind, self.kv_heads, self.head_dim, self.dtype_bytes, page_size, self.layers)
-            .with_tp(tp_rank, tp_size)
+        let v = if self.head_dim_v == 0 { self.head_dim } else { self.head_dim_v };
+        PoolShape::new(self.kind, self.kv_heads, self.head_dim, self.dtype_bytes, page_size, self.layers).with_head_dim_v(v).with_tp(tp_rank, tp_size)
     }
 }
 
@@ -94,12 +96,14 @@ pub struct Reference {
     pub preset: LayoutPreset,
     pub pad: u64,
     /// Layers of the pool (its stage's), capacity in pages, tokens per page, local heads, bytes
-    /// of one head's row, buffers per layer (2: K and V; 1: MLA's latent).
+    /// of one K (or latent) head's row and of one V head's row (0 for MLA), buffers per layer
+    /// (2: K and V; 1: MLA's latent).
     layers: u64,
     cap: u64,
     ps: u64,
     heads: u64,
-    hb: u64,
+    hk: u64,
+    hv: u64,
     kvn: u64,
 }
 
@@ -112,31 +116,46 @@ impl Reference {
             cap: capacity_pages,
             ps: shape.page_size as u64,
             heads: shape.local_heads as u64,
-            hb: shape.head_dim as u64 * shape.dtype_bytes as u64,
+            hk: shape.head_dim as u64 * shape.dtype_bytes as u64,
+            hv: if shape.kind == ModelKind::Mla { 0 } else { shape.head_dim_v as u64 * shape.dtype_bytes as u64 },
             kvn: if shape.kind == ModelKind::Mla { 1 } else { 2 },
         }
     }
 
-    /// vLLM's cell: K‖V of one (head, token), `2·D` elements (MLA: the latent alone).
-    fn cell(&self) -> u64 {
-        self.kvn * self.hb
+    /// Bytes of one head's row of buffer `kv` (0: K or the latent, 1: V).
+    pub fn head_bytes(&self, kv: u64) -> u64 {
+        if kv == 0 {
+            self.hk
+        } else {
+            self.hv
+        }
     }
 
-    /// Bytes of one page (block) row before its padding.
+    /// vLLM's cell: K‖V of one (head, token), `D + Dv` elements (MLA: the latent alone).
+    fn cell(&self) -> u64 {
+        self.hk + self.hv
+    }
+
+    /// Bytes of one page (block) row before its padding (sglang: of a K buffer; [`Self::v_page_row`]).
     fn page_row(&self) -> u64 {
-        let (l, h, n, hb, c) = (self.layers, self.heads, self.ps, self.hb, self.cell());
+        let (l, h, n, c) = (self.layers, self.heads, self.ps, self.cell());
         match self.preset {
             // One buffer's page: [token][head][D].
-            LayoutPreset::Sglang => n * h * hb,
+            LayoutPreset::Sglang => n * h * self.hk,
             // [L][B][H][N][C], [L][B][N][H][C]: one layer's block.
             LayoutPreset::VllmLbhnc | LayoutPreset::VllmLbnhc => h * n * c,
             // [L][H][B][N][C]: one (layer, head)'s block.
             LayoutPreset::VllmLhbnc => n * c,
             // [B][L][H][N][C], [B][L][N][H][C], [B][H][L][N][C]: a block of every layer.
             LayoutPreset::VllmBlhnc | LayoutPreset::VllmBlnhc | LayoutPreset::VllmBhlnc => l * h * n * c,
-            // [block][layer][K/V][head][token][dim].
-            LayoutPreset::Trtllm => l * self.kvn * h * n * hb,
+            // [block][layer][K/V][head][token][dim] (V's dim its own).
+            LayoutPreset::Trtllm => l * h * n * c,
         }
+    }
+
+    /// sglang: bytes of one V buffer's page before its padding.
+    fn v_page_row(&self) -> u64 {
+        self.ps * self.heads * self.hv
     }
 
     /// Whether the page (block) is the outermost axis of the whole tensor (vLLM's B… orders,
@@ -149,7 +168,7 @@ impl Reference {
     pub fn total_bytes(&self) -> u64 {
         let pr = self.page_row() + self.pad;
         match self.preset {
-            LayoutPreset::Sglang => self.kvn * self.layers * self.cap * pr,
+            LayoutPreset::Sglang => self.layers * self.cap * (pr + if self.kvn == 2 { self.v_page_row() + self.pad } else { 0 }),
             LayoutPreset::VllmLbhnc | LayoutPreset::VllmLbnhc => self.layers * self.cap * pr,
             LayoutPreset::VllmLhbnc => self.layers * self.heads * self.cap * pr,
             _ => self.cap * pr,
@@ -160,17 +179,19 @@ impl Reference {
     /// (0: K or the latent, 1: V) of the pool's layer `li` (an index into its `layer_ids`): the
     /// engine's own index arithmetic in its axis order.
     pub fn row(&self, li: u64, kv: u64, b: u64, s: u64, h: u64) -> u64 {
-        let (l, cap, hs, n, hb, c) = (self.layers, self.cap, self.heads, self.ps, self.hb, self.cell());
+        let (l, cap, hs, n, hb, c) = (self.layers, self.cap, self.heads, self.ps, self.head_bytes(kv), self.cell());
         let pr = self.page_row() + self.pad;
+        let v = kv * self.hk; // V's place in a vLLM cell
         match self.preset {
-            LayoutPreset::Sglang => ((kv * l + li) * cap + b) * pr + (s * hs + h) * hb,
-            LayoutPreset::VllmLbhnc => (li * cap + b) * pr + (h * n + s) * c + kv * hb,
-            LayoutPreset::VllmLbnhc => (li * cap + b) * pr + (s * hs + h) * c + kv * hb,
-            LayoutPreset::VllmLhbnc => ((li * hs + h) * cap + b) * pr + s * c + kv * hb,
-            LayoutPreset::VllmBlhnc => b * pr + ((li * hs + h) * n + s) * c + kv * hb,
-            LayoutPreset::VllmBlnhc => b * pr + ((li * n + s) * hs + h) * c + kv * hb,
-            LayoutPreset::VllmBhlnc => b * pr + ((h * l + li) * n + s) * c + kv * hb,
-            LayoutPreset::Trtllm => b * pr + (((li * self.kvn + kv) * hs + h) * n + s) * hb,
+            LayoutPreset::Sglang if kv == 0 => (li * cap + b) * pr + (s * hs + h) * hb,
+            LayoutPreset::Sglang => l * cap * pr + (li * cap + b) * (self.v_page_row() + self.pad) + (s * hs + h) * hb,
+            LayoutPreset::VllmLbhnc => (li * cap + b) * pr + (h * n + s) * c + v,
+            LayoutPreset::VllmLbnhc => (li * cap + b) * pr + (s * hs + h) * c + v,
+            LayoutPreset::VllmLhbnc => ((li * hs + h) * cap + b) * pr + s * c + v,
+            LayoutPreset::VllmBlhnc => b * pr + ((li * hs + h) * n + s) * c + v,
+            LayoutPreset::VllmBlnhc => b * pr + ((li * n + s) * hs + h) * c + v,
+            LayoutPreset::VllmBhlnc => b * pr + ((h * l + li) * n + s) * c + v,
+            LayoutPreset::Trtllm => b * pr + li * hs * n * c + kv * hs * n * self.hk + (h * n + s) * hb,
         }
     }
 
@@ -183,7 +204,7 @@ impl Reference {
                     for s in 0..self.ps {
                         for h in 0..self.heads {
                             let row = self.row(li, kv, b, s, h);
-                            if (row..row + self.hb).contains(&at) {
+                            if (row..row + self.head_bytes(kv)).contains(&at) {
                                 return Some((li, kv, b, s, h, at - row));
                             }
                         }
@@ -201,29 +222,33 @@ impl Reference {
 /// vLLM's layer-first layouts the strides and layer distances that span whole pages grow with it).
 fn registered_layout(shape: &PoolShape, capacity_pages: u64, preset: LayoutPreset, pad: u64, base: usize) -> KvLayout {
     let placement = preset.placement(shape, capacity_pages);
-    let mut strides = placement.strides;
-    let bases = if pad == 0 {
-        preset.bases(shape, capacity_pages, base)
-    } else {
-        strides.page += pad;
-        // A distance of whole (unpadded) pages, in padded pages.
-        let grow = |x: u64| x / placement.strides.page * strides.page;
-        let (layer_stride, v_offset) = match preset {
-            LayoutPreset::Sglang | LayoutPreset::VllmLbhnc | LayoutPreset::VllmLbnhc => (grow(placement.layer_stride), placement.v_offset),
-            LayoutPreset::VllmLhbnc => {
-                strides.head = grow(strides.head);
-                (grow(placement.layer_stride), placement.v_offset)
-            }
-            // The block is outermost: the layers and V lie inside it.
-            _ => (placement.layer_stride, placement.v_offset),
-        };
-        let layers = shape.layer_ids.len();
-        let k: Vec<usize> = (0..layers).map(|i| base + i * layer_stride as usize).collect();
-        let v_offset = if v_offset == 0 { layers as u64 * layer_stride } else { v_offset };
-        let v: Vec<usize> = if shape.kind == ModelKind::Mla { Vec::new() } else { k.iter().map(|&b| b + v_offset as usize).collect() };
-        [k, v].concat()
+    if pad == 0 {
+        return preset.layout(shape, capacity_pages, MemoryKind::Host, base);
+    }
+    let (mut strides, mut v_strides) = (placement.strides, placement.v_strides);
+    strides.page += pad;
+    v_strides.page += pad;
+    // A distance of whole (unpadded) pages, in padded pages.
+    let grow = |x: u64| x / placement.strides.page * strides.page;
+    let (layer_stride, v_offset) = match preset {
+        LayoutPreset::Sglang | LayoutPreset::VllmLbhnc | LayoutPreset::VllmLbnhc => (grow(placement.layer_stride), placement.v_offset),
+        LayoutPreset::VllmLhbnc => {
+            strides.head = grow(strides.head);
+            v_strides.head = strides.head;
+            (grow(placement.layer_stride), placement.v_offset)
+        }
+        // The block is outermost: the layers and V lie inside it.
+        _ => (placement.layer_stride, placement.v_offset),
     };
-    KvLayout::new(shape.clone(), capacity_pages, MemoryKind::Host, bases).with_strides(strides)
+    let layers = shape.layer_ids.len();
+    let k: Vec<usize> = (0..layers).map(|i| base + i * layer_stride as usize).collect();
+    let v: Vec<usize> = match (shape.kind, v_offset) {
+        (ModelKind::Mla, _) => Vec::new(),
+        // sglang: V's buffers (pages of their own size, padded) after every K.
+        (_, 0) => (0..layers).map(|i| base + layers * layer_stride as usize + i * (capacity_pages * v_strides.page) as usize).collect(),
+        (_, off) => k.iter().map(|&b| b + off as usize).collect(),
+    };
+    KvLayout::new(shape.clone(), capacity_pages, MemoryKind::Host, [k, v].concat()).with_strides(strides).with_v_strides(v_strides)
 }
 
 /// One rank's KV pool in host memory: one allocation holding every buffer, laid out as an
@@ -278,14 +303,14 @@ impl HostPool {
         let layout = registered_layout(&shape, capacity_pages, preset, pad_bytes, base);
         let end = base + len;
         for (i, &b) in layout.bases.iter().enumerate() {
-            let reach = b as u64 + layout.buffer_bytes();
+            let reach = b as u64 + layout.buffer_bytes(i as u32);
             assert!(
                 b >= base && reach <= end as u64,
                 "the {} layout's buffer {i} ({:#x}, {} bytes; strides {:?}) reaches outside its {len}-byte tensor at {base:#x} (pad {pad_bytes})",
                 preset.name(),
                 b,
-                layout.buffer_bytes(),
-                layout.strides
+                layout.buffer_bytes(i as u32),
+                layout.strides_of(layout.kind_of(i as u32))
             );
         }
         HostPool { memory, layout, preset, pad_bytes }
@@ -314,9 +339,9 @@ impl HostPool {
     pub fn fill(&mut self, pages: &[u32], first_token: u64) {
         let s = self.layout.shape.clone();
         let r = self.reference();
-        let hb = s.head_bytes() as usize;
         for (li, &layer) in s.layer_ids.iter().enumerate() {
             for kv in 0..s.buffers_per_layer() {
+                let hb = r.head_bytes(kv as u64) as usize;
                 for (i, &page) in pages.iter().enumerate() {
                     for t in 0..s.page_size as u64 {
                         let token = first_token + i as u64 * s.page_size as u64 + t;
@@ -350,11 +375,11 @@ impl HostPool {
     fn verify_where(&self, pages: &[u32], first_token: u64, count: u64, checked: impl Fn(u32) -> bool) -> (u64, Option<String>) {
         let s = &self.layout.shape;
         let r = self.reference();
-        let hb = s.head_bytes() as usize;
-        let mut expected = vec![0u8; hb];
         let (mut bad, mut first) = (0u64, None);
         for (li, &layer) in s.layer_ids.iter().enumerate().filter(|(_, &l)| checked(l)) {
             for kv in 0..s.buffers_per_layer() {
+                let hb = r.head_bytes(kv as u64) as usize;
+                let mut expected = vec![0u8; hb];
                 for (i, &page) in pages.iter().enumerate() {
                     for t in 0..s.page_size as u64 {
                         let index = i as u64 * s.page_size as u64 + t;
@@ -400,7 +425,6 @@ impl HostPool {
     pub fn verify_exact(&self, requests: &[(&[u32], u64, u64)]) -> (u64, Option<String>) {
         let s = &self.layout.shape;
         let r = self.reference();
-        let hb = s.head_bytes() as usize;
         let mut expected = vec![0u8; self.memory.len()];
         // (page, slot) -> (request token, whether it is one of the `count`).
         let mut token_of = std::collections::HashMap::new();
@@ -414,6 +438,7 @@ impl HostPool {
                     }
                     for (li, &layer) in s.layer_ids.iter().enumerate() {
                         for kv in 0..s.buffers_per_layer() {
+                            let hb = r.head_bytes(kv as u64) as usize;
                             for lh in 0..s.local_heads {
                                 let at = r.row(li as u64, kv as u64, page as u64, t, lh as u64) as usize;
                                 pattern(layer, kv, first_token + index, global_head(s, lh), &mut expected[at..at + hb]);
@@ -518,6 +543,7 @@ mod tests {
             for shape in [
                 PoolShape::new(ModelKind::Mha, 4, 6, 2, 3, 3).with_tp(1, 2),
                 PoolShape::new(ModelKind::Mha, 2, 4, 4, 1, 2),
+                PoolShape::new(ModelKind::Mha, 4, 6, 2, 2, 2).with_tp(0, 2).with_head_dim_v(10),
                 PoolShape::new(ModelKind::Mla, 1, 10, 2, 3, 2).with_pp(1, 2, vec![1, 3]),
             ] {
                 for pad in [0u64, 8] {
@@ -534,10 +560,11 @@ mod tests {
                                 for t in 0..r.ps {
                                     for h in 0..r.heads {
                                         let at = r.row(li, kv, b, t, h);
-                                        let lib = layout.bases[(kv * r.layers + li) as usize] as u64 - base as u64 + b * layout.strides.page + t * layout.strides.token + h * layout.strides.head;
+                                        let st = layout.strides_of(kv as u32);
+                                        let lib = layout.bases[(kv * r.layers + li) as usize] as u64 - base as u64 + b * st.page + t * st.token + h * st.head;
                                         assert_eq!(lib, at, "{} pad {pad} {:?}: layer {li} kv {kv} page {b} slot {t} head {h}", preset.name(), shape.kind);
                                         assert_eq!(r.locate(at + 1), Some((li, kv, b, t, h, 1)));
-                                        for e in 0..r.hb {
+                                        for e in 0..r.head_bytes(kv) {
                                             seen[(at + e) as usize] += 1;
                                         }
                                     }
@@ -568,7 +595,7 @@ mod tests {
         assert_eq!(pool.verify(&pages, 10).0, 0);
         assert_eq!(pool.verify_exact(&[(&pages, 10, u64::MAX)]).0, 0);
         // LHBNC: page 0 of (layer 0, head 0) ends with V of its last slot; its padding follows.
-        let pad_at = (pool.reference().row(0, 1, 0, 1, 0) + pool.reference().hb) as usize;
+        let pad_at = (pool.reference().row(0, 1, 0, 1, 0) + pool.reference().head_bytes(1)) as usize;
         pool.memory[pad_at] = 1;
         let (bad, first) = pool.verify_exact(&[(&pages, 10, u64::MAX)]);
         assert_eq!(bad, 1);

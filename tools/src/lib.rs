@@ -48,6 +48,9 @@ pub struct SetupArgs {
     /// Elements per head (overrides the preset).
     #[arg(long, value_name = "N")]
     pub head_dim: Option<u32>,
+    /// Elements per V head where V's heads differ in size from K's (default: `--head-dim`).
+    #[arg(long, value_name = "N")]
+    pub head_dim_v: Option<u32>,
     /// Bytes per element (overrides the preset).
     #[arg(long, value_name = "N")]
     pub dtype_bytes: Option<u32>,
@@ -137,6 +140,7 @@ impl SetupArgs {
             (self.layers, &mut m.layers),
             (self.kv_heads, &mut m.kv_heads),
             (self.head_dim, &mut m.head_dim),
+            (self.head_dim_v, &mut m.head_dim_v),
             (self.dtype_bytes, &mut m.dtype_bytes),
         ];
         let mut custom = false;
@@ -354,16 +358,16 @@ mod tests {
     }
 
     /// Everything but the model's name.
-    fn key(s: &Setup) -> (ModelKind, [u32; 10]) {
+    fn key(s: &Setup) -> (ModelKind, [u32; 11]) {
         let m = &s.model;
-        (m.kind, [m.layers, m.kv_heads, m.head_dim, m.dtype_bytes, s.prefill_tp, s.decode_tp, s.page_size, s.tokens, s.chunk_tokens, s.ring_chunks])
+        (m.kind, [m.layers, m.kv_heads, m.head_dim, m.head_dim_v, m.dtype_bytes, s.prefill_tp, s.decode_tp, s.page_size, s.tokens, s.chunk_tokens, s.ring_chunks])
     }
 
     #[test]
     fn flags_round_trip_through_the_child_command_line() {
         for args in [
             &["--model", "deepseek-v3", "--prefill-tp", "2", "--decode-tp", "8"][..],
-            &["--layers", "2", "--kv-heads", "4", "--head-dim", "16", "--page-size", "4", "--tokens", "64"],
+            &["--layers", "2", "--kv-heads", "4", "--head-dim", "16", "--head-dim-v", "8", "--page-size", "4", "--tokens", "64"],
             &["--model", "custom", "--kind", "mla", "--kv-heads", "1"],
         ] {
             let s = parse(args).unwrap();

@@ -127,9 +127,9 @@ impl<B: Backend> DeviceCopyEngine<B> {
                 format!("the CUDA copy engine cannot use a {:?} pool", pool.memory),
             ));
         }
-        let bytes = pool.buffer_bytes();
         self.backend.scoped(|| {
             for (i, &base) in pool.bases.iter().enumerate() {
+                let bytes = pool.buffer_bytes(i as u32);
                 self.backend.check_device_range(base as u64, bytes).map_err(|e| {
                     e.context(format!("KV pool buffer bases[{i}] ({base:#x}, {bytes} bytes) is not usable by the CUDA copy engine"))
                 })?;
@@ -185,7 +185,9 @@ impl<B: Backend> DeviceCopyEngine<B> {
         let mut lane = self.take(lane, deadline)?;
         let lane = &mut *lane;
         self.backend.scoped(|| {
-            let result = self.run(plan, pool, staging, dir, fence, lane);
+            // One launch (or scratch round) per row geometry: K and V rows differ in size where
+            // V's heads do.
+            let result = plan.uniform_parts().iter().enumerate().try_for_each(|(i, part)| self.run(part, pool, staging, dir, fence.filter(|_| i == 0), lane));
             // Whatever happened, nothing queued may outlive the call (it uses caller memory).
             let synced = self.backend.sync(lane.stream);
             result.and(synced)
@@ -257,11 +259,14 @@ impl<B: Backend> CopyEngine for DeviceCopyEngine<B> {
         let mut lane = self.take(&self.gather, deadline)?;
         let lane = &mut *lane;
         self.backend.scoped(|| {
-            let result = (|| {
+            // Paired slabs are of one kind on both sides: a launch per kind where K and V rows differ.
+            let result = src.uniform_parts().iter().zip(dst.uniform_parts().iter()).try_for_each(|(src, dst)| {
                 let tables = AcrossTables::new(src, &src_pool.bases, dst, &dst_pool.bases);
                 self.grow(&mut lane.table, tables.bytes())?;
                 let table = lane.table.ptr;
-                // SAFETY: the table buffer holds `tables.bytes()`; `tables` lives until the sync below.
+                // SAFETY: the table buffer holds `tables.bytes()`; a copy from pageable memory
+                // returns once it has read `tables`, and the next part's upload is stream-ordered
+                // after this part's launch.
                 unsafe { self.backend.copy(lane.stream, table, tables.words.as_ptr() as u64, tables.bytes()) }?;
                 let job: KvAcross = tables.job(src, dst, table);
                 let kernel = Kernel { op: KernelOp::Across, width: across_width(src, &src_pool.bases, dst, &dst_pool.bases) };
@@ -269,7 +274,7 @@ impl<B: Backend> CopyEngine for DeviceCopyEngine<B> {
                 // SAFETY: both plans were checked against their pools, which the caller vouches
                 // for; the tables were uploaded above on the same stream.
                 unsafe { self.backend.launch(lane.stream, kernel, g, (&job as *const KvAcross).cast()) }
-            })();
+            });
             // Whatever happened, nothing queued may outlive the call (it uses both pools).
             let synced = self.backend.sync(lane.stream);
             result.and(synced)

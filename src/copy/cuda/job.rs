@@ -53,7 +53,8 @@ impl Tables {
         words.extend(plan.slabs.iter().map(|s| s.staging_offset));
         words.extend(plan.segments.iter().map(|s| s.staging_token));
         words.push(plan.tokens);
-        words.extend(plan.segments.iter().map(|s| plan.slot_offset(s.pool_token)));
+        let g = plan.uniform_rows();
+        words.extend(plan.segments.iter().map(|s| plan.slot_offset(g, s.pool_token)));
         Tables { words, nbuf, nslab, nseg }
     }
 
@@ -70,6 +71,7 @@ impl Tables {
         let seg_start = word(self.nbuf + 2 * self.nslab);
         let seg_pool = word(self.nbuf + 2 * self.nslab + self.nseg + 1);
         let first = plan.slabs.get(s0).map_or(0, |s| s.staging_offset);
+        let g = plan.uniform_rows();
         KvJob {
             bases: word(0),
             slab_buffer: slab_buffer + 8 * s0 as u64,
@@ -81,11 +83,11 @@ impl Tables {
             nslab: (s1 - s0) as u64,
             nseg: self.nseg as u64,
             tokens: plan.tokens,
-            pool_token_stride: plan.pool_token_stride,
-            pool_head_offset: plan.pool_head_offset,
-            row_bytes: plan.row_bytes,
-            piece_bytes: plan.piece_bytes,
-            pool_piece_stride: plan.pool_piece_stride,
+            pool_token_stride: g.pool_token_stride,
+            pool_head_offset: g.pool_head_offset,
+            row_bytes: g.row_bytes,
+            piece_bytes: g.piece_bytes,
+            pool_piece_stride: g.pool_piece_stride,
         }
     }
 }
@@ -94,7 +96,8 @@ impl Tables {
 /// the bases of the buffers the plan reads, the staging address, every slab offset, the pool's
 /// strides, the head offset, the row and piece sizes.
 pub fn vector_width(plan: &CopyPlan, bases: &[usize], staging_at: u64) -> u32 {
-    let mut acc = plan.pool_page_stride | plan.pool_token_stride | plan.pool_piece_stride | plan.pool_head_offset | plan.row_bytes | plan.piece_bytes | staging_at;
+    let g = plan.uniform_rows();
+    let mut acc = g.pool_page_stride | g.pool_token_stride | g.pool_piece_stride | g.pool_head_offset | g.row_bytes | g.piece_bytes | staging_at;
     for s in &plan.slabs {
         acc |= s.staging_offset;
         acc |= bases.get(s.buffer as usize).copied().unwrap_or(1) as u64;
@@ -160,8 +163,8 @@ impl AcrossTables {
             at += r.2;
         }
         words.push(at);
-        words.extend(runs.iter().map(|r| src.slot_offset(r.0)));
-        words.extend(runs.iter().map(|r| dst.slot_offset(r.1)));
+        words.extend(runs.iter().map(|r| src.slot_offset(src.uniform_rows(), r.0)));
+        words.extend(runs.iter().map(|r| dst.slot_offset(dst.uniform_rows(), r.1)));
         AcrossTables { words, nsrc, ndst, nslab, nrun }
     }
 
@@ -185,11 +188,11 @@ impl AcrossTables {
             nslab: self.nslab as u64,
             nrun: self.nrun as u64,
             tokens: src.tokens,
-            src_token_stride: src.pool_token_stride,
-            src_head_offset: src.pool_head_offset,
-            dst_token_stride: dst.pool_token_stride,
-            dst_head_offset: dst.pool_head_offset,
-            row_bytes: src.row_bytes,
+            src_token_stride: src.uniform_rows().pool_token_stride,
+            src_head_offset: src.uniform_rows().pool_head_offset,
+            dst_token_stride: dst.uniform_rows().pool_token_stride,
+            dst_head_offset: dst.uniform_rows().pool_head_offset,
+            row_bytes: src.uniform_rows().row_bytes,
             piece_bytes: across_piece(src, dst),
             src_piece_stride: across_piece_stride(src, dst),
             dst_piece_stride: across_piece_stride(dst, src),
@@ -200,9 +203,10 @@ impl AcrossTables {
 /// The widest access (16, 8, 4, 2 or 1 bytes) every row of a direct copy is aligned to on both
 /// sides: the bases of the buffers the plans use, strides, head offsets, the row and piece sizes.
 pub fn across_width(src: &CopyPlan, src_bases: &[usize], dst: &CopyPlan, dst_bases: &[usize]) -> u32 {
-    let mut acc = src.row_bytes | across_piece(src, dst);
+    let mut acc = src.uniform_rows().row_bytes | across_piece(src, dst);
     for (plan, bases) in [(src, src_bases), (dst, dst_bases)] {
-        acc |= plan.pool_page_stride | plan.pool_token_stride | plan.pool_piece_stride | plan.pool_head_offset;
+        let g = plan.uniform_rows();
+        acc |= g.pool_page_stride | g.pool_token_stride | g.pool_piece_stride | g.pool_head_offset;
         for s in &plan.slabs {
             acc |= bases.get(s.buffer as usize).copied().unwrap_or(1) as u64;
         }
@@ -212,14 +216,14 @@ pub fn across_width(src: &CopyPlan, src_bases: &[usize], dst: &CopyPlan, dst_bas
 
 /// The piece a direct copy moves at a time: a head where either side puts heads apart.
 pub fn across_piece(a: &CopyPlan, b: &CopyPlan) -> u64 {
-    a.piece_bytes.min(b.piece_bytes)
+    a.uniform_rows().piece_bytes.min(b.uniform_rows().piece_bytes)
 }
 
 /// `plan`'s stride between the pieces of [`across_piece`] (adjacent where its row is one piece).
 fn across_piece_stride(plan: &CopyPlan, other: &CopyPlan) -> u64 {
-    let len = across_piece(plan, other);
-    if plan.piece_bytes == len {
-        plan.pool_piece_stride
+    let (len, g) = (across_piece(plan, other), plan.uniform_rows());
+    if g.piece_bytes == len {
+        g.pool_piece_stride
     } else {
         len
     }
@@ -249,7 +253,7 @@ pub fn grid(tokens: u64, nslab: u64, limits: GridLimits) -> (u32, u32) {
 /// (a single slab larger than that is a piece of its own): the units a bounded scratch buffer is
 /// filled and drained in. Returns `(s0, s1, staging_start, bytes)`.
 pub fn pieces(plan: &CopyPlan, max_bytes: u64) -> Vec<(usize, usize, u64, u64)> {
-    let slab = plan.tokens * plan.row_bytes;
+    let slab = plan.tokens * plan.uniform_rows().row_bytes;
     let mut out: Vec<(usize, usize, u64, u64)> = Vec::new();
     for (i, s) in plan.slabs.iter().enumerate() {
         match out.last_mut() {
@@ -311,10 +315,13 @@ mod tests {
         odd[5] += 2;
         assert_eq!(vector_width(&g, &odd, 0x7000_0000), 2);
         let mut g3 = g.clone();
-        g3.row_bytes = 12;
-        g3.piece_bytes = 12;
+        for r in &mut g3.rows {
+            (r.row_bytes, r.piece_bytes) = (12, 12);
+        }
         assert_eq!(vector_width(&g3, &bases, 0), 4);
-        g3.pool_head_offset = 1;
+        for r in &mut g3.rows {
+            r.pool_head_offset = 1;
+        }
         assert_eq!(vector_width(&g3, &bases, 0), 1);
     }
 
@@ -371,7 +378,7 @@ mod tests {
         let trt_half = pool(&half, LayoutPreset::Trtllm, 0x400_0000);
         let g2 = plan_gather(&sgl_full, &[5, 2, 3], 0, &st, &w).unwrap();
         let s2 = plan_scatter(&trt_half, &[6, 7, 1], &st, &w).unwrap();
-        assert_eq!((g2.piece_bytes, g2.pool_head_offset), (128, 2 * 64));
+        assert_eq!((g2.rows[0].piece_bytes, g2.rows[0].pool_head_offset), (128, 2 * 64));
         let j2 = AcrossTables::new(&g2, &sgl_full.bases, &s2, &trt_half.bases).job(&g2, &s2, 0x9000);
         assert_eq!((j2.piece_bytes, j2.src_piece_stride, j2.dst_piece_stride), (64, 64, 4 * 64));
         assert_eq!((j2.src_token_stride, j2.dst_token_stride, j2.dst_head_offset), (256, 64, 0));

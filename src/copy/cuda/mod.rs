@@ -198,9 +198,9 @@ impl DeviceCopyEngine<CudaBackend> {
 pub fn check_pool(pool: &KvLayout, device: Option<u32>) -> Result<()> {
     let ordinal = pool_device(pool, device)?;
     let backend = CudaBackend { dev: Device::open(ordinal)? };
-    let bytes = pool.buffer_bytes();
     backend.scoped(|| {
         for (i, &base) in pool.bases.iter().enumerate() {
+            let bytes = pool.buffer_bytes(i as u32);
             backend.check_device_range(base as u64, bytes).map_err(|e| {
                 e.context(format!("KV pool buffer bases[{i}] ({base:#x}, {bytes} bytes) is not usable by the CUDA copy engine"))
             })?;

@@ -43,14 +43,18 @@ pub enum PoolLayout {
 }
 
 impl PoolLayout {
-    /// The strides of a pool of `shape` holding `capacity` pages.
-    pub fn strides(self, shape: &PoolShape, capacity: u64) -> Strides {
+    /// The strides of the K (or latent) and V buffers of a pool of `shape` holding `capacity`
+    /// pages.
+    pub fn strides(self, shape: &PoolShape, capacity: u64) -> [Strides; 2] {
         match self {
-            PoolLayout::TokenMajor => Strides::token_major(shape),
-            PoolLayout::Preset(p) => p.placement(shape, capacity).strides,
+            PoolLayout::TokenMajor => [Strides::token_major_of(shape, 0), Strides::token_major_of(shape, 1)],
+            PoolLayout::Preset(p) => {
+                let at = p.placement(shape, capacity);
+                [at.strides, at.v_strides]
+            }
             PoolLayout::Padded(p, pad) => {
-                let s = p.placement(shape, capacity).strides;
-                Strides { page: s.page + pad, ..s }
+                let at = p.placement(shape, capacity);
+                [at.strides, at.v_strides].map(|s| Strides { page: s.page + pad, ..s })
             }
         }
     }
@@ -248,6 +252,12 @@ pub fn layout_cases() -> Vec<Case> {
     push("int8 D3 trtllm -> vllm-blhnc P2->D4", (mha(4, 3, 1, 5, 2, 0, 2), Preset(L::Trtllm)), (mha(4, 3, 1, 5, 2, 1, 4), Preset(L::VllmBlhnc)), 34, 2, 11, 0);
     push("fp32 D2 vllm-lbhnc -> trtllm P1->D2", (mha(4, 2, 4, 3, 3, 0, 1), Preset(L::VllmLbhnc)), (mha(4, 2, 4, 3, 3, 1, 2), Preset(L::Trtllm)), 35, 1, 20, 0);
     push("fp16 D2 trtllm -> sglang P4->D1", (mha(4, 2, 2, 7, 2, 1, 4), Preset(L::Trtllm)), (mha(4, 2, 2, 7, 2, 0, 1), Preset(L::Sglang)), 35, 0, 9, 0);
+    // V heads of another size than K's (`head_dim_v`): K and V slabs of their own row sizes, a
+    // launch per kind.
+    let dv = |s: PoolShape, v: u32| s.with_head_dim_v(v);
+    push("Dv 16 vllm-lbhnc -> sglang P1->D2", (dv(mha(4, 32, 2, 4, 3, 0, 1), 16), Preset(L::VllmLbhnc)), (dv(mha(4, 32, 2, 4, 3, 1, 2), 16), Preset(L::Sglang)), 38, 1, 12, 0);
+    push("Dv 48 trtllm -> vllm-blnhc P2->D1", (dv(mha(4, 32, 2, 8, 2, 1, 2), 48), Preset(L::Trtllm)), (dv(mha(4, 32, 2, 8, 2, 0, 1), 48), Preset(L::VllmBlnhc)), 40, 0, 8, 0);
+    push("Dv 8 sglang -> trtllm+16 P4->D2 misaligned +2", (dv(mha(8, 24, 2, 4, 2, 3, 4), 8), Preset(L::Sglang)), (dv(mha(8, 24, 2, 4, 2, 1, 2), 8), Padded(L::Trtllm, 16)), 36, 0, 12, 2);
     // Pages of one slot whose page stride is not the token stride: not evenly spaced slots.
     push("sglang ps4 -> vllm-lbhnc ps1 P2->D1", (mha(4, 32, 2, 4, 2, 1, 2), Preset(L::Sglang)), (mha(4, 32, 2, 1, 2, 0, 1), Preset(L::VllmLbhnc)), 36, 0, 48, 0);
     push("trtllm ps1 -> sglang+32 ps1 P1->D2", (mha(4, 32, 2, 1, 2, 0, 1), Preset(L::Trtllm)), (mha(4, 32, 2, 1, 2, 1, 2), Padded(L::Sglang, 32)), 36, 0, 48, 0);
@@ -286,7 +296,7 @@ fn make_pool(mem: &dyn TestMemory, shape: &PoolShape, layout: PoolLayout, capaci
             (offsets, first + p.tensor_bytes(shape, capacity))
         }
         PoolLayout::TokenMajor | PoolLayout::Padded(..) => {
-            let buffer = KvLayout::new(shape.clone(), capacity, MemoryKind::Host, Vec::new()).with_strides(strides).buffer_bytes();
+            let buffer = KvLayout::new(shape.clone(), capacity, MemoryKind::Host, Vec::new()).with_strides(strides[0]).with_v_strides(strides[1]).max_buffer_bytes();
             let stride = (buffer + misalign).next_multiple_of(256) + 256;
             ((0..nb as u64).map(|i| first + i * stride).collect(), first + nb as u64 * stride)
         }
@@ -296,8 +306,8 @@ fn make_pool(mem: &dyn TestMemory, shape: &PoolShape, layout: PoolLayout, capaci
     let dev_base = mem.alloc(mirror.len())?;
     mem.write(dev_base, &mirror)?;
     let bases = |at: u64| offsets.iter().map(|o| (at + o) as usize).collect::<Vec<usize>>();
-    let device = KvLayout::new(shape.clone(), capacity, MemoryKind::Cuda, bases(dev_base)).with_strides(strides);
-    let host = KvLayout::new(shape.clone(), capacity, MemoryKind::Host, bases(mirror.as_ptr() as u64)).with_strides(strides);
+    let device = KvLayout::new(shape.clone(), capacity, MemoryKind::Cuda, bases(dev_base)).with_strides(strides[0]).with_v_strides(strides[1]);
+    let host = KvLayout::new(shape.clone(), capacity, MemoryKind::Host, bases(mirror.as_ptr() as u64)).with_strides(strides[0]).with_v_strides(strides[1]);
     device.validate().map_err(|e| e.context(format!("{} pool", layout.name())))?;
     Ok(Pool { mirror, device, host, dev_base, layout, offsets })
 }
@@ -318,27 +328,30 @@ impl Pool {
     /// source, whole tensor), by the strides' definition for the others. Never through a plan.
     fn head_at(&self, kv: u64, li: u64, page: u64, slot: u64, head: u64) -> usize {
         let shape = &self.device.shape;
-        let (h, n, l, cap, hb) = (shape.local_heads as u64, shape.page_size as u64, shape.layer_count() as u64, self.device.capacity_pages, shape.head_bytes());
+        let (h, n, l, cap) = (shape.local_heads as u64, shape.page_size as u64, shape.layer_count() as u64, self.device.capacity_pages);
         let kvn = shape.buffers_per_layer() as u64;
-        let cell = kvn * hb; // a vLLM cell: K‖V of one (head, token)
+        let (hk, hv) = (shape.head_bytes_of(0), if kvn == 2 { shape.head_bytes_of(1) } else { 0 });
+        let hb = if kv == 0 { hk } else { hv };
+        let cell = hk + hv; // a vLLM cell: K‖V of one (head, token)
+        let v = kv * hk; // V's place in the cell
         let (b, s, hd) = (page, slot, head);
         let at = match self.layout {
             PoolLayout::Preset(p) => {
                 // From the start of the tensor (the first buffer's offset: layer 0's K).
                 self.offsets[0]
                     + match p {
-                        LayoutPreset::Sglang => ((kv * l + li) * cap * n + b * n + s) * h * hb + hd * hb,
-                        LayoutPreset::VllmLbhnc => (((li * cap + b) * h + hd) * n + s) * cell + kv * hb,
-                        LayoutPreset::VllmLbnhc => (((li * cap + b) * n + s) * h + hd) * cell + kv * hb,
-                        LayoutPreset::VllmLhbnc => (((li * h + hd) * cap + b) * n + s) * cell + kv * hb,
-                        LayoutPreset::VllmBlhnc => (((b * l + li) * h + hd) * n + s) * cell + kv * hb,
-                        LayoutPreset::VllmBlnhc => (((b * l + li) * n + s) * h + hd) * cell + kv * hb,
-                        LayoutPreset::VllmBhlnc => (((b * h + hd) * l + li) * n + s) * cell + kv * hb,
-                        LayoutPreset::Trtllm => ((((b * l + li) * kvn + kv) * h + hd) * n + s) * hb,
+                        LayoutPreset::Sglang => kv * l * cap * n * h * hk + (li * cap * n + b * n + s) * h * hb + hd * hb,
+                        LayoutPreset::VllmLbhnc => (((li * cap + b) * h + hd) * n + s) * cell + v,
+                        LayoutPreset::VllmLbnhc => (((li * cap + b) * n + s) * h + hd) * cell + v,
+                        LayoutPreset::VllmLhbnc => (((li * h + hd) * cap + b) * n + s) * cell + v,
+                        LayoutPreset::VllmBlhnc => (((b * l + li) * h + hd) * n + s) * cell + v,
+                        LayoutPreset::VllmBlnhc => (((b * l + li) * n + s) * h + hd) * cell + v,
+                        LayoutPreset::VllmBhlnc => (((b * h + hd) * l + li) * n + s) * cell + v,
+                        LayoutPreset::Trtllm => (b * l + li) * h * n * cell + kv * h * n * hk + (hd * n + s) * hb,
                     }
             }
             PoolLayout::TokenMajor | PoolLayout::Padded(..) => {
-                let st = self.device.strides;
+                let st = self.device.strides_of(kv as u32);
                 self.offsets[(kv * l + li) as usize] + b * st.page + s * st.token + hd * st.head
             }
         };
@@ -353,24 +366,24 @@ fn token_slot(pages: &[u32], page_size: u32, first: u32, t: u64) -> (u64, u64) {
     (pages[(at / ps) as usize] as u64, at % ps)
 }
 
-/// Every (staging offset, pool offset) head of the region, in region order: slab (kv, layer of
-/// the region), token, head of the row; `head_bytes` each.
-fn region_heads(st: &StagingLayout, region: &WriterRegion, pool: &Pool, pages: &[u32], first: u32, head_start: u32) -> Result<Vec<(usize, usize)>> {
+/// Every (staging offset, pool offset, bytes) head of the region, in region order: slab (kv,
+/// layer of the region), token, head of the row.
+fn region_heads(st: &StagingLayout, region: &WriterRegion, pool: &Pool, pages: &[u32], first: u32, head_start: u32) -> Result<Vec<(usize, usize, usize)>> {
     let shape = &pool.device.shape;
-    let hb = shape.head_bytes();
-    let row = st.num_heads as u64 * hb;
-    if row != st.row_bytes || st.slab_bytes != st.tokens as u64 * row {
-        return Err(Error::internal(format!("staging rows of {} bytes, slabs of {}: not {} heads of {hb} bytes", st.row_bytes, st.slab_bytes, st.num_heads)));
-    }
     let mut out = Vec::with_capacity(region.layer_ids.len() * st.buffers_per_layer as usize * st.tokens as usize * st.num_heads as usize);
-    for kv in 0..st.buffers_per_layer as u64 {
+    for kv in 0..st.buffers_per_layer {
+        let hb = shape.head_bytes_of(kv);
+        let row = st.num_heads as u64 * hb;
+        if row != st.row_bytes(kv) {
+            return Err(Error::internal(format!("staging rows of {} bytes: not {} heads of {hb} bytes", st.row_bytes(kv), st.num_heads)));
+        }
         for (l, &id) in region.layer_ids.iter().enumerate() {
             let li = shape.layer_index(id).ok_or_else(|| Error::internal(format!("layer {id} is not in the pool")))? as u64;
-            let slab = (kv * region.layers as u64 + l as u64) * st.slab_bytes;
+            let slab = st.slab_in_region(region.layers, kv, l as u32);
             for t in 0..st.tokens as u64 {
                 let (page, slot) = token_slot(pages, shape.page_size, first, t);
                 for j in 0..st.num_heads as u64 {
-                    out.push(((slab + t * row + j * hb) as usize, pool.head_at(kv, li, page, slot, head_start as u64 + j)));
+                    out.push(((slab + t * row + j * hb) as usize, pool.head_at(kv as u64, li, page, slot, head_start as u64 + j), hb as usize));
                 }
             }
         }
@@ -389,12 +402,15 @@ fn mismatch(case: &Case, what: &str, at: usize) -> Error {
 /// The staging byte `at` of the region, named: slab (kv, layer), token, head, byte.
 fn region_byte(st: &StagingLayout, region: &WriterRegion, at: usize) -> String {
     let at = at as u64;
-    let (slab, within) = (at / st.slab_bytes.max(1), at % st.slab_bytes.max(1));
-    let hb = st.row_bytes / st.num_heads.max(1) as u64;
-    let (kv, l) = (slab / region.layers.max(1) as u64, slab % region.layers.max(1) as u64);
+    let k_bytes = region.layers as u64 * st.slab_bytes(0);
+    let (kv, within_kind) = if at < k_bytes { (0, at) } else { (1, at - k_bytes) };
+    let slab = st.slab_bytes(kv).max(1);
+    let (l, within) = (within_kind / slab, within_kind % slab);
+    let row = st.row_bytes(kv).max(1);
+    let hb = (row / st.num_heads.max(1) as u64).max(1);
     let layer = region.layer_ids.get(l as usize).copied().unwrap_or(u32::MAX);
-    let (t, r) = (within / st.row_bytes.max(1), within % st.row_bytes.max(1));
-    format!("(kv {kv}, layer {layer}, token {t}, head {} of the row, byte {})", r / hb.max(1), r % hb.max(1))
+    let (t, r) = (within / row, within % row);
+    format!("(kv {kv}, layer {layer}, token {t}, head {} of the row, byte {})", r / hb, r % hb)
 }
 
 /// Runs one case; `Ok(bytes moved)` or an error naming the case and the first differing byte.
@@ -412,9 +428,8 @@ pub fn run_case<B: Backend>(engine: &DeviceCopyEngine<B>, mem: &dyn TestMemory, 
     let src = make_pool(mem, &case.src, case.src_layout, case.src_capacity, case.misalign, &mut rng)?;
     let g = plan_gather(&src.device, &case.src_pages, case.first_token, &st, region)?;
     let src_heads = region_heads(&st, region, &src, &case.src_pages, case.first_token, region.heads.src_head_start)?;
-    let hb = case.src.head_bytes() as usize;
     let mut want = vec![0x5Au8; region.bytes as usize];
-    for &(stage, pool) in &src_heads {
+    for &(stage, pool, hb) in &src_heads {
         want[stage..stage + hb].copy_from_slice(&src.mirror[pool..pool + hb]);
     }
     let mut host = vec![0xC3u8; want.len()];
@@ -447,7 +462,7 @@ pub fn run_case<B: Backend>(engine: &DeviceCopyEngine<B>, mem: &dyn TestMemory, 
     let before = dst.mirror.clone();
     let s = plan_scatter(&dst.device, &case.dst_pages, &st, region)?;
     let mut expected = before.clone();
-    for &(stage, pool) in &region_heads(&st, region, &dst, &case.dst_pages, 0, region.heads.dst_head_start)? {
+    for &(stage, pool, hb) in &region_heads(&st, region, &dst, &case.dst_pages, 0, region.heads.dst_head_start)? {
         expected[pool..pool + hb].copy_from_slice(&want[stage..stage + hb]);
     }
     // SAFETY: the mirror holds every buffer; `want` is the writer region.

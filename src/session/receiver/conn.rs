@@ -189,7 +189,7 @@ impl Receiver {
                     session: hello.session.clone(),
                     src: hello.shape.clone(),
                     dst: pool.shape.clone(),
-                    dst_strides: pool.strides,
+                    dst_strides: [pool.strides, pool.v_strides],
                     pairing: pair,
                     in_place: false,
                     host_pool: pool.memory == crate::geometry::MemoryKind::Host,

@@ -423,7 +423,7 @@ impl SenderSession {
         let span = desc.span(src.page_size)?;
         let chunk_pages: Vec<u32> = (0..span.tokens.div_ceil(dst.page_size as u64) as u32).collect();
         let ops = geometry::slice_plan(&*self.pool, dst, &hs, &span, &geometry::PageSpan { pages: &chunk_pages, first_token: 0, tokens: span.tokens })?;
-        let dst_token_bytes = dst.token_bytes();
+        let dst_token_bytes = |buffer: u32| dst.token_bytes_of(buffer / dst.layer_count());
         let bytes: u64 = ops.iter().map(|o| o.len).sum();
         let mut frames = ops.iter().map(|o| {
             let base = self.pool.bases[o.src_buffer as usize] as *const u8;
@@ -438,8 +438,8 @@ impl SenderSession {
                 room: desc.room,
                 chunk: desc.chunk,
                 buffer: o.dst_buffer,
-                token: (o.dst_offset / dst_token_bytes) as u32,
-                byte_offset: (o.dst_offset % dst_token_bytes) as u32,
+                token: (o.dst_offset / dst_token_bytes(o.dst_buffer)) as u32,
+                byte_offset: (o.dst_offset % dst_token_bytes(o.dst_buffer)) as u32,
                 len: o.len as u32,
             };
             (header, payload)

@@ -30,8 +30,8 @@ pub const MAX_POOL_FILES: u32 = 64;
 /// Buffers a pool share may describe (K and V of 2048 layers).
 pub const MAX_POOL_BUFFERS: u32 = 4096;
 const TABLE_ENTRY_BYTES: usize = 12;
-/// The table's head: buffer count, capacity in pages, page, token and head strides.
-const TABLE_HEAD_BYTES: usize = 4 + 4 * 8;
+/// The table's head: buffer count, capacity in pages, K's page, token and head strides, V's.
+const TABLE_HEAD_BYTES: usize = 4 + 7 * 8;
 /// A device allocation on the socket: IPC handle, address, size.
 const DEVICE_ENTRY_BYTES: usize = IPC_HANDLE_BYTES + 16;
 
@@ -133,7 +133,8 @@ pub struct PoolShare {
     /// Per pool buffer: its allocation's index and its offset in it.
     buffers: Vec<(u32, u64)>,
     capacity_pages: u64,
-    strides: Strides,
+    /// K's (or the latent's) strides, V's.
+    strides: [Strides; 2],
 }
 
 /// Where a pool's buffers lie: each allocation once (start, size), and per buffer its
@@ -163,9 +164,10 @@ fn place_buffers(pool: &KvLayout, mut holding: impl FnMut(usize, usize) -> std::
 /// The coverage rule: a peer given an allocation reaches all of it, so each of `starts` must
 /// hold nothing but pool buffers, end to end (aux rows, state or anything else a caller put in
 /// it would be exposed); `Err` names the first allocation that holds other bytes and where.
-fn check_coverage(starts: &[(usize, u64)], buffers: &[(u32, u64)], buffer_bytes: u64, what: &str, how: &str) -> std::result::Result<(), String> {
+fn check_coverage(starts: &[(usize, u64)], buffers: &[(u32, u64)], pool: &KvLayout, what: &str, how: &str) -> std::result::Result<(), String> {
     for (index, &(start, len)) in starts.iter().enumerate() {
-        let mut held: Vec<(u64, u64)> = buffers.iter().filter(|b| b.0 as usize == index).map(|b| (b.1, b.1 + buffer_bytes)).collect();
+        let mut held: Vec<(u64, u64)> =
+            buffers.iter().enumerate().filter(|(_, b)| b.0 as usize == index).map(|(i, b)| (b.1, b.1 + pool.buffer_bytes(i as u32))).collect();
         held.sort_unstable();
         let mut covered = 0;
         for (from, to) in held {
@@ -192,18 +194,17 @@ impl PoolShare {
         if pool.memory != MemoryKind::Host {
             return Err("the KV pool is device memory".to_owned());
         }
-        let buffer_bytes = pool.buffer_bytes();
         let all = ALLOCATIONS.lock();
         let (starts, buffers) = place_buffers(pool, |i, base| {
-            holding(&all, base, buffer_bytes).ok_or_else(|| format!("pool buffer {i} at {base:#x} is not in memory of kvstage_shared_alloc"))
+            holding(&all, base, pool.buffer_bytes(i as u32)).ok_or_else(|| format!("pool buffer {i} at {base:#x} is not in memory of kvstage_shared_alloc"))
         })?;
-        check_coverage(&starts, &buffers, buffer_bytes, "shared allocation", "its file")?;
+        check_coverage(&starts, &buffers, pool, "shared allocation", "its file")?;
         let mut files = Vec::with_capacity(starts.len());
         for (start, len) in starts {
             let fd = all[&start].fd().try_clone_to_owned().map_err(|e| format!("cannot duplicate a pool allocation's descriptor: {e}"))?;
             files.push((fd, len));
         }
-        Ok(PoolShare { allocations: Allocations::Files(files), buffers, capacity_pages: pool.capacity_pages, strides: pool.strides })
+        Ok(PoolShare { allocations: Allocations::Files(files), buffers, capacity_pages: pool.capacity_pages, strides: [pool.strides, pool.v_strides] })
     }
 
     /// The share of a CUDA pool: `allocation(base)` names the device allocation holding the
@@ -219,17 +220,17 @@ impl PoolShare {
         if pool.memory != MemoryKind::Cuda {
             return Err("the KV pool is host memory".to_owned());
         }
-        let buffer_bytes = pool.buffer_bytes();
         let (starts, buffers) = place_buffers(pool, |i, base| {
+            let buffer_bytes = pool.buffer_bytes(i as u32);
             let (start, len) = allocation(base).map_err(|e| format!("pool buffer {i} at {base:#x}: {e}"))?;
             if base < start || (base - start) as u64 + buffer_bytes > len {
                 return Err(format!("pool buffer {i} at {base:#x} ({buffer_bytes} bytes) does not lie in the {len}-byte allocation at {start:#x}"));
             }
             Ok((start, len))
         })?;
-        check_coverage(&starts, &buffers, buffer_bytes, "device allocation", "CUDA IPC")?;
+        check_coverage(&starts, &buffers, pool, "device allocation", "CUDA IPC")?;
         let exports = starts.iter().map(|&(start, len)| export(start).map(|x| (x, len))).collect::<std::result::Result<Vec<_>, String>>()?;
-        Ok(PoolShare { allocations: Allocations::Device(exports), buffers, capacity_pages: pool.capacity_pages, strides: pool.strides })
+        Ok(PoolShare { allocations: Allocations::Device(exports), buffers, capacity_pages: pool.capacity_pages, strides: [pool.strides, pool.v_strides] })
     }
 
     /// What the greeting announces of this share.
@@ -261,7 +262,8 @@ impl PoolShare {
         }
         let mut table = Vec::with_capacity(TABLE_HEAD_BYTES + self.buffers.len() * TABLE_ENTRY_BYTES);
         table.extend_from_slice(&(self.buffers.len() as u32).to_le_bytes());
-        for word in [self.capacity_pages, self.strides.page, self.strides.token, self.strides.head] {
+        let [k, v] = self.strides;
+        for word in [self.capacity_pages, k.page, k.token, k.head, v.page, v.token, v.head] {
             table.extend_from_slice(&word.to_le_bytes());
         }
         for (file, offset) in &self.buffers {
@@ -334,15 +336,14 @@ pub fn map_peer_pool(stream: &UnixStream, files: PoolFiles, shape: &PoolShape, o
     reader.read_exact(&mut head).map_err(short)?;
     let buffers = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
     let word = |k: usize| u64::from_le_bytes(head[4 + 8 * k..12 + 8 * k].try_into().expect("8 bytes"));
-    let (capacity_pages, strides) = (word(0), Strides { page: word(1), token: word(2), head: word(3) });
+    let (capacity_pages, strides, v_strides) = (word(0), Strides { page: word(1), token: word(2), head: word(3) }, Strides { page: word(4), token: word(5), head: word(6) });
     let expected = shape.buffers_per_layer() as u64 * shape.layer_ids.len() as u64;
     if buffers as u64 != expected {
         return Err(bad(format!("{buffers} buffers, its hello's shape has {expected}")));
     }
     // Checked as a layout before any base is known: strides that nest, a size that fits.
     let memory = if device { MemoryKind::Cuda } else { MemoryKind::Host };
-    let sized = KvLayout::new(shape.clone(), capacity_pages, memory, Vec::new()).with_strides(strides);
-    let buffer_bytes = sized.buffer_bytes();
+    let sized = KvLayout::new(shape.clone(), capacity_pages, memory, Vec::new()).with_strides(strides).with_v_strides(v_strides);
     let mut table = vec![0u8; buffers as usize * TABLE_ENTRY_BYTES];
     reader.read_exact(&mut table).map_err(short)?;
     let mut bases = Vec::with_capacity(buffers as usize);
@@ -350,6 +351,7 @@ pub fn map_peer_pool(stream: &UnixStream, files: PoolFiles, shape: &PoolShape, o
         let file = u32::from_le_bytes(entry[..4].try_into().expect("4 bytes"));
         let offset = u64::from_le_bytes(entry[4..].try_into().expect("8 bytes"));
         let &(at, len) = spans.get(file as usize).ok_or_else(|| bad(format!("buffer {i} in allocation {file} of {count}")))?;
+        let buffer_bytes = sized.buffer_bytes(i as u32);
         if offset.checked_add(buffer_bytes).is_none_or(|end| end > len) {
             return Err(bad(format!("buffer {i} at [{offset}, +{buffer_bytes}) outside its {len}-byte allocation")));
         }
@@ -430,7 +432,7 @@ mod tests {
             allocations: Allocations::Files((0..MAX_POOL_FILES).map(|_| (fd(), 4096)).collect()),
             buffers: vec![(0, 0); MAX_POOL_BUFFERS as usize],
             capacity_pages: 1,
-            strides: Strides { page: 4096, token: 256, head: 64 },
+            strides: [Strides { page: 4096, token: 256, head: 64 }; 2],
         };
         let (tx, rx) = UnixStream::pair().unwrap();
         tx.set_write_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
@@ -529,9 +531,23 @@ mod tests {
         assert!(map_peer_pool(&rx, share.files(), &fewer_layers, None, false).unwrap_err().message().contains("6 buffers"));
         let (tx, rx) = UnixStream::pair().unwrap();
         let Allocations::Files(files) = &share.allocations else { panic!("a host pool shared as device memory") };
-        let lying = PoolShare { allocations: Allocations::Files(vec![(files[0].0.try_clone().unwrap(), files[0].1)]), buffers: vec![(0, (buffer * 5 + 1) as u64); 6], capacity_pages: 1, strides: Strides::token_major(&shape) };
+        let tm = [Strides::token_major_of(&shape, 0), Strides::token_major_of(&shape, 1)];
+        let lying = PoolShare { allocations: Allocations::Files(vec![(files[0].0.try_clone().unwrap(), files[0].1)]), buffers: vec![(0, (buffer * 5 + 1) as u64); 6], capacity_pages: 1, strides: tm };
         lying.send(&tx).unwrap();
         assert!(map_peer_pool(&rx, lying.files(), &shape, None, false).unwrap_err().message().contains("outside its"));
+        // A receiver lying about its strides (K's or V's): rows that share bytes, or that reach
+        // past the buffers it shares, are refused before any byte is written.
+        let Allocations::Files(files) = &share.allocations else { panic!("a host pool shared as device memory") };
+        let squeezed = Strides { token: tm[0].head, ..tm[0] };
+        let past = Strides { token: tm[1].token * 64, ..tm[1] };
+        for (strides, says) in [([squeezed, tm[1]], "field `head_stride`"), ([tm[0], squeezed], "field `v_head_stride`"), ([tm[0], past], "outside its")] {
+            let (tx, rx) = UnixStream::pair().unwrap();
+            let lie = PoolShare { allocations: Allocations::Files(vec![(files[0].0.try_clone().unwrap(), files[0].1)]), buffers: share.buffers.clone(), capacity_pages: share.capacity_pages, strides };
+            lie.send(&tx).unwrap();
+            let e = map_peer_pool(&rx, lie.files(), &shape, None, false).unwrap_err();
+            assert_eq!(e.code(), Status::KVSTAGE_E_PROTOCOL, "{}", e.chain());
+            assert!(e.chain().contains(says), "{says}: {}", e.chain());
+        }
         free(a).unwrap();
     }
 }

@@ -164,7 +164,7 @@ fn fences(engine: &CudaCopyEngine, device: i32) -> Result<()> {
     let pages: Vec<u32> = (0..128).map(|p| p * 4 % capacity as u32).collect();
     let region = st.region_of(&shape)?.ok_or_else(|| Error::internal("a TP 1 rank writes every layer"))?;
     let plan = plan_gather(&shape, &pages, 0, &st, &region)?;
-    let bytes = pool.layout.buffer_bytes() as usize * pool.layout.bases.len();
+    let bytes = pool.layout.max_buffer_bytes() as usize * pool.layout.bases.len();
     let producer = ToolStream::new(device)?;
     let mut staging = vec![0u8; plan.staging_bytes as usize];
     for (round, byte) in [(0, 0x5Au8), (1, 0x3C)] {

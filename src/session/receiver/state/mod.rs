@@ -75,7 +75,8 @@ pub struct ConnInfo {
     pub src: PoolShape,
     pub dst: PoolShape,
     /// Our pool's strides (its own: they never cross the wire).
-    pub dst_strides: Strides,
+    /// The decode pool's strides: K (or latent), V.
+    pub dst_strides: [Strides; 2],
     pub pairing: Pairing,
     /// Chunks are written in place (RDMA WRITE, or a same-host mapping of the ring): grants stay
     /// quarantined until the writer is done with them.

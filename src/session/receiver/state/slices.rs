@@ -56,7 +56,9 @@ impl State {
         let ps = dst.page_size;
         let tokens = pages.len() as u32 * ps;
         let page = *pages.get((token / ps) as usize).ok_or_else(|| protocol(format!("slice token {token} past chunk {chunk}")))?;
-        let head_bytes = dst.head_bytes();
+        // The buffer's kind (checked against what the writer carries below): V's heads may be
+        // another size than K's.
+        let head_bytes = dst.head_bytes_of((buffer / dst.layer_count()).min(1));
         let heads = info.pairing.heads;
         let (row, head_off) = (heads.num_heads as u64 * head_bytes, heads.dst_head_start as u64 * head_bytes);
         if byte_offset as u64 != head_off || len as u64 != row {

@@ -11,7 +11,6 @@ impl Chunk {
     /// landed bytes count before it arrived.
     fn take_layers(&mut self, all: bool, counts: impl Fn(&Slot) -> bool) -> Vec<u32> {
         let Some(layout) = self.layout.as_ref().filter(|l| all || l.complete()) else { return Vec::new() };
-        let slab = layout.slab_bytes;
         let mut taken = Vec::new();
         for (j, id) in layout.dst.layer_ids.iter().enumerate() {
             if self.layers_taken[j] {
@@ -27,7 +26,7 @@ impl Chunk {
                     w.layer_ids.iter().position(|l| l == id).is_none_or(|idx| {
                         (0..layout.buffers_per_layer).all(|kv| {
                             let at = layout.slab_offset(s.region, kv, idx as u32);
-                            s.written.contains(at, at + slab)
+                            s.written.contains(at, at + layout.slab_bytes(kv))
                         })
                     })
                 });

@@ -23,7 +23,7 @@ fn src(r: u32, tp: u32) -> PoolShape {
 
 fn info(r: u32, tp: u32, rdma: bool) -> ConnInfo {
     let (s, d) = (src(r, tp), dst());
-    ConnInfo { session: format!("s{r}"), pairing: pairing(&s, &d).unwrap(), dst_strides: Strides::token_major(&d), src: s, dst: d, in_place: rdma, host_pool: true, direct: false, pool_read_min_run: None, integrity: Integrity::Off, src_components: Default::default(), dst_components: Default::default() }
+    ConnInfo { session: format!("s{r}"), pairing: pairing(&s, &d).unwrap(), dst_strides: [Strides::token_major_of(&d, 0), Strides::token_major_of(&d, 1)], src: s, dst: d, in_place: rdma, host_pool: true, direct: false, pool_read_min_run: None, integrity: Integrity::Off, src_components: Default::default(), dst_components: Default::default() }
 }
 
 /// Room of 4 pages, chunks of 2 pages (4 tokens): each writer region is 4 tokens × 4 heads × 4
@@ -231,7 +231,7 @@ fn slab_writes_land_in_any_order_once_each_and_one_at_a_time() {
 fn stage_info(tp_rank: u32, pp_rank: u32, layers: Vec<u32>) -> ConnInfo {
     let (s, d) = (src(tp_rank, 2).with_pp(pp_rank, 2, layers), dst());
     let session = format!("tp{tp_rank}-pp{pp_rank}");
-    ConnInfo { session, pairing: pairing(&s, &d).unwrap(), dst_strides: Strides::token_major(&d), src: s, dst: d, in_place: false, host_pool: true, direct: false, pool_read_min_run: None, integrity: Integrity::Off, src_components: Default::default(), dst_components: Default::default() }
+    ConnInfo { session, pairing: pairing(&s, &d).unwrap(), dst_strides: [Strides::token_major_of(&d, 0), Strides::token_major_of(&d, 1)], src: s, dst: d, in_place: false, host_pool: true, direct: false, pool_read_min_run: None, integrity: Integrity::Off, src_components: Default::default(), dst_components: Default::default() }
 }
 
 /// Prefill TP 2 × PP 2 (one layer per stage) into the decode rank's two layers: four regions of a
