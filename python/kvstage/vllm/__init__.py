@@ -6,7 +6,7 @@ vLLM loads it by module path::
                            "kv_connector_module_path": "kvstage.vllm",
                            "kv_role": "kv_producer"}'            # the prefill; the decode: kv_consumer
 
-See ``docs/engines/vllm.md`` in the kvstage repository for the two commands, the proxy
+See "Use with vLLM" in the kvstage README for the two commands, the proxy
 (``python -m kvstage.vllm.proxy``) and every option. The connector imports vLLM (and torch) when
 it is first named here; the rest of kvstage never does.
 """

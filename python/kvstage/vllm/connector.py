@@ -122,6 +122,7 @@ class _Recv:
     remote_request_id: str
     remote_tp_size: int
     remote_block_size: int
+    error: str = ""  # the scheduler could not set the load up: it fails at once
 
 
 @dataclass
@@ -150,6 +151,12 @@ class KvstageConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._opts = _options(vllm_config)
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            raise ValueError(
+                f"KvstageConnector: this model has {len(groups)} KV cache groups (a hybrid or sliding-window model): "
+                "only models with one (full attention) are supported"
+            )
         self._scheduler: Optional[_Scheduler] = None
         self._worker: Optional[_Worker] = None
         if role == KVConnectorRole.SCHEDULER:
@@ -211,7 +218,8 @@ class KvstageConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         idle = isinstance(meta, KvstageConnectorMetadata) and meta.idle
         sending, recving = self._worker.take_finished(idle)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+        failed = self._worker.take_failed_recv()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set:
         return self._worker.take_failed_blocks() if self._worker else set()
@@ -242,17 +250,42 @@ class _Scheduler:
 
     @staticmethod
     def _remote(params: Any) -> bool:
-        return bool(params) and bool(params.get("do_remote_prefill"))
+        return isinstance(params, dict) and bool(params.get("do_remote_prefill"))
+
+    def _bad_params(self, request: Any) -> Optional[str]:
+        """What is wrong with a request's ``kv_transfer_params`` (they come from a client), or None."""
+        params = request.kv_transfer_params
+        if not self.is_consumer:
+            return "do_remote_prefill sent to an instance whose kv_role is not a consumer"
+        b = params.get("remote_bootstrap")
+        if not isinstance(b, str) or ":" not in b:
+            return f"remote_bootstrap is {b!r}, expected 'host:port'"
+        host, port = b.rsplit(":", 1)
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return f"remote_bootstrap is {b!r}, expected 'host:port' with a port in 1..65535"
+        rid = params.get("remote_request_id")
+        if not isinstance(rid, str) or not rid or len(rid) > 1024:
+            return f"remote_request_id is {rid!r}, expected a non-empty string"
+        for key, default in (("remote_tp_size", 1), ("remote_block_size", self.block_size)):
+            v = params.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= (1 << 20):
+                return f"{key} is {v!r}, expected a positive integer"
+        if int(port) + int(params.get("remote_tp_size", 1)) - 1 > 65535:
+            return f"remote_bootstrap {b!r} with remote_tp_size {params.get('remote_tp_size')!r} runs past port 65535"
+        n = params.get("remote_num_tokens")
+        total = len(request.prompt_token_ids or ())
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != total):
+            return f"remote_num_tokens is {n!r}, this prompt has {total} tokens"
+        return None
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
         params = request.kv_transfer_params
         if not self._remote(params):
             return 0, False
-        if not self.is_consumer:
-            raise ValueError(f"request {request.request_id}: do_remote_prefill sent to an instance whose kv_role is not a consumer")
-        missing = [k for k in ("remote_bootstrap", "remote_request_id") if k not in params]
-        if missing:
-            logger.warning("kvstage: request %s: do_remote_prefill without %s: computing it here", request.request_id, missing)
+        bad = self._bad_params(request)
+        if bad:
+            # Never raise here (the scheduler would die with every request): compute it locally.
+            logger.warning("kvstage: request %s: bad kv_transfer_params: %s: computing the prompt here", request.request_id, bad)
             params["do_remote_prefill"] = False
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -263,20 +296,36 @@ class _Scheduler:
         if not self._remote(params):
             return
         params["do_remote_prefill"] = False  # one load per request
+        try:
+            self._after_alloc(request, params, blocks, num_external_tokens)
+        except Exception as e:  # noqa: BLE001 - never kill the scheduler for one request
+            logger.warning("kvstage: request %s: %s: %s", request.request_id, type(e).__name__, e)
+            if num_external_tokens > 0:
+                # vLLM waits for this request's load (WAITING_FOR_REMOTE_KVS): end it as failed.
+                try:
+                    ids = list(blocks.get_unhashed_block_ids_all_groups()[0])[: math.ceil(num_external_tokens / self.block_size)]
+                except Exception:  # noqa: BLE001
+                    ids = []
+                self._recv[request.request_id] = _Recv(request.request_id, ids, 0, 0, "", "", 1, self.block_size, error=f"{type(e).__name__}: {e}")
+
+    def _after_alloc(self, request: Any, params: dict, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            bad = self._bad_params(request)  # the params may have changed since the count
+            if bad:
+                raise ValueError(f"bad kv_transfer_params: {bad}")
         total = len(request.prompt_token_ids or ())
         remote = (params["remote_bootstrap"], params["remote_request_id"], int(params.get("remote_tp_size", 1)))
         if num_external_tokens <= 0:
-            self._release.append(remote)  # nothing to move: let the prefill free its blocks now
+            if self._bad_params(request) is None:
+                self._release.append(remote)  # nothing to move: let the prefill free its blocks now
             return
         groups = blocks.get_unhashed_block_ids_all_groups()
         if len(groups) != 1:
-            raise NotImplementedError(f"KvstageConnector: {len(groups)} KV cache groups (hybrid models) are not supported yet")
+            raise NotImplementedError(f"{len(groups)} KV cache groups (hybrid models) are not supported")
         need = math.ceil(num_external_tokens / self.block_size)
         block_ids = list(groups[0])
         if len(block_ids) < need:
-            raise RuntimeError(
-                f"request {request.request_id}: {num_external_tokens} tokens to load need {need} blocks, vLLM allocated {len(block_ids)} new ones"
-            )
+            raise RuntimeError(f"{num_external_tokens} tokens to load need {need} blocks, vLLM allocated {len(block_ids)} new ones")
         self._recv[request.request_id] = _Recv(
             req_id=request.request_id,
             block_ids=block_ids[:need],
@@ -301,13 +350,18 @@ class _Scheduler:
         params = request.kv_transfer_params
         if not params:
             return False, None
+        if not isinstance(params, dict):
+            return False, None
         if params.get("do_remote_prefill"):
             # Finished (aborted) before its blocks were allocated: the prefill may free its own.
-            params["do_remote_prefill"] = False
-            if "remote_bootstrap" in params and "remote_request_id" in params:
+            if self._bad_params(request) is None:
                 self._release.append((params["remote_bootstrap"], params["remote_request_id"], int(params.get("remote_tp_size", 1))))
+            params["do_remote_prefill"] = False
             return False, None
         if not params.get("do_remote_decode"):
+            return False, None
+        if not self.is_producer:
+            logger.warning("kvstage: request %s: do_remote_decode sent to an instance whose kv_role is not a producer: ignored", request.request_id)
             return False, None
         if block_ids and isinstance(block_ids[0], (list, tuple)):
             block_ids = block_ids[0]
@@ -430,9 +484,16 @@ def _send_line(sock: socket.socket, obj: dict) -> None:
     sock.sendall((json.dumps(obj) + "\n").encode())
 
 
-def _read_line(sock: socket.socket, limit: int = 1 << 16) -> Optional[dict]:
+def _read_line(sock: socket.socket, limit: int = 1 << 16, deadline: Optional[float] = None) -> Optional[dict]:
+    """One JSON line; with ``deadline`` (time.monotonic()) the whole line must come by then
+    (socket.timeout otherwise: a peer that trickles bytes cannot hold a thread longer)."""
     buf = b""
     while not buf.endswith(b"\n"):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the bootstrap message did not arrive in time")
+            sock.settimeout(left)
         part = sock.recv(4096)
         if not part:
             return None
@@ -440,6 +501,41 @@ def _read_line(sock: socket.socket, limit: int = 1 << 16) -> Optional[dict]:
         if len(buf) > limit:
             raise _Failed(f"bootstrap message over {limit} bytes")
     return json.loads(buf)
+
+
+# The prefill's bootstrap listener: seconds a peer has to send its whole message, connections
+# open at once (being read or parked until the request's blocks are held: beyond it the oldest
+# parked one is answered with an error), and how many / how long finished request ids are kept.
+_MSG_DEADLINE_S = 10.0
+_MAX_CONNS = 512
+_MAX_PARKED = 256
+_GONE_MAX = 4096
+_GONE_MIN_AGE_S = 600.0
+
+
+def _is_int(v: Any, lo: int = 0, hi: int = (1 << 64) - 1) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _check_addr(v: Any) -> bool:
+    if not isinstance(v, str) or ":" not in v or len(v) > 256:
+        return False
+    host, port = v.rsplit(":", 1)
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def _layout_id(positions: Any, block_size: int) -> str:
+    """The in-block order of a (block, head): token-major ("canonical"), unknown, or the probed
+    permutation's hash; with the block size."""
+    import hashlib
+
+    if positions is None:
+        kind = "canonical"
+    elif isinstance(positions, str):
+        kind = positions
+    else:
+        kind = "perm-" + hashlib.sha1(positions.numpy().tobytes()).hexdigest()[:16]
+    return f"{kind}/{block_size}"
 
 
 class _Worker:
@@ -466,6 +562,7 @@ class _Worker:
         self._finished_send: set = set()
         self._finished_recv: set = set()
         self._failed_blocks: set = set()
+        self._failed_recv: set = set()  # decode: failed loads with no blocks to name
         self._held: dict = {}  # prefill: req_id -> _Held
         self._parked: dict = {}  # prefill: req_id -> [(conn, msg, since)] pushes before the blocks
         self._gone: dict = {}  # prefill: req_id -> why it is not held (recent ones)
@@ -477,10 +574,14 @@ class _Worker:
         self._stop = threading.Event()
         self._stats_lock = threading.Lock()
         self._receiving = 0  # decode loads in flight
+        self._unreleased: list = []  # decode: (recv, ok, room) whose room.release() raised: retried
+        self._conns = 0  # prefill: bootstrap connections being read
+        self._accept_errors = 0
         # vLLM's CPU backend keeps K of a block head-dim-major (see _cpu_cache_positions):
         # positions[c] is where canonical element c lies; whole_pages: move whole blocks.
         self.positions: Any = None
         self.whole_pages = False
+        self.layout_id = "canonical"
         self._shadow_engine: Optional[kvstage.Engine] = None
         self._shadow_buf: Any = None
         self._shadow_free: list = []
@@ -496,6 +597,13 @@ class _Worker:
         if cell == "split":
             layout = _split_layout(tensors, self.head_dim, self.global_heads, self.tp_rank, self.tp_size)
         else:
+            t = tensors[0]
+            if t.dim() != 4 or t.shape[3] != 2 * self.head_dim:
+                # vLLM's GPU backends: [2, blocks, block_size, heads, head_size] or [blocks, 2, ...].
+                raise ValueError(
+                    f"KvstageConnector: a layer's KV cache is {tuple(t.shape)}; kv_cell 'cell' needs [blocks, heads, block_size, "
+                    f"{2 * self.head_dim}] (K||V per token): this attention backend's cache is not supported"
+                )
             layout = kvstage.KvLayout.from_tensors(
                 tensors, layout=self.opts["layout"], global_heads=self.global_heads, tp_rank=self.tp_rank, tp_size=self.tp_size
             )
@@ -509,6 +617,7 @@ class _Worker:
                 )
                 self.positions = "unknown"
             self.whole_pages = self.positions is not None
+        self.layout_id = _layout_id(self.positions, layout.page_size)
         listen = None
         if self.is_consumer:
             port = int(self.opts["kvstage_port"])
@@ -568,17 +677,26 @@ class _Worker:
     # -- every step --------------------------------------------------------------------------
 
     def start(self, meta: KvstageConnectorMetadata) -> None:
+        """Every step (start_load_kv): never raises (it runs inside vLLM's forward)."""
         for recv in meta.recv.values():
-            self._start_recv(recv)
+            try:
+                self._start_recv(recv)
+            except Exception as e:  # noqa: BLE001 - e.g. no thread: the load fails, it never hangs
+                logger.error("kvstage: request %s: starting its load failed: %s", recv.req_id, e)
+                self._complete_recv(recv, False, None)
         if meta.release and self.tp_rank == 0:
             for bootstrap, remote_id, remote_tp in meta.release:
-                threading.Thread(target=self._send_release, args=(bootstrap, remote_id, remote_tp), daemon=True).start()
+                try:
+                    threading.Thread(target=self._send_release, args=(bootstrap, remote_id, remote_tp), daemon=True).start()
+                except Exception as e:  # noqa: BLE001 - the prefill's lease frees them
+                    logger.warning("kvstage: releasing request %s on the prefill at %s: %s", remote_id, bootstrap, e)
         if meta.send or meta.aborted:
             now = time.monotonic()
             with self._cond:
                 for send in meta.send.values():
                     if send.req_id in self._gone:  # released by its decode before we held it
                         self._finished_send.add(send.req_id)
+                        self._parked.pop(send.req_id, None)
                         continue
                     self._held[send.req_id] = _Held(send, now + float(self.opts["lease_s"]))
                     for conn, msg, _ in self._parked.pop(send.req_id, []):
@@ -588,13 +706,19 @@ class _Worker:
 
     def take_finished(self, idle: bool):
         with self._cond:
-            busy = self._held or self._parked or self._receiving
+            busy = self._held or self._parked or self._receiving or self._unreleased
             if idle and busy and not (self._finished_send or self._finished_recv):
                 self._cond.wait(0.02)  # an idle engine loop polls us: do not spin a core
             self._reap()
+            self._retry_releases()
             sending, self._finished_send = self._finished_send, set()
             recving, self._finished_recv = self._finished_recv, set()
         return sending, recving
+
+    def take_failed_recv(self) -> set:
+        with self._cond:
+            out, self._failed_recv = self._failed_recv, set()
+        return out
 
     def take_failed_blocks(self) -> set:
         with self._cond:
@@ -609,39 +733,129 @@ class _Worker:
                 conn, _ = self._listener.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="kvstage-bootstrap-conn", daemon=True).start()
+            except OSError as e:
+                if self._stop.is_set() or self._listener.fileno() < 0:
+                    return  # shut down
+                # EMFILE, ENFILE, ENOBUFS, ECONNABORTED...: transient, keep listening.
+                self._accept_errors += 1
+                if self._accept_errors in (1, 10, 100) or self._accept_errors % 1000 == 0:
+                    logger.warning("kvstage: bootstrap %s: accept failed (%d so far): %s", self.bootstrap_addr, self._accept_errors, e)
+                time.sleep(0.05)
+                continue
+            try:
+                with self._cond:
+                    if self._conns + self._parked_count() >= _MAX_CONNS and not self._drop_oldest_parked("too many bootstrap connections"):
+                        self._reply(conn, False, f"prefill {self.bootstrap_addr}: too many bootstrap connections")
+                        continue
+                    self._conns += 1
+                threading.Thread(target=self._serve, args=(conn,), name="kvstage-bootstrap-conn", daemon=True).start()
+            except Exception as e:  # noqa: BLE001 - no thread: drop this one, keep listening
+                with self._cond:
+                    self._conns -= 1
+                logger.warning("kvstage: bootstrap %s: %s", self.bootstrap_addr, e)
+                conn.close()
+
+    def _parked_count(self) -> int:
+        return sum(len(v) for v in self._parked.values())
+
+    def _drop_oldest_parked(self, why: str) -> bool:
+        """With the lock: answer the oldest parked message with an error; False when none is."""
+        oldest = None
+        for req_id, entries in self._parked.items():
+            for i, (_, _, since) in enumerate(entries):
+                if oldest is None or since < oldest[2]:
+                    oldest = (req_id, i, since)
+        if oldest is None:
+            return False
+        req_id, i, _ = oldest
+        conn, _, _ = self._parked[req_id].pop(i)
+        if not self._parked[req_id]:
+            del self._parked[req_id]
+        self._reply(conn, False, f"prefill {self.bootstrap_addr}: request {req_id} is not held and {why}: dropped")
+        return True
+
+    def _validate(self, msg: Any) -> str:
+        """What is wrong with a bootstrap message ("" when nothing); fills msg["_expected"]."""
+        if not isinstance(msg, dict):
+            return "the message is not a JSON object"
+        op, req = msg.get("op"), msg.get("req")
+        if op not in ("push", "release", "none"):
+            return f"unknown bootstrap op {op!r}"
+        if not isinstance(req, str) or not req or len(req) > 1024:
+            return f"req is {req!r}, expected a request id"
+        if op == "release":
+            return ""
+        tp, rank, grid = msg.get("decode_tp"), msg.get("decode_rank"), msg.get("grid")
+        if not _is_int(tp, 1, 1 << 16):
+            return f"decode_tp is {tp!r}"
+        if not _is_int(rank, 0, tp - 1):
+            return f"decode_rank is {rank!r} (decode_tp {tp})"
+        if not isinstance(grid, list) or len(grid) != len(kvstage.RoomGrid._fields) or not all(_is_int(x) for x in grid):
+            return f"grid is {grid!r}"
+        g = kvstage.RoomGrid(*grid)
+        if not (1 <= g.page_size <= 1 << 20 and 1 <= g.num_chunks <= 1 << 20 and g.chunk_tokens >= 1):
+            return f"grid is {grid!r}"
+        try:
+            feeds = self._decode_ranks(tp, g.page_size)
+        except Exception as e:  # noqa: BLE001
+            return f"decode_tp {tp} with page size {g.page_size} does not pair with this prefill (TP {self.tp_size}): {e}"
+        if op == "push":
+            if rank not in feeds:
+                return f"prefill rank {self.tp_rank} of {self.tp_size} does not feed decode rank {rank} of {tp} (it feeds {sorted(feeds)})"
+            if not _is_int(msg.get("room")) or not _is_int(msg.get("key")):
+                return f"room {msg.get('room')!r} / key is not an unsigned integer"
+            if not _check_addr(msg.get("addr")):
+                return f"addr is {msg.get('addr')!r}, expected 'host:port'"
+            if not isinstance(msg.get("trace", ""), str) or len(msg.get("trace", "")) > 1024:
+                return "trace is not a string"
+            if "layout" in msg and not isinstance(msg["layout"], str):
+                return f"layout is {msg['layout']!r}"
+        # Every decode rank sends each prefill rank a push or a "none": all of them are expected.
+        msg["_expected"] = set(range(tp))
+        return ""
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(10)
-            msg = _read_line(conn)
+            try:
+                msg = _read_line(conn, deadline=time.monotonic() + _MSG_DEADLINE_S)
+            except (OSError, ValueError, _Failed) as e:
+                logger.warning("kvstage: bootstrap %s: a bad or slow message: %s", self.bootstrap_addr, e)
+                self._reply(conn, False, f"prefill {self.bootstrap_addr}: a bad or slow message: {e}")
+                return
             if msg is None:
                 conn.close()
                 return
-            op, req_id = msg.get("op"), str(msg.get("req"))
+            bad = self._validate(msg)
+            if bad:
+                logger.warning("kvstage: bootstrap %s: refused a message: %s", self.bootstrap_addr, bad)
+                self._reply(conn, False, f"prefill {self.bootstrap_addr}: {bad}")
+                return
+            conn.settimeout(10)
+            op, req_id = msg["op"], msg["req"]
             with self._cond:
                 if op == "release":
                     if req_id in self._held and not self._held[req_id].in_flight:
                         del self._held[req_id]
                         self._finished_send.add(req_id)
                         self._cond.notify_all()
-                    self._parked.pop(req_id, None)
-                    self._gone[req_id] = "released by the decode"
+                    for c, _, _ in self._parked.pop(req_id, []):
+                        self._reply(c, False, f"prefill {self.bootstrap_addr}: request {req_id} was released by the decode")
+                    self._note_gone(req_id, "released by the decode")
                     conn.close()
-                elif op == "push":
-                    if req_id in self._held:
-                        self._dispatch(conn, msg)
-                    elif req_id in self._gone:
-                        self._reply(conn, False, f"prefill {self.bootstrap_addr}: request {req_id} is not held: {self._gone[req_id]}")
-                    else:  # the decode was faster than the prefill's next step: wait for the blocks
-                        self._parked.setdefault(req_id, []).append((conn, msg, time.monotonic()))
-                else:
-                    self._reply(conn, False, f"prefill {self.bootstrap_addr}: unknown bootstrap op {op!r}")
-        except Exception as e:  # a malformed peer must not take the listener down
+                elif req_id in self._held:
+                    self._dispatch(conn, msg)
+                elif req_id in self._gone:
+                    self._reply(conn, False, f"prefill {self.bootstrap_addr}: request {req_id} is not held: {self._gone[req_id][0]}")
+                else:  # the decode was faster than the prefill's next step: wait for the blocks
+                    if self._parked_count() >= _MAX_PARKED:
+                        self._drop_oldest_parked("too many messages wait for requests not held yet")
+                    self._parked.setdefault(req_id, []).append((conn, msg, time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - a malformed peer must not take the listener down
             logger.warning("kvstage: bootstrap %s: a bad message: %s", self.bootstrap_addr, e)
             conn.close()
+        finally:
+            with self._cond:
+                self._conns -= 1
 
     def _reply(self, conn: socket.socket, ok: bool, error: str = "", **more: Any) -> None:
         try:
@@ -651,22 +865,51 @@ class _Worker:
         finally:
             conn.close()
 
+    def _note_gone(self, req_id: str, why: str) -> None:
+        """With the lock: remember why ``req_id`` is not held (bounded: old entries expire)."""
+        now = time.monotonic()
+        self._gone.pop(req_id, None)
+        self._gone[req_id] = (why, now)
+        min_age = max(_GONE_MIN_AGE_S, 2 * float(self.opts["lease_s"]))
+        while self._gone:
+            k = next(iter(self._gone))
+            if len(self._gone) > _GONE_MAX or now - self._gone[k][1] > min_age:
+                del self._gone[k]
+            else:
+                break
+
     def _forget(self, req_id: str, why: str) -> None:
         """With the lock: ``req_id`` will not be sent; tell the decodes that asked."""
-        self._gone[req_id] = why
-        if len(self._gone) > 4096:
-            for k in list(self._gone)[:1024]:
-                del self._gone[k]
-        for conn, _, _ in self._parked.pop(req_id, []):
-            self._reply(conn, False, f"prefill {self.bootstrap_addr}: request {req_id} is not held: {why}")
+        self._note_gone(req_id, why)
+        for conn, msg, _ in self._parked.pop(req_id, []):
+            self._reply(conn, msg.get("op") == "none", f"prefill {self.bootstrap_addr}: request {req_id} is not held: {why}")
+
+    def _maybe_done(self, req_id: str, held: "_Held") -> None:
+        """With the lock: every decode rank was served (or said it needs nothing): free the blocks."""
+        if held.expected is not None and held.served >= held.expected and not held.in_flight and self._held.get(req_id) is held:
+            del self._held[req_id]
+            self._note_gone(req_id, "sent already")
+            self._finished_send.add(req_id)
+            self._cond.notify_all()
 
     def _dispatch(self, conn: socket.socket, msg: dict) -> None:
-        """With the lock: start sending a held request to the decode rank that asked."""
-        held = self._held[str(msg["req"])]
+        """With the lock: a validated message for a held request: send it, or note the decode
+        rank that needs nothing from this rank. Never raises."""
+        req_id = msg["req"]
+        held = self._held[req_id]
         if held.expected is None:
-            held.expected = self._decode_ranks(int(msg["decode_tp"]), int(msg["grid"][4]))
+            held.expected = msg["_expected"]
+        if msg["op"] == "none":
+            held.served.add(msg["decode_rank"])
+            self._reply(conn, True)
+            self._maybe_done(req_id, held)
+            return
         held.in_flight += 1
-        self._pool.submit(self._push, held, conn, msg)
+        try:
+            self._pool.submit(self._push, held, conn, msg)
+        except Exception as e:  # noqa: BLE001 - shut down
+            held.in_flight -= 1
+            self._reply(conn, False, f"prefill {self.bootstrap_addr}: request {req_id}: {e}")
 
     def _decode_ranks(self, decode_tp: int, decode_page: int) -> set:
         if decode_tp == self.tp_size:
@@ -773,12 +1016,15 @@ class _Worker:
             blocks = held.send.block_ids[:nblocks]
             if self.whole_pages:
                 # K lies head-dim-major in a block: a token's K is no row kvstage can address.
-                # Same block size: whole blocks move as they are (the slots after the prompt
-                # carry whatever they held; the decode writes them before it reads them).
-                # Another block size: send a token-major copy, the decode puts it back.
-                repack = grid.page_size != self.block_size
+                # Same in-block order and block size on both sides: whole blocks move as they
+                # are (the slots after the prompt carry whatever they held; the decode writes
+                # them before it reads them). Otherwise: send a token-major copy, and say so.
+                theirs = msg.get("layout")
+                repack = grid.page_size != self.block_size or theirs != self.layout_id
                 if repack and self.positions == "unknown":
-                    raise _Failed(f"the decode's block size {grid.page_size} differs from {self.block_size} and this backend's block layout is unknown")
+                    raise _Failed(
+                        f"the decode's block layout {theirs} differs from this prefill's {self.layout_id} and this backend's block layout is unknown"
+                    )
                 if repack:
                     slots = self._shadow_alloc(nblocks, t0 + float(self.opts["load_timeout_s"]))
                     self._repack_out(blocks, slots)
@@ -811,15 +1057,11 @@ class _Worker:
             logger.debug("kvstage: request %s: sent %d tokens to decode rank %s at %s in %.1f ms", req_id, sent, msg.get("decode_rank"), addr, ms)
         else:
             logger.error("kvstage: %s", error)
-        self._reply(conn, ok, error, tokens=sent, ms=ms)
+        self._reply(conn, ok, error, tokens=sent, ms=ms, token_major=bool(repack or not self.whole_pages))
         with self._cond:
             held.in_flight -= 1
-            held.served.add(int(msg["decode_rank"]))
-            if held.expected is not None and held.served >= held.expected and not held.in_flight:
-                self._held.pop(req_id, None)
-                self._gone[req_id] = "sent already"
-                self._finished_send.add(req_id)
-                self._cond.notify_all()
+            held.served.add(msg["decode_rank"])
+            self._maybe_done(req_id, held)
 
     def _reap(self) -> None:
         """With the lock: leases that ran out, pushes whose blocks never came."""
@@ -837,6 +1079,8 @@ class _Worker:
         for req_id, parked in list(self._parked.items()):
             if parked and now - parked[0][2] > lease:
                 self._forget(req_id, "the prefill never finished it")
+            elif not parked:
+                del self._parked[req_id]
 
     # -- decode: receiving -------------------------------------------------------------------
 
@@ -855,22 +1099,28 @@ class _Worker:
         threading.Thread(target=self._recv, args=(recv,), name="kvstage-recv", daemon=True).start()
 
     def _recv(self, recv: _Recv) -> None:
+        """One request's load, on its own thread. Every step is inside the try: whatever
+        happens, the request finishes receiving (failed or not): none stays waiting."""
         t0 = time.monotonic()
         deadline = t0 + float(self.opts["load_timeout_s"])
         left = lambda: max(0.001, deadline - time.monotonic())  # noqa: E731
         room = None
         socks = []
         ok, error, landed = False, "", 0
-        host, port = recv.bootstrap.rsplit(":", 1)
+        contacted: set = set()
+        ranks: list = []
         try:
+            if recv.error:
+                raise _Failed(recv.error)
+            host, port = recv.bootstrap.rsplit(":", 1)
+            port = int(port)
+            ranks = self._prefill_ranks(recv)
             try:
                 room = self.engine.open_room(
                     next(self._rooms), recv.block_ids, int(self.opts["chunk_tokens"]), prefix_tokens=recv.prefix_tokens, trace_id=recv.req_id
                 )
             except kvstage.KVStageError as e:
                 raise _Failed(f"opening its kvstage room failed: {e}") from e
-            if self.positions == "unknown" and recv.remote_block_size != self.block_size:
-                raise _Failed(f"the prefill's block size {recv.remote_block_size} differs from {self.block_size} and this backend's block layout is unknown")
             msg = {
                 "op": "push",
                 "req": recv.remote_request_id,
@@ -881,34 +1131,45 @@ class _Worker:
                 "addr": self.engine.listen_address,
                 "decode_rank": self.tp_rank,
                 "decode_tp": self.tp_size,
+                "layout": self.layout_id,
+                "block_size": self.block_size,
             }
-            for p in self._prefill_ranks(recv):
-                where = f"{host}:{int(port) + p}"
+            for p in ranks:
+                where = f"{host}:{port + p}"
                 try:
-                    s = socket.create_connection((host, int(port) + p), timeout=min(left(), 10.0))
+                    s = socket.create_connection((host, port + p), timeout=min(left(), 10.0))
                 except OSError as e:
                     raise _Failed(f"the prefill's kvstage bootstrap at {where} (prefill rank {p}) is not reachable: {e}") from e
                 socks.append((where, s))
+                contacted.add(p)
                 _send_line(s, msg)
+            token_major = set()
             for where, s in socks:
                 s.settimeout(left())
                 try:
-                    rep = _read_line(s)
+                    rep = _read_line(s, deadline=deadline)
                 except socket.timeout:
                     raise _Failed(f"the prefill at {where} did not send request {recv.remote_request_id} within load_timeout_s {self.opts['load_timeout_s']} s") from None
                 except (OSError, ValueError) as e:
                     raise _Failed(f"the bootstrap connection to the prefill at {where} failed: {e}") from e
                 if rep is None:
                     raise _Failed(f"the prefill at {where} closed the bootstrap connection before it sent request {recv.remote_request_id}: it is gone or restarting")
-                if not rep.get("ok"):
-                    raise _Failed(rep.get("error") or f"the prefill at {where} refused the request")
+                if not isinstance(rep, dict) or not rep.get("ok"):
+                    raise _Failed(str(rep.get("error") if isinstance(rep, dict) else rep) or f"the prefill at {where} refused the request")
+                # Whether it sent token-major data (a repacked copy) or whole blocks in the
+                # in-block order both sides share (the push named ours).
+                token_major.add(bool(rep.get("token_major", recv.remote_block_size != self.block_size)))
+            if len(token_major) > 1:
+                raise _Failed("the prefill ranks disagree on whether they sent token-major blocks")
             try:
                 room.wait(int(left() * 1000))
                 d = room.describe()
             except kvstage.KVStageError as e:
                 raise _Failed(f"its kvstage room failed: {e}") from e
             landed = sum(w.get("landed", 0) for c in d.get("chunks", ()) for w in c.get("writers", ()))
-            if self.whole_pages and recv.remote_block_size != self.block_size:
+            if self.whole_pages and token_major == {True}:
+                if self.positions == "unknown":
+                    raise _Failed("the prefill sent token-major blocks and this backend's block layout is unknown")
                 self._repack_in(recv.block_ids)
             if self.hooks is not None and hasattr(self.hooks, "on_arrival"):
                 self.hooks.on_arrival(recv.req_id, self.tensors, recv.block_ids, self.layout)
@@ -919,40 +1180,112 @@ class _Worker:
             error = f"{type(e).__name__}: {e}"
         finally:
             for _, s in socks:
-                s.close()
-            if room is not None:
                 try:
-                    room.release()
-                except kvstage.KVStageError as e:
-                    logger.warning("kvstage: request %s: releasing its room: %s", recv.req_id, e)
-        ms = (time.monotonic() - t0) * 1000
-        moved = recv.num_tokens - recv.prefix_tokens
-        if ok:
-            logger.info(
-                "kvstage: request %s: %d tokens (%d cached here) in %d blocks, %d bytes from %s in %.1f ms",
-                recv.req_id, moved, recv.prefix_tokens, len(recv.block_ids), landed, recv.bootstrap, ms,
+                    s.close()
+                except Exception:  # noqa: BLE001
+                    pass
+        try:
+            ms = (time.monotonic() - t0) * 1000
+            moved = recv.num_tokens - recv.prefix_tokens
+            if ok:
+                logger.info(
+                    "kvstage: request %s: %d tokens (%d cached here) in %d blocks, %d bytes from %s in %.1f ms",
+                    recv.req_id, moved, recv.prefix_tokens, len(recv.block_ids), landed, recv.bootstrap, ms,
+                )
+            else:
+                logger.error("kvstage: request %s: loading its KV from the prefill at %s failed: %s", recv.req_id, recv.bootstrap, error)
+                # The prefill ranks this rank did not reach yet would hold the blocks until
+                # their lease: tell them it needs nothing (best effort, off this thread's path).
+                rest = [p for p in range(recv.remote_tp_size) if p not in contacted] if recv.bootstrap else []
+                if rest:
+                    threading.Thread(target=self._send_none, args=(recv, rest, error), daemon=True).start()
+            if ok and ranks:
+                rest = [p for p in range(recv.remote_tp_size) if p not in ranks]
+                if rest:  # left out by the pairing (they replicate heads another rank sent)
+                    threading.Thread(target=self._send_none, args=(recv, rest, ""), daemon=True).start()
+            self._stat(
+                {"request": recv.req_id, "ok": ok, "tokens": moved, "prefix_tokens": recv.prefix_tokens, "blocks": len(recv.block_ids),
+                 "bytes": landed, "ms": round(ms, 3), "error": error}
             )
-        else:
-            logger.error("kvstage: request %s: loading its KV from the prefill at %s failed: %s", recv.req_id, recv.bootstrap, error)
-        self._stat(
-            {"request": recv.req_id, "ok": ok, "tokens": moved, "prefix_tokens": recv.prefix_tokens, "blocks": len(recv.block_ids),
-             "bytes": landed, "ms": round(ms, 3), "error": error}
-        )
+        except Exception as e:  # noqa: BLE001
+            logger.warning("kvstage: request %s: after its load: %s", recv.req_id, e)
+        self._complete_recv(recv, ok, room)
+
+    def _complete_recv(self, recv: _Recv, ok: bool, room: Any) -> None:
+        """The load ended: release its room, then report it to vLLM. A release that raises
+        (a same-host writer still holds the pages) is retried on later steps: until it
+        succeeds vLLM must not get the blocks back."""
+        released = self._try_release(recv, room, first=True)
         with self._cond:
             self._receiving -= 1
-            self._finished_recv.add(recv.req_id)
-            if not ok:
+            if released:
+                self._report_recv(recv, ok)
+            else:
+                self._unreleased.append((recv, ok, room))
+
+    def _try_release(self, recv: _Recv, room: Any, first: bool = False) -> bool:
+        if room is None:
+            return True
+        try:
+            room.release()
+            return True
+        except Exception as e:  # noqa: BLE001
+            if first:
+                logger.warning("kvstage: request %s: releasing its room: %s: its blocks stay out until a later release succeeds", recv.req_id, e)
+            return False
+
+    def _report_recv(self, recv: _Recv, ok: bool) -> None:
+        """With the lock."""
+        self._finished_recv.add(recv.req_id)
+        if not ok:
+            if recv.block_ids:
                 self._failed_blocks.update(recv.block_ids)
-            self._cond.notify_all()
+            else:
+                self._failed_recv.add(recv.req_id)
+        self._cond.notify_all()
+
+    def _retry_releases(self) -> None:
+        """With the lock: rooms whose release raised before."""
+        if not self._unreleased:
+            return
+        still = []
+        for recv, ok, room in self._unreleased:
+            if self._try_release(recv, room):
+                logger.info("kvstage: request %s: its room is released now", recv.req_id)
+                self._report_recv(recv, ok)
+            else:
+                still.append((recv, ok, room))
+        self._unreleased = still
+
+    def _send_none(self, recv: _Recv, ranks: list, error: str) -> None:
+        """Tell prefill ranks that this decode rank needs nothing from them for the request."""
+        try:
+            host, port = recv.bootstrap.rsplit(":", 1)
+            msg = {"op": "none", "req": recv.remote_request_id, "decode_rank": self.tp_rank, "decode_tp": self.tp_size,
+                   "grid": [0, 1, 1, 1, self.block_size, 0], "error": error[:512]}
+        except Exception:  # noqa: BLE001
+            return
+        for p in ranks:
+            try:
+                with socket.create_connection((host, int(port) + p), timeout=2) as s:
+                    _send_line(s, msg)
+                    s.settimeout(2)
+                    _read_line(s, deadline=time.monotonic() + 2)
+            except Exception as e:  # noqa: BLE001 - its lease frees them
+                logger.debug("kvstage: request %s: telling prefill rank %d at %s: %s", recv.remote_request_id, p, recv.bootstrap, e)
 
     def _send_release(self, bootstrap: str, remote_id: str, remote_tp: int) -> None:
-        host, port = bootstrap.rsplit(":", 1)
+        try:
+            host, port = bootstrap.rsplit(":", 1)
+            port = int(port)
+        except Exception:  # noqa: BLE001
+            return
         for p in range(remote_tp):
             try:
-                with socket.create_connection((host, int(port) + p), timeout=5) as s:
+                with socket.create_connection((host, port + p), timeout=5) as s:
                     _send_line(s, {"op": "release", "req": remote_id})
             except OSError as e:
-                logger.warning("kvstage: releasing request %s on the prefill at %s:%d: %s", remote_id, host, int(port) + p, e)
+                logger.warning("kvstage: releasing request %s on the prefill at %s:%d: %s", remote_id, host, port + p, e)
 
     def _stat(self, row: dict) -> None:
         path = self.opts["stats_file"]

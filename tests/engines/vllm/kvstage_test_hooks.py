@@ -4,7 +4,8 @@
   request's first received block (layer 0, head 0, token 0: the high byte of K's first element)
   after its KV arrived, and delete the file (one request only).
 - before_send (prefill): while the file $KVSTAGE_TEST_STALL_FILE exists, stall the send (the
-  test kills the prefill meanwhile); at most 120 s.
+  test kills the prefill meanwhile); at most 120 s. It writes $KVSTAGE_TEST_STALL_FILE.entered
+  first, so the test knows the send reached it.
 """
 
 import ctypes
@@ -28,6 +29,9 @@ def on_arrival(request_id, tensors, block_ids, layout):
 
 def before_send(request_id, message):
     path = os.environ.get("KVSTAGE_TEST_STALL_FILE")
+    if path and os.path.exists(path):
+        with open(path + ".entered", "w") as f:  # the test waits for this before it acts
+            f.write(f"{request_id}\n")
     t0 = time.monotonic()
     while path and os.path.exists(path) and time.monotonic() - t0 < 120:
         time.sleep(0.1)

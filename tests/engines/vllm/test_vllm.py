@@ -2,7 +2,8 @@
 
     python test_vllm.py MODEL_DIR WORK_DIR [--only NAME,...]
 
-Runs prefill/decode pairs of real vLLM engines (offline LLM, one process each, at most one pair
+First (phase U) runs test_units.py: the connector's classes in one process, no engine. Then runs
+prefill/decode pairs of real vLLM engines (offline LLM, one process each, at most one pair
 at a time) with the KvstageConnector and checks, each against the same prompts run without
 disaggregation (the prefill engine with no kv_transfer_params: a plain local run):
 
@@ -36,7 +37,9 @@ import argparse
 import json
 import os
 import random
+import math
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -171,6 +174,25 @@ def start_pair(work, model, pre_bs, dec_bs, port, tag, **kw):
     return p, d
 
 
+def free_ports(n):
+    """The first of n consecutive TCP ports free on 127.0.0.1 now (a prefill rank r listens on
+    its bootstrap port + r): no fixed ports that another run or service may hold."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65000:
+            continue
+        try:
+            for q in range(base, base + n):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", q))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def prompts_for(seed, lengths):
     rng = random.Random(seed)
     return [[rng.randrange(3, 1024) for _ in range(n)] for n in lengths]
@@ -201,13 +223,31 @@ class Results:
             print(f"FAIL {name} ({time.time() - t0:.1f} s): {type(e).__name__}: {e}", flush=True)
 
 
-def equal_tokens(p, d, prompts, label):
+def expected_bytes(n, pre_bs, dec_bs):
+    """What kvstage lands for an n-token prompt (nothing cached on the decode): vLLM's CPU
+    backend moves whole blocks in place when both block sizes (and in-block orders) agree, else
+    a token-major copy of exactly the prompt's tokens."""
+    if pre_bs == dec_bs:
+        return math.ceil(n / pre_bs) * pre_bs * BYTES_PER_TOKEN
+    return n * BYTES_PER_TOKEN
+
+
+def equal_tokens(p, d, prompts, label, pre_bs=32, dec_bs=32):
     base = p.generate(prompts, GEN)
+    before = len(d.stat_rows())
     got, _ = disagg(p, d, prompts)
+    rows = d.stat_rows()[before:]
     for i, (b, g) in enumerate(zip(base, got)):
         if g["tokens"] != b["tokens"]:
             raise AssertionError(f"{label} prompt {i} ({len(prompts[i])} tokens): disaggregated {g['tokens']} != local {b['tokens']}")
-    return f"{len(prompts)} prompt(s), {GEN} tokens each"
+    # Equal tokens alone would pass if the decode silently computed the prompt itself: one
+    # successful load per prompt, with the bytes its KV is.
+    bad = [x for x in rows if not x["ok"]]
+    assert not bad and len(rows) == len(prompts), f"{label}: {len(rows)} loads for {len(prompts)} prompts, failed: {bad}"
+    want = sorted((len(x), expected_bytes(len(x), pre_bs, dec_bs)) for x in prompts)
+    have = sorted((x["tokens"] + x["prefix_tokens"], x["bytes"]) for x in rows)
+    assert have == want, f"{label}: loads (tokens, bytes) {have} != expected {want}"
+    return f"{len(prompts)} prompt(s), {GEN} tokens each; kvstage landed {[x['bytes'] for x in rows]} bytes"
 
 
 def recompute(p, d):
@@ -225,7 +265,7 @@ def recompute(p, d):
 
 
 class Server:
-    """``vllm serve`` (the CLI, as docs/engines/vllm.md writes it) or the proxy, a process group."""
+    """``vllm serve`` (the CLI, as README's "Use with vLLM" writes it) or the proxy, a process group."""
 
     def __init__(self, name, work, argv, url):
         self.name, self.url = name, url
@@ -287,9 +327,10 @@ def serve_argv(model, port, role, extra):
 
 def phase_serve(r, work, model):
     """The documented commands: two ``vllm serve`` and ``python -m kvstage.vllm.proxy``."""
-    pre = Server("serve-prefill", work, serve_argv(model, 18100, "kv_producer", {"host": "127.0.0.1", "bootstrap_port": 17640}), "http://127.0.0.1:18100")
-    dec = Server("serve-decode", work, serve_argv(model, 18200, "kv_consumer", {"host": "127.0.0.1", "stats_file": os.path.join(work, "serve.stats.jsonl")}), "http://127.0.0.1:18200")
-    proxy = Server("proxy", work, [sys.executable, "-m", "kvstage.vllm.proxy", "--prefill", pre.url, "--decode", dec.url, "--port", "18000"], "http://127.0.0.1:18000")
+    pp, dp, xp, bp = free_ports(1), free_ports(1), free_ports(1), free_ports(1)
+    pre = Server("serve-prefill", work, serve_argv(model, pp, "kv_producer", {"host": "127.0.0.1", "bootstrap_port": bp}), f"http://127.0.0.1:{pp}")
+    dec = Server("serve-decode", work, serve_argv(model, dp, "kv_consumer", {"host": "127.0.0.1", "stats_file": os.path.join(work, "serve.stats.jsonl")}), f"http://127.0.0.1:{dp}")
+    proxy = Server("proxy", work, [sys.executable, "-m", "kvstage.vllm.proxy", "--prefill", pre.url, "--decode", dec.url, "--port", str(xp)], f"http://127.0.0.1:{xp}")
     try:
         t = (pre.wait_ready("/health"), dec.wait_ready("/health"), proxy.wait_ready("/v1/models"))
         print(f"# vllm serve prefill, decode and the proxy up ({t[0]:.0f} s, {t[1]:.0f} s, {t[2]:.0f} s)", flush=True)
@@ -316,7 +357,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("work")
-    ap.add_argument("--only", default="A,B,C,D,E")
+    ap.add_argument("--only", default="U,A,B,C,D,E")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     phases = set(a.only.split(","))
@@ -326,15 +367,37 @@ def main():
     stall = os.path.join(a.work, "stall")
     os.environ["KVSTAGE_TEST_FLIP_FILE"] = flip
     os.environ["KVSTAGE_TEST_STALL_FILE"] = stall
-    for f in (flip, flip + ".done", stall):
+    for f in (flip, flip + ".done", stall, stall + ".entered"):
         if os.path.exists(f):
             os.unlink(f)
     for f in os.listdir(a.work):
         if f.endswith(".stats.jsonl"):
             os.unlink(os.path.join(a.work, f))
 
+    if "U" in phases:
+        # The connector's classes in one process, no engine (test_units.py): its lines count here.
+        try:
+            u = subprocess.run([sys.executable, os.path.join(HERE, "test_units.py")], capture_output=True, text=True, timeout=300)
+            lines = u.stdout.splitlines()
+            with open(os.path.join(a.work, "units.log"), "w") as f:
+                f.write(u.stdout + u.stderr)
+            checks = [x for x in lines if x.startswith(("ok   unit_", "FAIL unit_"))]
+            for x in checks:
+                print(x, flush=True)
+                if x.startswith("ok"):
+                    r.passed += 1
+                else:
+                    r.failed += 1
+            if not checks or u.returncode != 0 and not any(x.startswith("FAIL") for x in checks):
+                r.failed += 1
+                print(f"FAIL units: test_units.py exited {u.returncode} (see {a.work}/units.log)", flush=True)
+        except Exception as e:  # noqa: BLE001
+            r.failed += 1
+            print(f"FAIL units: {type(e).__name__}: {e}", flush=True)
+
     if "A" in phases:
-        p, d = start_pair(a.work, a.model, 32, 32, 17610, "a")
+        port_a = free_ports(1)
+        p, d = start_pair(a.work, a.model, 32, 32, port_a, "a")
         try:
             # A prefill nobody decodes: its blocks must come back after the lease.
             orphan = p.generate(prompts_for(99, [50]), 1, [{"do_remote_decode": True}])[0]["kv_transfer_params"]
@@ -373,7 +436,8 @@ def main():
             r.check("flipped_byte_changes_output", flipped)
 
             def concurrent():
-                prompts = prompts_for(7, [random.Random(8).randrange(20, 300) for _ in range(16)])
+                rng = random.Random(8)  # 16 different lengths (one Random per length gave one length 16 times)
+                prompts = prompts_for(7, [rng.randrange(20, 300) for _ in range(16)])
                 return equal_tokens(p, d, prompts, "concurrent")
 
             r.check("concurrent_16", concurrent)
@@ -413,27 +477,27 @@ def main():
                 p.stop()
         if "B" in phases:
             try:
-                d = Engine("decode64b", a.work, a.model, 64, "kv_consumer", 17610, policy="recompute")
+                d = Engine("decode64b", a.work, a.model, 64, "kv_consumer", port_a, policy="recompute")
                 print(f"# decode64b started ({d.wait_ready():.0f} s)", flush=True)
-                r.check("equal_tokens_32_to_64", lambda: equal_tokens(p, d, prompts_for(12, [37, 100, 250]), "32->64"))
+                r.check("equal_tokens_32_to_64", lambda: equal_tokens(p, d, prompts_for(12, [37, 100, 250]), "32->64", 32, 64))
                 r.check("recompute_policy_computes_locally", lambda: recompute(p, d))
             finally:
                 p.stop()
                 d.stop()
             phases.discard("B")
     if "B" in phases:
-        p, d = start_pair(a.work, a.model, 32, 64, 17620, "b", policy="recompute")
+        p, d = start_pair(a.work, a.model, 32, 64, free_ports(1), "b", policy="recompute")
         try:
-            r.check("equal_tokens_32_to_64", lambda: equal_tokens(p, d, prompts_for(12, [37, 100, 250]), "32->64"))
+            r.check("equal_tokens_32_to_64", lambda: equal_tokens(p, d, prompts_for(12, [37, 100, 250]), "32->64", 32, 64))
             r.check("recompute_policy_computes_locally", lambda: recompute(p, d))
         finally:
             p.stop()
             d.stop()
 
     if "C" in phases:
-        p, d = start_pair(a.work, a.model, 64, 32, 17630, "c")
+        p, d = start_pair(a.work, a.model, 64, 32, free_ports(1), "c")
         try:
-            r.check("equal_tokens_64_to_32", lambda: equal_tokens(p, d, prompts_for(13, [37, 100, 250]), "64->32"))
+            r.check("equal_tokens_64_to_32", lambda: equal_tokens(p, d, prompts_for(13, [37, 100, 250]), "64->32", 64, 32))
 
             def hung():
                 prompt = prompts_for(17, [80])
@@ -446,11 +510,18 @@ def main():
                     took = time.time() - t0
                 finally:
                     os.unlink(stall)  # the prefill's send goes on: into a released room
+                    if os.path.exists(stall + ".entered"):
+                        os.unlink(stall + ".entered")
                 row = d.stat_rows()[before:]
-                assert LOAD_TIMEOUT_S - 1 <= took <= LOAD_TIMEOUT_S + 5, f"the decode request took {took:.1f} s, load_timeout_s is {LOAD_TIMEOUT_S}"
-                assert out["finish_reason"] not in ("length", "stop"), f"policy 'fail': the request ended {out['finish_reason']} with {out['tokens']}"
                 assert row and "within load_timeout_s" in row[0]["error"], f"stats {row}"
-                return f"ended '{out['finish_reason']}' after {took:.1f} s: {row[0]['error']}"
+                # The connector's own deadline, from the load's start to its failure (its stats
+                # row), tightly; the whole request (vLLM's scheduling included: slower on a
+                # loaded shared host) loosely.
+                load_s = row[0]["ms"] / 1000
+                assert LOAD_TIMEOUT_S - 0.5 <= load_s <= LOAD_TIMEOUT_S + 2, f"the load failed after {load_s:.1f} s, load_timeout_s is {LOAD_TIMEOUT_S}"
+                assert LOAD_TIMEOUT_S - 1 <= took <= LOAD_TIMEOUT_S + 15, f"the decode request took {took:.1f} s, load_timeout_s is {LOAD_TIMEOUT_S}"
+                assert out["finish_reason"] not in ("length", "stop"), f"policy 'fail': the request ended {out['finish_reason']} with {out['tokens']}"
+                return f"ended '{out['finish_reason']}' after {took:.1f} s (the load {load_s:.1f} s): {row[0]['error']}"
 
             r.check("prefill_hung_load_ends_by_deadline", hung)
 
@@ -472,15 +543,25 @@ def main():
 
                 th = threading.Thread(target=run)
                 th.start()
-                time.sleep(3)  # the decode registered; the prefill's send stalls in its hook
+                # The prefill's send is stalled in its before_send hook (it wrote the marker):
+                # the decode's push arrived; kill the prefill now.
+                t0 = time.time()
+                while not os.path.exists(stall + ".entered") and time.time() - t0 < LOAD_TIMEOUT_S:
+                    time.sleep(0.05)
+                entered = os.path.exists(stall + ".entered")
                 p.kill()
                 th.join(LOAD_TIMEOUT_S + 90)
                 os.unlink(stall)
+                assert entered, "the prefill's before_send hook was not reached within load_timeout_s"
                 assert "out" in box, f"decode request: {box.get('err')}"
                 out = box["out"]
                 assert box["s"] <= LOAD_TIMEOUT_S + 5, f"the decode request took {box['s']:.1f} s, load_timeout_s is {LOAD_TIMEOUT_S}"
                 assert out["finish_reason"] not in ("length", "stop"), f"policy 'fail': the request ended {out['finish_reason']} with {out['tokens']}"
                 rows = [x for x in d.stat_rows() if not x["ok"]]
+                err = rows[-1]["error"] if rows else ""
+                assert "prefill at 127.0.0.1:" in err and ("closed the bootstrap connection" in err or "bootstrap connection to the prefill" in err), (
+                    f"the failed load does not say the prefill went away: {err!r}"
+                )
                 again = d.generate(nxt, GEN)[0]["tokens"]
                 assert again == base_next, f"next request {again} != {base_next}"
                 return f"ended '{out['finish_reason']}' after {box['s']:.1f} s: {rows[-1]['error'] if rows else '?'}; next request served"
@@ -497,17 +578,18 @@ def main():
         # TP 2 on the prefill (vLLM's CPU backend runs it with one core per rank), TP 1 on the
         # decode: each prefill rank sends its KV head; kvstage's pairing says who feeds whom.
         bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-        p = Engine("prefill32tp2", a.work, a.model, 32, "kv_producer", 17650, tp=2, env=bind)
+        port_e = free_ports(2)
+        p = Engine("prefill32tp2", a.work, a.model, 32, "kv_producer", port_e, tp=2, env=bind)
         d = None
         try:
             print(f"# prefill32tp2 started ({p.wait_ready():.0f} s)", flush=True)
-            d = Engine("decode32e", a.work, a.model, 32, "kv_consumer", 17650)
+            d = Engine("decode32e", a.work, a.model, 32, "kv_consumer", port_e)
             print(f"# decode32e started ({d.wait_ready():.0f} s)", flush=True)
             r.check("equal_tokens_tp2_to_tp1", lambda: equal_tokens(p, d, prompts_for(19, [37, 100, 250]), "TP2->TP1"))
             d.stop()
-            d = Engine("decode64e", a.work, a.model, 64, "kv_consumer", 17650)
+            d = Engine("decode64e", a.work, a.model, 64, "kv_consumer", port_e)
             print(f"# decode64e started ({d.wait_ready():.0f} s)", flush=True)
-            r.check("equal_tokens_tp2_to_tp1_32_to_64", lambda: equal_tokens(p, d, prompts_for(20, [37, 100, 250]), "TP2/32->TP1/64"))
+            r.check("equal_tokens_tp2_to_tp1_32_to_64", lambda: equal_tokens(p, d, prompts_for(20, [37, 100, 250]), "TP2/32->TP1/64", 32, 64))
         finally:
             p.stop()
             if d is not None:
