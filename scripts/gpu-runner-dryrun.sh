@@ -25,7 +25,8 @@ if [[ $(id -u) == 0 ]] && unshare -m true 2>/dev/null; then
 else
     echo "not root: the build tree's library stays reachable in this dry run"
 fi
-if ! OUT=$work/out2 LD_LIBRARY_PATH=$fake KVSTAGE_REQUIRE_GPU=1 KVSTAGE_BENCH_ARGS="--tokens 64 --iters 1" \
+# The kernel check runs every case in the emulator: minutes on a busy 2-core machine.
+if ! OUT=$work/out2 LD_LIBRARY_PATH=$fake KVSTAGE_REQUIRE_GPU=1 KVSTAGE_BENCH_ARGS="--tokens 64 --iters 1" KVSTAGE_GPU_TEST_TIMEOUT_S=600 \
     KVSTAGE_TORCH_CHECK_BACKEND=numpy "${hide[@]}" scripts/gpu-runner.sh "$work/bundle" >/dev/null 2>&1; then
     cat "$work/out2/gpu-runner.log"
     exit 1

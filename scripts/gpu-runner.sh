@@ -12,7 +12,9 @@
 # (sanitizer.txt). With a GPU present KVSTAGE_REQUIRE_GPU=1, so a
 # skip is a failure; without one everything skips and the script exits 0 (that is how it is
 # tested on CPU machines). KVSTAGE_BENCH_ARGS overrides the benchmark's arguments (default
-# "--iters 20"; a dry run against the fake libcuda uses "--tokens 64 --iters 1"). Ends with 'N passed, N failed, N skipped'; exit 1 when anything failed.
+# "--iters 20"; a dry run against the fake libcuda uses "--tokens 64 --iters 1");
+# KVSTAGE_GPU_TEST_TIMEOUT_S each ctest's limit (default 180 s; the dry run's emulated kernels are
+# far slower than a GPU). Ends with 'N passed, N failed, N skipped'; exit 1 when anything failed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bundle=$(cd "${1:-build/gpu-bundle}" 2>/dev/null && pwd) || { echo "gpu-runner: no bundle ${1:-build/gpu-bundle} (scripts/gpu-bundle.sh)" >&2; exit 1; }
@@ -60,7 +62,7 @@ while IFS=$'\t' read -r name env cmd; do
         IFS=';' read -r -a vars <<<"${env//STUB_DIR/$bundle/stub_cuda:$LD_LIBRARY_PATH}"
     fi
     # shellcheck disable=SC2086 # cmd is a word list from tests.tsv
-    (cd "$bundle" && timeout 180 env "${vars[@]}" $cmd)
+    (cd "$bundle" && timeout "${KVSTAGE_GPU_TEST_TIMEOUT_S:-180}" env "${vars[@]}" $cmd)
     result "$name" $?
 done <"$bundle/tests.tsv"
 

@@ -138,7 +138,8 @@ impl HostCopyEngine {
             return Err(Error::invalid_arg("staging", "is NULL"));
         }
         let streaming = plan.bytes() >= self.streaming_min_bytes && nt::AVAILABLE;
-        let units = plan.slabs.len() as u64 * plan.tokens;
+        let fused = super::rows::kv_interleaved(plan, &pool.bases);
+        let units = (plan.slabs.len() >> u32::from(fused)) as u64 * plan.tokens;
         let parts = if plan.bytes() < self.min_parallel_bytes { 1 } else { (self.threads as u64).min(units) };
         let task = Task {
             plan,
@@ -146,6 +147,7 @@ impl HostCopyEngine {
             staging,
             dir,
             streaming,
+            fused,
             units,
             parts,
             next: AtomicU64::new(0),
@@ -266,7 +268,8 @@ struct Task {
     staging: usize,
     dir: Dir,
     streaming: bool,
-    /// Rows of the flattened `(slab, token)` space.
+    fused: bool,
+    /// Rows of the flattened `(slab, token)` space (`(layer, token)` where `fused`).
     units: u64,
     parts: u64,
     /// The next part to claim; claims at or past `parts` find nothing.
@@ -344,7 +347,7 @@ impl Task {
         }
         let cut = |k: u64| (self.units as u128 * k as u128 / self.parts as u128) as u64;
         // SAFETY: the function's contract: both borrows of `execute` are live.
-        let job = unsafe { Job { plan: &*self.plan, bases: &*self.bases, staging: self.staging, dir: self.dir, streaming: self.streaming } };
+        let job = unsafe { Job { plan: &*self.plan, bases: &*self.bases, staging: self.staging, dir: self.dir, streaming: self.streaming, fused: self.fused } };
         job.run(cut(k), cut(k + 1));
     }
 }
@@ -363,10 +366,13 @@ struct Job<'a> {
     staging: usize,
     dir: Dir,
     streaming: bool,
+    /// The K slab `i` and the V slab `i + slabs/2` run as one, two planes ([`super::rows::kv_interleaved`]).
+    fused: bool,
 }
 
 impl Job<'_> {
-    /// Executes rows `[a, b)` of the flattened `(slab, token)` space.
+    /// Executes rows `[a, b)` of the flattened `(slab, token)` space (`(layer, token)` where
+    /// `fused`).
     fn run(&self, a: u64, b: u64) {
         self.run_rows(a, b);
         if self.streaming {
@@ -378,34 +384,47 @@ impl Job<'_> {
     fn run_rows(&self, a: u64, b: u64) {
         let plan = self.plan;
         let t_total = plan.tokens;
+        let half = plan.slabs.len() / 2;
         let mut pos = a;
         while pos < b {
-            let slab = &plan.slabs[(pos / t_total) as usize];
+            let i = (pos / t_total) as usize;
+            let slab = &plan.slabs[i];
             let first = pos % t_total;
             let last = t_total.min(first + (b - pos));
             let base = self.bases[slab.buffer as usize];
             let rows = plan.geometry(slab);
+            // The V slab's rows, the same but for where they start on each side.
+            let (planes, pool_plane, staged_plane) = match self.fused {
+                true => {
+                    let v = &plan.slabs[i + half];
+                    (2, self.bases[v.buffer as usize] - base, (v.staging_offset - slab.staging_offset) as usize)
+                }
+                false => (1, 0, 0),
+            };
             let mut g = plan.segments.partition_point(|s| s.staging_token + s.tokens <= first);
             let mut t = first;
             while t < last {
                 if self.dir == Dir::Gather {
                     // Random page lists make the pool reads latency-bound: start the reads of a
                     // segment a few segments ahead.
+                    // Every piece's: head-major pages put each head's tokens in a stream of its own.
                     if let Some(ahead) = plan.segments.get(g + PREFETCH_SEGMENTS) {
                         let at = base + (plan.slot_offset(rows, ahead.pool_token) + rows.pool_head_offset) as usize;
-                        nt::prefetch(at, rows.piece_bytes.min(PREFETCH_BYTES) as usize);
+                        for j in 0..rows.pieces() as usize {
+                            nt::prefetch(at + j * rows.pool_piece_stride as usize, rows.piece_bytes.min(PREFETCH_BYTES) as usize);
+                        }
                     }
                 }
                 let seg = plan.segments[g];
                 let end = last.min(seg.staging_token + seg.tokens);
                 let run = plan.run(slab, &seg, t, end);
-                let pool = Side { at: base + run.pool_offset as usize, row: run.pool_row_stride as usize, piece: run.pool_piece_stride as usize };
-                let staged = Side { at: self.staging + run.staging_offset as usize, row: run.row_bytes() as usize, piece: run.piece_bytes as usize };
+                let pool = Side { at: base + run.pool_offset as usize, row: run.pool_row_stride as usize, piece: run.pool_piece_stride as usize, plane: pool_plane };
+                let staged = Side { at: self.staging + run.staging_offset as usize, row: run.row_bytes() as usize, piece: run.piece_bytes as usize, plane: staged_plane };
                 let (src, dst) = match self.dir {
                     Dir::Gather => (pool, staged),
                     Dir::Scatter => (staged, pool),
                 };
-                let block = Block { src, dst, len: run.piece_bytes as usize, rows: run.rows as usize, pieces: run.pieces as usize };
+                let block = Block { src, dst, len: run.piece_bytes as usize, rows: run.rows as usize, pieces: run.pieces as usize, planes };
                 // SAFETY: `check_plan` bounded every segment by the pool capacity and every slab by
                 // the staging region; the caller of gather/scatter vouched for both address ranges.
                 unsafe { block.copy(self.streaming) };
@@ -604,14 +623,15 @@ mod tests {
     const CAPACITY: u32 = 64;
 
     /// One gather and one scatter of `pages_n` random pages with `eng`, each compared against the
-    /// naive reference (the scatter on a twin of `dst` that saw the same history).
+    /// naive reference (the scatter on a twin of `dst` that saw the same history); planned on the
+    /// pools' layouts.
     fn check_round_trip(eng: &HostCopyEngine, pair: &(PoolShape, PoolShape), src: &Pool, dst: &mut Pool, dst_ref: &mut Pool, rng: &mut Rng, pages_n: usize) {
         let (src_shape, dst_shape) = pair;
         let tokens = pages_n as u32 * src_shape.page_size;
         let st = staging_layout(src_shape, dst_shape, tokens).unwrap();
         let w = &st.region_of(src_shape).unwrap().unwrap();
-        let g = plan_gather(src_shape, &rng.pages(pages_n, CAPACITY), 0, &st, w).unwrap();
-        let s = plan_scatter(dst_shape, &rng.pages(pages_n, CAPACITY), &st, w).unwrap();
+        let g = plan_gather(&src.layout, &rng.pages(pages_n, CAPACITY), 0, &st, w).unwrap();
+        let s = plan_scatter(&dst.layout, &rng.pages(pages_n, CAPACITY), &st, w).unwrap();
         let bytes = w.bytes as usize;
         let (mut buf, mut want) = (vec![0u8; bytes], vec![0u8; bytes]);
         unsafe {
@@ -624,6 +644,32 @@ mod tests {
             naive(&s, &dst_ref.layout, want.as_mut_ptr(), Dir::Scatter);
         }
         assert!(dst.mem == dst_ref.mem, "scatter differs from the reference");
+    }
+
+    /// Every engine's pool layout copies what the naive walk copies, K and V in one pass where
+    /// vLLM's cells interleave them (parts cut inside a layer, streaming or not, both directions).
+    #[test]
+    fn every_pool_layout_copies_as_the_naive_walk() {
+        use crate::geometry::LayoutPreset;
+        let laid = |preset: LayoutPreset, shape: &PoolShape, fill: fn(usize) -> u8| {
+            let mut mem: Vec<u8> = (0..preset.tensor_bytes(shape, CAPACITY as u64) as usize).map(fill).collect();
+            let layout = preset.layout(shape, CAPACITY as u64, MemoryKind::Host, mem.as_mut_ptr() as usize);
+            Pool { mem, layout }
+        };
+        let engines = [HostCopyEngine::new(1), HostCopyEngine::new(3).with_min_parallel_bytes(0).with_streaming_min_bytes(0)];
+        let mut rng = Rng(5);
+        for pair in pairs() {
+            for preset in LayoutPreset::ALL {
+                let src = laid(preset, &pair.0, |i| (i * 7 % 253) as u8);
+                let (mut dst, mut dst_ref) = (laid(preset, &pair.1, |i| (i % 97) as u8), laid(preset, &pair.1, |i| (i % 97) as u8));
+                let st = staging_layout(&pair.0, &pair.1, 16).unwrap();
+                let g = plan_gather(&src.layout, &rng.pages(4, CAPACITY), 0, &st, &st.region_of(&pair.0).unwrap().unwrap()).unwrap();
+                assert_eq!(super::super::rows::kv_interleaved(&g, &src.layout.bases), preset.name().starts_with("vllm"), "{}", preset.name());
+                for eng in &engines {
+                    check_round_trip(eng, &pair, &src, &mut dst, &mut dst_ref, &mut rng, 7);
+                }
+            }
+        }
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use super::block::{Block, Side};
-use crate::geometry::{CopyPlan, KvLayout, RowGeometry, Segment};
+use crate::geometry::{CopyPlan, KvLayout, Segment};
 
 /// Whether the plan's slabs lie back to back from the region's start in the order they are listed
 /// (as the planner lists them: then its rows in that order are the region's KV bytes).
@@ -27,9 +27,9 @@ pub fn pool_ranges<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iterator<
         let base = pool.bases[slab.buffer as usize];
         let rows = plan.segments.iter().flat_map(move |seg| {
             let run = plan.run(slab, seg, seg.staging_token, seg.staging_token + seg.tokens);
-            let packed = Side { at: 0, row: run.row_bytes() as usize, piece: run.piece_bytes as usize };
-            let pool = Side { at: base + run.pool_offset as usize, row: run.pool_row_stride as usize, piece: run.pool_piece_stride as usize };
-            Block { src: pool, dst: packed, len: run.piece_bytes as usize, rows: run.rows as usize, pieces: run.pieces as usize }.src_ranges()
+            let packed = Side { at: 0, row: run.row_bytes() as usize, piece: run.piece_bytes as usize, plane: 0 };
+            let pool = Side { at: base + run.pool_offset as usize, row: run.pool_row_stride as usize, piece: run.pool_piece_stride as usize, plane: 0 };
+            Block { src: pool, dst: packed, len: run.piece_bytes as usize, rows: run.rows as usize, pieces: run.pieces as usize, planes: 1 }.src_ranges()
         });
         Adjacent { rows, pending: None }
     })
@@ -72,18 +72,27 @@ pub unsafe fn pool_rows<'a>(plan: &'a CopyPlan, pool: &'a KvLayout) -> impl Iter
 pub unsafe fn copy_across(src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, dst_pool: &KvLayout) -> Result<()> {
     check_paired(src, dst)?;
     let runs = fused_runs(&src.segments, &dst.segments);
-    let side = |plan: &CopyPlan, g: &RowGeometry, len: u64, base: usize, slot: u64| Side {
-        at: base + (plan.slot_offset(g, slot) + g.pool_head_offset) as usize,
-        row: g.pool_token_stride as usize,
-        piece: if g.piece_bytes == len { g.pool_piece_stride } else { len } as usize,
+    let (src_bases, dst_bases) = (&src_pool.bases[..], &dst_pool.bases[..]);
+    // Where either pool holds K‖V cells, K's and V's rows go in one pass (see `kv_interleaved`).
+    let fused = kv_paired(src, src_bases) && kv_paired(dst, dst_bases) && (kv_interleaved(src, src_bases) || kv_interleaved(dst, dst_bases));
+    let slabs = if fused { src.slabs.len() / 2 } else { src.slabs.len() };
+    let side = |plan: &CopyPlan, bases: &[usize], i: usize, len: u64, slot: u64| {
+        let (slab, g) = (&plan.slabs[i], plan.geometry(&plan.slabs[i]));
+        let base = bases[slab.buffer as usize];
+        Side {
+            at: base + (plan.slot_offset(g, slot) + g.pool_head_offset) as usize,
+            row: g.pool_token_stride as usize,
+            piece: if g.piece_bytes == len { g.pool_piece_stride } else { len } as usize,
+            plane: if fused { bases[plan.slabs[i + slabs].buffer as usize] - base } else { 0 },
+        }
     };
-    for (from, to) in src.slabs.iter().zip(&dst.slabs) {
-        let (src_base, dst_base) = (src_pool.bases[from.buffer as usize], dst_pool.bases[to.buffer as usize]);
-        let (gs, gd) = (src.geometry(from), dst.geometry(to));
+    for i in 0..slabs {
+        let (gs, gd) = (src.geometry(&src.slabs[i]), dst.geometry(&dst.slabs[i]));
         // A piece both sides hold whole: a head where either side puts heads apart.
         let len = gs.piece_bytes.min(gd.piece_bytes);
         for &(src_token, dst_token, tokens) in &runs {
-            let block = Block { src: side(src, gs, len, src_base, src_token), dst: side(dst, gd, len, dst_base, dst_token), len: len as usize, rows: tokens as usize, pieces: (gs.row_bytes / len) as usize };
+            let (from, to) = (side(src, src_bases, i, len, src_token), side(dst, dst_bases, i, len, dst_token));
+            let block = Block { src: from, dst: to, len: len as usize, rows: tokens as usize, pieces: (gs.row_bytes / len) as usize, planes: 1 + usize::from(fused) };
             // The decode pool's rows are not read here again: streaming stores skip reading each
             // destination line before writing it (half the memory traffic of a plain copy).
             // SAFETY: the callers' ranges lie in both pools (checked plans), which do not overlap.
@@ -93,6 +102,28 @@ pub unsafe fn copy_across(src: &CopyPlan, src_pool: &KvLayout, dst: &CopyPlan, d
     // Streaming stores are weakly ordered: visible before the writer reports the region written.
     super::nt::fence();
     Ok(())
+}
+
+/// Whether the plan's slab `i` and slab `i + n/2` (of `n`) are the K and the V slab of one layer
+/// whose rows differ only in where they start, V's after K's in the pool and in the region: then
+/// a block of two planes copies both.
+fn kv_paired(plan: &CopyPlan, bases: &[usize]) -> bool {
+    let half = plan.slabs.len() / 2;
+    let (k, v) = plan.slabs.split_at(half);
+    half > 0
+        && k.len() == v.len()
+        && plan.rows[0] == plan.rows[1]
+        && k.iter().zip(v).all(|(k, v)| {
+            k.kv == 0 && v.kv == 1 && k.layer_id == v.layer_id && bases[v.buffer as usize] > bases[k.buffer as usize] && v.staging_offset > k.staging_offset
+        })
+}
+
+/// Whether the plan's V rows lie inside K's token slots in the pool (vLLM's K‖V cells, paired as
+/// [`kv_paired`] says): a pass over K's rows, then one over V's, would each bring in (or write
+/// back) every line of the cells for half their bytes; one pass over both moves each line once.
+pub(super) fn kv_interleaved(plan: &CopyPlan, bases: &[usize]) -> bool {
+    let half = plan.slabs.len() / 2;
+    kv_paired(plan, bases) && plan.slabs[..half].iter().zip(&plan.slabs[half..]).all(|(k, v)| bases[v.buffer as usize] - bases[k.buffer as usize] < plan.rows[0].pool_token_stride as usize)
 }
 
 /// Whether `src` (a gather plan) and `dst` (a scatter plan) are of the same region, as direct mode
