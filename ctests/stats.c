@@ -253,6 +253,8 @@ int main(void) {
     kvstage_engine_free(gone);
     d = desc_for(0, NOT_OPEN_KEY, 4, 0); /* never opened on `gone` */
     CHECK_INT(kvstage_transfer(doomed, &d), KVSTAGE_E_PEER_GONE);
+    /* It says it is dead, and why: free it, connect again. */
+    CHECK_INT(session_stats(doomed).dead_status, KVSTAGE_E_PEER_GONE);
 
     /* Session counters. */
     kvstage_session_stats ss;
@@ -271,6 +273,7 @@ int main(void) {
     CHECK_INT(ss.transfers_timeout + ss.transfers_peer_gone + ss.transfers_failed_other, 0);
     CHECK_INT(ss.transfers_in_flight, 0);
     CHECK_INT(ss.timed_transfers, 6); /* the bad argument never started */
+    CHECK_INT(ss.dead_status, 0); /* refusals leave a session usable */
     /* The asynchronous transfers' time queued, and nothing else: the synchronous ones have none. */
     CHECK(ss.timings_sum.gather_ns > 0);
     CHECK_INT(ss.timings_sum.queued_ns, ot.queued_ns + ft.queued_ns + st.queued_ns);

@@ -19,6 +19,12 @@
 //!   buffer holds (it is blocked inside its write); the receiver is inside the payload read.
 //! - `idle_session[_silent_host]`: a connected session with nothing in flight; the decode side must
 //!   drop the connection (keepalive), and a transfer tried afterwards must fail, not hang.
+//! - `deadline_with_payload_on_the_wire`, `deadline_inside_the_write`: no host vanishes; the link
+//!   stays slow, and the transfer's own deadline (1.5 s) passes with its payload still in the
+//!   stream (waiting for the acknowledgement; blocked inside the write). The decode ring must let
+//!   the grant go within 3 s of the sender's `TIMEOUT` (not at the receiver's payload bound, 7 s
+//!   and 35 s after the payload began), the sender's session is dead, and a new session to the same
+//!   decode engine delivers the next request.
 //!
 //! Each asserts: the prefill transfer fails with `PEER_GONE` or `TIMEOUT`, and the decode room wait
 //! with `PEER_GONE` (or `TIMEOUT`), within `dead_peer_timeout` + 7 s of the cut (operation
@@ -216,6 +222,12 @@ impl Netns {
         run(Command::new(&self.ip).args(["netns", "exec", &self.b]).arg(tc).args([
             "qdisc", "add", "dev", self.veth_b, "root", "tbf", "rate", rate, "burst", "32kb", "limit", "512kb",
         ]))
+    }
+
+    /// Lifts [`rate_limit_b`](Self::rate_limit_b).
+    fn unlimit_b(&self) -> Result<(), String> {
+        let tc = ip_tool("tc").ok_or("`tc` (iproute2) not found")?;
+        run(Command::new(&self.ip).args(["netns", "exec", &self.b]).arg(tc).args(["qdisc", "del", "dev", self.veth_b, "root"]))
     }
 
     /// The host vanishes: no FIN, no RST, packets just stop.
@@ -558,6 +570,65 @@ fn payload_in_flight(tag: &str, subnet: u8, chunk_tokens: u32, how: Cut) {
     finish(decode, prefill);
 }
 
+/// A 4 MiB payload (it fits in the send buffer) on a slow link past the transfer's deadline: the
+/// sender gives up waiting for the arrival acknowledgement with its bytes still in the stream.
+#[test]
+fn deadline_with_payload_on_the_wire() {
+    deadline_in_flight("dlw", 7, SMALL_CHUNK);
+}
+
+/// A 32 MiB payload on a slow link past the transfer's deadline: the sender's write times out.
+#[test]
+fn deadline_inside_the_write() {
+    deadline_in_flight("dlb", 8, 8 * SMALL_CHUNK);
+}
+
+/// The transfer's deadline, far shorter than the payload takes on the rate-limited link.
+const SHORT_DEADLINE_MS: u64 = 1500;
+/// How soon after the sender's `TIMEOUT` the decode ring must have let the grant go: a reset
+/// crosses the link at once (behind at most the token bucket's 512 KB queue, 1 s at 4 Mbit/s).
+const GRANT_FREED_WITHIN: Duration = Duration::from_secs(3);
+
+fn deadline_in_flight(tag: &str, subnet: u8, chunk_tokens: u32) {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(ns) = setup(tag, subnet) else { return };
+    if let Err(why) = ns.rate_limit_b("4mbit") {
+        skip(&format!("cannot rate-limit the veth (tc tbf): {why}"));
+        return;
+    }
+    let (mut decode, mut prefill) = start(&ns, chunk_tokens);
+    let key = open_room(&mut decode, 1);
+    decode.send("wait 1");
+    prefill.send(&format!("send 1 {key} {SHORT_DEADLINE_MS}"));
+    let (failed_at, line) = prefill.expect("sent 1", REPLY);
+    let (status, msg) = parse_outcome(&line);
+    assert_eq!(status, "KVSTAGE_E_TIMEOUT", "the transfer must end by its own deadline: {msg}");
+    let (live, _) = settle(&mut decode, GRANT_FREED_WITHIN, |(live, _)| live == 0);
+    let freed = failed_at.elapsed();
+    assert_eq!(
+        live, 0,
+        "{chunk_tokens} tokens: the decode ring still holds the grant {freed:.2?} after the sender's deadline passed with its payload in the stream"
+    );
+    eprintln!("{chunk_tokens} tokens: the sender timed out; the decode ring was free {freed:.2?} later");
+    // The decode side's room fails (its writer's connection went), not at its own timeout.
+    let (_, waited) = decode.expect("waited 1", REPLY);
+    let (status, msg) = parse_outcome(&waited);
+    assert!(["KVSTAGE_E_PEER_GONE", "KVSTAGE_E_CANCELED"].contains(&status.as_str()), "decode room 1: {status}: {msg}");
+    // The session that gave up is dead; a new one delivers the next request.
+    assert_eq!(prefill.command("alive", "alive"), "alive 0", "the session that reset its connection still claims to be alive");
+    ns.unlimit_b().expect("lift the rate limit");
+    prefill.command("reconnect", "connected");
+    let key = open_room(&mut decode, 2);
+    prefill.send(&format!("send 2 {key}"));
+    let (_, sent) = prefill.expect("sent 2", REPLY);
+    assert_eq!(parse_outcome(&sent).0, "KVSTAGE_OK", "room 2 over a new session: {sent}");
+    decode.command("release 1", "released 1");
+    decode.command("release 2", "released 2");
+    let s = settle(&mut decode, Duration::from_secs(3), |(live, conns)| live == 0 && conns == 1);
+    assert_eq!(s, (0, 1), "after both releases: no ring allocation, only the new session's connection (live, conns)");
+    finish(decode, prefill);
+}
+
 /// Nothing in flight: keepalive alone must notice on the decode side; a later transfer fails.
 #[test]
 fn idle_session() {
@@ -632,12 +703,12 @@ fn zz_child_role() {
     }
 }
 
-/// Commands on stdin: (command, argument, second argument); ends with stdin (the parent gone) or
-/// `quit`.
-fn commands() -> impl Iterator<Item = (String, String, String)> {
+/// Commands on stdin: (command, argument, second argument, third argument); ends with stdin (the
+/// parent gone) or `quit`.
+fn commands() -> impl Iterator<Item = (String, String, String, String)> {
     std::io::stdin().lock().lines().map_while(Result::ok).map(|line| {
-        let mut w = line.split_whitespace();
-        (w.next().unwrap_or("").to_owned(), w.next().unwrap_or("").to_owned(), w.next().unwrap_or("").to_owned())
+        let mut w = line.split_whitespace().map(str::to_owned);
+        (w.next().unwrap_or_default(), w.next().unwrap_or_default(), w.next().unwrap_or_default(), w.next().unwrap_or_default())
     })
 }
 
@@ -652,7 +723,7 @@ fn decode_child() {
     let mut waits = Vec::new();
     // Each open room's key (its latest opening).
     let mut keys = std::collections::HashMap::new();
-    for (cmd, arg, _) in commands() {
+    for (cmd, arg, _, _) in commands() {
         let id: u64 = arg.parse().unwrap_or(0);
         match cmd.as_str() {
             "room" => {
@@ -704,17 +775,29 @@ fn prefill_child() {
     say("started");
     let mut session = None;
     let mut sends = Vec::new();
-    for (cmd, arg, key) in commands() {
+    let mut addr = String::new();
+    for (cmd, arg, key, ms) in commands() {
         let id: u64 = arg.parse().unwrap_or(0);
         match cmd.as_str() {
-            "connect" => match engine.connect(&arg, "vanish", Some(Duration::from_secs(10))) {
-                Ok(s) => {
-                    session = Some(s);
-                    say("connected");
+            // `connect ADDR`, or `reconnect` to the last address: a new session.
+            "connect" | "reconnect" => {
+                if cmd == "connect" {
+                    addr = arg;
                 }
-                Err(e) => say(format!("error connect: {}", e.chain())),
-            },
-            // `send ID KEY`: the room and the key of its opening (the decode child's `ok room ID KEY`).
+                match engine.connect(&addr, "vanish", Some(Duration::from_secs(10))) {
+                    Ok(s) => {
+                        session = Some(s);
+                        say("connected");
+                    }
+                    Err(e) => say(format!("error connect: {}", e.chain())),
+                }
+            }
+            "alive" => {
+                let alive = session.as_ref().is_some_and(|s| s.describe().dead.is_none());
+                say(format!("alive {}", alive as u8));
+            }
+            // `send ID KEY [MS]`: the room and the key of its opening (the decode child's `ok room
+            // ID KEY`), the transfer's deadline (default `OP_TIMEOUT`).
             "send" => {
                 let Some(s) = session.clone() else {
                     say("error send before connect");
@@ -725,9 +808,10 @@ fn prefill_child() {
                     continue;
                 };
                 let pages = pages.clone();
+                let timeout = ms.parse().map_or(OP_TIMEOUT, Duration::from_millis);
                 sends.push(std::thread::spawn(move || {
                     let s: Arc<kvstage::session::sender::SenderSession> = s;
-                    let desc = TransferDesc { room: RoomRef { id, key }, chunk: 0, pages, timeout: Some(OP_TIMEOUT), ..Default::default() };
+                    let desc = TransferDesc { room: RoomRef { id, key }, chunk: 0, pages, timeout: Some(timeout), ..Default::default() };
                     let start = Instant::now();
                     report("sent", id, start, s.transfer(&desc, &Op::new(s.waker())));
                 }));

@@ -369,6 +369,7 @@ class kvstage_session_stats(Structure):
         ("transfers_in_flight", c_uint64),
         ("timed_transfers", c_uint64),
         ("timings_sum", kvstage_transfer_timings),
+        ("dead_status", c_int32),
     ]
 
 

@@ -52,6 +52,8 @@ class SessionStats(NamedTuple):
     transfers_in_flight: int
     timed_transfers: int
     timings_sum: TransferTimings
+    #: 0 while the connection is up, else the status that ended it (free the session, connect again).
+    dead_status: int
 
 
 class EngineStats(NamedTuple):

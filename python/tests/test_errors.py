@@ -103,6 +103,20 @@ def test_connection_refused_is_a_transport_error_with_the_session(lib):
     assert any("refused" in c.lower() for c in e.causes)
 
 
+def test_a_session_whose_peer_went_says_it_is_dead(lib):
+    dec, _pool, opened = decode_engine(1 << 16)
+    pre, _ = prefill_engine()
+    with pre:
+        session = pre.connect(dec.listen_address, "dead-1", timeout_ms=5000)
+        assert session.stats().dead_status == 0
+        dec.close()
+        with pytest.raises(kvstage.TransportError) as info:
+            session.transfer(ROOM, 0, chunk_pages(0), 5000, room_key=opened[ROOM].key)
+        assert info.value.code == Status.E_PEER_GONE
+        # The one check an engine needs after any failure: free it and connect again.
+        assert session.stats().dead_status == Status.E_PEER_GONE
+
+
 # --- fallback --------------------------------------------------------------------------------------
 
 

@@ -113,6 +113,12 @@ pub struct kvstage_session_stats {
     pub timed_transfers: u64,
     /// Phase timings summed over the ended transfers (divide by `timed_transfers` for means).
     pub timings_sum: kvstage_transfer_timings,
+    /// 0 while the session's connection is up; once it is not, the status that ended it
+    /// (`KVSTAGE_E_PEER_GONE`: the peer closed, vanished or reset it, or this side reset it when a
+    /// chunk gave up with bytes still unacknowledged in the stream; `KVSTAGE_E_PROTOCOL`: a
+    /// malformed frame; `KVSTAGE_E_CANCELED`: freed). Every later call on it fails: free it and
+    /// connect again. Check it after a transfer fails with any status.
+    pub dead_status: i32,
 }
 
 /// Fills `out` (set `out->struct_size` first, to `sizeof(kvstage_session_stats)`) with the
@@ -146,6 +152,7 @@ pub unsafe extern "C" fn kvstage_session_stats_get(session: *const kvstage_sessi
             transfers_in_flight: f.transfers_in_flight,
             timed_transfers: f.timed_transfers,
             timings_sum: f.timings_sum,
+            dead_status: s.dead.map_or(0, |code| code.code()),
         };
         unsafe { write_versioned(out, stats, "out") }?;
         Ok(Status::KVSTAGE_OK)

@@ -237,6 +237,8 @@ pub struct SessionStats {
     /// A faster path was allowed (transport auto) but failed for this session, which runs on a
     /// slower one (counted in the engine's downgrade counters).
     pub downgraded: bool,
+    /// Why the session is dead (its connection gone, reset or closed), `None` while it is not.
+    pub dead: Option<Status>,
 }
 
 /// Receiver metrics (kept in the receiver's state, under its lock, updated once per chunk).

@@ -257,6 +257,14 @@ impl Transport for FaultyTransport {
         self.inner.shutdown();
     }
 
+    fn backlogged(&self) -> bool {
+        self.inner.backlogged()
+    }
+
+    fn reset(&self) {
+        self.inner.reset();
+    }
+
     fn describe(&self) -> String {
         format!("{} (fault injection, seed {})", self.inner.describe(), self.faults.plan.seed)
     }

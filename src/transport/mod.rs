@@ -125,6 +125,20 @@ pub trait Transport: Send + Sync {
     /// Closes both directions; blocked readers and writers return.
     fn shutdown(&self);
 
+    /// Whether bytes this side wrote are still unacknowledged by the peer (a slow or lossy link,
+    /// a peer that stopped reading): anything written after them, an abort included, reaches the
+    /// receiver only once they have. `false` where the transport queues no bytes of its own.
+    fn backlogged(&self) -> bool {
+        false
+    }
+
+    /// Ends the connection at once, dropping what is queued and telling the peer as soon as the
+    /// link carries a packet ([`shutdown`](Self::shutdown) where the transport has nothing
+    /// faster).
+    fn reset(&self) {
+        self.shutdown();
+    }
+
     /// "tcp 127.0.0.1:5000" — for messages.
     fn describe(&self) -> String;
 }

@@ -2,6 +2,7 @@
 
 use std::io::{IoSlice, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -299,6 +300,26 @@ impl TcpTransport {
         Ok(TcpTransport { writer: Mutex::new(stream), closer, peer })
     }
 
+    /// Bytes written to the socket that the peer's TCP has not acknowledged (unsent ones too).
+    fn unacknowledged(&self) -> usize {
+        let mut n: libc::c_int = 0;
+        // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int; the descriptor is open while `self` lives.
+        let rc = unsafe { libc::ioctl(self.closer.as_raw_fd(), libc::TIOCOUTQ, &mut n) };
+        if rc == 0 { n.max(0) as usize } else { 0 }
+    }
+
+    /// Ends the connection with a reset: queued bytes are dropped and the peer is told at once
+    /// (Linux's `connect` with `AF_UNSPEC` disconnects a TCP socket for every handle on it,
+    /// waking a blocked reader or writer with `ECONNRESET`; a `close` would wait for the last
+    /// handle, a `shutdown` queue a FIN behind the data).
+    fn reset(&self) {
+        let unspec = libc::sockaddr { sa_family: libc::AF_UNSPEC as libc::sa_family_t, sa_data: [0; 14] };
+        // SAFETY: a valid sockaddr of the size given; the descriptor is open while `self` lives.
+        let _ = unsafe { libc::connect(self.closer.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        // Whatever that did, nothing more goes out or comes in.
+        self.shutdown();
+    }
+
     /// Runs `write` on the stream with the deadline as its write timeout. Any failure may have cut
     /// a frame in half, so the stream is shut down: the session is dead from here on.
     fn write(&self, deadline: &Deadline, write: impl FnOnce(&mut DeadlineWriter<'_>) -> std::io::Result<()>) -> Result<()> {
@@ -315,7 +336,9 @@ impl TcpTransport {
         let what = format!("writing to peer {}", self.peer);
         let mut out = DeadlineWriter::new(w, deadline);
         write(&mut out).map_err(|e| {
-            self.shutdown();
+            // A reset, not a FIN: a FIN would reach the peer only behind the bytes queued (and the
+            // half frame), so its reader would hold the payload's grant until they trickle in.
+            self.reset();
             // SO_SNDTIMEO (the deadline) expires as EAGAIN; ETIMEDOUT is TCP_USER_TIMEOUT: gone.
             let deadline_passed = e.kind() == std::io::ErrorKind::WouldBlock;
             let err = peer_error(e).context(format!("write to peer {} failed", self.peer));
@@ -413,7 +436,7 @@ impl Transport for TcpTransport {
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) => {
-                    self.shutdown();
+                    self.reset();
                     return Err(peer_error(e).context(format!("write to peer {} failed", self.peer)));
                 }
             }
@@ -491,6 +514,14 @@ impl Transport for TcpTransport {
 
     fn shutdown(&self) {
         let _ = self.closer.shutdown(Shutdown::Both);
+    }
+
+    fn backlogged(&self) -> bool {
+        self.unacknowledged() > 0
+    }
+
+    fn reset(&self) {
+        TcpTransport::reset(self);
     }
 
     fn describe(&self) -> String {

@@ -937,11 +937,15 @@ class _Worker:
                 self._sessions[(addr, repack)] = s
             return s
 
-    def _drop_session(self, addr: str, repack: bool) -> None:
+    def _drop_session_if_dead(self, addr: str, repack: bool) -> None:
+        """After a failure: a session whose connection is gone (the peer went, or a chunk that gave
+        up with bytes in the stream reset it) is closed; the next request connects again."""
         with self._sessions_lock:
-            s = self._sessions.pop((addr, repack), None)
-        if s is not None:
-            s.close()
+            s = self._sessions.get((addr, repack))
+            if s is None or s.stats().dead_status == 0:
+                return
+            del self._sessions[(addr, repack)]
+        s.close()
 
     # -- the CPU backend's head-dim-major K: repacking for another block size ---------------------
 
@@ -1044,8 +1048,7 @@ class _Worker:
         except _Failed as e:
             error = f"prefill {self.bootstrap_addr}: request {req_id}: {e}"
         except kvstage.KVStageError as e:
-            if isinstance(e, (kvstage.TransportError, kvstage.ProtocolError)):
-                self._drop_session(addr, repack)
+            self._drop_session_if_dead(addr, repack)
             error = f"prefill {self.bootstrap_addr}: request {req_id}: sending to the decode at {addr} failed: {e}"
         except Exception as e:  # noqa: BLE001 - reported to the decode, never lost
             error = f"prefill {self.bootstrap_addr}: request {req_id}: {type(e).__name__}: {e}"

@@ -228,7 +228,8 @@ fn read_replies(mut stream: TcpStream, shared: &Shared, session: &str, peer: &st
     let mut st = shared.state.lock();
     // Already dead: closed here (freed, or its engine freed), so the end of the stream is expected.
     let expected = st.dead.is_some();
-    st.dead = Some(why);
+    // The first reason stays: a close or a reset here says why better than the stream's end.
+    st.dead.get_or_insert(why);
     shared.cv.notify_all();
     drop(st);
     if expected {

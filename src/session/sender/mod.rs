@@ -268,7 +268,8 @@ impl SenderSession {
     /// This session's counters (bytes, chunks, transfers by result, in flight, summed phase
     /// timings) and its transport.
     pub fn stats(&self) -> SessionStats {
-        SessionStats { send: self.metrics.session.snapshot(), link: self.link_kind, downgraded: self.downgraded }
+        let dead = self.shared.state.lock().dead.as_ref().map(|&(code, _)| code);
+        SessionStats { send: self.metrics.session.snapshot(), link: self.link_kind, downgraded: self.downgraded, dead }
     }
 
     /// The staged path for one chunk. `Ok(FALLBACK)` means nothing was allocated anywhere.
@@ -490,6 +491,28 @@ impl SenderSession {
             }
             other => Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
         }
+    }
+
+    /// Gives up a chunk whose bytes went into the stream. When the peer has not acknowledged all
+    /// of the stream's bytes, an abort would wait behind them, and the receiver's grant (with its
+    /// ring's watermark) for as long as they take: the connection is reset instead and the session
+    /// dies (README, "Failure semantics"); the receiver frees the grant once the reset arrives.
+    fn abort_written(&self, desc: &TransferDesc, reason: &str) {
+        if !self.link.backlogged() {
+            return self.abort(desc, reason);
+        }
+        {
+            let mut st = self.shared.state.lock();
+            st.dead.get_or_insert_with(|| {
+                let why = format!(
+                    "reset by this side: room {} chunk {} gave up ({reason}) with bytes still unacknowledged by the receiver in the stream",
+                    desc.room, desc.chunk
+                );
+                (Status::KVSTAGE_E_PEER_GONE, why)
+            });
+            self.shared.cv.notify_all();
+        }
+        self.link.reset();
     }
 
     fn abort(&self, desc: &TransferDesc, reason: &str) {

@@ -165,7 +165,7 @@ impl SenderSession {
             }
             Ok(other) => Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
             Err(e) => {
-                self.abort(desc, e.message());
+                self.abort_written(desc, e.message());
                 Err(e)
             }
         }
