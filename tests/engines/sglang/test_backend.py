@@ -34,13 +34,16 @@ Stand-ins (each needs a GPU or a model config, none moves a byte differently):
   launcher's publish would, and the manager reads them from ``get_parallel()``; the
   kill scenario stamps nothing (the manager then reads ``ServerArgs`` and ``KVArgs``);
 * STAND-IN model: ``--model-path`` is a directory with only a ``config.json`` (Llama-shaped,
-  ``KV_HEADS`` KV heads of ``HEAD_DIM``): the decode manager reads its KV head count from it
+  ``Model.kv_heads`` KV heads of ``HEAD_DIM``): the decode manager reads its KV head count from it
   through sglang's ``ModelConfig``, as sglang's decode leaves ``KVArgs.kv_head_num`` unset;
 * STAND-IN stuck writer (``HeldRoom``): the decode's real room, whose release answers kvstage's
   "pages not free yet" a few times (a stopped same-host prefill mid-copy needs exact timing);
 * STAND-IN model forward: the prefill writes a known pattern into its KV pages, rows and slots;
   the decode recomputes the pattern for its own heads and shares (numpy, not kvstage) and
-  compares every byte.
+  compares every byte;
+* STAND-IN hostile decode (``HOSTILE_CASES``): a real decode rank whose manager's
+  ``send_to_prefill`` (the backend's metadata path) lies in one field of the message, or whose
+  ``send_metadata`` gets indices outside its own pools.
 """
 
 from __future__ import annotations
@@ -52,32 +55,62 @@ import socket
 import sys
 import time
 import traceback
+from typing import List, NamedTuple
 
 # -- the model (tiny, hybrid: attention on 1 and 3, Mamba on 0 and 2) -----------------------------
 
 ATTN_LAYERS = [1, 3]
 MAMBA_LAYERS = [0, 2]
-KV_HEADS, HEAD_DIM = 8, 64
+ATTN_HEADS, HEAD_DIM = 8, 64
 # Mamba2 (sglang's Mamba2StateShape.create): conv channels [x | B | C] = [intermediate,
-# n_groups * state, n_groups * state], each sharded across TP on its own (conv_shard_groups).
+# n_groups * state, n_groups * state], each sharded across TP on its own (conv_shard_groups);
+# intermediate = SSM heads x SSM head dim.
 CONV_K = 4
-MAMBA_INTER, MAMBA_GROUPS, SSM_STATE = 128, 4, 16
-SSM_HEADS, SSM_HEAD_DIM = 8, 16
-CONV_GROUPS = [MAMBA_INTER, MAMBA_GROUPS * SSM_STATE, MAMBA_GROUPS * SSM_STATE]
+SSM_STATE, SSM_HEAD_DIM = 16, 16
 MAX_REQS = 16                         # metadata rows, mamba slots
 HIDDEN = 64
 MLA_LORA, MLA_ROPE = 64, 32           # MLA latent per token per layer: 96 bf16
 
 
-def model_dir() -> str:
+class Model(NamedTuple):
+    """The head counts that change with the scenario."""
+
+    kv_heads: int = 8
+    ssm_heads: int = 8
+    mamba_groups: int = 4
+
+    @property
+    def mamba_inter(self) -> int:
+        return self.ssm_heads * SSM_HEAD_DIM
+
+    @property
+    def conv_groups(self) -> List[int]:
+        return [self.mamba_inter, self.mamba_groups * SSM_STATE, self.mamba_groups * SSM_STATE]
+
+    def kv_heads_of(self, rank: int, tp: int) -> List[int]:
+        """The global KV heads TP rank ``rank`` of ``tp`` holds: its share, or the one head it
+        replicates when there are fewer heads than ranks (sglang: ``max(1, heads // tp)``)."""
+        if self.kv_heads >= tp:
+            n = self.kv_heads // tp
+            return list(range(rank * n, (rank + 1) * n))
+        return [rank * self.kv_heads // tp]
+
+
+HYBRID = Model()
+# MQA attention (one KV head, replicated on every rank) beside Mamba state of 6 heads and 6
+# groups: shards of 2 heads on TP 3, of 3 on TP 2.
+MQA_HYBRID = Model(kv_heads=1, ssm_heads=6, mamba_groups=6)
+
+
+def model_dir(model: Model = HYBRID) -> str:
     """A model directory with only the config sglang's ``ModelConfig`` reads (see STAND-IN)."""
     import json
     import tempfile
 
-    d = os.path.join(tempfile.gettempdir(), f"kvstage-sglang-model-{os.getuid()}")
+    d = os.path.join(tempfile.gettempdir(), f"kvstage-sglang-model-{os.getuid()}-kv{model.kv_heads}")
     os.makedirs(d, exist_ok=True)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-           "num_attention_heads": KV_HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+           "num_attention_heads": ATTN_HEADS, "num_key_value_heads": model.kv_heads, "head_dim": HEAD_DIM,
            "num_hidden_layers": len(ATTN_LAYERS) + len(MAMBA_LAYERS), "intermediate_size": 256,
            "vocab_size": 1000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
     tmp = os.path.join(d, f"config.json.{os.getpid()}")
@@ -116,24 +149,59 @@ def byte_pattern(np, room: int, what: int, n: int):
     return (x & np.uint64(0xFF)).astype(np.uint8)
 
 
-def conv_global(np, room: int, layer: int):
+def conv_global(np, room: int, layer: int, model: Model):
     """uint8 view of the conv state [conv_dim, K-1] bf16 of one request, all TP ranks together."""
-    dim = sum(CONV_GROUPS)
+    dim = sum(model.conv_groups)
     return byte_pattern(np, room, 1000 + layer, dim * (CONV_K - 1) * 2).reshape(dim, (CONV_K - 1) * 2)
 
 
-def conv_share(np, glob, rank: int, tp: int):
+def conv_share(np, glob, rank: int, tp: int, model: Model):
     """Rank ``rank`` of ``tp``'s conv channels: its share of each of key, key, value."""
     parts, at = [], 0
-    for g in CONV_GROUPS:
+    for g in model.conv_groups:
         n = g // tp
         parts.append(glob[at + rank * n: at + (rank + 1) * n])
         at += g
     return np.concatenate(parts)
 
 
-def ssm_global(np, room: int, layer: int):
-    return byte_pattern(np, room, 2000 + layer, SSM_HEADS * SSM_HEAD_DIM * SSM_STATE * 4).reshape(SSM_HEADS, SSM_HEAD_DIM * SSM_STATE * 4)
+def ssm_global(np, room: int, layer: int, model: Model):
+    """uint8 view of the SSM state [heads, head_dim x state] fp32 of one request, all TP ranks."""
+    n = model.ssm_heads
+    return byte_pattern(np, room, 2000 + layer, n * SSM_HEAD_DIM * SSM_STATE * 4).reshape(n, SSM_HEAD_DIM * SSM_STATE * 4)
+
+
+def ssm_share(np, glob, rank: int, tp: int):
+    """Rank ``rank`` of ``tp``'s SSM heads."""
+    n = glob.shape[0] // tp
+    return glob[rank * n: (rank + 1) * n]
+
+
+def mamba_pool(model: Model, tp: int):
+    """sglang's own MambaPool (as a HybridLinearKVPool holds it), Mamba2-shaped for ``tp``."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+
+    shape = Mamba2StateShape.create(
+        tp_world_size=tp, intermediate_size=model.mamba_inter, n_groups=model.mamba_groups, num_heads=model.ssm_heads,
+        head_dim=SSM_HEAD_DIM, state_size=SSM_STATE, conv_kernel=CONV_K, conv_shard_groups=model.conv_groups,
+    )
+    return MambaPool(size=MAX_REQS, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS),
+                     mamba_layer_ids=MAMBA_LAYERS, device="cpu")
+
+
+def set_state_args(args, pool) -> None:
+    """``KVArgs``' state fields as setup_state_kv_args' HybridLinearKVPool branch fills them, on the
+    MambaPool it delegates to (``pool``; None: no state)."""
+    from sglang.srt.disaggregation.base.conn import StateType
+    from sglang.srt.disaggregation.utils import append_state_component
+
+    for field in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens", "state_dim_per_tensor",
+                  "state_slice_outer_counts", "state_layer_ids", "state_conv_shard_groups"):
+        setattr(args, field, [])
+    if pool is not None:
+        append_state_component(args, StateType.MAMBA, *pool.get_contiguous_buf_infos(), pool.get_state_dim_per_tensor(),
+                               pool.get_state_conv_shard_groups(), pool.get_state_slice_outer_counts(), pool.get_state_layer_ids())
 
 
 # -- one rank ---------------------------------------------------------------------------------------------
@@ -143,7 +211,7 @@ class Rank:
     """One sglang rank's pools and the backend's manager, built the way sglang builds them."""
 
     def __init__(self, mode: str, tp: int, rank: int, page: int, capacity_tokens: int, bootstrap_port: int, mla: bool = False,
-                 stamp_parallel: bool = True, dp: int = 1):
+                 stamp_parallel: bool = True, dp: int = 1, model: Model = HYBRID):
         """``tp``: attention TP (per DP group); ``rank``: the scheduler's TP rank (global, as
         sglang passes it in ``KVArgs.engine_rank``); ``dp``: attention DP groups."""
         import numpy as np
@@ -151,21 +219,18 @@ class Rank:
         from sglang.srt.plugins import load_plugins
 
         load_plugins()  # sglang's own plugin loading: registers kvstage through its entry point
-        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-        from sglang.srt.disaggregation.base.conn import StateType
         from sglang.srt.disaggregation.utils import (
             DisaggregationMode,
-            append_state_component,
             KVClassType,
             MetadataBuffers,
             TransferBackend,
             get_kv_class,
             get_kv_transfer_buf_infos,
         )
-        from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool, MLATokenToKVPool
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
         self.np, self.torch = np, torch
-        self.mode, self.tp, self.page, self.mla = mode, tp, page, mla
+        self.mode, self.tp, self.page, self.mla, self.model = mode, tp, page, mla, model
         self.rank, self.dp_rank, self.dp = rank % tp, rank // tp, dp  # attention TP rank, DP group
         backend = TransferBackend("kvstage")
         if mla:  # DeepSeek-shaped latent: kv_lora_rank 64 + rope 32, one "head" on every rank
@@ -175,23 +240,17 @@ class Rank:
             )
         else:
             self.kv_pool = MHATokenToKVPool(
-                size=capacity_tokens, page_size=page, dtype=torch.bfloat16, head_num=KV_HEADS // tp,
+                size=capacity_tokens, page_size=page, dtype=torch.bfloat16, head_num=max(1, model.kv_heads // tp),
                 head_dim=HEAD_DIM, layer_num=len(ATTN_LAYERS), device="cpu", enable_memory_saver=False,
                 enable_alt_stream=False,
             )
         self.meta = MetadataBuffers(size=MAX_REQS, hidden_size=HIDDEN, hidden_states_dtype=torch.bfloat16,
                                     max_sampling_mask_tokens=4, max_top_logprobs_num=8)
-        # sglang's own MambaPool (as a HybridLinearKVPool holds it), Mamba2-shaped for this TP.
-        shape = Mamba2StateShape.create(
-            tp_world_size=tp, intermediate_size=MAMBA_INTER, n_groups=MAMBA_GROUPS, num_heads=SSM_HEADS,
-            head_dim=SSM_HEAD_DIM, state_size=SSM_STATE, conv_kernel=CONV_K, conv_shard_groups=CONV_GROUPS,
-        )
-        self.mamba_pool = MambaPool(size=MAX_REQS, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS),
-                                    mamba_layer_ids=MAMBA_LAYERS, device="cpu")
+        self.mamba_pool = mamba_pool(model, tp)
         self.conv = self.mamba_pool.mamba_cache.conv[0]   # [layers, slots+1, conv_dim/tp, K-1] bf16
         self.ssm = self.mamba_pool.mamba_cache.temporal   # [layers, slots+1, heads/tp, head_dim, state] fp32
-        assert tuple(self.conv.shape[2:]) == (sum(CONV_GROUPS) // tp, CONV_K - 1), self.conv.shape
-        assert tuple(self.ssm.shape[2:]) == (SSM_HEADS // tp, SSM_HEAD_DIM, SSM_STATE), self.ssm.shape
+        assert tuple(self.conv.shape[2:]) == (sum(model.conv_groups) // tp, CONV_K - 1), self.conv.shape
+        assert tuple(self.ssm.shape[2:]) == (model.ssm_heads // tp, SSM_HEAD_DIM, SSM_STATE), self.ssm.shape
 
         args = get_kv_class(backend, KVClassType.KVARGS)()
         args.engine_rank = rank
@@ -203,20 +262,14 @@ class Rank:
         args.kv_layer_ids = list(ATTN_LAYERS) * (1 if mla else 2)  # build_kv_layer_ids for a hybrid model (K then V)
         if not mla and mode == "prefill":  # prefill.py sets these for MHA; decode.py does not
             args.kv_head_num = self.kv_pool.head_num
-            args.total_kv_head_num = KV_HEADS
+            args.total_kv_head_num = model.kv_heads
         args.page_size = page
         args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
         args.ib_device = None
         args.gpu_id = 0
         args.prefill_start_layer = 0
-        # setup_state_kv_args' HybridLinearKVPool branch, on the MambaPool it delegates to.
-        for field in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens", "state_dim_per_tensor",
-                      "state_slice_outer_counts", "state_layer_ids", "state_conv_shard_groups"):
-            setattr(args, field, [])
-        if not mla:  # MLA with a TP change and sharded state is refused (README): KV and aux rows only
-            mp_ = self.mamba_pool
-            append_state_component(args, StateType.MAMBA, *mp_.get_contiguous_buf_infos(), mp_.get_state_dim_per_tensor(),
-                                   mp_.get_state_conv_shard_groups(), mp_.get_state_slice_outer_counts(), mp_.get_state_layer_ids())
+        # MLA with a TP change and sharded state is refused (README): KV and aux rows only.
+        set_state_args(args, None if mla else self.mamba_pool)
         args.is_hybrid_mla_backend = False
         self.kv_args = args
         # sglang's own ServerArgs from its own command line parser (the runtime context a
@@ -224,7 +277,7 @@ class Rank:
         from sglang.srt.server_args import prepare_server_args
 
         server_args = prepare_server_args([
-            "--model-path", model_dir(), "--tp-size", str(tp * dp), "--host", "127.0.0.1",
+            "--model-path", model_dir(model), "--tp-size", str(tp * dp), "--host", "127.0.0.1",
             *(["--attn-dp-size", str(dp)] if dp > 1 else []),
             "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "kvstage",
             "--disaggregation-bootstrap-port", str(bootstrap_port), "--page-size", str(page),
@@ -275,8 +328,7 @@ class Rank:
     def my_heads(self):
         if self.mla:
             return [0]
-        n = KV_HEADS // self.tp
-        return list(range(self.rank * n, (self.rank + 1) * n))
+        return self.model.kv_heads_of(self.rank, self.tp)
 
     # -- the stand-in forward ------------------------------------------------------------------
 
@@ -292,10 +344,9 @@ class Rank:
             row.view(np.uint8)[...] = byte_pattern(np, room, b, row.nbytes).reshape(row.view(np.uint8).shape)
         for i, layer in enumerate([] if self.mla else MAMBA_LAYERS):
             conv = self.conv[i, a["slot"]].view(self.torch.int16).numpy().view(np.uint8)
-            conv[...] = conv_share(np, conv_global(np, room, layer), self.rank, self.tp).reshape(conv.shape)
-            n = SSM_HEADS // self.tp
-            ssm = self.ssm[i, a["slot"]].view(self.torch.int32).numpy().view(np.uint8).reshape(n, -1)
-            ssm[...] = ssm_global(np, room, layer)[self.rank * n: (self.rank + 1) * n]
+            conv[...] = conv_share(np, conv_global(np, room, layer, self.model), self.rank, self.tp, self.model).reshape(conv.shape)
+            ssm = self.ssm[i, a["slot"]].view(self.torch.int32).numpy().view(np.uint8)
+            ssm[...] = ssm_share(np, ssm_global(np, room, layer, self.model), self.rank, self.tp).reshape(ssm.shape)
 
     def meta_bufs(self):
         bufs = []
@@ -329,12 +380,12 @@ class Rank:
                 return f"metadata buffer {b} row differs"
         for i, layer in enumerate([] if self.mla else MAMBA_LAYERS):
             conv = self.conv[i, a["slot"]].view(self.torch.int16).numpy().view(np.uint8)
-            want = conv_share(np, conv_global(np, room, layer), self.rank, self.tp).reshape(conv.shape)
+            want = conv_share(np, conv_global(np, room, layer, self.model), self.rank, self.tp, self.model).reshape(conv.shape)
             if not np.array_equal(conv, want):
                 return f"conv state layer {layer} differs"
-            n = SSM_HEADS // self.tp
-            ssm = self.ssm[i, a["slot"]].view(self.torch.int32).numpy().view(np.uint8).reshape(n, -1)
-            if not np.array_equal(ssm, ssm_global(np, room, layer)[self.rank * n: (self.rank + 1) * n]):
+            ssm = self.ssm[i, a["slot"]].view(self.torch.int32).numpy().view(np.uint8)
+            want = ssm_share(np, ssm_global(np, room, layer, self.model), self.rank, self.tp).reshape(ssm.shape)
+            if not np.array_equal(ssm, want):
                 return f"SSM state layer {layer} differs"
         return ""
 
@@ -342,35 +393,30 @@ class Rank:
 # -- the scheduler loops ---------------------------------------------------------------------------------
 
 
-def prefill_worker(cfg, rank, out, landed=None):
-    try:
-        os.environ.update(cfg.get("env", {}))
-        from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.common.staging_buffer import compute_grid_segments
-        from sglang.srt.mem_cache.common import kv_to_page_indices, kv_to_page_num
+def serve_prefill(r, cfg, requests, rng, out=None, landed=None):
+    """The prefill scheduler's loop over ``requests`` ((room, tokens)), all in flight at once, until
+    each ended or ``cfg["deadline_s"]``: room -> (state, reason). An exception out of a backend
+    call ends that request as "Escaped" (with its traceback); the others go on."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.staging_buffer import compute_grid_segments
+    from sglang.srt.mem_cache.common import kv_to_page_indices, kv_to_page_num
 
-        dp = cfg.get("prefill_dp", 1)
-        r = Rank("prefill", cfg["prefill_tp"], rank, cfg["prefill_page"], cfg["prefill_capacity"], cfg["bootstrap_port"], cfg.get("mla", False),
-                 cfg.get("stamp_parallel", True), dp)
-        np = r.np
-        rng = np.random.default_rng(1000 + rank)
-        out.put(("registered", rank))
-        addr = f"127.0.0.1:{cfg['bootstrap_port']}"
-        # With attention DP, a request runs on one DP group: room % dp (follow_bootstrap_room).
-        mine = [(room, tokens) for room, tokens in cfg["requests"] if room % dp == r.dp_rank]
-        reqs = {room: dict(tokens=tokens, sender=r.Sender(mgr=r.mgr, bootstrap_addr=addr, bootstrap_room=room,
-                                                          req_has_disagg_prefill_dp_rank=False), state="bootstrap")
-                for room, tokens in mine}
-        die_after = cfg.get("die_after_sends")
-        sends = 0
-        results = {}
-        deadline = time.monotonic() + cfg["deadline_s"]
-        cps = cfg["chunked_prefill_size"]
-        while len(results) < len(reqs) and time.monotonic() < deadline:
-            for room, q in reqs.items():
-                if room in results:
-                    continue
-                s = q["sender"]
+    np = r.np
+    addr = f"127.0.0.1:{cfg['bootstrap_port']}"
+    reqs = {room: dict(tokens=tokens, sender=r.Sender(mgr=r.mgr, bootstrap_addr=addr, bootstrap_room=room,
+                                                      req_has_disagg_prefill_dp_rank=False), state="bootstrap")
+            for room, tokens in requests}
+    die_after = cfg.get("die_after_sends")
+    sends = 0
+    results = {}
+    deadline = time.monotonic() + cfg["deadline_s"]
+    cps = cfg["chunked_prefill_size"]
+    while len(results) < len(reqs) and time.monotonic() < deadline:
+        for room, q in reqs.items():
+            if room in results:
+                continue
+            s = q["sender"]
+            try:
                 poll = s.poll()
                 if q["state"] == "bootstrap":
                     if poll == KVPoll.Failed:
@@ -411,9 +457,9 @@ def prefill_worker(cfg, rank, out, landed=None):
                                     # Die mid-request once the decode saw a chunk land (its poll said
                                     # Transferring): the room is known to be in flight.
                                     if landed is not None and not landed.wait(cfg["deadline_s"]):
-                                        out.put(("error", f"prefill {rank}", "the decode never saw a chunk land"))
+                                        out.put(("error", f"prefill {r.rank}", "the decode never saw a chunk land"))
                                         os._exit(18)
-                                    out.put(("dying", rank))
+                                    out.put(("dying", r.rank))
                                     os._exit(17)
                         q["state"] = "inflight"
                 elif poll == KVPoll.Success:
@@ -422,11 +468,31 @@ def prefill_worker(cfg, rank, out, landed=None):
                     r.free(q["alloc"])
                 elif poll == KVPoll.Failed:
                     results[room] = ("Failed", _exc_text(s))
-            time.sleep(0.002)
-        for room in reqs:
-            results.setdefault(room, ("Timeout", "prefill loop deadline"))
+            except Exception:  # noqa: BLE001 - what escaped into the scheduler's call
+                results[room] = ("Escaped", traceback.format_exc())
+        time.sleep(0.002)
+    for room in reqs:
+        results.setdefault(room, ("Timeout", "prefill loop deadline"))
+    return results
+
+
+def prefill_worker(cfg, rank, out, landed=None, done=None):
+    """``done``: the driver's event that every rank reported; the rank serves (its metadata
+    socket, failure notices to the decode ranks) until then, else ``linger_s`` after its report."""
+    try:
+        os.environ.update(cfg.get("env", {}))
+        dp = cfg.get("prefill_dp", 1)
+        r = Rank("prefill", cfg["prefill_tp"], rank, cfg["prefill_page"], cfg["prefill_capacity"], cfg["bootstrap_port"], cfg.get("mla", False),
+                 cfg.get("stamp_parallel", True), dp, cfg.get("model", HYBRID))
+        out.put(("registered", rank))
+        # With attention DP, a request runs on one DP group: room % dp (follow_bootstrap_room).
+        mine = [(room, tokens) for room, tokens in cfg["requests"] if room % dp == r.dp_rank]
+        results = serve_prefill(r, cfg, mine, r.np.random.default_rng(1000 + rank), out, landed)
         out.put(("prefill", rank, results, f"{r.mgr.local_ip}:{r.mgr.rank_port}"))
-        time.sleep(cfg.get("linger_s", 0.5))
+        if done is not None:
+            done.wait(cfg["deadline_s"])
+        else:
+            time.sleep(cfg.get("linger_s", 0.5))
         r.mgr.close()
     except BaseException:
         out.put(("error", f"prefill {rank}", traceback.format_exc()))
@@ -440,77 +506,101 @@ def _exc_text(obj) -> str:
     return "failure_exception() raised nothing"
 
 
+def send_metadata(r, recv, page_indices, row, state_indices, prefix) -> None:
+    """decode.py's pre-allocation call: the request's pages, metadata row and state slots."""
+    recv.send_metadata(page_indices, row, state_indices, decode_prefix_len=prefix)
+
+
+def serve_decode(r, cfg, wave, rng, landed=None, send=send_metadata, until=None):
+    """The decode scheduler's loop over ``wave`` ((room, tokens)), all in flight at once, until
+    each ended or ``cfg["deadline_s"]`` (or, given ``until``, one pass after it is set: the
+    requests still open then are aborted): room -> (state, reason, seconds, polls, registry call
+    seconds). A Success is checked byte for byte ("Corrupt" else)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+
+    np = r.np
+    addr = cfg.get("bootstrap_addr") or f"127.0.0.1:{cfg['bootstrap_port']}"
+    results = {}
+    reqs = {}
+    for room, tokens in wave:  # decode.py _create_receiver_and_enqueue
+        recv = r.Receiver(mgr=r.mgr, bootstrap_addr=addr, bootstrap_room=room)
+        reqs[room] = dict(tokens=tokens, recv=recv, state="bootstrap", t0=time.monotonic(), polls=[int(recv.poll())])
+    # decode.py _ensure_prefill_info: one try_ensure_parallel_info per cycle and server,
+    # the server's requests aborted after too many failed cycles (sglang: 15 of 1s).
+    ensure_s = []  # how long each try_ensure_parallel_info held the scheduler loop
+    for attempt in range(cfg.get("max_ensure_retries", 15)):
+        t_call = time.monotonic()
+        ok = r.mgr.try_ensure_parallel_info(addr)
+        ensure_s.append(time.monotonic() - t_call)
+        if ok:
+            info = r.mgr.prefill_info_table[addr]
+            for room, q in reqs.items():  # _resolve_prefill_dp_rank, then _init_receiver
+                q["recv"].init(0 if info.dp_size == 1 else room % info.dp_size)
+            break
+        time.sleep(cfg.get("ensure_retry_interval_s", 1.0))
+    else:
+        for q in reqs.values():
+            q["recv"].abort()
+    deadline = time.monotonic() + cfg["deadline_s"]
+    while any(room not in results for room in reqs) and time.monotonic() < deadline:
+        last_pass = until is not None and until.is_set()
+        for room, q in reqs.items():
+            if room in results:
+                continue
+            recv = q["recv"]
+            poll = recv.poll()
+            if not q["polls"] or q["polls"][-1] != int(poll):
+                q["polls"].append(int(poll))
+            if landed is not None and poll == KVPoll.Transferring:
+                landed.set()
+            if poll == KVPoll.Failed:
+                results[room] = ("Failed", _exc_text(recv), time.monotonic() - q["t0"], q["polls"], ensure_s)
+                recv.clear()
+                if "alloc" in q:
+                    r.free(q["alloc"])
+            elif q["state"] == "bootstrap" and poll == KVPoll.WaitingForInput:
+                # pre-allocation: pages (after a cached prefix, whole decode pages), row, slot
+                prefix = cfg.get("decode_prefix", 0) if q["tokens"] > cfg.get("decode_prefix", 0) else 0
+                q["prefix"] = prefix
+                a = r.alloc(q["tokens"] - prefix, rng)
+                q["alloc"] = a
+                page_indices = kv_to_page_indices(a["req_to_token"], r.page)
+                send(r, recv, page_indices, a["row"], [] if r.mla else [[np.array([a["slot"]], dtype=np.int64)]], prefix)
+                q["state"] = "transfer"
+                if room in cfg.get("abort_rooms", ()):
+                    recv.abort()  # the request was aborted on the decode side
+            elif poll == KVPoll.Success:
+                err = r.check_request(room, q["tokens"], q["alloc"], q.get("prefix", 0))
+                results[room] = ("Success" if not err else "Corrupt", err, time.monotonic() - q["t0"], q["polls"], ensure_s)
+                recv.clear()
+                r.free(q["alloc"])
+        if last_pass:
+            break
+        time.sleep(0.002)
+    for room, q in reqs.items():
+        if room not in results and until is not None and until.is_set():
+            q["recv"].abort()
+            q["recv"].clear()
+            results[room] = ("Open", f"still {q['polls'][-1]} when the prefill side ended; aborted", time.monotonic() - q["t0"], q["polls"], ensure_s)
+            if "alloc" in q:
+                r.free(q["alloc"])
+        results.setdefault(room, ("Timeout", f"still {q['polls'][-1] if q['polls'] else '?'} after {cfg['deadline_s']}s", time.monotonic() - q["t0"], q["polls"], ensure_s))
+    return results
+
+
 def decode_worker(cfg, rank, out, go=None, landed=None):
     try:
         os.environ.update(cfg.get("env", {}))
-        from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.mem_cache.common import kv_to_page_indices
-
         r = Rank("decode", cfg["decode_tp"], rank, cfg["decode_page"], cfg["decode_capacity"], cfg["bootstrap_port"], cfg.get("mla", False),
-                 cfg.get("stamp_parallel", True))
-        np = r.np
-        rng = np.random.default_rng(2000 + rank)
-        addr = cfg.get("bootstrap_addr") or f"127.0.0.1:{cfg['bootstrap_port']}"
+                 cfg.get("stamp_parallel", True), model=cfg.get("model", HYBRID))
+        rng = r.np.random.default_rng(2000 + rank)
         results = {}
         waves = cfg.get("waves") or [cfg["requests"]]
         for w, wave in enumerate(waves):
             if w and go is not None:
                 go.wait(cfg["deadline_s"])
-            reqs = {}
-            for room, tokens in wave:  # decode.py _create_receiver_and_enqueue
-                recv = r.Receiver(mgr=r.mgr, bootstrap_addr=addr, bootstrap_room=room)
-                reqs[room] = dict(tokens=tokens, recv=recv, state="bootstrap", t0=time.monotonic(), polls=[int(recv.poll())])
-            # decode.py _ensure_prefill_info: one try_ensure_parallel_info per cycle and server,
-            # the server's requests aborted after too many failed cycles (sglang: 15 of 1s).
-            ensure_s = []  # how long each try_ensure_parallel_info held the scheduler loop
-            for attempt in range(cfg.get("max_ensure_retries", 15)):
-                t_call = time.monotonic()
-                ok = r.mgr.try_ensure_parallel_info(addr)
-                ensure_s.append(time.monotonic() - t_call)
-                if ok:
-                    info = r.mgr.prefill_info_table[addr]
-                    for room, q in reqs.items():  # _resolve_prefill_dp_rank, then _init_receiver
-                        q["recv"].init(0 if info.dp_size == 1 else room % info.dp_size)
-                    break
-                time.sleep(cfg.get("ensure_retry_interval_s", 1.0))
-            else:
-                for q in reqs.values():
-                    q["recv"].abort()
-            deadline = time.monotonic() + cfg["deadline_s"]
-            while any(room not in results for room in reqs) and time.monotonic() < deadline:
-                for room, q in reqs.items():
-                    if room in results:
-                        continue
-                    recv = q["recv"]
-                    poll = recv.poll()
-                    if not q["polls"] or q["polls"][-1] != int(poll):
-                        q["polls"].append(int(poll))
-                    if landed is not None and poll == KVPoll.Transferring:
-                        landed.set()
-                    if poll == KVPoll.Failed:
-                        results[room] = ("Failed", _exc_text(recv), time.monotonic() - q["t0"], q["polls"], ensure_s)
-                        recv.clear()
-                        if "alloc" in q:
-                            r.free(q["alloc"])
-                    elif q["state"] == "bootstrap" and poll == KVPoll.WaitingForInput:
-                        # pre-allocation: pages (after a cached prefix, whole decode pages), row, slot
-                        prefix = cfg.get("decode_prefix", 0) if q["tokens"] > cfg.get("decode_prefix", 0) else 0
-                        q["prefix"] = prefix
-                        a = r.alloc(q["tokens"] - prefix, rng)
-                        q["alloc"] = a
-                        page_indices = kv_to_page_indices(a["req_to_token"], r.page)
-                        recv.send_metadata(page_indices, a["row"], [] if r.mla else [[np.array([a["slot"]], dtype=np.int64)]], decode_prefix_len=prefix)
-                        q["state"] = "transfer"
-                        if room in cfg.get("abort_rooms", ()):
-                            recv.abort()  # the request was aborted on the decode side
-                    elif poll == KVPoll.Success:
-                        err = r.check_request(room, q["tokens"], q["alloc"], q.get("prefix", 0))
-                        results[room] = ("Success" if not err else "Corrupt", err, time.monotonic() - q["t0"], q["polls"], ensure_s)
-                        recv.clear()
-                        r.free(q["alloc"])
-                time.sleep(0.002)
-            for room, q in reqs.items():
-                results.setdefault(room, ("Timeout", f"still {q['polls'][-1] if q['polls'] else '?'} after {cfg['deadline_s']}s", time.monotonic() - q["t0"], q["polls"], ensure_s))
+            results.update(serve_decode(r, cfg, wave, rng, landed))
             out.put(("wave", rank, w))
         out.put(("decode", rank, results, r.mgr.address))
         time.sleep(cfg.get("linger_s", 0.5) + 0.5)  # the prefill ranks close their sessions first
@@ -574,6 +664,22 @@ def stop(procs):
             p.join(timeout=5)
 
 
+def run_ranks(ctx, cfg, n_prefill, n_decode, collect_s):
+    """Starts ``cfg``'s prefill and decode ranks, collects their reports (bounded by
+    ``collect_s``) and stops them. The prefill ranks serve until every rank reported: a decode
+    rank's metadata may arrive after the prefill ranks' own requests ended (refused ones)."""
+    out = ctx.Queue()
+    done = ctx.Event()
+    procs = [ctx.Process(target=prefill_worker, args=(cfg, r, out, None, done)) for r in range(n_prefill)]
+    procs += [ctx.Process(target=decode_worker, args=(cfg, r, out)) for r in range(n_decode)]
+    for p in procs:
+        p.start()
+    got, errors = collect(out, n_prefill + n_decode, ("prefill", "decode"), collect_s)
+    done.set()
+    stop(procs)
+    return got, errors
+
+
 def scenario_transfer(ctx, prefill_tp, decode_tp, mla=False, transport=None, decode_prefix=0, prefill_dp=1, host_ip=None,
                       empty_last=False):
     """``host_ip``: every rank's SGLANG_HOST_IP (what sglang's get_local_ip_auto answers), an
@@ -594,15 +700,9 @@ def scenario_transfer(ctx, prefill_tp, decode_tp, mla=False, transport=None, dec
         chunked_prefill_size=192, deadline_s=90, mla=mla, decode_prefix=decode_prefix, prefill_dp=prefill_dp,
         empty_last_rooms=[room for room, tokens in rooms if tokens == 640] if empty_last else [], env=env,
     )
-    out = ctx.Queue()
     n_prefill = prefill_tp * prefill_dp
-    procs = [ctx.Process(target=prefill_worker, args=(cfg, r, out)) for r in range(n_prefill)]
-    procs += [ctx.Process(target=decode_worker, args=(cfg, r, out)) for r in range(decode_tp)]
     t0 = time.monotonic()
-    for p in procs:
-        p.start()
-    got, errors = collect(out, n_prefill + decode_tp, ("prefill", "decode"), 150)
-    stop(procs)
+    got, errors = run_ranks(ctx, cfg, n_prefill, decode_tp, 150)
     problems = list(errors)
     if host_ip:
         # What the registry hands the decode (sglang's GET /route) and where each rank listens.
@@ -633,6 +733,139 @@ def scenario_transfer(ctx, prefill_tp, decode_tp, mla=False, transport=None, dec
     extra = f"; ranks registered and listening on SGLANG_HOST_IP {host_ip}, not --host 127.0.0.1" if host_ip else ""
     extra += "; the 640-token request ended with a pageless last send" if empty_last else ""
     return f"{len(rooms)} requests in flight, {n_bytes_checked} decode (rank, request) pairs byte-exact, slowest request {slowest:.1f}s from receiver.init to Success, {time.monotonic() - t0:.1f}s with process start-up{extra}"
+
+
+def state_slot_reference(np, kind: str, room: int, layer: int, rank: int, tp: int, model: Model):
+    """The reference bytes of one request's ``kind`` ("conv" or "ssm") slot of ``layer`` on TP rank
+    ``rank`` of ``tp``, from the global channel/head index (what Rank.write_request writes)."""
+    if kind == "conv":
+        return conv_share(np, conv_global(np, room, layer, model), rank, tp, model).reshape(-1)
+    return ssm_share(np, ssm_global(np, room, layer, model), rank, tp).reshape(-1)
+
+
+def state_args(model: Model, tp: int):
+    """``KVArgs`` with only the state fields, from sglang's own MambaPool for ``tp``."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    args = KVArgs()
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [], [], []
+    pool = mamba_pool(model, tp)
+    set_state_args(args, pool)
+    return args, pool
+
+
+def state_plan_problems(model: Model, prefill_tp: int, decode_tp: int) -> list:
+    """Each decode rank's conv and SSM slots assembled from the prefill ranks' reference slots by
+    kvstage's state plan (``kvstage.state_slice``) for the state components as the backend
+    describes them (``components_from_args`` on sglang's KVArgs state fields), compared byte for
+    byte with the reference: what differs (empty: all equal)."""
+    import numpy as np
+
+    import kvstage
+    from kvstage.sglang.pools import components_from_args
+
+    comps = {}
+    for tp in (prefill_tp, decode_tp):
+        args, _pool = state_args(model, tp)
+        comps[tp] = components_from_args(args, tp)[0]
+    problems = []
+    room = 0x5747_E000
+    # sglang's MambaPool lists the conv tensors, then the temporal (SSM) ones: one component each.
+    for c, kind in enumerate(("conv", "ssm")):
+        src_c, dst_c = comps[prefill_tp][c], comps[decode_tp][c]
+        if list(src_c.group_dims) != list(dst_c.group_dims):  # the handshake would refuse the pair
+            problems.append(f"{kind}: group dims {list(src_c.group_dims)} (TP {prefill_tp}) != {list(dst_c.group_dims)} (TP {decode_tp})")
+            continue
+        for layer in MAMBA_LAYERS:
+            for d in range(decode_tp):
+                want = state_slot_reference(np, kind, room, layer, d, decode_tp, model)
+                got, written = np.zeros_like(want), np.zeros(want.size, dtype=bool)
+                for p_ in range(prefill_tp):
+                    src = state_slot_reference(np, kind, room, layer, p_, prefill_tp, model)
+                    for r in kvstage.state_slice(src_c.group_dims, prefill_tp, decode_tp, p_, d, outer=src_c.outer,
+                                                 dtype_bytes=src_c.dtype_bytes, replicated=src_c.replicated):
+                        got[r.dst_offset:r.dst_offset + r.length] = src[r.src_offset:r.src_offset + r.length]
+                        written[r.dst_offset:r.dst_offset + r.length] = True
+                if not written.all():
+                    problems.append(f"{kind} layer {layer} decode rank {d}: {int((~written).sum())} of {want.size} bytes written by no prefill rank")
+                elif not np.array_equal(got, want):
+                    problems.append(f"{kind} layer {layer} decode rank {d}: byte {int(np.argmax(got != want))} differs from the reference")
+    return problems
+
+
+def sglang_state_slicing_defects(model: Model, prefill_tp: int, decode_tp: int) -> list:
+    """What sglang's own state slicing (``compute_mamba_state_slice_byte_blocks``, with the
+    arguments mooncake's ``_send_mamba_state_slice`` passes from KVArgs) does wrong for this TP
+    pair whichever prefill ranks it pairs a decode rank with: decode slot bytes no prefill rank
+    writes, or blocks that read past the prefill rank's slot."""
+    import numpy as np
+    from sglang.srt.disaggregation.utils import compute_mamba_state_slice_byte_blocks
+
+    (src, _p), (dst, _d) = state_args(model, prefill_tp), state_args(model, decode_tp)
+    defects = []
+    for i in range(len(src.state_item_lens[0])):
+        kind = "conv" if src.state_conv_shard_groups[0][i] else "ssm"
+        src_len, dst_len = src.state_item_lens[0][i], dst.state_item_lens[0][i]
+        for d in range(decode_tp):
+            covered = np.zeros(dst_len, dtype=bool)
+            for p_ in range(prefill_tp):
+                blocks = compute_mamba_state_slice_byte_blocks(
+                    src_item_len=src_len, dst_item_len=dst_len, src_dim=src.state_dim_per_tensor[0][i],
+                    dst_dim=dst.state_dim_per_tensor[0][i], outer_count=src.state_slice_outer_counts[0][i],
+                    src_attn_tp_size=prefill_tp, dst_attn_tp_size=decode_tp, dst_tp_rank_in_group=d,
+                    local_tp_rank_in_group=p_, conv_shard_groups=src.state_conv_shard_groups[0][i] or None,
+                )
+                for so, do, n in blocks:
+                    if so + n > src_len:
+                        defects.append(f"{kind} tensor {i} to decode rank {d}: reads bytes [{so}, {so + n}) of a {src_len}-byte prefill slot")
+                    covered[do:do + n] = True
+            if not covered.all():
+                defects.append(f"{kind} tensor {i}: {int((~covered).sum())} of {dst_len} bytes of decode rank {d}'s slot written by no prefill rank")
+    return defects
+
+
+def scenario_state_non_dividing_tp(ctx, prefill_tp, decode_tp):
+    """Issue 42: state under a TP pair where neither size divides the other. MQA attention (one KV
+    head, replicated on every rank) beside Mamba2 state sharded over 6 heads and 6 groups, with
+    aux rows. Checked: (1) kvstage's state plan for the components as the backend describes them
+    assembles every decode conv/SSM byte as the reference; (2) sglang's own slicing cannot; (3)
+    end to end through the backend: every decode byte (KV, aux rows, state) equals the reference,
+    or, while kvstage's pairing refuses TP sizes that are not multiples of one another, every
+    request fails at once on every rank with that reason (no timeout, no corrupt success)."""
+    model = MQA_HYBRID
+    plan = state_plan_problems(model, prefill_tp, decode_tp)
+    if plan:
+        raise AssertionError("kvstage's state plan vs the reference: " + "; ".join(plan[:4]))
+    sglang_wrong = sglang_state_slicing_defects(model, prefill_tp, decode_tp)
+    if not sglang_wrong:
+        raise AssertionError("sglang's own state slicing gives every reference byte for this pair: the scenario shows nothing")
+    port = free_port()
+    server = start_bootstrap(port)
+    rooms = [(_u64(0x42_0000_0000 + 7919 * i + prefill_tp * 100 + decode_tp), tokens) for i, tokens in enumerate([37, 200, 333, 700])]
+    cfg = dict(prefill_tp=prefill_tp, decode_tp=decode_tp, prefill_page=16, decode_page=32, prefill_capacity=16 * 512,
+               decode_capacity=32 * 256, bootstrap_port=port, requests=rooms, chunked_prefill_size=192, deadline_s=60,
+               model=model, env={"KVSTAGE_SGLANG_CHUNK_TOKENS": "128"})
+    got, errors = run_ranks(ctx, cfg, prefill_tp, decode_tp, 120)
+    server.close()
+    if errors:
+        raise AssertionError("; ".join(errors))
+    if len(got) < prefill_tp + decode_tp:
+        raise AssertionError(f"only {len(got)} of {prefill_tp + decode_tp} ranks reported")
+    outcomes = [(kind, rank, room, res) for kind, rank, results, _where in got for room, res in results.items()]
+    detail = (f"kvstage's state plan byte-exact for every decode conv/SSM slot; sglang's own slicing: {sglang_wrong[0]} "
+              f"({len(sglang_wrong)} defects)")
+    if all(res[0] == "Success" for *_, res in outcomes):
+        n = sum(1 for kind, *_ in outcomes if kind == "decode")
+        return f"{n} decode (rank, request) pairs byte-exact (KV, aux rows, conv and SSM state); {detail}"
+    refusal = "are not multiples of one another"
+    bad = [f"{kind} {rank} room {room:x}: {res[0]} {res[1][:200]}" for kind, rank, room, res in outcomes
+           if res[0] != "Failed" or refusal not in res[1]]
+    bad += [f"decode {rank} room {room:x}: Failed only after {res[2]:.1f}s" for kind, rank, room, res in outcomes
+            if kind == "decode" and not bad and res[2] > 15]
+    if bad:
+        raise AssertionError("; ".join(bad[:6]))
+    why = next(res[1] for kind, _r, _room, res in outcomes if kind == "decode")
+    return f"NOT SUPPORTED by the library yet: every request refused at once on all ranks ({why[:240]}...); {detail}"
 
 
 def scenario_prefill_killed(ctx):
@@ -697,13 +930,7 @@ def scenario_decode_abort(ctx):
     cfg = dict(prefill_tp=2, decode_tp=2, prefill_page=16, decode_page=32, prefill_capacity=16 * 256,
                decode_capacity=32 * 128, bootstrap_port=port, requests=rooms, chunked_prefill_size=192,
                deadline_s=40, abort_rooms=[aborted], env={"KVSTAGE_SGLANG_CHUNK_TOKENS": "128"})
-    out = ctx.Queue()
-    procs = [ctx.Process(target=prefill_worker, args=(cfg, r, out)) for r in range(2)]
-    procs += [ctx.Process(target=decode_worker, args=(cfg, r, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got, errors = collect(out, 4, ("prefill", "decode"), 90)
-    stop(procs)
+    got, errors = run_ranks(ctx, cfg, 2, 2, 90)
     server.close()
     if errors:
         raise AssertionError("; ".join(errors))
@@ -732,13 +959,7 @@ def scenario_unservable(ctx):
     cfg = dict(prefill_tp=2, decode_tp=2, prefill_page=64, decode_page=32, prefill_capacity=64 * 64,
                decode_capacity=32 * 128, bootstrap_port=port, requests=rooms, chunked_prefill_size=192,
                deadline_s=40, decode_prefix=32, env={"KVSTAGE_SGLANG_CHUNK_TOKENS": "128"})
-    out = ctx.Queue()
-    procs = [ctx.Process(target=prefill_worker, args=(cfg, r, out)) for r in range(2)]
-    procs += [ctx.Process(target=decode_worker, args=(cfg, r, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got, errors = collect(out, 4, ("prefill", "decode"), 90)
-    stop(procs)
+    got, errors = run_ranks(ctx, cfg, 2, 2, 90)
     server.close()
     if errors:
         raise AssertionError("; ".join(errors))
@@ -788,6 +1009,197 @@ def scenario_bootstrap_silent(ctx):
     if len(ensure_s) != 3 or max(ensure_s) > 2 + 1.5:
         raise AssertionError(f"try_ensure_parallel_info calls took {[round(x, 1) for x in ensure_s]}s (bound 2s each)")
     return f"Failed after {secs:.1f}s, each registry call within {max(ensure_s):.1f}s: {why[:200]}"
+
+
+# -- a hostile decode peer ---------------------------------------------------------------------------------
+
+# Each case: what the lying decode rank does to one request (its receiver's send_metadata, through
+# the backend's own metadata path), what the prefill side's request must end as, and the words its
+# reason (Failed) or the prefill rank's log (a refused message) must hold: the field it names.
+# Page indices, the aux row and the state slots never travel (the decode's own room holds them,
+# kvstage checks them when it opens the room): those cases pass them to send_metadata.
+HOSTILE_CASES = [
+    # (case, prefill request's end, words of its reason, words of the prefill rank's log)
+    ("room_key", "Failed", ("room key",), ()),
+    ("pages_outside_pool", "Failed", ("could not open", "desc->pages"), ()),
+    ("num_pages", "Failed", ("num_pages",), ()),
+    ("num_pages_and_chunks", "Failed", ("num_pages",), ()),
+    ("chunk_tokens", "Failed", ("receiver expects",), ()),
+    ("aux_index", "Failed", ("could not open", "aux_row"), ()),
+    ("state_index", "Failed", ("could not open", "state_slots"), ()),
+    ("decode_tp_rank", "Failed", ("tp_rank",), ()),
+    ("address", "Failed", ("connect to 127.0.0.1:",), ()),
+    # A refused message whose failure socket zmq cannot connect to: refused all the same.
+    ("notify_endpoint", "Failed", ("num_pages",), ("failure not delivered to tcp://no-port",)),
+    # Nothing in these names a request: its metadata never came (the bootstrap timeout ends it).
+    ("garbage", "Failed", ("bootstrap timeout",), ("bad metadata message",)),
+    ("truncated", "Failed", ("bootstrap timeout",), ("bad metadata message", "truncated")),
+    # Kept, not refused: a decode rank's message may come before the prefill has the request.
+    ("unknown_room", "Failed", ("bootstrap timeout",), ()),
+    ("duplicate", "Success", (), ()),
+    ("duplicate_other_grid", "Success", (), ("metadata refused: grid",)),
+]
+
+
+def hostile_send(case: str):
+    """decode.py's send_metadata call, lying as ``case`` says."""
+
+    def send(r, recv, page_indices, row, state_indices, prefix):
+        import numpy as np
+        from kvstage.sglang.messages import decode_metadata, encode
+
+        if case == "pages_outside_pool":
+            page_indices = np.append(np.asarray(page_indices)[:-1], r.mgr.layout.capacity_pages + 7)
+        elif case == "aux_index":
+            row = MAX_REQS + 3
+        elif case == "state_index":
+            state_indices = [[np.array([MAX_REQS + 3], dtype=np.int64)]]
+        honest = r.mgr.send_to_prefill
+
+        def lying(addr, payload):
+            if case == "garbage":
+                return honest(addr, b"\x93\xa7garbage\x01\xc1")
+            if case == "truncated":
+                return honest(addr, payload[: len(payload) // 2])
+            meta = decode_metadata(payload)
+            if case == "room_key":
+                meta.room_key ^= 0x5A5A5A5A
+            elif case == "num_pages":
+                meta.num_pages += 7
+            elif case == "notify_endpoint":
+                meta.num_pages += 7
+                meta.notify = "tcp://no-port"
+            elif case == "num_pages_and_chunks":  # consistent with each other, not with the request
+                meta.num_pages, meta.num_chunks = 4, 1
+            elif case == "chunk_tokens":  # half the room's chunks, the count to match
+                meta.chunk_tokens //= 2
+                meta.num_chunks = -(-meta.num_pages * meta.decode.page_size // meta.chunk_tokens)
+            elif case == "decode_tp_rank":
+                meta.decode.tp_rank = 5
+            elif case == "address":
+                meta.address = f"127.0.0.1:{free_port()}"
+            elif case == "unknown_room":
+                meta.room ^= 0xFFFF_0000
+            honest(addr, encode(meta))
+            if case == "duplicate":
+                honest(addr, encode(meta))
+            elif case == "duplicate_other_grid":
+                meta.chunk_tokens *= 2
+                meta.num_chunks = -(-meta.num_pages * meta.decode.page_size // meta.chunk_tokens)
+                honest(addr, encode(meta))
+
+        r.mgr.send_to_prefill = lying
+        try:
+            recv.send_metadata(page_indices, row, state_indices, decode_prefix_len=prefix)
+        finally:
+            del r.mgr.send_to_prefill
+
+    return send
+
+
+class LogCapture:
+    """The kvstage.sglang log records of one process (WARNING and above), as text."""
+
+    def __init__(self):
+        import logging
+
+        self.lines = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda rec: self.lines.append(rec.getMessage())
+        logging.getLogger("kvstage.sglang").addHandler(handler)
+
+
+def hostile_prefill_worker(cfg, out, started, hostile_done):
+    """One prefill rank serving each case's lied-about request, then its honest one."""
+    try:
+        os.environ.update(cfg.get("env", {}))
+        r = Rank("prefill", 1, 0, cfg["prefill_page"], cfg["prefill_capacity"], cfg["bootstrap_port"])
+        rng = r.np.random.default_rng(1000)
+        log = LogCapture()
+        report = {}
+        for i, (case, hostile, honest, tokens) in enumerate(cfg["cases"]):
+            mark = len(log.lines)
+            started[i].set()
+            t0 = time.monotonic()
+            bad = serve_prefill(r, cfg, [(hostile, tokens)], rng)[hostile]
+            secs = time.monotonic() - t0
+            hostile_done[i].set()
+            good = serve_prefill(r, cfg, [(honest, tokens)], rng)[honest]
+            report[case] = dict(hostile=bad, secs=secs, honest=good, log=log.lines[mark:])
+        out.put(("prefill", 0, report, ""))
+        time.sleep(1.0)  # the decode rank releases its last rooms first
+        r.mgr.close()
+    except BaseException:
+        out.put(("error", "prefill 0", traceback.format_exc()))
+
+
+def hostile_decode_worker(cfg, out, started, hostile_done):
+    """One decode rank lying in each case's first request, honest in its second."""
+    try:
+        os.environ.update(cfg.get("env", {}))
+        r = Rank("decode", 1, 0, cfg["decode_page"], cfg["decode_capacity"], cfg["bootstrap_port"])
+        rng = r.np.random.default_rng(2000)
+        report = {}
+        for i, (case, hostile, honest, tokens) in enumerate(cfg["cases"]):
+            if not started[i].wait(cfg["deadline_s"] * 3):
+                raise RuntimeError(f"case {case}: the prefill rank never started it")
+            # The liar's own request: waited for only until the prefill side ended it (a lie that
+            # leaves it open is aborted then), but a duplicate's is a normal request to the end.
+            until = None if case.startswith("duplicate") else hostile_done[i]
+            bad = serve_decode(r, cfg, [(hostile, tokens)], rng, send=hostile_send(case), until=until)[hostile]
+            good = serve_decode(r, cfg, [(honest, tokens)], rng)[honest]
+            report[case] = dict(hostile=bad[:2], honest=good[:2])
+        out.put(("decode", 0, report, r.mgr.address))
+        time.sleep(0.5)
+        r.mgr.close()
+    except BaseException:
+        out.put(("error", "decode 0", traceback.format_exc()))
+
+
+def scenario_hostile_decode(ctx):
+    """A decode rank that lies in its metadata message toward a real prefill rank of this backend,
+    one lie at a time, each followed by an honest request."""
+    port = free_port()
+    server = start_bootstrap(port)
+    cases = [(case, _u64(0x4057_0000_0000 + 2 * i), _u64(0x4057_0000_0001 + 2 * i), 333) for i, (case, *_x) in enumerate(HOSTILE_CASES)]
+    bootstrap_s = 4
+    cfg = dict(prefill_page=16, decode_page=32, prefill_capacity=16 * 256, decode_capacity=32 * 128, bootstrap_port=port,
+               chunked_prefill_size=192, deadline_s=bootstrap_s + 16, cases=cases,
+               env={"KVSTAGE_SGLANG_CHUNK_TOKENS": "128", "KVSTAGE_SGLANG_BOOTSTRAP_TIMEOUT_S": str(bootstrap_s)})
+    out = ctx.Queue()
+    started = [ctx.Event() for _ in cases]
+    hostile_done = [ctx.Event() for _ in cases]
+    procs = [ctx.Process(target=hostile_prefill_worker, args=(cfg, out, started, hostile_done)),
+             ctx.Process(target=hostile_decode_worker, args=(cfg, out, started, hostile_done))]
+    for p in procs:
+        p.start()
+    got, errors = collect(out, 2, ("prefill", "decode"), len(cases) * 2 * cfg["deadline_s"] + 30)
+    stop(procs)
+    server.close()
+    if errors:
+        raise AssertionError("; ".join(errors))
+    reports = {kind: rep for kind, _rank, rep, _where in got}
+    if set(reports) != {"prefill", "decode"}:
+        raise AssertionError(f"only {sorted(reports)} reported")
+    pre, dec = reports["prefill"], reports["decode"]
+    problems, seen = [], []
+    for case, want, reason_words, log_words in HOSTILE_CASES:
+        p_, d = pre[case], dec[case]
+        (state, reason), log = p_["hostile"], p_["log"]
+        if state != want:
+            problems.append(f"{case}: the prefill's request ended {state}, not {want}: {reason[:300]}")
+        missing = [w for w in reason_words if w not in reason] + [w for w in log_words if not any(w in line for line in log)]
+        if missing:
+            problems.append(f"{case}: {missing} not named (reason: {reason[:300]!r}; log: {[line[:200] for line in log]})")
+        if want == "Success" and d["hostile"][0] != "Success":
+            problems.append(f"{case}: the decode's request ended {d['hostile'][0]}: {d['hostile'][1][:200]}")
+        if p_["honest"][0] != "Success" or d["honest"][0] != "Success":
+            problems.append(f"{case}: the honest request after it: prefill {p_['honest'][0]} {p_['honest'][1][:200]}, "
+                            f"decode {d['honest'][0]} {d['honest'][1][:200]}")
+        seen.append(f"{case}: {state} in {p_['secs']:.1f}s" + (f" ({reason.split('): ', 1)[-1][:110]})" if state == "Failed" else ""))
+    if problems:
+        raise AssertionError("; ".join(problems))
+    return f"each lie, then an honest request byte-exact: " + "; ".join(seen)
 
 
 class HeldRoom:
@@ -946,11 +1358,14 @@ def main() -> int:
         ("P2_to_D4_decode_prefix_cached", lambda: scenario_transfer(ctx, 2, 4, decode_prefix=224)),
         ("P_dp2xtp2_to_D2_attention_dp", lambda: scenario_transfer(ctx, 2, 2, prefill_dp=2)),
         ("MLA_P4_to_D2_dummy_prefill_ranks_page16_to_32", lambda: scenario_transfer(ctx, 4, 2, mla=True)),
+        ("P3_to_D2_MQA_mamba6_state_non_dividing_tp", lambda: scenario_state_non_dividing_tp(ctx, 3, 2)),
+        ("P2_to_D3_MQA_mamba6_state_non_dividing_tp", lambda: scenario_state_non_dividing_tp(ctx, 2, 3)),
         ("decode_abort_fails_that_request_only", lambda: scenario_decode_abort(ctx)),
         ("prefill_killed_mid_request_then_next_succeeds", lambda: scenario_prefill_killed(ctx)),
         ("unservable_request_fails_both_sides_at_once", lambda: scenario_unservable(ctx)),
         ("bootstrap_never_answers", lambda: scenario_bootstrap_silent(ctx)),
         ("room_release_not_free_keeps_request", lambda: scenario_release_not_free(ctx)),
+        ("hostile_decode_metadata_each_lie_then_an_honest_request", lambda: scenario_hostile_decode(ctx)),
     ]
     passed = failed = 0
     for name, fn in scenarios:
