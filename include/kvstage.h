@@ -811,10 +811,11 @@ typedef struct kvstage_session_stats {
     // Phase timings summed over the ended transfers (divide by `timed_transfers` for means).
     struct kvstage_transfer_timings timings_sum;
     // 0 while the session's connection is up; once it is not, the status that ended it
-    // (`KVSTAGE_E_PEER_GONE`: the peer closed, vanished or reset it, or this side reset it when a
-    // chunk gave up with bytes still unacknowledged in the stream; `KVSTAGE_E_PROTOCOL`: a
-    // malformed frame; `KVSTAGE_E_CANCELED`: freed). Every later call on it fails: free it and
-    // connect again. Check it after a transfer fails with any status.
+    // (`KVSTAGE_E_PEER_GONE`: the peer closed, vanished or reset it, or this side cut it: a write
+    // failed midway, or a chunk's deadline passed with its bytes still unacknowledged in the
+    // stream; `KVSTAGE_E_PROTOCOL`: a malformed frame; `KVSTAGE_E_CANCELED`: its engine shut
+    // down; `KVSTAGE_E_PANIC`: its reader thread panicked). Every later call on it fails: free it
+    // and connect again. Check it after a transfer fails with any status.
     int32_t dead_status;
 } kvstage_session_stats;
 

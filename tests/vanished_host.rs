@@ -574,13 +574,17 @@ fn payload_in_flight(tag: &str, subnet: u8, chunk_tokens: u32, how: Cut) {
 /// sender gives up waiting for the arrival acknowledgement with its bytes still in the stream.
 #[test]
 fn deadline_with_payload_on_the_wire() {
-    deadline_in_flight("dlw", 7, SMALL_CHUNK);
+    // The 4 MiB must fit in the send buffer for the sender to wait for the acknowledgement; a
+    // kernel whose `net.core.wmem_max` is smaller blocks the write instead (the other scenario).
+    let wmem_max: u64 = std::fs::read_to_string("/proc/sys/net/core/wmem_max").ok().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
+    let path = if wmem_max >= 4 << 20 { "waiting for the arrival acknowledgement" } else { "writing to peer" };
+    deadline_in_flight("dlw", 7, SMALL_CHUNK, path);
 }
 
 /// A 32 MiB payload on a slow link past the transfer's deadline: the sender's write times out.
 #[test]
 fn deadline_inside_the_write() {
-    deadline_in_flight("dlb", 8, 8 * SMALL_CHUNK);
+    deadline_in_flight("dlb", 8, 8 * SMALL_CHUNK, "writing to peer");
 }
 
 /// The transfer's deadline, far shorter than the payload takes on the rate-limited link.
@@ -589,7 +593,9 @@ const SHORT_DEADLINE_MS: u64 = 1500;
 /// crosses the link at once (behind at most the token bucket's 512 KB queue, 1 s at 4 Mbit/s).
 const GRANT_FREED_WITHIN: Duration = Duration::from_secs(3);
 
-fn deadline_in_flight(tag: &str, subnet: u8, chunk_tokens: u32) {
+/// `path`: what the sender's `TIMEOUT` must say it was doing (which of the two ways to give up
+/// with bytes in the stream this run took).
+fn deadline_in_flight(tag: &str, subnet: u8, chunk_tokens: u32, path: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let Some(ns) = setup(tag, subnet) else { return };
     if let Err(why) = ns.rate_limit_b("4mbit") {
@@ -603,6 +609,7 @@ fn deadline_in_flight(tag: &str, subnet: u8, chunk_tokens: u32) {
     let (failed_at, line) = prefill.expect("sent 1", REPLY);
     let (status, msg) = parse_outcome(&line);
     assert_eq!(status, "KVSTAGE_E_TIMEOUT", "the transfer must end by its own deadline: {msg}");
+    assert!(msg.contains(path), "the transfer gave up elsewhere than '{path}': {msg}");
     let (live, _) = settle(&mut decode, GRANT_FREED_WITHIN, |(live, _)| live == 0);
     let freed = failed_at.elapsed();
     assert_eq!(

@@ -257,8 +257,16 @@ impl Transport for FaultyTransport {
         self.inner.shutdown();
     }
 
-    fn backlogged(&self) -> bool {
-        self.inner.backlogged()
+    fn is_cut(&self) -> bool {
+        self.inner.is_cut()
+    }
+
+    fn stream_mark(&self) -> Option<u64> {
+        self.inner.stream_mark()
+    }
+
+    fn acknowledged(&self, mark: u64) -> bool {
+        self.inner.acknowledged(mark)
     }
 
     fn reset(&self) {

@@ -125,11 +125,25 @@ pub trait Transport: Send + Sync {
     /// Closes both directions; blocked readers and writers return.
     fn shutdown(&self);
 
-    /// Whether bytes this side wrote are still unacknowledged by the peer (a slow or lossy link,
-    /// a peer that stopped reading): anything written after them, an abort included, reaches the
-    /// receiver only once they have. `false` where the transport queues no bytes of its own.
-    fn backlogged(&self) -> bool {
+    /// Whether this side cut the connection ([`shutdown`](Self::shutdown) or
+    /// [`reset`](Self::reset), e.g. after a write failed midway): known at once, before the
+    /// session's reader sees the stream end.
+    fn is_cut(&self) -> bool {
         false
+    }
+
+    /// The stream's position: bytes this side has handed to it so far, `None` where the
+    /// transport queues no bytes of its own (its data goes by shared memory or RDMA).
+    fn stream_mark(&self) -> Option<u64> {
+        None
+    }
+
+    /// Whether the peer has acknowledged every byte of the stream up to `mark` (a
+    /// [`stream_mark`](Self::stream_mark)). While it has not (a slow or lossy link, a peer that
+    /// stopped reading), anything written after them, an abort included, reaches the receiver
+    /// only once they have.
+    fn acknowledged(&self, _mark: u64) -> bool {
+        true
     }
 
     /// Ends the connection at once, dropping what is queued and telling the peer as soon as the

@@ -3,6 +3,7 @@
 use std::io::{IoSlice, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -291,13 +292,17 @@ pub struct TcpTransport {
     /// A second handle on the socket so shutdown never waits behind a blocked writer.
     closer: TcpStream,
     peer: SocketAddr,
+    /// Bytes the kernel took from this side so far (the stream's position).
+    written: AtomicU64,
+    /// Set once this side shut the stream down or reset it.
+    cut: AtomicBool,
 }
 
 impl TcpTransport {
     pub fn new(stream: TcpStream) -> Result<TcpTransport> {
         let peer = stream.peer_addr()?;
         let closer = stream.try_clone()?;
-        Ok(TcpTransport { writer: Mutex::new(stream), closer, peer })
+        Ok(TcpTransport { writer: Mutex::new(stream), closer, peer, written: AtomicU64::new(0), cut: AtomicBool::new(false) })
     }
 
     /// Bytes written to the socket that the peer's TCP has not acknowledged (unsent ones too).
@@ -309,13 +314,23 @@ impl TcpTransport {
     }
 
     /// Ends the connection with a reset: queued bytes are dropped and the peer is told at once
-    /// (Linux's `connect` with `AF_UNSPEC` disconnects a TCP socket for every handle on it,
-    /// waking a blocked reader or writer with `ECONNRESET`; a `close` would wait for the last
-    /// handle, a `shutdown` queue a FIN behind the data).
+    /// (Linux's `connect` with `AF_UNSPEC` disconnects a TCP socket for every handle on it and
+    /// wakes a blocked reader or writer with an error; a `close` would wait for the last handle, a
+    /// `shutdown` queue a FIN behind the data).
     fn reset(&self) {
         let unspec = libc::sockaddr { sa_family: libc::AF_UNSPEC as libc::sa_family_t, sa_data: [0; 14] };
         // SAFETY: a valid sockaddr of the size given; the descriptor is open while `self` lives.
-        let _ = unsafe { libc::connect(self.closer.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        let rc = unsafe { libc::connect(self.closer.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        if rc != 0 {
+            // Linux 6.4 to 6.6 (and stable kernels that took that change) refuse to disconnect a
+            // socket a thread is blocked on (EBUSY): the FIN of the shutdown below is all we have.
+            log::warn!(
+                target: module_path!(),
+                "cannot reset the connection to {} ({}): shut down instead, the peer sees it behind the bytes still queued",
+                self.peer,
+                std::io::Error::last_os_error()
+            );
+        }
         // Whatever that did, nothing more goes out or comes in.
         self.shutdown();
     }
@@ -334,20 +349,19 @@ impl TcpTransport {
     /// [`write`](Self::write) on the stream `w`, whose writer lock the caller holds.
     fn write_locked(&self, w: &TcpStream, deadline: &Deadline, write: impl FnOnce(&mut DeadlineWriter<'_>) -> std::io::Result<()>) -> Result<()> {
         let what = format!("writing to peer {}", self.peer);
-        let mut out = DeadlineWriter::new(w, deadline);
-        write(&mut out).map_err(|e| {
-            // A reset, not a FIN: a FIN would reach the peer only behind the bytes queued (and the
-            // half frame), so its reader would hold the payload's grant until they trickle in.
-            self.reset();
-            // SO_SNDTIMEO (the deadline) expires as EAGAIN; ETIMEDOUT is TCP_USER_TIMEOUT: gone.
-            let deadline_passed = e.kind() == std::io::ErrorKind::WouldBlock;
-            let err = peer_error(e).context(format!("write to peer {} failed", self.peer));
-            if deadline_passed {
-                err.wrap(Status::KVSTAGE_E_TIMEOUT, format!("deadline passed while {what} (the peer stopped reading)"))
-            } else {
-                err
-            }
-        })
+        let mut out = DeadlineWriter::new(w, deadline, &self.written);
+        let Err(e) = write(&mut out) else { return Ok(()) };
+        // SO_SNDTIMEO (the deadline) expires as EAGAIN; ETIMEDOUT is TCP_USER_TIMEOUT: gone.
+        let deadline_passed = e.kind() == std::io::ErrorKind::WouldBlock;
+        if deadline_passed && out.wrote == 0 {
+            // Not a byte of it went out: the stream is whole, only this write's deadline passed.
+            return Err(Error::new(Status::KVSTAGE_E_TIMEOUT, format!("deadline passed before {what} (the send buffer stayed full)")));
+        }
+        // A reset, not a FIN: a FIN would reach the peer only behind the bytes queued (and the
+        // half frame), so its reader would hold the payload's grant until they trickle in.
+        self.reset();
+        let err = peer_error(e).context(format!("write to peer {} failed", self.peer));
+        Err(if deadline_passed { err.wrap(Status::KVSTAGE_E_TIMEOUT, format!("deadline passed while {what} (the peer stopped reading)")) } else { err })
     }
 }
 
@@ -358,6 +372,10 @@ pub struct DeadlineWriter<'a> {
     stream: &'a TcpStream,
     deadline: &'a Deadline,
     armed: Option<Instant>,
+    /// The transport's stream position, advanced by every byte written.
+    written: &'a AtomicU64,
+    /// Bytes this writer wrote.
+    wrote: u64,
 }
 
 /// How long the rest of a frame that [`TcpTransport::try_send`] got only partly into the send
@@ -368,8 +386,13 @@ const PARTIAL_FRAME_BOUND: Duration = Duration::from_millis(100);
 pub const REARM: Duration = Duration::from_millis(10);
 
 impl<'a> DeadlineWriter<'a> {
-    fn new(stream: &'a TcpStream, deadline: &'a Deadline) -> DeadlineWriter<'a> {
-        DeadlineWriter { stream, deadline, armed: None }
+    fn new(stream: &'a TcpStream, deadline: &'a Deadline, written: &'a AtomicU64) -> DeadlineWriter<'a> {
+        DeadlineWriter { stream, deadline, armed: None, written, wrote: 0 }
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.wrote += n as u64;
+        self.written.fetch_add(n as u64, Ordering::Release);
     }
 
     fn arm(&mut self) -> std::io::Result<()> {
@@ -387,7 +410,9 @@ impl Write for DeadlineWriter<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.arm()?;
         let mut s = self.stream;
-        s.write(buf)
+        let n = s.write(buf)?;
+        self.advance(n);
+        Ok(n)
     }
 
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
@@ -395,7 +420,9 @@ impl Write for DeadlineWriter<'_> {
         // Not TcpStream::write_vectored: std sends vectors with writev, which raises SIGPIPE in the
         // host process when the peer has gone (a library must never kill its host). sendmsg with
         // MSG_NOSIGNAL reports EPIPE instead, as std's own `write` does.
-        socket2::SockRef::from(self.stream).send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
+        let n = socket2::SockRef::from(self.stream).send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)?;
+        self.advance(n);
+        Ok(n)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
@@ -432,7 +459,10 @@ impl Transport for TcpTransport {
         let frame = msg.encode();
         let sent = loop {
             match socket2::SockRef::from(&*w).send_with_flags(&frame, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) {
-                Ok(n) => break n,
+                Ok(n) => {
+                    self.written.fetch_add(n as u64, Ordering::Release);
+                    break n;
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) => {
@@ -513,11 +543,24 @@ impl Transport for TcpTransport {
     }
 
     fn shutdown(&self) {
+        self.cut.store(true, Ordering::Release);
         let _ = self.closer.shutdown(Shutdown::Both);
     }
 
-    fn backlogged(&self) -> bool {
-        self.unacknowledged() > 0
+    fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::Acquire)
+    }
+
+    fn stream_mark(&self) -> Option<u64> {
+        Some(self.written.load(Ordering::Acquire))
+    }
+
+    fn acknowledged(&self, mark: u64) -> bool {
+        // `written` first: bytes written after this load can only make the queue longer, so the
+        // estimate of what was acknowledged errs low (towards a reset, never towards an abort
+        // that would wait behind unacknowledged bytes of the chunk).
+        let written = self.written.load(Ordering::Acquire);
+        written.saturating_sub(self.unacknowledged() as u64) >= mark
     }
 
     fn reset(&self) {

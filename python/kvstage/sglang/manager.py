@@ -116,16 +116,15 @@ class KvstageKVManager(BaseKVManager):
         it is dead (its connection went, or a chunk that gave up with bytes in the stream reset
         it), is closed; the next request connects again. A live one is kept: closing it would fail
         the other requests it carries."""
-        with self.session_lock:
-            s = self.sessions.get(address)
-            if s is None or s is not session or s.stats().dead_status == 0:
-                return
-            del self.sessions[address]
-        if s is not None:
-            try:
-                s.close()
-            except Exception:
-                pass
+        try:
+            with self.session_lock:
+                s = self.sessions.get(address)
+                if s is None or s is not session or s.stats().dead_status == 0:
+                    return
+                del self.sessions[address]
+            s.close()
+        except Exception:  # called from error handlers: a closed handle is as good as dropped
+            pass
 
     # -- decode side ---------------------------------------------------------------------------
 

@@ -121,14 +121,17 @@ class _Prefill:
             return s
 
     def _drop_session_if_dead(self, addr: str, repack: bool) -> None:
-        """After a failure: a session whose connection is gone (the peer went, or a chunk that gave
-        up with bytes in the stream reset it) is closed; the next request connects again."""
-        with self._sessions_lock:
-            s = self._sessions.get((addr, repack))
-            if s is None or s.stats().dead_status == 0:
-                return
-            del self._sessions[(addr, repack)]
-        s.close()
+        """After a failure: a session whose connection is gone (the peer went, or this side cut it)
+        is closed; the next request connects again. Called from error handlers: never raises."""
+        try:
+            with self._sessions_lock:
+                s = self._sessions.get((addr, repack))
+                if s is None or s.stats().dead_status == 0:
+                    return
+                del self._sessions[(addr, repack)]
+            s.close()
+        except Exception:  # noqa: BLE001 - a closed handle is as good as dropped
+            pass
 
     def _push(self, held: _Held, conn: socket.socket, msg: dict) -> None:
         req_id, addr = held.send.req_id, msg["addr"]

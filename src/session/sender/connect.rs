@@ -148,7 +148,7 @@ impl SenderSession {
                     let e = Error::from_panic("the session reader thread panicked", &*p);
                     log::error!(target: LOG_TARGET, session = reader_id.as_str(); "{}", e.chain());
                     let mut st = reader_shared.state.lock();
-                    st.dead = Some((e.code(), e.chain()));
+                    st.dead.get_or_insert((e.code(), e.chain()));
                     reader_shared.cv.notify_all();
                 }
                 // The session is dead: the link goes too (a same-host mapping of the receiver's

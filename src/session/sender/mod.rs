@@ -268,7 +268,8 @@ impl SenderSession {
     /// This session's counters (bytes, chunks, transfers by result, in flight, summed phase
     /// timings) and its transport.
     pub fn stats(&self) -> SessionStats {
-        let dead = self.shared.state.lock().dead.as_ref().map(|&(code, _)| code);
+        // A write that failed cut the stream at once; the reader notices its end a moment later.
+        let dead = self.shared.state.lock().dead.as_ref().map(|&(code, _)| code).or_else(|| self.link.is_cut().then_some(Status::KVSTAGE_E_PEER_GONE));
         SessionStats { send: self.metrics.session.snapshot(), link: self.link_kind, downgraded: self.downgraded, dead }
     }
 
@@ -493,25 +494,36 @@ impl SenderSession {
         }
     }
 
-    /// Gives up a chunk whose bytes went into the stream. When the peer has not acknowledged all
-    /// of the stream's bytes, an abort would wait behind them, and the receiver's grant (with its
-    /// ring's watermark) for as long as they take: the connection is reset instead and the session
-    /// dies (README, "Failure semantics"); the receiver frees the grant once the reset arrives.
-    fn abort_written(&self, desc: &TransferDesc, reason: &str) {
-        if !self.link.backlogged() {
-            return self.abort(desc, reason);
+    /// Gives up a chunk (failed with `e`) whose bytes went into the stream up to `mark` (the
+    /// [`Transport::stream_mark`] after its last write, `None` when nothing of it was written).
+    /// When its deadline passed and the peer has not acknowledged those bytes yet, an abort would
+    /// wait behind them, and the receiver's grant (with its ring's watermark) for as long as they
+    /// take: the connection is reset instead and the session dies (README, "Failure semantics");
+    /// the receiver frees the grant once the reset arrives. A cancel never resets: the chunk's
+    /// deadline still bounds what its bytes can hold, and the session's other transfers go on.
+    fn abort_written(&self, desc: &TransferDesc, mark: Option<u64>, e: &Error) {
+        if self.link.is_cut() {
+            return; // a write failed and cut the stream already: no abort can follow it
         }
+        let stuck = e.code() == Status::KVSTAGE_E_TIMEOUT && mark.is_some_and(|m| !self.link.acknowledged(m));
+        if !stuck {
+            return self.abort(desc, e.message());
+        }
+        let why = format!(
+            "reset by this side: room {} chunk {} passed its deadline with its bytes still unacknowledged by the receiver's TCP ({})",
+            desc.room,
+            desc.chunk,
+            e.message()
+        );
         {
             let mut st = self.shared.state.lock();
-            st.dead.get_or_insert_with(|| {
-                let why = format!(
-                    "reset by this side: room {} chunk {} gave up ({reason}) with bytes still unacknowledged by the receiver in the stream",
-                    desc.room, desc.chunk
-                );
-                (Status::KVSTAGE_E_PEER_GONE, why)
-            });
+            if st.dead.is_some() {
+                return; // dead already (closed, freed, gone): nothing left to cut
+            }
+            st.dead = Some((Status::KVSTAGE_E_PEER_GONE, why.clone()));
             self.shared.cv.notify_all();
         }
+        log::warn!(target: LOG_TARGET, session = self.id.as_str(); "connection to the receiver ({}) reset: {why}", self.link.describe());
         self.link.reset();
     }
 
@@ -524,6 +536,9 @@ impl SenderSession {
     fn check_alive(&self, st: &State, deadline: &Deadline, op: &Op, what: &str) -> Result<()> {
         if let Some((code, why)) = &st.dead {
             return Err(Error::new(*code, format!("peer {} is gone ({why}) while {what}", self.link.describe())));
+        }
+        if self.link.is_cut() {
+            return Err(Error::new(Status::KVSTAGE_E_PEER_GONE, format!("the connection to {} was cut (a write to it failed) while {what}", self.link.describe())));
         }
         if op.is_canceled() {
             return Err(Error::new(Status::KVSTAGE_E_CANCELED, format!("canceled while {what}")));

@@ -145,15 +145,19 @@ impl SenderSession {
         // From here on the receiver holds ring space for us: every failure aborts first.
         let place = Placement { round, grant_offset: offset, region_offset, region_bytes: region.bytes, writer };
         let direct = (!pages.is_empty()).then_some(DirectTarget { layout: &layout, region: &region, pages: &pages });
+        let before = self.link.stream_mark();
         let written = self.write_granted(desc, op, &deadline, (plan.as_ref(), &region.tail), direct, &place, t, &mut stall);
         let arrival = match written {
             Ok(pending) => pending,
             Err(e) => {
-                self.abort(desc, e.message());
+                // Pieces or layers of the region may be in the stream already.
+                let mark = self.link.stream_mark().filter(|&m| Some(m) != before);
+                self.abort_written(desc, mark, &e);
                 return Err(e);
             }
         };
         let written_at = Instant::now();
+        let mark = self.link.stream_mark();
         op.enter("waiting_for_acknowledgement", || format!("the receiver {} to acknowledge the chunk's arrival", self.link.describe()));
         let ack = self.wait_reply(&arrival, &deadline, op, "waiting for the arrival acknowledgement", Some(&mut stall));
         t.ack_ns = since(written_at);
@@ -165,7 +169,7 @@ impl SenderSession {
             }
             Ok(other) => Err(Error::new(Status::KVSTAGE_E_PROTOCOL, format!("unexpected reply {other:?}"))),
             Err(e) => {
-                self.abort_written(desc, e.message());
+                self.abort_written(desc, mark, &e);
                 Err(e)
             }
         }

@@ -636,6 +636,10 @@ impl Transport for RdmaTransport {
         self.kill();
     }
 
+    fn is_cut(&self) -> bool {
+        self.dead.load(Ordering::SeqCst) || self.tcp.is_cut()
+    }
+
     fn describe(&self) -> String {
         self.desc.clone()
     }

@@ -265,6 +265,10 @@ impl Transport for ShmTransport {
         self.teardown();
     }
 
+    fn is_cut(&self) -> bool {
+        self.tcp.is_cut()
+    }
+
     fn describe(&self) -> String {
         let size = match self.ring_len {
             n if n >= 1 << 20 => format!("{} MiB", n >> 20),
