@@ -536,14 +536,20 @@ fn payload_write_blocked_silent_host() {
     payload_in_flight("blks", 5, 8 * SMALL_CHUNK, Cut::Silent);
 }
 
-fn payload_in_flight(tag: &str, subnet: u8, chunk_tokens: u32, how: Cut) {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(ns) = setup(tag, subnet) else { return };
-    // 4 Mbit/s: about 0.5 MB/s, so the payload is on the wire for seconds.
+/// The pair of namespaces with the prefill → decode direction at 4 Mbit/s (about 0.5 MB/s, so a
+/// payload is on the wire for seconds); `None` where that cannot be made (skipped, said so).
+fn rate_limited(tag: &str, subnet: u8) -> Option<Netns> {
+    let ns = setup(tag, subnet)?;
     if let Err(why) = ns.rate_limit_b("4mbit") {
         skip(&format!("cannot rate-limit the veth (tc tbf): {why}"));
-        return;
+        return None;
     }
+    Some(ns)
+}
+
+fn payload_in_flight(tag: &str, subnet: u8, chunk_tokens: u32, how: Cut) {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(ns) = rate_limited(tag, subnet) else { return };
     let (mut decode, mut prefill) = start(&ns, chunk_tokens);
     let key = open_room(&mut decode, 1);
     prefill.send(&format!("send 1 {key}"));
@@ -597,11 +603,7 @@ const GRANT_FREED_WITHIN: Duration = Duration::from_secs(3);
 /// with bytes in the stream this run took).
 fn deadline_in_flight(tag: &str, subnet: u8, chunk_tokens: u32, path: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let Some(ns) = setup(tag, subnet) else { return };
-    if let Err(why) = ns.rate_limit_b("4mbit") {
-        skip(&format!("cannot rate-limit the veth (tc tbf): {why}"));
-        return;
-    }
+    let Some(ns) = rate_limited(tag, subnet) else { return };
     let (mut decode, mut prefill) = start(&ns, chunk_tokens);
     let key = open_room(&mut decode, 1);
     decode.send("wait 1");

@@ -13,6 +13,11 @@ use kvstage::Error;
 use kvstage_testkit::cluster::{Prefill, Setup};
 use kvstage_testkit::{model, MODELS};
 
+/// The `q` quantile (0..=1) of `sorted` (ascending, not empty): the nearest rank.
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
 /// The kvstage library's version, `MAJOR.MINOR.PATCH`.
 pub fn library_version() -> String {
     let v = kvstage::version_number();

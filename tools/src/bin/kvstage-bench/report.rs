@@ -35,7 +35,7 @@ impl Section {
         if s.is_empty() {
             return 0.0;
         }
-        s[((s.len() - 1) as f64 * q).round() as usize]
+        kvstage_tools::quantile(&s, q)
     }
     pub fn median(&self) -> f64 {
         self.quantile(0.5)

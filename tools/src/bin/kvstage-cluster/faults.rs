@@ -113,7 +113,7 @@ pub struct Record {
     pub failed_in_window: u64,
     pub failures: std::collections::BTreeMap<String, u64>,
     pub completed_in_window: u64,
-    pub latency_ms: Option<crate::report::Latency>,
+    pub latency_ms: Option<crate::latency::Latency>,
     /// From the fault's start until the first request it failed ended (how soon the failure
     /// was noticed).
     pub first_failure_ms: Option<f64>,

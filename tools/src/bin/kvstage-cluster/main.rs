@@ -2,11 +2,12 @@
 //! See docs/CLUSTER.md. Files: `cli` (flags), `router` (the run: processes, bootstrap, arrivals,
 //! faults), `prefill` and `decode` (the rank processes), `proto` (their line protocol), `nodes`
 //! (starting and signalling them), `net` (ip/tc on the namespaces), `faults` (the schedule),
-//! `report` (the JSON), `plot` (the PNG), `pages`, `procfs`, `rng`.
+//! `report` (the JSON), `latency` (its percentiles), `plot` (the PNG), `pages`, `procfs`, `rng`.
 
 mod cli;
 mod decode;
 mod faults;
+mod latency;
 mod net;
 mod nodes;
 mod pages;

@@ -4,29 +4,12 @@
 
 use std::collections::BTreeMap;
 
-use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::cli::Cli;
 use crate::faults::Record;
+use crate::latency::latency;
 use crate::router::{Outcome, Req};
-
-#[derive(Clone, Debug, Serialize)]
-pub struct Latency {
-    pub count: usize,
-    pub p50: f64,
-    pub p99: f64,
-    pub max: f64,
-}
-
-fn latency(mut ms: Vec<f64>) -> Option<Latency> {
-    if ms.is_empty() {
-        return None;
-    }
-    ms.sort_by(f64::total_cmp);
-    let at = |q: f64| ms[((ms.len() - 1) as f64 * q).round() as usize];
-    Some(Latency { count: ms.len(), p50: at(0.5), p99: at(0.99), max: ms[ms.len() - 1] })
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Class {
