@@ -5,7 +5,9 @@ kvstage engines and vLLM's CPU cache kernel, no vLLM engine started.
 
 Checks bad kv_transfer_params from a client (M1), a hostile peer against the prefill's bootstrap
 listener (M2-M4), a room whose release raises (M6), a TP-2 prefill with one KV head whose rank
-the pairing leaves out (M5), the in-block order agreed in the push (M7). Prints one line per
+the pairing leaves out (M5), the in-block order agreed in the push (M7), an fp8 kv_cache_dtype
+(S3), a stale push from an earlier decode run (S9), a flood of connections and loads on bounded
+threads (S10), bootstrap messages authenticated with cluster_token (S8). Prints one line per
 check and "N passed, M failed".
 """
 
@@ -16,6 +18,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from types import SimpleNamespace
@@ -23,7 +26,8 @@ from types import SimpleNamespace
 import torch
 
 import vllm.distributed.parallel_state as ps
-from kvstage.vllm import connector as C
+import kvstage
+from kvstage.vllm import bootstrap as B, connector as C, decode as D, metadata as M, options as O, repack as R, scheduler as S, worker as W
 
 LOG = []
 
@@ -62,27 +66,35 @@ def free_ports(n):
     raise RuntimeError("no free ports")
 
 
-def config(role, block_size=32, heads=2, tp=1, extra=None):
+def config(role, block_size=32, heads=2, tp=1, extra=None, kv_cache_dtype="auto", dtype=torch.float32):
     ex = {"host": "127.0.0.1", "lease_s": 30, "load_timeout_s": 5, "staging_bytes": 8 << 20}
     ex.update(extra or {})
     ktc = SimpleNamespace(
         engine_id="e", is_kv_producer=role in ("kv_producer", "kv_both"), is_kv_consumer=role in ("kv_consumer", "kv_both"),
         kv_connector_extra_config=ex,
     )
-    mc = SimpleNamespace(get_head_size=lambda: HEAD_DIM, get_total_num_kv_heads=lambda: heads)
-    return SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=block_size), model_config=mc,
-                           parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+    mc = SimpleNamespace(get_head_size=lambda: HEAD_DIM, get_total_num_kv_heads=lambda: heads, dtype=dtype)
+    return SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=block_size, cache_dtype=kv_cache_dtype),
+                           model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=tp))
 
 
-def worker(role, block_size=32, heads=2, tp=1, rank=0, extra=None, seed=None):
+def worker(role, block_size=32, heads=2, tp=1, rank=0, extra=None, seed=None, kv_cache_dtype="auto", dtype=torch.float32):
+    """A worker on caches as vLLM's CPU backend allocates them: the model's dtype, or bytes for an
+    fp8 kv_cache_dtype (filled with random bytes that are finite fp8 values when seeded)."""
     ps.get_tensor_model_parallel_rank = lambda: rank
     ps.get_tensor_model_parallel_world_size = lambda: tp
-    cfg = config(role, block_size, heads, tp, extra)
-    w = C._Worker(cfg, C._options(cfg))
+    cfg = config(role, block_size, heads, tp, extra, kv_cache_dtype, dtype)
+    w = W._Worker(cfg, O._options(cfg))
     local = max(1, heads // tp)
     g = torch.Generator().manual_seed(seed if seed is not None else 0)
-    caches = {f"model.layers.{i}.self_attn.attn": (torch.rand(BLOCKS, local, block_size, 2 * HEAD_DIM, generator=g) if seed is not None
-                                                   else torch.zeros(BLOCKS, local, block_size, 2 * HEAD_DIM)) for i in range(LAYERS)}
+    shape = (BLOCKS, local, block_size, 2 * HEAD_DIM)
+
+    def cache():
+        if kv_cache_dtype.startswith("fp8"):
+            return torch.randint(0, 0x70, shape, dtype=torch.uint8, generator=g) if seed is not None else torch.zeros(shape, dtype=torch.uint8)
+        return torch.rand(shape, generator=g).to(dtype) if seed is not None else torch.zeros(shape, dtype=dtype)
+
+    caches = {f"model.layers.{i}.self_attn.attn": cache() for i in range(LAYERS)}
     w.register_kv_caches(caches)
     return w
 
@@ -99,7 +111,7 @@ def wait_finished(w, kind, req_id, timeout=10.0):
 
 def send_meta(req_id, blocks, ntokens):
     m = C.KvstageConnectorMetadata()
-    m.send[req_id] = C._Send(req_id, blocks, ntokens)
+    m.send[req_id] = M._Send(req_id, blocks, ntokens)
     return m
 
 
@@ -110,7 +122,7 @@ def real_push(p, d, port, req, ntokens=70, tp=1, whole=True):
     stats = d.opts["stats_file"]
     before = len(open(stats).readlines()) if stats and os.path.exists(stats) else 0
     p.start(send_meta(req, pb, ntokens))
-    d._start_recv(C._Recv(f"d-{req}", db, 0, ntokens, f"127.0.0.1:{port}", req, tp, p.block_size))
+    d._start_recv(M._Recv(f"d-{req}", db, 0, ntokens, f"127.0.0.1:{port}", req, tp, p.block_size))
     wait_finished(d, "recv", f"d-{req}")
     row = [json.loads(x) for x in open(stats).readlines()[before:]]
     assert len(row) == 1 and row[0]["ok"], f"load {row}"
@@ -131,7 +143,7 @@ def canon(w, blocks):
     """[layers, heads, tokens, 2*D] token-major K‖V of `blocks`, whatever the in-block order."""
     out = []
     for layer in range(LAYERS):
-        r = w._region(layer)[torch.tensor(blocks)]  # [b, h, 2*N*D]
+        r = R._region(w.tensors[layer])[torch.tensor(blocks)]  # [b, h, 2*N*D]
         if w.positions is not None and not isinstance(w.positions, str):
             r = r[:, :, w.positions]
         b, h, _ = r.shape
@@ -160,7 +172,7 @@ def ask(port, raw, timeout=5.0):
 
 
 def bad_params_fall_back():
-    s = C._Scheduler(config("kv_consumer"), C._options(config("kv_consumer")))
+    s = S._Scheduler(config("kv_consumer"), O._options(config("kv_consumer")))
     good = {"do_remote_prefill": True, "remote_bootstrap": "127.0.0.1:17600", "remote_request_id": "x", "remote_tp_size": 1,
             "remote_block_size": 32, "remote_num_tokens": 50}
     cases = [("remote_bootstrap", "nohostport"), ("remote_bootstrap", 12), ("remote_bootstrap", "h:99999"), ("remote_request_id", None),
@@ -175,7 +187,7 @@ def bad_params_fall_back():
         assert any(key in m and repr(val) in m for m in LOG), f"{key}={val!r}: no WARNING naming it: {LOG}"
         s.update_state_after_alloc(req, None, 0)  # vLLM calls it with 0 external tokens: no raise
     # not a consumer: a warning, computed locally (before: ValueError in the scheduler)
-    sp = C._Scheduler(config("kv_producer"), C._options(config("kv_producer")))
+    sp = S._Scheduler(config("kv_producer"), O._options(config("kv_producer")))
     req = SimpleNamespace(request_id="r-role", kv_transfer_params=dict(good), prompt_token_ids=list(range(50)), status=None)
     assert sp.get_num_new_matched_tokens(req, 0) == (0, False)
     # hybrid blocks after the count: the load fails at once instead of raising or hanging
@@ -205,11 +217,11 @@ def bad_params_fall_back():
 def recv_never_stuck(d):
     """A load whose set-up fails (bad bootstrap, a scheduler error) still finishes, failed."""
     for i, bad in enumerate(("nohostport", "127.0.0.1:notaport")):
-        r = C._Recv(f"stuck{i}", [7], 0, 10, bad, "x", 1, 32)
+        r = M._Recv(f"stuck{i}", [7], 0, 10, bad, "x", 1, 32)
         d._start_recv(r)
         wait_finished(d, "recv", r.req_id, 5)
         assert 7 in d.take_failed_blocks(), "its blocks were not reported failed"
-    r = C._Recv("stuck-err", [], 0, 0, "", "", 1, 32, error="boom")
+    r = M._Recv("stuck-err", [], 0, 0, "", "", 1, 32, error="boom")
     d._start_recv(r)
     wait_finished(d, "recv", "stuck-err", 5)
     assert "stuck-err" in d.take_failed_recv()
@@ -218,7 +230,7 @@ def recv_never_stuck(d):
 
 
 def hostile_peer(p, d, port):
-    C._MSG_DEADLINE_S = 1.0
+    B._MSG_DEADLINE_S = 1.0
     out = []
     rep = ask(port, b"this is not json\n")
     assert rep and not rep["ok"], rep
@@ -257,7 +269,7 @@ def hostile_peer(p, d, port):
     # many unique fake ids: parked pushes are capped, the oldest answered with an error
     conns = []
     grid = [1, 32, 1, 1, 32, 0]
-    for i in range(C._MAX_PARKED + 20):
+    for i in range(B._MAX_PARKED + 20):
         c = socket.create_connection(("127.0.0.1", port))
         c.sendall(json.dumps({"op": "push", "req": f"fake{i}", "decode_rank": 0, "decode_tp": 1, "grid": grid, "room": 1, "key": 1,
                               "addr": "127.0.0.1:1", "trace": "t"}).encode() + b"\n")
@@ -265,18 +277,18 @@ def hostile_peer(p, d, port):
     time.sleep(1.0)
     with p._cond:
         parked = p._parked_count()
-    assert parked <= C._MAX_PARKED, f"{parked} parked"
+    assert parked <= B._MAX_PARKED, f"{parked} parked"
     conns[0].settimeout(3)
     first = conns[0].recv(4096)
     assert first and b"dropped" in first, first
     for c in conns:
         c.close()
-    out.append(f"{C._MAX_PARKED + 20} fake ids: {parked} parked, oldest answered")
+    out.append(f"{B._MAX_PARKED + 20} fake ids: {parked} parked, oldest answered")
     # releases of many unique ids: _gone stays bounded
-    for i in range(C._GONE_MAX + 200):
+    for i in range(B._GONE_MAX + 200):
         with p._cond:
             p._note_gone(f"g{i}", "test")
-    assert len(p._gone) <= C._GONE_MAX, len(p._gone)
+    assert len(p._gone) <= B._GONE_MAX, len(p._gone)
     # transient accept errors: keep accepting
     real = p._listener
 
@@ -311,7 +323,7 @@ def decode_failure_tells_prefill(p, d, port):
     """S4: a decode load that fails before it asks the prefill (here: its room cannot open)
     tells the prefill it needs nothing: the blocks are freed now, not after lease_s."""
     p.start(send_meta("s4", [1, 2], 50))
-    d._start_recv(C._Recv("d-s4", [999], 0, 50, f"127.0.0.1:{port}", "s4", 1, 32))
+    d._start_recv(M._Recv("d-s4", [999], 0, 50, f"127.0.0.1:{port}", "s4", 1, 32))
     wait_finished(d, "recv", "d-s4", 5)
     d.take_failed_blocks()
     took = wait_finished(p, "send", "s4", 5)
@@ -325,12 +337,12 @@ def release_retry(d):
         def release(self):
             Room.calls += 1
             if Room.calls < 3:
-                raise C.kvstage.TimeError("a same-host writer still holds the pages") if hasattr(C.kvstage, "TimeError") else RuntimeError("held")
+                raise kvstage.TimeError("a same-host writer still holds the pages") if hasattr(kvstage, "TimeError") else RuntimeError("held")
 
     d.take_failed_blocks()  # earlier checks' failures
     for ok in (True, False):
         Room.calls = 0
-        r = C._Recv(f"rel-{ok}", [9, 10], 0, 40, "127.0.0.1:1", "x", 1, 32)
+        r = M._Recv(f"rel-{ok}", [9, 10], 0, 40, "127.0.0.1:1", "x", 1, 32)
         with d._cond:
             d._receiving += 1
         d._complete_recv(r, ok, Room())
@@ -352,7 +364,7 @@ def tp2_mqa(tmp):
     p1 = worker("kv_producer", heads=1, tp=2, rank=1, extra=ex, seed=5)
     d = worker("kv_consumer", heads=1, tp=1, rank=0, extra={"stats_file": os.path.join(tmp, "mqa.jsonl")})
     try:
-        recv = C._Recv("m", [1], 0, 20, f"127.0.0.1:{port}", "mq", 2, 32)
+        recv = M._Recv("m", [1], 0, 20, f"127.0.0.1:{port}", "mq", 2, 32)
         ranks = d._prefill_ranks(recv)
         assert len(ranks) == 1, f"pairing asks prefill ranks {ranks}"
         left = 1 - ranks[0]
@@ -380,6 +392,194 @@ def layout_agreed(tmp):
         pk, dk = canon(p, [1, 2])[..., :50, :], canon(d, [3, 4])[..., :50, :]
         assert torch.equal(pk, dk), "the decode did not put the token-major copy back in its order"
         return f"layout {d.layout_id}; a prefill with another order sent token-major, the decode un-repacked: equal ({row['bytes']} bytes)"
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def fp8_cache(tmp):
+    """S3: an fp8 kv_cache_dtype (vLLM's CPU backend: uint8 caches, bf16 model): the layout's
+    element is the cache's byte, the probe reads the kernel's placement for fp8 (the model's dtype
+    in, kv_cache_dtype named), and a push between different block sizes lands every byte."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    port = free_ports(1)
+    fp8 = dict(kv_cache_dtype="fp8", dtype=torch.bfloat16)
+    p = worker("kv_producer", extra={"bootstrap_port": port}, seed=11, **fp8)
+    d = worker("kv_consumer", block_size=64, extra={"stats_file": os.path.join(tmp, "fp8.jsonl")}, **fp8)
+    try:
+        assert p.layout.dtype_bytes == 1 and d.layout.dtype_bytes == 1, (p.layout.dtype_bytes, d.layout.dtype_bytes)
+        assert not isinstance(p.positions, str) and p.positions is not None, f"the probe failed for fp8: positions {p.positions!r}"
+        # The probed placement is the kernel's: write known K/V (exact in e4m3) through it and
+        # read them back through the positions.
+        n, h = 32, 1
+        g = torch.Generator().manual_seed(3)
+        k = torch.randint(1, 9, (n, h, HEAD_DIM), generator=g).to(torch.bfloat16)
+        v = torch.randint(1, 9, (n, h, HEAD_DIM), generator=g).to(torch.bfloat16)
+        cache = torch.zeros(1, h, n, 2 * HEAD_DIM, dtype=torch.uint8)
+        kc, vc = cache.view(1, h, 2 * n, HEAD_DIM).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(n), _get_attn_isa(torch.bfloat16, n, HEAD_DIM, "fp8"), kv_cache_dtype="fp8")
+        canon_bytes = cache.view(-1)[p.positions]
+        want = torch.cat([k.reshape(-1), v.reshape(-1)]).float().to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(canon_bytes, want), "the probed placement does not match the kernel's fp8 writes"
+        row = real_push(p, d, port, "fp8", ntokens=70, whole=False)
+        want_bytes = 70 * 2 * 2 * HEAD_DIM * LAYERS  # tokens x heads x K+V x layers, one byte each
+        assert row["bytes"] == want_bytes, f"{row['bytes']} bytes landed, {want_bytes} expected"
+        return f"fp8: 1-byte elements, probe matches the kernel, 32->64 push landed {row['bytes']} bytes, equal"
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def read_reply(c, timeout=5.0):
+    """The one JSON line the bootstrap answers on connection `c` (None: no answer in `timeout`)."""
+    c.settimeout(timeout)
+    buf = b""
+    try:
+        while not buf.endswith(b"\n"):
+            part = c.recv(4096)
+            if not part:
+                break
+            buf += part
+    except socket.timeout:
+        return None
+    return json.loads(buf) if buf else None
+
+
+def stale_push_refused(tmp):
+    """S9: a push left over from a previous run of the decode (same request id and decode rank,
+    another decode incarnation, started earlier) is refused naming both incarnations, not parked
+    and later sent; a stale push arriving after the live one is refused at once; the live load
+    completes."""
+    port = free_ports(1)
+    p = worker("kv_producer", extra={"bootstrap_port": port}, seed=9)
+    d = worker("kv_consumer", extra={"stats_file": os.path.join(tmp, "s9.jsonl")})
+    conns = []
+    try:
+        def stale(req):
+            c = socket.create_connection(("127.0.0.1", port))
+            conns.append(c)
+            c.sendall(json.dumps({"op": "push", "req": req, "decode_rank": 0, "decode_tp": 1, "grid": [1, 32, 1, 2, 32, 0], "room": 1,
+                                  "key": 1, "addr": "127.0.0.1:1", "trace": "old", "incarnation": "oldrun", "started": d.started - 1000.0,
+                                  "layout": d.layout_id, "block_size": 32}).encode() + b"\n")
+            return c
+
+        old = stale("s9")
+        time.sleep(0.3)  # parked: the request is not held yet
+        d._start_recv(M._Recv("d-s9", [3, 4], 0, 50, f"127.0.0.1:{port}", "s9", 1, 32))
+        rep = read_reply(old)
+        assert rep is not None and not rep["ok"], f"the stale push was not refused when the live one came: {rep}"
+        for word in ("oldrun", d.incarnation):
+            assert word in rep["error"], f"the refusal does not name {word}: {rep['error']}"
+        p.start(send_meta("s9", [1, 2], 50))
+        wait_finished(d, "recv", "d-s9")
+        assert not d.take_failed_blocks(), "the live load failed"
+        late = read_reply(stale("s9b"), timeout=0.3)  # another request: parked, no answer yet
+        assert late is None, late
+        # after the live push: a stale one for a request still held is refused at once
+        d._start_recv(M._Recv("d-s9c", [5, 6], 0, 50, f"127.0.0.1:{port}", "s9c", 1, 32))
+        time.sleep(0.3)
+        rep2 = read_reply(stale("s9c"))
+        assert rep2 is not None and not rep2["ok"] and "oldrun" in rep2["error"] and d.incarnation in rep2["error"], rep2
+        p.start(send_meta("s9c", [1, 2], 50))
+        wait_finished(d, "recv", "d-s9c")
+        assert not d.take_failed_blocks(), "the second live load failed"
+        return f"refused: {rep['error'][-120:]}"
+    finally:
+        for c in conns:
+            c.close()
+        p.shutdown()
+        d.shutdown()
+
+
+def threads(prefix):
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def flood_bounded(tmp):
+    """S10: a flood of bootstrap connections (peers that connect and do not send yet) and of
+    loads (against a prefill that does not answer yet) uses at most the bounded thread pools,
+    not one thread each; every load still ends (failed), and a real push works afterwards."""
+    readers, loaders = getattr(B, "_READERS", 32), getattr(D, "_LOAD_THREADS", 64)
+    port = free_ports(1)
+    p = worker("kv_producer", extra={"bootstrap_port": port}, seed=13)
+    d = worker("kv_consumer", extra={"stats_file": os.path.join(tmp, "s10.jsonl")})
+    conns = []
+    hung = socket.socket()
+    try:
+        for _ in range(3 * readers):
+            conns.append(socket.create_connection(("127.0.0.1", port)))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(threads("kvstage-bootstrap-")) < readers:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        peak_p = len(threads("kvstage-bootstrap-"))
+        assert 0 < peak_p <= readers, f"{3 * readers} silent bootstrap peers: {peak_p} reader threads (bound {readers})"
+        for c in conns:
+            c.close()
+        # loads against a "prefill" that accepts and never answers (until it closes)
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(1024)
+        hport = hung.getsockname()[1]
+        n = loaders + 40
+        for i in range(n):
+            d._start_recv(M._Recv(f"fl{i}", [1 + i % (BLOCKS - 1)], 0, 10, f"127.0.0.1:{hport}", f"x{i}", 1, 32))
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and len(threads("kvstage-recv")) < min(n, loaders):
+            time.sleep(0.05)
+        time.sleep(0.3)
+        peak_d = len(threads("kvstage-recv"))
+        assert 0 < peak_d <= loaders, f"{n} loads at once: {peak_d} load threads (bound {loaders})"
+        hung.close()
+        want, done = {f"fl{i}" for i in range(n)}, set()
+        deadline = time.monotonic() + 30
+        while not want <= done and time.monotonic() < deadline:
+            done |= d.take_finished(True)[1]
+            time.sleep(0.02)
+        assert want <= done, f"{len(want - done)} of {n} loads never ended"
+        d.take_failed_blocks()
+        assert d._receiving == 0, f"{d._receiving} loads still counted"
+        row = real_push(p, d, port, "after-flood")
+        return f"{3 * readers} silent peers: {peak_p} reader threads; {n} loads: {peak_d} load threads, all ended; then {row['bytes']} bytes"
+    finally:
+        hung.close()
+        for c in conns:
+            c.close()
+        p.shutdown()
+        d.shutdown()
+
+
+def authenticated_bootstrap(tmp):
+    """S8: with cluster_token set, the prefill's bootstrap refuses a message without a MAC, with
+    one made with another token, or altered after it was made; the decode's own pushes (signed)
+    load."""
+    import hashlib
+    import hmac
+
+    port = free_ports(1)
+    tok = {"cluster_token": "s8-secret"}
+    p = worker("kv_producer", extra={"bootstrap_port": port, **tok}, seed=17)
+    d = worker("kv_consumer", extra={"stats_file": os.path.join(tmp, "s8.jsonl"), **tok})
+    try:
+        msg = {"op": "push", "req": "s8-fake", "decode_rank": 0, "decode_tp": 1, "grid": [1, 32, 1, 2, 32, 0], "room": 1, "key": 1,
+               "addr": "127.0.0.1:1", "trace": "t"}
+
+        def mac(m, key):
+            return hmac.new(key.encode(), json.dumps(m, sort_keys=True, separators=(",", ":")).encode(), hashlib.sha256).hexdigest()
+
+        out = []
+        for name, m in (("no MAC", msg), ("another token's MAC", dict(msg, mac=mac(msg, "other"))),
+                        ("altered after its MAC", dict(msg, mac=mac(msg, "s8-secret"), room=2))):
+            with socket.create_connection(("127.0.0.1", port)) as c:
+                c.sendall(json.dumps(m).encode() + b"\n")
+                rep = read_reply(c, timeout=3)
+            assert rep is not None and not rep["ok"] and "authenticat" in rep["error"], f"{name}: {rep}"
+            out.append(name)
+        with p._cond:
+            assert "s8-fake" not in p._parked, "an unauthenticated push was parked"
+        row = real_push(p, d, port, "s8")
+        return f"refused {', '.join(out)}; the decode's signed push loaded {row['bytes']} bytes"
     finally:
         p.shutdown()
         d.shutdown()
@@ -421,6 +621,10 @@ def main():
                 w.shutdown()
     check("tp2_mqa_left_out_rank_freed", tp2_mqa, tmp)
     check("block_layout_agreed_in_push", layout_agreed, tmp)
+    check("fp8_kv_cache_dtype", fp8_cache, tmp)
+    check("stale_push_refused", stale_push_refused, tmp)
+    check("flood_uses_bounded_threads", flood_bounded, tmp)
+    check("bootstrap_authenticated_with_cluster_token", authenticated_bootstrap, tmp)
     print(f"{passed} passed, {failed} failed", flush=True)
     return 0 if failed == 0 else 1
 

@@ -1,0 +1,274 @@
+"""The prefill's bootstrap listener: one TCP port per rank inside the vLLM worker, reading decode
+messages (``push``, ``none``, ``release``) within a deadline, checking them, and parking the ones
+for requests the prefill does not hold yet; bounded in connections, parked messages and memory."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any, Optional
+
+import kvstage
+
+from .threads import _Pool
+from .wire import _authentic, _check_addr, _Failed, _is_int, _read_line, _send_line
+
+# Under vLLM's own logger tree, so its handler and level apply.
+logger = logging.getLogger("vllm.kvstage")
+
+# The prefill's bootstrap listener: seconds a peer has to send its whole message, connections
+# open at once (being read or parked until the request's blocks are held: beyond it the oldest
+# parked one is answered with an error), and how many / how long finished request ids are kept.
+_MSG_DEADLINE_S = 10.0
+_MAX_CONNS = 512
+# Threads reading bootstrap messages (accepted connections beyond them wait in order).
+_READERS = 32
+_MAX_PARKED = 256
+_GONE_MAX = 4096
+_GONE_MIN_AGE_S = 600.0
+
+
+class _Bootstrap:
+    """Mixed into ``_Worker``: the listener, the parked messages and the requests gone."""
+
+    def _init_bootstrap(self) -> None:
+        self.bootstrap_addr = f"{self.host}:{int(self.opts['bootstrap_port']) + self.tp_rank}"
+        self._listener: Optional[socket.socket] = None
+        self._parked: dict = {}  # req_id -> [(conn, msg, since)] pushes before the blocks
+        self._gone: dict = {}  # req_id -> why it is not held (recent ones)
+        # req_id -> {decode rank: (incarnation, started)}: the decode run each rank's messages
+        # for a parked or held request come from (the latest one to ask).
+        self._runs: dict = {}
+        self._conns = 0  # bootstrap connections being read or waiting for a reader
+        self._readers = _Pool(_READERS, "kvstage-bootstrap-read")
+        self._accept_errors = 0
+
+    def _listen(self) -> None:
+        host, port = self.bootstrap_addr.rsplit(":", 1)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, int(port)))
+        except OSError as e:
+            raise RuntimeError(f"KvstageConnector: prefill rank {self.tp_rank} cannot listen for its bootstrap on {self.bootstrap_addr}: {e}") from e
+        sock.listen(256)
+        sock.settimeout(0.5)
+        self._listener = sock
+        threading.Thread(target=self._accept_loop, name="kvstage-bootstrap", daemon=True).start()
+
+    def _stop_listening(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        self._readers.close()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError as e:
+                if self._stop.is_set() or self._listener.fileno() < 0:
+                    return  # shut down
+                # EMFILE, ENFILE, ENOBUFS, ECONNABORTED...: transient, keep listening.
+                self._accept_errors += 1
+                if self._accept_errors in (1, 10, 100) or self._accept_errors % 1000 == 0:
+                    logger.warning("kvstage: bootstrap %s: accept failed (%d so far): %s", self.bootstrap_addr, self._accept_errors, e)
+                time.sleep(0.05)
+                continue
+            try:
+                with self._cond:
+                    if self._conns + self._parked_count() >= _MAX_CONNS and not self._drop_oldest_parked("too many bootstrap connections"):
+                        self._reply(conn, False, f"prefill {self.bootstrap_addr}: too many bootstrap connections")
+                        continue
+                    self._conns += 1
+                self._readers.submit(self._serve, conn)
+            except Exception as e:  # noqa: BLE001 - no thread: drop this one, keep listening
+                with self._cond:
+                    self._conns -= 1
+                logger.warning("kvstage: bootstrap %s: %s", self.bootstrap_addr, e)
+                conn.close()
+
+    def _parked_count(self) -> int:
+        return sum(len(v) for v in self._parked.values())
+
+    def _drop_oldest_parked(self, why: str) -> bool:
+        """With the lock: answer the oldest parked message with an error; False when none is."""
+        oldest = None
+        for req_id, entries in self._parked.items():
+            for i, (_, _, since) in enumerate(entries):
+                if oldest is None or since < oldest[2]:
+                    oldest = (req_id, i, since)
+        if oldest is None:
+            return False
+        req_id, i, _ = oldest
+        conn, _, _ = self._parked[req_id].pop(i)
+        if not self._parked[req_id]:
+            self._unpark(req_id)
+        self._reply(conn, False, f"prefill {self.bootstrap_addr}: request {req_id} is not held and {why}: dropped")
+        return True
+
+    def _validate(self, msg: Any) -> str:
+        """What is wrong with a bootstrap message ("" when nothing); fills msg["_expected"]."""
+        if not isinstance(msg, dict):
+            return "the message is not a JSON object"
+        op, req = msg.get("op"), msg.get("req")
+        if op not in ("push", "release", "none"):
+            return f"unknown bootstrap op {op!r}"
+        if not isinstance(req, str) or not req or len(req) > 1024:
+            return f"req is {req!r}, expected a request id"
+        if op == "release":
+            return ""
+        tp, rank, grid = msg.get("decode_tp"), msg.get("decode_rank"), msg.get("grid")
+        if not _is_int(tp, 1, 1 << 16):
+            return f"decode_tp is {tp!r}"
+        if not _is_int(rank, 0, tp - 1):
+            return f"decode_rank is {rank!r} (decode_tp {tp})"
+        if not isinstance(grid, list) or len(grid) != len(kvstage.RoomGrid._fields) or not all(_is_int(x) for x in grid):
+            return f"grid is {grid!r}"
+        g = kvstage.RoomGrid(*grid)
+        if not (1 <= g.page_size <= 1 << 20 and 1 <= g.num_chunks <= 1 << 20 and g.chunk_tokens >= 1):
+            return f"grid is {grid!r}"
+        try:
+            feeds = self._decode_ranks(tp, g.page_size)
+        except Exception as e:  # noqa: BLE001
+            return f"decode_tp {tp} with page size {g.page_size} does not pair with this prefill (TP {self.tp_size}): {e}"
+        if op == "push":
+            if rank not in feeds:
+                return f"prefill rank {self.tp_rank} of {self.tp_size} does not feed decode rank {rank} of {tp} (it feeds {sorted(feeds)})"
+            if not _is_int(msg.get("room")) or not _is_int(msg.get("key")):
+                return f"room {msg.get('room')!r} / key is not an unsigned integer"
+            if not _check_addr(msg.get("addr")):
+                return f"addr is {msg.get('addr')!r}, expected 'host:port'"
+            if not isinstance(msg.get("trace", ""), str) or len(msg.get("trace", "")) > 1024:
+                return "trace is not a string"
+            if "layout" in msg and not isinstance(msg["layout"], str):
+                return f"layout is {msg['layout']!r}"
+        inc, started = msg.get("incarnation"), msg.get("started")
+        if inc is not None and not (isinstance(inc, str) and 0 < len(inc) <= 64):
+            return f"incarnation is {inc!r}"
+        if (inc is None) != (started is None) or (started is not None and (isinstance(started, bool) or not isinstance(started, (int, float)))):
+            return f"incarnation {inc!r} started {started!r}: expected both (a string and a time) or neither"
+        # Every decode rank sends each prefill rank a push or a "none": all of them are expected.
+        msg["_expected"] = set(range(tp))
+        return ""
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            try:
+                msg = _read_line(conn, deadline=time.monotonic() + _MSG_DEADLINE_S)
+            except (OSError, ValueError, _Failed) as e:
+                logger.warning("kvstage: bootstrap %s: a bad or slow message: %s", self.bootstrap_addr, e)
+                self._reply(conn, False, f"prefill {self.bootstrap_addr}: a bad or slow message: {e}")
+                return
+            if msg is None:
+                conn.close()
+                return
+            bad = "" if _authentic(msg, self.opts["cluster_token"]) else "the message is not authenticated (cluster_token is set: it needs its MAC)"
+            bad = bad or self._validate(msg)
+            if bad:
+                logger.warning("kvstage: bootstrap %s: refused a message: %s", self.bootstrap_addr, bad)
+                self._reply(conn, False, f"prefill {self.bootstrap_addr}: {bad}")
+                return
+            conn.settimeout(10)
+            op, req_id = msg["op"], msg["req"]
+            with self._cond:
+                if op == "release":
+                    if req_id in self._held and not self._held[req_id].in_flight:
+                        del self._held[req_id]
+                        self._finished_send.add(req_id)
+                        self._cond.notify_all()
+                    for c, _, _ in self._parked.pop(req_id, []):
+                        self._reply(c, False, f"prefill {self.bootstrap_addr}: request {req_id} was released by the decode")
+                    self._note_gone(req_id, "released by the decode")
+                    conn.close()
+                elif req_id not in self._held and req_id in self._gone:
+                    self._reply(conn, False, f"prefill {self.bootstrap_addr}: request {req_id} is not held: {self._gone[req_id][0]}")
+                elif self._refuse_stale(conn, msg):
+                    pass
+                elif req_id in self._held:
+                    self._dispatch(conn, msg)
+                else:  # the decode was faster than the prefill's next step: wait for the blocks
+                    if self._parked_count() >= _MAX_PARKED:
+                        self._drop_oldest_parked("too many messages wait for requests not held yet")
+                    self._parked.setdefault(req_id, []).append((conn, msg, time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - a malformed peer must not take the listener down
+            logger.warning("kvstage: bootstrap %s: a bad message: %s", self.bootstrap_addr, e)
+            conn.close()
+        finally:
+            with self._cond:
+                self._conns -= 1
+
+    def _reply(self, conn: socket.socket, ok: bool, error: str = "", **more: Any) -> None:
+        try:
+            _send_line(conn, {"ok": ok, "error": error, **more})
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _unpark(self, req_id: str) -> None:
+        """With the lock: ``req_id`` has no parked message left."""
+        del self._parked[req_id]
+        if req_id not in self._held:
+            self._runs.pop(req_id, None)
+
+    def _refuse_stale(self, conn: socket.socket, msg: dict) -> bool:
+        """With the lock: a message from a run of the decode older than the latest one that asked
+        for this request and decode rank is refused (True); a newer run's message refuses the
+        older run's parked ones, and becomes the latest. Messages without an incarnation pass."""
+        req_id, rank, run = msg["req"], msg["decode_rank"], (msg.get("incarnation"), msg.get("started"))
+        if run[0] is None:
+            return False
+        runs = self._runs.setdefault(req_id, {})
+        last = runs.get(rank)
+        if last is None or last[0] == run[0]:
+            runs[rank] = run
+            return False
+
+        def stale(old: tuple, new: tuple) -> str:
+            return (
+                f"prefill {self.bootstrap_addr}: request {req_id}: a stale message from decode rank {rank}: its decode run "
+                f"{old[0]} (started {old[1]:.3f}) was followed by run {new[0]} (started {new[1]:.3f}), which asked for it since"
+                if old[1] < new[1]
+                else f"prefill {self.bootstrap_addr}: request {req_id}: decode rank {rank} runs {old[0]} and {new[0]} both started at {old[1]:.3f}: refused"
+            )
+
+        if run[1] <= last[1]:
+            logger.warning("kvstage: bootstrap: %s", stale(run, last))
+            self._reply(conn, False, stale(run, last))
+            return True
+        runs[rank] = run
+        kept = []
+        for entry in self._parked.get(req_id, []):
+            c, m, _ = entry
+            if m["decode_rank"] == rank and m.get("incarnation") == last[0]:
+                logger.warning("kvstage: bootstrap: %s", stale(last, run))
+                self._reply(c, False, stale(last, run))
+            else:
+                kept.append(entry)
+        if req_id in self._parked:
+            self._parked[req_id] = kept
+        return False
+
+    def _note_gone(self, req_id: str, why: str) -> None:
+        """With the lock: remember why ``req_id`` is not held (bounded: old entries expire)."""
+        now = time.monotonic()
+        self._gone.pop(req_id, None)
+        self._gone[req_id] = (why, now)
+        self._runs.pop(req_id, None)
+        min_age = max(_GONE_MIN_AGE_S, 2 * float(self.opts["lease_s"]))
+        while self._gone:
+            k = next(iter(self._gone))
+            if len(self._gone) > _GONE_MAX or now - self._gone[k][1] > min_age:
+                del self._gone[k]
+            else:
+                break
+
+    def _forget(self, req_id: str, why: str) -> None:
+        """With the lock: ``req_id`` will not be sent; tell the decodes that asked."""
+        self._note_gone(req_id, why)
+        for conn, msg, _ in self._parked.pop(req_id, []):
+            self._reply(conn, msg.get("op") == "none", f"prefill {self.bootstrap_addr}: request {req_id} is not held: {why}")
