@@ -356,8 +356,14 @@ pub(crate) fn is_linear(shape: &PoolShape, strides: Strides) -> bool {
 }
 
 pub(crate) fn slot_offset(shape: &PoolShape, strides: Strides, slot: u64) -> u64 {
-    let ps = shape.page_size as u64;
-    (slot / ps) * strides.page + (slot % ps) * strides.token
+    page_slot_offset(shape.page_size as u64, strides.page, strides.token, slot)
+}
+
+/// Bytes from a buffer's base to token slot `slot` of pages of `page_size` slots (the one formula
+/// of the pool's addressing: layouts and copy plans both use it).
+pub(crate) fn page_slot_offset(page_size: u64, page_stride: u64, token_stride: u64, slot: u64) -> u64 {
+    let ps = page_size.max(1);
+    (slot / ps) * page_stride + (slot % ps) * token_stride
 }
 
 /// One strided dimension of a buffer.

@@ -145,8 +145,7 @@ impl CopyPlan {
 
     /// Byte offset of token slot `slot` in a pool buffer whose rows are `g`.
     pub fn slot_offset(&self, g: &RowGeometry, slot: u64) -> u64 {
-        let ps = self.pool_page_size.max(1) as u64;
-        (slot / ps) * g.pool_page_stride + (slot % ps) * g.pool_token_stride
+        super::layout::page_slot_offset(self.pool_page_size as u64, g.pool_page_stride, g.pool_token_stride, slot)
     }
 
     /// The shortest run of adjacent pool bytes the plan copies at a time: a page of whole token
