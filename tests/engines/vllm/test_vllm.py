@@ -55,7 +55,7 @@ BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4  # layers * kv heads * (K, V) * head_dim * 
 class Engine:
     """A vLLM engine process (tests/engines/vllm/engine_proc.py)."""
 
-    def __init__(self, name, work, model, block_size, role=None, port=None, policy="fail", env=None, ktc=None, kv_bytes=64 << 20, tp=1, log_stats=False):
+    def __init__(self, name, work, model, block_size, role=None, port=None, policy="fail", env=None, ktc=None, kv_bytes=64 << 20, tp=1, log_stats=False, extra=None):
         self.name = name
         self.log_path = os.path.join(work, f"{name}.log")
         self.stats = os.path.join(work, f"{name}.stats.jsonl")
@@ -72,6 +72,7 @@ class Engine:
                 "staging_bytes": 32 << 20,
                 "hooks": "kvstage_test_hooks",
                 "stats_file": self.stats,
+                **(extra or {}),
             }
             cfg["kv_transfer_config"] = {
                 "kv_connector": "KvstageConnector",
@@ -579,15 +580,20 @@ def main():
         # decode: each prefill rank sends its KV head; kvstage's pairing says who feeds whom.
         bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
         port_e = free_ports(2)
-        p = Engine("prefill32tp2", a.work, a.model, 32, "kv_producer", port_e, tp=2, env=bind)
+        # The connector's default lease and load timeout: this phase checks the pairing, not the
+        # timeouts (other phases do). With each prefill rank pinned to one of this machine's two
+        # cores, some runs stall 5-14 s between the decode's push and its room's completion
+        # (issue 41's note); a 15 s lease made that a failure.
+        defaults = {"lease_s": 60, "load_timeout_s": 30}
+        p = Engine("prefill32tp2", a.work, a.model, 32, "kv_producer", port_e, tp=2, env=bind, extra=defaults)
         d = None
         try:
             print(f"# prefill32tp2 started ({p.wait_ready():.0f} s)", flush=True)
-            d = Engine("decode32e", a.work, a.model, 32, "kv_consumer", port_e)
+            d = Engine("decode32e", a.work, a.model, 32, "kv_consumer", port_e, extra=defaults)
             print(f"# decode32e started ({d.wait_ready():.0f} s)", flush=True)
             r.check("equal_tokens_tp2_to_tp1", lambda: equal_tokens(p, d, prompts_for(19, [37, 100, 250]), "TP2->TP1"))
             d.stop()
-            d = Engine("decode64e", a.work, a.model, 64, "kv_consumer", port_e)
+            d = Engine("decode64e", a.work, a.model, 64, "kv_consumer", port_e, extra=defaults)
             print(f"# decode64e started ({d.wait_ready():.0f} s)", flush=True)
             r.check("equal_tokens_tp2_to_tp1_32_to_64", lambda: equal_tokens(p, d, prompts_for(20, [37, 100, 250]), "TP2/32->TP1/64", 32, 64))
         finally:
