@@ -21,6 +21,11 @@ from .wire import _Failed
 logger = logging.getLogger("vllm.kvstage")
 
 
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (time.monotonic()), not below 0."""
+    return max(0.0, deadline - time.monotonic())
+
+
 @dataclass
 class _Held:
     send: _Send
@@ -37,6 +42,7 @@ class _Prefill:
     def _init_prefill(self) -> None:
         self._held: dict = {}  # req_id -> _Held
         self._sessions: dict = {}  # (decode kvstage address, repacked) -> kvstage.Session
+        self._connecting: dict = {}  # the same keys -> threading.Event set once a connect ends
         self._sessions_lock = threading.Lock()
         self._pool: Optional[ThreadPoolExecutor] = None
 
@@ -107,17 +113,41 @@ class _Prefill:
         )
         return {tp for tp, _pp in kvstage.pairing_decode_ranks(me, [dec])}
 
-    def _session(self, addr: str, repack: bool) -> kvstage.Session:
-        with self._sessions_lock:
-            s = self._sessions.get((addr, repack))
-            if s is None:
+    def _session(self, addr: str, repack: bool, deadline: float) -> kvstage.Session:
+        """The session to a decode, connected by the first push that needs it (by ``deadline``)
+        outside the lock: a decode slow to answer holds up only the pushes to it. Pushes that
+        find a connection under way wait for it, then connect themselves if it failed."""
+        key = (addr, repack)
+        while True:
+            with self._sessions_lock:
+                s = self._sessions.get(key)
+                if s is not None:
+                    return s
+                pending = self._connecting.get(key)
+                mine = pending is None
+                if mine:
+                    pending = self._connecting[key] = threading.Event()
+            if not mine:
+                if not pending.wait(_left(deadline)):
+                    raise _Failed(f"the decode's kvstage engine at {addr} is not reachable: another push's connection to it did not end within load_timeout_s")
+                continue
+            s = None
+            try:
                 engine = self._repacker.engine if repack else self.engine
                 name = f"vllm-p{self.tp_rank}{'-repack' if repack else ''}->{addr}"
-                try:
-                    s = engine.connect(addr, name, int(float(self.opts["load_timeout_s"]) * 1000))
-                except kvstage.KVStageError as e:
-                    raise _Failed(f"the decode's kvstage engine at {addr} is not reachable: {e}") from e
-                self._sessions[(addr, repack)] = s
+                s = engine.connect(addr, name, max(1, int(_left(deadline) * 1000)))
+            except kvstage.KVStageError as e:
+                raise _Failed(f"the decode's kvstage engine at {addr} is not reachable: {e}") from e
+            finally:
+                with self._sessions_lock:
+                    del self._connecting[key]
+                    keep = s is not None and not self._stop.is_set()
+                    if keep:
+                        self._sessions[key] = s
+                pending.set()
+            if not keep:  # shut down while it connected: _stop_sending has closed the others
+                s.close()
+                raise _Failed("the prefill is shutting down")
             return s
 
     def _drop_session_if_dead(self, addr: str, repack: bool) -> None:
@@ -136,6 +166,9 @@ class _Prefill:
     def _push(self, held: _Held, conn: socket.socket, msg: dict) -> None:
         req_id, addr = held.send.req_id, msg["addr"]
         t0 = time.monotonic()
+        # One deadline for the whole push (the decode gives up after load_timeout_s too): each
+        # chunk gets what is left of it, not a load_timeout_s of its own.
+        deadline = t0 + float(self.opts["load_timeout_s"])
         ok, error, sent, repack, slots = False, "", 0, False, []
         try:
             if self.hooks is not None and hasattr(self.hooks, "before_send"):
@@ -156,14 +189,16 @@ class _Prefill:
                         f"the decode's block layout {theirs} differs from this prefill's {self.layout_id} and this backend's block layout is unknown"
                     )
                 if repack:
-                    slots = self._repacker.alloc(nblocks, t0 + float(self.opts["load_timeout_s"]))
+                    slots = self._repacker.alloc(nblocks, deadline)
                     self._repacker.out(blocks, slots)
                     blocks = slots
                 else:
                     total = nblocks * self.block_size
-            session = self._session(addr, repack)
-            timeout_ms = int(float(self.opts["load_timeout_s"]) * 1000)
+            session = self._session(addr, repack, deadline)
             for k in range(grid.num_chunks):
+                if time.monotonic() >= deadline:
+                    raise _Failed(f"load_timeout_s {self.opts['load_timeout_s']} s passed with {k} of the room's {grid.num_chunks} chunks sent")
+                timeout_ms = max(1, int(_left(deadline) * 1000))
                 sp = kvstage.chunk_span(grid, total, self.block_size, k)
                 pages = sp.src_pages(blocks)
                 kw = dict(room_key=int(msg["key"]), src_token_offset=sp.src_token_offset, num_tokens=sp.num_tokens, trace_id=str(msg["trace"]))

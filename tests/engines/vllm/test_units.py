@@ -493,6 +493,41 @@ def stale_push_refused(tmp):
         d.shutdown()
 
 
+def slow_decode_holds_no_other(tmp):
+    """A decode whose kvstage engine takes the prefill's whole load_timeout_s to answer the
+    connection (it accepts and never speaks) holds up only the pushes to it: a push to another
+    decode, sent while that connection is pending, is sent and lands before the slow one ends."""
+    port = free_ports(1)
+    p = worker("kv_producer", extra={"bootstrap_port": port}, seed=11)
+    d = worker("kv_consumer", extra={"stats_file": os.path.join(tmp, "slowdec.jsonl")})
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)
+    hole.settimeout(10)
+    held = []
+    slow = None
+    try:
+        p.start(send_meta("slowA", [1, 2], 50))
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(json.dumps({"op": "push", "req": "slowA", "decode_rank": 0, "decode_tp": 1, "grid": [1, 32, 1, 2, 32, 0], "room": 1,
+                                 "key": 1, "addr": f"127.0.0.1:{hole.getsockname()[1]}", "trace": "slowA", "layout": d.layout_id,
+                                 "block_size": 32}).encode() + b"\n")
+        c, _ = hole.accept()  # the prefill is connecting to the slow decode now
+        held.append(c)
+        row = real_push(p, d, port, "fastB")
+        early = read_reply(slow, timeout=0.05)
+        assert early is None, f"the push to the slow decode ended before the other one landed: {early}"
+        rep = read_reply(slow, timeout=float(p.opts["load_timeout_s"]) + 10)
+        assert rep is not None and not rep["ok"] and "not reachable" in rep["error"], f"the slow decode's push: {rep}"
+        return f"{row['bytes']} bytes landed while the slow decode's connection was pending; it then failed: {rep['error'][-90:]}"
+    finally:
+        for c in held + ([slow] if slow else []):
+            c.close()
+        hole.close()
+        p.shutdown()
+        d.shutdown()
+
+
 def threads(prefix):
     return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
@@ -624,6 +659,7 @@ def main():
     check("fp8_kv_cache_dtype", fp8_cache, tmp)
     check("stale_push_refused", stale_push_refused, tmp)
     check("flood_uses_bounded_threads", flood_bounded, tmp)
+    check("slow_decode_holds_no_other", slow_decode_holds_no_other, tmp)
     check("bootstrap_authenticated_with_cluster_token", authenticated_bootstrap, tmp)
     print(f"{passed} passed, {failed} failed", flush=True)
     return 0 if failed == 0 else 1

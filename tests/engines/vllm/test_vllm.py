@@ -29,6 +29,8 @@ disaggregation (the prefill engine with no kv_transfer_params: a plain local run
 
   pair E  prefill TP 2 -> decode TP 1: equal_tokens_tp2_to_tp1 (blocks 32 -> 32),
     equal_tokens_tp2_to_tp1_32_to_64 (the same prefill, a decode with blocks of 64)
+  pair F  prefill TP 1 -> decode TP 2: equal_tokens_tp1_to_tp2 (each decode rank opens its own
+    room and pushes to the one prefill rank, which sends each its KV head; a load per rank)
 
 Prints one line per check and a final "N passed, M failed"; exits 1 on any failure.
 """
@@ -233,7 +235,7 @@ def expected_bytes(n, pre_bs, dec_bs):
     return n * BYTES_PER_TOKEN
 
 
-def equal_tokens(p, d, prompts, label, pre_bs=32, dec_bs=32):
+def equal_tokens(p, d, prompts, label, pre_bs=32, dec_bs=32, ranks=1):
     base = p.generate(prompts, GEN)
     before = len(d.stat_rows())
     got, _ = disagg(p, d, prompts)
@@ -244,8 +246,9 @@ def equal_tokens(p, d, prompts, label, pre_bs=32, dec_bs=32):
     # Equal tokens alone would pass if the decode silently computed the prompt itself: one
     # successful load per prompt, with the bytes its KV is.
     bad = [x for x in rows if not x["ok"]]
-    assert not bad and len(rows) == len(prompts), f"{label}: {len(rows)} loads for {len(prompts)} prompts, failed: {bad}"
-    want = sorted((len(x), expected_bytes(len(x), pre_bs, dec_bs)) for x in prompts)
+    assert not bad and len(rows) == ranks * len(prompts), f"{label}: {len(rows)} loads for {len(prompts)} prompts on {ranks} decode rank(s), failed: {bad}"
+    # A decode rank of `ranks` holds 1/ranks of the KV heads: its load lands that share.
+    want = sorted((len(x), expected_bytes(len(x), pre_bs, dec_bs) // ranks) for x in prompts for _ in range(ranks))
     have = sorted((x["tokens"] + x["prefix_tokens"], x["bytes"]) for x in rows)
     assert have == want, f"{label}: loads (tokens, bytes) {have} != expected {want}"
     return f"{len(prompts)} prompt(s), {GEN} tokens each; kvstage landed {[x['bytes'] for x in rows]} bytes"
@@ -358,7 +361,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("work")
-    ap.add_argument("--only", default="U,A,B,C,D,E")
+    ap.add_argument("--only", default="U,A,B,C,D,E,F")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     phases = set(a.only.split(","))
@@ -596,6 +599,24 @@ def main():
             d = Engine("decode64e", a.work, a.model, 64, "kv_consumer", port_e, extra=defaults)
             print(f"# decode64e started ({d.wait_ready():.0f} s)", flush=True)
             r.check("equal_tokens_tp2_to_tp1_32_to_64", lambda: equal_tokens(p, d, prompts_for(20, [37, 100, 250]), "TP2/32->TP1/64", 32, 64))
+        finally:
+            p.stop()
+            if d is not None:
+                d.stop()
+
+    if "F" in phases:
+        # TP 2 on the decode: two decode ranks, each with its own room on its own blocks, both
+        # fed by the one prefill rank (its bootstrap waits for a push or "none" from each).
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+        port_f = free_ports(1)
+        defaults = {"lease_s": 60, "load_timeout_s": 30}  # as in pair E
+        p = Engine("prefill32f", a.work, a.model, 32, "kv_producer", port_f, extra=defaults)
+        d = None
+        try:
+            print(f"# prefill32f started ({p.wait_ready():.0f} s)", flush=True)
+            d = Engine("decode32tp2", a.work, a.model, 32, "kv_consumer", port_f, tp=2, env=bind, extra=defaults)
+            print(f"# decode32tp2 started ({d.wait_ready():.0f} s)", flush=True)
+            r.check("equal_tokens_tp1_to_tp2", lambda: equal_tokens(p, d, prompts_for(21, [37, 100, 250]), "TP1->TP2", ranks=2))
         finally:
             p.stop()
             if d is not None:
