@@ -528,6 +528,42 @@ def slow_decode_holds_no_other(tmp):
         d.shutdown()
 
 
+def proxy_refuses_n(tmp):
+    """S7: ``n`` > 1 through the proxy is refused with a 400 naming it, before any engine is asked
+    (the upstream URLs here answer nothing); n = 1 goes on to the prefill, which is not reachable:
+    502 naming it."""
+    import asyncio
+
+    from aiohttp import ClientSession, web
+
+    from kvstage.vllm.proxy import make_app
+
+    async def run():
+        dead = f"http://127.0.0.1:{free_ports(1)}"
+        runner = web.AppRunner(make_app([dead], [dead], timeout_s=5))
+        await runner.setup()
+        port = free_ports(1)
+        site = web.TCPSite(runner, "127.0.0.1", port)
+        await site.start()
+        try:
+            async with ClientSession() as http:
+                async with http.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "n": 2}) as r:
+                    two = (r.status, await r.json())
+                try:
+                    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "n": 1}) as r:
+                        one = r.status
+                except Exception as e:  # noqa: BLE001 - the proxy may drop the connection to a dead upstream
+                    one = type(e).__name__
+        finally:
+            await runner.cleanup()
+        return two, one
+
+    (status, body), one = asyncio.run(run())
+    assert status == 400 and "n is 2" in body.get("error", ""), f"n=2: {status} {body}"
+    assert one == 502, f"n=1 with the prefill gone: {one}, expected 502"
+    return f"n=2: 400 {body['error']}; n=1: {one}"
+
+
 def threads(prefix):
     return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
@@ -660,6 +696,7 @@ def main():
     check("stale_push_refused", stale_push_refused, tmp)
     check("flood_uses_bounded_threads", flood_bounded, tmp)
     check("slow_decode_holds_no_other", slow_decode_holds_no_other, tmp)
+    check("proxy_refuses_n_above_1", proxy_refuses_n, tmp)
     check("bootstrap_authenticated_with_cluster_token", authenticated_bootstrap, tmp)
     print(f"{passed} passed, {failed} failed", flush=True)
     return 0 if failed == 0 else 1
