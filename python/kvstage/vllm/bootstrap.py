@@ -1,10 +1,15 @@
 """The prefill's bootstrap listener: one TCP port per rank inside the vLLM worker, reading decode
 messages (``push``, ``none``, ``release``) within a deadline, checking them, and parking the ones
-for requests the prefill does not hold yet; bounded in connections, parked messages and memory."""
+for requests the prefill does not hold yet; bounded in connections, parked messages and memory.
+One thread reads every connection (a selector): peers that connect and send nothing hold no
+thread and delay no other peer's message."""
 
 from __future__ import annotations
 
+import json
 import logging
+import queue
+import selectors
 import socket
 import threading
 import time
@@ -12,8 +17,7 @@ from typing import Any, Optional
 
 import kvstage
 
-from .threads import _Pool
-from .wire import _authentic, _check_addr, _Failed, _is_int, _read_line, _send_line
+from .wire import _authentic, _check_addr, _is_int, _send_line
 
 # Under vLLM's own logger tree, so its handler and level apply.
 logger = logging.getLogger("vllm.kvstage")
@@ -22,9 +26,8 @@ logger = logging.getLogger("vllm.kvstage")
 # open at once (being read or parked until the request's blocks are held: beyond it the oldest
 # parked one is answered with an error), and how many / how long finished request ids are kept.
 _MSG_DEADLINE_S = 10.0
+_MAX_MSG_BYTES = 1 << 16
 _MAX_CONNS = 512
-# Threads reading bootstrap messages (accepted connections beyond them wait in order).
-_READERS = 32
 _MAX_PARKED = 256
 _GONE_MAX = 4096
 _GONE_MIN_AGE_S = 600.0
@@ -41,8 +44,9 @@ class _Bootstrap:
         # req_id -> {decode rank: (incarnation, started)}: the decode run each rank's messages
         # for a parked or held request come from (the latest one to ask).
         self._runs: dict = {}
-        self._conns = 0  # bootstrap connections being read or waiting for a reader
-        self._readers = _Pool(_READERS, "kvstage-bootstrap-read")
+        self._conns = 0  # bootstrap connections being read
+        self._incoming: queue.SimpleQueue = queue.SimpleQueue()  # accepted, for the reader
+        self._wake_w: Optional[socket.socket] = None  # wakes the reader (with _listen)
         self._accept_errors = 0
 
     def _listen(self) -> None:
@@ -56,12 +60,14 @@ class _Bootstrap:
         sock.listen(256)
         sock.settimeout(0.5)
         self._listener = sock
+        wake_r, self._wake_w = socket.socketpair()
+        threading.Thread(target=self._read_loop, args=(wake_r,), name="kvstage-bootstrap-read", daemon=True).start()
         threading.Thread(target=self._accept_loop, name="kvstage-bootstrap", daemon=True).start()
 
     def _stop_listening(self) -> None:
         if self._listener is not None:
             self._listener.close()
-        self._readers.close()
+        self._wake()
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
@@ -84,12 +90,104 @@ class _Bootstrap:
                         self._reply(conn, False, f"prefill {self.bootstrap_addr}: too many bootstrap connections")
                         continue
                     self._conns += 1
-                self._readers.submit(self._serve, conn)
-            except Exception as e:  # noqa: BLE001 - no thread: drop this one, keep listening
-                with self._cond:
-                    self._conns -= 1
+                self._incoming.put(conn)
+                self._wake()
+            except Exception as e:  # noqa: BLE001 - drop this one, keep listening
                 logger.warning("kvstage: bootstrap %s: %s", self.bootstrap_addr, e)
                 conn.close()
+
+    def _wake(self) -> None:
+        try:
+            if self._wake_w is not None:
+                self._wake_w.send(b"x", socket.MSG_DONTWAIT)
+        except OSError:  # its buffer is full (the reader is awake already) or it has ended
+            pass
+
+    def _read_loop(self, wake: socket.socket) -> None:
+        """Every accepted connection's message, each within ``_MSG_DEADLINE_S`` of its accept
+        (a peer that trickles bytes is cut then too), read without blocking on any of them."""
+        sel = selectors.DefaultSelector()
+        sel.register(wake, selectors.EVENT_READ, None)
+        reading: dict = {}  # conn -> [bytes so far, deadline]
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                first = min((v[1] for v in reading.values()), default=now + 0.5)
+                for key, _ in sel.select(min(0.5, max(0.0, first - now))):
+                    if key.data is None:
+                        self._take_incoming(sel, reading, wake)
+                    else:
+                        self._read_some(sel, reading, key.data)
+                now = time.monotonic()
+                for conn in [c for c, v in reading.items() if v[1] <= now]:
+                    self._finish(sel, reading, conn, error="the bootstrap message did not arrive in time")
+        finally:
+            self._take_incoming(sel, reading, wake)
+            for conn in list(reading):
+                self._finish(sel, reading, conn, error="the prefill is shutting down")
+            sel.close()
+            wake.close()
+            self._wake_w.close()
+
+    def _take_incoming(self, sel: selectors.BaseSelector, reading: dict, wake: socket.socket) -> None:
+        try:
+            while wake.recv(4096, socket.MSG_DONTWAIT):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while True:
+            try:
+                conn = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+            conn.setblocking(False)
+            reading[conn] = [b"", time.monotonic() + _MSG_DEADLINE_S]
+            sel.register(conn, selectors.EVENT_READ, conn)
+
+    def _read_some(self, sel: selectors.BaseSelector, reading: dict, conn: socket.socket) -> None:
+        try:
+            part = conn.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._finish(sel, reading, conn, error=str(e))
+            return
+        if not part:  # the peer closed before a whole message: nothing to answer
+            self._finish(sel, reading, conn, closed=True)
+            return
+        buf = reading[conn][0] + part
+        reading[conn][0] = buf
+        line, nl, _ = buf.partition(b"\n")
+        if nl:
+            try:
+                msg = json.loads(line)
+            except ValueError as e:
+                self._finish(sel, reading, conn, error=str(e))
+                return
+            self._finish(sel, reading, conn, msg=msg)
+        elif len(buf) > _MAX_MSG_BYTES:
+            self._finish(sel, reading, conn, error=f"bootstrap message over {_MAX_MSG_BYTES} bytes")
+
+    def _finish(self, sel: selectors.BaseSelector, reading: dict, conn: socket.socket, msg: Any = None, error: str = "", closed: bool = False) -> None:
+        """The connection's read is over: its message handled, or the error answered."""
+        sel.unregister(conn)
+        del reading[conn]
+        try:
+            conn.setblocking(True)
+            conn.settimeout(10)  # its answer (here, or from a send thread) is a short line
+            if closed:
+                conn.close()
+            elif error:
+                logger.warning("kvstage: bootstrap %s: a bad or slow message: %s", self.bootstrap_addr, error)
+                self._reply(conn, False, f"prefill {self.bootstrap_addr}: a bad or slow message: {error}")
+            else:
+                self._handle(conn, msg)
+        except Exception as e:  # noqa: BLE001 - a malformed peer must not take the listener down
+            logger.warning("kvstage: bootstrap %s: a bad message: %s", self.bootstrap_addr, e)
+            conn.close()
+        finally:
+            with self._cond:
+                self._conns -= 1
 
     def _parked_count(self) -> int:
         return sum(len(v) for v in self._parked.values())
@@ -155,51 +253,35 @@ class _Bootstrap:
         msg["_expected"] = set(range(tp))
         return ""
 
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            try:
-                msg = _read_line(conn, deadline=time.monotonic() + _MSG_DEADLINE_S)
-            except (OSError, ValueError, _Failed) as e:
-                logger.warning("kvstage: bootstrap %s: a bad or slow message: %s", self.bootstrap_addr, e)
-                self._reply(conn, False, f"prefill {self.bootstrap_addr}: a bad or slow message: {e}")
-                return
-            if msg is None:
+    def _handle(self, conn: socket.socket, msg: Any) -> None:
+        """A whole message read from ``conn``: refused, answered, dispatched or parked."""
+        bad = "" if _authentic(msg, self.opts["cluster_token"]) else "the message is not authenticated (cluster_token is set: it needs its MAC)"
+        bad = bad or self._validate(msg)
+        if bad:
+            logger.warning("kvstage: bootstrap %s: refused a message: %s", self.bootstrap_addr, bad)
+            self._reply(conn, False, f"prefill {self.bootstrap_addr}: {bad}")
+            return
+        op, req_id = msg["op"], msg["req"]
+        with self._cond:
+            if op == "release":
+                if req_id in self._held and not self._held[req_id].in_flight:
+                    del self._held[req_id]
+                    self._finished_send.add(req_id)
+                    self._cond.notify_all()
+                for c, _, _ in self._parked.pop(req_id, []):
+                    self._reply(c, False, f"prefill {self.bootstrap_addr}: request {req_id} was released by the decode")
+                self._note_gone(req_id, "released by the decode")
                 conn.close()
-                return
-            bad = "" if _authentic(msg, self.opts["cluster_token"]) else "the message is not authenticated (cluster_token is set: it needs its MAC)"
-            bad = bad or self._validate(msg)
-            if bad:
-                logger.warning("kvstage: bootstrap %s: refused a message: %s", self.bootstrap_addr, bad)
-                self._reply(conn, False, f"prefill {self.bootstrap_addr}: {bad}")
-                return
-            conn.settimeout(10)
-            op, req_id = msg["op"], msg["req"]
-            with self._cond:
-                if op == "release":
-                    if req_id in self._held and not self._held[req_id].in_flight:
-                        del self._held[req_id]
-                        self._finished_send.add(req_id)
-                        self._cond.notify_all()
-                    for c, _, _ in self._parked.pop(req_id, []):
-                        self._reply(c, False, f"prefill {self.bootstrap_addr}: request {req_id} was released by the decode")
-                    self._note_gone(req_id, "released by the decode")
-                    conn.close()
-                elif req_id not in self._held and req_id in self._gone:
-                    self._reply(conn, False, f"prefill {self.bootstrap_addr}: request {req_id} is not held: {self._gone[req_id][0]}")
-                elif self._refuse_stale(conn, msg):
-                    pass
-                elif req_id in self._held:
-                    self._dispatch(conn, msg)
-                else:  # the decode was faster than the prefill's next step: wait for the blocks
-                    if self._parked_count() >= _MAX_PARKED:
-                        self._drop_oldest_parked("too many messages wait for requests not held yet")
-                    self._parked.setdefault(req_id, []).append((conn, msg, time.monotonic()))
-        except Exception as e:  # noqa: BLE001 - a malformed peer must not take the listener down
-            logger.warning("kvstage: bootstrap %s: a bad message: %s", self.bootstrap_addr, e)
-            conn.close()
-        finally:
-            with self._cond:
-                self._conns -= 1
+            elif req_id not in self._held and req_id in self._gone:
+                self._reply(conn, False, f"prefill {self.bootstrap_addr}: request {req_id} is not held: {self._gone[req_id][0]}")
+            elif self._refuse_stale(conn, msg):
+                pass
+            elif req_id in self._held:
+                self._dispatch(conn, msg)
+            else:  # the decode was faster than the prefill's next step: wait for the blocks
+                if self._parked_count() >= _MAX_PARKED:
+                    self._drop_oldest_parked("too many messages wait for requests not held yet")
+                self._parked.setdefault(req_id, []).append((conn, msg, time.monotonic()))
 
     def _reply(self, conn: socket.socket, ok: bool, error: str = "", **more: Any) -> None:
         try:

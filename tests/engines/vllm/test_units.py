@@ -230,7 +230,14 @@ def recv_never_stuck(d):
 
 
 def hostile_peer(p, d, port):
-    B._MSG_DEADLINE_S = 1.0
+    deadline_s, B._MSG_DEADLINE_S = B._MSG_DEADLINE_S, 1.0
+    try:
+        return _hostile_peer(p, d, port)
+    finally:
+        B._MSG_DEADLINE_S = deadline_s
+
+
+def _hostile_peer(p, d, port):
     out = []
     rep = ask(port, b"this is not json\n")
     assert rep and not rep["ok"], rep
@@ -569,24 +576,31 @@ def threads(prefix):
 
 
 def flood_bounded(tmp):
-    """S10: a flood of bootstrap connections (peers that connect and do not send yet) and of
-    loads (against a prefill that does not answer yet) uses at most the bounded thread pools,
-    not one thread each; every load still ends (failed), and a real push works afterwards."""
-    readers, loaders = getattr(B, "_READERS", 32), getattr(D, "_LOAD_THREADS", 64)
+    """S10: a flood of bootstrap connections (peers that connect and send nothing) holds no
+    thread each and does not hold up a real push sent while they are all still connected; a
+    flood of loads (against a prefill that does not answer yet) uses at most the bounded load
+    threads; every load still ends (failed), and a real push works afterwards."""
+    silent, loaders = 96, getattr(D, "_LOAD_THREADS", 64)
     port = free_ports(1)
     p = worker("kv_producer", extra={"bootstrap_port": port}, seed=13)
     d = worker("kv_consumer", extra={"stats_file": os.path.join(tmp, "s10.jsonl")})
     conns = []
     hung = socket.socket()
     try:
-        for _ in range(3 * readers):
+        time.sleep(0.6)  # readers of earlier checks' workers end within 0.5 s of their shutdown
+        before = len(threads("kvstage-bootstrap"))
+        for _ in range(silent):
             conns.append(socket.create_connection(("127.0.0.1", port)))
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and len(threads("kvstage-bootstrap-")) < readers:
-            time.sleep(0.05)
-        time.sleep(0.3)
-        peak_p = len(threads("kvstage-bootstrap-"))
-        assert 0 < peak_p <= readers, f"{3 * readers} silent bootstrap peers: {peak_p} reader threads (bound {readers})"
+        time.sleep(0.5)
+        peak_p = len(threads("kvstage-bootstrap")) - before
+        assert peak_p <= 0, f"{silent} silent bootstrap peers: {peak_p} more bootstrap threads"
+        during = real_push(p, d, port, "amid-flood")
+        for c in conns:
+            c.setblocking(False)
+            try:
+                assert c.recv(1) != b"", "a silent peer was closed before its message deadline"
+            except BlockingIOError:
+                pass
         for c in conns:
             c.close()
         # loads against a "prefill" that accepts and never answers (until it closes)
@@ -612,7 +626,7 @@ def flood_bounded(tmp):
         d.take_failed_blocks()
         assert d._receiving == 0, f"{d._receiving} loads still counted"
         row = real_push(p, d, port, "after-flood")
-        return f"{3 * readers} silent peers: {peak_p} reader threads; {n} loads: {peak_d} load threads, all ended; then {row['bytes']} bytes"
+        return f"{silent} silent peers: {peak_p} more threads, a push amid them landed {during['bytes']} bytes; {n} loads: {peak_d} load threads, all ended; then {row['bytes']} bytes"
     finally:
         hung.close()
         for c in conns:
