@@ -27,6 +27,7 @@ logger = logging.getLogger("vllm.kvstage")
 # parked one is answered with an error), and how many / how long finished request ids are kept.
 _MSG_DEADLINE_S = 10.0
 _MAX_MSG_BYTES = 1 << 16
+_MAX_ERROR_CHARS = 1024
 _MAX_CONNS = 512
 _MAX_PARKED = 256
 _GONE_MAX = 4096
@@ -47,6 +48,7 @@ class _Bootstrap:
         self._conns = 0  # bootstrap connections being read
         self._incoming: queue.SimpleQueue = queue.SimpleQueue()  # accepted, for the reader
         self._wake_w: Optional[socket.socket] = None  # wakes the reader (with _listen)
+        self._reading = True  # the reader takes accepted connections (until it ends)
         self._accept_errors = 0
 
     def _listen(self) -> None:
@@ -86,11 +88,14 @@ class _Bootstrap:
                 continue
             try:
                 with self._cond:
+                    if not self._reading:
+                        conn.close()
+                        continue
                     if self._conns + self._parked_count() >= _MAX_CONNS and not self._drop_oldest_parked("too many bootstrap connections"):
                         self._reply(conn, False, f"prefill {self.bootstrap_addr}: too many bootstrap connections")
                         continue
                     self._conns += 1
-                self._incoming.put(conn)
+                    self._incoming.put(conn)  # under the lock: never after the reader's last look
                 self._wake()
             except Exception as e:  # noqa: BLE001 - drop this one, keep listening
                 logger.warning("kvstage: bootstrap %s: %s", self.bootstrap_addr, e)
@@ -114,14 +119,21 @@ class _Bootstrap:
                 now = time.monotonic()
                 first = min((v[1] for v in reading.values()), default=now + 0.5)
                 for key, _ in sel.select(min(0.5, max(0.0, first - now))):
-                    if key.data is None:
-                        self._take_incoming(sel, reading, wake)
-                    else:
-                        self._read_some(sel, reading, key.data)
+                    try:
+                        if key.data is None:
+                            self._take_incoming(sel, reading, wake)
+                        else:
+                            self._read_some(sel, reading, key.data)
+                    except Exception as e:  # noqa: BLE001 - one peer never ends the reads of all
+                        logger.warning("kvstage: bootstrap %s: reading a message: %s: %s", self.bootstrap_addr, type(e).__name__, e)
+                        if key.data in reading:
+                            self._finish(sel, reading, key.data, error=f"{type(e).__name__}: {e}")
                 now = time.monotonic()
                 for conn in [c for c, v in reading.items() if v[1] <= now]:
                     self._finish(sel, reading, conn, error="the bootstrap message did not arrive in time")
         finally:
+            with self._cond:
+                self._reading = False  # the accept loop closes what it accepts from now on
             self._take_incoming(sel, reading, wake)
             for conn in list(reading):
                 self._finish(sel, reading, conn, error="the prefill is shutting down")
@@ -161,7 +173,7 @@ class _Bootstrap:
         if nl:
             try:
                 msg = json.loads(line)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # RecursionError: "[[[[..." nested deep
                 self._finish(sel, reading, conn, error=str(e))
                 return
             self._finish(sel, reading, conn, msg=msg)
@@ -284,6 +296,10 @@ class _Bootstrap:
                 self._parked.setdefault(req_id, []).append((conn, msg, time.monotonic()))
 
     def _reply(self, conn: socket.socket, ok: bool, error: str = "", **more: Any) -> None:
+        # Errors quote what the peer sent: a short line always fits the socket's buffer, so a
+        # peer that does not read cannot hold the one reader thread in the send.
+        if len(error) > _MAX_ERROR_CHARS:
+            error = error[: _MAX_ERROR_CHARS - 3] + "..."
         try:
             _send_line(conn, {"ok": ok, "error": error, **more})
         except OSError:

@@ -119,6 +119,10 @@ class _Prefill:
         find a connection under way wait for it, then connect themselves if it failed."""
         key = (addr, repack)
         while True:
+            if self._stop.is_set():
+                raise _Failed("the prefill is shutting down")
+            if _left(deadline) <= 0:
+                raise _Failed(f"load_timeout_s {self.opts['load_timeout_s']} s passed before a connection to the decode at {addr}")
             with self._sessions_lock:
                 s = self._sessions.get(key)
                 if s is not None:

@@ -1,5 +1,5 @@
-"""A bounded pool of daemon threads: the connector's bootstrap readers, loads and notifications
-run on at most a fixed number of threads each, whatever a flood of peers or requests asks."""
+"""A bounded pool of daemon threads: the connector's loads and notifications run on at most a
+fixed number of threads each, whatever a flood of requests asks."""
 
 from __future__ import annotations
 
@@ -28,27 +28,21 @@ class _Pool:
 
     def submit(self, fn: Callable, *args: Any) -> None:
         """Runs ``fn(*args)`` on a pool thread; raises (and ``fn`` never runs) once closed, or when
-        no thread exists and none can start. A thread starts outside the lock: the caller may be
-        vLLM's step, which must not wait on another caller's thread start."""
+        no thread exists and none can start. Deciding, starting and queueing under one lock: a
+        call is never queued behind a thread start that then fails, nor after ``close``."""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name}: shut down")
             # Idle threads may not have taken the calls queued before this one yet.
-            start = self._queued >= self._idle and self._threads < self.size
-            if start:
-                self._threads += 1
-                n = self._threads
-            self._queued += 1
-        if start:
-            try:
-                threading.Thread(target=self._run, name=f"{self.name}-{n}", daemon=True).start()
-            except RuntimeError:
-                with self._lock:
-                    self._threads -= 1
+            if self._queued >= self._idle and self._threads < self.size:
+                try:
+                    threading.Thread(target=self._run, name=f"{self.name}-{self._threads + 1}", daemon=True).start()
+                    self._threads += 1
+                except RuntimeError:
                     if not self._threads:
-                        self._queued -= 1
                         raise
-        self._queue.put((fn, args))
+            self._queued += 1
+            self._queue.put((fn, args))
 
     def _run(self) -> None:
         while True:

@@ -242,6 +242,14 @@ def _hostile_peer(p, d, port):
     rep = ask(port, b"this is not json\n")
     assert rep and not rep["ok"], rep
     out.append("garbage")
+    rep = ask(port, b"[" * 5000 + b"\n")  # json.loads raises RecursionError, not ValueError
+    assert rep and not rep["ok"], rep
+    rep = ask(port, b"still here?\n")
+    assert rep and not rep["ok"], f"the bootstrap stopped answering after a deeply nested message: {rep}"
+    out.append("deep nesting")
+    rep = ask(port, json.dumps({"op": "push", "req": "\u00e9" * 20000, "decode_rank": 0, "decode_tp": 1}).encode() + b"\n")
+    assert rep and not rep["ok"] and len(rep["error"]) <= B._MAX_ERROR_CHARS, f"a {len(rep.get('error', ''))}-character error"
+    out.append("long error capped")
     rep = ask(port, json.dumps({"op": "push", "req": "r", "decode_rank": 0, "decode_tp": 1}).encode() + b"\n")
     assert rep and not rep["ok"] and "grid" in rep["error"], rep
     out.append("missing grid")
