@@ -583,11 +583,11 @@ def main():
         # decode: each prefill rank sends its KV head; kvstage's pairing says who feeds whom.
         bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
         port_e = free_ports(2)
-        # The connector's default lease and load timeout: this phase checks the pairing, not the
-        # timeouts (other phases do). With each prefill rank pinned to one of this machine's two
-        # cores, some runs stall 5-14 s between the decode's push and its room's completion
-        # (issue 41's note); a 15 s lease made that a failure.
-        defaults = {"lease_s": 60, "load_timeout_s": 30}
+        # A lease and load timeout well above the stalls seen here: this phase checks the pairing,
+        # not the timeouts (other phases do). With three engines' ranks on this machine's two
+        # cores, some runs stall 5-25 s between the decode's push and its room's completion
+        # (issue 41's note); a 15 s lease made that a failure. Still bounded: no run hangs.
+        defaults = {"lease_s": 120, "load_timeout_s": 60}
         p = Engine("prefill32tp2", a.work, a.model, 32, "kv_producer", port_e, tp=2, env=bind, extra=defaults)
         d = None
         try:
@@ -609,7 +609,7 @@ def main():
         # fed by the one prefill rank (its bootstrap waits for a push or "none" from each).
         bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
         port_f = free_ports(1)
-        defaults = {"lease_s": 60, "load_timeout_s": 30}  # as in pair E
+        defaults = {"lease_s": 120, "load_timeout_s": 60}  # as in pair E
         p = Engine("prefill32f", a.work, a.model, 32, "kv_producer", port_f, extra=defaults)
         d = None
         try:
