@@ -17,7 +17,8 @@ disaggregation (the prefill engine with no kv_transfer_params: a plain local run
     lease_frees_unclaimed_blocks     a prefill no decode asks for is freed after lease_s (logged)
   pair B  prefill block 32 -> decode block 64 (kv_load_failure_policy "recompute"):
     equal_tokens_32_to_64, recompute_policy_computes_locally
-  pair C  prefill block 64 -> decode block 32: equal_tokens_64_to_32, then
+  pair C  both engines kv_both, block 64 and block 32: equal_tokens_64_to_32,
+    kv_both_the_other_way            the decode engine prefills, the prefill engine decodes, then
     prefill_hung_load_ends_by_deadline  the prefill stalls before sending: the decode request ends
                                      at load_timeout_s with an error; its late send is refused
     prefill_killed_mid_request       the prefill SIGKILLed while its send stalls: the decode
@@ -499,9 +500,15 @@ def main():
             d.stop()
 
     if "C" in phases:
-        p, d = start_pair(a.work, a.model, 64, 32, free_ports(1), "c")
+        # Both engines kv_both (as NIXL deployments run them): each listens for pushes (its own
+        # bootstrap port) and loads; each request's kv_transfer_params say which way it goes.
+        port_c = free_ports(2)
+        p = Engine("prefill64c", a.work, a.model, 64, "kv_both", port_c)
+        d = Engine("decode32c", a.work, a.model, 32, "kv_both", port_c + 1)
         try:
+            print(f"# pair {p.name} -> {d.name} (kv_both) started ({p.wait_ready():.0f} s, {d.wait_ready():.0f} s)", flush=True)
             r.check("equal_tokens_64_to_32", lambda: equal_tokens(p, d, prompts_for(13, [37, 100, 250]), "64->32", 64, 32))
+            r.check("kv_both_the_other_way", lambda: equal_tokens(d, p, prompts_for(22, [45, 130]), "kv_both 32->64", 32, 64))
 
             def hung():
                 prompt = prompts_for(17, [80])
