@@ -35,8 +35,9 @@ _OPTIONS = {
     "repack_blocks": 0,
     # Prefill: threads that send finished requests.
     "send_threads": 4,
-    # A module with optional on_arrival(request_id, tensors, block_ids, layout) and
-    # before_send(request_id, message) functions (tests, diagnostics).
+    # A module with optional on_arrival(request_id, tensors, block_ids, layout),
+    # before_send(request_id, message) and after_chunk(request_id, chunk, num_chunks) functions
+    # (tests, diagnostics).
     "hooks": None,
     # Decode: a file each finished load appends one JSON line to (request, ok, tokens, bytes, ms).
     "stats_file": None,

@@ -209,6 +209,8 @@ class _Prefill:
                 if session.transfer(int(msg["room"]), k, pages, timeout_ms, **kw) == kvstage.Status.FALLBACK:
                     session.transfer_slices(int(msg["room"]), k, pages, timeout_ms, **kw)
                 sent += sp.num_tokens
+                if self.hooks is not None and hasattr(self.hooks, "after_chunk"):
+                    self.hooks.after_chunk(req_id, k, grid.num_chunks)
             ok = True
         except _Failed as e:
             error = f"prefill {self.bootstrap_addr}: request {req_id}: {e}"

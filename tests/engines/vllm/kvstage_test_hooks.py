@@ -6,6 +6,9 @@
 - before_send (prefill): while the file $KVSTAGE_TEST_STALL_FILE exists, stall the send (the
   test kills the prefill meanwhile); at most 120 s. It writes $KVSTAGE_TEST_STALL_FILE.entered
   first, so the test knows the send reached it.
+- after_chunk (prefill): while the file $KVSTAGE_TEST_MIDSTALL_FILE exists, stall after the first
+  of a room's several chunks went out (the test kills the prefill mid-transfer); at most 120 s.
+  It writes $KVSTAGE_TEST_MIDSTALL_FILE.entered first ("REQUEST chunk 0 of N sent").
 """
 
 import ctypes
@@ -34,4 +37,15 @@ def before_send(request_id, message):
             f.write(f"{request_id}\n")
     t0 = time.monotonic()
     while path and os.path.exists(path) and time.monotonic() - t0 < 120:
+        time.sleep(0.1)
+
+
+def after_chunk(request_id, chunk, num_chunks):
+    path = os.environ.get("KVSTAGE_TEST_MIDSTALL_FILE")
+    if not path or chunk != 0 or num_chunks < 2 or not os.path.exists(path):
+        return
+    with open(path + ".entered", "w") as f:
+        f.write(f"{request_id} chunk 0 of {num_chunks} sent\n")
+    t0 = time.monotonic()
+    while os.path.exists(path) and time.monotonic() - t0 < 120:
         time.sleep(0.1)

@@ -21,8 +21,8 @@ disaggregation (the prefill engine with no kv_transfer_params: a plain local run
     kv_both_the_other_way            the decode engine prefills, the prefill engine decodes, then
     prefill_hung_load_ends_by_deadline  the prefill stalls before sending: the decode request ends
                                      at load_timeout_s with an error; its late send is refused
-    prefill_killed_mid_request       the prefill SIGKILLed while its send stalls: the decode
-                                     request ends by load_timeout_s with an error
+    prefill_killed_mid_transfer      the prefill SIGKILLed after the first of a room's 4 chunks
+                                     went out: the decode request ends by load_timeout_s with an error
                                      (kv_load_failure_policy "fail") and the next one is served
 
   pair D  the documented commands: two `vllm serve` and `python -m kvstage.vllm.proxy`:
@@ -370,9 +370,11 @@ def main():
     t_all = time.time()
     flip = os.path.join(a.work, "flip")
     stall = os.path.join(a.work, "stall")
+    midstall = os.path.join(a.work, "midstall")
+    os.environ["KVSTAGE_TEST_MIDSTALL_FILE"] = midstall
     os.environ["KVSTAGE_TEST_FLIP_FILE"] = flip
     os.environ["KVSTAGE_TEST_STALL_FILE"] = stall
-    for f in (flip, flip + ".done", stall, stall + ".entered"):
+    for f in (flip, flip + ".done", stall, stall + ".entered", midstall, midstall + ".entered"):
         if os.path.exists(f):
             os.unlink(f)
     for f in os.listdir(a.work):
@@ -504,7 +506,9 @@ def main():
         # bootstrap port) and loads; each request's kv_transfer_params say which way it goes.
         port_c = free_ports(2)
         p = Engine("prefill64c", a.work, a.model, 64, "kv_both", port_c)
-        d = Engine("decode32c", a.work, a.model, 32, "kv_both", port_c + 1)
+        # Rooms of 64-token chunks on the decode: prefill_killed_mid_transfer kills the prefill
+        # between a room's chunks.
+        d = Engine("decode32c", a.work, a.model, 32, "kv_both", port_c + 1, extra={"chunk_tokens": 64})
         try:
             print(f"# pair {p.name} -> {d.name} (kv_both) started ({p.wait_ready():.0f} s, {d.wait_ready():.0f} s)", flush=True)
             r.check("equal_tokens_64_to_32", lambda: equal_tokens(p, d, prompts_for(13, [37, 100, 250]), "64->32", 64, 32))
@@ -537,10 +541,10 @@ def main():
             r.check("prefill_hung_load_ends_by_deadline", hung)
 
             def killed():
-                prompt = prompts_for(14, [120])
+                prompt = prompts_for(14, [250])  # 4 chunks of 64 tokens
                 nxt = prompts_for(15, [60])
                 base_next = p.generate(nxt, GEN)[0]["tokens"]
-                open(stall, "w").close()
+                open(midstall, "w").close()
                 params = p.generate(prompt, 1, [{"do_remote_decode": True}])[0]["kv_transfer_params"]
                 box = {}
 
@@ -554,16 +558,16 @@ def main():
 
                 th = threading.Thread(target=run)
                 th.start()
-                # The prefill's send is stalled in its before_send hook (it wrote the marker):
-                # the decode's push arrived; kill the prefill now.
+                # The prefill sent the room's first chunk and stalls in its after_chunk hook (it
+                # wrote the marker): kill it mid-transfer.
                 t0 = time.time()
-                while not os.path.exists(stall + ".entered") and time.time() - t0 < LOAD_TIMEOUT_S:
+                while not os.path.exists(midstall + ".entered") and time.time() - t0 < LOAD_TIMEOUT_S:
                     time.sleep(0.05)
-                entered = os.path.exists(stall + ".entered")
+                entered = open(midstall + ".entered").read().strip() if os.path.exists(midstall + ".entered") else ""
                 p.kill()
                 th.join(LOAD_TIMEOUT_S + 90)
-                os.unlink(stall)
-                assert entered, "the prefill's before_send hook was not reached within load_timeout_s"
+                os.unlink(midstall)
+                assert entered.endswith("chunk 0 of 4 sent"), f"the prefill's after_chunk hook: {entered!r} (wanted chunk 0 of 4 sent, within load_timeout_s)"
                 assert "out" in box, f"decode request: {box.get('err')}"
                 out = box["out"]
                 assert box["s"] <= LOAD_TIMEOUT_S + 5, f"the decode request took {box['s']:.1f} s, load_timeout_s is {LOAD_TIMEOUT_S}"
@@ -573,11 +577,13 @@ def main():
                 assert "prefill at 127.0.0.1:" in err and ("closed the bootstrap connection" in err or "bootstrap connection to the prefill" in err), (
                     f"the failed load does not say the prefill went away: {err!r}"
                 )
+                # The room that held one chunk of four was released: the next request is served
+                # (computed here: its prefill is gone) with the tokens of a local run.
                 again = d.generate(nxt, GEN)[0]["tokens"]
                 assert again == base_next, f"next request {again} != {base_next}"
-                return f"ended '{out['finish_reason']}' after {box['s']:.1f} s: {rows[-1]['error'] if rows else '?'}; next request served"
+                return f"{entered}, then killed; ended '{out['finish_reason']}' after {box['s']:.1f} s: {err}; next request served"
 
-            r.check("prefill_killed_mid_request", killed)
+            r.check("prefill_killed_mid_transfer", killed)
         finally:
             p.stop()
             d.stop()
