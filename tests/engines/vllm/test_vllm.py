@@ -596,10 +596,12 @@ def main():
         # decode: each prefill rank sends its KV head; kvstage's pairing says who feeds whom.
         bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
         port_e = free_ports(2)
-        # A lease and load timeout well above the stalls seen here: this phase checks the pairing,
-        # not the timeouts (other phases do). With three engines' ranks on this machine's two
-        # cores, some runs stall 5-25 s between the decode's push and its room's completion
-        # (issue 41's note); a 15 s lease made that a failure. Still bounded: no run hangs.
+        # A lease and load timeout well above the pauses seen here: this phase checks the pairing,
+        # not the timeouts (other phases do). A new TP size's first forward makes torch compile
+        # a kernel (a C++ build into /tmp/torchinductor_root, empty on a fresh machine): 5-25 s
+        # on two loaded cores, during which the decode schedules no more requests and a prefill
+        # holds the blocks it sent (a 15 s lease freed them once). kvstage's loads take
+        # milliseconds meanwhile (their stats rows). Still bounded: no run hangs.
         defaults = {"lease_s": 120, "load_timeout_s": 60}
         p = Engine("prefill32tp2", a.work, a.model, 32, "kv_producer", port_e, tp=2, env=bind, extra=defaults)
         d = None
