@@ -137,7 +137,7 @@ class _Prefill:
                 continue
             s = None
             try:
-                engine = self._repacker.engine if repack else self.engine
+                engine = self._repacker.ready_engine() if repack else self.engine
                 name = f"vllm-p{self.tp_rank}{'-repack' if repack else ''}->{addr}"
                 s = engine.connect(addr, name, max(1, int(_left(deadline) * 1000)))
             except kvstage.KVStageError as e:
@@ -192,11 +192,7 @@ class _Prefill:
                     raise _Failed(
                         f"the decode's block layout {theirs} differs from this prefill's {self.layout_id} and this backend's block layout is unknown"
                     )
-                if repack:
-                    slots = self._repacker.alloc(nblocks, deadline)
-                    self._repacker.out(blocks, slots)
-                    blocks = slots
-                else:
+                if not repack:
                     total = nblocks * self.block_size
             session = self._session(addr, repack, deadline)
             for k in range(grid.num_chunks):
@@ -205,9 +201,19 @@ class _Prefill:
                 timeout_ms = max(1, int(_left(deadline) * 1000))
                 sp = kvstage.chunk_span(grid, total, self.block_size, k)
                 pages = sp.src_pages(blocks)
+                if repack:
+                    # Only the blocks this chunk reads, copied token-major just before it goes:
+                    # a decode's cached prefix is never copied, and a request of any length
+                    # moves through repack_blocks.
+                    slots = self._repacker.alloc(len(pages), deadline)
+                    self._repacker.out(pages, slots)
+                    pages = slots
                 kw = dict(room_key=int(msg["key"]), src_token_offset=sp.src_token_offset, num_tokens=sp.num_tokens, trace_id=str(msg["trace"]))
                 if session.transfer(int(msg["room"]), k, pages, timeout_ms, **kw) == kvstage.Status.FALLBACK:
                     session.transfer_slices(int(msg["room"]), k, pages, timeout_ms, **kw)
+                if slots:
+                    self._repacker.release(slots)
+                    slots = []
                 sent += sp.num_tokens
                 if self.hooks is not None and hasattr(self.hooks, "after_chunk"):
                     self.hooks.after_chunk(req_id, k, grid.num_chunks)

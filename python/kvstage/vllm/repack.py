@@ -1,7 +1,8 @@
 """vLLM's CPU backend keeps K of a (block, head) head-dim-major (``layout._cpu_cache_positions``):
-when the two sides' block sizes or in-block orders differ, the prefill copies a request's blocks
-token-major into a buffer of ``repack_blocks`` blocks (with its own kvstage engine) and sends from
-there, and the decode puts the received blocks back into its kernel's order."""
+when the two sides' block sizes or in-block orders differ, the prefill copies the blocks each chunk
+reads token-major into a buffer of ``repack_blocks`` blocks (with its own kvstage engine) just
+before it sends the chunk from there, and the decode puts the received blocks back into its
+kernel's order."""
 
 from __future__ import annotations
 
@@ -32,23 +33,33 @@ class _Repacker:
         self._free: list = []
         self._cond = threading.Condition()
 
-    def alloc(self, n: int, deadline: float) -> list:
-        """Blocks of the token-major copy (made on first use), waiting for free ones."""
+    def ready_engine(self) -> Any:
+        """The kvstage engine that sends from the token-major copy (both made on first use)."""
+        with self._cond:
+            self._ensure()
+            return self.engine
+
+    def _ensure(self) -> None:
+        """With the lock."""
         import torch
 
+        if self.engine is None:
+            cap = int(self.opts["repack_blocks"]) or 256
+            t = self.tensors[0]
+            _, h, bs, c = t.shape
+            self._buf = torch.zeros(len(self.tensors), cap, h, bs, c, dtype=t.dtype)
+            layout = _split_layout(list(self._buf), self.head_dim, self.global_heads, self.tp_rank, self.tp_size)
+            engine = kvstage.Engine(None, transport=self.opts["transport"], cluster_token=self.opts["cluster_token"])
+            engine.register_pool(layout)
+            self.engine, self._free = engine, list(range(cap))
+
+    def alloc(self, n: int, deadline: float) -> list:
+        """Blocks of the token-major copy, waiting for free ones."""
         with self._cond:
-            if self.engine is None:
-                cap = int(self.opts["repack_blocks"]) or 256
-                t = self.tensors[0]
-                _, h, bs, c = t.shape
-                self._buf = torch.zeros(len(self.tensors), cap, h, bs, c, dtype=t.dtype)
-                layout = _split_layout(list(self._buf), self.head_dim, self.global_heads, self.tp_rank, self.tp_size)
-                engine = kvstage.Engine(None, transport=self.opts["transport"], cluster_token=self.opts["cluster_token"])
-                engine.register_pool(layout)
-                self.engine, self._free = engine, list(range(cap))
+            self._ensure()
             cap = self._buf.shape[1]
             if n > cap:
-                raise _Failed(f"the request needs {n} blocks repacked, repack_blocks is {cap}")
+                raise _Failed(f"a chunk reads {n} blocks, repack_blocks is {cap}: raise repack_blocks or lower the decode's chunk_tokens")
             while len(self._free) < n:
                 if not self._cond.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
                     raise _Failed(f"no {n} free repack blocks within load_timeout_s")

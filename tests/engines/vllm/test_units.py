@@ -412,6 +412,36 @@ def layout_agreed(tmp):
         d.shutdown()
 
 
+def repack_in_windows(tmp):
+    """S2: between block sizes the prefill repacks a request chunk by chunk, only the blocks each
+    chunk reads: a request of more blocks than repack_blocks moves (was refused whole), and
+    behind a decode prefix hit only the suffix's blocks are copied."""
+    port = free_ports(1)
+    p = worker("kv_producer", extra={"bootstrap_port": port, "repack_blocks": 2}, seed=5)
+    d = worker("kv_consumer", block_size=64, extra={"stats_file": os.path.join(tmp, "s2.jsonl"), "chunk_tokens": 64})
+    copied = []
+    out = p._repacker.out
+    p._repacker.out = lambda blocks, slots: (copied.append(list(blocks)), out(blocks, slots))[1]
+    try:
+        row = real_push(p, d, port, "s2", ntokens=250)  # 8 prefill blocks, repack_blocks 2
+        whole = sorted(b for c in copied for b in c)
+        assert whole == list(range(1, 9)) and max(map(len, copied)) <= 2, f"repacked {copied}"
+        # The decode holds the first 128 tokens (2 of its blocks): 122 tokens move into 2 blocks.
+        copied.clear()
+        pb, db = list(range(1, 9)), [9, 10]
+        p.start(send_meta("s2b", pb, 250))
+        d._start_recv(M._Recv("d-s2b", db, 128, 250, f"127.0.0.1:{port}", "s2b", 1, 32))
+        wait_finished(d, "recv", "d-s2b")
+        last = json.loads(open(d.opts["stats_file"]).readlines()[-1])
+        assert last["ok"], f"load {last}"
+        assert sorted(b for c in copied for b in c) == list(range(5, 9)), f"behind a 128-token prefix the prefill repacked {copied}"
+        assert torch.equal(canon(p, pb)[..., 128:250, :], canon(d, db)[..., :122, :]), "the suffix differs (token-major view)"
+        return f"250 tokens in windows of {max(map(len, copied))} blocks ({row['bytes']} bytes); behind a 128-token prefix blocks {sorted(b for c in copied for b in c)} only"
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 def fp8_cache(tmp):
     """S3: an fp8 kv_cache_dtype (vLLM's CPU backend: uint8 caches, bf16 model): the layout's
     element is the cache's byte, the probe reads the kernel's placement for fp8 (the model's dtype
@@ -715,6 +745,7 @@ def main():
     check("tp2_mqa_left_out_rank_freed", tp2_mqa, tmp)
     check("block_layout_agreed_in_push", layout_agreed, tmp)
     check("fp8_kv_cache_dtype", fp8_cache, tmp)
+    check("repack_in_windows", repack_in_windows, tmp)
     check("stale_push_refused", stale_push_refused, tmp)
     check("flood_uses_bounded_threads", flood_bounded, tmp)
     check("slow_decode_holds_no_other", slow_decode_holds_no_other, tmp)
