@@ -137,7 +137,10 @@ class _Prefill:
                 continue
             s = None
             try:
-                engine = self._repacker.ready_engine() if repack else self.engine
+                try:
+                    engine = self._repacker.ready_engine() if repack else self.engine
+                except kvstage.KVStageError as e:  # local: not the decode's fault
+                    raise _Failed(f"this prefill's engine for token-major copies did not start: {e}") from e
                 name = f"vllm-p{self.tp_rank}{'-repack' if repack else ''}->{addr}"
                 s = engine.connect(addr, name, max(1, int(_left(deadline) * 1000)))
             except kvstage.KVStageError as e:

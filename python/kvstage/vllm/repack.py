@@ -94,5 +94,7 @@ class _Repacker:
             region[idx] = packed
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
+        with self._cond:
+            engine = self.engine
+        if engine is not None:
+            engine.close()

@@ -44,8 +44,9 @@ def after_chunk(request_id, chunk, num_chunks):
     path = os.environ.get("KVSTAGE_TEST_MIDSTALL_FILE")
     if not path or chunk != 0 or num_chunks < 2 or not os.path.exists(path):
         return
-    with open(path + ".entered", "w") as f:
+    with open(path + ".tmp", "w") as f:  # renamed whole: the test reads it once it exists
         f.write(f"{request_id} chunk 0 of {num_chunks} sent\n")
+    os.replace(path + ".tmp", path + ".entered")
     t0 = time.monotonic()
     while os.path.exists(path) and time.monotonic() - t0 < 120:
         time.sleep(0.1)

@@ -577,8 +577,9 @@ def main():
                 assert "prefill at 127.0.0.1:" in err and ("closed the bootstrap connection" in err or "bootstrap connection to the prefill" in err), (
                     f"the failed load does not say the prefill went away: {err!r}"
                 )
-                # The room that held one chunk of four was released: the next request is served
-                # (computed here: its prefill is gone) with the tokens of a local run.
+                # The request ended, so its room (one chunk of four landed) was released: the
+                # connector reports a load to vLLM only once its room's release succeeded. The
+                # next request is served (computed here: its prefill is gone).
                 again = d.generate(nxt, GEN)[0]["tokens"]
                 assert again == base_next, f"next request {again} != {base_next}"
                 return f"{entered}, then killed; ended '{out['finish_reason']}' after {box['s']:.1f} s: {err}; next request served"
