@@ -30,23 +30,23 @@ def on_arrival(request_id, tensors, block_ids, layout):
         f.write(f"{request_id} block {block_ids[0]} byte {offset}\n")
 
 
-def before_send(request_id, message):
-    path = os.environ.get("KVSTAGE_TEST_STALL_FILE")
-    if path and os.path.exists(path):
-        with open(path + ".entered", "w") as f:  # the test waits for this before it acts
-            f.write(f"{request_id}\n")
-    t0 = time.monotonic()
-    while path and os.path.exists(path) and time.monotonic() - t0 < 120:
-        time.sleep(0.1)
-
-
-def after_chunk(request_id, chunk, num_chunks):
-    path = os.environ.get("KVSTAGE_TEST_MIDSTALL_FILE")
-    if not path or chunk != 0 or num_chunks < 2 or not os.path.exists(path):
+def _stall(path, marker):
+    """While the file `path` exists (at most 120 s): first `marker` into `path`.entered, renamed
+    into place whole (the test reads it once it exists and acts on it)."""
+    if not path or not os.path.exists(path):
         return
-    with open(path + ".tmp", "w") as f:  # renamed whole: the test reads it once it exists
-        f.write(f"{request_id} chunk 0 of {num_chunks} sent\n")
+    with open(path + ".tmp", "w") as f:
+        f.write(marker + "\n")
     os.replace(path + ".tmp", path + ".entered")
     t0 = time.monotonic()
     while os.path.exists(path) and time.monotonic() - t0 < 120:
         time.sleep(0.1)
+
+
+def before_send(request_id, message):
+    _stall(os.environ.get("KVSTAGE_TEST_STALL_FILE"), request_id)
+
+
+def after_chunk(request_id, chunk, num_chunks):
+    if chunk == 0 and num_chunks >= 2:
+        _stall(os.environ.get("KVSTAGE_TEST_MIDSTALL_FILE"), f"{request_id} chunk 0 of {num_chunks} sent")
