@@ -165,6 +165,42 @@ int main(void) {
         CHECK_STR(e->causes[0], "head_dim: local 64 != remote 128"); /* local: the decode rank */
     }
     {
+        /* TP sizes that do not divide one another: P3->D2 with 12 heads. Decode rank 0 takes heads
+         * 0..4 from prefill rank 0 and 4..6 from prefill rank 1: two regions of different sizes,
+         * each with its own slab bytes; the layout-wide row sizes are 0. */
+        kvstage_kv_layout src = layout(0, 3, 2), dst = layout(0, 2, 2);
+        kvstage_staging_layout out;
+        kvstage_staging_writer w[2];
+        const uint64_t head = 128 * 2, tokens = 64;
+        src.global_heads = dst.global_heads = 12;
+        src.local_heads = 4;
+        dst.local_heads = 6;
+        memset(w, 0, sizeof w);
+        w[0].struct_size = sizeof w[0];
+        memset(&out, 0, sizeof out);
+        out.struct_size = sizeof out;
+        CHECK_OK(kvstage_staging_layout_compute(&src, 1, &dst, NULL, 0, NULL, 0, (uint32_t)tokens, &out, w, 2));
+        CHECK_INT(out.num_writers, 2);
+        CHECK_INT(out.num_heads, 0);
+        CHECK_INT(out.row_bytes, 0);
+        CHECK_INT(out.slab_bytes, 0);
+        CHECK_INT(w[0].num_heads, 4);
+        CHECK_INT(w[1].num_heads, 2);
+        CHECK_INT(w[1].src_tp_rank, 1);
+        CHECK_INT(w[1].dst_head_start, 4);
+        CHECK_INT(w[0].slab_bytes, tokens * 4 * head);
+        CHECK_INT(w[1].v_slab_bytes, tokens * 2 * head);
+        CHECK_INT(w[1].bytes, 2 * 2 * w[1].slab_bytes);
+        CHECK_INT(w[1].offset, w[0].bytes);
+        CHECK_INT(out.total_bytes, tokens * 6 * head * 2 * 2);
+        /* Prefill rank 1 sends its other two heads (local 2..4) to decode rank 1's 0..2. */
+        CHECK_OK(kvstage_head_slice_compute(3, 2, 1, 1, 12, &hs));
+        CHECK_INT(hs.src_head_start, 2);
+        CHECK_INT(hs.num_heads, 2);
+        CHECK_INT(hs.dst_head_start, 0);
+        CHECK_ERROR(kvstage_head_slice_compute(3, 2, 2, 0, 12, &hs), KVSTAGE_E_INVALID_ARG, "its writers are prefill ranks 0..2");
+    }
+    {
         /* Uneven pipeline stages: 4 + 3 layers (ids 0..3 and 4..6) into one decode rank of 7. */
         uint32_t first[4] = {0, 1, 2, 3}, second[3] = {4, 5, 6};
         kvstage_kv_layout s0 = layout(0, 1, 4), s1 = layout(0, 1, 3), dst = layout(0, 1, 7);

@@ -884,8 +884,12 @@ typedef struct kvstage_rank {
 
 // Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
 // call. Writer `w`'s slab for layer index `l` (into the decode rank's layers the writer holds,
-// ascending) starts at `writers[w].offset + l · slab_bytes` for K (or the latent) and at
-// `writers[w].offset + writers[w].layers · slab_bytes + l · v_slab_bytes` for V.
+// ascending) starts at `writers[w].offset + l · writers[w].slab_bytes` for K (or the latent) and
+// at `writers[w].offset + writers[w].layers · writers[w].slab_bytes + l · writers[w].v_slab_bytes`
+// for V. The row and slab sizes here are every writer's, except where the TP sizes do not divide
+// one another and the decode rank's head groups differ in size (P3→D2 with 12 heads: 4 heads
+// from prefill rank 0, 2 from prefill rank 1): then `num_heads`, `row_bytes`, `slab_bytes`,
+// `v_row_bytes` and `v_slab_bytes` are 0 and each writer's own say it.
 typedef struct kvstage_staging_layout {
     size_t struct_size;
     // Bytes of the whole allocation.
@@ -895,7 +899,7 @@ typedef struct kvstage_staging_layout {
     // Bytes of one (K or latent, layer) slab (`tokens · row_bytes`).
     uint64_t slab_bytes;
     uint32_t tokens;
-    // Heads per row (the same for every writer).
+    // Heads per row (every writer's; 0 when head groups differ in size).
     uint32_t num_heads;
     // 2 (K, V) for MHA, 1 for MLA.
     uint32_t buffers_per_layer;
@@ -929,6 +933,10 @@ typedef struct kvstage_staging_writer {
     uint32_t src_head_start;
     uint32_t num_heads;
     uint32_t dst_head_start;
+    // Bytes of one of its (K or latent, layer) slabs: `tokens · num_heads · head_dim ·
+    // dtype_bytes`; V's: `tokens · num_heads · head_dim_v · dtype_bytes` (0 for MLA).
+    uint64_t slab_bytes;
+    uint64_t v_slab_bytes;
 } kvstage_staging_writer;
 
 // Where one chunk of a request lies on both sides (`kvstage_chunk_span_compute`). Set `struct_size`

@@ -123,7 +123,9 @@ fn staging_layout_fills_caller_storage_and_reports_the_count() {
             tp_writer: 1,
             src_head_start: 0,
             num_heads: 2,
-            dst_head_start: 2
+            dst_head_start: 2,
+            slab_bytes: 8192 * 512,
+            v_slab_bytes: 8192 * 512,
         }
     );
     assert_eq!(w[2], unset);

@@ -2,13 +2,19 @@
 
 use kvstage::geometry::{
     decode_ranks_for_prefill, grid_tokens, head_slice, plan_gather, prefill_ranks_for_decode, split_grid, staging_layout, staging_layout_stages,
-    sends_its_heads, writers_per_chunk, Fingerprint, GridPiece, ModelKind, PoolShape,
+    sends_its_heads, tp_writers_of, writers_per_chunk, Fingerprint, GridPiece, ModelKind, PoolShape,
 };
 use kvstage::Status;
 use proptest::prelude::*;
 
-const SIZES: [u32; 5] = [1, 2, 4, 8, 16];
-const HEADS: [u32; 5] = [1, 2, 4, 8, 32];
+/// TP sizes, some of which divide one another and some not (3 and 2, 6 and 4, 12 and 8).
+const SIZES: [u32; 8] = [1, 2, 3, 4, 6, 8, 12, 16];
+const HEADS: [u32; 7] = [1, 2, 4, 6, 8, 12, 32];
+
+/// Whether a model of `h` KV heads splits over TP `tp`: one divides the other.
+fn splits(h: u32, tp: u32) -> bool {
+    h % tp == 0 || tp % h == 0
+}
 
 /// Global heads of TP rank `r` of `tp`: floor(r·h/tp) + [0, max(1, h/tp)).
 fn heads_of(r: u32, tp: u32, h: u32) -> Vec<u32> {
@@ -16,16 +22,29 @@ fn heads_of(r: u32, tp: u32, h: u32) -> Vec<u32> {
     (first..first + (h / tp).max(1)).collect()
 }
 
-/// Every TP pair, every head count, every rank pair: the slice copies identical global heads,
-/// the writers that send cover each head of a decode rank exactly once (prefill-side replication
-/// sends one copy), and unpaired ranks are refused.
+/// Every TP pair (whether or not one size divides the other), every head count, every rank pair:
+/// the slice copies identical global heads, the writers that send cover each head of a decode
+/// rank exactly once (prefill-side replication sends one copy), and unpaired ranks are refused.
 #[test]
 fn head_mapping_moves_the_right_heads_for_every_tp_pair() {
     for &h in &HEADS {
         for &src_tp in &SIZES {
             for &dst_tp in &SIZES {
-                let writers = writers_per_chunk(ModelKind::Mha, h, src_tp, dst_tp, 1, 1).unwrap();
+                if !splits(h, src_tp) || !splits(h, dst_tp) {
+                    let e = head_slice(src_tp, dst_tp, 0, 0, h).unwrap_err();
+                    assert!(e.message().contains("`total_kv_heads`"), "H={h} P{src_tp}->D{dst_tp}: {}", e.message());
+                    continue;
+                }
+                let per_rank: Vec<u32> = (0..dst_tp).map(|d| tp_writers_of(d, src_tp, dst_tp, h).unwrap()).collect();
+                match writers_per_chunk(ModelKind::Mha, h, src_tp, dst_tp, 1, 1) {
+                    Ok(w) => assert!(per_rank.iter().all(|&c| c == w), "H={h} P{src_tp}->D{dst_tp}: {w} vs {per_rank:?}"),
+                    Err(e) => {
+                        assert!(per_rank.iter().any(|&c| c != per_rank[0]), "H={h} P{src_tp}->D{dst_tp}: {}", e.message());
+                        assert!(src_tp % dst_tp != 0 && dst_tp % src_tp != 0);
+                    }
+                }
                 for d in 0..dst_tp {
+                    let writers = per_rank[d as usize];
                     let dst_heads = heads_of(d, dst_tp, h);
                     let feeders = prefill_ranks_for_decode(d, src_tp, dst_tp).unwrap();
                     let mut covered = vec![0u32; dst_heads.len()];
@@ -97,7 +116,8 @@ fn shape_strategy() -> impl Strategy<Value = PoolShape> {
         (0u32..16, 1u32..4),
     )
         .prop_map(|(kind, h, tp, d, b, ps, layers, (rank, pp))| {
-            let h = if kind == ModelKind::Mla { 1 } else { h };
+            // A head count that splits over the TP size (12 heads over TP 8 do not: 8 over TP 8).
+            let h = if kind == ModelKind::Mla { 1 } else if splits(h, tp) { h } else { tp };
             let s = PoolShape::new(kind, h, d, b, ps, 1).with_tp(rank % tp, tp);
             s.with_pp(rank % pp, pp, layers)
         })
@@ -179,6 +199,7 @@ proptest! {
         layers in 1u32..100,
         pages in prop::collection::vec(0u32..64, 0..40),
     ) {
+        prop_assume!(splits(h, src_tp) && splits(h, dst_tp));
         let base = PoolShape::new(ModelKind::Mha, h, d, b, ps, layers);
         let dst = base.clone().with_tp(dst_tp - 1, dst_tp);
         let src_rank = prefill_ranks_for_decode(dst_tp - 1, src_tp, dst_tp).unwrap().start;
@@ -187,25 +208,26 @@ proptest! {
         let st = staging_layout_stages(std::slice::from_ref(&src), &dst, tokens).unwrap();
         prop_assert_eq!(staging_layout(&src, &dst, tokens).unwrap().total_bytes, st.total_bytes);
         // One writer per distinct head group: prefill-side replication sends each head once.
-        let rep = (src_tp / h).max(1);
-        let w = if src_tp > dst_tp { (src_tp / dst_tp / rep).max(1) } else { 1 };
-        let n = if src_tp > dst_tp { (h / src_tp).max(1) } else { (h / dst_tp).max(1) };
-        let writer_bytes = tokens as u64 * n as u64 * d as u64 * b as u64 * layers as u64 * 2;
-        prop_assert_eq!(st.writers.len() as u32, w);
-        prop_assert_eq!(st.total_bytes, writer_bytes * w as u64);
+        prop_assert_eq!(st.writers.len() as u32, tp_writers_of(dst_tp - 1, src_tp, dst_tp, h).unwrap());
         // The wire carries the decode rank's distinct heads, no more.
         prop_assert_eq!(st.total_bytes, tokens as u64 * dst.local_heads as u64 * d as u64 * b as u64 * layers as u64 * 2);
+        let slab = |n: u32| tokens as u64 * n as u64 * d as u64 * b as u64;
+        let mut offset = 0;
         for (i, r) in st.writers.iter().enumerate() {
-            prop_assert_eq!(r.offset, i as u64 * writer_bytes);
-            prop_assert_eq!(st.slab_offset(i as u32, 1, layers - 1), r.offset + writer_bytes - tokens as u64 * n as u64 * d as u64 * b as u64);
+            let n = r.heads.num_heads;
+            prop_assert_eq!((r.offset, r.bytes), (offset, slab(n) * layers as u64 * 2));
+            prop_assert_eq!(st.slab_offset(i as u32, 1, layers - 1), r.offset + r.bytes - slab(n));
+            offset += r.bytes;
         }
+        prop_assert_eq!(st.writers.iter().map(|r| r.heads.num_heads).sum::<u32>(), dst.local_heads);
         let writer = st.writer_for(&src).unwrap().unwrap();
         let plan = plan_gather(&src, &pages, 0, &st, &st.writers[writer as usize]).unwrap();
         let runs = pages.windows(2).filter(|p| p[1] != p[0].wrapping_add(1)).count() + usize::from(!pages.is_empty());
         prop_assert_eq!(plan.run_count(), runs * 2 * layers as usize);
-        prop_assert_eq!(plan.rows[0].contiguous(), n == src.local_heads);
-        prop_assert_eq!(plan.bytes(), writer_bytes);
+        let region = &st.writers[writer as usize];
+        prop_assert_eq!(plan.rows[0].contiguous(), region.heads.num_heads == src.local_heads);
+        prop_assert_eq!(plan.bytes(), region.bytes);
         let all_rows: u64 = plan.runs().map(|r| r.rows * r.row_bytes()).sum();
-        prop_assert_eq!(all_rows, writer_bytes);
+        prop_assert_eq!(all_rows, region.bytes);
     }
 }

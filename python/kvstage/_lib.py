@@ -437,6 +437,8 @@ class kvstage_staging_writer(Structure):
         ("src_head_start", c_uint32),
         ("num_heads", c_uint32),
         ("dst_head_start", c_uint32),
+        ("slab_bytes", c_uint64),
+        ("v_slab_bytes", c_uint64),
     ]
 
 

@@ -179,12 +179,18 @@ class StagingWriter(NamedTuple):
     src_head_start: int
     num_heads: int
     dst_head_start: int
+    #: Bytes of one of its K (or latent) slabs, and of one of its V slabs (0 for MLA).
+    slab_bytes: int = 0
+    v_slab_bytes: int = 0
 
 
 class StagingLayout(NamedTuple):
-    """Layout of one staging allocation (one decode rank, one chunk). Writer ``w``'s slab for
-    buffer ``kv`` and layer index ``l`` starts at
-    ``writers[w].offset + (kv * writers[w].layers + l) * slab_bytes``."""
+    """Layout of one staging allocation (one decode rank, one chunk). Writer ``w``'s K slab for
+    layer index ``l`` starts at ``writers[w].offset + l * writers[w].slab_bytes``, its V slab at
+    ``writers[w].offset + writers[w].layers * writers[w].slab_bytes + l * writers[w].v_slab_bytes``.
+    ``row_bytes``, ``slab_bytes`` and ``num_heads`` are every writer's, or 0 where the decode
+    rank's head groups differ in size (TP sizes that do not divide one another: P3→D2 with 12
+    heads sends decode rank 0 four heads from prefill rank 0 and two from prefill rank 1)."""
 
     total_bytes: int
     row_bytes: int
@@ -240,7 +246,8 @@ def staging_layout(
         out.buffers_per_layer,
         out.num_tp_writers,
         tuple(
-            StagingWriter(w.offset, w.bytes, w.layers, w.src_tp_rank, w.src_pp_rank, w.tp_writer, w.src_head_start, w.num_heads, w.dst_head_start)
+            StagingWriter(w.offset, w.bytes, w.layers, w.src_tp_rank, w.src_pp_rank, w.tp_writer, w.src_head_start, w.num_heads, w.dst_head_start,
+                          w.slab_bytes, w.v_slab_bytes)
             for w in writers[: out.num_writers]
         ),
         out.parts_bytes,

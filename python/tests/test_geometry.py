@@ -69,6 +69,28 @@ def test_staging_layout(lib):
     assert info.value.code < 0
 
 
+def test_staging_layout_of_tp_sizes_that_do_not_divide(lib):
+    # P3 -> D2 with 12 heads: decode rank 0 takes heads 0..4 from prefill rank 0 and 4..6 from
+    # prefill rank 1, so its two regions differ in size and the layout-wide row sizes are 0.
+    m = kvref.Model(layers=3, heads=12, head_dim=16, dtype_bytes=2, page_size=16)
+    st = kvstage.staging_layout(m.shape(0, 3), m.shape(0, 2), 64)
+    head = 16 * 2
+    assert (st.num_heads, st.row_bytes, st.slab_bytes, st.num_tp_writers) == (0, 0, 0, 2)
+    assert [(w.src_tp_rank, w.src_head_start, w.num_heads, w.dst_head_start) for w in st.writers] == [(0, 0, 4, 0), (1, 0, 2, 4)]
+    assert [(w.slab_bytes, w.v_slab_bytes) for w in st.writers] == [(64 * 4 * head,) * 2, (64 * 2 * head,) * 2]
+    assert [w.bytes for w in st.writers] == [2 * 3 * w.slab_bytes for w in st.writers]
+    assert st.writers[1].offset == st.writers[0].bytes and st.total_bytes == 2 * 3 * 64 * 6 * head
+    # Decode rank 1 takes heads 6..8 from prefill rank 1 (its local heads 2..4) and 8..12 from 2.
+    st = kvstage.staging_layout(m.shape(0, 3), m.shape(1, 2), 64)
+    assert [(w.src_tp_rank, w.src_head_start, w.num_heads, w.dst_head_start) for w in st.writers] == [(1, 2, 2, 0), (2, 0, 4, 2)]
+    # P6 -> D4: decode rank 0 (heads 0..3) takes 2 heads from prefill rank 0 and 1 from rank 1.
+    st = kvstage.staging_layout(m.shape(0, 6), m.shape(0, 4), 64)
+    assert st.num_heads == 0 and [w.num_heads for w in st.writers] == [2, 1]
+    # Head groups of one size keep the layout-wide sizes (P4 -> D2).
+    st = kvstage.staging_layout(m.shape(0, 4), m.shape(0, 2), 64)
+    assert (st.num_heads, st.slab_bytes) == (3, 64 * 3 * head) and all(w.slab_bytes == st.slab_bytes for w in st.writers)
+
+
 def test_staging_layout_sizes_a_whole_request_with_its_parts(lib):
     # Prefill TP 4 -> decode rank 1 of TP 2, 8 heads, 2 layers: a 24-byte metadata row (once), a
     # sharded conv state (3 rows of 8+8+16 bf16 elements: 192 bytes whole, decode rank 1 holds

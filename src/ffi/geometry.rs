@@ -154,8 +154,12 @@ unsafe fn state_items(components: *const kvstage_component, count: usize) -> Res
 
 /// Layout of one staging allocation (one decode rank, one chunk). Set `struct_size` before the
 /// call. Writer `w`'s slab for layer index `l` (into the decode rank's layers the writer holds,
-/// ascending) starts at `writers[w].offset + l · slab_bytes` for K (or the latent) and at
-/// `writers[w].offset + writers[w].layers · slab_bytes + l · v_slab_bytes` for V.
+/// ascending) starts at `writers[w].offset + l · writers[w].slab_bytes` for K (or the latent) and
+/// at `writers[w].offset + writers[w].layers · writers[w].slab_bytes + l · writers[w].v_slab_bytes`
+/// for V. The row and slab sizes here are every writer's, except where the TP sizes do not divide
+/// one another and the decode rank's head groups differ in size (P3→D2 with 12 heads: 4 heads
+/// from prefill rank 0, 2 from prefill rank 1): then `num_heads`, `row_bytes`, `slab_bytes`,
+/// `v_row_bytes` and `v_slab_bytes` are 0 and each writer's own say it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct kvstage_staging_layout {
@@ -167,7 +171,7 @@ pub struct kvstage_staging_layout {
     /// Bytes of one (K or latent, layer) slab (`tokens · row_bytes`).
     pub slab_bytes: u64,
     pub tokens: u32,
-    /// Heads per row (the same for every writer).
+    /// Heads per row (every writer's; 0 when head groups differ in size).
     pub num_heads: u32,
     /// 2 (K, V) for MHA, 1 for MLA.
     pub buffers_per_layer: u32,
@@ -203,6 +207,10 @@ pub struct kvstage_staging_writer {
     pub src_head_start: u32,
     pub num_heads: u32,
     pub dst_head_start: u32,
+    /// Bytes of one of its (K or latent, layer) slabs: `tokens · num_heads · head_dim ·
+    /// dtype_bytes`; V's: `tokens · num_heads · head_dim_v · dtype_bytes` (0 for MLA).
+    pub slab_bytes: u64,
+    pub v_slab_bytes: u64,
 }
 
 /// Computes the staging layout of decode rank `dst` for a chunk of `tokens` tokens written by the
@@ -254,15 +262,17 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
         }
         let sides = geometry::TailSides { src: &specs, dst: &specs, src_tp: st.src_tp, dst_tp: dst.tp_size, dst_rank: dst.tp_rank, pool_tokens };
         let parts_bytes = if specs.is_empty() { 0 } else { geometry::owed_tail(&sides, &st)? };
+        let n = st.uniform_heads().unwrap_or(0);
+        let v = |bytes: u64| if st.buffers_per_layer == 2 { bytes } else { 0 };
         let filled = kvstage_staging_layout {
             struct_size: std::mem::size_of::<kvstage_staging_layout>(),
             total_bytes: st.total_bytes + parts_bytes,
-            row_bytes: st.row_bytes(0),
-            slab_bytes: st.slab_bytes(0),
-            v_row_bytes: if st.buffers_per_layer == 2 { st.row_bytes(1) } else { 0 },
-            v_slab_bytes: if st.buffers_per_layer == 2 { st.slab_bytes(1) } else { 0 },
+            row_bytes: st.row_bytes(n, 0),
+            slab_bytes: st.slab_bytes(n, 0),
+            v_row_bytes: v(st.row_bytes(n, 1)),
+            v_slab_bytes: v(st.slab_bytes(n, 1)),
             tokens: st.tokens,
-            num_heads: st.num_heads,
+            num_heads: n,
             buffers_per_layer: st.buffers_per_layer,
             num_writers: st.writers.len() as u32,
             num_tp_writers: st.tp_writers(),
@@ -286,6 +296,8 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
                 src_head_start: w.heads.src_head_start,
                 num_heads: w.heads.num_heads,
                 dst_head_start: w.heads.dst_head_start,
+                slab_bytes: st.slab_bytes(w.heads.num_heads, 0),
+                v_slab_bytes: v(st.slab_bytes(w.heads.num_heads, 1)),
             })
             .collect();
         if writers_len < entries.len() {

@@ -35,10 +35,9 @@ fn check_rank(name: &str, rank: u32, size_name: &str, size: u32) -> Result<()> {
     Ok(())
 }
 
-/// The larger of two parallel sizes must be a multiple of the smaller.
+/// The larger of two parallel sizes must be a multiple of the smaller (pipeline stages).
 fn check_ratio(src_name: &str, src: u32, dst_name: &str, dst: u32) -> Result<u32> {
-    check_size(src_name, src)?;
-    check_size(dst_name, dst)?;
+    check_sizes(src_name, src, dst_name, dst)?;
     let (big, small) = if src >= dst { (src, dst) } else { (dst, src) };
     if big % small != 0 {
         return Err(Error::invalid_arg(
@@ -47,6 +46,39 @@ fn check_ratio(src_name: &str, src: u32, dst_name: &str, dst: u32) -> Result<u32
         ));
     }
     Ok(big / small)
+}
+
+fn check_sizes(src_name: &str, src: u32, dst_name: &str, dst: u32) -> Result<()> {
+    check_size(src_name, src)?;
+    check_size(dst_name, dst)
+}
+
+/// TP sizes pair whatever their ratio (P3→D2 as well as P4→D2): both must divide the head count
+/// or be multiples of it.
+fn check_tp(src_tp: u32, dst_tp: u32, total_heads: u32) -> Result<()> {
+    check_sizes("src_tp", src_tp, "dst_tp", dst_tp)?;
+    check_heads(total_heads, "src_tp", src_tp)?;
+    check_heads(total_heads, "dst_tp", dst_tp)
+}
+
+/// The model's KV heads TP rank `rank` of `tp` holds: `H / tp` consecutive heads, or the one head
+/// it replicates when `tp > H`.
+pub fn held_heads(rank: u32, tp: u32, total_heads: u32) -> Range<u32> {
+    let (r, tp, h) = (rank as u64, tp as u64, total_heads as u64);
+    if tp <= h {
+        (r * h / tp) as u32..((r + 1) * h / tp) as u32
+    } else {
+        let head = (r * h / tp) as u32;
+        head..head + 1
+    }
+}
+
+/// The ranks of a side of size `to` whose share of the model overlaps the share of rank `rank`
+/// of size `from`: `[⌊rank·to/from⌋, ⌈(rank+1)·to/from⌉)`. Every TP rank holds the same fraction
+/// of the heads, so this is the set of ranks it exchanges heads with, whatever the two sizes.
+fn overlapping(rank: u32, from: u32, to: u32) -> Range<u32> {
+    let (r, from, to) = (rank as u64, from as u64, to as u64);
+    (r * to / from) as u32..((r + 1) * to).div_ceil(from) as u32
 }
 
 fn check_heads(total_heads: u32, tp_name: &str, tp: u32) -> Result<()> {
@@ -63,71 +95,68 @@ fn check_heads(total_heads: u32, tp_name: &str, tp: u32) -> Result<()> {
 }
 
 /// The head slice prefill rank `src_rank` (of `src_tp`) sends to decode rank `dst_rank` (of
-/// `dst_tp`) for a model with `total_heads` KV heads (docs/GEOMETRY.md, "Head mapping").
+/// `dst_tp`) for a model with `total_heads` KV heads (docs/GEOMETRY.md, "Head mapping"): the
+/// heads both hold ([`held_heads`]), in each side's local units. The TP sizes need not divide one
+/// another (P3→D2 with 12 heads: prefill rank 1 sends its heads 0..2 to decode rank 0's 4..6 and
+/// its 2..4 to decode rank 1's 0..2).
 ///
 /// Errors (`KVSTAGE_E_INVALID_ARG`, naming the argument): zero or huge sizes, ranks not below their
-/// size, head counts that do not divide a TP size (either way), TP sizes that are not multiples of
-/// one another, and a rank pair that does not exchange data (`src_rank` is not a writer of
-/// `dst_rank`).
+/// size, head counts that do not divide a TP size (either way), and a rank pair that does not
+/// exchange data (`src_rank` is not a writer of `dst_rank`).
 pub fn head_slice(src_tp: u32, dst_tp: u32, src_rank: u32, dst_rank: u32, total_heads: u32) -> Result<HeadSlice> {
-    let ratio = check_ratio("src_tp", src_tp, "dst_tp", dst_tp)?;
+    check_tp(src_tp, dst_tp, total_heads)?;
     check_rank("src_rank", src_rank, "src_tp", src_tp)?;
     check_rank("dst_rank", dst_rank, "dst_tp", dst_tp)?;
-    check_heads(total_heads, "src_tp", src_tp)?;
-    check_heads(total_heads, "dst_tp", dst_tp)?;
-    let src_hpr = (total_heads / src_tp).max(1);
-    let dst_hpr = (total_heads / dst_tp).max(1);
-    if src_tp > dst_tp {
-        if src_rank / ratio != dst_rank {
-            return Err(Error::invalid_arg(
+    let feeders = overlapping(dst_rank, dst_tp, src_tp);
+    if !feeders.contains(&src_rank) {
+        return Err(if feeders.len() > 1 {
+            Error::invalid_arg(
                 "src_rank",
-                format!(
-                    "prefill rank {src_rank} does not write to decode rank {dst_rank} (its writers are prefill ranks {}..{})",
-                    dst_rank * ratio,
-                    (dst_rank + 1) * ratio
-                ),
-            ));
-        }
-        let rep = (src_tp / total_heads).max(1);
-        Ok(HeadSlice { src_head_start: 0, num_heads: src_hpr, dst_head_start: ((src_rank / rep) * src_hpr) % dst_hpr })
-    } else {
-        if dst_rank / ratio != src_rank {
-            return Err(Error::invalid_arg(
-                "dst_rank",
-                format!(
-                    "decode rank {dst_rank} reads prefill rank {}, not prefill rank {src_rank}",
-                    dst_rank / ratio
-                ),
-            ));
-        }
-        let rep = (dst_tp / total_heads).max(1);
-        Ok(HeadSlice { src_head_start: ((dst_rank / rep) * dst_hpr) % src_hpr, num_heads: dst_hpr, dst_head_start: 0 })
+                format!("prefill rank {src_rank} does not write to decode rank {dst_rank} (its writers are prefill ranks {}..{})", feeders.start, feeders.end),
+            )
+        } else {
+            Error::invalid_arg("dst_rank", format!("decode rank {dst_rank} reads prefill rank {}, not prefill rank {src_rank}", feeders.start))
+        });
     }
+    let (src, dst) = (held_heads(src_rank, src_tp, total_heads), held_heads(dst_rank, dst_tp, total_heads));
+    let start = src.start.max(dst.start);
+    Ok(HeadSlice { src_head_start: start - src.start, num_heads: src.end.min(dst.end) - start, dst_head_start: start - dst.start })
 }
 
 /// Whether MHA prefill rank `src_rank`, one of decode rank `dst_rank`'s TP sources, sends its
 /// heads. With prefill-side GQA replication (`src_tp > total_heads`) `src_tp / total_heads`
-/// consecutive prefill ranks hold the same heads; of those feeding one decode rank only the first
-/// sends them (each head crosses the wire once), the others have nothing to send there.
+/// consecutive prefill ranks hold the same head; of those feeding one decode rank only the first
+/// sends it (each head crosses the wire once), the others have nothing to send there.
 pub fn sends_its_heads(src_rank: u32, dst_rank: u32, src_tp: u32, dst_tp: u32, total_heads: u32) -> bool {
-    let rep = (src_tp / total_heads.max(1)).max(1);
-    let first = if src_tp > dst_tp { dst_rank * (src_tp / dst_tp) } else { src_rank };
-    src_rank == first || src_rank.is_multiple_of(rep)
+    let first = overlapping(dst_rank, dst_tp, src_tp).start;
+    src_rank == first || src_rank == 0 || held_heads(src_rank - 1, src_tp, total_heads) != held_heads(src_rank, src_tp, total_heads)
 }
 
-/// TP writers per decode rank for MHA: the prefill ranks feeding it (`src_tp / dst_tp` when
-/// prefill is larger, else 1) that send their heads, one per distinct head group
-/// ([`sends_its_heads`]): `max(1, (src_tp / dst_tp) / (src_tp / total_heads))` under prefill-side
-/// replication.
+/// TP writers of MHA decode rank `dst_rank`: the prefill ranks feeding it
+/// ([`prefill_ranks_for_decode`]) that send their heads, one per distinct head group
+/// ([`sends_its_heads`]).
+pub fn tp_writers_of(dst_rank: u32, src_tp: u32, dst_tp: u32, total_heads: u32) -> Result<u32> {
+    let feeders = prefill_ranks_for_decode(dst_rank, src_tp, dst_tp)?;
+    check_tp(src_tp, dst_tp, total_heads)?;
+    Ok(feeders.filter(|&rs| sends_its_heads(rs, dst_rank, src_tp, dst_tp, total_heads)).count() as u32)
+}
+
+/// TP writers per MHA decode rank when every decode rank has as many:
+/// `max(1, (src_tp / dst_tp) / max(1, src_tp / total_heads))` when one size divides the other.
+/// Where neither does, decode ranks can differ (P2→D3 with 12 heads: 1, 2, 1); that is refused,
+/// naming the counts: the layout of a decode rank ([`tp_writers_of`]) has its own.
 pub fn tp_writers(src_tp: u32, dst_tp: u32, total_heads: u32) -> Result<u32> {
-    let ratio = check_ratio("src_tp", src_tp, "dst_tp", dst_tp)?;
-    check_heads(total_heads, "src_tp", src_tp)?;
-    check_heads(total_heads, "dst_tp", dst_tp)?;
-    if src_tp <= dst_tp {
-        return Ok(1);
+    check_tp(src_tp, dst_tp, total_heads)?;
+    let counts: Vec<u32> = (0..dst_tp).map(|d| tp_writers_of(d, src_tp, dst_tp, total_heads)).collect::<Result<_>>()?;
+    if counts.iter().any(|&c| c != counts[0]) {
+        return Err(Error::invalid_arg(
+            "dst_tp",
+            format!(
+                "src_tp {src_tp} and dst_tp {dst_tp} with {total_heads} KV heads: decode ranks take {counts:?} head groups (neither TP size divides the other); ask the staging layout of each decode rank"
+            ),
+        ));
     }
-    let rep = (src_tp / total_heads.max(1)).max(1);
-    Ok((ratio / rep).max(1))
+    Ok(counts[0])
 }
 
 /// PP writers per decode rank: `src_pp / dst_pp` when prefill has more stages, else 1.
@@ -144,20 +173,22 @@ pub fn writers_per_chunk(kind: ModelKind, total_heads: u32, src_tp: u32, dst_tp:
     Ok(tw * pp_writers(src_pp, dst_pp)?)
 }
 
-/// Prefill TP ranks that write to MHA decode rank `dst_rank`: `[d·r, (d+1)·r)` when prefill is
-/// larger (ratio `r`), else the single rank `d / r`.
+/// Prefill TP ranks that write to MHA decode rank `dst_rank`: those whose heads overlap its heads,
+/// `[⌊d·src_tp/dst_tp⌋, ⌈(d+1)·src_tp/dst_tp⌉)`: `[d·r, (d+1)·r)` when prefill is larger by a ratio
+/// `r`, the single rank `d / r` when smaller, and one or two ranks where neither size divides the
+/// other (P3→D2: decode rank 0 reads prefill ranks 0 and 1).
 pub fn prefill_ranks_for_decode(dst_rank: u32, src_tp: u32, dst_tp: u32) -> Result<Range<u32>> {
-    let ratio = check_ratio("src_tp", src_tp, "dst_tp", dst_tp)?;
+    check_sizes("src_tp", src_tp, "dst_tp", dst_tp)?;
     check_rank("dst_rank", dst_rank, "dst_tp", dst_tp)?;
-    Ok(if src_tp > dst_tp { dst_rank * ratio..(dst_rank + 1) * ratio } else { dst_rank / ratio..dst_rank / ratio + 1 })
+    Ok(overlapping(dst_rank, dst_tp, src_tp))
 }
 
 /// Decode TP ranks MHA prefill rank `src_rank` writes to (the inverse of
 /// [`prefill_ranks_for_decode`]).
 pub fn decode_ranks_for_prefill(src_rank: u32, src_tp: u32, dst_tp: u32) -> Result<Range<u32>> {
-    let ratio = check_ratio("src_tp", src_tp, "dst_tp", dst_tp)?;
+    check_sizes("src_tp", src_tp, "dst_tp", dst_tp)?;
     check_rank("src_rank", src_rank, "src_tp", src_tp)?;
-    Ok(if src_tp >= dst_tp { src_rank / ratio..src_rank / ratio + 1 } else { src_rank * ratio..(src_rank + 1) * ratio })
+    Ok(overlapping(src_rank, src_tp, dst_tp))
 }
 
 /// Prefill PP ranks that write to decode PP rank `dst_pp_rank` (same rule as TP: stages are split
@@ -186,7 +217,7 @@ pub fn decode_pp_ranks_for_prefill(src_pp_rank: u32, src_pp: u32, dst_pp: u32) -
 /// The one prefill TP rank that writes to MLA decode rank `dst_rank` (the latent is replicated on
 /// every TP rank, so one copy suffices): `dst_rank mod src_tp`. Other prefill ranks send nothing.
 pub fn mla_source_rank(dst_rank: u32, src_tp: u32, dst_tp: u32) -> Result<u32> {
-    check_ratio("src_tp", src_tp, "dst_tp", dst_tp)?;
+    check_sizes("src_tp", src_tp, "dst_tp", dst_tp)?;
     check_rank("dst_rank", dst_rank, "dst_tp", dst_tp)?;
     Ok(dst_rank % src_tp)
 }
@@ -259,6 +290,31 @@ mod tests {
         assert_eq!(writers_per_chunk(ModelKind::Mla, 1, 8, 2, 2, 1).unwrap(), 2);
     }
 
+    #[test]
+    fn tp_sizes_that_do_not_divide_one_another() {
+        // P3→D2, 12 heads: prefill ranks hold 0..4, 4..8, 8..12; decode ranks 0..6, 6..12.
+        assert_eq!(prefill_ranks_for_decode(0, 3, 2).unwrap(), 0..2);
+        assert_eq!(prefill_ranks_for_decode(1, 3, 2).unwrap(), 1..3);
+        assert_eq!(decode_ranks_for_prefill(1, 3, 2).unwrap(), 0..2);
+        assert_eq!(hs(3, 2, 0, 0, 12), HeadSlice { src_head_start: 0, num_heads: 4, dst_head_start: 0 });
+        assert_eq!(hs(3, 2, 1, 0, 12), HeadSlice { src_head_start: 0, num_heads: 2, dst_head_start: 4 });
+        assert_eq!(hs(3, 2, 1, 1, 12), HeadSlice { src_head_start: 2, num_heads: 2, dst_head_start: 0 });
+        assert_eq!(hs(3, 2, 2, 1, 12), HeadSlice { src_head_start: 0, num_heads: 4, dst_head_start: 2 });
+        assert_eq!(writers_per_chunk(ModelKind::Mha, 12, 3, 2, 1, 1).unwrap(), 2);
+        // P2→D3, 12 heads: decode rank 1 (heads 4..8) reads both prefill ranks, the others one.
+        assert_eq!((0..3).map(|d| tp_writers_of(d, 2, 3, 12).unwrap()).collect::<Vec<_>>(), [1, 2, 1]);
+        assert_eq!(hs(2, 3, 0, 1, 12), HeadSlice { src_head_start: 4, num_heads: 2, dst_head_start: 0 });
+        assert_eq!(hs(2, 3, 1, 1, 12), HeadSlice { src_head_start: 0, num_heads: 2, dst_head_start: 2 });
+        // Replication on both sides, P8→D12 with 4 heads: decode rank 4 holds head 1, which
+        // prefill ranks 2 and 3 both hold; rank 2 sends it.
+        assert_eq!(prefill_ranks_for_decode(4, 8, 12).unwrap(), 2..4);
+        assert_eq!((2..4).filter(|&rs| sends_its_heads(rs, 4, 8, 12, 4)).collect::<Vec<_>>(), [2]);
+        assert_eq!(hs(8, 12, 3, 4, 4), HeadSlice { src_head_start: 0, num_heads: 1, dst_head_start: 0 });
+        // MLA: decode rank d reads prefill rank d mod src_tp, whatever the sizes.
+        assert_eq!(mla_source_rank(2, 3, 4).unwrap(), 2);
+        assert_eq!(mla_source_rank(3, 3, 4).unwrap(), 0);
+    }
+
     fn bad(r: Result<impl std::fmt::Debug>, name: &str, text: &str) {
         let e = r.expect_err("should fail");
         assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
@@ -271,8 +327,11 @@ mod tests {
         bad(head_slice(0, 2, 0, 0, 8), "src_tp", "0 is outside");
         bad(head_slice(2, 0, 0, 0, 8), "dst_tp", "0 is outside");
         bad(head_slice(1 << 17, 1, 0, 0, 8), "src_tp", "is outside");
-        bad(head_slice(6, 4, 0, 0, 8), "src_tp", "src_tp 6 and dst_tp 4 are not multiples");
-        bad(head_slice(4, 6, 0, 0, 8), "dst_tp", "are not multiples");
+        bad(head_slice(6, 4, 0, 0, 8), "total_kv_heads", "8 and src_tp 6 do not divide");
+        bad(head_slice(4, 6, 0, 0, 8), "total_kv_heads", "8 and dst_tp 6 do not divide");
+        bad(head_slice(3, 2, 2, 0, 12), "src_rank", "prefill rank 2 does not write to decode rank 0 (its writers are prefill ranks 0..2)");
+        bad(head_slice(2, 3, 1, 0, 12), "dst_rank", "decode rank 0 reads prefill rank 0, not prefill rank 1");
+        bad(writers_per_chunk(ModelKind::Mha, 12, 2, 3, 1, 1), "dst_tp", "decode ranks take [1, 2, 1] head groups");
         bad(head_slice(4, 2, 4, 0, 8), "src_rank", "4 is not below src_tp 4");
         bad(head_slice(4, 2, 0, 2, 8), "dst_rank", "2 is not below dst_tp 2");
         bad(head_slice(4, 2, 0, 0, 0), "total_kv_heads", "0 is outside");

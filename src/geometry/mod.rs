@@ -25,7 +25,7 @@ pub use fingerprint::{Fingerprint, FINGERPRINT_VERSION};
 pub use grid::{chunk_count, chunk_span, grid_tokens, split_grid, ChunkSpan, GridPiece, DEFAULT_CHUNK_TOKENS};
 pub use heads::{
     decode_pp_ranks_for_prefill, decode_ranks_for_prefill, head_slice, mla_source_rank, pp_writers,
-    prefill_pp_ranks_for_decode, prefill_ranks_for_decode, sends_its_heads, tp_writers, writers_per_chunk,
+    prefill_pp_ranks_for_decode, prefill_ranks_for_decode, sends_its_heads, tp_writers, tp_writers_of, writers_per_chunk,
     HeadSlice,
 };
 pub use layout::{KvLayout, PoolGeometry, Strides};

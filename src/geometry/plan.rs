@@ -253,7 +253,8 @@ pub fn plan_chunk<P: PoolGeometry + ?Sized>(
     let geometry = pool;
     let pool = pool.shape();
     pool.validate()?;
-    let sized = region.layers as usize == region.layer_ids.len() && staging.layer_bytes().checked_mul(region.layers as u64) == Some(region.kv_bytes());
+    let layer_bytes = staging.layer_bytes(region.heads.num_heads);
+    let sized = region.layers as usize == region.layer_ids.len() && layer_bytes.checked_mul(region.layers as u64) == Some(region.kv_bytes());
     if !sized || region.offset.checked_add(region.bytes).is_none_or(|end| end > staging.total_bytes) {
         return Err(Error::invalid_arg(
             "region",
@@ -263,7 +264,7 @@ pub fn plan_chunk<P: PoolGeometry + ?Sized>(
                 region.bytes,
                 region.layers,
                 staging.total_bytes,
-                staging.layer_bytes()
+                layer_bytes
             ),
         ));
     }
@@ -271,8 +272,8 @@ pub fn plan_chunk<P: PoolGeometry + ?Sized>(
     if !list.is_empty() {
         return Err(mismatch_error("pool and staging layout", list));
     }
-    if num_heads != staging.num_heads {
-        return Err(Error::invalid_arg("num_heads", format!("{num_heads} != the layout's {} heads per row", staging.num_heads)));
+    if num_heads != region.heads.num_heads {
+        return Err(Error::invalid_arg("num_heads", format!("{num_heads} != the region's {} heads per row", region.heads.num_heads)));
     }
     if head_start as u64 + num_heads as u64 > pool.local_heads as u64 {
         return Err(Error::invalid_arg(
@@ -303,13 +304,13 @@ pub fn plan_chunk<P: PoolGeometry + ?Sized>(
             slabs.push(Slab {
                 buffer: kv * pool_layers + idx,
                 kv,
-                staging_offset: staging.slab_in_region(region.layers, kv, l as u32),
+                staging_offset: staging.slab_in_region(num_heads, region.layers, kv, l as u32),
                 layer_id: region.layer_ids[l],
             });
         }
     }
     let rows = |kv: u32| {
-        let (strides, row_bytes, hb) = (geometry.strides_of(kv), staging.row_bytes(kv), pool.head_bytes_of(kv));
+        let (strides, row_bytes, hb) = (geometry.strides_of(kv), staging.row_bytes(num_heads, kv), pool.head_bytes_of(kv));
         // Heads `strides.head` apart that are not adjacent make one piece per head.
         let (piece_bytes, piece_stride) = if num_heads == 1 || strides.head == hb { (row_bytes, row_bytes) } else { (hb, strides.head) };
         RowGeometry {
@@ -344,13 +345,13 @@ pub fn plan_gather<P: PoolGeometry + ?Sized>(
     staging: &StagingLayout,
     region: &WriterRegion,
 ) -> Result<CopyPlan> {
-    plan_chunk(pool, region.heads.src_head_start, staging.num_heads, pages, first_token, staging, region)
+    plan_chunk(pool, region.heads.src_head_start, region.heads.num_heads, pages, first_token, staging, region)
 }
 
 /// The receiver's plan: `region` → pool, using the region's destination heads. Decode chunks
 /// start on a decode page (the grid's base, the cached prefix, is whole decode pages).
 pub fn plan_scatter<P: PoolGeometry + ?Sized>(pool: &P, pages: &[u32], staging: &StagingLayout, region: &WriterRegion) -> Result<CopyPlan> {
-    plan_chunk(pool, region.heads.dst_head_start, staging.num_heads, pages, 0, staging, region)
+    plan_chunk(pool, region.heads.dst_head_start, region.heads.num_heads, pages, 0, staging, region)
 }
 
 #[cfg(test)]
@@ -515,7 +516,7 @@ mod tests {
         assert!(e.message().contains("`head_start`: heads 1..3 exceed the pool's 2 local heads"), "{}", e.message());
         let e = plan_chunk(&dst, 0, 1, &[1, 2], 0, &st, w).unwrap_err();
         assert_eq!(e.code(), Status::KVSTAGE_E_INVALID_ARG);
-        assert!(e.message().contains("`num_heads`: 1 != the layout's 2 heads per row"), "{}", e.message());
+        assert!(e.message().contains("`num_heads`: 1 != the region's 2 heads per row"), "{}", e.message());
         let mut other = src.clone();
         other.dtype_bytes = 4;
         let e = plan_chunk(&other, 0, 2, &[1, 2], 0, &st, w).unwrap_err();

@@ -28,7 +28,7 @@ pub const TAIL_ONLY: u32 = u32::MAX;
 pub struct WriterRegion {
     /// Byte offset of the region within the allocation (0 until placed).
     pub offset: u64,
-    /// Region size: `layers ·` [`StagingLayout::layer_bytes`], plus the tail.
+    /// Region size: `layers ·` [`StagingLayout::layer_bytes`] of its heads, plus the tail.
     pub bytes: u64,
     /// Layers carried (`layer_ids.len()`).
     pub layers: u32,
@@ -96,17 +96,12 @@ pub struct StagingLayout {
     /// Regions placed so far, back to back from offset 0: by [`StagingLayout::place`] (the
     /// receiver, in allocation order) or all of them by [`staging_layout_stages`].
     pub writers: Vec<WriterRegion>,
-    /// Bytes of the whole allocation: `tp_writers · layers ·` [`StagingLayout::layer_bytes`],
-    /// plus `tail_total`.
+    /// Bytes of the whole allocation: `layers ·` [`StagingLayout::layer_bytes`] of every head
+    /// group, plus `tail_total`.
     pub total_bytes: u64,
     /// Bytes of request parts the allocation owes besides the KV (every region's tail together).
     pub tail_total: u64,
     pub tokens: u32,
-    /// Bytes of one token's head slice of each buffer kind (K / latent, V): `n · D · b`, `n · Dv ·
-    /// b` ([`StagingLayout::row_bytes`]).
-    pub rows: [u64; 2],
-    /// Heads per row (`n`).
-    pub num_heads: u32,
     pub kind: ModelKind,
     pub buffers_per_layer: u32,
     /// The prefill TP rank that writes each head group (TP writer) of the decode rank, and the
@@ -125,28 +120,39 @@ impl StagingLayout {
     /// is out of range.
     pub fn slab_offset(&self, writer: u32, kv: u32, layer_idx: u32) -> u64 {
         let w = &self.writers[writer as usize];
-        w.offset + self.slab_in_region(w.layers, kv, layer_idx)
+        w.offset + self.slab_in_region(w.heads.num_heads, w.layers, kv, layer_idx)
     }
 
-    /// Offset of slab (`kv`, `layer_idx`) within a region of `layers` layers: K slabs, then V.
-    pub fn slab_in_region(&self, layers: u32, kv: u32, layer_idx: u32) -> u64 {
-        let before_kind = if kv == 0 { 0 } else { layers as u64 * self.slab_bytes(0) };
-        before_kind + layer_idx as u64 * self.slab_bytes(kv)
+    /// Offset of slab (`kv`, `layer_idx`) within a region of `layers` layers of `heads` heads
+    /// per row: K slabs, then V.
+    pub fn slab_in_region(&self, heads: u32, layers: u32, kv: u32, layer_idx: u32) -> u64 {
+        let before_kind = if kv == 0 { 0 } else { layers as u64 * self.slab_bytes(heads, 0) };
+        before_kind + layer_idx as u64 * self.slab_bytes(heads, kv)
     }
 
-    /// Bytes of one token's head slice in a slab of buffer kind `kv` (0 = K / latent, 1 = V).
-    pub fn row_bytes(&self, kv: u32) -> u64 {
-        self.rows[(kv as usize).min(1)]
+    /// Bytes of one token's slice of `heads` heads in a slab of buffer kind `kv` (0 = K / latent,
+    /// 1 = V): `heads · D · b` (V: `Dv`).
+    pub fn row_bytes(&self, heads: u32, kv: u32) -> u64 {
+        heads as u64 * self.dst.head_bytes_of(kv.min(self.buffers_per_layer - 1))
     }
 
-    /// Bytes of one (buffer, layer) slab of kind `kv`: `tokens · row_bytes(kv)`.
-    pub fn slab_bytes(&self, kv: u32) -> u64 {
-        self.tokens as u64 * self.row_bytes(kv)
+    /// Bytes of one (buffer, layer) slab of kind `kv` with `heads` heads per row: `tokens ·
+    /// row_bytes`.
+    pub fn slab_bytes(&self, heads: u32, kv: u32) -> u64 {
+        self.tokens as u64 * self.row_bytes(heads, kv)
     }
 
-    /// Bytes of one layer's slabs (K and V, or the latent).
-    pub fn layer_bytes(&self) -> u64 {
-        (0..self.buffers_per_layer).map(|kv| self.slab_bytes(kv)).sum()
+    /// Bytes of one layer's slabs (K and V, or the latent) with `heads` heads per row.
+    pub fn layer_bytes(&self, heads: u32) -> u64 {
+        (0..self.buffers_per_layer).map(|kv| self.slab_bytes(heads, kv)).sum()
+    }
+
+    /// Heads per row when every head group sends as many (always, unless neither TP size divides
+    /// the other: P3→D2 with 12 heads sends decode rank 0 four heads from prefill rank 0 and two
+    /// from prefill rank 1).
+    pub fn uniform_heads(&self) -> Option<u32> {
+        let n = self.tp_ranks.first().map(|(_, h)| h.num_heads)?;
+        self.tp_ranks.iter().all(|(_, h)| h.num_heads == n).then_some(n)
     }
 
     /// Head groups of the decode rank: prefill ranks (one per group) that write each chunk's
@@ -247,7 +253,7 @@ impl StagingLayout {
         let layers = layer_ids.len() as u32;
         Ok(Some(WriterRegion {
             offset: 0,
-            bytes: self.layer_bytes() * layers as u64,
+            bytes: self.layer_bytes(self.tp_ranks[t].1.num_heads) * layers as u64,
             layers,
             layer_ids,
             src_tp_rank: src.tp_rank,
@@ -387,19 +393,18 @@ pub fn staging_layout(src: &PoolShape, dst: &PoolShape, tokens: u32) -> Result<S
         }
         ModelKind::Mla => vec![(mla_source_rank(dst.tp_rank, src.tp_size, dst.tp_size)?, HeadSlice::MLA)],
     };
-    let n = tp_ranks[0].1.num_heads;
     let overflow = || Error::new(Status::KVSTAGE_E_GEOMETRY_INVALID, format!("staging size of {tokens} tokens overflows 64 bits"));
     let bpl = dst.buffers_per_layer();
-    let rows = [n as u64 * dst.head_bytes_of(0), n as u64 * dst.head_bytes_of(bpl - 1)];
-    let layer_bytes = (tokens as u64).checked_mul(rows[0] + if bpl == 2 { rows[1] } else { 0 }).ok_or_else(overflow)?;
-    let total_bytes = layer_bytes.checked_mul(tp_ranks.len() as u64 * dst.layer_count() as u64).ok_or_else(overflow)?;
+    // One token of one layer, every head group: their heads together are the decode rank's.
+    let heads: u64 = tp_ranks.iter().map(|(_, h)| h.num_heads as u64).sum();
+    let token_bytes = heads * (dst.head_bytes_of(0) + if bpl == 2 { dst.head_bytes_of(1) } else { 0 });
+    let layer_bytes = (tokens as u64).checked_mul(token_bytes).ok_or_else(overflow)?;
+    let total_bytes = layer_bytes.checked_mul(dst.layer_count() as u64).ok_or_else(overflow)?;
     Ok(StagingLayout {
         writers: Vec::new(),
         total_bytes,
         tail_total: 0,
         tokens,
-        rows,
-        num_heads: n,
         kind: dst.kind,
         buffers_per_layer: bpl,
         tp_ranks,
@@ -453,7 +458,7 @@ mod tests {
         // docs/GEOMETRY.md, "Sizes": 70B, P4→D2, 8192-token chunk: 2 writers × 640 MiB.
         let st = staging_layout_stages(&[shape(0, 4)], &shape(1, 2), 8192).unwrap();
         assert_eq!(st.writers.len(), 2);
-        assert_eq!(st.row_bytes(0), 512);
+        assert_eq!((st.uniform_heads(), st.row_bytes(2, 0)), (Some(2), 512));
         assert!(st.writers.iter().all(|w| w.bytes == 640 << 20));
         assert_eq!(st.total_bytes, 1280 << 20);
         assert_eq!(staging_layout(&shape(0, 4), &shape(1, 2), 8192).unwrap().total_bytes, st.total_bytes);
@@ -573,7 +578,7 @@ mod tests {
     #[test]
     fn staging_errors() {
         // Any token count: a request's last chunk may end inside a page.
-        assert_eq!(staging_layout(&shape(0, 4), &shape(1, 2), 20).unwrap().slab_bytes(0), 20 * 2 * 128 * 2);
+        assert_eq!(staging_layout(&shape(0, 4), &shape(1, 2), 20).unwrap().slab_bytes(2, 0), 20 * 2 * 128 * 2);
         let mut other = shape(1, 2);
         other.head_dim = 64;
         other.dtype_bytes = 4;

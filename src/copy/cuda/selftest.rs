@@ -370,19 +370,20 @@ fn token_slot(pages: &[u32], page_size: u32, first: u32, t: u64) -> (u64, u64) {
 /// layer of the region), token, head of the row.
 fn region_heads(st: &StagingLayout, region: &WriterRegion, pool: &Pool, pages: &[u32], first: u32, head_start: u32) -> Result<Vec<(usize, usize, usize)>> {
     let shape = &pool.device.shape;
-    let mut out = Vec::with_capacity(region.layer_ids.len() * st.buffers_per_layer as usize * st.tokens as usize * st.num_heads as usize);
+    let mut out = Vec::with_capacity(region.layer_ids.len() * st.buffers_per_layer as usize * st.tokens as usize * region.heads.num_heads as usize);
+    let n = region.heads.num_heads;
     for kv in 0..st.buffers_per_layer {
         let hb = shape.head_bytes_of(kv);
-        let row = st.num_heads as u64 * hb;
-        if row != st.row_bytes(kv) {
-            return Err(Error::internal(format!("staging rows of {} bytes: not {} heads of {hb} bytes", st.row_bytes(kv), st.num_heads)));
+        let row = n as u64 * hb;
+        if row != st.row_bytes(n, kv) {
+            return Err(Error::internal(format!("staging rows of {} bytes: not {} heads of {hb} bytes", st.row_bytes(n, kv), n)));
         }
         for (l, &id) in region.layer_ids.iter().enumerate() {
             let li = shape.layer_index(id).ok_or_else(|| Error::internal(format!("layer {id} is not in the pool")))? as u64;
-            let slab = st.slab_in_region(region.layers, kv, l as u32);
+            let slab = st.slab_in_region(n, region.layers, kv, l as u32);
             for t in 0..st.tokens as u64 {
                 let (page, slot) = token_slot(pages, shape.page_size, first, t);
-                for j in 0..st.num_heads as u64 {
+                for j in 0..n as u64 {
                     out.push(((slab + t * row + j * hb) as usize, pool.head_at(kv as u64, li, page, slot, head_start as u64 + j), hb as usize));
                 }
             }
@@ -402,12 +403,13 @@ fn mismatch(case: &Case, what: &str, at: usize) -> Error {
 /// The staging byte `at` of the region, named: slab (kv, layer), token, head, byte.
 fn region_byte(st: &StagingLayout, region: &WriterRegion, at: usize) -> String {
     let at = at as u64;
-    let k_bytes = region.layers as u64 * st.slab_bytes(0);
+    let n = region.heads.num_heads;
+    let k_bytes = region.layers as u64 * st.slab_bytes(n, 0);
     let (kv, within_kind) = if at < k_bytes { (0, at) } else { (1, at - k_bytes) };
-    let slab = st.slab_bytes(kv).max(1);
+    let slab = st.slab_bytes(n, kv).max(1);
     let (l, within) = (within_kind / slab, within_kind % slab);
-    let row = st.row_bytes(kv).max(1);
-    let hb = (row / st.num_heads.max(1) as u64).max(1);
+    let row = st.row_bytes(n, kv).max(1);
+    let hb = (row / n.max(1) as u64).max(1);
     let layer = region.layer_ids.get(l as usize).copied().unwrap_or(u32::MAX);
     let (t, r) = (within / row, within % row);
     format!("(kv {kv}, layer {layer}, token {t}, head {} of the row, byte {})", r / hb, r % hb)

@@ -26,7 +26,7 @@ impl Chunk {
                     w.layer_ids.iter().position(|l| l == id).is_none_or(|idx| {
                         (0..layout.buffers_per_layer).all(|kv| {
                             let at = layout.slab_offset(s.region, kv, idx as u32);
-                            s.written.contains(at, at + layout.slab_bytes(kv))
+                            s.written.contains(at, at + layout.slab_bytes(w.heads.num_heads, kv))
                         })
                     })
                 });
