@@ -477,3 +477,23 @@ fn page_sizes_differing_with_mixed_layouts() {
     }
     report("page sizes", failures);
 }
+
+/// TP sizes that do not divide one another, so a decode rank's head groups differ in size: 6 KV
+/// heads over P3→D2 (decode rank 0 takes 2 heads from prefill rank 0 and 1 from rank 1) and
+/// P2→D3, 12 heads over P4→D6 and P6→D4; every layout on each side, a decode prefix, over TCP
+/// and directly on the same host.
+#[test]
+fn tp_sizes_that_do_not_divide_one_another() {
+    let all = LayoutPreset::ALL;
+    let side = |heads: u32, tp: u32, layout: LayoutPreset| -> Vec<Rank> {
+        (0..tp).map(|r| Rank { shape: PoolShape::new(ModelKind::Mha, heads, 12, 2, 4, 5).with_tp(r, tp), layout }).collect()
+    };
+    let mut failures = Vec::new();
+    for i in 0..all.len() {
+        let (p, d) = (all[i], all[(i + 3) % all.len()]);
+        let (heads, stp, dtp) = [(6, 3, 2), (6, 2, 3), (12, 4, 6), (12, 6, 4)][i % 4];
+        let req = Request { total: 45, prefix: 8, chunk_tokens: 16, direct: i >= all.len() / 2, pad: 0 };
+        failures.extend(move_request("TP not dividing", &side(heads, stp, p), &side(heads, dtp, d), req));
+    }
+    report("TP sizes that do not divide one another", failures);
+}
