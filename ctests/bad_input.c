@@ -706,7 +706,9 @@ static void test_geometry(void) {
     EXPECT(kvstage_head_slice_compute(2, 1, UINT32_MAX, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
     EXPECT(kvstage_head_slice_compute(2, 4, 0, 4, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_rank`");
     EXPECT(kvstage_head_slice_compute(2, 1, 0, 0, 0, &hs), KVSTAGE_E_INVALID_ARG, "`total_kv_heads`");
-    EXPECT(kvstage_head_slice_compute(3, 2, 0, 0, 6, &hs), KVSTAGE_E_INVALID_ARG, "`src_tp`");
+    /* TP 3 and 2 pair (each side's TP divides 6 heads), but not with 4 heads. */
+    EXPECT(kvstage_head_slice_compute(3, 2, 0, 0, 4, &hs), KVSTAGE_E_INVALID_ARG, "`total_kv_heads`");
+    EXPECT(kvstage_head_slice_compute(3, 2, 2, 0, 6, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
     /* A pair that exchanges nothing: prefill rank 3 of 4 writes to decode rank 1 of 2, not 0. */
     EXPECT(kvstage_head_slice_compute(4, 2, 3, 0, 8, &hs), KVSTAGE_E_INVALID_ARG, "`src_rank`");
     EXPECT(kvstage_head_slice_compute(2, 4, 0, 3, 8, &hs), KVSTAGE_E_INVALID_ARG, "`dst_rank`");

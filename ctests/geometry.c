@@ -2,6 +2,7 @@
  * leaves *out untouched), kvstage_staging_layout_compute(count query, too-small array, filled entries,
  * errors naming the layout and field; writers per chunk), kvstage_kv_layout_init/validate, the chunk
  * grid and a chunk's span from a room's grid. Also built as C++17. */
+#include <stddef.h>
 #include "kvstage_check.h"
 
 static void check_error(int status, int expected, const char *needle, int line) {
@@ -193,6 +194,11 @@ int main(void) {
         CHECK_INT(w[1].bytes, 2 * 2 * w[1].slab_bytes);
         CHECK_INT(w[1].offset, w[0].bytes);
         CHECK_INT(out.total_bytes, tokens * 6 * head * 2 * 2);
+        /* A writer array of a header older than the per-writer slab sizes cannot place these. */
+        w[0].struct_size = offsetof(kvstage_staging_writer, slab_bytes);
+        CHECK_ERROR(kvstage_staging_layout_compute(&src, 1, &dst, NULL, 0, NULL, 0, (uint32_t)tokens, &out, w, 2), KVSTAGE_E_INVALID_ARG,
+                    "`writers[0].struct_size`");
+        CHECK_INT(out.num_writers, 2);
         /* Prefill rank 1 sends its other two heads (local 2..4) to decode rank 1's 0..2. */
         CHECK_OK(kvstage_head_slice_compute(3, 2, 1, 1, 12, &hs));
         CHECK_INT(hs.src_head_start, 2);

@@ -234,6 +234,20 @@ static int settle_ring_mappings(int want, uint64_t *bytes) {
     return n;
 }
 
+/* Polls (bounded by SETTLE_MS) until this process maps `want` decode pools; returns the last count.
+ * The thread that drops a session's last reference unmaps its ring, then its pool: after
+ * kvstage_session_free an operation that just ended may still hold the session, so a check made
+ * when the ring went can come before the pool goes. */
+static int settle_pool_mappings(int want) {
+    double end = now_ms() + SETTLE_MS;
+    int n = pool_mappings();
+    while (n != want && now_ms() < end) {
+        sleep_ms(10);
+        n = pool_mappings();
+    }
+    return n;
+}
+
 /* Polls (bounded by SETTLE_MS) until this process holds `want` descriptors; returns the last count. */
 static int settle_fd_count(int want) {
     double end = now_ms() + SETTLE_MS;
@@ -591,7 +605,7 @@ static void test_auto_uses_shm(void) {
     CHECK_INT(ask(&d, OP_RELEASE, ROOM, 0).status, KVSTAGE_OK);
     kvstage_session_free(s);
     CHECK_INT(settle_ring_mappings(0, NULL), 0);
-    CHECK_INT(pool_mappings(), 0); /* unmapped with the ring */
+    CHECK_INT(settle_pool_mappings(0), 0); /* unmapped with the ring */
     kvstage_engine_free(e);
     host_pool_free(&src);
     finish_decode(&d);
@@ -843,7 +857,7 @@ static void test_receiver_killed(void) {
     int maps = settle_ring_mappings(0, &left);
     CHECK_INT(maps, 0);
     if (maps != 0) print_ring_mappings("prefill after session_free");
-    CHECK_INT(pool_mappings(), 0); /* direct mode: the dead decode's pool is unmapped too */
+    CHECK_INT(settle_pool_mappings(0), 0); /* direct mode: the dead decode's pool is unmapped too */
     int fds = settle_fd_count(baseline);
     CHECK_INT(fds, baseline);
     if (fds != baseline) print_fds("prefill after session_free");
@@ -901,7 +915,7 @@ static void test_ring_registered_again(void) {
     CHECK_INT(ask(&d, OP_RELEASE, ROOM3, 0).status, KVSTAGE_OK);
     kvstage_session_free(fresh);
     CHECK_INT(settle_ring_mappings(0, NULL), 0);
-    CHECK_INT(pool_mappings(), 0);
+    CHECK_INT(settle_pool_mappings(0), 0);
     kvstage_engine_free(e);
     host_pool_free(&src);
     finish_decode(&d);

@@ -1336,9 +1336,10 @@ enum kvstage_status kvstage_op_describe(const struct kvstage_op *op, char *buf, 
 // ==== Geometry helpers: pure functions of shapes =================================================
 
 // The head slice prefill rank `src_rank` (of `src_tp`) sends to decode rank `dst_rank` (of
-// `dst_tp`) for a model with `total_kv_heads` KV heads (MHA/GQA). `KVSTAGE_E_INVALID_ARG` naming
-// the argument for zero sizes, ranks not below their size, head counts that do not divide a TP
-// size, TP sizes that are not multiples of one another, or ranks that do not exchange data —
+// `dst_tp`) for a model with `total_kv_heads` KV heads (MHA/GQA): the heads both hold, whatever
+// the two TP sizes (3 and 2 too: decode rank 0 of 2 then reads prefill ranks 0 and 1 of 3).
+// `KVSTAGE_E_INVALID_ARG` naming the argument for zero sizes, ranks not below their size, head
+// counts that do not divide a TP size (either way), or ranks that do not exchange data —
 // including a prefill rank whose heads another rank feeding the same decode rank holds too
 // (prefill-side replication: the first of them sends, the message names it), exactly the pairs
 // `kvstage_pairing_decode_ranks` leaves out. MLA: the latent is not head-sliced; decode rank `d`
@@ -1383,7 +1384,9 @@ enum kvstage_status kvstage_pairing_prefill_ranks(const struct kvstage_kv_layout
 // sliding window's tokens; NULL with 0 without pools). The writers' regions are the KV ones (at
 // run time each region's parts follow its KV). `writers` may be NULL with `writers_len` 0 to ask
 // for the count only. When `writers_len` is too small, `out` (with `num_writers`) is still
-// filled and `KVSTAGE_E_INVALID_ARG` names `writers_len`.
+// filled and `KVSTAGE_E_INVALID_ARG` names `writers_len`. Where the regions carry different head
+// counts (TP sizes that do not divide one another), a `writers` array of a header older than
+// `slab_bytes` is refused the same way, naming `writers[0].struct_size`.
 enum kvstage_status kvstage_staging_layout_compute(const struct kvstage_kv_layout *prefill_stages, size_t num_prefill_stages, const struct kvstage_kv_layout *dst, const struct kvstage_component *components, size_t num_components, const uint32_t *pool_tokens, size_t num_pool_tokens, uint32_t tokens, struct kvstage_staging_layout *out, struct kvstage_staging_writer *writers, size_t writers_len);
 
 // Tokens per chunk of the chunk grid: `max(1, chunk_tokens / page_size) · page_size`.

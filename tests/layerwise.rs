@@ -189,6 +189,10 @@ fn mha() -> PoolShape {
     PoolShape::new(ModelKind::Mha, 4, 8, 2, PAGE, LAYERS)
 }
 
+fn mha6() -> PoolShape {
+    PoolShape::new(ModelKind::Mha, 6, 8, 2, PAGE, LAYERS)
+}
+
 fn cases() -> Vec<(&'static str, Vec<PoolShape>, PoolShape)> {
     let mla = PoolShape::new(ModelKind::Mla, 1, 16, 2, PAGE, LAYERS);
     vec![
@@ -198,6 +202,10 @@ fn cases() -> Vec<(&'static str, Vec<PoolShape>, PoolShape)> {
         ("mla-tp2-tp1", vec![mla.clone().with_tp(0, 2)], mla.clone()),
         ("mla-tp1-tp2", vec![mla.clone()], mla.with_tp(1, 2)),
         ("pp-2-stages", vec![mha().with_pp(0, 2, vec![0, 1]), mha().with_pp(1, 2, vec![2, 3, 4, 5])], mha()),
+        // TP sizes that do not divide one another, 6 heads: decode rank 0 of 2 takes 2 heads from
+        // prefill rank 0 of 3 and 1 from rank 1; decode rank 1 of 3 takes 1 from each of 2.
+        ("mha6-tp3-tp2", vec![mha6().with_tp(0, 3), mha6().with_tp(1, 3)], mha6().with_tp(0, 2)),
+        ("mha6-tp2-tp3", vec![mha6().with_tp(0, 2), mha6().with_tp(1, 2)], mha6().with_tp(1, 3)),
     ]
 }
 

@@ -124,7 +124,7 @@ macro_rules! versioned {
 pub(crate) use versioned;
 
 /// Reads the `size_t struct_size` a versioned struct starts with (no alignment assumed).
-unsafe fn struct_size_at(ptr: *const u8) -> usize {
+pub(super) unsafe fn struct_size_at(ptr: *const u8) -> usize {
     // SAFETY: the caller's struct starts with a `size_t struct_size` (by contract).
     unsafe { std::ptr::read_unaligned(ptr as *const usize) }
 }

@@ -19,9 +19,10 @@ pub struct kvstage_head_slice {
 }
 
 /// The head slice prefill rank `src_rank` (of `src_tp`) sends to decode rank `dst_rank` (of
-/// `dst_tp`) for a model with `total_kv_heads` KV heads (MHA/GQA). `KVSTAGE_E_INVALID_ARG` naming
-/// the argument for zero sizes, ranks not below their size, head counts that do not divide a TP
-/// size, TP sizes that are not multiples of one another, or ranks that do not exchange data —
+/// `dst_tp`) for a model with `total_kv_heads` KV heads (MHA/GQA): the heads both hold, whatever
+/// the two TP sizes (3 and 2 too: decode rank 0 of 2 then reads prefill ranks 0 and 1 of 3).
+/// `KVSTAGE_E_INVALID_ARG` naming the argument for zero sizes, ranks not below their size, head
+/// counts that do not divide a TP size (either way), or ranks that do not exchange data —
 /// including a prefill rank whose heads another rank feeding the same decode rank holds too
 /// (prefill-side replication: the first of them sends, the message names it), exactly the pairs
 /// `kvstage_pairing_decode_ranks` leaves out. MLA: the latent is not head-sliced; decode rank `d`
@@ -229,7 +230,9 @@ pub struct kvstage_staging_writer {
 /// sliding window's tokens; NULL with 0 without pools). The writers' regions are the KV ones (at
 /// run time each region's parts follow its KV). `writers` may be NULL with `writers_len` 0 to ask
 /// for the count only. When `writers_len` is too small, `out` (with `num_writers`) is still
-/// filled and `KVSTAGE_E_INVALID_ARG` names `writers_len`.
+/// filled and `KVSTAGE_E_INVALID_ARG` names `writers_len`. Where the regions carry different head
+/// counts (TP sizes that do not divide one another), a `writers` array of a header older than
+/// `slab_bytes` is refused the same way, naming `writers[0].struct_size`.
 #[no_mangle]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn kvstage_staging_layout_compute(
@@ -304,6 +307,21 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
             return Err(Error::invalid_arg(
                 "writers_len",
                 format!("{writers_len} entries are too few: the layout has {} writers (out->num_writers)", entries.len()),
+            ));
+        }
+        // Regions of different head counts are placed by each writer's own slab sizes: a caller
+        // whose struct ends before them would place every slab with the layout-wide 0.
+        let needed = std::mem::offset_of!(kvstage_staging_writer, v_slab_bytes) + std::mem::size_of::<u64>();
+        let given = if writers.is_null() { needed } else { unsafe { super::args::struct_size_at(writers as *const u8) } };
+        if st.uniform_heads().is_none() && given < needed {
+            return Err(Error::invalid_arg(
+                "writers[0].struct_size",
+                format!(
+                    "{given} bytes end before `slab_bytes` and `v_slab_bytes`, which this layout needs: its regions carry different head counts ({:?}; TP sizes {} and {} do not divide one another); pass this header's kvstage_staging_writer ({needed} bytes or more)",
+                    st.writers.iter().map(|w| w.heads.num_heads).collect::<Vec<_>>(),
+                    st.src_tp,
+                    dst.tp_size
+                ),
             ));
         }
         unsafe { write_versioned_array(&entries, writers, writers_len, std::ptr::null_mut(), "writers") }?;
