@@ -13,7 +13,7 @@ const HEADS: [u32; 7] = [1, 2, 4, 6, 8, 12, 32];
 
 /// Whether a model of `h` KV heads splits over TP `tp`: one divides the other.
 fn splits(h: u32, tp: u32) -> bool {
-    h % tp == 0 || tp % h == 0
+    h.is_multiple_of(tp) || tp.is_multiple_of(h)
 }
 
 /// Global heads of TP rank `r` of `tp`: floor(r·h/tp) + [0, max(1, h/tp)).
@@ -47,7 +47,7 @@ fn head_mapping_moves_the_right_heads_for_every_tp_pair() {
                     Ok(w) => assert!(per_rank.iter().all(|&c| c == w), "H={h} P{src_tp}->D{dst_tp}: {w} vs {per_rank:?}"),
                     Err(e) => {
                         assert!(per_rank.iter().any(|&c| c != per_rank[0]), "H={h} P{src_tp}->D{dst_tp}: {}", e.message());
-                        assert!(src_tp % dst_tp != 0 && dst_tp % src_tp != 0);
+                        assert!(!src_tp.is_multiple_of(dst_tp) && !dst_tp.is_multiple_of(src_tp));
                     }
                 }
                 for d in 0..dst_tp {
