@@ -223,29 +223,27 @@ static void print_ring_mappings(const char *what) {
     fclose(f);
 }
 
-/* Polls (bounded by SETTLE_MS) until this process maps `want` rings; returns the last count. */
-static int settle_ring_mappings(int want, uint64_t *bytes) {
+/* Polls (bounded by SETTLE_MS) until this process maps `want` mappings named `name`; returns the
+ * last count (and the size of one in *bytes). */
+static int settle_mappings(const char *name, int want, uint64_t *bytes) {
     double end = now_ms() + SETTLE_MS;
-    int n = ring_mappings(bytes);
+    int n = mappings_of(name, bytes);
     while (n != want && now_ms() < end) {
         sleep_ms(10);
-        n = ring_mappings(bytes);
+        n = mappings_of(name, bytes);
     }
     return n;
 }
 
-/* Polls (bounded by SETTLE_MS) until this process maps `want` decode pools; returns the last count.
- * The thread that drops a session's last reference unmaps its ring, then its pool: after
- * kvstage_session_free an operation that just ended may still hold the session, so a check made
- * when the ring went can come before the pool goes. */
+static int settle_ring_mappings(int want, uint64_t *bytes) {
+    return settle_mappings("kvstage-ring", want, bytes);
+}
+
+/* Decode pools: the thread that drops a session's last reference unmaps its ring, then its pool;
+ * after kvstage_session_free an operation that just ended may still hold the session, so a check
+ * made when the ring went can come before the pool goes. */
 static int settle_pool_mappings(int want) {
-    double end = now_ms() + SETTLE_MS;
-    int n = pool_mappings();
-    while (n != want && now_ms() < end) {
-        sleep_ms(10);
-        n = pool_mappings();
-    }
-    return n;
+    return settle_mappings("kvstage-pool", want, NULL);
 }
 
 /* Polls (bounded by SETTLE_MS) until this process holds `want` descriptors; returns the last count. */

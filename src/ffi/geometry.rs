@@ -265,7 +265,8 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
         }
         let sides = geometry::TailSides { src: &specs, dst: &specs, src_tp: st.src_tp, dst_tp: dst.tp_size, dst_rank: dst.tp_rank, pool_tokens };
         let parts_bytes = if specs.is_empty() { 0 } else { geometry::owed_tail(&sides, &st)? };
-        let n = st.uniform_heads().unwrap_or(0);
+        let uniform = st.uniform_heads();
+        let n = uniform.unwrap_or(0);
         let v = |bytes: u64| if st.buffers_per_layer == 2 { bytes } else { 0 };
         let filled = kvstage_staging_layout {
             struct_size: std::mem::size_of::<kvstage_staging_layout>(),
@@ -313,7 +314,7 @@ pub unsafe extern "C" fn kvstage_staging_layout_compute(
         // whose struct ends before them would place every slab with the layout-wide 0.
         let needed = std::mem::offset_of!(kvstage_staging_writer, v_slab_bytes) + std::mem::size_of::<u64>();
         let given = if writers.is_null() { needed } else { unsafe { super::args::struct_size_at(writers as *const u8) } };
-        if st.uniform_heads().is_none() && given < needed {
+        if uniform.is_none() && given < needed {
             return Err(Error::invalid_arg(
                 "writers[0].struct_size",
                 format!(

@@ -136,9 +136,14 @@ pub fn sends_its_heads(src_rank: u32, dst_rank: u32, src_tp: u32, dst_tp: u32, t
 /// ([`prefill_ranks_for_decode`]) that send their heads, one per distinct head group
 /// ([`sends_its_heads`]).
 pub fn tp_writers_of(dst_rank: u32, src_tp: u32, dst_tp: u32, total_heads: u32) -> Result<u32> {
-    let feeders = prefill_ranks_for_decode(dst_rank, src_tp, dst_tp)?;
     check_tp(src_tp, dst_tp, total_heads)?;
-    Ok(feeders.filter(|&rs| sends_its_heads(rs, dst_rank, src_tp, dst_tp, total_heads)).count() as u32)
+    check_rank("dst_rank", dst_rank, "dst_tp", dst_tp)?;
+    Ok(senders(dst_rank, src_tp, dst_tp, total_heads))
+}
+
+/// [`tp_writers_of`] for arguments already checked.
+fn senders(dst_rank: u32, src_tp: u32, dst_tp: u32, total_heads: u32) -> u32 {
+    overlapping(dst_rank, dst_tp, src_tp).filter(|&rs| sends_its_heads(rs, dst_rank, src_tp, dst_tp, total_heads)).count() as u32
 }
 
 /// TP writers per MHA decode rank when every decode rank has as many:
@@ -147,7 +152,7 @@ pub fn tp_writers_of(dst_rank: u32, src_tp: u32, dst_tp: u32, total_heads: u32) 
 /// naming the counts: the layout of a decode rank ([`tp_writers_of`]) has its own.
 pub fn tp_writers(src_tp: u32, dst_tp: u32, total_heads: u32) -> Result<u32> {
     check_tp(src_tp, dst_tp, total_heads)?;
-    let counts: Vec<u32> = (0..dst_tp).map(|d| tp_writers_of(d, src_tp, dst_tp, total_heads)).collect::<Result<_>>()?;
+    let counts: Vec<u32> = (0..dst_tp).map(|d| senders(d, src_tp, dst_tp, total_heads)).collect();
     if counts.iter().any(|&c| c != counts[0]) {
         return Err(Error::invalid_arg(
             "dst_tp",
@@ -194,24 +199,16 @@ pub fn decode_ranks_for_prefill(src_rank: u32, src_tp: u32, dst_tp: u32) -> Resu
 /// Prefill PP ranks that write to decode PP rank `dst_pp_rank` (same rule as TP: stages are split
 /// into contiguous layer blocks on both sides).
 pub fn prefill_pp_ranks_for_decode(dst_pp_rank: u32, src_pp: u32, dst_pp: u32) -> Result<Range<u32>> {
-    let ratio = check_ratio("src_pp", src_pp, "dst_pp", dst_pp)?;
+    check_ratio("src_pp", src_pp, "dst_pp", dst_pp)?;
     check_rank("dst_pp_rank", dst_pp_rank, "dst_pp", dst_pp)?;
-    Ok(if src_pp > dst_pp {
-        dst_pp_rank * ratio..(dst_pp_rank + 1) * ratio
-    } else {
-        dst_pp_rank / ratio..dst_pp_rank / ratio + 1
-    })
+    Ok(overlapping(dst_pp_rank, dst_pp, src_pp))
 }
 
 /// Decode PP ranks prefill PP rank `src_pp_rank` writes to.
 pub fn decode_pp_ranks_for_prefill(src_pp_rank: u32, src_pp: u32, dst_pp: u32) -> Result<Range<u32>> {
-    let ratio = check_ratio("src_pp", src_pp, "dst_pp", dst_pp)?;
+    check_ratio("src_pp", src_pp, "dst_pp", dst_pp)?;
     check_rank("src_pp_rank", src_pp_rank, "src_pp", src_pp)?;
-    Ok(if src_pp >= dst_pp {
-        src_pp_rank / ratio..src_pp_rank / ratio + 1
-    } else {
-        src_pp_rank * ratio..(src_pp_rank + 1) * ratio
-    })
+    Ok(overlapping(src_pp_rank, src_pp, dst_pp))
 }
 
 /// The one prefill TP rank that writes to MLA decode rank `dst_rank` (the latent is replicated on

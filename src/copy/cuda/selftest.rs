@@ -370,8 +370,8 @@ fn token_slot(pages: &[u32], page_size: u32, first: u32, t: u64) -> (u64, u64) {
 /// layer of the region), token, head of the row.
 fn region_heads(st: &StagingLayout, region: &WriterRegion, pool: &Pool, pages: &[u32], first: u32, head_start: u32) -> Result<Vec<(usize, usize, usize)>> {
     let shape = &pool.device.shape;
-    let mut out = Vec::with_capacity(region.layer_ids.len() * st.buffers_per_layer as usize * st.tokens as usize * region.heads.num_heads as usize);
     let n = region.heads.num_heads;
+    let mut out = Vec::with_capacity(region.layer_ids.len() * st.buffers_per_layer as usize * st.tokens as usize * n as usize);
     for kv in 0..st.buffers_per_layer {
         let hb = shape.head_bytes_of(kv);
         let row = n as u64 * hb;
